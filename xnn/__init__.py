@@ -1,0 +1,22 @@
+"""xnn: machine-learned interatomic potentials in PyTorch.
+
+Units everywhere: energy eV, length Å, mass amu, time fs, temperature K, stress eV/Å³ (ASE sign).
+"""
+
+__version__ = "0.1.0"
+
+from xnn.data import AtomicGraph  # noqa: E402
+
+__all__ = ["AtomicGraph", "Calculator", "save_model", "load_model", "__version__"]
+
+
+def __getattr__(name):  # lazy: keep `import xnn` light
+    if name == "Calculator":
+        from xnn.io.calculator import Calculator
+
+        return Calculator
+    if name in ("save_model", "load_model"):
+        from xnn.models import serialization
+
+        return getattr(serialization, name)
+    raise AttributeError(f"module 'xnn' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from xnn.cli.main import main
+
+sys.exit(main())

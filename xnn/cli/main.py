@@ -1,0 +1,61 @@
+"""The ``xnn`` command. Each subcommand lives in its own module under ``xnn.cli`` and
+provides ``add_parser(subparsers)`` and ``run(args) -> int``; heavy imports happen in ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import xnn
+from xnn.errors import XnnError
+
+# subcommand name -> module; modules that do not exist yet are skipped
+SUBCOMMANDS = {
+    "demo": "xnn.cli.demo",
+    "data": "xnn.cli.data",
+    "train": "xnn.cli.train",
+    "eval": "xnn.cli.eval",
+    "md": "xnn.cli.md",
+    "relax": "xnn.cli.relax",
+    "validate": "xnn.cli.validate",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xnn",
+        description="xnn: train machine-learned interatomic potentials, run MD with them, "
+        "and scale across GPUs by domain decomposition.",
+    )
+    parser.add_argument("--version", action="version", version=f"xnn {xnn.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name == module:
+                continue
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except XnnError as e:
+        print(f"xnn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

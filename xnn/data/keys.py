@@ -1,0 +1,86 @@
+"""Field names of the batched atomic state, with their scope and shape.
+
+Each field is declared once with a scope, so that slicing, concatenation, device moves and
+(later) migration between ranks are written generically. A new per-atom field needs only a
+``register_field(name, "atom")`` call.
+
+Scopes:
+    atom:   first dimension is n_atoms
+    system: first dimension is n_systems
+    edge:   last dimension of ``edge_index`` / first of others is n_edges
+"""
+
+from __future__ import annotations
+
+POSITIONS = "positions"  # [n_atoms, 3] Å, float
+NUMBERS = "numbers"  # [n_atoms] atomic numbers, long
+MASSES = "masses"  # [n_atoms] amu, float
+BATCH = "batch"  # [n_atoms] system index of each atom, long
+ATOM_ID = "atom_id"  # [n_atoms] global integer atom id, long
+VELOCITIES = "velocities"  # [n_atoms, 3] Å/fs, float
+CHARGES = "charges"  # [n_atoms] e, float (initial charges)
+FORCES = "forces"  # [n_atoms, 3] eV/Å, float (labels or results)
+ENERGIES = "energies"  # [n_atoms] per-atom energies eV (results)
+FIXED = "fixed"  # [n_atoms] bool, atoms held fixed in dynamics
+
+CELL = "cell"  # [n_systems, 3, 3] Å, rows are lattice vectors
+PBC = "pbc"  # [n_systems, 3] bool
+ENERGY = "energy"  # [n_systems] eV (labels or results)
+STRESS = "stress"  # [n_systems, 3, 3] eV/Å³, ASE sign (labels or results)
+VIRIAL = "virial"  # [n_systems, 3, 3] eV (labels or results), virial = -stress * volume
+SYSTEM_ID = "system_id"  # [n_systems] long, index of the structure in its dataset
+WEIGHT = "weight"  # [n_systems] float, per-structure loss weight
+
+EDGE_INDEX = "edge_index"  # [2, n_edges] long, row 0 sender j, row 1 receiver i
+SHIFTS = "shifts"  # [n_edges, 3] integer image shifts (stored as positions dtype)
+
+ATOM, SYSTEM, EDGE = "atom", "system", "edge"
+
+FIELD_SCOPES: dict[str, str] = {
+    POSITIONS: ATOM,
+    NUMBERS: ATOM,
+    MASSES: ATOM,
+    BATCH: ATOM,
+    ATOM_ID: ATOM,
+    VELOCITIES: ATOM,
+    CHARGES: ATOM,
+    FORCES: ATOM,
+    ENERGIES: ATOM,
+    FIXED: ATOM,
+    CELL: SYSTEM,
+    PBC: SYSTEM,
+    ENERGY: SYSTEM,
+    STRESS: SYSTEM,
+    VIRIAL: SYSTEM,
+    SYSTEM_ID: SYSTEM,
+    WEIGHT: SYSTEM,
+    EDGE_INDEX: EDGE,
+    SHIFTS: EDGE,
+}
+
+#: fields that hold labels (targets) read from data files
+LABEL_FIELDS = (ENERGY, FORCES, STRESS, VIRIAL)
+
+
+def register_field(name: str, scope: str) -> None:
+    """Declare a new field so generic operations know how to slice and move it.
+
+    Args:
+        name: field name.
+        scope: one of ``"atom"``, ``"system"``, ``"edge"``.
+    """
+    if scope not in (ATOM, SYSTEM, EDGE):
+        raise ValueError(f"scope must be one of 'atom', 'system', 'edge', got {scope!r}")
+    old = FIELD_SCOPES.get(name)
+    if old is not None and old != scope:
+        raise ValueError(f"field {name!r} is already registered with scope {old!r}")
+    FIELD_SCOPES[name] = scope
+
+
+def scope_of(name: str) -> str:
+    try:
+        return FIELD_SCOPES[name]
+    except KeyError:
+        raise KeyError(
+            f"field {name!r} has no declared scope; call xnn.data.keys.register_field first"
+        ) from None

@@ -1,0 +1,1 @@
+"""xnn.dynamics"""

@@ -1,0 +1,69 @@
+"""The model interface: a module mapping an ``AtomicGraph`` (with edges) to per-atom energies."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data.graph import AtomicGraph
+from xnn.errors import UnknownSpeciesError
+
+
+class AtomisticModel(nn.Module):
+    """Base class of every xnn model.
+
+    Subclasses implement ``forward(graph) -> [n_atoms]`` per-atom energies (eV) and set:
+
+    Attributes:
+        cutoff: interaction cutoff (Å). Edges longer than it may be present (Verlet skin)
+            and must contribute exactly nothing.
+        num_interactions: message-passing hops; the receptive field is
+            ``cutoff * num_interactions``.
+        species: atomic numbers the model knows, or ``None`` for any element.
+
+    Forces, stress and virial are never computed inside a model: see
+    :func:`xnn.models.derivatives.compute_properties`.
+    """
+
+    cutoff: float
+    num_interactions: int = 1
+    species: list[int] | None = None
+
+    @property
+    def receptive_field(self) -> float:
+        """Distance (Å) beyond which atoms cannot influence an atom's energy."""
+        return float(self.cutoff) * int(self.num_interactions)
+
+    def check_species(self, numbers: Tensor) -> None:
+        """Raise :class:`UnknownSpeciesError` if ``numbers`` has elements the model lacks."""
+        if self.species is None:
+            return
+        present = torch.unique(numbers).tolist()
+        unknown = sorted(set(present) - set(int(z) for z in self.species))
+        if unknown:
+            from ase.data import chemical_symbols
+
+            raise UnknownSpeciesError(
+                f"structure holds species {[chemical_symbols[z] for z in unknown]} unknown to "
+                f"the model (it knows {[chemical_symbols[z] for z in self.species]})"
+            )
+
+    def forward(self, graph: AtomicGraph) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class SyncPoint(nn.Module):
+    """Identity between interaction layers; swapped for a halo feature exchange under DD.
+
+    ``forward(features, graph)`` returns ``features`` unchanged. It holds no parameters and
+    costs nothing in a single process.
+    """
+
+    def forward(self, features: Tensor, graph: AtomicGraph) -> Tensor:
+        return features
+
+
+def sum_per_system(values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
+    """``[n_systems, ...]`` sum of per-atom ``values [n_atoms, ...]`` by system index."""
+    out = values.new_zeros((n_systems, *values.shape[1:]))
+    return out.index_add(0, batch, values)

@@ -1,0 +1,126 @@
+"""Energy, forces, stress and virial from any per-atom-energy model, by one autograd call.
+
+A symmetric strain ``ε [n_systems, 3, 3]`` deforms positions and cell,
+``r' = r (1 + ε)`` and ``cell' = cell (1 + ε)`` (row vectors). Then, with ``E`` the
+total energy,
+
+* forces ``F = -∂E/∂r``
+* virial ``W = -∂E/∂ε`` (eV)
+* stress ``σ = (1/V) ∂E/∂ε = -W / V`` (eV/Å³, ASE sign: negative under compression).
+
+Both gradients come from a single ``torch.autograd.grad`` call; ``create_graph=True`` when
+training so that force and stress losses can be differentiated (double backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.models.base import sum_per_system
+
+
+@dataclass
+class StrainedGraph:
+    """A graph whose positions and cell depend on leaf tensors we differentiate against."""
+
+    graph: AtomicGraph
+    positions: Tensor  # [n_atoms, 3] leaf
+    strain: Tensor  # [n_systems, 3, 3] leaf
+
+
+def apply_strain(graph: AtomicGraph, with_strain: bool = True) -> StrainedGraph:
+    """Make positions (and a zero strain) leaves of the autograd graph and deform the graph."""
+    pos = graph.positions.detach().requires_grad_(True)
+    strain = torch.zeros_like(graph.cell)
+    if with_strain:
+        strain.requires_grad_(True)
+    sym = 0.5 * (strain + strain.transpose(-1, -2))
+    new_pos = pos + torch.einsum("ni,nij->nj", pos, sym[graph.batch])
+    new_cell = graph.cell + torch.einsum("sij,sjk->sik", graph.cell, sym)
+    return StrainedGraph(graph.replace({K.POSITIONS: new_pos, K.CELL: new_cell}), pos, strain)
+
+
+def derive(
+    total_energy: Tensor,
+    strained: StrainedGraph,
+    volume: Tensor,
+    pbc: Tensor,
+    forces: bool,
+    stress: bool,
+    create_graph: bool,
+) -> dict[str, Tensor]:
+    """Forces, virial and stress from ``total_energy`` (a scalar) by one autograd call.
+
+    Args:
+        total_energy: scalar, sum of the energies of all systems.
+        strained: the leaves from :func:`apply_strain`.
+        volume: ``[n_systems]`` Å³.
+        pbc: ``[n_systems, 3]``; stress is zero for systems not periodic along all axes.
+    """
+    out: dict[str, Tensor] = {}
+    inputs = []
+    if forces:
+        inputs.append(strained.positions)
+    if stress:
+        inputs.append(strained.strain)
+    if not inputs:
+        return out
+    if not total_energy.requires_grad:  # a model with no dependence on positions
+        grads = [torch.zeros_like(x) for x in inputs]
+    else:
+        grads = torch.autograd.grad(
+            total_energy, inputs, create_graph=create_graph, allow_unused=True
+        )
+        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+    if forces:
+        out[K.FORCES] = -grads[0]
+    if stress:
+        g = grads[-1]
+        periodic = pbc.all(-1)
+        vol = torch.where(periodic, volume, torch.ones_like(volume))
+        virial = -g
+        out[K.VIRIAL] = virial
+        out[K.STRESS] = torch.where(
+            periodic[:, None, None], g / vol[:, None, None], torch.zeros_like(g)
+        )
+    return out
+
+
+def compute_properties(
+    model: torch.nn.Module,
+    graph: AtomicGraph,
+    forces: bool = True,
+    stress: bool = True,
+    training: bool = False,
+) -> dict[str, Tensor]:
+    """Evaluate ``model`` on ``graph`` (which must carry edges) and derive its properties.
+
+    Args:
+        model: returns per-atom energies ``[n_atoms]`` for a graph.
+        graph: an ``AtomicGraph`` with ``edge_index`` and ``shifts``.
+        forces: compute ``forces [n_atoms, 3]`` (eV/Å).
+        stress: compute ``stress [n_systems, 3, 3]`` (eV/Å³) and ``virial`` (eV).
+        training: keep the autograd graph (``create_graph=True``) for double backward.
+    Returns:
+        dict with ``energy [n_systems]``, ``energies [n_atoms]`` and, as requested,
+        ``forces``, ``stress``, ``virial``.
+    """
+    need_grad = forces or stress
+    with torch.enable_grad() if need_grad else torch.no_grad():
+        strained = apply_strain(graph, with_strain=stress) if need_grad else None
+        g = strained.graph if strained is not None else graph
+        energies = model(g)
+        energy = sum_per_system(energies, graph.batch, graph.n_systems)
+        out = {K.ENERGY: energy, K.ENERGIES: energies}
+        if need_grad:
+            out.update(
+                derive(energy.sum(), strained, graph.volume(), graph.pbc, forces, stress, training)
+            )
+    if not training:
+        out = {k: v.detach() for k, v in out.items()}
+    return out

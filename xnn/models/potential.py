@@ -1,0 +1,36 @@
+"""``Potential``: a model plus its (Verlet) neighbor list, evaluated on plain graphs."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from xnn.data.graph import AtomicGraph
+from xnn.models.derivatives import compute_properties
+from xnn.neighbors import VerletList
+
+
+class Potential:
+    """Evaluate a per-atom-energy model on graphs without edges.
+
+    Args:
+        model: an :class:`~xnn.models.base.AtomisticModel` (declares ``cutoff``).
+        skin: Verlet skin (Å); the list is rebuilt when an atom moved more than ``skin / 2``.
+        backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
+    """
+
+    def __init__(self, model: torch.nn.Module, skin: float = 0.0, backend: str = "auto"):
+        self.model = model
+        self.neighbors = VerletList(float(model.cutoff), skin, backend)
+
+    def __call__(
+        self,
+        graph: AtomicGraph,
+        forces: bool = True,
+        stress: bool = True,
+        training: bool = False,
+    ) -> dict[str, Tensor]:
+        check = getattr(self.model, "check_species", None)
+        if check is not None:
+            check(graph.numbers)
+        return compute_properties(self.model, self.neighbors(graph), forces, stress, training)

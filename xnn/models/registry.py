@@ -1,0 +1,50 @@
+"""Models built by name: ``xnn.models.build("lj", sigma=3.4, epsilon=0.0104, cutoff=8.5)``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from torch import nn
+
+from xnn.errors import InputError
+
+# name -> "module:Class"; modules are imported only when the model is built
+_REGISTRY: dict[str, str] = {
+    "lj": "xnn.models.classical:LennardJones",
+    "morse": "xnn.models.classical:Morse",
+    "schnet": "xnn.models.schnet:SchNet",
+    "painn": "xnn.models.painn:PaiNN",
+    "equivariant": "xnn.models.equivariant:Equivariant",
+    "mace": "xnn.models.external.mace:MACEWrapper",
+    "sevenn": "xnn.models.external.sevenn:SevenNetWrapper",
+}
+
+
+def register_model(name: str, target: str | type) -> None:
+    """Register a model class (or ``"module:Class"`` string) under ``name``."""
+    _REGISTRY[name] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def available_models() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def model_class(name: str) -> type:
+    if name not in _REGISTRY:
+        raise InputError(f"unknown model {name!r}; choose one of {available_models()}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build(name: str, **hyperparameters) -> nn.Module:
+    """Build a model by registry name; unknown hyperparameters raise with the valid ones."""
+    cls = model_class(name)
+    sig = inspect.signature(cls.__init__)
+    params = [p for p in sig.parameters.values() if p.name != "self"]
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        valid = [p.name for p in params]
+        unknown = sorted(set(hyperparameters) - set(valid))
+        if unknown:
+            raise InputError(f"model {name!r} has no hyperparameter(s) {unknown}; valid: {valid}")
+    return cls(**hyperparameters)

@@ -1,0 +1,154 @@
+"""One entry point for neighbor lists, whatever the backend, and a Verlet list with a skin."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph, complete_cell
+from xnn.errors import InputError
+from xnn.neighbors.brute import brute_neighbor_list
+from xnn.neighbors.common import check_inputs
+
+Backend = Callable[[Tensor, Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor]]
+
+_BACKENDS: dict[str, Backend] = {"brute": brute_neighbor_list}
+
+
+def register_backend(name: str, fn: Backend) -> None:
+    """Add a backend ``fn(positions, cell, pbc, cutoff, batch) -> (edge_index, shifts)``.
+
+    Backends receive positions wrapped into the cell along periodic axes and a cell whose
+    zero (non-periodic) vectors are completed; they must return every pair with
+    ``|pos[j] - pos[i] + shift @ cell| < cutoff`` in both directions, excluding self-pairs
+    with zero shift.
+    """
+    _BACKENDS[name] = fn
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def _auto_backend(device: torch.device, n_atoms: int) -> str:
+    if device.type == "cuda":
+        return "torch" if "torch" in _BACKENDS else "brute"
+    if "vesin" in _BACKENDS:
+        return "vesin"
+    return "torch" if "torch" in _BACKENDS else "brute"
+
+
+def neighbor_list(
+    positions: Tensor,
+    cell: Tensor,
+    pbc: Tensor,
+    cutoff: float,
+    batch: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Full (both directions) neighbor list, batched over systems.
+
+    Args:
+        positions: ``[n_atoms, 3]`` Å; need not be wrapped into the cell.
+        cell: ``[n_systems, 3, 3]`` (or ``[3, 3]``); rows are lattice vectors.
+        pbc: ``[n_systems, 3]`` (or ``[3]``) periodic axes.
+        cutoff: Å, > 0. Pairs with distance strictly below it are returned.
+        batch: ``[n_atoms]`` non-decreasing system index (may be omitted for one system).
+        backend: ``"auto"``, ``"brute"``, ``"torch"`` or ``"vesin"``.
+    Returns:
+        ``edge_index [2, E]`` long (row 0 sender j, row 1 receiver i) and integer image
+        ``shifts [E, 3]`` long, with ``r_ij = pos[j] - pos[i] + shifts @ cell[batch[i]]``.
+    """
+    positions, cell, pbc, batch = check_inputs(positions, cell, pbc, cutoff, batch)
+    name = _auto_backend(positions.device, positions.shape[0]) if backend == "auto" else backend
+    if name not in _BACKENDS:
+        raise InputError(
+            f"unknown neighbor-list backend {backend!r}; choose one of {['auto', *available_backends()]}"
+        )
+    with torch.no_grad():
+        full = complete_cell(cell)
+        pos = positions.detach()
+        offsets = torch.zeros_like(pos)
+        n_wrap = None
+        if pbc.any():
+            periodic = pbc[batch]
+            inv = torch.linalg.inv(full)
+            frac = torch.einsum("ni,nij->nj", pos, inv[batch])
+            n_wrap = torch.where(periodic, torch.floor(frac), torch.zeros_like(frac))
+            frac = frac - n_wrap
+            wrapped = torch.einsum("ni,nij->nj", frac, full[batch])
+            offsets = wrapped - pos
+            pos = wrapped
+        edge_index, shifts = _BACKENDS[name](pos, full, pbc, float(cutoff), batch)
+        if n_wrap is not None and edge_index.shape[1] > 0:
+            # pos_w = pos - n @ cell, so r = pos_w[j]-pos_w[i]+s_w@cell = pos[j]-pos[i]+(s_w-n_j+n_i)@cell
+            n_wrap = n_wrap.to(torch.long)
+            shifts = shifts - n_wrap[edge_index[0]] + n_wrap[edge_index[1]]
+        del offsets
+    return edge_index, shifts.to(torch.long)
+
+
+def with_edges(graph: AtomicGraph, cutoff: float, backend: str = "auto") -> AtomicGraph:
+    """Attach ``edge_index`` and ``shifts`` for ``cutoff`` to a graph."""
+    ei, sh = neighbor_list(graph.positions, graph.cell, graph.pbc, cutoff, graph.batch, backend)
+    return graph.replace({K.EDGE_INDEX: ei, K.SHIFTS: sh})
+
+
+class VerletList:
+    """A neighbor list for ``cutoff + skin`` reused until an atom moved more than ``skin / 2``.
+
+    The list is rebuilt automatically when any atom has moved more than half the skin since
+    the last build, when the cell changed, or when the atoms (count, species, ids) changed.
+    Edges longer than ``cutoff`` remain in the list: models must give them zero weight
+    (every xnn model masks or smoothly cuts off at its cutoff).
+    """
+
+    def __init__(self, cutoff: float, skin: float = 0.0, backend: str = "auto"):
+        if cutoff <= 0:
+            raise InputError(f"cutoff must be > 0, got {cutoff}")
+        if skin < 0:
+            raise InputError(f"skin must be >= 0, got {skin}")
+        self.cutoff = float(cutoff)
+        self.skin = float(skin)
+        self.backend = backend
+        self.n_builds = 0
+        self._ref_positions: Tensor | None = None
+        self._ref_cell: Tensor | None = None
+        self._ref_ids: Tensor | None = None
+        self._edges: tuple[Tensor, Tensor] | None = None
+
+    def reset(self) -> None:
+        self._edges = None
+
+    def needs_rebuild(self, graph: AtomicGraph) -> bool:
+        if self._edges is None or self._ref_positions is None:
+            return True
+        if graph.positions.shape != self._ref_positions.shape:
+            return True
+        if graph.positions.device != self._ref_positions.device:
+            return True
+        if not torch.equal(graph.atom_id, self._ref_ids):
+            return True
+        if not torch.equal(graph.cell.detach(), self._ref_cell):
+            return True
+        if self.skin == 0.0:
+            return not torch.equal(graph.positions.detach(), self._ref_positions)
+        disp = (graph.positions.detach() - self._ref_positions).norm(dim=-1)
+        return bool(disp.max() > 0.5 * self.skin) if disp.numel() else False
+
+    def __call__(self, graph: AtomicGraph) -> AtomicGraph:
+        """Return ``graph`` with ``edge_index`` and ``shifts`` attached (rebuilding if needed)."""
+        if self.needs_rebuild(graph):
+            self._edges = neighbor_list(
+                graph.positions, graph.cell, graph.pbc, self.cutoff + self.skin, graph.batch,
+                self.backend,
+            )
+            self._ref_positions = graph.positions.detach().clone()
+            self._ref_cell = graph.cell.detach().clone()
+            self._ref_ids = graph.atom_id.clone()
+            self.n_builds += 1
+        ei, sh = self._edges
+        return graph.replace({K.EDGE_INDEX: ei, K.SHIFTS: sh})

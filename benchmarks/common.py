@@ -1,0 +1,162 @@
+"""Small helpers shared by benchmark scripts: timing, peak memory, JSON output, test systems.
+
+Every benchmark script runs unchanged on CPU (``--quick`` for small sizes) and on CUDA
+(``--device cuda``). Import as ``from benchmarks.common import time_fn, ...`` (run scripts
+as ``python -m benchmarks.<name>`` or ``python benchmarks/<name>.py`` from the repo root).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _as_device(device: str | torch.device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued kernels on ``device`` (no-op on CPU)."""
+    device = _as_device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    repeat: int = 5,
+    warmup: int = 1,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """Wall time of ``fn()`` after ``warmup`` untimed calls, synchronizing CUDA around each call.
+
+    Args:
+        fn: callable with no arguments.
+        repeat: number of timed calls (>= 1).
+        warmup: number of untimed calls first (compilation, caches, allocator).
+        device: device whose queue is synchronized before and after each call.
+    Returns:
+        ``{"median_s", "min_s", "mean_s", "repeat"}`` in seconds.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeat):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "mean_s": statistics.fmean(times),
+        "repeat": repeat,
+    }
+
+
+def reset_peak_memory(device: str | torch.device) -> None:
+    """Reset the peak-memory counter of ``device`` (CUDA only; no-op on CPU)."""
+    device = _as_device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: str | torch.device) -> int | None:
+    """Peak bytes allocated on ``device`` since the last reset; on CPU the process peak RSS.
+
+    Returns:
+        bytes, or ``None`` where it cannot be measured. On CPU the value is the peak resident
+        set size of the whole process since start (``ru_maxrss``), not since the last reset.
+    """
+    device = _as_device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(kb) * (1 if platform.system() == "Darwin" else 1024)
+    except (ImportError, OSError):
+        return None
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Torch version, device name, CPU count, host, date (UTC, ISO 8601)."""
+    device = _as_device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+    return {
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "device": str(device),
+        "device_name": name,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any], device: str = "cpu") -> Path:
+    """Write ``payload`` plus a ``"machine"`` entry (see :func:`machine_info`) as indented JSON.
+
+    Args:
+        path: output file; parent folders are created.
+        payload: JSON-serialisable dict (numpy/torch scalars are converted).
+        device: device the benchmark ran on, recorded in the machine info.
+    Returns:
+        the path written.
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine_info(device), **payload}
+    out.write_text(json.dumps(data, indent=2, default=_to_builtin) + "\n")
+    return out
+
+
+def _to_builtin(obj: Any) -> Any:
+    if isinstance(obj, (np.generic, torch.Tensor)):
+        return obj.item() if getattr(obj, "ndim", 0) == 0 else obj.tolist()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def fcc_cu(n_atoms_target: int, rattle: float = 0.05, seed: int = 0):
+    """Periodic FCC copper supercell with about ``n_atoms_target`` atoms (a = 3.61 Å).
+
+    Args:
+        n_atoms_target: wanted atom count; the cubic supercell ``k×k×k`` (4 atoms per cubic
+            cell) with the closest count is returned (at least 1×1×1).
+        rattle: standard deviation (Å) of Gaussian displacements; 0 for a perfect crystal.
+        seed: random seed of the rattle.
+    Returns:
+        ``ase.Atoms`` with ``pbc=True``.
+    """
+    from ase.build import bulk
+
+    k = max(1, round((n_atoms_target / 4) ** (1 / 3)))
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((k, k, k))
+    if rattle > 0:
+        rng = np.random.default_rng(seed)
+        atoms.positions += rng.normal(scale=rattle, size=atoms.positions.shape)
+    return atoms

@@ -1,1 +1,25 @@
-"""xnn.config"""
+"""Typed configuration: dataclass schemas loaded from YAML with dotlist overrides."""
+
+from xnn.config.loader import (
+    ConfigError,
+    check_choice,
+    check_range,
+    describe,
+    field,
+    load_config,
+    save_config,
+    to_yaml,
+    validate_choices,
+)
+
+__all__ = [
+    "ConfigError",
+    "load_config",
+    "save_config",
+    "to_yaml",
+    "describe",
+    "field",
+    "check_choice",
+    "check_range",
+    "validate_choices",
+]

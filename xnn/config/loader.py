@@ -1,0 +1,202 @@
+"""Typed configuration: dataclass schemas + YAML + command-line dotlist overrides.
+
+``load_config(Schema, "cfg.yaml", ["optim.lr=1e-3", "data.datasets.1=null"])`` merges the YAML
+file and the overrides onto the schema's defaults with OmegaConf, then instantiates the
+dataclasses (whose ``__post_init__`` check choices and ranges). Unknown keys and wrong types
+raise :class:`ConfigError` naming the key and the valid choices.
+
+List entries are addressed by index (``data.datasets.0.path=x.xyz``); ``key.N=null`` removes
+entry N of a list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xnn.errors import XnnError
+
+
+class ConfigError(XnnError, ValueError):
+    """An invalid configuration (unknown key, wrong type, invalid choice)."""
+
+
+def field(default, help: str = "", choices: Sequence | None = None):  # noqa: A002
+    """A dataclass field with a help text (and optional choices) for ``--help``."""
+    meta = {"help": help, "choices": list(choices) if choices is not None else None}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        value = default
+        return dataclasses.field(
+            default_factory=lambda: _copy(value), metadata=meta
+        )
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _copy(value):
+    import copy
+
+    return copy.deepcopy(value)
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not a valid choice; choose one of {list(choices)}")
+
+
+def check_range(name: str, value, low=None, high=None, low_inclusive=True) -> None:
+    if value is None:
+        return
+    if low is not None and (value < low if low_inclusive else value <= low):
+        op = ">=" if low_inclusive else ">"
+        raise ConfigError(f"{name}={value!r} must be {op} {low}")
+    if high is not None and value > high:
+        raise ConfigError(f"{name}={value!r} must be <= {high}")
+
+
+def validate_choices(obj, prefix: str = "") -> None:
+    """Check every field that declares ``choices`` in its metadata, recursing into sections."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        choices = f.metadata.get("choices") if f.metadata else None
+        if choices is not None:
+            check_choice(prefix + f.name, value, choices)
+        if dataclasses.is_dataclass(value):
+            validate_choices(value, prefix + f.name + ".")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                if dataclasses.is_dataclass(v):
+                    validate_choices(v, f"{prefix}{f.name}.{i}.")
+
+
+def _valid_keys(cfg, path: str) -> list[str]:
+    node = cfg
+    for part in [p for p in path.split(".") if p][:-1]:
+        try:
+            nxt = node[int(part)] if isinstance(node, ListConfig) else node[part]
+        except (KeyError, ValueError, IndexError, OmegaConfBaseException):
+            break
+        if not isinstance(nxt, (DictConfig, ListConfig)):
+            break
+        node = nxt
+    if isinstance(node, DictConfig):
+        return list(node.keys())
+    return []
+
+
+def _explain(e: OmegaConfBaseException, cfg) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    msg = str(e).splitlines()[0]
+    if "not in" in msg or "Key '" in msg and "not" in msg:
+        valid = _valid_keys(cfg, key)
+        return ConfigError(f"unknown config key {key!r}; valid keys here: {valid}")
+    return ConfigError(f"invalid value for config key {key!r}: {msg}")
+
+
+def _apply_override(cfg, item: str, deletions: list[tuple[str, int]]) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    value = OmegaConf.from_dotlist([f"v={raw}"])["v"] if raw != "" else ""
+    parent_key, _, last = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if isinstance(parent, ListConfig) and last.isdigit():
+        idx = int(last)
+        if value is None:
+            deletions.append((parent_key, idx))
+            return
+        if idx == len(parent):
+            parent.append(value)
+            return
+        if idx > len(parent):
+            raise ConfigError(f"{key}: list {parent_key!r} has {len(parent)} entries")
+    if parent is None and parent_key:
+        raise ConfigError(f"unknown config key {key!r}; valid keys here: {_valid_keys(cfg, key)}")
+    if isinstance(parent, DictConfig) and last not in parent and OmegaConf.is_struct(parent):
+        raise ConfigError(f"unknown config key {key!r}; valid keys here: {list(parent.keys())}")
+    OmegaConf.update(cfg, key, value, merge=True)
+
+
+def load_config(schema: type, path: str | Path | None = None, overrides: Sequence[str] = ()):
+    """Merge defaults ← YAML file ← dotlist overrides; return an instance of ``schema``."""
+    base = OmegaConf.structured(schema)
+    try:
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} does not exist")
+            try:
+                loaded = OmegaConf.load(p)
+            except Exception as e:  # yaml errors
+                raise ConfigError(f"cannot parse config file {str(p)!r}: {e}") from None
+            base = OmegaConf.merge(base, loaded)
+        deletions: list[tuple[str, int]] = []
+        for item in overrides:
+            _apply_override(base, item, deletions)
+        for parent_key, idx in sorted(deletions, key=lambda t: -t[1]):
+            lst = OmegaConf.select(base, parent_key)
+            if idx >= len(lst):
+                raise ConfigError(f"{parent_key}.{idx}: list has {len(lst)} entries")
+            del lst[idx]
+        obj = OmegaConf.to_object(base)
+        validate_choices(obj)
+        return obj
+    except OmegaConfBaseException as e:
+        raise _explain(e, base) from None
+
+
+def to_yaml(config) -> str:
+    """The resolved config as YAML (for ``--print-config`` and saving with a run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def save_config(config, path: str | Path) -> None:
+    Path(path).write_text(to_yaml(config))
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])}|null" if len(args) == 1 else "|".join(map(_type_name, args))
+    if origin in (list, Sequence):
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        return "dict"
+    return getattr(tp, "__name__", str(tp))
+
+
+def describe(schema: type, prefix: str = "") -> str:
+    """One line per option: ``key (type, default=...): help [choices]``, recursing into sections."""
+    lines = []
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{key}:  {f.metadata.get('help', '')}".rstrip())
+            lines.append(describe(tp, prefix=key + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+            if dataclasses.is_dataclass(default):
+                default = dataclasses.asdict(default)
+        else:
+            default = "<required>"
+        text = f"  {key} ({_type_name(tp)}, default={default!r})"
+        h = f.metadata.get("help") if f.metadata else None
+        if h:
+            text += f": {h}"
+        ch = f.metadata.get("choices") if f.metadata else None
+        if ch:
+            text += f" [choices: {', '.join(map(str, ch))}]"
+        lines.append(text)
+    return "\n".join(lines)

@@ -1,0 +1,330 @@
+"""Model files: one self-describing file per model, loaded without any config.
+
+``save_model(model, path)`` writes, with ``torch.save``, a dict of tensors and primitives::
+
+    {"format": "xnn-model", "format_version": 1, "xnn_version": "...",
+     "name": <registry name>, "hparams": {...}, "state_dict": {...},
+     "species": [...], "e0": {Z: eV}, "units": {"energy": "eV", "length": "Å"},
+     "dtype": "float64"}
+
+``load_model`` reads it back with ``torch.load(..., weights_only=True)`` (always: explicit,
+so the ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` variable set by some packages cannot override
+it) and rebuilds the model with ``xnn.models.build(name, **hparams)``. A model class may
+define ``to_payload()`` / classmethod ``from_payload(payload)`` to store itself differently
+(external wrappers); the payload must still hold only tensors and primitives.
+
+``export_model(model, path)`` writes a ``torch.export`` program mapping plain tensors to
+per-atom energies (differentiable, so forces follow by autograd); see :func:`load_exported`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError, ModelFileError
+
+FORMAT = "xnn-model"
+FORMAT_VERSION = 1
+UNITS = {"energy": "eV", "length": "Å"}
+
+
+# --------------------------------------------------------------------------- helpers
+def registry_name(model: nn.Module) -> str:
+    """The registry name under which ``model``'s class is registered."""
+    from xnn.models import registry
+
+    explicit = getattr(model, "registry_name", None)
+    if isinstance(explicit, str):
+        return explicit
+    target = f"{type(model).__module__}:{type(model).__qualname__}"
+    for name, value in registry._REGISTRY.items():
+        if value == target or value is type(model):
+            return name
+    raise InputError(
+        f"{type(model).__name__} is not in the model registry; register it with "
+        "xnn.models.register_model(name, cls) before saving"
+    )
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.get_default_dtype()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _write_atomic(payload: object, path: Path) -> None:
+    """``torch.save`` to a temporary file in the target folder, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# --------------------------------------------------------------------------- save / load
+def model_payload(model: nn.Module) -> dict:
+    """The dict that :func:`save_model` writes (tensors and primitives only)."""
+    name = registry_name(model)
+    to_payload = getattr(model, "to_payload", None)
+    if callable(to_payload):
+        payload = dict(to_payload())
+    else:
+        hparams = getattr(model, "hparams", None)
+        if not isinstance(hparams, Mapping):
+            raise InputError(
+                f"model {name!r} ({type(model).__name__}) has no `hparams` dict and no "
+                "to_payload(); it cannot be saved"
+            )
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        payload = {"hparams": copy.deepcopy(dict(hparams)), "state_dict": state}
+    species = getattr(model, "species", None)
+    e0 = getattr(model, "e0", None)
+    payload.update(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        xnn_version=_xnn_version(),
+        name=name,
+        species=None if species is None else [int(z) for z in species],
+        e0=None if not isinstance(e0, Mapping) else {int(z): float(v) for z, v in e0.items()},
+        units=dict(UNITS),
+        dtype=_dtype_name(_model_dtype(model)),
+    )
+    return payload
+
+
+def _xnn_version() -> str:
+    import xnn
+
+    return str(xnn.__version__)
+
+
+def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write ``model`` to one self-describing file (atomically); returns the path."""
+    path = Path(path)
+    _write_atomic(model_payload(model), path)
+    return path
+
+
+def _read_payload(path: Path, map_location) -> dict:
+    if not path.exists():
+        raise ModelFileError(f"model file {path} does not exist")
+    if path.is_dir():
+        raise ModelFileError(f"model file {path} is a directory")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # corrupt, truncated, not a torch file, unsafe pickle
+        raise ModelFileError(
+            f"cannot read model file {path}: corrupt, truncated or not an xnn model "
+            f"({_first_line(err)})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ModelFileError(f"{path} is not an xnn model file (no format={FORMAT!r} header)")
+    version = payload.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ModelFileError(
+            f"{path} has format_version {version!r}; this xnn ({_xnn_version()}) reads "
+            f"versions <= {FORMAT_VERSION}: upgrade xnn"
+        )
+    return payload
+
+
+def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild a model saved with :func:`save_model` (no config needed).
+
+    Args:
+        path: model file.
+        map_location: device of the returned model.
+    Returns:
+        the model in eval mode, in the dtype it was saved with.
+    Raises:
+        ModelFileError: missing, corrupt, truncated, not-a-model or incompatible file.
+    """
+    from xnn.models.registry import model_class
+
+    path = Path(path)
+    payload = _read_payload(path, map_location)
+    name = payload.get("name")
+    try:
+        cls = model_class(name)
+    except InputError as err:
+        raise ModelFileError(f"{path}: {err}") from None
+    except ImportError as err:
+        raise ModelFileError(f"{path}: model {name!r} needs a missing package ({err})") from None
+    try:
+        from_payload = getattr(cls, "from_payload", None)
+        if callable(from_payload):
+            model = from_payload(payload)
+        else:
+            model = _rebuild(name, payload)
+    except ModelFileError:
+        raise
+    except Exception as err:
+        reason = _first_line(err)
+        raise ModelFileError(f"{path}: cannot rebuild model {name!r} ({reason})") from None
+    return model.to(map_location).eval()
+
+
+def _rebuild(name: str, payload: dict) -> nn.Module:
+    from xnn.models.registry import build
+
+    hparams = payload.get("hparams")
+    state = payload.get("state_dict")
+    if not isinstance(hparams, dict) or not isinstance(state, Mapping):
+        raise ModelFileError("model file lacks `hparams` or `state_dict`")
+    model = build(name, **hparams)
+    dtype = getattr(torch, str(payload.get("dtype", "float32")), None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        model = model.to(dtype)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+# --------------------------------------------------------------------------- export
+class _TensorInterface(nn.Module):
+    """``(positions, numbers, cell, pbc, batch, edge_index, shifts) -> energies [n_atoms]``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        positions: Tensor,
+        numbers: Tensor,
+        cell: Tensor,
+        pbc: Tensor,
+        batch: Tensor,
+        edge_index: Tensor,
+        shifts: Tensor,
+    ) -> Tensor:
+        fields = {
+            K.POSITIONS: positions, K.NUMBERS: numbers, K.CELL: cell, K.PBC: pbc,
+            K.BATCH: batch, K.EDGE_INDEX: edge_index, K.SHIFTS: shifts,
+        }
+        return self.model(AtomicGraph(fields, validate=False))
+
+
+def _export_inputs(graph: AtomicGraph) -> tuple[Tensor, ...]:
+    return (
+        graph.positions, graph.numbers, graph.cell, graph.pbc, graph.batch,
+        graph.edge_index, graph.shifts,
+    )
+
+
+def default_example(model: nn.Module) -> AtomicGraph:
+    """Two small random periodic systems of the model's species, with edges (for tracing)."""
+    from xnn.neighbors import with_edges
+
+    gen = torch.Generator().manual_seed(0)
+    species = getattr(model, "species", None) or [1]
+    sizes = (5, 7)
+    side = max(2.0 * float(model.cutoff), 4.0)
+    n = sum(sizes)
+    pos = torch.rand(n, 3, generator=gen, dtype=torch.float64) * side
+    numbers = torch.tensor(species, dtype=torch.long)[torch.arange(n) % len(species)]
+    batch = torch.repeat_interleave(torch.arange(2), torch.tensor(sizes))
+    cell = torch.eye(3, dtype=torch.float64).expand(2, 3, 3) * side
+    dtype = _model_dtype(model)
+    graph = AtomicGraph.from_arrays(pos, numbers, cell, True, batch, dtype=dtype)
+    return with_edges(graph, float(model.cutoff), backend="brute")
+
+
+def export_model(
+    model: nn.Module, path: str | os.PathLike, example: AtomicGraph | None = None
+) -> Path:
+    """Export ``model`` with ``torch.export`` (dynamic numbers of atoms, edges and systems).
+
+    Args:
+        model: a per-atom-energy model.
+        path: output file (``.pt2``); metadata (name, hparams, cutoff, species) is stored
+            as the extra file ``xnn.json``.
+        example: a graph with edges (two or more systems, atoms and edges) used for
+            tracing; by default :func:`default_example`.
+    Returns:
+        the path. Load with :func:`load_exported`.
+    Raises:
+        InputError: if the model cannot be exported (its reason in one line).
+    """
+    from torch.export import Dim
+
+    if example is None:
+        example = default_example(model)
+    tensors = list(model.parameters()) + list(model.buffers())
+    if tensors:
+        example = example.to(device=tensors[0].device)
+    wrapper = _TensorInterface(model).eval()
+    n, e, s = Dim("n_atoms", min=2), Dim("n_edges", min=2), Dim("n_systems", min=1)
+    shapes = (
+        {0: n}, {0: n}, {0: s}, {0: s}, {0: n}, {1: e}, {0: e},
+    )
+    try:
+        program = torch.export.export(
+            wrapper, _export_inputs(example), dynamic_shapes=shapes, strict=False
+        )
+    except Exception as err:
+        raise InputError(f"{type(model).__name__} cannot be exported: {_first_line(err)}") from None
+    meta = {
+        "name": getattr(model, "registry_name", None) or _safe_name(model),
+        "hparams": getattr(model, "hparams", None),
+        "cutoff": float(model.cutoff),
+        "species": getattr(model, "species", None),
+        "dtype": _dtype_name(_model_dtype(model)),
+        "units": UNITS,
+        "inputs": ["positions", "numbers", "cell", "pbc", "batch", "edge_index", "shifts"],
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.pt2")
+    torch.export.save(program, tmp, extra_files={"xnn.json": json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+
+def _safe_name(model: nn.Module) -> str | None:
+    try:
+        return registry_name(model)
+    except InputError:
+        return None
+
+
+def load_exported(path: str | os.PathLike) -> tuple[nn.Module, dict]:
+    """Load a program written by :func:`export_model`.
+
+    Returns:
+        ``(module, metadata)``; ``module(positions, numbers, cell, pbc, batch, edge_index,
+        shifts)`` returns per-atom energies ``[n_atoms]`` (eV) and is differentiable.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"exported model {path} does not exist")
+    extra = {"xnn.json": ""}
+    try:
+        program = torch.export.load(path, extra_files=extra)
+    except Exception as err:
+        raise ModelFileError(f"cannot read exported model {path} ({_first_line(err)})") from None
+    return program.module(), json.loads(extra["xnn.json"] or "{}")

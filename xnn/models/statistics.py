@@ -1,0 +1,149 @@
+"""Dataset statistics that set a model's reference energies, scale and shift.
+
+Every function takes ``graphs``: one :class:`~xnn.data.graph.AtomicGraph` (possibly a batch
+of many systems), or any iterable of them (a list, a dataset, a data loader), or of
+``ase.Atoms`` carrying energies/forces (from a calculator or ``atoms.info["energy"]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+
+Graphs = AtomicGraph | Iterable
+
+
+def _from_atoms(atoms) -> AtomicGraph:
+    extra = {}
+    calc_results = getattr(atoms.calc, "results", {}) if atoms.calc is not None else {}
+    energy = calc_results.get("energy", atoms.info.get("energy"))
+    forces = calc_results.get("forces", atoms.arrays.get("forces"))
+    if energy is not None:
+        extra[K.ENERGY] = np.array([float(energy)])
+    if forces is not None:
+        extra[K.FORCES] = np.asarray(forces)
+    return AtomicGraph.from_arrays(
+        atoms.positions, atoms.numbers, atoms.cell[:], atoms.pbc, extra=extra
+    )
+
+
+def iter_graphs(graphs: Graphs) -> Iterator[AtomicGraph]:
+    """Yield ``AtomicGraph`` s from a graph, an iterable of graphs, or of ``ase.Atoms``."""
+    if isinstance(graphs, AtomicGraph):
+        yield graphs
+        return
+    for item in graphs:
+        if isinstance(item, AtomicGraph):
+            yield item
+        elif hasattr(item, "get_positions") and hasattr(item, "numbers"):
+            yield _from_atoms(item)
+        else:
+            raise InputError(f"expected AtomicGraph or ase.Atoms items, got {type(item).__name__}")
+
+
+def _composition(graph: AtomicGraph, index: Mapping[int, int]) -> np.ndarray:
+    """``[n_systems, n_species]`` element counts of each system."""
+    numbers = graph.numbers.cpu().numpy()
+    batch = graph.batch.cpu().numpy()
+    unknown = sorted(set(np.unique(numbers).tolist()) - set(index))
+    if unknown:
+        raise InputError(f"data holds species {unknown} not in the species list {sorted(index)}")
+    counts = np.zeros((graph.n_systems, len(index)))
+    cols = np.array([index[int(z)] for z in numbers], dtype=np.int64)
+    np.add.at(counts, (batch, cols), 1.0)
+    return counts
+
+
+def _require(graph: AtomicGraph, field: str) -> torch.Tensor:
+    if field not in graph:
+        raise InputError(f"statistics need {field!r} labels, absent from a structure")
+    return graph[field]
+
+
+def fit_e0(graphs: Graphs, species: Sequence[int]) -> dict[int, float]:
+    """Per-element reference energies by least squares of total energy on composition.
+
+    Solves ``min_E0 Σ_s (E_s - Σ_Z n_sZ E0_Z)^2``; elements that never occur get 0
+    (minimum-norm solution), so do linearly dependent ones only as far as the data allows.
+
+    Args:
+        graphs: structures with ``energy`` labels (eV).
+        species: atomic numbers to fit.
+    Returns:
+        ``{Z: E0_Z}`` in eV.
+    """
+    species = [int(z) for z in species]
+    index = {z: k for k, z in enumerate(species)}
+    rows, energies = [], []
+    for g in iter_graphs(graphs):
+        rows.append(_composition(g, index))
+        energies.append(_require(g, K.ENERGY).detach().cpu().double().numpy().reshape(-1))
+    if not rows:
+        raise InputError("fit_e0 needs at least one structure")
+    a, b = np.concatenate(rows), np.concatenate(energies)
+    e0, *_ = np.linalg.lstsq(a, b, rcond=None)
+    return {z: float(e0[index[z]]) for z in species}
+
+
+def _e0_energy(graph: AtomicGraph, e0: Mapping[int, float] | None) -> np.ndarray:
+    """``[n_systems]`` sum of reference energies of each system."""
+    if not e0:
+        return np.zeros(graph.n_systems)
+    table = np.zeros(119)
+    for z, v in e0.items():
+        table[int(z)] = float(v)
+    out = np.zeros(graph.n_systems)
+    np.add.at(out, graph.batch.cpu().numpy(), table[graph.numbers.cpu().numpy()])
+    return out
+
+
+def energy_per_atom_stats(
+    graphs: Graphs, e0: Mapping[int, float] | None = None
+) -> dict[str, float]:
+    """Mean and standard deviation of ``(E_s - Σ_i E0[Z_i]) / N_s`` over structures.
+
+    Returns:
+        ``{"mean": eV/atom, "std": eV/atom, "count": number of structures}``.
+    """
+    values = []
+    for g in iter_graphs(graphs):
+        e = _require(g, K.ENERGY).detach().cpu().double().numpy().reshape(-1)
+        n = g.n_atoms_per_system.cpu().numpy()
+        values.append((e - _e0_energy(g, e0)) / np.maximum(n, 1))
+    if not values:
+        raise InputError("energy_per_atom_stats needs at least one structure")
+    v = np.concatenate(values)
+    return {"mean": float(v.mean()), "std": float(v.std()), "count": int(v.size)}
+
+
+def force_rms(graphs: Graphs) -> float:
+    """Root mean square of all force components ``sqrt(mean(F_ia^2))`` (eV/Å)."""
+    total, count = 0.0, 0
+    for g in iter_graphs(graphs):
+        f = _require(g, K.FORCES).detach().double()
+        total += float((f * f).sum())
+        count += f.numel()
+    if count == 0:
+        raise InputError("force_rms needs at least one atom with force labels")
+    return math.sqrt(total / count)
+
+
+def average_num_neighbors(graphs: Graphs, cutoff: float) -> float:
+    """Mean number of neighbours within ``cutoff`` (Å) per atom (full list, images counted)."""
+    from xnn.neighbors import neighbor_list
+
+    edges, atoms = 0, 0
+    for g in iter_graphs(graphs):
+        ei, _ = neighbor_list(g.positions, g.cell, g.pbc, float(cutoff), g.batch)
+        edges += int(ei.shape[1])
+        atoms += g.n_atoms
+    if atoms == 0:
+        raise InputError("average_num_neighbors needs at least one atom")
+    return edges / atoms

@@ -1,0 +1,274 @@
+"""``equivariant``: an E(3)-equivariant many-body message-passing model (MACE class) on e3nn.
+
+Notation: ``h_i [C, (L_h+1)^2]`` node features (``C`` channels, degrees ``l <= L_h``),
+``Y(r̂_ij)`` real spherical harmonics up to ``l_max`` (e3nn, ``normalize=True``, component
+normalisation), ``R(r_ij)`` the radial MLP of a Bessel basis times a polynomial envelope.
+One interaction ``t``::
+
+    h̃_j      = W_up h_j                                           (IrrepsLinear)
+    A_i      = W_A Σ_j Σ_p R_p(r_ij) CG_p(h̃_j, Y(r̂_ij)) / avg_num_neighbors
+               (channel-wise "uvu" tensor product, EdgeTensorProduct)
+    B_i      = Σ_ν u_ν[z_i] (A_i ⊗ ... ⊗ A_i)_ν    ν = 1..correlation   (ProductBasis)
+    h_i     <- W_out B_i + W_sc (s[z_i] ⊙ h_i)     (residual self-connection)
+    e_i     += readout_t(h_i scalars)
+
+and ``E_i = scale * e_i + shift + E0[z_i]``. The last interaction keeps only scalars.
+Edges with ``r >= cutoff`` (Verlet skin) are dropped before the edge computations, and the
+envelope is exactly zero at the cutoff, so they contribute exactly nothing.
+
+Memory: the per-edge tensors kept for backward are the radial weights
+``[n_edges, paths, C]``, the gathered sender features ``[n_edges, C, (L_h+1)^2]`` and, per
+path, the weighted sender block ``[n_edges, C, 2l1+1]``; the message
+``[n_edges, C, (l_max+1)^2]`` exists only transiently before the scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from e3nn import o3
+from torch import Tensor, nn
+
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.models.blocks import (
+    BesselBasis,
+    EnergyScaleShift,
+    NativeModel,
+    PolynomialCutoff,
+    SpeciesEmbedding,
+)
+from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis
+
+
+class _NormalizedSiLU(nn.Module):
+    """``silu(x) * 1.679``: unit second moment for unit-normal inputs (e3nn's normalize2mom)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.silu(x) * 1.6790
+
+
+class RadialMLP(nn.Module):
+    """Bias-free MLP (SiLU) from envelope-weighted Bessel features to tensor-product weights.
+
+    Without biases (and ``silu(0) = 0``) a zero input gives a zero output, so the weights
+    vanish smoothly at the cutoff with the envelope.
+
+    Shapes:
+        ``[n_edges, num_bessel]`` -> ``[n_edges, num_paths, C]``.
+    """
+
+    def __init__(self, sizes: Sequence[int], num_paths: int, channels: int):
+        super().__init__()
+        dims = [*sizes, num_paths * channels]
+        layers: list[nn.Module] = []
+        for k in range(len(dims) - 1):
+            linear = nn.Linear(dims[k], dims[k + 1], bias=False)
+            nn.init.normal_(linear.weight, std=dims[k] ** -0.5)  # variance-preserving
+            layers.append(linear)
+            if k < len(dims) - 2:
+                layers.append(_NormalizedSiLU())
+        self.net = nn.Sequential(*layers)
+        self.num_paths, self.channels = num_paths, channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x).view(x.shape[0], self.num_paths, self.channels)
+
+
+class Interaction(nn.Module):
+    """One message-passing + many-body update layer.
+
+    Args:
+        num_species, channels: species count and ``C``.
+        l_in: highest degree of the input node features.
+        l_max: highest degree of the spherical harmonics and of ``A``.
+        l_out: highest degree of the output node features.
+        correlation: product order of the many-body basis.
+        radial_sizes: ``[num_bessel, hidden, ...]`` widths of the radial MLP.
+        avg_num_neighbors: normalisation of the neighbour sum.
+
+    Shapes:
+        ``h [n_atoms, C, (l_in+1)^2]`` -> ``[n_atoms, C, (l_out+1)^2]``.
+    """
+
+    def __init__(
+        self,
+        num_species: int,
+        channels: int,
+        l_in: int,
+        l_max: int,
+        l_out: int,
+        correlation: int,
+        radial_sizes: Sequence[int],
+        avg_num_neighbors: float,
+    ):
+        super().__init__()
+        self.l_in, self.l_out = l_in, l_out
+        self.avg_num_neighbors = float(avg_num_neighbors)
+        self.linear_up = IrrepsLinear(channels, channels, l_in)
+        self.tp = EdgeTensorProduct(l_in, l_max, l_max)
+        self.radial = RadialMLP(radial_sizes, self.tp.num_paths, channels)
+        self.linear_a = IrrepsLinear(channels, channels, l_max)
+        self.product = ProductBasis(num_species, channels, l_max, l_out, correlation)
+        self.linear_out = IrrepsLinear(channels, channels, l_out)
+        l_sc = min(l_in, l_out)
+        self.sc_species = nn.Parameter(torch.ones(num_species, channels))
+        self.sc = IrrepsLinear(channels, channels, l_sc)
+        self.pad = (l_out + 1) ** 2 - (l_sc + 1) ** 2
+
+    def aggregate(self, h: Tensor, y: Tensor, edge_feats: Tensor, edge_index: Tensor) -> Tensor:
+        """``A [n_atoms, C, (l_max+1)^2]``: the normalised sum of neighbour messages."""
+        sender, receiver = edge_index[0], edge_index[1]
+        x = self.linear_up(h).index_select(0, sender)
+        m = self.tp(x, y, self.radial(edge_feats))
+        a = m.new_zeros((h.shape[0], *m.shape[1:])).index_add(0, receiver, m)
+        return self.linear_a(a / self.avg_num_neighbors)
+
+    def forward(
+        self, h: Tensor, species: Tensor, y: Tensor, edge_feats: Tensor, edge_index: Tensor
+    ) -> Tensor:
+        a = self.aggregate(h, y, edge_feats, edge_index)
+        b = self.linear_out(self.product(a, species))
+        d_sc = (min(self.l_in, self.l_out) + 1) ** 2
+        sc = self.sc(h[:, :, :d_sc] * self.sc_species[species][:, :, None])
+        if self.pad:
+            sc = torch.nn.functional.pad(sc, (0, self.pad))
+        return b + sc
+
+
+class Equivariant(NativeModel):
+    """E(3)-equivariant many-body model in the NequIP/MACE family.
+
+    Args:
+        species: atomic numbers the model knows, e.g. ``[29, 79]``.
+        cutoff: Å.
+        channels: ``C``, width of every irreducible feature.
+        l_max: highest degree of the spherical harmonics and of the ``A`` features.
+        hidden_l_max: highest degree of node features passed between interactions
+            (0: MACE ``Cx0e``, 1: MACE ``Cx0e + Cx1o``); the last layer keeps scalars only.
+        num_interactions: message-passing layers (receptive field = ``cutoff * num_interactions``).
+        correlation: product order of the many-body basis (body order ``correlation + 1``).
+        num_bessel: Bessel radial functions.
+        envelope_p: order of the polynomial cutoff envelope.
+        radial_mlp: hidden widths of the radial MLP.
+        avg_num_neighbors: the neighbour sum is divided by this (set from the data).
+        readout_hidden: hidden width of the last layer's non-linear readout.
+        scale: eV per network output unit.
+        shift: eV added per atom.
+        e0: ``{Z: eV}`` reference energies.
+
+    Parameter count: 203,681 with the defaults and 2 species (C = 64, l_max = 2,
+    hidden_l_max = 1, 2 interactions, correlation 3, radial MLP [64, 64, 64]); 673,249 with
+    C = 128.
+
+    Shapes:
+        ``forward(graph)`` -> per-atom energies ``[n_atoms]`` (eV).
+    """
+
+    def __init__(
+        self,
+        species: Sequence[int],
+        cutoff: float = 5.0,
+        channels: int = 64,
+        l_max: int = 2,
+        hidden_l_max: int = 1,
+        num_interactions: int = 2,
+        correlation: int = 3,
+        num_bessel: int = 8,
+        envelope_p: int = 5,
+        radial_mlp: Sequence[int] = (64, 64, 64),
+        avg_num_neighbors: float = 20.0,
+        readout_hidden: int = 16,
+        scale: float = 1.0,
+        shift: float = 0.0,
+        e0: Mapping[int, float] | None = None,
+    ):
+        _check(channels, l_max, hidden_l_max, num_interactions, correlation, avg_num_neighbors)
+        hparams = dict(
+            species=list(species), cutoff=cutoff, channels=channels, l_max=l_max,
+            hidden_l_max=hidden_l_max, num_interactions=num_interactions,
+            correlation=correlation, num_bessel=num_bessel, envelope_p=envelope_p,
+            radial_mlp=list(radial_mlp), avg_num_neighbors=avg_num_neighbors,
+            readout_hidden=readout_hidden, scale=scale, shift=shift,
+            e0=None if e0 is None else {int(z): float(v) for z, v in e0.items()},
+        )
+        super().__init__(hparams, species, cutoff, num_interactions)
+        self.channels, self.l_max, self.hidden_l_max = channels, l_max, hidden_l_max
+        self.embedding = SpeciesEmbedding(self.species, channels)
+        self.bessel = BesselBasis(cutoff, num_bessel)
+        self.envelope = PolynomialCutoff(cutoff, envelope_p)
+        self.sh = o3.SphericalHarmonics(
+            o3.Irreps.spherical_harmonics(l_max), normalize=True, normalization="component"
+        )
+        self.interactions = nn.ModuleList()
+        self.readouts = nn.ModuleList()
+        for t in range(num_interactions):
+            last = t == num_interactions - 1
+            self.interactions.append(
+                Interaction(
+                    len(self.species), channels, 0 if t == 0 else hidden_l_max, l_max,
+                    0 if last else hidden_l_max, correlation, [num_bessel, *radial_mlp],
+                    avg_num_neighbors,
+                )
+            )
+            if last:
+                readout = nn.Sequential(
+                    nn.Linear(channels, readout_hidden), nn.SiLU(), nn.Linear(readout_hidden, 1)
+                )
+            else:
+                readout = nn.Linear(channels, 1)
+            self.readouts.append(readout)
+        self.output = EnergyScaleShift(self.species, scale, shift, e0)
+
+    def edge_features(self, graph: AtomicGraph) -> tuple[Tensor, Tensor, Tensor]:
+        """Edges inside the cutoff and their harmonics and radial features.
+
+        Returns:
+            ``edge_index [2, n_in]`` of the edges with ``r < cutoff``, ``Y [n_in,
+            (l_max+1)^2]`` and ``edge_feats [n_in, num_bessel]`` (Bessel x envelope).
+        """
+        vec = graph.edge_vectors()
+        edge_index = graph.edge_index
+        r = vec.norm(dim=-1)
+        inside = r < self.cutoff
+        if not bool(inside.all()):
+            keep = torch.nonzero(inside).flatten()
+            vec, r, edge_index = vec[keep], r[keep], edge_index[:, keep]
+        y = self.sh(vec)
+        edge_feats = self.bessel(r) * self.envelope(r).unsqueeze(-1)
+        return edge_index, y, edge_feats
+
+    def node_features(self, graph: AtomicGraph) -> list[Tensor]:
+        """Node features after each interaction, ``[n_atoms, C, (l+1)^2]`` (for inspection)."""
+        species = self.embedding.index(graph.numbers)
+        edge_index, y, edge_feats = self.edge_features(graph)
+        h = self.embedding(graph.numbers).unsqueeze(-1)
+        out = []
+        for t, layer in enumerate(self.interactions):
+            if t > 0:
+                n, c, d = h.shape
+                h = self.sync[t - 1](h.reshape(n, c * d), graph).reshape(n, c, d)
+            h = layer(h, species, y, edge_feats, edge_index)
+            out.append(h)
+        return out
+
+    def forward(self, graph: AtomicGraph) -> Tensor:
+        e = None
+        for h, readout in zip(self.node_features(graph), self.readouts):
+            et = readout(h[:, :, 0]).squeeze(-1)
+            e = et if e is None else e + et
+        return self.output(e, graph.numbers)
+
+
+def _check(channels, l_max, hidden_l_max, num_interactions, correlation, avg_num_neighbors):
+    if channels < 1 or num_interactions < 1:
+        raise InputError("channels and num_interactions must be >= 1")
+    if not 0 <= l_max <= 6:
+        raise InputError(f"l_max must be in [0, 6], got {l_max}")
+    if not 0 <= hidden_l_max <= l_max:
+        raise InputError(f"hidden_l_max must be in [0, l_max={l_max}], got {hidden_l_max}")
+    if correlation < 1:
+        raise InputError(f"correlation must be >= 1, got {correlation}")
+    if avg_num_neighbors <= 0:
+        raise InputError(f"avg_num_neighbors must be > 0, got {avg_num_neighbors}")

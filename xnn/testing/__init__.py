@@ -1,1 +1,55 @@
-"""xnn.testing"""
+"""Test contracts any model author can import: finite-difference forces and stress,
+rotation/reflection, translation, permutation, batching, supercells, cutoff smoothness.
+
+Each ``check_*`` raises ``AssertionError`` with a clear message and takes tolerances;
+all run in float64 on small systems. ``run_all_contracts(model)`` runs them all.
+"""
+
+from xnn.testing.batching import (
+    check_batch_consistency,
+    check_cross_system_gradient_zero,
+    check_edges_beyond_cutoff_ignored,
+)
+from xnn.testing.common import assert_close, evaluate
+from xnn.testing.cutoff import check_cutoff_smoothness, check_isolated_atom_e0
+from xnn.testing.derivatives import check_forces_finite_difference, check_stress_finite_difference
+from xnn.testing.suite import CONTRACTS, default_systems, run_all_contracts
+from xnn.testing.symmetry import (
+    check_permutation_equivariance,
+    check_rotation_equivariance,
+    check_supercell_consistency,
+    check_translation_invariance,
+)
+from xnn.testing.systems import (
+    dimer,
+    random_molecule,
+    random_orthogonal,
+    random_periodic_system,
+    single_atom,
+    supercell,
+)
+
+__all__ = [
+    "CONTRACTS",
+    "assert_close",
+    "check_batch_consistency",
+    "check_cross_system_gradient_zero",
+    "check_cutoff_smoothness",
+    "check_edges_beyond_cutoff_ignored",
+    "check_forces_finite_difference",
+    "check_isolated_atom_e0",
+    "check_permutation_equivariance",
+    "check_rotation_equivariance",
+    "check_stress_finite_difference",
+    "check_supercell_consistency",
+    "check_translation_invariance",
+    "default_systems",
+    "dimer",
+    "evaluate",
+    "random_molecule",
+    "random_orthogonal",
+    "random_periodic_system",
+    "run_all_contracts",
+    "single_atom",
+    "supercell",
+]

@@ -1,0 +1,199 @@
+"""Classical pair potentials: Lennard-Jones and Morse, shifted to zero at the cutoff.
+
+Both are :class:`~xnn.models.base.AtomisticModel` s returning per-atom energies
+``E_i = 1/2 sum_j u(r_ij)`` over a full neighbor list. Pairs at or beyond ``cutoff`` (present
+in Verlet lists built with a skin) contribute exactly nothing. The pair energy is shifted,
+``u(r) = phi(r) - phi(r_c)``, so the energy is continuous at the cutoff while the force jumps
+(as ``ase.calculators.lj.LennardJones(smooth=False)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.models.base import AtomisticModel
+
+ElementKey = int | str
+PerElement = float | Mapping[ElementKey, float]
+
+
+def atomic_number(element: ElementKey) -> int:
+    """Atomic number of an element given by symbol (``"Ar"``) or number (``18``)."""
+    from ase.data import atomic_numbers, chemical_symbols
+
+    if isinstance(element, str):
+        if element not in atomic_numbers:
+            raise InputError(f"unknown element symbol {element!r}")
+        return atomic_numbers[element]
+    z = int(element)
+    if not 0 < z < len(chemical_symbols):
+        raise InputError(f"atomic number must be in [1, {len(chemical_symbols) - 1}], got {z}")
+    return z
+
+
+def _per_element(
+    name: str, value: PerElement, species: list[int] | None
+) -> dict[int, float] | float:
+    """Normalise a scalar or a by-element dict into ``{Z: value}`` (or keep the scalar)."""
+    if not isinstance(value, Mapping):
+        return float(value)
+    table = {atomic_number(k): float(v) for k, v in value.items()}
+    if species is not None:
+        missing = sorted(set(species) - set(table))
+        if missing:
+            raise InputError(f"{name} has no value for species {missing}")
+    return table
+
+
+def _check_cutoff(cutoff: float) -> float:
+    cutoff = float(cutoff)
+    if not cutoff > 0 or cutoff == float("inf"):
+        raise InputError(f"cutoff must be a positive finite number (Å), got {cutoff}")
+    return cutoff
+
+
+class PairPotential(AtomisticModel):
+    """Base of shifted, truncated pair potentials with per-species-pair parameter tables.
+
+    Subclasses call :meth:`_setup_species` and register ``[n_types, n_types]`` parameter
+    buffers, then implement :meth:`pair_energy`.
+    """
+
+    num_interactions = 1
+
+    def _setup_species(
+        self, species: Sequence[ElementKey] | None, keys: Sequence[int]
+    ) -> list[int]:
+        """Set ``self.species`` and the ``type_of [119]`` lookup buffer; return the type list."""
+        if species is not None:
+            zs = sorted({atomic_number(s) for s in species})
+        elif keys:
+            zs = sorted(set(keys))
+        else:
+            zs = None
+        self.species = zs
+        type_of = torch.zeros(119, dtype=torch.long)
+        if zs is not None:
+            type_of[torch.tensor(zs)] = torch.arange(len(zs))
+        self.register_buffer("type_of", type_of)
+        return zs or [0]
+
+    def pair_energy(self, r2: Tensor, ti: Tensor, tj: Tensor) -> Tensor:  # pragma: no cover
+        """Unshifted pair energy ``[n_edges]`` (eV) for squared distances ``r2`` (Å²)."""
+        raise NotImplementedError
+
+    def forward(self, graph: AtomicGraph) -> Tensor:
+        """Per-atom energies ``[n_atoms]`` (eV): ``E_i = 1/2 sum_j (u(r_ij) - u(r_c))``."""
+        vec = graph.edge_vectors()
+        r2 = (vec * vec).sum(-1)
+        rc2 = self.cutoff * self.cutoff
+        inside = r2 < rc2
+        # outside the cutoff the distance is replaced by a constant: no value, no gradient
+        r2_safe = torch.where(inside, r2, torch.full_like(r2, rc2))
+        types = self.type_of[graph.numbers]
+        j, i = graph.edge_index[0], graph.edge_index[1]
+        ti, tj = types[i], types[j]
+        rc2_t = torch.full_like(r2, rc2)
+        e = self.pair_energy(r2_safe, ti, tj) - self.pair_energy(rc2_t, ti, tj)
+        e = torch.where(inside, e, torch.zeros_like(e))
+        out = torch.zeros(graph.n_atoms, dtype=r2.dtype, device=r2.device)
+        return out.index_add(0, i, 0.5 * e)
+
+
+class LennardJones(PairPotential):
+    """Lennard-Jones ``u(r) = 4 ε [(σ/r)¹² - (σ/r)⁶] - u(r_c)`` for ``r < r_c``, else 0.
+
+    Matches ``ase.calculators.lj.LennardJones(sigma, epsilon, rc=cutoff, smooth=False)``.
+
+    Args:
+        sigma: σ (Å), a number or a dict by element symbol / atomic number.
+        epsilon: ε (eV), a number or a dict by element.
+        cutoff: r_c (Å), > 0.
+        species: elements the model accepts; default the dict keys, or any element when
+            ``sigma`` and ``epsilon`` are numbers.
+
+    Unlike species are mixed by Lorentz–Berthelot: ``σ_ij = (σ_i + σ_j)/2``,
+    ``ε_ij = sqrt(ε_i ε_j)``. Parameters are buffers (``[n_types, n_types]``), so
+    ``.to(dtype/device)`` moves them.
+    """
+
+    def __init__(
+        self,
+        sigma: PerElement,
+        epsilon: PerElement,
+        cutoff: float,
+        species: Sequence[ElementKey] | None = None,
+    ):
+        super().__init__()
+        self.cutoff = _check_cutoff(cutoff)
+        zs = None if species is None else [atomic_number(s) for s in species]
+        sig = _per_element("sigma", sigma, zs)
+        eps = _per_element("epsilon", epsilon, zs)
+        keys = sorted(
+            set(sig if isinstance(sig, dict) else []) | set(eps if isinstance(eps, dict) else [])
+        )
+        if zs is None and keys:
+            sig = _per_element("sigma", sigma, keys)
+            eps = _per_element("epsilon", epsilon, keys)
+        types = self._setup_species(species, keys)
+        s = torch.tensor(
+            [sig[z] if isinstance(sig, dict) else sig for z in types], dtype=torch.float64
+        )
+        e = torch.tensor(
+            [eps[z] if isinstance(eps, dict) else eps for z in types], dtype=torch.float64
+        )
+        if (s <= 0).any() or (e < 0).any():
+            raise InputError("sigma must be > 0 and epsilon >= 0")
+        self.register_buffer("sigma_ij", 0.5 * (s[:, None] + s[None, :]))
+        self.register_buffer("epsilon_ij", torch.sqrt(e[:, None] * e[None, :]))
+
+    def pair_energy(self, r2: Tensor, ti: Tensor, tj: Tensor) -> Tensor:
+        s2 = self.sigma_ij.to(r2.dtype)[ti, tj] ** 2
+        eps = self.epsilon_ij.to(r2.dtype)[ti, tj]
+        c6 = (s2 / r2) ** 3
+        return 4.0 * eps * (c6 * c6 - c6)
+
+
+class Morse(PairPotential):
+    """Morse ``u(r) = D [e^{-2α(r - r0)} - 2 e^{-α(r - r0)}] - u(r_c)`` for ``r < r_c``, else 0.
+
+    ASE's ``MorsePotential(epsilon=D, r0=r0, rho0=α r0)`` has the same unshifted form but a
+    smooth cutoff window instead of a shift.
+
+    Args:
+        D: well depth (eV), > 0.
+        alpha: inverse width α (1/Å), > 0.
+        r0: equilibrium distance (Å), > 0.
+        cutoff: r_c (Å), > 0.
+        species: elements the model accepts (default: any).
+    """
+
+    def __init__(
+        self,
+        D: float,
+        alpha: float,
+        r0: float,
+        cutoff: float,
+        species: Sequence[ElementKey] | None = None,
+    ):
+        super().__init__()
+        self.cutoff = _check_cutoff(cutoff)
+        if not (D > 0 and alpha > 0 and r0 > 0):
+            raise InputError(f"Morse needs D, alpha, r0 > 0, got D={D}, alpha={alpha}, r0={r0}")
+        types = self._setup_species(species, [])
+        ones = torch.ones(len(types), len(types), dtype=torch.float64)
+        self.register_buffer("D_ij", float(D) * ones)
+        self.register_buffer("alpha_ij", float(alpha) * ones)
+        self.register_buffer("r0_ij", float(r0) * ones)
+
+    def pair_energy(self, r2: Tensor, ti: Tensor, tj: Tensor) -> Tensor:
+        d = self.D_ij.to(r2.dtype)[ti, tj]
+        a = self.alpha_ij.to(r2.dtype)[ti, tj]
+        r0 = self.r0_ij.to(r2.dtype)[ti, tj]
+        x = torch.exp(-a * (torch.sqrt(r2) - r0))
+        return d * (x * x - 2.0 * x)

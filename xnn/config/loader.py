@@ -76,6 +76,7 @@ def validate_choices(obj, prefix: str = "") -> None:
 
 def _valid_keys(cfg, path: str) -> list[str]:
     node = cfg
+    path = path.replace("[", ".").replace("]", "")
     for part in [p for p in path.split(".") if p][:-1]:
         try:
             nxt = node[int(part)] if isinstance(node, ListConfig) else node[part]
@@ -98,6 +99,22 @@ def _explain(e: OmegaConfBaseException, cfg) -> ConfigError:
     return ConfigError(f"invalid value for config key {key!r}: {msg}")
 
 
+def _new_entry(lst: ListConfig, value):
+    """A new entry for ``lst``: the default of its dataclass element type merged with ``value``."""
+    elt = lst._metadata.element_type
+    if isinstance(elt, type) and dataclasses.is_dataclass(elt):
+        node = OmegaConf.structured(elt)
+        if value is None:
+            return node
+        try:
+            return OmegaConf.merge(node, value)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", "") or ""
+            raise ConfigError(f"unknown or invalid key {key!r} in a new {elt.__name__} entry; "
+                              f"valid keys: {list(node.keys())}") from None
+    return value
+
+
 def _apply_override(cfg, item: str, deletions: list[tuple[str, int]]) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -112,11 +129,17 @@ def _apply_override(cfg, item: str, deletions: list[tuple[str, int]]) -> None:
             deletions.append((parent_key, idx))
             return
         if idx == len(parent):
-            parent.append(value)
+            parent.append(_new_entry(parent, value))
             return
         if idx > len(parent):
             raise ConfigError(f"{key}: list {parent_key!r} has {len(parent)} entries")
     if parent is None and parent_key:
+        grand_key, _, idx = parent_key.rpartition(".")
+        grand = OmegaConf.select(cfg, grand_key) if grand_key else cfg
+        if isinstance(grand, ListConfig) and idx.isdigit() and int(idx) == len(grand):
+            grand.append(_new_entry(grand, None))  # key.N.field=value appends entry N
+            OmegaConf.update(cfg, key, value, merge=True)
+            return
         raise ConfigError(f"unknown config key {key!r}; valid keys here: {_valid_keys(cfg, key)}")
     if isinstance(parent, DictConfig) and last not in parent and OmegaConf.is_struct(parent):
         raise ConfigError(f"unknown config key {key!r}; valid keys here: {list(parent.keys())}")

@@ -1,0 +1,204 @@
+"""The training configuration: ``xnn train CONFIG.yaml [key.sub=value ...]``.
+
+Every option has a default and a help text (``xnn train --help`` prints them all); the
+sections mirror the steps of a run: model, data, loss, optimizer, schedule, EMA, stopping,
+checkpoints, parallelism and logging. Choices are validated by the loader; ranges and
+cross-field rules in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from xnn.config.loader import ConfigError, check_range, field
+
+PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
+LOSS_TYPES = ("mse", "mae", "huber")
+METRICS = (
+    "val_loss", "val_energy_mae", "val_energy_rmse", "val_forces_mae", "val_forces_rmse",
+    "val_stress_mae", "val_stress_rmse",
+)
+
+
+@dataclass
+class ModelConfig:
+    name: str = field("schnet", "registry name of the model (xnn.models.available_models())")
+    cutoff: float = field(5.0, "interaction cutoff (Å); the neighbor lists of the data use it")
+    species: list[int] | None = field(None, "atomic numbers the model knows; null: those of "
+                                      "the training data")
+    hyperparameters: dict[str, Any] = field({}, "other keyword arguments of the model "
+                                            "(validated by xnn.models.build)")
+    e0: str = field("fit", "reference energies: least-squares fit on the training set, or zero",
+                    choices=("fit", "zero"))
+    scale_shift: bool = field(True, "set the output scale to the force RMS and the shift to the "
+                              "mean per-atom residual energy of the training set")
+
+    def __post_init__(self):
+        check_range("model.cutoff", self.cutoff, 0.0, low_inclusive=False)
+
+
+@dataclass
+class DatasetConfig:
+    path: str = field("", "extxyz (any ASE format) or xnn HDF5 file")
+    weight: float = field(1.0, "loss weight of every structure of this dataset")
+    energy_key: str = field("energy", "key of the energy label (eV)")
+    forces_key: str = field("forces", "key of the force label (eV/Å)")
+    stress_key: str = field("stress", "key of the stress label (eV/Å³, ASE sign)")
+    virial_key: str = field("virial", "key of the virial label (eV), used when no stress")
+
+    def __post_init__(self):
+        check_range("data.datasets.weight", self.weight, 0.0)
+
+
+@dataclass
+class DataConfig:
+    datasets: list[DatasetConfig] = field([], "training files (each with its weight and keys)")
+    val: list[DatasetConfig] = field([], "validation files; empty: carve val_fraction out of "
+                                     "the training files")
+    test: list[DatasetConfig] = field([], "test files; empty: carve test_fraction out of the "
+                                      "training files")
+    val_fraction: float = field(0.1, "fraction of each training file used for validation "
+                                "(when data.val is empty)")
+    test_fraction: float = field(0.0, "fraction of each training file used for testing "
+                                 "(when data.test is empty)")
+    batch_size: int | None = field(8, "structures per global batch (null: use "
+                                   "max_atoms_per_batch)")
+    max_atoms_per_batch: int | None = field(None, "atoms per global batch (replaces batch_size)")
+    val_batch_size: int | None = field(None, "structures per validation batch (null: "
+                                       "batch_size, or max_atoms_per_batch)")
+    shuffle: bool = field(True, "shuffle the training set every epoch (seeded)")
+    overfit: int | None = field(None, "debug: train and validate on the first N training "
+                                "structures only")
+    cache_edges: bool = field(True, "keep neighbor lists in memory after the first epoch")
+
+    def __post_init__(self):
+        check_range("data.val_fraction", self.val_fraction, 0.0, 0.99)
+        check_range("data.test_fraction", self.test_fraction, 0.0, 0.99)
+        check_range("data.batch_size", self.batch_size, 1)
+        check_range("data.max_atoms_per_batch", self.max_atoms_per_batch, 1)
+        check_range("data.overfit", self.overfit, 1)
+        if self.max_atoms_per_batch is not None:
+            self.batch_size = None
+        if self.batch_size is None and self.max_atoms_per_batch is None:
+            raise ConfigError("set data.batch_size or data.max_atoms_per_batch")
+
+
+@dataclass
+class PropertyLoss:
+    weight: float = field(1.0, "weight of this term in the total loss")
+    type: str = field("mse", "loss function", choices=LOSS_TYPES)
+    delta: float = field(0.01, "Huber delta (units of the property)")
+
+    def __post_init__(self):
+        check_range("loss weight", self.weight, 0.0)
+        check_range("loss delta", self.delta, 0.0, low_inclusive=False)
+
+
+@dataclass
+class LossConfig:
+    energy: PropertyLoss = field(PropertyLoss(1.0), "energy per atom (eV/atom)")
+    forces: PropertyLoss = field(PropertyLoss(10.0), "force components (eV/Å)")
+    stress: PropertyLoss = field(PropertyLoss(0.0), "stress components (eV/Å³)")
+
+
+@dataclass
+class OptimConfig:
+    name: str = field("adam", "optimizer", choices=("adam", "adamw"))
+    lr: float = field(1e-3, "learning rate")
+    weight_decay: float = field(0.0, "weight decay (decoupled for adamw)")
+    grad_clip: float | None = field(10.0, "clip the global gradient norm to this (null: off)")
+
+    def __post_init__(self):
+        check_range("optim.lr", self.lr, 0.0, low_inclusive=False)
+        check_range("optim.weight_decay", self.weight_decay, 0.0)
+        check_range("optim.grad_clip", self.grad_clip, 0.0, low_inclusive=False)
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = field("none", "learning-rate schedule", choices=("none", "cosine", "plateau"))
+    warmup_steps: int = field(0, "linear warm-up from 0 over this many steps")
+    total_steps: int | None = field(None, "cosine: steps to reach min_lr_factor (null: "
+                                    "max_steps, else max_epochs × steps per epoch)")
+    min_lr_factor: float = field(0.01, "cosine: final lr / lr; plateau: lowest lr / lr")
+    factor: float = field(0.5, "plateau: lr multiplier when the metric stalls")
+    patience: int = field(5, "plateau: epochs without improvement before reducing the lr")
+
+    def __post_init__(self):
+        check_range("schedule.warmup_steps", self.warmup_steps, 0)
+        check_range("schedule.total_steps", self.total_steps, 1)
+        check_range("schedule.min_lr_factor", self.min_lr_factor, 0.0, 1.0)
+        check_range("schedule.factor", self.factor, 0.0, 1.0, low_inclusive=False)
+        check_range("schedule.patience", self.patience, 0)
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = field(True, "keep an exponential moving average of the weights (used for "
+                          "validation and the saved model)")
+    decay: float = field(0.99, "EMA decay per step")
+
+    def __post_init__(self):
+        check_range("ema.decay", self.decay, 0.0, 1.0)
+
+
+@dataclass
+class EarlyStoppingConfig:
+    patience: int | None = field(None, "stop after this many epochs without improving the "
+                                 "checkpoint metric (null: never)")
+    min_delta: float = field(0.0, "smallest improvement that counts")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = field(-1, "data-parallel degree (-1: world size / dd)")
+    dd: int = field(1, "domain-decomposition degree (training supports 1)")
+    timeout_s: float = field(1800.0, "timeout of every collective (s)")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = field(False, "write TensorBoard events (needs the tensorboard package)")
+    csv: bool = field(True, "write metrics.csv")
+    progress_bar: bool = field(True, "tqdm bar per epoch (only on a terminal)")
+    plots: bool = field(True, "PNG learning curves and parity plots at the end")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(ModelConfig(), "the model")
+    data: DataConfig = field(DataConfig(), "datasets, splits and batching")
+    loss: LossConfig = field(LossConfig(), "loss terms")
+    optim: OptimConfig = field(OptimConfig(), "optimizer")
+    schedule: ScheduleConfig = field(ScheduleConfig(), "learning-rate schedule")
+    ema: EMAConfig = field(EMAConfig(), "moving average of weights")
+    early_stopping: EarlyStoppingConfig = field(EarlyStoppingConfig(), "early stopping")
+    parallel: ParallelConfig = field(ParallelConfig(), "multi-GPU / multi-node layout")
+    logging: LoggingConfig = field(LoggingConfig(), "what the run writes and shows")
+    max_epochs: int = field(100, "epochs to train")
+    max_steps: int | None = field(None, "stop after this many optimizer steps (null: no limit)")
+    eval_every: int = field(1, "validate every N epochs")
+    precision: str = field("fp32", "arithmetic precision", choices=PRECISIONS)
+    device: str = field("auto", "cpu, cuda or auto (cuda when available)")
+    seed: int = field(0, "seed of the split, the initial weights and the batch order")
+    output_dir: str = field("runs/xnn", "folder of checkpoints, logs, plots and the final model")
+    overwrite: bool = field(False, "replace a previous run in output_dir")
+    resume: str | None = field(None, "checkpoint to continue from (exactly; 'auto': "
+                               "output_dir/checkpoints/last.pt)")
+    pretrained: str | None = field(None, "model file or checkpoint whose weights start the run "
+                                   "(fine-tuning)")
+    validation_only: bool = field(False, "evaluate the model (pretrained/resume) on "
+                                  "validation and test sets without training")
+    checkpoint_metric: str = field("val_loss", "validation metric that selects the best "
+                                   "checkpoint", choices=METRICS)
+
+    def __post_init__(self):
+        check_range("max_epochs", self.max_epochs, 0)
+        check_range("max_steps", self.max_steps, 0)
+        check_range("eval_every", self.eval_every, 1)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device={self.device!r} is not a valid choice; choose one of "
+                              "['auto', 'cpu', 'cuda', 'cuda:N']")
+        if self.validation_only and not (self.pretrained or self.resume):
+            raise ConfigError("validation_only=true needs pretrained=PATH or resume=PATH")

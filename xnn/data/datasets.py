@@ -1,0 +1,364 @@
+"""Datasets of labelled structures, splits, batching and sharding for training.
+
+A dataset is any object with ``len(ds)``, ``ds[i] -> AtomicGraph`` (one system) and an
+``n_atoms`` integer array ``[len(ds)]`` readable without loading structures. Every structure
+carries the label fields ``energy [1]`` (eV), ``forces [n, 3]`` (eV/Å) and ``stress [1, 3, 3]``
+(eV/Å³, ASE sign) with NaN where the source has no label (so batches concatenate), and a
+``weight [1]`` (the dataset's loss weight).
+
+Batches are lists of structure indices, made once per epoch from a seeded permutation
+(``make_batches``): a fixed number of structures, or as many as fit in ``max_atoms`` atoms.
+Under data parallelism every rank makes the same global batches and keeps its share
+(``shard_batch``), so a run on N ranks sees exactly the global batches of one process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import DataFileError, InputError
+
+LABELS = (K.ENERGY, K.FORCES, K.STRESS)
+HDF5_SUFFIXES = (".h5", ".hdf5")
+
+
+# --------------------------------------------------------------------------- labels
+def normalize_labels(graph: AtomicGraph, weight: float = 1.0) -> AtomicGraph:
+    """Give a one-system graph the fields ``energy``, ``forces``, ``stress`` (NaN if missing)
+    and ``weight``; a ``virial`` label becomes ``stress = -virial / V``."""
+    dt, dev = graph.dtype, graph.device
+    n = graph.n_atoms
+    new: dict[str, torch.Tensor | None] = {}
+    if K.ENERGY not in graph:
+        new[K.ENERGY] = torch.full((1,), float("nan"), dtype=dt, device=dev)
+    else:
+        new[K.ENERGY] = graph.energy.reshape(1).to(dt)
+    if K.FORCES not in graph:
+        new[K.FORCES] = torch.full((n, 3), float("nan"), dtype=dt, device=dev)
+    if K.STRESS in graph:
+        new[K.STRESS] = graph.stress.reshape(1, 3, 3).to(dt)
+    elif K.VIRIAL in graph and bool(graph.pbc.all()):
+        new[K.STRESS] = -graph.virial.reshape(1, 3, 3).to(dt) / graph.volume().reshape(1, 1, 1)
+    else:
+        new[K.STRESS] = torch.full((1, 3, 3), float("nan"), dtype=dt, device=dev)
+    new[K.VIRIAL] = None
+    new[K.WEIGHT] = torch.full((1,), float(weight), dtype=dt, device=dev)
+    return graph.replace(new)
+
+
+def label_mask(graph: AtomicGraph) -> dict[str, torch.Tensor]:
+    """``{label: [n_systems] bool}``: which systems of a normalised graph carry each label."""
+    b, s = graph.batch, graph.n_systems
+    forces_ok = torch.isfinite(graph.forces).all(-1).to(torch.long)
+    n_ok = torch.zeros(s, dtype=torch.long, device=graph.device).index_add(0, b, forces_ok)
+    return {
+        K.ENERGY: torch.isfinite(graph.energy),
+        K.FORCES: n_ok == graph.n_atoms_per_system,
+        K.STRESS: torch.isfinite(graph.stress).flatten(1).all(-1),
+    }
+
+
+# --------------------------------------------------------------------------- datasets
+class InMemoryDataset:
+    """Structures held in memory as one-system graphs with normalised labels.
+
+    Args:
+        graphs: one-system graphs (labels as in :func:`normalize_labels`).
+        name: shown in error messages (usually the file name).
+    """
+
+    def __init__(self, graphs: Sequence[AtomicGraph], name: str = "dataset"):
+        self.graphs = list(graphs)
+        self.name = name
+        self.n_atoms = np.asarray([g.n_atoms for g in self.graphs], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        return self.graphs[index]
+
+    def label_masks(self) -> dict[str, np.ndarray]:
+        """``{label: [len] bool}`` which structures carry each label."""
+        if not self.graphs:
+            return {k: np.zeros(0, dtype=bool) for k in LABELS}
+        masks = [label_mask(g) for g in self.graphs]
+        return {k: np.asarray([bool(m[k][0]) for m in masks]) for k in LABELS}
+
+    def species(self) -> list[int]:
+        if not self.graphs:
+            return []
+        return sorted(set(torch.cat([g.numbers for g in self.graphs]).unique().tolist()))
+
+
+class HDF5Source:
+    """An :class:`~xnn.data.hdf5.HDF5Dataset` with a loss weight and the dataset interface."""
+
+    def __init__(self, path: str | os.PathLike, weight: float = 1.0):
+        from xnn.data.hdf5 import HDF5Dataset
+
+        self.inner = HDF5Dataset(path)
+        self.weight = float(weight)
+        self.name = Path(path).name
+        self.n_atoms = self.inner.n_atoms
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        return normalize_labels(self.inner[index], self.weight)
+
+    def _read(self, name: str, step: int = 1 << 20):
+        f = self.inner._handle()
+        ds = f[name]
+        for a in range(0, ds.shape[0], step):
+            yield ds[a : a + step]
+
+    def label_masks(self) -> dict[str, np.ndarray]:
+        f = self.inner._handle()
+        ok_atoms = np.concatenate(
+            [np.isfinite(c).all(-1) for c in self._read("forces")] or [np.zeros(0, bool)]
+        )
+        ptr = self.inner.atom_ptr
+        n_ok = np.add.reduceat(ok_atoms.astype(np.int64), ptr[:-1]) if len(ok_atoms) else ptr[:-1]
+        n_ok = np.where(self.n_atoms > 0, n_ok, 0)
+        return {
+            K.ENERGY: np.isfinite(f["energy"][:]),
+            K.FORCES: n_ok == self.n_atoms,
+            K.STRESS: np.isfinite(f["stress"][:]).reshape(-1, 9).all(-1),
+        }
+
+    def species(self) -> list[int]:
+        found: set[int] = set()
+        for c in self._read("numbers"):
+            found |= set(np.unique(c).tolist())
+        return sorted(found)
+
+
+class Subset:
+    """The structures ``indices`` of ``dataset``, in that order."""
+
+    def __init__(self, dataset, indices: Sequence[int]):
+        self.dataset = dataset
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.n_atoms = np.asarray(dataset.n_atoms)[self.indices]
+        self.name = getattr(dataset, "name", "dataset")
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        return self.dataset[int(self.indices[index])]
+
+    def label_masks(self) -> dict[str, np.ndarray]:
+        return {k: v[self.indices] for k, v in self.dataset.label_masks().items()}
+
+    def species(self) -> list[int]:
+        if isinstance(self.dataset, InMemoryDataset):
+            return InMemoryDataset([self[i] for i in range(len(self))]).species()
+        return self.dataset.species()
+
+
+class ConcatDataset:
+    """Several datasets one after the other."""
+
+    def __init__(self, datasets: Sequence):
+        self.datasets = [d for d in datasets]
+        sizes = [len(d) for d in self.datasets]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.n_atoms = (
+            np.concatenate([np.asarray(d.n_atoms) for d in self.datasets])
+            if self.datasets else np.zeros(0, dtype=np.int64)
+        )
+        self.name = "+".join(getattr(d, "name", "dataset") for d in self.datasets)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        if not 0 <= index < len(self):
+            raise IndexError(f"structure {index} out of range [0, {len(self)})")
+        d = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return self.datasets[d][index - int(self.offsets[d])]
+
+    def label_masks(self) -> dict[str, np.ndarray]:
+        parts = [d.label_masks() for d in self.datasets]
+        return {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, bool)
+                for k in LABELS}
+
+    def species(self) -> list[int]:
+        return sorted(set().union(*[set(d.species()) for d in self.datasets]))
+
+
+class WithEdges:
+    """Attach a neighbor list for ``cutoff`` to every structure, cached after the first read.
+
+    Args:
+        dataset: the structures.
+        cutoff: Å (the model's cutoff).
+        cache: keep the graphs with edges in memory (turn off for datasets larger than memory).
+    """
+
+    def __init__(self, dataset, cutoff: float, cache: bool = True):
+        self.dataset = dataset
+        self.cutoff = float(cutoff)
+        self.n_atoms = np.asarray(dataset.n_atoms)
+        self.name = getattr(dataset, "name", "dataset")
+        self._cache: dict[int, AtomicGraph] | None = {} if cache else None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        if self._cache is not None and index in self._cache:
+            return self._cache[index]
+        from xnn.neighbors import with_edges
+
+        g = with_edges(self.dataset[index], self.cutoff)
+        if self._cache is not None:
+            self._cache[index] = g
+        return g
+
+    def label_masks(self) -> dict[str, np.ndarray]:
+        return self.dataset.label_masks()
+
+    def species(self) -> list[int]:
+        return self.dataset.species()
+
+
+# --------------------------------------------------------------------------- loading
+def read_structures(
+    path: str | os.PathLike,
+    weight: float = 1.0,
+    energy_key: str = "energy",
+    forces_key: str = "forces",
+    stress_key: str = "stress",
+    virial_key: str = "virial",
+):
+    """Open a dataset file: HDF5 (``.h5``/``.hdf5``, lazily) or anything ASE reads (extxyz).
+
+    Returns:
+        a dataset (see the module docstring) whose structures have normalised labels.
+    Raises:
+        DataFileError: the file does not exist or cannot be read.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataFileError(f"dataset file {str(p)!r} does not exist")
+    if p.suffix in HDF5_SUFFIXES:
+        return HDF5Source(p, weight)
+    from xnn.data import ase_io
+
+    try:
+        graphs = ase_io.read(str(p), energy_key=energy_key, forces_key=forces_key,
+                             stress_key=stress_key, virial_key=virial_key)
+    except (OSError, ValueError, KeyError) as e:
+        if isinstance(e, (DataFileError, InputError)):
+            raise
+        raise DataFileError(f"cannot read {str(p)!r}: {str(e).splitlines()[0]}") from None
+    if isinstance(graphs, AtomicGraph):
+        graphs = graphs.split()
+    out = []
+    offset = 0
+    for g in graphs:
+        g = normalize_labels(g, weight)
+        ids = torch.arange(offset, offset + g.n_atoms, device=g.device)
+        out.append(g.replace({K.ATOM_ID: ids}))
+        offset += g.n_atoms
+    return InMemoryDataset(out, name=p.name)
+
+
+def split_indices(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(train, val, test)`` indices carved from one seeded permutation of ``range(n)``.
+
+    Validation takes the first ``round(n * val_fraction)`` entries of the permutation and
+    test the next ``round(n * test_fraction)``; training keeps the rest in permutation
+    order. A test fraction of zero therefore leaves train and validation unchanged.
+    """
+    if not (0.0 <= val_fraction < 1.0 and 0.0 <= test_fraction < 1.0):
+        raise InputError(f"val_fraction={val_fraction} and test_fraction={test_fraction} "
+                         "must be in [0, 1)")
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = int(round(n * val_fraction))
+    n_test = int(round(n * test_fraction))
+    if n_val + n_test >= n and n > 0:
+        raise InputError(f"val_fraction + test_fraction leave no training structure "
+                         f"({n_val} + {n_test} of {n})")
+    val, test, train = perm[:n_val], perm[n_val : n_val + n_test], perm[n_val + n_test :]
+    return np.sort(train), np.sort(val), np.sort(test)
+
+
+# --------------------------------------------------------------------------- batching
+def make_batches(
+    n_atoms: np.ndarray,
+    batch_size: int | None = None,
+    max_atoms: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int = 0,
+) -> list[list[int]]:
+    """Group structure indices into global batches for one epoch.
+
+    Args:
+        n_atoms: ``[n_structures]`` atoms per structure.
+        batch_size: structures per batch (the last batch may be smaller).
+        max_atoms: alternatively, add structures (in order) while the batch holds at most
+            this many atoms; a structure larger than ``max_atoms`` forms its own batch.
+        shuffle: order the structures by a permutation seeded with ``(seed, epoch)``.
+    Returns:
+        list of batches, each a list of structure indices; identical on every rank.
+    """
+    if (batch_size is None) == (max_atoms is None):
+        raise InputError("give exactly one of batch_size and max_atoms_per_batch")
+    n = len(n_atoms)
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    if batch_size is not None:
+        if batch_size < 1:
+            raise InputError(f"batch_size must be >= 1, got {batch_size}")
+        return [order[i : i + batch_size].tolist() for i in range(0, n, batch_size)]
+    if max_atoms < 1:
+        raise InputError(f"max_atoms_per_batch must be >= 1, got {max_atoms}")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    count = 0
+    for i in order.tolist():
+        if current and count + int(n_atoms[i]) > max_atoms:
+            batches.append(current)
+            current, count = [], 0
+        current.append(i)
+        count += int(n_atoms[i])
+    if current:
+        batches.append(current)
+    return batches
+
+
+def shard_batch(batch: Sequence[int], n_atoms: np.ndarray, rank: int, world: int) -> list[int]:
+    """This rank's share of a global batch: structures dealt out greedily by atom count.
+
+    Structures are taken largest first and given to the rank with the fewest atoms so far
+    (ties to the lowest rank), so shards are disjoint, cover the batch, and are balanced.
+    """
+    if world == 1:
+        return list(batch)
+    load = [0] * world
+    mine: list[int] = []
+    for i in sorted(batch, key=lambda i: (-int(n_atoms[i]), i)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        load[r] += int(n_atoms[i])
+        if r == rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+def collate(graphs: Sequence[AtomicGraph]) -> AtomicGraph:
+    """One batched graph from one-system graphs (edges offset by :meth:`AtomicGraph.concat`)."""
+    return AtomicGraph.concat(list(graphs))

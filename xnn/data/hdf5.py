@@ -1,0 +1,181 @@
+"""HDF5 datasets for training sets larger than memory: concatenated arrays + per-structure offsets.
+
+Layout (format ``xnn-hdf5`` version 1), ``S`` structures with ``A`` atoms in total::
+
+    /atom_ptr   [S + 1]    int64   offsets: atoms of structure s are atom_ptr[s]:atom_ptr[s+1]
+    /numbers    [A]        int64   atomic numbers
+    /positions  [A, 3]     float64 Å
+    /forces     [A, 3]     float64 eV/Å   (NaN rows: no force label)
+    /cell       [S, 3, 3]  float64 Å, rows are lattice vectors
+    /pbc        [S, 3]     bool
+    /energy     [S]        float64 eV     (NaN: no energy label)
+    /stress     [S, 3, 3]  float64 eV/Å³, ASE sign (NaN: no stress label)
+    attrs: format="xnn-hdf5", format_version=1
+
+Missing labels are stored as NaN, the same convention as the in-memory datasets of
+:mod:`xnn.data.datasets`. :class:`HDF5Dataset` reads one structure at a time (the file is
+opened lazily, once per process, so it works in forked data-loader workers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import DataFileError
+
+FORMAT = "xnn-hdf5"
+FORMAT_VERSION = 1
+_ATOM_ARRAYS = {"numbers": ((), np.int64), "positions": ((3,), np.float64),
+                "forces": ((3,), np.float64)}
+_SYSTEM_ARRAYS = {"cell": ((3, 3), np.float64), "pbc": ((3,), np.bool_),
+                  "energy": ((), np.float64), "stress": ((3, 3), np.float64)}
+
+
+def _label(graph: AtomicGraph, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    value = graph.get(name)
+    if value is None:
+        return np.full(shape, np.nan)
+    return value.detach().cpu().double().numpy().reshape(shape)
+
+
+def _arrays_of(graph: AtomicGraph) -> dict[str, np.ndarray]:
+    """Per-structure arrays of a one-system graph, labels NaN where missing."""
+    if graph.n_systems != 1:
+        raise ValueError("write_hdf5 expects one graph per structure")
+    n = graph.n_atoms
+    stress = _label(graph, K.STRESS, (3, 3))
+    if K.STRESS not in graph and K.VIRIAL in graph:
+        vol = float(graph.volume()[0])
+        stress = -_label(graph, K.VIRIAL, (3, 3)) / vol
+    return {
+        "numbers": graph.numbers.cpu().numpy().astype(np.int64),
+        "positions": graph.positions.detach().cpu().double().numpy(),
+        "forces": _label(graph, K.FORCES, (n, 3)),
+        "cell": graph.cell.detach().cpu().double().numpy().reshape(1, 3, 3),
+        "pbc": graph.pbc.cpu().numpy().reshape(1, 3),
+        "energy": _label(graph, K.ENERGY, (1,)),
+        "stress": stress.reshape(1, 3, 3),
+    }
+
+
+def write_hdf5(path: str | os.PathLike, graphs: Iterable[AtomicGraph], chunk: int = 1024) -> int:
+    """Write one-structure graphs to an HDF5 file (streamed: the input may be a generator).
+
+    Args:
+        path: output file (overwritten).
+        graphs: iterable of one-system :class:`AtomicGraph` with optional ``energy``,
+            ``forces``, ``stress`` (or ``virial``) labels.
+        chunk: structures buffered between writes.
+    Returns:
+        the number of structures written.
+    """
+    import h5py
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    n_sys, n_atoms = 0, 0
+    with h5py.File(tmp, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        for name, (shape, dtype) in {**_ATOM_ARRAYS, **_SYSTEM_ARRAYS}.items():
+            f.create_dataset(name, shape=(0, *shape), maxshape=(None, *shape), dtype=dtype,
+                             chunks=(max(chunk, 1), *shape))
+        ptr = [0]
+        buffer: list[dict[str, np.ndarray]] = []
+
+        def flush():
+            nonlocal n_sys, n_atoms
+            if not buffer:
+                return
+            for name in {**_ATOM_ARRAYS, **_SYSTEM_ARRAYS}:
+                block = np.concatenate([b[name] for b in buffer])
+                ds = f[name]
+                old = ds.shape[0]
+                ds.resize(old + block.shape[0], axis=0)
+                ds[old:] = block
+            n_sys += len(buffer)
+            n_atoms += sum(len(b["numbers"]) for b in buffer)
+            buffer.clear()
+
+        for g in graphs:
+            arrays = _arrays_of(g)
+            ptr.append(ptr[-1] + len(arrays["numbers"]))
+            buffer.append(arrays)
+            if len(buffer) >= chunk:
+                flush()
+        flush()
+        f.create_dataset("atom_ptr", data=np.asarray(ptr, dtype=np.int64))
+    os.replace(tmp, path)
+    return n_sys
+
+
+class HDF5Dataset:
+    """Lazily read structures from an ``xnn-hdf5`` file.
+
+    Args:
+        path: the file.
+        dtype: floating dtype of the returned graphs.
+
+    ``dataset[i]`` is a one-system :class:`AtomicGraph` with ``energy``, ``forces`` and
+    ``stress`` fields (NaN where the file has no label). ``n_atoms`` is an ``[S]`` array
+    available without reading the structures.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: torch.dtype = torch.float64):
+        import h5py
+
+        self.path = Path(path)
+        self.dtype = dtype
+        if not self.path.is_file():
+            raise DataFileError(f"HDF5 file {str(self.path)!r} does not exist")
+        try:
+            with h5py.File(self.path, "r") as f:
+                if f.attrs.get("format") != FORMAT:
+                    raise DataFileError(f"{str(self.path)!r} is not an xnn HDF5 dataset "
+                                        f"(format attribute {f.attrs.get('format')!r})")
+                self.atom_ptr = np.asarray(f["atom_ptr"][:], dtype=np.int64)
+        except OSError as e:
+            raise DataFileError(f"cannot read HDF5 file {str(self.path)!r}: {e}") from None
+        self.n_atoms = np.diff(self.atom_ptr)
+        self._file = None
+        self._pid = None
+
+    def __len__(self) -> int:
+        return len(self.n_atoms)
+
+    def _handle(self):
+        import h5py
+
+        if self._file is None or self._pid != os.getpid():
+            self._file = h5py.File(self.path, "r")
+            self._pid = os.getpid()
+        return self._file
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_file"] = None
+        return state
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        if not 0 <= index < len(self):
+            raise IndexError(f"structure {index} out of range [0, {len(self)})")
+        f = self._handle()
+        a, b = int(self.atom_ptr[index]), int(self.atom_ptr[index + 1])
+        dt = self.dtype
+        extra = {
+            K.ENERGY: torch.as_tensor(f["energy"][index : index + 1], dtype=dt),
+            K.FORCES: torch.as_tensor(f["forces"][a:b], dtype=dt),
+            K.STRESS: torch.as_tensor(f["stress"][index : index + 1], dtype=dt),
+        }
+        return AtomicGraph.from_arrays(
+            f["positions"][a:b], f["numbers"][a:b], cell=f["cell"][index], pbc=f["pbc"][index],
+            atom_id=np.arange(a, b), extra=extra, dtype=dt,
+        )

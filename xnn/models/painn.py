@@ -16,7 +16,9 @@ Update (per atom)::
     (a_vv, a_sv, a_ss) = split(MLP([s, ‖V v‖]))
     Δv = a_vv ⊙ U v ;   Δs = a_ss + a_sv ⊙ <U v, V v>
 
-Per-atom energy ``E_i = scale * readout(s_i) + shift + E0[Z_i]``. Scalars and vectors pass
+Per-atom energy ``E_i = scale * (readout(s_i) - readout(s_iso[Z_i])) + shift + E0[Z_i]``
+with ``s_iso`` the features of an atom without neighbours, so that an isolated atom has
+energy exactly ``shift + E0[Z]`` (as in MACE). Scalars and vectors pass
 through one :class:`~xnn.models.base.SyncPoint` between interactions as one tensor
 ``[n_atoms, 4F]`` (scalars, then the three vector components).
 """
@@ -151,7 +153,8 @@ class PaiNN(NativeModel):
         unit = vec / r.unsqueeze(-1)
         rbf = self.rbf(r)
         fcut = self.fcut(r)
-        s = self.embedding(graph.numbers)
+        species = self.embedding.index(graph.numbers)
+        s = self.embedding.embedding(species)
         v = s.new_zeros(s.shape[0], 3, s.shape[1])
         for k in range(self.num_interactions):
             if k > 0:
@@ -160,5 +163,18 @@ class PaiNN(NativeModel):
             s, v = s + ds, v + dv
             ds, dv = self.updates[k](s, v)
             s, v = s + ds, v + dv
-        e = self.readout(s).squeeze(-1)
+        e = self.readout(s).squeeze(-1) - self.isolated_outputs()[species]
         return self.output(e, graph.numbers)
+
+    def isolated_outputs(self) -> Tensor:
+        """``[n_species]`` network output of an atom without neighbours (subtracted in forward).
+
+        With no edges the messages vanish and ``v`` stays 0; only the updates act.
+        Subtracting this makes an isolated atom's energy exactly ``shift + E0[Z]``.
+        """
+        s = self.embedding.embedding.weight
+        v = s.new_zeros(s.shape[0], 3, s.shape[1])
+        for update in self.updates:
+            ds, dv = update(s, v)
+            s, v = s + ds, v + dv
+        return self.readout(s).squeeze(-1)

@@ -6,7 +6,9 @@ Per atom ``i`` with features ``x_i [F]``, interaction ``t`` computes
     m_i  = Σ_j in2f(x_j) ⊙ W_ij                            (index_add over receivers)
     x_i ← x_i + f2out(m_i)                                 (Dense-ssp-Dense)
 
-and the per-atom energy is ``E_i = scale * readout(x_i) + shift + E0[Z_i]``. The cutoff
+and the per-atom energy is ``E_i = scale * (readout(x_i) - readout(x_iso[Z_i])) + shift + E0[Z_i]``
+with ``x_iso`` the features of an atom without neighbours, so that an isolated atom has
+energy exactly ``shift + E0[Z]`` (as in MACE). The cutoff
 envelope is exactly zero for ``r >= cutoff``, so Verlet-skin edges contribute nothing.
 """
 
@@ -111,11 +113,24 @@ class SchNet(NativeModel):
         r = graph.edge_vectors().norm(dim=-1)
         rbf = self.rbf(r)
         fcut = self.fcut(r)
-        x = self.embedding(graph.numbers)
+        species = self.embedding.index(graph.numbers)
+        x = self.embedding.embedding(species)
         for k, interaction in enumerate(self.interactions):
             if k > 0:
                 x = self.sync[k - 1](x, graph)
             x = x + interaction(x, rbf, fcut, graph.edge_index)
-        e = self.readout(x).squeeze(-1)
+        e = self.readout(x).squeeze(-1) - self.isolated_outputs()[species]
         return self.output(e, graph.numbers)
+
+    def isolated_outputs(self) -> Tensor:
+        """``[n_species]`` network output of an atom without neighbours (subtracted in forward).
+
+        With no edges every aggregate is zero, so each interaction adds ``f2out(0)``. Subtracting
+        this makes an isolated atom's energy exactly ``shift + E0[Z]``.
+        """
+        x = self.embedding.embedding.weight
+        for interaction in self.interactions:
+            zero = x.new_zeros(x.shape[0], interaction.in2f.out_features)
+            x = x + interaction.f2out(zero)
+        return self.readout(x).squeeze(-1)
 

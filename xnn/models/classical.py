@@ -57,6 +57,20 @@ def _check_cutoff(cutoff: float) -> float:
     return cutoff
 
 
+def _hparams(**values) -> dict:
+    """Constructor arguments as plain data (for ``xnn.models.serialization``)."""
+    plain = {}
+    for k, v in values.items():
+        if isinstance(v, Mapping):
+            v = {key: float(x) for key, x in v.items()}
+        elif isinstance(v, (list, tuple)):
+            v = list(v)
+        elif v is not None:
+            v = float(v)
+        plain[k] = v
+    return plain
+
+
 class PairPotential(AtomisticModel):
     """Base of shifted, truncated pair potentials with per-species-pair parameter tables.
 
@@ -130,6 +144,7 @@ class LennardJones(PairPotential):
         species: Sequence[ElementKey] | None = None,
     ):
         super().__init__()
+        self.hparams = _hparams(sigma=sigma, epsilon=epsilon, cutoff=cutoff, species=species)
         self.cutoff = _check_cutoff(cutoff)
         zs = None if species is None else [atomic_number(s) for s in species]
         sig = _per_element("sigma", sigma, zs)
@@ -182,6 +197,7 @@ class Morse(PairPotential):
         species: Sequence[ElementKey] | None = None,
     ):
         super().__init__()
+        self.hparams = _hparams(D=D, alpha=alpha, r0=r0, cutoff=cutoff, species=species)
         self.cutoff = _check_cutoff(cutoff)
         if not (D > 0 and alpha > 0 and r0 > 0):
             raise InputError(f"Morse needs D, alpha, r0 > 0, got D={D}, alpha={alpha}, r0={r0}")

@@ -87,6 +87,7 @@ class Interaction(nn.Module):
         correlation: product order of the many-body basis.
         radial_sizes: ``[num_bessel, hidden, ...]`` widths of the radial MLP.
         avg_num_neighbors: normalisation of the neighbour sum.
+        residual: add the species-scaled self-connection (MACE has none in layer 1).
 
     Shapes:
         ``h [n_atoms, C, (l_in+1)^2]`` -> ``[n_atoms, C, (l_out+1)^2]``.
@@ -102,6 +103,7 @@ class Interaction(nn.Module):
         correlation: int,
         radial_sizes: Sequence[int],
         avg_num_neighbors: float,
+        residual: bool = True,
     ):
         super().__init__()
         self.l_in, self.l_out = l_in, l_out
@@ -113,8 +115,9 @@ class Interaction(nn.Module):
         self.product = ProductBasis(num_species, channels, l_max, l_out, correlation)
         self.linear_out = IrrepsLinear(channels, channels, l_out)
         l_sc = min(l_in, l_out)
-        self.sc_species = nn.Parameter(torch.ones(num_species, channels))
-        self.sc = IrrepsLinear(channels, channels, l_sc)
+        self.sc = IrrepsLinear(channels, channels, l_sc) if residual else None
+        if residual:
+            self.sc_species = nn.Parameter(torch.ones(num_species, channels))
         self.pad = (l_out + 1) ** 2 - (l_sc + 1) ** 2
 
     def aggregate(self, h: Tensor, y: Tensor, edge_feats: Tensor, edge_index: Tensor) -> Tensor:
@@ -130,6 +133,8 @@ class Interaction(nn.Module):
     ) -> Tensor:
         a = self.aggregate(h, y, edge_feats, edge_index)
         b = self.linear_out(self.product(a, species))
+        if self.sc is None:
+            return b
         d_sc = (min(self.l_in, self.l_out) + 1) ** 2
         sc = self.sc(h[:, :, :d_sc] * self.sc_species[species][:, :, None])
         if self.pad:
@@ -153,7 +158,7 @@ class Equivariant(NativeModel):
         envelope_p: order of the polynomial cutoff envelope.
         radial_mlp: hidden widths of the radial MLP.
         avg_num_neighbors: the neighbour sum is divided by this (set from the data).
-        readout_hidden: hidden width of the last layer's non-linear readout.
+        readout_hidden: hidden width of the last layer's non-linear readout (0: linear).
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
@@ -209,16 +214,10 @@ class Equivariant(NativeModel):
                 Interaction(
                     len(self.species), channels, 0 if t == 0 else hidden_l_max, l_max,
                     0 if last else hidden_l_max, correlation, [num_bessel, *radial_mlp],
-                    avg_num_neighbors,
+                    avg_num_neighbors, residual=t > 0,
                 )
             )
-            if last:
-                readout = nn.Sequential(
-                    nn.Linear(channels, readout_hidden), nn.SiLU(), nn.Linear(readout_hidden, 1)
-                )
-            else:
-                readout = nn.Linear(channels, 1)
-            self.readouts.append(readout)
+            self.readouts.append(_readout(channels, readout_hidden if last else 0))
         self.output = EnergyScaleShift(self.species, scale, shift, e0)
 
     def edge_features(self, graph: AtomicGraph) -> tuple[Tensor, Tensor, Tensor]:
@@ -259,6 +258,19 @@ class Equivariant(NativeModel):
             et = readout(h[:, :, 0]).squeeze(-1)
             e = et if e is None else e + et
         return self.output(e, graph.numbers)
+
+
+def _readout(channels: int, hidden: int) -> nn.Module:
+    """Bias-free readout of the scalar channels: linear, or ``Linear-SiLU-Linear``.
+
+    Without biases a zero feature gives a zero energy, so an isolated atom has ``E = E0``
+    (its features vanish: no neighbours, and layer 1 has no self-connection).
+    """
+    if hidden <= 0:
+        return nn.Linear(channels, 1, bias=False)
+    return nn.Sequential(
+        nn.Linear(channels, hidden, bias=False), nn.SiLU(), nn.Linear(hidden, 1, bias=False)
+    )
 
 
 def _check(channels, l_max, hidden_l_max, num_interactions, correlation, avg_num_neighbors):

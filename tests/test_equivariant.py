@@ -1,0 +1,213 @@
+"""Tests of the ``equivariant`` model: xnn.testing contracts, body order, internal equivariance,
+double backward, fp32, hyperparameter round trip."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from e3nn import o3
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.models import build, compute_properties
+from xnn.models.equivariant_ops import ProductBasis
+from xnn.neighbors import with_edges
+from xnn.testing import (
+    check_isolated_atom_e0,
+    random_molecule,
+    random_orthogonal,
+    run_all_contracts,
+)
+
+SPECIES = [1, 8]
+
+
+def small_model(**hp) -> torch.nn.Module:
+    torch.manual_seed(hp.pop("seed", 0))
+    base = dict(
+        species=SPECIES, cutoff=3.5, channels=6, l_max=2, hidden_l_max=1, correlation=3,
+        num_bessel=6, radial_mlp=[12], avg_num_neighbors=4.0,
+    )
+    base.update(hp)
+    return build("equivariant", **base).double()
+
+
+def energy(model, graph: AtomicGraph) -> torch.Tensor:
+    g = with_edges(graph.without_edges(), model.cutoff)
+    return compute_properties(model, g, forces=False, stress=False)[K.ENERGY]
+
+
+def test_contracts():
+    run_all_contracts(small_model(), species=SPECIES)
+
+
+def test_contracts_scalar_hidden_features():
+    model = small_model(hidden_l_max=0, l_max=3, num_interactions=3, correlation=2)
+    run_all_contracts(model, species=SPECIES, skip=("stress_fd", "supercell", "cutoff_smoothness"))
+
+
+def test_isolated_atom_energy_is_e0():
+    model = small_model(e0={1: -13.6, 8: -432.1})
+    check_isolated_atom_e0(model, 1, -13.6, atol=1e-12)
+    check_isolated_atom_e0(model, 8, -432.1, atol=1e-12)
+
+
+def _four_body_residual(model, pos: np.ndarray, numbers: list[int]) -> float:
+    """E(1234) - Σ E(ijk) + Σ E(ij) - Σ E(i): zero for any sum of <= 3-body terms."""
+    graphs, signs = [], []
+    for k in range(1, 5):
+        for sub in itertools.combinations(range(4), k):
+            graphs.append(AtomicGraph.from_arrays(pos[list(sub)], [numbers[i] for i in sub]))
+            signs.append((-1) ** (4 - k))
+    e = energy(model, AtomicGraph.concat(graphs))
+    return float((e * torch.tensor(signs, dtype=e.dtype)).sum())
+
+
+def test_body_order_follows_correlation():
+    """One interaction and a linear readout make the energy an exact (ν+1)-body expansion."""
+    pos = np.array([[0.0, 0.0, 0.0], [1.3, 0.2, -0.1], [-0.4, 1.2, 0.3], [0.2, -0.5, 1.4]])
+    numbers = [8, 1, 1, 8]
+    res = {}
+    for nu in (1, 2, 3):
+        model = small_model(num_interactions=1, correlation=nu, readout_hidden=0, seed=3)
+        res[nu] = abs(_four_body_residual(model, pos, numbers))
+    total = float(energy(small_model(num_interactions=1, readout_hidden=0, seed=3),
+                         AtomicGraph.from_arrays(pos, numbers)).abs())
+    assert res[1] < 1e-12 * max(total, 1.0) and res[2] < 1e-12 * max(total, 1.0), res
+    assert res[3] > 1e-6 * total, (res, total)
+
+
+def test_three_body_angle_dependence():
+    """Two neighbours out of each other's range: the energy depends on the angle iff ν >= 2."""
+
+    def trimer(theta):
+        r1, r2 = 1.9, 2.1
+        pos = [[0, 0, 0], [r1, 0, 0], [r2 * np.cos(theta), r2 * np.sin(theta), 0]]
+        return AtomicGraph.from_arrays(pos, [8, 1, 1])
+
+    for nu in (1, 2):
+        model = small_model(num_interactions=1, correlation=nu, seed=1, cutoff=3.0)
+        # r_12 >= 3.46 Å > cutoff at both angles
+        e = energy(model, AtomicGraph.concat([trimer(2.0), trimer(2.6)]))
+        diff = float((e[0] - e[1]).abs())
+        if nu == 1:
+            assert diff < 1e-13, diff
+        else:
+            assert diff > 1e-8, diff
+
+
+def test_product_basis_is_polynomial_of_degree_correlation():
+    """B(λA) is a polynomial of degree exactly ``correlation`` in λ (body order ν + 1)."""
+    torch.manual_seed(0)
+    pb = ProductBasis(num_species=2, channels=3, l_max=2, l_out=1, correlation=3).double()
+    a = torch.randn(5, 3, 9, dtype=torch.float64)
+    z = torch.tensor([0, 1, 1, 0, 1])
+    lams = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0], dtype=torch.float64)
+    vals = torch.stack([pb(lam * a, z).flatten() for lam in lams])  # [5, n]
+    vander = torch.stack([lams**k for k in range(4)], dim=1)  # cubic fit on the first 4 points
+    coef = torch.linalg.solve(vander[:4], vals[:4])
+    assert torch.allclose(vander[4] @ coef, vals[4], atol=1e-10)  # no higher degree
+    assert coef[3].abs().max() > 1e-3  # degree 3 present
+    assert coef[0].abs().max() < 1e-12  # B(0) = 0
+
+
+def test_internal_features_equivariant():
+    """Node features of every degree transform with Wigner D (rotations and reflections)."""
+    model = small_model(hidden_l_max=2, num_interactions=2)
+    mol = random_molecule(SPECIES, 6, volume_per_atom=8.0, min_distance=1.5, seed=4)
+    rng = np.random.default_rng(0)
+    for proper in (True, False):
+        rot = torch.tensor(random_orthogonal(rng, proper=proper))
+        g1 = with_edges(mol, model.cutoff)
+        g2 = with_edges(mol.replace(positions=mol.positions @ rot.T), model.cutoff)
+        h1, h2 = model.node_features(g1)[0], model.node_features(g2)[0]
+        d = _wigner_d(2, rot)
+        assert h1[:, :, 1:].abs().max() > 1e-6  # l > 0 features are not trivially zero
+        torch.testing.assert_close(h2, h1 @ d.T, atol=1e-12, rtol=1e-10)
+        layer = model.interactions[0]
+        a = [layer.aggregate(model.embedding(g.numbers)[..., None], *_edge_args(model, g))
+             for g in (g1, g2)]
+        d3 = _wigner_d(model.l_max, rot)
+        torch.testing.assert_close(a[1], a[0] @ d3.T, atol=1e-12, rtol=1e-10)
+
+
+def _wigner_d(l_max: int, rot: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal Wigner D of degrees 0..l_max (natural parity), computed in float64."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # e3nn builds its generators in the default dtype
+    try:
+        return o3.Irreps.spherical_harmonics(l_max).D_from_matrix(rot)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _edge_args(model, graph):
+    edge_index, y, feats = model.edge_features(graph)
+    return y, feats, edge_index
+
+
+def test_double_backward_matches_finite_difference():
+    model = small_model()
+    mol = random_molecule(SPECIES, 5, volume_per_atom=10.0, min_distance=1.2, seed=2)
+    g = with_edges(mol, model.cutoff)
+    param = model.interactions[0].radial.net[0].weight
+
+    def loss():
+        out = compute_properties(model, g, stress=False, training=True)
+        return (out[K.FORCES] ** 2).sum()
+
+    (grad,) = torch.autograd.grad(loss(), [param])
+    assert torch.isfinite(grad).all() and grad.abs().max() > 0
+    delta = 1e-5
+    with torch.no_grad():
+        param[0, 0] += delta
+        up = float(loss())
+        param[0, 0] -= 2 * delta
+        down = float(loss())
+        param[0, 0] += delta
+    fd = (up - down) / (2 * delta)
+    assert abs(fd - float(grad[0, 0])) <= 1e-6 * abs(fd) + 1e-10, (fd, float(grad[0, 0]))
+
+
+def test_float32_matches_float64():
+    model64 = small_model()
+    model32 = small_model().float()
+    mol = random_molecule(SPECIES, 6, volume_per_atom=10.0, min_distance=1.2, seed=5)
+    o64 = compute_properties(model64, with_edges(mol, 3.5))
+    o32 = compute_properties(model32, with_edges(mol.to(dtype=torch.float32), 3.5))
+    assert o32[K.FORCES].dtype == torch.float32
+    torch.testing.assert_close(o32[K.FORCES].double(), o64[K.FORCES], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(o32[K.ENERGY].double(), o64[K.ENERGY], atol=1e-5, rtol=1e-5)
+
+
+def test_hparams_rebuild_and_sync_points():
+    model = small_model(num_interactions=3)
+    clone = build("equivariant", **model.hparams).double()
+    clone.load_state_dict(model.state_dict())
+    mol = random_molecule(SPECIES, 5, volume_per_atom=10.0, min_distance=1.2, seed=6)
+    torch.testing.assert_close(energy(clone, mol), energy(model, mol), atol=0, rtol=0)
+    assert model.receptive_field == pytest.approx(3 * 3.5)
+
+    calls = []
+
+    class Doubling(torch.nn.Module):  # a sync point that changes features must change E
+        def forward(self, features, graph):
+            calls.append(tuple(features.shape))
+            return 2 * features
+
+    for name, _ in clone.sync_points:
+        clone.set_sync_point(name, Doubling())
+    e = energy(clone, mol)
+    assert len(calls) == 2 and calls[0] == (5, 6 * 4)
+    assert not torch.allclose(e, energy(model, mol))
+
+
+def test_invalid_hyperparameters():
+    with pytest.raises(InputError, match="hidden_l_max"):
+        build("equivariant", species=SPECIES, l_max=1, hidden_l_max=2)
+    with pytest.raises(InputError, match="correlation"):
+        build("equivariant", species=SPECIES, correlation=0)

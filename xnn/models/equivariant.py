@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from e3nn import o3
 from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
@@ -39,7 +38,7 @@ from xnn.models.blocks import (
     PolynomialCutoff,
     SpeciesEmbedding,
 )
-from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis
+from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis, o3
 
 
 class _NormalizedSiLU(nn.Module):

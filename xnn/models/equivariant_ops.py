@@ -18,8 +18,12 @@ from __future__ import annotations
 import math
 
 import torch
-from e3nn import o3
 from torch import Tensor, nn
+
+# e3nn 0.4.4 loads its constants with torch.load(); since torch 2.6 that defaults to
+# weights_only=True, which rejects the ``slice`` objects in that file. ``slice`` is inert.
+torch.serialization.add_safe_globals([slice])
+from e3nn import o3  # noqa: E402
 
 
 def block(l: int) -> slice:

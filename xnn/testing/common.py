@@ -42,10 +42,20 @@ def evaluate(
     return compute_properties(model, g, forces=forces, stress=stress)
 
 
+def with_skin_edges(model: torch.nn.Module, graph: AtomicGraph, skin: float) -> AtomicGraph:
+    """``graph`` on the model's device with edges for ``cutoff + skin`` (a Verlet list)."""
+    g = graph.without_edges().to(device=model_device(model))
+    return with_edges(g, float(model.cutoff) + skin)
+
+
 def total_energies(model: torch.nn.Module, graphs: list[AtomicGraph]) -> Tensor:
-    """``[n_graphs, n_systems]`` energies of several same-shaped graphs, in one batched call."""
-    big = AtomicGraph.concat([g.without_edges() for g in graphs])
-    e = evaluate(model, big, forces=False, stress=False)[K.ENERGY]
+    """``[n_graphs, n_systems]`` energies of same-shaped graphs that carry edges, in one call.
+
+    Finite-difference copies reuse the reference graph's Verlet list (cutoff + skin, with the
+    skin much larger than the displacements), exactly as MD does between rebuilds.
+    """
+    big = AtomicGraph.concat(graphs)
+    e = compute_properties(model, big, forces=False, stress=False)[K.ENERGY]
     return e.reshape(len(graphs), -1)
 
 

@@ -25,7 +25,7 @@ def check_cutoff_smoothness(
     pair_shifted_only: bool = False,
     eta: float = 1e-7,
     width: float = 0.05,
-    n_points: int = 21,
+    n_points: int = 20,
     energy_atol: float = 1e-6,
     force_atol: float = 1e-5,
     skin: float = 1.0,
@@ -59,7 +59,7 @@ def check_cutoff_smoothness(
         float(evaluate(model, single_atom(z), stress=False)[K.ENERGY][0]) for z in (z1, z2)
     )
     r = torch.tensor([rc - eta, rc + eta, *scan], dtype=e.dtype)
-    beyond = r >= rc
+    beyond = r > rc + 1e-9
     energy_beyond = float((e[beyond] - isolated).abs().max())
     scale = max(1.0, abs(isolated))
     if energy_beyond > 1e-12 * scale:

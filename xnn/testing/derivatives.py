@@ -7,7 +7,10 @@ import torch
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.testing.common import as_fp64, assert_close, evaluate, total_energies
+from xnn.testing.common import as_fp64, assert_close, evaluate, total_energies, with_skin_edges
+
+#: Verlet skin (Å) of the list shared by all displaced copies; >> the displacements
+FD_SKIN = 0.05
 
 
 def check_forces_finite_difference(
@@ -22,7 +25,9 @@ def check_forces_finite_difference(
     """Forces equal ``-dE/dx`` by central finite differences (fp64).
 
     Every Cartesian component of up to ``max_atoms`` atoms (chosen at random) is displaced by
-    ``±delta`` Å; all displaced copies are evaluated in one batch.
+    ``±delta`` Å; all displaced copies are evaluated in one batch that reuses one Verlet list
+    (``cutoff + FD_SKIN``), so models must ignore edges beyond their cutoff (see
+    :func:`~xnn.testing.check_edges_beyond_cutoff_ignored`).
 
     Returns:
         the largest absolute force error (eV/Å).
@@ -31,6 +36,7 @@ def check_forces_finite_difference(
     """
     model, graph = as_fp64(model, graph)
     forces = evaluate(model, graph, stress=False)[K.FORCES]
+    base = with_skin_edges(model, graph, FD_SKIN)
     n = graph.n_atoms
     rng = np.random.default_rng(seed)
     atoms = np.arange(n) if n <= max_atoms else np.sort(rng.choice(n, max_atoms, replace=False))
@@ -38,9 +44,9 @@ def check_forces_finite_difference(
     for a in atoms:
         for d in range(3):
             for sign in (1.0, -1.0):
-                pos = graph.positions.clone()
+                pos = base.positions.clone()
                 pos[a, d] += sign * delta
-                copies.append(graph.replace(positions=pos))
+                copies.append(base.replace(positions=pos))
     e = total_energies(model, copies).sum(-1).reshape(len(atoms), 3, 2)
     fd = -(e[..., 0] - e[..., 1]) / (2.0 * delta)
     return assert_close(
@@ -80,17 +86,15 @@ def check_stress_finite_difference(
         raise AssertionError("check_stress_finite_difference needs a system periodic along x, y, z")
     out = evaluate(model, graph)
     vol = graph.volume()
+    base = with_skin_edges(model, graph, FD_SKIN)
     eye = torch.eye(3, dtype=graph.dtype, device=graph.device)
     basis = _strain_basis(graph.dtype, graph.device)
     copies = []
     for _, _, e in basis:
         for sign in (1.0, -1.0):
             f = eye + sign * delta * e
-            copies.append(
-                graph.replace(
-                    positions=graph.positions @ f, cell=torch.einsum("sij,jk->sik", graph.cell, f)
-                )
-            )
+            cell = torch.einsum("sij,jk->sik", base.cell, f)
+            copies.append(base.replace(positions=base.positions @ f, cell=cell))
     en = total_energies(model, copies).reshape(6, 2, -1)
     fd = torch.zeros_like(out[K.STRESS])
     deriv = (en[:, 0] - en[:, 1]) / (2.0 * delta)  # [6, n_systems]

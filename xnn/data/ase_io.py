@@ -1,0 +1,322 @@
+"""Conversion between ASE ``Atoms`` and :class:`AtomicGraph`, and extxyz reading/writing.
+
+Velocities: ASE stores momenta in amu·Å/(ASE time unit); xnn uses Å/fs, so
+``v_xnn = v_ase * ase.units.fs`` and back ``v_ase = v_xnn / ase.units.fs``.
+Stress labels are accepted as Voigt-6 ``(xx, yy, zz, yz, xz, xy)`` or 3×3 (or 9 numbers)
+and stored as ``[n_systems, 3, 3]`` eV/Å³ (ASE sign).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import DataFileError, InputError
+
+LABELS = ("energy", "forces", "stress", "virial")
+
+
+def _to_3x3(value, what: str, index: int) -> np.ndarray:
+    a = np.asarray(value, dtype=np.float64).reshape(-1)
+    if a.size == 9:
+        return a.reshape(3, 3)
+    if a.size == 6:
+        xx, yy, zz, yz, xz, xy = a
+        return np.array([[xx, xy, xz], [xy, yy, yz], [xz, yz, zz]])
+    raise DataFileError(f"structure {index}: {what} must have 6 (Voigt) or 9 values, got {a.size}")
+
+
+def _lookup(atoms, key: str, prop: str):
+    """A label from ``atoms.info`` / ``atoms.arrays`` under ``key``, or a calculator result."""
+    if key in atoms.info:
+        return atoms.info[key]
+    if key in atoms.arrays:
+        return atoms.arrays[key]
+    calc = atoms.calc
+    results = getattr(calc, "results", None) or {}
+    if key == prop and prop in results:
+        return results[prop]
+    return None
+
+
+def _label(atoms, key: str, prop: str, index: int):
+    """Label ``prop`` of structure ``index`` as a numpy array of xnn shape, or ``None``."""
+    value = _lookup(atoms, key, prop)
+    if value is None:
+        return None
+    if prop == "energy":
+        a = np.asarray(value, dtype=np.float64)
+        if a.size != 1:
+            raise DataFileError(f"structure {index}: energy {key!r} must be one number")
+        return a.reshape(())
+    if prop == "forces":
+        a = np.asarray(value, dtype=np.float64)
+        if a.shape != (len(atoms), 3):
+            raise DataFileError(
+                f"structure {index}: forces {key!r} must have shape ({len(atoms)}, 3), "
+                f"got {a.shape}"
+            )
+        return a
+    return _to_3x3(value, f"{prop} {key!r}", index)
+
+
+def _check_structure(atoms, index: int) -> None:
+    if not np.isfinite(atoms.positions).all():
+        raise InputError(f"structure {index}: non-finite positions")
+    cell = np.asarray(atoms.cell[:], dtype=np.float64)
+    if not np.isfinite(cell).all():
+        raise InputError(f"structure {index}: non-finite cell")
+    pbc = np.asarray(atoms.pbc, bool)
+    if pbc.any():
+        # heights of the completed cell along periodic axes must be non-zero
+        full = np.asarray(atoms.cell.complete()[:])
+        vol = abs(np.linalg.det(full))
+        for a in np.nonzero(pbc)[0]:
+            b, c = full[(a + 1) % 3], full[(a + 2) % 3]
+            area = np.linalg.norm(np.cross(b, c))
+            if np.linalg.norm(cell[a]) < 1e-8 or area < 1e-12 or vol / area < 1e-6:
+                raise InputError(f"structure {index}: singular cell along periodic axis {'xyz'[a]}")
+
+
+def _atom_ids(atoms_list: Sequence) -> np.ndarray:
+    ids, offset = [], 0
+    for atoms in atoms_list:
+        n = len(atoms)
+        if "atom_id" in atoms.arrays:
+            ids.append(np.asarray(atoms.arrays["atom_id"], dtype=np.int64))
+        else:
+            ids.append(np.arange(offset, offset + n, dtype=np.int64))
+        offset += n
+    return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
+
+def _collect_labels(
+    atoms_list, keys: dict[str, str], require: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Labels present in every structure, stacked; raise if a required one is missing."""
+    unknown = sorted(set(require) - set(LABELS))
+    if unknown:
+        raise InputError(f"unknown required label(s) {unknown}; choose from {list(LABELS)}")
+    out = {}
+    for prop in LABELS:
+        values = [_label(a, keys[prop], prop, i) for i, a in enumerate(atoms_list)]
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing and prop in require:
+            raise DataFileError(
+                f"structure {missing[0]} has no {prop} under key {keys[prop]!r} "
+                f"({len(missing)} of {len(values)} structures lack it)"
+            )
+        if values and not missing:
+            out[prop] = np.concatenate(values) if prop == "forces" else np.stack(values)
+    return out
+
+
+def from_ase(
+    atoms,
+    energy_key: str = "energy",
+    forces_key: str = "forces",
+    stress_key: str = "stress",
+    virial_key: str = "virial",
+    require: Sequence[str] = (),
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+) -> AtomicGraph:
+    """Convert one ``ase.Atoms`` or a list of them into a batched :class:`AtomicGraph`.
+
+    Args:
+        atoms: an ``Atoms`` or a sequence of ``Atoms``.
+        energy_key, forces_key, stress_key, virial_key: where labels live in
+            ``atoms.info`` / ``atoms.arrays``; a key equal to the property name also finds a
+            (SinglePoint)calculator's stored result.
+        require: label names (``"energy"``, ``"forces"``, ...) every structure must have.
+        dtype: floating-point dtype of positions, cell, masses and labels.
+        device: target device.
+    Returns:
+        A graph with positions ``[n_atoms, 3]`` Å, numbers, cell ``[n_systems, 3, 3]``, pbc,
+        masses (amu), atom ids (``atoms.arrays["atom_id"]`` or consecutive over the list),
+        ``system_id`` (index in the list), velocities (Å/fs) and charges when any structure
+        has them, and each label only when every structure has it.
+    Raises:
+        InputError: non-finite positions/cell, or a singular cell along a periodic axis.
+        DataFileError: a required label is missing or a label has the wrong shape.
+    """
+    from ase import Atoms, units
+
+    atoms_list = [atoms] if isinstance(atoms, Atoms) else list(atoms)
+    if not atoms_list:
+        raise InputError("no structures to convert")
+    for i, a in enumerate(atoms_list):
+        _check_structure(a, i)
+    keys = {"energy": energy_key, "forces": forces_key, "stress": stress_key, "virial": virial_key}
+    labels = _collect_labels(atoms_list, keys, require)
+    counts = [len(a) for a in atoms_list]
+    extra: dict[str, object] = {
+        K.SYSTEM_ID: np.arange(len(atoms_list)),
+    }
+    if any(a.has("momenta") for a in atoms_list):
+        extra[K.VELOCITIES] = np.concatenate([a.get_velocities() for a in atoms_list]) * units.fs
+    if any(a.has("initial_charges") for a in atoms_list):
+        extra[K.CHARGES] = np.concatenate([a.get_initial_charges() for a in atoms_list])
+    field_of = {"energy": K.ENERGY, "forces": K.FORCES, "stress": K.STRESS, "virial": K.VIRIAL}
+    for prop, value in labels.items():
+        extra[field_of[prop]] = value
+    return AtomicGraph.from_arrays(
+        positions=np.concatenate([a.positions for a in atoms_list]).reshape(-1, 3),
+        numbers=np.concatenate([a.numbers for a in atoms_list]),
+        cell=np.stack([np.asarray(a.cell[:], dtype=np.float64) for a in atoms_list]),
+        pbc=np.stack([np.asarray(a.pbc, bool) for a in atoms_list]),
+        batch=np.repeat(np.arange(len(atoms_list)), counts),
+        masses=np.concatenate([a.get_masses() for a in atoms_list]),
+        atom_id=_atom_ids(atoms_list),
+        extra=extra,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def to_ase(graph: AtomicGraph) -> list:
+    """One ``ase.Atoms`` per system; labels/results go into a ``SinglePointCalculator``.
+
+    Energy, per-atom energies, forces and stress (as Voigt-6) are attached when present;
+    velocities are converted back to ASE units; atom ids go to ``arrays["atom_id"]``.
+    """
+    from ase import Atoms, units
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.stress import full_3x3_to_voigt_6_stress
+
+    g = graph.detach().to(device="cpu")
+    ptr = g.ptr.tolist()
+    out = []
+    for s in range(g.n_systems):
+        lo, hi = ptr[s], ptr[s + 1]
+        atoms = Atoms(
+            numbers=g.numbers[lo:hi].numpy(),
+            positions=g.positions[lo:hi].double().numpy(),
+            cell=g.cell[s].double().numpy(),
+            pbc=g.pbc[s].numpy(),
+            masses=g.masses[lo:hi].double().numpy(),
+        )
+        if K.VELOCITIES in g:
+            atoms.set_velocities(g.velocities[lo:hi].double().numpy() / units.fs)
+        if K.CHARGES in g:
+            atoms.set_initial_charges(g.charges[lo:hi].double().numpy())
+        atoms.arrays["atom_id"] = g.atom_id[lo:hi].numpy().astype(np.int64)
+        results = {}
+        if K.ENERGY in g:
+            results["energy"] = float(g.energy[s])
+            results["free_energy"] = float(g.energy[s])
+        if K.ENERGIES in g:
+            results["energies"] = g.energies[lo:hi].double().numpy()
+        if K.FORCES in g:
+            results["forces"] = g.forces[lo:hi].double().numpy()
+        if K.STRESS in g:
+            results["stress"] = full_3x3_to_voigt_6_stress(g.stress[s].double().numpy())
+        if K.VIRIAL in g:
+            atoms.info["virial"] = g.virial[s].double().numpy()
+        if results:
+            atoms.calc = SinglePointCalculator(atoms, **results)
+        out.append(atoms)
+    return out
+
+
+def read(
+    path: str | os.PathLike,
+    index: str | int = ":",
+    energy_key: str = "energy",
+    forces_key: str = "forces",
+    stress_key: str = "stress",
+    virial_key: str = "virial",
+    require: Sequence[str] = (),
+    as_graph: bool = False,
+    format: str | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+):
+    """Read structures with ``ase.io.read`` (extxyz and every ASE format).
+
+    Args:
+        path: file to read.
+        index: ASE index string (``":"`` all, ``"-1"`` last, ``"0:10"`` ...) or an int.
+        energy_key, forces_key, stress_key, virial_key: label keys (see :func:`from_ase`).
+        require: labels every structure must have (e.g. ``("energy", "forces")``).
+        as_graph: return one batched :class:`AtomicGraph` instead of a list of ``Atoms``.
+        format: ASE format name (guessed from the file name when ``None``).
+    Returns:
+        ``list[Atoms]`` or an ``AtomicGraph``.
+    Raises:
+        DataFileError: missing, unreadable or empty file, or a required label is missing.
+    """
+    import ase.io
+
+    p = Path(path)
+    if not p.exists():
+        raise DataFileError(f"data file not found: {p}")
+    if p.is_dir():
+        raise DataFileError(f"data file is a directory: {p}")
+    try:
+        frames = ase.io.read(str(p), index=index, format=format)
+    except Exception as e:  # ASE raises many types for malformed files
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataFileError(f"cannot parse {p}: {msg}") from None
+    frames = frames if isinstance(frames, list) else [frames]
+    if not frames:
+        raise DataFileError(f"no structures in {p}")
+    kw = dict(
+        energy_key=energy_key,
+        forces_key=forces_key,
+        stress_key=stress_key,
+        virial_key=virial_key,
+        require=require,
+    )
+    try:
+        if as_graph:
+            return from_ase(frames, **kw, dtype=dtype, device=device)
+        keys = {
+            "energy": energy_key,
+            "forces": forces_key,
+            "stress": stress_key,
+            "virial": virial_key,
+        }
+        _collect_labels(frames, keys, require)
+        for i, a in enumerate(frames):
+            _check_structure(a, i)
+    except (DataFileError, InputError) as e:
+        raise type(e)(f"{p}: {e}") from None
+    return frames
+
+
+def write(path: str | os.PathLike, data, format: str | None = None, append: bool = False) -> None:
+    """Write an ``AtomicGraph``, an ``Atoms`` or a list of ``Atoms`` with ``ase.io.write``.
+
+    The file is written to a temporary file and renamed, so a failed write never leaves a
+    truncated file behind (unless ``append``). Labels/results of a graph are written as
+    ``energy``, ``forces``, ``stress`` (extxyz by default for ``.xyz``).
+    """
+    import ase.io
+    from ase import Atoms
+
+    frames = to_ase(data) if isinstance(data, AtomicGraph) else data
+    if isinstance(frames, Atoms):
+        frames = [frames]
+    p = Path(path)
+    fmt = format or ("extxyz" if p.suffix in (".xyz", ".extxyz") else None)
+    if not p.parent.exists():
+        raise DataFileError(f"output folder does not exist: {p.parent}")
+    if append:
+        ase.io.write(str(p), frames, format=fmt, append=True)
+        return
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=p.suffix)
+    os.close(fd)
+    try:
+        ase.io.write(tmp, frames, format=fmt)
+        os.replace(tmp, p)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

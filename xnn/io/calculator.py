@@ -1,0 +1,87 @@
+"""ASE calculator for any xnn model: every property from one model call per change of atoms."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from ase.calculators.calculator import Calculator as _AseCalculator
+from ase.calculators.calculator import PropertyNotImplementedError, all_changes
+from ase.stress import full_3x3_to_voigt_6_stress
+
+from xnn.data import keys as K
+from xnn.data.ase_io import from_ase
+from xnn.errors import InputError
+from xnn.models.potential import Potential
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; anything else is passed to ``torch.device``."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"invalid device {device!r}: {e}") from None
+
+
+class Calculator(_AseCalculator):
+    """An ``ase`` calculator wrapping an xnn model (through :class:`xnn.models.Potential`).
+
+    Energy (``energy``, ``free_energy``), per-atom ``energies``, ``forces`` and — for systems
+    periodic along all three axes — ``stress`` (Voigt-6, eV/Å³) are computed together in one
+    model call and cached until the atoms change; asking for ``stress`` of a non-3D-periodic
+    system raises ASE's ``PropertyNotImplementedError``.
+
+    Args:
+        model: an :class:`~xnn.models.base.AtomisticModel`; moved in place to ``device`` and
+            ``dtype``.
+        device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
+        dtype: floating-point dtype of the evaluation.
+        skin: Verlet skin (Å) of the neighbor list reused between calls.
+        neighbor_backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
+
+    Attributes:
+        n_model_calls: how many times the model was evaluated.
+    """
+
+    implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
+    nolabel = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: str | torch.device = "auto",
+        dtype: torch.dtype = torch.float64,
+        skin: float = 0.0,
+        neighbor_backend: str = "auto",
+    ):
+        super().__init__()
+        self.device = resolve_device(device)
+        self.dtype = dtype
+        self.model = model.to(device=self.device, dtype=dtype)
+        self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
+        self.n_model_calls = 0
+
+    def calculate(self, atoms=None, properties=None, system_changes=all_changes) -> None:
+        """Compute every implemented property in one pass (ASE calls this when the atoms change)."""
+        super().calculate(atoms, properties, system_changes)
+        periodic = bool(np.all(self.atoms.pbc))
+        if not periodic and "stress" in (properties or ()):
+            raise PropertyNotImplementedError(
+                "stress is only defined for systems periodic along x, y and z"
+            )
+        graph = from_ase(self.atoms, dtype=self.dtype, device=self.device)
+        # drop labels that the input may carry: results come from the model only
+        graph = graph.replace({k: None for k in K.LABEL_FIELDS})
+        out = self.potential(graph, forces=True, stress=periodic)
+        self.n_model_calls += 1
+        energy = float(out[K.ENERGY].sum())
+        self.results = {
+            "energy": energy,
+            "free_energy": energy,
+            "energies": out[K.ENERGIES].detach().cpu().double().numpy(),
+            "forces": out[K.FORCES].detach().cpu().double().numpy(),
+        }
+        if periodic:
+            stress = out[K.STRESS][0].detach().cpu().double().numpy()
+            self.results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(stress))

@@ -1,0 +1,59 @@
+"""``xnn md CONFIG.yaml [key=value ...]``: molecular dynamics (see ``xnn md --help``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def split_args(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """Allow ``xnn md key=value ...`` without a YAML file."""
+    from xnn.config.loader import ConfigError
+
+    if config is not None and "=" in config and not Path(config).is_file():
+        return None, [config, *overrides]
+    if config is not None and Path(config).suffix.lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"{config} is not a YAML config (.yaml/.yml); give a structure file "
+                          "as structure=PATH")
+    return config, list(overrides)
+
+
+def add_config_parser(sub, name: str, schema, summary: str, description: str):
+    from xnn.config.loader import describe
+
+    p = sub.add_parser(
+        name, help=summary, description=description,
+        epilog="options (set in the YAML file or as key=value):\n" + describe(schema),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=1000")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def add_parser(sub) -> None:
+    from xnn.config.md import MDConfig
+
+    p = add_config_parser(
+        sub, "md", MDConfig, "run molecular dynamics (nve, langevin, nhc, csvr, npt)",
+        "Molecular dynamics of every frame of a structure file with a model file or a built-in "
+        "model. Writes thermo.csv/png, a trajectory and checkpoints to output.dir; "
+        "resume=CHECKPOINT continues a run exactly.",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from xnn.config.loader import load_config, to_yaml
+    from xnn.config.md import MDConfig
+    from xnn.dynamics.runner import run_md
+
+    config, overrides = split_args(args.config, args.overrides)
+    cfg = load_config(MDConfig, config, overrides)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    out = run_md(cfg)
+    print(f"xnn md: done; results in {out}")
+    return 0

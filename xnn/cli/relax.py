@@ -1,0 +1,32 @@
+"""``xnn relax CONFIG.yaml [key=value ...]``: FIRE relaxation (see ``xnn relax --help``)."""
+
+from __future__ import annotations
+
+from xnn.cli.md import add_config_parser, split_args
+
+
+def add_parser(sub) -> None:
+    from xnn.config.md import RelaxConfig
+
+    p = add_config_parser(
+        sub, "relax", RelaxConfig, "relax structures (positions, optionally the cell) with FIRE",
+        "Relax every frame of a structure file with FIRE until all forces are below fmax; "
+        "relax_cell=true also relaxes the cell toward pressure. Writes relaxed.xyz and "
+        "relax.csv to output.dir.",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from xnn.config.loader import load_config, to_yaml
+    from xnn.config.md import RelaxConfig
+    from xnn.dynamics.runner import run_relax
+
+    config, overrides = split_args(args.config, args.overrides)
+    cfg = load_config(RelaxConfig, config, overrides)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    out = run_relax(cfg)
+    print(f"xnn relax: done; results in {out}")
+    return 0

@@ -1,0 +1,157 @@
+"""Configuration of ``xnn md`` and ``xnn relax`` (YAML + dotlist overrides, see ``--help``).
+
+Units: temperature K, time fs, pressure in ``pressure_unit`` (GPa or bar), lengths Å.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from xnn.config.loader import ConfigError, check_range, field
+
+ENSEMBLES = ("nve", "langevin", "nhc", "csvr", "npt")
+PRESSURE_UNITS = ("GPa", "bar")
+
+
+@dataclass
+class MDModelConfig:
+    file: str | None = field(None, "model file written by xnn train / xnn.save_model")
+    name: str | None = field(None, "built-in model by registry name instead of a file (e.g. lj)")
+    params: dict[str, Any] = field({}, "hyperparameters of the built-in model (e.g. sigma, "
+                                   "epsilon, cutoff for lj)")
+    skin: float = field(1.0, "Verlet skin (Å): neighbor lists are rebuilt after a move of skin/2")
+    neighbor_backend: str = field("auto", "neighbor-list backend",
+                                  choices=("auto", "torch", "vesin", "brute"))
+    dtype: str = field("float64", "floating-point precision of the simulation",
+                       choices=("float64", "float32"))
+    device: str = field("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+
+    def __post_init__(self):
+        check_range("model.skin", self.skin, 0.0)
+
+    def check_source(self) -> None:
+        """Exactly one of ``file`` and ``name`` must be set (checked when the model is loaded)."""
+        if (self.file is None) == (self.name is None):
+            raise ConfigError("set exactly one of model.file (a model file) or model.name "
+                              "(a built-in model with model.params)")
+
+
+@dataclass
+class ThermostatConfig:
+    tau: float = field(100.0, "time constant of the nhc/csvr/npt thermostat (fs)")
+    friction: float = field(0.01, "Langevin friction γ (1/fs)")
+    chain_length: int = field(3, "Nosé–Hoover chain length")
+
+    def __post_init__(self):
+        check_range("thermostat.tau", self.tau, 0.0, low_inclusive=False)
+        check_range("thermostat.friction", self.friction, 0.0, low_inclusive=False)
+        check_range("thermostat.chain_length", self.chain_length, 1)
+
+
+@dataclass
+class BarostatConfig:
+    tau_p: float = field(1000.0, "barostat relaxation time (fs)")
+    compressibility: float = field(0.1, "estimate of the isothermal compressibility (1/GPa); "
+                                   "sets only the barostat's speed")
+    anisotropic: bool = field(False, "let all six cell strain components fluctuate "
+                              "(triclinic); false: isotropic")
+
+    def __post_init__(self):
+        check_range("barostat.tau_p", self.tau_p, 0.0, low_inclusive=False)
+        check_range("barostat.compressibility", self.compressibility, 0.0, low_inclusive=False)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = field("md_output", "output folder (created)")
+    trajectory_every: int = field(100, "write a frame every N steps (0: never)")
+    trajectory_format: str = field("auto", "auto: extxyz below 10,000 atoms, else HDF5",
+                                   choices=("auto", "extxyz", "hdf5"))
+    log_every: int = field(10, "thermo log row every N steps")
+    checkpoint_every: int = field(1000, "checkpoint every N steps (0: only at the end)")
+    plot: bool = field(True, "write thermo.png at the end")
+    progress: bool = field(True, "show a progress bar (on a terminal)")
+
+    def __post_init__(self):
+        for k in ("trajectory_every", "checkpoint_every"):
+            check_range(f"output.{k}", getattr(self, k), 0)
+        check_range("output.log_every", self.log_every, 1)
+
+
+@dataclass
+class SafetyConfig:
+    min_distance: float = field(0.5, "stop when two atoms come closer than this (Å)")
+    max_force: float = field(100.0, "stop when a force exceeds this (eV/Å)")
+    max_temperature: float | None = field(None, "stop above this temperature (K); "
+                                          "null: 10 × target + 1000 K")
+    check_every: int = field(1, "run the distance/temperature checks every N steps")
+
+    def __post_init__(self):
+        check_range("safety.min_distance", self.min_distance, 0.0)
+        check_range("safety.max_force", self.max_force, 0.0, low_inclusive=False)
+        check_range("safety.check_every", self.check_every, 1)
+
+
+@dataclass
+class MDConfig:
+    structure: str = field("", "structure file (extxyz or any ASE format); every selected "
+                           "frame is an independent system, all advanced together")
+    index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: every frame, 0:4)")
+    model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
+                                 "and model.params")
+    ensemble: str = field("langevin", "integrator", choices=ENSEMBLES)
+    temperature: float = field(300.0, "target temperature (K)")
+    temperatures: list[float] | None = field(None, "per-system target temperatures (K), one "
+                                             "per frame; overrides temperature")
+    initial_temperature: float | None = field(None, "Maxwell–Boltzmann temperature of the "
+                                              "initial velocities (null: the target)")
+    velocities: str = field("auto", "initial velocities: auto (from the file if present), "
+                            "file, or maxwell", choices=("auto", "file", "maxwell"))
+    pressure: float | None = field(None, "target pressure for npt, in pressure_unit")
+    pressure_unit: str = field("GPa", "unit of pressure", choices=PRESSURE_UNITS)
+    timestep: float = field(1.0, "time step (fs)")
+    steps: int = field(1000, "total number of steps (a resumed run continues up to it)")
+    seed: int = field(0, "seed of the initial velocities and of thermostat/barostat noise")
+    thermostat: ThermostatConfig = field(ThermostatConfig(), "thermostat settings")
+    barostat: BarostatConfig = field(BarostatConfig(), "barostat settings (npt)")
+    output: OutputConfig = field(OutputConfig(), "files written")
+    safety: SafetyConfig = field(SafetyConfig(), "checks that stop a diverging run")
+    resume: str | None = field(None, "checkpoint to continue from (bitwise identical on CPU)")
+
+    def __post_init__(self):
+        check_range("temperature", self.temperature, 0.0)
+        for t in self.temperatures or []:
+            check_range("temperatures", t, 0.0)
+        check_range("initial_temperature", self.initial_temperature, 0.0)
+        check_range("timestep", self.timestep, 0.0, low_inclusive=False)
+        check_range("steps", self.steps, 0)
+        if self.ensemble == "npt" and self.pressure is None:
+            raise ConfigError("ensemble=npt needs a target pressure (pressure=..., in "
+                              "pressure_unit)")
+        if self.ensemble != "npt" and self.pressure is not None:
+            raise ConfigError(f"pressure is only used by ensemble=npt, not {self.ensemble!r}")
+        if self.ensemble == "nhc" and self.temperature <= 0 and not self.temperatures:
+            raise ConfigError("ensemble=nhc needs temperature > 0")
+
+
+@dataclass
+class RelaxConfig:
+    structure: str = field("", "structure file; every selected frame is relaxed (batched)")
+    index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: every frame, 0:4)")
+    model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
+                                 "and model.params")
+    fmax: float = field(0.05, "converged when every force (and cell force) is below (eV/Å)")
+    max_steps: int = field(1000, "stop after this many FIRE steps")
+    relax_cell: bool = field(False, "also relax the cell toward pressure")
+    pressure: float = field(0.0, "target pressure for relax_cell, in pressure_unit")
+    pressure_unit: str = field("GPa", "unit of pressure", choices=PRESSURE_UNITS)
+    maxstep: float = field(0.2, "largest FIRE move per step (Å)")
+    output: OutputConfig = field(OutputConfig(dir="relax_output", trajectory_every=10,
+                                              log_every=1, checkpoint_every=0),
+                                 "files written")
+
+    def __post_init__(self):
+        check_range("fmax", self.fmax, 0.0, low_inclusive=False)
+        check_range("max_steps", self.max_steps, 0)
+        check_range("maxstep", self.maxstep, 0.0, low_inclusive=False)

@@ -1,0 +1,102 @@
+"""MD checkpoints: the full integrator state (graph, forces, thermostat variables, RNG
+state), the neighbor list, and the sizes of the output files, written atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics.state import MDState
+from xnn.errors import DataFileError
+
+FORMAT = "xnn-md-checkpoint"
+_NEIGHBOR_ATTRS = ("_edges", "_ref_positions", "_ref_cell", "_ref_ids", "n_builds")
+
+
+def neighbor_state(potential) -> dict | None:
+    """The Verlet list's cached edges and reference positions (so a resumed run reuses them)."""
+    nl = getattr(potential, "neighbors", None)
+    if nl is None or getattr(nl, "_edges", None) is None:
+        return None
+    return {k: getattr(nl, k, None) for k in _NEIGHBOR_ATTRS}
+
+
+def restore_neighbor_state(potential, saved: dict | None, device) -> None:
+    nl = getattr(potential, "neighbors", None)
+    if nl is None or saved is None:
+        return
+    for k, v in saved.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device)
+        elif isinstance(v, (tuple, list)):
+            v = tuple(t.to(device) for t in v)
+        setattr(nl, k, v)
+
+
+def save_checkpoint(path: str | os.PathLike, state: MDState, meta: dict, potential=None) -> None:
+    """Write ``state`` and ``meta`` (ensemble, file sizes, ...) to ``path`` atomically."""
+    payload = {
+        "format": FORMAT,
+        "version": 1,
+        "meta": meta,
+        "step": state.step,
+        "graph": {k: v.detach().cpu() for k, v in state.graph.fields.items()},
+        "forces": state.forces.cpu(),
+        "energy": state.energy.cpu(),
+        "stress": state.stress.cpu(),
+        "vars": {k: v.cpu() for k, v in state.vars.items()},
+        "rng": None if state.rng is None else state.rng.cpu(),
+        "neighbors": _to_cpu(neighbor_state(potential)) if potential is not None else None,
+    }
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _to_cpu(d):
+    if d is None:
+        return None
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, torch.Tensor):
+            v = v.cpu()
+        elif isinstance(v, (tuple, list)):
+            v = tuple(t.cpu() for t in v)
+        out[k] = v
+    return out
+
+
+def load_checkpoint(path: str | os.PathLike, device=None, potential=None) -> tuple[MDState, dict]:
+    """Read a checkpoint; returns the state (on ``device``) and its ``meta`` dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFileError(f"checkpoint not found: {path}")
+    try:
+        p = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise DataFileError(f"{path} is not a readable MD checkpoint ({type(e).__name__})") from None
+    if not isinstance(p, dict) or p.get("format") != FORMAT:
+        raise DataFileError(f"{path} is not an xnn MD checkpoint")
+    graph = AtomicGraph({k: v.to(device) for k, v in p["graph"].items()}, validate=False)
+    state = MDState(
+        graph=graph,
+        forces=p["forces"].to(device),
+        energy=p["energy"].to(device),
+        stress=p["stress"].to(device),
+        step=int(p["step"]),
+        vars={k: v.to(device) for k, v in p["vars"].items()},
+        rng=p["rng"],
+    )
+    if potential is not None:
+        restore_neighbor_state(potential, p.get("neighbors"), device)
+    return state, p["meta"]

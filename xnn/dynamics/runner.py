@@ -1,0 +1,229 @@
+"""The runners behind ``xnn md`` and ``xnn relax``.
+
+``run_md(config)`` reads a structure (every selected frame is a system of the batch), builds
+or loads the model, and integrates, writing under ``output.dir``: ``config.yaml``,
+``thermo.csv`` (+ ``thermo.png``), ``trajectory.xyz``/``.h5``, ``checkpoint.pt``. A run
+started with ``resume=checkpoint.pt`` continues bitwise identically on CPU (integrator,
+thermostat and RNG state, neighbor list and output files are restored). Safety checks stop
+a diverging run with a clear message after writing ``last_good.xyz`` and
+``checkpoint_last_good.pt``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from xnn.config.loader import load_config, save_config
+from xnn.config.md import MDConfig, RelaxConfig
+from xnn.data import keys as K
+from xnn.dynamics import checkpoint as ckpt
+from xnn.dynamics import fire
+from xnn.dynamics.registry import get_integrator
+from xnn.dynamics.safety import SimulationError, check_distances, check_forces, check_temperature
+from xnn.dynamics.setup import (
+    check_species,
+    initial_velocities,
+    integrator_args,
+    load_potential,
+    load_structure,
+    pressure_to_internal,
+    resolve_device,
+    target_temperatures,
+)
+from xnn.dynamics.state import MDState
+from xnn.dynamics.thermo import ThermoLog, observables, plot_log
+from xnn.errors import InputError
+from xnn.io.trajectory import ExtxyzWriter, open_trajectory
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _progress(cfg_out, total: int, initial: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
+                disable=None if cfg_out.progress else True, mininterval=0.5)
+
+
+def _results(state: MDState) -> dict:
+    return {K.ENERGY: state.energy, K.FORCES: state.forces, K.STRESS: state.stress}
+
+
+class _Outputs:
+    """Trajectory, thermo log and checkpoints of one run."""
+
+    def __init__(self, cfg: MDConfig, n_atoms: int, meta: dict | None):
+        self.cfg = cfg
+        self.dir = Path(cfg.output.dir)
+        files = (meta or {}).get("files", {})
+        self.traj = None
+        if cfg.output.trajectory_every:
+            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
+                                        files.get("trajectory") if meta else None)
+        self.log = ThermoLog(self.dir / "thermo.csv", files.get("log_rows") if meta else None)
+
+    def meta(self, ensemble: str) -> dict:
+        files = {"log_rows": self.log.rows}
+        if self.traj is not None:
+            files["trajectory"] = self.traj.position()
+        return {"kind": "md", "ensemble": ensemble, "files": files}
+
+    def record(self, state: MDState, integrator, force: bool = False) -> None:
+        out, step = self.cfg.output, state.step
+        if force or step % out.log_every == 0:
+            self.log.write(step, self.cfg.timestep, observables(state, integrator.conserved))
+        if self.traj is not None and (force or step % out.trajectory_every == 0):
+            self.traj.write(state.graph, step, _results(state))
+
+    def checkpoint(self, state: MDState, potential, name: str = "checkpoint.pt") -> Path:
+        path = self.dir / name
+        ckpt.save_checkpoint(path, state, self.meta(self.cfg.ensemble), potential)
+        return path
+
+
+def _check(state: MDState, potential, cfg: MDConfig, max_t: torch.Tensor) -> None:
+    check_forces(state, cfg.safety.max_force)
+    if state.step % cfg.safety.check_every == 0:
+        check_distances(state, potential, cfg.safety.min_distance)
+        check_temperature(state, max_t)
+
+
+def _fail(err: SimulationError, good: MDState, potential, outputs: _Outputs) -> SimulationError:
+    d = outputs.dir
+    ExtxyzWriter(d / "last_good.xyz").write(good.graph, good.step, _results(good))
+    ckpt.save_checkpoint(d / "checkpoint_last_good.pt", good, outputs.meta(outputs.cfg.ensemble),
+                         None)
+    return SimulationError(f"{err}; stopped. Last good frame (step {good.step}) written to "
+                           f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
+
+
+def _start(cfg: MDConfig, potential, device, dtype):
+    """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
+    integrator = get_integrator(cfg.ensemble)
+    if cfg.resume:
+        state, meta = ckpt.load_checkpoint(cfg.resume, device, potential)
+        if meta.get("ensemble") != cfg.ensemble:
+            raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} run, "
+                             f"not {cfg.ensemble!r}")
+        check_species(potential, state.graph)
+        return integrator, state, meta
+    graph = load_structure(cfg.structure, cfg.index, device, dtype)
+    check_species(potential, graph)
+    temps = target_temperatures(cfg, graph.n_systems, graph.positions)
+    graph = initial_velocities(cfg, graph, temps)
+    state = integrator.init(graph, potential, **integrator_args(cfg, temps))
+    return integrator, state, None
+
+
+def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
+    """Run molecular dynamics from a config (object or YAML path + dotlist overrides).
+
+    Returns:
+        the output folder (with ``thermo.csv``, ``thermo.png``, trajectory, ``checkpoint.pt``).
+    Raises:
+        SimulationError: the run diverged (after writing the last good frame and a checkpoint).
+    """
+    cfg = config if isinstance(config, MDConfig) else load_config(MDConfig, config, overrides)
+    device, dtype = resolve_device(cfg.model.device), _DTYPES[cfg.model.dtype]
+    potential = load_potential(cfg.model, device, dtype)
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "config.yaml")
+    integrator, state, meta = _start(cfg, potential, device, dtype)
+    targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
+                                                                 state.positions))
+    max_t = (torch.full_like(targets, cfg.safety.max_temperature)
+             if cfg.safety.max_temperature is not None else 10 * targets + 1000.0)
+    outputs = _Outputs(cfg, state.graph.n_atoms, meta)
+    if meta is None:
+        outputs.record(state, integrator, force=True)
+    _loop(cfg, integrator, state, potential, outputs, max_t)
+    if cfg.output.plot:
+        plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}")
+    return out_dir
+
+
+def _loop(cfg: MDConfig, integrator, state: MDState, potential, outputs: _Outputs, max_t) -> MDState:
+    n_atoms, start = state.graph.n_atoms, state.step
+    good, t0 = state, time.perf_counter()
+    bar = _progress(cfg.output, cfg.steps, start, f"md {cfg.ensemble}")
+    every = cfg.output.checkpoint_every
+    try:
+        while state.step < cfg.steps:
+            new = integrator.step(state, potential, cfg.timestep)
+            try:
+                _check(new, potential, cfg, max_t)
+            except SimulationError as err:
+                raise _fail(err, good, potential, outputs) from None
+            state = new
+            if state.step % cfg.safety.check_every == 0:
+                good = state
+            outputs.record(state, integrator)
+            if every and state.step % every == 0:
+                outputs.checkpoint(state, potential)
+            bar.update(1)
+            if state.step % cfg.output.log_every == 0:
+                done, el = state.step - start, time.perf_counter() - t0
+                bar.set_postfix(ns_day=f"{done * cfg.timestep * 1e-6 * 86400 / el:.3g}",
+                                atom_steps_s=f"{n_atoms * done / el:.3g}", refresh=False)
+    finally:
+        bar.close()
+        if outputs.traj is not None:
+            outputs.traj.close()
+    if not (every and state.step % every == 0):
+        outputs.checkpoint(state, potential)
+    return state
+
+
+def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
+    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz`` and ``relax.csv``.
+
+    Returns:
+        the output folder.
+    """
+    cfg = config if isinstance(config, RelaxConfig) else load_config(RelaxConfig, config,
+                                                                     overrides)
+    device, dtype = resolve_device(cfg.model.device), _DTYPES[cfg.model.dtype]
+    potential = load_potential(cfg.model, device, dtype)
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "config.yaml")
+    graph = load_structure(cfg.structure, cfg.index, device, dtype)
+    check_species(potential, graph)
+    state = fire.init(graph, potential, relax_cell=cfg.relax_cell, maxstep=cfg.maxstep,
+                      pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit))
+    traj = (open_trajectory(out_dir, cfg.output.trajectory_format, graph.n_atoms,
+                            name="relax_trajectory") if cfg.output.trajectory_every else None)
+    rows = ["step,system,energy_eV,fmax_eV_A,volume_A3\n"]
+    bar = _progress(cfg.output, cfg.max_steps, 0, "relax")
+    try:
+        while True:
+            fm = fire.fmax(state)
+            if state.step % cfg.output.log_every == 0 or bool((fm < cfg.fmax).all()):
+                for s, (e, f, v) in enumerate(zip(state.energy.tolist(), fm.tolist(),
+                                                  state.graph.volume().tolist())):
+                    rows.append(f"{state.step},{s},{e!r},{f!r},{v!r}\n")
+            if traj is not None and state.step % cfg.output.trajectory_every == 0:
+                traj.write(state.graph, state.step, _results(state))
+            if bool((fm < cfg.fmax).all()) or state.step >= cfg.max_steps:
+                break
+            check_forces(state, float("inf"))
+            state = fire.step(state, potential, cfg.fmax)
+            bar.update(1)
+            bar.set_postfix(fmax=f"{float(fm.max()):.3g}", refresh=False)
+    finally:
+        bar.close()
+        if traj is not None:
+            traj.close()
+    (out_dir / "relax.csv").write_text("".join(rows))
+    ExtxyzWriter(out_dir / "relaxed.xyz").write(state.graph.replace(velocities=None),
+                                               state.step, _results(state))
+    n_bad = int((fire.fmax(state) >= cfg.fmax).sum())
+    if n_bad:
+        print(f"xnn relax: {n_bad} of {state.n_systems} systems did not reach fmax={cfg.fmax} "
+              f"eV/Å in {cfg.max_steps} steps")
+    return out_dir

@@ -1,0 +1,116 @@
+"""Turning a config into a potential, a batch of structures and integrator arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from xnn.config.md import MDConfig, MDModelConfig
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics.state import check_graph, maxwell_boltzmann
+from xnn.errors import DataFileError, InputError, ModelFileError
+from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("model.device is cuda but no CUDA device is available")
+    return dev
+
+
+def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
+    """A :class:`~xnn.models.Potential` for ``model.file`` or ``model.name`` + ``model.params``."""
+    from xnn.models import Potential, build
+
+    cfg.check_source()
+    if cfg.file is not None:
+        from xnn.models.serialization import load_model
+
+        if not Path(cfg.file).is_file():
+            raise ModelFileError(f"model file not found: {cfg.file}")
+        model = load_model(cfg.file, map_location=device)
+    else:
+        model = build(cfg.name, **dict(cfg.params))
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):
+        raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
+    model = model.to(device=device, dtype=dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return Potential(model, skin=cfg.skin, backend=cfg.neighbor_backend)
+
+
+def load_structure(path: str, index: str, device: torch.device, dtype: torch.dtype) -> AtomicGraph:
+    """All selected frames of ``path`` as one batch (``system`` = frame)."""
+    from xnn.data.ase_io import read
+
+    if not path:
+        raise InputError("no structure file given (structure=PATH)")
+    if not Path(path).is_file():
+        raise DataFileError(f"structure file not found: {path}")
+    index = ":" if index == "all" else str(index)
+    idx: str | int = int(index) if index.lstrip("-").isdigit() else index
+    graph = read(path, index=idx, as_graph=True, dtype=dtype, device=device)
+    keep = [k for k in graph.keys() if k not in K.LABEL_FIELDS]
+    return AtomicGraph({k: graph[k] for k in keep}, validate=False)
+
+
+def check_species(potential, graph: AtomicGraph) -> None:
+    check = getattr(potential.model, "check_species", None)
+    if check is not None:
+        check(graph.numbers)
+
+
+def initial_velocities(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) -> AtomicGraph:
+    """Velocities from the file, or Maxwell–Boltzmann at the initial temperature (seeded)."""
+    has = K.VELOCITIES in graph and bool((graph.velocities != 0).any())
+    if cfg.velocities == "file":
+        if K.VELOCITIES not in graph:
+            raise InputError(f"velocities=file but {cfg.structure} holds no velocities")
+        return check_graph(graph)
+    if cfg.velocities == "auto" and has:
+        return check_graph(graph)
+    t0 = targets if cfg.initial_temperature is None else cfg.initial_temperature
+    return maxwell_boltzmann(graph, t0, seed=cfg.seed)
+
+
+def pressure_to_internal(value: float, unit: str) -> float:
+    """Pressure in eV/Å³ from GPa or bar."""
+    return float(value) * (GPA_TO_EV_PER_A3 if unit == "GPa" else BAR_TO_EV_PER_A3)
+
+
+def target_temperatures(cfg: MDConfig, n_systems: int, like: torch.Tensor) -> torch.Tensor:
+    if cfg.temperatures is not None:
+        if len(cfg.temperatures) != n_systems:
+            raise InputError(f"temperatures has {len(cfg.temperatures)} entries for "
+                             f"{n_systems} systems")
+        return torch.tensor(list(cfg.temperatures), dtype=like.dtype, device=like.device)
+    return torch.full((n_systems,), float(cfg.temperature), dtype=like.dtype, device=like.device)
+
+
+def integrator_args(cfg: MDConfig, temperatures: torch.Tensor) -> dict:
+    """Keyword arguments of the chosen integrator's ``init`` from the config."""
+    th, ba = cfg.thermostat, cfg.barostat
+    if cfg.ensemble == "nve":
+        return {}
+    if cfg.ensemble == "langevin":
+        return dict(temperature=temperatures, friction=th.friction, seed=cfg.seed)
+    if cfg.ensemble == "csvr":
+        return dict(temperature=temperatures, tau=th.tau, seed=cfg.seed)
+    if cfg.ensemble == "nhc":
+        return dict(temperature=temperatures, tau=th.tau, chain_length=th.chain_length)
+    if cfg.ensemble == "npt":
+        return dict(
+            temperature=temperatures, tau=th.tau, seed=cfg.seed, tau_p=ba.tau_p,
+            pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit),
+            compressibility=ba.compressibility / GPA_TO_EV_PER_A3,
+            anisotropic=ba.anisotropic,
+        )
+    raise InputError(f"unknown ensemble {cfg.ensemble!r}")

@@ -1,0 +1,228 @@
+"""The MD state: an ``AtomicGraph`` plus the integrator's variables, and shared helpers.
+
+``MDState`` is frozen: integrators return new states and never modify the caller's tensors.
+Random numbers come from a generator whose state is part of the MD state (``rng``), so a
+run restarted from a checkpoint draws exactly the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics.reduce import LOCAL, Reducer
+from xnn.errors import InputError
+from xnn.units import KB, MVV2E
+
+
+@dataclasses.dataclass(frozen=True)
+class MDState:
+    """State of a batch of systems under an integrator.
+
+    Attributes:
+        graph: positions (Å), velocities (Å/fs), masses (amu), cell, pbc, fixed, batch, ...
+        forces: ``[n_atoms, 3]`` eV/Å at ``graph.positions``.
+        energy: ``[n_systems]`` potential energy (eV).
+        stress: ``[n_systems, 3, 3]`` eV/Å³ (ASE sign), zero for non-periodic systems.
+        step: number of steps taken.
+        vars: integrator variables by name (thermostat/barostat state, targets), each a
+            tensor whose first dimension is ``n_systems``.
+        rng: ``torch.Generator`` state (uint8 tensor), or ``None`` for deterministic integrators.
+    """
+
+    graph: AtomicGraph
+    forces: Tensor
+    energy: Tensor
+    stress: Tensor
+    step: int = 0
+    vars: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
+    rng: Tensor | None = None
+
+    @property
+    def positions(self) -> Tensor:
+        return self.graph.positions
+
+    @property
+    def velocities(self) -> Tensor:
+        return self.graph.velocities
+
+    @property
+    def n_systems(self) -> int:
+        return self.graph.n_systems
+
+    def replace(self, **changes) -> MDState:
+        """A new state with some attributes replaced (``vars`` entries merge)."""
+        if "vars" in changes:
+            changes["vars"] = {**self.vars, **changes["vars"]}
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------- inputs
+def per_system(value, n_systems: int, like: Tensor, name: str, positive: bool = False) -> Tensor:
+    """Broadcast a scalar or ``[n_systems]`` value to a ``[n_systems]`` tensor, checking its sign."""
+    t = torch.as_tensor(value, dtype=like.dtype, device=like.device)
+    if t.ndim == 0:
+        t = t.expand(n_systems).clone()
+    if t.shape != (n_systems,):
+        raise InputError(f"{name} must be a scalar or have shape [{n_systems}], got {tuple(t.shape)}")
+    if not torch.isfinite(t).all():
+        raise InputError(f"{name} must be finite, got {t.tolist()}")
+    if (t < 0).any() or (positive and (t == 0).any()):
+        raise InputError(f"{name} must be {'> 0' if positive else '>= 0'}, got {t.tolist()}")
+    return t
+
+
+def check_timestep(dt: float) -> float:
+    if not dt > 0 or dt == float("inf"):
+        raise InputError(f"timestep must be a positive number of fs, got {dt}")
+    return float(dt)
+
+
+def check_graph(graph: AtomicGraph) -> AtomicGraph:
+    """Validate an MD input graph: masses present and positive; add zero velocities if absent."""
+    if K.MASSES not in graph or not (graph.masses > 0).all():
+        raise InputError("every atom needs a positive mass (amu) for dynamics")
+    if K.VELOCITIES not in graph:
+        graph = graph.replace(velocities=torch.zeros_like(graph.positions))
+    return graph
+
+
+# ----------------------------------------------------------------------------- kinematics
+def free_mask(graph: AtomicGraph) -> Tensor:
+    """``[n_atoms]`` bool, True for atoms that move."""
+    fixed = graph.get(K.FIXED)
+    if fixed is None:
+        return torch.ones(graph.n_atoms, dtype=torch.bool, device=graph.device)
+    return ~fixed.to(torch.bool)
+
+
+def has_fixed(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
+    """``[n_systems]`` bool: the system holds at least one fixed atom."""
+    n_fixed = reduce.sum_per_system((~free_mask(graph)).to(graph.dtype), graph.batch, graph.n_systems)
+    return n_fixed > 0
+
+
+def degrees_of_freedom(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
+    """``[n_systems]`` kinetic degrees of freedom.
+
+    ``3 N - 3`` for a system without fixed atoms (its total momentum is kept at zero),
+    ``3 N_free`` otherwise; at least 1.
+    """
+    n_free = reduce.sum_per_system(free_mask(graph).to(graph.dtype), graph.batch, graph.n_systems)
+    dof = torch.where(has_fixed(graph, reduce), 3 * n_free, 3 * n_free - 3)
+    return dof.clamp(min=1.0)
+
+
+def kinetic_energy(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
+    """``[n_systems]`` kinetic energy ``sum 1/2 m v²`` (eV)."""
+    v = graph.velocities
+    per_atom = 0.5 * MVV2E * graph.masses * (v * v).sum(-1)
+    return reduce.sum_per_system(per_atom, graph.batch, graph.n_systems)
+
+
+def kinetic_tensor(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
+    """``[n_systems, 3, 3]`` ``sum m v vᵀ`` (eV), twice the kinetic-energy tensor."""
+    v = graph.velocities
+    per_atom = MVV2E * graph.masses[:, None, None] * v[:, :, None] * v[:, None, :]
+    return reduce.sum_per_system(per_atom, graph.batch, graph.n_systems)
+
+
+def temperature(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
+    """``[n_systems]`` instantaneous temperature ``2 K / (N_dof k_B)`` (K)."""
+    return 2.0 * kinetic_energy(graph, reduce) / (degrees_of_freedom(graph, reduce) * KB)
+
+
+def remove_com_velocity(v: Tensor, graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
+    """Subtract each system's centre-of-mass velocity (systems with fixed atoms: zero fixed atoms).
+
+    Args:
+        v: ``[n_atoms, 3]`` Å/fs.
+    Returns:
+        ``[n_atoms, 3]`` with zero total momentum per system without fixed atoms, and zero
+        velocity on fixed atoms.
+    """
+    m = graph.masses
+    mom = reduce.sum_per_system(m[:, None] * v, graph.batch, graph.n_systems)
+    mass = reduce.sum_per_system(m, graph.batch, graph.n_systems)
+    v_com = mom / mass[:, None]
+    keep = has_fixed(graph, reduce)
+    v = v - torch.where(keep[:, None], torch.zeros_like(v_com), v_com)[graph.batch]
+    return torch.where(free_mask(graph)[:, None], v, torch.zeros_like(v))
+
+
+def accelerations(forces: Tensor, graph: AtomicGraph) -> Tensor:
+    """``[n_atoms, 3]`` Å/fs² from forces (eV/Å); zero on fixed atoms."""
+    a = forces / (graph.masses[:, None] * MVV2E)
+    return torch.where(free_mask(graph)[:, None], a, torch.zeros_like(a))
+
+
+# ----------------------------------------------------------------------------- random numbers
+def new_rng(seed: int, device: torch.device | str = "cpu") -> Tensor:
+    """Generator state for ``seed`` (store it in ``MDState.rng``)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return g.get_state()
+
+
+def generator(rng: Tensor, device: torch.device) -> torch.Generator:
+    """A fresh generator positioned at ``rng`` (the caller's state is not advanced)."""
+    g = torch.Generator(device=device)
+    g.set_state(rng.clone())
+    return g
+
+
+def maxwell_boltzmann(
+    graph: AtomicGraph, temperature_K, seed: int = 0, reduce: Reducer = LOCAL
+) -> AtomicGraph:
+    """Graph with Maxwell–Boltzmann velocities at ``temperature_K`` and zero total momentum.
+
+    Args:
+        graph: positions and masses (amu).
+        temperature_K: scalar or ``[n_systems]`` (K).
+        seed: the velocities are a function of the seed only.
+    Returns:
+        the graph with ``velocities [n_atoms, 3]`` (Å/fs); fixed atoms get zero velocity.
+    """
+    graph = check_graph(graph)
+    t = per_system(temperature_K, graph.n_systems, graph.positions, "temperature")
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed))
+    xi = torch.randn(graph.n_atoms, 3, generator=g, dtype=torch.float64).to(graph.positions)
+    sigma = torch.sqrt(KB * t[graph.batch] / (graph.masses * MVV2E))
+    v = remove_com_velocity(xi * sigma[:, None], graph, reduce)
+    return graph.replace(velocities=v)
+
+
+# ----------------------------------------------------------------------------- model calls
+def evaluate(model, graph: AtomicGraph) -> tuple[Tensor, Tensor, Tensor]:
+    """Energy ``[n_systems]``, forces ``[n_atoms, 3]`` and stress ``[n_systems, 3, 3]``.
+
+    Args:
+        model: a :class:`~xnn.models.Potential` (or any callable with its signature).
+    """
+    out = model(graph.without_edges(), forces=True, stress=bool(graph.pbc.all(-1).any()))
+    stress = out.get(K.STRESS)
+    if stress is None:
+        stress = torch.zeros_like(graph.cell)
+    return out[K.ENERGY].detach(), out[K.FORCES].detach(), stress.detach()
+
+
+def initial_state(model, graph: AtomicGraph, vars: Mapping[str, Tensor], rng=None) -> MDState:
+    """Evaluate the model on ``graph`` and wrap it in an :class:`MDState` at step 0."""
+    graph = check_graph(graph)
+    graph = graph.replace(velocities=torch.where(
+        free_mask(graph)[:, None], graph.velocities, torch.zeros_like(graph.velocities)
+    ))
+    energy, forces, stress = evaluate(model, graph)
+    return MDState(graph, forces, energy, stress, 0, dict(vars), rng)
+
+
+def with_positions(state: MDState, model, graph: AtomicGraph) -> MDState:
+    """New state at ``graph``'s positions/cell with fresh forces; step count +1."""
+    energy, forces, stress = evaluate(model, graph)
+    return state.replace(graph=graph, forces=forces, energy=energy, stress=stress, step=state.step + 1)

@@ -1,0 +1,110 @@
+"""Thermodynamic observables of an MD state, the CSV thermo log and its plot."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import torch
+
+from xnn.dynamics.reduce import LOCAL, Reducer
+from xnn.dynamics.state import MDState, kinetic_energy, kinetic_tensor, temperature
+from xnn.errors import DataFileError
+from xnn.units import EV_PER_A3_TO_GPA
+
+COLUMNS = ("step", "time_fs", "system", "temperature_K", "epot_eV", "ekin_eV", "etot_eV",
+           "pressure_GPa", "volume_A3", "conserved_eV")
+
+
+def observables(state: MDState, conserved, reduce: Reducer = LOCAL) -> dict[str, torch.Tensor]:
+    """Per-system ``[n_systems]`` temperature, energies, pressure (GPa), volume, conserved."""
+    g = state.graph
+    ekin = kinetic_energy(g, reduce)
+    vol = g.volume()
+    periodic = g.pbc.all(-1) & (vol > 0)
+    vol_safe = torch.where(periodic, vol, torch.ones_like(vol))
+    p_tensor = kinetic_tensor(g, reduce) / vol_safe[:, None, None] - state.stress
+    p = p_tensor.diagonal(dim1=-2, dim2=-1).mean(-1) * EV_PER_A3_TO_GPA
+    nan = torch.full_like(p, float("nan"))
+    return {
+        "temperature_K": temperature(g, reduce),
+        "epot_eV": state.energy,
+        "ekin_eV": ekin,
+        "etot_eV": state.energy + ekin,
+        "pressure_GPa": torch.where(periodic, p, nan),
+        "volume_A3": torch.where(periodic, vol, nan),
+        "conserved_eV": conserved(state, reduce),
+    }
+
+
+class ThermoLog:
+    """CSV log, one row per system per logged step.
+
+    Args:
+        path: CSV file.
+        truncate_to: on resume, the number of data rows to keep; ``None`` starts a new file.
+    """
+
+    def __init__(self, path: str | os.PathLike, truncate_to: int | None = None):
+        self.path = Path(path)
+        self.rows = 0
+        if truncate_to is None:
+            with open(self.path, "w", newline="") as fh:
+                csv.writer(fh).writerow(COLUMNS)
+        else:
+            if not self.path.is_file():
+                raise DataFileError(f"cannot resume: thermo log {self.path} is missing")
+            lines = self.path.read_text().splitlines(keepends=True)
+            if len(lines) < truncate_to + 1:
+                raise DataFileError(f"cannot resume: {self.path} has fewer rows than the "
+                                    "checkpoint says")
+            self.path.write_text("".join(lines[: truncate_to + 1]))
+            self.rows = truncate_to
+
+    def write(self, step: int, dt: float, values: dict[str, torch.Tensor]) -> None:
+        cols = {k: v.detach().cpu().tolist() for k, v in values.items()}
+        n = len(cols["epot_eV"])
+        with open(self.path, "a", newline="") as fh:
+            w = csv.writer(fh)
+            for s in range(n):
+                w.writerow([step, repr(step * dt), s] + [repr(float(cols[c][s])) for c in COLUMNS[3:]])
+        self.rows += n
+
+
+def read_log(path: str | os.PathLike) -> dict[str, list[float]]:
+    """Columns of a thermo CSV as lists of floats."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return {c: [float(r[c]) for r in rows] for c in (rows[0].keys() if rows else COLUMNS)}
+
+
+def plot_log(csv_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> Path:
+    """Plot temperature, energies, pressure and volume against time; one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = read_log(csv_path)
+    systems = sorted(set(int(s) for s in d["system"]))
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    panels = [("temperature_K", "T (K)"), ("epot_eV", "E_pot (eV)"),
+              ("pressure_GPa", "P (GPa)"), ("conserved_eV", "conserved (eV)")]
+    if all(v != v for v in d["pressure_GPa"]):
+        panels[2] = ("etot_eV", "E_tot (eV)")
+    for ax, (col, label) in zip(axes.flat, panels):
+        for s in systems[:10]:
+            idx = [i for i, x in enumerate(d["system"]) if int(x) == s]
+            ax.plot([d["time_fs"][i] / 1000 for i in idx], [d[col][i] for i in idx],
+                    lw=0.8, label=f"system {s}" if len(systems) > 1 else None)
+        ax.set_ylabel(label)
+    for ax in axes[1]:
+        ax.set_xlabel("time (ps)")
+    if len(systems) > 1:
+        axes[0, 0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return Path(png_path)

@@ -120,7 +120,10 @@ def _apply_override(cfg, item: str, deletions: list[tuple[str, int]]) -> None:
         raise ConfigError(f"override {item!r} is not of the form key=value")
     key, raw = item.split("=", 1)
     key = key.strip()
-    value = OmegaConf.from_dotlist([f"v={raw}"])["v"] if raw != "" else ""
+    try:
+        value = OmegaConf.from_dotlist([f"v={raw}"])["v"] if raw != "" else ""
+    except Exception:  # not valid YAML (e.g. index=:): keep the raw string
+        value = raw
     parent_key, _, last = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if isinstance(parent, ListConfig) and last.isdigit():

@@ -1,10 +1,37 @@
 #!/usr/bin/env bash
 # Optional model wrappers that the test suite exercises: SevenNet (pretrained, e3nn >= 0.5) and
-# mace-torch. mace-torch pins e3nn==0.4.4, which conflicts with sevenn; freshly built MACE models
-# run under e3nn 0.6, so mace-torch is installed without its pin (--no-deps) plus its other needs.
+# mace-torch (xnn.models.external). Usage: bash scripts/install_extras.sh [PYTHON]
+#
+# mace-torch 0.3.16 pins e3nn==0.4.4 while sevenn 0.13.0 needs e3nn>=0.5, so one resolver run
+# cannot install both. sevenn is installed normally; mace-torch with --no-deps plus the runtime
+# packages that `import mace.modules, mace.calculators` needs (freshly built MACE models run
+# under e3nn 0.6; checked by tests/test_external_mace.py). The rest of mace-torch's
+# Requires-Dist (configargparse, GitPython, prettytable, python-hostlist) serves only its
+# training CLI. pip will report that mace-torch "requires e3nn==0.4.4": that is expected.
+#
+# The installed torch is passed as a constraint, so no dependency can replace it (e.g. by a
+# CUDA wheel or another version). XNN_SKIP_EXTRAS=1 skips everything; the wrappers' tests are
+# then skipped.
 set -euo pipefail
 PY=${1:-python}
 if [ "${XNN_SKIP_EXTRAS:-0}" = "1" ]; then echo "XNN_SKIP_EXTRAS=1: not installing mace-torch/sevenn"; exit 0; fi
-"$PY" -m pip install -q "sevenn==0.13.0" || echo "warning: sevenn could not be installed; its tests will be skipped"
-"$PY" -m pip install -q --no-deps "mace-torch==0.3.16" || echo "warning: mace-torch could not be installed"
-"$PY" -m pip install -q matscipy torch-ema opt_einsum prettytable lmdb orjson python-hostlist configargparse GitPython torchmetrics || true
+
+TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==$TORCH_VERSION" > "$CONSTRAINTS"
+PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
+
+"${PIP[@]}" "sevenn==0.13.0" || echo "warning: sevenn could not be installed; its tests will be skipped"
+
+if "${PIP[@]}" --no-deps "mace-torch==0.3.16"; then
+    "${PIP[@]}" torch-ema torchmetrics lmdb orjson opt_einsum matscipy pandas h5py pyyaml \
+        || echo "warning: some mace-torch dependencies could not be installed"
+else
+    echo "warning: mace-torch could not be installed; its tests will be skipped"
+fi
+
+"$PY" -c 'import torch; v = torch.__version__.split("+")[0]; assert v == "'"$TORCH_VERSION"'", v'
+"$PY" -c 'import sevenn.calculator' 2>/dev/null && echo "sevenn: ok" || echo "warning: sevenn does not import"
+"$PY" -c 'import mace.modules, mace.calculators' 2>/dev/null && echo "mace-torch: ok" \
+    || echo "warning: mace-torch does not import"

@@ -1,0 +1,219 @@
+"""MACEWrapper (mace-torch) against mace-torch's own ASE calculator, in float64.
+
+Random-weight MACE models are built here (no download). The extra is imported through
+``xnn.models.external._optional`` so that this module does not change ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.build import bulk
+
+from xnn import AtomicGraph
+from xnn.errors import InputError, UnknownSpeciesError
+from xnn.models import Potential, build, compute_properties
+from xnn.models.external._optional import MissingExtraError, import_extra
+from xnn.neighbors import with_edges
+
+_WATCHED = ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCHINDUCTOR_CACHE_DIR")
+_ENV_AT_START = {k: os.environ[k] for k in _WATCHED if k in os.environ}
+
+try:
+    mace_modules, mace_calculators = import_extra("mace", "mace.modules", "mace.calculators")
+except MissingExtraError as _err:
+    pytest.skip(str(_err), allow_module_level=True)
+
+from e3nn import o3  # noqa: E402  (after the skip: e3nn comes with the extra's setup)
+
+SPECIES = [14, 29]
+
+
+def _mace_model(seed: int = 0, cls: str = "ScaleShiftMACE") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    block = mace_modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    cfg = dict(
+        r_max=3.2, num_bessel=6, num_polynomial_cutoff=5, max_ell=2,
+        interaction_cls=block, interaction_cls_first=block, num_interactions=2,
+        num_elements=len(SPECIES), hidden_irreps=o3.Irreps("8x0e + 8x1o"),
+        MLP_irreps=o3.Irreps("8x0e"), gate=torch.nn.functional.silu,
+        atomic_energies=np.array([-1.5, -3.25]), avg_num_neighbors=8.0,
+        atomic_numbers=SPECIES, correlation=2,
+    )
+    if cls == "ScaleShiftMACE":
+        model = mace_modules.ScaleShiftMACE(atomic_inter_scale=1.3, atomic_inter_shift=0.2, **cfg)
+    else:
+        model = mace_modules.MACE(**cfg)
+    return model.double().eval()
+
+
+@pytest.fixture(scope="module")
+def mace_model():
+    return _mace_model()
+
+
+@pytest.fixture(scope="module")
+def model_path(mace_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("mace") / "tiny.model"
+    torch.save(mace_model, path)
+    return path
+
+
+def _periodic() -> Atoms:
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.numbers[[1, 2]] = 14
+    atoms.set_cell(atoms.cell.array + [[0.0, 0.3, -0.2], [0.25, 0.0, 0.1], [0.0, -0.15, 0.0]],
+                   scale_atoms=True)
+    atoms.rattle(0.08, seed=1)
+    return atoms
+
+
+def _molecule() -> Atoms:
+    rng = np.random.default_rng(3)
+    pos = rng.uniform(0.0, 4.0, size=(6, 3))
+    return Atoms(numbers=[14, 29, 29, 14, 29, 14], positions=pos)
+
+
+def _reference(atoms: Atoms, calc) -> dict:
+    atoms = atoms.copy()
+    atoms.calc = calc
+    out = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(),
+           "energies": atoms.calc.results["energies"]}
+    if atoms.pbc.all():
+        out["stress"] = atoms.get_stress(voigt=False)
+    return out
+
+
+def _graph(structures: list[Atoms], cutoff: float) -> AtomicGraph:
+    graphs = [
+        AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc) for a in structures
+    ]
+    return with_edges(AtomicGraph.concat(graphs), cutoff, backend="brute")
+
+
+def _close(actual, expected, rtol=1e-8):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = max(np.abs(expected).max(), 1e-3)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
+
+
+@pytest.mark.filterwarnings("ignore:Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+def test_matches_mace_calculator_batched_periodic_and_molecule(mace_model, model_path, monkeypatch):
+    # the calculator loads its own copy of the weights from the .model file (a pickle; mace
+    # sets this variable itself on import, we preserve the environment and so set it here)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    calc = mace_calculators.MACECalculator(model_paths=str(model_path), device="cpu",
+                                           default_dtype="float64")
+    structures = [_periodic(), _molecule()]
+    refs = [_reference(a, calc) for a in structures]
+    wrapper = build("mace", model=mace_model)
+    assert wrapper.cutoff == pytest.approx(3.2) and wrapper.num_interactions == 2
+    assert wrapper.species == SPECIES
+    graph = _graph(structures, wrapper.cutoff + 0.8)  # Verlet skin
+    out = compute_properties(wrapper, graph)
+    ptr = graph.ptr.tolist()
+    for s, ref in enumerate(refs):
+        _close(out["energy"][s].item(), ref["energy"])
+        _close(out["forces"][ptr[s]:ptr[s + 1]], ref["forces"])
+        _close(out["energies"][ptr[s]:ptr[s + 1]], ref["energies"])  # per-atom, with E0
+    _close(out["stress"][0], refs[0]["stress"])
+    assert out["stress"][1].abs().max() == 0  # non-periodic system: no stress
+
+
+def test_edges_beyond_r_max_contribute_nothing(mace_model):
+    wrapper = build("mace", model=mace_model)
+    atoms = [_periodic()]
+    tight = compute_properties(wrapper, _graph(atoms, wrapper.cutoff))
+    skin = _graph(atoms, wrapper.cutoff + 1.5)
+    assert skin.edge_vectors().norm(dim=-1).max() > wrapper.cutoff + 1.0
+    loose = compute_properties(wrapper, skin)
+    for key in ("energies", "forces", "stress"):
+        torch.testing.assert_close(loose[key], tight[key], rtol=0, atol=1e-12)
+
+
+def test_plain_mace_class_and_model_file(model_path, mace_model):
+    atoms = [_molecule()]
+    from_file = build("mace", model=str(model_path))
+    direct = build("mace", model=mace_model)
+    graph = _graph(atoms, 3.2)
+    torch.testing.assert_close(from_file(graph), direct(graph), rtol=0, atol=0)
+    plain = build("mace", model=_mace_model(seed=1, cls="MACE"))
+    calc = mace_calculators.MACECalculator(
+        models=plain.model, device="cpu", default_dtype="float64"
+    )
+    ref = _reference(atoms[0], calc)
+    out = compute_properties(plain, graph, stress=False)
+    _close(out["energy"].item(), ref["energy"])
+    _close(out["forces"], ref["forces"])
+
+
+def test_save_load_roundtrip(mace_model, tmp_path):
+    import xnn
+
+    wrapper = build("mace", model=mace_model)
+    path = xnn.save_model(wrapper, tmp_path / "wrapped.pt")
+    payload = torch.load(path, weights_only=True)  # the outer file needs no unpickling
+    assert isinstance(payload["module_bytes"], bytes)
+    loaded = xnn.load_model(path)
+    graph = _graph([_periodic()], wrapper.cutoff)
+    torch.testing.assert_close(loaded(graph), wrapper(graph), rtol=0, atol=0)
+
+
+def test_species_and_dtype_errors(mace_model):
+    wrapper = build("mace", model=mace_model)
+    water = Atoms("OH2", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]])
+    graph = AtomicGraph.from_arrays(water.positions, water.numbers)
+    with pytest.raises(UnknownSpeciesError, match="O"):
+        Potential(wrapper)(graph)
+    with pytest.raises(InputError, match="dtype"):
+        wrapper(_graph([_molecule()], 3.2).to(dtype=torch.float32))
+    with pytest.raises(InputError, match="head"):
+        build("mace", model=mace_model, head="nope")
+
+
+def test_importing_the_extra_leaves_environ_unchanged(monkeypatch):
+    # mace sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 on import; this module imported it through
+    # import_extra, which must have restored the environment
+    for key in _WATCHED:
+        assert os.environ.get(key) == _ENV_AT_START.get(key), key
+    import importlib
+
+    import mace
+
+    from xnn.models.external._optional import preserved_environ
+
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
+    with preserved_environ():
+        importlib.reload(mace)  # re-runs mace/__init__.py, which sets the variable
+        assert os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD") == "1"  # the check can fail
+    assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
+def test_missing_extra_raises_with_install_hint(monkeypatch):
+    for name in ("mace", "mace.modules", "sevenn", "sevenn.util"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now fails
+    for name, kw in (("mace", {"model": "x.model"}), ("sevenn", {"checkpoint": "7net-0"})):
+        with pytest.raises(ImportError, match=rf'pip install "xnn\[{name}\]"'):
+            build(name, **kw)
+
+
+_NO_EXTRAS = r"""
+import sys
+sys.modules["mace"] = None  # make `import mace` / `import sevenn` fail
+sys.modules["sevenn"] = None
+import xnn, xnn.models, xnn.models.external
+assert "mace" in xnn.models.available_models() and "sevenn" in xnn.models.available_models()
+print("ok")
+"""
+
+
+def test_xnn_imports_without_extras():
+    res = subprocess.run([sys.executable, "-c", _NO_EXTRAS], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]

@@ -1,0 +1,195 @@
+"""``SevenNetWrapper``: a SevenNet checkpoint (e.g. the pretrained SevenNet-0) as an xnn model.
+
+Edge conventions. SevenNet (``sevenn.train.dataload``, ``sevenn.nn.convolution``):
+``edge_index[0]`` = receiver ("edge_dst", where messages are summed), ``edge_index[1]`` =
+sender ("edge_src"), and ``edge_vec = pos[sender] - pos[receiver] + shift @ cell``, i.e.
+xnn's ``r_ij``. So xnn's ``edge_index`` is flipped and ``r_ij`` is passed as ``edge_vec``.
+
+SevenNet's model is an ``nn.Sequential`` of modules reading and writing a dict. The wrapper
+runs it up to the module that writes the per-atom energies (``atomic_energy``, after the
+species-wise scale and shift) and skips the total-energy reduction and SevenNet's own
+force/stress output: xnn derives forces and stress by autograd through ``r_ij``, which
+depends on positions and cell. SevenNet's XPLOR cutoff is *not* zero beyond the cutoff, so
+edges at or beyond it (a Verlet skin) are dropped first. Nothing depends on the cell except
+through the shifts, so the wrapper runs unchanged on owned + ghost atoms.
+
+Checkpoint names ("7net-0", "7net-l3i5", ...) are resolved by
+``sevenn.util.load_checkpoint`` to files shipped inside the ``sevenn`` wheel (no download
+for those). SevenNet checkpoints are pickles (trusted files only); xnn model files written
+from this wrapper hold only the config (primitives) and the state dict.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError, ModelFileError
+from xnn.models.base import AtomisticModel
+from xnn.models.external._common import check_dtype, edges_within
+from xnn.models.external._optional import import_extra, preserved_environ
+
+PAYLOAD_KIND = "sevenn-config-state"
+
+
+def _sevenn():
+    util, keys, build = import_extra("sevenn", "sevenn.util", "sevenn._keys", "sevenn.model_build")
+    return util, keys, build
+
+
+def _primitive(value):
+    """``value`` with numpy arrays, devices and tuples made weights_only-loadable."""
+    if isinstance(value, dict):
+        return {k: _primitive(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_primitive(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    return value
+
+
+def _as_dtype(data: dict, dtype: torch.dtype) -> dict:
+    """Cast floating tensors of ``data`` to ``dtype`` (SevenNet's one-hot is always float32)."""
+    for k, v in data.items():
+        if isinstance(v, Tensor) and v.is_floating_point() and v.dtype != dtype:
+            data[k] = v.to(dtype)
+    return data
+
+
+def _load(checkpoint: str | os.PathLike) -> tuple[nn.Module, dict]:
+    util, _, _ = _sevenn()
+    try:
+        with preserved_environ(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cp = util.load_checkpoint(str(checkpoint))
+            model = cp.build_model()
+            config = dict(cp.config)
+    except ValueError as err:  # unknown name: sevenn lists the valid ones
+        raise InputError(f"SevenNet checkpoint {checkpoint!r}: {' '.join(str(err).split())}") from None
+    except Exception as err:  # missing/corrupt file, failed download of a non-shipped model
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ModelFileError(f"cannot load SevenNet checkpoint {checkpoint!r}: {reason}") from None
+    return model, config
+
+
+def _build_from_config(config: dict) -> nn.Module:
+    _, _, build = _sevenn()
+    with preserved_environ(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build.build_E3_equivariant_model(dict(config))
+
+
+class SevenNetWrapper(AtomisticModel):
+    """A SevenNet model returning per-atom energies ``[n_atoms]`` (eV) from xnn graphs.
+
+    Args:
+        checkpoint: a pretrained name known to ``sevenn`` (``"7net-0"``, ``"7net-l3i5"``,
+            ...) or the path of a SevenNet checkpoint file.
+        modal: fidelity for multi-modal checkpoints (e.g. ``"R2SCAN"`` for
+            ``7net-mf-0``); must be ``None`` for single-modal ones.
+
+    Attributes:
+        cutoff: the checkpoint's cutoff (Å).
+        num_interactions: number of convolution layers.
+        species: atomic numbers of the checkpoint's type map.
+
+    The pretrained models are float32; ``wrapper.double()`` gives a float64 model.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike = "7net-0", modal: str | None = None):
+        super().__init__()
+        model, config = _load(checkpoint)
+        self._setup(model, config, modal, str(checkpoint))
+
+    def _setup(self, model: nn.Module, config: dict, modal: str | None, source: str) -> None:
+        _, keys, _ = _sevenn()
+        self.model = model
+        self.config = _primitive(config)
+        self.source = source
+        self.cutoff = float(model.cutoff)
+        self.num_interactions = sum(1 for n in model._modules if n.endswith("_convolution"))
+        self.species = sorted(int(z) for z in model.type_map)
+        self.keys = {
+            n: getattr(keys, n)
+            for n in ("EDGE_IDX", "EDGE_VEC", "ATOMIC_NUMBERS", "NODE_FEATURE", "POS", "BATCH",
+                      "MODAL_TYPE", "ATOMIC_ENERGY")
+        }
+        modal_map = getattr(model, "modal_map", None) or {}
+        if modal_map and modal not in modal_map:
+            raise InputError(f"SevenNet model {source!r} needs modal= one of {sorted(modal_map)}")
+        if not modal_map and modal is not None:
+            raise InputError(f"SevenNet model {source!r} is single-modal: leave modal=None")
+        self.modal = modal
+        table = torch.full((120,), -1, dtype=torch.long)
+        for z, k in model.type_map.items():
+            table[int(z)] = int(k)
+        self.register_buffer("z_to_type", table, persistent=False)
+
+    def sevenn_inputs(self, graph: AtomicGraph) -> dict:
+        """SevenNet's input dict for ``graph`` (edges within the cutoff, flipped)."""
+        key = self.keys
+        edge_index, _, vec = edges_within(graph, self.cutoff)
+        data = {
+            key["EDGE_IDX"]: torch.stack([edge_index[1], edge_index[0]]),
+            key["EDGE_VEC"]: vec,
+            key["ATOMIC_NUMBERS"]: graph.numbers,
+            key["NODE_FEATURE"]: self.z_to_type[graph.numbers],
+            key["POS"]: graph.positions,
+            key["BATCH"]: graph.batch,
+        }
+        if self.modal is not None:  # batched form of AtomGraphSequential._eval_modal_map
+            index = int(self.model.modal_map[self.modal])
+            data[key["MODAL_TYPE"]] = torch.full(
+                (graph.n_systems,), index, dtype=torch.long, device=graph.device
+            )
+        return data
+
+    def forward(self, graph: AtomicGraph) -> Tensor:
+        """Per-atom energies ``[n_atoms]`` (eV); ``graph`` must carry edges."""
+        check_dtype(graph, self.model)
+        out_key = self.keys["ATOMIC_ENERGY"]
+        data = self.sevenn_inputs(graph)
+        for module in self.model:
+            data = _as_dtype(module(data), graph.dtype)
+            if out_key in data:
+                return data[out_key].reshape(-1).to(graph.dtype)
+        raise InputError(f"SevenNet model {self.source!r} wrote no {out_key!r}")
+
+    # ------------------------------------------------------------------ serialization
+    def to_payload(self) -> dict:
+        """Config (primitives) and state dict for ``xnn.save_model`` (no pickled objects)."""
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return {
+            "kind": PAYLOAD_KIND,
+            "config": self.config,
+            "state_dict": state,
+            "modal": self.modal,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> SevenNetWrapper:
+        """Rebuild from :meth:`to_payload` output (architecture from the stored config)."""
+        if payload.get("kind") != PAYLOAD_KIND or not isinstance(payload.get("config"), dict):
+            raise ModelFileError("not a SevenNet wrapper payload (missing kind/config)")
+        model = _build_from_config(payload["config"])
+        state = payload["state_dict"]
+        dtype = next(iter(v for v in state.values() if v.is_floating_point()), None)
+        if dtype is not None:
+            model = model.to(dtype.dtype)
+        model.load_state_dict(state, strict=True)
+        self = cls.__new__(cls)
+        AtomisticModel.__init__(self)
+        self._setup(model, payload["config"], payload.get("modal"), str(payload.get("source")))
+        return self

@@ -256,21 +256,22 @@ def read_structures(
         return HDF5Source(p, weight)
     from xnn.data import ase_io
 
-    try:
-        graphs = ase_io.read(str(p), energy_key=energy_key, forces_key=forces_key,
-                             stress_key=stress_key, virial_key=virial_key)
-    except (OSError, ValueError, KeyError) as e:
-        if isinstance(e, (DataFileError, InputError)):
-            raise
-        raise DataFileError(f"cannot read {str(p)!r}: {str(e).splitlines()[0]}") from None
-    if isinstance(graphs, AtomicGraph):
-        graphs = graphs.split()
+    frames = ase_io.read(str(p))
+    keys = dict(energy_key=energy_key, forces_key=forces_key, stress_key=stress_key,
+                virial_key=virial_key)
     out = []
     offset = 0
-    for g in graphs:
-        g = normalize_labels(g, weight)
-        ids = torch.arange(offset, offset + g.n_atoms, device=g.device)
-        out.append(g.replace({K.ATOM_ID: ids}))
+    for k, atoms in enumerate(frames):
+        try:
+            g = ase_io.from_ase([atoms], **keys)
+        except (DataFileError, InputError) as e:
+            raise type(e)(f"{p}: structure {k}: {e}") from None
+        g = normalize_labels(g, weight).replace({
+            K.ATOM_ID: torch.arange(offset, offset + g.n_atoms),
+            K.SYSTEM_ID: torch.tensor([k]),
+            K.VELOCITIES: None,
+        })
+        out.append(g)
         offset += g.n_atoms
     return InMemoryDataset(out, name=p.name)
 

@@ -113,7 +113,8 @@ def _label(atoms, calc_factory, kind: str):
     stress = atoms.get_stress(voigt=False)
     atoms.set_velocities(np.zeros((len(atoms), 3)))
     atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
-    atoms.info["config_type"] = kind
+    atoms.info = {"config_type": kind, **{k: v for k, v in atoms.info.items()
+                                          if k == "temperature_K"}}
     return atoms
 
 
@@ -164,9 +165,10 @@ def write_emt(path, n: int = 200, elements: Sequence[str] = ("Cu",), seed: int =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix in (".h5", ".hdf5"):
+        from xnn.data.ase_io import from_ase
         from xnn.data.hdf5 import write_hdf5
 
-        write_hdf5(path, atoms)
+        write_hdf5(path, (from_ase([a]) for a in atoms))
     else:
         import ase.io
 

@@ -1,0 +1,67 @@
+"""``xnn train CONFIG.yaml [key=value ...]``: train a potential (one process, torchrun or srun)."""
+
+from __future__ import annotations
+
+import argparse
+
+EPILOG_HEAD = """configuration keys (set in the YAML file or as key=value overrides; list entries by
+index, e.g. data.datasets.0.path=train.xyz; data.datasets.1=null removes entry 1):
+"""
+
+
+def _epilog() -> str:
+    from xnn.config.loader import describe
+    from xnn.config.train import TrainConfig
+
+    return EPILOG_HEAD + describe(TrainConfig)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "train",
+        help="train a potential from a YAML config",
+        description="Train a machine-learned potential. Launch with torchrun or srun for "
+        "data-parallel training over several GPUs or nodes.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML config file (optional: all keys have defaults)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config and exit")
+    p.set_defaults(func=run)
+    return p
+
+
+def _split_args(args) -> tuple[str | None, list[str]]:
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # no file, only overrides
+        overrides.insert(0, config)
+        config = None
+    return config, overrides
+
+
+def run(args) -> int:
+    from xnn.config.loader import load_config, to_yaml
+    from xnn.config.train import TrainConfig
+
+    config, overrides = _split_args(args)
+    cfg = load_config(TrainConfig, config, overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from xnn.distributed.ddp import build_reducer
+    from xnn.distributed.manager import DistributedManager
+    from xnn.training.run import train
+    from xnn.training.setup import pick_device
+
+    device = pick_device(cfg.device)
+    manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type)
+    try:
+        if device.type == "cuda" and manager.is_distributed:
+            cfg.device = str(manager.device)
+        reducer = build_reducer(manager, cfg.parallel.dp, cfg.parallel.dd)
+        train(cfg, reducer)
+    finally:
+        manager.cleanup()
+    return 0

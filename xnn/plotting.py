@@ -1,0 +1,104 @@
+"""PNG plots of a training run (matplotlib, Agg backend: works without a display).
+
+* :func:`learning_curves`: training/validation loss and validation MAEs per epoch.
+* :func:`parity`: predicted vs reference energy per atom and force components.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def learning_curves(history: Sequence[dict], path: str | os.PathLike) -> Path:
+    """Plot ``train_loss``/``val_loss`` (log scale) and validation MAEs against the epoch.
+
+    Args:
+        history: one dict per epoch with ``epoch`` and any of ``train_loss``, ``val_loss``,
+            ``val_energy_mae`` (meV/atom), ``val_forces_mae`` (meV/Å).
+        path: PNG file.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    epochs = [h["epoch"] for h in history]
+    panels = (
+        (axes[0], (("train_loss", "train"), ("val_loss", "validation")), "loss"),
+        (axes[1], (("train_energy_mae", "train"), ("val_energy_mae", "validation")),
+         "energy MAE (meV/atom)"),
+        (axes[2], (("train_forces_mae", "train"), ("val_forces_mae", "validation")),
+         "force MAE (meV/Å)"),
+    )
+    for ax, series, ylabel in panels:
+        for key, label in series:
+            pts = [(e, h[key]) for e, h in zip(epochs, history) if h.get(key) is not None]
+            if pts:
+                x, y = zip(*pts)
+                ax.plot(x, y, marker="o", ms=3, label=label)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _parity_panel(ax, ref: np.ndarray, pred: np.ndarray, unit: str, title: str, scale: float):
+    ref, pred = np.asarray(ref) * scale, np.asarray(pred) * scale
+    if ref.size == 0:
+        ax.set_title(f"{title}: no data")
+        return
+    lo, hi = float(min(ref.min(), pred.min())), float(max(ref.max(), pred.max()))
+    pad = 0.05 * (hi - lo or 1.0)
+    ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], "k--", lw=0.8)
+    ax.scatter(ref, pred, s=4, alpha=0.5)
+    mae = float(np.abs(pred - ref).mean())
+    rmse = float(np.sqrt(((pred - ref) ** 2).mean()))
+    ax.set_title(f"{title}\nMAE {mae:.3g}, RMSE {rmse:.3g} ({unit})", fontsize=10)
+    ax.set_xlabel(f"reference ({unit.split('/')[0] if 'meV' in unit else unit})")
+    ax.set_ylabel("predicted")
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.grid(alpha=0.3)
+
+
+def parity(energy: np.ndarray | None, forces: np.ndarray | None, path: str | os.PathLike,
+           title: str = "") -> Path:
+    """Parity plot of energies per atom and force components.
+
+    Args:
+        energy: ``[n_structures, 2]`` (reference, predicted) eV/atom, or ``None``.
+        forces: ``[n_components, 2]`` (reference, predicted) eV/Å, or ``None``.
+        path: PNG file.
+        title: prefix of the panel titles (e.g. ``"test"``).
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+    e = np.zeros((0, 2)) if energy is None else np.asarray(energy)
+    f = np.zeros((0, 2)) if forces is None else np.asarray(forces)
+    _parity_panel(axes[0], e[:, 0], e[:, 1], "meV/atom", f"{title} energy".strip(), 1000.0)
+    axes[0].set_xlabel("reference energy (meV/atom)")
+    axes[0].set_ylabel("predicted energy (meV/atom)")
+    _parity_panel(axes[1], f[:, 0], f[:, 1], "meV/Å", f"{title} forces".strip(), 1000.0)
+    axes[1].set_xlabel("reference force (meV/Å)")
+    axes[1].set_ylabel("predicted force (meV/Å)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,103 @@
+"""End of a run: final weights, validation/test metrics, model file, plots, summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xnn.config.train import TrainConfig
+from xnn.training.checkpoint import load_checkpoint
+
+
+def _final_weights(loop) -> str:
+    """Load the best checkpoint's weights (if any) into the trainer; return their origin."""
+    best = loop.ckpt_dir / "best.pt"
+    if loop.cfg.validation_only or not best.is_file():
+        return "last"
+    payload = load_checkpoint(best)
+    t = loop.trainer
+    t.model.load_state_dict(payload["model"]["state_dict"], strict=True)
+    if t.ema is not None and payload.get("ema") is not None:
+        t.ema.load_state_dict(payload["ema"])
+    return f"best (epoch {payload['progress']['best_epoch']})"
+
+
+def _plots(loop, parities: dict) -> list[str]:
+    from xnn import plotting
+
+    out = loop.out_dir
+    written = []
+    if loop.progress.history:
+        written.append(str(plotting.learning_curves(loop.progress.history,
+                                                    out / "learning_curves.png")))
+    for name, parity in parities.items():
+        if parity is not None and parity.get("energy") is not None:
+            written.append(str(plotting.parity(parity["energy"], parity["forces"],
+                                               out / f"parity_{name}.png", title=name)))
+    return written
+
+
+def _gather_parity(reducer, parity):
+    import numpy as np
+
+    if parity is None:
+        return None
+    parts = reducer.gather_objects(parity)
+    merged = {}
+    for key in parity:
+        arrays = [p[key] for p in parts if p.get(key) is not None]
+        merged[key] = np.concatenate(arrays) if arrays else None
+    return merged
+
+
+def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
+    """Evaluate, save ``model.pt`` (EMA weights of the best epoch), plots and ``summary.json``."""
+    from xnn.models.serialization import save_model
+
+    origin = _final_weights(loop)
+    metrics: dict = {}
+    parities: dict = {}
+    for name, ds in (("val", loop.splits.val), ("test", loop.splits.test)):
+        m, parity = loop.validate(ds, f"{name}_", collect=True)
+        metrics.update(m)
+        parities[name] = _gather_parity(loop.reducer, parity)
+    summary = {
+        "stopped_by": reason,
+        "epochs": loop.progress.epoch,
+        "steps": loop.progress.step,
+        "final_weights": origin,
+        "checkpoint_metric": cfg.checkpoint_metric,
+        "best_value": loop.progress.best_value if loop.progress.best_epoch >= 0 else None,
+        "elapsed_s": elapsed_s,
+        "metrics": metrics,
+        "units": {"energy": "meV/atom", "forces": "meV/Å", "stress": "meV/Å³"},
+    }
+    if loop.reducer.is_main:
+        t = loop.trainer
+        model_path = Path(loop.out_dir) / "model.pt"
+        if t.ema is not None:
+            with t.ema.applied(t.model):
+                save_model(t.model, model_path)
+        else:
+            save_model(t.model, model_path)
+        summary["model"] = str(model_path)
+        if cfg.logging.plots:
+            shown = {k: v for k, v in parities.items() if v is not None}
+            if "test" in shown:
+                shown = {"test": shown["test"]}
+            summary["plots"] = _plots(loop, shown)
+        (Path(loop.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        _print_summary(loop.logger, summary)
+    loop.reducer.barrier()
+    return summary
+
+
+def _print_summary(logger, summary: dict) -> None:
+    m = summary["metrics"]
+    for split in ("val", "test"):
+        keys = [f"{split}_energy_mae", f"{split}_forces_mae", f"{split}_stress_mae"]
+        if any(k in m for k in keys):
+            parts = [f"{k.split('_')[1]} MAE {m[k]:.3g}" for k in keys if k in m]
+            logger.print(f"{split}: " + ", ".join(parts) + " (meV/atom, meV/Å, meV/Å³)")
+    logger.print(f"stopped by {summary['stopped_by']} after {summary['epochs']} epochs, "
+                 f"{summary['steps']} steps; model: {summary.get('model')}")

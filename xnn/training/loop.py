@@ -1,0 +1,226 @@
+"""The epoch loop: batches, validation, checkpoints, early stopping, exact resume.
+
+The sampler position is ``(epoch, batch_in_epoch)``: the batches of an epoch are a pure
+function of ``(seed, epoch)``, so a resumed run skips the ``batch_in_epoch`` batches already
+done and continues with exactly the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xnn.config.train import TrainConfig
+from xnn.data.datasets import make_batches, shard_batch
+from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
+from xnn.training.metrics import MetricSums
+from xnn.training.trainer import NonFiniteLossError, Trainer
+
+
+@dataclass
+class Progress:
+    """Where the run is: next epoch to (continue to) train, steps done, best metric."""
+
+    epoch: int = 0
+    step: int = 0
+    batch_in_epoch: int = 0
+    best_value: float = math.inf
+    best_epoch: int = -1
+    bad_epochs: int = 0
+    history: list = field(default_factory=list)
+
+
+def seed_everything(seed: int, rank: int = 0, step: int = 0) -> None:
+    """Seed torch, numpy and random with a value offset by rank and step."""
+    s = int(seed) + 1_000_003 * int(rank) + 7_919 * int(step)
+    torch.manual_seed(s)
+    np.random.seed(s % 2**32)
+    random.seed(s)
+
+
+class TrainingLoop:
+    """Run epochs of ``trainer`` over ``splits`` as configured by ``cfg``.
+
+    Args:
+        cfg: the run's config.
+        trainer: a :class:`~xnn.training.trainer.Trainer`.
+        splits: a :class:`~xnn.training.data.DataSplits`.
+        out_dir: run folder (checkpoints in ``out_dir/checkpoints``).
+        logger: a :class:`~xnn.training.loggers.RunLogger`.
+    """
+
+    def __init__(self, cfg: TrainConfig, trainer: Trainer, splits, out_dir: Path, logger):
+        self.cfg = cfg
+        self.trainer = trainer
+        self.splits = splits
+        self.reducer = trainer.reducer
+        self.out_dir = Path(out_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.logger = logger
+        self.progress = Progress()
+        self.config_yaml = ""
+
+    # ------------------------------------------------------------------ batches
+    def _shard(self, dataset):
+        n_atoms, rank, world = dataset.n_atoms, self.reducer.rank, self.reducer.world_size
+        return lambda batch: shard_batch(batch, n_atoms, rank, world)
+
+    def train_batches(self, epoch: int) -> list[list[int]]:
+        d = self.cfg.data
+        return make_batches(self.splits.train.n_atoms, d.batch_size, d.max_atoms_per_batch,
+                            shuffle=d.shuffle, seed=self.cfg.seed, epoch=epoch)
+
+    def eval_batches(self, dataset) -> list[list[int]]:
+        d = self.cfg.data
+        size = d.val_batch_size or d.batch_size
+        max_atoms = None if d.val_batch_size else d.max_atoms_per_batch
+        if max_atoms is not None:
+            size = None
+        return make_batches(dataset.n_atoms, size, max_atoms)
+
+    def steps_per_epoch(self) -> int:
+        return len(self.train_batches(0))
+
+    # ------------------------------------------------------------------ checkpoints
+    def payload(self) -> dict:
+        from xnn.models.serialization import model_payload
+
+        t = self.trainer
+        model = model_payload(t.model)
+        return {
+            "model": {"name": model["name"], "hparams": model["hparams"],
+                      "state_dict": model["state_dict"]},
+            "ema": t.ema.state_dict() if t.ema is not None else None,
+            "optimizer": t.optimizer.state_dict(),
+            "schedule": t.schedule.state_dict() if t.schedule is not None else None,
+            "progress": asdict(self.progress),
+            "rng": rng_state(),
+            "config": self.config_yaml,
+        }
+
+    def save(self, name: str) -> Path | None:
+        if not self.reducer.is_main:
+            return None
+        return save_checkpoint(self.payload(), self.ckpt_dir / f"{name}.pt")
+
+    def restore(self, payload: dict) -> None:
+        """Load model, EMA, optimizer, schedule, progress and RNG state from a checkpoint."""
+        t = self.trainer
+        t.model.load_state_dict(payload["model"]["state_dict"], strict=True)
+        if t.ema is not None and payload.get("ema") is not None:
+            t.ema.load_state_dict(payload["ema"])
+        t.optimizer.load_state_dict(payload["optimizer"])
+        if t.schedule is not None and payload.get("schedule") is not None:
+            t.schedule.load_state_dict(payload["schedule"])
+        self.progress = Progress(**payload["progress"])
+        if self.reducer.rank == 0:
+            set_rng_state(payload["rng"])
+        else:
+            seed_everything(self.cfg.seed, self.reducer.rank, self.progress.step)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, dataset, prefix: str, collect: bool = False):
+        """Metrics ``{prefix + name: value}`` over a dataset (and parity data if ``collect``)."""
+        if dataset is None or len(dataset) == 0:
+            return {}, None
+        sums, parity = self.trainer.evaluate(dataset, self.eval_batches(dataset),
+                                             self._shard(dataset), collect=collect)
+        return sums.finalize(prefix), parity
+
+    # ------------------------------------------------------------------ epochs
+    def _stop_for_steps(self) -> bool:
+        m = self.cfg.max_steps
+        return m is not None and self.progress.step >= m
+
+    def _train_epoch(self, metrics: MetricSums) -> bool:
+        """Train the rest of the current epoch; False if stopped by ``max_steps``."""
+        p = self.progress
+        batches = self.train_batches(p.epoch)
+        shard = self._shard(self.splits.train)
+        data = self.splits.train
+        bar = self.logger.bar(len(batches), p.batch_in_epoch, f"epoch {p.epoch + 1}")
+        try:
+            while p.batch_in_epoch < len(batches):
+                if self._stop_for_steps():
+                    return False
+                graphs = [data[i] for i in shard(batches[p.batch_in_epoch])]
+                loss = self.trainer.train_step(graphs, p.step, metrics)
+                p.step += 1
+                p.batch_in_epoch += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+        finally:
+            bar.close()
+        return True
+
+    def _end_epoch(self, train_metrics: MetricSums, t0: float) -> bool:
+        """Validate, log, checkpoint; True when early stopping says stop."""
+        p, cfg = self.progress, self.cfg
+        p.epoch += 1
+        p.batch_in_epoch = 0
+        train_metrics.values = self.reducer.all_reduce_sum(train_metrics.values)
+        row: dict = {"epoch": p.epoch, "step": p.step,
+                     "lr": self.trainer.optimizer.param_groups[0]["lr"]}
+        row.update(train_metrics.finalize("train_"))
+        improved, stop = False, False
+        if p.epoch % cfg.eval_every == 0 and self.splits.val is not None:
+            val, _ = self.validate(self.splits.val, "val_")
+            row.update(val)
+            value = val.get(cfg.checkpoint_metric)
+            if self.trainer.schedule is not None:
+                self.trainer.schedule.epoch_end(value)
+            if value is not None and value < p.best_value - cfg.early_stopping.min_delta:
+                p.best_value, p.best_epoch, p.bad_epochs, improved = value, p.epoch, 0, True
+            elif value is not None:
+                p.bad_epochs += 1
+                patience = cfg.early_stopping.patience
+                stop = patience is not None and p.bad_epochs > patience
+        row["time_s"] = time.perf_counter() - t0
+        p.history.append(row)
+        self.logger.epoch(row)
+        self.save("last")
+        if improved:
+            self.save("best")
+        return stop
+
+    def run(self) -> str:
+        """Train until ``max_epochs``, ``max_steps`` or early stopping.
+
+        Returns:
+            why it stopped: ``"max_epochs"``, ``"max_steps"`` or ``"early_stopping"``.
+        Raises:
+            NonFiniteLossError: NaN/inf loss; the last checkpoint is the last good state.
+        """
+        if not (self.ckpt_dir / "last.pt").is_file():
+            self.save("last")
+        p = self.progress
+        while p.epoch < self.cfg.max_epochs:
+            t0 = time.perf_counter()
+            metrics = MetricSums(self.trainer.device)
+            try:
+                finished = self._train_epoch(metrics)
+            except NonFiniteLossError as e:
+                raise NonFiniteLossError(
+                    f"{e} (epoch {p.epoch + 1}); training stopped, the last good checkpoint is "
+                    f"{self.ckpt_dir / 'last.pt'}"
+                ) from None
+            if not finished:
+                self.save("last")
+                return "max_steps"
+            if self._end_epoch(metrics, t0):
+                return "early_stopping"
+            if self._stop_for_steps():
+                return "max_steps"
+        return "max_epochs"
+
+
+def describe_model(model) -> str:
+    name, hp = model_identity(model)
+    n = sum(p.numel() for p in model.parameters())
+    return f"{name} with {n:,} parameters"

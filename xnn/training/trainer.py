@@ -1,0 +1,186 @@
+"""One optimizer step and one evaluation pass, written for one process.
+
+Cross-rank operations go through a reducer (:mod:`xnn.training.reducer`): the labelled-item
+counts of the global batch are all-reduced BEFORE the loss so that each rank's loss is its
+share of the global loss; gradients are summed after the double backward; metrics are
+summed. Every rank therefore takes the same branch (the NaN check reads the reduced loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.datasets import collate
+from xnn.data.graph import AtomicGraph
+from xnn.errors import XnnError
+from xnn.models.derivatives import compute_properties
+from xnn.training.losses import TermSpec, local_counts, loss_terms, residuals
+from xnn.training.metrics import MetricSums
+from xnn.training.reducer import LocalReducer, ensure_grads
+
+
+class NonFiniteLossError(XnnError, FloatingPointError):
+    """The loss became NaN or infinite."""
+
+
+class Trainer:
+    """Model, loss specification, optimizer, schedule, EMA and precision for training steps.
+
+    Args:
+        model: per-atom-energy model (already on ``device`` in its training dtype).
+        specs: ``{"energy"|"forces"|"stress": TermSpec}``.
+        optimizer: a torch optimizer over ``model``'s parameters.
+        schedule: an :class:`~xnn.training.schedule.LRSchedule` (or ``None``).
+        ema: an :class:`~xnn.training.ema.EMA` (or ``None``).
+        reducer: cross-rank operations (default: single process).
+        device: where batches go.
+        dtype: floating dtype of batches (the model's).
+        autocast: ``torch.bfloat16`` for bf16 mixed precision, else ``None``.
+        grad_clip: max global gradient norm (``None``: no clipping).
+    """
+
+    def __init__(self, model: nn.Module, specs: dict[str, TermSpec], optimizer, schedule=None,
+                 ema=None, reducer=None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
+                 grad_clip: float | None = None):
+        self.model = model
+        self.specs = specs
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.ema = ema
+        self.reducer = reducer if reducer is not None else LocalReducer()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.autocast = autocast
+        self.grad_clip = grad_clip
+        self.need_forces = specs.get("forces", TermSpec(0.0)).weight > 0
+        self.need_stress = specs.get("stress", TermSpec(0.0)).weight > 0
+
+    # ------------------------------------------------------------------ helpers
+    def _context(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _batch(self, graphs: Sequence[AtomicGraph]) -> AtomicGraph | None:
+        if not graphs:
+            return None
+        return collate(graphs).to(self.device, self.dtype)
+
+    def _predict(self, batch: AtomicGraph, forces: bool, stress: bool, training: bool):
+        with self._context():
+            pred = compute_properties(self.model, batch, forces=forces, stress=stress,
+                                      training=training)
+        return {k: v.to(self.dtype) for k, v in pred.items()}
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, graphs: Sequence[AtomicGraph], step: int,
+                   metrics: MetricSums | None = None) -> float:
+        """One optimizer step on this rank's share ``graphs`` of a global batch.
+
+        Args:
+            graphs: one-system graphs with edges (may be empty on some ranks).
+            step: global optimizer step number (sets the learning rate).
+            metrics: accumulates training errors if given.
+        Returns:
+            the loss of the global batch (identical on every rank).
+        Raises:
+            NonFiniteLossError: NaN/inf loss (no parameter was changed).
+        """
+        self.model.train()
+        batch = self._batch(graphs)
+        counts = self.reducer.all_reduce_sum(local_counts(batch, self.device))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if batch is not None:
+            pred = self._predict(batch, self.need_forces, self.need_stress, training=True)
+            res = residuals(pred, batch)
+            loss_t, _ = loss_terms(res, self.specs, counts)
+            loss_t.backward()
+            loss = loss_t.detach().to(torch.float64)
+            if metrics is not None:
+                self._add_metrics(metrics, res, batch)
+        params = ensure_grads(p for p in self.model.parameters() if p.requires_grad)
+        self.reducer.all_reduce_grads(params)
+        total = float(self.reducer.all_reduce_sum(loss.reshape(1))[0])
+        if not math.isfinite(total):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"the loss became {total} at step {step}")
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        if self.schedule is not None:
+            self.schedule.apply(step)
+        self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        if metrics is not None:
+            metrics.add_loss(float(loss), 1 if self.reducer.rank == 0 else 0)
+        return total
+
+    @staticmethod
+    def _add_metrics(metrics: MetricSums, res, batch: AtomicGraph) -> None:
+        mask = torch.isfinite(batch.forces).all(-1) if K.FORCES in batch else None
+        metrics.add(res, batch.numbers, mask)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, dataset, batches: Sequence[Sequence[int]], shard,
+                 collect: bool = False) -> tuple[MetricSums, dict | None]:
+        """Errors of the model (EMA weights if any) over ``batches`` of ``dataset``.
+
+        Args:
+            dataset: structures with edges.
+            batches: global batches of indices (identical on every rank).
+            shard: ``shard(batch) -> this rank's indices``.
+            collect: also return this rank's parity data ``{"energy": (ref, pred) per atom,
+                "forces": (ref, pred)}`` as numpy arrays.
+        Returns:
+            ``(metrics, parity)``: metric sums reduced over ranks; parity or ``None``.
+        """
+        self.model.eval()
+        ctx = self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext()
+        sums = MetricSums(self.device)
+        parity: dict[str, list] = {"energy": [], "forces": [], "numbers": []}
+        with ctx:
+            for global_batch in batches:
+                batch = self._batch([dataset[i] for i in shard(global_batch)])
+                counts = self.reducer.all_reduce_sum(local_counts(batch, self.device))
+                if batch is None:
+                    continue
+                need_stress = bool(torch.isfinite(batch.stress).flatten(1).all(-1).any())
+                pred = self._predict(batch, True, need_stress, training=False)
+                res = residuals(pred, batch)
+                with torch.no_grad():
+                    loss, _ = loss_terms(res, self.specs, counts)
+                sums.add_loss(float(loss), 1 if self.reducer.rank == 0 else 0)
+                self._add_metrics(sums, res, batch)
+                if collect:
+                    _collect(parity, pred, batch)
+        sums.values = self.reducer.all_reduce_sum(sums.values)
+        self.model.train()
+        if not collect:
+            return sums, None
+        return sums, {k: _cat(v) for k, v in parity.items()}
+
+
+def _collect(parity: dict, pred: dict[str, Tensor], batch: AtomicGraph) -> None:
+    n = batch.n_atoms_per_system.to(batch.dtype)
+    ok = torch.isfinite(batch.energy)
+    parity["energy"].append(torch.stack([batch.energy[ok] / n[ok],
+                                         pred[K.ENERGY].detach()[ok] / n[ok]], -1))
+    fok = torch.isfinite(batch.forces).all(-1)
+    parity["forces"].append(torch.stack([batch.forces[fok], pred[K.FORCES].detach()[fok]], -1)
+                            .reshape(-1, 2))
+    parity["numbers"].append(batch.numbers[fok])
+
+
+def _cat(parts: list[Tensor]):
+    if not parts:
+        return None
+    return torch.cat(parts).cpu().double().numpy() if parts[0].is_floating_point() \
+        else torch.cat(parts).cpu().numpy()

@@ -1,0 +1,338 @@
+"""Spatial domain decomposition vs one process: gloo ranks on CPU, fp64, relative error 1e-10.
+
+One set of ranks is spawned per world size (2, 3, 4, 8); each runs many cases and returns
+its errors, so spawning is paid once per size. Forces are matched by global atom id (the
+ids are a random permutation in most cases).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+
+try:
+    from dist_helpers import spawn
+except ImportError:  # tests/ is a package
+    from tests.dist_helpers import spawn
+
+TOL = 1e-10
+
+# ---------------------------------------------------------------------------- structures
+
+
+def _fcc(reps, a=3.6, rattle=0.08, seed=0):
+    from ase.build import bulk
+
+    atoms = bulk("Cu", "fcc", a=a, cubic=True).repeat(reps)
+    atoms.rattle(rattle, seed=seed)
+    return atoms
+
+
+def _graph(atoms, permute_ids=True, seed=0):
+    ids = np.random.default_rng(seed).permutation(len(atoms)) if permute_ids else None
+    return AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
+                                   atom_id=ids)
+
+
+def cubic():
+    return _graph(_fcc((3, 3, 3)))  # 108 atoms, 10.8 Å
+
+
+def triclinic(reps=(3, 3, 2)):
+    atoms = _fcc(reps, seed=1)
+    cell = atoms.cell.array.copy()
+    cell[1] += 0.6 * cell[0]
+    cell[2] += -0.45 * cell[0] + 0.35 * cell[1]
+    atoms.set_cell(cell, scale_atoms=True)
+    atoms.positions += np.array([-7.0, 3.0, 12.0])  # unwrapped input positions
+    return _graph(atoms, seed=1)
+
+
+def slab():
+    atoms = _fcc((3, 3, 2), seed=2)
+    atoms.cell[2] *= 3.0
+    atoms.pbc = (True, True, False)
+    return _graph(atoms, seed=2)
+
+
+def molecule():
+    atoms = _fcc((2, 2, 2), rattle=0.15, seed=3)
+    atoms.pbc = False
+    atoms.cell[:] = 0.0
+    return _graph(atoms, seed=3)
+
+
+def corner():
+    """A small cluster in one corner of a large periodic cell: most boxes are empty."""
+    atoms = _fcc((2, 2, 2), seed=4)
+    atoms.set_cell(atoms.cell.array * 3.0, scale_atoms=False)
+    atoms.pbc = True
+    return _graph(atoms, seed=4)
+
+
+def tiny():
+    return _graph(_fcc((1, 1, 1), seed=5))  # 4 atoms, 3.6 Å cell: halo wider than the cell
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def lj():
+    from xnn.models import build
+
+    return build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0)
+
+
+def _native(name):
+    from xnn.models import build
+
+    torch.manual_seed(0)
+    small = {
+        "schnet": dict(num_features=8, num_filters=8, num_basis=8),
+        "painn": dict(num_features=8, num_basis=8),
+        "equivariant": dict(channels=4, l_max=1, hidden_l_max=1, correlation=2,
+                            radial_mlp=(8,), readout_hidden=4, num_bessel=4),
+    }[name]
+    model = build(name, species=[29], cutoff=3.0, num_interactions=2, **small).double()
+    with torch.no_grad():  # non-trivial outputs
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+MODELS = {"lj": lj, "schnet": lambda: _native("schnet"), "painn": lambda: _native("painn"),
+          "equivariant": lambda: _native("equivariant")}
+STRUCTURES = {"cubic": cubic, "triclinic": triclinic, "slab": slab, "molecule": molecule,
+              "corner": corner, "tiny": tiny}
+
+# world size -> [(case name, model, structure, grid, mode)]
+LJ_CASES = [("lj-" + s, "lj", s, None, "halo") for s in STRUCTURES]
+NN_CASES = [(f"{m}-{mode}", m, "triclinic", None, mode)
+            for m in ("schnet", "painn", "equivariant") for mode in ("halo", "sync")]
+CASES = {
+    2: LJ_CASES + NN_CASES + [("lj-tiny-grid", "lj", "tiny", (2, 1, 1), "halo")],
+    3: LJ_CASES + [("schnet-sync-3", "schnet", "slab", None, "sync")],
+    4: LJ_CASES + [("lj-corner-grid", "lj", "corner", (1, 1, 4), "halo"),
+                   ("painn-sync-4", "painn", "cubic", None, "sync")],
+    8: [c for c in LJ_CASES if c[2] in ("cubic", "triclinic", "tiny", "corner")]
+    + [("equivariant-sync-8", "equivariant", "molecule", None, "sync")],
+}
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _reference(model, graph):
+    from xnn.models import Potential
+
+    return Potential(model)(graph)
+
+
+def _compare(out, ref, graph):
+    order = torch.argsort(graph.atom_id)
+    errors = {"energy": _rel(out["energy"], ref["energy"]),
+              "forces": _rel(out["forces"], ref["forces"][order]),
+              "ids": bool(torch.equal(out["atom_id"], graph.atom_id[order]))}
+    if bool(graph.pbc.all()):
+        errors["stress"] = _rel(out["stress"], ref["stress"])
+    else:
+        errors["virial"] = _rel(out["virial"], ref["virial"])
+    return errors
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+def _run_cases(rank, cases):
+    from xnn.distributed import DistributedManager, DomainDecomposed
+
+    manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
+    results = {}
+    for name, model_name, struct, grid, mode in cases:
+        t0 = time.perf_counter()
+        model = MODELS[model_name]()
+        graph = STRUCTURES[struct]()
+        dd = DomainDecomposed(model, manager, grid=grid, mode=mode)
+        out = dd(graph if rank == 0 else None)
+        entry = {"stats": dd.stats()}
+        if rank == 0:
+            entry["errors"] = _compare(out, _reference(model, graph), graph)
+        entry["seconds"] = time.perf_counter() - t0
+        results[name] = entry
+    return manager, results
+
+
+def _skin_case(manager, rank):
+    """Two calls with atoms moved less than skin / 2: the domain is reused, results exact."""
+    from xnn.distributed import DomainDecomposed
+
+    model, graph = lj(), triclinic()
+    dd = DomainDecomposed(model, manager, skin=0.6)
+    dd(graph)
+    moved = graph.replace(positions=graph.positions + 0.04 * torch.randn_like(graph.positions))
+    out = dd(moved)
+    errors = _compare(out, _reference(model, moved), moved) if rank == 0 else None
+    return {"n_builds": dd.n_builds, "errors": errors}
+
+
+def _grad_case(manager, rank, world):
+    """Loss on energy, forces and stress; double backward through the exchange."""
+    from xnn.distributed import DomainDecomposed
+    from xnn.distributed import collectives as C
+    from xnn.models import compute_properties
+    from xnn.neighbors import with_edges
+
+    model, graph = _native("painn"), triclinic((2, 2, 2))
+    dd = DomainDecomposed(model, manager, mode="sync")
+    local = dd.evaluate_local(dd.broadcast(graph), training=True)
+    loss = ((local["energy"] - 1.0) ** 2).sum() / world + (local["forces"] ** 2).sum() \
+        + (local["stress"] ** 2).sum() / world
+    model.zero_grad()
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    C.all_reduce_(grads, dd.group)
+    if rank != 0:
+        return None
+    model.zero_grad()
+    ref = compute_properties(model, with_edges(graph, model.cutoff), training=True)
+    ref_loss = ((ref["energy"] - 1.0) ** 2).sum() + (ref["forces"] ** 2).sum() \
+        + (ref["stress"] ** 2).sum()
+    ref_loss.backward()
+    ref_grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return {"grad": _rel(grads, ref_grads), "norm": float(ref_grads.norm())}
+
+
+class _FailOnRank1(torch.nn.Module):
+    cutoff, num_interactions = 3.0, 1
+
+    def forward(self, graph):
+        if torch.distributed.get_rank() == 1:
+            raise RuntimeError("injected failure")
+        return graph.positions.sum(-1)
+
+
+def _error_cases(manager):
+    from xnn.distributed import DomainDecomposed
+
+    out = {}
+    t0 = time.perf_counter()
+    try:
+        DomainDecomposed(lj(), manager, grid=(3, 1, 1))(cubic())
+    except InputError as e:
+        out["bad_grid"] = str(e)
+    try:
+        DomainDecomposed(_FailOnRank1(), manager)(cubic())
+    except Exception as e:  # noqa: BLE001
+        out["remote"] = f"{type(e).__name__}: {e}"
+    try:
+        DomainDecomposed(torch.nn.Linear(1, 1), manager)
+    except InputError as e:
+        out["no_cutoff"] = str(e)
+    out["seconds"] = time.perf_counter() - t0
+    # the group is still usable after the errors
+    out["after"] = float(DomainDecomposed(lj(), manager)(cubic())["energy"].item())
+    return out
+
+
+def worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    manager, results = _run_cases(rank, CASES[world])
+    if world == 2:
+        results["errors"] = _error_cases(manager)
+    if world == 3:
+        results["grad"] = _grad_case(manager, rank, world)
+        results["skin"] = _skin_case(manager, rank)
+    return results
+
+
+# ---------------------------------------------------------------------------- tests
+
+_CACHE: dict[int, list] = {}
+
+
+def results(world):
+    if world not in _CACHE:
+        _CACHE[world] = spawn(worker, world, timeout_s=300)
+    return _CACHE[world]
+
+
+ALL = [(w, c[0]) for w in CASES for c in CASES[w]]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world,case", ALL, ids=[f"{w}-{c}" for w, c in ALL])
+def test_matches_single_process(world, case):
+    res = results(world)
+    errors = res[0][case]["errors"]
+    assert errors.pop("ids"), "atom ids of the gathered forces are not sorted"
+    for key, err in errors.items():
+        assert err <= TOL, f"{key}: relative error {err:.2e} with {world} ranks ({case})"
+
+
+@pytest.mark.distributed
+def test_decomposition_shapes():
+    """Automatic grids, empty boxes and halos wider than a box really occur in the cases."""
+    grids = {w: results(w)[0]["lj-cubic"]["stats"]["grid"] for w in (2, 3, 4, 8)}
+    assert grids[8] == [2, 2, 2] and sorted(grids[3]) == [1, 1, 3]
+    assert sorted(grids[4]) == [1, 2, 2]
+    owned = [r["lj-corner"]["stats"]["n_owned"] for r in results(8)]
+    assert sum(owned) == 32 and min(owned) == 0
+    owned = [r["lj-corner-grid"]["stats"]["n_owned"] for r in results(4)]
+    assert owned.count(0) >= 2
+    for r in results(8):  # 4 atoms over 8 boxes; the 5 Å halo spans several cells
+        st = r["lj-tiny"]["stats"]
+        assert st["n_owned"] <= 1 and st["n_ghost"] > 100
+    # every rank's owned atoms add up, and every rank talks to few peers at most
+    for w in (2, 3, 4, 8):
+        assert sum(r["lj-triclinic"]["stats"]["n_owned"] for r in results(w)) == 72
+
+
+@pytest.mark.distributed
+def test_gradient_of_forces_three_ranks():
+    grad = results(3)[0]["grad"]
+    assert grad["norm"] > 0 and grad["grad"] <= 1e-9, grad
+
+
+@pytest.mark.distributed
+def test_skin_reuses_domain():
+    res = results(3)
+    assert all(r["skin"]["n_builds"] == 1 for r in res)
+    errors = res[0]["skin"]["errors"]
+    assert errors.pop("ids")
+    assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.distributed
+def test_errors_on_every_rank_without_hang():
+    for rank, r in enumerate(results(2)):
+        e = r["errors"]
+        assert "3x1x1 has 3 boxes but there are 2" in e["bad_grid"]
+        assert "cutoff" in e["no_cutoff"]
+        assert "injected failure" in e["remote"]
+        if rank == 0:
+            assert e["remote"].startswith("RemoteRankError: rank 1 failed")
+        assert e["seconds"] < 30  # far below the 60 s collective timeout
+        assert e["after"] < 0
+
+
+def test_single_process_matches_periodic_list():
+    """One rank: every ghost is a periodic image; compares with the periodic neighbor list."""
+    from xnn.distributed import DomainDecomposed
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        for struct in ("triclinic", "slab", "tiny"):
+            model, graph = lj(), STRUCTURES[struct]()
+            out = DomainDecomposed(model, None)(graph)
+            errors = _compare(out, _reference(model, graph), graph)
+            assert errors.pop("ids")
+            assert max(errors.values()) <= TOL, (struct, errors)
+    finally:
+        torch.set_default_dtype(torch.float32)

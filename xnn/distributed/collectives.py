@@ -1,0 +1,162 @@
+"""Small collectives used by domain decomposition: agreement on errors, broadcast, gather,
+neighbour-only point-to-point exchange, and an autograd-aware all-reduce.
+
+Every helper accepts ``group=None`` in a single process (no ``torch.distributed``) and then
+does no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from xnn.errors import XnnError
+
+
+class RemoteRankError(XnnError):
+    """Another rank failed; this rank stops instead of waiting for a collective timeout."""
+
+
+def is_active(group=None) -> bool:
+    """True when ``torch.distributed`` is initialised (``group`` then names a group or WORLD)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group) if is_active(group) else 1
+
+
+def group_rank(group=None) -> int:
+    return dist.get_rank(group) if is_active(group) else 0
+
+
+def global_rank(group, rank: int) -> int:
+    """Global rank of ``rank`` of ``group`` (for point-to-point calls)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _flag_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(group, phase: str, error: BaseException | None) -> None:
+    """All ranks learn whether any rank failed in ``phase``; raise on every rank if so.
+
+    The failing rank re-raises its own error; the others raise :class:`RemoteRankError`
+    carrying the first failing rank's message. One all-reduce when nobody failed.
+    """
+    if not is_active(group):
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0.0 if error is None else 1.0], device=_flag_device(group))
+    dist.all_reduce(flag, group=group)
+    if flag.item() == 0:
+        return
+    messages: list = [None] * group_size(group)
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(messages, text, group=group)
+    if error is not None:
+        raise error
+    rank, msg = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise RemoteRankError(f"rank {global_rank(group, rank)} failed during {phase}: {msg}")
+
+
+@contextmanager
+def guarded(group, phase: str) -> Iterator[None]:
+    """Run a block of rank-local work; afterwards every rank agrees on whether it failed.
+
+    Put no collective inside the block (a rank that raised would not reach it).
+    """
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+        error = e
+    agree(group, phase, error)
+
+
+def broadcast_object(obj, group=None, src: int = 0):
+    """``obj`` from group rank ``src`` on every rank (pickled)."""
+    if not is_active(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
+    return box[0]
+
+
+def all_reduce_(t: Tensor, group=None, op=None) -> Tensor:
+    """In-place all-reduce (sum by default); a no-op in a single process."""
+    if is_active(group):
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def gather_rows(rows: Tensor, group=None) -> Tensor:
+    """Concatenate every rank's ``rows [n_r, ...]`` in rank order, on every rank."""
+    if not is_active(group):
+        return rows
+    n = group_size(group)
+    count = torch.tensor([rows.shape[0]], device=rows.device)
+    counts = [torch.zeros_like(count) for _ in range(n)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c.item()) for c in counts]
+    m = max(counts)
+    pad = rows.new_zeros((m, *rows.shape[1:]))
+    pad[: rows.shape[0]] = rows
+    parts = [torch.empty_like(pad) for _ in range(n)]
+    dist.all_gather(parts, pad.contiguous(), group=group)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def exchange(sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]],
+             group=None) -> None:
+    """Post all sends and receives with group peers at once and wait (``batch_isend_irecv``).
+
+    Both sides must agree on which messages exist: empty tensors are skipped on both sides.
+    """
+    ops = []
+    for peer, t in recvs:
+        if t.numel():
+            ops.append(dist.P2POp(dist.irecv, t, global_rank(group, peer), group))
+    for peer, t in sends:
+        if t.numel():
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), global_rank(group, peer), group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """``y = sum_r x_r`` on every rank; the adjoint is again a sum over ranks."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        y = x.clone()
+        all_reduce_(y, group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _AllReduceSum.apply(grad.contiguous(), ctx.group), None
+
+
+def all_reduce_sum(x: Tensor, group=None) -> Tensor:
+    """Differentiable all-reduce (sum); twice differentiable.
+
+    The adjoint treats each rank's output as a separate value, so backpropagating a loss
+    ``L = sum_r L_r(y_r)`` gives every rank the true gradient of ``L``. A value replicated on
+    every rank (e.g. the total energy) is thus counted once per rank: divide by the group
+    size when each rank backpropagates it.
+    """
+    if not is_active(group):
+        return x
+    return _AllReduceSum.apply(x, group)

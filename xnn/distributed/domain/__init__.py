@@ -1,0 +1,1 @@
+"""Spatial domain decomposition: partition, halo exchange, and the decomposed evaluator."""

@@ -92,12 +92,13 @@ def _surface(elements, rng):
 
 def _md(elements, rng, calc_factory):
     from ase import units
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from ase.md import velocitydistribution as vd
     from ase.md.verlet import VelocityVerlet
 
     atoms = _bulk(elements, rng)
     temperature = float(rng.choice(MD_TEMPERATURES_K))
-    MaxwellBoltzmannDistribution(atoms, temperature_K=2.0 * temperature, rng=rng)
+    thermalize = getattr(vd, "thermalize_momenta", None) or vd.MaxwellBoltzmannDistribution
+    thermalize(atoms, temperature_K=2.0 * temperature, rng=rng)
     atoms.calc = calc_factory()
     VelocityVerlet(atoms, timestep=2.0 * units.fs).run(int(rng.integers(10, 30)))
     atoms.info["temperature_K"] = temperature

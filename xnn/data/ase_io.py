@@ -317,6 +317,9 @@ def write(path: str | os.PathLike, data, format: str | None = None, append: bool
     try:
         ase.io.write(tmp, frames, format=fmt)
         os.replace(tmp, p)
+    except Exception as e:  # ASE raises many types for unwritable data
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataFileError(f"cannot write {p}: {msg}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -12,10 +12,14 @@ from xnn.data.graph import AtomicGraph, complete_cell
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
 from xnn.neighbors.common import check_inputs
+from xnn.neighbors.torch_cells import torch_neighbor_list
+from xnn.neighbors.vesin_backend import vesin_available, vesin_neighbor_list, vesin_torch_available
 
 Backend = Callable[[Tensor, Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor]]
 
-_BACKENDS: dict[str, Backend] = {"brute": brute_neighbor_list}
+_BACKENDS: dict[str, Backend] = {"brute": brute_neighbor_list, "torch": torch_neighbor_list}
+if vesin_available() or vesin_torch_available():
+    _BACKENDS["vesin"] = vesin_neighbor_list
 
 
 def register_backend(name: str, fn: Backend) -> None:
@@ -34,9 +38,13 @@ def available_backends() -> list[str]:
 
 
 def _auto_backend(device: torch.device, n_atoms: int) -> str:
-    if device.type == "cuda":
-        return "torch" if "torch" in _BACKENDS else "brute"
-    if "vesin" in _BACKENDS:
+    """The fastest correct backend for ``device`` (see ``benchmarks/neighbors.py``).
+
+    CPU: vesin (compiled, multithreaded; 5-15x faster than the torch cell list), else torch.
+    CUDA and other devices: the torch cell list, which is vectorised over the whole batch
+    (vesin loops over systems) and needs no extra package.
+    """
+    if device.type == "cpu" and "vesin" in _BACKENDS:
         return "vesin"
     return "torch" if "torch" in _BACKENDS else "brute"
 
@@ -65,9 +73,8 @@ def neighbor_list(
     positions, cell, pbc, batch = check_inputs(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, positions.shape[0]) if backend == "auto" else backend
     if name not in _BACKENDS:
-        raise InputError(
-            f"unknown neighbor-list backend {backend!r}; choose one of {['auto', *available_backends()]}"
-        )
+        choices = ["auto", *available_backends()]
+        raise InputError(f"unknown neighbor-list backend {backend!r}; choose one of {choices}")
     with torch.no_grad():
         full = complete_cell(cell)
         pos = positions.detach()
@@ -84,7 +91,8 @@ def neighbor_list(
             pos = wrapped
         edge_index, shifts = _BACKENDS[name](pos, full, pbc, float(cutoff), batch)
         if n_wrap is not None and edge_index.shape[1] > 0:
-            # pos_w = pos - n @ cell, so r = pos_w[j]-pos_w[i]+s_w@cell = pos[j]-pos[i]+(s_w-n_j+n_i)@cell
+            # pos_w = pos - n @ cell, so
+            # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
             n_wrap = n_wrap.to(torch.long)
             shifts = shifts - n_wrap[edge_index[0]] + n_wrap[edge_index[1]]
         del offsets

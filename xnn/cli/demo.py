@@ -103,7 +103,18 @@ def print_summary(name: str, summary: dict) -> None:
         print(f"  {k}: {v}")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Validate options before anything is written."""
+    if args.repeat < 1:
+        raise InputError(f"--repeat must be >= 1, got {args.repeat}")
+    if not args.fmax > 0:
+        raise InputError(f"--fmax must be > 0, got {args.fmax}")
+    if args.steps < 1:
+        raise InputError(f"--steps must be >= 1, got {args.steps}")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     out = prepare_output(args.out)
     results = {"lj_relax": step_lj_relax(out, args.fmax, args.steps, args.repeat)}
     for name, summary in results.items():

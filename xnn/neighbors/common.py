@@ -54,12 +54,24 @@ def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, ba
         batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
     if batch.shape != (positions.shape[0],):
         raise InputError(f"batch must have shape [{positions.shape[0]}], got {tuple(batch.shape)}")
+    if batch.numel() and (
+        batch.dtype.is_floating_point
+        or int(batch.min()) < 0
+        or int(batch.max()) >= cell.shape[0]
+        or bool((batch[1:] < batch[:-1]).any())
+    ):
+        raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
     if not torch.isfinite(positions).all():
         raise InputError("non-finite positions")
     if not torch.isfinite(cell).all():
         raise InputError("non-finite cell")
     if pbc.any():
-        h = cell_heights(cell)
+        # zero vectors along non-periodic axes (slabs, wires) are completed first: legal
+        from xnn.data.graph import complete_cell
+
+        c = cell.to(positions.dtype)
+        h = cell_heights(complete_cell(c))
+        h = torch.where(c.norm(dim=-1) < 1e-12, torch.zeros_like(h), h)
         bad = (pbc & (h < 1e-8)).any(-1)
         if bad.any():
             s = int(torch.nonzero(bad).flatten()[0])

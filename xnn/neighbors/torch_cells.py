@@ -135,12 +135,14 @@ def _bin_grid(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch
     n_per_sys = torch.bincount(batch, minlength=n_sys)
     n = _cap_bins(n, 2 * n_per_sys + 8)
     slab = extent / n
+    tiny = torch.finfo(frac.dtype).tiny
     m = torch.where(
-        slab > 0, torch.ceil(cutoff / slab.clamp_min(1e-300)), torch.ones_like(slab)
+        slab > 0, torch.ceil(cutoff / slab.clamp_min(tiny)), torch.ones_like(slab)
     ).to(torch.long)
     m = torch.where(pbc, m, torch.ones_like(m).clamp(max=n - 1))  # non-periodic: neighbours only
     m = torch.where(n_per_sys.unsqueeze(-1) > 0, m, torch.zeros_like(m))
-    u = (frac - lo[batch]) / span.clamp_min(1e-300)[batch] * n[batch]
+    scale = torch.where(span > 0, n / span.clamp_min(tiny), torch.zeros_like(span))
+    u = (frac - lo[batch]) * scale[batch]
     bin3 = torch.minimum(torch.floor(u).clamp_min(0).to(torch.long), n[batch] - 1)
     sizes = n.prod(-1)
     sys_bin_start = torch.cumsum(sizes, 0) - sizes

@@ -1,0 +1,318 @@
+"""Neighbor lists: every backend against ASE, input checks, and the Verlet skin list."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.geometry import cellpar_to_cell
+from ase.neighborlist import neighbor_list as ase_neighbor_list
+
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.models.base import AtomisticModel
+from xnn.models.derivatives import compute_properties
+from xnn.neighbors import VerletList, available_backends, neighbor_list
+
+BACKENDS = ["brute", "torch", pytest.param("vesin", marks=pytest.mark.skipif(
+    "vesin" not in available_backends(), reason="vesin not installed"))]
+CUTOFF = 4.5
+
+
+# ----------------------------------------------------------------------------- systems
+def _random_atoms(cell, pbc, n, rng, spread=None) -> Atoms:
+    cell = np.asarray(cell, dtype=float)
+    if spread is None:
+        pos = rng.random((n, 3)) @ cell
+    else:
+        pos = rng.random((n, 3)) * spread
+    return Atoms(f"H{n}", positions=pos, cell=cell, pbc=pbc)
+
+
+def _zoo() -> dict[str, Atoms]:
+    """Small systems covering the hard cases, all used with ``CUTOFF``."""
+    rng = np.random.default_rng(7)
+    z = {}
+    z["tri60"] = _random_atoms(
+        cellpar_to_cell([6.1, 6.7, 7.3, *rng.uniform(56, 64, 3)]), True, 30, rng)
+    z["tri120"] = _random_atoms(
+        cellpar_to_cell([6.4, 7.0, 6.8, *rng.uniform(112, 118, 3)]), True, 30, rng)
+    z["hex"] = _random_atoms(cellpar_to_cell([5.5, 5.5, 6.0, 90, 90, 120]), True, 20, rng)
+    # cells thinner than the cutoff: several periodic images in every direction
+    z["small"] = _random_atoms(cellpar_to_cell([2.1, 2.4, 2.6, 66, 113, 80]), True, 3, rng)
+    z["one_atom_small"] = _random_atoms(cellpar_to_cell([1.9, 2.2, 2.0, 75, 95, 115]), True, 1, rng)
+    z["cluster"] = _random_atoms(np.zeros((3, 3)), False, 25, rng, spread=7.0)
+    z["mixed_slab"] = _random_atoms(cellpar_to_cell([5.0, 6.0, 9.0, 80, 100, 70]),
+                                    [True, True, False], 25, rng)
+    wire = _random_atoms(np.diag([3.1, 0.0, 0.0]), [True, False, False], 6, rng)
+    wire.positions[:, 1:] = rng.random((6, 2)) * 5.0
+    wire.positions[:, 0] = rng.random(6) * 3.1
+    z["wire_zero_rows"] = wire
+    isolated = Atoms("H3", positions=[[0, 0, 0], [20, 0, 0], [0, -30, 12]])
+    z["isolated"] = isolated
+    z["one_atom_open"] = Atoms("H", positions=[[1.0, 2.0, 3.0]])
+    z["one_atom_big_cell"] = Atoms("H", positions=[[1.0, 2.0, 3.0]], cell=np.eye(3) * 20, pbc=True)
+    far = z["tri60"].copy()
+    far.positions += rng.integers(-50, 50, (len(far), 3)) @ far.cell.array
+    far.positions += rng.normal(scale=3.0, size=far.positions.shape)  # off-lattice too
+    z["unwrapped_far"] = far
+    slab_far = z["mixed_slab"].copy()
+    slab_far.positions += rng.integers(-40, 40, (len(slab_far), 3)) * [1, 1, 0] @ slab_far.cell.array
+    z["unwrapped_mixed"] = slab_far
+    return z
+
+
+ZOO = _zoo()
+
+
+# ----------------------------------------------------------------------------- helpers
+def _reference(atoms: Atoms, cutoff: float, offset: int = 0) -> set:
+    """ASE pairs as (sender j, receiver i, shift) — ASE's r = pos[j] - pos[i] + S @ cell."""
+    i, j, s = ase_neighbor_list("ijS", atoms, cutoff)
+    return {(int(a) + offset, int(b) + offset, *map(int, c)) for a, b, c in zip(j, i, s)}
+
+
+def _as_set(edge_index: torch.Tensor, shifts: torch.Tensor) -> set:
+    assert edge_index.dtype == torch.long and shifts.dtype == torch.long
+    rows = torch.cat([edge_index.t(), shifts], dim=1).tolist()
+    out = {tuple(r) for r in rows}
+    assert len(out) == len(rows), "duplicate edges"
+    return out
+
+
+def _drop_near_cutoff(pairs: set, pos: np.ndarray, cells: list, sys_of: np.ndarray, tol: float):
+    """Pairs whose float64 length is not within ``tol`` of the cutoff (float32 cannot decide)."""
+    keep = set()
+    for p in pairs:
+        j, i, s = p[0], p[1], np.array(p[2:])
+        d = np.linalg.norm(pos[j] - pos[i] + s @ cells[sys_of[i]])
+        if abs(d - CUTOFF) > tol:
+            keep.add(p)
+    return keep
+
+
+def _run(atoms_list: list[Atoms], backend: str, dtype: torch.dtype):
+    pos = np.concatenate([a.positions for a in atoms_list]) if atoms_list else np.zeros((0, 3))
+    cells = [a.cell.array for a in atoms_list]
+    batch = np.concatenate([np.full(len(a), k) for k, a in enumerate(atoms_list)]).astype(int)
+    ei, sh = neighbor_list(
+        torch.tensor(pos, dtype=dtype),
+        torch.tensor(np.stack(cells), dtype=dtype),
+        torch.tensor(np.stack([a.pbc for a in atoms_list])),
+        CUTOFF,
+        torch.tensor(batch, dtype=torch.long),
+        backend=backend,
+    )
+    return ei, sh, batch
+
+
+def _check(atoms_list: list[Atoms], backend: str, dtype: torch.dtype) -> int:
+    if dtype == torch.float32:  # compare with ASE on the rounded inputs
+        atoms_list = [a.copy() for a in atoms_list]
+        for a in atoms_list:
+            a.positions = a.positions.astype(np.float32).astype(np.float64)
+            a.cell = a.cell.array.astype(np.float32).astype(np.float64)
+    ei, sh, batch = _run(atoms_list, backend, dtype)
+    ref, start = set(), 0
+    for a in atoms_list:
+        ref |= _reference(a, CUTOFF, start)
+        start += len(a)
+    got = _as_set(ei, sh)
+    if dtype == torch.float32:
+        pos = np.concatenate([a.positions for a in atoms_list])
+        cells = [a.cell.array for a in atoms_list]
+        ref = _drop_near_cutoff(ref, pos, cells, batch, 1e-3)
+        got = _drop_near_cutoff(got, pos, cells, batch, 1e-3)
+    assert got == ref, f"missing {sorted(ref - got)[:5]}, extra {sorted(got - ref)[:5]}"
+    return len(ref)
+
+
+# ----------------------------------------------------------------------------- against ASE
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_single_system_matches_ase(name, backend, dtype):
+    n = _check([ZOO[name]], backend, dtype)
+    if name.startswith(("tri", "hex", "small", "cluster", "mixed", "unwrapped")):
+        assert n > 0  # the case is not vacuous
+    if name in ("isolated", "one_atom_open", "one_atom_big_cell"):
+        assert n == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_of_everything_matches_ase(backend, dtype):
+    names = sorted(ZOO)
+    atoms = [ZOO[k] for k in names]
+    atoms.insert(3, Atoms(cell=np.eye(3) * 5, pbc=True))  # an empty system in the middle
+    _check(atoms, backend, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_several_random_triclinic_cells(backend):
+    rng = np.random.default_rng(11)
+    systems = []
+    for k in range(6):
+        near = 60 if k % 2 == 0 else 115
+        par = [*rng.uniform(2.5, 8.0, 3), *rng.uniform(near - 4, near + 4, 3)]
+        pbc = rng.random(3) < 0.7
+        systems.append(_random_atoms(cellpar_to_cell(par), pbc, int(rng.integers(1, 25)), rng))
+    _check(systems, backend, torch.float64)
+
+
+def test_auto_backend_agrees_with_brute():
+    atoms = [ZOO["tri120"], ZOO["small"], ZOO["cluster"]]
+    a = _as_set(*_run(atoms, "auto", torch.float64)[:2])
+    b = _as_set(*_run(atoms, "brute", torch.float64)[:2])
+    assert a == b and len(a) > 0
+
+
+def test_edge_vectors_are_short_and_signed_like_ase():
+    """r_ij from our edges equals ASE's distance vectors D for the same (i, j, S)."""
+    atoms = ZOO["unwrapped_far"]
+    ei, sh, _ = _run([atoms], "torch", torch.float64)
+    graph = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    graph = graph.replace(edge_index=ei, shifts=sh)
+    vec = graph.edge_vectors().numpy()
+    i, j, s, d_ase = ase_neighbor_list("ijSD", atoms, CUTOFF)
+    ref = {(int(b), int(a), *map(int, c)): v for a, b, c, v in zip(i, j, s, d_ase)}
+    rows = torch.cat([ei.t(), sh], 1).tolist()
+    for r, v in zip(rows, vec):
+        np.testing.assert_allclose(v, ref[tuple(r)], atol=1e-9)
+    assert np.linalg.norm(vec, axis=1).max() < CUTOFF
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("backend", ["brute", "torch", "vesin", "auto"])
+def test_bad_input_raises_input_error(backend):
+    pos = torch.rand(4, 3, dtype=torch.float64)
+    cell = torch.eye(3, dtype=torch.float64) * 5
+    pbc = torch.tensor([True, True, True])
+    for cutoff in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InputError, match="cutoff"):
+            neighbor_list(pos, cell, pbc, cutoff, backend=backend)
+    with pytest.raises(InputError, match="positions"):
+        neighbor_list(torch.rand(4, 2), cell, pbc, 2.0, backend=backend)
+    with pytest.raises(InputError, match="batch"):
+        neighbor_list(pos, cell, pbc, 2.0, torch.zeros(3, dtype=torch.long), backend=backend)
+    with pytest.raises(InputError, match="pbc"):
+        neighbor_list(pos, cell, torch.tensor([True, False]), 2.0, backend=backend)
+    with pytest.raises(InputError, match="cell"):
+        neighbor_list(pos, torch.eye(2), pbc, 2.0, backend=backend)
+    for bad in (float("nan"), float("inf")):
+        p = pos.clone()
+        p[2, 1] = bad
+        with pytest.raises(InputError, match="non-finite"):
+            neighbor_list(p, cell, pbc, 2.0, backend=backend)
+    flat = cell.clone()
+    flat[2] = flat[0] + flat[1]  # coplanar lattice vectors
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, flat, pbc, 2.0, backend=backend)
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, torch.zeros(3, 3, dtype=torch.float64), pbc, 2.0, backend=backend)
+
+
+def test_unknown_backend_lists_choices():
+    with pytest.raises(InputError, match="torch"):
+        neighbor_list(torch.rand(2, 3), torch.eye(3), False, 1.0, backend="nope")
+
+
+# ----------------------------------------------------------------------------- Verlet skin
+class _SmoothPair(AtomisticModel):
+    """Morse-like pair energy times a cosine cutoff; exactly zero at and beyond ``cutoff``."""
+
+    def __init__(self, cutoff: float):
+        super().__init__()
+        self.cutoff = cutoff
+
+    def forward(self, graph: AtomicGraph) -> torch.Tensor:
+        d = graph.edge_vectors().norm(dim=-1)
+        inside = d < self.cutoff
+        ds = torch.where(inside, d, torch.zeros_like(d))
+        x = torch.exp(-1.5 * (ds - 2.3))
+        fc = 0.5 * (torch.cos(math.pi * ds / self.cutoff) + 1.0)
+        e = torch.where(inside, 0.5 * 0.3 * (x * x - 2 * x) * fc, torch.zeros_like(d))
+        return torch.zeros_like(graph.positions[:, 0]).index_add(0, graph.edge_index[1], e)
+
+
+def _fcc_graph(rng) -> AtomicGraph:
+    from ase.build import bulk
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((2, 2, 2))
+    atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
+    atoms.cell = cellpar_to_cell([7.22, 7.4, 7.1, 85, 95, 100])  # make it triclinic
+    return AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True)
+
+
+def _short_edges(graph: AtomicGraph, cutoff: float) -> set:
+    keep = graph.edge_vectors().norm(dim=-1) < cutoff
+    return _as_set(graph.edge_index[:, keep], graph.shifts[keep])
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_verlet_list_reuse_and_rebuild(backend):
+    rng = np.random.default_rng(3)
+    cutoff, skin = 3.0, 1.0
+    graph = _fcc_graph(rng)
+    nl = VerletList(cutoff, skin, backend)
+    nl(graph)
+    assert nl.n_builds == 1
+    ref_pos = graph.positions.clone()
+
+    def moved(max_disp: float) -> AtomicGraph:
+        step = torch.tensor(rng.normal(size=ref_pos.shape))
+        step = step / step.norm(dim=-1, keepdim=True) * torch.tensor(rng.uniform(0, max_disp, (len(step), 1)))
+        return graph.replace(positions=ref_pos + step)
+
+    # small moves (< skin / 2): reused, and still complete within the cutoff
+    for _ in range(3):
+        g = moved(0.49 * skin)
+        out = nl(g)
+        assert nl.n_builds == 1
+        fresh = g.replace(**dict(zip(("edge_index", "shifts"), neighbor_list(
+            g.positions, g.cell, g.pbc, cutoff, g.batch, "brute"))))
+        assert _short_edges(out, cutoff) == _as_set(fresh.edge_index, fresh.shifts)
+    # one atom beyond skin / 2 from the last build: rebuilt
+    far = ref_pos.clone()
+    far[5, 0] += 0.51 * skin
+    nl(graph.replace(positions=far))
+    assert nl.n_builds == 2
+    # drift accumulates from the last build, not from the previous step
+    p = far.clone()
+    p[7, 1] += 0.3 * skin
+    nl(graph.replace(positions=p))
+    assert nl.n_builds == 2
+    p[7, 1] += 0.3 * skin
+    nl(graph.replace(positions=p))
+    assert nl.n_builds == 3
+    # a changed cell: rebuilt even without atom motion
+    g = graph.replace(positions=p, cell=graph.cell * 1.001)
+    nl(g)
+    assert nl.n_builds == 4
+    nl(g)
+    assert nl.n_builds == 4
+
+
+def test_forces_from_skin_list_equal_fresh_list():
+    rng = np.random.default_rng(5)
+    cutoff, skin = 3.0, 1.2
+    model = _SmoothPair(cutoff)
+    graph = _fcc_graph(rng)
+    nl = VerletList(cutoff, skin, "torch")
+    nl(graph)
+    step = torch.tensor(rng.normal(scale=0.15, size=graph.positions.shape)).clamp(-0.3, 0.3)
+    g = graph.replace(positions=graph.positions + step)
+    with_skin = nl(g)
+    assert nl.n_builds == 1
+    assert with_skin.n_edges > 0
+    ei, sh = neighbor_list(g.positions, g.cell, g.pbc, cutoff, g.batch, "torch")
+    fresh = g.replace(edge_index=ei, shifts=sh)
+    assert with_skin.n_edges > fresh.n_edges  # the skin list does carry longer edges
+    a = compute_properties(model, with_skin)
+    b = compute_properties(model, fresh)
+    assert abs(float(a["energy"][0])) > 1e-3
+    for key in ("energy", "forces", "stress"):
+        torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12)

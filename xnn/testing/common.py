@@ -14,12 +14,13 @@ from xnn.neighbors import with_edges
 
 
 def as_fp64(model: torch.nn.Module, graph: AtomicGraph | None = None):
-    """``(model, graph)`` in float64; the model is deep-copied only when it is not fp64 already."""
+    """``(model, graph)`` in float64 on the model's device (the model is deep-copied only when
+    it is not fp64 already)."""
     tensors = list(model.parameters()) + list(model.buffers())
     if any(t.is_floating_point() and t.dtype != torch.float64 for t in tensors):
         model = copy.deepcopy(model).to(torch.float64)
     if graph is not None:
-        graph = graph.without_edges().to(dtype=torch.float64)
+        graph = graph.without_edges().to(device=model_device(model), dtype=torch.float64)
     return model, graph
 
 

@@ -58,7 +58,7 @@ def check_cutoff_smoothness(
     isolated = sum(
         float(evaluate(model, single_atom(z), stress=False)[K.ENERGY][0]) for z in (z1, z2)
     )
-    r = torch.tensor([rc - eta, rc + eta, *scan], dtype=e.dtype)
+    r = torch.tensor([rc - eta, rc + eta, *scan], dtype=e.dtype, device=e.device)
     beyond = r > rc + 1e-9
     energy_beyond = float((e[beyond] - isolated).abs().max())
     scale = max(1.0, abs(isolated))

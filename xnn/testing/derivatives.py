@@ -50,7 +50,11 @@ def check_forces_finite_difference(
     e = total_energies(model, copies).sum(-1).reshape(len(atoms), 3, 2)
     fd = -(e[..., 0] - e[..., 1]) / (2.0 * delta)
     return assert_close(
-        "forces vs finite differences", forces[torch.as_tensor(atoms)], fd, atol, rtol
+        "forces vs finite differences",
+        forces[torch.as_tensor(atoms, device=forces.device)],
+        fd,
+        atol,
+        rtol,
     )
 
 

@@ -60,7 +60,8 @@ def _zoo() -> dict[str, Atoms]:
     far.positions += rng.normal(scale=3.0, size=far.positions.shape)  # off-lattice too
     z["unwrapped_far"] = far
     slab_far = z["mixed_slab"].copy()
-    slab_far.positions += rng.integers(-40, 40, (len(slab_far), 3)) * [1, 1, 0] @ slab_far.cell.array
+    jumps = rng.integers(-40, 40, (len(slab_far), 3)) * [1, 1, 0]
+    slab_far.positions += jumps @ slab_far.cell.array
     z["unwrapped_mixed"] = slab_far
     return z
 
@@ -264,7 +265,8 @@ def test_verlet_list_reuse_and_rebuild(backend):
 
     def moved(max_disp: float) -> AtomicGraph:
         step = torch.tensor(rng.normal(size=ref_pos.shape))
-        step = step / step.norm(dim=-1, keepdim=True) * torch.tensor(rng.uniform(0, max_disp, (len(step), 1)))
+        length = torch.tensor(rng.uniform(0, max_disp, (len(step), 1)))
+        step = step / step.norm(dim=-1, keepdim=True) * length
         return graph.replace(positions=ref_pos + step)
 
     # small moves (< skin / 2): reused, and still complete within the cutoff

@@ -42,6 +42,8 @@ def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, ba
     if cell.shape[1:] != (3, 3):
         raise InputError(f"cell must have shape [n_systems, 3, 3], got {tuple(cell.shape)}")
     pbc = torch.as_tensor(pbc, dtype=torch.bool, device=positions.device)
+    if pbc.ndim > 2 or (pbc.ndim >= 1 and pbc.shape[-1] != 3):
+        raise InputError(f"pbc must have shape [n_systems, 3] or [3], got {tuple(pbc.shape)}")
     if pbc.ndim == 0:
         pbc = pbc.expand(cell.shape[0], 3)
     elif pbc.ndim == 1:
@@ -54,6 +56,13 @@ def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, ba
         batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
     if batch.shape != (positions.shape[0],):
         raise InputError(f"batch must have shape [{positions.shape[0]}], got {tuple(batch.shape)}")
+    if batch.numel() and (
+        batch.dtype.is_floating_point
+        or int(batch.min()) < 0
+        or int(batch.max()) >= cell.shape[0]
+        or bool((batch[1:] < batch[:-1]).any())
+    ):
+        raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
     if batch.numel() and (
         batch.dtype.is_floating_point
         or int(batch.min()) < 0

@@ -63,13 +63,6 @@ def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, ba
         or bool((batch[1:] < batch[:-1]).any())
     ):
         raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
-    if batch.numel() and (
-        batch.dtype.is_floating_point
-        or int(batch.min()) < 0
-        or int(batch.max()) >= cell.shape[0]
-        or bool((batch[1:] < batch[:-1]).any())
-    ):
-        raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
     if not torch.isfinite(positions).all():
         raise InputError("non-finite positions")
     if not torch.isfinite(cell).all():

@@ -106,6 +106,10 @@ def _collect_labels(
         raise InputError(f"unknown required label(s) {unknown}; choose from {list(LABELS)}")
     out = {}
     for prop in LABELS:
+        if keys[prop] is None:
+            if prop in require:
+                raise InputError(f"label {prop!r} is required but its key is None")
+            continue
         values = [_label(a, keys[prop], prop, i) for i, a in enumerate(atoms_list)]
         missing = [i for i, v in enumerate(values) if v is None]
         if missing and prop in require:
@@ -120,10 +124,10 @@ def _collect_labels(
 
 def from_ase(
     atoms,
-    energy_key: str = "energy",
-    forces_key: str = "forces",
-    stress_key: str = "stress",
-    virial_key: str = "virial",
+    energy_key: str | None = "energy",
+    forces_key: str | None = "forces",
+    stress_key: str | None = "stress",
+    virial_key: str | None = "virial",
     require: Sequence[str] = (),
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
@@ -134,7 +138,7 @@ def from_ase(
         atoms: an ``Atoms`` or a sequence of ``Atoms``.
         energy_key, forces_key, stress_key, virial_key: where labels live in
             ``atoms.info`` / ``atoms.arrays``; a key equal to the property name also finds a
-            (SinglePoint)calculator's stored result.
+            (SinglePoint)calculator's stored result; ``None`` skips that label.
         require: label names (``"energy"``, ``"forces"``, ...) every structure must have.
         dtype: floating-point dtype of positions, cell, masses and labels.
         device: target device.
@@ -229,10 +233,10 @@ def to_ase(graph: AtomicGraph) -> list:
 def read(
     path: str | os.PathLike,
     index: str | int = ":",
-    energy_key: str = "energy",
-    forces_key: str = "forces",
-    stress_key: str = "stress",
-    virial_key: str = "virial",
+    energy_key: str | None = "energy",
+    forces_key: str | None = "forces",
+    stress_key: str | None = "stress",
+    virial_key: str | None = "virial",
     require: Sequence[str] = (),
     as_graph: bool = False,
     format: str | None = None,

@@ -70,9 +70,9 @@ class Calculator(_AseCalculator):
             raise PropertyNotImplementedError(
                 "stress is only defined for systems periodic along x, y and z"
             )
-        graph = from_ase(self.atoms, dtype=self.dtype, device=self.device)
-        # drop labels that the input may carry: results come from the model only
-        graph = graph.replace({k: None for k in K.LABEL_FIELDS})
+        # labels the atoms may carry are not read: results come from the model only
+        no_labels = dict(energy_key=None, forces_key=None, stress_key=None, virial_key=None)
+        graph = from_ase(self.atoms, **no_labels, dtype=self.dtype, device=self.device)
         out = self.potential(graph, forces=True, stress=periodic)
         self.n_model_calls += 1
         energy = float(out[K.ENERGY].sum())

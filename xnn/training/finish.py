@@ -54,6 +54,7 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
     """Evaluate, save ``model.pt`` (EMA weights of the best epoch), plots and ``summary.json``."""
     from xnn.models.serialization import save_model
 
+    loop.reducer.barrier()  # every checkpoint of rank 0 is on disk before others read it
     origin = _final_weights(loop)
     metrics: dict = {}
     parities: dict = {}

@@ -1,0 +1,106 @@
+"""Data-parallel training on 2 gloo ranks == one process over the same global batches (fp64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from dist_helpers import spawn
+except ImportError:  # tests/ is a package
+    from tests.dist_helpers import spawn
+
+from xnn.config.loader import load_config
+from xnn.config.train import TrainConfig
+from xnn.data.emt import write_emt
+
+pytestmark = pytest.mark.distributed
+
+TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 2, "
+        "num_basis: 8}")
+
+
+def _cfg(data, out):
+    # 9 training structures in global batches of 4: shards of uneven size (2+2, 1+0 atoms...)
+    return load_config(TrainConfig, None, [
+        f"data.datasets.0.path={data}", f"output_dir={out}", "model.cutoff=3.0", TINY,
+        "data.batch_size=4", "data.val_fraction=0.25", "max_epochs=2", "precision=fp64",
+        "logging.plots=false", "logging.progress_bar=false", "loss.stress.weight=1.0",
+        "optim.lr=1e-2", "schedule.name=cosine", "device=cpu",
+    ])
+
+
+def _gradients(reducer, data):
+    """Gradient of the loss of one global batch of 5 structures (after the all-reduce)."""
+    from xnn.config.train import LossConfig
+    from xnn.data.datasets import WithEdges, read_structures, shard_batch
+    from xnn.models import build
+    from xnn.training.run import loss_specs
+    from xnn.training.trainer import Trainer
+
+    cfg = _cfg(data, "unused")
+    cfg.loss = LossConfig()
+    cfg.loss.stress.weight = 1.0
+    ds = WithEdges(read_structures(data), 3.0)
+    torch.manual_seed(0)
+    model = build("schnet", species=[29], cutoff=3.0, num_features=8, num_filters=8,
+                  num_interactions=2, num_basis=8).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = Trainer(model, loss_specs(cfg), opt, reducer=reducer, dtype=torch.float64)
+    batch = [0, 2, 3, 5, 7]
+    mine = shard_batch(batch, ds.n_atoms, reducer.rank, reducer.world_size)
+    loss = trainer.train_step([ds[i] for i in mine], 0)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()]).numpy()
+    return loss, grads, mine
+
+
+def _rank_main(rank, world, data, out):
+    from xnn.distributed.ddp import build_reducer
+    from xnn.distributed.manager import DistributedManager
+    from xnn.training.run import train
+
+    manager = DistributedManager.initialize(device="cpu")
+    reducer = build_reducer(manager)
+    loss, grads, mine = _gradients(reducer, data)
+    summary = train(_cfg(data, out), reducer)
+    from xnn.training.checkpoint import load_checkpoint
+
+    reducer.barrier()
+    hist = load_checkpoint(f"{out}/checkpoints/last.pt")["progress"]["history"]
+    return {"loss": loss, "grads": grads, "mine": mine, "summary": summary, "history": hist}
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    from xnn.training.checkpoint import load_checkpoint
+    from xnn.training.reducer import LocalReducer
+    from xnn.training.run import train
+
+    data = tmp_path / "cu.xyz"
+    write_emt(data, 12, ["Cu"], seed=2)
+    torch.set_num_threads(1)
+    ref_loss, ref_grads, _ = _gradients(LocalReducer(), str(data))
+    ref_summary = train(_cfg(str(data), tmp_path / "single"))
+    ref_hist = load_checkpoint(tmp_path / "single/checkpoints/last.pt")["progress"]["history"]
+
+    results = spawn(_rank_main, 2, args=(str(data), str(tmp_path / "ddp")), timeout_s=600)
+    # the ranks saw disjoint shards covering the global batch
+    assert sorted(results[0]["mine"] + results[1]["mine"]) == [0, 2, 3, 5, 7]
+    assert results[0]["mine"] and results[1]["mine"]
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-12)
+        err = np.abs(r["grads"] - ref_grads).max() / np.abs(ref_grads).max()
+        assert err <= 1e-10, err
+        assert np.abs(r["grads"]).max() > 0
+        # the same loss curve and validation metrics on every rank as in one process
+        for a, b in zip(r["history"], ref_hist):
+            for key in ("train_loss", "val_loss", "val_forces_mae", "train_forces_mae"):
+                assert a[key] == pytest.approx(b[key], rel=1e-9), key
+        for key, value in ref_summary["metrics"].items():
+            assert r["summary"]["metrics"][key] == pytest.approx(value, rel=1e-9), key
+    assert len(results[0]["history"]) == len(ref_hist) == 2
+    # weights after training agree with the single-process run
+    a = load_checkpoint(tmp_path / "single/checkpoints/last.pt")["model"]["state_dict"]
+    b = load_checkpoint(tmp_path / "ddp/checkpoints/last.pt")["model"]["state_dict"]
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), k

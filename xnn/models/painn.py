@@ -55,13 +55,27 @@ class PaiNNMessage(nn.Module):
         self.filter = nn.Linear(num_basis, 3 * num_features)
 
     def forward(
-        self, s: Tensor, v: Tensor, rbf: Tensor, fcut: Tensor, unit: Tensor, edge_index: Tensor
+        self,
+        s: Tensor,
+        v: Tensor,
+        rbf_cut: Tensor,
+        fcut: Tensor,
+        unit: Tensor,
+        edge_index: Tensor,
+        v_is_zero: bool = False,
     ) -> tuple[Tensor, Tensor]:
+        """``rbf_cut = rbf * fcut [n_edges, B]``; ``v_is_zero`` skips the ``v_j`` term (layer 0).
+
+        ``W(r) fcut = (rbf fcut) Wᵀ + fcut b``: written so, autograd keeps the small
+        ``[n_edges, B]`` input instead of another ``[n_edges, 3F]`` tensor.
+        """
         sender, receiver = edge_index[0], edge_index[1]
-        w = self.filter(rbf) * fcut.unsqueeze(-1)
+        w = rbf_cut @ self.filter.weight.T + fcut.unsqueeze(-1) * self.filter.bias
         x = self.phi(s).index_select(0, sender) * w
         a, b, c = torch.split(x, self.num_features, dim=-1)
-        dv_edge = v.index_select(0, sender) * b.unsqueeze(1) + unit.unsqueeze(-1) * c.unsqueeze(1)
+        dv_edge = unit.unsqueeze(-1) * c.unsqueeze(1)
+        if not v_is_zero:
+            dv_edge = dv_edge + v.index_select(0, sender) * b.unsqueeze(1)
         ds = torch.zeros_like(s).index_add(0, receiver, a)
         dv = torch.zeros_like(v).index_add(0, receiver, dv_edge)
         return ds, dv
@@ -151,15 +165,15 @@ class PaiNN(NativeModel):
         vec = graph.edge_vectors()
         r = vec.norm(dim=-1)
         unit = vec / r.unsqueeze(-1)
-        rbf = self.rbf(r)
         fcut = self.fcut(r)
+        rbf_cut = self.rbf(r) * fcut.unsqueeze(-1)
         species = self.embedding.index(graph.numbers)
         s = self.embedding.embedding(species)
         v = s.new_zeros(s.shape[0], 3, s.shape[1])
         for k in range(self.num_interactions):
             if k > 0:
                 s, v = self._sync(k - 1, s, v, graph)
-            ds, dv = self.messages[k](s, v, rbf, fcut, unit, graph.edge_index)
+            ds, dv = self.messages[k](s, v, rbf_cut, fcut, unit, graph.edge_index, k == 0)
             s, v = s + ds, v + dv
             ds, dv = self.updates[k](s, v)
             s, v = s + ds, v + dv

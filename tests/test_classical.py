@@ -234,3 +234,18 @@ def test_registry_and_parameters():
             LennardJones(SIGMA, EPS, bad)
         with pytest.raises(InputError, match="cutoff"):
             Morse(**MORSE, cutoff=bad)
+
+
+def test_save_load_round_trip(tmp_path):
+    from xnn.models.serialization import load_model, save_model
+
+    atoms = make_atoms(species=(18, 36), n_atoms=6, seed=9)
+    for model in (
+        LennardJones({"Ar": 3.4, 36: 3.65}, {"Ar": 0.0104, "Kr": 0.0141}, RC),
+        Morse(**MORSE, cutoff=6.5, species=["Ar", "Kr"]),
+    ):
+        save_model(model, tmp_path / "m.pt")
+        loaded = load_model(tmp_path / "m.pt")
+        assert type(loaded) is type(model) and loaded.species == model.species
+        a, b = xnn_results(model, atoms), xnn_results(loaded, atoms)
+        torch.testing.assert_close(a[K.FORCES], b[K.FORCES], rtol=0, atol=0)

@@ -131,6 +131,9 @@ class LennardJones(PairPotential):
         species: elements the model accepts; default the dict keys, or any element when
             ``sigma`` and ``epsilon`` are numbers.
 
+    ``hparams`` holds the constructor arguments (dicts keyed by atomic number), so
+    ``xnn.save_model`` can rebuild the model.
+
     Unlike species are mixed by Lorentz–Berthelot: ``σ_ij = (σ_i + σ_j)/2``,
     ``ε_ij = sqrt(ε_i ε_j)``. Parameters are buffers (``[n_types, n_types]``), so
     ``.to(dtype/device)`` moves them.
@@ -164,6 +167,12 @@ class LennardJones(PairPotential):
         )
         if (s <= 0).any() or (e < 0).any():
             raise InputError("sigma must be > 0 and epsilon >= 0")
+        self.hparams = {
+            "sigma": sig,
+            "epsilon": eps,
+            "cutoff": self.cutoff,
+            "species": None if species is None else list(self.species or []),
+        }
         self.register_buffer("sigma_ij", 0.5 * (s[:, None] + s[None, :]))
         self.register_buffer("epsilon_ij", torch.sqrt(e[:, None] * e[None, :]))
 
@@ -202,6 +211,13 @@ class Morse(PairPotential):
         if not (D > 0 and alpha > 0 and r0 > 0):
             raise InputError(f"Morse needs D, alpha, r0 > 0, got D={D}, alpha={alpha}, r0={r0}")
         types = self._setup_species(species, [])
+        self.hparams = {
+            "D": float(D),
+            "alpha": float(alpha),
+            "r0": float(r0),
+            "cutoff": self.cutoff,
+            "species": None if species is None else list(self.species or []),
+        }
         ones = torch.ones(len(types), len(types), dtype=torch.float64)
         self.register_buffer("D_ij", float(D) * ones)
         self.register_buffer("alpha_ij", float(alpha) * ones)

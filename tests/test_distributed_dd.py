@@ -7,6 +7,9 @@ ids are a random permutation in most cases).
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -241,11 +244,39 @@ def _error_cases(manager):
     return out
 
 
-def worker(rank, world):
+def _calculator_and_cli(manager, rank, tmp):
+    """The ASE calculator against ASE's own LJ, and ``xnn validate`` run inside the job."""
+    import os
+
+    from ase.calculators.lj import LennardJones
+
+    from xnn.cli.main import main
+    from xnn.data.ase_io import to_ase
+    from xnn.distributed import DistributedCalculator
+
+    atoms = to_ase(triclinic())[0]
+    atoms.calc = DistributedCalculator(lj(), manager)
+    out = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(),
+           "stress": atoms.get_stress()}
+    ref = LennardJones(sigma=2.3, epsilon=0.4, rc=5.0, smooth=False)
+    out["ref"] = {k: ref.get_property(k, atoms) for k in ("energy", "forces", "stress")}
+    path = os.path.join(tmp, "s.xyz")
+    if rank == 0:
+        atoms.write(path)
+    argv = ["validate", "--model", "lj:sigma=2.5,cutoff=4.5", "--structure", path, "--json",
+            os.path.join(tmp, "v.json")]
+    out["rc_ok"] = main(argv)
+    out["rc_strict"] = main(argv + ["--tol", "1e-30"])
+    out["rc_missing"] = main(["validate", "--model", "lj", "--structure", path + ".missing"])
+    return out
+
+
+def worker(rank, world, tmp):
     torch.set_default_dtype(torch.float64)
     manager, results = _run_cases(rank, CASES[world])
     if world == 2:
         results["errors"] = _error_cases(manager)
+        results["calc"] = _calculator_and_cli(manager, rank, tmp)
     if world == 3:
         results["grad"] = _grad_case(manager, rank, world)
         results["skin"] = _skin_case(manager, rank)
@@ -255,11 +286,12 @@ def worker(rank, world):
 # ---------------------------------------------------------------------------- tests
 
 _CACHE: dict[int, list] = {}
+_TMP = tempfile.mkdtemp(prefix="xnn-dd-")
 
 
 def results(world):
     if world not in _CACHE:
-        _CACHE[world] = spawn(worker, world, timeout_s=300)
+        _CACHE[world] = spawn(worker, world, args=(_TMP,), timeout_s=300)
     return _CACHE[world]
 
 
@@ -320,6 +352,20 @@ def test_errors_on_every_rank_without_hang():
             assert e["remote"].startswith("RemoteRankError: rank 1 failed")
         assert e["seconds"] < 30  # far below the 60 s collective timeout
         assert e["after"] < 0
+
+
+@pytest.mark.distributed
+def test_calculator_and_validate_cli():
+    for r in results(2):
+        c = r["calc"]
+        ref = c["ref"]
+        assert abs(c["energy"] - ref["energy"]) <= TOL * abs(ref["energy"])
+        assert np.abs(c["forces"] - ref["forces"]).max() <= TOL * np.abs(ref["forces"]).max()
+        assert np.abs(c["stress"] - ref["stress"]).max() <= TOL * np.abs(ref["stress"]).max()
+        assert (c["rc_ok"], c["rc_strict"], c["rc_missing"]) == (0, 1, 2)
+    with open(os.path.join(_TMP, "v.json")) as f:
+        report = json.load(f)["report"]
+    assert report["forces"]["max_rel"] <= TOL and report["stress"]["scale"] > 0
 
 
 def test_single_process_matches_periodic_list():

@@ -1,0 +1,132 @@
+"""Library side of ``xnn validate``: one process vs decomposed, compared by atom id.
+
+Also the model spec parser (``lj``, ``lj:sigma=2.3,epsilon=0.4,cutoff=5.0``, a model file)
+and the rank-0 structure reader used by the CLI; both are safe in a job of many ranks (read
+on rank 0 and broadcast, errors raised on every rank).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.distributed import collectives as C
+from xnn.errors import InputError
+
+#: defaults of built-in specs for hyperparameters a model requires (``lj`` alone works)
+SPEC_DEFAULTS = {
+    "lj": {"sigma": 2.3, "epsilon": 0.4, "cutoff": 5.0},
+    "morse": {"D": 0.35, "alpha": 1.4, "r0": 2.5, "cutoff": 6.0},
+}
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"name:key=value,..."`` to ``(name, hyperparameters)``."""
+    name, _, rest = spec.partition(":")
+    hp = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise InputError(f"model spec {spec!r}: expected key=value, got {item!r}")
+        hp[key.strip()] = _value(value.strip())
+    return name.strip(), hp
+
+
+def build_from_spec(spec: str, species: list[int], seed: int = 0):
+    """A registry model from a spec; ``species`` fills a required ``species`` argument.
+
+    Weights of learnable models are initialised from ``seed`` (identical on every rank).
+    """
+    from xnn.models.registry import build, model_class
+
+    name, hp = parse_spec(spec)
+    cls = model_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    hp = {**{k: v for k, v in SPEC_DEFAULTS.get(name, {}).items() if k in params}, **hp}
+    if "species" in params and "species" not in hp and params["species"].default is inspect._empty:
+        hp["species"] = species
+    torch.manual_seed(seed)
+    return build(name, **hp)
+
+
+def load_model_everywhere(spec: str, species: list[int], group=None):
+    """The model of ``spec`` on every rank: a file read on rank 0 and broadcast, or a spec."""
+    is_file = C.broadcast_object(Path(spec).is_file() if C.group_rank(group) == 0 else None,
+                                 group)
+    if not is_file:
+        with C.guarded(group, "model build"):
+            if os.sep in spec or spec.endswith((".pt", ".pth", ".model")):
+                raise InputError(f"model file {spec} does not exist (on rank 0)")
+            model = build_from_spec(spec, species)
+        return model
+    data = None
+    with C.guarded(group, "model file read"):
+        if C.group_rank(group) == 0:
+            data = Path(spec).read_bytes()
+    data = C.broadcast_object(data, group)
+    with C.guarded(group, "model load"), tempfile.TemporaryDirectory() as tmp:
+        from xnn.models.serialization import load_model
+
+        path = Path(tmp) / Path(spec).name
+        path.write_bytes(data)
+        model = load_model(path)
+    return model
+
+
+def read_structure_rank0(path: str, index: str = "-1", group=None) -> AtomicGraph | None:
+    """Read one structure on rank 0 (``None`` elsewhere); a bad file fails on every rank."""
+    graph = None
+    with C.guarded(group, f"reading {path}"):
+        if C.group_rank(group) == 0:
+            from xnn.data.ase_io import read
+
+            graph = read(path, index=index, as_graph=True)
+            if graph.n_systems != 1:
+                raise InputError(f"{path}: index {index!r} selects {graph.n_systems} structures; "
+                                 "give one (e.g. --index -1)")
+            graph = graph.replace({k: None for k in K.LABEL_FIELDS if k in graph})
+    return graph
+
+
+def compare(out: dict[str, Tensor], ref: dict[str, Tensor], graph: AtomicGraph) -> dict:
+    """Worst absolute and relative errors of energy, forces (by atom id) and stress/virial."""
+    order = torch.argsort(graph.atom_id)
+    if not torch.equal(out[K.ATOM_ID].cpu(), graph.atom_id[order].cpu()):
+        raise InputError("the decomposed result lost or duplicated atom ids")
+    pairs = {"energy": (out[K.ENERGY], ref[K.ENERGY]),
+             "forces": (out[K.FORCES], ref[K.FORCES][order]),
+             "energies": (out[K.ENERGIES], ref[K.ENERGIES][order])}
+    if bool(graph.pbc.all()):
+        pairs["stress"] = (out[K.STRESS], ref[K.STRESS])
+    else:
+        pairs["virial"] = (out[K.VIRIAL], ref[K.VIRIAL])
+    report = {}
+    for name, (a, b) in pairs.items():
+        diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        scale = b.double().abs().max().item() if b.numel() else 0.0
+        report[name] = {"max_abs": diff, "max_rel": diff / scale if scale > 0 else diff,
+                        "scale": scale}
+    return report
+
+
+def single_process(model, graph: AtomicGraph) -> dict[str, Tensor]:
+    """Reference results of ``model`` on ``graph`` in this process (periodic neighbor list)."""
+    from xnn.models import Potential
+
+    return Potential(model)(graph)

@@ -84,3 +84,16 @@ def test_average_num_neighbors_matches_ase():
         i, _ = ase_neighbor_list("ij", cu, cutoff)
         assert average_num_neighbors([g, g], cutoff) == pytest.approx(len(i) / len(cu))
     assert average_num_neighbors(g, 3.0) == pytest.approx(12.0)
+
+
+def test_missing_labels_are_skipped():
+    rng = np.random.default_rng(4)
+    graphs = _structures(rng, n=15)
+    labels = {"energy": np.array([np.nan]), "forces": np.full((2, 3), np.nan)}
+    nan = AtomicGraph.from_arrays(np.zeros((2, 3)), [1, 8], extra=labels)
+    with_nan = [nan, *graphs]
+    assert fit_e0(with_nan, list(E0)) == pytest.approx(fit_e0(graphs, list(E0)))
+    assert energy_per_atom_stats(with_nan, E0) == energy_per_atom_stats(graphs, E0)
+    assert force_rms(with_nan) == pytest.approx(force_rms(graphs), rel=1e-14)
+    with pytest.raises(InputError, match="energy label"):
+        fit_e0([nan], [1, 8])

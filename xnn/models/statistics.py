@@ -70,6 +70,8 @@ def _require(graph: AtomicGraph, field: str) -> torch.Tensor:
 def fit_e0(graphs: Graphs, species: Sequence[int]) -> dict[int, float]:
     """Per-element reference energies by least squares of total energy on composition.
 
+    Structures whose energy label is missing (NaN) are skipped.
+
     Solves ``min_E0 Σ_s (E_s - Σ_Z n_sZ E0_Z)^2``; elements that never occur get 0
     (minimum-norm solution), so do linearly dependent ones only as far as the data allows.
 
@@ -88,7 +90,10 @@ def fit_e0(graphs: Graphs, species: Sequence[int]) -> dict[int, float]:
     if not rows:
         raise InputError("fit_e0 needs at least one structure")
     a, b = np.concatenate(rows), np.concatenate(energies)
-    e0, *_ = np.linalg.lstsq(a, b, rcond=None)
+    keep = np.isfinite(b)  # missing labels are NaN
+    if not keep.any():
+        raise InputError("fit_e0 needs at least one structure with an energy label")
+    e0, *_ = np.linalg.lstsq(a[keep], b[keep], rcond=None)
     return {z: float(e0[index[z]]) for z in species}
 
 
@@ -109,6 +114,8 @@ def energy_per_atom_stats(
 ) -> dict[str, float]:
     """Mean and standard deviation of ``(E_s - Σ_i E0[Z_i]) / N_s`` over structures.
 
+    Structures whose energy label is missing (NaN) are skipped.
+
     Returns:
         ``{"mean": eV/atom, "std": eV/atom, "count": number of structures}``.
     """
@@ -120,14 +127,18 @@ def energy_per_atom_stats(
     if not values:
         raise InputError("energy_per_atom_stats needs at least one structure")
     v = np.concatenate(values)
+    v = v[np.isfinite(v)]  # missing labels are NaN
+    if v.size == 0:
+        raise InputError("energy_per_atom_stats needs at least one structure with an energy label")
     return {"mean": float(v.mean()), "std": float(v.std()), "count": int(v.size)}
 
 
 def force_rms(graphs: Graphs) -> float:
-    """Root mean square of all force components ``sqrt(mean(F_ia^2))`` (eV/Å)."""
+    """Root mean square of all force components ``sqrt(mean(F_ia^2))`` (eV/Å); NaN skipped."""
     total, count = 0.0, 0
     for g in iter_graphs(graphs):
         f = _require(g, K.FORCES).detach().double()
+        f = f[torch.isfinite(f)]  # missing labels are NaN
         total += float((f * f).sum())
         count += f.numel()
     if count == 0:

@@ -78,24 +78,19 @@ def neighbor_list(
     with torch.no_grad():
         full = complete_cell(cell)
         pos = positions.detach()
-        offsets = torch.zeros_like(pos)
         n_wrap = None
         if pbc.any():
-            periodic = pbc[batch]
-            inv = torch.linalg.inv(full)
-            frac = torch.einsum("ni,nij->nj", pos, inv[batch])
-            n_wrap = torch.where(periodic, torch.floor(frac), torch.zeros_like(frac))
-            frac = frac - n_wrap
-            wrapped = torch.einsum("ni,nij->nj", frac, full[batch])
-            offsets = wrapped - pos
-            pos = wrapped
+            # whole lattice vectors that bring each atom into the cell along periodic axes
+            frac = torch.einsum("ni,nij->nj", pos, torch.linalg.inv(full)[batch])
+            n = torch.where(pbc[batch], torch.floor(frac), torch.zeros_like(frac))
+            if bool(n.any()):
+                n_wrap = n.to(torch.long)
+                pos = pos - torch.einsum("ni,nij->nj", n, full[batch])
         edge_index, shifts = _BACKENDS[name](pos, full, pbc, float(cutoff), batch)
         if n_wrap is not None and edge_index.shape[1] > 0:
             # pos_w = pos - n @ cell, so
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
-            n_wrap = n_wrap.to(torch.long)
             shifts = shifts - n_wrap[edge_index[0]] + n_wrap[edge_index[1]]
-        del offsets
     return edge_index, shifts.to(torch.long)
 
 

@@ -25,9 +25,11 @@ path, the weighted sender block ``[n_edges, C, 2l1+1]``; the message
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
@@ -39,6 +41,42 @@ from xnn.models.blocks import (
     SpeciesEmbedding,
 )
 from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis, o3
+
+
+class EdgeData(NamedTuple):
+    """Edges inside the cutoff and their features, shared by all interactions.
+
+    Attributes:
+        edge_index: ``[2, n_in]`` (row 0 sender j, row 1 receiver i).
+        y: ``[n_in, (l_max+1)^2]`` spherical harmonics of ``r̂_ij``.
+        feats: ``[n_in, num_bessel]`` Bessel basis times the cutoff envelope.
+        chunks: ``[(e0, e1, a0, a1)]`` edge ranges whose receivers are atoms ``a0..a1-1``
+            (edges sorted by receiver), or ``None`` to process all edges at once.
+    """
+
+    edge_index: Tensor
+    y: Tensor
+    feats: Tensor
+    chunks: list[tuple[int, int, int, int]] | None
+
+
+def receiver_chunks(receiver: Tensor, n_atoms: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    """Split edges sorted by receiver into ranges of about ``chunk`` edges on atom boundaries.
+
+    Returns:
+        ``[(e0, e1, a0, a1)]``: edges ``e0..e1-1`` are those received by atoms ``a0..a1-1``;
+        the atom ranges cover ``0..n_atoms-1``.
+    """
+    counts = torch.bincount(receiver, minlength=n_atoms)
+    ptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    n_edges = int(ptr[-1])
+    targets = torch.arange(chunk, n_edges, chunk, device=ptr.device)
+    cuts = (torch.searchsorted(ptr, targets, right=True) - 1).tolist()
+    bounds = sorted({0, n_atoms, *[c for c in cuts if 0 < c < n_atoms]})
+    ptr_list = ptr[bounds].tolist()
+    return [
+        (ptr_list[k], ptr_list[k + 1], bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)
+    ]
 
 
 class _NormalizedSiLU(nn.Module):
@@ -55,7 +93,7 @@ class RadialMLP(nn.Module):
     vanish smoothly at the cutoff with the envelope.
 
     Shapes:
-        ``[n_edges, num_bessel]`` -> ``[n_edges, num_paths, C]``.
+        ``[n_edges, num_bessel]`` -> ``[n_edges, C, num_paths]``.
     """
 
     def __init__(self, sizes: Sequence[int], num_paths: int, channels: int):
@@ -72,7 +110,7 @@ class RadialMLP(nn.Module):
         self.num_paths, self.channels = num_paths, channels
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x).view(x.shape[0], self.num_paths, self.channels)
+        return self.net(x).view(x.shape[0], self.channels, self.num_paths)
 
 
 class Interaction(nn.Module):
@@ -119,18 +157,38 @@ class Interaction(nn.Module):
             self.sc_species = nn.Parameter(torch.ones(num_species, channels))
         self.pad = (l_out + 1) ** 2 - (l_sc + 1) ** 2
 
-    def aggregate(self, h: Tensor, y: Tensor, edge_feats: Tensor, edge_index: Tensor) -> Tensor:
-        """``A [n_atoms, C, (l_max+1)^2]``: the normalised sum of neighbour messages."""
-        sender, receiver = edge_index[0], edge_index[1]
-        x = self.linear_up(h).index_select(0, sender)
-        m = self.tp(x, y, self.radial(edge_feats))
-        a = m.new_zeros((h.shape[0], *m.shape[1:])).index_add(0, receiver, m)
+    def messages(
+        self, h_up: Tensor, y: Tensor, feats: Tensor, sender: Tensor, receiver: Tensor, n: int
+    ) -> Tensor:
+        """``[n, C, (l_max+1)^2]`` sum of the messages of some edges into receivers ``0..n-1``."""
+        m = self.tp(h_up.index_select(0, sender), y, self.radial(feats))
+        return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
+
+    def aggregate(self, h: Tensor, edges: EdgeData) -> Tensor:
+        """``A [n_atoms, C, (l_max+1)^2]``: the normalised sum of neighbour messages.
+
+        With ``edges.chunks`` (edges sorted by receiver), each chunk of receivers is computed
+        under ``torch.utils.checkpoint``: no per-edge tensor outlives its chunk; backward
+        recomputes the chunk (twice-differentiable, non-reentrant checkpoint).
+        """
+        h_up = self.linear_up(h)
+        sender, receiver = edges.edge_index[0], edges.edge_index[1]
+        if edges.chunks is None:
+            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, h.shape[0])
+        else:
+            a = torch.cat(
+                [
+                    checkpoint(
+                        self.messages, h_up, edges.y[e0:e1], edges.feats[e0:e1],
+                        sender[e0:e1], receiver[e0:e1] - a0, a1 - a0, use_reentrant=False,
+                    )
+                    for e0, e1, a0, a1 in edges.chunks
+                ]
+            )
         return self.linear_a(a / self.avg_num_neighbors)
 
-    def forward(
-        self, h: Tensor, species: Tensor, y: Tensor, edge_feats: Tensor, edge_index: Tensor
-    ) -> Tensor:
-        a = self.aggregate(h, y, edge_feats, edge_index)
+    def forward(self, h: Tensor, species: Tensor, edges: EdgeData) -> Tensor:
+        a = self.aggregate(h, edges)
         b = self.linear_out(self.product(a, species))
         if self.sc is None:
             return b
@@ -158,6 +216,10 @@ class Equivariant(NativeModel):
         radial_mlp: hidden widths of the radial MLP.
         avg_num_neighbors: the neighbour sum is divided by this (set from the data).
         readout_hidden: hidden width of the last layer's non-linear readout (0: linear).
+        edge_chunk_size: when a graph has more edges than this, process the edges in chunks
+            of receivers under activation checkpointing: per-edge tensors are then never
+            kept for backward (memory per atom drops several-fold, at the cost of recomputing
+            the edge part in backward). ``None``: never chunk.
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
@@ -184,6 +246,7 @@ class Equivariant(NativeModel):
         radial_mlp: Sequence[int] = (64, 64, 64),
         avg_num_neighbors: float = 20.0,
         readout_hidden: int = 16,
+        edge_chunk_size: int | None = None,
         scale: float = 1.0,
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
@@ -194,11 +257,13 @@ class Equivariant(NativeModel):
             hidden_l_max=hidden_l_max, num_interactions=num_interactions,
             correlation=correlation, num_bessel=num_bessel, envelope_p=envelope_p,
             radial_mlp=list(radial_mlp), avg_num_neighbors=avg_num_neighbors,
-            readout_hidden=readout_hidden, scale=scale, shift=shift,
+            readout_hidden=readout_hidden, edge_chunk_size=edge_chunk_size, scale=scale,
+            shift=shift,
             e0=None if e0 is None else {int(z): float(v) for z, v in e0.items()},
         )
         super().__init__(hparams, species, cutoff, num_interactions)
         self.channels, self.l_max, self.hidden_l_max = channels, l_max, hidden_l_max
+        self.edge_chunk_size = None if edge_chunk_size is None else int(edge_chunk_size)
         self.embedding = SpeciesEmbedding(self.species, channels)
         self.bessel = BesselBasis(cutoff, num_bessel)
         self.envelope = PolynomialCutoff(cutoff, envelope_p)
@@ -219,35 +284,44 @@ class Equivariant(NativeModel):
             self.readouts.append(_readout(channels, readout_hidden if last else 0))
         self.output = EnergyScaleShift(self.species, scale, shift, e0)
 
-    def edge_features(self, graph: AtomicGraph) -> tuple[Tensor, Tensor, Tensor]:
-        """Edges inside the cutoff and their harmonics and radial features.
+    def edge_features(self, graph: AtomicGraph) -> EdgeData:
+        """Edges with ``r < cutoff`` (others dropped), their harmonics and radial features.
 
-        Returns:
-            ``edge_index [2, n_in]`` of the edges with ``r < cutoff``, ``Y [n_in,
-            (l_max+1)^2]`` and ``edge_feats [n_in, num_bessel]`` (Bessel x envelope).
+        With more than ``edge_chunk_size`` edges, the edges are sorted by receiver and split
+        into chunks (see :class:`EdgeData`).
         """
         vec = graph.edge_vectors()
         edge_index = graph.edge_index
         r = vec.norm(dim=-1)
+        keep = None
         inside = r < self.cutoff
         if not bool(inside.all()):
             keep = torch.nonzero(inside).flatten()
+        chunks = None
+        if self.edge_chunk_size is not None and int(inside.sum()) > self.edge_chunk_size:
+            receiver = edge_index[1] if keep is None else edge_index[1, keep]
+            if bool((receiver[1:] < receiver[:-1]).any()):
+                order = torch.argsort(receiver, stable=True)
+                keep = order if keep is None else keep[order]
+        if keep is not None:
             vec, r, edge_index = vec[keep], r[keep], edge_index[:, keep]
+        if self.edge_chunk_size is not None and edge_index.shape[1] > self.edge_chunk_size:
+            chunks = receiver_chunks(edge_index[1], graph.n_atoms, self.edge_chunk_size)
         y = self.sh(vec)
-        edge_feats = self.bessel(r) * self.envelope(r).unsqueeze(-1)
-        return edge_index, y, edge_feats
+        feats = self.bessel(r) * self.envelope(r).unsqueeze(-1)
+        return EdgeData(edge_index, y, feats, chunks)
 
     def node_features(self, graph: AtomicGraph) -> list[Tensor]:
         """Node features after each interaction, ``[n_atoms, C, (l+1)^2]`` (for inspection)."""
         species = self.embedding.index(graph.numbers)
-        edge_index, y, edge_feats = self.edge_features(graph)
+        edges = self.edge_features(graph)
         h = self.embedding(graph.numbers).unsqueeze(-1)
         out = []
         for t, layer in enumerate(self.interactions):
             if t > 0:
                 n, c, d = h.shape
                 h = self.sync[t - 1](h.reshape(n, c * d), graph).reshape(n, c, d)
-            h = layer(h, species, y, edge_feats, edge_index)
+            h = layer(h, species, edges)
             out.append(h)
         return out
 

@@ -47,37 +47,20 @@ def _cg(l1: int, l2: int, l3: int) -> Tensor:
     return o3.wigner_3j(l1, l2, l3, dtype=torch.float64) * math.sqrt(2 * l3 + 1)
 
 
-class _CGTensors(nn.Module):
-    """Holds one CG buffer per path (``cg_0``, ``cg_1``, ...) with path normalisation folded in.
-
-    Each path into ``l3`` is divided by ``sqrt(number of paths into l3)`` so that the summed
-    output keeps unit variance for unit-variance inputs and weights. Buffers are stored in
-    float64 (a CG rounded to float32 is equivariant only to ~1e-7) and cast to the features'
-    dtype when used.
-    """
-
-    def __init__(self, paths: list[tuple[int, int, int]]):
-        super().__init__()
-        self.paths = paths
-        fan_in = {l3: sum(1 for p in paths if p[2] == l3) for _, _, l3 in paths}
-        for k, (l1, l2, l3) in enumerate(paths):
-            cg = _cg(l1, l2, l3) / math.sqrt(fan_in[l3])
-            self.register_buffer(f"cg_{k}", cg, persistent=False)
-
-    def get(self, k: int, like: Tensor) -> Tensor:
-        """CG of path ``k`` in the dtype of ``like``."""
-        return getattr(self, f"cg_{k}").to(like.dtype)
+def _fan_in(paths: list[tuple[int, int, int]]) -> dict[int, int]:
+    return {l3: sum(1 for p in paths if p[2] == l3) for _, _, l3 in paths}
 
 
 class EdgeTensorProduct(nn.Module):
     """Channel-wise ("uvu") tensor product of sender features and edge harmonics, with
     per-edge, per-path, per-channel weights (MACE's ``conv_tp`` with external weights).
 
-    ``m[e, c, l3] = Σ_{(l1,l2,l3)} w[e, p, c] · CG_p(x[e, c, l1], Y[e, l2])``
+    ``m[e, c, k] = Σ_p w[e, c, p] Σ_{a,b} G_p[a, b, k] x[e, c, a] Y[e, b]``
 
-    The weight is applied to the sender features *before* the contraction, so the tensors
-    kept for backward are ``[n_edges, C, 2l1+1]`` per path (plus ``Y ⊗ CG``, which has no
-    channel axis), never ``[n_edges, C, paths, D]``.
+    with ``G_p`` the CG of path ``p = (l1, l2, l3)`` placed in the blocks of ``l1``, ``l2``,
+    ``l3`` and divided by ``sqrt(number of paths into l3)``. Evaluated per group of paths with
+    the same ``l1`` as one batched matmul: ``M[e, (p,a), k] = Σ_b Y[e, b] G[b, (p,a), k]``
+    (no channel axis), ``Z[e, c, (p,a)] = w[e, c, p] x[e, c, a]``, ``m = Z @ M``.
 
     Args:
         l_in: highest degree of the sender features.
@@ -86,38 +69,56 @@ class EdgeTensorProduct(nn.Module):
 
     Shapes:
         ``x [n_edges, C, (l_in+1)^2]``, ``y [n_edges, (l_sh+1)^2]``,
-        ``w [n_edges, num_paths, C]`` -> ``[n_edges, C, (l_out+1)^2]``.
+        ``w [n_edges, C, num_paths]`` -> ``[n_edges, C, (l_out+1)^2]``.
     """
 
     def __init__(self, l_in: int, l_sh: int, l_out: int):
         super().__init__()
-        self.l_out = l_out
-        self.cg = _CGTensors(coupling_paths(l_in, l_sh, l_out))
+        self.paths = coupling_paths(l_in, l_sh, l_out)  # l1-major order
+        self.d_sh, self.d_out = (l_sh + 1) ** 2, (l_out + 1) ** 2
+        fan_in = _fan_in(self.paths)
+        self.groups: list[tuple[int, int, int]] = []  # (l1, first path, last path + 1)
+        for l1 in range(l_in + 1):
+            idx = [k for k, p in enumerate(self.paths) if p[0] == l1]
+            if not idx:
+                continue
+            g = torch.zeros(self.d_sh, len(idx), 2 * l1 + 1, self.d_out, dtype=torch.float64)
+            for q, k in enumerate(idx):
+                _, l2, l3 = self.paths[k]
+                cg = _cg(l1, l2, l3) / math.sqrt(fan_in[l3])  # [a, b, k]
+                g[block(l2), q, :, block(l3)] = cg.permute(1, 0, 2)
+            self.register_buffer(f"g_{len(self.groups)}", g, persistent=False)
+            self.groups.append((l1, idx[0], idx[-1] + 1))
 
     @property
     def num_paths(self) -> int:
-        return len(self.cg.paths)
+        return len(self.paths)
 
     def forward(self, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
-        blocks: list[Tensor | None] = [None] * (self.l_out + 1)
-        for k, (l1, l2, l3) in enumerate(self.cg.paths):
-            xw = x[:, :, block(l1)] * w[:, k, :, None]  # [E, C, 2l1+1]
-            if l1 == 0:  # CG is diagonal: δ(m2, m3) * const
-                t = xw * (y[:, None, block(l2)] * self.cg.get(k, x)[0, 0, 0])
-            else:
-                yc = torch.einsum("eb,abk->eak", y[:, block(l2)], self.cg.get(k, y))
-                t = torch.einsum("eca,eak->eck", xw, yc)
-            blocks[l3] = t if blocks[l3] is None else blocks[l3] + t
-        return torch.cat(blocks, dim=-1)
+        e, c = x.shape[0], x.shape[1]
+        out = None
+        w_groups = w.split([p1 - p0 for _, p0, p1 in self.groups], dim=-1)
+        for k, (l1, p0, p1) in enumerate(self.groups):
+            g = getattr(self, f"g_{k}").to(y.dtype)
+            pa = (p1 - p0) * (2 * l1 + 1)
+            m = (y @ g.reshape(self.d_sh, pa * self.d_out)).view(e, pa, self.d_out)
+            z = (w_groups[k][:, :, :, None] * x[:, :, None, block(l1)]).reshape(e, c, pa)
+            t = torch.bmm(z, m)
+            out = t if out is None else out + t
+        return out
 
 
 class ProductBasis(nn.Module):
     """Many-body node update: per-channel symmetric products of ``A`` up to ``correlation``.
 
-    ``B¹ = A``, ``Bᵛ[l3] = Σ_{(l1,l2,l3)} w_ν[z, p, c] · CG_p(Bᵛ⁻¹[c, l1], A[c, l2])``;
+    ``B¹ = A``, ``Bᵛ[c, k] = Σ_p w_ν[z, p, c] Σ_{a,b} G_p[a, b, k] Bᵛ⁻¹[c, a] A[c, b]``;
     every term of ``Bᵛ`` is a product of ``ν`` copies of ``A`` (body order ``ν + 1``), in
     the spirit of MACE's ``EquivariantProductBasisBlock``. The output is
     ``Σ_ν u_ν[z, l, c] · Bᵛ[l]`` for ``l <= l_out``. Weights depend on the species ``z``.
+
+    Each step is two matmuls with constant matrices: the outer product ``[n, C, D*D]`` times
+    the stacked CGs ``[D*D, Σ_p (2l3+1)]``, a per-path weight, and a 0/1 matrix summing the
+    paths into their output blocks.
 
     Args:
         num_species: number of species (rows of the weight tables).
@@ -133,36 +134,50 @@ class ProductBasis(nn.Module):
     def __init__(self, num_species: int, channels: int, l_max: int, l_out: int, correlation: int):
         super().__init__()
         self.l_max, self.l_out, self.correlation = l_max, l_out, correlation
-        self.couplings = nn.ModuleList()
         self.weights = nn.ParameterList()
-        for nu in range(2, correlation + 1):
+        d = (l_max + 1) ** 2
+        for k, nu in enumerate(range(2, correlation + 1)):
             l3_max = l_max if nu < correlation else l_out
-            cg = _CGTensors(coupling_paths(l_max, l_max, l3_max))
-            self.couplings.append(cg)
-            self.weights.append(nn.Parameter(torch.randn(num_species, len(cg.paths), channels)))
+            paths = coupling_paths(l_max, l_max, l3_max)
+            fan_in = _fan_in(paths)
+            cols = [(q, m) for q, p in enumerate(paths) for m in range(p[2] ** 2, (p[2] + 1) ** 2)]
+            g = torch.zeros(d, d, len(cols), dtype=torch.float64)
+            col = 0
+            for l1, l2, l3 in paths:
+                n3 = 2 * l3 + 1
+                cg = _cg(l1, l2, l3) / math.sqrt(fan_in[l3])
+                g[block(l1), block(l2), col : col + n3] = cg
+                col += n3
+            s = torch.zeros(len(cols), (l3_max + 1) ** 2, dtype=torch.float64)
+            s[torch.arange(len(cols)), torch.tensor([m for _, m in cols])] = 1.0
+            self.register_buffer(f"g_{k}", g.reshape(d * d, len(cols)), persistent=False)
+            self.register_buffer(f"s_{k}", s, persistent=False)
+            path_of_col = torch.tensor([q for q, _ in cols])
+            self.register_buffer(f"path_of_col_{k}", path_of_col, persistent=False)
+            self.weights.append(nn.Parameter(torch.randn(num_species, channels, len(paths))))
         self.out_weights = nn.Parameter(
-            torch.randn(num_species, correlation, l_out + 1, channels) / math.sqrt(correlation)
+            torch.randn(num_species, correlation, channels, l_out + 1) / math.sqrt(correlation)
         )
         ls = torch.arange(l_out + 1)
         self.register_buffer("degree", torch.repeat_interleave(ls, 2 * ls + 1), persistent=False)
 
-    def _couple(self, cg: _CGTensors, b: Tensor, a: Tensor, w: Tensor, l3_max: int) -> Tensor:
-        blocks: list[Tensor | None] = [None] * (l3_max + 1)
-        for k, (l1, l2, l3) in enumerate(cg.paths):
-            bl = b[:, :, block(l1)] * w[:, k, :, None]
-            t = torch.einsum("nca,ncb,abk->nck", bl, a[:, :, block(l2)], cg.get(k, a))
-            blocks[l3] = t if blocks[l3] is None else blocks[l3] + t
-        return torch.cat(blocks, dim=-1)
+    def _step(self, k: int, b: Tensor, a: Tensor, species: Tensor) -> Tensor:
+        n, c, d = a.shape
+        g = getattr(self, f"g_{k}").to(a.dtype)
+        s = getattr(self, f"s_{k}").to(a.dtype)
+        outer = (b[:, :, :, None] * a[:, :, None, :]).reshape(n * c, d * d)
+        t = (outer @ g).view(n, c, -1)  # [n, C, Σ_p (2l3+1)]
+        w = self.weights[k][species][:, :, getattr(self, f"path_of_col_{k}")]
+        return ((t * w).view(n * c, -1) @ s).view(n, c, -1)
 
     def forward(self, a: Tensor, species: Tensor) -> Tensor:
         d_out = (self.l_out + 1) ** 2
-        u = self.out_weights[species]  # [n, ν, l_out+1, C]
-        out = a[:, :, :d_out] * u[:, 0, self.degree, :].transpose(1, 2)
+        u = self.out_weights[species][:, :, :, self.degree]  # [n, ν, C, d_out]
+        out = a[:, :, :d_out] * u[:, 0]
         b = a
         for k, nu in enumerate(range(2, self.correlation + 1)):
-            l3_max = self.l_max if nu < self.correlation else self.l_out
-            b = self._couple(self.couplings[k], b, a, self.weights[k][species], l3_max)
-            out = out + b[:, :, :d_out] * u[:, nu - 1, self.degree, :].transpose(1, 2)
+            b = self._step(k, b, a, species)
+            out = out + b[:, :, :d_out] * u[:, nu - 1]
         return out
 
 

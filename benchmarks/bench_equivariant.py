@@ -1,0 +1,205 @@
+"""Speed and memory per atom of the ``equivariant`` model vs mace-torch's MACE of similar size.
+
+Energy + forces (inference, ``create_graph=False``) and, with ``--train``, energy + forces with
+``create_graph=True`` plus a backward of a force loss (training step), on rattled FCC Cu.
+
+Measured per model and size:
+  * ``atom_steps_per_s``: atoms / median wall time of one evaluation;
+  * ``saved_bytes_per_atom``: bytes of the tensors autograd keeps for backward (the retained
+    graph; counted once per storage), measured with ``saved_tensors_hooks`` on any device;
+  * ``peak_bytes_per_atom``: CUDA ``max_memory_allocated`` above the pre-evaluation level
+    (CUDA only; on CPU ``None``);
+  * with ``--find-max`` (CUDA): the largest atom count that evaluates without running out of
+    memory (grown by 1.25x).
+
+Usage::
+
+    python -m benchmarks.bench_equivariant --quick                     # CPU, small sizes
+    python -m benchmarks.bench_equivariant --device cuda --find-max --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import fcc_cu, reset_peak_memory, synchronize, time_fn, write_json  # noqa: E402
+from xnn.data import keys as K  # noqa: E402
+from xnn.data.graph import AtomicGraph  # noqa: E402
+from xnn.models import build, compute_properties  # noqa: E402
+from xnn.neighbors import with_edges  # noqa: E402
+
+
+def xnn_model(
+    channels: int, hidden_l_max: int, cutoff: float, chunk: int | None = None
+) -> torch.nn.Module:
+    return build(
+        "equivariant", species=[29], cutoff=cutoff, channels=channels, l_max=2,
+        hidden_l_max=hidden_l_max, num_interactions=2, correlation=3, num_bessel=8,
+        avg_num_neighbors=40.0, edge_chunk_size=chunk,
+    )
+
+
+def mace_model(channels: int, hidden_l_max: int, cutoff: float) -> torch.nn.Module | None:
+    """mace-torch MACE (max_ell 2, correlation 3, 2 layers) wrapped as an xnn model, or None."""
+    try:
+        from e3nn import o3
+        from mace import modules
+
+        from xnn.models.external.mace import MACEWrapper
+    except Exception as err:  # mace-torch not installed / wrapper missing
+        print(f"MACE comparison skipped: {type(err).__name__}: {err}")
+        return None
+    hidden = f"{channels}x0e" + (f" + {channels}x1o" if hidden_l_max >= 1 else "")
+    mace = modules.MACE(
+        r_max=cutoff, num_bessel=8, num_polynomial_cutoff=5, max_ell=2,
+        interaction_cls=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+        interaction_cls_first=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+        num_interactions=2, num_elements=1, hidden_irreps=o3.Irreps(hidden),
+        MLP_irreps=o3.Irreps("16x0e"), atomic_energies=np.zeros(1), avg_num_neighbors=40.0,
+        atomic_numbers=[29], correlation=3, gate=torch.nn.functional.silu,
+        radial_MLP=[64, 64, 64],
+    )
+    return MACEWrapper(mace)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of distinct storages autograd saves for backward while ``fn()`` runs."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def make_step(model, graph: AtomicGraph, train: bool):
+    def step():
+        out = compute_properties(model, graph, forces=True, stress=False, training=train)
+        if train:
+            (out[K.FORCES] ** 2).sum().backward()
+        return out
+
+    return step
+
+
+def measure(model, n_atoms: int, device: str, dtype, train: bool, repeat: int) -> dict:
+    atoms = fcc_cu(n_atoms)
+    g = AtomicGraph.from_arrays(
+        atoms.positions, atoms.numbers, atoms.cell.array, True, dtype=dtype, device=device
+    )
+    g = with_edges(g, float(model.cutoff))
+    step = make_step(model, g, train)
+    n = g.n_atoms
+    # retained autograd graph (forward only: what the force backward needs)
+    fwd = saved_bytes(lambda: model(g.replace(positions=g.positions.requires_grad_(True))))
+    synchronize(device)
+    reset_peak_memory(device)
+    base = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+    t = time_fn(step, repeat=repeat, warmup=1, device=device)
+    peak = None
+    if device.startswith("cuda"):
+        peak = (torch.cuda.max_memory_allocated() - base) / n
+    model.zero_grad(set_to_none=True)
+    return {
+        "n_atoms": n, "n_edges": g.n_edges, "median_s": t["median_s"],
+        "atom_steps_per_s": n / t["median_s"], "saved_bytes_per_atom": fwd / n,
+        "peak_bytes_per_atom": peak,
+    }
+
+
+def find_max(model, device: str, dtype, train: bool, start: int) -> int:
+    """Largest FCC Cu size (grown by 1.25x) whose evaluation fits in device memory."""
+    n, best = start, 0
+    while True:
+        try:
+            measure(model, n, device, dtype, train, repeat=1)
+            best = n
+            n = int(n * 1.25) + 1
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return best
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--channels", type=int, default=64)
+    p.add_argument("--hidden-l-max", type=int, default=1)
+    p.add_argument("--cutoff", type=float, default=5.0)
+    p.add_argument("--sizes", type=int, nargs="+", default=None)
+    p.add_argument("--train", action="store_true", help="force-loss backward (double backward)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="also run the model with edge_chunk_size=CHUNK (checkpointed edges)")
+    p.add_argument("--no-mace", action="store_true")
+    p.add_argument("--find-max", action="store_true", help="CUDA: largest size that fits")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
+    sizes = a.sizes or ([108, 256] if a.quick else [2048, 16384, 65536])
+    models = {"xnn_equivariant": xnn_model(a.channels, a.hidden_l_max, a.cutoff)}
+    if a.chunk:
+        torch.manual_seed(0)
+        models["xnn_equivariant_chunked"] = xnn_model(
+            a.channels, a.hidden_l_max, a.cutoff, a.chunk
+        )
+    if not a.no_mace:
+        mace = mace_model(a.channels, a.hidden_l_max, a.cutoff)
+        if mace is not None:
+            models["mace"] = mace
+    results: dict = {"config": vars(a), "models": {}}
+    for name, model in models.items():
+        model = model.to(device=a.device, dtype=dtype)
+        params = sum(q.numel() for q in model.parameters())
+        rows = [measure(model, n, a.device, dtype, a.train, a.repeat) for n in sizes]
+        entry = {"parameters": params, "runs": rows}
+        if a.find_max and a.device.startswith("cuda"):
+            entry["max_atoms"] = find_max(model, a.device, dtype, a.train, sizes[-1])
+            print(f"{name}: largest size that fits: {entry['max_atoms']} atoms")
+        results["models"][name] = entry
+        for r in rows:
+            print(
+                f"{name:16s} params={params:8d} n={r['n_atoms']:7d} edges/atom="
+                f"{r['n_edges'] / r['n_atoms']:.1f} {r['atom_steps_per_s']:10.1f} atom-steps/s "
+                f"saved={r['saved_bytes_per_atom'] / 1024:.1f} KiB/atom"
+                + (f" peak={r['peak_bytes_per_atom'] / 1024:.1f} KiB/atom"
+                   if r["peak_bytes_per_atom"] else "")
+            )
+    ours_names = [k for k in results["models"] if k.startswith("xnn")]
+    if "mace" in results["models"]:
+        ref = results["models"]["mace"]["runs"]
+        results["ratios"] = [
+            {
+                "model": name,
+                "n_atoms": o["n_atoms"],
+                "speed_vs_mace": o["atom_steps_per_s"] / m["atom_steps_per_s"],
+                "saved_memory_mace_over_ours": (
+                    m["saved_bytes_per_atom"] / o["saved_bytes_per_atom"]
+                ),
+            }
+            for name in ours_names
+            for o, m in zip(results["models"][name]["runs"], ref)
+        ]
+        for r in results["ratios"]:
+            print(f"{r['model']} n={r['n_atoms']}: speed x{r['speed_vs_mace']:.2f} vs MACE, "
+                  f"MACE keeps x{r['saved_memory_mace_over_ours']:.2f} more bytes/atom")
+    if a.json:
+        write_json(a.json, results, device=a.device)
+    return results
+
+
+if __name__ == "__main__":
+    main()

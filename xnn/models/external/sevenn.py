@@ -76,7 +76,8 @@ def _load(checkpoint: str | os.PathLike) -> tuple[nn.Module, dict]:
             model = cp.build_model()
             config = dict(cp.config)
     except ValueError as err:  # unknown name: sevenn lists the valid ones
-        raise InputError(f"SevenNet checkpoint {checkpoint!r}: {' '.join(str(err).split())}") from None
+        reason = " ".join(str(err).split())
+        raise InputError(f"SevenNet checkpoint {checkpoint!r}: {reason}") from None
     except Exception as err:  # missing/corrupt file, failed download of a non-shipped model
         reason = " ".join(str(err).split()) or type(err).__name__
         raise ModelFileError(f"cannot load SevenNet checkpoint {checkpoint!r}: {reason}") from None

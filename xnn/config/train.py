@@ -178,6 +178,8 @@ class TrainConfig:
     logging: LoggingConfig = field(LoggingConfig(), "what the run writes and shows")
     max_epochs: int = field(100, "epochs to train")
     max_steps: int | None = field(None, "stop after this many optimizer steps (null: no limit)")
+    time_limit_min: float | None = field(None, "stop training after this many minutes of wall "
+                                         "time (null: no limit)")
     eval_every: int = field(1, "validate every N epochs")
     precision: str = field("fp32", "arithmetic precision", choices=PRECISIONS)
     device: str = field("auto", "cpu, cuda or auto (cuda when available)")
@@ -196,6 +198,7 @@ class TrainConfig:
     def __post_init__(self):
         check_range("max_epochs", self.max_epochs, 0)
         check_range("max_steps", self.max_steps, 0)
+        check_range("time_limit_min", self.time_limit_min, 0.0)
         check_range("eval_every", self.eval_every, 1)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r} is not a valid choice; choose one of "

@@ -65,6 +65,8 @@ class TrainingLoop:
         self.logger = logger
         self.progress = Progress()
         self.config_yaml = ""
+        self.t_start = time.perf_counter()
+        self.stop_reason = ""
 
     # ------------------------------------------------------------------ batches
     def _shard(self, dataset):
@@ -136,7 +138,19 @@ class TrainingLoop:
     # ------------------------------------------------------------------ epochs
     def _stop_for_steps(self) -> bool:
         m = self.cfg.max_steps
-        return m is not None and self.progress.step >= m
+        if m is not None and self.progress.step >= m:
+            self.stop_reason = "max_steps"
+            return True
+        limit = self.cfg.time_limit_min
+        if limit is None:
+            return False
+        # every rank must take the same branch: rank 0's clock decides, all ranks reduce
+        late = self.reducer.rank == 0 and time.perf_counter() - self.t_start > 60.0 * limit
+        over = self.reducer.all_reduce_sum(torch.tensor([float(late)], device=self.trainer.device))
+        if float(over[0]) > 0:
+            self.stop_reason = "time_limit"
+            return True
+        return False
 
     def _train_epoch(self, metrics: MetricSums) -> bool:
         """Train the rest of the current epoch; False if stopped by ``max_steps``."""
@@ -193,10 +207,12 @@ class TrainingLoop:
         """Train until ``max_epochs``, ``max_steps`` or early stopping.
 
         Returns:
-            why it stopped: ``"max_epochs"``, ``"max_steps"`` or ``"early_stopping"``.
+            why it stopped: ``"max_epochs"``, ``"max_steps"``, ``"time_limit"`` or
+            ``"early_stopping"``.
         Raises:
             NonFiniteLossError: NaN/inf loss; the last checkpoint is the last good state.
         """
+        self.t_start = time.perf_counter()
         if not (self.ckpt_dir / "last.pt").is_file():
             self.save("last")
         p = self.progress
@@ -212,11 +228,11 @@ class TrainingLoop:
                 ) from None
             if not finished:
                 self.save("last")
-                return "max_steps"
+                return self.stop_reason
             if self._end_epoch(metrics, t0):
                 return "early_stopping"
             if self._stop_for_steps():
-                return "max_steps"
+                return self.stop_reason
         return "max_epochs"
 
 

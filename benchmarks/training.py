@@ -1,0 +1,250 @@
+"""Training throughput: structures/s per model, DDP efficiency, and mace_run_train for comparison.
+
+All models train on the same ASE-EMT Cu data (energy + forces + stress loss, double backward):
+
+* ``models.<name>.structures_per_s``: steady-state optimizer steps (after warm-up) of the
+  xnn :class:`~xnn.training.trainer.Trainer` with batches of ``--batch-size`` structures.
+* ``epoch_time``: seconds per epoch of a full ``xnn train`` run of the ``equivariant`` model
+  and of ``mace_run_train`` (mace-torch CLI) training a MACE of similar size (64 channels,
+  hidden L=1, max_ell 2, correlation 3, 2 interactions, same cutoff, batch size and data),
+  each as ``(T(E2 epochs) - T(E1 epochs)) / (E2 - E1)`` so start-up costs cancel. Skipped
+  (recorded as such) when ``mace_run_train`` is not installed.
+* under ``torchrun --nproc-per-node N``: ``ddp.<name>`` holds the step time per rank with
+  data parallelism (global batch = N × batch size) and without communication (one rank's
+  share alone); ``efficiency = t_alone / t_ddp`` (weak scaling).
+
+Usage::
+
+    python benchmarks/training.py --quick --json out.json                 # CPU, small
+    python benchmarks/training.py --device cuda --json gpu.json
+    torchrun --nproc-per-node 2 benchmarks/training.py --device cuda --json ddp.json --no-mace
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import synchronize, write_json  # noqa: E402
+from xnn.data.datasets import WithEdges, make_batches, read_structures, shard_batch  # noqa: E402
+from xnn.data.emt import write_emt  # noqa: E402
+from xnn.models import build  # noqa: E402
+from xnn.training.losses import TermSpec  # noqa: E402
+from xnn.training.reducer import LocalReducer  # noqa: E402
+from xnn.training.trainer import Trainer  # noqa: E402
+
+CUTOFF = 5.0
+SPECS = {"energy": TermSpec(1.0), "forces": TermSpec(10.0), "stress": TermSpec(1.0)}
+
+
+def model_hparams(name: str, quick: bool) -> dict:
+    small = quick
+    return {
+        "schnet": dict(num_features=32 if small else 128, num_filters=32 if small else 128,
+                       num_interactions=2 if small else 3),
+        "painn": dict(num_features=32 if small else 128, num_interactions=2 if small else 3),
+        "equivariant": dict(channels=16 if small else 64, l_max=2, hidden_l_max=1,
+                            num_interactions=2, correlation=3),
+    }[name]
+
+
+def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float) -> Trainer:
+    torch.manual_seed(0)
+    hp = model_hparams(name, quick)
+    if name == "equivariant":
+        hp["avg_num_neighbors"] = avg_neighbors
+    model = build(name, species=[29], cutoff=CUTOFF, **hp).to(device)
+    reducer.broadcast_module(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return Trainer(model, SPECS, opt, reducer=reducer, device=device, dtype=torch.float32,
+                   grad_clip=10.0)
+
+
+def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device) -> float:
+    """Median seconds per optimizer step over ``batches`` (after one warm-up step)."""
+    times = []
+    for k, b in enumerate(batches):
+        graphs = [ds[i] for i in shard_batch(b, ds.n_atoms, rank, world)]
+        synchronize(device)
+        t0 = time.perf_counter()
+        trainer.train_step(graphs, k)
+        synchronize(device)
+        if k > 0:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def bench_models(names, ds, args, device, reducer) -> dict:
+    from xnn.models.statistics import average_num_neighbors
+
+    avg = average_num_neighbors([ds.dataset[i] for i in range(min(len(ds), 50))], CUTOFF)
+    world = reducer.world_size
+    global_bs = args.batch_size * world
+    batches = make_batches(ds.n_atoms, batch_size=global_bs, shuffle=True, seed=0)
+    batches = [b for b in batches if len(b) == global_bs][: args.steps + 1]
+    out = {}
+    for name in names:
+        row: dict = {"hyperparameters": model_hparams(name, args.quick)}
+        trainer = make_trainer(name, args.quick, device, reducer, avg)
+        row["parameters"] = sum(p.numel() for p in trainer.model.parameters())
+        t = time_steps(trainer, ds, batches, reducer.rank, world, device)
+        row.update(step_s=t, structures_per_s=global_bs / t)
+        if world > 1:  # the same per-rank work without communication
+            alone = make_trainer(name, args.quick, device, LocalReducer(), avg)
+            t1 = time_steps(alone, ds, batches, reducer.rank, world, device)
+            row.update(step_s_alone=t1, ddp_efficiency=t1 / t, world_size=world)
+        out[name] = row
+        if reducer.is_main:
+            print(f"{name}: {row['parameters']:,} parameters, {row['structures_per_s']:.1f} "
+                  f"structures/s" + (f", DDP efficiency {row['ddp_efficiency']:.1%}"
+                                     if world > 1 else ""), flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- epoch timings
+def _timed(cmd: list[str], cwd: Path, env=None) -> float:
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed: {(res.stderr or res.stdout).strip()[-800:]}")
+    return time.perf_counter() - t0
+
+
+def xnn_epoch_time(data: Path, work: Path, epochs: tuple[int, int], args) -> float:
+    hp = model_hparams("equivariant", args.quick)
+    hp_yaml = "{" + ", ".join(f"{k}: {v}" for k, v in hp.items()) + "}"
+    times = []
+    for e in epochs:
+        cmd = [sys.executable, "-m", "xnn", "train", f"data.datasets.0.path={data}",
+               f"output_dir={work / f'xnn_{e}'}", "model.name=equivariant",
+               f"model.cutoff={CUTOFF}", f"model.hyperparameters={hp_yaml}",
+               f"data.batch_size={args.batch_size}", f"max_epochs={e}", f"device={args.device}",
+               "loss.stress.weight=1.0", "ema.enabled=true", "logging.plots=false",
+               "overwrite=true", "data.val_fraction=0.1"]
+        times.append(_timed(cmd, work))
+    return (times[1] - times[0]) / (epochs[1] - epochs[0])
+
+
+def write_mace_data(ds, path: Path) -> None:
+    from ase import Atoms
+    from ase.io import write
+
+    frames = []
+    for i in range(len(ds)):
+        g = ds[i]
+        a = Atoms(numbers=g.numbers.numpy(), positions=g.positions.numpy(),
+                  cell=g.cell[0].numpy(), pbc=g.pbc[0].numpy())
+        a.info["REF_energy"] = float(g.energy[0])
+        a.info["REF_stress"] = g.stress[0].numpy().reshape(9)
+        a.arrays["REF_forces"] = g.forces.numpy()
+        frames.append(a)
+    write(path, frames, format="extxyz")
+
+
+def mace_epoch_time(ds, work: Path, epochs: tuple[int, int], args) -> float | None:
+    exe = shutil.which("mace_run_train")
+    if exe is None:
+        return None
+    data = work / "mace_train.xyz"
+    write_mace_data(ds, data)
+    channels = model_hparams("equivariant", args.quick)["channels"]
+    times = []
+    for e in epochs:
+        cmd = [exe, "--name", f"mace_{e}", "--train_file", str(data), "--valid_fraction", "0.1",
+               "--E0s", "average", "--model", "MACE", "--num_channels", str(channels),
+               "--max_L", "1", "--max_ell", "2", "--correlation", "3", "--num_interactions", "2",
+               "--r_max", str(CUTOFF), "--batch_size", str(args.batch_size),
+               "--valid_batch_size", str(args.batch_size), "--max_num_epochs", str(e),
+               "--device", args.device, "--default_dtype", "float32", "--seed", "0",
+               "--energy_key", "REF_energy", "--forces_key", "REF_forces", "--stress_key",
+               "REF_stress", "--loss", "stress", "--stress_weight", "1.0", "--forces_weight",
+               "10.0", "--energy_weight", "1.0", "--ema", "--ema_decay", "0.99",
+               "--work_dir", str(work / f"mace_{e}"), "--eval_interval", "1"]
+        times.append(_timed(cmd, work))
+    return (times[1] - times[0]) / (epochs[1] - epochs[0])
+
+
+def bench_epochs(ds, data: Path, args) -> dict:
+    epochs = (1, 2) if args.quick else (1, 4)
+    n_train = len(ds) - int(round(0.1 * len(ds)))
+    out: dict = {"epochs_compared": list(epochs), "train_structures": n_train}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        t_xnn = xnn_epoch_time(data, work, epochs, args)
+        out["xnn_equivariant_s_per_epoch"] = t_xnn
+        out["xnn_equivariant_structures_per_s"] = n_train / t_xnn
+        try:
+            t_mace = mace_epoch_time(ds, work, epochs, args)
+        except RuntimeError as e:
+            t_mace, out["mace_error"] = None, str(e)
+    if t_mace is None:
+        out["mace"] = "skipped: mace_run_train not installed" if "mace_error" not in out \
+            else "failed"
+    else:
+        out["mace_s_per_epoch"] = t_mace
+        out["mace_structures_per_s"] = n_train / t_mace
+        out["speedup_xnn_vs_mace"] = t_mace / t_xnn
+    return out
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--quick", action="store_true", help="small data and models (CPU check)")
+    p.add_argument("--models", default="schnet,painn,equivariant")
+    p.add_argument("--batch-size", type=int, default=None, help="structures per rank and step")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per model")
+    p.add_argument("--n", type=int, default=None, help="EMT structures to generate")
+    p.add_argument("--no-mace", action="store_true", help="skip the epoch-time comparison")
+    args = p.parse_args(argv)
+    args.batch_size = args.batch_size or (4 if args.quick else 8)
+    args.steps = args.steps or (3 if args.quick else 20)
+    n = args.n or (24 if args.quick else 200)
+
+    from xnn.distributed.ddp import build_reducer
+    from xnn.distributed.manager import DistributedManager
+
+    manager = DistributedManager.initialize(device=args.device)
+    device = manager.device if manager.is_distributed else torch.device(args.device)
+    reducer = build_reducer(manager)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = Path(tmp) / "emt_cu.xyz"
+            if reducer.is_main:
+                write_emt(data, n, ["Cu"], seed=0)
+            reducer.barrier()
+            if not reducer.is_main:  # each rank needs the file: write its own copy
+                write_emt(data, n, ["Cu"], seed=0)
+            ds = WithEdges(read_structures(data), CUTOFF)
+            names = [m.strip() for m in args.models.split(",") if m.strip()]
+            result = {"device": str(device), "quick": args.quick, "structures": n,
+                      "batch_size_per_rank": args.batch_size, "world_size": reducer.world_size,
+                      "models": bench_models(names, ds, args, device, reducer)}
+            if reducer.world_size == 1 and not args.no_mace and "equivariant" in names:
+                result["epoch_time"] = bench_epochs(ds, data, args)
+                if reducer.is_main:
+                    print(f"epoch time: {result['epoch_time']}", flush=True)
+        if args.json and reducer.is_main:
+            write_json(args.json, result, device=str(device))
+            print(f"wrote {args.json}")
+    finally:
+        manager.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    sys.exit(main())

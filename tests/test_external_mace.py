@@ -48,8 +48,9 @@ def _mace_model(seed: int = 0, cls: str = "ScaleShiftMACE") -> torch.nn.Module:
     )
     if cls == "ScaleShiftMACE":
         model = mace_modules.ScaleShiftMACE(atomic_inter_scale=1.3, atomic_inter_shift=0.2, **cfg)
-    else:
-        model = mace_modules.MACE(**cfg)
+    else:  # SO(3)-only: not invariant under inversion, so edge directions matter
+        cfg["hidden_irreps"] = o3.Irreps("8x0e + 8x1o + 8x1e")
+        model = mace_modules.MACE(use_so3=True, **cfg)
     return model.double().eval()
 
 
@@ -135,6 +136,28 @@ def test_edges_beyond_r_max_contribute_nothing(mace_model):
     loose = compute_properties(wrapper, skin)
     for key in ("energies", "forces", "stress"):
         torch.testing.assert_close(loose[key], tight[key], rtol=0, atol=1e-12)
+
+
+def test_edges_follow_mace_neighborhood_convention(mace_model):
+    (neighborhood,) = import_extra("mace", "mace.data.neighborhood")
+    atoms = _periodic()
+    ei, shifts, _, _ = neighborhood.get_neighborhood(
+        atoms.positions, cutoff=3.2, pbc=tuple(atoms.pbc), cell=atoms.cell.array.copy()
+    )
+    ref_vec = atoms.positions[ei[1]] - atoms.positions[ei[0]] + shifts  # recv - send + shift
+    wrapper = build("mace", model=mace_model)
+    inp = wrapper.mace_inputs(_graph([atoms], 3.2))
+    send, recv = inp["edge_index"]
+    vec = (inp["positions"][recv] - inp["positions"][send] + inp["shifts"]).numpy()
+    torch.testing.assert_close(inp["shifts"], inp["unit_shifts"] @ inp["cell"])
+
+    def table(s, r, v):
+        rows = np.column_stack([s, r, np.round(v, 6)])
+        return rows[np.lexsort(rows.T[::-1])]
+
+    ours, ref = table(send.numpy(), recv.numpy(), vec), table(ei[0], ei[1], ref_vec)
+    assert ours.shape == ref.shape
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
 
 
 def test_plain_mace_class_and_model_file(model_path, mace_model):

@@ -1,0 +1,220 @@
+"""Domain-decomposition scaling: energy + forces on 1 rank vs decomposed over N ranks.
+
+Launch with torchrun (the same command at 1, 2, 4 or 8 ranks)::
+
+    torchrun --nproc-per-node 8 benchmarks/dd.py --json benchmarks/results/dd_8gpu.json \
+        --device cuda --models painn,equivariant,sevenn --scaling both
+    torchrun --nproc-per-node 2 benchmarks/dd.py --json /tmp/dd.json --quick   # CPU, gloo
+
+For every model:
+
+* strong scaling: FCC Cu of each ``--sizes`` (default 100k and 400k atoms) on 1 rank and on
+  N ranks; efficiency ``t_1 / (N t_N)``;
+* weak scaling: ``--atoms-per-rank`` atoms on 1 rank vs ``N x`` that on N ranks; efficiency
+  ``t_1 / t_N``.
+
+Timed: one decomposed energy + forces evaluation of the already partitioned system
+(:meth:`DomainDecomposed.evaluate_local`: model on owned + ghost atoms, halo exchanges,
+energy all-reduce, backward through the exchange), as in an MD step between neighbor-list
+rebuilds. The single-rank baseline is the same model with a prebuilt periodic neighbor list
+(:func:`compute_properties`). Reported per point: median time per step, efficiency, halo
+fraction (ghost / owned atoms, mean and max over ranks), atoms exchanged, peak memory per
+rank (CUDA ``max_memory_allocated``; process peak RSS on CPU), and the one-off cost of the
+partition and of a full call (broadcast + gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+try:
+    from benchmarks.common import fcc_cu, peak_memory, reset_peak_memory, time_fn, write_json
+except ImportError:  # run as `python benchmarks/dd.py` / `torchrun benchmarks/dd.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.common import fcc_cu, peak_memory, reset_peak_memory, time_fn, write_json
+
+from xnn.data.graph import AtomicGraph
+from xnn.distributed import DistributedManager, DomainDecomposed
+from xnn.distributed import collectives as C
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", required=True, help="output JSON (written by rank 0)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--models", default="painn,equivariant",
+                   help="comma list of painn, equivariant, schnet, sevenn, lj")
+    p.add_argument("--sizes", default=None, help="strong-scaling sizes (atoms), comma list")
+    p.add_argument("--atoms-per-rank", type=int, default=None, help="weak-scaling atoms per rank")
+    p.add_argument("--scaling", default="both", choices=["strong", "weak", "both"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync"],
+                   help="auto: sync for models with sync points, else halo")
+    p.add_argument("--cutoff", type=float, default=5.0, help="cutoff of native models (Å)")
+    p.add_argument("--skin", type=float, default=0.0)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and models (CPU smoke test; leave sevenn out: 25 Å halo)")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.sizes = [int(s) for s in (args.sizes or ("500" if quick else "100000,400000")).split(",")]
+    args.atoms_per_rank = args.atoms_per_rank or (256 if quick else 100_000)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if quick:
+        args.repeat = min(args.repeat, 2)
+    return args
+
+
+def build_model(name: str, args):
+    from xnn.models import build
+
+    torch.manual_seed(0)
+    small = {"num_features": 16} if args.quick else {}
+    if name == "lj":
+        return build("lj", sigma=2.3, epsilon=0.4, cutoff=args.cutoff)
+    if name in ("painn", "schnet"):
+        return build(name, species=[29], cutoff=args.cutoff, **small)
+    if name == "equivariant":
+        kw = dict(channels=8, radial_mlp=(16,)) if args.quick else {}
+        return build("equivariant", species=[29], cutoff=args.cutoff, **kw)
+    if name == "sevenn":
+        from xnn.models.external.sevenn import SevenNetWrapper
+
+        return SevenNetWrapper("7net-0")
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def structure(n_atoms: int, dtype) -> AtomicGraph:
+    atoms = fcc_cu(n_atoms)
+    return AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
+                                   dtype=dtype)
+
+
+def single_rank(model, graph, device, repeat):
+    """Median time (s) and peak memory of energy + forces on this rank alone."""
+    from xnn.models import compute_properties
+    from xnn.neighbors import with_edges
+
+    g = with_edges(graph.to(device), float(model.cutoff))
+    reset_peak_memory(device)
+    t = time_fn(lambda: compute_properties(model, g, forces=True, stress=False), repeat=repeat,
+                device=device)
+    return {"time_s": t["median_s"], "peak_memory_bytes": peak_memory(device)}
+
+
+def decomposed(model, graph, manager, args, mode):
+    """Time of a decomposed step on all ranks, with halo and memory statistics."""
+    device = manager.device
+    dd = DomainDecomposed(model, manager, skin=args.skin, mode=mode)
+    t0 = time.perf_counter()
+    g = dd.broadcast(graph)
+    dd.local_domain(g)
+    setup_s = time.perf_counter() - t0
+    reset_peak_memory(device)
+    t = time_fn(lambda: dd.evaluate_local(g, forces=True, stress=False), repeat=args.repeat,
+                device=device)
+    t0 = time.perf_counter()
+    dd(graph, stress=False)
+    call_s = time.perf_counter() - t0
+    st = dd.stats()
+    row = torch.tensor([[st["n_owned"], st["n_ghost"], st["n_recv"], st["n_peers"],
+                         peak_memory(device) or 0]], dtype=torch.float64, device=device)
+    rows = C.gather_rows(row).cpu()
+    owned = rows[:, 0].clamp_min(1)
+    return {"time_s": t["median_s"], "setup_s": setup_s, "call_s": call_s, "grid": st["grid"],
+            "halo_width": dd.halo_width, "mode": mode,
+            "halo_fraction_mean": float((rows[:, 1] / owned).mean()),
+            "halo_fraction_max": float((rows[:, 1] / owned).max()),
+            "ghost_atoms_max": int(rows[:, 1].max()), "recv_atoms_max": int(rows[:, 2].max()),
+            "peers_max": int(rows[:, 3].max()), "owned_min": int(rows[:, 0].min()),
+            "owned_max": int(rows[:, 0].max()), "peak_memory_bytes_max": int(rows[:, 4].max())}
+
+
+def point(model, n_atoms, manager, args, mode, baseline_atoms=None):
+    """One scaling point: baseline on rank 0 (others wait), then decomposed on all ranks."""
+    dtype = getattr(torch, args.dtype)
+    base = None
+    with C.guarded(None, "single-rank baseline"):
+        if manager.is_main:
+            try:
+                base = single_rank(model, structure(baseline_atoms or n_atoms, dtype),
+                                   manager.device, args.repeat)
+            except torch.cuda.OutOfMemoryError:
+                base = {"time_s": None, "error": "out of memory"}
+                torch.cuda.empty_cache()
+    graph = structure(n_atoms, dtype) if manager.is_main else None
+    dec = decomposed(model, graph, manager, args, mode)
+    out = {"n_atoms": graph.n_atoms if graph is not None else None, "ranks": manager.world_size,
+           "single": base, "decomposed": dec}
+    if manager.is_main and base.get("time_s"):
+        ratio = base["time_s"] / dec["time_s"]
+        out["speedup"] = ratio
+        out["efficiency"] = ratio if baseline_atoms else ratio / manager.world_size
+    return out
+
+
+def run_model(name, model, manager, args):
+    mode = args.mode
+    if mode == "auto":
+        mode = "sync" if getattr(model, "sync_points", None) else "halo"
+    res = {"mode": mode, "cutoff": float(model.cutoff),
+           "num_interactions": int(getattr(model, "num_interactions", 1)),
+           "strong": [], "weak": []}
+    if args.scaling in ("strong", "both"):
+        for n in args.sizes:
+            res["strong"].append(point(model, n, manager, args, mode))
+            log(manager, name, "strong", res["strong"][-1])
+    if args.scaling in ("weak", "both"):
+        n0 = args.atoms_per_rank
+        res["weak"].append(point(model, n0 * manager.world_size, manager, args, mode,
+                                 baseline_atoms=n0))
+        log(manager, name, "weak", res["weak"][-1])
+    return res
+
+
+def log(manager, name, kind, p):
+    if manager.is_main:
+        d = p["decomposed"]
+        t1 = (p["single"] or {}).get("time_s")
+        eff = p.get("efficiency", float("nan"))
+        print(f"{name:>12} {kind:>6} {p['n_atoms']:>9} atoms  1 rank {t1 or float('nan'):.4g} s"
+              f"  {p['ranks']} ranks {d['time_s']:.4g} s  eff {eff:.2f}"
+              f"  halo {d['halo_fraction_mean']:.2f}  grid {d['grid']}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    manager = DistributedManager.initialize(timeout_s=args.timeout, device=args.device)
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, manager.world_size))
+                          if manager.device.type == "cpu" else torch.get_num_threads())
+    results = {}
+    try:
+        for name in args.models:
+            try:  # a model that cannot be built (e.g. sevenn not installed) is recorded
+                with C.guarded(None, f"building {name}"):
+                    model = build_model(name, args).to(manager.device, getattr(torch, args.dtype))
+            except Exception as e:  # noqa: BLE001
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                if manager.is_main:
+                    traceback.print_exc()
+                continue
+            results[name] = run_model(name, model, manager, args)
+        if manager.is_main:
+            write_json(args.json, {"benchmark": "dd", "world_size": manager.world_size,
+                                   "args": {k: v for k, v in vars(args).items()},
+                                   "results": results}, device=str(manager.device))
+            print(f"wrote {args.json}")
+    finally:
+        manager.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

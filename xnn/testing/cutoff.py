@@ -93,7 +93,6 @@ def check_isolated_atom_e0(model: torch.nn.Module, z: int, e0: float, atol: floa
     """A single atom of element ``z`` in vacuum has energy ``e0`` (eV) and zero force."""
     model, _ = as_fp64(model)
     out = evaluate(model, single_atom(int(z)), stress=False)
-    assert_close(
-        f"isolated atom Z={z}: energy", out[K.ENERGY], torch.tensor([float(e0)]), atol, 0.0
-    )
+    expected = torch.tensor([float(e0)], dtype=out[K.ENERGY].dtype)
+    assert_close(f"isolated atom Z={z}: energy", out[K.ENERGY], expected, atol, 0.0)
     assert_close(f"isolated atom Z={z}: force", out[K.FORCES], torch.zeros(1, 3), atol, 0.0)

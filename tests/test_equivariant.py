@@ -280,3 +280,13 @@ def test_chunked_edges_match_unchunked():
         torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-9)
     model = small_model(edge_chunk_size=37)
     assert len(model.edge_features(g).chunks) >= 3
+
+
+def test_empty_graph_and_isolated_atoms():
+    """An empty domain (0 atoms) and atoms without neighbours evaluate without error."""
+    model = small_model(e0={1: -1.0, 8: -2.0})
+    empty = AtomicGraph.from_arrays(np.zeros((0, 3)), np.zeros(0, dtype=int), np.eye(3) * 5, True)
+    out = compute_properties(model, with_edges(empty, model.cutoff))
+    assert out[K.FORCES].shape == (0, 3) and float(out[K.ENERGY][0]) == 0.0
+    far = AtomicGraph.from_arrays([[0, 0, 0], [10, 0, 0]], [1, 8])
+    torch.testing.assert_close(energy(model, far), torch.tensor([-3.0], dtype=torch.float64))

@@ -43,6 +43,26 @@ from xnn.models.blocks import (
 from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis, o3
 
 
+class _ScatterSum(torch.autograd.Function):
+    """``out[index[e]] += src[e]`` keeping only ``index`` for backward (``index_add`` keeps
+    ``src`` too). The backward (``index_select``) is differentiable: double backward works."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, index: Tensor, n: int) -> Tensor:
+        ctx.save_for_backward(index)
+        return src.new_zeros((n, *src.shape[1:])).index_add_(0, index, src)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
+def scatter_sum(src: Tensor, index: Tensor, n: int) -> Tensor:
+    """``[n, ...]`` sums of the rows of ``src [E, ...]`` by ``index [E]`` (values in 0..n-1)."""
+    return _ScatterSum.apply(src, index, n)
+
+
 class EdgeData(NamedTuple):
     """Edges inside the cutoff and their features, shared by all interactions.
 
@@ -109,8 +129,11 @@ class RadialMLP(nn.Module):
         self.net = nn.Sequential(*layers)
         self.num_paths, self.channels = num_paths, channels
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x).view(x.shape[0], self.channels, self.num_paths)
+    def forward(self, x: Tensor, recompute: bool = False) -> Tensor:
+        """With ``recompute``, the hidden activations are recomputed in backward, not kept."""
+        trunk, last = self.net[:-1], self.net[-1]
+        hidden = checkpoint(trunk, x, use_reentrant=False) if recompute else trunk(x)
+        return last(hidden).view(x.shape[0], self.channels, self.num_paths)
 
 
 class Interaction(nn.Module):
@@ -158,11 +181,23 @@ class Interaction(nn.Module):
         self.pad = (l_out + 1) ** 2 - (l_sc + 1) ** 2
 
     def messages(
-        self, h_up: Tensor, y: Tensor, feats: Tensor, sender: Tensor, receiver: Tensor, n: int
+        self,
+        h_up: Tensor,
+        y: Tensor,
+        feats: Tensor,
+        sender: Tensor,
+        receiver: Tensor,
+        n: int,
+        recompute: bool = False,
     ) -> Tensor:
-        """``[n, C, (l_max+1)^2]`` sum of the messages of some edges into receivers ``0..n-1``."""
-        m = self.tp(h_up.index_select(0, sender), y, self.radial(feats))
-        return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
+        """``[n, C, (l_max+1)^2]`` sum of the messages of some edges into receivers ``0..n-1``.
+
+        ``recompute``: recompute the radial MLP's hidden layers and the tensor-product
+        intermediates in backward instead of keeping them (cheap element-wise work).
+        """
+        w = self.radial(feats, recompute)
+        m = self.tp(h_up.index_select(0, sender), y, w, recompute)
+        return scatter_sum(m, receiver, n)
 
     def aggregate(self, h: Tensor, edges: EdgeData) -> Tensor:
         """``A [n_atoms, C, (l_max+1)^2]``: the normalised sum of neighbour messages.
@@ -174,7 +209,7 @@ class Interaction(nn.Module):
         h_up = self.linear_up(h)
         sender, receiver = edges.edge_index[0], edges.edge_index[1]
         if edges.chunks is None:
-            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, h.shape[0])
+            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, h.shape[0], True)
         else:
             a = torch.cat(
                 [

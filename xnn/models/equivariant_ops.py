@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 # e3nn 0.4.4 loads its constants with torch.load(); since torch 2.6 that defaults to
 # weights_only=True, which rejects the ``slice`` objects in that file. ``slice`` is inert.
@@ -94,18 +95,33 @@ class EdgeTensorProduct(nn.Module):
     def num_paths(self) -> int:
         return len(self.paths)
 
-    def forward(self, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
-        e, c = x.shape[0], x.shape[1]
+    def forward(self, x: Tensor, y: Tensor, w: Tensor, recompute: bool = False) -> Tensor:
+        """With ``recompute``, ``Z`` is recomputed in backward instead of being kept."""
+        e = x.shape[0]
         out = None
         w_groups = w.split([p1 - p0 for _, p0, p1 in self.groups], dim=-1)
         for k, (l1, p0, p1) in enumerate(self.groups):
             g = getattr(self, f"g_{k}").to(y.dtype)
             pa = (p1 - p0) * (2 * l1 + 1)
             m = (y @ g.reshape(self.d_sh, pa * self.d_out)).view(e, pa, self.d_out)
-            z = (w_groups[k][:, :, :, None] * x[:, :, None, block(l1)]).reshape(e, c, pa)
-            t = torch.bmm(z, m)
+            xl = x[:, :, block(l1)]
+            if recompute:
+                t = checkpoint(_weighted_bmm, w_groups[k], xl, m, use_reentrant=False)
+            else:
+                t = _weighted_bmm(w_groups[k], xl, m)
             out = t if out is None else out + t
         return out
+
+
+def _weighted_bmm(w: Tensor, x: Tensor, m: Tensor) -> Tensor:
+    """``Z @ M`` with ``Z[e, c, (p, a)] = w[e, c, p] x[e, c, a]``.
+
+    Shapes:
+        ``w [E, C, P]``, ``x [E, C, A]``, ``m [E, P*A, K]`` -> ``[E, C, K]``.
+    """
+    e, c = x.shape[0], x.shape[1]
+    z = (w[:, :, :, None] * x[:, :, None, :]).reshape(e, c, w.shape[2] * x.shape[2])
+    return torch.bmm(z, m)
 
 
 class ProductBasis(nn.Module):
@@ -166,9 +182,9 @@ class ProductBasis(nn.Module):
         g = getattr(self, f"g_{k}").to(a.dtype)
         s = getattr(self, f"s_{k}").to(a.dtype)
         outer = (b[:, :, :, None] * a[:, :, None, :]).reshape(n * c, d * d)
-        t = (outer @ g).view(n, c, -1)  # [n, C, Σ_p (2l3+1)]
+        t = (outer @ g).view(n, c, g.shape[1])  # [n, C, Σ_p (2l3+1)]
         w = self.weights[k][species][:, :, getattr(self, f"path_of_col_{k}")]
-        return ((t * w).view(n * c, -1) @ s).view(n, c, -1)
+        return ((t * w).view(n * c, s.shape[0]) @ s).view(n, c, s.shape[1])
 
     def forward(self, a: Tensor, species: Tensor) -> Tensor:
         d_out = (self.l_out + 1) ** 2

@@ -198,6 +198,9 @@ def test_species_and_dtype_errors(mace_model):
         wrapper(_graph([_molecule()], 3.2).to(dtype=torch.float32))
     with pytest.raises(InputError, match="head"):
         build("mace", model=mace_model, head="nope")
+    graph = _graph([_molecule()], 3.2)
+    wrapper(graph)  # mace calls requires_grad_(True) on its inputs: not on the caller's tensors
+    assert not graph.positions.requires_grad
 
 
 def test_importing_the_extra_leaves_environ_unchanged(monkeypatch):

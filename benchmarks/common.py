@@ -110,6 +110,7 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "host": platform.node(),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

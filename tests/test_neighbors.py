@@ -86,13 +86,14 @@ def _as_set(edge_index: torch.Tensor, shifts: torch.Tensor) -> set:
 
 def _drop_near_cutoff(pairs: set, pos: np.ndarray, cells: list, sys_of: np.ndarray, tol: float):
     """Pairs whose float64 length is not within ``tol`` of the cutoff (float32 cannot decide)."""
-    keep = set()
-    for p in pairs:
-        j, i, s = p[0], p[1], np.array(p[2:])
-        d = np.linalg.norm(pos[j] - pos[i] + s @ cells[sys_of[i]])
-        if abs(d - CUTOFF) > tol:
-            keep.add(p)
-    return keep
+    if not pairs:
+        return pairs
+    rows = sorted(pairs)
+    arr = np.array(rows, dtype=np.int64)
+    j, i, s = arr[:, 0], arr[:, 1], arr[:, 2:].astype(float)
+    cell = np.stack(cells)[sys_of[i]]
+    d = np.linalg.norm(pos[j] - pos[i] + np.einsum("ek,ekl->el", s, cell), axis=1)
+    return {r for r, dist in zip(rows, d) if abs(dist - CUTOFF) > tol}
 
 
 def _run(atoms_list: list[Atoms], backend: str, dtype: torch.dtype):
@@ -318,3 +319,42 @@ def test_forces_from_skin_list_equal_fresh_list():
     assert abs(float(a["energy"][0])) > 1e-3
     for key in ("energy", "forces", "stress"):
         torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12)
+
+
+def _larger_systems() -> list[Atoms]:
+    """Cells several cutoffs wide, so the cell list has many bins (and 2 along one axis)."""
+    from ase.build import bulk
+
+    rng = np.random.default_rng(21)
+    fcc = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 3, 3))
+    fcc.positions += rng.normal(scale=0.1, size=fcc.positions.shape)
+    sheared = fcc.copy()
+    sheared.set_cell(cellpar_to_cell([14.44, 11.0, 10.83, 70, 115, 62]), scale_atoms=True)
+    slab = fcc.copy()
+    slab.pbc = [True, False, True]
+    slab.positions[:, 1] *= 1.8  # vacuum gaps along the open axis
+    cluster = _random_atoms(np.zeros((3, 3)), False, 100, rng, spread=[25.0, 12.0, 9.0])
+    return [fcc, sheared, slab, cluster]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_bins_match_ase(backend):
+    for atoms in _larger_systems():
+        assert _check([atoms], backend, torch.float64) > 500
+    _check(_larger_systems(), backend, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "vesin", "auto"])
+def test_cuda_matches_cpu(backend):
+    atoms = [*_larger_systems(), *ZOO.values()]
+    pos = torch.tensor(np.concatenate([a.positions for a in atoms]))
+    cell = torch.tensor(np.stack([a.cell.array for a in atoms]))
+    pbc = torch.tensor(np.stack([a.pbc for a in atoms]))
+    batch = torch.tensor(np.concatenate([np.full(len(a), k) for k, a in enumerate(atoms)]))
+    ref = _as_set(*neighbor_list(pos, cell, pbc, CUTOFF, batch, "brute"))
+    dev = [t.cuda() for t in (pos, cell, pbc, batch)]
+    ei, sh = neighbor_list(*dev[:3], CUTOFF, dev[3], backend)
+    assert ei.is_cuda and sh.is_cuda
+    assert _as_set(ei.cpu(), sh.cpu()) == ref

@@ -90,7 +90,8 @@ def neighbor_list(
         if n_wrap is not None and edge_index.shape[1] > 0:
             # pos_w = pos - n @ cell, so
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
-            shifts = shifts - n_wrap[edge_index[0]] + n_wrap[edge_index[1]]
+            shifts = shifts - n_wrap.index_select(0, edge_index[0])
+            shifts = shifts + n_wrap.index_select(0, edge_index[1])
     return edge_index, shifts.to(torch.long)
 
 

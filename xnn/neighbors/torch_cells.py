@@ -75,8 +75,7 @@ def torch_neighbor_list(
     )
     senders, receivers, shifts = [], [], []
     offsets = _half_offsets(int(grid.m.max()), device)
-    pair_budget, cand_budget = _BUDGETS.get(device.type, _BUDGETS["cuda"])
-    state.cand_budget = cand_budget
+    pair_budget = _BUDGETS.get(device.type, _BUDGETS["cuda"])[0]
     per_chunk = max(1, pair_budget // n_atoms)
     # offset 0 alone (pairs inside a bin, both directions found), then the rest (mirrored)
     chunks = [offsets[:1]] + [offsets[k : k + per_chunk] for k in range(1, len(offsets), per_chunk)]
@@ -114,7 +113,7 @@ class _SortedState:
         self.counts, self.bin_start = counts, bin_start
         self.n, self.m, self.sys_bin_start = n, m, sys_bin_start
         self.pbc, self.cell, self.cutoff2 = pbc, cell, cutoff2
-        self.cand_budget = 1 << 25
+        self.cand_budget = _BUDGETS.get(pos.device.type, _BUDGETS["cuda"])[1]
 
 
 def _bin_grid(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor) -> _Grid:
@@ -218,25 +217,35 @@ def _chunk_bounds(csum: Tensor, total: int, budget: int) -> list[int]:
 
 
 def _expand(state, span, csum, count, start, atom, q_t, shift, same_bin):
-    """Candidates of (atom, offset) pairs ``span = (a, b)``; return kept ``(j, i, shift)``."""
+    """Candidates of (atom, offset) pairs ``span = (a, b)``; return kept ``(j, i, shift)``.
+
+    Candidate-sized index arrays are int32 (half the memory traffic) when they fit.
+    """
     a, b = span
+    dev = count.device
     cnt = count[a:b]
     base = csum[a - 1] if a > 0 else csum.new_zeros(())
     n_cand = int(csum[b - 1] - base)
-    pair = torch.repeat_interleave(torch.arange(a, b, device=cnt.device), cnt, output_size=n_cand)
+    small = max(n_cand, state.pos.shape[0]) < 2**31 - 1
+    it = torch.int32 if small else torch.long
+    local = torch.repeat_interleave(
+        torch.arange(b - a, device=dev, dtype=it), cnt, output_size=n_cand
+    )
     # j = start of the target bin + rank of the candidate within it
-    jump = start[a:b] - (csum[a:b] - cnt - base)
-    j = _take(jump, pair - a) + torch.arange(n_cand, device=cnt.device)
+    jump = (start[a:b] - (csum[a:b] - cnt - base)).to(it)
+    j = jump.index_select(0, local) + torch.arange(n_cand, device=dev, dtype=it)
     r2 = None
     for x, q in zip(state.pos_t, q_t):  # x, y, z components: 1-D gathers are the fastest
-        dx = x.index_select(0, j) - q.index_select(0, pair)
+        dx = x.index_select(0, j) - q[a:b].index_select(0, local)
         r2 = dx * dx if r2 is None else r2.addcmul_(dx, dx)
     ok = r2 < state.cutoff2
+    atom = atom[a:b]
     if same_bin:
-        ok &= j != _take(atom, pair)
+        ok &= j != atom.to(it).index_select(0, local)
     sel = torch.nonzero(ok).flatten()
-    pair = _take(pair, sel)
-    return _take(j, sel), _take(atom, pair), _take(shift, pair)
+    local = local.index_select(0, sel)
+    j = j.index_select(0, sel).long()
+    return j, atom.index_select(0, local), shift[a:b].index_select(0, local)
 
 
 def _take(x: Tensor, index: Tensor) -> Tensor:

@@ -1,0 +1,222 @@
+"""Neighbor-list build time: xnn backends against ASE, matscipy and vesin, FCC Cu at 5 Å.
+
+Usage (from the repository root)::
+
+    python benchmarks/neighbors.py --json benchmarks/results/neighbors_cpu.json --quick
+    python benchmarks/neighbors.py --json neighbors_cuda.json --device cuda
+
+For each size (1k, 10k, 100k, 1M atoms; ``--quick``: 1k, 10k, 100k with fewer peers) every
+method builds the full list of rattled FCC Cu; the median wall time per build is reported
+with its ratio to vesin on the same device (vesin-torch on CUDA when importable, else
+vesin on CPU). Peers too slow for a size are recorded as skipped, as are packages that are
+not installed. Every method's edge count is checked against the reference count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    fcc_cu,
+    peak_memory,
+    reset_peak_memory,
+    time_fn,
+    write_json,
+)
+from xnn.neighbors import available_backends, neighbor_list  # noqa: E402
+
+FULL_SIZES = [1_000, 10_000, 100_000, 1_000_000]
+QUICK_SIZES = [1_000, 10_000, 100_000]
+# Largest size each method is run at (larger sizes are recorded as skipped).
+MAX_ATOMS = {"ase": 120_000}
+QUICK_MAX_ATOMS = {"ase": 12_000, "xnn:torch@cpu": 120_000}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class Case:
+    """One structure in the formats every method needs."""
+
+    def __init__(self, n_target: int, device: torch.device, seed: int = 0):
+        self.atoms = fcc_cu(n_target, rattle=0.05, seed=seed)
+        self.n_atoms = len(self.atoms)
+        self.pos = torch.tensor(self.atoms.positions, dtype=torch.float64, device=device)
+        self.cell = torch.tensor(self.atoms.cell.array, dtype=torch.float64, device=device)
+        self.pbc = torch.tensor(self.atoms.pbc, device=device)
+
+
+def _xnn(backend: str, case: Case, cutoff: float) -> Callable[[], int]:
+    def run() -> int:
+        ei, _ = neighbor_list(case.pos, case.cell, case.pbc, cutoff, backend=backend)
+        return ei.shape[1]
+
+    return run
+
+
+def _ase(case: Case, cutoff: float) -> Callable[[], int]:
+    from ase.neighborlist import neighbor_list as ase_nl
+
+    return lambda: len(ase_nl("ijS", case.atoms, cutoff)[0])
+
+
+def _matscipy(case: Case, cutoff: float) -> Callable[[], int]:
+    from matscipy.neighbours import neighbour_list
+
+    return lambda: len(neighbour_list("ijS", case.atoms, cutoff)[0])
+
+
+def _vesin(case: Case, cutoff: float) -> Callable[[], int]:
+    import vesin
+
+    nl = vesin.NeighborList(cutoff=cutoff, full_list=True)
+    pos, cell = case.atoms.positions, case.atoms.cell.array
+    return lambda: len(nl.compute(pos, cell, True, "ijS")[0])
+
+
+def _vesin_torch(case: Case, cutoff: float) -> Callable[[], int]:
+    import vesin.torch as vt
+
+    nl = vt.NeighborList(cutoff=cutoff, full_list=True)
+    return lambda: nl.compute(case.pos, case.cell, case.pbc, "ijS")[0].shape[0]
+
+
+def methods(device: torch.device) -> dict[str, tuple[str, Callable | None]]:
+    """Method name -> (device it runs on, factory(case, cutoff) or None if not installed)."""
+    dev = device.type
+    out: dict[str, tuple[str, Callable | None]] = {}
+    for backend in ("torch", "vesin", "auto"):
+        ok = backend == "auto" or backend in available_backends()
+        out[f"xnn:{backend}"] = (dev, (lambda c, r, b=backend: _xnn(b, c, r)) if ok else None)
+    out["vesin-torch"] = (dev, _vesin_torch if _installed("vesin.torch") else None)
+    out["vesin"] = ("cpu", _vesin if _installed("vesin") else None)
+    out["matscipy"] = ("cpu", _matscipy if _installed("matscipy") else None)
+    out["ase"] = ("cpu", _ase)
+    return out
+
+
+def _limit(name: str, run_dev: str, quick: bool) -> int | None:
+    table = QUICK_MAX_ATOMS if quick else MAX_ATOMS
+    return table.get(f"{name}@{run_dev}", table.get(name))
+
+
+def bench_one(name, run_dev, factory, case, cutoff, repeat, max_seconds) -> dict:
+    """Time one method on one case; return a result row."""
+    row = {"method": name, "device": run_dev, "n_atoms": case.n_atoms}
+    fn = factory(case, cutoff)
+    reset_peak_memory(run_dev)
+    first = time_fn(fn, repeat=1, warmup=1, device=run_dev)
+    reps = repeat if first["median_s"] * repeat < max_seconds else 1
+    t = first if reps == 1 else time_fn(fn, repeat=reps, warmup=0, device=run_dev)
+    row.update(t)
+    row["n_edges"] = int(fn())
+    row["peak_memory_bytes"] = peak_memory(run_dev) if run_dev == "cuda" else None
+    row["status"] = "ok"
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda given but CUDA is not available")
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    table = methods(device)
+    rows: list[dict] = []
+    last: dict[str, tuple[int, float]] = {}  # method -> (n_atoms, seconds) at the last size
+    for n in sizes:
+        case = Case(n, device)
+        size_rows = []
+        for name, (run_dev, factory) in table.items():
+            limit = _limit(name, run_dev, args.quick)
+            predicted = last[name][1] * case.n_atoms / last[name][0] if name in last else 0.0
+            if factory is None:
+                size_rows.append(_skip(name, run_dev, case, "not installed"))
+            elif (limit is not None and case.n_atoms > limit) or predicted > args.max_seconds:
+                size_rows.append(_skip(name, run_dev, case, "too slow at this size"))
+            else:
+                row = bench_one(name, run_dev, factory, case, args.cutoff, args.repeat,
+                                args.max_seconds)
+                last[name] = (case.n_atoms, row["median_s"])
+                size_rows.append(row)
+            _print(size_rows[-1])
+        _add_ratios(size_rows, device)
+        rows.extend(size_rows)
+    return {
+        "benchmark": "neighbors",
+        "system": "FCC Cu, a = 3.61 Å, rattled 0.05 Å, periodic cubic supercell",
+        "cutoff_angstrom": args.cutoff,
+        "quick": bool(args.quick),
+        "repeat": args.repeat,
+        "auto_backend": _auto_name(device),
+        "results": rows,
+    }
+
+
+def _skip(name, run_dev, case, why) -> dict:
+    return {"method": name, "device": run_dev, "n_atoms": case.n_atoms, "status": f"skipped: {why}"}
+
+
+def _auto_name(device: torch.device) -> str:
+    from xnn.neighbors.api import _auto_backend
+
+    return _auto_backend(device, 0)
+
+
+def _add_ratios(rows: list[dict], device: torch.device) -> None:
+    """Ratio of each time to vesin's on the benchmark device; check edge counts agree."""
+    done = {r["method"]: r for r in rows if r["status"] == "ok"}
+    ref = done.get("vesin-torch") if device.type == "cuda" else None
+    ref = ref or done.get("vesin") or done.get("matscipy") or done.get("ase")
+    for r in rows:
+        if r["status"] != "ok" or ref is None:
+            continue
+        r["reference"] = ref["method"]
+        r["ratio_vs_reference"] = r["median_s"] / ref["median_s"]
+        r["edges_match_reference"] = r["n_edges"] == ref["n_edges"]
+
+
+def _print(r: dict) -> None:
+    if r["status"] != "ok":
+        print(f"{r['n_atoms']:>9} {r['method']:<12} {r['device']:<5} {r['status']}", flush=True)
+        return
+    print(f"{r['n_atoms']:>9} {r['method']:<12} {r['device']:<5} {r['median_s'] * 1e3:10.2f} ms "
+          f"{r['n_edges']:>11} edges", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
+    p.add_argument("--sizes", type=int, nargs="*", default=None, help="atom counts (overrides)")
+    p.add_argument("--cutoff", type=float, default=5.0, help="Å (default 5.0)")
+    p.add_argument("--repeat", type=int, default=None, help="timed builds (default 5, quick 3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-seconds", type=float, default=30.0,
+                   help="skip a method at a size where its (linearly extrapolated) time per "
+                   "build exceeds this")
+    args = p.parse_args(argv)
+    if args.repeat is None:
+        args.repeat = 3 if args.quick else 5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    payload = run(args)
+    out = write_json(args.json, payload, device=args.device)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

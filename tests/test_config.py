@@ -133,3 +133,14 @@ def test_cli_help_and_print_config(cfg_file):
     assert bad.returncode == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "optim.nam" in lines[0] and "'name'" in lines[0]
+
+
+def test_example_config_is_the_demo_config():
+    from pathlib import Path
+
+    from xnn.training.demo import DEMO_YAML
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_emt.yaml"
+    assert path.read_text() == DEMO_YAML
+    cfg = load_config(TrainConfig, path)
+    assert cfg.model.name == "schnet" and cfg.data.datasets[0].path == "emt_cu.xyz"

@@ -229,6 +229,8 @@ def test_training_learns_and_eval_agrees(tmp_path, data):
                         "data.test_fraction=0.25"))
     assert vo["metrics"]["val_forces_mae"] == pytest.approx(
         summary["metrics"]["val_forces_mae"], rel=1e-5)
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "max_epochs"
+    assert (out / "validation_summary.json").is_file()
 
 
 # --------------------------------------------------------------------------- bad input
@@ -282,3 +284,40 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data, monkeypat
     ck = load_checkpoint(out / "checkpoints/last.pt")
     assert ck["progress"]["step"] == 3 and ck["progress"]["epoch"] == 1
     assert all(torch.isfinite(v).all() for v in ck["model"]["state_dict"].values())
+
+
+def test_splits_weights_overfit_and_hdf5(tmp_path, data):
+    from xnn.data.hdf5 import write_hdf5
+    from xnn.training.data import build_splits
+
+    h5 = tmp_path / "second.h5"
+    extra = tmp_path / "second.xyz"
+    write_emt(extra, 8, ["Cu"], seed=5)
+    from xnn.data.datasets import read_structures
+
+    src = read_structures(extra)
+    write_hdf5(h5, (src[i] for i in range(len(src))))
+    cfg = tiny(tmp_path, data, f"data.datasets.1={{path: {h5}, weight: 2.5}}",
+               "data.test_fraction=0.25")
+    s = build_splits(cfg.data, cfg.loss, 3.0, seed=0)
+    # per file: 12 -> 6/3/3 and 8 -> 4/2/2; the HDF5 structures carry weight 2.5
+    assert (len(s.train), len(s.val), len(s.test)) == (10, 5, 5)
+    weights = [float(s.train[i].weight[0]) for i in range(len(s.train))]
+    assert weights == [1.0] * 6 + [2.5] * 4
+    assert s.train[7].n_edges > 0 and s.species == [29]
+    # the same split without the test fraction keeps the validation set
+    s0 = build_splits(tiny(tmp_path, data, f"data.datasets.1={{path: {h5}}}").data, cfg.loss,
+                      3.0, seed=0)
+    assert [torch.equal(s0.val[i].positions, s.val[i].positions) for i in range(5)] == [True] * 5
+    ov = build_splits(tiny(tmp_path, data, "data.overfit=3").data, cfg.loss, 3.0, seed=0)
+    assert len(ov.train) == len(ov.val) == 3
+    assert torch.equal(ov.train[2].positions, ov.val[2].positions)
+
+
+def test_early_stopping_and_tensorboard(tmp_path, data):
+    out = tmp_path / "es"
+    summary = run_train(tiny(out, data, "max_epochs=6", "early_stopping.patience=0",
+                             "early_stopping.min_delta=100.0", "logging.tensorboard=true",
+                             "precision=bf16_mixed"))
+    assert summary["stopped_by"] == "early_stopping" and summary["epochs"] == 2
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))

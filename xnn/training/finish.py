@@ -50,6 +50,18 @@ def _gather_parity(reducer, parity):
     return merged
 
 
+def _save_final(loop, save_model) -> Path:
+    """Save the model (EMA weights if any) as ``model.pt`` in the run folder."""
+    t = loop.trainer
+    path = Path(loop.out_dir) / "model.pt"
+    if t.ema is not None:
+        with t.ema.applied(t.model):
+            save_model(t.model, path)
+    else:
+        save_model(t.model, path)
+    return path
+
+
 def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
     """Evaluate, save ``model.pt`` (EMA weights of the best epoch), plots and ``summary.json``."""
     from xnn.models.serialization import save_model
@@ -74,20 +86,18 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
         "units": {"energy": "meV/atom", "forces": "meV/Å", "stress": "meV/Å³"},
     }
     if loop.reducer.is_main:
-        t = loop.trainer
-        model_path = Path(loop.out_dir) / "model.pt"
-        if t.ema is not None:
-            with t.ema.applied(t.model):
-                save_model(t.model, model_path)
+        if cfg.validation_only:  # never touch the files of the run that made the model
+            summary["model"] = cfg.pretrained or cfg.resume
+            path = Path(loop.out_dir) / "validation_summary.json"
         else:
-            save_model(t.model, model_path)
-        summary["model"] = str(model_path)
-        if cfg.logging.plots:
-            shown = {k: v for k, v in parities.items() if v is not None}
-            if "test" in shown:
-                shown = {"test": shown["test"]}
-            summary["plots"] = _plots(loop, shown)
-        (Path(loop.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+            summary["model"] = str(_save_final(loop, save_model))
+            if cfg.logging.plots:
+                shown = {k: v for k, v in parities.items() if v is not None}
+                if "test" in shown:
+                    shown = {"test": shown["test"]}
+                summary["plots"] = _plots(loop, shown)
+            path = Path(loop.out_dir) / "summary.json"
+        path.write_text(json.dumps(summary, indent=2))
         _print_summary(loop.logger, summary)
     loop.reducer.barrier()
     return summary

@@ -139,7 +139,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
         loop.restore(payload)
         logger.print(f"resumed from {resume} at epoch {loop.progress.epoch}, "
                      f"step {loop.progress.step}")
-    if reducer.is_main:
+    if reducer.is_main and not cfg.validation_only:
         (out / "config.yaml").write_text(loop.config_yaml)
     reason = "validation_only"
     if not cfg.validation_only:

@@ -83,6 +83,7 @@ def test_scalar_overrides_and_max_atoms(cfg_file):
         (["data.datasets.2={path: x, wieght: 1}"], ["wieght", "'weight'"]),
         (["checkpoint_metric=val_acc"], ["checkpoint_metric", "val_forces_mae"]),
         (["validation_only=true"], ["validation_only", "pretrained"]),
+        (["loss.energy.weight=0", "loss.forces.weight=0"], ["loss.forces.weight", "> 0"]),
     ],
 )
 def test_errors_name_the_key_and_choices(cfg_file, override, words):

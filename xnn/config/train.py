@@ -101,6 +101,11 @@ class LossConfig:
     forces: PropertyLoss = field(PropertyLoss(10.0), "force components (eV/Å)")
     stress: PropertyLoss = field(PropertyLoss(0.0), "stress components (eV/Å³)")
 
+    def __post_init__(self):
+        if max(self.energy.weight, self.forces.weight, self.stress.weight) <= 0:
+            raise ConfigError("every loss weight is 0: set loss.energy.weight, "
+                              "loss.forces.weight or loss.stress.weight > 0")
+
 
 @dataclass
 class OptimConfig:

@@ -321,3 +321,27 @@ def test_early_stopping_and_tensorboard(tmp_path, data):
                              "precision=bf16_mixed"))
     assert summary["stopped_by"] == "early_stopping" and summary["epochs"] == 2
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    from xnn.errors import ModelFileError
+    from xnn.training import checkpoint as C
+
+    path = tmp_path / "last.pt"
+    C.save_checkpoint({"progress": {"step": 1}, "w": torch.ones(3)}, path)
+
+    def crash(obj, f):  # a write that dies half way
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04 partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(C.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        C.save_checkpoint({"progress": {"step": 2}}, path)
+    monkeypatch.undo()
+    back = C.load_checkpoint(path)
+    assert back["progress"]["step"] == 1 and torch.equal(back["w"], torch.ones(3))
+    assert list(tmp_path.iterdir()) == [path]
+    path.write_bytes(b"garbage")
+    with pytest.raises(ModelFileError, match="cannot read checkpoint"):
+        C.load_checkpoint(path)

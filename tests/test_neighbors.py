@@ -295,8 +295,14 @@ def test_verlet_list_reuse_and_rebuild(backend):
     g = graph.replace(positions=p, cell=graph.cell * 1.001)
     nl(g)
     assert nl.n_builds == 4
-    nl(g)
-    assert nl.n_builds == 4
+    # changed periodicity: rebuilt, and the list matches the new boundary conditions
+    slab = g.replace(pbc=torch.tensor([[True, True, False]]))
+    out = nl(slab)
+    assert nl.n_builds == 5
+    ei, sh = neighbor_list(slab.positions, slab.cell, slab.pbc, cutoff + skin, slab.batch, "brute")
+    assert _as_set(out.edge_index, out.shifts) == _as_set(ei, sh)
+    nl(slab)
+    assert nl.n_builds == 5
 
 
 def test_forces_from_skin_list_equal_fresh_list():

@@ -122,6 +122,8 @@ class VerletList:
         self._ref_positions: Tensor | None = None
         self._ref_cell: Tensor | None = None
         self._ref_ids: Tensor | None = None
+        self._ref_pbc: Tensor | None = None
+        self._ref_numbers: Tensor | None = None
         self._edges: tuple[Tensor, Tensor] | None = None
 
     def reset(self) -> None:
@@ -135,6 +137,10 @@ class VerletList:
         if graph.positions.device != self._ref_positions.device:
             return True
         if not torch.equal(graph.atom_id, self._ref_ids):
+            return True
+        if not torch.equal(graph.pbc, self._ref_pbc):
+            return True
+        if not torch.equal(graph.numbers, self._ref_numbers):
             return True
         if not torch.equal(graph.cell.detach(), self._ref_cell):
             return True
@@ -153,6 +159,8 @@ class VerletList:
             self._ref_positions = graph.positions.detach().clone()
             self._ref_cell = graph.cell.detach().clone()
             self._ref_ids = graph.atom_id.clone()
+            self._ref_pbc = graph.pbc.clone()
+            self._ref_numbers = graph.numbers.clone()
             self.n_builds += 1
         ei, sh = self._edges
         return graph.replace({K.EDGE_INDEX: ei, K.SHIFTS: sh})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -122,17 +120,20 @@ def test_describe_lists_every_option_with_default():
     assert "precision (str, default='fp32')" in text and "bf16_mixed" in text
 
 
-def test_cli_help_and_print_config(cfg_file):
-    run = [sys.executable, "-m", "xnn", "train"]
-    out = subprocess.run(run + ["--help"], capture_output=True, text=True, check=True).stdout
+def test_cli_help_and_print_config(cfg_file, capsys):
+    from xnn.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
     assert "data.datasets.0.path" in out and "schedule.name (str, default='none')" in out
-    res = subprocess.run(run + [str(cfg_file), "optim.lr=0.005", "data.datasets.1=null",
-                                "--print-config"], capture_output=True, text=True, check=True)
-    assert "lr: 0.005" in res.stdout and "b.xyz" not in res.stdout and "a.xyz" in res.stdout
-    bad = subprocess.run(run + [str(cfg_file), "optim.nam=adam"], capture_output=True,
-                         text=True)
-    assert bad.returncode == 2
-    lines = bad.stderr.strip().splitlines()
+    assert main(["train", str(cfg_file), "optim.lr=0.005", "data.datasets.1=null",
+                 "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.005" in out and "b.xyz" not in out and "a.xyz" in out
+    assert main(["train", str(cfg_file), "optim.nam=adam"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "optim.nam" in lines[0] and "'name'" in lines[0]
 
 

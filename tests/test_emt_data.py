@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -62,10 +59,11 @@ def test_alloy_and_bad_element():
 
 def test_files_round_trip(tmp_path):
     xyz, h5 = tmp_path / "cu.xyz", tmp_path / "cu.h5"
-    cmd = [sys.executable, "-m", "xnn", "data"]
-    subprocess.run(cmd + ["emt", "--out", str(xyz), "--n", "6", "--seed", "1"], check=True,
-                   capture_output=True)
-    subprocess.run(cmd + ["convert", str(xyz), str(h5)], check=True, capture_output=True)
+    from xnn.cli.main import main
+
+    assert main(["data", "emt", "--out", str(xyz), "--n", "6", "--seed", "1"]) == 0
+    assert main(["data", "convert", str(xyz), str(h5)]) == 0
+    assert main(["data", "convert", str(xyz), str(tmp_path / "x.txt")]) == 2
     ref = generate_emt(6, ["Cu"], seed=1)
     a, b = read_structures(xyz), read_structures(h5)
     assert len(a) == len(b) == 6

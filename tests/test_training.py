@@ -186,10 +186,7 @@ def test_resume_is_bitwise(tmp_path, data):
     assert not all(torch.equal(a[0][k], c[0][k]) for k in a[0])
 
 
-def test_training_learns_and_eval_agrees(tmp_path, data):
-    import subprocess
-    import sys
-
+def test_training_learns_and_eval_agrees(tmp_path, data, capsys):
     from xnn.models import Potential
     from xnn.models.serialization import load_model
 
@@ -215,14 +212,16 @@ def test_training_learns_and_eval_agrees(tmp_path, data):
         r = pot(g, stress=False)
         e_err.append(abs(float(r[K.ENERGY][0] - g.energy[0])) / g.n_atoms)
         f_err.append((r[K.FORCES] - g.forces).abs().flatten())
-    res = subprocess.run([sys.executable, "-m", "xnn", "eval", str(out / "model.pt"), str(data),
-                          "--json", str(tmp_path / "m.json"), "--device", "cpu"],
-                         capture_output=True, text=True, check=True)
+    from xnn.cli.main import main
+
+    assert main(["eval", str(out / "model.pt"), str(data), "--json", str(tmp_path / "m.json"),
+                 "--device", "cpu"]) == 0
+    stdout = capsys.readouterr().out
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["energy_mae"] == pytest.approx(1000 * np.mean(e_err), rel=1e-4)
     assert m["forces_mae"] == pytest.approx(1000 * float(torch.cat(f_err).mean()), rel=1e-4)
     assert m["forces_mae_Cu"] == pytest.approx(m["forces_mae"])
-    assert "meV/atom" in res.stdout and (out / f"parity_{data.stem}.png").is_file()
+    assert "meV/atom" in stdout and (out / f"parity_{data.stem}.png").is_file()
     assert summary["metrics"]["test_forces_mae"] > 0
     # validation_only with the trained model reproduces the validation metrics of the run
     vo = run_train(tiny(out, data, f"pretrained={out / 'model.pt'}", "validation_only=true",

@@ -128,7 +128,8 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
                  f"{len(splits.test) if splits.test else 0} test structures")
-    model = _model_for_run(cfg, splits, logger)
+    model = _model_for_run(cfg, splits, logger)  # seeded with cfg.seed: same on every rank
+    seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, reducer, device)
     loop = TrainingLoop(cfg, trainer, splits, out, logger)
     loop.config_yaml = to_yaml(cfg)

@@ -17,20 +17,31 @@ from xnn.neighbors.vesin_backend import vesin_available, vesin_neighbor_list, ve
 
 Backend = Callable[[Tensor, Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor]]
 
-_BACKENDS: dict[str, Backend] = {"brute": brute_neighbor_list, "torch": torch_neighbor_list}
-if vesin_available() or vesin_torch_available():
-    _BACKENDS["vesin"] = vesin_neighbor_list
+_BACKENDS: dict[str, Backend] = {}
+_TAKES_UNWRAPPED: set[str] = set()
 
 
-def register_backend(name: str, fn: Backend) -> None:
+def register_backend(name: str, fn: Backend, takes_unwrapped: bool = False) -> None:
     """Add a backend ``fn(positions, cell, pbc, cutoff, batch) -> (edge_index, shifts)``.
 
-    Backends receive positions wrapped into the cell along periodic axes and a cell whose
-    zero (non-periodic) vectors are completed; they must return every pair with
+    Backends receive a cell whose zero (non-periodic) vectors are completed and positions
+    wrapped into the cell along periodic axes (unless ``takes_unwrapped``: then positions
+    are passed as given, and the backend's shifts must account for it, saving the wrap and
+    the shift fix-up). They must return every pair with
     ``|pos[j] - pos[i] + shift @ cell| < cutoff`` in both directions, excluding self-pairs
     with zero shift.
     """
     _BACKENDS[name] = fn
+    if takes_unwrapped:
+        _TAKES_UNWRAPPED.add(name)
+    else:
+        _TAKES_UNWRAPPED.discard(name)
+
+
+register_backend("brute", brute_neighbor_list)
+register_backend("torch", torch_neighbor_list)
+if vesin_available() or vesin_torch_available():
+    register_backend("vesin", vesin_neighbor_list, takes_unwrapped=True)
 
 
 def available_backends() -> list[str]:
@@ -79,7 +90,7 @@ def neighbor_list(
         full = complete_cell(cell)
         pos = positions.detach()
         n_wrap = None
-        if pbc.any():
+        if pbc.any() and name not in _TAKES_UNWRAPPED:
             # whole lattice vectors that bring each atom into the cell along periodic axes
             frac = torch.einsum("ni,nij->nj", pos, torch.linalg.inv(full)[batch])
             n = torch.where(pbc[batch], torch.floor(frac), torch.zeros_like(frac))

@@ -14,8 +14,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from xnn.neighbors.torch_cells import torch_neighbor_list
-
 try:
     import vesin as _vesin
 except ImportError:  # pragma: no cover - depends on the environment
@@ -46,7 +44,7 @@ def vesin_neighbor_list(
     """Full neighbor list by vesin, looping over systems and offsetting atom indices.
 
     Args:
-        positions: ``[n_atoms, 3]`` Å (wrapped along periodic axes by the caller).
+        positions: ``[n_atoms, 3]`` Å; need not be wrapped (vesin's shifts account for it).
         cell: ``[n_systems, 3, 3]`` completed (invertible) cell, rows lattice vectors.
         pbc: ``[n_systems, 3]`` bool.
         cutoff: Å, > 0.
@@ -58,26 +56,25 @@ def vesin_neighbor_list(
         raise ImportError("the 'vesin' backend needs the vesin package: pip install vesin")
     device = positions.device
     n_sys = cell.shape[0]
+    if n_sys == 1:
+        return _one_system(positions, cell[0], pbc[0], cutoff)
     counts = torch.bincount(batch, minlength=n_sys).tolist()
-    senders, receivers, shifts = [], [], []
+    edges, shifts = [], []
     start = 0
     for s, n in enumerate(counts):
         if n > 0:
-            sl = slice(start, start + n)
-            j, i, sh = _one_system(positions[sl], cell[s], pbc[s], cutoff)
-            senders.append(j + start)
-            receivers.append(i + start)
+            ei, sh = _one_system(positions[start : start + n], cell[s], pbc[s], cutoff)
+            edges.append(ei + start)
             shifts.append(sh)
         start += n
-    if not senders:
+    if not edges:
         z = torch.zeros(0, dtype=torch.long, device=device)
         return torch.stack([z, z]), torch.zeros(0, 3, dtype=torch.long, device=device)
-    edge_index = torch.stack([torch.cat(senders), torch.cat(receivers)])
-    return edge_index, torch.cat(shifts)
+    return torch.cat(edges, dim=1), torch.cat(shifts)
 
 
-def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
-    """``(sender, receiver, shift)`` long tensors on ``pos.device`` for one system."""
+def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[Tensor, Tensor]:
+    """``edge_index [2, E]`` and ``shifts [E, 3]`` (long, on ``pos.device``) of one system."""
     try:
         if pos.device.type != "cpu" and _vesin_torch is not None:
             return _with_vesin_torch(pos, cell, pbc, cutoff)
@@ -85,28 +82,31 @@ def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
             return _with_vesin_numpy(pos, cell, pbc, cutoff)
         return _with_vesin_torch(pos, cell, pbc, cutoff)
     except _VESIN_ERRORS:
-        batch = torch.zeros(pos.shape[0], dtype=torch.long, device=pos.device)
-        ei, sh = torch_neighbor_list(pos, cell.unsqueeze(0), pbc.unsqueeze(0), cutoff, batch)
-        return ei[0], ei[1], sh
+        from xnn.neighbors.api import neighbor_list  # wraps positions for the torch backend
+
+        return neighbor_list(pos, cell, pbc, cutoff, backend="torch")
 
 
 def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
     nl = _vesin.NeighborList(cutoff=cutoff, full_list=True)
+    # copy=False: views into nl's buffers, copied out once below while nl is alive
     i, j, s = nl.compute(
         pos.detach().cpu().to(torch.float64).numpy(),
         cell.detach().cpu().to(torch.float64).numpy(),
         [bool(p) for p in pbc.tolist()],
         "ijS",
+        copy=False,
     )
-    device = pos.device
-
-    def as_long(a: np.ndarray) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-
-    return as_long(j), as_long(i), as_long(s).reshape(-1, 3)
+    # vesin's indices are size_t (uint64): reinterpret, never negative below 2**63
+    j = torch.from_numpy(np.asarray(j).view(np.int64))
+    i = torch.from_numpy(np.asarray(i).view(np.int64))
+    edge_index = torch.stack([j, i]).to(pos.device)
+    shifts = torch.from_numpy(np.asarray(s)).to(device=pos.device, dtype=torch.long)
+    del nl
+    return edge_index, shifts.reshape(-1, 3)
 
 
 def _with_vesin_torch(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
     nl = _vesin_torch.NeighborList(cutoff=cutoff, full_list=True)
     i, j, s = nl.compute(pos.detach(), cell.detach().to(pos.dtype), pbc.to(torch.bool), "ijS")
-    return j.to(torch.long), i.to(torch.long), s.to(torch.long).reshape(-1, 3)
+    return torch.stack([j, i]).to(torch.long), s.to(torch.long).reshape(-1, 3)

@@ -149,8 +149,11 @@ def test_schedule_and_ema():
     w0 = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(1.0)
-    ema.update(model)
-    assert torch.allclose(ema.shadow["weight"], 0.9 * w0 + 0.1 * (w0 + 1.0))
+    ema.update(model)  # warm-up: d = min(0.9, 1/10)
+    assert torch.allclose(ema.shadow["weight"], 0.1 * w0 + 0.9 * (w0 + 1.0))
+    ema.updates = 100
+    ema.update(model)  # d = 0.9
+    assert torch.allclose(ema.shadow["weight"], 0.9 * (w0 + 0.9) + 0.1 * (w0 + 1.0))
     with ema.applied(model):
         assert torch.equal(model.weight, ema.shadow["weight"])
     assert torch.equal(model.weight, w0 + 1.0)

@@ -9,7 +9,10 @@ from torch import nn
 
 
 class EMA:
-    """``shadow ← decay * shadow + (1 - decay) * value`` after every optimizer step.
+    """``shadow ← d * shadow + (1 - d) * value`` after every optimizer step.
+
+    The decay warms up, ``d = min(decay, (1 + n) / (10 + n))`` after ``n`` earlier updates,
+    so that the average does not lag far behind the weights in short runs.
 
     Args:
         model: the trained model (its floating-point parameters are averaged; buffers such
@@ -30,7 +33,8 @@ class EMA:
         params = dict(model.named_parameters())
         shadow = [self.shadow[k] for k in names]
         current = [params[k].detach() for k in names]
-        torch._foreach_lerp_(shadow, current, 1.0 - self.decay)
+        d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
+        torch._foreach_lerp_(shadow, current, 1.0 - d)
         self.updates += 1
 
     @contextmanager

@@ -114,6 +114,7 @@ class _SortedState:
         self.n, self.m, self.sys_bin_start = n, m, sys_bin_start
         self.pbc, self.cell, self.cutoff2 = pbc, cell, cutoff2
         self.cand_budget = _BUDGETS.get(pos.device.type, _BUDGETS["cuda"])[1]
+        self.single = cell.shape[0] == 1
 
 
 def _bin_grid(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor) -> _Grid:
@@ -177,25 +178,30 @@ def _half_offsets(m: int, device: torch.device) -> Tensor:
 def _search_offsets(state: _SortedState, offsets: Tensor, same_bin: bool):
     """Yield kept ``(j, i, shift)`` (sorted-atom indices) of all atoms with ``offsets [K, 3]``.
 
-    With ``same_bin`` (``offsets == [[0, 0, 0]]``) self-pairs are dropped.
+    With ``same_bin`` (``offsets == [[0, 0, 0]]``) self-pairs are dropped. Per-system tables
+    are broadcast, not gathered, when the batch holds one system.
     """
     n_atoms = state.pos.shape[0]
-    k = offsets.shape[0]
-    atom = torch.arange(n_atoms, device=offsets.device).repeat(k)
-    d = offsets.repeat_interleave(n_atoms, dim=0)
-    sys = state.sys.index_select(0, atom)
-    n, m, periodic = _take(state.n, sys), _take(state.m, sys), _take(state.pbc, sys)
-    ext = _take(state.bin3, atom) + d
+    d = offsets.unsqueeze(1)  # [K, 1, 3]
+    n, m, periodic = (_per_atom(state, t) for t in (state.n, state.m, state.pbc))
+    ext = state.bin3.unsqueeze(0) + d  # [K, N, 3] neighbour bin in the unbounded grid
     shift = torch.where(periodic, torch.div(ext, n, rounding_mode="floor"), torch.zeros_like(ext))
     target3 = ext - shift * n
-    valid = (d.abs() <= m).all(-1) & ((target3 >= 0) & (target3 < n)).all(-1)
-    keep = torch.nonzero(valid).flatten()
-    atom, shift, sys = _take(atom, keep), _take(shift, keep), _take(sys, keep)
-    target = _take(state.sys_bin_start, sys) + _flat(_take(target3, keep), _take(n, keep))
+    valid = ((d.abs() <= m) & (target3 >= 0) & (target3 < n)).all(-1)
+    keep = torch.nonzero(valid.reshape(-1)).flatten()
+    atom = torch.remainder(keep, n_atoms)
+    shift = shift.reshape(-1, 3).index_select(0, keep)
+    target3 = target3.reshape(-1, 3).index_select(0, keep)
+    if state.single:
+        target = state.sys_bin_start[0] + _flat(target3, state.n[0])
+        shift_cart = shift.to(state.pos.dtype) @ state.cell[0]
+    else:
+        sys = state.sys.index_select(0, atom)
+        target = _take(state.sys_bin_start, sys) + _flat(target3, _take(state.n, sys))
+        shift_cart = torch.einsum("pk,pkl->pl", shift.to(state.pos.dtype), _take(state.cell, sys))
     count = _take(state.counts, target)
     start = _take(state.bin_start, target)
     # q = pos_i - shift @ cell, so r_ij = pos_j + shift @ cell - pos_i = pos_j - q
-    shift_cart = torch.einsum("pk,pkl->pl", shift.to(state.pos.dtype), _take(state.cell, sys))
     q_t = [c.contiguous() for c in (_take(state.pos, atom) - shift_cart).unbind(-1)]
     csum = torch.cumsum(count, 0)
     total = int(csum[-1]) if csum.numel() else 0
@@ -204,6 +210,11 @@ def _search_offsets(state: _SortedState, offsets: Tensor, same_bin: bool):
     bounds = _chunk_bounds(csum, total, state.cand_budget)
     for a, b in zip(bounds[:-1], bounds[1:]):
         yield _expand(state, (a, b), csum, count, start, atom, q_t, shift, same_bin)
+
+
+def _per_atom(state: _SortedState, table: Tensor) -> Tensor:
+    """``[n_atoms, 3]`` rows of a per-system table, or ``[1, 3]`` (broadcast) for one system."""
+    return table if state.single else table.index_select(0, state.sys)
 
 
 def _chunk_bounds(csum: Tensor, total: int, budget: int) -> list[int]:

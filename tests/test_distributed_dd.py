@@ -124,8 +124,56 @@ CASES = {
     4: LJ_CASES + [("lj-corner-grid", "lj", "corner", (1, 1, 4), "halo"),
                    ("painn-sync-4", "painn", "cubic", None, "sync")],
     8: [c for c in LJ_CASES if c[2] in ("cubic", "triclinic", "tiny", "corner")]
-    + [("equivariant-sync-8", "equivariant", "molecule", None, "sync")],
+    + [("painn-sync-8", "painn", "molecule", None, "sync")],
 }
+
+
+def _mace():
+    import numpy as np
+    from e3nn import o3
+
+    from xnn.models.external._optional import import_extra
+    from xnn.models.external.mace import MACEWrapper
+
+    (mace_modules,) = import_extra("mace", "mace.modules")
+    torch.manual_seed(0)
+    block = mace_modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    model = mace_modules.ScaleShiftMACE(
+        atomic_inter_scale=1.3, atomic_inter_shift=0.2, r_max=3.0, num_bessel=4,
+        num_polynomial_cutoff=5, max_ell=1, interaction_cls=block, interaction_cls_first=block,
+        num_interactions=2, num_elements=1, hidden_irreps=o3.Irreps("4x0e + 4x1o"),
+        MLP_irreps=o3.Irreps("4x0e"), gate=torch.nn.functional.silu,
+        atomic_energies=np.array([-1.5]), avg_num_neighbors=8.0, atomic_numbers=[29],
+        correlation=2)
+    return MACEWrapper(model.double())
+
+
+def _sevenn():
+    """Pretrained SevenNet-0 (5 layers, 25 Å receptive field) in float64."""
+    import warnings
+
+    from xnn.models import build
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # the checkpoint does not load under float64
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build("sevenn", checkpoint="7net-0").double()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def cluster():
+    atoms = _fcc((1, 1, 2), rattle=0.1, seed=6)
+    atoms.pbc = False
+    return _graph(atoms, seed=6)
+
+
+MODELS.update(mace=_mace, sevenn=_sevenn)
+STRUCTURES["cluster"] = cluster
+EXTERNAL = [("mace-triclinic", "mace", "triclinic", None, "halo"),
+            ("sevenn-cluster", "sevenn", "cluster", (2, 1, 1), "halo")]
 
 
 def _rel(a, b):
@@ -244,6 +292,21 @@ def _error_cases(manager):
     return out
 
 
+def _mesh_case(manager, rank):
+    """dp=2 x dd=2: two replicas, each decomposing its own structure over its dd group."""
+    from xnn.distributed import DomainDecomposed
+
+    dims = manager.mesh(dp=2, dd=2)
+    t = torch.tensor([float(rank)])
+    torch.distributed.all_reduce(t, group=dims.dd_group)
+    model, graph = lj(), (cubic() if dims.dp_rank == 0 else triclinic())
+    dd = DomainDecomposed(model, dims)
+    out = dd(graph if dims.dd_rank == 0 else None)
+    errors = _compare(out, _reference(model, graph), graph) if dims.dd_rank == 0 else None
+    return {"dp_rank": dims.dp_rank, "dd_rank": dims.dd_rank, "dd_sum": t.item(),
+            "n_atoms": int(out["forces"].shape[0]), "errors": errors}
+
+
 def _calculator_and_cli(manager, rank, tmp):
     """The ASE calculator against ASE's own LJ, and ``xnn validate`` run inside the job."""
     import os
@@ -277,10 +340,17 @@ def worker(rank, world, tmp):
     if world == 2:
         results["errors"] = _error_cases(manager)
         results["calc"] = _calculator_and_cli(manager, rank, tmp)
+    if world == 4:
+        results["mesh"] = _mesh_case(manager, rank)
     if world == 3:
         results["grad"] = _grad_case(manager, rank, world)
         results["skin"] = _skin_case(manager, rank)
     return results
+
+
+def external_worker(rank, world, names):
+    torch.set_default_dtype(torch.float64)
+    return _run_cases(rank, [c for c in EXTERNAL if c[1] in names])[1]
 
 
 # ---------------------------------------------------------------------------- tests
@@ -317,13 +387,26 @@ def test_decomposition_shapes():
     owned = [r["lj-corner"]["stats"]["n_owned"] for r in results(8)]
     assert sum(owned) == 32 and min(owned) == 0
     owned = [r["lj-corner-grid"]["stats"]["n_owned"] for r in results(4)]
-    assert owned.count(0) >= 2
+    assert owned.count(0) >= 1
     for r in results(8):  # 4 atoms over 8 boxes; the 5 Å halo spans several cells
         st = r["lj-tiny"]["stats"]
         assert st["n_owned"] <= 1 and st["n_ghost"] > 100
     # every rank's owned atoms add up, and every rank talks to few peers at most
     for w in (2, 3, 4, 8):
         assert sum(r["lj-triclinic"]["stats"]["n_owned"] for r in results(w)) == 72
+
+
+@pytest.mark.distributed
+def test_mesh_replicas_decompose_their_own_structure():
+    res = results(4)
+    for r, out in enumerate(res):
+        m = out["mesh"]
+        assert (m["dp_rank"], m["dd_rank"]) == divmod(r, 2)
+        assert m["dd_sum"] == {0: 1, 1: 1, 2: 5, 3: 5}[r]  # dd groups {0, 1} and {2, 3}
+        assert m["n_atoms"] == (108 if r < 2 else 72)
+        if m["errors"] is not None:
+            assert m["errors"].pop("ids")
+            assert max(m["errors"].values()) <= TOL, m
 
 
 @pytest.mark.distributed
@@ -366,6 +449,27 @@ def test_calculator_and_validate_cli():
     with open(os.path.join(_TMP, "v.json")) as f:
         report = json.load(f)["report"]
     assert report["forces"]["max_rel"] <= TOL and report["stress"]["scale"] > 0
+
+
+def _importable(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_external_wrappers_two_ranks():
+    """MACE and SevenNet wrappers decomposed over 2 ranks (skipped when not installed)."""
+    names = [n for n, mod in (("mace", "mace"), ("sevenn", "sevenn")) if _importable(mod)]
+    if not names:
+        pytest.skip("neither mace-torch nor sevenn is installed")
+    res = spawn(external_worker, 2, args=(names,), timeout_s=400)
+    for case, entry in res[0].items():
+        errors = entry["errors"]
+        assert errors.pop("ids")
+        assert max(errors.values()) <= TOL, (case, errors)
+    assert len(res[0]) == len(names)
 
 
 def test_single_process_matches_periodic_list():

@@ -1,15 +1,11 @@
-"""Launch detection, ParallelDims validation, and a 4-rank dp × dd mesh on gloo."""
+"""Launch detection, ParallelDims validation, single process (the 4-rank dp × dd mesh is
+tested inside the shared 4-rank job of ``test_distributed_dd.py``)."""
 
 import pytest
 import torch
 
 from xnn.distributed import DistributedManager, ParallelDims, detect_launch
 from xnn.errors import InputError
-
-try:
-    from dist_helpers import spawn
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
 
 
 def test_detect_torchrun():
@@ -56,26 +52,3 @@ def test_parallel_dims_validation():
         ParallelDims(dp=-1, dd=3, world_size=8)
     with pytest.raises(InputError, match="positive integer"):
         ParallelDims(dp=0, dd=2, world_size=2)
-
-
-def _mesh_worker(rank, world_size):
-    m = DistributedManager.initialize(backend="gloo", timeout_s=60)
-    dims = m.mesh(dp=2, dd=2)
-    t = torch.tensor([float(rank)])
-    torch.distributed.all_reduce(t, group=dims.dd_group)
-    u = torch.tensor([float(rank)])
-    torch.distributed.all_reduce(u, group=dims.dp_group)
-    m.barrier()
-    return dict(rank=m.rank, world=m.world_size, main=m.is_main, dp_rank=dims.dp_rank,
-                dd_rank=dims.dd_rank, dd_sum=t.item(), dp_sum=u.item())
-
-
-@pytest.mark.distributed
-def test_mesh_four_ranks():
-    res = spawn(_mesh_worker, 4, timeout_s=120)
-    for r, out in enumerate(res):
-        assert out["rank"] == r and out["world"] == 4 and out["main"] == (r == 0)
-        assert (out["dp_rank"], out["dd_rank"]) == divmod(r, 2)
-        # dd groups: {0,1}, {2,3}; dp groups: {0,2}, {1,3}
-        assert out["dd_sum"] == {0: 1, 1: 1, 2: 5, 3: 5}[r]
-        assert out["dp_sum"] == {0: 2, 1: 4, 2: 2, 3: 4}[r]

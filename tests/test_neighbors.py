@@ -387,3 +387,24 @@ def test_vesin_fallback_to_torch(monkeypatch):
     monkeypatch.setattr(vb, "_with_vesin_numpy", refuse)
     monkeypatch.setattr(vb, "_with_vesin_torch", refuse)
     _check([ZOO["tri60"], ZOO["wire_zero_rows"], ZOO["small"]], "vesin", torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_perfect_lattice_on_bin_edges(backend):
+    """Unrattled FCC: atoms sit exactly on bin boundaries and cell faces (frac 0, 1/4, 1/2)."""
+    from ase.build import bulk
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 4, 4))
+    n = _check([atoms], backend, torch.float64)
+    assert n == len(atoms) * 42  # 12 + 6 + 24 neighbours within 4.5 Å (shells 2.55, 3.61, 4.42)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_systems_do_not_allocate_huge_grids(backend):
+    """Atoms 1e5 Å apart, and a periodic box of 1e4 Å: bin counts are capped by atom counts."""
+    far = Atoms("H4", positions=[[0, 0, 0], [1e5, 0, 0], [0, 1e5, 1e5], [1.0, 0.5, 0.0]])
+    vacuum = Atoms("H3", positions=[[1, 1, 1], [2, 2, 2], [5e3, 5e3, 5e3]],
+                   cell=np.eye(3) * 1e4, pbc=True)
+    ei, sh, _ = _run([far, vacuum], backend, torch.float64)
+    # the only pairs: atoms 0-3 of the first system and atoms 4-5 (0-1 of the second)
+    assert _as_set(ei, sh) == {(0, 3, 0, 0, 0), (3, 0, 0, 0, 0), (4, 5, 0, 0, 0), (5, 4, 0, 0, 0)}

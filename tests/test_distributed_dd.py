@@ -484,5 +484,9 @@ def test_single_process_matches_periodic_list():
             errors = _compare(out, _reference(model, graph), graph)
             assert errors.pop("ids")
             assert max(errors.values()) <= TOL, (struct, errors)
+        from xnn.distributed import validate_decomposition
+
+        report = validate_decomposition(_native("schnet"), triclinic(), mode="sync")
+        assert max(r["max_rel"] for r in report.values()) <= TOL, report
     finally:
         torch.set_default_dtype(torch.float32)

@@ -75,8 +75,33 @@ def _write_output(path: str, graph, out) -> None:
     write(path, atoms)
 
 
-def run(args) -> int:
+def _report(args, manager, dd, graph, out, ref, seconds: dict) -> bool:
+    """Print (and write) the comparison on rank 0; True if above the tolerance."""
     import json
+    from pathlib import Path
+
+    from xnn.distributed import validate as V
+
+    info = {"world_size": manager.world_size, "n_atoms": graph.n_atoms,
+            "grid": dd.stats()["grid"], "halo_width": dd.halo_width, "mode": args.mode,
+            "energy": float(out["energy"].sum()), **seconds}
+    print(f"xnn validate: {graph.n_atoms} atoms on {manager.world_size} rank(s), grid "
+          f"{'x'.join(map(str, info['grid']))}, halo {dd.halo_width:.3g} Å, mode {args.mode}; "
+          f"energy {info['energy']:.10g} eV ({seconds['seconds_decomposed']:.3g} s decomposed)")
+    failed = False
+    if ref is not None:
+        report = V.compare(out, ref, graph)
+        info.update(report=report, tol=args.tol)
+        print("\n".join(_report_lines(report, args.tol)))
+        failed = max(r["max_rel"] for r in report.values()) > args.tol
+    if args.json:
+        Path(args.json).write_text(json.dumps(info, indent=2))
+    if args.output:
+        _write_output(args.output, graph, out)
+    return failed
+
+
+def run(args) -> int:
     import time
 
     import torch
@@ -99,35 +124,19 @@ def run(args) -> int:
         model = V.load_model_everywhere(args.model, species).to(manager.device, dtype)
         dd = DomainDecomposed(model, manager, grid=grid, skin=args.skin, mode=args.mode)
         graph = dd.broadcast(None if graph is None else graph.to(dtype=dtype))
-        ref = None
+        ref, seconds = None, {}
         with C.guarded(None, "single-process reference"):
             if manager.is_main and not args.skip_reference:
                 t0 = time.perf_counter()
                 ref = V.single_process(model, graph)
-                t_ref = time.perf_counter() - t0
+                seconds["seconds_single"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = dd(graph)
-        t_dd = time.perf_counter() - t0
+        seconds["seconds_decomposed"] = time.perf_counter() - t0
         status = torch.zeros(1, device=manager.device)
         with C.guarded(None, "report on rank 0"):
             if manager.is_main:
-                info = {"world_size": manager.world_size, "n_atoms": graph.n_atoms,
-                        "grid": dd.stats()["grid"], "halo_width": dd.halo_width,
-                        "seconds_decomposed": t_dd, "energy": float(out["energy"].sum())}
-                print(f"xnn validate: {graph.n_atoms} atoms on {manager.world_size} rank(s), grid "
-                      f"{'x'.join(map(str, info['grid']))}, halo {dd.halo_width:.3g} Å, mode "
-                      f"{args.mode}; energy {info['energy']:.10g} eV ({t_dd:.3g} s decomposed)")
-                if ref is not None:
-                    report = V.compare(out, ref, graph)
-                    info.update(report=report, seconds_single=t_ref, tol=args.tol)
-                    print("\n".join(_report_lines(report, args.tol)))
-                    status[0] = float(max(r["max_rel"] for r in report.values()) > args.tol)
-                if args.json:
-                    from pathlib import Path
-
-                    Path(args.json).write_text(json.dumps(info, indent=2))
-                if args.output:
-                    _write_output(args.output, graph, out)
+                status[0] = float(_report(args, manager, dd, graph, out, ref, seconds))
         C.all_reduce_(status)
         return int(status.item() > 0)
     finally:

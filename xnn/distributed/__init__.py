@@ -7,7 +7,7 @@ from xnn.distributed.manager import DistributedManager, LaunchInfo, detect_launc
 from xnn.distributed.mesh import ParallelDims
 
 __all__ = ["DistributedManager", "LaunchInfo", "ParallelDims", "detect_launch",
-           "DomainDecomposed", "DistributedCalculator"]
+           "DomainDecomposed", "DistributedCalculator", "validate_decomposition"]
 
 
 def __getattr__(name):  # lazy: the domain-decomposition code is heavier
@@ -19,4 +19,8 @@ def __getattr__(name):  # lazy: the domain-decomposition code is heavier
         from xnn.distributed.calculator import DistributedCalculator
 
         return DistributedCalculator
+    if name == "validate_decomposition":
+        from xnn.distributed.validate import validate_decomposition
+
+        return validate_decomposition
     raise AttributeError(f"module 'xnn.distributed' has no attribute {name!r}")

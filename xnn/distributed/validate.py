@@ -125,6 +125,30 @@ def compare(out: dict[str, Tensor], ref: dict[str, Tensor], graph: AtomicGraph) 
     return report
 
 
+def validate_decomposition(model, graph: AtomicGraph | None, manager_or_group=None, grid=None,
+                           mode: str = "halo", skin: float = 0.0) -> dict | None:
+    """Run ``model`` in one process (group rank 0) and decomposed; compare (collective).
+
+    Args:
+        model: the same model on every rank.
+        graph: one system on group rank 0 (others may pass ``None``).
+        manager_or_group, grid, mode, skin: see :class:`~xnn.distributed.DomainDecomposed`.
+    Returns:
+        On group rank 0 the report of :func:`compare` (worst absolute and relative errors of
+        energy, per-atom energies, forces by atom id, stress or virial); ``None`` elsewhere.
+    """
+    from xnn.distributed.domain.decomposed import DomainDecomposed
+
+    dd = DomainDecomposed(model, manager_or_group, grid=grid, skin=skin, mode=mode)
+    graph = dd.broadcast(graph)
+    ref = None
+    with C.guarded(dd.group, "single-process reference"):
+        if dd.rank == 0:
+            ref = single_process(model, graph)
+    out = dd(graph)
+    return compare(out, ref, graph) if dd.rank == 0 else None
+
+
 def single_process(model, graph: AtomicGraph) -> dict[str, Tensor]:
     """Reference results of ``model`` on ``graph`` in this process (periodic neighbor list)."""
     from xnn.models import Potential

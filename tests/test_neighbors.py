@@ -408,3 +408,19 @@ def test_sparse_systems_do_not_allocate_huge_grids(backend):
     ei, sh, _ = _run([far, vacuum], backend, torch.float64)
     # the only pairs: atoms 0-3 of the first system and atoms 4-5 (0-1 of the second)
     assert _as_set(ei, sh) == {(0, 3, 0, 0, 0), (3, 0, 0, 0, 0), (4, 5, 0, 0, 0), (5, 4, 0, 0, 0)}
+
+
+def test_vesin_torch_path_on_cpu(monkeypatch):
+    """The vesin.torch code path (used for CUDA tensors) also matches ASE, run here on CPU."""
+    import xnn.neighbors.vesin_backend as vb
+
+    if not vb.vesin_torch_available():
+        pytest.skip("vesin-torch not installed")
+    monkeypatch.setattr(vb, "_vesin", None)
+    calls = []
+    real = vb._with_vesin_torch
+    monkeypatch.setattr(vb, "_with_vesin_torch", lambda *a: calls.append(1) or real(*a))
+    atoms = [ZOO["unwrapped_far"], ZOO["unwrapped_mixed"], ZOO["small"], ZOO["cluster"]]
+    for dtype in (torch.float64, torch.float32):
+        _check(atoms, "vesin", dtype)
+    assert len(calls) == 8

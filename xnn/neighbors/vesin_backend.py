@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 try:
     import vesin.torch as _vesin_torch
-except ImportError:  # pragma: no cover - depends on the environment
+except (ImportError, OSError, RuntimeError):  # pragma: no cover - absent or ABI mismatch
     _vesin_torch = None
 
 # Errors vesin raises for inputs it cannot handle; we fall back to the torch cell list.
@@ -81,7 +81,9 @@ def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[
         if _vesin is not None:
             return _with_vesin_numpy(pos, cell, pbc, cutoff)
         return _with_vesin_torch(pos, cell, pbc, cutoff)
-    except _VESIN_ERRORS:
+    except _VESIN_ERRORS as err:
+        if isinstance(err, torch.OutOfMemoryError):
+            raise
         from xnn.neighbors.api import neighbor_list  # wraps positions for the torch backend
 
         return neighbor_list(pos, cell, pbc, cutoff, backend="torch")

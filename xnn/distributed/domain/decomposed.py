@@ -93,6 +93,8 @@ class DomainDecomposed:
         self.backend = backend
         self.cutoff = cutoff
         depth = 1 if mode == "sync" else hops
+        # ghosts' own updates are never used: drop edges that end on a ghost
+        self.prune_edges = depth == 1
         self.halo_width = cutoff * depth + self.skin
         self.size, self.rank = C.group_size(self.group), C.group_rank(self.group)
         self.domain: LocalDomain | None = None
@@ -134,7 +136,7 @@ class DomainDecomposed:
         if self._needs_rebuild(graph):
             self.domain = build_local_domain(graph, self.size, self.rank, self.halo_width,
                                              self.cutoff + self.skin, self.grid, self.group,
-                                             self.backend)
+                                             self.backend, self.prune_edges)
             self.n_builds += 1
         return self.domain
 

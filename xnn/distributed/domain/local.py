@@ -105,9 +105,13 @@ def find_ghosts(partition: Partition, positions: Tensor, rank: int, halo_width: 
 
 
 def build_local_domain(graph: AtomicGraph, n_ranks: int, rank: int, halo_width: float,
-                       edge_cutoff: float, grid: Grid | None, group, backend: str) -> LocalDomain:
+                       edge_cutoff: float, grid: Grid | None, group, backend: str,
+                       owned_receivers_only: bool = False) -> LocalDomain:
     """Partition ``graph`` (one system), find this rank's ghosts, agree on the exchange plan.
 
+    With ``owned_receivers_only`` the local edges keep only owned receivers: exact when no
+    ghost's own update is ever used (one interaction, or sync points that overwrite ghost
+    features by their owners'), and it saves the ghosts' share of the work.
     Collective over ``group``; rank-local failures are agreed before any other collective.
     """
     with C.guarded(group, "domain partition"):
@@ -127,6 +131,8 @@ def build_local_domain(graph: AtomicGraph, n_ranks: int, rank: int, halo_width: 
         edge_index, _ = neighbor_list(
             x, torch.zeros(1, 3, 3, dtype=x.dtype, device=x.device),
             torch.zeros(1, 3, dtype=torch.bool, device=x.device), edge_cutoff, None, backend)
+        if owned_receivers_only:
+            edge_index = edge_index[:, edge_index[1] < owned.numel()]
     return LocalDomain(part, owned, local_rows, all_shifts, within[rows[mine]], plan,
                        edge_index, pos.clone(), graph.cell.detach().clone(),
                        graph.atom_id.clone())

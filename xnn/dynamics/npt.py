@@ -1,18 +1,22 @@
 """NPT: stochastic cell rescaling (Bernetti & Bussi 2020) with the CSVR thermostat.
 
-Isotropic: the log-volume ``ε = ln V`` follows
+Isotropic: the log-volume ``ε = ln V`` follows the Itô equation
 
-``dε = (β_T/τ_p)(P - P₀ + k_B T/V) dt + sqrt(2 k_B T β_T/(V τ_p)) dW``
+``dε = (β_T/τ_p)(P - P₀) dt + sqrt(2 k_B T β_T/(V τ_p)) dW``
 
-and positions and cell scale by ``exp(dε/3)``, velocities by ``exp(-dε/3)``.
+and positions and cell scale by ``exp(dε/3)``, velocities by ``exp(-dε/3)``. This is
+Bernetti & Bussi's ``dV = (β_T V/τ_p)(P - P₀ + k_B T/V) dt + sqrt(2 k_B T β_T V/τ_p) dW``
+written for ``ln V``: Itô's lemma cancels the ``k_B T/V`` term (integrating the ``ln V``
+form with that term kept samples ``V^(N+1)`` instead of ``V^N``; the ideal-gas test checks
+this). Its stationary distribution is ``p(V) ∝ V^(N_f/3) exp(-P₀V/k_BT)``.
 Anisotropic (any triclinic cell, no rotation): a symmetric strain increment ``dε_ab`` with
 
-``dε_aa = (β_T/3τ_p)(P_aa - P₀ + k_B T/V) dt + sqrt(2 k_B T β_T/(3 V τ_p)) dW_aa``,
+``dε_aa = (β_T/3τ_p)(P_aa - P₀) dt + sqrt(2 k_B T β_T/(3 V τ_p)) dW_aa``,
 ``dε_ab = (β_T/3τ_p) P_ab dt + sqrt(k_B T β_T/(3 V τ_p)) dW_ab`` (a < b),
 
-applied as ``r ← r exp(dε)``, ``cell ← cell exp(dε)``, ``v ← v exp(-dε)``; it reduces to the
-isotropic equation for the volume when the stress is hydrostatic. (The Jacobian term of the
-anisotropic form is the isotropic one split over the diagonal; its error is O(1/N).)
+applied as ``r ← r exp(dε)``, ``cell ← cell exp(dε)``, ``v ← v exp(-dε)``. Since
+``ln det exp(dε) = tr dε``, the volume follows exactly the isotropic equation; the shape
+fluctuations use the same mobility without a shape Jacobian (an O(1/N) approximation).
 ``P_ab = (Σ m v_a v_b)/V - σ_ab`` is the instantaneous pressure tensor (σ the stress, ASE sign).
 
 Step: thermostat(dt/2), kick(dt/2), barostat(dt), drift(dt), force call, kick(dt/2),
@@ -96,14 +100,14 @@ def _strain_increment(state: MDState, dt: float, gen: torch.Generator, reduce: R
     eye = torch.eye(3, dtype=g.dtype, device=g.device)
     noise = torch.randn(g.n_systems, 3, 3, generator=gen, dtype=g.dtype, device=g.device)
     # isotropic: one scalar per system, shared by the three diagonal entries
-    drift_iso = rate * (p.diagonal(dim1=-2, dim2=-1).mean(-1) - v["pressure"] + kt / vol) * dt
+    drift_iso = rate * (p.diagonal(dim1=-2, dim2=-1).mean(-1) - v["pressure"]) * dt
     d_iso = drift_iso + torch.sqrt(2 * kt * rate / vol * dt) * noise[:, 0, 0]
     iso = (d_iso / 3)[:, None, None] * eye
     # anisotropic: six components
     upper = torch.triu(noise, diagonal=1)
     amp = torch.sqrt(kt * rate / (3 * vol) * dt)[:, None, None]
     rnd = amp * (upper + upper.transpose(-1, -2) + torch.sqrt(torch.tensor(2.0)) * noise * eye)
-    target = p - (v["pressure"] - kt / vol)[:, None, None] * eye
+    target = p - v["pressure"][:, None, None] * eye
     aniso = (rate / 3 * dt)[:, None, None] * 0.5 * (target + target.transpose(-1, -2)) + rnd
     return torch.where(v["anisotropic"][:, None, None], aniso, iso)
 

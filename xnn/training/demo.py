@@ -11,7 +11,8 @@ from pathlib import Path
 
 DEMO_YAML = """\
 # A small SchNet on ASE-EMT copper (xnn data emt --out emt_cu.xyz --n 200).
-# CPU: a few minutes to ~10 meV/atom and ~100 meV/Å. Run: xnn train examples/train_emt.yaml
+# Loaded 2-core CPU, 2.5 min (3 epochs): test MAE ~90 meV/atom, ~60 meV/Å, ~4 meV/Å³.
+# Run: xnn data emt --out emt_cu.xyz && xnn train examples/train_emt.yaml
 model:
   name: schnet
   cutoff: 4.0
@@ -23,7 +24,7 @@ data:
   test_fraction: 0.1
   batch_size: 8
 loss:
-  energy: {weight: 1.0, type: mse}
+  energy: {weight: 50.0, type: mse}
   forces: {weight: 10.0, type: mse}
   stress: {weight: 10.0, type: mse}
 optim: {name: adam, lr: 0.005, grad_clip: 10.0}

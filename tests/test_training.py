@@ -347,3 +347,28 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path.write_bytes(b"garbage")
     with pytest.raises(ModelFileError, match="cannot read checkpoint"):
         C.load_checkpoint(path)
+
+
+def test_cli_train_and_pretrained(tmp_path, data, capsys, monkeypatch):
+    from xnn.cli.main import main
+    from xnn.models.serialization import load_model
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "XNN_DISTRIBUTED_INIT_METHOD"):
+        monkeypatch.delenv(k, raising=False)
+    args = ["train", f"data.datasets.0.path={data}", "model.cutoff=3.0", TINY,
+            "logging.plots=false", "device=cpu"]
+    assert main(args + [f"output_dir={tmp_path / 'a'}", "max_steps=2"]) == 0
+    assert "stopped by max_steps" in capsys.readouterr().out
+    assert main(args + [f"output_dir={tmp_path / 'a'}", "max_steps=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "previous run" in err[0]
+    assert main(["train", f"data.datasets.0.path={tmp_path / 'nope.xyz'}",
+                 f"output_dir={tmp_path / 'b'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # fine-tuning starts from the pretrained weights (0 epochs: the saved model is unchanged)
+    src = tmp_path / "a" / "model.pt"
+    assert main(args + [f"output_dir={tmp_path / 'c'}", f"pretrained={src}",
+                        "max_epochs=0"]) == 0
+    a, b = load_model(src).state_dict(), load_model(tmp_path / "c" / "model.pt").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "fine-tuning schnet" in capsys.readouterr().out

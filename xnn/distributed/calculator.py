@@ -17,6 +17,7 @@ from ase.stress import full_3x3_to_voigt_6_stress
 
 from xnn.data import keys as K
 from xnn.data.ase_io import from_ase
+from xnn.distributed import collectives as C
 from xnn.distributed.domain.decomposed import DomainDecomposed
 
 
@@ -47,8 +48,10 @@ class DistributedCalculator(Calculator):
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
-        graph = from_ase(self.atoms, dtype=self.dtype)
-        graph = graph.replace({k: None for k in K.LABEL_FIELDS if k in graph})
+        graph = None
+        with C.guarded(self.dd.group, "structure conversion"):  # a bad rank stops them all
+            graph = from_ase(self.atoms, dtype=self.dtype)
+            graph = graph.replace({k: None for k in K.LABEL_FIELDS if k in graph})
         out = self.dd(graph)
         # results are sorted by atom id; put them back in this Atoms' order
         rows = torch.searchsorted(out[K.ATOM_ID], graph.atom_id.to(out[K.ATOM_ID].device))

@@ -201,17 +201,24 @@ class DomainDecomposed:
         return out
 
     def __call__(self, graph: AtomicGraph | None = None, forces: bool = True,
-                 stress: bool = True) -> dict[str, Tensor]:
+                 stress: bool = True, replicated: bool = False) -> dict[str, Tensor]:
         """Energy, per-atom energies, forces and stress of rank 0's ``graph``, on every rank.
 
         Args:
             graph: one system (rank 0's copy is used; other ranks may pass ``None``).
+            replicated: the caller guarantees that every rank passes the same graph (e.g. a
+                dynamics loop run identically on every rank from these gathered forces);
+                skips the broadcast from rank 0.
         Returns:
             ``energy [1]`` eV, ``energies [n_atoms]`` eV, ``forces [n_atoms, 3]`` eV/Å,
             ``stress [1, 3, 3]`` eV/Å³ and ``virial [1, 3, 3]`` eV, and ``atom_id
             [n_atoms]``: per-atom rows sorted by global atom id.
         """
-        graph = self.broadcast(graph)
+        if replicated:
+            device = self.device or _model_device(self.model) or graph.device
+            graph = graph.without_edges().to(device)
+        else:
+            graph = self.broadcast(graph)
         local = self.evaluate_local(graph, forces, stress, training=False)
         ids = C.gather_rows(local[K.ATOM_ID], self.group)
         order = torch.argsort(ids)

@@ -234,6 +234,31 @@ def _skin_case(manager, rank):
     return {"n_builds": dd.n_builds, "errors": errors}
 
 
+def _md_case(manager, rank):
+    """20 NVE steps with the model decomposed (replicated integrator) vs one process."""
+    from xnn.distributed.potential import DecomposedPotential
+    from xnn.dynamics import nve
+    from xnn.models import Potential
+
+    model, graph = lj(), triclinic()
+    graph = graph.replace(velocities=torch.zeros_like(graph.positions))
+
+    def run(potential):
+        state = nve.init(graph, potential)
+        for _ in range(20):
+            state = nve.step(state, potential, dt=2.0)
+        return state.graph.positions, nve.conserved(state)
+
+    dec = DecomposedPotential(model, manager, skin=0.5)
+    pos, energy = run(dec)
+    out = {"n_builds": dec.dd.n_builds}
+    if rank == 0:
+        ref_pos, ref_energy = run(Potential(model, skin=0.5))
+        out["positions"] = _rel(pos - graph.positions, ref_pos - graph.positions)
+        out["energy"] = _rel(energy, ref_energy)
+    return out
+
+
 def _grad_case(manager, rank, world):
     """Loss on energy, forces and stress; double backward through the exchange."""
     from xnn.distributed import DomainDecomposed
@@ -346,6 +371,7 @@ def worker(rank, world, tmp):
     if world == 3:
         results["grad"] = _grad_case(manager, rank, world)
         results["skin"] = _skin_case(manager, rank)
+        results["md"] = _md_case(manager, rank)
     return results
 
 
@@ -425,6 +451,14 @@ def test_skin_reuses_domain():
     errors = res[0]["skin"]["errors"]
     assert errors.pop("ids")
     assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.distributed
+def test_replicated_md_with_decomposed_forces():
+    res = results(3)
+    md = res[0]["md"]
+    assert md["positions"] <= 1e-9 and md["energy"] <= 1e-10, md
+    assert all(1 <= r["md"]["n_builds"] < 21 for r in res)
 
 
 @pytest.mark.distributed

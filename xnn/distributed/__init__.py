@@ -7,7 +7,8 @@ from xnn.distributed.manager import DistributedManager, LaunchInfo, detect_launc
 from xnn.distributed.mesh import ParallelDims
 
 __all__ = ["DistributedManager", "LaunchInfo", "ParallelDims", "detect_launch",
-           "DomainDecomposed", "DistributedCalculator", "validate_decomposition"]
+           "DomainDecomposed", "DecomposedPotential", "DistributedCalculator",
+           "validate_decomposition"]
 
 
 def __getattr__(name):  # lazy: the domain-decomposition code is heavier
@@ -19,6 +20,10 @@ def __getattr__(name):  # lazy: the domain-decomposition code is heavier
         from xnn.distributed.calculator import DistributedCalculator
 
         return DistributedCalculator
+    if name == "DecomposedPotential":
+        from xnn.distributed.potential import DecomposedPotential
+
+        return DecomposedPotential
     if name == "validate_decomposition":
         from xnn.distributed.validate import validate_decomposition
 

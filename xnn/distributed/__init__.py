@@ -1,6 +1,21 @@
 """Multi-process execution: launch detection, the dp × dd mesh, and spatial domain decomposition.
 
 The only package (with the CLI that launches it) that imports ``torch.distributed``.
+
+* :class:`DistributedManager` — torchrun / SLURM / single process; NCCL on GPU, gloo on CPU.
+* :class:`ParallelDims` — the ``("dp", "dd")`` device mesh, ``dp * dd == world_size``.
+* :class:`DomainDecomposed` — one system split into boxes over the ranks of a group; energy,
+  forces (by autograd through the halo exchange) and stress, exact to round-off.
+* :class:`DecomposedPotential` — a drop-in for :class:`xnn.models.Potential` (replicated
+  integrators, decomposed model evaluation).
+* :class:`DistributedCalculator` — the same as an ASE calculator.
+* :func:`validate_decomposition` — one process vs decomposed (also ``xnn validate``).
+
+Example (``torchrun --nproc-per-node 4 script.py``)::
+
+    manager = DistributedManager.initialize()
+    dd = DomainDecomposed(model, manager, skin=0.5, mode="sync")
+    out = dd(graph if manager.is_main else None)   # forces sorted by atom id, on every rank
 """
 
 from xnn.distributed.manager import DistributedManager, LaunchInfo, detect_launch
@@ -10,22 +25,17 @@ __all__ = ["DistributedManager", "LaunchInfo", "ParallelDims", "detect_launch",
            "DomainDecomposed", "DecomposedPotential", "DistributedCalculator",
            "validate_decomposition"]
 
+_LAZY = {
+    "DomainDecomposed": "xnn.distributed.domain.decomposed",
+    "DecomposedPotential": "xnn.distributed.potential",
+    "DistributedCalculator": "xnn.distributed.calculator",
+    "validate_decomposition": "xnn.distributed.validate",
+}
+
 
 def __getattr__(name):  # lazy: the domain-decomposition code is heavier
-    if name == "DomainDecomposed":
-        from xnn.distributed.domain.decomposed import DomainDecomposed
+    if name in _LAZY:
+        import importlib
 
-        return DomainDecomposed
-    if name == "DistributedCalculator":
-        from xnn.distributed.calculator import DistributedCalculator
-
-        return DistributedCalculator
-    if name == "DecomposedPotential":
-        from xnn.distributed.potential import DecomposedPotential
-
-        return DecomposedPotential
-    if name == "validate_decomposition":
-        from xnn.distributed.validate import validate_decomposition
-
-        return validate_decomposition
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'xnn.distributed' has no attribute {name!r}")

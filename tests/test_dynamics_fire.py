@@ -31,7 +31,8 @@ def rattled(a=5.3, rep=2, seed=0, amp=0.15):
 
 
 def graph_of(atoms):
-    return AtomicGraph.from_arrays(atoms.positions.copy(), atoms.numbers, atoms.cell.array, atoms.pbc)
+    return AtomicGraph.from_arrays(atoms.positions.copy(), atoms.numbers, atoms.cell.array,
+                                   atoms.pbc)
 
 
 def lj():

@@ -31,7 +31,8 @@ def argon(rep=2, a=5.26, rattle=0.05, seed=0):
 
 
 def graph_of(atoms) -> AtomicGraph:
-    return AtomicGraph.from_arrays(atoms.positions.copy(), atoms.numbers, atoms.cell.array, atoms.pbc,
+    return AtomicGraph.from_arrays(atoms.positions.copy(), atoms.numbers, atoms.cell.array,
+                                   atoms.pbc,
                                    masses=atoms.get_masses())
 
 
@@ -92,7 +93,8 @@ def _mixed_batch():
     a = graph_of(argon(rep=2, seed=1))
     b = graph_of(argon(rep=(2, 2, 1), a=5.4, seed=2))
     c = graph_of(argon(rep=(1, 2, 2), a=5.3, seed=3))
-    return [maxwell_boltzmann(x, t, seed=i) for i, (x, t) in enumerate(zip((a, b, c), (20, 40, 60)))]
+    temps = (20, 40, 60)
+    return [maxwell_boltzmann(x, t, seed=i) for i, (x, t) in enumerate(zip((a, b, c), temps))]
 
 
 @pytest.mark.parametrize("integrator", ["nve", "nhc"])

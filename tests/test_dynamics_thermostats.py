@@ -38,7 +38,8 @@ def batch_of_crystals(n=8, seed=0):
     for i in range(n):
         atoms = bulk("Ar", "fcc", a=5.3, cubic=True).repeat(2)
         atoms.positions += rng.normal(0, 0.03, atoms.positions.shape)
-        g = AtomicGraph.from_arrays(atoms.positions.copy(), atoms.numbers, atoms.cell.array, atoms.pbc)
+        g = AtomicGraph.from_arrays(atoms.positions.copy(), atoms.numbers, atoms.cell.array,
+                                    atoms.pbc)
         fixed = torch.zeros(len(atoms), dtype=torch.bool)
         if i >= n // 2:
             fixed[:3] = True

@@ -97,7 +97,8 @@ class SafetyConfig:
 class MDConfig:
     structure: str = field("", "structure file (extxyz or any ASE format); every selected "
                            "frame is an independent system, all advanced together")
-    index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: every frame, 0:4)")
+    index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: "
+                       "every frame, 0:4)")
     model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
                                  "and model.params")
     ensemble: str = field("langevin", "integrator", choices=ENSEMBLES)
@@ -138,7 +139,8 @@ class MDConfig:
 @dataclass
 class RelaxConfig:
     structure: str = field("", "structure file; every selected frame is relaxed (batched)")
-    index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: every frame, 0:4)")
+    index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: "
+                       "every frame, 0:4)")
     model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
                                  "and model.params")
     fmax: float = field(0.05, "converged when every force (and cell force) is below (eV/Å)")

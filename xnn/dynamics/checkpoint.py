@@ -14,15 +14,21 @@ from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError
 
 FORMAT = "xnn-md-checkpoint"
-_NEIGHBOR_ATTRS = ("_edges", "_ref_positions", "_ref_cell", "_ref_ids", "n_builds")
+
+
+def _storable(v) -> bool:
+    if v is None or isinstance(v, (torch.Tensor, int, float, str, bool)):
+        return True
+    return isinstance(v, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in v)
 
 
 def neighbor_state(potential) -> dict | None:
-    """The Verlet list's cached edges and reference positions (so a resumed run reuses them)."""
+    """The Verlet list's cache (edges, reference positions/cell/ids...), so that a resumed
+    run reuses exactly the list an uninterrupted run would (same edge order, same sums)."""
     nl = getattr(potential, "neighbors", None)
-    if nl is None or getattr(nl, "_edges", None) is None:
+    if nl is None:
         return None
-    return {k: getattr(nl, k, None) for k in _NEIGHBOR_ATTRS}
+    return {k: v for k, v in vars(nl).items() if _storable(v)}
 
 
 def restore_neighbor_state(potential, saved: dict | None, device) -> None:
@@ -84,7 +90,8 @@ def load_checkpoint(path: str | os.PathLike, device=None, potential=None) -> tup
     try:
         p = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise DataFileError(f"{path} is not a readable MD checkpoint ({type(e).__name__})") from None
+        raise DataFileError(f"{path} is not a readable MD checkpoint "
+                            f"({type(e).__name__})") from None
     if not isinstance(p, dict) or p.get("format") != FORMAT:
         raise DataFileError(f"{path} is not an xnn MD checkpoint")
     graph = AtomicGraph({k: v.to(device) for k, v in p["graph"].items()}, validate=False)

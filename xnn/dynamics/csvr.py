@@ -54,8 +54,10 @@ def init(state: AtomicGraph, model, temperature, tau: float = 100.0, seed: int =
     return initial_state(model, state, vars_, new_rng(seed, ref.device))
 
 
-def _sum_squares(graph: AtomicGraph, count: Tensor, gen: torch.Generator, reduce: Reducer) -> Tensor:
-    """``[n_systems]`` sum of ``count`` squared standard normals per system (``count <= 3 n_atoms``)."""
+def _sum_squares(
+    graph: AtomicGraph, count: Tensor, gen: torch.Generator, reduce: Reducer
+) -> Tensor:
+    """``[n_systems]`` sum of ``count [n_systems]`` squared standard normals (``<= 3 n_atoms``)."""
     xi = torch.randn(graph.positions.shape, generator=gen, dtype=graph.dtype, device=graph.device)
     ptr = graph.ptr
     local = torch.arange(graph.n_atoms, device=graph.device) - ptr[graph.batch]

@@ -39,7 +39,8 @@ def init(
         dt, maxstep, dtmax: ASE's FIRE parameters (ASE time units, Å).
     """
     if relax_cell and not bool(state.pbc.all()):
-        raise InputError("relax_cell (a pressure target) needs a cell periodic along all three axes")
+        raise InputError("relax_cell (a pressure target) needs a cell periodic along all "
+                         "three axes")
     if maxstep <= 0 or dt <= 0 or dtmax <= 0:
         raise InputError("FIRE dt, dtmax and maxstep must be > 0")
     ref = state.positions
@@ -140,7 +141,8 @@ def step(state: MDState, model, fmax_target: float = 0.0, reduce: Reducer = LOCA
     vars_ = {
         "dt": sel(dt, v["dt"]), "a": sel(a, v["a"]), "n_pos": sel(n_pos, v["n_pos"]),
         "started": v["started"] | active, "deform": sel(d_new, d_old),
-        "vel_atoms": torch.where(active[b, None], va, v["vel_atoms"]), "vel_cell": sel(vc, v["vel_cell"]),
+        "vel_atoms": torch.where(active[b, None], va, v["vel_atoms"]),
+        "vel_cell": sel(vc, v["vel_cell"]),
     }
     return state.replace(graph=new_g, forces=forces, energy=energy, stress=stress,
                          step=state.step + 1, vars=vars_)
@@ -154,5 +156,6 @@ def converged(state: MDState, fmax_target: float, reduce: Reducer = LOCAL) -> Te
 def conserved(state: MDState, reduce: Reducer = LOCAL) -> Tensor:
     """``[n_systems]`` enthalpy ``E + P₀ V`` (eV) when the cell relaxes, else energy."""
     v = state.vars
-    pv = torch.where(v["relax_cell"], v["pressure"] * state.graph.volume(), torch.zeros_like(v["a"]))
+    pv = v["pressure"] * state.graph.volume()
+    pv = torch.where(v["relax_cell"], pv, torch.zeros_like(pv))
     return state.energy + pv

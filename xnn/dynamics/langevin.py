@@ -75,5 +75,6 @@ def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
 
 
 def conserved(state: MDState, reduce: Reducer = LOCAL) -> Tensor:
-    """``[n_systems]`` E_pot + E_kin + heat given to the bath (eV); constant up to integration error."""
+    """``[n_systems]`` E_pot + E_kin + heat given to the bath (eV); constant up to the
+    integration error."""
     return state.energy + kinetic_energy(state.graph, reduce) + state.vars["heat"]

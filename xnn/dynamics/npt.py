@@ -144,7 +144,8 @@ def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
 
 
 def conserved(state: MDState, reduce: Reducer = LOCAL) -> Tensor:
-    """``[n_systems]`` E_pot + E_kin + P₀V + heat - barostat work (eV; first order in the strain)."""
+    """``[n_systems]`` E_pot + E_kin + P₀V + heat - barostat work (eV; the work is first
+    order in the strain)."""
     v = state.vars
     return (
         state.energy + kinetic_energy(state.graph, reduce) + v["pressure"] * state.graph.volume()

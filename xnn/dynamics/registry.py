@@ -33,5 +33,6 @@ def register_integrator(name: str, module: str) -> None:
 def get_integrator(name: str) -> ModuleType:
     """The integrator module for ``name``; unknown names raise with the valid choices."""
     if name not in _INTEGRATORS:
-        raise InputError(f"unknown ensemble/integrator {name!r}; choose one of {available_integrators()}")
+        raise InputError(f"unknown ensemble/integrator {name!r}; choose one of "
+                         f"{available_integrators()}")
     return importlib.import_module(_INTEGRATORS[name])

@@ -86,9 +86,11 @@ class _Outputs:
 
 
 def _check(state: MDState, potential, cfg: MDConfig, max_t: torch.Tensor) -> None:
-    check_forces(state, cfg.safety.max_force)
-    if state.step % cfg.safety.check_every == 0:
+    periodic = state.step % cfg.safety.check_every == 0
+    if periodic:
         check_distances(state, potential, cfg.safety.min_distance)
+    check_forces(state, cfg.safety.max_force)
+    if periodic:
         check_temperature(state, max_t)
 
 
@@ -138,6 +140,12 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
                                                                  state.positions))
     max_t = (torch.full_like(targets, cfg.safety.max_temperature)
              if cfg.safety.max_temperature is not None else 10 * targets + 1000.0)
+    if meta is None:
+        try:
+            check_distances(state, potential, cfg.safety.min_distance)
+            check_forces(state, cfg.safety.max_force)
+        except SimulationError as err:
+            raise SimulationError(f"the initial structure is unsafe: {err}", 0) from None
     outputs = _Outputs(cfg, state.graph.n_atoms, meta)
     if meta is None:
         outputs.record(state, integrator, force=True)
@@ -147,7 +155,9 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
     return out_dir
 
 
-def _loop(cfg: MDConfig, integrator, state: MDState, potential, outputs: _Outputs, max_t) -> MDState:
+def _loop(
+    cfg: MDConfig, integrator, state: MDState, potential, outputs: _Outputs, max_t
+) -> MDState:
     n_atoms, start = state.graph.n_atoms, state.step
     good, t0 = state, time.perf_counter()
     bar = _progress(cfg.output, cfg.steps, start, f"md {cfg.ensemble}")

@@ -23,7 +23,7 @@ def _ids(state: MDState, mask: Tensor, limit: int = 6) -> list[int]:
 
 
 def check_forces(state: MDState, max_force: float, reduce: Reducer = LOCAL) -> None:
-    """Raise :class:`SimulationError` on non-finite energies/forces or a force above ``max_force``."""
+    """Raise :class:`SimulationError` on non-finite energies/forces or a force > ``max_force``."""
     f = state.forces
     norm = f.norm(dim=-1)
     bad = ~torch.isfinite(norm) | (norm > max_force)
@@ -36,8 +36,10 @@ def check_forces(state: MDState, max_force: float, reduce: Reducer = LOCAL) -> N
                               f"{_ids(state, bad)}", state.step)
 
 
-def check_distances(state: MDState, potential, min_distance: float, reduce: Reducer = LOCAL) -> None:
-    """Raise when two atoms are closer than ``min_distance`` (Å); uses the potential's Verlet list."""
+def check_distances(
+    state: MDState, potential, min_distance: float, reduce: Reducer = LOCAL
+) -> None:
+    """Raise when two atoms are closer than ``min_distance`` (Å), from the Verlet list."""
     if min_distance <= 0:
         return
     g = potential.neighbors(state.graph)

@@ -64,12 +64,13 @@ class MDState:
 
 # ----------------------------------------------------------------------------- inputs
 def per_system(value, n_systems: int, like: Tensor, name: str, positive: bool = False) -> Tensor:
-    """Broadcast a scalar or ``[n_systems]`` value to a ``[n_systems]`` tensor, checking its sign."""
+    """Broadcast a scalar or ``[n_systems]`` value to ``[n_systems]``, checking its sign."""
     t = torch.as_tensor(value, dtype=like.dtype, device=like.device)
     if t.ndim == 0:
         t = t.expand(n_systems).clone()
     if t.shape != (n_systems,):
-        raise InputError(f"{name} must be a scalar or have shape [{n_systems}], got {tuple(t.shape)}")
+        raise InputError(f"{name} must be a scalar or have shape [{n_systems}], "
+                         f"got {tuple(t.shape)}")
     if not torch.isfinite(t).all():
         raise InputError(f"{name} must be finite, got {t.tolist()}")
     if (t < 0).any() or (positive and (t == 0).any()):
@@ -103,7 +104,8 @@ def free_mask(graph: AtomicGraph) -> Tensor:
 
 def has_fixed(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
     """``[n_systems]`` bool: the system holds at least one fixed atom."""
-    n_fixed = reduce.sum_per_system((~free_mask(graph)).to(graph.dtype), graph.batch, graph.n_systems)
+    fixed = (~free_mask(graph)).to(graph.dtype)
+    n_fixed = reduce.sum_per_system(fixed, graph.batch, graph.n_systems)
     return n_fixed > 0
 
 
@@ -225,4 +227,5 @@ def initial_state(model, graph: AtomicGraph, vars: Mapping[str, Tensor], rng=Non
 def with_positions(state: MDState, model, graph: AtomicGraph) -> MDState:
     """New state at ``graph``'s positions/cell with fresh forces; step count +1."""
     energy, forces, stress = evaluate(model, graph)
-    return state.replace(graph=graph, forces=forces, energy=energy, stress=stress, step=state.step + 1)
+    return state.replace(graph=graph, forces=forces, energy=energy, stress=stress,
+                         step=state.step + 1)

@@ -51,24 +51,25 @@ class ThermoLog:
         self.rows = 0
         if truncate_to is None:
             with open(self.path, "w", newline="") as fh:
-                csv.writer(fh).writerow(COLUMNS)
+                csv.writer(fh, lineterminator="\n").writerow(COLUMNS)
         else:
             if not self.path.is_file():
                 raise DataFileError(f"cannot resume: thermo log {self.path} is missing")
-            lines = self.path.read_text().splitlines(keepends=True)
-            if len(lines) < truncate_to + 1:
+            lines = self.path.read_bytes().split(b"\n")
+            if len(lines) < truncate_to + 2:
                 raise DataFileError(f"cannot resume: {self.path} has fewer rows than the "
                                     "checkpoint says")
-            self.path.write_text("".join(lines[: truncate_to + 1]))
+            self.path.write_bytes(b"\n".join(lines[: truncate_to + 1]) + b"\n")
             self.rows = truncate_to
 
     def write(self, step: int, dt: float, values: dict[str, torch.Tensor]) -> None:
         cols = {k: v.detach().cpu().tolist() for k, v in values.items()}
         n = len(cols["epot_eV"])
         with open(self.path, "a", newline="") as fh:
-            w = csv.writer(fh)
+            w = csv.writer(fh, lineterminator="\n")
             for s in range(n):
-                w.writerow([step, repr(step * dt), s] + [repr(float(cols[c][s])) for c in COLUMNS[3:]])
+                values = [repr(float(cols[c][s])) for c in COLUMNS[3:]]
+                w.writerow([step, repr(step * dt), s, *values])
         self.rows += n
 
 

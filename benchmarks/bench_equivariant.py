@@ -133,25 +133,7 @@ def find_max(model, device: str, dtype, train: bool, start: int) -> int:
             return best
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--channels", type=int, default=64)
-    p.add_argument("--hidden-l-max", type=int, default=1)
-    p.add_argument("--cutoff", type=float, default=5.0)
-    p.add_argument("--sizes", type=int, nargs="+", default=None)
-    p.add_argument("--train", action="store_true", help="force-loss backward (double backward)")
-    p.add_argument("--chunks", type=int, nargs="+", default=[262144],
-                   help="edge_chunk_size values to run (0: never chunk); one model each")
-    p.add_argument("--no-mace", action="store_true")
-    p.add_argument("--find-max", action="store_true", help="CUDA: largest size that fits")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
-    dtype = getattr(torch, a.dtype)
-    sizes = a.sizes or ([108, 256] if a.quick else [2048, 16384, 65536])
+def build_models(a: argparse.Namespace) -> dict[str, torch.nn.Module]:
     models = {}
     for chunk in a.chunks:
         torch.manual_seed(0)
@@ -162,7 +144,73 @@ def main(argv: list[str] | None = None) -> dict:
         mace = mace_model(a.channels, a.hidden_l_max, a.cutoff)
         if mace is not None:
             models["mace"] = mace
+    return models
+
+
+def rss_child(a: argparse.Namespace, dtype) -> dict:
+    """Run one evaluation of one model in this (fresh) process; print its peak RSS growth."""
+    import resource
+
+    name, n = a.rss_child[0], int(a.rss_child[1])
+    model = build_models(a)[name].to(dtype=dtype)
+    atoms = fcc_cu(n)
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True, dtype=dtype)
+    g = with_edges(g, float(model.cutoff))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    make_step(model, g, a.train)()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"RSS {g.n_atoms} {before} {after}")
+    return {}
+
+
+def rss_per_atom(name: str, n1: int, n2: int, argv: list[str] | None) -> float:
+    """``(peak(n2) - peak(n1)) / (atoms2 - atoms1)`` KiB/atom from two fresh processes (Linux)."""
+    import subprocess
+
+    argv = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--rss"]
+    peaks = []
+    for n in (n1, n2):
+        cmd = [sys.executable, "-m", "benchmarks.bench_equivariant", *argv]
+        cmd += ["--rss-child", name, str(n)]
+        root = Path(__file__).resolve().parents[1]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=root)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RSS ")][-1].split()
+        peaks.append((int(line[1]), int(line[3])))
+    (a1, p1), (a2, p2) = peaks
+    return (p2 - p1) / max(a2 - a1, 1)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--channels", type=int, default=64)
+    p.add_argument("--hidden-l-max", type=int, default=1)
+    p.add_argument("--cutoff", type=float, default=5.0)
+    p.add_argument("--sizes", type=int, nargs="+", default=None)
+    p.add_argument("--train", action="store_true", help="force-loss backward (double backward)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[131072],
+                   help="edge_chunk_size values to run (0: never chunk); one model each")
+    p.add_argument("--no-mace", action="store_true")
+    p.add_argument("--find-max", action="store_true", help="CUDA: largest size that fits")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    p.add_argument("--rss", action="store_true",
+                   help="CPU: peak resident KiB/atom from subprocesses at the first and last size")
+    p.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
+    sizes = a.sizes or ([108, 256] if a.quick else [2048, 16384, 65536])
+    if a.rss_child:
+        return rss_child(a, dtype)
+    models = build_models(a)
     results: dict = {"config": vars(a), "models": {}}
+    if a.rss:
+        results["rss_kib_per_atom"] = {
+            name: rss_per_atom(name, sizes[0], sizes[-1], argv) for name in models
+        }
+        print("peak RSS KiB/atom:", results["rss_kib_per_atom"])
     for name, model in models.items():
         model = model.to(device=a.device, dtype=dtype)
         params = sum(q.numel() for q in model.parameters())

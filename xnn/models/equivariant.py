@@ -24,9 +24,9 @@ in backward, the message ``[n_edges, C, (l_max+1)^2]`` exists only transiently, 
 scatter keeps only its index. Above ``edge_chunk_size`` edges, the whole edge part runs per
 chunk of receivers under activation checkpointing, so no per-edge tensor outlives its chunk
 and the memory per atom is that of the node features. Measured on CPU (fp32, FCC Cu, 43
-edges/atom, C = 64, ``hidden_l_max = 1``): 291 KiB/atom kept for the force backward
-without chunks, 86 KiB/atom with chunks, vs 597 KiB/atom for mace-torch's MACE of the same
-size (``benchmarks/bench_equivariant.py``).
+edges/atom, C = 64, ``hidden_l_max = 1``, energy + forces): kept for backward 291 KiB/atom
+without chunks and 86 KiB/atom with chunks vs 597 KiB/atom for mace-torch's MACE of the
+same size; peak resident memory 853, 127 and 996 KiB/atom (``benchmarks/bench_equivariant.py``).
 """
 
 from __future__ import annotations
@@ -261,8 +261,8 @@ class Equivariant(NativeModel):
         edge_chunk_size: when a graph has more edges than this, process the edges in chunks
             of receivers under activation checkpointing: per-edge tensors are then never
             kept for backward (memory per atom drops several-fold, at the cost of recomputing
-            the edge part in backward; 2^18 edges is ~6000 atoms at 43 neighbours, and the
-            transient memory of one chunk ~2 GB in fp32 at C = 64). ``None``: never chunk.
+            the edge part in backward; 2^17 edges is ~3000 atoms at 43 neighbours, and the
+            transient memory of one chunk ~2.6 GB in fp32 at C = 64). ``None``: never chunk.
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
@@ -290,7 +290,7 @@ class Equivariant(NativeModel):
         radial_mlp: Sequence[int] = (64, 64, 64),
         avg_num_neighbors: float = 20.0,
         readout_hidden: int = 16,
-        edge_chunk_size: int | None = 262144,
+        edge_chunk_size: int | None = 131072,
         scale: float = 1.0,
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,

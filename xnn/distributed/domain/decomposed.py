@@ -93,8 +93,9 @@ class DomainDecomposed:
         self.backend = backend
         self.cutoff = cutoff
         depth = 1 if mode == "sync" else hops
-        # ghosts' own updates are never used: drop edges that end on a ghost
-        self.prune_edges = depth == 1
+        # receivers farther than (depth - 1) hops + skin from the box never reach an owned
+        # energy: their edges are dropped (all ghosts when depth is 1)
+        self.receiver_width = cutoff * (depth - 1) + self.skin if depth > 1 else 0.0
         self.halo_width = cutoff * depth + self.skin
         self.size, self.rank = C.group_size(self.group), C.group_rank(self.group)
         self.domain: LocalDomain | None = None
@@ -136,7 +137,7 @@ class DomainDecomposed:
         if self._needs_rebuild(graph):
             self.domain = build_local_domain(graph, self.size, self.rank, self.halo_width,
                                              self.cutoff + self.skin, self.grid, self.group,
-                                             self.backend, self.prune_edges)
+                                             self.backend, self.receiver_width)
             self.n_builds += 1
         return self.domain
 

@@ -104,14 +104,28 @@ def find_ghosts(partition: Partition, positions: Tensor, rank: int, halo_width: 
     return owner, within, wrap, owned, rows, shifts
 
 
+def _receivers(part: Partition, rank: int, x: Tensor, n_owned: int, width: float) -> Tensor:
+    """``[n_local]`` bool: owned atoms and atoms within ``width`` (Å) of box ``rank``."""
+    keep = torch.arange(x.shape[0], device=x.device) < n_owned
+    if width > 0:
+        low, high = part.box_bounds(rank)
+        t = part.thickness(width)
+        frac = x @ part.inv_cell
+        keep |= ((frac >= low - t) & (frac <= high + t)).all(-1)
+    return keep
+
+
 def build_local_domain(graph: AtomicGraph, n_ranks: int, rank: int, halo_width: float,
                        edge_cutoff: float, grid: Grid | None, group, backend: str,
-                       owned_receivers_only: bool = False) -> LocalDomain:
+                       receiver_width: float | None = None) -> LocalDomain:
     """Partition ``graph`` (one system), find this rank's ghosts, agree on the exchange plan.
 
-    With ``owned_receivers_only`` the local edges keep only owned receivers: exact when no
-    ghost's own update is ever used (one interaction, or sync points that overwrite ghost
-    features by their owners'), and it saves the ghosts' share of the work.
+    Args:
+        receiver_width: if given, local edges keep only receivers that are owned or within
+            this distance (Å) of the box: the others' updates never reach an owned energy
+            (with ``L`` interactions, ``(L - 1) * cutoff + skin``; 0 when ghost features are
+            overwritten at sync points), so their edges are wasted work.
+
     Collective over ``group``; rank-local failures are agreed before any other collective.
     """
     with C.guarded(group, "domain partition"):
@@ -131,8 +145,9 @@ def build_local_domain(graph: AtomicGraph, n_ranks: int, rank: int, halo_width: 
         edge_index, _ = neighbor_list(
             x, torch.zeros(1, 3, 3, dtype=x.dtype, device=x.device),
             torch.zeros(1, 3, dtype=torch.bool, device=x.device), edge_cutoff, None, backend)
-        if owned_receivers_only:
-            edge_index = edge_index[:, edge_index[1] < owned.numel()]
+        if receiver_width is not None:
+            keep = _receivers(part, rank, x, int(owned.numel()), receiver_width)
+            edge_index = edge_index[:, keep[edge_index[1]]]
     return LocalDomain(part, owned, local_rows, all_shifts, within[rows[mine]], plan,
                        edge_index, pos.clone(), graph.cell.detach().clone(),
                        graph.atom_id.clone())

@@ -19,7 +19,8 @@ energy all-reduce, backward through the exchange), as in an MD step between neig
 rebuilds. The single-rank baseline is the same model with a prebuilt periodic neighbor list
 (:func:`compute_properties`). Reported per point: median time per step, efficiency, halo
 fraction (ghost / owned atoms, mean and max over ranks) and the compute-bound efficiency it
-predicts, ``1 / (1 + max halo fraction)``, atoms exchanged, peak memory per
+predicts, ``1 / (1 + max halo fraction)``, the edge-bound prediction (ideal share of the
+baseline's edges / busiest rank's local edges), atoms exchanged, peak memory per
 rank (CUDA ``max_memory_allocated``; process peak RSS on CPU), and the one-off cost of the
 partition and of a full call (broadcast + gather).
 """
@@ -107,7 +108,8 @@ def single_rank(model, graph, device, repeat):
     reset_peak_memory(device)
     t = time_fn(lambda: compute_properties(model, g, forces=True, stress=False), repeat=repeat,
                 device=device)
-    return {"time_s": t["median_s"], "peak_memory_bytes": peak_memory(device)}
+    return {"time_s": t["median_s"], "peak_memory_bytes": peak_memory(device),
+            "n_atoms": g.n_atoms, "n_edges": g.n_edges}
 
 
 def decomposed(model, graph, manager, args, mode):
@@ -126,7 +128,8 @@ def decomposed(model, graph, manager, args, mode):
     call_s = time.perf_counter() - t0
     st = dd.stats()
     row = torch.tensor([[st["n_owned"], st["n_ghost"], st["n_recv"], st["n_peers"],
-                         peak_memory(device) or 0]], dtype=torch.float64, device=device)
+                         peak_memory(device) or 0, st["n_edges"]]], dtype=torch.float64,
+                       device=device)
     rows = C.gather_rows(row).cpu()
     owned = rows[:, 0].clamp_min(1)
     return {"time_s": t["median_s"], "setup_s": setup_s, "call_s": call_s, "grid": st["grid"],
@@ -137,7 +140,8 @@ def decomposed(model, graph, manager, args, mode):
             "halo_fraction_max": float((rows[:, 1] / owned).max()),
             "ghost_atoms_max": int(rows[:, 1].max()), "recv_atoms_max": int(rows[:, 2].max()),
             "peers_max": int(rows[:, 3].max()), "owned_min": int(rows[:, 0].min()),
-            "owned_max": int(rows[:, 0].max()), "peak_memory_bytes_max": int(rows[:, 4].max())}
+            "owned_max": int(rows[:, 0].max()), "peak_memory_bytes_max": int(rows[:, 4].max()),
+            "edges_max": int(rows[:, 5].max())}
 
 
 def point(model, n_atoms, manager, args, mode, baseline_atoms=None):
@@ -160,6 +164,9 @@ def point(model, n_atoms, manager, args, mode, baseline_atoms=None):
         ratio = base["time_s"] / dec["time_s"]
         out["speedup"] = ratio
         out["efficiency"] = ratio if baseline_atoms else ratio / manager.world_size
+        # edge-bound estimate: the busiest rank's edges vs an ideal share of the baseline's
+        share = base["n_edges"] * (1 if baseline_atoms else 1 / manager.world_size)
+        out["predicted_efficiency_edges"] = share / max(dec["edges_max"], 1)
     return out
 
 

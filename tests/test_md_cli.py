@@ -218,3 +218,40 @@ def test_missing_masses():
     g = AtomicGraph.from_arrays(np.eye(3) * 3, [18] * 3, masses=[39.9, 0.0, 39.9])
     with pytest.raises(InputError, match="mass"):
         nve.init(g, Potential(build("lj", sigma=3.4, epsilon=0.01, cutoff=6.0)))
+
+
+@pytest.mark.parametrize("name", ["md_nvt.yaml", "md_npt_lj_argon.yaml", "md_relax.yaml"])
+def test_examples_load_and_run(tmp_path, argon_file, name):
+    from pathlib import Path
+
+    from xnn.config.md import RelaxConfig
+
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    over = [f"structure={argon_file}", f"output.dir={tmp_path / 'ex'}", "output.progress=false"]
+    if name == "md_relax.yaml":
+        out = run_relax(load_config(RelaxConfig, path, over + ["max_steps=3"]))
+        assert (out / "relaxed.xyz").is_file()
+        return
+    if name == "md_nvt.yaml":  # the example names a model file: use the built-in LJ instead
+        over += ["model.file=null", *LJ[:4]]
+    out = run_md(load_config(MDConfig, path, over + ["steps=3", "output.plot=false"]))
+    assert (out / "thermo.csv").is_file()
+
+
+def test_demo_md_with_a_model_file(tmp_path, argon_file):
+    from xnn.dynamics.runner import demo_md
+    from xnn.models.serialization import save_model
+
+    model_file = tmp_path / "lj.pt"
+    save_model(build_lj(), model_file)
+    out = demo_md(model_file, argon_file, tmp_path / "demo", temperature=40, steps=20,
+                  timestep=5, device="cpu")
+    assert (out / "thermo.png").is_file() and (out / "trajectory.xyz").is_file()
+    rows = list(csv.DictReader(open(out / "thermo.csv")))
+    assert rows[-1]["step"] == "20"
+
+
+def build_lj():
+    from xnn.models import build
+
+    return build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.5)

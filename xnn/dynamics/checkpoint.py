@@ -56,6 +56,7 @@ def save_checkpoint(path: str | os.PathLike, state: MDState, meta: dict, potenti
         "stress": state.stress.cpu(),
         "vars": {k: v.cpu() for k, v in state.vars.items()},
         "rng": None if state.rng is None else state.rng.cpu(),
+        "compute_stress": state.compute_stress,
         "neighbors": _to_cpu(neighbor_state(potential)) if potential is not None else None,
     }
     path = Path(path)
@@ -103,6 +104,7 @@ def load_checkpoint(path: str | os.PathLike, device=None, potential=None) -> tup
         step=int(p["step"]),
         vars={k: v.to(device) for k, v in p["vars"].items()},
         rng=p["rng"],
+        compute_stress=bool(p.get("compute_stress", True)),
     )
     if potential is not None:
         restore_neighbor_state(potential, p.get("neighbors"), device)

@@ -132,7 +132,7 @@ def step(state: MDState, model, fmax_target: float = 0.0, reduce: Reducer = LOCA
     cell = torch.where(v["relax_cell"][:, None, None] & active[:, None, None],
                        v["cell0"] @ d_new, g.cell)
     new_g = g.replace({K.POSITIONS: pos, K.CELL: cell})
-    energy, forces, stress = evaluate(model, new_g)
+    energy, forces, stress = evaluate(model, new_g, state.compute_stress)
 
     def sel(new, old):
         shape = (-1,) + (1,) * (new.ndim - 1)

@@ -237,3 +237,29 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -
         print(f"xnn relax: {n_bad} of {state.n_systems} systems did not reach fmax={cfg.fmax} "
               f"eV/Å in {cfg.max_steps} steps")
     return out_dir
+
+
+def demo_md(
+    model_file: str | Path, structure: str | Path, out_dir: str | Path, temperature: float = 300.0,
+    steps: int = 500, timestep: float = 1.0, ensemble: str = "csvr", device: str = "auto",
+) -> Path:
+    """A short NVT run with a trained model file, for ``xnn demo``.
+
+    Args:
+        model_file: a model saved by ``xnn train`` / :func:`xnn.save_model`.
+        structure: structure file (its last frame is simulated).
+        out_dir: output folder (gets ``thermo.csv``, ``thermo.png``, ``trajectory.xyz``).
+        temperature: K. steps: number of steps. timestep: fs.
+        ensemble: ``csvr`` (default), ``langevin`` or ``nhc``.
+    Returns:
+        ``out_dir``; ``out_dir / "thermo.png"`` is the plot.
+    """
+    cfg = load_config(MDConfig, None, [
+        f"structure={structure}", f"model.file={model_file}", f"model.device={device}",
+        f"ensemble={ensemble}", f"temperature={temperature}", f"steps={steps}",
+        f"timestep={timestep}", f"output.dir={out_dir}", "output.progress=false",
+        f"output.trajectory_every={max(1, steps // 20)}",
+        f"output.log_every={max(1, steps // 200)}",
+        f"output.checkpoint_every={steps}",
+    ])
+    return run_md(cfg)

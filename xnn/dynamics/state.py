@@ -33,6 +33,8 @@ class MDState:
         vars: integrator variables by name (thermostat/barostat state, targets), each a
             tensor whose first dimension is ``n_systems``.
         rng: ``torch.Generator`` state (uint8 tensor), or ``None`` for deterministic integrators.
+        compute_stress: evaluate the stress each step (default: when a system is periodic;
+            the pressure in the thermo log needs it, NPT and cell relaxation force it).
     """
 
     graph: AtomicGraph
@@ -42,6 +44,7 @@ class MDState:
     step: int = 0
     vars: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
     rng: Tensor | None = None
+    compute_stress: bool = True
 
     @property
     def positions(self) -> Tensor:
@@ -201,13 +204,14 @@ def maxwell_boltzmann(
 
 
 # ----------------------------------------------------------------------------- model calls
-def evaluate(model, graph: AtomicGraph) -> tuple[Tensor, Tensor, Tensor]:
+def evaluate(model, graph: AtomicGraph, stress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Energy ``[n_systems]``, forces ``[n_atoms, 3]`` and stress ``[n_systems, 3, 3]``.
 
     Args:
         model: a :class:`~xnn.models.Potential` (or any callable with its signature).
+        stress: compute the stress (else it is returned as zeros).
     """
-    out = model(graph.without_edges(), forces=True, stress=bool(graph.pbc.all(-1).any()))
+    out = model(graph.without_edges(), forces=True, stress=stress)
     stress = out.get(K.STRESS)
     if stress is None:
         stress = torch.zeros_like(graph.cell)
@@ -220,12 +224,13 @@ def initial_state(model, graph: AtomicGraph, vars: Mapping[str, Tensor], rng=Non
     graph = graph.replace(velocities=torch.where(
         free_mask(graph)[:, None], graph.velocities, torch.zeros_like(graph.velocities)
     ))
-    energy, forces, stress = evaluate(model, graph)
-    return MDState(graph, forces, energy, stress, 0, dict(vars), rng)
+    need = bool(graph.pbc.all(-1).any())
+    energy, forces, stress = evaluate(model, graph, need)
+    return MDState(graph, forces, energy, stress, 0, dict(vars), rng, need)
 
 
 def with_positions(state: MDState, model, graph: AtomicGraph) -> MDState:
     """New state at ``graph``'s positions/cell with fresh forces; step count +1."""
-    energy, forces, stress = evaluate(model, graph)
+    energy, forces, stress = evaluate(model, graph, state.compute_stress)
     return state.replace(graph=graph, forces=forces, energy=energy, stress=stress,
                          step=state.step + 1)

@@ -333,6 +333,18 @@ def _mesh_case(manager, rank):
             "n_atoms": int(out["forces"].shape[0]), "errors": errors}
 
 
+def _reducer_case(rank):
+    """GroupReducer: sums, maxima and flags include the other ranks' atoms."""
+    from xnn.distributed.reducer import GroupReducer
+
+    red = GroupReducer()
+    values = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+    batch = torch.tensor([0, 1, 1])
+    return {"sum": red.sum_per_system(values, batch, 2).tolist(),
+            "max": red.max_per_system(values, batch, 2).tolist(),
+            "any": red.any(torch.tensor([rank == 1])), "none": red.any(torch.tensor([False]))}
+
+
 def _calculator_and_cli(manager, rank, tmp):
     """The ASE calculator against ASE's own LJ, and ``xnn validate`` run inside the job."""
     import os
@@ -366,6 +378,7 @@ def worker(rank, world, tmp):
     if world == 2:
         results["errors"] = _error_cases(manager)
         results["calc"] = _calculator_and_cli(manager, rank, tmp)
+        results["reducer"] = _reducer_case(rank)
     if world == 4:
         results["mesh"] = _mesh_case(manager, rank)
     if world == 3:
@@ -472,6 +485,14 @@ def test_errors_on_every_rank_without_hang():
             assert e["remote"].startswith("RemoteRankError: rank 1 failed")
         assert e["seconds"] < 30  # far below the 60 s collective timeout
         assert e["after"] < 0
+
+
+@pytest.mark.distributed
+def test_group_reducer():
+    for r in results(2):
+        red = r["reducer"]
+        assert red["sum"] == [3.0, 15.0] and red["max"] == [2.0, 6.0]
+        assert red["any"] and not red["none"]
 
 
 @pytest.mark.distributed

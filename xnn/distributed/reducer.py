@@ -1,0 +1,35 @@
+"""``GroupReducer``: the MD engine's global reductions summed over the ranks of a group.
+
+For dynamics where each rank integrates only its own atoms, every global quantity
+(kinetic energy, degrees of freedom, pressure, FIRE power, convergence) must include the
+other ranks' atoms; this subclass of :class:`xnn.dynamics.reduce.Reducer` adds the all-reduce.
+With :class:`~xnn.distributed.DecomposedPotential` (every rank holds all atoms) keep the
+default single-process reducer instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from xnn.distributed import collectives as C
+from xnn.dynamics.reduce import Reducer
+
+
+class GroupReducer(Reducer):
+    """Per-system sums, maxima and flags over the atoms of all ranks of ``group``."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def sum_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
+        return C.all_reduce_sum(super().sum_per_system(values, batch, n_systems), self.group)
+
+    def max_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
+        out = super().max_per_system(values, batch, n_systems)
+        return C.all_reduce_(out.clone(), self.group, op=dist.ReduceOp.MAX)
+
+    def any(self, flag: Tensor) -> bool:
+        t = torch.tensor([float(bool(flag.any()))], device=flag.device)
+        return bool(C.all_reduce_(t, self.group).item() > 0)

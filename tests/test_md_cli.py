@@ -255,3 +255,18 @@ def build_lj():
     from xnn.models import build
 
     return build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.5)
+
+
+def test_fixed_atoms_from_structure_file(tmp_path):
+    from ase.constraints import FixAtoms
+
+    a = bulk("Ar", "fcc", a=5.3, cubic=True).repeat(2)
+    a.set_constraint(FixAtoms(indices=[0, 3]))
+    path = tmp_path / "fixed.xyz"
+    ase.io.write(path, a)
+    out = md(tmp_path, path, "fx", "ensemble=langevin", "temperature=50", "steps=10",
+             "output.plot=false")
+    state, _ = ckpt.load_checkpoint(out / "checkpoint.pt")
+    assert state.graph.fixed.nonzero().flatten().tolist() == [0, 3]
+    assert np.allclose(state.positions[[0, 3]].numpy(), a.positions[[0, 3]], atol=0)
+    assert not np.allclose(state.positions[1].numpy(), a.positions[1])

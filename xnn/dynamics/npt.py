@@ -26,6 +26,8 @@ thermostat(dt/2). Variables: those of :mod:`xnn.dynamics.csvr` plus ``pressure``
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -106,7 +108,7 @@ def _strain_increment(state: MDState, dt: float, gen: torch.Generator, reduce: R
     # anisotropic: six components
     upper = torch.triu(noise, diagonal=1)
     amp = torch.sqrt(kt * rate / (3 * vol) * dt)[:, None, None]
-    rnd = amp * (upper + upper.transpose(-1, -2) + torch.sqrt(torch.tensor(2.0)) * noise * eye)
+    rnd = amp * (upper + upper.transpose(-1, -2) + math.sqrt(2.0) * noise * eye)
     target = p - v["pressure"][:, None, None] * eye
     aniso = (rate / 3 * dt)[:, None, None] * 0.5 * (target + target.transpose(-1, -2)) + rnd
     return torch.where(v["anisotropic"][:, None, None], aniso, iso)

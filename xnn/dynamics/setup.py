@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from xnn.config.md import MDConfig, MDModelConfig
@@ -49,7 +50,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
 
 def load_structure(path: str, index: str, device: torch.device, dtype: torch.dtype) -> AtomicGraph:
     """All selected frames of ``path`` as one batch (``system`` = frame)."""
-    from xnn.data.ase_io import read
+    from xnn.data.ase_io import from_ase, read
 
     if not path:
         raise InputError("no structure file given (structure=PATH)")
@@ -57,9 +58,31 @@ def load_structure(path: str, index: str, device: torch.device, dtype: torch.dty
         raise DataFileError(f"structure file not found: {path}")
     index = ":" if index == "all" else str(index)
     idx: str | int = int(index) if index.lstrip("-").isdigit() else index
-    graph = read(path, index=idx, as_graph=True, dtype=dtype, device=device)
+    frames = read(path, index=idx)
+    graph = from_ase(frames, dtype=dtype, device=device)
     keep = [k for k in graph.keys() if k not in K.LABEL_FIELDS]
-    return AtomicGraph({k: graph[k] for k in keep}, validate=False)
+    graph = AtomicGraph({k: graph[k] for k in keep}, validate=False)
+    fixed = fixed_mask(frames)
+    if fixed.any():
+        graph = graph.replace(fixed=torch.as_tensor(fixed, device=device))
+    return graph
+
+
+def fixed_mask(frames) -> np.ndarray:
+    """``[n_atoms]`` bool from ASE ``FixAtoms`` constraints (extxyz ``move_mask``)."""
+    from ase.constraints import FixAtoms
+
+    masks = []
+    for atoms in frames:
+        m = np.zeros(len(atoms), dtype=bool)
+        for c in atoms.constraints:
+            if isinstance(c, FixAtoms):
+                m[c.get_indices()] = True
+            else:
+                raise InputError(f"constraint {type(c).__name__} is not supported by xnn md "
+                                 "(only FixAtoms)")
+        masks.append(m)
+    return np.concatenate(masks)
 
 
 def check_species(potential, graph: AtomicGraph) -> None:

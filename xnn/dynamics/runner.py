@@ -94,11 +94,11 @@ def _check(state: MDState, potential, cfg: MDConfig, max_t: torch.Tensor) -> Non
         check_temperature(state, max_t)
 
 
-def _fail(err: SimulationError, good: MDState, potential, outputs: _Outputs) -> SimulationError:
+def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) -> SimulationError:
+    """Write the last good frame and its checkpoint (with the output sizes at that step)."""
     d = outputs.dir
     ExtxyzWriter(d / "last_good.xyz").write(good.graph, good.step, _results(good))
-    ckpt.save_checkpoint(d / "checkpoint_last_good.pt", good, outputs.meta(outputs.cfg.ensemble),
-                         None)
+    ckpt.save_checkpoint(d / "checkpoint_last_good.pt", good, meta, None)
     return SimulationError(f"{err}; stopped. Last good frame (step {good.step}) written to "
                            f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
 
@@ -159,7 +159,7 @@ def _loop(
     cfg: MDConfig, integrator, state: MDState, potential, outputs: _Outputs, max_t
 ) -> MDState:
     n_atoms, start = state.graph.n_atoms, state.step
-    good, t0 = state, time.perf_counter()
+    good, good_meta, t0 = state, outputs.meta(cfg.ensemble), time.perf_counter()
     bar = _progress(cfg.output, cfg.steps, start, f"md {cfg.ensemble}")
     every = cfg.output.checkpoint_every
     try:
@@ -168,11 +168,11 @@ def _loop(
             try:
                 _check(new, potential, cfg, max_t)
             except SimulationError as err:
-                raise _fail(err, good, potential, outputs) from None
+                raise _fail(err, good, good_meta, outputs) from None
             state = new
-            if state.step % cfg.safety.check_every == 0:
-                good = state
             outputs.record(state, integrator)
+            if state.step % cfg.safety.check_every == 0:
+                good, good_meta = state, outputs.meta(cfg.ensemble)
             if every and state.step % every == 0:
                 outputs.checkpoint(state, potential)
             bar.update(1)

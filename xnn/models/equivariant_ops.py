@@ -192,7 +192,8 @@ class ProductBasis(nn.Module):
         out = a[:, :, :d_out] * u[:, 0]
         b = a
         for k, nu in enumerate(range(2, self.correlation + 1)):
-            b = self._step(k, b, a, species)
+            # recomputed in backward: keeps only b and a, not the [n, C, Σ(2l3+1)] products
+            b = checkpoint(self._step, k, b, a, species, use_reentrant=False)
             out = out + b[:, :, :d_out] * u[:, nu - 1]
         return out
 

@@ -96,7 +96,7 @@ def bench_single(name: str, make_model, sizes, steps, device, dtype, ase_max=10_
         atoms = fcc_cu(n)
         row = {"case": name, "n_atoms": len(atoms)}
         try:
-            model = make_model().to(device=device, dtype=dtype)
+            model = make_model().to(device=device, dtype=dtype).eval()
             row["xnn"] = xnn_rate(model, graph_of(atoms, device, dtype), steps)
             if len(atoms) <= ase_max:
                 row["ase_loop"] = ase_rate(model, [atoms], max(2, steps // 2), device, dtype)
@@ -111,7 +111,7 @@ def bench_single(name: str, make_model, sizes, steps, device, dtype, ase_max=10_
 
 
 def bench_batched(n_systems: int, steps: int, device, dtype) -> dict:
-    model = build("lj", **LJ).to(device=device, dtype=dtype)
+    model = build("lj", **LJ).to(device=device, dtype=dtype).eval()
     atoms = [fcc_cu(32, seed=i) for i in range(n_systems)]
     g = AtomicGraph.concat([graph_of(a, device, dtype) for a in atoms])
     row = {"case": "batched_lj", "n_systems": n_systems, "atoms_per_system": 32,
@@ -166,7 +166,7 @@ def bench_mace(sizes, steps, device, dtype) -> list:
         atoms = fcc_cu(n)
         row = {"case": "mace", "n_atoms": len(atoms)}
         try:
-            wrapped = build("mace", model=mace_model).to(device=device, dtype=dtype)
+            wrapped = build("mace", model=mace_model).to(device=device, dtype=dtype).eval()
             # torch-sim is asked for energy and forces only: so is xnn
             row["xnn"] = xnn_rate(wrapped, graph_of(atoms, device, dtype), steps, stress=False)
             try:

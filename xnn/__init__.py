@@ -10,6 +10,12 @@ from xnn.data import AtomicGraph  # noqa: E402
 __all__ = ["AtomicGraph", "Calculator", "save_model", "load_model", "__version__"]
 
 
+_SUBPACKAGES = (
+    "units", "errors", "data", "neighbors", "models", "training", "dynamics", "distributed",
+    "config", "io", "testing", "plotting",
+)
+
+
 def __getattr__(name):  # lazy: keep `import xnn` light
     if name == "Calculator":
         from xnn.io.calculator import Calculator
@@ -19,4 +25,8 @@ def __getattr__(name):  # lazy: keep `import xnn` light
         from xnn.models import serialization
 
         return getattr(serialization, name)
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"xnn.{name}")
     raise AttributeError(f"module 'xnn' has no attribute {name!r}")

@@ -206,7 +206,9 @@ class EnergyScaleShift(nn.Module):
         e0: ``{atomic number: eV}`` isolated-atom / reference energies (0 when missing).
 
     ``scale``, ``shift`` and ``e0_table [119]`` are buffers, saved in the state dict and
-    settable from statistics with :meth:`set_statistics`.
+    settable from statistics with :meth:`set_statistics`. They are kept in float64 whatever
+    the model's dtype (reference energies of -400 eV would lose 1e-5 eV in float32); the
+    output is cast to the dtype of ``e``.
 
     Shapes:
         ``e [n_atoms]``, ``numbers [n_atoms]`` -> ``[n_atoms]``.
@@ -221,7 +223,7 @@ class EnergyScaleShift(nn.Module):
     ):
         super().__init__()
         self.species = [int(z) for z in species]
-        dtype = torch.get_default_dtype()
+        dtype = torch.float64
         self.register_buffer("scale", torch.tensor(float(scale), dtype=dtype))
         self.register_buffer("shift", torch.tensor(float(shift), dtype=dtype))
         self.register_buffer("e0_table", torch.zeros(N_ELEMENTS, dtype=dtype))
@@ -249,8 +251,19 @@ class EnergyScaleShift(nn.Module):
         """``{atomic number: eV}`` reference energies of the model's species."""
         return {z: float(self.e0_table[z]) for z in self.species}
 
+    def _apply(self, fn, recurse=True):
+        # device moves apply; dtype casts do not (the buffers stay float64)
+        kept = {n: self._buffers[n] for n in ("scale", "shift", "e0_table")}
+        super()._apply(fn, recurse)
+        for n, old in kept.items():
+            new = self._buffers[n]
+            if new.dtype != torch.float64:
+                self._buffers[n] = old.to(device=new.device)
+        return self
+
     def forward(self, e: Tensor, numbers: Tensor) -> Tensor:
-        return self.scale * e + self.shift + self.e0_table[numbers]
+        out = self.scale * e + self.shift + self.e0_table[numbers]
+        return out.to(e.dtype)
 
 
 #: alias: the per-atom energy output of native models

@@ -96,11 +96,14 @@ def test_two_ranks_match_one_process(tmp_path):
         for a, b in zip(r["history"], ref_hist):
             for key in ("train_loss", "val_loss", "val_forces_mae", "train_forces_mae"):
                 assert a[key] == pytest.approx(b[key], rel=1e-9), key
+        # Adam divides by sqrt(v): a parameter whose gradient nearly cancels (the readout bias
+        # under a fitted shift) turns 1e-16 summation-order differences into ~1e-9 relative
+        # differences of its value after a few steps, so final metrics/weights get 1e-6.
         for key, value in ref_summary["metrics"].items():
-            assert r["summary"]["metrics"][key] == pytest.approx(value, rel=1e-9), key
+            assert r["summary"]["metrics"][key] == pytest.approx(value, rel=1e-6), key
     assert len(results[0]["history"]) == len(ref_hist) == 2
     # weights after training agree with the single-process run
     a = load_checkpoint(tmp_path / "single/checkpoints/last.pt")["model"]["state_dict"]
     b = load_checkpoint(tmp_path / "ddp/checkpoints/last.pt")["model"]["state_dict"]
     for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), k
+        assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-9), k

@@ -19,6 +19,13 @@ _REQUIRED = (K.POSITIONS, K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID
 _INDEX_FIELDS = (K.NUMBERS, K.BATCH, K.ATOM_ID, K.EDGE_INDEX, K.SYSTEM_ID)
 
 
+def _tensor(value, dtype: torch.dtype | None, device) -> Tensor:
+    """A copy of ``value`` (tensor or array-like) as a tensor; never a view of the input."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device=device, dtype=dtype, copy=True)
+    return torch.tensor(np.asarray(value), dtype=dtype, device=device)
+
+
 def _masses_for(numbers: Tensor, dtype: torch.dtype) -> Tensor:
     from ase.data import atomic_masses
 
@@ -71,27 +78,28 @@ class AtomicGraph:
             atom_id: ``[n_atoms]`` global ids; ``arange(n_atoms)`` when omitted.
             extra: more fields by name (must be declared in ``xnn.data.keys``).
         """
-        pos = torch.as_tensor(np.asarray(positions), dtype=dtype, device=device)
+        # copies: ASE updates its arrays in place, a graph must not change underneath
+        pos = _tensor(positions, dtype, device)
         if pos.ndim != 2 or pos.shape[-1] != 3:
             raise InputError(f"positions must have shape [n_atoms, 3], got {tuple(pos.shape)}")
         dev = pos.device
-        num = torch.as_tensor(np.asarray(numbers), dtype=torch.long, device=dev)
+        num = _tensor(numbers, torch.long, dev)
         n = pos.shape[0]
         if batch is None:
             b = torch.zeros(n, dtype=torch.long, device=dev)
         else:
-            b = torch.as_tensor(np.asarray(batch), dtype=torch.long, device=dev)
+            b = _tensor(batch, torch.long, dev)
         n_sys = int(b.max().item()) + 1 if n > 0 else 1
         if cell is None:
             c = torch.zeros(n_sys, 3, 3, dtype=dtype, device=dev)
         else:
-            c = torch.as_tensor(np.asarray(cell), dtype=dtype, device=dev)
+            c = _tensor(cell, dtype, dev)
             if c.ndim == 2:
                 c = c.unsqueeze(0)
         if pbc is None:
             p = torch.zeros(c.shape[0], 3, dtype=torch.bool, device=dev)
         else:
-            p = torch.as_tensor(np.asarray(pbc), dtype=torch.bool, device=dev)
+            p = _tensor(pbc, torch.bool, dev)
             if p.ndim == 0:
                 p = p.expand(3)
             if p.ndim == 1:
@@ -101,12 +109,8 @@ class AtomicGraph:
             if m is None:
                 m = torch.ones(n, dtype=dtype, device=dev)
         else:
-            m = torch.as_tensor(np.asarray(masses), dtype=dtype, device=dev)
-        ids = (
-            torch.arange(n, device=dev)
-            if atom_id is None
-            else torch.as_tensor(np.asarray(atom_id), dtype=torch.long, device=dev)
-        )
+            m = _tensor(masses, dtype, dev)
+        ids = torch.arange(n, device=dev) if atom_id is None else _tensor(atom_id, torch.long, dev)
         fields = {
             K.POSITIONS: pos,
             K.NUMBERS: num,
@@ -118,7 +122,7 @@ class AtomicGraph:
         }
         for name, value in (extra or {}).items():
             K.scope_of(name)
-            t = torch.as_tensor(np.asarray(value) if not isinstance(value, Tensor) else value)
+            t = _tensor(value, None, None)
             if t.is_floating_point():
                 t = t.to(dtype)
             fields[name] = t.to(dev)
@@ -138,7 +142,9 @@ class AtomicGraph:
                 f"positions must have shape [n_atoms, 3], got {tuple(f[K.POSITIONS].shape)}"
             )
         if f[K.CELL].shape[1:] != (3, 3):
-            raise InputError(f"cell must have shape [n_systems, 3, 3], got {tuple(f[K.CELL].shape)}")
+            raise InputError(
+                f"cell must have shape [n_systems, 3, 3], got {tuple(f[K.CELL].shape)}"
+            )
         if tuple(f[K.PBC].shape) != (s, 3):
             raise InputError(f"pbc must have shape [{s}, 3], got {tuple(f[K.PBC].shape)}")
         n_edges = f[K.EDGE_INDEX].shape[1] if K.EDGE_INDEX in f else None
@@ -146,7 +152,9 @@ class AtomicGraph:
             scope = K.scope_of(name)
             if name == K.EDGE_INDEX:
                 if t.ndim != 2 or t.shape[0] != 2:
-                    raise InputError(f"edge_index must have shape [2, n_edges], got {tuple(t.shape)}")
+                    raise InputError(
+                        f"edge_index must have shape [2, n_edges], got {tuple(t.shape)}"
+                    )
                 continue
             expected = {K.ATOM: n, K.SYSTEM: s, K.EDGE: n_edges}[scope]
             if t.ndim == 0 or t.shape[0] != expected:
@@ -249,7 +257,7 @@ class AtomicGraph:
         )
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> AtomicGraph:
-        """Move to a device; cast floating-point fields to ``dtype`` (integer/bool fields keep theirs)."""
+        """Move to a device; cast float fields to ``dtype`` (int/bool fields keep theirs)."""
         out = {}
         for k, v in self._fields.items():
             if dtype is not None and v.is_floating_point():
@@ -284,7 +292,9 @@ class AtomicGraph:
         ptr = self.ptr
         counts = ptr[1:] - ptr[:-1]
         parts = [torch.arange(ptr[s], ptr[s + 1], device=self.device) for s in sys_idx.tolist()]
-        atom_idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device)
+        atom_idx = (
+            torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device)
+        )
         new_batch = torch.repeat_interleave(
             torch.arange(len(sys_idx), device=self.device), counts[sys_idx]
         )
@@ -366,7 +376,9 @@ class AtomicGraph:
 
     def wrapped(self) -> AtomicGraph:
         """Positions wrapped into the cell along periodic axes only (triclinic-correct)."""
-        return self.replace(positions=wrap_positions(self.positions, self.cell, self.pbc, self.batch))
+        return self.replace(
+            positions=wrap_positions(self.positions, self.cell, self.pbc, self.batch)
+        )
 
 
 def complete_cell(cell: Tensor) -> Tensor:
@@ -394,7 +406,8 @@ def complete_cell(cell: Tensor) -> Tensor:
                 o = others[0] / others[0].norm()
                 trial = torch.eye(3, dtype=c.dtype, device=c.device)
                 v = min(
-                    (trial[k] - (trial[k] @ o) * o for k in range(3)), key=lambda t: -float(t.norm())
+                    (trial[k] - (trial[k] @ o) * o for k in range(3)),
+                    key=lambda t: -float(t.norm()),
                 )
             else:
                 v = torch.eye(3, dtype=c.dtype, device=c.device)[a]

@@ -23,7 +23,9 @@ _REGISTRY: dict[str, str] = {
 
 def register_model(name: str, target: str | type) -> None:
     """Register a model class (or ``"module:Class"`` string) under ``name``."""
-    _REGISTRY[name] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    _REGISTRY[name] = (
+        target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    )
 
 
 def available_models() -> list[str]:

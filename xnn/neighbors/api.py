@@ -164,7 +164,11 @@ class VerletList:
         """Return ``graph`` with ``edge_index`` and ``shifts`` attached (rebuilding if needed)."""
         if self.needs_rebuild(graph):
             self._edges = neighbor_list(
-                graph.positions, graph.cell, graph.pbc, self.cutoff + self.skin, graph.batch,
+                graph.positions,
+                graph.cell,
+                graph.pbc,
+                self.cutoff + self.skin,
+                graph.batch,
                 self.backend,
             )
             self._ref_positions = graph.positions.detach().clone()

@@ -17,7 +17,9 @@ def cell_heights(cell: Tensor) -> Tensor:
     cross = torch.stack(
         [torch.linalg.cross(b, c), torch.linalg.cross(c, a), torch.linalg.cross(a, b)], dim=1
     ).norm(dim=-1)
-    return torch.where(cross > 0, vol.unsqueeze(-1) / cross.clamp_min(1e-300), torch.zeros_like(cross))
+    return torch.where(
+        cross > 0, vol.unsqueeze(-1) / cross.clamp_min(1e-300), torch.zeros_like(cross)
+    )
 
 
 def image_ranges(cell: Tensor, pbc: Tensor, cutoff: float) -> Tensor:

@@ -97,7 +97,7 @@ def test_demo_relaxes_lj_argon(tmp_path, capsys):
     from ase.io import read
 
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--fmax", "1e-3", "--repeat", "1"]) == 0
+    assert main(["demo", "--out", str(out), "--fmax", "1e-3", "--repeat", "1", "--only-lj"]) == 0
     summary = json.loads((out / "summary.json").read_text())["lj_relax"]
     assert summary["converged"] and summary["max_force_eV_per_A"] < 1e-3
     assert str(out.resolve()) in capsys.readouterr().out

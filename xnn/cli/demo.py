@@ -1,10 +1,14 @@
-"""``xnn demo --out DIR``: a self-contained tour, one function per step.
+"""``xnn demo --out DIR``: the main job on built-in data, one function per step.
 
-Step 1 (``step_lj_relax``): relax positions and cell of a rattled Lennard-Jones argon FCC
-crystal with ASE's FIRE (on a ``UnitCellFilter``: the Fréchet/Exp filters spend most of the
-time in scipy's matrix exponential for this tiny system) and our calculator; results go
-to ``DIR/summary.json``.
-Later steps (train, MD, plots) add their own ``step_*`` functions and entries in ``STEPS``.
+1. ``step_lj_relax``: relax positions and cell of a rattled Lennard-Jones argon FCC crystal
+   with ASE's FIRE (on a ``UnitCellFilter``: the Fréchet/Exp filters spend most of the time
+   in scipy's matrix exponential for this tiny system) and our calculator.
+2. ``step_train``: label Cu structures with ASE's EMT, train the default model for a few
+   minutes, evaluate it on the test split (learning curves and parity plots).
+3. ``step_md``: NVT MD (CSVR thermostat) of an FCC Cu crystal with the trained model,
+   thermo log and plot.
+
+Everything lands in ``DIR``; ``DIR/summary.json`` collects the figures.
 """
 
 from __future__ import annotations
@@ -25,14 +29,22 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="run a small end-to-end demo and write its results to a folder",
-        description="Relax a Lennard-Jones argon crystal (positions and cell) with xnn's ASE "
-        "calculator and write energy, forces and stress to OUT/summary.json.",
+        description="Generate EMT Cu data, train a model on it, evaluate it (parity and "
+        "learning-curve plots), run NVT MD with it (thermo plot), and relax a Lennard-Jones "
+        "argon crystal; everything is written to OUT.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out", default="demo_output", help="output folder (created if missing)")
     p.add_argument("--fmax", type=float, default=1e-4, help="relaxation force threshold (eV/Å)")
     p.add_argument("--steps", type=int, default=500, help="maximum relaxation steps")
-    p.add_argument("--repeat", type=int, default=2, help="FCC conventional cells per axis")
+    p.add_argument("--repeat", type=int, default=2, help="LJ: FCC conventional cells per axis")
+    p.add_argument("--minutes", type=float, default=3.0, help="training time budget (minutes)")
+    p.add_argument("--n-structures", type=int, default=200, help="EMT structures to generate")
+    p.add_argument("--md-steps", type=int, default=400, help="MD steps (1 fs each)")
+    p.add_argument("--temperature", type=float, default=300.0, help="MD temperature (K)")
+    p.add_argument(
+        "--only-lj", action="store_true", help="only relax the LJ crystal (no training, no MD)"
+    )
     p.set_defaults(func=run)
 
 
@@ -93,13 +105,55 @@ def step_lj_relax(out: Path, fmax: float = 1e-4, steps: int = 500, repeat: int =
     return summary
 
 
+def step_train(out: Path, minutes: float, n_structures: int) -> dict:
+    """EMT Cu data → train the default model within ``minutes`` → test-set errors and plots."""
+    from xnn.training.demo import demo_train
+
+    summary = demo_train(out, minutes_budget=minutes, n_structures=n_structures)
+    metrics = summary.get("metrics", {})
+    keep = {k: v for k, v in metrics.items() if k.startswith("test_") or k.startswith("val_")}
+    return {
+        "model": str(summary["model"]),
+        "data": str(summary["data"]),
+        "plots": [str(p) for p in summary.get("plots", [])],
+        **{k: float(v) for k, v in keep.items() if isinstance(v, (int, float))},
+    }
+
+
+def step_md(out: Path, model_file: str, steps: int, temperature: float) -> dict:
+    """NVT MD (CSVR) of a 3×3×3 FCC Cu crystal (108 atoms) with the trained model."""
+    import csv
+
+    from ase.build import bulk
+
+    from xnn.dynamics.runner import demo_md
+
+    md_dir = out / "md"
+    md_dir.mkdir(parents=True, exist_ok=True)
+    start = md_dir / "start.xyz"
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True) * (3, 3, 3)
+    atoms.rattle(0.02, seed=1)
+    atoms.write(start)
+    demo_md(model_file, start, md_dir, temperature=temperature, steps=steps, ensemble="csvr")
+    with open(md_dir / "thermo.csv") as f:
+        rows = list(csv.DictReader(f))
+    temps = [float(r["temperature_K"]) for r in rows[len(rows) // 2 :] if "temperature_K" in r]
+    return {
+        "folder": str(md_dir),
+        "steps": steps,
+        "target_temperature_K": temperature,
+        "mean_temperature_second_half_K": sum(temps) / len(temps) if temps else float("nan"),
+        "thermo_plot": str(md_dir / "thermo.png"),
+    }
+
+
 def print_summary(name: str, summary: dict) -> None:
     print(f"[{name}]")
     for k, v in summary.items():
         if isinstance(v, float):
             v = f"{v:.6g}"
         elif isinstance(v, list):
-            v = "[" + ", ".join(f"{x:.3g}" for x in v) + "]"
+            v = "[" + ", ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in v) + "]"
         print(f"  {k}: {v}")
 
 
@@ -111,14 +165,24 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--fmax must be > 0, got {args.fmax}")
     if args.steps < 1:
         raise InputError(f"--steps must be >= 1, got {args.steps}")
+    if not args.minutes > 0:
+        raise InputError(f"--minutes must be > 0, got {args.minutes}")
+    if args.n_structures < 10:
+        raise InputError(f"--n-structures must be >= 10, got {args.n_structures}")
+    if args.md_steps < 1:
+        raise InputError(f"--md-steps must be >= 1, got {args.md_steps}")
 
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     out = prepare_output(args.out)
     results = {"lj_relax": step_lj_relax(out, args.fmax, args.steps, args.repeat)}
-    for name, summary in results.items():
-        print_summary(name, summary)
+    print_summary("lj_relax", results["lj_relax"])
+    if not args.only_lj:
+        results["train"] = step_train(out, args.minutes, args.n_structures)
+        print_summary("train", results["train"])
+        results["md"] = step_md(out, results["train"]["model"], args.md_steps, args.temperature)
+        print_summary("md", results["md"])
     write_json(out / "summary.json", results)
     print(f"demo output written to {out.resolve()}")
     return 0

@@ -65,5 +65,7 @@ class SyncPoint(nn.Module):
 
 def sum_per_system(values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
     """``[n_systems, ...]`` sum of per-atom ``values [n_atoms, ...]`` by system index."""
+    if n_systems == 1:  # a plain reduction: no atomics all landing on one address on GPU
+        return values.sum(0, keepdim=True)
     out = values.new_zeros((n_systems, *values.shape[1:]))
     return out.index_add(0, batch, values)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from xnn.data import keys as K
-from xnn.data.graph import AtomicGraph
+from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.models.base import sum_per_system
 
 
@@ -40,7 +40,7 @@ def apply_strain(graph: AtomicGraph, with_strain: bool = True) -> StrainedGraph:
     if with_strain:
         strain.requires_grad_(True)
     sym = 0.5 * (strain + strain.transpose(-1, -2))
-    new_pos = pos + torch.einsum("ni,nij->nj", pos, sym[graph.batch])
+    new_pos = pos + rowvec_matmul(pos, sym, graph.batch)
     new_cell = graph.cell + torch.einsum("sij,sjk->sik", graph.cell, sym)
     return StrainedGraph(graph.replace({K.POSITIONS: new_pos, K.CELL: new_cell}), pos, strain)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from xnn.data.graph import AtomicGraph
+from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.errors import InputError, ModelFileError
 from xnn.models.base import AtomisticModel
 from xnn.models.external._common import check_dtype, edges_within, leaf_safe
@@ -108,7 +108,7 @@ class MACEWrapper(AtomisticModel):
         cell = graph.cell
         receiver = edge_index[1]
         unit_shifts = -shifts.to(cell.dtype)  # MACE vector = pos[recv] - pos[send] + shift
-        cart_shifts = torch.einsum("ek,ekl->el", unit_shifts, cell[graph.batch[receiver]])
+        cart_shifts = rowvec_matmul(unit_shifts, cell, graph.batch, receiver)
         index = self.z_to_index[graph.numbers]
         node_attrs = nn.functional.one_hot(index, len(self.species)).to(cell.dtype)
         n_sys = graph.n_systems

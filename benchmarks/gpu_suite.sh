@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU benchmark suite as run on the device machine (H200s): `bash benchmarks/gpu_suite.sh PART OUTDIR`.
+# Each step has its own time limit so that one slow step cannot take the whole run.
+# PART 1: CUDA tests, neighbor lists, models, MD (1 GPU).
+# PART 2: NCCL decomposed-vs-single validation and domain-decomposition scaling (2 GPUs).
+# PART 3: training throughput, DDP efficiency (2 GPUs), equivariant memory ceiling (1 GPU).
+set -u
+PART=${1:?part}; OUT=${2:?outdir}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+step() { local limit=$1 name=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)";
+         timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name rc=$?"; tail -n 25 "$OUT/$name.log"; }
+case "$PART" in
+1)
+  step 90 gpu_tests python3 -m pytest -q -m gpu tests/test_neighbors.py tests/test_schnet_painn.py -p no:cacheprovider
+  step 100 neighbors python3 benchmarks/neighbors.py --device cuda --json "$OUT/neighbors_h200.json"
+  step 170 models python3 benchmarks/models.py --device cuda --dtype float32 --json "$OUT/models_h200.json"
+  step 150 md python3 benchmarks/md.py --device cuda --dtype float32 --json "$OUT/md_h200.json"
+  ;;
+2)
+  python3 - <<'PY'
+from ase.build import bulk
+a = bulk("Cu", "fcc", a=3.61, cubic=True) * (10, 10, 10); a.rattle(0.05, seed=0); a.write("/tmp/cu4000.xyz")
+b = a.copy(); b.set_cell(b.cell.array @ [[1, 0.3, 0.2], [0, 1, 0.25], [0, 0, 1]], scale_atoms=True); b.write("/tmp/cu_tri.xyz")
+PY
+  for spec in lj:sigma=2.3,epsilon=0.4,cutoff=5.0 painn equivariant sevenn:checkpoint=7net-0; do
+    for s in /tmp/cu4000.xyz /tmp/cu_tri.xyz; do
+      step 60 "validate_${spec%%:*}_$(basename $s .xyz)" torchrun --nproc-per-node 2 -m xnn validate --model "$spec" \
+        --structure "$s" --dtype float64 --device cuda --json "$OUT/validate_${spec%%:*}_$(basename $s .xyz).json"
+    done
+  done
+  step 330 dd torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models painn,equivariant,sevenn \
+      --scaling both --json "$OUT/dd_h200x2.json"
+  ;;
+3)
+  step 200 training python3 benchmarks/training.py --device cuda --json "$OUT/training_h200.json"
+  step 120 training_ddp torchrun --nproc-per-node 2 benchmarks/training.py --device cuda --no-mace --json "$OUT/training_ddp_h200x2.json"
+  step 150 equivariant_max python3 benchmarks/bench_equivariant.py --device cuda --find-max --dtype float32 --json "$OUT/equivariant_max_h200.json"
+  ;;
+esac

@@ -24,17 +24,18 @@ a = bulk("Cu", "fcc", a=3.61, cubic=True) * (10, 10, 10); a.rattle(0.05, seed=0)
 b = a.copy(); b.set_cell(b.cell.array @ [[1, 0.3, 0.2], [0, 1, 0.25], [0, 0, 1]], scale_atoms=True); b.write("/tmp/cu_tri.xyz")
 PY
   for spec in lj:sigma=2.3,epsilon=0.4,cutoff=5.0 painn equivariant sevenn:checkpoint=7net-0; do
-    for s in /tmp/cu4000.xyz /tmp/cu_tri.xyz; do
+    for s in /tmp/cu_tri.xyz; do
       step 60 "validate_${spec%%:*}_$(basename $s .xyz)" torchrun --nproc-per-node 2 -m xnn validate --model "$spec" \
         --structure "$s" --dtype float64 --device cuda --json "$OUT/validate_${spec%%:*}_$(basename $s .xyz).json"
     done
   done
-  step 330 dd torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models painn,equivariant,sevenn \
+  step 300 dd torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models painn,equivariant,sevenn \
       --scaling both --json "$OUT/dd_h200x2.json"
   ;;
 3)
-  step 200 training python3 benchmarks/training.py --device cuda --json "$OUT/training_h200.json"
-  step 120 training_ddp torchrun --nproc-per-node 2 benchmarks/training.py --device cuda --no-mace --json "$OUT/training_ddp_h200x2.json"
-  step 150 equivariant_max python3 benchmarks/bench_equivariant.py --device cuda --find-max --dtype float32 --json "$OUT/equivariant_max_h200.json"
+  step 150 md python3 benchmarks/md.py --device cuda --dtype float32 --json "$OUT/md_h200.json"
+  step 150 training python3 benchmarks/training.py --device cuda --json "$OUT/training_h200.json"
+  step 100 training_ddp torchrun --nproc-per-node 2 benchmarks/training.py --device cuda --no-mace --json "$OUT/training_ddp_h200x2.json"
+  step 120 equivariant_max python3 benchmarks/bench_equivariant.py --device cuda --find-max --dtype float32 --json "$OUT/equivariant_max_h200.json"
   ;;
 esac

@@ -157,7 +157,14 @@ def point(model, n_atoms, manager, args, mode, baseline_atoms=None):
                 base = {"time_s": None, "error": "out of memory"}
                 torch.cuda.empty_cache()
     graph = structure(n_atoms, dtype) if manager.is_main else None
-    dec = decomposed(model, graph, manager, args, mode)
+    try:  # ranks hold equal shares, so they run out of memory together
+        dec = decomposed(model, graph, manager, args, mode)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        dec = {"time_s": None, "error": "out of memory"}
+    if dec.get("time_s") is None:
+        return {"n_atoms": n_atoms, "ranks": manager.world_size, "single": base,
+                "decomposed": dec}
     out = {"n_atoms": graph.n_atoms if graph is not None else None, "ranks": manager.world_size,
            "single": base, "decomposed": dec}
     if manager.is_main and base.get("time_s"):

@@ -33,9 +33,10 @@ PY
       --scaling both --json "$OUT/dd_h200x2.json"
   ;;
 3)
-  step 150 md python3 benchmarks/md.py --device cuda --dtype float32 --json "$OUT/md_h200.json"
-  step 150 training python3 benchmarks/training.py --device cuda --json "$OUT/training_h200.json"
-  step 100 training_ddp torchrun --nproc-per-node 2 benchmarks/training.py --device cuda --no-mace --json "$OUT/training_ddp_h200x2.json"
-  step 120 equivariant_max python3 benchmarks/bench_equivariant.py --device cuda --find-max --dtype float32 --json "$OUT/equivariant_max_h200.json"
+  step 120 md python3 benchmarks/md.py --device cuda --dtype float32 --json "$OUT/md_h200.json"
+  step 140 training python3 benchmarks/training.py --device cuda --json "$OUT/training_h200.json"
+  step 90 training_ddp torchrun --nproc-per-node 2 benchmarks/training.py --device cuda --no-mace --json "$OUT/training_ddp_h200x2.json"
+  step 210 dd_equivariant torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models equivariant \
+      --sizes 100000,1000000 --atoms-per-rank 250000 --repeat 3 --scaling both --json "$OUT/dd_equivariant_h200x2.json"
   ;;
 esac

@@ -39,4 +39,16 @@ PY
   step 210 dd_equivariant torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models equivariant \
       --sizes 100000,1000000 --atoms-per-rank 250000 --repeat 3 --scaling both --json "$OUT/dd_equivariant_h200x2.json"
   ;;
+4)
+  python3 - <<'PY'
+from ase.build import bulk
+a = bulk("Cu", "fcc", a=3.61, cubic=True) * (4, 4, 4); a.rattle(0.05, seed=0)
+a.set_cell(a.cell.array @ [[1, 0.3, 0.2], [0, 1, 0.25], [0, 0, 1]], scale_atoms=True); a.write("/tmp/cu256_tri.xyz")
+PY
+  step 150 md python3 benchmarks/md.py --device cuda --dtype float32 --json "$OUT/md_h200.json"
+  step 90 validate_sevenn_cu256_tri torchrun --nproc-per-node 2 -m xnn validate --model sevenn:checkpoint=7net-0 \
+      --structure /tmp/cu256_tri.xyz --dtype float64 --device cuda --json "$OUT/validate_sevenn_cu256_tri.json"
+  step 200 dd_sevenn torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models sevenn \
+      --sizes 10000,40000 --atoms-per-rank 10000 --repeat 3 --scaling both --json "$OUT/dd_sevenn_h200x2.json"
+  ;;
 esac

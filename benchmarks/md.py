@@ -122,10 +122,27 @@ def bench_batched(n_systems: int, steps: int, device, dtype) -> dict:
     return row
 
 
+def _patch_torchsim_mace_setup(cls) -> None:
+    """torch-sim 0.4.0's ``MaceModel.setup_from_system_idx`` calls ``.numpy()`` on the
+    state's (CUDA) atomic numbers; run that one-off set-up on CPU copies instead."""
+    if getattr(cls, "_xnn_patched", False):
+        return
+    original = cls.setup_from_system_idx
+
+    def setup(self, atomic_numbers, system_idx):
+        original(self, atomic_numbers.cpu(), system_idx.cpu())
+        self.atomic_numbers, self.system_idx = atomic_numbers, system_idx
+
+    cls.setup_from_system_idx = setup
+    cls._xnn_patched = True
+
+
 def torchsim_rate(mace_model, atoms, steps: int, device, dtype, warmup: int = 3) -> dict:
     """torch-sim's NVE with its MaceModel (API of torch-sim 0.2–0.5, imported lazily)."""
     import torch_sim as ts
     from torch_sim.models.mace import MaceModel
+
+    _patch_torchsim_mace_setup(MaceModel)
 
     model = MaceModel(model=mace_model, device=device, dtype=dtype, compute_forces=True,
                       compute_stress=False)
@@ -175,6 +192,9 @@ def bench_mace(sizes, steps, device, dtype) -> list:
                                                / row["torch_sim"]["atom_steps_per_s"])
             except ImportError as e:
                 row["torch_sim"] = {"skipped": f"torch_sim not importable: {e}"}
+            except torch.OutOfMemoryError:
+                row["torch_sim"] = {"error": "out of memory"}
+                torch.cuda.empty_cache()
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
             torch.cuda.empty_cache()

@@ -291,8 +291,18 @@ def test_verlet_list_reuse_and_rebuild(backend):
     p[7, 1] += 0.3 * skin
     nl(graph.replace(positions=p))
     assert nl.n_builds == 3
-    # a changed cell: rebuilt even without atom motion
-    g = graph.replace(positions=p, cell=graph.cell * 1.001)
+    # a small deformation of cell and atoms (NPT-like): reused while
+    # (cutoff + skin) |F - 1| + 2 d < skin, and still complete within the cutoff
+    shear = torch.tensor([[1.0, 0.03, 0.0], [0.0, 0.98, 0.02], [0.01, 0.0, 1.02]],
+                         dtype=p.dtype)
+    g = graph.replace(positions=p @ shear, cell=graph.cell @ shear)
+    out = nl(g)
+    assert nl.n_builds == 3
+    ei, sh = neighbor_list(g.positions, g.cell, g.pbc, cutoff, g.batch, "brute")
+    assert _short_edges(out, cutoff) == _as_set(ei, sh)
+    # a deformation beyond that bound: rebuilt even without motion relative to the cell
+    strong = torch.diag(torch.tensor([1.3, 1.0, 1.0], dtype=p.dtype))
+    g = graph.replace(positions=p @ strong, cell=graph.cell @ strong)
     nl(g)
     assert nl.n_builds == 4
     # changed periodicity: rebuilt, and the list matches the new boundary conditions
@@ -424,3 +434,25 @@ def test_vesin_torch_path_on_cpu(monkeypatch):
     for dtype in (torch.float64, torch.float32):
         _check(atoms, "vesin", dtype)
     assert len(calls) == 8
+
+
+def test_verlet_list_stays_complete_under_random_deformations():
+    """Whenever the list is reused after cell + atom changes, it holds every pair < cutoff."""
+    rng = np.random.default_rng(11)
+    cutoff, skin = 3.0, 0.8
+    graph = _fcc_graph(rng)
+    nl = VerletList(cutoff, skin, "torch")
+    nl(graph)
+    reused = 0
+    for _ in range(40):
+        deform = torch.eye(3, dtype=torch.float64) + torch.tensor(
+            rng.normal(scale=0.03, size=(3, 3)))
+        step = torch.tensor(rng.normal(scale=0.08, size=graph.positions.shape))
+        g = graph.replace(positions=graph.positions @ deform + step,
+                          cell=graph.cell @ deform)
+        before = nl.n_builds
+        out = nl(g)
+        reused += nl.n_builds == before
+        ei, sh = neighbor_list(g.positions, g.cell, g.pbc, cutoff, g.batch, "brute")
+        assert _short_edges(out, cutoff) == _as_set(ei, sh)
+    assert reused > 0  # the deformation-aware rule does reuse lists

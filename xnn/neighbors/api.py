@@ -126,8 +126,13 @@ def with_edges(graph: AtomicGraph, cutoff: float, backend: str = "auto") -> Atom
 class VerletList:
     """A neighbor list for ``cutoff + skin`` reused until an atom moved more than ``skin / 2``.
 
-    The list is rebuilt automatically when any atom has moved more than half the skin since
-    the last build, when the cell changed, or when the atoms (count, species, ids) changed.
+    The list is rebuilt automatically when it may have become incomplete, or when the atoms
+    (count, species, ids, pbc) changed. Under a cell change (NPT, cell relaxation) the list
+    stays valid while ``(cutoff + skin) * |F - 1| + 2 d < skin`` in every system, where
+    ``F = inv(cell_0) @ cell`` is the deformation since the build (spectral norm) and ``d``
+    the largest displacement from the affinely deformed reference positions: a pair at
+    ``>= cutoff + skin`` at the build is then still beyond ``cutoff``. With a fixed cell this
+    is the usual "an atom moved more than skin / 2".
     Edges longer than ``cutoff`` remain in the list: models must give them zero weight
     (every xnn model masks or smoothly cuts off at its cutoff).
     """
@@ -164,12 +169,30 @@ class VerletList:
             return True
         if not torch.equal(graph.numbers, self._ref_numbers):
             return True
-        if not torch.equal(graph.cell.detach(), self._ref_cell):
-            return True
+        cell = graph.cell.detach()
+        same_cell = torch.equal(cell, self._ref_cell)
         if self.skin == 0.0:
-            return not torch.equal(graph.positions.detach(), self._ref_positions)
-        disp = (graph.positions.detach() - self._ref_positions).norm(dim=-1)
-        return bool(disp.max() > 0.5 * self.skin) if disp.numel() else False
+            return not (same_cell and torch.equal(graph.positions.detach(), self._ref_positions))
+        if graph.n_atoms == 0:
+            return not same_cell
+        return self._beyond_skin(graph, cell, same_cell)
+
+    def _beyond_skin(self, graph: AtomicGraph, cell: Tensor, same_cell: bool) -> bool:
+        ref = self._ref_positions
+        if same_cell:
+            disp = (graph.positions.detach() - ref).norm(dim=-1)
+            return bool(disp.max() > 0.5 * self.skin)
+        ref_full = complete_cell(self._ref_cell)
+        deform = torch.linalg.solve(ref_full, complete_cell(cell))  # F = inv(C0) @ C1
+        eye = torch.eye(3, dtype=deform.dtype, device=deform.device)
+        strain = torch.linalg.matrix_norm(deform - eye, ord=2)  # [n_systems]
+        affine = torch.einsum("ni,nij->nj", ref, deform[graph.batch])
+        disp = (graph.positions.detach() - affine).norm(dim=-1)
+        d_max = torch.zeros_like(strain).scatter_reduce(
+            0, graph.batch, disp, reduce="amax", include_self=True
+        )
+        budget = (self.cutoff + self.skin) * strain + 2.0 * d_max
+        return bool((budget >= self.skin).any())
 
     def __call__(self, graph: AtomicGraph) -> AtomicGraph:
         """Return ``graph`` with ``edge_index`` and ``shifts`` attached (rebuilding if needed)."""

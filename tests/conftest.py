@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from ase import Atoms
 
 from xnn.testing.systems import random_molecule, random_periodic_system
@@ -57,3 +58,12 @@ def ar_mixed_pbc() -> Atoms:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a test module with one torch thread (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

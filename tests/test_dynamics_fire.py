@@ -16,12 +16,8 @@ from xnn.units import EV_PER_A3_TO_GPA, GPA_TO_EV_PER_A3
 SIGMA, EPS, RC = 3.405, 0.0104, 7.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# small MD systems: one thread avoids thread overhead on small CPU tensors
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rattled(a=5.3, rep=2, seed=0, amp=0.15):

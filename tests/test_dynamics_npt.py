@@ -16,13 +16,8 @@ from xnn.errors import InputError
 from xnn.models import Potential, build
 from xnn.units import EV_PER_A3_TO_GPA, GPA_TO_EV_PER_A3, KB
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# small MD systems: one thread avoids thread overhead on small CPU tensors
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lj(rc=6.5, eps=0.0104):

@@ -16,12 +16,8 @@ from xnn.models import Potential, build
 SIGMA, EPS, RC = 3.405, 0.0104, 8.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# small MD systems: one thread avoids thread overhead on small CPU tensors
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def argon(rep=2, a=5.26, rattle=0.05, seed=0):

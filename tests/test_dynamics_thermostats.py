@@ -24,12 +24,8 @@ from xnn.units import KB
 TEMPS = [30.0, 45.0, 60.0, 75.0, 30.0, 45.0, 60.0, 75.0]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# small MD systems: one thread avoids thread overhead on small CPU tensors
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batch_of_crystals(n=8, seed=0):

@@ -23,12 +23,8 @@ LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104"
       "model.params.cutoff=6.5", "output.progress=false"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# small MD systems: one thread avoids thread overhead on small CPU tensors
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -44,16 +44,22 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run_config(args, command: str, schema, runner) -> int:
+    """Load ``schema`` from the command's config and overrides; print it or run ``runner``."""
     from xnn.config.loader import load_config, to_yaml
-    from xnn.config.md import MDConfig
-    from xnn.dynamics.runner import run_md
 
     config, overrides = split_args(args.config, args.overrides)
-    cfg = load_config(MDConfig, config, overrides)
+    cfg = load_config(schema, config, overrides)
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    out = run_md(cfg)
-    print(f"xnn md: done; results in {out}")
+    out = runner(cfg)
+    print(f"xnn {command}: done; results in {out}")
     return 0
+
+
+def run(args) -> int:
+    from xnn.config.md import MDConfig
+    from xnn.dynamics.runner import run_md
+
+    return run_config(args, "md", MDConfig, run_md)

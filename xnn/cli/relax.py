@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xnn.cli.md import add_config_parser, split_args
+from xnn.cli.md import add_config_parser, run_config
 
 
 def add_parser(sub) -> None:
@@ -18,15 +18,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from xnn.config.loader import load_config, to_yaml
     from xnn.config.md import RelaxConfig
     from xnn.dynamics.runner import run_relax
 
-    config, overrides = split_args(args.config, args.overrides)
-    cfg = load_config(RelaxConfig, config, overrides)
-    if args.print_config:
-        print(to_yaml(cfg))
-        return 0
-    out = run_relax(cfg)
-    print(f"xnn relax: done; results in {out}")
-    return 0
+    return run_config(args, "relax", RelaxConfig, run_relax)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from xnn.data import keys as K
-from xnn.data.graph import AtomicGraph, complete_cell
+from xnn.data.graph import AtomicGraph, complete_cell, rowvec_matmul
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
 from xnn.neighbors.common import check_inputs
@@ -186,7 +186,7 @@ class VerletList:
         deform = torch.linalg.solve(ref_full, complete_cell(cell))  # F = inv(C0) @ C1
         eye = torch.eye(3, dtype=deform.dtype, device=deform.device)
         strain = torch.linalg.matrix_norm(deform - eye, ord=2)  # [n_systems]
-        affine = torch.einsum("ni,nij->nj", ref, deform[graph.batch])
+        affine = rowvec_matmul(ref, deform, graph.batch)
         disp = (graph.positions.detach() - affine).norm(dim=-1)
         d_max = torch.zeros_like(strain).scatter_reduce(
             0, graph.batch, disp, reduce="amax", include_self=True

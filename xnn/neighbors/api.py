@@ -103,11 +103,11 @@ def neighbor_list(
         n_wrap = None
         if pbc.any() and name not in _TAKES_UNWRAPPED:
             # whole lattice vectors that bring each atom into the cell along periodic axes
-            frac = torch.einsum("ni,nij->nj", pos, torch.linalg.inv(full)[batch])
+            frac = rowvec_matmul(pos, torch.linalg.inv(full), batch)
             n = torch.where(pbc[batch], torch.floor(frac), torch.zeros_like(frac))
             if bool(n.any()):
                 n_wrap = n.to(torch.long)
-                pos = pos - torch.einsum("ni,nij->nj", n, full[batch])
+                pos = pos - rowvec_matmul(n, full, batch)
         edge_index, shifts = _BACKENDS[name](pos, full, pbc, float(cutoff), batch)
         if n_wrap is not None and edge_index.shape[1] > 0:
             # pos_w = pos - n @ cell, so

@@ -79,6 +79,12 @@ class OutputConfig:
         check_range("output.log_every", self.log_every, 1)
 
 
+def resume_field():
+    """The ``resume`` option of ``xnn md`` and ``xnn relax`` (one definition for both)."""
+    return field(None, "checkpoint (output.dir/checkpoint.pt) to continue from, writing into "
+                 "the same output.dir; bitwise identical to an uninterrupted run on CPU")
+
+
 @dataclass
 class SafetyConfig:
     min_distance: float = field(0.5, "stop when two atoms come closer than this (Å)")
@@ -118,7 +124,7 @@ class MDConfig:
     barostat: BarostatConfig = field(BarostatConfig(), "barostat settings (npt)")
     output: OutputConfig = field(OutputConfig(), "files written")
     safety: SafetyConfig = field(SafetyConfig(), "checks that stop a diverging run")
-    resume: str | None = field(None, "checkpoint to continue from (bitwise identical on CPU)")
+    resume: str | None = resume_field()
 
     def __post_init__(self):
         check_range("temperature", self.temperature, 0.0)
@@ -151,7 +157,9 @@ class RelaxConfig:
     maxstep: float = field(0.2, "largest FIRE move per step (Å)")
     output: OutputConfig = field(OutputConfig(dir="relax_output", trajectory_every=10,
                                               log_every=1, checkpoint_every=0),
-                                 "files written")
+                                 "files written (checkpoint.pt every checkpoint_every "
+                                 "steps and at the end)")
+    resume: str | None = resume_field()
 
     def __post_init__(self):
         check_range("fmax", self.fmax, 0.0, low_inclusive=False)

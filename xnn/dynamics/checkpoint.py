@@ -1,5 +1,6 @@
-"""MD checkpoints: the full integrator state (graph, forces, thermostat variables, RNG
-state), the neighbor list, and the sizes of the output files, written atomically."""
+"""Checkpoints of ``xnn md`` and ``xnn relax``: the full integrator state (graph, forces,
+thermostat or FIRE variables, RNG state), the neighbor list, and the sizes of the output
+files, written atomically. ``meta["kind"]`` (``"md"`` or ``"relax"``) names the writer."""
 
 from __future__ import annotations
 
@@ -83,18 +84,28 @@ def _to_cpu(d):
     return out
 
 
-def load_checkpoint(path: str | os.PathLike, device=None, potential=None) -> tuple[MDState, dict]:
-    """Read a checkpoint; returns the state (on ``device``) and its ``meta`` dict."""
-    path = Path(path)
+def load_checkpoint(
+    path: str | os.PathLike, device=None, potential=None, kind: str | None = None
+) -> tuple[MDState, dict]:
+    """Read a checkpoint; returns the state (on ``device``) and its ``meta`` dict.
+
+    Args:
+        kind: the run that must have written it (``"md"``, ``"relax"``); ``None``: any.
+    Raises:
+        DataFileError: missing, unreadable, or not a checkpoint of ``kind``.
+    """
+    path, what = Path(path), f"xnn {kind or 'md/relax'} checkpoint"
     if not path.is_file():
         raise DataFileError(f"checkpoint not found: {path}")
     try:
         p = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise DataFileError(f"{path} is not a readable MD checkpoint "
-                            f"({type(e).__name__})") from None
+        raise DataFileError(f"{path} is not a readable {what} ({type(e).__name__})") from None
     if not isinstance(p, dict) or p.get("format") != FORMAT:
-        raise DataFileError(f"{path} is not an xnn MD checkpoint")
+        raise DataFileError(f"{path} is not an {what}")
+    got = p["meta"].get("kind")
+    if kind is not None and got != kind:
+        raise DataFileError(f"{path} is an xnn {got} checkpoint, not an {what}")
     graph = AtomicGraph({k: v.to(device) for k, v in p["graph"].items()}, validate=False)
     state = MDState(
         graph=graph,

@@ -4,13 +4,16 @@
 or loads the model, and integrates, writing under ``output.dir``: ``config.yaml``,
 ``thermo.csv`` (+ ``thermo.png``), ``trajectory.xyz``/``.h5``, ``checkpoint.pt``. A run
 started with ``resume=checkpoint.pt`` continues bitwise identically on CPU (integrator,
-thermostat and RNG state, neighbor list and output files are restored). Safety checks stop
+thermostat and RNG state, neighbor list and output files are restored). ``run_relax``
+(FIRE) writes ``relax.csv``, ``relax_trajectory``, ``relaxed.xyz`` and ``checkpoint.pt``
+and resumes the same way. Safety checks stop
 a diverging run with a clear message after writing ``last_good.xyz`` and
 ``checkpoint_last_good.pt``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +39,7 @@ from xnn.dynamics.setup import (
 )
 from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import ThermoLog, observables, plot_log
-from xnn.errors import InputError
+from xnn.errors import DataFileError, InputError
 from xnn.io.trajectory import ExtxyzWriter, open_trajectory
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -103,11 +106,23 @@ def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) ->
                            f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
 
 
+def _setup(schema, config, overrides: Sequence[str]):
+    """The config (object or YAML path + dotlist overrides), device, dtype, potential and
+    output folder (created, with ``config.yaml``) of an ``xnn md`` / ``xnn relax`` run."""
+    cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
+    device, dtype = resolve_device(cfg.model.device), _DTYPES[cfg.model.dtype]
+    potential = load_potential(cfg.model, device, dtype)
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "config.yaml")
+    return cfg, device, dtype, potential, out_dir
+
+
 def _start(cfg: MDConfig, potential, device, dtype):
     """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
     integrator = get_integrator(cfg.ensemble)
     if cfg.resume:
-        state, meta = ckpt.load_checkpoint(cfg.resume, device, potential)
+        state, meta = ckpt.load_checkpoint(cfg.resume, device, potential, kind="md")
         if meta.get("ensemble") != cfg.ensemble:
             raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} run, "
                              f"not {cfg.ensemble!r}")
@@ -129,12 +144,7 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
     Raises:
         SimulationError: the run diverged (after writing the last good frame and a checkpoint).
     """
-    cfg = config if isinstance(config, MDConfig) else load_config(MDConfig, config, overrides)
-    device, dtype = resolve_device(cfg.model.device), _DTYPES[cfg.model.dtype]
-    potential = load_potential(cfg.model, device, dtype)
-    out_dir = Path(cfg.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "config.yaml")
+    cfg, device, dtype, potential, out_dir = _setup(MDConfig, config, overrides)
     integrator, state, meta = _start(cfg, potential, device, dtype)
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
                                                                  state.positions))
@@ -189,47 +199,110 @@ def _loop(
     return state
 
 
+class _RelaxLog:
+    """``relax.csv``, one row per system per logged step, appended as the run goes.
+
+    Args:
+        path: CSV file.
+        truncate_to: on resume, the size (bytes) to cut the file to; ``None``: a new file.
+    """
+
+    HEADER = "step,system,energy_eV,fmax_eV_A,volume_A3\n"
+
+    def __init__(self, path: Path, truncate_to: int | None):
+        self.path = path
+        if truncate_to is None:
+            path.write_text(self.HEADER)
+        elif not path.is_file() or path.stat().st_size < truncate_to:
+            raise DataFileError(f"cannot resume: {path} is missing or shorter than the "
+                                "checkpoint says")
+        else:
+            os.truncate(path, truncate_to)
+
+    def write(self, state: MDState, fm: torch.Tensor) -> None:
+        cols = zip(state.energy.tolist(), fm.tolist(), state.graph.volume().tolist())
+        with open(self.path, "a") as fh:
+            fh.writelines(f"{state.step},{s},{e!r},{f!r},{v!r}\n"
+                          for s, (e, f, v) in enumerate(cols))
+
+    def position(self) -> int:
+        return self.path.stat().st_size
+
+
+class _RelaxOutputs:
+    """``relax.csv``, the relaxation trajectory and ``checkpoint.pt`` of one relaxation."""
+
+    def __init__(self, cfg: RelaxConfig, n_atoms: int, meta: dict | None):
+        self.cfg, self.dir = cfg, Path(cfg.output.dir)
+        files = meta["files"] if meta else {}
+        self.log = _RelaxLog(self.dir / "relax.csv", files.get("log_bytes"))
+        self.traj = None
+        if cfg.output.trajectory_every:
+            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
+                                        files.get("trajectory") if meta else None,
+                                        name="relax_trajectory")
+
+    def meta(self, done: torch.Tensor) -> dict:
+        """The checkpoint meta: settings, per-system convergence, output sizes (before this
+        step's rows and frame, which a resumed run writes again)."""
+        files = {"log_bytes": self.log.position()}
+        if self.traj is not None:
+            files["trajectory"] = self.traj.position()
+        return {"kind": "relax", "settings": _relax_settings(self.cfg),
+                "converged": done.tolist(), "files": files}
+
+    def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
+        out = self.cfg.output
+        if force or state.step % out.log_every == 0:
+            self.log.write(state, fm)
+        if self.traj is not None and state.step % out.trajectory_every == 0:
+            self.traj.write(state.graph, state.step, _results(state))
+
+    def close(self) -> None:
+        if self.traj is not None:
+            self.traj.close()
+
+
+def _relax_settings(cfg: RelaxConfig) -> dict:
+    """The options a resumed relaxation must share with the run that wrote the checkpoint."""
+    return {"relax_cell": cfg.relax_cell, "maxstep": cfg.maxstep, "dtype": cfg.model.dtype,
+            "pressure_eV_A3": pressure_to_internal(cfg.pressure, cfg.pressure_unit)}
+
+
+def _relax_start(cfg: RelaxConfig, potential, device, dtype) -> tuple[MDState, dict | None]:
+    """The FIRE state (fresh, or from ``cfg.resume``) and the checkpoint meta (``None``: fresh)."""
+    graph = load_structure(cfg.structure, cfg.index, device, dtype)
+    check_species(potential, graph)
+    if not cfg.resume:
+        return fire.init(graph, potential, relax_cell=cfg.relax_cell, maxstep=cfg.maxstep,
+                         pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit)), None
+    state, meta = ckpt.load_checkpoint(cfg.resume, device, potential, kind="relax")
+    if state.n_systems != graph.n_systems or not torch.equal(state.graph.numbers,
+                                                             graph.numbers):
+        raise InputError(f"checkpoint {cfg.resume} holds {state.n_systems} structures "
+                         f"({state.graph.n_atoms} atoms), but structure={cfg.structure} "
+                         f"index={cfg.index} selects {graph.n_systems} ({graph.n_atoms} atoms)")
+    want, got = _relax_settings(cfg), meta["settings"]
+    diff = [f"{k}={got[k]!r}" for k in want if want[k] != got[k]]
+    if diff:
+        raise InputError(f"checkpoint {cfg.resume} was written with {', '.join(diff)}; "
+                         "resume with the same settings")
+    return state, meta
+
+
 def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
-    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz`` and ``relax.csv``.
+    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz``, ``relax.csv``
+    and ``checkpoint.pt`` (every ``output.checkpoint_every`` steps and at the end).
+
+    With ``resume=checkpoint.pt`` (same output folder) the relaxation continues (up to the
+    new ``max_steps``) and its outputs are bitwise identical to an uninterrupted run on CPU.
 
     Returns:
         the output folder.
     """
-    cfg = config if isinstance(config, RelaxConfig) else load_config(RelaxConfig, config,
-                                                                     overrides)
-    device, dtype = resolve_device(cfg.model.device), _DTYPES[cfg.model.dtype]
-    potential = load_potential(cfg.model, device, dtype)
-    out_dir = Path(cfg.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "config.yaml")
-    graph = load_structure(cfg.structure, cfg.index, device, dtype)
-    check_species(potential, graph)
-    state = fire.init(graph, potential, relax_cell=cfg.relax_cell, maxstep=cfg.maxstep,
-                      pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit))
-    traj = (open_trajectory(out_dir, cfg.output.trajectory_format, graph.n_atoms,
-                            name="relax_trajectory") if cfg.output.trajectory_every else None)
-    rows = ["step,system,energy_eV,fmax_eV_A,volume_A3\n"]
-    bar = _progress(cfg.output, cfg.max_steps, 0, "relax")
-    try:
-        while True:
-            fm = fire.fmax(state)
-            if state.step % cfg.output.log_every == 0 or bool((fm < cfg.fmax).all()):
-                for s, (e, f, v) in enumerate(zip(state.energy.tolist(), fm.tolist(),
-                                                  state.graph.volume().tolist())):
-                    rows.append(f"{state.step},{s},{e!r},{f!r},{v!r}\n")
-            if traj is not None and state.step % cfg.output.trajectory_every == 0:
-                traj.write(state.graph, state.step, _results(state))
-            if bool((fm < cfg.fmax).all()) or state.step >= cfg.max_steps:
-                break
-            check_forces(state, float("inf"))
-            state = fire.step(state, potential, cfg.fmax)
-            bar.update(1)
-            bar.set_postfix(fmax=f"{float(fm.max()):.3g}", refresh=False)
-    finally:
-        bar.close()
-        if traj is not None:
-            traj.close()
-    (out_dir / "relax.csv").write_text("".join(rows))
+    cfg, device, dtype, potential, out_dir = _setup(RelaxConfig, config, overrides)
+    state, meta = _relax_start(cfg, potential, device, dtype)
+    state = _relax_loop(cfg, state, potential, _RelaxOutputs(cfg, state.graph.n_atoms, meta))
     ExtxyzWriter(out_dir / "relaxed.xyz").write(state.graph.replace(velocities=None),
                                                state.step, _results(state))
     n_bad = int((fire.fmax(state) >= cfg.fmax).sum())
@@ -237,6 +310,38 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -
         print(f"xnn relax: {n_bad} of {state.n_systems} systems did not reach fmax={cfg.fmax} "
               f"eV/Å in {cfg.max_steps} steps")
     return out_dir
+
+
+def _relax_loop(cfg: RelaxConfig, state: MDState, potential, outputs: _RelaxOutputs) -> MDState:
+    """FIRE steps until every system is below ``cfg.fmax`` or ``cfg.max_steps``; checkpoints
+    are taken at the top of a step, before its rows are written."""
+    every, start, saved = cfg.output.checkpoint_every, state.step, None
+    bar = _progress(cfg.output, cfg.max_steps, min(start, cfg.max_steps), "relax")
+    try:
+        while True:
+            fm = fire.fmax(state)
+            done = fm < cfg.fmax
+            meta = outputs.meta(done)
+            if every and state.step % every == 0 and state.step != start:
+                saved = _save(outputs.dir, state, meta, potential)
+            outputs.record(state, fm, force=bool(done.all()))
+            if bool(done.all()) or state.step >= cfg.max_steps:
+                break
+            check_forces(state, float("inf"))
+            state = fire.step(state, potential, cfg.fmax)
+            bar.update(1)
+            bar.set_postfix(fmax=f"{float(fm.max()):.3g}", refresh=False)
+    finally:
+        bar.close()
+        outputs.close()
+    if saved != state.step:
+        _save(outputs.dir, state, meta, potential)
+    return state
+
+
+def _save(out_dir: Path, state: MDState, meta: dict, potential) -> int:
+    ckpt.save_checkpoint(out_dir / "checkpoint.pt", state, meta, potential)
+    return state.step
 
 
 def demo_md(

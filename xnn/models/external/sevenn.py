@@ -13,6 +13,18 @@ depends on positions and cell. SevenNet's XPLOR cutoff is *not* zero beyond the 
 edges at or beyond it (a Verlet skin) are dropped first. Nothing depends on the cell except
 through the shifts, so the wrapper runs unchanged on owned + ghost atoms.
 
+Sync points. One SevenNet interaction layer ``t`` is ``t_self_connection_intro``,
+``t_self_interaction_1``, ``t_convolution``, ``t_self_interaction_2``,
+``t_self_connection_outro`` and ``t_equivariant_gate``. All but the convolution are
+node-local; the convolution gathers ``x[edge_src]`` (``data["x"]``, irreps
+``128x0e+64x1e+32x2e`` = 480 numbers per atom for SevenNet-0 after the first layer). Edge
+quantities (spherical harmonics, radial embedding) depend only on ``r_ij``, and the species
+embedding only on the atom. So before the convolution of each layer ``t >= 1`` the wrapper
+passes exactly the tensor that convolution gathers through ``self.sync[t - 1]`` (a
+:class:`~xnn.models.base.SyncPoint`, the identity in one process). Under
+``DomainDecomposed(model, mode="sync")`` these become halo feature exchanges, so the halo is
+one cutoff (5 Å) plus skin instead of 5 x 5 Å.
+
 Checkpoint names ("7net-0", "7net-l3i5", ...) are resolved by
 ``sevenn.util.load_checkpoint`` to files shipped inside the ``sevenn`` wheel (no download
 for those). SevenNet checkpoints are pickles (trusted files only); xnn model files written
@@ -30,7 +42,7 @@ from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, ModelFileError
-from xnn.models.base import AtomisticModel
+from xnn.models.base import AtomisticModel, SyncPoint
 from xnn.models.external._common import check_dtype, edges_within
 from xnn.models.external._optional import import_extra, preserved_environ
 
@@ -103,6 +115,8 @@ class SevenNetWrapper(AtomisticModel):
     Attributes:
         cutoff: the checkpoint's cutoff (Å).
         num_interactions: number of convolution layers.
+        sync: ``nn.ModuleList`` of ``num_interactions - 1`` :class:`SyncPoint` identities,
+            applied to the node features gathered by convolutions ``1 .. num_interactions-1``.
         species: atomic numbers of the checkpoint's type map.
 
     The pretrained models are float32; ``wrapper.double()`` gives a float64 model.
@@ -119,7 +133,9 @@ class SevenNetWrapper(AtomisticModel):
         self.config = _primitive(config)
         self.source = source
         self.cutoff = float(model.cutoff)
-        self.num_interactions = sum(1 for n in model._modules if n.endswith("_convolution"))
+        self.convolutions = [n for n in model._modules if n.endswith("_convolution")]
+        self.num_interactions = len(self.convolutions)
+        self.sync = nn.ModuleList([SyncPoint() for _ in range(max(self.num_interactions - 1, 0))])
         self.species = sorted(int(z) for z in model.type_map)
         self.keys = {
             n: getattr(keys, n)
@@ -156,12 +172,35 @@ class SevenNetWrapper(AtomisticModel):
             )
         return data
 
+    @property
+    def sync_points(self) -> list[tuple[str, nn.Module]]:
+        """``[(name, module)]`` of the sync points in layer order (names as in named_modules)."""
+        return [(f"sync.{k}", m) for k, m in enumerate(self.sync)]
+
+    def set_sync_point(self, name: str, module: nn.Module) -> None:
+        """Replace the sync point ``name`` (e.g. ``"sync.0"``) by ``module``."""
+        names = [n for n, _ in self.sync_points]
+        if name not in names:
+            raise InputError(f"model has no sync point {name!r}; it has {names}")
+        self.sync[names.index(name)] = module
+
+    def _synced(self, name: str, module: nn.Module, data: dict, graph: AtomicGraph) -> dict:
+        """``data`` with the features convolution ``name`` gathers passed through its sync."""
+        layer = self.convolutions.index(name)
+        if layer == 0:
+            return data
+        key = getattr(module, "key_x", self.keys["NODE_FEATURE"])
+        data[key] = self.sync[layer - 1](data[key], graph)
+        return data
+
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV); ``graph`` must carry edges."""
         check_dtype(graph, self.model)
         out_key = self.keys["ATOMIC_ENERGY"]
         data = self.sevenn_inputs(graph)
-        for module in self.model:
+        for name, module in self.model.named_children():
+            if name in self.convolutions:
+                data = self._synced(name, module, data, graph)
             data = _as_dtype(module(data), graph.dtype)
             if out_key in data:
                 return data[out_key].reshape(-1).to(graph.dtype)

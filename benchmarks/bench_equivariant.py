@@ -38,7 +38,7 @@ from xnn.neighbors import with_edges  # noqa: E402
 
 
 def xnn_model(
-    channels: int, hidden_l_max: int, cutoff: float, chunk: int | None = None
+    channels: int, hidden_l_max: int, cutoff: float, chunk: int | str | None = None
 ) -> torch.nn.Module:
     return build(
         "equivariant", species=[29], cutoff=cutoff, channels=channels, l_max=2,
@@ -120,6 +120,18 @@ def measure(model, n_atoms: int, device: str, dtype, train: bool, repeat: int) -
     }
 
 
+def compiled_error(compiled, eager, n_atoms: int, device: str, dtype) -> float:
+    """``max |F_compiled - F_eager| / max |F_eager|`` on one FCC Cu system."""
+    atoms = fcc_cu(n_atoms)
+    g = AtomicGraph.from_arrays(
+        atoms.positions, atoms.numbers, atoms.cell.array, True, dtype=dtype, device=device
+    )
+    g = with_edges(g, float(eager.cutoff))
+    f1 = compute_properties(compiled, g, forces=True, stress=False)[K.FORCES]
+    f0 = compute_properties(eager, g, forces=True, stress=False)[K.FORCES]
+    return float((f1 - f0).abs().max() / f0.abs().max())
+
+
 def find_max(model, device: str, dtype, train: bool, start: int) -> int:
     """Largest FCC Cu size (grown by 1.25x) whose evaluation fits in device memory."""
     n, best = start, 0
@@ -136,10 +148,16 @@ def find_max(model, device: str, dtype, train: bool, start: int) -> int:
 def build_models(a: argparse.Namespace) -> dict[str, torch.nn.Module]:
     models = {}
     for chunk in a.chunks:
+        chunk = chunk if chunk == "auto" else (int(chunk) or None)
         torch.manual_seed(0)
         models[f"xnn_equivariant_chunk{chunk}"] = xnn_model(
-            a.channels, a.hidden_l_max, a.cutoff, chunk or None
+            a.channels, a.hidden_l_max, a.cutoff, chunk
         )
+        if a.compile:
+            torch.manual_seed(0)
+            model = xnn_model(a.channels, a.hidden_l_max, a.cutoff, chunk)
+            model.compile_for_inference()
+            models[f"xnn_equivariant_chunk{chunk}_compiled"] = model
     if not a.no_mace:
         mace = mace_model(a.channels, a.hidden_l_max, a.cutoff)
         if mace is not None:
@@ -189,8 +207,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cutoff", type=float, default=5.0)
     p.add_argument("--sizes", type=int, nargs="+", default=None)
     p.add_argument("--train", action="store_true", help="force-loss backward (double backward)")
-    p.add_argument("--chunks", type=int, nargs="+", default=[131072],
-                   help="edge_chunk_size values to run (0: never chunk); one model each")
+    p.add_argument("--chunks", nargs="+", default=["auto"],
+                   help="edge_chunk_size values to run (0: never chunk, auto: when memory "
+                        "needs it); one model each")
+    p.add_argument("--compile", action="store_true",
+                   help="also run each xnn model with compile_for_inference (same weights)")
     p.add_argument("--no-mace", action="store_true")
     p.add_argument("--find-max", action="store_true", help="CUDA: largest size that fits")
     p.add_argument("--repeat", type=int, default=3)
@@ -216,6 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
         params = sum(q.numel() for q in model.parameters())
         rows = [measure(model, n, a.device, dtype, a.train, a.repeat) for n in sizes]
         entry = {"parameters": params, "runs": rows}
+        if name.endswith("_compiled"):
+            eager = models[name.removesuffix("_compiled")].to(device=a.device, dtype=dtype)
+            entry["max_rel_force_error_vs_eager"] = compiled_error(model, eager, sizes[0],
+                                                                   a.device, dtype)
         if a.find_max and a.device.startswith("cuda"):
             entry["max_atoms"] = find_max(model, a.device, dtype, a.train, sizes[-1])
             print(f"{name}: largest size that fits: {entry['max_atoms']} atoms")

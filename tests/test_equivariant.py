@@ -4,6 +4,7 @@ double backward, fp32, hyperparameter round trip."""
 from __future__ import annotations
 
 import itertools
+import shutil
 
 import numpy as np
 import pytest
@@ -281,6 +282,48 @@ def test_chunked_edges_match_unchunked():
         torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-9)
     model = small_model(edge_chunk_size=37)
     assert len(model.edge_features(g).chunks) >= 3
+
+
+def test_auto_chunking_follows_available_memory(monkeypatch):
+    """``edge_chunk_size="auto"`` evaluates at once when the per-edge tensors fit and in
+    receiver chunks when they would not; both give the same energy, forces and stress."""
+    import xnn.models.equivariant as eq
+
+    system = random_periodic_system(SPECIES, 8, volume_per_atom=12.0, min_distance=1.3, seed=3)
+    g = with_edges(system, 3.5)
+    model = small_model()
+    assert model.edge_chunk_size == "auto"
+    assert model.edge_features(g).chunks is None  # plenty of memory here
+    full = compute_properties(model, g)
+    monkeypatch.setattr(eq, "AUTO_CHUNK", 50)
+    assert model.edge_features(g).chunks is None  # still fits
+    monkeypatch.setattr(eq, "available_memory", lambda device: g.n_edges * 100)
+    assert len(model.edge_features(g).chunks) >= 3  # would not fit: chunked
+    chunked = compute_properties(model, g)
+    for key in (K.ENERGY, K.FORCES, K.STRESS):
+        torch.testing.assert_close(chunked[key], full[key], atol=1e-12, rtol=1e-10)
+    with pytest.raises(InputError, match="edge_chunk_size"):
+        small_model(edge_chunk_size=0)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_inference_matches_eager():
+    """``compile_for_inference`` (torch.compile of the edge part) gives the same energy, forces
+    and stress as eager mode, also after the edge count changes (dynamic shapes)."""
+    model = small_model()
+    systems = [random_periodic_system(SPECIES, n, volume_per_atom=12.0, min_distance=1.3,
+                                      seed=n) for n in (6, 9)]
+    graphs = [with_edges(s, 3.5 + 0.3) for s in systems]  # Verlet skin: some edges dropped
+    eager = [compute_properties(model, g) for g in graphs]
+    assert model.compile_for_inference()
+    try:
+        compiled = [compute_properties(model, g) for g in graphs]
+    finally:
+        model.compile_for_inference(False)
+    for e, c in zip(eager, compiled):
+        for key in (K.ENERGY, K.FORCES, K.STRESS):
+            torch.testing.assert_close(c[key], e[key], atol=1e-12, rtol=1e-10)
 
 
 def test_empty_graph_and_isolated_atoms():

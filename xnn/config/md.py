@@ -26,6 +26,9 @@ class MDModelConfig:
     dtype: str = field("float64", "floating-point precision of the simulation",
                        choices=("float64", "float32"))
     device: str = field("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    compile: bool = field(False, "torch.compile the model's hot path where it has one (the "
+                          "equivariant model: ~1.5x faster on a GPU, after a first step that "
+                          "compiles for tens of seconds)")
 
     def __post_init__(self):
         check_range("model.skin", self.skin, 0.0)

@@ -45,7 +45,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return Potential(model, skin=cfg.skin, backend=cfg.neighbor_backend)
+    return Potential(model, skin=cfg.skin, backend=cfg.neighbor_backend, compile=cfg.compile)
 
 
 def load_structure(path: str, index: str, device: torch.device, dtype: torch.dtype) -> AtomicGraph:

@@ -39,6 +39,8 @@ class Calculator(_AseCalculator):
         dtype: floating-point dtype of the evaluation.
         skin: Verlet skin (Å) of the neighbor list reused between calls.
         neighbor_backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
+        compile: ``torch.compile`` the model's hot path (equivariant model: ~1.5x faster on a
+            GPU after a first call that compiles for tens of seconds).
 
     Attributes:
         n_model_calls: how many times the model was evaluated.
@@ -54,12 +56,14 @@ class Calculator(_AseCalculator):
         dtype: torch.dtype = torch.float64,
         skin: float = 0.0,
         neighbor_backend: str = "auto",
+        compile: bool = False,
     ):
         super().__init__()
         self.device = resolve_device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype)
-        self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
+        self.potential = Potential(self.model, skin=skin, backend=neighbor_backend,
+                                   compile=compile)
         self.n_model_calls = 0
 
     def calculate(self, atoms=None, properties=None, system_changes=all_changes) -> None:

@@ -48,6 +48,16 @@ class AtomisticModel(nn.Module):
                 f"the model (it knows {[chemical_symbols[z] for z in self.species]})"
             )
 
+    def compile_for_inference(self, enabled: bool = True) -> bool:
+        """Run the model's hot path through ``torch.compile`` (energy, forces, stress only).
+
+        Compiled kernels support one backward (forces, stress) but not the double backward of
+        force training, so trainers never enable this. The first call of each new input
+        layout compiles (tens of seconds). Returns whether the model has anything to compile
+        (the base class has not).
+        """
+        return False
+
     def forward(self, graph: AtomicGraph) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
 from xnn.models.derivatives import compute_properties
 from xnn.neighbors import VerletList
 
@@ -17,10 +18,16 @@ class Potential:
         model: an :class:`~xnn.models.base.AtomisticModel` (declares ``cutoff``).
         skin: Verlet skin (Å); the list is rebuilt when an atom moved more than ``skin / 2``.
         backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
+        compile: run the model's hot path through ``torch.compile`` where it has one (see
+            :meth:`~xnn.models.base.AtomisticModel.compile_for_inference`); energy, forces
+            and stress only, not ``training=True``.
     """
 
-    def __init__(self, model: torch.nn.Module, skin: float = 0.0, backend: str = "auto"):
+    def __init__(self, model: torch.nn.Module, skin: float = 0.0, backend: str = "auto",
+                 compile: bool = False):
         self.model = model
+        self.compiled = bool(compile) and bool(
+            getattr(model, "compile_for_inference", lambda enabled: False)(True))
         self.neighbors = VerletList(float(model.cutoff), skin, backend)
 
     def __call__(
@@ -30,6 +37,9 @@ class Potential:
         stress: bool = True,
         training: bool = False,
     ) -> dict[str, Tensor]:
+        if training and self.compiled:
+            raise InputError("a Potential built with compile=True evaluates energy, forces "
+                             "and stress only; training needs the eager model")
         check = getattr(self.model, "check_species", None)
         if check is not None:
             check(graph.numbers)

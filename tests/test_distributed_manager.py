@@ -18,7 +18,8 @@ def test_detect_torchrun():
 
 def test_detect_slurm_and_forced():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-           "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7", "SLURM_JOB_ID": "1234"}
+           "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7", "SLURM_JOB_ID": "1234",
+           "SLURM_STEP_ID": "0"}
     info = detect_launch(env)
     assert (info.method, info.rank, info.world_size, info.local_rank) == ("SLURM", 5, 8, 1)
     assert info.master_addr == "10.0.0.7" and info.master_port == 15000 + 1234

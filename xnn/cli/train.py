@@ -61,6 +61,8 @@ def run(args) -> int:
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
         reducer = build_reducer(manager, cfg.parallel.dp, cfg.parallel.dd)
+        if manager.is_distributed and manager.is_main:
+            print(manager.describe(), flush=True)
         train(cfg, reducer)
     finally:
         manager.cleanup()

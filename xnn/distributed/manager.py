@@ -4,10 +4,14 @@
 
 * torchrun (or any ``env://`` launcher): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``MASTER_ADDR``, ``MASTER_PORT``;
-* SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the head node is
-  ``MASTER_ADDR`` if set, else ``SLURM_LAUNCH_NODE_IPADDR``, else the first host of
-  ``scontrol show hostnames $SLURM_JOB_NODELIST``; the port is ``MASTER_PORT`` or derived from
-  the job id;
+* SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
+  ``SLURM_LOCALID``; the head node (where task 0 runs) is ``MASTER_ADDR`` if set, else the
+  first host of the step's node list (``SLURM_STEP_NODELIST``, ``SLURM_NODELIST`` or
+  ``SLURM_JOB_NODELIST``, expanded by ``scontrol show hostnames``, or parsed here when
+  ``scontrol`` is missing, as inside containers), else ``SLURM_LAUNCH_NODE_IPADDR``; the port
+  is ``MASTER_PORT`` or ``15000 + SLURM_JOB_ID % 20000``. A process of a batch script that
+  was not started by ``srun`` (no ``SLURM_STEP_ID``) runs alone, with a warning, instead of
+  waiting for ranks that will never come;
 * otherwise a single process, without initialising ``torch.distributed``.
 
 ``XNN_DISTRIBUTED_INIT_METHOD=ENV|SLURM|NONE`` forces one of them. NCCL is used on GPUs and
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,24 +57,85 @@ def _int_env(env, name: str) -> int:
         raise InputError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
-def _slurm_head_node(env) -> str:
-    if env.get("MASTER_ADDR"):
-        return env["MASTER_ADDR"]
-    if env.get("SLURM_LAUNCH_NODE_IPADDR"):
-        return env["SLURM_LAUNCH_NODE_IPADDR"]
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
-        raise InputError("SLURM launch: cannot find the head node (no MASTER_ADDR, "
-                         "SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST)")
+_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list, e.g. ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``.
+
+    Each bracket group is replaced by its first entry (zero padding kept), so
+    ``"rack[1-2]-n[03-04]"`` -> ``"rack1-n03"``. Used when ``scontrol`` is not available.
+    """
+    out, depth, group = [], 0, ""
+    for ch in nodelist.strip():
+        if ch == "[":
+            depth, group = depth + 1, ""
+        elif ch == "]":
+            depth -= 1
+            out.append(group.split(",")[0].split("-")[0])
+        elif depth:
+            group += ch
+        elif ch == ",":
+            break
+        else:
+            out.append(ch)
+    host = "".join(out)
+    if depth or not host:
+        raise InputError(f"SLURM launch: cannot read the host list {nodelist!r}")
+    return host
+
+
+def _scontrol_first_host(nodelist: str) -> str | None:
+    """``scontrol show hostnames NODELIST``'s first line; ``None`` if scontrol is missing."""
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
                              text=True, check=True, timeout=60).stdout.split()
+    except FileNotFoundError:
+        return None
     except (OSError, subprocess.SubprocessError) as e:
         msg = f"SLURM launch: 'scontrol show hostnames {nodelist}' failed: {e}"
         raise InputError(msg) from None
     if not out:
-        raise InputError(f"SLURM launch: no host in SLURM_JOB_NODELIST={nodelist!r}")
+        raise InputError(f"SLURM launch: no host in the node list {nodelist!r}")
     return out[0]
+
+
+def _slurm_head_node(env) -> str:
+    """The host of task 0: ``MASTER_ADDR``, the step's first node, or the launch node."""
+    if env.get("MASTER_ADDR"):
+        return env["MASTER_ADDR"]
+    nodelist = next((env[k] for k in _NODELISTS if env.get(k)), None)
+    if nodelist:
+        return _scontrol_first_host(nodelist) or first_host(nodelist)
+    if env.get("SLURM_LAUNCH_NODE_IPADDR"):  # srun's host: right only if task 0 runs there
+        return env["SLURM_LAUNCH_NODE_IPADDR"]
+    raise InputError("SLURM launch: cannot find the head node (no MASTER_ADDR, "
+                     "SLURM_STEP_NODELIST, SLURM_JOB_NODELIST or SLURM_LAUNCH_NODE_IPADDR)")
+
+
+def _slurm_world(env) -> int:
+    name = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    return _int_env(env, name)
+
+
+def _auto_method(env) -> str:
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "ENV"
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or _slurm_world(env) <= 1:
+        return "NONE"
+    if "SLURM_STEP_ID" not in env:  # a batch script's own process, not an srun task
+        warnings.warn(f"SLURM_NTASKS={env['SLURM_NTASKS']} but this process was not started "
+                      "by srun: running ONE process; launch with 'srun python -m xnn ...' "
+                      "for data-parallel ranks", stacklevel=3)
+        return "NONE"
+    return "SLURM"
+
+
+def _forced_env_error(env) -> InputError:
+    hint = (" (only SLURM variables are set: launch with torchrun, or set "
+            f"{INIT_METHOD_ENV}=SLURM or unset it)" if "SLURM_PROCID" in env else "")
+    return InputError(f"{INIT_METHOD_ENV}=ENV needs RANK and WORLD_SIZE (set by torchrun) "
+                      f"in the environment{hint}")
 
 
 def detect_launch(env=None) -> LaunchInfo:
@@ -82,20 +148,18 @@ def detect_launch(env=None) -> LaunchInfo:
     forced = env.get(INIT_METHOD_ENV, "").strip().upper()
     if forced and forced not in _METHODS:
         raise InputError(f"{INIT_METHOD_ENV}={forced!r} is not one of {list(_METHODS)}")
-    method = forced or (
-        "ENV" if "RANK" in env and "WORLD_SIZE" in env
-        else "SLURM" if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
-        else "NONE"
-    )
+    method = forced or _auto_method(env)
     if method == "NONE":
         return LaunchInfo("NONE", 0, 1, 0)
     if method == "ENV":
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            raise _forced_env_error(env)
         rank, world = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
         local = int(env.get("LOCAL_RANK", "0"))
         addr = env.get("MASTER_ADDR")
         port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
     else:
-        rank, world = _int_env(env, "SLURM_PROCID"), _int_env(env, "SLURM_NTASKS")
+        rank, world = _int_env(env, "SLURM_PROCID"), _slurm_world(env)
         local = int(env.get("SLURM_LOCALID", "0"))
         addr = _slurm_head_node(env)
         job = int(env.get("SLURM_JOB_ID", "0") or 0)
@@ -149,7 +213,9 @@ class DistributedManager:
             raise InputError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
         kw = {}
         if launch.method == "SLURM":
-            kw["init_method"] = f"tcp://{launch.master_addr}:{launch.master_port}"
+            host = launch.master_addr
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address
+            kw["init_method"] = f"tcp://{host}:{launch.master_port}"
         if backend == "nccl":
             kw["device_id"] = dev
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
@@ -185,6 +251,16 @@ class DistributedManager:
     def __repr__(self) -> str:
         return (f"DistributedManager(method={self.launch.method}, rank={self.rank}, "
                 f"world_size={self.world_size}, device={self.device}, backend={self.backend})")
+
+    def describe(self) -> str:
+        """One line for a run's log: how many ranks joined, launcher, backend, rendezvous."""
+        if not self.is_distributed:
+            return f"single process on {self.device}"
+        where = ""
+        if self.launch.master_addr:
+            where = f", rendezvous {self.launch.master_addr}:{self.launch.master_port}"
+        return (f"distributed: {self.world_size} ranks joined one process group (launched by "
+                f"{self.launch.method}, backend {self.backend}{where})")
 
     # ------------------------------------------------------------------ operations
     def barrier(self) -> None:

@@ -21,8 +21,9 @@ radial weights ``[n_edges, C, paths]``, the gathered sender features ``[n_edges,
 (L_h+1)^2]``, the harmonics-times-CG matrices (no channel axis) and the radial MLP's last
 hidden layer: the weighted sender tensor ``Z`` and the MLP's other activations are recomputed
 in backward, the message ``[n_edges, C, (l_max+1)^2]`` exists only transiently, and the
-scatter keeps only its index; the product basis is recomputed too. Above
-``edge_chunk_size`` edges, the whole edge part runs per chunk of receivers under activation
+scatter keeps only its index; the product basis is recomputed too (this "lean" mode is used
+above 2^17 edges; smaller graphs, such as training batches, keep these intermediates and run
+fewer kernels). Above ``edge_chunk_size`` edges, the whole edge part runs per chunk of receivers under activation
 checkpointing, so no per-edge tensor outlives its chunk and the memory per atom is that of
 the node features. Measured on CPU (fp32, FCC Cu, 43 edges/atom, C = 64, ``hidden_l_max =
 1``, energy + forces, ``benchmarks/bench_equivariant.py``): kept for backward ~250 KiB/atom
@@ -72,6 +73,7 @@ def scatter_sum(src: Tensor, index: Tensor, n: int) -> Tensor:
 
 
 AUTO_CHUNK = 131072  # edges per chunk when ``edge_chunk_size="auto"`` decides to chunk
+LEAN_EDGES = 131072  # above this many edges, recompute cheap intermediates in backward
 
 
 def available_memory(device: torch.device) -> int:
@@ -113,12 +115,15 @@ class EdgeData(NamedTuple):
         feats: ``[n_in, num_bessel]`` Bessel basis times the cutoff envelope.
         chunks: ``[(e0, e1, a0, a1)]`` edge ranges whose receivers are atoms ``a0..a1-1``
             (edges sorted by receiver), or ``None`` to process all edges at once.
+        lean: recompute cheap intermediates in backward instead of keeping them (large
+            graphs); small graphs (training batches) keep them and run fewer kernels.
     """
 
     edge_index: Tensor
     y: Tensor
     feats: Tensor
     chunks: list[tuple[int, int, int, int]] | None
+    lean: bool = True
 
 
 def receiver_chunks(receiver: Tensor, n_atoms: int, chunk: int) -> list[tuple[int, int, int, int]]:
@@ -254,7 +259,8 @@ class Interaction(nn.Module):
             a = compiled_edge_messages()(self, h_up, edges.y, edges.feats, sender, receiver,
                                          h.shape[0])
         elif edges.chunks is None:
-            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, h.shape[0], True)
+            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, h.shape[0],
+                              edges.lean)
         else:
             a = torch.cat(
                 [
@@ -269,7 +275,7 @@ class Interaction(nn.Module):
 
     def forward(self, h: Tensor, species: Tensor, edges: EdgeData) -> Tensor:
         a = self.aggregate(h, edges)
-        b = self.linear_out(self.product(a, species))
+        b = self.linear_out(self.product(a, species, recompute=edges.lean))
         if self.sc is None:
             return b
         d_sc = (min(self.l_in, self.l_out) + 1) ** 2
@@ -412,7 +418,7 @@ class Equivariant(NativeModel):
         r = vec.norm(dim=-1)
         if torch.compiler.is_compiling():  # torch.export / compile: no data-dependent shapes;
             feats = self.bessel(r) * self.envelope(r).unsqueeze(-1)  # envelope 0 beyond rc
-            return EdgeData(edge_index, self.sh(vec), feats, None)
+            return EdgeData(edge_index, self.sh(vec), feats, None, False)
         keep = None
         inside = r < self.cutoff
         if not bool(inside.all()):
@@ -430,7 +436,8 @@ class Equivariant(NativeModel):
             chunks = receiver_chunks(edge_index[1], graph.n_atoms, chunk)
         y = self.sh(vec)
         feats = self.bessel(r) * self.envelope(r).unsqueeze(-1)
-        return EdgeData(edge_index, y, feats, chunks)
+        lean = chunks is not None or edge_index.shape[1] > LEAN_EDGES
+        return EdgeData(edge_index, y, feats, chunks, lean)
 
     def node_features(self, graph: AtomicGraph) -> list[Tensor]:
         """Node features after each interaction, ``[n_atoms, C, (l+1)^2]`` (for inspection)."""

@@ -186,14 +186,18 @@ class ProductBasis(nn.Module):
         w = self.weights[k][species][:, :, getattr(self, f"path_of_col_{k}")]
         return ((t * w).view(n * c, s.shape[0]) @ s).view(n, c, s.shape[1])
 
-    def forward(self, a: Tensor, species: Tensor) -> Tensor:
+    def forward(self, a: Tensor, species: Tensor, recompute: bool = True) -> Tensor:
+        """With ``recompute``, the ``[n, C, Σ(2l3+1)]`` products of each step are recomputed
+        in backward (only ``b`` and ``a`` are kept)."""
         d_out = (self.l_out + 1) ** 2
         u = self.out_weights[species][:, :, :, self.degree]  # [n, ν, C, d_out]
         out = a[:, :, :d_out] * u[:, 0]
         b = a
         for k, nu in enumerate(range(2, self.correlation + 1)):
-            # recomputed in backward: keeps only b and a, not the [n, C, Σ(2l3+1)] products
-            b = checkpoint(self._step, k, b, a, species, use_reentrant=False)
+            if recompute:
+                b = checkpoint(self._step, k, b, a, species, use_reentrant=False)
+            else:
+                b = self._step(k, b, a, species)
             out = out + b[:, :, :d_out] * u[:, nu - 1]
         return out
 

@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--skin", type=float, default=0.0)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--quick", action="store_true",
-                   help="tiny sizes and models (CPU smoke test; leave sevenn out: 25 Å halo)")
+                   help="tiny sizes and models (CPU smoke test; sevenn: mode sync, 5 Å halo)")
     p.add_argument("--timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     quick = args.quick

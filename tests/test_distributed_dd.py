@@ -259,14 +259,14 @@ def _md_case(manager, rank):
     return out
 
 
-def _grad_case(manager, rank, world):
+def _grad_case(manager, rank, world, name="painn"):
     """Loss on energy, forces and stress; double backward through the exchange."""
     from xnn.distributed import DomainDecomposed
     from xnn.distributed import collectives as C
     from xnn.models import compute_properties
     from xnn.neighbors import with_edges
 
-    model, graph = _native("painn"), triclinic((2, 2, 2))
+    model, graph = _native(name), triclinic((2, 2, 2))
     dd = DomainDecomposed(model, manager, mode="sync")
     local = dd.evaluate_local(dd.broadcast(graph), training=True)
     loss = ((local["energy"] - 1.0) ** 2).sum() / world + (local["forces"] ** 2).sum() \
@@ -383,6 +383,8 @@ def worker(rank, world, tmp):
         results["mesh"] = _mesh_case(manager, rank)
     if world == 3:
         results["grad"] = _grad_case(manager, rank, world)
+        # the equivariant model updates only owned atoms under mode "sync" (K.N_UPDATE)
+        results["grad_equivariant"] = _grad_case(manager, rank, world, "equivariant")
         results["skin"] = _skin_case(manager, rank)
         results["md"] = _md_case(manager, rank)
     return results
@@ -453,8 +455,9 @@ def test_mesh_replicas_decompose_their_own_structure():
 
 @pytest.mark.distributed
 def test_gradient_of_forces_three_ranks():
-    grad = results(3)[0]["grad"]
-    assert grad["norm"] > 0 and grad["grad"] <= 1e-9, grad
+    for key in ("grad", "grad_equivariant"):
+        grad = results(3)[0][key]
+        assert grad["norm"] > 0 and grad["grad"] <= 1e-9, (key, grad)
 
 
 @pytest.mark.distributed

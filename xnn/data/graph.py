@@ -208,6 +208,12 @@ class AtomicGraph:
         return self._fields[K.POSITIONS].shape[0]
 
     @property
+    def n_update(self) -> int:
+        """How many leading atoms need updated features (``K.N_UPDATE``; default all)."""
+        value = self._fields.get(K.N_UPDATE)
+        return self.n_atoms if value is None else int(value.reshape(-1)[0])
+
+    @property
     def n_systems(self) -> int:
         return self._fields[K.CELL].shape[0]
 

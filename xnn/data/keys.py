@@ -30,6 +30,10 @@ STRESS = "stress"  # [n_systems, 3, 3] eV/Å³, ASE sign (labels or results)
 VIRIAL = "virial"  # [n_systems, 3, 3] eV (labels or results), virial = -stress * volume
 SYSTEM_ID = "system_id"  # [n_systems] long, index of the structure in its dataset
 WEIGHT = "weight"  # [n_systems] float, per-structure loss weight
+# [1] long: only the first n atoms of this (one-system) graph need updated features and
+# energies; the others are senders only (a domain's ghosts, whose features a sync point
+# refreshes). Absent: every atom. Models may ignore it.
+N_UPDATE = "n_update"
 
 EDGE_INDEX = "edge_index"  # [2, n_edges] long, row 0 sender j, row 1 receiver i
 SHIFTS = "shifts"  # [n_edges, 3] integer image shifts (stored as positions dtype)
@@ -54,6 +58,7 @@ FIELD_SCOPES: dict[str, str] = {
     VIRIAL: SYSTEM,
     SYSTEM_ID: SYSTEM,
     WEIGHT: SYSTEM,
+    N_UPDATE: SYSTEM,
     EDGE_INDEX: EDGE,
     SHIFTS: EDGE,
 }

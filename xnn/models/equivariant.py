@@ -246,8 +246,9 @@ class Interaction(nn.Module):
         m = self.tp(h_up.index_select(0, sender), y, w, recompute)
         return scatter_sum(m, receiver, n)
 
-    def aggregate(self, h: Tensor, edges: EdgeData) -> Tensor:
-        """``A [n_atoms, C, (l_max+1)^2]``: the normalised sum of neighbour messages.
+    def aggregate(self, h: Tensor, edges: EdgeData, n_up: int) -> Tensor:
+        """``A [n_up, C, (l_max+1)^2]``: the normalised sum of neighbour messages into the
+        first ``n_up`` atoms (the only receivers).
 
         With ``edges.chunks`` (edges sorted by receiver), each chunk of receivers is computed
         under ``torch.utils.checkpoint``: no per-edge tensor outlives its chunk; backward
@@ -257,10 +258,9 @@ class Interaction(nn.Module):
         sender, receiver = edges.edge_index[0], edges.edge_index[1]
         if edges.chunks is None and self.compiled:
             a = compiled_edge_messages()(self, h_up, edges.y, edges.feats, sender, receiver,
-                                         h.shape[0])
+                                         n_up)
         elif edges.chunks is None:
-            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, h.shape[0],
-                              edges.lean)
+            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, n_up, edges.lean)
         else:
             a = torch.cat(
                 [
@@ -273,13 +273,17 @@ class Interaction(nn.Module):
             )
         return self.linear_a(a / self.avg_num_neighbors)
 
-    def forward(self, h: Tensor, species: Tensor, edges: EdgeData) -> Tensor:
-        a = self.aggregate(h, edges)
+    def forward(self, h: Tensor, species: Tensor, edges: EdgeData, n_up: int | None = None
+                ) -> Tensor:
+        """New features of the first ``n_up`` atoms (default all) from ``h`` of all atoms."""
+        n_up = h.shape[0] if n_up is None else n_up
+        species = species[:n_up]
+        a = self.aggregate(h, edges, n_up)
         b = self.linear_out(self.product(a, species, recompute=edges.lean))
         if self.sc is None:
             return b
         d_sc = (min(self.l_in, self.l_out) + 1) ** 2
-        sc = self.sc(h[:, :, :d_sc] * self.sc_species[species][:, :, None])
+        sc = self.sc(h[:n_up, :, :d_sc] * self.sc_species[species][:, :, None])
         if self.pad:
             sc = torch.nn.functional.pad(sc, (0, self.pad))
         return b + sc
@@ -421,6 +425,8 @@ class Equivariant(NativeModel):
             return EdgeData(edge_index, self.sh(vec), feats, None, False)
         keep = None
         inside = r < self.cutoff
+        if graph.n_update < graph.n_atoms:  # only the first n_update atoms receive
+            inside &= edge_index[1] < graph.n_update
         if not bool(inside.all()):
             keep = torch.nonzero(inside).flatten()
         chunks = None
@@ -433,32 +439,43 @@ class Equivariant(NativeModel):
         if keep is not None:
             vec, r, edge_index = vec[keep], r[keep], edge_index[:, keep]
         if chunk is not None:
-            chunks = receiver_chunks(edge_index[1], graph.n_atoms, chunk)
+            chunks = receiver_chunks(edge_index[1], graph.n_update, chunk)
         y = self.sh(vec)
         feats = self.bessel(r) * self.envelope(r).unsqueeze(-1)
         lean = chunks is not None or edge_index.shape[1] > LEAN_EDGES
         return EdgeData(edge_index, y, feats, chunks, lean)
 
     def node_features(self, graph: AtomicGraph) -> list[Tensor]:
-        """Node features after each interaction, ``[n_atoms, C, (l+1)^2]`` (for inspection)."""
+        """Node features after each interaction, ``[n_update, C, (l+1)^2]`` (all atoms unless
+        the graph sets ``n_update``: then only those are updated, and the sync points must
+        supply the other atoms' features, as under domain decomposition)."""
         species = self.embedding.index(graph.numbers)
         edges = self.edge_features(graph)
         h = self.embedding(graph.numbers).unsqueeze(-1)
+        n_up = graph.n_update
         out = []
         for t, layer in enumerate(self.interactions):
             if t > 0:
                 n, c, d = h.shape
-                h = self.sync[t - 1](h.reshape(n, c * d), graph).reshape(n, c, d)
-            h = layer(h, species, edges)
+                h = self.sync[t - 1](h.reshape(n, c * d), graph).reshape(-1, c, d)
+                if h.shape[0] != graph.n_atoms:
+                    raise InputError(f"graph sets n_update={n_up} < n_atoms={graph.n_atoms}, "
+                                     f"but sync point {t - 1} did not supply the other atoms")
+            h = layer(h, species, edges, n_up)
             out.append(h)
         return out
 
     def forward(self, graph: AtomicGraph) -> Tensor:
+        """Per-atom energies ``[n_atoms]``; zero beyond ``graph.n_update`` (not computed)."""
         e = None
         for h, readout in zip(self.node_features(graph), self.readouts):
             et = readout(h[:, :, 0]).squeeze(-1)
             e = et if e is None else e + et
-        return self.output(e, graph.numbers)
+        n_up = e.shape[0]
+        e = self.output(e, graph.numbers[:n_up])
+        if n_up < graph.n_atoms:
+            e = torch.cat([e, e.new_zeros(graph.n_atoms - n_up)])
+        return e
 
 
 def _readout(channels: int, hidden: int) -> nn.Module:

@@ -173,7 +173,8 @@ class DomainDecomposed:
             tape.append(x)
             with C.guarded(self.group, "model evaluation"), \
                     swapped_sync_points(model, dom, tape, enabled=self.mode == "sync"):
-                energies = model(local_graph(graph, dom, x))[: dom.n_owned]
+                lg = local_graph(graph, dom, x, owned_only=self.mode == "sync")
+                energies = model(lg)[: dom.n_owned]
             e_local = energies.sum()
             # every exchange must be part of every rank's backward, even where the model
             # ignores it (a rank with no atoms): add exact zeros that depend on them

@@ -157,8 +157,13 @@ _NOT_COPIED = (K.POSITIONS, K.FORCES, K.ENERGIES, K.ENERGY, K.STRESS, K.VIRIAL, 
                K.EDGE_INDEX, K.SHIFTS)
 
 
-def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor) -> AtomicGraph:
-    """The non-periodic graph of the local atoms (owned + ghosts) at explicit ``positions``."""
+def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
+                owned_only: bool = False) -> AtomicGraph:
+    """The non-periodic graph of the local atoms (owned + ghosts) at explicit ``positions``.
+
+    ``owned_only``: mark the graph so that models update only the owned atoms' features
+    (``K.N_UPDATE``); the ghosts' features then come from the sync points' exchanges.
+    """
     fields = {}
     for name, value in graph.fields.items():
         if name in _NOT_COPIED:
@@ -173,6 +178,8 @@ def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor) -> Atom
     fields[K.BATCH] = torch.zeros(n_local, dtype=torch.long, device=positions.device)
     fields[K.CELL] = torch.zeros(1, 3, 3, dtype=positions.dtype, device=positions.device)
     fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=positions.device)
+    if owned_only:
+        fields[K.N_UPDATE] = torch.tensor([dom.n_owned], device=positions.device)
     fields[K.EDGE_INDEX] = dom.edge_index
     fields[K.SHIFTS] = torch.zeros(dom.edge_index.shape[1], 3, dtype=torch.long,
                                    device=positions.device)

@@ -16,19 +16,19 @@ and ``E_i = scale * e_i + shift + E0[z_i]``. The last interaction keeps only sca
 Edges with ``r >= cutoff`` (Verlet skin) are dropped before the edge computations, and the
 envelope is exactly zero at the cutoff, so they contribute exactly nothing.
 
-Memory (what decides the largest system that fits). Per edge, autograd keeps only the
-radial weights ``[n_edges, C, paths]``, the gathered sender features ``[n_edges, C,
-(L_h+1)^2]``, the harmonics-times-CG matrices (no channel axis) and the radial MLP's last
-hidden layer: the weighted sender tensor ``Z`` and the MLP's other activations are recomputed
-in backward, the message ``[n_edges, C, (l_max+1)^2]`` exists only transiently, and the
-scatter keeps only its index; the product basis is recomputed too (this "lean" mode is used
-above 2^17 edges; smaller graphs, such as training batches, keep these intermediates and run
-fewer kernels). Above ``edge_chunk_size`` edges, the whole edge part runs per chunk of receivers under activation
-checkpointing, so no per-edge tensor outlives its chunk and the memory per atom is that of
-the node features. Measured on CPU (fp32, FCC Cu, 43 edges/atom, C = 64, ``hidden_l_max =
-1``, energy + forces, ``benchmarks/bench_equivariant.py``): kept for backward ~250 KiB/atom
-without chunks and ~48 KiB/atom with chunks vs 597 KiB/atom for mace-torch's MACE of the
-same size; peak resident memory ~790 and ~110 KiB/atom vs ~1000 KiB/atom for MACE.
+Memory (what decides the largest system that fits). Per edge, autograd keeps only the radial
+weights ``[n_edges, C, paths]``, the gathered sender features ``[n_edges, C, (L_h+1)^2]``, the
+harmonics-times-CG matrices (no channel axis) and the radial MLP's last hidden layer: the
+weighted sender tensor ``Z`` and the MLP's other activations are recomputed in backward, the
+message ``[n_edges, C, (l_max+1)^2]`` exists only transiently, and the scatter keeps only its
+index; the product basis is recomputed too (this "lean" mode is used above 2^17 edges; smaller
+graphs, such as training batches, keep these intermediates and run fewer kernels). When
+chunking (see ``edge_chunk_size``), the whole edge part runs per chunk of receivers under
+activation checkpointing, so no per-edge tensor outlives its chunk and the memory per atom is
+that of the node features. Measured on CPU (fp32, FCC Cu, 43 edges/atom, C = 64, ``hidden_l_max
+= 1``, energy + forces, ``benchmarks/bench_equivariant.py``): kept for backward ~250 KiB/atom
+without chunks and ~48 KiB/atom with chunks vs 597 KiB/atom for mace-torch's MACE of the same
+size; peak resident memory ~790 and ~110 KiB/atom vs ~1000 KiB/atom for MACE.
 """
 
 from __future__ import annotations

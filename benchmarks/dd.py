@@ -54,7 +54,7 @@ def parse_args(argv=None):
                    help="comma list of painn, equivariant, schnet, sevenn, lj")
     p.add_argument("--sizes", default=None, help="strong-scaling sizes (atoms), comma list")
     p.add_argument("--atoms-per-rank", type=int, default=None, help="weak-scaling atoms per rank")
-    p.add_argument("--scaling", default="both", choices=["strong", "weak", "both"])
+    p.add_argument("--scaling", default="both", choices=["strong", "weak", "both", "none"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync"],
                    help="auto: sync for models with sync points, else halo")
@@ -64,6 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and models (CPU smoke test; sevenn: mode sync, 5 Å halo)")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--find-max", type=int, default=None, metavar="ATOMS_PER_RANK",
+                   help="largest system that fits, 1 rank vs N ranks: peak memory at "
+                        "ATOMS_PER_RANK and twice that per rank, linear extrapolation to the "
+                        "device memory, then a verified evaluation at 0.96x the prediction")
+    p.add_argument("--capacity-gb", type=float, default=None,
+                   help="find-max: memory to fill (default: the CUDA device's, less 3 GiB)")
     args = p.parse_args(argv)
     quick = args.quick
     args.sizes = [int(s) for s in (args.sizes or ("500" if quick else "100000,400000")).split(",")]
@@ -177,6 +183,73 @@ def point(model, n_atoms, manager, args, mode, baseline_atoms=None):
     return out
 
 
+def _fits(fn) -> tuple[bool, int | None]:
+    """``(ok, peak bytes)`` of ``fn()`` (``ok`` False on CUDA out of memory)."""
+    try:
+        return True, fn()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return False, None
+
+
+def _single_peak(model, n, args, device) -> int:
+    r = single_rank(model, structure(n, getattr(torch, args.dtype)), device, 1)
+    return int(r["peak_memory_bytes"])
+
+
+def _dd_peak(model, n, manager, args, mode) -> int:
+    graph = structure(n, getattr(torch, args.dtype)) if manager.is_main else None
+    sub = argparse.Namespace(**{**vars(args), "repeat": 1})
+    return int(decomposed(model, graph, manager, sub, mode)["peak_memory_bytes_max"])
+
+
+def find_max(model, manager, args, mode) -> dict:
+    """Largest FCC Cu system that fits on rank 0 alone and decomposed over all ranks.
+
+    Peak memory (CUDA ``max_memory_allocated``) is measured at ``n0`` and ``2 n0`` atoms per
+    rank and extrapolated linearly to the device's memory less 3 GiB (context, allocator
+    slack); the prediction is then checked by one evaluation at 0.96x of it. The reported
+    ``largest_verified`` sizes are those checked evaluations.
+    """
+    device = manager.device
+    cap = (int(args.capacity_gb * 2**30) if args.capacity_gb
+           else torch.cuda.get_device_properties(device).total_memory - (3 << 30))
+    n0, world = args.find_max, manager.world_size
+    out = {"capacity_bytes": cap}
+
+    def predict(n1, p1, n2, p2):
+        slope = max(p2 - p1, 1) / (n2 - n1)
+        return int(min(n2 + (cap - p2) / slope, 16 * n2)), slope  # clamp: CPU RSS is flat
+
+    single = None
+    with C.guarded(None, "find-max on one rank"):
+        if manager.is_main:
+            p1 = _single_peak(model, n0, args, device)
+            p2 = _single_peak(model, 2 * n0, args, device)
+            pred, slope = predict(n0, p1, 2 * n0, p2)
+            ok, peak = _fits(lambda: _single_peak(model, int(0.96 * pred), args, device))
+            single = {"peaks": [[n0, p1], [2 * n0, p2]], "bytes_per_atom": slope,
+                      "predicted_max": pred, "checked_atoms": int(0.96 * pred), "fits": ok,
+                      "peak_bytes": peak}
+            print(f"find-max 1 rank: {slope / 1024:.1f} KiB/atom, predicted {pred}, "
+                  f"{int(0.96 * pred)} fits={ok}", flush=True)
+    p1 = _dd_peak(model, n0 * world, manager, args, mode)
+    p2 = _dd_peak(model, 2 * n0 * world, manager, args, mode)
+    pred, slope = predict(n0 * world, p1, 2 * n0 * world, p2)
+    ok, peak = _fits(lambda: _dd_peak(model, int(0.96 * pred), manager, args, mode))
+    multi = {"peaks": [[n0 * world, p1], [2 * n0 * world, p2]], "bytes_per_atom": slope,
+             "predicted_max": pred, "checked_atoms": int(0.96 * pred), "fits": ok,
+             "peak_bytes": peak}
+    if manager.is_main:
+        print(f"find-max {world} ranks: {slope / 1024:.1f} KiB/atom (per rank, of the total), "
+              f"predicted {pred}, {int(0.96 * pred)} fits={ok}", flush=True)
+        out.update(single=single, decomposed=multi,
+                   ratio_predicted=pred / single["predicted_max"],
+                   ratio_verified=(multi["checked_atoms"] / single["checked_atoms"]
+                                   if ok and single["fits"] else None))
+    return out
+
+
 def run_model(name, model, manager, args):
     mode = args.mode
     if mode == "auto":
@@ -193,6 +266,8 @@ def run_model(name, model, manager, args):
         res["weak"].append(point(model, n0 * manager.world_size, manager, args, mode,
                                  baseline_atoms=n0))
         log(manager, name, "weak", res["weak"][-1])
+    if args.find_max and (manager.device.type == "cuda" or args.capacity_gb):
+        res["largest"] = find_max(model, manager, args, mode)
     return res
 
 

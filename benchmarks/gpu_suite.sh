@@ -4,6 +4,8 @@
 # PART 1: CUDA tests, neighbor lists, models, MD (1 GPU).
 # PART 2: NCCL decomposed-vs-single validation and domain-decomposition scaling (2 GPUs).
 # PART 3: training throughput, DDP efficiency (2 GPUs), equivariant memory ceiling (1 GPU).
+# PART 5: matched-size equivariant vs MACE: auto chunking, compiled inference, memory ceiling (1 GPU).
+# PART 6: NCCL check of the owned-only sync mode, largest system on 1 vs 2 GPUs, SevenNet-0 (2 GPUs).
 set -u
 PART=${1:?part}; OUT=${2:?outdir}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -50,5 +52,26 @@ PY
       --structure /tmp/cu256_tri.xyz --dtype float64 --device cuda --json "$OUT/validate_sevenn_cu256_tri.json"
   step 200 dd_sevenn torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models sevenn \
       --sizes 10000,40000 --atoms-per-rank 10000 --repeat 3 --scaling both --json "$OUT/dd_sevenn_h200x2.json"
+  ;;
+5)
+  step 420 equivariant_vs_mace python3 -m benchmarks.bench_equivariant --device cuda --channels 128 \
+      --cutoff 6 --sizes 10976 --chunks auto --compile --find-max --json "$OUT/equivariant_vs_mace_128ch_h200.json"
+  ;;
+6)
+  python3 - <<'PY'
+from ase.build import bulk
+a = bulk("Cu", "fcc", a=3.61, cubic=True) * (10, 10, 10); a.rattle(0.05, seed=0)
+a.set_cell(a.cell.array @ [[1, 0.3, 0.2], [0, 1, 0.25], [0, 0, 1]], scale_atoms=True); a.write("/tmp/cu_tri.xyz")
+PY
+  step 60 validate_equivariant_sync torchrun --nproc-per-node 2 -m xnn validate --model equivariant --mode sync \
+      --structure /tmp/cu_tri.xyz --dtype float64 --device cuda --json "$OUT/nccl_validate_equivariant_sync_cu_tri.json"
+  step 90 validate_sevenn_sync torchrun --nproc-per-node 2 -m xnn validate --model sevenn:checkpoint=7net-0 --mode sync \
+      --structure /tmp/cu_tri.xyz --dtype float64 --device cuda --json "$OUT/nccl_validate_sevenn_sync_cu_tri.json"
+  step 330 dd_equivariant torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models equivariant \
+      --scaling strong --sizes 1000000 --repeat 3 --find-max 250000 --timeout 120 \
+      --json "$OUT/dd_equivariant_largest_h200x2.json"
+  step 200 dd_sevenn torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models sevenn \
+      --sizes 100000 --atoms-per-rank 50000 --repeat 2 --scaling both --timeout 120 \
+      --json "$OUT/dd_sevenn_h200x2.json"
   ;;
 esac

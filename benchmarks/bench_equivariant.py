@@ -99,7 +99,9 @@ def measure(model, n_atoms: int, device: str, dtype, train: bool, repeat: int) -
     g = AtomicGraph.from_arrays(
         atoms.positions, atoms.numbers, atoms.cell.array, True, dtype=dtype, device=device
     )
-    g = with_edges(g, float(model.cutoff))
+    # the torch cell list allocates through torch's caching allocator (vesin's raw cudaMalloc
+    # can fail while torch's cache holds the memory, and leaves a CUDA error behind)
+    g = with_edges(g, float(model.cutoff), backend="torch" if device.startswith("cuda") else "auto")
     step = make_step(model, g, train)
     n = g.n_atoms
     # retained autograd graph (forward only: what the force backward needs)
@@ -140,7 +142,9 @@ def find_max(model, device: str, dtype, train: bool, start: int) -> int:
             measure(model, n, device, dtype, train, repeat=1)
             best = n
             n = int(n * 1.25) + 1
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, torch.AcceleratorError) as err:
+            if "out of memory" not in str(err):
+                raise
             torch.cuda.empty_cache()
             return best
 

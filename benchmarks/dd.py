@@ -193,11 +193,15 @@ def _fits(fn) -> tuple[bool, int | None]:
 
 
 def _single_peak(model, n, args, device) -> int:
+    if device.type == "cuda":  # vesin allocates outside torch's cache
+        torch.cuda.empty_cache()
     r = single_rank(model, structure(n, getattr(torch, args.dtype)), device, 1)
     return int(r["peak_memory_bytes"])
 
 
 def _dd_peak(model, n, manager, args, mode) -> int:
+    if manager.device.type == "cuda":
+        torch.cuda.empty_cache()
     graph = structure(n, getattr(torch, args.dtype)) if manager.is_main else None
     sub = argparse.Namespace(**{**vars(args), "repeat": 1})
     return int(decomposed(model, graph, manager, sub, mode)["peak_memory_bytes_max"])

@@ -55,7 +55,7 @@ PY
   ;;
 5)
   step 420 equivariant_vs_mace python3 -m benchmarks.bench_equivariant --device cuda --channels 128 \
-      --cutoff 6 --sizes 10976 --chunks auto --compile --find-max --json "$OUT/equivariant_vs_mace_128ch_h200.json"
+      --cutoff 6 --sizes 10976 --chunks auto --compile --json "$OUT/equivariant_vs_mace_128ch_auto_h200.json"
   ;;
 6)
   python3 - <<'PY'
@@ -65,13 +65,11 @@ a.set_cell(a.cell.array @ [[1, 0.3, 0.2], [0, 1, 0.25], [0, 0, 1]], scale_atoms=
 PY
   step 60 validate_equivariant_sync torchrun --nproc-per-node 2 -m xnn validate --model equivariant --mode sync \
       --structure /tmp/cu_tri.xyz --dtype float64 --device cuda --json "$OUT/nccl_validate_equivariant_sync_cu_tri.json"
-  step 90 validate_sevenn_sync torchrun --nproc-per-node 2 -m xnn validate --model sevenn:checkpoint=7net-0 --mode sync \
-      --structure /tmp/cu_tri.xyz --dtype float64 --device cuda --json "$OUT/nccl_validate_sevenn_sync_cu_tri.json"
-  step 330 dd_equivariant torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models equivariant \
-      --scaling strong --sizes 1000000 --repeat 3 --find-max 250000 --timeout 120 \
+  step 270 dd_equivariant torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models equivariant \
+      --scaling none --find-max 250000 --timeout 120 \
       --json "$OUT/dd_equivariant_largest_h200x2.json"
-  step 200 dd_sevenn torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models sevenn \
-      --sizes 100000 --atoms-per-rank 50000 --repeat 2 --scaling both --timeout 120 \
+  step 150 dd_sevenn torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models sevenn \
+      --sizes 100000 --repeat 2 --scaling strong --timeout 120 \
       --json "$OUT/dd_sevenn_h200x2.json"
   ;;
 esac

@@ -207,13 +207,27 @@ def _dd_peak(model, n, manager, args, mode) -> int:
     return int(decomposed(model, graph, manager, sub, mode)["peak_memory_bytes_max"])
 
 
+def _check(peak_at, pred: int) -> dict:
+    """Evaluate at 0.96, 0.92, ... 0.72 of ``pred`` atoms until one fits (collective when
+    ``peak_at`` is)."""
+    tried = []
+    for frac in (0.96, 0.92, 0.88, 0.84, 0.80, 0.76, 0.72):
+        n = int(frac * pred)
+        ok, peak = _fits(lambda n=n: peak_at(n))
+        tried.append([n, ok])
+        if ok:
+            return {"predicted_max": pred, "checked_atoms": n, "peak_bytes": peak,
+                    "tried": tried}
+    return {"predicted_max": pred, "checked_atoms": None, "peak_bytes": None, "tried": tried}
+
+
 def find_max(model, manager, args, mode) -> dict:
     """Largest FCC Cu system that fits on rank 0 alone and decomposed over all ranks.
 
     Peak memory (CUDA ``max_memory_allocated``) is measured at ``n0`` and ``2 n0`` atoms per
     rank and extrapolated linearly to the device's memory less 3 GiB (context, allocator
-    slack); the prediction is then checked by one evaluation at 0.96x of it. The reported
-    ``largest_verified`` sizes are those checked evaluations.
+    slack); the prediction is then checked by evaluations at 0.96x, 0.92x, ... of it, down to
+    0.72x, until one fits. ``checked_atoms`` is the largest checked size that fit.
     """
     device = manager.device
     cap = (int(args.capacity_gb * 2**30) if args.capacity_gb
@@ -231,26 +245,23 @@ def find_max(model, manager, args, mode) -> dict:
             p1 = _single_peak(model, n0, args, device)
             p2 = _single_peak(model, 2 * n0, args, device)
             pred, slope = predict(n0, p1, 2 * n0, p2)
-            ok, peak = _fits(lambda: _single_peak(model, int(0.96 * pred), args, device))
-            single = {"peaks": [[n0, p1], [2 * n0, p2]], "bytes_per_atom": slope,
-                      "predicted_max": pred, "checked_atoms": int(0.96 * pred), "fits": ok,
-                      "peak_bytes": peak}
+            single = _check(lambda n: _single_peak(model, n, args, device), pred)
+            single.update(peaks=[[n0, p1], [2 * n0, p2]], bytes_per_atom=slope)
             print(f"find-max 1 rank: {slope / 1024:.1f} KiB/atom, predicted {pred}, "
-                  f"{int(0.96 * pred)} fits={ok}", flush=True)
+                  f"checked {single['tried']}", flush=True)
     p1 = _dd_peak(model, n0 * world, manager, args, mode)
     p2 = _dd_peak(model, 2 * n0 * world, manager, args, mode)
     pred, slope = predict(n0 * world, p1, 2 * n0 * world, p2)
-    ok, peak = _fits(lambda: _dd_peak(model, int(0.96 * pred), manager, args, mode))
-    multi = {"peaks": [[n0 * world, p1], [2 * n0 * world, p2]], "bytes_per_atom": slope,
-             "predicted_max": pred, "checked_atoms": int(0.96 * pred), "fits": ok,
-             "peak_bytes": peak}
+    multi = _check(lambda n: _dd_peak(model, n, manager, args, mode), pred)
+    multi.update(peaks=[[n0 * world, p1], [2 * n0 * world, p2]], bytes_per_atom=slope)
     if manager.is_main:
         print(f"find-max {world} ranks: {slope / 1024:.1f} KiB/atom (per rank, of the total), "
-              f"predicted {pred}, {int(0.96 * pred)} fits={ok}", flush=True)
+              f"predicted {pred}, checked {multi['tried']}", flush=True)
+        both = single["checked_atoms"] and multi["checked_atoms"]
         out.update(single=single, decomposed=multi,
                    ratio_predicted=pred / single["predicted_max"],
-                   ratio_verified=(multi["checked_atoms"] / single["checked_atoms"]
-                                   if ok and single["fits"] else None))
+                   ratio_verified=multi["checked_atoms"] / single["checked_atoms"] if both
+                   else None)
     return out
 
 
@@ -280,6 +291,10 @@ def log(manager, name, kind, p):
         d = p["decomposed"]
         t1 = (p["single"] or {}).get("time_s")
         eff = p.get("efficiency", float("nan"))
+        if d.get("time_s") is None:
+            print(f"{name:>12} {kind:>6} {p['n_atoms']} atoms: decomposed {d.get('error')}, "
+                  f"1 rank {t1}", flush=True)
+            return
         print(f"{name:>12} {kind:>6} {p['n_atoms']:>9} atoms  1 rank {t1 or float('nan'):.4g} s"
               f"  {p['ranks']} ranks {d['time_s']:.4g} s  eff {eff:.2f}"
               f"  halo {d['halo_fraction_mean']:.2f}  grid {d['grid']}", flush=True)

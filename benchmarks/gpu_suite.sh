@@ -63,13 +63,13 @@ from ase.build import bulk
 a = bulk("Cu", "fcc", a=3.61, cubic=True) * (10, 10, 10); a.rattle(0.05, seed=0)
 a.set_cell(a.cell.array @ [[1, 0.3, 0.2], [0, 1, 0.25], [0, 0, 1]], scale_atoms=True); a.write("/tmp/cu_tri.xyz")
 PY
-  step 60 validate_equivariant_sync torchrun --nproc-per-node 2 -m xnn validate --model equivariant --mode sync \
+  [ -n "${SKIP_VALIDATE:-}" ] || step 60 validate_equivariant_sync torchrun --nproc-per-node 2 -m xnn validate --model equivariant --mode sync \
       --structure /tmp/cu_tri.xyz --dtype float64 --device cuda --json "$OUT/nccl_validate_equivariant_sync_cu_tri.json"
   step 270 dd_equivariant torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models equivariant \
       --scaling none --find-max 250000 --timeout 120 \
       --json "$OUT/dd_equivariant_largest_h200x2.json"
   step 150 dd_sevenn torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models sevenn \
-      --sizes 100000 --repeat 2 --scaling strong --timeout 120 \
+      --sizes 20000,40000 --repeat 2 --scaling strong --timeout 120 \
       --json "$OUT/dd_sevenn_h200x2.json"
   ;;
 esac

@@ -93,7 +93,12 @@ def available_memory(device: torch.device) -> int:
 
 
 def _edge_messages(layer: Interaction, h_up, y, feats, sender, receiver, n: int) -> Tensor:
-    return layer.messages(h_up, y, feats, sender, receiver, n, False)
+    """``Interaction.messages`` for ``torch.compile``: torch's own ``index_add`` instead of the
+    custom scatter Function (under dynamo in torch 2.11 on CUDA, gradients did not flow
+    through that Function: forces came out zero)."""
+    w = layer.radial(feats, False)
+    m = layer.tp(h_up.index_select(0, sender), y, w, False)
+    return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
 
 
 _COMPILED: dict[str, object] = {}

@@ -251,14 +251,15 @@ class Interaction(nn.Module):
         m = self.tp(h_up.index_select(0, sender), y, w, recompute)
         return scatter_sum(m, receiver, n)
 
-    def aggregate(self, h: Tensor, edges: EdgeData, n_up: int) -> Tensor:
+    def aggregate(self, h: Tensor, edges: EdgeData, n_up: int | None = None) -> Tensor:
         """``A [n_up, C, (l_max+1)^2]``: the normalised sum of neighbour messages into the
-        first ``n_up`` atoms (the only receivers).
+        first ``n_up`` atoms (the only receivers; default all).
 
         With ``edges.chunks`` (edges sorted by receiver), each chunk of receivers is computed
         under ``torch.utils.checkpoint``: no per-edge tensor outlives its chunk; backward
         recomputes the chunk (twice-differentiable, non-reentrant checkpoint).
         """
+        n_up = h.shape[0] if n_up is None else n_up
         h_up = self.linear_up(h)
         sender, receiver = edges.edge_index[0], edges.edge_index[1]
         if edges.chunks is None and self.compiled:

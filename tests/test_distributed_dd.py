@@ -154,14 +154,9 @@ def _sevenn():
 
     from xnn.models import build
 
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)  # the checkpoint does not load under float64
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return build("sevenn", checkpoint="7net-0").double()
-    finally:
-        torch.set_default_dtype(default)
+    with warnings.catch_warnings():  # workers run under torch.set_default_dtype(float64)
+        warnings.simplefilter("ignore")
+        return build("sevenn", checkpoint="7net-0").double()
 
 
 def cluster():

@@ -147,3 +147,16 @@ def test_multi_modal_checkpoint_matches_calculator():
     _close(out["forces"][:2], atoms.get_forces(), 2e-5, 0.1)
     with pytest.raises(InputError, match="modal"):
         build("sevenn", checkpoint="7net-mf-0")
+
+
+def test_loads_under_float64_default(wrapper):
+    """The fp32 checkpoint loads whatever the default dtype (SevenNet builds its modules in
+    the default dtype); the result equals the model loaded under float32."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        again = build("sevenn", checkpoint="7net-0")
+    finally:
+        torch.set_default_dtype(old)
+    for (k, a), (_, b) in zip(wrapper.state_dict().items(), again.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), k

@@ -34,17 +34,12 @@ SKIN = 0.4
 
 
 def sevenn_fp64():
-    """Pretrained SevenNet-0 in float64 (the fp32 checkpoint loads under float32 only)."""
+    """Pretrained SevenNet-0 (an fp32 checkpoint) in float64."""
     from xnn.models import build
 
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return build("sevenn", checkpoint="7net-0").double()
-    finally:
-        torch.set_default_dtype(default)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build("sevenn", checkpoint="7net-0").double()
 
 
 def triclinic_cu() -> AtomicGraph:

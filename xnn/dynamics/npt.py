@@ -9,14 +9,30 @@ Bernetti & Bussi's ``dV = (β_T V/τ_p)(P - P₀ + k_B T/V) dt + sqrt(2 k_B T β
 written for ``ln V``: Itô's lemma cancels the ``k_B T/V`` term (integrating the ``ln V``
 form with that term kept samples ``V^(N+1)`` instead of ``V^N``; the ideal-gas test checks
 this). Its stationary distribution is ``p(V) ∝ V^(N_f/3) exp(-P₀V/k_BT)``.
-Anisotropic (any triclinic cell, no rotation): a symmetric strain increment ``dε_ab`` with
+Anisotropic (any triclinic cell): the anisotropic SCR of Del Tatto, Raiteri, Bernetti &
+Bussi (Appl. Sci. 12, 1139 (2022)). In the frame where the cell is upper triangular
+(``cellᵀ = Q h``, ``a`` along x', ``b`` in the x'y' plane; ``h`` has the lattice vectors as
+columns) the paper's Itô equation is ``dh = A h`` with ``A`` upper triangular,
 
-``dε_aa = (β_T/3τ_p)(P_aa - P₀) dt + sqrt(2 k_B T β_T/(3 V τ_p)) dW_aa``,
-``dε_ab = (β_T/3τ_p) P_ab dt + sqrt(k_B T β_T/(3 V τ_p)) dW_ab`` (a < b),
+``A_aa = (β_T/3τ_p)(P_aa - P₀ + k_B T/V) dt + sqrt(2 k_B T β_T/(3 V τ_p)) dW_aa``,
+``A_ab = (β_T/3τ_p) P_ab dt + sqrt(2 k_B T β_T/(3 V τ_p)) dW_ab`` (a < b),
 
-applied as ``r ← r exp(dε)``, ``cell ← cell exp(dε)``, ``v ← v exp(-dε)``. Since
-``ln det exp(dε) = tr dε``, the volume follows exactly the isotropic equation; the shape
-fluctuations use the same mobility without a shape Jacobian (an O(1/N) approximation).
+with ``P`` the pressure tensor in that frame. It is applied as ``h ← exp(B) h`` with
+``B = A - (k_B T β_T/(3 V τ_p)) I dt``: ``E[exp(B)] = I + E[A]`` to first order in ``dt``
+(the Itô term ``½ E[B²] = (k_B T β_T/(3 V τ_p)) I dt`` restores the ``k_B T/V`` of each
+diagonal component, as for ``ln V`` above), and ``exp(B)`` keeps the cell triangular in
+that frame, so the cell never rotates. In the lab frame ``r ← r M``, ``cell ← cell M``,
+``v ← v M⁻ᵀ`` with ``M = Q exp(Bᵀ) Qᵀ``. The stationary distribution is (Fokker–Planck; the
+divergence of the diffusion tensor of row ``a`` of ``h`` gives the per-component terms)
+
+``p(h) ∝ exp(-(F(h) + P₀V)/k_BT) / (h_xx² h_yy)``  (``dh`` over the six entries of ``h``),
+
+``F(h)`` the Helmholtz free energy of the cell ``h`` (``V^(N_f/3)`` for an ideal gas). Its
+volume marginal is that of the isotropic equation, since ``ln V = Σ_a ln h_aa`` follows
+``Σ_a B_aa`` exactly. (The previous symmetric-strain variant, ``r ← r exp(ε)`` with ``ε``
+symmetric and half the off-diagonal noise, let the cell orientation diffuse and sampled
+``∝ exp(-(F + P₀V)/k_BT) h_xx² h_yy / V²`` after removing rotations: a different shape
+weight, ``(h_xx² h_yy / V)²``, the O(1/N) error this replaces.)
 ``P_ab = (Σ m v_a v_b)/V - σ_ab`` is the instantaneous pressure tensor (σ the stress, ASE sign).
 
 Step: thermostat(dt/2), kick(dt/2), barostat(dt), drift(dt), force call, kick(dt/2),
@@ -25,8 +41,6 @@ thermostat(dt/2). Variables: those of :mod:`xnn.dynamics.csvr` plus ``pressure``
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -91,8 +105,29 @@ def pressure_tensor(state: MDState, reduce: Reducer = LOCAL) -> Tensor:
     return kinetic_tensor(state.graph, reduce) / vol[:, None, None] - state.stress
 
 
+def _triangular_frame(cell: Tensor) -> Tensor:
+    """``[n, 3, 3]`` orthogonal ``Q`` with ``cellᵀ = Q h``, ``h`` upper triangular, ``h_aa > 0``."""
+    q, r = torch.linalg.qr(cell.transpose(-1, -2))
+    sign = torch.where(r.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(cell.dtype)
+    return q * sign[:, None, :]
+
+
+def _aniso_generator(state: MDState, p: Tensor, noise: Tensor, dt: float) -> Tensor:
+    """``[n, 3, 3]`` ``G`` with ``M = exp(G)`` the lab-frame (row-vector) deformation."""
+    v = state.vars
+    vol = state.graph.volume()
+    rate = (v["compressibility"] / (3 * v["tau_p"]))[:, None, None]
+    q = _triangular_frame(state.graph.cell)
+    p_frame = q.transpose(-1, -2) @ p @ q
+    eye = torch.eye(3, dtype=p.dtype, device=p.device)
+    drift = rate * dt * torch.triu(p_frame - v["pressure"][:, None, None] * eye)
+    amp = torch.sqrt(2 * KB * v["temperature"][:, None, None] * rate * dt / vol[:, None, None])
+    b = drift + amp * torch.triu(noise)
+    return q @ b.transpose(-1, -2) @ q.transpose(-1, -2)
+
+
 def _strain_increment(state: MDState, dt: float, gen: torch.Generator, reduce: Reducer) -> Tensor:
-    """``[n_systems, 3, 3]`` symmetric log-strain increment over ``dt``."""
+    """``[n_systems, 3, 3]`` log-deformation ``G`` over ``dt``: ``r ← r exp(G)``."""
     g = state.graph
     v = state.vars
     vol = g.volume()
@@ -105,13 +140,7 @@ def _strain_increment(state: MDState, dt: float, gen: torch.Generator, reduce: R
     drift_iso = rate * (p.diagonal(dim1=-2, dim2=-1).mean(-1) - v["pressure"]) * dt
     d_iso = drift_iso + torch.sqrt(2 * kt * rate / vol * dt) * noise[:, 0, 0]
     iso = (d_iso / 3)[:, None, None] * eye
-    # anisotropic: six components
-    upper = torch.triu(noise, diagonal=1)
-    amp = torch.sqrt(kt * rate / (3 * vol) * dt)[:, None, None]
-    rnd = amp * (upper + upper.transpose(-1, -2) + math.sqrt(2.0) * noise * eye)
-    target = p - v["pressure"][:, None, None] * eye
-    aniso = (rate / 3 * dt)[:, None, None] * 0.5 * (target + target.transpose(-1, -2)) + rnd
-    return torch.where(v["anisotropic"][:, None, None], aniso, iso)
+    return torch.where(v["anisotropic"][:, None, None], _aniso_generator(state, p, noise, dt), iso)
 
 
 def barostat(state: MDState, dt: float, reduce: Reducer) -> MDState:
@@ -120,11 +149,11 @@ def barostat(state: MDState, dt: float, reduce: Reducer) -> MDState:
     gen = generator(state.rng, g.device)
     deps = _strain_increment(state, dt, gen, reduce)
     mu = torch.linalg.matrix_exp(deps)
-    mu_inv = torch.linalg.matrix_exp(-deps)
+    mu_inv_t = torch.linalg.matrix_exp(-deps.transpose(-1, -2))  # momenta: p ← p M⁻ᵀ
     new = g.replace({
         K.POSITIONS: torch.einsum("ni,nij->nj", g.positions, mu[g.batch]),
         K.CELL: g.cell @ mu,
-        K.VELOCITIES: torch.einsum("ni,nij->nj", g.velocities, mu_inv[g.batch]),
+        K.VELOCITIES: torch.einsum("ni,nij->nj", g.velocities, mu_inv_t[g.batch]),
     })
     vol0, vol1 = g.volume(), new.volume()
     # energy put in by the barostat, to first order in the strain (for the conserved quantity)

@@ -62,6 +62,32 @@ class AtomisticModel(nn.Module):
         raise NotImplementedError
 
 
+class SyncPoints:
+    """Mixin for models with sync points: ``self.sync``, an ``nn.ModuleList`` of
+    :class:`SyncPoint` identities between interaction layers, swappable by name (domain
+    decomposition replaces them by halo feature exchanges)."""
+
+    sync: nn.ModuleList
+
+    def init_sync_points(self, n: int) -> None:
+        """Create ``n`` identity sync points (call after ``nn.Module.__init__``)."""
+        self.sync = nn.ModuleList([SyncPoint() for _ in range(max(n, 0))])
+
+    @property
+    def sync_points(self) -> list[tuple[str, nn.Module]]:
+        """``[(name, module)]`` of the sync points in layer order (names as in named_modules)."""
+        return [(f"sync.{k}", m) for k, m in enumerate(self.sync)]
+
+    def set_sync_point(self, name: str, module: nn.Module) -> None:
+        """Replace the sync point ``name`` (e.g. ``"sync.0"``) by ``module``."""
+        names = [n for n, _ in self.sync_points]
+        if name not in names:
+            from xnn.errors import InputError
+
+            raise InputError(f"model has no sync point {name!r}; it has {names}")
+        self.sync[names.index(name)] = module
+
+
 class SyncPoint(nn.Module):
     """Identity between interaction layers; swapped for a halo feature exchange under DD.
 

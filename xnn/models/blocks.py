@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from xnn.models.base import AtomisticModel, SyncPoint
+from xnn.models.base import AtomisticModel, SyncPoints
 
 N_ELEMENTS = 119  # lookup tables are indexed by atomic number 0..118
 
@@ -282,7 +282,7 @@ def _jsonable(value, path: str = "hparams"):
     raise TypeError(f"{path} = {value!r} is not JSON-serialisable")
 
 
-class NativeModel(AtomisticModel):
+class NativeModel(SyncPoints, AtomisticModel):
     """Base class of xnn's own models: hyperparameters, species, cutoff, sync points, output.
 
     Subclasses call ``super().__init__(hparams, species, cutoff, num_interactions)`` first,
@@ -315,21 +315,7 @@ class NativeModel(AtomisticModel):
         self.species = [int(z) for z in species]
         self.cutoff = float(cutoff)
         self.num_interactions = int(num_interactions)
-        self.sync = nn.ModuleList([SyncPoint() for _ in range(max(self.num_interactions - 1, 0))])
-
-    @property
-    def sync_points(self) -> list[tuple[str, nn.Module]]:
-        """``[(name, module)]`` of the sync points in layer order (names as in named_modules)."""
-        return [(f"sync.{k}", m) for k, m in enumerate(self.sync)]
-
-    def set_sync_point(self, name: str, module: nn.Module) -> None:
-        """Replace the sync point ``name`` (e.g. ``"sync.0"``) by ``module``."""
-        names = [n for n, _ in self.sync_points]
-        if name not in names:
-            from xnn.errors import InputError
-
-            raise InputError(f"model has no sync point {name!r}; it has {names}")
-        self.sync[names.index(name)] = module
+        self.init_sync_points(self.num_interactions - 1)
 
     def set_statistics(
         self,

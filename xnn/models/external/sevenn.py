@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, ModelFileError
-from xnn.models.base import AtomisticModel, SyncPoint
+from xnn.models.base import AtomisticModel, SyncPoints
 from xnn.models.external._common import check_dtype, edges_within
 from xnn.models.external._optional import import_extra, preserved_environ
 
@@ -79,10 +80,22 @@ def _as_dtype(data: dict, dtype: torch.dtype) -> dict:
     return data
 
 
+@contextmanager
+def _float32_default():
+    """SevenNet builds its modules in the default dtype but loads float32 weights: build them
+    in float32 whatever the caller's default (``wrapper.double()`` converts afterwards)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def _load(checkpoint: str | os.PathLike) -> tuple[nn.Module, dict]:
     util, _, _ = _sevenn()
     try:
-        with preserved_environ(), warnings.catch_warnings():
+        with preserved_environ(), warnings.catch_warnings(), _float32_default():
             warnings.simplefilter("ignore")
             cp = util.load_checkpoint(str(checkpoint))
             model = cp.build_model()
@@ -98,12 +111,12 @@ def _load(checkpoint: str | os.PathLike) -> tuple[nn.Module, dict]:
 
 def _build_from_config(config: dict) -> nn.Module:
     _, _, build = _sevenn()
-    with preserved_environ(), warnings.catch_warnings():
+    with preserved_environ(), warnings.catch_warnings(), _float32_default():
         warnings.simplefilter("ignore")
         return build.build_E3_equivariant_model(dict(config))
 
 
-class SevenNetWrapper(AtomisticModel):
+class SevenNetWrapper(SyncPoints, AtomisticModel):
     """A SevenNet model returning per-atom energies ``[n_atoms]`` (eV) from xnn graphs.
 
     Args:
@@ -135,7 +148,7 @@ class SevenNetWrapper(AtomisticModel):
         self.cutoff = float(model.cutoff)
         self.convolutions = [n for n in model._modules if n.endswith("_convolution")]
         self.num_interactions = len(self.convolutions)
-        self.sync = nn.ModuleList([SyncPoint() for _ in range(max(self.num_interactions - 1, 0))])
+        self.init_sync_points(self.num_interactions - 1)
         self.species = sorted(int(z) for z in model.type_map)
         self.keys = {
             n: getattr(keys, n)
@@ -171,18 +184,6 @@ class SevenNetWrapper(AtomisticModel):
                 (graph.n_systems,), index, dtype=torch.long, device=graph.device
             )
         return data
-
-    @property
-    def sync_points(self) -> list[tuple[str, nn.Module]]:
-        """``[(name, module)]`` of the sync points in layer order (names as in named_modules)."""
-        return [(f"sync.{k}", m) for k, m in enumerate(self.sync)]
-
-    def set_sync_point(self, name: str, module: nn.Module) -> None:
-        """Replace the sync point ``name`` (e.g. ``"sync.0"``) by ``module``."""
-        names = [n for n, _ in self.sync_points]
-        if name not in names:
-            raise InputError(f"model has no sync point {name!r}; it has {names}")
-        self.sync[names.index(name)] = module
 
     def _synced(self, name: str, module: nn.Module, data: dict, graph: AtomicGraph) -> dict:
         """``data`` with the features convolution ``name`` gathers passed through its sync."""

@@ -18,6 +18,7 @@ from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.decomposed import DomainDecomposed
 from xnn.errors import InputError
+from xnn.neighbors import VerletList
 
 
 class DecomposedPotential:
@@ -36,6 +37,8 @@ class DecomposedPotential:
         self.model = model
         self.dd = DomainDecomposed(model, manager_or_group, grid=grid, skin=skin, mode=mode,
                                    backend=backend)
+        # the whole system's Verlet list, for the dynamics' safety checks (replicated)
+        self.neighbors = VerletList(float(model.cutoff), skin, backend)
 
     def _check_replicated(self, graph: AtomicGraph) -> None:
         pos = graph.positions.detach().to(torch.float64)

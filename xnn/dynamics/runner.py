@@ -45,11 +45,11 @@ from xnn.io.trajectory import ExtxyzWriter, open_trajectory
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def _progress(cfg_out, total: int, initial: int, desc: str):
+def _progress(cfg_out, total: int, initial: int, desc: str, enabled: bool = True):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
-                disable=None if cfg_out.progress else True, mininterval=0.5)
+                disable=None if cfg_out.progress and enabled else True, mininterval=0.5)
 
 
 def _results(state: MDState) -> dict:
@@ -59,30 +59,40 @@ def _results(state: MDState) -> dict:
 class _Outputs:
     """Trajectory, thermo log and checkpoints of one run."""
 
-    def __init__(self, cfg: MDConfig, n_atoms: int, meta: dict | None):
+    def __init__(self, cfg: MDConfig, n_atoms: int, meta: dict | None, enabled: bool = True):
         self.cfg = cfg
         self.dir = Path(cfg.output.dir)
+        self.enabled = enabled  # False on ranks other than 0 of a decomposed run
         files = (meta or {}).get("files", {})
         self.traj = None
+        self.log = None
+        if not enabled:
+            return
         if cfg.output.trajectory_every:
             self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
                                         files.get("trajectory") if meta else None)
         self.log = ThermoLog(self.dir / "thermo.csv", files.get("log_rows") if meta else None)
 
     def meta(self, ensemble: str) -> dict:
+        if not self.enabled:
+            return {"kind": "md", "ensemble": ensemble, "files": {}}
         files = {"log_rows": self.log.rows}
         if self.traj is not None:
             files["trajectory"] = self.traj.position()
         return {"kind": "md", "ensemble": ensemble, "files": files}
 
     def record(self, state: MDState, integrator, force: bool = False) -> None:
+        if not self.enabled:
+            return
         out, step = self.cfg.output, state.step
         if force or step % out.log_every == 0:
             self.log.write(step, self.cfg.timestep, observables(state, integrator.conserved))
         if self.traj is not None and (force or step % out.trajectory_every == 0):
             self.traj.write(state.graph, step, _results(state))
 
-    def checkpoint(self, state: MDState, potential, name: str = "checkpoint.pt") -> Path:
+    def checkpoint(self, state: MDState, potential, name: str = "checkpoint.pt") -> Path | None:
+        if not self.enabled:
+            return None
         path = self.dir / name
         ckpt.save_checkpoint(path, state, self.meta(self.cfg.ensemble), potential)
         return path
@@ -100,22 +110,43 @@ def _check(state: MDState, potential, cfg: MDConfig, max_t: torch.Tensor) -> Non
 def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) -> SimulationError:
     """Write the last good frame and its checkpoint (with the output sizes at that step)."""
     d = outputs.dir
-    ExtxyzWriter(d / "last_good.xyz").write(good.graph, good.step, _results(good))
-    ckpt.save_checkpoint(d / "checkpoint_last_good.pt", good, meta, None)
+    if outputs.enabled:
+        ExtxyzWriter(d / "last_good.xyz").write(good.graph, good.step, _results(good))
+        ckpt.save_checkpoint(d / "checkpoint_last_good.pt", good, meta, None)
     return SimulationError(f"{err}; stopped. Last good frame (step {good.step}) written to "
                            f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
 
 
-def _setup(schema, config, overrides: Sequence[str]):
+def _setup(schema, config, overrides: Sequence[str], manager=None):
     """The config (object or YAML path + dotlist overrides), device, dtype, potential and
-    output folder (created, with ``config.yaml``) of an ``xnn md`` / ``xnn relax`` run."""
+    output folder (created, with ``config.yaml``) of an ``xnn md`` / ``xnn relax`` run.
+
+    With a multi-rank ``manager`` the potential is decomposed over its ranks
+    (:class:`~xnn.distributed.DecomposedPotential`: replicated dynamics, the model's
+    evaluation spread over the ranks) and only rank 0 writes files."""
     cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
     device, dtype = resolve_device(cfg.model.device), _DTYPES[cfg.model.dtype]
+    if manager is not None:
+        device = manager.device
     potential = load_potential(cfg.model, device, dtype)
+    if manager is not None:
+        from xnn.distributed import DecomposedPotential
+
+        model = potential.model
+        mode = "sync" if getattr(model, "sync_points", None) else "halo"
+        potential = DecomposedPotential(model, manager, skin=cfg.model.skin, mode=mode,
+                                        backend=cfg.model.neighbor_backend)
     out_dir = Path(cfg.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "config.yaml")
+    if manager is None or manager.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
     return cfg, device, dtype, potential, out_dir
+
+
+def _launched_on_several_ranks() -> bool:
+    from xnn.distributed.manager import detect_launch
+
+    return detect_launch().world_size > 1
 
 
 def _start(cfg: MDConfig, potential, device, dtype):
@@ -139,12 +170,32 @@ def _start(cfg: MDConfig, potential, device, dtype):
 def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
     """Run molecular dynamics from a config (object or YAML path + dotlist overrides).
 
+    Launched on several ranks (torchrun, srun), every rank integrates the same system and
+    the model's evaluation is decomposed over the ranks (:class:`~xnn.distributed.
+    DecomposedPotential`, one system only); rank 0 writes the outputs. The trajectory equals
+    a single-process run to round-off.
+
     Returns:
         the output folder (with ``thermo.csv``, ``thermo.png``, trajectory, ``checkpoint.pt``).
     Raises:
         SimulationError: the run diverged (after writing the last good frame and a checkpoint).
     """
-    cfg, device, dtype, potential, out_dir = _setup(MDConfig, config, overrides)
+    if _launched_on_several_ranks():  # torchrun / srun: the model decomposed over the ranks
+        from xnn.distributed import DistributedManager
+
+        cfg = config if isinstance(config, MDConfig) else load_config(MDConfig, config,
+                                                                     overrides)
+        manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type)
+        try:
+            return _run_md(cfg, (), manager)
+        finally:
+            manager.cleanup()
+    return _run_md(config, overrides, None)
+
+
+def _run_md(config, overrides: Sequence[str], manager) -> Path:
+    cfg, device, dtype, potential, out_dir = _setup(MDConfig, config, overrides, manager)
+    main = manager is None or manager.is_main
     integrator, state, meta = _start(cfg, potential, device, dtype)
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
                                                                  state.positions))
@@ -156,11 +207,11 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
             check_forces(state, cfg.safety.max_force)
         except SimulationError as err:
             raise SimulationError(f"the initial structure is unsafe: {err}", 0) from None
-    outputs = _Outputs(cfg, state.graph.n_atoms, meta)
+    outputs = _Outputs(cfg, state.graph.n_atoms, meta, enabled=main)
     if meta is None:
         outputs.record(state, integrator, force=True)
     _loop(cfg, integrator, state, potential, outputs, max_t)
-    if cfg.output.plot:
+    if cfg.output.plot and main:
         plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}")
     return out_dir
 
@@ -170,7 +221,7 @@ def _loop(
 ) -> MDState:
     n_atoms, start = state.graph.n_atoms, state.step
     good, good_meta, t0 = state, outputs.meta(cfg.ensemble), time.perf_counter()
-    bar = _progress(cfg.output, cfg.steps, start, f"md {cfg.ensemble}")
+    bar = _progress(cfg.output, cfg.steps, start, f"md {cfg.ensemble}", outputs.enabled)
     every = cfg.output.checkpoint_every
     try:
         while state.step < cfg.steps:
@@ -300,6 +351,9 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -
     Returns:
         the output folder.
     """
+    if _launched_on_several_ranks():
+        raise InputError("xnn relax runs in one process; launch it without torchrun/srun "
+                         "(xnn md decomposes the model over the ranks of a torchrun job)")
     cfg, device, dtype, potential, out_dir = _setup(RelaxConfig, config, overrides)
     state, meta = _relax_start(cfg, potential, device, dtype)
     state = _relax_loop(cfg, state, potential, _RelaxOutputs(cfg, state.graph.n_atoms, meta))

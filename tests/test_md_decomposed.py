@@ -1,0 +1,78 @@
+"""``xnn md`` under torchrun: the model decomposed over the ranks (replicated dynamics)
+gives the same trajectory as one process (gloo, 2 ranks, fp64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ase.build import bulk
+from dist_helpers import spawn
+
+from xnn.config.loader import load_config
+from xnn.config.md import MDConfig
+from xnn.dynamics import checkpoint as ckpt
+from xnn.dynamics.runner import run_md
+
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
+
+CASES = {  # ensemble -> extra overrides (Langevin: replicated random numbers; NPT: cell moves)
+    "langevin": ["temperature=60", "thermostat.friction=0.02"],
+    "npt": ["temperature=60", "pressure=0.1", "barostat.tau_p=200", "thermostat.tau=50"],
+}
+
+
+def overrides(structure, out_dir, ensemble):
+    return [f"structure={structure}", f"output.dir={out_dir}", f"ensemble={ensemble}",
+            "model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
+            "model.params.cutoff=6.5", "model.skin=1.0", "steps=40", "timestep=4.0",
+            "output.log_every=5", "output.trajectory_every=20", "output.progress=false",
+            "output.plot=false", "seed=3", *CASES[ensemble]]
+
+
+def worker(rank, world, structure, tmp):
+    for ensemble in CASES:
+        run_md(load_config(MDConfig, None, overrides(structure, f"{tmp}/dd_{ensemble}",
+                                                      ensemble)))
+    return rank
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("md_dd")
+    atoms = bulk("Ar", "fcc", a=5.3, cubic=True).repeat(3)
+    atoms.positions += np.random.default_rng(0).normal(0, 0.05, atoms.positions.shape)
+    structure = tmp / "ar108.xyz"
+    atoms.write(structure)
+    assert spawn(worker, 2, args=(str(structure), str(tmp)), timeout_s=240) == [0, 1]
+    for ensemble in CASES:
+        run_md(load_config(MDConfig, None, overrides(structure, tmp / f"single_{ensemble}",
+                                                      ensemble)))
+    return tmp
+
+
+def thermo(path):
+    return np.genfromtxt(path, delimiter=",", names=True)
+
+
+@pytest.mark.parametrize("ensemble", list(CASES))
+def test_decomposed_md_matches_one_process(runs, ensemble):
+    dd, single = runs / f"dd_{ensemble}", runs / f"single_{ensemble}"
+    a, b = thermo(dd / "thermo.csv"), thermo(single / "thermo.csv")
+    assert a.shape == b.shape and len(a) == 9
+    for name in b.dtype.names:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-9, atol=1e-12, err_msg=name)
+    s_dd, _ = ckpt.load_checkpoint(dd / "checkpoint.pt", torch.device("cpu"))
+    s_1, _ = ckpt.load_checkpoint(single / "checkpoint.pt", torch.device("cpu"))
+    assert s_dd.step == s_1.step == 40
+    for x, y in ((s_dd.positions, s_1.positions), (s_dd.graph.velocities, s_1.graph.velocities),
+                 (s_dd.graph.cell, s_1.graph.cell)):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
+    moved = (s_1.positions - thermo_start_positions(runs)).abs().max()
+    assert moved > 0.05  # the atoms really moved (several neighbor-list rebuilds)
+
+
+def thermo_start_positions(runs):
+    from ase.io import read
+
+    return torch.tensor(read(runs / "ar108.xyz").positions)

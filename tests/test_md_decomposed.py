@@ -3,6 +3,8 @@ gives the same trajectory as one process (gloo, 2 ranks, fp64)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -70,6 +72,21 @@ def test_decomposed_md_matches_one_process(runs, ensemble):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
     moved = (s_1.positions - thermo_start_positions(runs)).abs().max()
     assert moved > 0.05  # the atoms really moved (several neighbor-list rebuilds)
+
+
+def test_decomposed_checkpoint_resumes_in_one_process(runs):
+    """Checkpoints are the same on any number of ranks: a 2-rank run's checkpoint continues in
+    one process like the single-process run continues from its own."""
+    structure = runs / "ar108.xyz"
+    ends = []
+    for src in ("dd_langevin", "single_langevin"):
+        out = runs / f"resumed_from_{src}"
+        shutil.copytree(runs / src, out)  # resume continues the run's own output files
+        run_md(load_config(MDConfig, None, overrides(structure, out, "langevin")
+                           + ["steps=60", f"resume={out / 'checkpoint.pt'}"]))
+        ends.append(ckpt.load_checkpoint(out / "checkpoint.pt", torch.device("cpu"))[0])
+    assert ends[0].step == ends[1].step == 60
+    torch.testing.assert_close(ends[0].positions, ends[1].positions, rtol=1e-9, atol=1e-11)
 
 
 def thermo_start_positions(runs):

@@ -29,9 +29,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
                    help="evaluation dtype (default float64)")
     p.add_argument("--grid", default=None, help="boxes px,py,pz (default: automatic)")
-    p.add_argument("--mode", default="halo", choices=["halo", "sync"],
+    p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync"],
                    help="halo: ghosts within the receptive field (any model); sync: per-layer "
-                   "feature exchange at the model's sync points (default halo)")
+                   "feature exchange at the model's sync points (halo of one cutoff); auto: "
+                   "sync for models with sync points, else halo (default auto)")
     p.add_argument("--skin", type=float, default=0.0, help="Verlet skin in Å (default 0)")
     p.add_argument("--tol", type=float, default=1e-10,
                    help="maximum relative error allowed (default 1e-10)")
@@ -122,6 +123,8 @@ def run(args) -> int:
         species = C.broadcast_object(
             None if graph is None else sorted(set(graph.numbers.tolist())))
         model = V.load_model_everywhere(args.model, species).to(manager.device, dtype)
+        if args.mode == "auto":
+            args.mode = "sync" if getattr(model, "sync_points", None) else "halo"
         dd = DomainDecomposed(model, manager, grid=grid, skin=args.skin, mode=args.mode)
         graph = dd.broadcast(None if graph is None else graph.to(dtype=dtype))
         ref, seconds = None, {}

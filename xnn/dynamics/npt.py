@@ -27,10 +27,13 @@ divergence of the diffusion tensor of row ``a`` of ``h`` gives the per-component
 
 ``p(h) ∝ exp(-(F(h) + P₀V)/k_BT) / (h_xx² h_yy)``  (``dh`` over the six entries of ``h``),
 
-``F(h)`` the Helmholtz free energy of the cell ``h`` (``V^(N_f/3)`` for an ideal gas). Its
-volume marginal is that of the isotropic equation, since ``ln V = Σ_a ln h_aa`` follows
-``Σ_a B_aa`` exactly. (The previous symmetric-strain variant, ``r ← r exp(ε)`` with ``ε``
-symmetric and half the off-diagonal noise, let the cell orientation diffuse and sampled
+``F(h)`` the Helmholtz free energy of the cell ``h`` (``exp(-F/k_BT) ∝ V^(N_f/3)`` for an
+ideal gas).
+``ln V = Σ_a ln h_aa`` moves by ``Σ_a B_aa`` exactly: the isotropic equation with
+``P = tr P/3``. Consequences checked in ``tests/test_npt_aniso.py``: ``<P_aa> = P₀`` and
+``cov(V, P_aa) = -k_BT`` for each axis of the frame. (The previous symmetric-strain
+variant, ``r ← r exp(ε)`` with ``ε`` symmetric and half the off-diagonal noise, let the
+cell orientation diffuse and sampled
 ``∝ exp(-(F + P₀V)/k_BT) h_xx² h_yy / V²`` after removing rotations: a different shape
 weight, ``(h_xx² h_yy / V)²``, the O(1/N) error this replaces.)
 ``P_ab = (Σ m v_a v_b)/V - σ_ab`` is the instantaneous pressure tensor (σ the stress, ASE sign).
@@ -76,7 +79,8 @@ def init(
         tau: thermostat time constant (fs).
         tau_p: barostat relaxation time (fs).
         compressibility: β_T (Å³/eV), only sets the barostat's time scale.
-        anisotropic: let all six strain components fluctuate (else isotropic).
+        anisotropic: let all six cell components fluctuate, orientation fixed (else
+            isotropic).
         seed: seed of thermostat and barostat noise.
     """
     if not bool(state.pbc.all()):
@@ -113,7 +117,13 @@ def _triangular_frame(cell: Tensor) -> Tensor:
 
 
 def _aniso_generator(state: MDState, p: Tensor, noise: Tensor, dt: float) -> Tensor:
-    """``[n, 3, 3]`` ``G`` with ``M = exp(G)`` the lab-frame (row-vector) deformation."""
+    """``[n, 3, 3]`` ``G = Q Bᵀ Qᵀ``: ``M = exp(G)`` is the lab-frame (row-vector) deformation.
+
+    Args:
+        p: ``[n, 3, 3]`` pressure tensor (eV/Å³).
+        noise: ``[n, 3, 3]`` standard normals; the upper triangle is used.
+        dt: fs.
+    """
     v = state.vars
     vol = state.graph.volume()
     rate = (v["compressibility"] / (3 * v["tau_p"]))[:, None, None]

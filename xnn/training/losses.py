@@ -79,14 +79,18 @@ def residuals(pred: dict[str, Tensor], batch: AtomicGraph) -> dict[str, tuple[Te
 
 def local_counts(batch: AtomicGraph, device=None) -> Tensor:
     """``[3]`` float64 numbers of labelled items (energies, force components, stress
-    components) of this rank's batch; all-reduce them to get the global normalisers."""
+    components) of this rank's batch; all-reduce them to get the global normalisers.
+
+    Counted where ``batch`` is (pass the CPU batch before moving it to a GPU: no device
+    synchronisation) and returned on ``device`` (default: the batch's)."""
     if batch is None:
         return torch.zeros(3, dtype=torch.float64, device=device)
-    e = torch.isfinite(batch.energy).sum() if K.ENERGY in batch else 0
-    f = torch.isfinite(batch.forces).all(-1).sum() * 3 if K.FORCES in batch else 0
-    s = torch.isfinite(batch.stress).flatten(1).all(-1).sum() * 9 if K.STRESS in batch else 0
-    return torch.tensor([float(e), float(f), float(s)], dtype=torch.float64,
-                        device=device if device is not None else batch.device)
+    zero = torch.zeros((), dtype=torch.long, device=batch.device)
+    e = torch.isfinite(batch.energy).sum() if K.ENERGY in batch else zero
+    f = torch.isfinite(batch.forces).all(-1).sum() * 3 if K.FORCES in batch else zero
+    s = torch.isfinite(batch.stress).flatten(1).all(-1).sum() * 9 if K.STRESS in batch else zero
+    out = torch.stack([e, f, s]).to(torch.float64)
+    return out.to(device) if device is not None else out
 
 
 def loss_terms(
@@ -99,13 +103,16 @@ def loss_terms(
     Args:
         res: from :func:`residuals`.
         specs: ``{property: TermSpec}``; terms with weight 0 are skipped.
-        global_counts: ``[3]`` labelled items of the global batch (see :func:`local_counts`).
+        global_counts: ``[3]`` labelled items of the global batch (see :func:`local_counts`),
+            a tensor or a list of floats (read once: no device synchronisation per term).
     Returns:
         ``(loss, {property: term})`` with ``loss = Σ weight * term``; both are this rank's
         partial sums (add them over ranks to get the global values).
     """
     total = None
     terms: dict[str, Tensor] = {}
+    if isinstance(global_counts, Tensor):
+        global_counts = global_counts.tolist()
     for k, name in enumerate(PROPERTIES):
         spec = specs.get(name)
         if spec is None or spec.weight == 0.0 or name not in res:

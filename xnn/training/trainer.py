@@ -94,8 +94,9 @@ class Trainer:
             NonFiniteLossError: NaN/inf loss (no parameter was changed).
         """
         self.model.train()
-        batch = self._batch(graphs)
-        counts = self.reducer.all_reduce_sum(local_counts(batch, self.device))
+        cpu_batch = collate(graphs) if graphs else None
+        counts = self.reducer.all_reduce_sum(local_counts(cpu_batch, self.device)).tolist()
+        batch = None if cpu_batch is None else cpu_batch.to(self.device, self.dtype)
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if batch is not None:

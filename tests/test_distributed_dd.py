@@ -122,9 +122,11 @@ CASES = {
     2: LJ_CASES + NN_CASES + [("lj-tiny-grid", "lj", "tiny", (2, 1, 1), "halo")],
     3: LJ_CASES + [("schnet-sync-3", "schnet", "slab", None, "sync")],
     4: LJ_CASES + [("lj-corner-grid", "lj", "corner", (1, 1, 4), "halo"),
-                   ("painn-sync-4", "painn", "cubic", None, "sync")],
+                   ("painn-sync-4", "painn", "cubic", None, "sync"),
+                   ("equivariant-sync-4", "equivariant", "triclinic", None, "sync")],
     8: [c for c in LJ_CASES if c[2] in ("cubic", "triclinic", "tiny", "corner")]
-    + [("painn-sync-8", "painn", "molecule", None, "sync")],
+    + [("painn-sync-8", "painn", "molecule", None, "sync"),
+       ("equivariant-sync-8", "equivariant", "molecule", None, "sync")],
 }
 
 

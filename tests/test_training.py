@@ -372,3 +372,12 @@ def test_cli_train_and_pretrained(tmp_path, data, capsys, monkeypatch):
     a, b = load_model(src).state_dict(), load_model(tmp_path / "c" / "model.pt").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert "fine-tuning schnet" in capsys.readouterr().out
+
+
+def test_amsgrad_option_reaches_the_optimizer():
+    from xnn.training.schedule import build_optimizer
+
+    model = torch.nn.Linear(2, 1)
+    for name in ("adam", "adamw"):
+        assert build_optimizer(model, name, 1e-3, 0.0, amsgrad=True).param_groups[0]["amsgrad"]
+        assert not build_optimizer(model, name, 1e-3, 0.0).param_groups[0]["amsgrad"]

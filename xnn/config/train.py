@@ -112,6 +112,7 @@ class OptimConfig:
     name: str = field("adam", "optimizer", choices=("adam", "adamw"))
     lr: float = field(1e-3, "learning rate")
     weight_decay: float = field(0.0, "weight decay (decoupled for adamw)")
+    amsgrad: bool = field(False, "AMSGrad variant of Adam/AdamW (mace_run_train always uses it)")
     grad_clip: float | None = field(10.0, "clip the global gradient norm to this (null: off)")
 
     def __post_init__(self):

@@ -91,7 +91,8 @@ def _trainer(cfg: TrainConfig, model, reducer, device) -> Trainer:
     dtype, autocast = configure_precision(cfg.precision)
     model = model.to(device=device, dtype=dtype)
     reducer.broadcast_module(model)
-    optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay)
+    optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
+                                cfg.optim.amsgrad)
     s = cfg.schedule
     schedule = LRSchedule(optimizer, s.name, cfg.optim.lr, s.warmup_steps, s.total_steps,
                           s.min_lr_factor, s.factor, s.patience)

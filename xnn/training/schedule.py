@@ -22,13 +22,14 @@ from torch import nn
 from xnn.errors import InputError
 
 
-def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float):
-    """Adam or AdamW over the trainable parameters of ``model``."""
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
+                    amsgrad: bool = False):
+    """Adam or AdamW (optionally AMSGrad) over the trainable parameters of ``model``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=amsgrad)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, amsgrad=amsgrad)
     raise InputError(f"unknown optimizer {name!r}; choose one of ['adam', 'adamw']")
 
 

@@ -96,9 +96,7 @@ def _edge_messages(layer: Interaction, h_up, y, feats, sender, receiver, n: int)
     """``Interaction.messages`` for ``torch.compile``: torch's own ``index_add`` instead of the
     custom scatter Function (under dynamo in torch 2.11 on CUDA, gradients did not flow
     through that Function: forces came out zero)."""
-    w = layer.radial(feats, False)
-    m = layer.tp(h_up.index_select(0, sender), y, w, False)
-    return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
+    return layer.messages(h_up, y, feats, sender, receiver, n, compiling=True)
 
 
 _COMPILED: dict[str, object] = {}
@@ -241,14 +239,19 @@ class Interaction(nn.Module):
         receiver: Tensor,
         n: int,
         recompute: bool = False,
+        compiling: bool = False,
     ) -> Tensor:
         """``[n, C, (l_max+1)^2]`` sum of the messages of some edges into receivers ``0..n-1``.
 
         ``recompute``: recompute the radial MLP's hidden layers and the tensor-product
         intermediates in backward instead of keeping them (cheap element-wise work).
+        ``compiling``: traced by ``torch.compile``: sum with torch's ``index_add`` (see
+        :func:`_edge_messages`).
         """
         w = self.radial(feats, recompute)
         m = self.tp(h_up.index_select(0, sender), y, w, recompute)
+        if compiling:
+            return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
         return scatter_sum(m, receiver, n)
 
     def aggregate(self, h: Tensor, edges: EdgeData, n_up: int | None = None) -> Tensor:

@@ -3,10 +3,12 @@ toward a target pressure, batched relaxations equal single ones."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
-from ase.build import bulk
+from md_helpers import rattled_argon
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import fire
@@ -20,10 +22,7 @@ SIGMA, EPS, RC = 3.405, 0.0104, 7.0
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def rattled(a=5.3, rep=2, seed=0, amp=0.15):
-    atoms = bulk("Ar", "fcc", a=a, cubic=True).repeat(rep)
-    atoms.positions += np.random.default_rng(seed).normal(0, amp, atoms.positions.shape)
-    return atoms
+rattled = partial(rattled_argon, amp=0.15)
 
 
 def graph_of(atoms):

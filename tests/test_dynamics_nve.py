@@ -3,11 +3,13 @@ batched == one-by-one, fixed atoms, initial velocities."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 from ase import units
-from ase.build import bulk
+from md_helpers import rattled_argon
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import degrees_of_freedom, maxwell_boltzmann, nhc, nve, temperature
@@ -20,10 +22,7 @@ SIGMA, EPS, RC = 3.405, 0.0104, 8.0
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def argon(rep=2, a=5.26, rattle=0.05, seed=0):
-    atoms = bulk("Ar", "fcc", a=a, cubic=True).repeat(rep)
-    atoms.positions += np.random.default_rng(seed).normal(0, rattle, atoms.positions.shape)
-    return atoms
+argon = partial(rattled_argon, a=5.26, amp=0.05)
 
 
 def graph_of(atoms) -> AtomicGraph:
@@ -66,7 +65,7 @@ def test_nve_energy_drift_random_schnet():
     """A random-weight SchNet (scaled so that 0.1 eV moves between E_pot and E_kin) conserves
     energy: max |ΔE_tot| < 2e-6 eV/atom over 200 steps of 2 fs (measured 2e-7), and the error
     shrinks like dt² (ratio 4–16 from 2 fs to 1 fs): an integration error, not a bug."""
-    atoms = argon(rep=2, a=5.4, rattle=0.02)
+    atoms = argon(rep=2, a=5.4, amp=0.02)
     g = maxwell_boltzmann(graph_of(atoms), 100.0, seed=3)
     worst = {}
     for dt in (1.0, 2.0):

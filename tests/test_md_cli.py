@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from ase.build import bulk, molecule
+from md_helpers import rattled_argon
 
 from xnn.cli.main import main
 from xnn.config.loader import ConfigError, load_config
@@ -31,9 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def argon_file(tmp_path):
     frames = []
     for i in range(2):
-        a = bulk("Ar", "fcc", a=5.3, cubic=True).repeat(2)
-        a.positions += np.random.default_rng(i).normal(0, 0.03, a.positions.shape)
-        frames.append(a)
+        frames.append(rattled_argon(seed=i))
     path = tmp_path / "ar.xyz"
     ase.io.write(path, frames)
     return path

@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from ase.build import bulk
 from dist_helpers import spawn
+from md_helpers import rattled_argon
 
 from xnn.config.loader import load_config
 from xnn.config.md import MDConfig
@@ -42,8 +42,7 @@ def worker(rank, world, structure, tmp):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("md_dd")
-    atoms = bulk("Ar", "fcc", a=5.3, cubic=True).repeat(3)
-    atoms.positions += np.random.default_rng(0).normal(0, 0.05, atoms.positions.shape)
+    atoms = rattled_argon(rep=3, amp=0.05)
     structure = tmp / "ar108.xyz"
     atoms.write(structure)
     assert spawn(worker, 2, args=(str(structure), str(tmp)), timeout_s=240) == [0, 1]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from ase.build import bulk
+from md_helpers import rattled_argon
 
 from xnn.cli.main import main
 from xnn.config.loader import load_config
@@ -31,9 +32,7 @@ def argon_file(tmp_path):
     """Two 32-atom Ar crystals: one barely rattled (converges early), one strongly rattled."""
     frames = []
     for i, amp in enumerate((0.006, 0.08)):
-        a = bulk("Ar", "fcc", a=5.25, cubic=True).repeat(2)
-        a.positions += np.random.default_rng(i).normal(0, amp, a.positions.shape)
-        frames.append(a)
+        frames.append(rattled_argon(a=5.25, amp=amp, seed=i))
     path = tmp_path / "ar.xyz"
     ase.io.write(path, frames)
     return path

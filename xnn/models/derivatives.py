@@ -111,7 +111,8 @@ def compute_properties(
         ``forces``, ``stress``, ``virial``.
     """
     need_grad = forces or stress
-    with torch.enable_grad() if need_grad else torch.no_grad():
+    # Training (even on energies only) needs the autograd graph of the energy itself.
+    with torch.enable_grad() if (need_grad or training) else torch.no_grad():
         strained = apply_strain(graph, with_strain=stress) if need_grad else None
         g = strained.graph if strained is not None else graph
         energies = model(g)

@@ -50,3 +50,15 @@ def build(name: str, **hyperparameters) -> nn.Module:
         if unknown:
             raise InputError(f"model {name!r} has no hyperparameter(s) {unknown}; valid: {valid}")
     return cls(**hyperparameters)
+
+
+def rebuild(name: str, hyperparameters: dict) -> nn.Module:
+    """Build a model from the hyperparameters stored in a model file or checkpoint.
+
+    Keys that files of earlier versions lack get the value those versions implied (the
+    class attribute ``saved_defaults``), so that old files keep loading into the same model.
+    """
+    hp = dict(hyperparameters)
+    for key, value in getattr(model_class(name), "saved_defaults", {}).items():
+        hp.setdefault(key, value)
+    return build(name, **hp)

@@ -190,13 +190,13 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
 
 
 def _rebuild(name: str, payload: dict) -> nn.Module:
-    from xnn.models.registry import build
+    from xnn.models.registry import rebuild
 
     hparams = payload.get("hparams")
     state = payload.get("state_dict")
     if not isinstance(hparams, dict) or not isinstance(state, Mapping):
         raise ModelFileError("model file lacks `hparams` or `state_dict`")
-    model = build(name, **hparams)
+    model = rebuild(name, hparams)
     dtype = getattr(torch, str(payload.get("dtype", "float32")), None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         model = model.to(dtype)

@@ -9,7 +9,7 @@ from torch import nn
 
 from xnn.config.train import ModelConfig, TrainConfig
 from xnn.errors import InputError
-from xnn.models.registry import build, model_class
+from xnn.models.registry import build, model_class, rebuild
 
 PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16_mixed": torch.float32,
                     "fp64": torch.float64}
@@ -97,7 +97,7 @@ def load_pretrained(path: str) -> nn.Module:
         payload = load_checkpoint(path)
     except Exception:
         return load_model(path).train()
-    model = build(payload["model"]["name"], **payload["model"]["hparams"])
+    model = rebuild(payload["model"]["name"], payload["model"]["hparams"])
     state = dict(payload["model"]["state_dict"])
     if payload.get("ema") is not None:
         state.update(payload["ema"]["shadow"])

@@ -381,3 +381,15 @@ def test_amsgrad_option_reaches_the_optimizer():
     for name in ("adam", "adamw"):
         assert build_optimizer(model, name, 1e-3, 0.0, amsgrad=True).param_groups[0]["amsgrad"]
         assert not build_optimizer(model, name, 1e-3, 0.0).param_groups[0]["amsgrad"]
+
+
+def test_energy_only_training_learns(tmp_path, data):
+    """``loss.forces.weight=0 loss.stress.weight=0``: the energy alone is differentiated
+    (this failed with 'element 0 of tensors does not require grad' when no force was asked)."""
+    cfg = tiny(tmp_path / "e", data, "loss.forces.weight=0.0", "loss.stress.weight=0.0",
+               "max_epochs=4", "ema.enabled=false", "optim.lr=0.01")
+    run_train(cfg)
+    rows = (tmp_path / "e" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    losses = [float(r.split(",")[header.index("train_loss")]) for r in rows[1:]]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses

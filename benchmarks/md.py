@@ -11,6 +11,10 @@ Cases (FCC Cu, rattled, NVE velocity Verlet, 300 K initial velocities, same time
 * ``mace``: the same random-weight mace-torch ``ScaleShiftMACE`` as ``benchmarks/models.py``
   through ``xnn.models.build("mace", model=...)`` + xnn NVE, and through torch-sim's
   ``MaceModel`` + NVE integrator (when ``torch_sim`` is importable; else recorded skipped).
+  With ``--compile`` also xnn with ``Potential(compile=True)`` (mace-torch's own compile
+  preparation, ``torch.compile`` with dynamic shapes), after a check of its forces against
+  eager ones in the same run (``compiled_force_rel_error``). torch-sim 0.4.0's ``MaceModel``
+  has no compile option.
 
 Throughput = atoms × steps / wall time, after warm-up steps (neighbor lists included: a
 Verlet skin of 1 Å, rebuilt when needed, as in production).
@@ -51,9 +55,11 @@ def graph_of(atoms, device, dtype) -> AtomicGraph:
     return maxwell_boltzmann(g, 300.0, seed=0)
 
 
-def xnn_rate(model, graph: AtomicGraph, steps: int, warmup: int = 3, stress: bool = True) -> dict:
-    """Atom-steps/s of xnn NVE (one model call per step; stress too unless ``stress=False``)."""
-    pot = Potential(model, skin=1.0)
+def xnn_rate(model, graph: AtomicGraph, steps: int, warmup: int = 3, stress: bool = True,
+             compile: bool = False) -> dict:
+    """Atom-steps/s of xnn NVE (one model call per step; stress too unless ``stress=False``;
+    ``compile``: ``Potential(compile=True)``, compiled during the warm-up steps)."""
+    pot = Potential(model, skin=1.0, compile=compile)
     s = nve.init(graph, pot)
     s = s.replace(compute_stress=stress and s.compute_stress)
     for _ in range(warmup):
@@ -172,24 +178,44 @@ def torchsim_rate(mace_model, atoms, steps: int, device, dtype, warmup: int = 3)
             "version": getattr(ts, "__version__", "?")}
 
 
-def bench_mace(sizes, steps, device, dtype) -> list:
+def compiled_force_error(eager_model, compiled_model, graph: AtomicGraph) -> float:
+    """Max |F_compiled - F_eager| / max |F_eager| on ``graph`` (two wrappers of one model)."""
+    eager = Potential(eager_model, skin=1.0)(graph, stress=False)["forces"]
+    compiled = Potential(compiled_model, skin=1.0, compile=True)(graph, stress=False)["forces"]
+    return float((compiled - eager).abs().max() / eager.abs().max())
+
+
+def bench_mace(sizes, steps, device, dtype, compile: bool = False, on_row=None) -> list:
     try:
         from benchmarks.models import build_mace
         mace_model = build_mace(avg_num_neighbors=40.0).to(device=device, dtype=dtype).eval()
     except ImportError as e:
         return [{"case": "mace", "skipped": f"mace-torch not importable: {e}"}]
     rows = []
+    wrapped = build("mace", model=mace_model).to(device=device, dtype=dtype).eval()
+    # compiled once (dynamic shapes), reused for every size
+    compiled = build("mace", model=mace_model).to(device=device, dtype=dtype).eval() \
+        if compile else None
     for n in sizes:
         atoms = fcc_cu(n)
         row = {"case": "mace", "n_atoms": len(atoms)}
         try:
-            wrapped = build("mace", model=mace_model).to(device=device, dtype=dtype).eval()
             # torch-sim is asked for energy and forces only: so is xnn
             row["xnn"] = xnn_rate(wrapped, graph_of(atoms, device, dtype), steps, stress=False)
+            if compiled is not None:  # mace-torch's compile preparation, through Potential
+                g = graph_of(atoms, device, dtype)
+                t0 = time.perf_counter()
+                row["compiled_force_rel_error"] = compiled_force_error(wrapped, compiled, g)
+                row["first_compiled_call_s"] = time.perf_counter() - t0
+                row["xnn_compiled"] = xnn_rate(compiled, g, steps, stress=False, compile=True)
             try:
                 row["torch_sim"] = torchsim_rate(mace_model, atoms, steps, device, dtype)
                 row["speedup_vs_torch_sim"] = (row["xnn"]["atom_steps_per_s"]
                                                / row["torch_sim"]["atom_steps_per_s"])
+                if "xnn_compiled" in row:
+                    row["speedup_compiled_vs_torch_sim"] = (
+                        row["xnn_compiled"]["atom_steps_per_s"]
+                        / row["torch_sim"]["atom_steps_per_s"])
             except ImportError as e:
                 row["torch_sim"] = {"skipped": f"torch_sim not importable: {e}"}
             except torch.OutOfMemoryError:
@@ -200,6 +226,8 @@ def bench_mace(sizes, steps, device, dtype) -> list:
             torch.cuda.empty_cache()
         print(row, flush=True)
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -210,20 +238,42 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per case")
+    p.add_argument("--sizes", default=None, help="comma-separated atom counts (default "
+                   "1000,10000,100000; quick 100,500)")
+    p.add_argument("--compile", action="store_true",
+                   help="MACE rows: also time xnn with Potential(compile=True)")
+    p.add_argument("--only", default=None, choices=("lj", "equivariant", "batched", "mace"),
+                   help="run one case only")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sizes = QUICK_SIZES if args.quick else SIZES
+    if args.sizes:
+        sizes = tuple(int(x) for x in args.sizes.split(","))
     steps = args.steps or (5 if args.quick else 50)
     eq_species = [29]
     results = []
-    results += bench_single("lj", lambda: build("lj", **LJ), sizes, steps, device, dtype)
-    results += bench_single(
-        "equivariant", lambda: build("equivariant", species=eq_species, cutoff=5.0),
-        sizes[:2] if args.quick else sizes, max(2, steps // 2), device, dtype)
-    results.append(bench_batched(16 if args.quick else 512, steps, device, dtype))
-    results += bench_mace(sizes[:1] if args.quick else sizes, max(2, steps // 2), device, dtype)
-    write_json(args.json, {"benchmark": "md", "dtype": args.dtype, "dt_fs": DT,
-                           "quick": args.quick, "results": results}, device=str(device))
+
+    def run(case: str) -> bool:
+        return args.only in (None, case)
+
+    if run("lj"):
+        results += bench_single("lj", lambda: build("lj", **LJ), sizes, steps, device, dtype)
+    if run("equivariant"):
+        results += bench_single(
+            "equivariant", lambda: build("equivariant", species=eq_species, cutoff=5.0),
+            sizes[:2] if args.quick else sizes, max(2, steps // 2), device, dtype)
+    if run("batched"):
+        results.append(bench_batched(16 if args.quick else 512, steps, device, dtype))
+
+    def save(extra=()):  # also after every MACE row: a run cut short keeps what it measured
+        write_json(args.json, {"benchmark": "md", "dtype": args.dtype, "dt_fs": DT,
+                               "quick": args.quick, "results": results + list(extra)},
+                   device=str(device))
+
+    if run("mace"):
+        results += bench_mace(sizes[:1] if args.quick else sizes, max(2, steps // 2), device,
+                              dtype, compile=args.compile, on_row=save)
+    save()
     print(f"wrote {args.json}")
     return 0
 

@@ -243,3 +243,27 @@ def test_xnn_imports_without_extras():
     res = subprocess.run([sys.executable, "-c", _NO_EXTRAS], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_compiled_mace_matches_eager(mace_model, monkeypatch):
+    """``Potential(compile=True)`` on a MACE wrapper (mace-torch's compile preparation and
+    ``torch.compile`` with dynamic shapes): energy, forces and stress equal the eager ones,
+    also after the structure (atom and edge counts) changes; training mode runs eagerly.
+
+    Traced by dynamo and AOT autograd (where gradients could be lost) but not code-generated
+    by inductor (2+ minutes on a CPU); the GPU benchmark checks inductor's forces."""
+    import xnn.models.external.mace as wrapper_module
+
+    monkeypatch.setattr(wrapper_module, "COMPILE_BACKEND", "aot_eager")
+    eager = Potential(build("mace", model=mace_model))
+    wrapper = build("mace", model=mace_model).eval()
+    compiled = Potential(wrapper, compile=True)
+    for structures in ([_periodic()], [_periodic(), _molecule()]):
+        g = _graph(structures, 3.2)
+        ref, out = eager(g, stress=True), compiled(g, stress=True)
+        for key in ("energy", "forces", "stress"):
+            _close(out[key].detach(), ref[key].detach(), rtol=1e-10)
+    assert wrapper._compiled is not None
+    wrapper.train()
+    assert wrapper(g).requires_grad  # eager path while training

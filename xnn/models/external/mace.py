@@ -35,6 +35,7 @@ from xnn.models.external._common import check_dtype, edges_within, leaf_safe
 from xnn.models.external._optional import import_extra, preserved_environ
 
 PAYLOAD_KIND = "mace-torch-pickle"
+COMPILE_BACKEND = "inductor"  # torch.compile backend of compile_for_inference (tests: aot_eager)
 
 
 def _load_module(source: str | os.PathLike | bytes) -> nn.Module:
@@ -125,10 +126,46 @@ class MACEWrapper(AtomisticModel):
             "pbc": graph.pbc,
         }
 
+    def compile_for_inference(self, enabled: bool = True) -> bool:
+        """Run MACE through ``torch.compile`` for energy, forces and stress (see the base
+        class), prepared the way mace-torch's own ``MACECalculator(compile_mode=...)`` does:
+        a copy of the model rebuilt without e3nn's TorchScript code generation, its
+        registered blocks traced by ``torch.fx``, compiled with dynamic shapes (a neighbour
+        list rebuild changes the number of edges without recompiling).
+
+        The copy is made at the first evaluation, on that evaluation's device and dtype,
+        from the weights the wrapper holds then; later changes to ``self.model`` (training,
+        ``.to()``) drop it, and the next evaluation makes a new one.
+        """
+        if bool(enabled) != getattr(self, "_compile", False):
+            self._compile = bool(enabled)
+            self._compiled = None
+        return True
+
+    def _compiled_model(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        key = (device, dtype, tuple(p._version for p in self.model.parameters()))
+        cached = getattr(self, "_compiled", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        from mace.tools.compile import prepare
+        from mace.tools.scripts_utils import extract_model
+
+        with preserved_environ():
+            copy = prepare(extract_model)(model=self.model, map_location=str(device))
+        copy = copy.to(dtype=dtype).eval()
+        for p in copy.parameters():
+            p.requires_grad_(False)
+        compiled = torch.compile(copy, dynamic=True, backend=COMPILE_BACKEND)
+        object.__setattr__(self, "_compiled", (key, compiled))  # not a registered submodule
+        return compiled
+
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV), including E0; ``graph`` must carry edges."""
         check_dtype(graph, self.model)
-        out = self.model(self.mace_inputs(graph), training=False, compute_force=False)
+        model = self.model
+        if getattr(self, "_compile", False) and not self.training:
+            model = self._compiled_model(graph.positions.device, graph.dtype)
+        out = model(self.mace_inputs(graph), training=False, compute_force=False)
         return out["node_energy"].to(graph.dtype)
 
     # ------------------------------------------------------------------ serialization

@@ -393,3 +393,17 @@ def test_energy_only_training_learns(tmp_path, data):
     header = rows[0].split(",")
     losses = [float(r.split(",")[header.index("train_loss")]) for r in rows[1:]]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+
+def test_pretrained_external_wrapper_is_refused_before_training(tmp_path, data, monkeypatch):
+    """A pretrained file holding an external model wrapper (no native hyperparameters) is
+    refused at start with a clear message, not at the first checkpoint write."""
+    import xnn.training.run as run_module
+
+    class Wrapper(torch.nn.Module):  # like MACEWrapper / SevenNetWrapper: no `hparams`
+        species = [29]
+
+    monkeypatch.setattr(run_module, "load_pretrained", lambda path: Wrapper())
+    cfg = tiny(tmp_path / "w", data, f"pretrained={data}")
+    with pytest.raises(InputError, match="fine-tunes native xnn models only"):
+        run_train(cfg)

@@ -71,6 +71,12 @@ def loss_specs(cfg: TrainConfig) -> dict[str, TermSpec]:
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
     if cfg.pretrained:
         model = load_pretrained(cfg.pretrained)
+        if not isinstance(getattr(model, "hparams", None), dict):
+            # checkpoints store native hyperparameters + weights; wrappers of external
+            # models (mace, sevenn) have neither: refuse now rather than after an epoch
+            raise InputError(f"pretrained={cfg.pretrained!r} holds a {type(model).__name__}; "
+                             "xnn train fine-tunes native xnn models only (for a mace-torch "
+                             "model use mace_run_train's fine-tuning)")
         known = set(getattr(model, "species", None) or splits.species)
         missing = sorted(set(splits.species) - known)
         if missing:

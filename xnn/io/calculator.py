@@ -40,7 +40,8 @@ class Calculator(_AseCalculator):
         skin: Verlet skin (Å) of the neighbor list reused between calls.
         neighbor_backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
         compile: ``torch.compile`` the model's hot path (equivariant model: ~1.5x faster on a
-            GPU after a first call that compiles for tens of seconds).
+            GPU after a first call that compiles for tens of seconds; mace-torch wrapper: ~2x
+            faster at 864 atoms on an H200 after a first call that compiles for minutes).
 
     Attributes:
         n_model_calls: how many times the model was evaluated.

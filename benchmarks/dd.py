@@ -44,6 +44,7 @@ except ImportError:  # run as `python benchmarks/dd.py` / `torchrun benchmarks/d
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import DistributedManager, DomainDecomposed
 from xnn.distributed import collectives as C
+from xnn.distributed.domain.decomposed import resolve_mode
 
 
 def parse_args(argv=None):
@@ -266,9 +267,7 @@ def find_max(model, manager, args, mode) -> dict:
 
 
 def run_model(name, model, manager, args):
-    mode = args.mode
-    if mode == "auto":
-        mode = "sync" if getattr(model, "sync_points", None) else "halo"
+    mode = resolve_mode(model, args.mode)
     res = {"mode": mode, "cutoff": float(model.cutoff),
            "num_interactions": int(getattr(model, "num_interactions", 1)),
            "strong": [], "weak": []}

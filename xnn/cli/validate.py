@@ -84,10 +84,10 @@ def _report(args, manager, dd, graph, out, ref, seconds: dict) -> bool:
     from xnn.distributed import validate as V
 
     info = {"world_size": manager.world_size, "n_atoms": graph.n_atoms,
-            "grid": dd.stats()["grid"], "halo_width": dd.halo_width, "mode": args.mode,
+            "grid": dd.stats()["grid"], "halo_width": dd.halo_width, "mode": dd.mode,
             "energy": float(out["energy"].sum()), **seconds}
     print(f"xnn validate: {graph.n_atoms} atoms on {manager.world_size} rank(s), grid "
-          f"{'x'.join(map(str, info['grid']))}, halo {dd.halo_width:.3g} Å, mode {args.mode}; "
+          f"{'x'.join(map(str, info['grid']))}, halo {dd.halo_width:.3g} Å, mode {dd.mode}; "
           f"energy {info['energy']:.10g} eV ({seconds['seconds_decomposed']:.3g} s decomposed)")
     failed = False
     if ref is not None:
@@ -123,8 +123,6 @@ def run(args) -> int:
         species = C.broadcast_object(
             None if graph is None else sorted(set(graph.numbers.tolist())))
         model = V.load_model_everywhere(args.model, species).to(manager.device, dtype)
-        if args.mode == "auto":
-            args.mode = "sync" if getattr(model, "sync_points", None) else "halo"
         dd = DomainDecomposed(model, manager, grid=grid, skin=args.skin, mode=args.mode)
         graph = dd.broadcast(None if graph is None else graph.to(dtype=dtype))
         ref, seconds = None, {}

@@ -132,10 +132,8 @@ def _setup(schema, config, overrides: Sequence[str], manager=None):
     if manager is not None:
         from xnn.distributed import DecomposedPotential
 
-        model = potential.model
-        mode = "sync" if getattr(model, "sync_points", None) else "halo"
-        potential = DecomposedPotential(model, manager, skin=cfg.model.skin, mode=mode,
-                                        backend=cfg.model.neighbor_backend)
+        potential = DecomposedPotential(potential.model, manager, skin=cfg.model.skin,
+                                        mode="auto", backend=cfg.model.neighbor_backend)
     out_dir = Path(cfg.output.dir)
     if manager is None or manager.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,13 @@ class _ScatterSum(torch.autograd.Function):
 
 
 def scatter_sum(src: Tensor, index: Tensor, n: int) -> Tensor:
-    """``[n, ...]`` sums of the rows of ``src [E, ...]`` by ``index [E]`` (values in 0..n-1)."""
+    """``[n, ...]`` sums of the rows of ``src [E, ...]`` by ``index [E]`` (values in 0..n-1).
+
+    Traced by ``torch.compile`` / ``torch.export`` it is torch's own ``index_add``: under
+    dynamo in torch 2.11 on CUDA, gradients did not flow through the custom Function (forces
+    came out zero)."""
+    if torch.compiler.is_compiling():
+        return src.new_zeros((n, *src.shape[1:])).index_add(0, index, src)
     return _ScatterSum.apply(src, index, n)
 
 
@@ -93,10 +99,8 @@ def available_memory(device: torch.device) -> int:
 
 
 def _edge_messages(layer: Interaction, h_up, y, feats, sender, receiver, n: int) -> Tensor:
-    """``Interaction.messages`` for ``torch.compile``: torch's own ``index_add`` instead of the
-    custom scatter Function (under dynamo in torch 2.11 on CUDA, gradients did not flow
-    through that Function: forces came out zero)."""
-    return layer.messages(h_up, y, feats, sender, receiver, n, compiling=True)
+    """``Interaction.messages`` for ``torch.compile`` (its scatter then uses ``index_add``)."""
+    return layer.messages(h_up, y, feats, sender, receiver, n)
 
 
 _COMPILED: dict[str, object] = {}
@@ -243,19 +247,14 @@ class Interaction(nn.Module):
         receiver: Tensor,
         n: int,
         recompute: bool = False,
-        compiling: bool = False,
     ) -> Tensor:
         """``[n, C, (l_max+1)^2]`` sum of the messages of some edges into receivers ``0..n-1``.
 
         ``recompute``: recompute the radial MLP's hidden layers and the tensor-product
         intermediates in backward instead of keeping them (cheap element-wise work).
-        ``compiling``: traced by ``torch.compile``: sum with torch's ``index_add`` (see
-        :func:`_edge_messages`).
         """
         w = self.radial(feats, recompute)
         m = self.tp(h_up.index_select(0, sender), y, w, recompute)
-        if compiling:
-            return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
         return scatter_sum(m, receiver, n)
 
     def aggregate(self, h: Tensor, edges: EdgeData, n_up: int | None = None) -> Tensor:
@@ -460,7 +459,7 @@ class Equivariant(NativeModel):
             env = self.envelope(r)  # envelope 0 beyond rc
             feats = self.bessel(r) * env.unsqueeze(-1)
             return EdgeData(edge_index, self.sh(vec), feats, None, False,
-                            self._density(env, edge_index, graph.n_update, True))
+                            self._density(env, edge_index, graph.n_update))
         keep = None
         inside = r < self.cutoff
         if graph.n_update < graph.n_atoms:  # only the first n_update atoms receive
@@ -482,15 +481,13 @@ class Equivariant(NativeModel):
         env = self.envelope(r)
         feats = self.bessel(r) * env.unsqueeze(-1)
         lean = chunks is not None or edge_index.shape[1] > LEAN_EDGES
-        density = self._density(env, edge_index, graph.n_update, False)
+        density = self._density(env, edge_index, graph.n_update)
         return EdgeData(edge_index, y, feats, chunks, lean, density)
 
-    def _density(self, env: Tensor, edge_index: Tensor, n: int, compiling: bool):
+    def _density(self, env: Tensor, edge_index: Tensor, n: int) -> Tensor | None:
         """``[n]`` receivers' sums of edge envelopes (``None`` without first self-connection)."""
         if not self.first_self_connection:
             return None
-        if compiling:
-            return env.new_zeros(n).index_add(0, edge_index[1], env)
         return scatter_sum(env, edge_index[1], n)
 
     def node_features(self, graph: AtomicGraph) -> list[Tensor]:

@@ -31,7 +31,16 @@ from xnn.distributed.domain.partition import parse_grid
 from xnn.distributed.domain.sync import swapped_sync_points
 from xnn.errors import InputError
 
-_MODES = ("halo", "sync")
+_MODES = ("auto", "halo", "sync")
+
+
+def resolve_mode(model, mode: str) -> str:
+    """``"halo"`` or ``"sync"``: ``"auto"`` picks ``"sync"`` for models with sync points."""
+    if mode not in _MODES:
+        raise InputError(f"mode must be one of {list(_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "sync" if getattr(model, "sync_points", None) else "halo"
+    return mode
 
 
 def _resolve_group(manager_or_group):
@@ -71,15 +80,15 @@ class DomainDecomposed:
         grid: ``(px, py, pz)`` boxes, ``"2,1,1"``, or ``None`` (smallest halo surface).
         skin: Verlet skin (Å); the partition and local edges are reused until an atom moved
             more than ``skin / 2`` (ownership is then refreshed).
-        mode: ``"halo"`` (v1, any local model) or ``"sync"`` (v2, models with sync points).
+        mode: ``"halo"`` (v1, any local model), ``"sync"`` (v2, models with sync points) or
+            ``"auto"`` (sync for models with sync points, else halo).
         backend: neighbor-list backend for the local (non-periodic) graphs.
     """
 
     def __init__(self, model, manager_or_group=None, grid=None, skin: float = 0.0,
                  mode: str = "halo", backend: str = "auto"):
         cutoff, hops = model_cutoff(model)
-        if mode not in _MODES:
-            raise InputError(f"mode must be one of {list(_MODES)}, got {mode!r}")
+        mode = resolve_mode(model, mode)
         if mode == "sync" and hops > 1 and not hasattr(model, "sync_points"):
             raise InputError(f"mode 'sync' needs a model with sync points; "
                              f"{type(model).__name__} has none (use mode 'halo')")

@@ -387,3 +387,17 @@ def test_first_self_connection_gate_is_one_in_condensed_matter():
     g = with_edges(AtomicGraph.from_arrays(a.positions, a.numbers, a.cell[:], a.pbc), 5.0)
     density = model.edge_features(g).density
     assert density is not None and bool((-torch.expm1(-density) > 1 - 1e-5).all()), density
+
+
+def test_checkpoint_without_first_self_connection_is_the_same_architecture():
+    """A training checkpoint written before ``first_self_connection`` existed matches a config
+    that sets it to False (the value it implied), and not one that leaves the new default."""
+    from xnn.training.checkpoint import check_same_architecture
+
+    old = small_model(first_self_connection=False)
+    hp = dict(old.hparams)
+    del hp["first_self_connection"]
+    payload = {"model": {"name": "equivariant", "hparams": hp}}
+    check_same_architecture(payload, old, "old.pt")
+    with pytest.raises(InputError, match="first_self_connection"):
+        check_same_architecture(payload, small_model(), "old.pt")

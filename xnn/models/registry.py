@@ -52,13 +52,16 @@ def build(name: str, **hyperparameters) -> nn.Module:
     return cls(**hyperparameters)
 
 
-def rebuild(name: str, hyperparameters: dict) -> nn.Module:
-    """Build a model from the hyperparameters stored in a model file or checkpoint.
-
-    Keys that files of earlier versions lack get the value those versions implied (the
-    class attribute ``saved_defaults``), so that old files keep loading into the same model.
-    """
+def saved_hyperparameters(name: str, hyperparameters: dict) -> dict:
+    """The hyperparameters stored in a model file or checkpoint, completed: keys that files
+    of earlier versions lack get the value those versions implied (the class attribute
+    ``saved_defaults``), so that old files describe, and rebuild, the same model."""
     hp = dict(hyperparameters)
     for key, value in getattr(model_class(name), "saved_defaults", {}).items():
         hp.setdefault(key, value)
-    return build(name, **hp)
+    return hp
+
+
+def rebuild(name: str, hyperparameters: dict) -> nn.Module:
+    """Build a model from the hyperparameters stored in a model file or checkpoint."""
+    return build(name, **saved_hyperparameters(name, hyperparameters))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from xnn.errors import InputError, ModelFileError
+from xnn.models.registry import saved_hyperparameters
 
 FORMAT = "xnn-checkpoint"
 FORMAT_VERSION = 1
@@ -93,11 +94,11 @@ def check_same_architecture(payload: dict, model, path) -> None:
     """Raise a one-line :class:`InputError` when the checkpoint holds another architecture."""
     name, hp = model_identity(model)
     saved_name = payload["model"]["name"]
-    saved_hp = payload["model"]["hparams"]
     if saved_name != name:
         raise InputError(f"checkpoint {str(path)!r} holds a {saved_name!r} model, the config "
                          f"builds {name!r}")
-    a, b = _architecture(saved_hp), _architecture(hp)
+    a = _architecture(saved_hyperparameters(saved_name, payload["model"]["hparams"]))
+    b = _architecture(hp)
     if a != b:
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         raise InputError(f"checkpoint {str(path)!r} holds another {name!r} architecture "

@@ -103,10 +103,17 @@ class MACEWrapper(AtomisticModel):
         table[torch.tensor(self.species)] = torch.arange(len(self.species))
         self.register_buffer("z_to_index", table, persistent=False)
 
-    def mace_inputs(self, graph: AtomicGraph) -> dict[str, Tensor]:
-        """MACE's input dict for ``graph`` (edges within ``r_max``; see the module doc)."""
+    def mace_inputs(self, graph: AtomicGraph, cell_grad: bool = False) -> dict[str, Tensor]:
+        """MACE's input dict for ``graph`` (edges within ``r_max``; see the module doc).
+
+        ``cell_grad``: the cell (and so the edge shifts) require grad even without stress, as
+        they do with it (apply_strain): one compiled graph serves both (torch.compile guards
+        on ``requires_grad`` and recompiled the whole model, minutes on a GPU, when an MD
+        run's first step asked for stress and later ones did not)."""
         edge_index, shifts, _ = edges_within(graph, self.cutoff)
         cell = graph.cell
+        if cell_grad and torch.is_grad_enabled() and not cell.requires_grad:
+            cell = cell.detach().requires_grad_(True)
         receiver = edge_index[1]
         unit_shifts = -shifts.to(cell.dtype)  # MACE vector = pos[recv] - pos[send] + shift
         cart_shifts = rowvec_matmul(unit_shifts, cell, graph.batch, receiver)
@@ -162,10 +169,11 @@ class MACEWrapper(AtomisticModel):
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV), including E0; ``graph`` must carry edges."""
         check_dtype(graph, self.model)
-        model = self.model
-        if getattr(self, "_compile", False) and not self.training:
+        model, compiled = self.model, getattr(self, "_compile", False) and not self.training
+        if compiled:
             model = self._compiled_model(graph.positions.device, graph.dtype)
-        out = model(self.mace_inputs(graph), training=False, compute_force=False)
+        out = model(self.mace_inputs(graph, cell_grad=compiled), training=False,
+                    compute_force=False)
         return out["node_energy"].to(graph.dtype)
 
     # ------------------------------------------------------------------ serialization

@@ -10,9 +10,11 @@ All models train on the same ASE-EMT Cu data (energy + forces + stress loss, dou
   weights, EMA, batch size and data), each the median period between consecutive epoch-end
   log lines (timed as they arrive): training + validation + logging + checkpoints, start-up
   excluded. Skipped (recorded as such) when ``mace_run_train`` is not installed.
-* under ``torchrun --nproc-per-node N``: ``ddp.<name>`` holds the step time per rank with
-  data parallelism (global batch = N × batch size) and without communication (one rank's
-  share alone); ``efficiency = t_alone / t_ddp`` (weak scaling).
+* under ``torchrun --nproc-per-node N``: ``models.<name>`` holds the step time with data
+  parallelism (global batch = N × batch size) and, right after each such step on every rank,
+  the step time of that rank's share alone (a second model, no communication);
+  ``ddp_efficiency`` = mean over ranks of the median alone time / of the median data-parallel
+  time (weak scaling: one GPU with batches of ``--batch-size`` vs N GPUs).
 
 Usage::
 
@@ -24,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import subprocess
@@ -72,18 +75,54 @@ def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float) 
                    grad_clip=10.0)
 
 
-def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device) -> float:
-    """Median seconds per optimizer step over ``batches`` (after one warm-up step)."""
-    times = []
+def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
+               alone: Trainer | None = None, gc_every: int = 0) -> tuple[float, float | None]:
+    """Median seconds per optimizer step over ``batches`` (after one warm-up step); with
+    ``alone``, that trainer (no communication) takes the same step right after each one,
+    so that drifts of the machine's speed affect both alike: ``(t, t_alone)``. ``gc_every``:
+    Python's automatic garbage collection off, ``gc.collect(1)`` before every that many steps
+    (same steps on every rank, inside the timed step)."""
+    times, times_alone = [], []
+    if gc_every:
+        gc.disable()
     for k, b in enumerate(batches):
         graphs = [ds[i] for i in shard_batch(b, ds.n_atoms, rank, world)]
+        if gc_every and k % gc_every == 0:
+            gc.collect(1)
+        if world > 1:  # start together, as after the previous step's all-reduce
+            trainer.reducer.barrier()
         synchronize(device)
         t0 = time.perf_counter()
         trainer.train_step(graphs, k)
         synchronize(device)
         if k > 0:
             times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        if alone is not None:
+            t0 = time.perf_counter()
+            alone.train_step(graphs, k)
+            synchronize(device)
+            if k > 0:
+                times_alone.append(time.perf_counter() - t0)
+    if gc_every:
+        gc.enable()
+    return float(np.median(times)), float(np.median(times_alone)) if times_alone else None
+
+
+def profile_steps(trainer: Trainer, ds, batches, rank: int, world: int, device, path) -> None:
+    """torch.profiler table (CPU and device time per op) of a few steps, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for k, b in enumerate(batches[:6]):
+            trainer.train_step([ds[i] for i in shard_batch(b, ds.n_atoms, rank, world)], k)
+        synchronize(device)
+    if path is None:
+        return
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40)
+                          + "\n\nby CPU total:\n"
+                          + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 
 
 def bench_models(names, ds, args, device, reducer) -> dict:
@@ -99,12 +138,21 @@ def bench_models(names, ds, args, device, reducer) -> dict:
         row: dict = {"hyperparameters": model_hparams(name, args.quick)}
         trainer = make_trainer(name, args.quick, device, reducer, avg)
         row["parameters"] = sum(p.numel() for p in trainer.model.parameters())
-        t = time_steps(trainer, ds, batches, reducer.rank, world, device)
+        alone = make_trainer(name, args.quick, device, LocalReducer(), avg) if world > 1 \
+            else None  # the same per-rank work without communication, on every rank
+        t, t1 = time_steps(trainer, ds, batches, reducer.rank, world, device, alone,
+                           args.gc_every)
+        if args.profile:  # every rank steps (collectives); rank 0 writes
+            profile_steps(trainer, ds, batches, reducer.rank, world, device,
+                          f"{args.profile}.{name}.txt" if reducer.is_main else None)
+        if world > 1:
+            ts = reducer.gather_objects((t, t1))
+            t = float(np.mean([a for a, _ in ts]))
+            t1 = float(np.mean([b for _, b in ts]))
+            row.update(step_s_per_rank=[a for a, _ in ts], step_s_alone=t1,
+                       step_s_alone_per_rank=[b for _, b in ts], ddp_efficiency=t1 / t,
+                       world_size=world)
         row.update(step_s=t, structures_per_s=global_bs / t)
-        if world > 1:  # the same per-rank work without communication
-            alone = make_trainer(name, args.quick, device, LocalReducer(), avg)
-            t1 = time_steps(alone, ds, batches, reducer.rank, world, device)
-            row.update(step_s_alone=t1, ddp_efficiency=t1 / t, world_size=world)
         out[name] = row
         if reducer.is_main:
             print(f"{name}: {row['parameters']:,} parameters, {row['structures_per_s']:.1f} "
@@ -231,16 +279,29 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps per model")
     p.add_argument("--n", type=int, default=None, help="EMT structures to generate")
     p.add_argument("--no-mace", action="store_true", help="skip the epoch-time comparison")
+    p.add_argument("--profile", default=None,
+                   help="write torch.profiler tables of a few steps to PROFILE.<model>.txt")
+    p.add_argument("--gc-every", type=int, default=0,
+                   help="automatic garbage collection off, gc.collect(1) every N steps")
+    p.add_argument("--bind-cores", action="store_true",
+                   help="under torchrun: pin each local rank to its own share of the CPU cores")
     p.add_argument("--epochs", type=int, default=10,
                    help="epochs of the xnn train / mace_run_train runs (epoch comparison)")
     args = p.parse_args(argv)
     args.batch_size = args.batch_size or (4 if args.quick else 8)
-    args.steps = args.steps or (3 if args.quick else 20)
+    args.steps = args.steps or (3 if args.quick else 40)
     n = args.n or (24 if args.quick else 200)
 
     from xnn.distributed.ddp import build_reducer
     from xnn.distributed.manager import DistributedManager
 
+    cores = None
+    if args.bind_cores and "LOCAL_RANK" in os.environ:  # before any thread starts
+        avail = sorted(os.sched_getaffinity(0))
+        lws, lr = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        share = len(avail) // lws
+        cores = avail[lr * share:(lr + 1) * share]
+        os.sched_setaffinity(0, cores)
     manager = DistributedManager.initialize(device=args.device)
     device = manager.device if manager.is_distributed else torch.device(args.device)
     reducer = build_reducer(manager)
@@ -256,6 +317,7 @@ def main(argv=None) -> int:
             names = [m.strip() for m in args.models.split(",") if m.strip()]
             result = {"device": str(device), "quick": args.quick, "structures": n,
                       "batch_size_per_rank": args.batch_size, "world_size": reducer.world_size,
+                      "rank0_cores": cores, "gc_every": args.gc_every,
                       "models": bench_models(names, ds, args, device, reducer)}
             if reducer.world_size == 1 and not args.no_mace and "equivariant" in names:
                 result["epoch_time"] = bench_epochs(ds, data, args)

@@ -407,3 +407,26 @@ def test_pretrained_external_wrapper_is_refused_before_training(tmp_path, data, 
     cfg = tiny(tmp_path / "w", data, f"pretrained={data}")
     with pytest.raises(InputError, match="fine-tunes native xnn models only"):
         run_train(cfg)
+
+
+def test_step_without_labels_is_refused_and_changes_nothing(data):
+    """A global batch where no weighted property has a label raises (counts are read after the
+    backward, with the loss: one device wait per step) and leaves the weights untouched."""
+    from xnn.data.datasets import WithEdges, read_structures
+    from xnn.models import build
+    from xnn.training.trainer import Trainer
+
+    ds = WithEdges(read_structures(data), 3.0)
+    torch.manual_seed(0)
+    model = build("schnet", species=[29], cutoff=3.0, num_features=8, num_filters=8,
+                  num_interactions=1, num_basis=8).double()
+    trainer = Trainer(model, {"energy": TermSpec(1.0)}, torch.optim.Adam(model.parameters()),
+                      dtype=torch.float64)
+    before = [p.detach().clone() for p in model.parameters()]
+    unlabelled = [ds[i].replace(energy=torch.full_like(ds[i].energy, float("nan")))
+                  for i in range(3)]
+    with pytest.raises(ValueError, match="no loss term"):
+        trainer.train_step(unlabelled, 0)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    trainer.train_step([ds[i] for i in range(3)], 0)  # with labels it trains
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -21,17 +21,17 @@ TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interaction
         "num_basis: 8}")
 
 
-def _cfg(data, out):
+def _cfg(data, out, *extra):
     # 9 training structures in global batches of 4: shards of uneven size (2+2, 1+0 atoms...)
     return load_config(TrainConfig, None, [
         f"data.datasets.0.path={data}", f"output_dir={out}", "model.cutoff=3.0", TINY,
         "data.batch_size=4", "data.val_fraction=0.25", "max_epochs=2", "precision=fp64",
         "logging.plots=false", "logging.progress_bar=false", "loss.stress.weight=1.0",
-        "optim.lr=1e-2", "schedule.name=cosine", "device=cpu",
+        "optim.lr=1e-2", "schedule.name=cosine", "device=cpu", *extra,
     ])
 
 
-def _gradients(reducer, data):
+def _gradients(reducer, data, device="cpu"):
     """Gradient of the loss of one global batch of 5 structures (after the all-reduce)."""
     from xnn.config.train import LossConfig
     from xnn.data.datasets import WithEdges, read_structures, shard_batch
@@ -45,13 +45,14 @@ def _gradients(reducer, data):
     ds = WithEdges(read_structures(data), 3.0)
     torch.manual_seed(0)
     model = build("schnet", species=[29], cutoff=3.0, num_features=8, num_filters=8,
-                  num_interactions=2, num_basis=8).double()
+                  num_interactions=2, num_basis=8).double().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    trainer = Trainer(model, loss_specs(cfg), opt, reducer=reducer, dtype=torch.float64)
+    trainer = Trainer(model, loss_specs(cfg), opt, reducer=reducer, dtype=torch.float64,
+                      device=device)
     batch = [0, 2, 3, 5, 7]
     mine = shard_batch(batch, ds.n_atoms, reducer.rank, reducer.world_size)
     loss = trainer.train_step([ds[i] for i in mine], 0)
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()]).numpy()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()]).cpu().numpy()
     return loss, grads, mine
 
 
@@ -68,7 +69,10 @@ def _rank_main(rank, world, data, out):
 
     reducer.barrier()
     hist = load_checkpoint(f"{out}/checkpoints/last.pt")["progress"]["history"]
-    return {"loss": loss, "grads": grads, "mine": mine, "summary": summary, "history": hist}
+    # the time limit: rank 0's clock decides (its vote rides on the loss all-reduce)
+    late = train(_cfg(data, f"{out}_late", "time_limit_min=1e-9"), reducer)
+    return {"loss": loss, "grads": grads, "mine": mine, "summary": summary, "history": hist,
+            "late": late}
 
 
 def test_two_ranks_match_one_process(tmp_path):
@@ -102,8 +106,36 @@ def test_two_ranks_match_one_process(tmp_path):
         for key, value in ref_summary["metrics"].items():
             assert r["summary"]["metrics"][key] == pytest.approx(value, rel=1e-6), key
     assert len(results[0]["history"]) == len(ref_hist) == 2
+    # both ranks stop together after the first step once rank 0 is past the time limit
+    assert [(r["late"]["stopped_by"], r["late"]["steps"]) for r in results] == \
+        [("time_limit", 1)] * 2
     # weights after training agree with the single-process run
     a = load_checkpoint(tmp_path / "single/checkpoints/last.pt")["model"]["state_dict"]
     b = load_checkpoint(tmp_path / "ddp/checkpoints/last.pt")["model"]["state_dict"]
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-9), k
+
+
+def _nccl_rank_main(rank, world, data):
+    from xnn.distributed.ddp import build_reducer
+    from xnn.distributed.manager import DistributedManager
+
+    manager = DistributedManager.initialize(device="cuda")
+    return _gradients(build_reducer(manager), data, manager.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_nccl_gradients_match_one_gpu(tmp_path):
+    """The NCCL path (label counts summed asynchronously while the forward runs, gradients
+    and loss after the backward) gives the single-GPU gradient of the global batch."""
+    from xnn.training.reducer import LocalReducer
+
+    data = tmp_path / "cu.xyz"
+    write_emt(data, 12, ["Cu"], seed=2)
+    ref_loss, ref_grads, _ = _gradients(LocalReducer(), str(data), "cuda:0")
+    results = spawn(_nccl_rank_main, 2, args=(str(data),), timeout_s=300)
+    assert sorted(results[0][2] + results[1][2]) == [0, 2, 3, 5, 7]
+    for loss, grads, _ in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-12)
+        assert np.abs(grads - ref_grads).max() / np.abs(ref_grads).max() <= 1e-10

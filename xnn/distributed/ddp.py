@@ -17,7 +17,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from xnn.errors import InputError
-from xnn.training.reducer import LocalReducer
+from xnn.training.reducer import LocalReducer, Pending
+
+
+def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in few kernel launches (torch's multi-tensor copy where
+    it exists: with small models the step is bound by launches on the host)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+        return
+    for d, x in zip(dst, src):
+        d.copy_(x)
 
 
 class DataParallelReducer:
@@ -41,6 +52,11 @@ class DataParallelReducer:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def all_reduce_sum_async(self, tensor: Tensor) -> Pending:
+        out = tensor.detach().clone()
+        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Pending(out, work)
+
     def all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
         params = [p for p in params if p.grad is not None]
         if not params:
@@ -49,13 +65,11 @@ class DataParallelReducer:
         for p in params:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            grads = [p.grad for p in group]
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            offset = 0
-            for p in group:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
+            parts = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+            copy_all(grads, parts)
 
     def broadcast_module(self, module: nn.Module) -> None:
         with torch.no_grad():

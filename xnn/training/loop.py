@@ -141,16 +141,17 @@ class TrainingLoop:
         if m is not None and self.progress.step >= m:
             self.stop_reason = "max_steps"
             return True
-        limit = self.cfg.time_limit_min
-        if limit is None:
-            return False
-        # every rank must take the same branch: rank 0's clock decides, all ranks reduce
-        late = self.reducer.rank == 0 and time.perf_counter() - self.t_start > 60.0 * limit
-        over = self.reducer.all_reduce_sum(torch.tensor([float(late)], device=self.trainer.device))
-        if float(over[0]) > 0:
+        if self.trainer.stop_votes > 0:  # see _late
             self.stop_reason = "time_limit"
             return True
         return False
+
+    def _late(self) -> bool:
+        """Rank 0's vote to stop for the time limit: every rank must take the same branch, so
+        the vote travels with the step's loss all-reduce and every rank reads the sum."""
+        limit = self.cfg.time_limit_min
+        return (limit is not None and self.reducer.rank == 0
+                and time.perf_counter() - self.t_start > 60.0 * limit)
 
     def _train_epoch(self, metrics: MetricSums) -> bool:
         """Train the rest of the current epoch; False if stopped by ``max_steps``."""
@@ -164,7 +165,7 @@ class TrainingLoop:
                 if self._stop_for_steps():
                     return False
                 graphs = [data[i] for i in shard(batches[p.batch_in_epoch])]
-                loss = self.trainer.train_step(graphs, p.step, metrics)
+                loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late())
                 p.step += 1
                 p.batch_in_epoch += 1
                 bar.update(1)

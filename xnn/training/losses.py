@@ -47,33 +47,52 @@ def elementwise(kind: str, diff: Tensor, delta: float) -> Tensor:
     raise ValueError(f"unknown loss type {kind!r}; choose one of ['mse', 'mae', 'huber']")
 
 
-def residuals(pred: dict[str, Tensor], batch: AtomicGraph) -> dict[str, tuple[Tensor, Tensor]]:
+_LABELS = (("energy", K.ENERGY), ("forces", K.FORCES), ("stress", K.STRESS))
+
+
+def labelled(batch: AtomicGraph) -> dict[str, Tensor | None]:
+    """``{property: indices}`` of the labelled items (finite references: structures for energy
+    and stress, atoms for forces) of the properties ``batch`` carries; ``None`` when all are.
+
+    Computed where ``batch`` is: on the CPU batch before it moves to a GPU, the residuals then
+    need no boolean indexing (one device synchronisation each) on the device."""
+    out: dict[str, Tensor | None] = {}
+    for name, key in _LABELS:
+        if key in batch:
+            ok = torch.isfinite(batch[key]).flatten(1).all(-1) if name != "energy" \
+                else torch.isfinite(batch[key])
+            out[name] = None if bool(ok.all()) else torch.nonzero(ok).flatten()
+    return out
+
+
+def residuals(pred: dict[str, Tensor], batch: AtomicGraph,
+              index: dict[str, Tensor | None] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
     """``{property: (diff, weight)}`` of the labelled items of this batch.
 
     ``diff`` are prediction minus reference for the labelled items only: energy per atom
     ``[n_e]`` (eV/atom), force components ``[n_f, 3]`` (eV/Å), stress ``[n_s, 3, 3]``
     (eV/Å³); ``weight`` the matching per-structure weights ``[n_e]``, ``[n_f]``, ``[n_s]``.
+    ``index``: :func:`labelled` of ``batch`` (on ``batch``'s device), if already known.
     """
+    if index is None:
+        index = labelled(batch)
     out: dict[str, tuple[Tensor, Tensor]] = {}
     w_sys = batch.get(K.WEIGHT)
     if w_sys is None:
         w_sys = torch.ones(batch.n_systems, dtype=batch.dtype, device=batch.device)
-    n = batch.n_atoms_per_system.to(batch.dtype)
-    if K.ENERGY in pred and K.ENERGY in batch:
-        ref = batch.energy
-        ok = torch.isfinite(ref)
-        diff = (pred[K.ENERGY][ok] - ref[ok].to(pred[K.ENERGY].dtype)) / n[ok]
-        out["energy"] = (diff, w_sys[ok])
-    if K.FORCES in pred and K.FORCES in batch:
-        ref = batch.forces
-        ok = torch.isfinite(ref).all(-1)
-        diff = pred[K.FORCES][ok] - ref[ok].to(pred[K.FORCES].dtype)
-        out["forces"] = (diff, w_sys[batch.batch][ok])
-    if K.STRESS in pred and K.STRESS in batch:
-        ref = batch.stress
-        ok = torch.isfinite(ref).flatten(1).all(-1)
-        diff = pred[K.STRESS][ok] - ref[ok].to(pred[K.STRESS].dtype)
-        out["stress"] = (diff, w_sys[ok])
+    scale = {"energy": batch.n_atoms_per_system.to(batch.dtype), "forces": None, "stress": None}
+    for name, key in _LABELS:
+        if key not in pred or name not in index:
+            continue
+        idx = index[name]
+        p, ref = pred[key], batch[key].to(pred[key].dtype)
+        w = w_sys[batch.batch] if name == "forces" else w_sys
+        diff = p - ref
+        if scale[name] is not None:
+            diff = diff / scale[name]
+        if idx is not None:
+            diff, w = diff.index_select(0, idx), w.index_select(0, idx)
+        out[name] = (diff, w)
     return out
 
 
@@ -93,6 +112,15 @@ def local_counts(batch: AtomicGraph, device=None) -> Tensor:
     return out.to(device) if device is not None else out
 
 
+def has_labels(specs: dict[str, TermSpec], global_counts) -> bool:
+    """Whether some weighted property has labelled items among ``global_counts``."""
+    return any(global_counts[k] > 0 for k, name in enumerate(PROPERTIES)
+               if specs.get(name) is not None and specs[name].weight != 0.0)
+
+
+NO_LABELS = "no loss term: every weighted property lacks labels in this batch"
+
+
 def loss_terms(
     res: dict[str, tuple[Tensor, Tensor]],
     specs: dict[str, TermSpec],
@@ -103,29 +131,33 @@ def loss_terms(
     Args:
         res: from :func:`residuals`.
         specs: ``{property: TermSpec}``; terms with weight 0 are skipped.
-        global_counts: ``[3]`` labelled items of the global batch (see :func:`local_counts`),
-            a tensor or a list of floats (read once: no device synchronisation per term).
+        global_counts: ``[3]`` labelled items of the global batch (see :func:`local_counts`):
+            a list of floats (terms without labels are skipped; none at all is an error), or
+            a tensor, used where it is (no device synchronisation; the caller checks
+            :func:`has_labels` once the counts are on the host).
     Returns:
         ``(loss, {property: term})`` with ``loss = Σ weight * term``; both are this rank's
         partial sums (add them over ranks to get the global values).
     """
     total = None
     terms: dict[str, Tensor] = {}
-    if isinstance(global_counts, Tensor):
-        global_counts = global_counts.tolist()
+    on_device = isinstance(global_counts, Tensor)
     for k, name in enumerate(PROPERTIES):
         spec = specs.get(name)
         if spec is None or spec.weight == 0.0 or name not in res:
             continue
-        count = float(global_counts[k])
-        if count == 0.0:
-            continue
         diff, w = res[name]
+        if on_device:  # no host read: a zero count has zero local items, so the term is 0
+            count = global_counts[k].to(diff.dtype).clamp_min(1.0)
+        else:
+            count = float(global_counts[k])
+            if count == 0.0:
+                continue
         per = elementwise(spec.kind, diff, spec.delta)
-        per = per.reshape(per.shape[0], -1) * w.to(per.dtype).unsqueeze(-1)
+        per = per * w.to(per.dtype).reshape(-1, *[1] * (per.dim() - 1))  # [n] or [n, ...]
         term = per.sum() / count
         terms[name] = term
         total = spec.weight * term if total is None else total + spec.weight * term
     if total is None:
-        raise ValueError("no loss term: every weighted property lacks labels in this batch")
+        raise ValueError(NO_LABELS)
     return total, terms

@@ -30,9 +30,11 @@ class MetricSums:
     def __init__(self, device=None):
         self.values = torch.zeros(9 + 3 * N_ELEMENTS + 2, dtype=torch.float64, device=device)
 
-    def add(self, res: dict[str, tuple[Tensor, Tensor]], numbers: Tensor | None = None,
-            force_mask: Tensor | None = None) -> None:
-        """Add residuals from :func:`xnn.training.losses.residuals` (detached)."""
+    def add(self, res: dict[str, tuple[Tensor, Tensor]],
+            force_numbers: Tensor | None = None) -> None:
+        """Add residuals from :func:`xnn.training.losses.residuals` (detached);
+        ``force_numbers``: atomic numbers of the rows of the force residuals (per-species
+        force errors)."""
         v = self.values
         for k, name in enumerate(PROPS):
             if name not in res:
@@ -41,14 +43,12 @@ class MetricSums:
             v[3 * k] += d.abs().sum()
             v[3 * k + 1] += (d * d).sum()
             v[3 * k + 2] += d.numel()
-        if numbers is not None and "forces" in res and force_mask is not None:
+        if force_numbers is not None and "forces" in res:
             d = res["forces"][0].detach().to(torch.float64)
-            z = numbers[force_mask]
-            base = 9
-            idx = base + 3 * z
+            idx = 9 + 3 * force_numbers
             v.index_add_(0, idx, d.abs().sum(-1))
             v.index_add_(0, idx + 1, (d * d).sum(-1))
-            v.index_add_(0, idx + 2, torch.full_like(z, 3, dtype=torch.float64))
+            v.index_add_(0, idx + 2, torch.full_like(force_numbers, 3, dtype=torch.float64))
 
     def add_loss(self, partial_loss: float, batches: int) -> None:
         self.values[-2] += float(partial_loss)

@@ -26,6 +26,11 @@ class LocalReducer:
         """Sum of ``tensor`` over the data-parallel ranks (a new tensor)."""
         return tensor.clone()
 
+    def all_reduce_sum_async(self, tensor: Tensor) -> Pending:
+        """Start :meth:`all_reduce_sum`; ``.wait()`` on the result gives the sum. On a GPU the
+        host does not block: later work on the current stream is ordered after the sum."""
+        return Pending(tensor.clone())
+
     def all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
         """Sum the ``.grad`` of ``params`` over ranks in place (grads must not be ``None``)."""
 
@@ -38,6 +43,20 @@ class LocalReducer:
 
     def barrier(self) -> None:
         """Wait for every rank."""
+
+
+class Pending:
+    """A started all-reduce: :meth:`wait` returns its result (once complete)."""
+
+    def __init__(self, tensor: Tensor, work=None):
+        self._tensor = tensor
+        self._work = work
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
 
 
 def ensure_grads(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:

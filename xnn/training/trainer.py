@@ -1,9 +1,10 @@
 """One optimizer step and one evaluation pass, written for one process.
 
 Cross-rank operations go through a reducer (:mod:`xnn.training.reducer`): the labelled-item
-counts of the global batch are all-reduced BEFORE the loss so that each rank's loss is its
-share of the global loss; gradients are summed after the double backward; metrics are
-summed. Every rank therefore takes the same branch (the NaN check reads the reduced loss).
+counts of the global batch are all-reduced (during the forward pass) before they normalise
+the loss, so that each rank's loss is its share of the global loss; gradients are summed after
+the double backward; metrics are summed. Every rank therefore takes the same branch (the NaN
+check reads the reduced loss).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from xnn.data.datasets import collate
 from xnn.data.graph import AtomicGraph
 from xnn.errors import XnnError
 from xnn.models.derivatives import compute_properties
-from xnn.training.losses import TermSpec, local_counts, loss_terms, residuals
+from xnn.training.losses import (
+    NO_LABELS,
+    TermSpec,
+    has_labels,
+    labelled,
+    local_counts,
+    loss_terms,
+    residuals,
+)
 from xnn.training.metrics import MetricSums
 from xnn.training.reducer import LocalReducer, ensure_grads
 
@@ -61,6 +70,7 @@ class Trainer:
         self.grad_clip = grad_clip
         self.need_forces = specs.get("forces", TermSpec(0.0)).weight > 0
         self.need_stress = specs.get("stress", TermSpec(0.0)).weight > 0
+        self.stop_votes = 0  # sum over ranks of train_step's stop_vote, at the last step
 
     # ------------------------------------------------------------------ helpers
     def _context(self):
@@ -68,10 +78,16 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _batch(self, graphs: Sequence[AtomicGraph]) -> AtomicGraph | None:
+    def _batch(self, graphs: Sequence[AtomicGraph]):
+        """``(cpu_batch, batch, index)``: collated, on the device, and its
+        :func:`~xnn.training.losses.labelled` indices there (found on the CPU); Nones if
+        ``graphs`` is empty."""
         if not graphs:
-            return None
-        return collate(graphs).to(self.device, self.dtype)
+            return None, None, None
+        cpu_batch = collate(graphs)
+        index = {k: None if v is None else v.to(self.device)
+                 for k, v in labelled(cpu_batch).items()}
+        return cpu_batch, cpu_batch.to(self.device, self.dtype), index
 
     def _predict(self, batch: AtomicGraph, forces: bool, stress: bool, training: bool):
         with self._context():
@@ -81,38 +97,52 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def train_step(self, graphs: Sequence[AtomicGraph], step: int,
-                   metrics: MetricSums | None = None) -> float:
+                   metrics: MetricSums | None = None, stop_vote: bool = False) -> float:
         """One optimizer step on this rank's share ``graphs`` of a global batch.
+
+        Cross-rank cost: the label counts are summed while the forward pass runs, then the
+        gradients and the loss are summed; the host waits for the device once per step (to
+        check the loss before the optimizer changes anything).
 
         Args:
             graphs: one-system graphs with edges (may be empty on some ranks).
             step: global optimizer step number (sets the learning rate).
             metrics: accumulates training errors if given.
+            stop_vote: this rank's vote to stop after this step; the sum over ranks is
+                :attr:`stop_votes` afterwards (summed with the loss: no extra collective).
         Returns:
             the loss of the global batch (identical on every rank).
         Raises:
             NonFiniteLossError: NaN/inf loss (no parameter was changed).
+            ValueError: no weighted property has labels in the global batch (idem).
         """
         self.model.train()
-        cpu_batch = collate(graphs) if graphs else None
-        counts = self.reducer.all_reduce_sum(local_counts(cpu_batch, self.device)).tolist()
-        batch = None if cpu_batch is None else cpu_batch.to(self.device, self.dtype)
+        cpu_batch, batch, index = self._batch(graphs)
+        # the global normalisers, summed over ranks while this rank computes its predictions
+        pending = self.reducer.all_reduce_sum_async(local_counts(cpu_batch, self.device))
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if batch is not None:
             pred = self._predict(batch, self.need_forces, self.need_stress, training=True)
-            res = residuals(pred, batch)
-            loss_t, _ = loss_terms(res, self.specs, counts)
+            res = residuals(pred, batch, index)
+            loss_t, _ = loss_terms(res, self.specs, pending.wait())
             loss_t.backward()
             loss = loss_t.detach().to(torch.float64)
             if metrics is not None:
-                self._add_metrics(metrics, res, batch)
+                self._add_metrics(metrics, res, batch, index)
+        counts = pending.wait()
         params = ensure_grads(p for p in self.model.parameters() if p.requires_grad)
         self.reducer.all_reduce_grads(params)
-        total = float(self.reducer.all_reduce_sum(loss.reshape(1))[0])
-        if not math.isfinite(total):
+        vote = torch.full((1,), float(bool(stop_vote)), dtype=torch.float64, device=self.device)
+        summed = self.reducer.all_reduce_sum(torch.cat([loss.reshape(1), vote]))
+        # the step's one wait for the device: global loss, votes, counts and the local loss
+        total, votes, *host = torch.cat([summed, counts, loss.reshape(1)]).tolist()
+        self.stop_votes = int(votes)
+        if not math.isfinite(total) or not has_labels(self.specs, host[:3]):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(f"the loss became {total} at step {step}")
+            if not math.isfinite(total):
+                raise NonFiniteLossError(f"the loss became {total} at step {step}")
+            raise ValueError(NO_LABELS)
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         if self.schedule is not None:
@@ -121,13 +151,16 @@ class Trainer:
         if self.ema is not None:
             self.ema.update(self.model)
         if metrics is not None:
-            metrics.add_loss(float(loss), 1 if self.reducer.rank == 0 else 0)
+            metrics.add_loss(host[3], 1 if self.reducer.rank == 0 else 0)
         return total
 
     @staticmethod
-    def _add_metrics(metrics: MetricSums, res, batch: AtomicGraph) -> None:
-        mask = torch.isfinite(batch.forces).all(-1) if K.FORCES in batch else None
-        metrics.add(res, batch.numbers, mask)
+    def _add_metrics(metrics: MetricSums, res, batch: AtomicGraph, index) -> None:
+        numbers = None
+        if "forces" in index:
+            idx = index["forces"]
+            numbers = batch.numbers if idx is None else batch.numbers.index_select(0, idx)
+        metrics.add(res, numbers)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, batches: Sequence[Sequence[int]], shard,
@@ -149,17 +182,18 @@ class Trainer:
         parity: dict[str, list] = {"energy": [], "forces": [], "numbers": []}
         with ctx:
             for global_batch in batches:
-                batch = self._batch([dataset[i] for i in shard(global_batch)])
-                counts = self.reducer.all_reduce_sum(local_counts(batch, self.device))
+                cpu_batch, batch, index = self._batch([dataset[i] for i in shard(global_batch)])
+                counts = self.reducer.all_reduce_sum(local_counts(cpu_batch, self.device))
                 if batch is None:
                     continue
-                need_stress = bool(torch.isfinite(batch.stress).flatten(1).all(-1).any())
+                idx = index.get("stress", torch.empty(0))
+                need_stress = idx is None or len(idx) > 0
                 pred = self._predict(batch, True, need_stress, training=False)
-                res = residuals(pred, batch)
+                res = residuals(pred, batch, index)
                 with torch.no_grad():
                     loss, _ = loss_terms(res, self.specs, counts)
                 sums.add_loss(float(loss), 1 if self.reducer.rank == 0 else 0)
-                self._add_metrics(sums, res, batch)
+                self._add_metrics(sums, res, batch, index)
                 if collect:
                     _collect(parity, pred, batch)
         sums.values = self.reducer.all_reduce_sum(sums.values)

@@ -175,7 +175,16 @@ def torchsim_rate(mace_model, atoms, steps: int, device, dtype, warmup: int = 3)
     synchronize(device)
     el = time.perf_counter() - t0
     return {"atom_steps_per_s": len(atoms) * steps / el, "steps": steps,
-            "version": getattr(ts, "__version__", "?")}
+            "version": _version("torch-sim-atomistic")}
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
 
 
 def compiled_force_error(eager_model, compiled_model, graph: AtomicGraph) -> float:
@@ -240,6 +249,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps per case")
     p.add_argument("--sizes", default=None, help="comma-separated atom counts (default "
                    "1000,10000,100000; quick 100,500)")
+    p.add_argument("--eq-sizes", default=None, help="comma-separated atom counts of the "
+                   "equivariant rows (default: --sizes)")
+    p.add_argument("--mace-sizes", default=None, help="comma-separated atom counts of the MACE "
+                   "rows (default: --sizes)")
     p.add_argument("--compile", action="store_true",
                    help="MACE rows: also time xnn with Potential(compile=True)")
     p.add_argument("--only", default=None, choices=("lj", "equivariant", "batched", "mace"),
@@ -259,9 +272,11 @@ def main(argv=None) -> int:
     if run("lj"):
         results += bench_single("lj", lambda: build("lj", **LJ), sizes, steps, device, dtype)
     if run("equivariant"):
+        eq_sizes = tuple(int(x) for x in args.eq_sizes.split(",")) if args.eq_sizes \
+            else sizes[:2] if args.quick else sizes
         results += bench_single(
             "equivariant", lambda: build("equivariant", species=eq_species, cutoff=5.0),
-            sizes[:2] if args.quick else sizes, max(2, steps // 2), device, dtype)
+            eq_sizes, max(2, steps // 2), device, dtype)
     if run("batched"):
         results.append(bench_batched(16 if args.quick else 512, steps, device, dtype))
 
@@ -271,7 +286,9 @@ def main(argv=None) -> int:
                    device=str(device))
 
     if run("mace"):
-        results += bench_mace(sizes[:1] if args.quick else sizes, max(2, steps // 2), device,
+        mace_sizes = tuple(int(x) for x in args.mace_sizes.split(",")) if args.mace_sizes \
+            else sizes[:1] if args.quick else sizes
+        results += bench_mace(mace_sizes, max(2, steps // 2), device,
                               dtype, compile=args.compile, on_row=save)
     save()
     print(f"wrote {args.json}")

@@ -65,6 +65,11 @@ def labelled(batch: AtomicGraph) -> dict[str, Tensor | None]:
     return out
 
 
+def take(x: Tensor, idx: Tensor | None) -> Tensor:
+    """The rows ``idx`` of ``x`` (all of them for ``None``, as :func:`labelled` gives)."""
+    return x if idx is None else x.index_select(0, idx)
+
+
 def residuals(pred: dict[str, Tensor], batch: AtomicGraph,
               index: dict[str, Tensor | None] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
     """``{property: (diff, weight)}`` of the labelled items of this batch.
@@ -90,26 +95,30 @@ def residuals(pred: dict[str, Tensor], batch: AtomicGraph,
         diff = p - ref
         if scale[name] is not None:
             diff = diff / scale[name]
-        if idx is not None:
-            diff, w = diff.index_select(0, idx), w.index_select(0, idx)
-        out[name] = (diff, w)
+        out[name] = (take(diff, idx), take(w, idx))
     return out
 
 
-def local_counts(batch: AtomicGraph, device=None) -> Tensor:
+def local_counts(batch: AtomicGraph, device=None,
+                 index: dict[str, Tensor | None] | None = None) -> Tensor:
     """``[3]`` float64 numbers of labelled items (energies, force components, stress
     components) of this rank's batch; all-reduce them to get the global normalisers.
 
-    Counted where ``batch`` is (pass the CPU batch before moving it to a GPU: no device
-    synchronisation) and returned on ``device`` (default: the batch's)."""
+    Returned on ``device`` (default: the batch's); ``index``: :func:`labelled` of ``batch``
+    if already known (its sizes are read, wherever it is: no device synchronisation)."""
     if batch is None:
         return torch.zeros(3, dtype=torch.float64, device=device)
-    zero = torch.zeros((), dtype=torch.long, device=batch.device)
-    e = torch.isfinite(batch.energy).sum() if K.ENERGY in batch else zero
-    f = torch.isfinite(batch.forces).all(-1).sum() * 3 if K.FORCES in batch else zero
-    s = torch.isfinite(batch.stress).flatten(1).all(-1).sum() * 9 if K.STRESS in batch else zero
-    out = torch.stack([e, f, s]).to(torch.float64)
-    return out.to(device) if device is not None else out
+    if index is None:
+        index = labelled(batch)
+    items = {"energy": (batch.n_systems, 1), "forces": (batch.n_atoms, 3),
+             "stress": (batch.n_systems, 9)}
+    counts = [0.0] * len(PROPERTIES)
+    for k, name in enumerate(PROPERTIES):
+        if name in index:
+            n, per = items[name]
+            counts[k] = float(per * (n if index[name] is None else len(index[name])))
+    return torch.tensor(counts, dtype=torch.float64,
+                        device=batch.device if device is None else device)
 
 
 def has_labels(specs: dict[str, TermSpec], global_counts) -> bool:
@@ -131,28 +140,22 @@ def loss_terms(
     Args:
         res: from :func:`residuals`.
         specs: ``{property: TermSpec}``; terms with weight 0 are skipped.
-        global_counts: ``[3]`` labelled items of the global batch (see :func:`local_counts`):
-            a list of floats (terms without labels are skipped; none at all is an error), or
-            a tensor, used where it is (no device synchronisation; the caller checks
-            :func:`has_labels` once the counts are on the host).
+        global_counts: ``[3]`` labelled items of the global batch (see :func:`local_counts`),
+            used where they are (no device synchronisation): a property without labels adds
+            a zero term; the caller checks :func:`has_labels` once the counts are on the host.
     Returns:
         ``(loss, {property: term})`` with ``loss = Σ weight * term``; both are this rank's
         partial sums (add them over ranks to get the global values).
     """
     total = None
     terms: dict[str, Tensor] = {}
-    on_device = isinstance(global_counts, Tensor)
     for k, name in enumerate(PROPERTIES):
         spec = specs.get(name)
         if spec is None or spec.weight == 0.0 or name not in res:
             continue
         diff, w = res[name]
-        if on_device:  # no host read: a zero count has zero local items, so the term is 0
-            count = global_counts[k].to(diff.dtype).clamp_min(1.0)
-        else:
-            count = float(global_counts[k])
-            if count == 0.0:
-                continue
+        # a zero count has zero local items too: clamped, the term is 0 (no host read)
+        count = global_counts[k].to(diff.dtype).clamp_min(1.0)
         per = elementwise(spec.kind, diff, spec.delta)
         per = per * w.to(per.dtype).reshape(-1, *[1] * (per.dim() - 1))  # [n] or [n, ...]
         term = per.sum() / count

@@ -29,6 +29,7 @@ from xnn.training.losses import (
     local_counts,
     loss_terms,
     residuals,
+    take,
 )
 from xnn.training.metrics import MetricSums
 from xnn.training.reducer import LocalReducer, ensure_grads
@@ -119,7 +120,8 @@ class Trainer:
         self.model.train()
         cpu_batch, batch, index = self._batch(graphs)
         # the global normalisers, summed over ranks while this rank computes its predictions
-        pending = self.reducer.all_reduce_sum_async(local_counts(cpu_batch, self.device))
+        pending = self.reducer.all_reduce_sum_async(local_counts(cpu_batch, self.device,
+                                                                 index))
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if batch is not None:
@@ -156,10 +158,7 @@ class Trainer:
 
     @staticmethod
     def _add_metrics(metrics: MetricSums, res, batch: AtomicGraph, index) -> None:
-        numbers = None
-        if "forces" in index:
-            idx = index["forces"]
-            numbers = batch.numbers if idx is None else batch.numbers.index_select(0, idx)
+        numbers = take(batch.numbers, index["forces"]) if "forces" in index else None
         metrics.add(res, numbers)
 
     # ------------------------------------------------------------------ evaluation
@@ -183,7 +182,7 @@ class Trainer:
         with ctx:
             for global_batch in batches:
                 cpu_batch, batch, index = self._batch([dataset[i] for i in shard(global_batch)])
-                counts = self.reducer.all_reduce_sum(local_counts(cpu_batch, self.device))
+                counts = self.reducer.all_reduce_sum(local_counts(cpu_batch, self.device, index))
                 if batch is None:
                     continue
                 idx = index.get("stress", torch.empty(0))
@@ -195,7 +194,7 @@ class Trainer:
                 sums.add_loss(float(loss), 1 if self.reducer.rank == 0 else 0)
                 self._add_metrics(sums, res, batch, index)
                 if collect:
-                    _collect(parity, pred, batch)
+                    _collect(parity, pred, batch, index)
         sums.values = self.reducer.all_reduce_sum(sums.values)
         self.model.train()
         if not collect:
@@ -203,15 +202,14 @@ class Trainer:
         return sums, {k: _cat(v) for k, v in parity.items()}
 
 
-def _collect(parity: dict, pred: dict[str, Tensor], batch: AtomicGraph) -> None:
+def _collect(parity: dict, pred: dict[str, Tensor], batch: AtomicGraph, index) -> None:
     n = batch.n_atoms_per_system.to(batch.dtype)
-    ok = torch.isfinite(batch.energy)
-    parity["energy"].append(torch.stack([batch.energy[ok] / n[ok],
-                                         pred[K.ENERGY].detach()[ok] / n[ok]], -1))
-    fok = torch.isfinite(batch.forces).all(-1)
-    parity["forces"].append(torch.stack([batch.forces[fok], pred[K.FORCES].detach()[fok]], -1)
-                            .reshape(-1, 2))
-    parity["numbers"].append(batch.numbers[fok])
+    ie, i_f = index["energy"], index["forces"]
+    parity["energy"].append(torch.stack([take(batch.energy / n, ie),
+                                         take(pred[K.ENERGY].detach() / n, ie)], -1))
+    parity["forces"].append(torch.stack([take(batch.forces, i_f),
+                                         take(pred[K.FORCES].detach(), i_f)], -1).reshape(-1, 2))
+    parity["numbers"].append(take(batch.numbers, i_f))
 
 
 def _cat(parts: list[Tensor]):

@@ -156,9 +156,9 @@ def _strain_increment(state: MDState, dt: float, gen: torch.Generator, reduce: R
 def barostat(state: MDState, dt: float, reduce: Reducer) -> tuple[MDState, Tensor]:
     """Deform cell, positions and velocities by one stochastic-cell-rescaling step.
 
-    Returns the new state and the step's log-deformation ``G`` ``[n_systems, 3, 3]``; the
-    state's ``work`` holds the barostat's energy input with the potential energy change to
-    first order, ``V σ : G`` at the old configuration (:func:`step` completes it)."""
+    Returns the new state and the step's log-deformation ``G`` ``[n_systems, 3, 3]``. The
+    state's ``work`` gains the exact kinetic-energy change and ``P₀ ΔV``; the potential-energy
+    change needs the stress after the move, so :func:`step` adds it."""
     g = state.graph
     gen = generator(state.rng, g.device)
     deps = _strain_increment(state, dt, gen, reduce)
@@ -169,10 +169,8 @@ def barostat(state: MDState, dt: float, reduce: Reducer) -> tuple[MDState, Tenso
         K.CELL: g.cell @ mu,
         K.VELOCITIES: torch.einsum("ni,nij->nj", g.velocities, mu_inv_t[g.batch]),
     })
-    vol0, vol1 = g.volume(), new.volume()
-    de_pot = vol0 * (state.stress * deps).sum((-1, -2))
     dk = kinetic_energy(new, reduce) - kinetic_energy(g, reduce)
-    work = state.vars["work"] + de_pot + dk + state.vars["pressure"] * (vol1 - vol0)
+    work = state.vars["work"] + dk + state.vars["pressure"] * (new.volume() - g.volume())
     return state.replace(graph=new, rng=gen.get_state(), vars={"work": work}), deps
 
 
@@ -186,11 +184,11 @@ def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
     s = nve.with_positions(s, model, nve.drift(s, dt))
     # The barostat's potential-energy input by the trapezoid rule, ½ (V₀σ₀ + V₁σ₁) : G, with
     # σ₁ from this force call (one drift later: a zero-mean O(dt^1.5) difference). The first-
-    # order term alone misses the Itô term ½ Gᵀ(∂²E/∂G²)G, whose mean is O(dt) per step
-    # (~k_BT dt/τ_p): the conserved quantity drifted by that much per unit time, whatever dt.
+    # order term V₀σ₀ : G alone misses the Itô term ½ Gᵀ(∂²E/∂G²)G, whose mean is O(dt) per
+    # step (~k_BT dt/τ_p): the conserved quantity drifted by that much per unit time.
     v1_sigma1 = s.graph.volume()[:, None, None] * s.stress
-    s = s.replace(vars={"work": s.vars["work"] + 0.5 * ((v1_sigma1 - v0_sigma0) * deps).sum(
-        (-1, -2))})
+    de_pot = 0.5 * ((v0_sigma0 + v1_sigma1) * deps).sum((-1, -2))
+    s = s.replace(vars={"work": s.vars["work"] + de_pot})
     s = nve.half_kick(s, dt)
     return csvr.rescale(s, 0.5 * dt, reduce)
 

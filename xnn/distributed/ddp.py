@@ -20,17 +20,6 @@ from xnn.errors import InputError
 from xnn.training.reducer import LocalReducer, Pending
 
 
-def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
-    """``d.copy_(s)`` for each pair, in few kernel launches (torch's multi-tensor copy where
-    it exists: with small models the step is bound by launches on the host)."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(dst, src)
-        return
-    for d, x in zip(dst, src):
-        d.copy_(x)
-
-
 class DataParallelReducer:
     """Collectives over a data-parallel process group.
 
@@ -69,7 +58,7 @@ class DataParallelReducer:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             parts = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
-            copy_all(grads, parts)
+            torch._foreach_copy_(grads, parts)  # one multi-tensor copy: launches bind the host
 
     def broadcast_module(self, module: nn.Module) -> None:
         with torch.no_grad():

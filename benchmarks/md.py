@@ -259,9 +259,10 @@ def main(argv=None) -> int:
                    help="run one case only")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    sizes = QUICK_SIZES if args.quick else SIZES
-    if args.sizes:
-        sizes = tuple(int(x) for x in args.sizes.split(","))
+    def counts(text):
+        return tuple(int(x) for x in text.split(","))
+
+    sizes = counts(args.sizes) if args.sizes else QUICK_SIZES if args.quick else SIZES
     steps = args.steps or (5 if args.quick else 50)
     eq_species = [29]
     results = []
@@ -272,8 +273,7 @@ def main(argv=None) -> int:
     if run("lj"):
         results += bench_single("lj", lambda: build("lj", **LJ), sizes, steps, device, dtype)
     if run("equivariant"):
-        eq_sizes = tuple(int(x) for x in args.eq_sizes.split(",")) if args.eq_sizes \
-            else sizes[:2] if args.quick else sizes
+        eq_sizes = counts(args.eq_sizes) if args.eq_sizes else sizes[:2] if args.quick else sizes
         results += bench_single(
             "equivariant", lambda: build("equivariant", species=eq_species, cutoff=5.0),
             eq_sizes, max(2, steps // 2), device, dtype)
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
                    device=str(device))
 
     if run("mace"):
-        mace_sizes = tuple(int(x) for x in args.mace_sizes.split(",")) if args.mace_sizes \
+        mace_sizes = counts(args.mace_sizes) if args.mace_sizes \
             else sizes[:1] if args.quick else sizes
         results += bench_mace(mace_sizes, max(2, steps // 2), device,
                               dtype, compile=args.compile, on_row=save)

@@ -63,7 +63,8 @@ def model_hparams(name: str, quick: bool) -> dict:
     }[name]
 
 
-def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float) -> Trainer:
+def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float,
+                 compile: bool = False) -> Trainer:
     torch.manual_seed(0)
     hp = model_hparams(name, quick)
     if name == "equivariant":
@@ -72,7 +73,7 @@ def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float) 
     reducer.broadcast_module(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     return Trainer(model, SPECS, opt, reducer=reducer, device=device, dtype=torch.float32,
-                   grad_clip=10.0)
+                   grad_clip=10.0, compile=compile)
 
 
 def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
@@ -105,7 +106,39 @@ def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
                 times_alone.append(time.perf_counter() - t0)
     if gc_every:
         gc.enable()
+    time_steps.last = (times, times_alone)  # per-step seconds, for the JSON
     return float(np.median(times)), float(np.median(times_alone)) if times_alone else None
+
+
+def compile_check(trainer: Trainer, ds, batch, reducer, device) -> dict:
+    """Seconds of the first compiled call (trace, float64 check, compile, backward) and the
+    relative difference of its weight gradients from eager autograd on the same batch."""
+    from xnn.models.derivatives import compute_properties
+
+    graphs = [ds[i] for i in shard_batch(batch, ds.n_atoms, reducer.rank, reducer.world_size)]
+    g = trainer._batch(graphs)[1]
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def grads(out):
+        loss = sum(out[k].float().square().sum() for k in ("energy", "forces", "stress"))
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    synchronize(device)
+    t0 = time.perf_counter()
+    compiled = grads(trainer.compiled(g))
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    eager = grads(compute_properties(trainer.model, g, True, True, training=True))
+    again = grads(compute_properties(trainer.model, g, True, True, training=True))
+    scale = max(float(b.abs().max()) for b in eager if b is not None)
+
+    def rel(x, y):
+        return max(float((a - b).abs().max()) for a, b in zip(x, y) if b is not None) / scale
+
+    # the second eager evaluation differs from the first by the order of atomic additions
+    return {"first_compiled_call_s": seconds, "compiled_vs_eager_grad_rel_diff":
+            rel(compiled, eager), "eager_vs_eager_grad_rel_diff": rel(again, eager),
+            "eager_batches": trainer.compiled.eager_calls}
 
 
 def profile_steps(trainer: Trainer, ds, batches, rank: int, world: int, device, path) -> None:
@@ -120,9 +153,11 @@ def profile_steps(trainer: Trainer, ds, batches, rank: int, world: int, device, 
     if path is None:
         return
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40)
-                          + "\n\nby CPU total:\n"
-                          + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    ka = prof.key_averages()
+    Path(path).write_text(ka.table(sort_by=key, row_limit=40)
+                          + "\n\nby CPU total:\n" + ka.table(sort_by="cpu_time_total", row_limit=40)
+                          + "\n\nby self CPU:\n"
+                          + ka.table(sort_by="self_cpu_time_total", row_limit=40))
 
 
 def bench_models(names, ds, args, device, reducer) -> dict:
@@ -131,21 +166,31 @@ def bench_models(names, ds, args, device, reducer) -> dict:
     avg = average_num_neighbors([ds.dataset[i] for i in range(min(len(ds), 50))], CUTOFF)
     world = reducer.world_size
     global_bs = args.batch_size * world
-    batches = make_batches(ds.n_atoms, batch_size=global_bs, shuffle=True, seed=0)
-    batches = [b for b in batches if len(b) == global_bs][: args.steps + 1]
+    batches, epoch = [], 0  # full global batches of successive epochs
+    while len(batches) < args.steps + 1:
+        batches += [b for b in make_batches(ds.n_atoms, batch_size=global_bs, shuffle=True,
+                                            seed=epoch) if len(b) == global_bs]
+        epoch += 1
+    batches = batches[: args.steps + 1]
     out = {}
     for name in names:
         row: dict = {"hyperparameters": model_hparams(name, args.quick)}
-        trainer = make_trainer(name, args.quick, device, reducer, avg)
+        trainer = make_trainer(name, args.quick, device, reducer, avg, args.compile)
         row["parameters"] = sum(p.numel() for p in trainer.model.parameters())
-        alone = make_trainer(name, args.quick, device, LocalReducer(), avg) if world > 1 \
-            else None  # the same per-rank work without communication, on every rank
+        alone = make_trainer(name, args.quick, device, LocalReducer(), avg, args.compile) \
+            if world > 1 else None  # the same per-rank work without communication
+        if args.compile:
+            row.update(compile_check(trainer, ds, batches[0], reducer, device))
         t, t1 = time_steps(trainer, ds, batches, reducer.rank, world, device, alone,
                            args.gc_every)
         if args.profile:  # every rank steps (collectives); rank 0 writes
             profile_steps(trainer, ds, batches, reducer.rank, world, device,
                           f"{args.profile}.{name}.txt" if reducer.is_main else None)
         if world > 1:
+            per_step = reducer.gather_objects([[round(x * 1e3, 3) for x in v]
+                                               for v in time_steps.last])
+            row["step_ms_per_rank_and_step"] = {"ddp": [a for a, _ in per_step],
+                                                "alone": [b for _, b in per_step]}
             ts = reducer.gather_objects((t, t1))
             t = float(np.mean([a for a, _ in ts]))
             t1 = float(np.mean([b for _, b in ts]))
@@ -197,7 +242,8 @@ def xnn_epoch_periods(data: Path, work: Path, epochs: int, args) -> list[float]:
            f"data.batch_size={args.batch_size}", f"data.val_batch_size={args.batch_size}",
            f"max_epochs={epochs}", f"device={args.device}", "loss.stress.weight=1.0",
            "loss.forces.weight=10.0", "ema.enabled=true", "ema.decay=0.99", "logging.plots=false",
-           "logging.progress_bar=false", "overwrite=true", "data.val_fraction=0.1"]
+           "logging.progress_bar=false", "overwrite=true", "data.val_fraction=0.1",
+           f"compile={str(args.compile).lower()}"]
     stamps, _ = _epoch_ends(cmd, work, _is_xnn_row)
     return [float(x) for x in np.diff(stamps)]
 
@@ -285,6 +331,11 @@ def main(argv=None) -> int:
                    help="automatic garbage collection off, gc.collect(1) every N steps")
     p.add_argument("--bind-cores", action="store_true",
                    help="under torchrun: pin each local rank to its own share of the CPU cores")
+    p.add_argument("--compile", action="store_true",
+                   help="compiled training steps (Trainer(compile=True), xnn train compile=true)")
+    p.add_argument("--pin-main", action="store_true",
+                   help="under torchrun: pin each rank's main thread (only) to its own core, "
+                        "far apart, after start-up")
     p.add_argument("--epochs", type=int, default=10,
                    help="epochs of the xnn train / mace_run_train runs (epoch comparison)")
     args = p.parse_args(argv)
@@ -305,6 +356,11 @@ def main(argv=None) -> int:
     manager = DistributedManager.initialize(device=args.device)
     device = manager.device if manager.is_distributed else torch.device(args.device)
     reducer = build_reducer(manager)
+    if args.pin_main and "LOCAL_RANK" in os.environ:  # this thread only (Linux: pid 0)
+        avail = sorted(os.sched_getaffinity(0))
+        lws, lr = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        cores = [avail[(lr + 1) * len(avail) // (lws + 1)]]
+        os.sched_setaffinity(0, cores)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             data = Path(tmp) / "emt_cu.xyz"
@@ -317,7 +373,8 @@ def main(argv=None) -> int:
             names = [m.strip() for m in args.models.split(",") if m.strip()]
             result = {"device": str(device), "quick": args.quick, "structures": n,
                       "batch_size_per_rank": args.batch_size, "world_size": reducer.world_size,
-                      "rank0_cores": cores, "gc_every": args.gc_every,
+                      "rank0_cores": cores, "pin_main": args.pin_main, "gc_every": args.gc_every,
+                      "compile": args.compile,
                       "models": bench_models(names, ds, args, device, reducer)}
             if reducer.world_size == 1 and not args.no_mace and "equivariant" in names:
                 result["epoch_time"] = bench_epochs(ds, data, args)

@@ -188,6 +188,10 @@ class TrainConfig:
                                          "time (null: no limit)")
     eval_every: int = field(1, "validate every N epochs")
     precision: str = field("fp32", "arithmetic precision", choices=PRECISIONS)
+    compile: bool = field(False, "train through compiled kernels: energy, forces and stress "
+                          "are traced into one graph and compiled by torch.compile (dynamic "
+                          "shapes, checked against eager autograd first); the first steps "
+                          "compile for about a minute. xnn models; not with bf16_mixed")
     device: str = field("auto", "cpu, cuda or auto (cuda when available)")
     seed: int = field(0, "seed of the split, the initial weights and the batch order")
     output_dir: str = field("runs/xnn", "folder of checkpoints, logs, plots and the final model")
@@ -209,5 +213,8 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r} is not a valid choice; choose one of "
                               "['auto', 'cpu', 'cuda', 'cuda:N']")
+        if self.compile and self.precision == "bf16_mixed":
+            raise ConfigError("compile=true does not support precision=bf16_mixed; choose "
+                              "fp32, tf32 or fp64, or compile=false")
         if self.validation_only and not (self.pretrained or self.resume):
             raise ConfigError("validation_only=true needs pretrained=PATH or resume=PATH")

@@ -46,19 +46,30 @@ class DataParallelReducer:
         work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Pending(out, work)
 
-    def all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
+    def all_reduce_grads(self, params: Iterable[nn.Parameter],
+                         extra: Tensor | None = None) -> Tensor | None:
         params = [p for p in params if p.grad is not None]
-        if not params:
-            return
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
+        if extra is not None and not by_dtype:
+            return self.all_reduce_sum(extra)
+        # ``extra`` rides in the buffer of the widest dtype: one collective fewer per step
+        host = max(by_dtype, key=lambda d: torch.finfo(d).bits) if by_dtype else None
+        summed = None
+        for dtype, group in by_dtype.items():
             grads = [p.grad for p in group]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            parts = [g.reshape(-1) for g in grads]
+            if extra is not None and dtype == host:
+                parts.append(extra.detach().reshape(-1).to(dtype))
+            flat = torch.cat(parts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            parts = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
-            torch._foreach_copy_(grads, parts)  # one multi-tensor copy: launches bind the host
+            sizes = [g.numel() for g in grads]
+            pieces = flat.split(sizes + ([extra.numel()] if len(parts) > len(grads) else []))
+            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(pieces, grads)])
+            if len(parts) > len(grads):
+                summed = pieces[-1].to(extra.dtype).view_as(extra)
+        return summed
 
     def broadcast_module(self, module: nn.Module) -> None:
         with torch.no_grad():

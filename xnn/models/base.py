@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import UnknownSpeciesError
+
+_TRACING = [False]
+
+
+def graph_tracing() -> bool:
+    """Whether model code runs under a graph tracer (``torch.compile``, ``torch.export``, or
+    the trace of compiled training, :mod:`xnn.models.compiled_training`): models then avoid
+    data-dependent shapes and Python branches on tensor values."""
+    return _TRACING[0] or torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def tracing_graph() -> Iterator[None]:
+    """Make :func:`graph_tracing` true inside (for tracers that torch does not announce)."""
+    _TRACING[0] = True
+    try:
+        yield
+    finally:
+        _TRACING[0] = False
 
 
 class AtomisticModel(nn.Module):

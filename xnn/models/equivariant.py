@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models.base import graph_tracing
 from xnn.models.blocks import (
     BesselBasis,
     EnergyScaleShift,
@@ -70,10 +71,10 @@ class _ScatterSum(torch.autograd.Function):
 def scatter_sum(src: Tensor, index: Tensor, n: int) -> Tensor:
     """``[n, ...]`` sums of the rows of ``src [E, ...]`` by ``index [E]`` (values in 0..n-1).
 
-    Traced by ``torch.compile`` / ``torch.export`` it is torch's own ``index_add``: under
-    dynamo in torch 2.11 on CUDA, gradients did not flow through the custom Function (forces
-    came out zero)."""
-    if torch.compiler.is_compiling():
+    Traced (``torch.compile``, ``torch.export``, compiled training) it is torch's own
+    ``index_add``: under dynamo in torch 2.11 on CUDA, gradients did not flow through the
+    custom Function (forces came out zero)."""
+    if graph_tracing():
         return src.new_zeros((n, *src.shape[1:])).index_add(0, index, src)
     return _ScatterSum.apply(src, index, n)
 
@@ -455,7 +456,7 @@ class Equivariant(NativeModel):
         vec = graph.edge_vectors()
         edge_index = graph.edge_index
         r = vec.norm(dim=-1)
-        if torch.compiler.is_compiling():  # torch.export / compile: no data-dependent shapes;
+        if graph_tracing():  # torch.export / compile / make_fx: no data-dependent shapes;
             env = self.envelope(r)  # envelope 0 beyond rc
             feats = self.bessel(r) * env.unsqueeze(-1)
             return EdgeData(edge_index, self.sh(vec), feats, None, False,

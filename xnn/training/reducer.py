@@ -31,8 +31,12 @@ class LocalReducer:
         host does not block: later work on the current stream is ordered after the sum."""
         return Pending(tensor.clone())
 
-    def all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
-        """Sum the ``.grad`` of ``params`` over ranks in place (grads must not be ``None``)."""
+    def all_reduce_grads(self, params: Iterable[nn.Parameter],
+                         extra: Tensor | None = None) -> Tensor | None:
+        """Sum the ``.grad`` of ``params`` over ranks in place (grads must not be ``None``)
+        and return the sum of ``extra`` (a small tensor, e.g. the loss), summed in the same
+        collective in the widest gradient dtype (``None`` without ``extra``)."""
+        return None if extra is None else extra.clone()
 
     def broadcast_module(self, module: nn.Module) -> None:
         """Copy rank 0's parameters and buffers to every rank."""

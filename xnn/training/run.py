@@ -104,7 +104,7 @@ def _trainer(cfg: TrainConfig, model, reducer, device) -> Trainer:
                           s.min_lr_factor, s.factor, s.patience)
     ema = EMA(model, cfg.ema.decay) if cfg.ema.enabled else None
     return Trainer(model, loss_specs(cfg), optimizer, schedule, ema, reducer, device, dtype,
-                   autocast, cfg.optim.grad_clip)
+                   autocast, cfg.optim.grad_clip, compile=cfg.compile)
 
 
 def _horizon(cfg: TrainConfig, loop: TrainingLoop) -> int:
@@ -149,6 +149,9 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
                      f"step {loop.progress.step}")
     if reducer.is_main and not cfg.validation_only:
         (out / "config.yaml").write_text(loop.config_yaml)
+        if cfg.compile:
+            logger.print("compile=true: the first training steps trace, check and compile "
+                         "the model (about a minute)")
     reason = "validation_only"
     if not cfg.validation_only:
         reason = loop.run()

@@ -53,12 +53,15 @@ class Trainer:
         dtype: floating dtype of batches (the model's).
         autocast: ``torch.bfloat16`` for bf16 mixed precision, else ``None``.
         grad_clip: max global gradient norm (``None``: no clipping).
+        compile: predict through compiled kernels in training steps
+            (:class:`~xnn.models.compiled_training.CompiledProperties`; evaluation stays
+            eager). Not with ``autocast``.
     """
 
     def __init__(self, model: nn.Module, specs: dict[str, TermSpec], optimizer, schedule=None,
                  ema=None, reducer=None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
-                 grad_clip: float | None = None):
+                 grad_clip: float | None = None, compile: bool = False):
         self.model = model
         self.specs = specs
         self.optimizer = optimizer
@@ -72,6 +75,13 @@ class Trainer:
         self.need_forces = specs.get("forces", TermSpec(0.0)).weight > 0
         self.need_stress = specs.get("stress", TermSpec(0.0)).weight > 0
         self.stop_votes = 0  # sum over ranks of train_step's stop_vote, at the last step
+        self.compiled = None
+        if compile:
+            if autocast is not None:
+                raise ValueError("compiled training does not support autocast (bf16_mixed)")
+            from xnn.models.compiled_training import CompiledProperties
+
+            self.compiled = CompiledProperties(model, self.need_forces, self.need_stress)
 
     # ------------------------------------------------------------------ helpers
     def _context(self):
@@ -91,6 +101,8 @@ class Trainer:
         return cpu_batch, cpu_batch.to(self.device, self.dtype), index
 
     def _predict(self, batch: AtomicGraph, forces: bool, stress: bool, training: bool):
+        if training and self.compiled is not None:
+            return {k: v.to(self.dtype) for k, v in self.compiled(batch).items()}
         with self._context():
             pred = compute_properties(self.model, batch, forces=forces, stress=stress,
                                       training=training)
@@ -102,8 +114,9 @@ class Trainer:
         """One optimizer step on this rank's share ``graphs`` of a global batch.
 
         Cross-rank cost: the label counts are summed while the forward pass runs, then the
-        gradients and the loss are summed; the host waits for the device once per step (to
-        check the loss before the optimizer changes anything).
+        gradients, the loss and the stop votes are summed by one collective; the host waits
+        for the device once per step (to check the loss before the optimizer changes
+        anything).
 
         Args:
             graphs: one-system graphs with edges (may be empty on some ranks).
@@ -134,9 +147,9 @@ class Trainer:
                 self._add_metrics(metrics, res, batch, index)
         counts = pending.wait()
         params = ensure_grads(p for p in self.model.parameters() if p.requires_grad)
-        self.reducer.all_reduce_grads(params)
         vote = torch.full((1,), float(bool(stop_vote)), dtype=torch.float64, device=self.device)
-        summed = self.reducer.all_reduce_sum(torch.cat([loss.reshape(1), vote]))
+        # loss and stop votes ride in the gradients' collective
+        summed = self.reducer.all_reduce_grads(params, torch.cat([loss.reshape(1), vote]))
         # the step's one wait for the device: global loss, votes, counts and the local loss
         total, votes, *host = torch.cat([summed, counts, loss.reshape(1)]).tolist()
         self.stop_votes = int(votes)

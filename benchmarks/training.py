@@ -77,12 +77,14 @@ def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float,
 
 
 def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
-               alone: Trainer | None = None, gc_every: int = 0) -> tuple[float, float | None]:
+               alone: Trainer | None = None, gc_every: int = 0,
+               barrier_alone: bool = False) -> tuple[float, float | None]:
     """Median seconds per optimizer step over ``batches`` (after one warm-up step); with
     ``alone``, that trainer (no communication) takes the same step right after each one,
     so that drifts of the machine's speed affect both alike: ``(t, t_alone)``. ``gc_every``:
     Python's automatic garbage collection off, ``gc.collect(1)`` before every that many steps
-    (same steps on every rank, inside the timed step)."""
+    (same steps on every rank, inside the timed step). ``barrier_alone``: a barrier before
+    the alone step too, so that both steps start alike, right after a cross-rank wait."""
     times, times_alone = [], []
     if gc_every:
         gc.disable()
@@ -99,6 +101,9 @@ def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
         if k > 0:
             times.append(time.perf_counter() - t0)
         if alone is not None:
+            if barrier_alone:
+                trainer.reducer.barrier()
+                synchronize(device)
             t0 = time.perf_counter()
             alone.train_step(graphs, k)
             synchronize(device)
@@ -182,7 +187,7 @@ def bench_models(names, ds, args, device, reducer) -> dict:
         if args.compile:
             row.update(compile_check(trainer, ds, batches[0], reducer, device))
         t, t1 = time_steps(trainer, ds, batches, reducer.rank, world, device, alone,
-                           args.gc_every)
+                           args.gc_every, args.barrier_alone)
         if args.profile:  # every rank steps (collectives); rank 0 writes
             profile_steps(trainer, ds, batches, reducer.rank, world, device,
                           f"{args.profile}.{name}.txt" if reducer.is_main else None)
@@ -333,6 +338,9 @@ def main(argv=None) -> int:
                    help="under torchrun: pin each local rank to its own share of the CPU cores")
     p.add_argument("--compile", action="store_true",
                    help="compiled training steps (Trainer(compile=True), xnn train compile=true)")
+    p.add_argument("--barrier-alone", action="store_true",
+                   help="under torchrun: a barrier before the alone step too (both steps "
+                        "start right after a cross-rank wait)")
     p.add_argument("--pin-main", action="store_true",
                    help="under torchrun: pin each rank's main thread (only) to its own core, "
                         "far apart, after start-up")
@@ -373,7 +381,8 @@ def main(argv=None) -> int:
             names = [m.strip() for m in args.models.split(",") if m.strip()]
             result = {"device": str(device), "quick": args.quick, "structures": n,
                       "batch_size_per_rank": args.batch_size, "world_size": reducer.world_size,
-                      "rank0_cores": cores, "pin_main": args.pin_main, "gc_every": args.gc_every,
+                      "rank0_cores": cores, "pin_main": args.pin_main,
+                      "barrier_alone": args.barrier_alone, "gc_every": args.gc_every,
                       "compile": args.compile,
                       "models": bench_models(names, ds, args, device, reducer)}
             if reducer.world_size == 1 and not args.no_mace and "equivariant" in names:

@@ -14,7 +14,9 @@ All models train on the same ASE-EMT Cu data (energy + forces + stress loss, dou
   parallelism (global batch = N × batch size) and, right after each such step on every rank,
   the step time of that rank's share alone (a second model, no communication);
   ``ddp_efficiency`` = mean over ranks of the median alone time / of the median data-parallel
-  time (weak scaling: one GPU with batches of ``--batch-size`` vs N GPUs).
+  time (weak scaling: one GPU with batches of ``--batch-size`` vs N GPUs). Both steps start
+  right after a barrier (a step that follows a cross-rank wait runs ~1.5 ms slower, as
+  every real data-parallel step does).
 
 Usage::
 
@@ -338,9 +340,10 @@ def main(argv=None) -> int:
                    help="under torchrun: pin each local rank to its own share of the CPU cores")
     p.add_argument("--compile", action="store_true",
                    help="compiled training steps (Trainer(compile=True), xnn train compile=true)")
-    p.add_argument("--barrier-alone", action="store_true",
-                   help="under torchrun: a barrier before the alone step too (both steps "
-                        "start right after a cross-rank wait)")
+    p.add_argument("--barrier-ddp-only", dest="barrier_alone", action="store_false",
+                   help="under torchrun: a barrier before the data-parallel step only (the "
+                        "method before session 5, which slows that step alone by ~1.5 ms; by "
+                        "default both steps start right after a barrier)")
     p.add_argument("--pin-main", action="store_true",
                    help="under torchrun: pin each rank's main thread (only) to its own core, "
                         "far apart, after start-up")

@@ -31,7 +31,7 @@ def _cfg(data, out, *extra):
     ])
 
 
-def _gradients(reducer, data, device="cpu"):
+def _gradients(reducer, data, device="cpu", compile=False):
     """Gradient of the loss of one global batch of 5 structures (after the all-reduce)."""
     from xnn.config.train import LossConfig
     from xnn.data.datasets import WithEdges, read_structures, shard_batch
@@ -48,7 +48,7 @@ def _gradients(reducer, data, device="cpu"):
                   num_interactions=2, num_basis=8).double().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     trainer = Trainer(model, loss_specs(cfg), opt, reducer=reducer, dtype=torch.float64,
-                      device=device)
+                      device=device, compile=compile)
     batch = [0, 2, 3, 5, 7]
     mine = shard_batch(batch, ds.n_atoms, reducer.rank, reducer.world_size)
     loss = trainer.train_step([ds[i] for i in mine], 0)
@@ -64,6 +64,7 @@ def _rank_main(rank, world, data, out):
     manager = DistributedManager.initialize(device="cpu")
     reducer = build_reducer(manager)
     loss, grads, mine = _gradients(reducer, data)
+    compiled = _gradients(reducer, data, compile="aot_eager")  # compiled training steps
     summary = train(_cfg(data, out), reducer)
     from xnn.training.checkpoint import load_checkpoint
 
@@ -72,7 +73,7 @@ def _rank_main(rank, world, data, out):
     # the time limit: rank 0's clock decides (its vote rides on the loss all-reduce)
     late = train(_cfg(data, f"{out}_late", "time_limit_min=1e-9"), reducer)
     return {"loss": loss, "grads": grads, "mine": mine, "summary": summary, "history": hist,
-            "late": late}
+            "late": late, "compiled": compiled}
 
 
 def test_two_ranks_match_one_process(tmp_path):
@@ -94,6 +95,10 @@ def test_two_ranks_match_one_process(tmp_path):
     for r in results:
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-12)
         err = np.abs(r["grads"] - ref_grads).max() / np.abs(ref_grads).max()
+        assert err <= 1e-10, err
+        # compiled steps on 2 ranks: the same global gradient as eager in one process
+        assert r["compiled"][0] == pytest.approx(ref_loss, rel=1e-12)
+        err = np.abs(r["compiled"][1] - ref_grads).max() / np.abs(ref_grads).max()
         assert err <= 1e-10, err
         assert np.abs(r["grads"]).max() > 0
         # the same loss curve and validation metrics on every rank as in one process

@@ -21,8 +21,9 @@ Three things make the traced graph exactly the eager computation:
   beyond the cutoff).
 * The trace must not specialise on the sizes of one batch: it is taken on the batch
   doubled (no size 0 or 1) with duck sizing off (no two sizes assumed equal), and every
-  later batch is checked against the guards the tracer recorded (a batch that fails them,
-  e.g. one without edges, is evaluated eagerly).
+  later batch is checked against the guards the tracer recorded (every size at least 2,
+  and the like). A batch that fails them, e.g. a single structure, gets a trace of its own
+  (at most :data:`MAX_VARIANTS`; beyond, such batches are evaluated eagerly).
 
 Before first use, the traced graph is checked against eager double backward in float64 on
 the first batch (weight gradients of a random projection of energy, forces and stress): a
@@ -42,9 +43,13 @@ from xnn.errors import XnnError
 from xnn.models.base import tracing_graph
 from xnn.models.derivatives import compute_properties
 
+#: traces per :class:`CompiledProperties` (the first, and ones for batches outside its guards)
+MAX_VARIANTS = 4
+
 #: graph fields the traced function takes (labels and per-run extras are not inputs)
 INPUT_FIELDS = (K.POSITIONS, K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID,
                 K.EDGE_INDEX, K.SHIFTS)
+
 
 class CompileError(XnnError):
     """The model cannot be traced for compiled training, or its trace is not exact."""
@@ -97,9 +102,11 @@ class Traced:
         return bool(self._env.evaluate_guards_expression(self.guards, flat))
 
 
-def trace(model: nn.Module, example: AtomicGraph, forces: bool, stress: bool) -> Traced:
+def trace(model: nn.Module, example: AtomicGraph, forces: bool, stress: bool,
+          double: bool = True) -> Traced:
     """Trace ``model``'s properties for training (see the module docstring), with every
-    ``detach`` an alias.
+    ``detach`` an alias; on ``example`` concatenated with itself unless ``double=False``
+    (then sizes of 0 or 1 in ``example`` are fixed in the trace).
 
     Raises:
         CompileError: the model has data-dependent shapes (or fails under the tracer).
@@ -109,8 +116,7 @@ def trace(model: nn.Module, example: AtomicGraph, forces: bool, stress: bool) ->
     from torch.fx.experimental.proxy_tensor import make_fx
 
     wrapper = _Properties(model, forces, stress)
-    doubled = AtomicGraph.concat([example, example])  # no batch size is 0 or 1
-    fields = _inputs(doubled)
+    fields = _inputs(AtomicGraph.concat([example, example]) if double else example)
     state = {k: v.detach() for k, v in _state(wrapper).items()}
 
     def fn(state, fields):
@@ -204,32 +210,52 @@ class CompiledProperties:
         self.verify = verify
         self.verified_rel_diff: float | None = None
         self._key = None
-        self._fn = None
-        self._traced: Traced | None = None
-        self.eager_calls = 0  # batches outside the trace's guards, evaluated eagerly
+        self._variants: list[tuple[Traced, object]] = []  # (trace, its compiled function)
+        self.eager_calls = 0  # batches outside every trace's guards, evaluated eagerly
         self._wrapper = _Properties(model, self.forces, self.stress)
 
-    def _build(self, graph: AtomicGraph):
+    @property
+    def n_traces(self) -> int:
+        """Traces made for the current dtype, device and fields."""
+        return len(self._variants)
+
+    def _compile(self, graph: AtomicGraph, double: bool):
         if self.verify and self.verified_rel_diff is None:
             self.verified_rel_diff = verify(self.model, graph, self.forces, self.stress)
-        self._traced = trace(self.model, graph, self.forces, self.stress)
+        traced = trace(self.model, graph, self.forces, self.stress, double=double)
         options = None
         if self.backend == "inductor" and graph.device.type == "cpu":
             # torch 2.13's vectorised C++ code generation asserts on the scatter of a
             # weight-gradient; scalar C++ kernels are right
             options = {"cpp.simdlen": 0}
-        return torch.compile(self._traced.gm, dynamic=True, backend=self.backend, options=options)
+        fn = torch.compile(traced.gm, dynamic=True, backend=self.backend, options=options)
+        self._variants.append((traced, fn))
+        return traced, fn
+
+    def _function(self, graph: AtomicGraph, state, fields):
+        """The compiled function whose trace holds for these inputs (traced now if needed;
+        ``None``: evaluate eagerly)."""
+        key = (graph.dtype, graph.device, tuple(fields), self.model.training)
+        if key != self._key:
+            self._variants, self._key = [], key
+        for traced, fn in self._variants:
+            if traced.holds(state, fields):
+                return fn
+        if len(self._variants) >= MAX_VARIANTS:
+            return None
+        # the first trace generalises from the doubled batch; later ones (a batch the first
+        # trace does not cover, e.g. one structure) fix the batch's sizes of 0 or 1
+        traced, fn = self._compile(graph, double=not self._variants)
+        return fn if traced.holds(state, fields) else None
 
     def __call__(self, graph: AtomicGraph) -> dict[str, Tensor]:
         fields = _inputs(graph)
-        key = (graph.dtype, graph.device, tuple(fields), self.model.training)
-        if key != self._key:
-            self._fn, self._key = self._build(graph), key
         state = _state(self._wrapper)
-        if not self._traced.holds(state, fields):
+        fn = self._function(graph, state, fields)
+        if fn is None:
             self.eager_calls += 1
             return self._wrapper(fields)
         from torch.fx.experimental import _config as fx_config
 
         with fx_config.patch(use_duck_shape=False):  # a batch of 3 systems: cell [3, 3, 3]
-            return self._fn(state, fields)
+            return fn(state, fields)

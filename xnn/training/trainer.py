@@ -55,13 +55,14 @@ class Trainer:
         grad_clip: max global gradient norm (``None``: no clipping).
         compile: predict through compiled kernels in training steps
             (:class:`~xnn.models.compiled_training.CompiledProperties`; evaluation stays
-            eager). Not with ``autocast``.
+            eager); ``True`` for inductor, or the name of a ``torch.compile`` backend. Not
+            with ``autocast``.
     """
 
     def __init__(self, model: nn.Module, specs: dict[str, TermSpec], optimizer, schedule=None,
                  ema=None, reducer=None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
-                 grad_clip: float | None = None, compile: bool = False):
+                 grad_clip: float | None = None, compile: bool | str = False):
         self.model = model
         self.specs = specs
         self.optimizer = optimizer
@@ -81,7 +82,9 @@ class Trainer:
                 raise ValueError("compiled training does not support autocast (bf16_mixed)")
             from xnn.models.compiled_training import CompiledProperties
 
-            self.compiled = CompiledProperties(model, self.need_forces, self.need_stress)
+            backend = compile if isinstance(compile, str) else "inductor"
+            self.compiled = CompiledProperties(model, self.need_forces, self.need_stress,
+                                               backend=backend)
 
     # ------------------------------------------------------------------ helpers
     def _context(self):

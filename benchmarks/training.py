@@ -16,7 +16,9 @@ All models train on the same ASE-EMT Cu data (energy + forces + stress loss, dou
   ``ddp_efficiency`` = mean over ranks of the median alone time / of the median data-parallel
   time (weak scaling: one GPU with batches of ``--batch-size`` vs N GPUs). Both steps start
   right after a barrier (a step that follows a cross-rank wait runs ~1.5 ms slower, as
-  every real data-parallel step does).
+  every real data-parallel step does). ``phases_ms_per_rank`` splits both steps at the
+  gradients' collective (host time before it, the call, the rest), to locate the extra time
+  of the data-parallel step.
 
 Usage::
 
@@ -88,6 +90,10 @@ def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
     (same steps on every rank, inside the timed step). ``barrier_alone``: a barrier before
     the alone step too, so that both steps start alike, right after a cross-rank wait."""
     times, times_alone = [], []
+    marks = {"ddp": _mark_collective(trainer)}
+    if alone is not None:
+        marks["alone"] = _mark_collective(alone)
+    phases: dict[str, list] = {"ddp": [], "alone": []}
     if gc_every:
         gc.disable()
     for k, b in enumerate(batches):
@@ -102,6 +108,7 @@ def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
         synchronize(device)
         if k > 0:
             times.append(time.perf_counter() - t0)
+            phases["ddp"].append(_phases(t0, marks["ddp"]))
         if alone is not None:
             if barrier_alone:
                 trainer.reducer.barrier()
@@ -111,10 +118,41 @@ def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
             synchronize(device)
             if k > 0:
                 times_alone.append(time.perf_counter() - t0)
+                phases["alone"].append(_phases(t0, marks["alone"]))
     if gc_every:
         gc.enable()
+    for t in (trainer, alone):
+        if t is not None:
+            del t.reducer.all_reduce_grads  # the class's method again
     time_steps.last = (times, times_alone)  # per-step seconds, for the JSON
+    time_steps.phases = {  # median ms of each part of the step
+        kind: {name: round(float(np.median([p[i] for p in rows])) * 1e3, 3)
+               for i, name in enumerate(PHASES)} for kind, rows in phases.items() if rows}
     return float(np.median(times)), float(np.median(times_alone)) if times_alone else None
+
+
+#: parts of a timed step: the host until the gradients' collective is called, the call,
+#: and the rest (the wait for the device, the optimizer step, the final synchronisation)
+PHASES = ("to_collective", "collective_call", "after")
+
+
+def _mark_collective(trainer: Trainer) -> list[float]:
+    """Record the host clock on entry to and exit from the trainer's gradient collective."""
+    marks: list[float] = []
+    inner = trainer.reducer.all_reduce_grads
+
+    def timed(*args, **kwargs):
+        marks[:] = [time.perf_counter()]
+        out = inner(*args, **kwargs)
+        marks.append(time.perf_counter())
+        return out
+
+    trainer.reducer.all_reduce_grads = timed
+    return marks
+
+
+def _phases(t0: float, marks: list[float]) -> tuple[float, float, float]:
+    return marks[0] - t0, marks[1] - marks[0], time.perf_counter() - marks[1]
 
 
 def compile_check(trainer: Trainer, ds, batch, reducer, device) -> dict:
@@ -198,6 +236,7 @@ def bench_models(names, ds, args, device, reducer) -> dict:
                                                for v in time_steps.last])
             row["step_ms_per_rank_and_step"] = {"ddp": [a for a, _ in per_step],
                                                 "alone": [b for _, b in per_step]}
+            row["phases_ms_per_rank"] = reducer.gather_objects(time_steps.phases)
             ts = reducer.gather_objects((t, t1))
             t = float(np.mean([a for a, _ in ts]))
             t1 = float(np.mean([b for _, b in ts]))

@@ -82,53 +82,46 @@ def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float,
 
 def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
                alone: Trainer | None = None, gc_every: int = 0,
-               barrier_alone: bool = False) -> tuple[float, float | None]:
-    """Median seconds per optimizer step over ``batches`` (after one warm-up step); with
-    ``alone``, that trainer (no communication) takes the same step right after each one,
-    so that drifts of the machine's speed affect both alike: ``(t, t_alone)``. ``gc_every``:
-    Python's automatic garbage collection off, ``gc.collect(1)`` before every that many steps
-    (same steps on every rank, inside the timed step). ``barrier_alone``: a barrier before
-    the alone step too, so that both steps start alike, right after a cross-rank wait."""
-    times, times_alone = [], []
-    marks = {"ddp": _mark_collective(trainer)}
+               barrier_alone: bool = False) -> dict:
+    """Seconds per optimizer step over ``batches`` (the first, warm-up step not counted):
+    ``{"ddp": timings, "alone": timings or None}`` with ``timings`` the step's per-step
+    seconds (``"steps"``) and median parts (``"phases_ms"``, see :data:`PHASES`). With
+    ``alone``, that trainer (no communication) takes the same step right after each one, so
+    that drifts of the machine's speed affect both alike. ``gc_every``: Python's automatic
+    garbage collection off, ``gc.collect(1)`` before every that many steps (same steps on
+    every rank, inside the timed step). A barrier starts the data-parallel step (under
+    ``world > 1``) and, with ``barrier_alone``, the alone step too, so that both start alike,
+    right after a cross-rank wait."""
+    runs = {"ddp": (trainer, world > 1)}
     if alone is not None:
-        marks["alone"] = _mark_collective(alone)
-    phases: dict[str, list] = {"ddp": [], "alone": []}
+        runs["alone"] = (alone, barrier_alone)
+    rows: dict[str, list] = {kind: [] for kind in runs}
+    marks = {kind: _mark_collective(t) for kind, (t, _) in runs.items()}
     if gc_every:
         gc.disable()
     for k, b in enumerate(batches):
         graphs = [ds[i] for i in shard_batch(b, ds.n_atoms, rank, world)]
         if gc_every and k % gc_every == 0:
             gc.collect(1)
-        if world > 1:  # start together, as after the previous step's all-reduce
-            trainer.reducer.barrier()
-        synchronize(device)
-        t0 = time.perf_counter()
-        trainer.train_step(graphs, k)
-        synchronize(device)
-        if k > 0:
-            times.append(time.perf_counter() - t0)
-            phases["ddp"].append(_phases(t0, marks["ddp"]))
-        if alone is not None:
-            if barrier_alone:
+        for kind, (t, barrier) in runs.items():
+            if barrier:
                 trainer.reducer.barrier()
-                synchronize(device)
+            synchronize(device)
             t0 = time.perf_counter()
-            alone.train_step(graphs, k)
+            t.train_step(graphs, k)
             synchronize(device)
             if k > 0:
-                times_alone.append(time.perf_counter() - t0)
-                phases["alone"].append(_phases(t0, marks["alone"]))
+                rows[kind].append((time.perf_counter() - t0, *_phases(t0, marks[kind])))
     if gc_every:
         gc.enable()
-    for t in (trainer, alone):
-        if t is not None:
-            del t.reducer.all_reduce_grads  # the class's method again
-    time_steps.last = (times, times_alone)  # per-step seconds, for the JSON
-    time_steps.phases = {  # median ms of each part of the step
-        kind: {name: round(float(np.median([p[i] for p in rows])) * 1e3, 3)
-               for i, name in enumerate(PHASES)} for kind, rows in phases.items() if rows}
-    return float(np.median(times)), float(np.median(times_alone)) if times_alone else None
+    for t, _ in runs.values():
+        del t.reducer.all_reduce_grads  # the class's method again
+    out: dict = {"alone": None}
+    for kind, r in rows.items():
+        out[kind] = {"steps": [x[0] for x in r], "phases_ms": {
+            name: round(float(np.median([x[i + 1] for x in r])) * 1e3, 3)
+            for i, name in enumerate(PHASES)}}
+    return out
 
 
 #: parts of a timed step: the host until the gradients' collective is called, the call,
@@ -226,22 +219,24 @@ def bench_models(names, ds, args, device, reducer) -> dict:
             if world > 1 else None  # the same per-rank work without communication
         if args.compile:
             row.update(compile_check(trainer, ds, batches[0], reducer, device))
-        t, t1 = time_steps(trainer, ds, batches, reducer.rank, world, device, alone,
+        timed = time_steps(trainer, ds, batches, reducer.rank, world, device, alone,
                            args.gc_every, args.barrier_alone)
         if args.profile:  # every rank steps (collectives); rank 0 writes
             profile_steps(trainer, ds, batches, reducer.rank, world, device,
                           f"{args.profile}.{name}.txt" if reducer.is_main else None)
+        t = float(np.median(timed["ddp"]["steps"]))
         if world > 1:
-            per_step = reducer.gather_objects([[round(x * 1e3, 3) for x in v]
-                                               for v in time_steps.last])
-            row["step_ms_per_rank_and_step"] = {"ddp": [a for a, _ in per_step],
-                                                "alone": [b for _, b in per_step]}
-            row["phases_ms_per_rank"] = reducer.gather_objects(time_steps.phases)
-            ts = reducer.gather_objects((t, t1))
-            t = float(np.mean([a for a, _ in ts]))
-            t1 = float(np.mean([b for _, b in ts]))
-            row.update(step_s_per_rank=[a for a, _ in ts], step_s_alone=t1,
-                       step_s_alone_per_rank=[b for _, b in ts], ddp_efficiency=t1 / t,
+            ranks = reducer.gather_objects(timed)
+            row["step_ms_per_rank_and_step"] = {
+                kind: [[round(x * 1e3, 3) for x in r[kind]["steps"]] for r in ranks]
+                for kind in ("ddp", "alone")}
+            row["phases_ms_per_rank"] = [{kind: r[kind]["phases_ms"] for kind in
+                                          ("ddp", "alone")} for r in ranks]
+            per_rank = [float(np.median(r["ddp"]["steps"])) for r in ranks]
+            alone_per_rank = [float(np.median(r["alone"]["steps"])) for r in ranks]
+            t, t1 = float(np.mean(per_rank)), float(np.mean(alone_per_rank))
+            row.update(step_s_per_rank=per_rank, step_s_alone=t1,
+                       step_s_alone_per_rank=alone_per_rank, ddp_efficiency=t1 / t,
                        world_size=world)
         row.update(step_s=t, structures_per_s=global_bs / t)
         out[name] = row

@@ -59,15 +59,15 @@ class DataParallelReducer:
         summed = None
         for dtype, group in by_dtype.items():
             grads = [p.grad for p in group]
+            carries = extra is not None and dtype == host
             parts = [g.reshape(-1) for g in grads]
-            if extra is not None and dtype == host:
+            if carries:
                 parts.append(extra.detach().reshape(-1).to(dtype))
             flat = torch.cat(parts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            sizes = [g.numel() for g in grads]
-            pieces = flat.split(sizes + ([extra.numel()] if len(parts) > len(grads) else []))
+            pieces = flat.split([x.numel() for x in parts])
             torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(pieces, grads)])
-            if len(parts) > len(grads):
+            if carries:
                 summed = pieces[-1].to(extra.dtype).view_as(extra)
         return summed
 

@@ -36,6 +36,7 @@ import copy
 
 import torch
 from torch import Tensor, nn
+from torch.fx.experimental import _config as fx_config
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
@@ -112,7 +113,6 @@ def trace(model: nn.Module, example: AtomicGraph, forces: bool, stress: bool,
         CompileError: the model has data-dependent shapes (or fails under the tracer).
     """
     from torch.func import functional_call
-    from torch.fx.experimental import _config as fx_config
     from torch.fx.experimental.proxy_tensor import make_fx
 
     wrapper = _Properties(model, forces, stress)
@@ -255,7 +255,5 @@ class CompiledProperties:
         if fn is None:
             self.eager_calls += 1
             return self._wrapper(fields)
-        from torch.fx.experimental import _config as fx_config
-
         with fx_config.patch(use_duck_shape=False):  # a batch of 3 systems: cell [3, 3, 3]
             return fn(state, fields)

@@ -105,10 +105,11 @@ class Trainer:
 
     def _predict(self, batch: AtomicGraph, forces: bool, stress: bool, training: bool):
         if training and self.compiled is not None:
-            return {k: v.to(self.dtype) for k, v in self.compiled(batch).items()}
-        with self._context():
-            pred = compute_properties(self.model, batch, forces=forces, stress=stress,
-                                      training=training)
+            pred = self.compiled(batch)
+        else:
+            with self._context():
+                pred = compute_properties(self.model, batch, forces=forces, stress=stress,
+                                          training=training)
         return {k: v.to(self.dtype) for k, v in pred.items()}
 
     # ------------------------------------------------------------------ training

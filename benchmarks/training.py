@@ -11,14 +11,15 @@ All models train on the same ASE-EMT Cu data (energy + forces + stress loss, dou
   log lines (timed as they arrive): training + validation + logging + checkpoints, start-up
   excluded. Skipped (recorded as such) when ``mace_run_train`` is not installed.
 * under ``torchrun --nproc-per-node N``: ``models.<name>`` holds the step time with data
-  parallelism (global batch = N × batch size) and, right after each such step on every rank,
-  the step time of that rank's share alone (a second model, no communication);
+  parallelism (global batch = N × batch size) and, right before or after each such step on
+  every rank (they take turns at going first), the step time of that rank's share alone (a
+  second model, no communication);
   ``ddp_efficiency`` = mean over ranks of the median alone time / of the median data-parallel
   time (weak scaling: one GPU with batches of ``--batch-size`` vs N GPUs). Both steps start
   right after a barrier (a step that follows a cross-rank wait runs ~1.5 ms slower, as
-  every real data-parallel step does). ``phases_ms_per_rank`` splits both steps at the
-  gradients' collective (host time before it, the call, the rest), to locate the extra time
-  of the data-parallel step.
+  every real data-parallel step does). ``phases_ms_per_rank`` splits both steps into the
+  host time of their parts (:data:`PHASES`), to locate the extra time of the data-parallel
+  step.
 
 Usage::
 
@@ -82,70 +83,108 @@ def make_trainer(name: str, quick: bool, device, reducer, avg_neighbors: float,
 
 def time_steps(trainer: Trainer, ds, batches, rank: int, world: int, device,
                alone: Trainer | None = None, gc_every: int = 0,
-               barrier_alone: bool = False) -> dict:
+               barrier_alone: bool = False, alternate: bool = True) -> dict:
     """Seconds per optimizer step over ``batches`` (the first, warm-up step not counted):
     ``{"ddp": timings, "alone": timings or None}`` with ``timings`` the step's per-step
-    seconds (``"steps"``) and median parts (``"phases_ms"``, see :data:`PHASES`). With
-    ``alone``, that trainer (no communication) takes the same step right after each one, so
-    that drifts of the machine's speed affect both alike. ``gc_every``: Python's automatic
-    garbage collection off, ``gc.collect(1)`` before every that many steps (same steps on
-    every rank, inside the timed step). A barrier starts the data-parallel step (under
-    ``world > 1``) and, with ``barrier_alone``, the alone step too, so that both start alike,
-    right after a cross-rank wait."""
+    seconds (``"steps"``) and median parts (``"phases_ms"``, see :data:`PHASES`; also
+    ``"phases_ms_first"``/``"_second"`` over the steps taken first/second). With ``alone``,
+    that trainer (no communication) takes the same step right before or after each one, so
+    that drifts of the machine's speed affect both alike; ``alternate``: the two take turns
+    at going first (else the data-parallel step always does), so that neither gains from
+    its place. ``gc_every``: Python's automatic garbage collection off, ``gc.collect(1)``
+    before every that many steps (same steps on every rank, inside the timed step). A
+    barrier starts the data-parallel step (under ``world > 1``) and, with ``barrier_alone``,
+    the alone step too, so that both start alike, right after a cross-rank wait."""
     runs = {"ddp": (trainer, world > 1)}
     if alone is not None:
         runs["alone"] = (alone, barrier_alone)
     rows: dict[str, list] = {kind: [] for kind in runs}
-    marks = {kind: _mark_collective(t) for kind, (t, _) in runs.items()}
+    marks = {kind: _mark_phases(t) for kind, (t, _) in runs.items()}
     if gc_every:
         gc.disable()
     for k, b in enumerate(batches):
         graphs = [ds[i] for i in shard_batch(b, ds.n_atoms, rank, world)]
         if gc_every and k % gc_every == 0:
             gc.collect(1)
-        for kind, (t, barrier) in runs.items():
+        order = list(runs.items())
+        if alternate and k % 2:
+            order.reverse()
+        for position, (kind, (t, barrier)) in enumerate(order):
             if barrier:
                 trainer.reducer.barrier()
             synchronize(device)
+            marks[kind][0].clear()
             t0 = time.perf_counter()
-            t.train_step(graphs, k)
+            t.train_step(graphs, k, counts=ds.batch_label_counts(b))
             synchronize(device)
             if k > 0:
-                rows[kind].append((time.perf_counter() - t0, *_phases(t0, marks[kind])))
+                rows[kind].append((time.perf_counter() - t0, position,
+                                   *_phases(t0, marks[kind][0])))
     if gc_every:
         gc.enable()
-    for t, _ in runs.values():
-        del t.reducer.all_reduce_grads  # the class's method again
+    for _, undo in marks.values():
+        undo()
     out: dict = {"alone": None}
     for kind, r in rows.items():
-        out[kind] = {"steps": [x[0] for x in r], "phases_ms": {
-            name: round(float(np.median([x[i + 1] for x in r])) * 1e3, 3)
-            for i, name in enumerate(PHASES)}}
+        out[kind] = {"steps": [x[0] for x in r]}
+        for suffix, keep in (("", (0, 1)), ("_first", (0,)), ("_second", (1,))):
+            sel = [x for x in r if x[1] in keep]
+            out[kind]["phases_ms" + suffix] = {
+                name: round(float(np.nanmedian([x[i + 2] for x in sel])) * 1e3, 3) if sel
+                else None for i, name in enumerate(PHASES)}
     return out
 
 
-#: parts of a timed step: the host until the gradients' collective is called, the call,
-#: and the rest (the wait for the device, the optimizer step, the final synchronisation)
-PHASES = ("to_collective", "collective_call", "after")
+#: parts of a timed step, each the host time from the previous mark: collate and copy the
+#: batch; the global label counts (copied to the device); predict (forward and force
+#: derivative); loss and backward up to the gradients' collective; the collective's call;
+#: the wait for the device (reading the loss), clipping and schedule; the optimizer step;
+#: the rest (to the final synchronisation)
+PHASES = ("batch", "counts", "predict", "loss_backward", "collective_call", "wait",
+          "optimizer", "rest")
+
+#: the calls whose end (or start, ``True``) marks a phase boundary: (owner, attribute)
+_MARKED = (("trainer", "_batch", False), ("trainer", "_global_counts", False),
+           ("trainer", "_predict", False), ("reducer", "all_reduce_grads", True),
+           ("reducer", "all_reduce_grads", False), ("optimizer", "step", True),
+           ("optimizer", "step", False))
 
 
-def _mark_collective(trainer: Trainer) -> list[float]:
-    """Record the host clock on entry to and exit from the trainer's gradient collective."""
+def _mark_phases(trainer: Trainer) -> tuple[list[float], callable]:
+    """Record the host clock at the boundaries of :data:`PHASES` in ``trainer``'s step;
+    returns the list the marks go to (cleared by the caller per step) and an undo."""
     marks: list[float] = []
-    inner = trainer.reducer.all_reduce_grads
+    owners = {"trainer": trainer, "reducer": trainer.reducer, "optimizer": trainer.optimizer}
+    wrapped = []
+    for owner, attr in dict.fromkeys((o, a) for o, a, _ in _MARKED):
+        obj = owners[owner]
+        inner = getattr(obj, attr)
+        at_start = any(o == owner and a == attr and s for o, a, s in _MARKED)
 
-    def timed(*args, **kwargs):
-        marks[:] = [time.perf_counter()]
-        out = inner(*args, **kwargs)
-        marks.append(time.perf_counter())
-        return out
+        def timed(*args, _inner=inner, _start=at_start, **kwargs):
+            if _start:
+                marks.append(time.perf_counter())
+            out = _inner(*args, **kwargs)
+            marks.append(time.perf_counter())
+            return out
 
-    trainer.reducer.all_reduce_grads = timed
-    return marks
+        setattr(obj, attr, timed)
+        wrapped.append((obj, attr))
+
+    def undo():
+        for obj, attr in wrapped:
+            delattr(obj, attr)  # the class's method again
+
+    return marks, undo
 
 
-def _phases(t0: float, marks: list[float]) -> tuple[float, float, float]:
-    return marks[0] - t0, marks[1] - marks[0], time.perf_counter() - marks[1]
+def _phases(t0: float, marks: list[float]) -> list[float]:
+    """Durations of :data:`PHASES` from the step's start ``t0`` and its marks (NaN for a step
+    whose marks are incomplete, e.g. one without a batch)."""
+    points = [t0, *marks, time.perf_counter()]
+    if len(points) != len(PHASES) + 1:
+        return [float("nan")] * len(PHASES)
+    return [b - a for a, b in zip(points[:-1], points[1:])]
 
 
 def compile_check(trainer: Trainer, ds, batch, reducer, device) -> dict:
@@ -186,7 +225,8 @@ def profile_steps(trainer: Trainer, ds, batches, rank: int, world: int, device, 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for k, b in enumerate(batches[:6]):
-            trainer.train_step([ds[i] for i in shard_batch(b, ds.n_atoms, rank, world)], k)
+            trainer.train_step([ds[i] for i in shard_batch(b, ds.n_atoms, rank, world)], k,
+                               counts=ds.batch_label_counts(b))
         synchronize(device)
     if path is None:
         return
@@ -220,7 +260,7 @@ def bench_models(names, ds, args, device, reducer) -> dict:
         if args.compile:
             row.update(compile_check(trainer, ds, batches[0], reducer, device))
         timed = time_steps(trainer, ds, batches, reducer.rank, world, device, alone,
-                           args.gc_every, args.barrier_alone)
+                           args.gc_every, args.barrier_alone, not args.ddp_first)
         if args.profile:  # every rank steps (collectives); rank 0 writes
             profile_steps(trainer, ds, batches, reducer.rank, world, device,
                           f"{args.profile}.{name}.txt" if reducer.is_main else None)
@@ -230,8 +270,10 @@ def bench_models(names, ds, args, device, reducer) -> dict:
             row["step_ms_per_rank_and_step"] = {
                 kind: [[round(x * 1e3, 3) for x in r[kind]["steps"]] for r in ranks]
                 for kind in ("ddp", "alone")}
-            row["phases_ms_per_rank"] = [{kind: r[kind]["phases_ms"] for kind in
-                                          ("ddp", "alone")} for r in ranks]
+            row["phases_ms_per_rank"] = [{f"{kind}{suffix}": r[kind]["phases_ms" + suffix]
+                                          for kind in ("ddp", "alone")
+                                          for suffix in ("", "_first", "_second")}
+                                         for r in ranks]
             per_rank = [float(np.median(r["ddp"]["steps"])) for r in ranks]
             alone_per_rank = [float(np.median(r["alone"]["steps"])) for r in ranks]
             t, t1 = float(np.mean(per_rank)), float(np.mean(alone_per_rank))
@@ -378,6 +420,9 @@ def main(argv=None) -> int:
                    help="under torchrun: a barrier before the data-parallel step only (the "
                         "method before session 5, which slows that step alone by ~1.5 ms; by "
                         "default both steps start right after a barrier)")
+    p.add_argument("--ddp-first", action="store_true",
+                   help="under torchrun: the data-parallel step always before the alone step "
+                        "(the method before session 6; by default they take turns)")
     p.add_argument("--pin-main", action="store_true",
                    help="under torchrun: pin each rank's main thread (only) to its own core, "
                         "far apart, after start-up")
@@ -420,6 +465,7 @@ def main(argv=None) -> int:
                       "batch_size_per_rank": args.batch_size, "world_size": reducer.world_size,
                       "rank0_cores": cores, "pin_main": args.pin_main,
                       "barrier_alone": args.barrier_alone, "gc_every": args.gc_every,
+                      "alternate": not args.ddp_first,
                       "compile": args.compile,
                       "models": bench_models(names, ds, args, device, reducer)}
             if reducer.world_size == 1 and not args.no_mace and "equivariant" in names:

@@ -316,6 +316,55 @@ def test_splits_weights_overfit_and_hdf5(tmp_path, data):
     assert torch.equal(ov.train[2].positions, ov.val[2].positions)
 
 
+def test_dataset_label_counts_are_the_loss_normalisers(tmp_path, data):
+    """The loop normalises the loss by counts read from the datasets' metadata (no
+    collective): they must equal what the loss counts on the collated batch, with labels
+    missing per structure (energy, stress) and per atom (forces), in memory and in HDF5."""
+    from xnn.data.datasets import (
+        ConcatDataset,
+        HDF5Source,
+        InMemoryDataset,
+        Subset,
+        WithEdges,
+        collate,
+        read_structures,
+    )
+    from xnn.data.hdf5 import write_hdf5
+
+    graphs = [read_structures(data)[i] for i in range(8)]
+    nan = float("nan")
+    graphs[1] = graphs[1].replace(energy=torch.full_like(graphs[1].energy, nan))
+    forces = graphs[2].forces.clone()
+    forces[[0, 3]] = nan  # two atoms without forces
+    graphs[2] = graphs[2].replace(forces=forces)
+    graphs[4] = graphs[4].replace(stress=torch.full_like(graphs[4].stress, nan))
+    graphs[5] = graphs[5].replace(forces=torch.full_like(graphs[5].forces, nan))
+    write_hdf5(tmp_path / "part.h5", graphs[4:])
+    mem = InMemoryDataset(graphs[:4])
+    ds = ConcatDataset([mem, Subset(HDF5Source(tmp_path / "part.h5"), [3, 0, 2, 1])])
+    order = [0, 1, 2, 3, 7, 4, 6, 5]  # graphs in the order of ds
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        idx = rng.choice(len(ds), size=int(rng.integers(1, 6)), replace=False).tolist()
+        ref = local_counts(collate([graphs[order[i]] for i in idx])).tolist()
+        assert ds.batch_label_counts(idx) == ref
+
+    class Plain:  # any dataset: len, getitem, n_atoms; counted by reading it once
+        n_atoms = mem.n_atoms
+
+        def __len__(self):
+            return len(mem)
+
+        def __getitem__(self, i):
+            return mem[i]
+
+    assert np.array_equal(WithEdges(Plain(), 3.0).label_counts(), mem.label_counts())
+    masks = ds.label_masks()
+    assert masks[K.ENERGY].tolist() == [True, False] + [True] * 6
+    assert masks[K.FORCES].tolist() == [True, True, False, True, True, True, True, False]
+    assert masks[K.STRESS].tolist() == [True] * 5 + [False, True, True]
+
+
 def test_early_stopping_and_tensorboard(tmp_path, data):
     out = tmp_path / "es"
     summary = run_train(tiny(out, data, "max_epochs=6", "early_stopping.patience=0",

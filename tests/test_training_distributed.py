@@ -31,8 +31,11 @@ def _cfg(data, out, *extra):
     ])
 
 
-def _gradients(reducer, data, device="cpu", compile=False):
-    """Gradient of the loss of one global batch of 5 structures (after the all-reduce)."""
+def _gradients(reducer, data, device="cpu", compile=False, steps=1):
+    """Gradient of the loss of one global batch of 5 structures (after the all-reduce), with
+    the label counts summed over ranks; with ``steps > 1`` the later steps (same batch, zero
+    learning rate, reused gradient buffers) take the counts from the dataset's metadata, as
+    the training loop does, and must give the same."""
     from xnn.config.train import LossConfig
     from xnn.data.datasets import WithEdges, read_structures, shard_batch
     from xnn.models import build
@@ -53,6 +56,12 @@ def _gradients(reducer, data, device="cpu", compile=False):
     mine = shard_batch(batch, ds.n_atoms, reducer.rank, reducer.world_size)
     loss = trainer.train_step([ds[i] for i in mine], 0)
     grads = torch.cat([p.grad.flatten() for p in model.parameters()]).cpu().numpy()
+    for step in range(1, steps):
+        again = trainer.train_step([ds[i] for i in mine], step,
+                                   counts=ds.batch_label_counts(batch))
+        assert again == pytest.approx(loss, rel=1e-12)  # GPU: atomic additions' order
+        later = torch.cat([p.grad.flatten() for p in model.parameters()]).cpu().numpy()
+        assert np.abs(later - grads).max() <= 1e-10 * np.abs(grads).max()
     return loss, grads, mine
 
 
@@ -63,7 +72,7 @@ def _rank_main(rank, world, data, out):
 
     manager = DistributedManager.initialize(device="cpu")
     reducer = build_reducer(manager)
-    loss, grads, mine = _gradients(reducer, data)
+    loss, grads, mine = _gradients(reducer, data, steps=3)
     compiled = _gradients(reducer, data, compile="aot_eager")  # compiled training steps
     summary = train(_cfg(data, out), reducer)
     from xnn.training.checkpoint import load_checkpoint
@@ -126,14 +135,15 @@ def _nccl_rank_main(rank, world, data):
     from xnn.distributed.manager import DistributedManager
 
     manager = DistributedManager.initialize(device="cuda")
-    return _gradients(build_reducer(manager), data, manager.device)
+    return _gradients(build_reducer(manager), data, manager.device, steps=3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_two_gpus_nccl_gradients_match_one_gpu(tmp_path):
-    """The NCCL path (label counts summed asynchronously while the forward runs, gradients
-    and loss after the backward) gives the single-GPU gradient of the global batch."""
+    """The NCCL path (label counts summed asynchronously while the forward runs, or given;
+    gradients and loss after the backward) gives the single-GPU gradient of the global
+    batch."""
     from xnn.training.reducer import LocalReducer
 
     data = tmp_path / "cu.xyz"

@@ -1,7 +1,10 @@
 """Datasets of labelled structures, splits, batching and sharding for training.
 
 A dataset is any object with ``len(ds)``, ``ds[i] -> AtomicGraph`` (one system) and an
-``n_atoms`` integer array ``[len(ds)]`` readable without loading structures. Every structure
+``n_atoms`` integer array ``[len(ds)]`` readable without loading structures. The datasets
+here also give ``label_counts()`` (``[len(ds), 3]`` labelled items per structure, see
+:func:`label_counts_of`), counted once, from their files' arrays where they can;
+:class:`WithEdges` counts any other dataset by reading it once. Every structure
 carries the label fields ``energy [1]`` (eV), ``forces [n, 3]`` (eV/Å) and ``stress [1, 3, 3]``
 (eV/Å³, ASE sign) with NaN where the source has no label (so batches concatenate), and a
 ``weight [1]`` (the dataset's loss weight).
@@ -25,7 +28,6 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
 
-LABELS = (K.ENERGY, K.FORCES, K.STRESS)
 HDF5_SUFFIXES = (".h5", ".hdf5")
 
 
@@ -53,20 +55,54 @@ def normalize_labels(graph: AtomicGraph, weight: float = 1.0) -> AtomicGraph:
     return graph.replace(new)
 
 
-def label_mask(graph: AtomicGraph) -> dict[str, torch.Tensor]:
-    """``{label: [n_systems] bool}``: which systems of a normalised graph carry each label."""
+def label_counts_of(graph: AtomicGraph) -> np.ndarray:
+    """``[n_systems, 3]`` int64 labelled items per system of a normalised graph: energies
+    (0/1), force components (3 × atoms with a finite force) and stress components (0/9), as
+    the loss counts them (:func:`xnn.training.losses.labelled`)."""
     b, s = graph.batch, graph.n_systems
     forces_ok = torch.isfinite(graph.forces).all(-1).to(torch.long)
     n_ok = torch.zeros(s, dtype=torch.long, device=graph.device).index_add(0, b, forces_ok)
-    return {
-        K.ENERGY: torch.isfinite(graph.energy),
-        K.FORCES: n_ok == graph.n_atoms_per_system,
-        K.STRESS: torch.isfinite(graph.stress).flatten(1).all(-1),
-    }
+    stress_ok = torch.isfinite(graph.stress).flatten(1).all(-1)
+    return torch.stack([torch.isfinite(graph.energy).long(), 3 * n_ok, 9 * stress_ok.long()],
+                       -1).cpu().numpy()
+
+
+def _count_by_reading(dataset) -> np.ndarray:
+    rows = [label_counts_of(dataset[i]) for i in range(len(dataset))]
+    return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
+
+
+class _Labels:
+    """Label metadata of a dataset from its ``_count_labels()`` (``[len, 3]``, see
+    :func:`label_counts_of`), computed once: :meth:`label_counts`, :meth:`label_masks`,
+    :meth:`batch_label_counts`."""
+
+    _label_counts: np.ndarray | None = None
+
+    def _count_labels(self) -> np.ndarray:
+        return _count_by_reading(self)
+
+    def label_counts(self) -> np.ndarray:
+        """``[len, 3]`` int64 labelled items per structure (see :func:`label_counts_of`)."""
+        if self._label_counts is None:
+            self._label_counts = self._count_labels()
+        return self._label_counts
+
+    def label_masks(self) -> dict[str, np.ndarray]:
+        """``{label: [len] bool}`` which structures carry each label (forces: every atom)."""
+        c, n = self.label_counts(), np.asarray(self.n_atoms)
+        return {K.ENERGY: c[:, 0] > 0, K.FORCES: c[:, 1] == 3 * n, K.STRESS: c[:, 2] > 0}
+
+    def batch_label_counts(self, indices: Sequence[int]) -> list[float]:
+        """Labelled energies, force components and stress components of the structures
+        ``indices`` together: the loss normalisers of a global batch, known on every rank
+        without communication."""
+        return self.label_counts()[np.asarray(indices, dtype=np.int64)].sum(0).astype(
+            np.float64).tolist()
 
 
 # --------------------------------------------------------------------------- datasets
-class InMemoryDataset:
+class InMemoryDataset(_Labels):
     """Structures held in memory as one-system graphs with normalised labels.
 
     Args:
@@ -85,20 +121,13 @@ class InMemoryDataset:
     def __getitem__(self, index: int) -> AtomicGraph:
         return self.graphs[index]
 
-    def label_masks(self) -> dict[str, np.ndarray]:
-        """``{label: [len] bool}`` which structures carry each label."""
-        if not self.graphs:
-            return {k: np.zeros(0, dtype=bool) for k in LABELS}
-        masks = [label_mask(g) for g in self.graphs]
-        return {k: np.asarray([bool(m[k][0]) for m in masks]) for k in LABELS}
-
     def species(self) -> list[int]:
         if not self.graphs:
             return []
         return sorted(set(torch.cat([g.numbers for g in self.graphs]).unique().tolist()))
 
 
-class HDF5Source:
+class HDF5Source(_Labels):
     """An :class:`~xnn.data.hdf5.HDF5Dataset` with a loss weight and the dataset interface."""
 
     def __init__(self, path: str | os.PathLike, weight: float = 1.0):
@@ -121,7 +150,7 @@ class HDF5Source:
         for a in range(0, ds.shape[0], step):
             yield ds[a : a + step]
 
-    def label_masks(self) -> dict[str, np.ndarray]:
+    def _count_labels(self) -> np.ndarray:
         f = self.inner._handle()
         ok_atoms = np.concatenate(
             [np.isfinite(c).all(-1) for c in self._read("forces")] or [np.zeros(0, bool)]
@@ -129,11 +158,9 @@ class HDF5Source:
         ptr = self.inner.atom_ptr
         n_ok = np.add.reduceat(ok_atoms.astype(np.int64), ptr[:-1]) if len(ok_atoms) else ptr[:-1]
         n_ok = np.where(self.n_atoms > 0, n_ok, 0)
-        return {
-            K.ENERGY: np.isfinite(f["energy"][:]),
-            K.FORCES: n_ok == self.n_atoms,
-            K.STRESS: np.isfinite(f["stress"][:]).reshape(-1, 9).all(-1),
-        }
+        return np.stack([
+            np.isfinite(f["energy"][:]).astype(np.int64), 3 * n_ok,
+            9 * np.isfinite(f["stress"][:]).reshape(-1, 9).all(-1).astype(np.int64)], -1)
 
     def species(self) -> list[int]:
         found: set[int] = set()
@@ -142,7 +169,7 @@ class HDF5Source:
         return sorted(found)
 
 
-class Subset:
+class Subset(_Labels):
     """The structures ``indices`` of ``dataset``, in that order."""
 
     def __init__(self, dataset, indices: Sequence[int]):
@@ -157,8 +184,8 @@ class Subset:
     def __getitem__(self, index: int) -> AtomicGraph:
         return self.dataset[int(self.indices[index])]
 
-    def label_masks(self) -> dict[str, np.ndarray]:
-        return {k: v[self.indices] for k, v in self.dataset.label_masks().items()}
+    def _count_labels(self) -> np.ndarray:
+        return self.dataset.label_counts()[self.indices]
 
     def species(self) -> list[int]:
         if isinstance(self.dataset, InMemoryDataset):
@@ -166,7 +193,7 @@ class Subset:
         return self.dataset.species()
 
 
-class ConcatDataset:
+class ConcatDataset(_Labels):
     """Several datasets one after the other."""
 
     def __init__(self, datasets: Sequence):
@@ -188,16 +215,15 @@ class ConcatDataset:
         d = int(np.searchsorted(self.offsets, index, side="right")) - 1
         return self.datasets[d][index - int(self.offsets[d])]
 
-    def label_masks(self) -> dict[str, np.ndarray]:
-        parts = [d.label_masks() for d in self.datasets]
-        return {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, bool)
-                for k in LABELS}
+    def _count_labels(self) -> np.ndarray:
+        parts = [d.label_counts() for d in self.datasets]
+        return np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
 
     def species(self) -> list[int]:
         return sorted(set().union(*[set(d.species()) for d in self.datasets]))
 
 
-class WithEdges:
+class WithEdges(_Labels):
     """Attach a neighbor list for ``cutoff`` to every structure, cached after the first read.
 
     Args:
@@ -226,8 +252,9 @@ class WithEdges:
             self._cache[index] = g
         return g
 
-    def label_masks(self) -> dict[str, np.ndarray]:
-        return self.dataset.label_masks()
+    def _count_labels(self) -> np.ndarray:
+        inner = getattr(self.dataset, "label_counts", None)  # else any dataset, read once
+        return inner() if inner is not None else _count_by_reading(self.dataset)
 
     def species(self) -> list[int]:
         return self.dataset.species()

@@ -164,8 +164,10 @@ class TrainingLoop:
             while p.batch_in_epoch < len(batches):
                 if self._stop_for_steps():
                     return False
-                graphs = [data[i] for i in shard(batches[p.batch_in_epoch])]
-                loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late())
+                batch = batches[p.batch_in_epoch]
+                graphs = [data[i] for i in shard(batch)]
+                loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late(),
+                                               counts=data.batch_label_counts(batch))
                 p.step += 1
                 p.batch_in_epoch += 1
                 bar.update(1)

@@ -1,10 +1,11 @@
 """One optimizer step and one evaluation pass, written for one process.
 
 Cross-rank operations go through a reducer (:mod:`xnn.training.reducer`): the labelled-item
-counts of the global batch are all-reduced (during the forward pass) before they normalise
-the loss, so that each rank's loss is its share of the global loss; gradients are summed after
-the double backward; metrics are summed. Every rank therefore takes the same branch (the NaN
-check reads the reduced loss).
+counts of the global batch normalise the loss, so that each rank's loss is its share of the
+global loss (the loop reads them from the dataset's metadata; without them they are
+all-reduced during the forward pass); gradients are summed after the double backward;
+metrics are summed. Every rank therefore takes the same branch (the NaN check reads the
+reduced loss).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from xnn.training.losses import (
     take,
 )
 from xnn.training.metrics import MetricSums
-from xnn.training.reducer import LocalReducer, ensure_grads
+from xnn.training.reducer import LocalReducer, Pending, ensure_grads
 
 
 class NonFiniteLossError(XnnError, FloatingPointError):
@@ -113,14 +114,22 @@ class Trainer:
         return {k: v.to(self.dtype) for k, v in pred.items()}
 
     # ------------------------------------------------------------------ training
+    def _global_counts(self, cpu_batch, index, counts: Sequence[float] | None):
+        """The global batch's label counts: given (on the device), or all-reduced (started
+        now, waited for when needed)."""
+        if counts is not None:
+            return Pending(torch.tensor(counts, dtype=torch.float64, device=self.device))
+        return self.reducer.all_reduce_sum_async(local_counts(cpu_batch, self.device, index))
+
     def train_step(self, graphs: Sequence[AtomicGraph], step: int,
-                   metrics: MetricSums | None = None, stop_vote: bool = False) -> float:
+                   metrics: MetricSums | None = None, stop_vote: bool = False,
+                   counts: Sequence[float] | None = None) -> float:
         """One optimizer step on this rank's share ``graphs`` of a global batch.
 
-        Cross-rank cost: the label counts are summed while the forward pass runs, then the
-        gradients, the loss and the stop votes are summed by one collective; the host waits
-        for the device once per step (to check the loss before the optimizer changes
-        anything).
+        Cross-rank cost: one collective sums the gradients, the loss and the stop votes (and
+        without ``counts``, one more sums the label counts while the forward pass runs); the
+        host waits for the device once per step (to check the loss before the optimizer
+        changes anything).
 
         Args:
             graphs: one-system graphs with edges (may be empty on some ranks).
@@ -128,6 +137,9 @@ class Trainer:
             metrics: accumulates training errors if given.
             stop_vote: this rank's vote to stop after this step; the sum over ranks is
                 :attr:`stop_votes` afterwards (summed with the loss: no extra collective).
+            counts: labelled energies, force components and stress components of the whole
+                global batch (the dataset's ``batch_label_counts``); ``None``: summed over
+                the ranks' shares.
         Returns:
             the loss of the global batch (identical on every rank).
         Raises:
@@ -136,9 +148,7 @@ class Trainer:
         """
         self.model.train()
         cpu_batch, batch, index = self._batch(graphs)
-        # the global normalisers, summed over ranks while this rank computes its predictions
-        pending = self.reducer.all_reduce_sum_async(local_counts(cpu_batch, self.device,
-                                                                 index))
+        pending = self._global_counts(cpu_batch, index, counts)
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if batch is not None:
@@ -199,7 +209,8 @@ class Trainer:
         with ctx:
             for global_batch in batches:
                 cpu_batch, batch, index = self._batch([dataset[i] for i in shard(global_batch)])
-                counts = self.reducer.all_reduce_sum(local_counts(cpu_batch, self.device, index))
+                counts = self._global_counts(cpu_batch, index,
+                                             dataset.batch_label_counts(global_batch)).wait()
                 if batch is None:
                     continue
                 idx = index.get("stress", torch.empty(0))

@@ -72,6 +72,9 @@ def _rank_main(rank, world, data, out):
 
     manager = DistributedManager.initialize(device="cpu")
     reducer = build_reducer(manager)
+    # nothing to sum: no gradients, and an extra without gradients is still summed
+    assert reducer.all_reduce_grads([]) is None
+    assert reducer.all_reduce_grads([], torch.ones(2)).tolist() == [2.0, 2.0]
     loss, grads, mine = _gradients(reducer, data, steps=3)
     compiled = _gradients(reducer, data, compile="aot_eager")  # compiled training steps
     summary = train(_cfg(data, out), reducer)

@@ -51,8 +51,8 @@ class DataParallelReducer:
     def all_reduce_grads(self, params: Iterable[nn.Parameter],
                          extra: Tensor | None = None) -> Tensor | None:
         params = [p for p in params if p.grad is not None]
-        if extra is not None and not params:
-            return self.all_reduce_sum(extra)
+        if not params:
+            return None if extra is None else self.all_reduce_sum(extra)
         summed = None
         for bucket in self._buckets(params, extra):
             grads = [p.grad for p in bucket.params]

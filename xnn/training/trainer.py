@@ -209,10 +209,10 @@ class Trainer:
         with ctx:
             for global_batch in batches:
                 cpu_batch, batch, index = self._batch([dataset[i] for i in shard(global_batch)])
+                if batch is None:  # the counts come from metadata: no collective to join
+                    continue
                 counts = self._global_counts(cpu_batch, index,
                                              dataset.batch_label_counts(global_batch)).wait()
-                if batch is None:
-                    continue
                 idx = index.get("stress", torch.empty(0))
                 need_stress = idx is None or len(idx) > 0
                 pred = self._predict(batch, True, need_stress, training=False)

@@ -22,6 +22,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--energy-key", default="energy", help="energy label key (default energy)")
     p.add_argument("--forces-key", default="forces", help="forces label key (default forces)")
     p.add_argument("--stress-key", default="stress", help="stress label key (default stress)")
+    p.add_argument("--trust-file", action="store_true",
+                   help="also load a model file that holds pickled code (a MACE wrapper saved "
+                   "by an earlier xnn); it can run code: only for files you trust")
     p.set_defaults(func=run)
     return p
 
@@ -32,13 +35,15 @@ def run(args) -> int:
 
     from xnn import plotting
     from xnn.errors import InputError
+    from xnn.models.serialization import load_model
     from xnn.training.evaluate import evaluate_model, format_metrics
     from xnn.training.setup import pick_device
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    model = load_model(args.model, trust=args.trust_file)
     metrics, parity = evaluate_model(
-        args.model, args.data, args.batch_size, pick_device(args.device),
+        model, args.data, args.batch_size, pick_device(args.device),
         energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
     )
     print(format_metrics(metrics))

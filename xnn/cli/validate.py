@@ -24,6 +24,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="model file (xnn save_model) or built-in spec, e.g. lj or "
                    "lj:sigma=2.3,epsilon=0.4,cutoff=5.0 or painn:cutoff=4.0 (random weights)")
+    p.add_argument("--trust-file", action="store_true",
+                   help="also load a model file that holds pickled code (a MACE wrapper saved "
+                   "by an earlier xnn); it can run code: only for files you trust")
     p.add_argument("--structure", required=True, help="structure file (any ASE format)")
     p.add_argument("--index", default="-1", help="structure index in the file (default -1)")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
@@ -122,7 +125,8 @@ def run(args) -> int:
         graph = V.read_structure_rank0(args.structure, args.index)
         species = C.broadcast_object(
             None if graph is None else sorted(set(graph.numbers.tolist())))
-        model = V.load_model_everywhere(args.model, species).to(manager.device, dtype)
+        model = V.load_model_everywhere(args.model, species, trust=args.trust_file)
+        model = model.to(manager.device, dtype)
         dd = DomainDecomposed(model, manager, grid=grid, skin=args.skin, mode=args.mode)
         graph = dd.broadcast(None if graph is None else graph.to(dtype=dtype))
         ref, seconds = None, {}

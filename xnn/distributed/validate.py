@@ -18,7 +18,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.errors import InputError
+from xnn.errors import InputError, ModelFileError
 
 #: defaults of built-in specs for hyperparameters a model requires (``lj`` alone works)
 SPEC_DEFAULTS = {
@@ -65,8 +65,10 @@ def build_from_spec(spec: str, species: list[int], seed: int = 0):
     return build(name, **hp)
 
 
-def load_model_everywhere(spec: str, species: list[int], group=None):
-    """The model of ``spec`` on every rank: a file read on rank 0 and broadcast, or a spec."""
+def load_model_everywhere(spec: str, species: list[int], group=None, trust: bool = False):
+    """The model of ``spec`` on every rank: a file read on rank 0 and broadcast, or a spec.
+
+    A file is read as data; ``trust`` is passed to :func:`xnn.load_model`."""
     is_file = C.broadcast_object(Path(spec).is_file() if C.group_rank(group) == 0 else None,
                                  group)
     if not is_file:
@@ -85,7 +87,10 @@ def load_model_everywhere(spec: str, species: list[int], group=None):
 
         path = Path(tmp) / Path(spec).name
         path.write_bytes(data)
-        model = load_model(path)
+        try:
+            model = load_model(path, trust=trust)
+        except ModelFileError as err:  # name the user's file, not the temporary copy
+            raise ModelFileError(str(err).replace(str(path), spec)) from None
     return model
 
 

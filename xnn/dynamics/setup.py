@@ -37,7 +37,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
 
         if not Path(cfg.file).is_file():
             raise ModelFileError(f"model file not found: {cfg.file}")
-        model = load_model(cfg.file, map_location=device)
+        model = load_model(cfg.file, map_location=device, trust=cfg.trust_file)
     else:
         model = build(cfg.name, **dict(cfg.params))
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):

@@ -11,18 +11,26 @@
 so the ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` variable set by some packages cannot override
 it) and rebuilds the model with ``xnn.models.build(name, **hparams)``. A model class may
 define ``to_payload()`` / classmethod ``from_payload(payload)`` to store itself differently
-(external wrappers); the payload must still hold only tensors and primitives.
+(external wrappers); the payload must still hold only tensors and primitives, and rebuilding
+it must run no code from the file. A ``from_payload`` that also reads an older format which
+needs unpickling takes ``trust`` (``load_model(..., trust=True)``) and refuses it without.
 
 ``export_model(model, path)`` writes a ``torch.export`` program mapping plain tensors to
 per-atom energies (differentiable, so forces follow by autograd); see :func:`load_exported`.
+``torch.export.load`` unpickles parts of such a file, so :func:`load_exported` needs
+``trust=True``.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
+import pickle
+import re
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -136,8 +144,17 @@ def _read_payload(path: Path, map_location) -> dict:
     if path.is_dir():
         raise ModelFileError(f"model file {path} is a directory")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # corrupt, truncated, not a torch file, unsafe pickle
+        with warnings.catch_warnings():  # "pickle protocol 4" of plain pickle files
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:  # weights_only refused an object: none runs
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        raise ModelFileError(
+            f"{path} holds pickled objects{f' ({found.group(1)})' if found else ''}, not "
+            "only tensors and numbers, so it is not an xnn model file; xnn reads model files "
+            "as data only"
+        ) from None
+    except Exception as err:  # corrupt, truncated, not a torch file
         raise ModelFileError(
             f"cannot read model file {path}: corrupt, truncated or not an xnn model "
             f"({_first_line(err)})"
@@ -153,12 +170,18 @@ def _read_payload(path: Path, map_location) -> dict:
     return payload
 
 
-def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> nn.Module:
+def load_model(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu", trust: bool = False
+) -> nn.Module:
     """Rebuild a model saved with :func:`save_model` (no config needed).
+
+    The file is read as data (``weights_only=True``); no code from it runs.
 
     Args:
         path: model file.
         map_location: device of the returned model.
+        trust: also load older formats that hold pickled code (MACE wrappers saved by an
+            earlier xnn); only for files you trust. Without it they are refused.
     Returns:
         the model in eval mode, in the dtype it was saved with.
     Raises:
@@ -178,11 +201,12 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     try:
         from_payload = getattr(cls, "from_payload", None)
         if callable(from_payload):
-            model = from_payload(payload)
+            takes_trust = "trust" in inspect.signature(from_payload).parameters
+            model = from_payload(payload, trust=trust) if takes_trust else from_payload(payload)
         else:
             model = _rebuild(name, payload)
-    except ModelFileError:
-        raise
+    except ModelFileError as err:
+        raise ModelFileError(f"{path}: {err}") from None
     except Exception as err:
         reason = _first_line(err)
         raise ModelFileError(f"{path}: cannot rebuild model {name!r} ({reason})") from None
@@ -312,9 +336,13 @@ def _safe_name(model: nn.Module) -> str | None:
         return None
 
 
-def load_exported(path: str | os.PathLike) -> tuple[nn.Module, dict]:
+def load_exported(path: str | os.PathLike, trust: bool = False) -> tuple[nn.Module, dict]:
     """Load a program written by :func:`export_model`.
 
+    Args:
+        path: the ``.pt2`` file.
+        trust: must be ``True``: ``torch.export.load`` unpickles parts of the file, which can
+            run code from it (only for files you trust).
     Returns:
         ``(module, metadata)``; ``module(positions, numbers, cell, pbc, batch, edge_index,
         shifts)`` returns per-atom energies ``[n_atoms]`` (eV) and is differentiable.
@@ -322,6 +350,10 @@ def load_exported(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"exported model {path} does not exist")
+    if trust is not True:
+        raise ModelFileError(f"exported model {path}: torch.export.load unpickles parts of "
+                             "the file, which can run code from it; if you trust it, pass "
+                             "trust=True (or load the xnn model file with xnn.load_model)")
     extra = {"xnn.json": ""}
     try:
         program = torch.export.load(path, extra_files=extra)

@@ -10,6 +10,10 @@ A checkpoint is a ``torch.save`` dict::
      "best": {"metric", "value", "epoch"}, "early_stopping": {...}, "history": [...],
      "config": "<resolved YAML>"}
 
+It holds tensors and primitives only (the numpy and python RNG states as a tensor and
+tuples of ints, see :func:`rng_state`), and :func:`load_checkpoint` reads it with
+``weights_only=True``: resuming from, or fine-tuning on, any file runs no code from it.
+
 It is written to ``path.tmp`` and moved over ``path`` with ``os.replace``, so a crash during
 a write never destroys the previous checkpoint.
 """
@@ -17,7 +21,10 @@ a write never destroys the previous checkpoint.
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +38,25 @@ FORMAT_VERSION = 1
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-            "python": random.getstate()}
+    """The torch, numpy and python global RNG states as tensors and primitives (loadable
+    with ``weights_only=True``): numpy's ``(name, key [624] uint32, pos, has_gauss,
+    cached_gaussian)`` with the key as an int64 tensor."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (str(name), torch.from_numpy(key.astype(np.int64)), int(pos),
+                   int(has_gauss), float(cached))
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(), "numpy": numpy_state,
+            "python": (version, tuple(int(v) for v in internal), gauss_next)}
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned (also from checkpoints of earlier xnn versions)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    name, key, pos, has_gauss, cached = state["numpy"]
+    key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+    np.random.set_state((name, key.astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
 
 
 def save_checkpoint(payload: dict, path: str | os.PathLike) -> Path:
@@ -57,19 +75,37 @@ def save_checkpoint(payload: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def _numpy_globals() -> list:
+    """What the numpy RNG key of a checkpoint of an earlier xnn (a uint32 ndarray) unpickles from:
+    an ndarray rebuilt from its dtype and bytes, nothing that runs code."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`save_checkpoint` (a trusted file: it holds the
-    numpy/python RNG states, so it is unpickled with ``weights_only=False``).
+    """Read a checkpoint written by :func:`save_checkpoint`, as data (``weights_only=True``:
+    no code from the file runs, whatever it holds).
 
     Raises:
         InputError: the file does not exist.
-        ModelFileError: it is not an xnn checkpoint or is corrupt.
+        ModelFileError: it is not an xnn checkpoint, is corrupt, or holds pickled objects.
     """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"checkpoint {str(path)!r} does not exist")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=False)
+        with torch.serialization.safe_globals(_numpy_globals()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "pickle protocol 4" of plain pickle files
+            payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused an object
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        raise ModelFileError(f"{str(path)!r} holds pickled objects{what}, not only tensors "
+                             "and numbers, so it is not an xnn training checkpoint; xnn "
+                             "reads checkpoints as data only") from None
     except Exception as e:  # truncated / not a torch file
         raise ModelFileError(f"cannot read checkpoint {str(path)!r}: "
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

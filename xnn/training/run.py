@@ -27,6 +27,7 @@ from xnn.training.reducer import LocalReducer
 from xnn.training.schedule import LRSchedule, build_optimizer
 from xnn.training.setup import (
     build_model,
+    check_pretrained_config,
     configure_precision,
     data_statistics,
     load_pretrained,
@@ -77,6 +78,7 @@ def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
             raise InputError(f"pretrained={cfg.pretrained!r} holds a {type(model).__name__}; "
                              "xnn train fine-tunes native xnn models only (for a mace-torch "
                              "model use mace_run_train's fine-tuning)")
+        check_pretrained_config(cfg.model, model, cfg.pretrained)
         known = set(getattr(model, "species", None) or splits.species)
         missing = sorted(set(splits.species) - known)
         if missing:

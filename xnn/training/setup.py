@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import json
+import math
 
 import torch
 from torch import nn
@@ -83,11 +85,17 @@ def build_model(cfg: TrainConfig, species: list[int], statistics: dict | None) -
 def load_pretrained(path: str) -> nn.Module:
     """The model (architecture and weights) of a model file or a training checkpoint.
 
-    A checkpoint gives its EMA weights when it has them. The run fine-tunes this model; the
-    ``model`` section of the config is not used.
+    Both are read as data (``weights_only=True``): no code from the file runs. A checkpoint
+    gives its EMA weights when it has them. The run fine-tunes this model; the ``model``
+    section of the config must agree with it (:func:`check_pretrained_config`).
+
+    Raises:
+        InputError: the file does not exist.
+        ModelFileError: it is neither an xnn model file nor a training checkpoint.
     """
     from pathlib import Path
 
+    from xnn.errors import ModelFileError
     from xnn.models.serialization import load_model
     from xnn.training.checkpoint import load_checkpoint
 
@@ -95,11 +103,46 @@ def load_pretrained(path: str) -> nn.Module:
         raise InputError(f"pretrained={path!r} does not exist")
     try:
         payload = load_checkpoint(path)
-    except Exception:
-        return load_model(path).train()
+    except ModelFileError:
+        try:
+            return load_model(path).train()
+        except ModelFileError as err:
+            raise ModelFileError(f"pretrained={path!r} is neither an xnn model file nor an "
+                                 f"xnn training checkpoint ({err})") from None
     model = rebuild(payload["model"]["name"], payload["model"]["hparams"])
     state = dict(payload["model"]["state_dict"])
     if payload.get("ema") is not None:
         state.update(payload["ema"]["shadow"])
     model.load_state_dict(state, strict=True)
     return model
+
+
+def _canonical(value):
+    """``value`` as JSON would give it back (tuples as lists, int keys as strings)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def check_pretrained_config(cfg: ModelConfig, model: nn.Module, path: str) -> None:
+    """Refuse ``model.cutoff`` or ``model.hyperparameters`` that differ from the pretrained
+    model's (fine-tuning keeps its architecture; the data's neighbor lists use
+    ``model.cutoff``), listing every differing key.
+
+    Raises:
+        InputError: one line naming the differing keys and both values.
+    """
+    hparams = _canonical(getattr(model, "hparams", None) or {})
+    diffs = []
+    if not math.isclose(float(cfg.cutoff), float(model.cutoff), rel_tol=1e-12):
+        diffs.append(f"model.cutoff {float(cfg.cutoff):g} vs {float(model.cutoff):g}")
+    for key, value in sorted(cfg.hyperparameters.items()):
+        if key not in hparams:
+            diffs.append(f"model.hyperparameters.{key} (the pretrained model has none)")
+        elif _canonical(value) != hparams[key]:
+            diffs.append(f"model.hyperparameters.{key} {_canonical(value)!r} vs "
+                         f"{hparams[key]!r}")
+    if diffs:
+        raise InputError(f"pretrained={path!r}: the config's model section differs from the "
+                         f"pretrained model (config vs pretrained: {'; '.join(diffs)}); "
+                         "fine-tuning keeps the pretrained architecture: set these to the "
+                         f"pretrained values or remove them (model.cutoff defaults to "
+                         f"{ModelConfig().cutoff:g})")

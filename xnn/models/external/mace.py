@@ -13,10 +13,12 @@ domain decomposition. It calls the model with ``compute_force=False`` and return
 ``node_energy`` (which includes the per-element reference energies E0); xnn derives forces
 and stress. Edges at or beyond ``r_max`` (a Verlet skin) are dropped before the call.
 
-Trust model. A MACE ``.model`` file is a pickle: loading one (``model="file.model"``)
-executes code from it, as mace-torch itself does. The same holds for xnn model files that
-hold a MACE model (see :meth:`MACEWrapper.to_payload`): the outer xnn file is read with
-``weights_only=True``, the inner MACE module is unpickled. Load only files you trust.
+Files and trust. A MACE ``.model`` file is a pickle: loading one executes code from it, as
+mace-torch itself does, so ``model="file.model"`` needs ``trust=True``. xnn model files
+(:meth:`MACEWrapper.to_payload`) hold the MACE model as data: its constructor arguments and
+state dict (see :mod:`xnn.models.external._mace_data`), read with ``weights_only=True`` and
+rebuilt without unpickling. Files written by earlier xnn versions hold the module pickled
+(``kind`` ``mace-torch-pickle``); they load only with ``trust=True``.
 """
 
 from __future__ import annotations
@@ -31,19 +33,30 @@ from torch import Tensor, nn
 from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.errors import InputError, ModelFileError
 from xnn.models.base import AtomisticModel
+from xnn.models.external import _mace_data
 from xnn.models.external._common import check_dtype, edges_within, leaf_safe
 from xnn.models.external._optional import import_extra, preserved_environ
 
-PAYLOAD_KIND = "mace-torch-pickle"
+PAYLOAD_KIND = "mace-torch-config-state"  # constructor arguments + state dict (data only)
+PICKLE_KIND = "mace-torch-pickle"  # the module pickled (earlier xnn versions): trust only
+TRUST_HINT = ("if you trust it, load it with trust=True (xnn.load_model), --trust-file (xnn "
+              "eval, xnn validate) or model.trust_file=true (xnn md, xnn relax), then save it "
+              "again with xnn.save_model for a data-only file")
 COMPILE_BACKEND = "inductor"  # torch.compile backend of compile_for_inference (tests: aot_eager)
 
 
-def _load_module(source: str | os.PathLike | bytes) -> nn.Module:
-    """Unpickle a mace-torch module from a file path or bytes (trusted input only)."""
+def _load_module(source: str | os.PathLike | bytes, trust: bool = False) -> nn.Module:
+    """Unpickle a mace-torch module from a file path or bytes (only with ``trust=True``)."""
     import_extra("mace", "mace", "mace.modules")
     where = "<bytes>" if isinstance(source, bytes) else str(source)
     if not isinstance(source, bytes) and not Path(source).is_file():
         raise ModelFileError(f"MACE model file {where} does not exist")
+    if trust is not True:
+        raise ModelFileError(
+            f"MACE model file {where} is a pickle, and loading it runs code from the file: "
+            "if you trust it, pass trust=True (xnn.models.build('mace', model=PATH, "
+            "trust=True); model.params.trust=true in xnn md/relax)"
+        )
     f = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
         with preserved_environ():
@@ -75,9 +88,11 @@ class MACEWrapper(AtomisticModel):
     """A mace-torch model returning per-atom energies ``[n_atoms]`` (eV) from xnn graphs.
 
     Args:
-        model: a mace-torch ``nn.Module`` or the path of a ``.model`` file (a pickle: trusted
-            files only).
+        model: a mace-torch ``nn.Module`` or the path of a ``.model`` file (a pickle: see
+            ``trust``).
         head: head name for multi-head models; defaults to the only head or ``"default"``.
+        trust: load a ``.model`` file although it is a pickle (it can run code: only for
+            files you trust); without it a path is refused.
 
     Attributes:
         cutoff: ``model.r_max`` (Å).
@@ -85,10 +100,11 @@ class MACEWrapper(AtomisticModel):
         species: ``model.atomic_numbers``, in the model's one-hot order.
     """
 
-    def __init__(self, model: nn.Module | str | os.PathLike, head: str | None = None):
+    def __init__(self, model: nn.Module | str | os.PathLike, head: str | None = None,
+                 trust: bool = False):
         super().__init__()
         if isinstance(model, (str, os.PathLike)):
-            model = _load_module(model)
+            model = _load_module(model, trust)
         elif not isinstance(model, nn.Module) or not hasattr(model, "r_max"):
             raise InputError(
                 f"model must be a mace-torch module or a .model path, got {type(model).__name__}"
@@ -178,16 +194,60 @@ class MACEWrapper(AtomisticModel):
 
     # ------------------------------------------------------------------ serialization
     def to_payload(self) -> dict:
-        """Tensors and primitives for ``xnn.save_model``; the MACE module as pickled bytes."""
-        buf = io.BytesIO()
-        with preserved_environ():
-            torch.save(self.model, buf)
-        return {"kind": PAYLOAD_KIND, "module_bytes": buf.getvalue(), "head": self.head}
+        """Tensors and primitives for ``xnn.save_model``: the MACE model's constructor
+        arguments and state dict (no pickled objects; see :mod:`._mace_data`).
+
+        Raises:
+            InputError: the model cannot be stored as data (its class or an argument is not
+                in mace-torch's tables, or rebuilt from its arguments it predicts otherwise).
+        """
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return {"kind": PAYLOAD_KIND, "config": self._data_config(), "state_dict": state,
+                "head": self.head}
+
+    def _data_config(self) -> dict:
+        """The constructor arguments, checked once: the model rebuilt from them (with the
+        current weights) predicts the same per-atom energies on a small example."""
+        cached = getattr(self, "_checked_config", None)
+        if cached is not None:
+            return cached
+        from xnn.models.serialization import default_example
+
+        config = _mace_data.constructor_config(self.model)
+        param = next(iter(self.model.parameters()))
+        rebuilt = _mace_data.build_module(config, self.model.state_dict(), param.dtype)
+        graph = default_example(self).to(device=param.device)
+        ref = self._energies(self.model, graph).detach()
+        err = (self._energies(rebuilt.to(param.device), graph).detach() - ref).abs().max()
+        tol = (1e-10 if param.dtype == torch.float64 else 1e-4) * max(1.0, ref.abs().max())
+        if not bool(err <= tol):
+            raise InputError(f"cannot store this MACE model as data: rebuilt from its "
+                             f"arguments it predicts energies {float(err):.3g} eV apart; "
+                             f"{_mace_data.KEEP_PICKLE}")
+        self._checked_config = config
+        return config
+
+    def _energies(self, model: nn.Module, graph: AtomicGraph) -> Tensor:
+        out = model(self.mace_inputs(graph), training=False, compute_force=False)
+        return out["node_energy"].to(graph.dtype)
 
     @classmethod
-    def from_payload(cls, payload: dict) -> MACEWrapper:
-        """Rebuild from :meth:`to_payload` output (unpickles the module: trusted files only)."""
-        blob = payload.get("module_bytes")
-        if payload.get("kind") != PAYLOAD_KIND or not isinstance(blob, bytes):
-            raise ModelFileError("not a MACE wrapper payload (missing kind/module_bytes)")
-        return cls(_load_module(blob), head=payload.get("head"))
+    def from_payload(cls, payload: dict, trust: bool = False) -> MACEWrapper:
+        """Rebuild from :meth:`to_payload` output. A payload of an earlier xnn version holds
+        the module pickled: refused unless ``trust=True``."""
+        kind = payload.get("kind")
+        if kind == PICKLE_KIND and isinstance(payload.get("module_bytes"), bytes):
+            if trust is not True:
+                raise ModelFileError(f"this model file holds its MACE model as a pickle (an "
+                                     f"earlier xnn's format), and loading it runs code from "
+                                     f"the file: {TRUST_HINT}")
+            return cls(_load_module(payload["module_bytes"], trust=True),
+                       head=payload.get("head"))
+        config = payload.get("config")
+        if kind != PAYLOAD_KIND or not isinstance(config, dict):
+            raise ModelFileError("not a MACE wrapper payload (missing kind/config)")
+        state = payload.get("state_dict")
+        tensors = [v for v in state.values() if isinstance(v, Tensor)] \
+            if isinstance(state, dict) else []
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float64)
+        return cls(_mace_data.build_module(config, state, dtype), head=payload.get("head"))

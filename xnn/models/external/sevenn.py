@@ -27,8 +27,10 @@ one cutoff (5 Å) plus skin instead of 5 x 5 Å.
 
 Checkpoint names ("7net-0", "7net-l3i5", ...) are resolved by
 ``sevenn.util.load_checkpoint`` to files shipped inside the ``sevenn`` wheel (no download
-for those). SevenNet checkpoints are pickles (trusted files only); xnn model files written
-from this wrapper hold only the config (primitives) and the state dict.
+for those). SevenNet checkpoint files are pickles, and loading one runs code from it: a path
+is loaded only with ``trust=True`` (names are resolved by ``sevenn`` to the files it ships or
+downloads itself, as trusted as the package). xnn model files written from this wrapper hold
+only the config (primitives) and the state dict, and load without unpickling.
 """
 
 from __future__ import annotations
@@ -92,8 +94,14 @@ def _float32_default():
         torch.set_default_dtype(old)
 
 
-def _load(checkpoint: str | os.PathLike) -> tuple[nn.Module, dict]:
+def _load(checkpoint: str | os.PathLike, trust: bool = False) -> tuple[nn.Module, dict]:
     util, _, _ = _sevenn()
+    if os.path.isfile(str(checkpoint)) and trust is not True:  # sevenn reads a file first
+        raise ModelFileError(
+            f"SevenNet checkpoint {str(checkpoint)!r} is a pickle, and loading it runs code "
+            "from the file: if you trust it, pass trust=True (xnn.models.build('sevenn', "
+            "checkpoint=PATH, trust=True); model.params.trust=true in xnn md/relax)"
+        )
     try:
         with preserved_environ(), warnings.catch_warnings(), _float32_default():
             warnings.simplefilter("ignore")
@@ -124,6 +132,8 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
             ...) or the path of a SevenNet checkpoint file.
         modal: fidelity for multi-modal checkpoints (e.g. ``"R2SCAN"`` for
             ``7net-mf-0``); must be ``None`` for single-modal ones.
+        trust: load a checkpoint *file* although it is a pickle (it can run code: only for
+            files you trust); without it a path is refused. Names need no trust.
 
     Attributes:
         cutoff: the checkpoint's cutoff (Å).
@@ -135,9 +145,10 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
     The pretrained models are float32; ``wrapper.double()`` gives a float64 model.
     """
 
-    def __init__(self, checkpoint: str | os.PathLike = "7net-0", modal: str | None = None):
+    def __init__(self, checkpoint: str | os.PathLike = "7net-0", modal: str | None = None,
+                 trust: bool = False):
         super().__init__()
-        model, config = _load(checkpoint)
+        model, config = _load(checkpoint, trust)
         self._setup(model, config, modal, str(checkpoint))
 
     def _setup(self, model: nn.Module, config: dict, modal: str | None, source: str) -> None:

@@ -350,7 +350,7 @@ def test_torch_export_matches_eager(tmp_path):
 
     model = small_model(num_interactions=2).float()
     path = export_model(model, tmp_path / "eq.pt2")
-    exported, _ = load_exported(path)
+    exported, _ = load_exported(path, trust=True)
     system = random_periodic_system(SPECIES, 6, volume_per_atom=12.0, min_distance=1.3, seed=1)
     g = with_edges(system.to(dtype=torch.float32), model.cutoff + 0.7)
     pos = [g.positions.clone().requires_grad_(True) for _ in range(2)]

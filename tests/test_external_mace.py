@@ -17,7 +17,7 @@ from ase import Atoms
 from ase.build import bulk
 
 from xnn import AtomicGraph
-from xnn.errors import InputError, UnknownSpeciesError
+from xnn.errors import InputError, ModelFileError, UnknownSpeciesError
 from xnn.models import Potential, build, compute_properties
 from xnn.models.external._optional import MissingExtraError, import_extra
 from xnn.neighbors import with_edges
@@ -162,7 +162,9 @@ def test_edges_follow_mace_neighborhood_convention(mace_model):
 
 def test_plain_mace_class_and_model_file(model_path, mace_model):
     atoms = [_molecule()]
-    from_file = build("mace", model=str(model_path))
+    with pytest.raises(ModelFileError, match="is a pickle.*trust=True"):  # runs code: refused
+        build("mace", model=str(model_path))
+    from_file = build("mace", model=str(model_path), trust=True)
     direct = build("mace", model=mace_model)
     graph = _graph(atoms, 3.2)
     torch.testing.assert_close(from_file(graph), direct(graph), rtol=0, atol=0)
@@ -176,16 +178,77 @@ def test_plain_mace_class_and_model_file(model_path, mace_model):
     _close(out["forces"], ref["forces"])
 
 
-def test_save_load_roundtrip(mace_model, tmp_path):
+@pytest.mark.parametrize("cls", ["ScaleShiftMACE", "MACE"])
+def test_save_load_roundtrip(mace_model, tmp_path, cls):
     import xnn
 
-    wrapper = build("mace", model=mace_model)
+    wrapper = build("mace", model=mace_model if cls == "ScaleShiftMACE" else _mace_model(1, cls))
     path = xnn.save_model(wrapper, tmp_path / "wrapped.pt")
     payload = torch.load(path, weights_only=True)  # the outer file needs no unpickling
-    assert isinstance(payload["module_bytes"], bytes)
+    assert "module_bytes" not in payload and payload["config"]["class"] == cls  # data only
+    kwargs = payload["config"]["kwargs"]
+    assert kwargs["interaction_cls"] == "RealAgnosticResidualInteractionBlock"
+    assert kwargs["gate"] == "silu" and kwargs["hidden_irreps"].startswith("8x0e")
     loaded = xnn.load_model(path)
-    graph = _graph([_periodic()], wrapper.cutoff)
+    assert type(loaded.model) is type(wrapper.model)
+    graph = _graph([_periodic(), _molecule()], wrapper.cutoff)
     torch.testing.assert_close(loaded(graph), wrapper(graph), rtol=0, atol=0)
+    # saved in float32 it comes back in float32, with the same energies
+    single = build("mace", model=_mace_model(2, cls).float())
+    back = xnn.load_model(xnn.save_model(single, tmp_path / "f32.pt"))
+    assert next(back.parameters()).dtype == torch.float32
+    g32 = graph.to(dtype=torch.float32)
+    torch.testing.assert_close(back(g32), single(g32), rtol=0, atol=0)
+
+
+def _legacy_file(model: torch.nn.Module, path) -> None:
+    """An xnn model file as earlier versions wrote it: the MACE module pickled inside."""
+    import io
+
+    import xnn
+    from xnn.models.external._optional import preserved_environ
+
+    payload = xnn.models.serialization.model_payload(build("mace", model=model))
+    buf = io.BytesIO()
+    with preserved_environ():
+        torch.save(model, buf)
+    for key in ("config", "state_dict"):
+        payload.pop(key)
+    payload.update(kind="mace-torch-pickle", module_bytes=buf.getvalue())
+    torch.save(payload, path)
+
+
+def test_pickled_payload_of_earlier_versions_needs_trust(mace_model, tmp_path):
+    import xnn
+
+    path = tmp_path / "old.pt"
+    _legacy_file(mace_model, path)
+    with pytest.raises(ModelFileError, match=r"old\.pt: .*pickle.*trust=True.*--trust-file"):
+        xnn.load_model(path)
+    loaded = xnn.load_model(path, trust=True)
+    again = xnn.load_model(xnn.save_model(loaded, tmp_path / "new.pt"))  # now data only
+    graph = _graph([_periodic()], loaded.cutoff)
+    ref = build("mace", model=mace_model)(graph)
+    for model in (loaded, again):
+        torch.testing.assert_close(model(graph), ref, rtol=0, atol=0)
+
+
+def test_models_that_cannot_be_stored_as_data_are_refused(mace_model, tmp_path, monkeypatch):
+    import xnn
+    from xnn.models.external import _mace_data
+
+    wrapper = build("mace", model=_mace_model(3))
+    # a rebuild that predicts otherwise (here: a gate the extraction would miss) is refused
+    real = _mace_data.build_module
+
+    def other_gate(config, state, dtype):
+        config = {**config, "kwargs": {**config["kwargs"], "gate": "tanh"}}
+        return real(config, state, dtype)
+
+    monkeypatch.setattr(_mace_data, "build_module", other_gate)
+    with pytest.raises(InputError, match="predicts energies .* apart.*trust=True"):
+        xnn.save_model(wrapper, tmp_path / "m.pt")
+    assert not (tmp_path / "m.pt").exists()
 
 
 def test_species_and_dtype_errors(mace_model):

@@ -160,3 +160,29 @@ def test_loads_under_float64_default(wrapper):
         torch.set_default_dtype(old)
     for (k, a), (_, b) in zip(wrapper.state_dict().items(), again.state_dict().items()):
         assert a.dtype == b.dtype and torch.equal(a, b), k
+
+
+def test_checkpoint_file_needs_trust(wrapper, tmp_path):
+    """A SevenNet checkpoint file is a pickle (loading it runs code from it): a path is refused
+    without trust=True and loads with it; names resolved by sevenn need no trust."""
+    import os
+
+    from xnn.errors import ModelFileError
+
+    (util,) = import_extra("sevenn", "sevenn.util")
+    shipped = util.pretrained_name_to_path("7net-0")
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.pth"
+    torch.save({"config": Evil()}, evil)
+    for path in (shipped, evil):
+        with pytest.raises(ModelFileError, match="is a pickle.*trust=True"):
+            build("sevenn", checkpoint=str(path))
+    assert not marker.exists()
+    trusted = build("sevenn", checkpoint=str(shipped), trust=True)
+    for (k, a), (_, b) in zip(wrapper.state_dict().items(), trusted.state_dict().items()):
+        assert torch.equal(a, b), k

@@ -13,6 +13,7 @@ import torch
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError
+from xnn.models.serialization import load_failure, read_as_data, refused_global
 
 FORMAT = "xnn-md-checkpoint"
 
@@ -97,9 +98,12 @@ def load_checkpoint(
     path, what = Path(path), f"xnn {kind or 'md/relax'} checkpoint"
     if not path.is_file():
         raise DataFileError(f"checkpoint not found: {path}")
-    try:
-        p = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # as data: no code from the file runs
+        p = read_as_data(path)
     except Exception as e:
+        if refused_global(e):
+            raise DataFileError(f"{path} is not an {what}: {load_failure(e)} (xnn reads "
+                                "checkpoints as data only)") from None
         raise DataFileError(f"{path} is not a readable {what} ({type(e).__name__})") from None
     if not isinstance(p, dict) or p.get("format") != FORMAT:
         raise DataFileError(f"{path} is not an {what}")

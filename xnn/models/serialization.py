@@ -94,6 +94,32 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def read_as_data(path: str | os.PathLike, map_location="cpu", allow: tuple = ()) -> object:
+    """``torch.load(path, weights_only=True)``: tensors and primitives only (and the
+    ``allow``-ed globals), so no code from the file runs, whatever it holds."""
+    with warnings.catch_warnings(), torch.serialization.safe_globals(list(allow)):
+        warnings.simplefilter("ignore")  # "pickle protocol 4" of plain pickle files
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def refused_global(err: BaseException) -> str | None:
+    """The object a weights-only load refused to unpickle (e.g. ``posix.system``), if any."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return None
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    return found.group(1) if found else None
+
+
+def load_failure(err: BaseException) -> str:
+    """One line saying why :func:`read_as_data` failed (torch's message spans many lines)."""
+    name = refused_global(err)
+    if name is not None:
+        return f"it holds pickled objects ({name}), not only tensors and numbers"
+    if isinstance(err, pickle.UnpicklingError) and "WeightsUnpickler" in str(err):
+        return "not a torch file of tensors and numbers (a plain pickle, or another format)"
+    return _first_line(err)
+
+
 # --------------------------------------------------------------------------- save / load
 def model_payload(model: nn.Module) -> dict:
     """The dict that :func:`save_model` writes (tensors and primitives only)."""
@@ -144,20 +170,14 @@ def _read_payload(path: Path, map_location) -> dict:
     if path.is_dir():
         raise ModelFileError(f"model file {path} is a directory")
     try:
-        with warnings.catch_warnings():  # "pickle protocol 4" of plain pickle files
-            warnings.simplefilter("ignore")
-            payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:  # weights_only refused an object: none runs
-        found = re.search(r"GLOBAL (\S+)", str(err))
-        raise ModelFileError(
-            f"{path} holds pickled objects{f' ({found.group(1)})' if found else ''}, not "
-            "only tensors and numbers, so it is not an xnn model file; xnn reads model files "
-            "as data only"
-        ) from None
-    except Exception as err:  # corrupt, truncated, not a torch file
+        payload = read_as_data(path, map_location)
+    except Exception as err:  # corrupt, truncated, not a torch file, pickled objects
+        if refused_global(err):
+            raise ModelFileError(f"{path} is not an xnn model file: {load_failure(err)} (xnn "
+                                 "reads model files as data only)") from None
         raise ModelFileError(
             f"cannot read model file {path}: corrupt, truncated or not an xnn model "
-            f"({_first_line(err)})"
+            f"({load_failure(err)})"
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ModelFileError(f"{path} is not an xnn model file (no format={FORMAT!r} header)")

@@ -21,10 +21,7 @@ a write never destroys the previous checkpoint.
 from __future__ import annotations
 
 import os
-import pickle
 import random
-import re
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +29,7 @@ import torch
 
 from xnn.errors import InputError, ModelFileError
 from xnn.models.registry import saved_hyperparameters
+from xnn.models.serialization import load_failure, read_as_data, refused_global
 
 FORMAT = "xnn-checkpoint"
 FORMAT_VERSION = 1
@@ -97,21 +95,30 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     if not path.is_file():
         raise InputError(f"checkpoint {str(path)!r} does not exist")
     try:
-        with torch.serialization.safe_globals(_numpy_globals()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "pickle protocol 4" of plain pickle files
-            payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:  # weights_only refused an object
-        found = re.search(r"GLOBAL (\S+)", str(e))
-        what = f" ({found.group(1)})" if found else ""
-        raise ModelFileError(f"{str(path)!r} holds pickled objects{what}, not only tensors "
-                             "and numbers, so it is not an xnn training checkpoint; xnn "
-                             "reads checkpoints as data only") from None
-    except Exception as e:  # truncated / not a torch file
-        raise ModelFileError(f"cannot read checkpoint {str(path)!r}: "
-                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        payload = read_as_data(path, map_location, allow=_numpy_globals())
+    except Exception as e:  # truncated, not a torch file, pickled objects
+        if refused_global(e):
+            raise ModelFileError(f"{str(path)!r} is not an xnn training checkpoint: "
+                                 f"{load_failure(e)} (xnn reads checkpoints as data only)"
+                                 ) from None
+        raise ModelFileError(f"cannot read checkpoint {str(path)!r}: {load_failure(e)}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ModelFileError(f"{str(path)!r} is not an xnn training checkpoint")
     return payload
+
+
+def require_fields(payload: dict, path, keys=("model", "optimizer", "progress", "rng")) -> None:
+    """Raise a one-line :class:`ModelFileError` when the checkpoint lacks ``keys`` (or the
+    model's name, hparams or state dict)."""
+    missing = [k for k in keys if k not in payload]
+    model = payload.get("model")
+    if isinstance(model, dict):
+        missing += [f"model.{k}" for k in ("name", "hparams", "state_dict") if k not in model]
+    elif "model" not in missing:
+        missing.append("model")
+    if missing:
+        raise ModelFileError(f"{str(path)!r} is not a complete xnn training checkpoint "
+                             f"(it lacks {', '.join(missing)})")
 
 
 def model_identity(model) -> tuple[str, dict]:
@@ -127,7 +134,9 @@ def _architecture(hp: dict) -> dict:
 
 
 def check_same_architecture(payload: dict, model, path) -> None:
-    """Raise a one-line :class:`InputError` when the checkpoint holds another architecture."""
+    """Raise a one-line :class:`InputError` when the checkpoint holds another architecture
+    (and :class:`ModelFileError` when it lacks what a resume needs)."""
+    require_fields(payload, path)
     name, hp = model_identity(model)
     saved_name = payload["model"]["name"]
     if saved_name != name:

@@ -97,7 +97,7 @@ def load_pretrained(path: str) -> nn.Module:
 
     from xnn.errors import ModelFileError
     from xnn.models.serialization import load_model
-    from xnn.training.checkpoint import load_checkpoint
+    from xnn.training.checkpoint import load_checkpoint, require_fields
 
     if not Path(path).is_file():
         raise InputError(f"pretrained={path!r} does not exist")
@@ -109,6 +109,7 @@ def load_pretrained(path: str) -> nn.Module:
         except ModelFileError as err:
             raise ModelFileError(f"pretrained={path!r} is neither an xnn model file nor an "
                                  f"xnn training checkpoint ({err})") from None
+    require_fields(payload, path, keys=("model",))
     model = rebuild(payload["model"]["name"], payload["model"]["hparams"])
     state = dict(payload["model"]["state_dict"])
     if payload.get("ema") is not None:

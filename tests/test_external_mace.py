@@ -205,10 +205,10 @@ def _legacy_file(model: torch.nn.Module, path) -> None:
     """An xnn model file as earlier versions wrote it: the MACE module pickled inside."""
     import io
 
-    import xnn
     from xnn.models.external._optional import preserved_environ
+    from xnn.models.serialization import model_payload
 
-    payload = xnn.models.serialization.model_payload(build("mace", model=model))
+    payload = model_payload(build("mace", model=model))
     buf = io.BytesIO()
     with preserved_environ():
         torch.save(model, buf)
@@ -231,6 +231,29 @@ def test_pickled_payload_of_earlier_versions_needs_trust(mace_model, tmp_path):
     ref = build("mace", model=mace_model)(graph)
     for model in (loaded, again):
         torch.testing.assert_close(model(graph), ref, rtol=0, atol=0)
+
+
+def test_tampered_data_payload_names_nothing_outside_mace_tables(mace_model, tmp_path):
+    """The data format names classes and functions; a file naming anything else (a builtin,
+    another mace class, an unknown argument) is refused before anything is built."""
+    import xnn
+    from xnn.models.serialization import model_payload
+
+    good = model_payload(build("mace", model=mace_model))
+    kwargs = good["config"]["kwargs"]
+    tampered = {
+        "interaction": {"kwargs": {**kwargs, "interaction_cls": "os.system"}},
+        "gate": {"kwargs": {**kwargs, "gate": "eval"}},
+        "class": {"class": "ModuleDict"},
+        "argument": {"kwargs": {**kwargs, "lammps_mliap_hook": "os.system"}},
+        "cueq": {"kwargs": {**kwargs, "cueq_config": {"enabled": True}}},
+    }
+    for i, (label, change) in enumerate(tampered.items()):
+        path = tmp_path / f"t{i}.pt"
+        torch.save({**good, "config": {**good["config"], **change}}, path)
+        with pytest.raises(ModelFileError) as err:
+            xnn.load_model(path)
+        assert "\n" not in str(err.value) and str(path) in str(err.value), label
 
 
 def test_models_that_cannot_be_stored_as_data_are_refused(mace_model, tmp_path, monkeypatch):

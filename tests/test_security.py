@@ -181,9 +181,12 @@ def test_api_runs_no_code_from_files(load, tmp_path):
         assert "\n" not in str(err) and str(f) in str(err), (name, err)
 
 
-def test_pickled_files_load_only_with_trust(tmp_path):
-    """The refusal says how to load a trusted file; with the flag the file is unpickled (so
-    the flag is what stands between a file and its code)."""
+def test_pickled_files_load_only_with_trust(inputs, tmp_path, capsys, monkeypatch):
+    """The refusal says how to load a trusted file; with the flag (API, xnn eval/validate
+    --trust-file, xnn md model.trust_file=true) the file is unpickled: the flag is what
+    stands between a file and its code."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
     f, marker = malicious_files(tmp_path)["mace model file"]
     with pytest.raises(XnnError, match="trust=True.*--trust-file.*model.trust_file=true"):
         xnn.load_model(f)
@@ -192,3 +195,11 @@ def test_pickled_files_load_only_with_trust(tmp_path):
     with pytest.raises(XnnError):
         xnn.load_model(f, trust=True)  # not a MACE model in the end, but it was unpickled
     assert marker.exists()
+    flags = {"eval": "--trust-file", "validate --model": "--trust-file",
+             "md model.file=": "model.trust_file=true"}
+    for i, (kind, flag) in enumerate(flags.items()):
+        folder = tmp_path / f"flag{i}"
+        folder.mkdir()
+        f, marker = malicious_files(folder)["mace model file"]
+        assert main(_cli(kind, f, inputs, folder / "out") + [flag]) == 2
+        assert marker.exists(), kind

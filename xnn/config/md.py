@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xnn.config.loader import ConfigError, check_range, field
+from xnn.config.loader import ConfigError, check_range, field, validate
 
 ENSEMBLES = ("nve", "langevin", "nhc", "csvr", "npt")
 PRESSURE_UNITS = ("GPa", "bar")
@@ -130,6 +130,7 @@ class MDConfig:
     resume: str | None = resume_field()
 
     def __post_init__(self):
+        validate(self)  # every number finite, every choice valid (also when built in Python)
         check_range("temperature", self.temperature, 0.0)
         for t in self.temperatures or []:
             check_range("temperatures", t, 0.0)
@@ -165,6 +166,7 @@ class RelaxConfig:
     resume: str | None = resume_field()
 
     def __post_init__(self):
+        validate(self)
         check_range("fmax", self.fmax, 0.0, low_inclusive=False)
         check_range("max_steps", self.max_steps, 0)
         check_range("maxstep", self.maxstep, 0.0, low_inclusive=False)

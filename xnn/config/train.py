@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xnn.config.loader import ConfigError, check_range, field
+from xnn.config.loader import ConfigError, check_range, field, validate
 
 PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
 LOSS_TYPES = ("mse", "mae", "huber")
@@ -206,6 +206,7 @@ class TrainConfig:
                                    "checkpoint", choices=METRICS)
 
     def __post_init__(self):
+        validate(self)  # every number finite, every choice valid (also when built in Python)
         check_range("max_epochs", self.max_epochs, 0)
         check_range("max_steps", self.max_steps, 0)
         check_range("time_limit_min", self.time_limit_min, 0.0)

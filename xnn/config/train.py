@@ -195,7 +195,9 @@ class TrainConfig:
     device: str = field("auto", "cpu, cuda or auto (cuda when available)")
     seed: int = field(0, "seed of the split, the initial weights and the batch order")
     output_dir: str = field("runs/xnn", "folder of checkpoints, logs, plots and the final model")
-    overwrite: bool = field(False, "replace a previous run in output_dir")
+    overwrite: bool = field(False, "replace a previous run in output_dir: it is kept until "
+                            "the new run completes (written meanwhile to "
+                            "output_dir/.xnn-new-run, resumable with resume=auto)")
     resume: str | None = field(None, "checkpoint to continue from (exactly; 'auto': "
                                "output_dir/checkpoints/last.pt)")
     pretrained: str | None = field(None, "model file or checkpoint whose weights start the run "

@@ -150,10 +150,12 @@ def _setup(schema, config, overrides: Sequence[str], manager=None):
     return cfg, device, dtype, potential, folder
 
 
-def _open_folder(cfg, folder: RunFolder, main: bool = True) -> Path:
+def _open_folder(cfg, folder: RunFolder, manager=None) -> Path:
     """The run is validated: create its folder (rank 0) with ``config.yaml``; returns the
     folder it writes to (the staging folder of a run that replaces a previous one)."""
-    if main:
+    if manager is not None:
+        manager.barrier()  # every rank has checked the folder before rank 0 changes it
+    if manager is None or manager.is_main:
         folder.create()
         save_config(cfg, folder.work / "config.yaml")
         if folder.staged:
@@ -226,7 +228,7 @@ def _run_md(config, overrides: Sequence[str], manager) -> Path:
             check_forces(state, cfg.safety.max_force)
         except SimulationError as err:
             raise SimulationError(f"the initial structure is unsafe: {err}", 0) from None
-    out_dir = _open_folder(cfg, folder, main)
+    out_dir = _open_folder(cfg, folder, manager)
     outputs = _Outputs(cfg, state.graph.n_atoms, meta, out_dir, enabled=main)
     if meta is None:
         outputs.record(state, integrator, force=True)

@@ -1,8 +1,12 @@
 """``train(config)``: one training run from a resolved config, single process or data parallel.
 
-Steps: prepare the output folder → read and split the data → statistics → build the model
-(or load ``pretrained``) → optimizer, schedule, EMA → resume → epochs → final model from the
-best checkpoint (EMA weights) → test metrics, plots and ``summary.json``.
+Steps: plan the output folder → read and split the data → statistics → build the model
+(or load ``pretrained``) → optimizer, schedule, EMA → resume → create the output folder →
+epochs → final model from the best checkpoint (EMA weights) → test metrics, plots and
+``summary.json``. Nothing is written before the folder is created, so a run refused for its
+config, data, model or resume file changes no file; a run that replaces a previous one
+(``overwrite=true``) is written to a staging folder and swapped in when it completes
+(:mod:`xnn.io.run_folder`).
 """
 
 from __future__ import annotations

@@ -75,8 +75,9 @@ class OutputConfig:
     checkpoint_every: int = field(1000, "checkpoint every N steps (0: only at the end)")
     plot: bool = field(True, "write thermo.png at the end")
     progress: bool = field(True, "show a progress bar (on a terminal)")
-    overwrite: bool = field(False, "replace a previous run in dir (it is kept until the new "
-                            "run completes)")
+    overwrite: bool = field(False, "replace a previous run in dir: it is kept until the new "
+                            "run completes (written meanwhile to dir/.xnn-new-run; resume "
+                            "an interrupted one with resume=dir/.xnn-new-run/checkpoint.pt)")
 
     def __post_init__(self):
         for k in ("trajectory_every", "checkpoint_every"):

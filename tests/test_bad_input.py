@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -170,3 +171,333 @@ def test_cli_errors_are_one_line_and_overwrite_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--repeat" in err
     assert not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------------ issue 15, items 3, 4 and 6
+TINY_TRAIN = ["model.cutoff=3.0", "model.hyperparameters={num_features: 8, num_filters: 8, "
+              "num_interactions: 1, num_basis: 8}", "data.batch_size=3", "data.val_fraction=0.25",
+              "max_epochs=1", "logging.plots=false", "logging.progress_bar=false", "device=cpu"]
+LJ_MD = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
+         "model.params.cutoff=6.5", "output.progress=false", "output.plot=false",
+         "ensemble=nve", "temperature=20", "steps=3"]
+
+
+def tree(folder):
+    """``{relative path: sha256}`` of every file under ``folder`` (hidden ones included)."""
+    import hashlib
+    from pathlib import Path
+
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def cli_fails(capsys, args, *words):
+    """``xnn ARGS`` (in process) exits 2 with one line of error holding every word."""
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and "\x1b" not in err, err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def emt_file(tmp_path_factory):
+    from xnn.data.emt import write_emt
+
+    path = tmp_path_factory.mktemp("emt") / "cu.xyz"
+    write_emt(path, 8, ["Cu"], seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def argon_file(tmp_path_factory):
+    from ase.build import bulk
+
+    frames = []
+    for seed in range(2):
+        atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(2)
+        atoms.positions += np.random.default_rng(seed).normal(0, 0.05, atoms.positions.shape)
+        frames.append(atoms)
+    path = tmp_path_factory.mktemp("ar") / "ar.xyz"
+    write(path, frames)
+    return path
+
+
+def fake_training_run(folder):
+    """A previous run's files (a real training checkpoint layout) plus a file of the user's."""
+    import torch as T
+
+    from xnn.models.serialization import save_model
+
+    (folder / "checkpoints").mkdir(parents=True)
+    payload = {"format": "xnn-checkpoint", "format_version": 1,
+               "model": {"name": "lj", "hparams": {}, "state_dict": {}},
+               "rng": {"torch": T.get_rng_state(), "numpy": np.random.get_state()}}
+    T.save(payload, folder / "checkpoints" / "last.pt")
+    save_model(LennardJones(SIGMA, EPS, RC), folder / "model.pt")
+    (folder / "config.yaml").write_text("max_epochs: 7\n")
+    (folder / "metrics.csv").write_text("epoch,step\n1,3\n")
+    (folder / "summary.json").write_text("{}\n")
+    (folder / "notes.txt").write_text("mine\n")
+    return tree(folder)
+
+
+def test_overwrite_validates_everything_before_touching_the_previous_run(
+        tmp_path, emt_file, capsys):
+    run = tmp_path / "run"
+    before = fake_training_run(run)
+    unlabelled = tmp_path / "unlabelled.xyz"
+    write(unlabelled, [a.copy() for a in read(emt_file, index="0:2")])  # no energy/forces
+    base = ["train", f"output_dir={run}", "overwrite=true", *TINY_TRAIN]
+    cases = [
+        ([f"data.datasets.0.path={tmp_path / 'missing.xyz'}"], "does not exist"),
+        ([f"data.datasets.0.path={unlabelled}"], "energy"),
+        ([f"data.datasets.0.path={emt_file}", "model.name=painn",
+          "model.hyperparameters={num_features: abc}"], "num_features"),
+        ([f"data.datasets.0.path={emt_file}", "model.hyperparameters={bogus: 1}"], "bogus"),
+        ([f"data.datasets.0.path={emt_file}", f"pretrained={tmp_path / 'none.pt'}"],
+         "does not exist"),
+        ([f"data.datasets.0.path={emt_file}", "optim.lr=nan"], "optim.lr"),
+    ]
+    for extra, word in cases:
+        cli_fails(capsys, base + extra, word)
+        assert tree(run) == before, extra  # byte-identical, nothing staged
+        assert sorted(p.name for p in run.iterdir()) == sorted(
+            ["checkpoints", "model.pt", "config.yaml", "metrics.csv", "summary.json",
+             "notes.txt"])
+
+
+def test_overwrite_swaps_in_the_new_run_only_when_it_completes(
+        tmp_path, emt_file, capsys, monkeypatch):
+    from xnn.models.serialization import load_model
+    from xnn.training import finish
+
+    run = tmp_path / "run"
+    before = fake_training_run(run)
+    args = ["train", f"data.datasets.0.path={emt_file}", f"output_dir={run}",
+            "overwrite=true", *TINY_TRAIN]
+    original = finish.finish_run
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finish, "finish_run", killed)
+    assert main(args) == 130  # interrupted after its epoch: the previous run is untouched
+    now = tree(run)
+    assert {k: v for k, v in now.items() if not k.startswith(".xnn-new-run/")} == before
+    assert ".xnn-new-run/checkpoints/last.pt" in now
+    monkeypatch.setattr(finish, "finish_run", original)
+    capsys.readouterr()
+    assert main(args + ["resume=auto", "max_epochs=2"]) == 0  # continues the staged run
+    assert f"resumed from {run / '.xnn-new-run'}" in capsys.readouterr().out
+    names = sorted(p.name for p in run.iterdir())
+    assert names == ["checkpoints", "config.yaml", "metrics.csv", "model.pt", "notes.txt",
+                     "summary.json"]
+    assert (run / "notes.txt").read_text() == "mine\n"
+    assert tree(run)["model.pt"] != before["model.pt"]
+    assert load_model(run / "model.pt").hparams["num_features"] == 8  # the new schnet
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["model"] == str(run / "model.pt") and summary["epochs"] == 2
+    assert len((run / "metrics.csv").read_text().splitlines()) == 3  # header + 2 epochs
+
+
+def test_md_and_relax_keep_a_previous_run_unless_asked(tmp_path, argon_file, capsys):
+    out = tmp_path / "md"
+    args = ["md", f"structure={argon_file}", f"output.dir={out}", *LJ_MD]
+    assert main(args) == 0
+    before = tree(out)
+    cli_fails(capsys, args, "previous run", "output.overwrite=true", "resume=")
+    cli_fails(capsys, args[:1] + [f"structure={tmp_path / 'none.xyz'}"] + args[2:]
+              + ["output.overwrite=true"], "none.xyz")
+    cli_fails(capsys, args + ["output.overwrite=true", "index=99"], "has 2 frame(s)")
+    cli_fails(capsys, ["relax", f"structure={argon_file}", f"output.dir={out}", *LJ_MD[:5]],
+              "previous run")
+    assert tree(out) == before
+    assert main(args + ["output.overwrite=true", "steps=6", "output.log_every=1"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)  # no staging left
+    assert len((out / "thermo.csv").read_text().splitlines()) == 1 + 7
+
+
+def test_config_numbers_must_be_finite(tmp_path, capsys):
+    from xnn.config.loader import ConfigError, load_config
+    from xnn.config.md import MDConfig, RelaxConfig, ThermostatConfig
+    from xnn.config.train import EarlyStoppingConfig, TrainConfig
+
+    cases = [
+        (TrainConfig, ["optim.lr=nan"], "optim.lr"),
+        (TrainConfig, ["optim.lr=inf"], "optim.lr"),
+        (TrainConfig, ["loss.forces.delta=inf"], "loss delta"),
+        (TrainConfig, ["early_stopping.min_delta=nan"], "early_stopping.min_delta"),
+        (TrainConfig, ["parallel.timeout_s=-inf"], "parallel.timeout_s"),
+        (TrainConfig, ["schedule.min_lr_factor=nan"], "schedule.min_lr_factor"),
+        (MDConfig, ["timestep=nan"], "timestep"),
+        (MDConfig, ["temperatures=[300,nan]"], "temperatures.1"),
+        (MDConfig, ["thermostat.tau=inf"], "thermostat.tau"),
+        (MDConfig, ["ensemble=npt", "pressure=nan"], "pressure"),
+        (MDConfig, ["safety.max_force=inf"], "safety.max_force"),
+        (RelaxConfig, ["fmax=nan"], "fmax"),
+    ]
+    for schema, override, key in cases:
+        msg = raises_one_line(ConfigError, load_config, schema, None, override)
+        assert key in msg and "finite" in msg, (override, msg)
+    yaml = tmp_path / "nan.yaml"
+    yaml.write_text("model:\n  hyperparameters:\n    scale: .nan\n")
+    msg = raises_one_line(ConfigError, load_config, TrainConfig, yaml)
+    assert "model.hyperparameters.scale" in msg
+    yaml.write_text("model:\n  name: lj\n  params: {sigma: {Ar: .inf}}\n")
+    assert "model.params.sigma.Ar" in raises_one_line(ConfigError, load_config, MDConfig, yaml)
+    # configs built in Python are checked too, also fields without a range
+    raises_one_line(ConfigError, ThermostatConfig, tau=float("nan"), match="thermostat.tau")
+    raises_one_line(ConfigError, MDConfig, ensemble="npt", pressure=float("nan"),
+                    match="pressure=nan")
+    raises_one_line(ConfigError, TrainConfig, early_stopping=EarlyStoppingConfig(
+        min_delta=float("inf")), match="early_stopping.min_delta")
+    out = tmp_path / "never"
+    cli_fails(capsys, ["train", f"output_dir={out}", "optim.lr=nan"], "optim.lr=nan")
+    assert not out.exists()
+
+
+def test_output_location_errors(tmp_path, emt_file, argon_file, capsys):
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+    from xnn.data.emt import write_emt
+    from xnn.models.serialization import save_model
+    from xnn.training.run import train
+
+    afile = tmp_path / "afile"
+    afile.write_text("keep\n")
+    cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={emt_file}",
+                                          f"output_dir={afile}", *TINY_TRAIN])
+    raises_one_line(InputError, train, cfg, match="is a file")
+    cli_fails(capsys, ["train", f"data.datasets.0.path={emt_file}", f"output_dir={afile}",
+                       *TINY_TRAIN], "output_dir", "is a file")
+    cli_fails(capsys, ["md", f"structure={argon_file}", f"output.dir={afile}", *LJ_MD],
+              "output.dir", "is a file")
+    cli_fails(capsys, ["relax", f"structure={argon_file}", f"output.dir={afile / 'sub'}",
+                       *LJ_MD[:5]], "is a file, not a folder")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    cli_fails(capsys, ["data", "emt", "--out", str(folder), "--n", "2"], "--out", "folder")
+    raises_one_line(InputError, write_emt, folder, 2, match="is a folder")
+    raises_one_line(InputError, save_model, LennardJones(SIGMA, EPS, RC), folder,
+                    match="is a folder")
+    raises_one_line(InputError, save_model, LennardJones(SIGMA, EPS, RC), afile / "m.pt",
+                    match="is a file")
+    assert afile.read_text() == "keep\n" and list(folder.iterdir()) == []
+
+
+def test_yaml_top_level_list(tmp_path, capsys):
+    from xnn.config.loader import ConfigError, load_config
+    from xnn.config.md import MDConfig
+
+    path = tmp_path / "list.yaml"
+    path.write_text("- max_epochs: 3\n- seed: 1\n")
+    assert "holds a list" in raises_one_line(ConfigError, load_config, MDConfig, path)
+    cli_fails(capsys, ["train", str(path)], "list.yaml", "holds a list", "mapping")
+    cli_fails(capsys, ["md", str(path)], "holds a list")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_gpu():
+    model = LennardJones(SIGMA, EPS, RC)
+    for device in ("cuda", "cuda:1", torch.device("cuda")):
+        msg = raises_one_line(InputError, xnn.Calculator, model, device=device)
+        assert "no CUDA GPU" in msg and "cpu" in msg
+
+
+def test_hyperparameter_types_are_checked(tmp_path, emt_file, capsys):
+    msg = raises_one_line(InputError, build, "schnet", species=[29], cutoff=4.0,
+                          num_features="abc")
+    assert "num_features='abc'" in msg and "integer" in msg
+    msg = raises_one_line(InputError, build, "painn", species="Cu", cutoff=4.0)
+    assert "species" in msg and "list of integers" in msg
+    msg = raises_one_line(InputError, build, "lj", sigma="big", epsilon=EPS, cutoff=RC)
+    assert "sigma" in msg and "number" in msg
+    raises_one_line(InputError, build, "schnet", species=[29], num_interactions=2.5,
+                    match="num_interactions")
+    assert build("lj", sigma={"Ar": np.float64(SIGMA)}, epsilon=EPS, cutoff=8).cutoff == 8.0
+    out = tmp_path / "run"
+    cli_fails(capsys, ["train", f"data.datasets.0.path={emt_file}", f"output_dir={out}",
+                       *TINY_TRAIN, "model.hyperparameters={num_basis: many}"],
+              "num_basis='many'", "integer")
+    assert not out.exists()
+
+
+def test_frame_index_past_the_end(tmp_path, argon_file, capsys):
+    for index in (99, "99", -3):
+        msg = raises_one_line(DataFileError, read, argon_file, index=index)
+        assert "has 2 frame(s)" in msg and str(index) in msg and str(argon_file) in msg
+    msg = raises_one_line(DataFileError, read, argon_file, index="5:9")
+    assert "which has 2 frame(s)" in msg
+    assert len(read(argon_file, index=-2)) == 1
+    out = tmp_path / "md"
+    cli_fails(capsys, ["md", f"structure={argon_file}", "index=99", f"output.dir={out}",
+                       *LJ_MD], "has 2 frame(s)", "index 99")
+    assert not out.exists()
+
+
+def test_truncated_checkpoints_and_model_files(tmp_path, emt_file, argon_file, capsys):
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+    from xnn.errors import ModelFileError
+    from xnn.models.serialization import save_model
+    from xnn.training.run import train
+
+    run = tmp_path / "run"
+    fake_training_run(run)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes((run / "checkpoints" / "last.pt").read_bytes()[:3000])
+    cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={emt_file}",
+                                          f"output_dir={tmp_path / 'new'}", f"resume={cut}",
+                                          *TINY_TRAIN])
+    msg = raises_one_line(ModelFileError, train, cfg)
+    assert "truncated or corrupt" in msg and str(cut) in msg and "Errno" not in msg
+    for key in ("resume", "pretrained"):
+        cli_fails(capsys, ["train", f"data.datasets.0.path={emt_file}",
+                           f"output_dir={tmp_path / 'new'}", f"{key}={cut}", *TINY_TRAIN],
+                  str(cut), "truncated")
+    md_out = tmp_path / "md"
+    assert main(["md", f"structure={argon_file}", f"output.dir={md_out}", *LJ_MD]) == 0
+    before = tree(md_out)
+    (tmp_path / "md_cut.pt").write_bytes((md_out / "checkpoint.pt").read_bytes()[:2000])
+    cli_fails(capsys, ["md", f"structure={argon_file}", f"output.dir={md_out}", *LJ_MD,
+                       "steps=6", f"resume={tmp_path / 'md_cut.pt'}"], "md_cut.pt", "truncated")
+    model = save_model(LennardJones(SIGMA, EPS, RC), tmp_path / "lj.pt")
+    (tmp_path / "lj_cut.pt").write_bytes(model.read_bytes()[:1500])
+    cli_fails(capsys, ["md", f"structure={argon_file}", f"model.file={tmp_path / 'lj_cut.pt'}",
+                       f"output.dir={tmp_path / 'md2'}", *LJ_MD[4:]], "lj_cut.pt", "truncated")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    cli_fails(capsys, ["eval", str(tmp_path / "empty.pt"), str(emt_file)], "empty")
+    assert tree(md_out) == before and not (tmp_path / "md2").exists()
+    assert not (tmp_path / "new").exists()
+
+
+def test_training_checkpoint_given_as_model_file(tmp_path, argon_file, emt_file, capsys):
+    run = tmp_path / "run"
+    fake_training_run(run)
+    ckpt = run / "checkpoints" / "last.pt"
+    args = ["md", f"structure={argon_file}", f"model.file={ckpt}",
+            f"output.dir={tmp_path / 'md'}", *LJ_MD[4:]]
+    line = cli_fails(capsys, args, "training checkpoint", f"use {run / 'model.pt'}")
+    assert "corrupt" not in line
+    cli_fails(capsys, ["eval", str(ckpt), str(emt_file)], "training checkpoint", "model.pt")
+    proc = run_cli(*args)  # a real process: exit code, one line, no escape codes
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "\x1b" not in proc.stderr
+    assert not (tmp_path / "md").exists()
+
+
+def test_cli_messages_are_one_plain_line(monkeypatch, capsys):
+    from xnn.dynamics import runner
+    from xnn.errors import ModelFileError
+
+    def fail(cfg):
+        raise ModelFileError("torch says \x1b[1mdo not\x1b[0m\ntrust it")
+
+    monkeypatch.setattr(runner, "run_md", fail)
+    assert cli_fails(capsys, ["md", "model.name=lj"], "torch says") == \
+        "xnn md: error: torch says do not trust it"

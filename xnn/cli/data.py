@@ -35,8 +35,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_emt(args) -> int:
-    from xnn.data.emt import write_emt
+    from xnn.data.emt import check_output_file, write_emt
 
+    check_output_file(args.out, "--out")
     n = write_emt(args.out, args.n, args.elements.split(","), args.seed)
     print(f"wrote {n} EMT structures to {args.out}")
     return 0
@@ -46,9 +47,11 @@ def run_convert(args) -> int:
     from pathlib import Path
 
     from xnn.data.datasets import read_structures
+    from xnn.data.emt import check_output_file
     from xnn.data.hdf5 import write_hdf5
     from xnn.errors import InputError
 
+    check_output_file(args.output, "output", example="data.h5")
     if Path(args.output).suffix not in (".h5", ".hdf5"):
         raise InputError(f"output {args.output!r} must end in .h5 or .hdf5")
     ds = read_structures(args.input, 1.0, args.energy_key, args.forces_key, args.stress_key,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 import xnn
@@ -41,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def one_line(message: str) -> str:
+    """``message`` without terminal escape codes, its lines joined into one."""
+    return " ".join(_ANSI.sub("", message).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -50,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except XnnError as e:
-        print(f"xnn {args.command}: error: {e}", file=sys.stderr)
+        print(f"xnn {args.command}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -3,12 +3,14 @@
 from xnn.config.loader import (
     ConfigError,
     check_choice,
+    check_finite,
     check_range,
     describe,
     field,
     load_config,
     save_config,
     to_yaml,
+    validate,
     validate_choices,
 )
 
@@ -21,5 +23,7 @@ __all__ = [
     "field",
     "check_choice",
     "check_range",
+    "check_finite",
+    "validate",
     "validate_choices",
 ]

@@ -12,9 +12,11 @@ entry N of a list.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -50,13 +52,47 @@ def check_choice(name: str, value, choices: Sequence) -> None:
 
 
 def check_range(name: str, value, low=None, high=None, low_inclusive=True) -> None:
+    """Raise a :class:`ConfigError` naming ``name`` unless ``low <= value <= high`` (NaN and
+    ±inf are refused first: they pass every comparison)."""
     if value is None:
         return
+    check_finite(name, value)
     if low is not None and (value < low if low_inclusive else value <= low):
         op = ">=" if low_inclusive else ">"
         raise ConfigError(f"{name}={value!r} must be {op} {low}")
     if high is not None and value > high:
         raise ConfigError(f"{name}={value!r} must be <= {high}")
+
+
+def check_finite(name: str, value) -> None:
+    """Raise a :class:`ConfigError` when ``value`` is a NaN or infinite number, or a list or
+    dict holding one (``name.key`` names the entry)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} is not a finite number; give a finite value")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            check_finite(f"{name}.{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(f"{name}.{i}", v)
+
+
+def validate(obj, prefix: str = "") -> None:
+    """Check every field of a config (recursing into sections and lists of sections): numbers
+    finite, then the declared ``choices``; raises :class:`ConfigError` naming the key."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            validate(value, prefix + f.name + ".")
+        elif isinstance(value, list) and any(dataclasses.is_dataclass(v) for v in value):
+            for i, v in enumerate(value):
+                validate(v, f"{prefix}{f.name}.{i}.")
+        else:
+            check_finite(prefix + f.name, value)
+    validate_choices(obj, prefix)
 
 
 def validate_choices(obj, prefix: str = "") -> None:
@@ -160,7 +196,13 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
             try:
                 loaded = OmegaConf.load(p)
             except Exception as e:  # yaml errors
-                raise ConfigError(f"cannot parse config file {str(p)!r}: {e}") from None
+                msg = " ".join(str(e).split())
+                raise ConfigError(f"cannot parse config file {str(p)!r}: {msg}") from None
+            if not isinstance(loaded, DictConfig):
+                kind = "list" if isinstance(loaded, ListConfig) else type(loaded).__name__
+                raise ConfigError(f"config file {str(p)!r} holds a {kind}; "
+                                  "its top level must be a mapping of keys to values "
+                                  "(key: value lines, e.g. 'max_epochs: 10')")
             base = OmegaConf.merge(base, loaded)
         deletions: list[tuple[str, int]] = []
         for item in overrides:
@@ -171,7 +213,7 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
                 raise ConfigError(f"{parent_key}.{idx}: list has {len(lst)} entries")
             del lst[idx]
         obj = OmegaConf.to_object(base)
-        validate_choices(obj)
+        validate(obj)
         return obj
     except OmegaConfBaseException as e:
         raise _explain(e, base) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xnn.config.loader import ConfigError, check_range, field
+from xnn.config.loader import ConfigError, check_range, field, validate
 
 ENSEMBLES = ("nve", "langevin", "nhc", "csvr", "npt")
 PRESSURE_UNITS = ("GPa", "bar")
@@ -78,6 +78,9 @@ class OutputConfig:
     checkpoint_every: int = field(1000, "checkpoint every N steps (0: only at the end)")
     plot: bool = field(True, "write thermo.png at the end")
     progress: bool = field(True, "show a progress bar (on a terminal)")
+    overwrite: bool = field(False, "replace a previous run in dir: it is kept until the new "
+                            "run completes (written meanwhile to dir/.xnn-new-run; resume "
+                            "an interrupted one with resume=dir/.xnn-new-run/checkpoint.pt)")
 
     def __post_init__(self):
         for k in ("trajectory_every", "checkpoint_every"):
@@ -133,6 +136,7 @@ class MDConfig:
     resume: str | None = resume_field()
 
     def __post_init__(self):
+        validate(self)  # every number finite, every choice valid (also when built in Python)
         check_range("temperature", self.temperature, 0.0)
         for t in self.temperatures or []:
             check_range("temperatures", t, 0.0)
@@ -168,6 +172,7 @@ class RelaxConfig:
     resume: str | None = resume_field()
 
     def __post_init__(self):
+        validate(self)
         check_range("fmax", self.fmax, 0.0, low_inclusive=False)
         check_range("max_steps", self.max_steps, 0)
         check_range("maxstep", self.maxstep, 0.0, low_inclusive=False)

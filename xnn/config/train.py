@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xnn.config.loader import ConfigError, check_range, field
+from xnn.config.loader import ConfigError, check_range, field, validate
 
 PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
 LOSS_TYPES = ("mse", "mae", "huber")
@@ -195,7 +195,9 @@ class TrainConfig:
     device: str = field("auto", "cpu, cuda or auto (cuda when available)")
     seed: int = field(0, "seed of the split, the initial weights and the batch order")
     output_dir: str = field("runs/xnn", "folder of checkpoints, logs, plots and the final model")
-    overwrite: bool = field(False, "replace a previous run in output_dir")
+    overwrite: bool = field(False, "replace a previous run in output_dir: it is kept until "
+                            "the new run completes (written meanwhile to "
+                            "output_dir/.xnn-new-run, resumable with resume=auto)")
     resume: str | None = field(None, "checkpoint to continue from (exactly; 'auto': "
                                "output_dir/checkpoints/last.pt)")
     pretrained: str | None = field(None, "model file or checkpoint whose weights start the run "
@@ -206,6 +208,7 @@ class TrainConfig:
                                    "checkpoint", choices=METRICS)
 
     def __post_init__(self):
+        validate(self)  # every number finite, every choice valid (also when built in Python)
         check_range("max_epochs", self.max_epochs, 0)
         check_range("max_steps", self.max_steps, 0)
         check_range("time_limit_min", self.time_limit_min, 0.0)

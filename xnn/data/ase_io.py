@@ -264,14 +264,24 @@ def read(
         raise DataFileError(f"data file not found: {p}")
     if p.is_dir():
         raise DataFileError(f"data file is a directory: {p}")
+    index = int(index) if isinstance(index, str) and index.strip().lstrip("-").isdigit() \
+        else index
+    if isinstance(index, int) and index < -1:  # ASE wraps -N-1 around to a wrong frame
+        _check_index(p, index, format)
     try:
         frames = ase.io.read(str(p), index=index, format=format)
     except Exception as e:  # ASE raises many types for malformed files
+        if isinstance(index, int) and isinstance(e, (StopIteration, IndexError)):
+            _check_index(p, index, format)  # past the end: say how many frames there are
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataFileError(f"cannot parse {p}: {msg}") from None
     frames = frames if isinstance(frames, list) else [frames]
     if not frames:
-        raise DataFileError(f"no structures in {p}")
+        if index in (":", slice(None)):
+            raise DataFileError(f"no structures in {p}")
+        n = _count_frames(p, format)
+        raise DataFileError(f"index {index!r} selects no frame of {p}, which has {n} "
+                            f"frame(s)" if n is not None else f"no structures in {p}")
     kw = dict(
         energy_key=energy_key,
         forces_key=forces_key,
@@ -294,6 +304,25 @@ def read(
     except (DataFileError, InputError) as e:
         raise type(e)(f"{p}: {e}") from None
     return frames
+
+
+def _count_frames(path: Path, format: str | None) -> int | None:
+    """The number of frames of ``path`` (``None`` when it cannot be read)."""
+    import ase.io
+
+    try:
+        return sum(1 for _ in ase.io.iread(str(path), index=":", format=format))
+    except Exception:
+        return None
+
+
+def _check_index(path: Path, index: int, format: str | None) -> None:
+    """Raise a one-line :class:`DataFileError` when frame ``index`` is not in ``path``."""
+    n = _count_frames(path, format)
+    if n is not None and not -n <= index < n:
+        last = f"0 to {n - 1}, or -1 for the last" if n else "it has none"
+        raise DataFileError(f"{path} has {n} frame(s); index {index} is out of range "
+                            f"(use {last})")
 
 
 def write(path: str | os.PathLike, data, format: str | None = None, append: bool = False) -> None:

@@ -154,16 +154,30 @@ def generate_emt(n: int = 200, elements: Sequence[str] = ("Cu",), seed: int = 0)
     return out
 
 
+def check_output_file(path, what: str = "output", example: str = "data.xyz"):
+    """``Path(path)`` after checking that a file can be written there: ``path`` is not a
+    folder and no file stands where one of its folders should be (one-line
+    :class:`InputError` otherwise, before any work is done)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a folder; give a file name, e.g. "
+                         f"{str(path / example)!r}")
+    blocking = next((p for p in path.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise InputError(f"{what} {str(path)!r}: {str(blocking)!r} is a file, not a folder")
+    return path
+
+
 def write_emt(path, n: int = 200, elements: Sequence[str] = ("Cu",), seed: int = 0) -> int:
     """Generate EMT data and write it to ``path`` (extxyz, or HDF5 for ``.h5``/``.hdf5``).
 
     Returns:
         the number of structures written.
     """
-    from pathlib import Path
-
+    path = check_output_file(path, "output file")
     atoms = generate_emt(n, elements, seed)
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix in (".h5", ".hdf5"):
         from xnn.data.ase_io import from_ase

@@ -40,9 +40,15 @@ from xnn.dynamics.setup import (
 from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import ThermoLog, observables, plot_log
 from xnn.errors import DataFileError, InputError
+from xnn.io.run_folder import RunFolder, plan_run_folder
+from xnn.io.torch_files import check_complete
 from xnn.io.trajectory import ExtxyzWriter, open_trajectory
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# what xnn md and xnn relax write into output.dir (a previous run is recognised by these)
+RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajectory.xyz",
+             "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
+             "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz")
 
 
 def _progress(cfg_out, total: int, initial: int, desc: str, enabled: bool = True):
@@ -59,9 +65,10 @@ def _results(state: MDState) -> dict:
 class _Outputs:
     """Trajectory, thermo log and checkpoints of one run."""
 
-    def __init__(self, cfg: MDConfig, n_atoms: int, meta: dict | None, enabled: bool = True):
+    def __init__(self, cfg: MDConfig, n_atoms: int, meta: dict | None, directory: Path,
+                 enabled: bool = True):
         self.cfg = cfg
-        self.dir = Path(cfg.output.dir)
+        self.dir = Path(directory)
         self.enabled = enabled  # False on ranks other than 0 of a decomposed run
         files = (meta or {}).get("files", {})
         self.traj = None
@@ -119,12 +126,18 @@ def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) ->
 
 def _setup(schema, config, overrides: Sequence[str], manager=None):
     """The config (object or YAML path + dotlist overrides), device, dtype, potential and
-    output folder (created, with ``config.yaml``) of an ``xnn md`` / ``xnn relax`` run.
+    output folder plan (checked, nothing written) of an ``xnn md`` / ``xnn relax`` run.
 
     With a multi-rank ``manager`` the potential is decomposed over its ranks
     (:class:`~xnn.distributed.DecomposedPotential`: replicated dynamics, the model's
     evaluation spread over the ranks) and only rank 0 writes files."""
     cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
+    folder = plan_run_folder(cfg.output.dir, RUN_FILES, resume=cfg.resume,
+                             overwrite=cfg.output.overwrite, key="output.dir",
+                             overwrite_key="output.overwrite",
+                             resume_hint=f"resume={Path(cfg.output.dir) / 'checkpoint.pt'}")
+    if cfg.resume and Path(cfg.resume).is_file():
+        check_complete(cfg.resume, "checkpoint")
     device, dtype = resolve_device(cfg.model.device), _DTYPES[cfg.model.dtype]
     if manager is not None:
         device = manager.device
@@ -134,11 +147,21 @@ def _setup(schema, config, overrides: Sequence[str], manager=None):
 
         potential = DecomposedPotential(potential.model, manager, skin=cfg.model.skin,
                                         mode="auto", backend=cfg.model.neighbor_backend)
-    out_dir = Path(cfg.output.dir)
+    return cfg, device, dtype, potential, folder
+
+
+def _open_folder(cfg, folder: RunFolder, manager=None) -> Path:
+    """The run is validated: create its folder (rank 0) with ``config.yaml``; returns the
+    folder it writes to (the staging folder of a run that replaces a previous one)."""
+    if manager is not None:
+        manager.barrier()  # every rank has checked the folder before rank 0 changes it
     if manager is None or manager.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    return cfg, device, dtype, potential, out_dir
+        folder.create()
+        save_config(cfg, folder.work / "config.yaml")
+        if folder.staged:
+            print(f"output.overwrite=true: this run is written to {folder.work} and replaces "
+                  f"the previous run in {folder.final} when it completes", flush=True)
+    return folder.work
 
 
 def _launched_on_several_ranks() -> bool:
@@ -192,7 +215,7 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
 
 
 def _run_md(config, overrides: Sequence[str], manager) -> Path:
-    cfg, device, dtype, potential, out_dir = _setup(MDConfig, config, overrides, manager)
+    cfg, device, dtype, potential, folder = _setup(MDConfig, config, overrides, manager)
     main = manager is None or manager.is_main
     integrator, state, meta = _start(cfg, potential, device, dtype)
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
@@ -205,13 +228,16 @@ def _run_md(config, overrides: Sequence[str], manager) -> Path:
             check_forces(state, cfg.safety.max_force)
         except SimulationError as err:
             raise SimulationError(f"the initial structure is unsafe: {err}", 0) from None
-    outputs = _Outputs(cfg, state.graph.n_atoms, meta, enabled=main)
+    out_dir = _open_folder(cfg, folder, manager)
+    outputs = _Outputs(cfg, state.graph.n_atoms, meta, out_dir, enabled=main)
     if meta is None:
         outputs.record(state, integrator, force=True)
     _loop(cfg, integrator, state, potential, outputs, max_t)
     if cfg.output.plot and main:
         plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}")
-    return out_dir
+    if main:
+        folder.commit()
+    return folder.final
 
 
 def _loop(
@@ -281,8 +307,8 @@ class _RelaxLog:
 class _RelaxOutputs:
     """``relax.csv``, the relaxation trajectory and ``checkpoint.pt`` of one relaxation."""
 
-    def __init__(self, cfg: RelaxConfig, n_atoms: int, meta: dict | None):
-        self.cfg, self.dir = cfg, Path(cfg.output.dir)
+    def __init__(self, cfg: RelaxConfig, n_atoms: int, meta: dict | None, directory: Path):
+        self.cfg, self.dir = cfg, Path(directory)
         files = meta["files"] if meta else {}
         self.log = _RelaxLog(self.dir / "relax.csv", files.get("log_bytes"))
         self.traj = None
@@ -352,16 +378,19 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -
     if _launched_on_several_ranks():
         raise InputError("xnn relax runs in one process; launch it without torchrun/srun "
                          "(xnn md decomposes the model over the ranks of a torchrun job)")
-    cfg, device, dtype, potential, out_dir = _setup(RelaxConfig, config, overrides)
+    cfg, device, dtype, potential, folder = _setup(RelaxConfig, config, overrides)
     state, meta = _relax_start(cfg, potential, device, dtype)
-    state = _relax_loop(cfg, state, potential, _RelaxOutputs(cfg, state.graph.n_atoms, meta))
+    out_dir = _open_folder(cfg, folder)
+    outputs = _RelaxOutputs(cfg, state.graph.n_atoms, meta, out_dir)
+    state = _relax_loop(cfg, state, potential, outputs)
     ExtxyzWriter(out_dir / "relaxed.xyz").write(state.graph.replace(velocities=None),
                                                state.step, _results(state))
+    folder.commit()
     n_bad = int((fire.fmax(state) >= cfg.fmax).sum())
     if n_bad:
         print(f"xnn relax: {n_bad} of {state.n_systems} systems did not reach fmax={cfg.fmax} "
               f"eV/Å in {cfg.max_steps} steps")
-    return out_dir
+    return folder.final
 
 
 def _relax_loop(cfg: RelaxConfig, state: MDState, potential, outputs: _RelaxOutputs) -> MDState:

@@ -12,6 +12,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.state import check_graph, maxwell_boltzmann
 from xnn.errors import DataFileError, InputError, ModelFileError
+from xnn.io.torch_files import refuse_non_model_file
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 
@@ -37,6 +38,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
 
         if not Path(cfg.file).is_file():
             raise ModelFileError(f"model file not found: {cfg.file}")
+        refuse_non_model_file(cfg.file)  # truncated, or a training/MD checkpoint
         model = load_model(cfg.file, map_location=device, trust=cfg.trust_file)
     else:
         model = build(cfg.name, **dict(cfg.params))

@@ -15,13 +15,23 @@ from xnn.models.potential import Potential
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` → CUDA when available, else CPU; anything else is passed to ``torch.device``."""
+    """``"auto"`` → CUDA when available, else CPU; anything else is passed to ``torch.device``
+    and must exist on this machine (one-line :class:`InputError` otherwise)."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise InputError(f"invalid device {device!r}: {e}") from None
+        raise InputError(f"invalid device {device!r}: {e}; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise InputError(f"device {str(device)!r} requested but no CUDA GPU is available; "
+                             "use device='cpu' or 'auto'")
+        if dev.index is not None and dev.index >= n:
+            raise InputError(f"device {str(device)!r} requested but this machine has {n} CUDA "
+                             f"GPU(s) (cuda:0 to cuda:{n - 1})")
+    return dev
 
 
 class Calculator(_AseCalculator):

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
+import types
+import typing
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
@@ -49,7 +54,73 @@ def build(name: str, **hyperparameters) -> nn.Module:
         unknown = sorted(set(hyperparameters) - set(valid))
         if unknown:
             raise InputError(f"model {name!r} has no hyperparameter(s) {unknown}; valid: {valid}")
+    check_types(name, cls, hyperparameters)
     return cls(**hyperparameters)
+
+
+def _matches(value, tp) -> bool:
+    """Whether ``value`` fits the annotation ``tp`` (unknown annotations match anything)."""
+    if tp is typing.Any or tp is inspect.Parameter.empty:
+        return True
+    if tp is type(None) or tp is None:
+        return value is None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if tp is float:
+        return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and math.isfinite(value))
+    if tp is str:
+        return isinstance(value, str)
+    if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
+        return isinstance(value, Mapping) and (
+            len(args) != 2 or all(_matches(v, args[1]) for v in value.values()))
+    if origin is not None and isinstance(origin, type) and issubclass(origin, Sequence):
+        return (isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+                and (not args or all(_matches(v, args[0]) for v in value)))
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+_NAMES = {float: ("a finite number", "finite numbers"), int: ("an integer", "integers"),
+          bool: ("true/false", "true/false values"), str: ("a string", "strings"),
+          type(None): ("null", "nulls")}
+
+
+def _describe_type(tp, plural: bool = False) -> str:
+    """``int`` -> "an integer", ``Sequence[int]`` -> "a list of integers", ..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        return " or ".join(_describe_type(a, plural) for a in args)
+    if tp in _NAMES:
+        return _NAMES[tp][plural]
+    kind = origin if isinstance(origin, type) else None
+    if kind is not None and issubclass(kind, Mapping):
+        inner = f" to {_describe_type(args[1], True)}" if len(args) == 2 else ""
+        return ("mappings" if plural else "a mapping") + inner
+    if kind is not None and issubclass(kind, Sequence):
+        inner = f" of {_describe_type(args[0], True)}" if args else ""
+        return ("lists" if plural else "a list") + inner
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_types(name: str, cls: type, hyperparameters: Mapping) -> None:
+    """Raise a one-line :class:`InputError` when a hyperparameter does not fit the type that
+    ``cls.__init__`` declares for it (e.g. ``num_features="abc"`` for an ``int``)."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # unresolvable annotations: leave the checks to the class
+        return
+    for key, value in hyperparameters.items():
+        tp = hints.get(key)
+        if tp is not None and not _matches(value, tp):
+            raise InputError(f"model {name!r}: hyperparameter {key}={value!r} must be "
+                             f"{_describe_type(tp)}")
 
 
 def saved_hyperparameters(name: str, hyperparameters: dict) -> dict:

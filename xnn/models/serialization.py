@@ -158,8 +158,19 @@ def _xnn_version() -> str:
 
 
 def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write ``model`` to one self-describing file (atomically); returns the path."""
+    """Write ``model`` to one self-describing file (atomically); returns the path.
+
+    Raises:
+        InputError: ``path`` is a folder, or its folder cannot be created (a file is in the
+            way).
+    """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"cannot save the model to {path}: it is a folder; give a file "
+                         f"name, e.g. {path / 'model.pt'}")
+    blocking = next((p for p in path.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise InputError(f"cannot save the model to {path}: {blocking} is a file, not a folder")
     _write_atomic(model_payload(model), path)
     return path
 

@@ -62,6 +62,12 @@ def _save_final(loop, save_model) -> Path:
     return path
 
 
+def _final_path(cfg: TrainConfig, loop, path) -> str:
+    """Where a file the run writes ends up: a run that replaces a previous one is written to
+    a staging folder and moved into ``output_dir`` when it completes."""
+    return str(Path(cfg.output_dir) / Path(path).relative_to(loop.out_dir))
+
+
 def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
     """Evaluate, save ``model.pt`` (EMA weights of the best epoch), plots and ``summary.json``."""
     from xnn.models.serialization import save_model
@@ -90,12 +96,12 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
             summary["model"] = cfg.pretrained or cfg.resume
             path = Path(loop.out_dir) / "validation_summary.json"
         else:
-            summary["model"] = str(_save_final(loop, save_model))
+            summary["model"] = _final_path(cfg, loop, _save_final(loop, save_model))
             if cfg.logging.plots:
                 shown = {k: v for k, v in parities.items() if v is not None}
                 if "test" in shown:
                     shown = {"test": shown["test"]}
-                summary["plots"] = _plots(loop, shown)
+                summary["plots"] = [_final_path(cfg, loop, p) for p in _plots(loop, shown)]
             path = Path(loop.out_dir) / "summary.json"
         path.write_text(json.dumps(summary, indent=2))
         _print_summary(loop.logger, summary)

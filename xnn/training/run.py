@@ -1,14 +1,17 @@
 """``train(config)``: one training run from a resolved config, single process or data parallel.
 
-Steps: prepare the output folder → read and split the data → statistics → build the model
-(or load ``pretrained``) → optimizer, schedule, EMA → resume → epochs → final model from the
-best checkpoint (EMA weights) → test metrics, plots and ``summary.json``.
+Steps: plan the output folder → read and split the data → statistics → build the model
+(or load ``pretrained``) → optimizer, schedule, EMA → resume → create the output folder →
+epochs → final model from the best checkpoint (EMA weights) → test metrics, plots and
+``summary.json``. Nothing is written before the folder is created, so a run refused for its
+config, data, model or resume file changes no file; a run that replaces a previous one
+(``overwrite=true``) is written to a staging folder and swapped in when it completes
+(:mod:`xnn.io.run_folder`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +20,8 @@ import torch
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
 from xnn.errors import InputError
+from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
+from xnn.io.torch_files import check_complete
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint
 from xnn.training.data import build_splits, structures_for_statistics
 from xnn.training.ema import EMA
@@ -40,27 +45,36 @@ RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "summary.json", "model
 
 
 def resolve_resume(cfg: TrainConfig) -> str | None:
+    """The checkpoint to continue from: ``cfg.resume``, or for ``auto`` the last checkpoint
+    of an interrupted run that replaces the run in ``output_dir`` (with ``overwrite=true``),
+    else ``output_dir/checkpoints/last.pt`` (``None`` when there is none)."""
     if cfg.resume == "auto":
-        path = Path(cfg.output_dir) / "checkpoints" / "last.pt"
-        return str(path) if path.is_file() else None
+        candidates = [Path(cfg.output_dir) / "checkpoints" / "last.pt"]
+        if cfg.overwrite:
+            candidates.insert(0, staging_dir(cfg.output_dir) / "checkpoints" / "last.pt")
+        return next((str(p) for p in candidates if p.is_file()), None)
     return cfg.resume
 
 
-def prepare_output(cfg: TrainConfig, resume: str | None, is_main: bool) -> Path:
-    """Create the run folder; refuse one holding a previous run unless overwrite/resume."""
-    out = Path(cfg.output_dir)
-    previous = [name for name in RUN_FILES if (out / name).exists()]
-    if previous and not resume and not cfg.validation_only:
-        if not cfg.overwrite:
-            raise InputError(f"output folder {str(out)!r} holds a previous run ({previous[0]}); "
-                             "set overwrite=true, resume=auto, or another output_dir")
-        if is_main:
-            for name in previous:
-                target = out / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-    return out
+def plan_output(cfg: TrainConfig, resume: str | None) -> RunFolder:
+    """Where the run writes (nothing is written): ``output_dir``, or with ``overwrite=true``
+    over a previous run a staging folder that replaces it when the run completes.
+
+    Raises:
+        InputError: ``output_dir`` is a file, or holds a previous run and neither
+            ``overwrite`` nor ``resume`` is set.
+    """
+    return plan_run_folder(cfg.output_dir, RUN_FILES, resume=resume, overwrite=cfg.overwrite,
+                           keep=cfg.validation_only)
+
+
+def _check_inputs(cfg: TrainConfig, resume: str | None) -> None:
+    """Checkpoint and pretrained files exist and are complete (before anything is built)."""
+    for key, path in (("resume", resume), ("pretrained", cfg.pretrained)):
+        if path:
+            if not Path(path).is_file():
+                raise InputError(f"{key}={path!r} does not exist")
+            check_complete(path, "checkpoint" if key == "resume" else "pretrained file")
 
 
 def loss_specs(cfg: TrainConfig) -> dict[str, TermSpec]:
@@ -127,10 +141,10 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
     reducer = reducer or LocalReducer()
     t_start = time.perf_counter()
     resume = resolve_resume(cfg)
-    out = prepare_output(cfg, resume, reducer.is_main)
-    reducer.barrier()
-    logger = RunLogger(out, reducer.is_main, cfg.logging.csv, cfg.logging.tensorboard,
-                       cfg.logging.progress_bar)
+    folder = plan_output(cfg, resume)  # checks only: nothing is created or removed yet
+    _check_inputs(cfg, resume)
+    out = folder.work
+    logger = RunLogger(out, reducer.is_main, cfg.logging.csv, False, cfg.logging.progress_bar)
     device = pick_device(cfg.device)
     seed_everything(cfg.seed, reducer.rank)
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species)
@@ -149,11 +163,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
         loop.restore(payload)
         logger.print(f"resumed from {resume} at epoch {loop.progress.epoch}, "
                      f"step {loop.progress.step}")
-    if reducer.is_main and not cfg.validation_only:
-        (out / "config.yaml").write_text(loop.config_yaml)
-        if cfg.compile:
-            logger.print("compile=true: the first training steps trace, check and compile "
-                         "the model (about a minute)")
+    logger = loop.logger = _open_folder(cfg, folder, reducer, logger)
     reason = "validation_only"
     if not cfg.validation_only:
         reason = loop.run()
@@ -161,7 +171,31 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
 
     summary = finish_run(cfg, loop, reason, time.perf_counter() - t_start)
     logger.close()
+    if reducer.is_main:
+        folder.commit()  # a run that replaces another: swap the files in now that it is done
+    reducer.barrier()
     return summary
 
 
-__all__ = ["train", "prepare_output", "resolve_resume", "json"]
+def _open_folder(cfg: TrainConfig, folder: RunFolder, reducer, logger) -> RunLogger:
+    """Everything is validated: create the run folder (rank 0), write ``config.yaml``; the
+    logger (with TensorBoard, which writes at once, when configured)."""
+    reducer.barrier()  # every rank has checked the folder before rank 0 changes it
+    if reducer.is_main:
+        folder.create()
+        if folder.staged:
+            logger.print(f"overwrite=true: this run is written to {folder.work} and replaces "
+                         f"the previous run in {folder.final} when it completes")
+        if not cfg.validation_only:
+            (folder.work / "config.yaml").write_text(to_yaml(cfg))
+            if cfg.compile:
+                logger.print("compile=true: the first training steps trace, check and "
+                             "compile the model (about a minute)")
+    reducer.barrier()
+    if cfg.logging.tensorboard:
+        return RunLogger(folder.work, reducer.is_main, cfg.logging.csv, True,
+                         cfg.logging.progress_bar)
+    return logger
+
+
+__all__ = ["train", "plan_output", "resolve_resume", "json"]

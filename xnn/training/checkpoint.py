@@ -10,8 +10,9 @@ A checkpoint is a ``torch.save`` dict::
      "best": {"metric", "value", "epoch"}, "early_stopping": {...}, "history": [...],
      "config": "<resolved YAML>"}
 
-It is written to ``path.tmp`` and moved over ``path`` with ``os.replace``, so a crash during
-a write never destroys the previous checkpoint.
+It is written to ``.NAME.tmp``, fsynced and moved over ``path`` with ``os.replace``
+(:func:`xnn._files.atomic_write`), so a crash during a write never destroys the previous
+checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xnn._files import atomic_write
 from xnn.errors import InputError, ModelFileError
 from xnn.models.registry import saved_hyperparameters
 
@@ -45,16 +47,8 @@ def save_checkpoint(payload: dict, path: str | os.PathLike) -> Path:
     """Write ``payload`` (with format fields added) atomically to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **payload}, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    full = {"format": FORMAT, "format_version": FORMAT_VERSION, **payload}
+    return atomic_write(path, lambda tmp: torch.save(full, tmp))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:

@@ -197,9 +197,15 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
 
         cfg = config if isinstance(config, MDConfig) else load_config(MDConfig, config,
                                                                      overrides)
+        from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
+
         manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type)
         try:
-            return _run_md(cfg, (), manager)
+            with manager.watch():  # a collective that times out: one line naming the ranks
+                files = {"structure": cfg.structure, "model.file": cfg.model.file,
+                         "resume": cfg.resume}
+                check_ranks_agree(run_fingerprint(cfg, files))  # the first collective
+                return _run_md(cfg, (), manager)
         finally:
             manager.cleanup()
     return _run_md(config, overrides, None)

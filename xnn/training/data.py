@@ -160,5 +160,14 @@ def structures_for_statistics(dataset, limit: int = 2000) -> list:
     return [dataset[int(i)] for i in idx]
 
 
-__all__ = ["DataSplits", "build_splits", "check_labels", "structures_for_statistics",
-           "InMemoryDataset"]
+
+
+def data_files(data: DataConfig) -> dict[str, str]:
+    """``{config key: path}`` of every data file of a run (e.g. ``data.datasets.0.path``),
+    for the ranks of a job to check that they read the same data."""
+    return {f"data.{part}.{k}.path": entry.path for part in ("datasets", "val", "test")
+            for k, entry in enumerate(getattr(data, part))}
+
+
+__all__ = ["DataSplits", "build_splits", "check_labels", "data_files", "refuse_coincident",
+           "structures_for_statistics", "InMemoryDataset"]

@@ -76,16 +76,30 @@ def tiny(out, data, *extra) -> TrainConfig:
 
 
 # =========================================================================== item 7
-def test_eval_of_unlabelled_data_fails_with_a_hint(tmp_path):
-    model = save_model(build("lj", **LJ), tmp_path / "lj.pt")
+def test_eval_of_unlabelled_data_fails_with_a_hint(tmp_path, capsys):
+    model = save_model(build("schnet", species=[18], cutoff=5.0, num_features=8,
+                             num_filters=8, num_interactions=1, num_basis=8), tmp_path / "m.pt")
     atoms = bulk("Ar", "fcc", a=5.3, cubic=True)
     ase_write(tmp_path / "nolabels.xyz", atoms)
     before = sorted(p.name for p in tmp_path.iterdir())
-    code, err = run_cli(["eval", model, tmp_path / "nolabels.xyz"])
+    code, err = run_cli(["eval", model, tmp_path / "nolabels.xyz", "--device", "cpu"])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "holds no energy, forces or stress label" in err and "--energy-key" in err, err
     assert "xnn.Calculator" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no empty parity plot
+    # labelled data: a table (a model with buffers only, LJ, once failed with StopIteration)
+    from ase.calculators.lj import LennardJones as AseLJ
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    atoms.positions += np.random.default_rng(0).normal(0, 0.05, atoms.positions.shape)
+    atoms.calc = AseLJ(sigma=LJ["sigma"], epsilon=LJ["epsilon"], rc=LJ["cutoff"])
+    e, f = atoms.get_potential_energy(), atoms.get_forces()
+    atoms.calc = SinglePointCalculator(atoms, energy=e + 1.0, forces=f)
+    ase_write(tmp_path / "labelled.xyz", atoms)
+    lj = save_model(build("lj", **LJ), tmp_path / "lj.pt")
+    code, _ = run_cli(["eval", lj, tmp_path / "labelled.xyz", "--device", "cpu"])
+    table = capsys.readouterr().out
+    assert code == 0 and "energy" in table and "forces" in table, table
 
 
 @pytest.mark.parametrize("name", ["lj", "schnet"])
@@ -156,7 +170,7 @@ def test_md_without_kinetic_degrees_of_freedom_is_refused(tmp_path):
     ("schnet", {"num_interactions": 0}, "num_interactions"),
     ("painn", {"num_features": 0}, "num_features"),
     ("painn", {"num_basis": -2}, "num_basis"),
-    ("equivariant", {"readout_hidden": 0}, "readout_hidden"),
+    ("equivariant", {"readout_hidden": -1}, "readout_hidden"),  # 0 is a linear readout
     ("equivariant", {"radial_mlp": [16, 0]}, "radial_mlp"),
     ("equivariant", {"num_bessel": 0}, "num_bessel"),
 ])

@@ -91,7 +91,8 @@ def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
     os.environ["MASTER_PORT"] = str(ports[3])
     manager = DistributedManager.initialize(device="cpu")
     try:
-        cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={data_copy if rank else data}"])
+        mine = data_copy if rank else data
+        cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={mine}"])
         check_ranks_agree(run_fingerprint(cfg, data_files(cfg.data)))
         out["copy"] = "agreed"
     finally:
@@ -116,7 +117,7 @@ def test_disagreeing_ranks_and_timeouts(tmp_path):
     ports = [free_port() for _ in range(6)]
     results = spawn(_rank_main, 2, args=(str(tmp_path), str(data), str(copy), str(other),
                                          ports), timeout_s=300)
-    for rank, r in enumerate(results):
+    for r in results:
         code, err = r["lr"]
         assert code == 2 and len(err.strip().splitlines()) == 1, err  # one line, no traceback
         assert "not started with the same config" in err and "rank 1 in optim.lr" in err, err

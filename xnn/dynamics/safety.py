@@ -1,4 +1,5 @@
-"""Checks that stop a diverging simulation with a message naming the step and the atoms."""
+"""Checks that stop a diverging simulation with a message naming the step and the atoms, and
+a monitor that warns once when the conserved quantity drifts (a time step too large)."""
 
 from __future__ import annotations
 

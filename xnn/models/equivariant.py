@@ -384,7 +384,8 @@ class Equivariant(NativeModel):
     ):
         check_sizes("equivariant", channels=channels, num_interactions=num_interactions,
                     correlation=correlation, num_bessel=num_bessel, envelope_p=envelope_p,
-                    radial_mlp=list(radial_mlp), readout_hidden=readout_hidden)
+                    radial_mlp=list(radial_mlp))
+        check_sizes("equivariant", 0, readout_hidden=readout_hidden)  # 0: a linear readout
         _check(channels, l_max, hidden_l_max, num_interactions, correlation, avg_num_neighbors)
         hparams = dict(
             species=list(species), cutoff=cutoff, channels=channels, l_max=l_max,

@@ -47,7 +47,8 @@ def evaluate_model(model, data, batch_size: int = 8, device: str | torch.device 
     if check is not None:
         check(torch.tensor(data.species(), dtype=torch.long))
     device = torch.device(device)
-    dtype = next(iter(model.parameters())).dtype
+    floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.get_default_dtype()  # LJ: buffers only
     model = model.to(device)
     ds = WithEdges(data, float(model.cutoff), cache=False)
     specs = {"energy": TermSpec(1.0), "forces": TermSpec(1.0), "stress": TermSpec(0.0)}

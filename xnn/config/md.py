@@ -101,9 +101,13 @@ class SafetyConfig:
     max_temperature: float | None = field(None, "stop above this temperature (K); "
                                           "null: 10 × target + 1000 K")
     check_every: int = field(1, "run the distance/temperature checks every N steps")
+    max_drift: float | None = field(1e-3, "warn (once) when the conserved quantity drifts "
+                                    "faster than this (eV/atom/ps; below 1 ps: when it "
+                                    "changed by more than this × 1 ps); null: never")
 
     def __post_init__(self):
         check_range("safety.min_distance", self.min_distance, 0.0)
+        check_range("safety.max_drift", self.max_drift, 0.0, low_inclusive=False)
         check_range("safety.max_force", self.max_force, 0.0, low_inclusive=False)
         check_range("safety.check_every", self.check_every, 1)
 

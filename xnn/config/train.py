@@ -160,7 +160,11 @@ class EarlyStoppingConfig:
 class ParallelConfig:
     dp: int = field(-1, "data-parallel degree (-1: world size / dd)")
     dd: int = field(1, "domain-decomposition degree (training supports 1)")
-    timeout_s: float = field(1800.0, "timeout of every collective (s)")
+    timeout_s: float = field(600.0, "timeout of every collective (s); a timeout names the "
+                             "collective and the ranks that did not arrive")
+
+    def __post_init__(self):
+        check_range("parallel.timeout_s", self.timeout_s, 0.0, low_inclusive=False)
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """Small collectives used by domain decomposition: agreement on errors, broadcast, gather,
-neighbour-only point-to-point exchange, and an autograd-aware all-reduce.
+neighbour-only point-to-point exchange, and an autograd-aware all-reduce; and
+:func:`explain_collective_error`, which turns a collective's timeout into a message naming
+the collective and the ranks that did not arrive.
 
 Every helper accepts ``group=None`` in a single process (no ``torch.distributed``) and then
 does no communication.
@@ -7,6 +9,8 @@ does no communication.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -19,6 +23,10 @@ from xnn.errors import XnnError
 
 class RemoteRankError(XnnError):
     """Another rank failed; this rank stops instead of waiting for a collective timeout."""
+
+
+class CollectiveTimeout(XnnError):
+    """A collective timed out: the message names it and the ranks that did not arrive."""
 
 
 def is_active(group=None) -> bool:
@@ -160,3 +168,90 @@ def all_reduce_sum(x: Tensor, group=None) -> Tensor:
     if not is_active(group):
         return x
     return _AllReduceSum.apply(x, group)
+
+
+# --------------------------------------------------------------------------- failures
+#: store keys of the ranks' positions after a failed collective; one failure per process
+#: group (a group whose collective timed out cannot be used again)
+_FAILURE_KEY = "xnn/collective_failure/"
+
+
+def _collective_site(tb) -> tuple[str, object] | None:
+    """``("all_reduce in all_reduce_grads (xnn/distributed/ddp.py:62)", group)`` for the
+    outermost ``torch.distributed`` call of a traceback, ``None`` if it holds none."""
+    caller, frames = None, []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for t in frames:
+        code = t.tb_frame.f_code
+        path = os.path.abspath(code.co_filename)
+        if path.endswith("distributed_c10d.py") and code.co_name != "wrapper":
+            where = ""
+            if caller is not None:
+                rel = os.path.relpath(caller.tb_frame.f_code.co_filename, os.path.dirname(root))
+                where = f" in {caller.tb_frame.f_code.co_name} ({rel}:{caller.tb_lineno})"
+            return f"{code.co_name}{where}", t.tb_frame.f_locals.get("group")
+        if path.startswith(root + os.sep):
+            caller = t
+    return None
+
+
+def _where_others_are(name: str, ranks: list[int], wait_s: float) -> dict[int, str]:
+    """Publish this rank's collective in the job's store and collect the other ranks'
+    (those that time out, or fail, within ``wait_s``): ``{rank: collective}``."""
+    prefix = _FAILURE_KEY
+    me = dist.get_rank()
+    seen = {me: name}
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(prefix + str(me), name)
+        deadline = time.monotonic() + wait_s
+        while len(seen) < len(ranks) and time.monotonic() < deadline:
+            for r in ranks:
+                if r not in seen and store.check([prefix + str(r)]):
+                    seen[r] = store.get(prefix + str(r)).decode()
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone: report less
+        pass
+    return seen
+
+
+def explain_collective_error(error: BaseException, timeout_s: float) -> XnnError | None:
+    """A one-line error for a ``torch.distributed`` collective that failed (``None`` when
+    ``error`` is something else).
+
+    On a timeout this rank publishes which collective it waited in and waits up to
+    ``min(timeout_s, 60)`` s for the other ranks of the group to do the same (they time out
+    too if they wait in a collective): ranks that never answer did not arrive (busy in
+    rank-local work, hung or dead); ranks that answer with another collective took another
+    path. A lost connection means another rank stopped: its own message says why.
+    """
+    if not isinstance(error, RuntimeError) or not is_active():
+        return None
+    site = _collective_site(error.__traceback__)
+    if site is None:
+        return None
+    name, group = site
+    text = str(error)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        ranks = (dist.get_process_group_ranks(group) if group is not None
+                 and group is not dist.GroupMember.WORLD else list(range(dist.get_world_size())))
+        seen = _where_others_are(name, ranks, min(float(timeout_s), 60.0))
+        missing = [r for r in ranks if r not in seen]
+        elsewhere = [f"rank {r} waits in {w}" for r, w in sorted(seen.items()) if w != name]
+        parts = []
+        if missing:
+            parts.append(f"rank(s) {missing} did not arrive (busy in rank-local work, hung "
+                         "or dead)")
+        parts += elsewhere
+        detail = "; ".join(parts) or "every rank arrived (a slow network?)"
+        return CollectiveTimeout(
+            f"collective {name} timed out after {timeout_s:g} s on rank {dist.get_rank()}: "
+            f"{detail}; the ranks took different paths or one is far slower (if it is only "
+            "slow, raise the timeout: parallel.timeout_s of xnn train)")
+    if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe")):
+        return RemoteRankError(f"lost the connection to another rank during collective {name}: "
+                               "that rank stopped (its own message says why)")
+    return None

@@ -15,7 +15,11 @@
 * otherwise a single process, without initialising ``torch.distributed``.
 
 ``XNN_DISTRIBUTED_INIT_METHOD=ENV|SLURM|NONE`` forces one of them. NCCL is used on GPUs and
-gloo on CPUs, every collective with ``timeout_s``.
+gloo on CPUs, every collective with ``timeout_s`` (10 minutes by default).
+:meth:`DistributedManager.explain` (and :meth:`~DistributedManager.watch`) turn a collective
+that timed out (gloo) into a :class:`~xnn.distributed.collectives.CollectiveTimeout` naming
+the collective and the ranks that did not arrive (under NCCL, torch's watchdog reports
+timeouts itself).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import os
 import subprocess
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,7 +39,7 @@ from xnn.errors import InputError
 
 INIT_METHOD_ENV = "XNN_DISTRIBUTED_INIT_METHOD"
 _METHODS = ("ENV", "SLURM", "NONE")
-DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_TIMEOUT_S = 600.0  # 10 minutes: long enough for a slow step, short for a hang
 
 
 @dataclass(frozen=True)
@@ -177,11 +183,12 @@ class DistributedManager:
     """
 
     def __init__(self, launch: LaunchInfo, device: torch.device, backend: str | None,
-                 owns_group: bool):
+                 owns_group: bool, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.launch = launch
         self._device = device
         self.backend = backend
         self._owns_group = owns_group
+        self.timeout_s = float(timeout_s)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -218,9 +225,17 @@ class DistributedManager:
             kw["init_method"] = f"tcp://{host}:{launch.master_port}"
         if backend == "nccl":
             kw["device_id"] = dev
-        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
-                                timeout=timedelta(seconds=float(timeout_s)), **kw)
-        return cls(launch, dev, backend, owns_group=True)
+        try:
+            dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
+                                    timeout=timedelta(seconds=float(timeout_s)), **kw)
+        except RuntimeError as e:  # DistStoreError: the rendezvous timed out
+            if "timed out" not in str(e).lower():
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(f"{launch.method} launch: not all {launch.world_size} ranks "
+                             f"joined within {timeout_s:g} s ({first}); check that every rank "
+                             "was started and reaches the same rendezvous address") from None
+        return cls(launch, dev, backend, owns_group=True, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -263,6 +278,29 @@ class DistributedManager:
                 f"{self.launch.method}, backend {self.backend}{where})")
 
     # ------------------------------------------------------------------ operations
+    def explain(self, error: BaseException) -> BaseException:
+        """A one-line :class:`~xnn.errors.XnnError` for a ``torch.distributed`` collective
+        that timed out or lost its peer (a timeout names the collective, its call site and
+        the ranks that did not arrive: :func:`~xnn.distributed.collectives.
+        explain_collective_error`); ``error`` itself for anything else."""
+        if not self.is_distributed:
+            return error
+        from xnn.distributed.collectives import explain_collective_error
+
+        clear = explain_collective_error(error, self.timeout_s)
+        return error if clear is None else clear
+
+    @contextmanager
+    def watch(self) -> Iterator[None]:
+        """Run a job's work; a collective failure inside raises :meth:`explain`'s error."""
+        try:
+            yield
+        except RuntimeError as e:
+            clear = self.explain(e)
+            if clear is e:
+                raise
+            raise clear from None
+
     def barrier(self) -> None:
         """Wait for every rank (no-op in a single process)."""
         if self.is_distributed:

@@ -5,11 +5,11 @@ files, written atomically. ``meta["kind"]`` (``"md"`` or ``"relax"``) names the 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from xnn._files import atomic_write
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError
@@ -46,7 +46,8 @@ def restore_neighbor_state(potential, saved: dict | None, device) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, state: MDState, meta: dict, potential=None) -> None:
-    """Write ``state`` and ``meta`` (ensemble, file sizes, ...) to ``path`` atomically."""
+    """Write ``state`` and ``meta`` (ensemble, file sizes, ...) to ``path`` atomically
+    (:func:`xnn._files.atomic_write`: the user's umask, file and folder fsynced)."""
     payload = {
         "format": FORMAT,
         "version": 1,
@@ -61,15 +62,7 @@ def save_checkpoint(path: str | os.PathLike, state: MDState, meta: dict, potenti
         "compute_stress": state.compute_stress,
         "neighbors": _to_cpu(neighbor_state(potential)) if potential is not None else None,
     }
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
 def _to_cpu(d):

@@ -26,8 +26,15 @@ from xnn.data import keys as K
 from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics import fire
 from xnn.dynamics.registry import get_integrator
-from xnn.dynamics.safety import SimulationError, check_distances, check_forces, check_temperature
+from xnn.dynamics.safety import (
+    DriftMonitor,
+    SimulationError,
+    check_distances,
+    check_forces,
+    check_temperature,
+)
 from xnn.dynamics.setup import (
+    check_kinetic_dof,
     check_species,
     initial_velocities,
     integrator_args,
@@ -73,6 +80,7 @@ class _Outputs:
         files = (meta or {}).get("files", {})
         self.traj = None
         self.log = None
+        self.drift: DriftMonitor | None = None  # from the first row this run logs
         if not enabled:
             return
         if cfg.output.trajectory_every:
@@ -93,7 +101,12 @@ class _Outputs:
             return
         out, step = self.cfg.output, state.step
         if force or step % out.log_every == 0:
-            self.log.write(step, self.cfg.timestep, observables(state, integrator.conserved))
+            values = observables(state, integrator.conserved)
+            self.log.write(step, self.cfg.timestep, values)
+            if self.drift is None:
+                n = torch.bincount(state.graph.batch, minlength=state.n_systems)
+                self.drift = DriftMonitor(self.cfg.safety.max_drift, n)
+            self.drift.update(step * self.cfg.timestep, values["conserved_eV"])
         if self.traj is not None and (force or step % out.trajectory_every == 0):
             self.traj.write(state.graph, step, _results(state))
 
@@ -183,6 +196,7 @@ def _start(cfg: MDConfig, potential, device, dtype):
     graph = load_structure(cfg.structure, cfg.index, device, dtype)
     check_species(potential, graph)
     temps = target_temperatures(cfg, graph.n_systems, graph.positions)
+    check_kinetic_dof(cfg, graph, temps)
     graph = initial_velocities(cfg, graph, temps)
     state = integrator.init(graph, potential, **integrator_args(cfg, temps))
     return integrator, state, None
@@ -206,9 +220,15 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
 
         cfg = config if isinstance(config, MDConfig) else load_config(MDConfig, config,
                                                                      overrides)
+        from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
+
         manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type)
         try:
-            return _run_md(cfg, (), manager)
+            with manager.watch():  # a collective that times out: one line naming the ranks
+                files = {"structure": cfg.structure, "model.file": cfg.model.file,
+                         "resume": cfg.resume}
+                check_ranks_agree(run_fingerprint(cfg, files))  # the first collective
+                return _run_md(cfg, (), manager)
         finally:
             manager.cleanup()
     return _run_md(config, overrides, None)

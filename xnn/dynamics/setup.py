@@ -10,7 +10,7 @@ import torch
 from xnn.config.md import MDConfig, MDModelConfig
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics.state import check_graph, maxwell_boltzmann
+from xnn.dynamics.state import check_graph, free_mask, has_fixed, maxwell_boltzmann
 from xnn.errors import DataFileError, InputError, ModelFileError
 from xnn.io.torch_files import refuse_non_model_file
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
@@ -93,17 +93,56 @@ def check_species(potential, graph: AtomicGraph) -> None:
         check(graph.numbers)
 
 
-def initial_velocities(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) -> AtomicGraph:
-    """Velocities from the file, or Maxwell–Boltzmann at the initial temperature (seeded)."""
-    has = K.VELOCITIES in graph and bool((graph.velocities != 0).any())
+def _velocities_from_file(cfg: MDConfig, graph: AtomicGraph) -> bool:
     if cfg.velocities == "file":
         if K.VELOCITIES not in graph:
             raise InputError(f"velocities=file but {cfg.structure} holds no velocities")
-        return check_graph(graph)
-    if cfg.velocities == "auto" and has:
+        return True
+    has = K.VELOCITIES in graph and bool((graph.velocities != 0).any())
+    return cfg.velocities == "auto" and has
+
+
+def initial_velocities(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) -> AtomicGraph:
+    """Velocities from the file, or Maxwell–Boltzmann at the initial temperature (seeded)."""
+    if _velocities_from_file(cfg, graph):
         return check_graph(graph)
     t0 = targets if cfg.initial_temperature is None else cfg.initial_temperature
     return maxwell_boltzmann(graph, t0, seed=cfg.seed)
+
+
+def check_kinetic_dof(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) -> None:
+    """Refuse a temperature > 0 for a system without kinetic degrees of freedom.
+
+    A system without fixed atoms keeps zero total momentum, so it has ``3 N - 3`` degrees
+    of freedom: none for one atom; one whose atoms are all fixed has none either. Its
+    temperature stays 0 K whatever is asked, so, as LAMMPS refuses to create or rescale
+    velocities of a zero temperature, a thermostat target > 0 or Maxwell–Boltzmann
+    velocities at T > 0 for such a system raise here instead of running silently at 0 K.
+
+    Args:
+        targets: ``[n_systems]`` target temperatures (K).
+    Raises:
+        InputError: naming the first such system.
+    """
+    free = free_mask(graph).to(torch.float64)
+    n_free = torch.zeros(graph.n_systems, dtype=torch.float64, device=free.device)
+    n_free = n_free.index_add(0, graph.batch, free)
+    dof = torch.where(has_fixed(graph), 3 * n_free, 3 * n_free - 3)
+    mb = None if _velocities_from_file(cfg, graph) else (
+        targets if cfg.initial_temperature is None else torch.full_like(
+            targets, float(cfg.initial_temperature)))
+    asked = targets if cfg.ensemble != "nve" else torch.zeros_like(targets)
+    if mb is not None:
+        asked = torch.maximum(asked, mb)
+    bad = torch.nonzero((dof <= 0) & (asked > 0)).flatten()
+    if bad.numel():
+        s = int(bad[0])
+        n = int((graph.batch == s).sum())
+        why = ("all its atoms are fixed" if bool(has_fixed(graph)[s]) else
+               f"{n} atom{'s' if n != 1 else ''}, whose total momentum is kept at zero")
+        raise InputError(f"system {s} has no kinetic degrees of freedom ({why}): it cannot "
+                         f"be given a temperature of {float(asked[s]):g} K; simulate at least "
+                         "2 free atoms (e.g. a supercell), or set temperature=0")
 
 
 def pressure_to_internal(value: float, unit: str) -> float:

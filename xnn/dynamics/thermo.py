@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from xnn._files import atomic_write_bytes, atomic_write_text
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState, kinetic_energy, kinetic_tensor, temperature
 from xnn.errors import DataFileError
@@ -44,14 +45,15 @@ class ThermoLog:
     Args:
         path: CSV file.
         truncate_to: on resume, the number of data rows to keep; ``None`` starts a new file.
+            Either way the file is replaced atomically (a kill during the rewrite leaves
+            the previous file whole).
     """
 
     def __init__(self, path: str | os.PathLike, truncate_to: int | None = None):
         self.path = Path(path)
         self.rows = 0
         if truncate_to is None:
-            with open(self.path, "w", newline="") as fh:
-                csv.writer(fh, lineterminator="\n").writerow(COLUMNS)
+            atomic_write_text(self.path, ",".join(COLUMNS) + "\n")
         else:
             if not self.path.is_file():
                 raise DataFileError(f"cannot resume: thermo log {self.path} is missing")
@@ -59,7 +61,7 @@ class ThermoLog:
             if len(lines) < truncate_to + 2:
                 raise DataFileError(f"cannot resume: {self.path} has fewer rows than the "
                                     "checkpoint says")
-            self.path.write_bytes(b"\n".join(lines[: truncate_to + 1]) + b"\n")
+            atomic_write_bytes(self.path, b"\n".join(lines[: truncate_to + 1]) + b"\n")
             self.rows = truncate_to
 
     def write(self, step: int, dt: float, values: dict[str, torch.Tensor]) -> None:

@@ -12,6 +12,7 @@ from xnn.data import keys as K
 from xnn.data.ase_io import from_ase
 from xnn.errors import InputError
 from xnn.models.potential import Potential
+from xnn.neighbors.coincident import MIN_DISTANCE, closest_pair, find_close_pair
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -52,6 +53,9 @@ class Calculator(_AseCalculator):
         compile: ``torch.compile`` the model's hot path (equivariant model: ~1.5x faster on a
             GPU after a first call that compiles for tens of seconds; mace-torch wrapper: ~2x
             faster at 864 atoms on an H200 after a first call that compiles for minutes).
+        min_distance: refuse (:class:`~xnn.errors.InputError`) structures with two atoms
+            closer than this (Å; default 0.1: coincident atoms, on which a model's energy
+            means nothing); 0 evaluates anything.
 
     Attributes:
         n_model_calls: how many times the model was evaluated.
@@ -68,8 +72,10 @@ class Calculator(_AseCalculator):
         skin: float = 0.0,
         neighbor_backend: str = "auto",
         compile: bool = False,
+        min_distance: float = MIN_DISTANCE,
     ):
         super().__init__()
+        self.min_distance = float(min_distance)
         self.device = resolve_device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype)
@@ -88,6 +94,7 @@ class Calculator(_AseCalculator):
         # labels the atoms may carry are not read: results come from the model only
         no_labels = dict(energy_key=None, forces_key=None, stress_key=None, virial_key=None)
         graph = from_ase(self.atoms, **no_labels, dtype=self.dtype, device=self.device)
+        self._refuse_coincident(graph)
         out = self.potential(graph, forces=True, stress=periodic)
         self.n_model_calls += 1
         energy = float(out[K.ENERGY].sum())
@@ -100,3 +107,17 @@ class Calculator(_AseCalculator):
         if periodic:
             stress = out[K.STRESS][0].detach().cpu().double().numpy()
             self.results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(stress))
+
+    def _refuse_coincident(self, graph) -> None:
+        """Raise when two atoms are closer than ``min_distance``, from the neighbor list the
+        model call then reuses (or a list of its own if the model's cutoff is shorter)."""
+        if self.min_distance <= 0:
+            return
+        nl = self.potential.neighbors
+        pair = (closest_pair(nl(graph)) if nl.cutoff >= self.min_distance
+                else find_close_pair(graph, self.min_distance))
+        if pair is not None and pair.distance < self.min_distance:
+            raise InputError(f"atoms {pair.i} and {pair.j} are {pair.distance:.3g} Å apart, "
+                             f"closer than min_distance={self.min_distance} Å (coincident "
+                             "atoms: a duplicated atom?); fix the structure, or pass "
+                             "min_distance=0 to evaluate it anyway")

@@ -152,6 +152,9 @@ class LennardJones(PairPotential):
         zs = None if species is None else [atomic_number(s) for s in species]
         sig = _per_element("sigma", sigma, zs)
         eps = _per_element("epsilon", epsilon, zs)
+        for v in sig.values() if isinstance(sig, dict) else [sig]:
+            if not 0 < v < float("inf"):
+                raise InputError(f"LennardJones needs sigma > 0 (Å), got {sigma!r}")
         keys = sorted(
             set(sig if isinstance(sig, dict) else []) | set(eps if isinstance(eps, dict) else [])
         )

@@ -51,6 +51,7 @@ from xnn.models.blocks import (
     SpeciesEmbedding,
 )
 from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis, o3
+from xnn.models.registry import check_sizes
 
 
 class _ScatterSum(torch.autograd.Function):
@@ -381,6 +382,10 @@ class Equivariant(NativeModel):
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
     ):
+        check_sizes("equivariant", channels=channels, num_interactions=num_interactions,
+                    correlation=correlation, num_bessel=num_bessel, envelope_p=envelope_p,
+                    radial_mlp=list(radial_mlp))
+        check_sizes("equivariant", 0, readout_hidden=readout_hidden)  # 0: a linear readout
         _check(channels, l_max, hidden_l_max, num_interactions, correlation, avg_num_neighbors)
         hparams = dict(
             species=list(species), cutoff=cutoff, channels=channels, l_max=l_max,

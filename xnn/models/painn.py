@@ -41,6 +41,7 @@ from xnn.models.blocks import (
 from xnn.models.blocks import (
     radial_basis as make_radial_basis,
 )
+from xnn.models.registry import check_sizes
 
 _NORM_EPS = 1e-8  # keeps d‖Vv‖ finite when Vv = 0 (first layer)
 
@@ -136,6 +137,8 @@ class PaiNN(NativeModel):
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
     ):
+        check_sizes("painn", num_features=num_features, num_interactions=num_interactions,
+                    num_basis=num_basis)
         hparams = dict(
             species=list(species), cutoff=cutoff, num_features=num_features,
             num_interactions=num_interactions, num_basis=num_basis, radial_basis=radial_basis,

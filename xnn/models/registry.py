@@ -136,3 +136,20 @@ def saved_hyperparameters(name: str, hyperparameters: dict) -> dict:
 def rebuild(name: str, hyperparameters: dict) -> nn.Module:
     """Build a model from the hyperparameters stored in a model file or checkpoint."""
     return build(name, **saved_hyperparameters(name, hyperparameters))
+
+
+def check_sizes(model: str, minimum: int = 1, **sizes) -> None:
+    """Refuse a layer width, basis size or layer count that is not an integer >= ``minimum``
+    (a zero width builds a model that predicts a constant); lists are checked entry-wise.
+
+    Raises:
+        InputError: naming the hyperparameter, e.g. ``schnet: num_features=0 must be an
+            integer >= 1``.
+    """
+    for name, value in sizes.items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= minimum
+            if not ok:
+                what = "integers" if isinstance(value, (list, tuple)) else "an integer"
+                raise InputError(f"{model}: {name}={value!r} must be {what} >= {minimum} "
+                                 "(a size of the network)")

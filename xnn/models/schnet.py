@@ -31,6 +31,7 @@ from xnn.models.blocks import (
 from xnn.models.blocks import (
     radial_basis as make_radial_basis,
 )
+from xnn.models.registry import check_sizes
 
 
 class CFConv(nn.Module):
@@ -93,6 +94,9 @@ class SchNet(NativeModel):
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
     ):
+        check_sizes("schnet", num_filters=num_filters, num_interactions=num_interactions,
+                    num_basis=num_basis)
+        check_sizes("schnet", 2, num_features=num_features)  # the readout is F // 2 wide
         hparams = dict(
             species=list(species), cutoff=cutoff, num_features=num_features,
             num_filters=num_filters, num_interactions=num_interactions, num_basis=num_basis,

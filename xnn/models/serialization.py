@@ -29,7 +29,6 @@ import json
 import os
 import pickle
 import re
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from xnn._files import atomic_write
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, ModelFileError
@@ -76,17 +76,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _write_atomic(payload: object, path: Path) -> None:
-    """``torch.save`` to a temporary file in the target folder, then ``os.replace``."""
+    """``torch.save`` through :func:`xnn._files.atomic_write` (user's umask, fsynced)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
 def _first_line(err: BaseException) -> str:
@@ -354,10 +346,8 @@ def export_model(
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.pt2")
-    torch.export.save(program, tmp, extra_files={"xnn.json": json.dumps(meta)})
-    os.replace(tmp, path)
-    return path
+    extra = {"xnn.json": json.dumps(meta)}
+    return atomic_write(path, lambda tmp: torch.export.save(program, tmp, extra_files=extra))
 
 
 def _safe_name(model: nn.Module) -> str | None:

@@ -14,8 +14,9 @@ It holds tensors and primitives only (the numpy and python RNG states as a tenso
 tuples of ints, see :func:`rng_state`), and :func:`load_checkpoint` reads it with
 ``weights_only=True``: resuming from, or fine-tuning on, any file runs no code from it.
 
-It is written to ``path.tmp`` and moved over ``path`` with ``os.replace``, so a crash during
-a write never destroys the previous checkpoint.
+It is written to ``.NAME.tmp``, fsynced and moved over ``path`` with ``os.replace``
+(:func:`xnn._files.atomic_write`), so a crash during a write never destroys the previous
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xnn._files import atomic_write
 from xnn.errors import InputError, ModelFileError
 from xnn.models.registry import saved_hyperparameters
 from xnn.models.serialization import load_failure, read_as_data, refused_global
@@ -61,16 +63,8 @@ def save_checkpoint(payload: dict, path: str | os.PathLike) -> Path:
     """Write ``payload`` (with format fields added) atomically to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **payload}, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    full = {"format": FORMAT, "format_version": FORMAT_VERSION, **payload}
+    return atomic_write(path, lambda tmp: torch.save(full, tmp))
 
 
 def _numpy_globals() -> list:

@@ -40,8 +40,27 @@ class DataSplits:
 def _open(entry: DatasetConfig):
     if not entry.path:
         raise DataFileError("a dataset entry has an empty path (set data.datasets.N.path)")
-    return read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
-                           entry.stress_key, entry.virial_key)
+    ds = read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
+                         entry.stress_key, entry.virial_key)
+    refuse_coincident(ds, entry.path)
+    return ds
+
+
+def refuse_coincident(dataset, path: str, chunk: int = 64) -> None:
+    """Raise :class:`DataFileError` naming the first structure of a file (its index in the
+    file) with two atoms closer than :data:`~xnn.neighbors.coincident.MIN_DISTANCE`: its
+    labels would teach the model an energy for coincident atoms."""
+    from xnn.data.graph import AtomicGraph
+    from xnn.neighbors.coincident import MIN_DISTANCE, find_close_pair
+
+    for start in range(0, len(dataset), chunk):
+        stop = min(start + chunk, len(dataset))
+        pair = find_close_pair(AtomicGraph.concat([dataset[i] for i in range(start, stop)]))
+        if pair is not None:
+            raise DataFileError(
+                f"structure {start + pair.system} of {path!r}: atoms {pair.i} and {pair.j} are "
+                f"{pair.distance:.3g} Å apart, closer than {MIN_DISTANCE} Å (coincident atoms: "
+                "a duplicated atom?); remove or fix that structure")
 
 
 def _concat(parts: list):
@@ -141,5 +160,14 @@ def structures_for_statistics(dataset, limit: int = 2000) -> list:
     return [dataset[int(i)] for i in idx]
 
 
-__all__ = ["DataSplits", "build_splits", "check_labels", "structures_for_statistics",
-           "InMemoryDataset"]
+
+
+def data_files(data: DataConfig) -> dict[str, str]:
+    """``{config key: path}`` of every data file of a run (e.g. ``data.datasets.0.path``),
+    for the ranks of a job to check that they read the same data."""
+    return {f"data.{part}.{k}.path": entry.path for part in ("datasets", "val", "test")
+            for k, entry in enumerate(getattr(data, part))}
+
+
+__all__ = ["DataSplits", "build_splits", "check_labels", "data_files", "refuse_coincident",
+           "structures_for_statistics", "InMemoryDataset"]

@@ -7,7 +7,7 @@ import os
 import torch
 
 from xnn.data.datasets import WithEdges, make_batches, read_structures
-from xnn.errors import InputError
+from xnn.errors import DataFileError, InputError
 from xnn.training.losses import TermSpec
 from xnn.training.trainer import Trainer
 
@@ -26,6 +26,8 @@ def evaluate_model(model, data, batch_size: int = 8, device: str | torch.device 
         ``(metrics, parity)``: ``{"energy_mae": meV/atom, "forces_mae": meV/Å,
         "stress_mae": meV/Å³, ..._rmse, "forces_mae_<El>": ...}`` and ``{"energy": [n, 2]
         (ref, pred) eV/atom, "forces": [m, 2] eV/Å}``.
+    Raises:
+        DataFileError: no structure carries any of the labels (an unlabelled file).
     """
     if isinstance(model, (str, os.PathLike)):
         from xnn.models.serialization import load_model
@@ -35,11 +37,18 @@ def evaluate_model(model, data, batch_size: int = 8, device: str | torch.device 
         data = read_structures(data, 1.0, energy_key, forces_key, stress_key, virial_key)
     if len(data) == 0:
         raise InputError("no structure to evaluate")
+    if not data.label_counts().any():
+        raise DataFileError(
+            f"{getattr(data, 'name', 'the data')!r} holds no energy, forces or stress label "
+            f"(keys {energy_key!r}, {forces_key!r}, {stress_key!r}/{virial_key!r}): there is "
+            "nothing to compare the model with; name the file's labels with --energy-key/"
+            "--forces-key/--stress-key, or get predictions with xnn.Calculator or xnn md")
     check = getattr(model, "check_species", None)
     if check is not None:
         check(torch.tensor(data.species(), dtype=torch.long))
     device = torch.device(device)
-    dtype = next(iter(model.parameters())).dtype
+    floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.get_default_dtype()  # LJ: buffers only
     model = model.to(device)
     ds = WithEdges(data, float(model.cutoff), cache=False)
     specs = {"energy": TermSpec(1.0), "forces": TermSpec(1.0), "stress": TermSpec(0.0)}

@@ -7,8 +7,11 @@ rank.
 from __future__ import annotations
 
 import csv
+import io
 import sys
 from pathlib import Path
+
+from xnn._files import atomic_write_text
 
 TABLE_COLUMNS = (
     ("epoch", "{:>5d}", "epoch"), ("step", "{:>7d}", "step"), ("lr", "{:>9.2e}", "lr"),
@@ -103,6 +106,21 @@ class RunLogger:
             if not exists:
                 w.writeheader()
             w.writerow(row)
+
+    def restore_csv(self, history: list[dict]) -> None:
+        """On resume: rewrite ``metrics.csv`` (atomically) as the rows of the checkpoint's
+        ``history``, so that rows of epochs after the checkpoint (a run killed after it) are
+        dropped instead of repeated when those epochs run again."""
+        if not self.enabled or self.csv_path is None:
+            return
+        buf = io.StringIO(newline="")
+        self._csv_fields = list(history[0]) if history else None
+        if history:
+            w = csv.DictWriter(buf, fieldnames=self._csv_fields, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(history)
+        if history or self.csv_path.is_file():
+            atomic_write_text(self.csv_path, buf.getvalue())
 
     def close(self) -> None:
         if self._tb is not None:

@@ -112,7 +112,8 @@ class TrainingLoop:
         return save_checkpoint(self.payload(), self.ckpt_dir / f"{name}.pt")
 
     def restore(self, payload: dict) -> None:
-        """Load model, EMA, optimizer, schedule, progress and RNG state from a checkpoint."""
+        """Load model, EMA, optimizer, schedule, progress and RNG state from a checkpoint;
+        ``metrics.csv`` is rewritten to hold exactly the epochs of the checkpoint."""
         t = self.trainer
         t.model.load_state_dict(payload["model"]["state_dict"], strict=True)
         if t.ema is not None and payload.get("ema") is not None:
@@ -121,6 +122,8 @@ class TrainingLoop:
         if t.schedule is not None and payload.get("schedule") is not None:
             t.schedule.load_state_dict(payload["schedule"])
         self.progress = Progress(**payload["progress"])
+        if not self.cfg.validation_only:  # metrics.csv = the rows of the checkpoint
+            self.logger.restore_csv(self.progress.history)
         if self.reducer.rank == 0:
             set_rng_state(payload["rng"])
         else:
@@ -200,10 +203,10 @@ class TrainingLoop:
                 stop = patience is not None and p.bad_epochs > patience
         row["time_s"] = time.perf_counter() - t0
         p.history.append(row)
-        self.logger.epoch(row)
         self.save("last")
         if improved:
             self.save("best")
+        self.logger.epoch(row)  # after the checkpoint that holds it (see restore)
         return stop
 
     def run(self) -> str:

@@ -1,0 +1,139 @@
+"""Ranks that disagree stop at once with one clear error on every rank; a collective that
+times out names itself and the ranks that did not arrive (2 gloo ranks, one spawn)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+
+import pytest
+import torch
+
+try:
+    from dist_helpers import free_port, spawn
+except ImportError:  # tests/ is a package
+    from tests.dist_helpers import free_port, spawn
+
+from xnn.data.emt import write_emt
+
+pytestmark = pytest.mark.distributed
+
+TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
+        "num_basis: 8}")
+
+
+def _cli(port: int, argv: list[str]) -> tuple[int, str]:
+    """``xnn ARGV`` on a fresh process group (port ``port``): exit code and stderr."""
+    from xnn.cli.main import main
+
+    os.environ["MASTER_PORT"] = str(port)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def _train_args(data: str, out: str, *extra: str) -> list[str]:
+    return ["train", f"data.datasets.0.path={data}", f"output_dir={out}", "model.cutoff=3.0",
+            TINY, "max_steps=1", "device=cpu", "logging.plots=false",
+            "logging.progress_bar=false", *extra]
+
+
+def _md_args(structure: str, out: str, *extra: str) -> list[str]:
+    return ["md", f"structure={structure}", "model.name=lj",
+            "model.params={sigma: 2.3, epsilon: 0.4, cutoff: 5.0}", "model.device=cpu",
+            "steps=2", f"output.dir={out}", "output.progress=false", "output.plot=false",
+            *extra]
+
+
+def _timeout(port: int, rank: int, other: str) -> str | None:
+    """Rank 0 all-reduces; rank 1 does ``other`` ("sleep": rank-local work past the timeout
+    and the wait for answers, "barrier": another collective). Returns the error message."""
+    from xnn.distributed import collectives as C
+    from xnn.distributed.manager import DistributedManager
+
+    os.environ["MASTER_PORT"] = str(port)
+    manager = DistributedManager.initialize(timeout_s=2.0, device="cpu")
+    try:
+        with manager.watch():
+            if rank == 0:
+                C.all_reduce_(torch.ones(1))
+            elif other == "sleep":
+                time.sleep(5.0)
+            else:
+                manager.barrier()
+    except C.CollectiveTimeout as e:
+        return str(e)
+    finally:
+        manager.cleanup()
+    return None
+
+
+def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+    from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
+    from xnn.distributed.manager import DistributedManager
+    from xnn.training.data import data_files
+
+    out = {}
+    # 1. one rank given another override: both stop before the first training collective
+    lr = ["optim.lr=0.01"] if rank == 1 else []
+    out["lr"] = _cli(ports[0], _train_args(data, f"{tmp}/lr", *lr))
+    # 2. a data file whose content differs on rank 1
+    out["data"] = _cli(ports[1], _train_args(data_other if rank else data, f"{tmp}/data"))
+    # 3. xnn md: another temperature on rank 1
+    t = ["temperature=310"] if rank == 1 else []
+    out["md"] = _cli(ports[2], _md_args(f"{tmp}/ar.xyz", f"{tmp}/md", *t))
+    # 4. the same data under another path (a node-local copy) agrees
+    os.environ["MASTER_PORT"] = str(ports[3])
+    manager = DistributedManager.initialize(device="cpu")
+    try:
+        mine = data_copy if rank else data
+        cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={mine}"])
+        check_ranks_agree(run_fingerprint(cfg, data_files(cfg.data)))
+        out["copy"] = "agreed"
+    finally:
+        manager.cleanup()
+    # 5. timeouts: rank 1 in another collective; then rank 1 busy (no answer)
+    out["barrier"] = _timeout(ports[4], rank, "barrier")
+    out["sleep"] = _timeout(ports[5], rank, "sleep")
+    return out
+
+
+def test_disagreeing_ranks_and_timeouts(tmp_path):
+    from ase.build import bulk
+    from ase.io import write
+
+    data, other = tmp_path / "cu.xyz", tmp_path / "cu_other.xyz"
+    write_emt(data, 6, ["Cu"], seed=2)
+    write_emt(other, 6, ["Cu"], seed=3)
+    copy = tmp_path / "node2" / "cu.xyz"
+    copy.parent.mkdir()
+    copy.write_bytes(data.read_bytes())
+    write(tmp_path / "ar.xyz", bulk("Ar", "fcc", a=5.3, cubic=True))
+    ports = [free_port() for _ in range(6)]
+    results = spawn(_rank_main, 2, args=(str(tmp_path), str(data), str(copy), str(other),
+                                         ports), timeout_s=300)
+    for r in results:
+        code, err = r["lr"]
+        assert code == 2 and len(err.strip().splitlines()) == 1, err  # one line, no traceback
+        assert "not started with the same config" in err and "rank 1 in optim.lr" in err, err
+        assert "0.001 on rank 0, 0.01 on rank 1" in err, err
+        code, err = r["data"]
+        assert code == 2 and "rank 1 in data.datasets.0.path (file:" in err, err
+        code, err = r["md"]
+        assert code == 2 and "rank 1 in temperature (300.0 on rank 0, 310.0 on rank 1)" in err
+        assert r["copy"] == "agreed"
+    # nothing was written by the refused runs
+    assert not any((tmp_path / d).exists() for d in ("lr", "data", "md"))
+    # rank 0 waited in all_reduce, rank 1 in a barrier: each names the other's collective
+    a, b = results[0]["barrier"], results[1]["barrier"]
+    assert "collective all_reduce in all_reduce_ (xnn/distributed/collectives.py:" in a, a
+    assert "timed out after 2 s on rank 0" in a and "rank 1 waits in barrier in barrier" in a
+    assert "timed out after 2 s on rank 1" in b and "rank 0 waits in all_reduce" in b, b
+    # rank 1 never came: named as not arrived
+    assert "rank(s) [1] did not arrive" in results[0]["sleep"], results[0]["sleep"]
+    assert results[1]["sleep"] is None

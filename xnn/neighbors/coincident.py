@@ -1,0 +1,49 @@
+"""Coincident atoms: two atoms (or an atom and another's periodic image) closer than any
+physical bond. The shortest bond is H₂'s 0.74 Å; below :data:`MIN_DISTANCE` a structure
+is a mistake (a duplicated atom, a wrong unit, a bad cell), on which LJ gives NaN and a
+learned model an arbitrary finite energy: the ASE calculator and the training data refuse
+it (:mod:`xnn.io.calculator`, :mod:`xnn.training.data`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from xnn.data.graph import AtomicGraph
+from xnn.neighbors.api import with_edges
+
+MIN_DISTANCE = 0.1  # Å
+
+
+class ClosePair(NamedTuple):
+    """The closest pair of a graph: system, atom indices within that system, distance (Å)."""
+
+    system: int
+    i: int
+    j: int
+    distance: float
+
+
+def closest_pair(graph: AtomicGraph) -> ClosePair | None:
+    """The shortest edge of a graph with edges (``None`` without edges)."""
+    if graph.edge_index.shape[1] == 0:
+        return None
+    d = graph.edge_vectors().detach().norm(dim=-1)
+    e = int(torch.argmin(d))
+    j, i = int(graph.edge_index[0, e]), int(graph.edge_index[1, e])
+    s = int(graph.batch[i])
+    first = int(graph.ptr[s])
+    return ClosePair(s, min(i, j) - first, max(i, j) - first, float(d[e]))
+
+
+def find_close_pair(graph: AtomicGraph, min_distance: float = MIN_DISTANCE) -> ClosePair | None:
+    """The closest pair of ``graph`` (without edges, batched) if closer than ``min_distance``
+    (Å), else ``None``. One neighbor list for ``min_distance`` (cell lists cap their bins
+    by the atom count, so a small radius costs nothing more)."""
+    if min_distance <= 0 or graph.n_atoms < 2 and not bool(graph.pbc.any()):
+        return None
+    plain = AtomicGraph({k: graph[k] for k in ("positions", "numbers", "cell", "pbc", "batch")},
+                        validate=False)
+    pair = closest_pair(with_edges(plain, float(min_distance)))
+    return pair if pair is not None and pair.distance < min_distance else None

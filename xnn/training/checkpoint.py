@@ -128,9 +128,7 @@ def _architecture(hp: dict) -> dict:
 
 
 def check_same_architecture(payload: dict, model, path) -> None:
-    """Raise a one-line :class:`InputError` when the checkpoint holds another architecture
-    (and :class:`ModelFileError` when it lacks what a resume needs)."""
-    require_fields(payload, path)
+    """Raise a one-line :class:`InputError` when the checkpoint holds another architecture."""
     name, hp = model_identity(model)
     saved_name = payload["model"]["name"]
     if saved_name != name:

@@ -22,7 +22,7 @@ from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.io.torch_files import check_complete
-from xnn.training.checkpoint import check_same_architecture, load_checkpoint
+from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import build_splits, structures_for_statistics
 from xnn.training.ema import EMA
 from xnn.training.loggers import RunLogger
@@ -159,6 +159,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
     trainer.schedule.total_steps = _horizon(cfg, loop)
     if resume:
         payload = load_checkpoint(resume)
+        require_fields(payload, resume)  # what restore reads: one line, not a KeyError
         check_same_architecture(payload, trainer.model, resume)
         loop.restore(payload)
         logger.print(f"resumed from {resume} at epoch {loop.progress.epoch}, "

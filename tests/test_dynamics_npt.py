@@ -108,7 +108,9 @@ def test_anisotropic_relaxes_shear_in_triclinic_cell():
     shear_aniso = float(p_aniso[..., 0, 1].mean()) * EV_PER_A3_TO_GPA
     shear_iso = float(p_iso[..., 0, 1].mean()) * EV_PER_A3_TO_GPA
     assert abs(p_start) > 0.05
-    assert abs(shear_aniso) < 0.2 * abs(p_start), (p_start, shear_aniso)
+    # measured over 6 barostat seeds (and 5 of the earlier generator): |shear_aniso| is
+    # 0.08-0.28 of |p_start| (mean 0.16), the isotropic barostat keeps > 0.5 of it
+    assert abs(shear_aniso) < 0.35 * abs(p_start), (p_start, shear_aniso)
     assert abs(shear_iso) > 0.5 * abs(p_start), (p_start, shear_iso)
     diag = float(p_aniso.diagonal(0, -2, -1).mean()) * EV_PER_A3_TO_GPA
     assert abs(diag) < 0.03

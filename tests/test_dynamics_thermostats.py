@@ -111,7 +111,9 @@ def test_thermostat_detects_wrong_variance():
 
 
 def test_rng_state_is_part_of_the_state():
-    """Same state -> same step; the caller's generator state is not advanced."""
+    """The noise is a function of the state: same state -> same step; ``rng`` (the seed)
+    and the step number key it, so another seed or another step count draws other numbers,
+    and ``rng`` itself never changes (a resumed run needs only the state)."""
     pot = Potential(build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.5).double(), skin=1.0)
     g = maxwell_boltzmann(batch_of_crystals(2), 40.0, seed=1)
     for mod, kw in ((langevin, {"friction": 0.01}), (csvr, {"tau": 50.0})):
@@ -119,7 +121,11 @@ def test_rng_state_is_part_of_the_state():
         rng0 = s.rng.clone()
         a = mod.step(s, pot, 5.0)
         b = mod.step(s, pot, 5.0)
-        assert torch.equal(s.rng, rng0)
-        assert torch.equal(a.velocities, b.velocities) and not torch.equal(a.rng, s.rng)
+        assert torch.equal(s.rng, rng0) and torch.equal(a.rng, rng0)
+        assert torch.equal(a.velocities, b.velocities)
+        other_seed = mod.step(mod.init(g, pot, temperature=40.0, seed=6, **kw), pot, 5.0)
+        other_step = mod.step(s.replace(step=7), pot, 5.0)
+        assert not torch.allclose(a.velocities, other_seed.velocities, rtol=0, atol=1e-9)
+        assert not torch.allclose(a.velocities, other_step.velocities, rtol=0, atol=1e-9)
     s = nhc.init(g, pot, temperature=40.0)
     assert s.rng is None

@@ -3,8 +3,14 @@ the runner behind ``xnn md`` / ``xnn relax``, and safety checks.
 
 Every integrator module (:mod:`~xnn.dynamics.nve`, :mod:`~xnn.dynamics.langevin`,
 :mod:`~xnn.dynamics.nhc`, :mod:`~xnn.dynamics.csvr`, :mod:`~xnn.dynamics.npt`,
-:mod:`~xnn.dynamics.fire`) provides ``init(graph, model, ...) -> MDState``,
+:mod:`~xnn.dynamics.fire`) provides ``init(graph, model, ..., reduce) -> MDState``,
 ``step(state, model, dt, reduce) -> MDState`` and ``conserved(state, reduce)``.
+
+``reduce`` (a :class:`Reducer`, default :data:`LOCAL`) computes every quantity that
+combines atoms, so the same functions run on each rank of a domain-decomposed run, where
+``state.graph`` holds that rank's atoms only and the model returns the global energy and
+stress and the forces of those atoms. Random numbers (:mod:`xnn.dynamics.random`) are keyed
+by seed, step and global atom id, so such a run follows the single-process trajectory.
 """
 
 from xnn.dynamics.reduce import LOCAL, Reducer

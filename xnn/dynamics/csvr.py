@@ -7,7 +7,10 @@ the exact solution of
 ``dK = (K_t - K) dt/τ + 2 sqrt(K K_t / N_f) dW/sqrt(τ)``,  ``K_t = N_f k_B T / 2``:
 
 ``α² = c + (1-c)(S + R²) K_t/(N_f K) + 2 R sqrt(c (1-c) K_t/(N_f K))``, ``c = exp(-dt/τ)``,
-``R`` a standard normal and ``S`` a sum of ``N_f - 1`` squared standard normals.
+``R`` a standard normal and ``S`` a sum of ``N_f - 1`` squared standard normals, drawn as
+``2 Gamma((N_f - 1)/2)`` (:func:`xnn.dynamics.random.chi_squared`). Both are per-system
+draws keyed by (seed, step, system index, half step): the same on every rank of a
+decomposed run, whatever atoms it holds.
 
 Variables: ``temperature [n_systems]`` (K), ``tau [n_systems]`` (fs), ``heat [n_systems]`` (eV).
 """
@@ -18,23 +21,26 @@ import torch
 from torch import Tensor
 
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import nve
+from xnn.dynamics import nve, random
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
     MDState,
     check_timestep,
     degrees_of_freedom,
     free_mask,
-    generator,
     initial_state,
     kinetic_energy,
     new_rng,
     per_system,
+    seed_of,
 )
 from xnn.units import KB
 
 
-def init(state: AtomicGraph, model, temperature, tau: float = 100.0, seed: int = 0) -> MDState:
+def init(
+    state: AtomicGraph, model, temperature, tau: float = 100.0, seed: int = 0,
+    reduce: Reducer = LOCAL,
+) -> MDState:
     """Start CSVR dynamics.
 
     Args:
@@ -43,6 +49,7 @@ def init(state: AtomicGraph, model, temperature, tau: float = 100.0, seed: int =
         temperature: K, scalar or ``[n_systems]``.
         tau: thermostat time constant (fs), scalar or ``[n_systems]``, > 0.
         seed: seed of the thermostat noise.
+        reduce: global reductions (the default: this process holds every atom).
     """
     ref = state.positions
     n = state.n_systems
@@ -51,32 +58,38 @@ def init(state: AtomicGraph, model, temperature, tau: float = 100.0, seed: int =
         "tau": per_system(tau, n, ref, "tau", positive=True),
         "heat": ref.new_zeros(n),
     }
-    return initial_state(model, state, vars_, new_rng(seed, ref.device))
+    return initial_state(model, state, vars_, new_rng(seed), reduce)
 
 
-def _sum_squares(
-    graph: AtomicGraph, count: Tensor, gen: torch.Generator, reduce: Reducer
-) -> Tensor:
-    """``[n_systems]`` sum of ``count [n_systems]`` squared standard normals (``<= 3 n_atoms``)."""
-    xi = torch.randn(graph.positions.shape, generator=gen, dtype=graph.dtype, device=graph.device)
-    ptr = graph.ptr
-    local = torch.arange(graph.n_atoms, device=graph.device) - ptr[graph.batch]
-    flat = 3 * local[:, None] + torch.arange(3, device=graph.device)
-    keep = flat < count[graph.batch, None]
-    sq = torch.where(keep, xi * xi, torch.zeros_like(xi)).sum(-1)
-    return reduce.sum_per_system(sq, graph.batch, graph.n_systems)
+def draws(rng: Tensor, step: int, stage: int, nf: Tensor) -> tuple[Tensor, Tensor]:
+    """``R`` and ``S`` ``[n_systems]`` (float64) of half step ``stage`` (0, 1) of step ``step``.
+
+    Args:
+        rng: ``MDState.rng``.
+        nf: ``[n_systems]`` degrees of freedom; ``S`` sums ``N_f - 1`` squared normals.
+    """
+    seed, stream = seed_of(rng), random.STREAMS["csvr"]
+    system = torch.arange(nf.shape[0], device=nf.device)
+    half = torch.full((), int(stage), dtype=torch.int64, device=nf.device)
+    r = random.normal(seed, step, stream, system, half, torch.zeros_like(half))
+    count = (nf - 1).round().clamp(min=0)
+    s = random.chi_squared(seed, step, stream, count, system, half, torch.ones_like(half))
+    return r, s
 
 
-def rescale(state: MDState, dt: float, reduce: Reducer) -> MDState:
-    """Apply the stochastic velocity rescaling over a time ``dt`` (fs)."""
+def rescale(state: MDState, dt: float, reduce: Reducer, step: int, stage: int) -> MDState:
+    """Apply the stochastic velocity rescaling over a time ``dt`` (fs).
+
+    Args:
+        step: the number of the step being taken (``state.step`` at its start).
+        stage: 0 for the half step before the force call, 1 for the one after.
+    """
     g = state.graph
-    gen = generator(state.rng, g.device)
     nf = degrees_of_freedom(g, reduce)
     k = kinetic_energy(g, reduce)
     kt = 0.5 * nf * KB * state.vars["temperature"]
     c = torch.exp(-dt / state.vars["tau"])
-    r = torch.randn(g.n_systems, generator=gen, dtype=g.dtype, device=g.device)
-    s = _sum_squares(g, (nf - 1).round().to(torch.long), gen, reduce)
+    r, s = (x.to(g.dtype) for x in draws(state.rng, step, stage, nf))
     k_safe = k.clamp(min=torch.finfo(g.dtype).tiny)
     ratio = kt / (nf * k_safe)
     alpha2 = c + (1 - c) * (s + r * r) * ratio + 2 * r * torch.sqrt(c * (1 - c) * ratio)
@@ -86,15 +99,15 @@ def rescale(state: MDState, dt: float, reduce: Reducer) -> MDState:
     v = torch.where(free_mask(g)[:, None], v, torch.zeros_like(v))
     new = g.replace(velocities=v)
     dk = kinetic_energy(new, reduce) - k
-    return state.replace(graph=new, rng=gen.get_state(), vars={"heat": state.vars["heat"] - dk})
+    return state.replace(graph=new, vars={"heat": state.vars["heat"] - dk})
 
 
 def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
     """Advance by ``dt`` (fs)."""
     dt = check_timestep(dt)
-    s = rescale(state, 0.5 * dt, reduce)
+    s = rescale(state, 0.5 * dt, reduce, state.step, 0)
     s = nve.verlet(s, model, dt)
-    return rescale(s, 0.5 * dt, reduce)
+    return rescale(s, 0.5 * dt, reduce, state.step, 1)
 
 
 def conserved(state: MDState, reduce: Reducer = LOCAL) -> Tensor:

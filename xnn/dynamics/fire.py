@@ -7,7 +7,11 @@ power ``P = f·v`` are per-system sums through the :class:`~xnn.dynamics.reduce.
 With ``relax_cell=True`` the degrees of freedom are ``u = r D⁻¹`` and ``c D`` (``cell = cell₀ D``,
 ``c`` = ``cell_factor``, default ``N_atoms`` as in ASE's ``UnitCellFilter``), with forces
 ``F Dᵀ`` and ``-V D⁻ᵀ (σ + P₀ I) / c``; at a minimum all forces vanish and the stress equals
-``-P₀`` (pressure ``P₀``). FIRE velocities are fictitious (massless) and live in ``vars``.
+``-P₀`` (pressure ``P₀``). FIRE velocities are fictitious (massless): those of the atoms are
+the per-atom field ``fire_velocities`` of the graph (so they travel with their atoms between
+the ranks of a decomposed run), those of the cell live in ``vars``. Every quantity that
+combines atoms (atom counts, norms, power, ``fmax``) goes through the ``Reducer``, so each
+rank of a decomposed relaxation takes the same steps.
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState, evaluate, free_mask, initial_state, per_system
 from xnn.errors import InputError
 
+#: per-atom field ``[n_atoms, 3]``: FIRE velocities of the atom degrees of freedom
+FIRE_VELOCITIES = "fire_velocities"
+K.register_field(FIRE_VELOCITIES, K.ATOM)
+
 DEFAULTS = dict(dt=0.1, maxstep=0.2, dtmax=1.0, n_min=5, finc=1.1, fdec=0.5, astart=0.1, fa=0.99)
 
 
 def init(
     state: AtomicGraph, model, relax_cell: bool = False, pressure: float = 0.0,
     cell_factor: float | None = None, dt: float = 0.1, maxstep: float = 0.2, dtmax: float = 1.0,
+    reduce: Reducer = LOCAL,
 ) -> MDState:
     """Start a FIRE relaxation.
 
@@ -37,6 +46,7 @@ def init(
         pressure: target pressure P₀ (eV/Å³) for the cell relaxation.
         cell_factor: scale of the cell degrees of freedom (default: atoms per system).
         dt, maxstep, dtmax: ASE's FIRE parameters (ASE time units, Å).
+        reduce: global reductions (the default: this process holds every atom).
     """
     if relax_cell and not bool(state.pbc.all()):
         raise InputError("relax_cell (a pressure target) needs a cell periodic along all "
@@ -45,7 +55,7 @@ def init(
         raise InputError("FIRE dt, dtmax and maxstep must be > 0")
     ref = state.positions
     n = state.n_systems
-    counts = state.n_atoms_per_system.to(ref.dtype)
+    counts = reduce.count_per_system(state.batch, n, ref.dtype)
     cf = counts if cell_factor is None else per_system(cell_factor, n, ref, "cell_factor", True)
     eye = torch.eye(3, dtype=ref.dtype, device=ref.device).expand(n, 3, 3).clone()
     vars_ = {
@@ -60,10 +70,17 @@ def init(
         "cell_factor": cf,
         "cell0": state.cell.clone(),
         "deform": eye,
-        "vel_atoms": torch.zeros_like(ref),
         "vel_cell": torch.zeros_like(eye),
     }
-    return initial_state(model, state.replace(velocities=torch.zeros_like(ref)), vars_)
+    graph = state.replace({K.VELOCITIES: torch.zeros_like(ref),
+                           FIRE_VELOCITIES: torch.zeros_like(ref)})
+    return initial_state(model, graph, vars_, reduce=reduce)
+
+
+def _atom_velocities(state: MDState) -> Tensor:
+    """``[n_atoms, 3]`` FIRE velocities of the atoms (``vars["vel_atoms"]`` in older states)."""
+    va = state.graph.get(FIRE_VELOCITIES)
+    return state.vars["vel_atoms"] if va is None else va
 
 
 def generalized_forces(state: MDState) -> tuple[Tensor, Tensor]:
@@ -99,7 +116,8 @@ def step(state: MDState, model, fmax_target: float = 0.0, reduce: Reducer = LOCA
     b = g.batch
     f, fc = generalized_forces(state)
     active = fmax(state, reduce) >= fmax_target
-    va, vc = v["vel_atoms"], v["vel_cell"]
+    va0 = _atom_velocities(state)
+    va, vc = va0, v["vel_cell"]
     vf = _per_sys(reduce, g, f * va, fc * vc)
     f2 = _per_sys(reduce, g, f * f, fc * fc)
     v2 = _per_sys(reduce, g, va * va, vc * vc)
@@ -131,7 +149,8 @@ def step(state: MDState, model, fmax_target: float = 0.0, reduce: Reducer = LOCA
     pos = torch.where(active[b, None], pos, g.positions)
     cell = torch.where(v["relax_cell"][:, None, None] & active[:, None, None],
                        v["cell0"] @ d_new, g.cell)
-    new_g = g.replace({K.POSITIONS: pos, K.CELL: cell})
+    new_g = g.replace({K.POSITIONS: pos, K.CELL: cell,
+                       FIRE_VELOCITIES: torch.where(active[b, None], va, va0)})
     energy, forces, stress = evaluate(model, new_g, state.compute_stress)
 
     def sel(new, old):
@@ -141,7 +160,6 @@ def step(state: MDState, model, fmax_target: float = 0.0, reduce: Reducer = LOCA
     vars_ = {
         "dt": sel(dt, v["dt"]), "a": sel(a, v["a"]), "n_pos": sel(n_pos, v["n_pos"]),
         "started": v["started"] | active, "deform": sel(d_new, d_old),
-        "vel_atoms": torch.where(active[b, None], va, v["vel_atoms"]),
         "vel_cell": sel(vc, v["vel_cell"]),
     }
     return state.replace(graph=new_g, forces=forces, energy=energy, stress=stress,

@@ -4,6 +4,9 @@
 ``v ← c₁ v + c₂ sqrt(k_B T / m) ξ`` with ``c₁ = exp(-γ dt)``, ``c₂ = sqrt(1 - c₁²)``,
 ``A`` half drift, force call, ``B`` half kick. For systems without fixed atoms the
 noise's centre-of-mass part is removed, so total momentum stays zero (``3N - 3`` DOF).
+The noise ``ξ`` of step ``n`` is keyed by (seed, ``n``, system index, global atom id,
+component) (:mod:`xnn.dynamics.random`): it does not depend on the atoms' order or on
+which process holds them.
 
 Variables: ``temperature [n_systems]`` (K), ``friction [n_systems]`` (1/fs),
 ``heat [n_systems]`` (eV, kinetic energy removed by the thermostat, for the conserved quantity).
@@ -15,22 +18,25 @@ import torch
 from torch import Tensor
 
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import nve
+from xnn.dynamics import nve, random
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
     MDState,
     check_timestep,
-    generator,
     initial_state,
     kinetic_energy,
     new_rng,
     per_system,
     remove_com_velocity,
+    seed_of,
 )
 from xnn.units import KB, MVV2E
 
 
-def init(state: AtomicGraph, model, temperature, friction: float = 0.01, seed: int = 0) -> MDState:
+def init(
+    state: AtomicGraph, model, temperature, friction: float = 0.01, seed: int = 0,
+    reduce: Reducer = LOCAL,
+) -> MDState:
     """Start BAOAB Langevin dynamics.
 
     Args:
@@ -39,6 +45,7 @@ def init(state: AtomicGraph, model, temperature, friction: float = 0.01, seed: i
         temperature: K, scalar or ``[n_systems]``.
         friction: γ (1/fs), scalar or ``[n_systems]``, > 0.
         seed: seed of the thermostat noise.
+        reduce: global reductions (the default: this process holds every atom).
     """
     ref = state.positions
     n = state.n_systems
@@ -47,21 +54,28 @@ def init(state: AtomicGraph, model, temperature, friction: float = 0.01, seed: i
         "friction": per_system(friction, n, ref, "friction", positive=True),
         "heat": ref.new_zeros(n),
     }
-    return initial_state(model, state, vars_, new_rng(seed, ref.device))
+    return initial_state(model, state, vars_, new_rng(seed), reduce)
+
+
+def noise(state: MDState) -> Tensor:
+    """``[n_atoms, 3]`` standard normals of the O step taken from ``state.step``."""
+    g = state.graph
+    words = random.atom_words(g.batch, g.atom_id, 3)
+    xi = random.normal(seed_of(state.rng), state.step, random.STREAMS["langevin"], *words)
+    return xi.to(g.dtype)
 
 
 def ou_step(state: MDState, dt: float, reduce: Reducer) -> MDState:
     """Exact Ornstein–Uhlenbeck update of the velocities over ``dt``."""
     g = state.graph
-    gen = generator(state.rng, g.device)
-    xi = torch.randn(g.positions.shape, generator=gen, dtype=g.dtype, device=g.device)
+    xi = noise(state)
     c1 = torch.exp(-state.vars["friction"] * dt)[g.batch, None]
     c2 = torch.sqrt(1.0 - c1 * c1)
     sigma = torch.sqrt(KB * state.vars["temperature"][g.batch] / (g.masses * MVV2E))[:, None]
     v = remove_com_velocity(c1 * g.velocities + c2 * sigma * xi, g, reduce)
     new = g.replace(velocities=v)
     dk = kinetic_energy(new, reduce) - kinetic_energy(g, reduce)
-    return state.replace(graph=new, rng=gen.get_state(), vars={"heat": state.vars["heat"] - dk})
+    return state.replace(graph=new, vars={"heat": state.vars["heat"] - dk})
 
 
 def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:

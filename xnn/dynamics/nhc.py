@@ -36,7 +36,7 @@ _YOSHIDA = {
 
 def init(
     state: AtomicGraph, model, temperature, tau: float = 100.0, chain_length: int = 3,
-    n_yoshida: int = 3,
+    n_yoshida: int = 3, reduce: Reducer = LOCAL,
 ) -> MDState:
     """Start Nosé–Hoover-chain dynamics.
 
@@ -47,6 +47,7 @@ def init(
         tau: thermostat period (fs), > 0.
         chain_length: M >= 1 thermostats per chain.
         n_yoshida: Suzuki–Yoshida order, 1 or 3.
+        reduce: global reductions (the default: this process holds every atom).
     """
     if chain_length < 1:
         raise InputError(f"chain_length must be >= 1, got {chain_length}")
@@ -61,7 +62,7 @@ def init(
         "v_eta": ref.new_zeros(n, chain_length),
         "n_yoshida": torch.full((n,), n_yoshida, dtype=torch.long, device=ref.device),
     }
-    return initial_state(model, state, vars_)
+    return initial_state(model, state, vars_, reduce=reduce)
 
 
 def _masses(state: MDState, nf: Tensor) -> Tensor:

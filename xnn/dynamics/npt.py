@@ -50,16 +50,16 @@ from torch import Tensor
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import csvr, nve
+from xnn.dynamics import csvr, nve, random
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
     MDState,
     check_timestep,
     free_mask,
-    generator,
     kinetic_energy,
     kinetic_tensor,
     per_system,
+    seed_of,
 )
 from xnn.errors import InputError
 from xnn.units import KB
@@ -68,6 +68,7 @@ from xnn.units import KB
 def init(
     state: AtomicGraph, model, temperature, pressure, tau: float = 100.0, tau_p: float = 1000.0,
     compressibility: float = 0.01, anisotropic: bool = False, seed: int = 0,
+    reduce: Reducer = LOCAL,
 ) -> MDState:
     """Start NPT dynamics.
 
@@ -82,12 +83,13 @@ def init(
         anisotropic: let all six cell components fluctuate, orientation fixed (else
             isotropic).
         seed: seed of thermostat and barostat noise.
+        reduce: global reductions (the default: this process holds every atom).
     """
     if not bool(state.pbc.all()):
         raise InputError("a pressure target needs a cell periodic along all three axes")
-    if not bool(free_mask(state).all()):
+    if reduce.any(~free_mask(state)):
         raise InputError("fixed atoms cannot be combined with a barostat (ensemble npt)")
-    s = csvr.init(state, model, temperature, tau, seed)
+    s = csvr.init(state, model, temperature, tau, seed, reduce)
     ref = state.positions
     n = state.n_systems
     p = torch.as_tensor(pressure, dtype=ref.dtype, device=ref.device)
@@ -116,12 +118,12 @@ def _triangular_frame(cell: Tensor) -> Tensor:
     return q * sign[:, None, :]
 
 
-def _aniso_generator(state: MDState, p: Tensor, noise: Tensor, dt: float) -> Tensor:
+def _aniso_generator(state: MDState, p: Tensor, xi: Tensor, dt: float) -> Tensor:
     """``[n, 3, 3]`` ``G = Q Bᵀ Qᵀ``: ``M = exp(G)`` is the lab-frame (row-vector) deformation.
 
     Args:
         p: ``[n, 3, 3]`` pressure tensor (eV/Å³).
-        noise: ``[n, 3, 3]`` standard normals; the upper triangle is used.
+        xi: ``[n, 3, 3]`` standard normals; the upper triangle is used.
         dt: fs.
     """
     v = state.vars
@@ -132,11 +134,21 @@ def _aniso_generator(state: MDState, p: Tensor, noise: Tensor, dt: float) -> Ten
     eye = torch.eye(3, dtype=p.dtype, device=p.device)
     drift = rate * dt * torch.triu(p_frame - v["pressure"][:, None, None] * eye)
     amp = torch.sqrt(2 * KB * v["temperature"][:, None, None] * rate * dt / vol[:, None, None])
-    b = drift + amp * torch.triu(noise)
+    b = drift + amp * torch.triu(xi)
     return q @ b.transpose(-1, -2) @ q.transpose(-1, -2)
 
 
-def _strain_increment(state: MDState, dt: float, gen: torch.Generator, reduce: Reducer) -> Tensor:
+def noise(state: MDState, step: int) -> Tensor:
+    """``[n_systems, 3, 3]`` standard normals of the barostat of step ``step``, keyed by
+    (seed, step, system index, component)."""
+    g = state.graph
+    system = torch.arange(g.n_systems, device=g.device)[:, None]
+    comp = torch.arange(9, device=g.device)
+    xi = random.normal(seed_of(state.rng), step, random.STREAMS["npt"], system, comp)
+    return xi.reshape(g.n_systems, 3, 3).to(g.dtype)
+
+
+def _strain_increment(state: MDState, dt: float, step: int, reduce: Reducer) -> Tensor:
     """``[n_systems, 3, 3]`` log-deformation ``G`` over ``dt``: ``r ← r exp(G)``."""
     g = state.graph
     v = state.vars
@@ -145,23 +157,23 @@ def _strain_increment(state: MDState, dt: float, gen: torch.Generator, reduce: R
     rate = v["compressibility"] / v["tau_p"]
     p = pressure_tensor(state, reduce)
     eye = torch.eye(3, dtype=g.dtype, device=g.device)
-    noise = torch.randn(g.n_systems, 3, 3, generator=gen, dtype=g.dtype, device=g.device)
+    xi = noise(state, step)
     # isotropic: one scalar per system, shared by the three diagonal entries
     drift_iso = rate * (p.diagonal(dim1=-2, dim2=-1).mean(-1) - v["pressure"]) * dt
-    d_iso = drift_iso + torch.sqrt(2 * kt * rate / vol * dt) * noise[:, 0, 0]
+    d_iso = drift_iso + torch.sqrt(2 * kt * rate / vol * dt) * xi[:, 0, 0]
     iso = (d_iso / 3)[:, None, None] * eye
-    return torch.where(v["anisotropic"][:, None, None], _aniso_generator(state, p, noise, dt), iso)
+    return torch.where(v["anisotropic"][:, None, None], _aniso_generator(state, p, xi, dt), iso)
 
 
-def barostat(state: MDState, dt: float, reduce: Reducer) -> tuple[MDState, Tensor]:
-    """Deform cell, positions and velocities by one stochastic-cell-rescaling step.
+def barostat(state: MDState, dt: float, reduce: Reducer, step: int) -> tuple[MDState, Tensor]:
+    """Deform cell, positions and velocities by one stochastic-cell-rescaling step
+    (``step``: the number of the step being taken, which keys the noise).
 
     Returns the new state and the step's log-deformation ``G`` ``[n_systems, 3, 3]``. The
     state's ``work`` gains the exact kinetic-energy change and ``P₀ ΔV``; the potential-energy
     change needs the stress after the move, so :func:`step` adds it."""
     g = state.graph
-    gen = generator(state.rng, g.device)
-    deps = _strain_increment(state, dt, gen, reduce)
+    deps = _strain_increment(state, dt, step, reduce)
     mu = torch.linalg.matrix_exp(deps)
     mu_inv_t = torch.linalg.matrix_exp(-deps.transpose(-1, -2))  # momenta: p ← p M⁻ᵀ
     new = g.replace({
@@ -171,16 +183,17 @@ def barostat(state: MDState, dt: float, reduce: Reducer) -> tuple[MDState, Tenso
     })
     dk = kinetic_energy(new, reduce) - kinetic_energy(g, reduce)
     work = state.vars["work"] + dk + state.vars["pressure"] * (new.volume() - g.volume())
-    return state.replace(graph=new, rng=gen.get_state(), vars={"work": work}), deps
+    return state.replace(graph=new, vars={"work": work}), deps
 
 
 def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
     """Advance by ``dt`` (fs)."""
     dt = check_timestep(dt)
-    s = csvr.rescale(state, 0.5 * dt, reduce)
+    n = state.step
+    s = csvr.rescale(state, 0.5 * dt, reduce, n, 0)
     s = nve.half_kick(s, dt)
     v0_sigma0 = s.graph.volume()[:, None, None] * s.stress
-    s, deps = barostat(s, dt, reduce)
+    s, deps = barostat(s, dt, reduce, n)
     s = nve.with_positions(s, model, nve.drift(s, dt))
     # The barostat's potential-energy input by the trapezoid rule, ½ (V₀σ₀ + V₁σ₁) : G, with
     # σ₁ from this force call (one drift later: a zero-mean O(dt^1.5) difference). The first-
@@ -190,7 +203,7 @@ def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
     de_pot = 0.5 * ((v0_sigma0 + v1_sigma1) * deps).sum((-1, -2))
     s = s.replace(vars={"work": s.vars["work"] + de_pot})
     s = nve.half_kick(s, dt)
-    return csvr.rescale(s, 0.5 * dt, reduce)
+    return csvr.rescale(s, 0.5 * dt, reduce, n, 1)
 
 
 def conserved(state: MDState, reduce: Reducer = LOCAL) -> Tensor:

@@ -20,9 +20,11 @@ from xnn.dynamics.state import (
 )
 
 
-def init(state: AtomicGraph, model) -> MDState:
-    """Evaluate forces on ``state`` (a graph with velocities, Å/fs) and start the integrator."""
-    return initial_state(model, state, {})
+def init(state: AtomicGraph, model, reduce: Reducer = LOCAL) -> MDState:
+    """Evaluate forces on ``state`` (a graph with velocities, Å/fs) and start the integrator.
+
+    ``reduce``: global reductions (the default: this process holds every atom)."""
+    return initial_state(model, state, {}, reduce=reduce)
 
 
 def half_kick(state: MDState, dt: float) -> MDState:

@@ -1,19 +1,25 @@
 """Global reductions of the MD engine, gathered in one object.
 
-Every global quantity an integrator needs (kinetic energy, degrees of freedom, pressure,
-FIRE power, convergence) is computed through a :class:`Reducer`. In a single process it
-is a plain per-system sum; the domain-decomposition layer replaces it by a subclass whose
-methods add a cross-rank all-reduce, without touching the integrators.
+Every global quantity an integrator needs (kinetic energy, degrees of freedom, atom counts,
+centre-of-mass motion, pressure, FIRE power and norms, convergence, input checks) is
+computed through a :class:`Reducer`, so that every rank of a decomposed run gets the same
+value and takes the same branch. In a single process it is a plain per-system sum; the
+domain-decomposition layer replaces it by a subclass whose three primitive methods
+(:meth:`~Reducer.sum_per_system`, :meth:`~Reducer.max_per_system`, :meth:`~Reducer.any`)
+add a cross-rank all-reduce, without touching the integrators. The other methods are
+written with the primitives, so a subclass inherits them correct.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
 class Reducer:
-    """Per-system sums over the atoms held by this process."""
+    """Per-system sums, maxima and flags over the atoms held by this process."""
 
+    # ------------------------------------------------------------------ primitives
     def sum_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
         """``[n_systems, ...]`` sum of per-atom ``values [n_atoms, ...]`` by system index."""
         out = values.new_zeros((n_systems, *values.shape[1:]))
@@ -27,6 +33,22 @@ class Reducer:
     def any(self, flag: Tensor) -> bool:
         """True if any element of ``flag`` is true on any process (a host decision)."""
         return bool(flag.any())
+
+    # ------------------------------------------------------------------ derived
+    def all(self, flag: Tensor) -> bool:
+        """True if every element of ``flag`` is true on every process (a host decision)."""
+        return not self.any(~flag.to(torch.bool))
+
+    def min_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
+        """``[n_systems]`` minimum of per-atom ``values [n_atoms]`` (``+inf`` for empty systems)."""
+        return -self.max_per_system(-values, batch, n_systems)
+
+    def count_per_system(
+        self, batch: Tensor, n_systems: int, dtype: torch.dtype = torch.float64
+    ) -> Tensor:
+        """``[n_systems]`` number of atoms of each system (as ``dtype``)."""
+        ones = torch.ones(batch.shape[0], dtype=dtype, device=batch.device)
+        return self.sum_per_system(ones, batch, n_systems)
 
 
 #: the default single-process reducer

@@ -1,5 +1,6 @@
-"""Integrators by name: each is a module with ``init(state, model, ...)``,
-``step(state, model, dt, reduce)`` and ``conserved(state, reduce)``."""
+"""Integrators by name: each is a module with ``init(graph, model, ..., reduce)``,
+``step(state, model, dt, reduce)`` and ``conserved(state, reduce)`` (``reduce``: a
+:class:`~xnn.dynamics.reduce.Reducer`; FIRE's ``step`` takes ``fmax_target`` for ``dt``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,13 @@
 """The MD state: an ``AtomicGraph`` plus the integrator's variables, and shared helpers.
 
 ``MDState`` is frozen: integrators return new states and never modify the caller's tensors.
-Random numbers come from a generator whose state is part of the MD state (``rng``), so a
-run restarted from a checkpoint draws exactly the same numbers as an uninterrupted one.
+Random numbers are counter-based (:mod:`xnn.dynamics.random`): a draw is a function of the
+seed held in ``MDState.rng``, the step number, a stream and the system index / global atom
+id it is for, so a run restarted from a checkpoint draws exactly the numbers of an
+uninterrupted one, and a decomposed run the numbers of a single process.
+
+Every function that combines atoms takes a :class:`~xnn.dynamics.reduce.Reducer`, so it
+also works when a process holds only some of a system's atoms (domain decomposition).
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from torch import Tensor
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
+from xnn.dynamics import random
 from xnn.dynamics.reduce import LOCAL, Reducer
-from xnn.errors import InputError
+from xnn.errors import DataFileError, InputError
 from xnn.units import KB, MVV2E
 
 
@@ -32,7 +38,8 @@ class MDState:
         step: number of steps taken.
         vars: integrator variables by name (thermostat/barostat state, targets), each a
             tensor whose first dimension is ``n_systems``.
-        rng: ``torch.Generator`` state (uint8 tensor), or ``None`` for deterministic integrators.
+        rng: the seed of the integrator's random numbers, an int64 CPU tensor of shape
+            ``[1]`` (:func:`new_rng`); ``None`` for deterministic integrators.
         compute_stress: evaluate the stress each step (default: when a system is periodic;
             the pressure in the thermo log needs it, NPT and cell relaxation force it).
     """
@@ -87,9 +94,9 @@ def check_timestep(dt: float) -> float:
     return float(dt)
 
 
-def check_graph(graph: AtomicGraph) -> AtomicGraph:
+def check_graph(graph: AtomicGraph, reduce: Reducer = LOCAL) -> AtomicGraph:
     """Validate an MD input graph: masses present and positive; add zero velocities if absent."""
-    if K.MASSES not in graph or not (graph.masses > 0).all():
+    if K.MASSES not in graph or reduce.any(~(graph.masses > 0)):
         raise InputError("every atom needs a positive mass (amu) for dynamics")
     if K.VELOCITIES not in graph:
         graph = graph.replace(velocities=torch.zeros_like(graph.positions))
@@ -167,18 +174,21 @@ def accelerations(forces: Tensor, graph: AtomicGraph) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- random numbers
-def new_rng(seed: int, device: torch.device | str = "cpu") -> Tensor:
-    """Generator state for ``seed`` (store it in ``MDState.rng``)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed))
-    return g.get_state()
+def new_rng(seed: int) -> Tensor:
+    """``MDState.rng`` for ``seed``: an int64 CPU tensor ``[1]`` (any int, taken mod 2⁶⁴)."""
+    return torch.tensor([random.as_int64(int(seed))], dtype=torch.int64)
 
 
-def generator(rng: Tensor, device: torch.device) -> torch.Generator:
-    """A fresh generator positioned at ``rng`` (the caller's state is not advanced)."""
-    g = torch.Generator(device=device)
-    g.set_state(rng.clone())
-    return g
+def seed_of(rng: Tensor) -> int:
+    """The seed stored in ``MDState.rng`` (see :func:`new_rng`).
+
+    Raises:
+        DataFileError: ``rng`` is a torch generator state (a checkpoint of an older xnn).
+    """
+    if rng.dtype != torch.int64 or rng.shape != (1,):
+        raise DataFileError("this MD state holds a torch generator state (a checkpoint "
+                            "written by an older xnn); start the run again without resume")
+    return int(rng[0])
 
 
 def maxwell_boltzmann(
@@ -189,15 +199,16 @@ def maxwell_boltzmann(
     Args:
         graph: positions and masses (amu).
         temperature_K: scalar or ``[n_systems]`` (K).
-        seed: the velocities are a function of the seed only.
+        seed: the velocities are a function of the seed, the system index and the global
+            atom id only (not of the atoms' order or of which process holds them).
+        reduce: sums over the atoms of all processes (for the momentum).
     Returns:
         the graph with ``velocities [n_atoms, 3]`` (Å/fs); fixed atoms get zero velocity.
     """
-    graph = check_graph(graph)
+    graph = check_graph(graph, reduce)
     t = per_system(temperature_K, graph.n_systems, graph.positions, "temperature")
-    g = torch.Generator(device="cpu")
-    g.manual_seed(int(seed))
-    xi = torch.randn(graph.n_atoms, 3, generator=g, dtype=torch.float64).to(graph.positions)
+    words = random.atom_words(graph.batch, graph.atom_id, 3)
+    xi = random.normal(seed, 0, random.STREAMS["velocities"], *words).to(graph.positions)
     sigma = torch.sqrt(KB * t[graph.batch] / (graph.masses * MVV2E))
     v = remove_com_velocity(xi * sigma[:, None], graph, reduce)
     return graph.replace(velocities=v)
@@ -218,9 +229,12 @@ def evaluate(model, graph: AtomicGraph, stress: bool = True) -> tuple[Tensor, Te
     return out[K.ENERGY].detach(), out[K.FORCES].detach(), stress.detach()
 
 
-def initial_state(model, graph: AtomicGraph, vars: Mapping[str, Tensor], rng=None) -> MDState:
+def initial_state(
+    model, graph: AtomicGraph, vars: Mapping[str, Tensor], rng: Tensor | None = None,
+    reduce: Reducer = LOCAL,
+) -> MDState:
     """Evaluate the model on ``graph`` and wrap it in an :class:`MDState` at step 0."""
-    graph = check_graph(graph)
+    graph = check_graph(graph, reduce)
     graph = graph.replace(velocities=torch.where(
         free_mask(graph)[:, None], graph.velocities, torch.zeros_like(graph.velocities)
     ))

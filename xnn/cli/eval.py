@@ -42,7 +42,7 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if Path(args.model).is_file():
-        from xnn.io.torch_files import refuse_non_model_file
+        from xnn._torch_files import refuse_non_model_file
 
         refuse_non_model_file(args.model)  # truncated, or a training/MD checkpoint
     model = load_model(args.model, trust=args.trust_file)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from xnn._torch_files import check_complete
 from xnn.config.loader import load_config, save_config
 from xnn.config.md import MDConfig, RelaxConfig
 from xnn.data import keys as K
@@ -48,7 +49,6 @@ from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import ThermoLog, observables, plot_log
 from xnn.errors import DataFileError, InputError
 from xnn.io.run_folder import RunFolder, plan_run_folder
-from xnn.io.torch_files import check_complete
 from xnn.io.trajectory import ExtxyzWriter, open_trajectory
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xnn._torch_files import refuse_non_model_file
 from xnn.config.md import MDConfig, MDModelConfig
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.state import check_graph, free_mask, has_fixed, maxwell_boltzmann
 from xnn.errors import DataFileError, InputError, ModelFileError
-from xnn.io.torch_files import refuse_non_model_file
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from xnn._files import atomic_write
+from xnn._torch_files import refuse_non_model_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, ModelFileError
@@ -172,6 +173,7 @@ def _read_payload(path: Path, map_location) -> dict:
         raise ModelFileError(f"model file {path} does not exist")
     if path.is_dir():
         raise ModelFileError(f"model file {path} is a directory")
+    refuse_non_model_file(path)  # truncated, or a training/MD checkpoint: say what to use
     try:
         payload = read_as_data(path, map_location)
     except Exception as err:  # corrupt, truncated, not a torch file, pickled objects

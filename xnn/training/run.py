@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
+from xnn._torch_files import check_complete
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
-from xnn.io.torch_files import check_complete
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import build_splits, structures_for_statistics
 from xnn.training.ema import EMA

@@ -205,7 +205,8 @@ class TrainConfig:
     resume: str | None = field(None, "checkpoint to continue from (exactly; 'auto': "
                                "output_dir/checkpoints/last.pt)")
     pretrained: str | None = field(None, "model file or checkpoint whose weights start the run "
-                                   "(fine-tuning)")
+                                   "(fine-tuning); model.cutoff and model.hyperparameters "
+                                   "must match the pretrained model's")
     validation_only: bool = field(False, "evaluate the model (pretrained/resume) on "
                                   "validation and test sets without training")
     checkpoint_metric: str = field("val_loss", "validation metric that selects the best "

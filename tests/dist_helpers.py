@@ -13,6 +13,7 @@ import pickle
 import socket
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.multiprocessing as mp
@@ -32,13 +33,17 @@ def _entry(rank, fn, world_size, port, out_dir, args):
     torch.set_num_threads(1)
     try:
         result = fn(rank, world_size, *args)
+        # the result is on disk (complete: written, then renamed) before the process group
+        # is torn down, so that a crash of gloo's teardown is told apart from a failed rank
+        path = os.path.join(out_dir, f"rank{rank}.pkl")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(path + ".tmp", path)
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
 
 
 def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 180.0) -> list:
@@ -51,7 +56,21 @@ def spawn(fn, world_size: int, args: tuple = (), timeout_s: float = 180.0) -> li
         ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=0.5):
+        while True:
+            try:
+                if ctx.join(timeout=0.5):
+                    break
+            except mp.ProcessExitedException as err:
+                # a rank killed by a signal AFTER every rank stored its result died in the
+                # process group's teardown (seen: gloo's "terminate called without an active
+                # exception" under load); any other death is a failure
+                done = all(os.path.exists(os.path.join(out_dir, f"rank{r}.pkl"))
+                           for r in range(world_size))
+                if err.signal_name is None or not done:
+                    raise
+                warnings.warn(f"rank {err.error_index} crashed in teardown ({err.signal_name}) "
+                              "after every rank had finished; results kept", stacklevel=2)
+                break
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     if p.is_alive():

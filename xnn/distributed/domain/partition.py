@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,6 +36,16 @@ def parse_grid(text: str | Sequence | None) -> Grid | None:
         raise InputError(f"grid must be three positive integers like 2,1,1; got {text!r}") from None
     if len(grid) != 3 or min(grid) < 1:
         raise InputError(f"grid must be three positive integers like 2,1,1; got {text!r}")
+    return grid  # type: ignore[return-value]
+
+
+def check_grid(grid: Sequence[int], n_ranks: int) -> Grid:
+    """``grid`` as a tuple; ``InputError`` unless it has ``n_ranks`` boxes."""
+    grid = tuple(int(g) for g in grid)
+    if len(grid) != 3 or min(grid) < 1 or grid[0] * grid[1] * grid[2] != n_ranks:
+        raise InputError(f"grid {'x'.join(map(str, grid))} has "
+                         f"{int(np.prod(grid))} boxes but there are {n_ranks} "
+                         "domain ranks; give px*py*pz equal to the number of ranks")
     return grid  # type: ignore[return-value]
 
 
@@ -231,11 +242,7 @@ def partition_from_bounds(fmin: Tensor, fmax: Tensor, cell: Tensor, pbc: Tensor,
     if grid is None:
         grid = choose_grid(n_ranks, (extent * heights).tolist(), pbc.tolist(), halo_width)
     else:
-        grid = tuple(int(g) for g in grid)  # type: ignore[assignment]
-        if len(grid) != 3 or min(grid) < 1 or grid[0] * grid[1] * grid[2] != n_ranks:
-            raise InputError(f"grid {'x'.join(map(str, grid))} has "
-                             f"{grid[0] * grid[1] * grid[2]} boxes but there are {n_ranks} "
-                             "domain ranks; give px*py*pz equal to the number of ranks")
+        grid = check_grid(grid, n_ranks)
     width = extent / torch.tensor(grid, dtype=fmin.dtype, device=fmin.device)
     return Partition(grid, full, inv, pbc, lo, width, heights)
 

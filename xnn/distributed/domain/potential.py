@@ -41,6 +41,7 @@ from xnn.distributed.domain.local import build_local_domain, local_graph, min_pa
 from xnn.distributed.domain.migrate import migrate
 from xnn.distributed.domain.partition import (
     Partition,
+    check_grid,
     fractional_bounds,
     parse_grid,
     partition_from_bounds,
@@ -132,6 +133,8 @@ class DomainPotential:
         self.receiver_width = cutoff * (depth - 1) + self.skin if depth > 1 else 0.0
         self.halo_width = cutoff * depth + self.skin
         self.size, self.rank = C.group_size(self.group), C.group_rank(self.group)
+        if self.grid is not None:
+            self.grid = check_grid(self.grid, self.size)
         self.state: DomainState | None = None
         self.n_total: int | None = None
         self.root_owner: Tensor | None = None  # rank 0, after scatter: each atom's rank
@@ -148,8 +151,9 @@ class DomainPotential:
         device = self.device or model_device(self.model)
         owned, grid, n_total, self.root_owner = scatter(graph, self.group, self.halo_width,
                                                         self.grid, device, owner)
-        self.grid, self.n_total = grid or self.grid, n_total
-        if owner is None:
+        self.n_total = n_total
+        if grid is not None:  # every rank knows: atoms went to their boxes
+            self.grid = grid
             self._rebuild(owned, migrated=owned.positions)
         return owned
 

@@ -96,6 +96,8 @@ def _root_payloads(graph: AtomicGraph, size: int, halo_width: float, grid: Grid 
         owner, grid = part.owner(part.fractional(graph.positions.detach())[0]), part.grid
     elif owner.shape != (graph.n_atoms,) or (graph.n_atoms and int(owner.max()) >= size):
         raise InputError(f"owner must give one of {size} ranks per atom")
+    else:
+        grid = None  # no partition made: the ranks keep theirs
     n = graph.n_atoms
     by_id = torch.argsort(graph.atom_id)
     order = by_id[torch.sort(owner[by_id], stable=True).indices]
@@ -119,7 +121,8 @@ def scatter(graph: AtomicGraph | None, group, halo_width: float, grid: Grid | No
         device: where the owned atoms go (default: the graph's device on rank 0, CPU else).
         owner: ``[n_atoms]`` (rank 0) the rank of each atom instead of its box.
     Returns:
-        ``(owned graph, grid, n_total, owner)``: the owned atoms sorted by atom id, every
+        ``(owned graph, grid, n_total, owner)``: the owned atoms sorted by atom id, the
+        partition's grid (``None`` when ``owner`` was given), the number of atoms, and every
         atom's rank on rank 0 (``None`` elsewhere).
 
     Collective over ``group``; O(N) work and memory on rank 0 only.

@@ -11,6 +11,7 @@ misreading bytes.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,10 +44,7 @@ class Layout:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def layout_of(fields: Mapping[str, Tensor]) -> Layout:
@@ -61,7 +59,7 @@ def pack(fields: Mapping[str, Tensor], layout: Layout, rows: Tensor | None = Non
         t = fields[name].detach()
         if rows is not None:
             t = t.index_select(0, rows)
-        t = t.reshape(t.shape[0], -1).contiguous()
+        t = t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous()
         parts.append(t.view(torch.uint8) if t.dtype != torch.uint8 else t)
     if not parts:
         n = 0 if rows is None else int(rows.numel())
@@ -74,8 +72,10 @@ def unpack(buf: Tensor, layout: Layout) -> dict[str, Tensor]:
     out, offset, n = {}, 0, buf.shape[0]
     for name, dtype, shape in layout.entries:
         nb = _nbytes(dtype, shape)
-        raw = buf[:, offset:offset + nb].contiguous()
-        out[name] = raw.view(dtype).reshape(n, *shape)
+        if n:
+            out[name] = buf[:, offset:offset + nb].contiguous().view(dtype).reshape(n, *shape)
+        else:  # an empty slice keeps the buffer's strides, which a byte view rejects
+            out[name] = torch.empty((0, *shape), dtype=dtype, device=buf.device)
         offset += nb
     return out
 

@@ -6,6 +6,7 @@ spawned per world size (2, 3, 4, 8); each runs all of its cases and returns thei
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -217,6 +218,43 @@ def _unknown_ownership(pot, graph, rank, world):
     return result
 
 
+def _strain_and_errors(pot, rank):
+    """A changed cell (as under NPT) re-partitions; an owner beyond the peers fails on every
+    rank; the shortest pair is the one process's."""
+    from xnn.distributed.domain.migrate import migrate
+    from xnn.errors import XnnError
+    from xnn.models import Potential
+
+    graph = triclinic()
+    owned = pot.scatter(graph if rank == 0 else None)
+    pot(owned)
+    deform = torch.eye(3) + torch.tensor([[0.02, 0.01, 0.0], [0.01, -0.01, 0.0], [0, 0, 0.03]])
+    strained = owned.replace(positions=owned.positions @ deform, cell=owned.cell @ deform)
+    out = pot(strained)
+    distance, pair = pot.min_pair_distance()
+    result = {"rebuilds": pot.stats()["rebuilds"], "distance": float(distance),
+              "pair": sorted(pair.tolist())}
+    part = pot.state.partition  # boxes moved by half a box: half of rank 0's atoms are in box 1
+    moved = dataclasses.replace(part, lo=part.lo - 0.5 * part.width)
+    try:  # ... but rank 0 is told it has no peers
+        migrate(strained, None, moved, [], pot.group)
+    except XnnError as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        full = graph.replace(positions=graph.positions @ deform, cell=graph.cell @ deform)
+        ref = Potential(pot.model)(full)
+        result["energy"] = _rel(out["energy"], ref["energy"])
+        result["stress"] = _rel(out["stress"], ref["stress"])
+        from xnn.neighbors import with_edges
+
+        g = with_edges(full, 4.0)
+        d = g.edge_vectors().norm(dim=-1)
+        e = int(torch.argmin(d))
+        result["ref_distance"] = float(d[e])
+        result["ref_pair"] = sorted(full.atom_id[g.edge_index[:, e]].tolist())
+    return result
+
+
 # ---------------------------------------------------------------------------- workers
 
 CASES = {  # world size -> [(structure, grid)]
@@ -241,6 +279,7 @@ def worker(rank, world, md_steps):
     if world == 2:
         results["unknown"] = _unknown_ownership(DomainPotential(lj(), manager, skin=SKIN),
                                                 triclinic(), rank, world)
+        results["strain"] = _strain_and_errors(DomainPotential(lj(), manager, skin=SKIN), rank)
         cluster = hot(molecule((6, 2, 2)), 1000.0)  # 96 atoms, 21 Å long: nobody holds all
         results["held"] = _held(DomainPotential(lj(3.0), manager, grid=(2, 1, 1), skin=0.3),
                                 cluster, 5, rank)
@@ -333,6 +372,20 @@ def test_unknown_ownership_migrates_every_field():
         assert u["stats"]["migrations"] == 1 and u["stats"]["migrated_in"] > 0
     assert res[0]["unknown"]["tag_ok"]
     assert res[0]["unknown"]["forces"] <= TOL
+
+
+def test_cell_change_min_distance_and_migration_error():
+    res = results(2)
+    r0 = res[0]["strain"]
+    assert r0["energy"] <= TOL and r0["stress"] <= TOL, r0
+    assert all(r["strain"]["rebuilds"] == 2 for r in res)  # the new cell re-partitioned
+    d = min(r["strain"]["distance"] for r in res)
+    assert abs(d - r0["ref_distance"]) <= 1e-12 * d
+    pairs = [r["strain"]["pair"] for r in res if r["strain"]["distance"] == d]
+    assert r0["ref_pair"] in pairs
+    assert "left box 0 for boxes [1] beyond the halo" in r0["error"], r0["error"]
+    assert res[1]["strain"]["error"].startswith("RemoteRankError: rank 0 failed during "
+                                                "migration"), res[1]["strain"]["error"]
 
 
 @pytest.mark.slow

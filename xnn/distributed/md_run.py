@@ -9,6 +9,7 @@ runner calls the same methods on :class:`~xnn.dynamics.parallel.SerialRun` in on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 from pathlib import Path
@@ -19,9 +20,15 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.potential import DomainPotential
+from xnn.distributed.domain.state import Counters
 from xnn.dynamics.parallel import SerialRun
 from xnn.dynamics.state import MDState
 from xnn.errors import InputError
+
+# per-atom fields that travel with a checkpoint's atoms to their ranks on resume
+_REF, _MIGRATED = "xnn_md_rebuild_reference", "xnn_md_migration_reference"
+K.register_field(_REF, K.ATOM)
+K.register_field(_MIGRATED, K.ATOM)
 
 
 class DomainRun(SerialRun):
@@ -40,7 +47,7 @@ class DomainRun(SerialRun):
         self.main = manager.is_main
         self.size, self.rank = manager.world_size, manager.rank
         self.checkpoint_potential = None  # the ghost plan is rebuilt on resume
-        self._owner = None
+        self._meta: dict = {}
 
     def guarded(self, phase: str):
         return C.guarded(None, phase)
@@ -59,45 +66,92 @@ class DomainRun(SerialRun):
 
     def scatter_state(self, state: MDState | None, meta: dict | None) -> MDState:
         """Rank 0's global ``state`` (from a checkpoint) split over the ranks: atoms go to
-        the ranks that owned them when it was written by as many ranks, else to their box."""
+        the ranks that owned them when it was written by as many ranks (with the ghost
+        plan's reference, for a bitwise continuation), else to their box."""
         owner = graph = None
+        dom = ((meta or {}).get("domain") or {}) if self.main else {}
+        same = self.broadcast(dom.get("ranks") == self.size and dom.get("owner") is not None)
+        with_ref = same and self.broadcast(dom.get("ref_positions") is not None)
         if self.main:
-            dom = (meta or {}).get("domain") or {}
-            if dom.get("ranks") == self.size and dom.get("owner") is not None:
+            fields = {K.FORCES: state.forces}
+            if same:
                 owner = torch.as_tensor(dom["owner"], device=state.positions.device)
-            graph = state.graph.replace({K.FORCES: state.forces})
+            if with_ref:
+                fields.update({_REF: dom["ref_positions"].to(state.positions),
+                               _MIGRATED: dom["migrated"].to(state.positions)})
+            graph = state.graph.replace(fields)
         head = self.broadcast(None if not self.main else {
             "energy": state.energy.cpu(), "stress": state.stress.cpu(), "step": state.step,
             "vars": {k: v.cpu() for k, v in state.vars.items()},
             "rng": None if state.rng is None else state.rng.cpu(),
-            "compute_stress": state.compute_stress})
+            "compute_stress": state.compute_stress,
+            "domain": {k: v for k, v in dom.items() if k in ("grid", "counters", "ref_cell")}})
         with C.guarded(None, "checking the checkpoint"):
             if self.main and graph.n_systems != 1:
                 raise InputError(f"checkpoint holds {graph.n_systems} systems; a decomposed "
                                  "run simulates one (resume it in one process)")
         owned = self.potential.scatter(graph if self.main else None, owner=owner)
-        dev = owned.positions.device
-        forces = owned[K.FORCES]
-        owned = AtomicGraph({k: v for k, v in owned.fields.items() if k != K.FORCES},
+        dev, moved = owned.positions.device, (K.FORCES, _REF, _MIGRATED)
+        forces, ref, migrated = (owned.fields.get(k) for k in moved)
+        owned = AtomicGraph({k: v for k, v in owned.fields.items() if k not in moved},
                             validate=False)
+        if with_ref:
+            self._restore_reference(owned, ref, migrated, head["domain"])
         return MDState(owned, forces, head["energy"].to(dev), head["stress"].to(dev),
                        head["step"], {k: v.to(dev) for k, v in head["vars"].items()},
                        head["rng"], head["compute_stress"])
 
     def gather(self, state: MDState) -> MDState | None:
-        """The global state on rank 0 (atoms by id, with each atom's rank), ``None`` else."""
-        rank = torch.full((state.graph.n_atoms,), self.rank, dtype=torch.int64,
-                          device=state.positions.device)
-        full, extra = self.potential.gather(state.graph, {K.FORCES: state.forces,
-                                                          "owner": rank})
+        """The global state on rank 0 (atoms by id, with each atom's rank and the rebuild
+        reference), ``None`` elsewhere. Collective."""
+        pos = state.positions
+        extra = {K.FORCES: state.forces,
+                 "owner": torch.full((pos.shape[0],), self.rank, dtype=torch.int64,
+                                     device=pos.device)}
+        st = self.potential.state
+        # the rebuild reference, for a bitwise continuation on as many ranks (see meta)
+        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if self._has_reference(state)
+                                                     else 1.0], dtype=torch.float64,
+                                                    device=pos.device))[0] == 0)
+        if ref_ok:
+            extra.update(ref_positions=st.ref_positions, migrated=st.migrated)
+        full, extra = self.potential.gather(state.graph, extra)
         if full is None:
             return None
-        self._owner = extra["owner"].cpu()
+        self._meta = {"ranks": self.size, "owner": extra["owner"].cpu(),
+                      "grid": list(self.potential.grid) if self.potential.grid else None,
+                      "counters": dataclasses.asdict(st.counters) if st else None}
+        if ref_ok:
+            self._meta.update(ref_positions=extra["ref_positions"].cpu(),
+                              migrated=extra["migrated"].cpu(), ref_cell=st.ref_cell.cpu())
         return state.replace(graph=full, forces=extra[K.FORCES])
 
+    def _has_reference(self, state: MDState) -> bool:
+        """The last rebuild is of these atoms and knows where they were at the migration."""
+        st = self.potential.state
+        return (st is not None and st.migrated is not None
+                and torch.equal(st.graph.atom_id, state.graph.atom_id)
+                and self.potential._last_positions is not None
+                and torch.equal(self.potential._last_positions, state.positions))
+
     def meta(self, state: MDState) -> dict:
-        """Checkpoint meta of the last :meth:`gather` (rank 0): the rank count and owners."""
-        return {"domain": {"ranks": self.size, "owner": self._owner.tolist()}}
+        """Checkpoint meta of the last :meth:`gather` (rank 0): the rank count, each atom's
+        rank, the grid and the ghost plan's reference positions (by id)."""
+        return {"domain": self._meta}
+
+    def _restore_reference(self, owned, ref, migrated, dom: dict) -> None:
+        """Rebuild the ghost plan at the checkpoint's reference (same rank count): the
+        continuation then takes the rebuilds and migrations of the uninterrupted run.
+
+        Uses the potential's rebuild internals (``_rebuild``, ``_last_positions``)."""
+        pot = self.potential
+        if dom.get("grid"):
+            pot.grid = tuple(dom["grid"])
+        cell = dom["ref_cell"].to(owned.cell).reshape(owned.cell.shape)
+        c = Counters(**dom["counters"]) if dom.get("counters") else Counters()
+        pot._rebuild(owned.replace(positions=ref, cell=cell), migrated=migrated,
+                     counters=dataclasses.replace(c, rebuilds=c.rebuilds - 1))
+        pot._last_positions = owned.positions.detach()
 
     def after_step(self, state: MDState) -> MDState:
         return self.potential.maybe_migrate(state)

@@ -22,7 +22,7 @@ fraction (ghost / owned atoms, mean and max over ranks) and the compute-bound ef
 predicts, ``1 / (1 + max halo fraction)``, the edge-bound prediction (ideal share of the
 baseline's edges / busiest rank's local edges), atoms exchanged, peak memory per
 rank (CUDA ``max_memory_allocated``; process peak RSS on CPU), and the one-off cost of the
-partition and of a full call (broadcast + gather).
+partition and of a full call (scatter + gather).
 """
 
 from __future__ import annotations
@@ -124,8 +124,7 @@ def decomposed(model, graph, manager, args, mode):
     device = manager.device
     dd = DomainDecomposed(model, manager, skin=args.skin, mode=mode)
     t0 = time.perf_counter()
-    g = dd.broadcast(graph)
-    dd.local_domain(g)
+    g = dd.scatter(graph)  # this rank's owned atoms; the ghost plan is built
     setup_s = time.perf_counter() - t0
     reset_peak_memory(device)
     t = time_fn(lambda: dd.evaluate_local(g, forces=True, stress=False), repeat=args.repeat,

@@ -1,59 +1,107 @@
-"""``xnn md`` under torchrun: the model decomposed over the ranks (replicated dynamics)
-gives the same trajectory as one process (gloo, 2 ranks, fp64)."""
+"""``xnn md`` and ``xnn relax`` under torchrun: each rank owns the atoms of its box (gloo, 2
+ranks, fp64). Trajectories equal one process by atom id; checkpoints hold the global state
+and resume on 1 or 2 ranks like the uninterrupted run; ``summary.json`` reports the split.
+
+One set of ranks is spawned for the module; it runs every decomposed case."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from ase.io import read
 from dist_helpers import spawn
 from md_helpers import rattled_argon
 
 from xnn.config.loader import load_config
-from xnn.config.md import MDConfig
+from xnn.config.md import MDConfig, RelaxConfig
 from xnn.dynamics import checkpoint as ckpt
-from xnn.dynamics.runner import run_md
+from xnn.dynamics.runner import run_md, run_relax
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
-CASES = {  # ensemble -> extra overrides (Langevin: replicated random numbers; NPT: cell moves)
-    "langevin": ["temperature=60", "thermostat.friction=0.02"],
-    "npt": ["temperature=60", "pressure=0.1", "barostat.tau_p=200", "thermostat.tau=50"],
+CASES = {  # ensemble -> extra overrides (Langevin/CSVR: random numbers by atom id; NPT: cell)
+    "nve": [],
+    "langevin": ["temperature=150", "thermostat.friction=0.02"],
+    "csvr": ["temperature=150", "thermostat.tau=40"],
+    "npt": ["temperature=150", "pressure=0.1", "barostat.tau_p=200", "thermostat.tau=50"],
 }
+LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
+      "output.progress=false"]
+BIG = ["model.params.cutoff=5.0", "model.skin=0.3", "steps=12", "timestep=5.0",
+       "initial_temperature=400", "output.log_every=6", "output.trajectory_every=0"]
 
 
-def overrides(structure, out_dir, ensemble):
-    return [f"structure={structure}", f"output.dir={out_dir}", f"ensemble={ensemble}",
-            "model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-            "model.params.cutoff=6.5", "model.skin=1.0", "steps=40", "timestep=4.0",
-            "output.log_every=5", "output.trajectory_every=20", "output.progress=false",
-            "output.plot=false", "seed=3", *CASES[ensemble]]
+def overrides(structure, out_dir, ensemble, *extra):
+    return [f"structure={structure}", f"output.dir={out_dir}", f"ensemble={ensemble}", *LJ,
+            "model.params.cutoff=6.5", "model.skin=0.3", "steps=40", "timestep=4.0",
+            "initial_temperature=150", "output.log_every=5", "output.trajectory_every=20",
+            "output.checkpoint_every=20", "output.plot=false", "seed=3", *CASES[ensemble],
+            *extra]
 
 
-def worker(rank, world, structure, tmp):
+def relax_overrides(structure, out_dir):
+    return [f"structure={structure}", f"output.dir={out_dir}", *LJ, "model.params.cutoff=6.5",
+            "model.skin=0.3", "relax_cell=true", "fmax=0.005", "max_steps=60",
+            "output.trajectory_every=10"]
+
+
+def md(*args, steps=None, resume=None):
+    extra = [] if steps is None else [f"steps={steps}"]
+    extra += [] if resume is None else [f"resume={resume}"]
+    return run_md(load_config(MDConfig, None, overrides(*args, *extra)))
+
+
+def worker(rank, world, tmp):
+    s = f"{tmp}/ar108.xyz"
     for ensemble in CASES:
-        run_md(load_config(MDConfig, None, overrides(structure, f"{tmp}/dd_{ensemble}",
-                                                      ensemble)))
+        md(s, f"{tmp}/dd_{ensemble}", ensemble)
+    md(s, f"{tmp}/dd_langevin_60", "langevin", steps=60)  # uninterrupted, 2 ranks
+    md(s, f"{tmp}/from_single", "langevin", steps=60, resume=f"{tmp}/from_single/checkpoint.pt")
+    md(s, f"{tmp}/dd_again", "langevin")  # 40 steps, then resumed on 2 ranks
+    md(s, f"{tmp}/dd_again", "langevin", steps=60, resume=f"{tmp}/dd_again/checkpoint.pt")
+    run_relax(load_config(RelaxConfig, None, relax_overrides(s, f"{tmp}/dd_relax")))
+    run_md(load_config(MDConfig, None, [f"structure={tmp}/ar500.xyz", "ensemble=nve",
+                                        f"output.dir={tmp}/dd_big", *LJ, *BIG]))
     return rank
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("md_dd")
-    atoms = rattled_argon(rep=3, amp=0.05)
-    structure = tmp / "ar108.xyz"
-    atoms.write(structure)
-    assert spawn(worker, 2, args=(str(structure), str(tmp)), timeout_s=240) == [0, 1]
+    s = tmp / "ar108.xyz"
+    rattled_argon(rep=3, amp=0.05).write(s)
+    cluster = rattled_argon(rep=5, amp=0.05)  # a 500-atom cube in vacuum: no image ghosts
+    cluster.pbc = False
+    cluster.write(tmp / "ar500.xyz")
     for ensemble in CASES:
-        run_md(load_config(MDConfig, None, overrides(structure, tmp / f"single_{ensemble}",
-                                                      ensemble)))
+        md(s, tmp / f"single_{ensemble}", ensemble)
+    md(s, tmp / "single_langevin_60", "langevin", steps=60)
+    shutil.copytree(tmp / "single_langevin", tmp / "from_single")  # 1 -> 2 ranks
+    run_relax(load_config(RelaxConfig, None, relax_overrides(s, tmp / "single_relax")))
+    assert spawn(worker, 2, args=(str(tmp),), timeout_s=300) == [0, 1]
+    shutil.copytree(tmp / "dd_langevin", tmp / "from_dd")  # 2 ranks -> 1 process
+    md(s, tmp / "from_dd", "langevin", steps=60, resume=tmp / "from_dd" / "checkpoint.pt")
     return tmp
 
 
 def thermo(path):
     return np.genfromtxt(path, delimiter=",", names=True)
+
+
+def state(path):
+    return ckpt.load_checkpoint(path / "checkpoint.pt", torch.device("cpu"))
+
+
+def assert_same_state(a, b, tol):
+    assert a.step == b.step
+    torch.testing.assert_close(a.graph.atom_id, b.graph.atom_id, rtol=0, atol=0)
+    for x, y in ((a.positions, b.positions), (a.graph.velocities, b.graph.velocities),
+                 (a.graph.cell, b.graph.cell), (a.forces, b.forces)):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("ensemble", list(CASES))
@@ -63,32 +111,52 @@ def test_decomposed_md_matches_one_process(runs, ensemble):
     assert a.shape == b.shape and len(a) == 9
     for name in b.dtype.names:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-9, atol=1e-12, err_msg=name)
-    s_dd, _ = ckpt.load_checkpoint(dd / "checkpoint.pt", torch.device("cpu"))
-    s_1, _ = ckpt.load_checkpoint(single / "checkpoint.pt", torch.device("cpu"))
-    assert s_dd.step == s_1.step == 40
-    for x, y in ((s_dd.positions, s_1.positions), (s_dd.graph.velocities, s_1.graph.velocities),
-                 (s_dd.graph.cell, s_1.graph.cell)):
-        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11)
-    moved = (s_1.positions - thermo_start_positions(runs)).abs().max()
-    assert moved > 0.05  # the atoms really moved (several neighbor-list rebuilds)
+    (s_dd, meta), (s_1, _) = state(dd), state(single)
+    assert s_dd.step == 40 and meta["domain"]["ranks"] == 2
+    assert_same_state(s_dd, s_1, 1e-9)
+    frames_dd, frames_1 = read(dd / "trajectory.xyz", ":"), read(single / "trajectory.xyz", ":")
+    assert len(frames_dd) == len(frames_1) == 3
+    np.testing.assert_allclose(frames_dd[-1].positions, frames_1[-1].positions, atol=1e-9)
+    summary = json.loads((dd / "summary.json").read_text())
+    assert summary["ranks"] == 2 and summary["owned"]["per_rank"][0] > 0
+    assert sum(summary["owned"]["per_rank"]) == 108
+    assert summary["migrations"] > 0  # atoms moved beyond skin / 2: ownership re-assigned
 
 
-def test_decomposed_checkpoint_resumes_in_one_process(runs):
-    """Checkpoints are the same on any number of ranks: a 2-rank run's checkpoint continues in
-    one process like the single-process run continues from its own."""
-    structure = runs / "ar108.xyz"
-    ends = []
-    for src in ("dd_langevin", "single_langevin"):
-        out = runs / f"resumed_from_{src}"
-        shutil.copytree(runs / src, out)  # resume continues the run's own output files
-        run_md(load_config(MDConfig, None, overrides(structure, out, "langevin")
-                           + ["steps=60", f"resume={out / 'checkpoint.pt'}"]))
-        ends.append(ckpt.load_checkpoint(out / "checkpoint.pt", torch.device("cpu"))[0])
-    assert ends[0].step == ends[1].step == 60
-    torch.testing.assert_close(ends[0].positions, ends[1].positions, rtol=1e-9, atol=1e-11)
+def test_checkpoints_resume_on_another_rank_count(runs):
+    """2 ranks -> 1 process and 1 process -> 2 ranks continue like the uninterrupted run."""
+    ref, _ = state(runs / "single_langevin_60")
+    for name in ("from_dd", "from_single", "dd_langevin_60"):
+        assert_same_state(state(runs / name)[0], ref, 1e-10)
+    a, b = thermo(runs / "from_dd" / "thermo.csv"), thermo(runs / "single_langevin_60" /
+                                                           "thermo.csv")
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a["etot_eV"], b["etot_eV"], rtol=1e-10)
 
 
-def thermo_start_positions(runs):
-    from ase.io import read
+def test_checkpoint_resumes_on_the_same_rank_count(runs):
+    """2 ranks -> 2 ranks: the continuation equals the uninterrupted 2-rank run."""
+    assert_same_state(state(runs / "dd_again")[0], state(runs / "dd_langevin_60")[0], 0.0)
+    assert ((runs / "dd_again" / "thermo.csv").read_bytes()
+            == (runs / "dd_langevin_60" / "thermo.csv").read_bytes())
 
-    return torch.tensor(read(runs / "ar108.xyz").positions)
+
+def test_decomposed_relax_matches_one_process(runs):
+    dd, single = runs / "dd_relax", runs / "single_relax"
+    a, b = read(dd / "relaxed.xyz"), read(single / "relaxed.xyz")
+    np.testing.assert_allclose(a.positions, b.positions, atol=1e-9)
+    np.testing.assert_allclose(a.cell.array, b.cell.array, atol=1e-9)
+    rows_dd, rows_1 = (dd / "relax.csv").read_text(), (single / "relax.csv").read_text()
+    assert rows_dd.splitlines()[-1].split(",")[0] == rows_1.splitlines()[-1].split(",")[0]
+    assert len(rows_dd.splitlines()) == len(rows_1.splitlines()) > 5
+    assert state(dd)[0].step == state(single)[0].step
+
+
+def test_big_system_ranks_hold_less_than_the_whole(runs):
+    summary = json.loads((runs / "dd_big" / "summary.json").read_text())
+    assert summary["n_atoms"] == 500 and sum(summary["owned"]["per_rank"]) == 500
+    assert summary["owned"]["max"] < 300
+    held = [o + g for o, g in zip(summary["owned"]["per_rank"], summary["ghost"]["per_rank"])]
+    assert summary["held"]["per_rank"] == held
+    assert summary["held"]["max"] < 450  # owned + ghosts: the replicated state is gone
+    assert summary["migrations"] > 0 and summary["peak_memory_MiB"]["min"] > 0

@@ -128,7 +128,7 @@ def run(args) -> int:
         model = V.load_model_everywhere(args.model, species, trust=args.trust_file)
         model = model.to(manager.device, dtype)
         dd = DomainDecomposed(model, manager, grid=grid, skin=args.skin, mode=args.mode)
-        graph = dd.broadcast(None if graph is None else graph.to(dtype=dtype))
+        graph = None if graph is None else graph.to(manager.device, dtype)  # rank 0 only
         ref, seconds = None, {}
         with C.guarded(None, "single-process reference"):
             if manager.is_main and not args.skip_reference:

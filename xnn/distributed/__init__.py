@@ -6,8 +6,8 @@ The only package (with the CLI that launches it) that imports ``torch.distribute
 * :class:`ParallelDims` — the ``("dp", "dd")`` device mesh, ``dp * dd == world_size``.
 * :class:`DomainDecomposed` — one system split into boxes over the ranks of a group; energy,
   forces (by autograd through the halo exchange) and stress, exact to round-off.
-* :class:`DecomposedPotential` — a drop-in for :class:`xnn.models.Potential` (replicated
-  integrators, decomposed model evaluation).
+* :class:`DomainPotential` — a :class:`xnn.models.Potential` on each rank's owned atoms
+  (scatter, migration between MD steps, gather by atom id).
 * :class:`DistributedCalculator` — the same as an ASE calculator.
 * :func:`validate_decomposition` — one process vs decomposed (also ``xnn validate``).
 
@@ -22,12 +22,13 @@ from xnn.distributed.manager import DistributedManager, LaunchInfo, detect_launc
 from xnn.distributed.mesh import ParallelDims
 
 __all__ = ["DistributedManager", "LaunchInfo", "ParallelDims", "detect_launch",
-           "DomainDecomposed", "DecomposedPotential", "DistributedCalculator",
+           "DomainDecomposed", "DomainPotential", "DomainState", "DistributedCalculator",
            "validate_decomposition"]
 
 _LAZY = {
     "DomainDecomposed": "xnn.distributed.domain.decomposed",
-    "DecomposedPotential": "xnn.distributed.potential",
+    "DomainPotential": "xnn.distributed.domain.potential",
+    "DomainState": "xnn.distributed.domain.state",
     "DistributedCalculator": "xnn.distributed.calculator",
     "validate_decomposition": "xnn.distributed.validate",
 }

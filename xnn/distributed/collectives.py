@@ -124,6 +124,22 @@ def gather_rows(rows: Tensor, group=None) -> Tensor:
     return torch.cat([p[:c] for p, c in zip(parts, counts)])
 
 
+def all_gather_tensor(t: Tensor, group=None) -> Tensor:
+    """``[n_ranks, *t.shape]``: every rank's ``t`` (same shape on every rank), in rank order."""
+    if not is_active(group):
+        return t.unsqueeze(0)
+    parts = [torch.empty_like(t) for _ in range(group_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def all_reduce_max(t: Tensor, group=None) -> Tensor:
+    """In-place maximum over the ranks (a no-op in a single process)."""
+    if is_active(group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
 def exchange(sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]],
              group=None) -> None:
     """Post all sends and receives with group peers at once and wait (``batch_isend_irecv``).

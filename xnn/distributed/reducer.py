@@ -2,9 +2,8 @@
 
 For dynamics where each rank integrates only its own atoms, every global quantity
 (kinetic energy, degrees of freedom, pressure, FIRE power, convergence) must include the
-other ranks' atoms; this subclass of :class:`xnn.dynamics.reduce.Reducer` adds the all-reduce.
-With :class:`~xnn.distributed.DecomposedPotential` (every rank holds all atoms) keep the
-default single-process reducer instead.
+other ranks' atoms; this subclass of :class:`xnn.dynamics.reduce.Reducer` adds the all-reduce
+(:attr:`xnn.distributed.DomainPotential.reducer` gives one for its group).
 """
 
 from __future__ import annotations

@@ -143,14 +143,15 @@ def validate_decomposition(model, graph: AtomicGraph | None, manager_or_group=No
         energy, per-atom energies, forces by atom id, stress or virial); ``None`` elsewhere.
     """
     from xnn.distributed.domain.decomposed import DomainDecomposed
+    from xnn.distributed.domain.potential import model_device
 
     dd = DomainDecomposed(model, manager_or_group, grid=grid, skin=skin, mode=mode)
-    graph = dd.broadcast(graph)
     ref = None
     with C.guarded(dd.group, "single-process reference"):
         if dd.rank == 0:
+            graph = graph.to(dd.device or model_device(model) or graph.device)
             ref = single_process(model, graph)
-    out = dd(graph)
+    out = dd(graph if dd.rank == 0 else None)
     return compare(out, ref, graph) if dd.rank == 0 else None
 
 

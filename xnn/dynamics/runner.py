@@ -44,6 +44,7 @@ from xnn.dynamics.setup import (
     pressure_to_internal,
     resolve_device,
     target_temperatures,
+    velocities_from_file,
 )
 from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import ThermoLog, observables, plot_log
@@ -55,7 +56,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # what xnn md and xnn relax write into output.dir (a previous run is recognised by these)
 RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajectory.xyz",
              "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
-             "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz")
+             "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json")
 
 
 def _progress(cfg_out, total: int, initial: int, desc: str, enabled: bool = True):
@@ -70,21 +71,23 @@ def _results(state: MDState) -> dict:
 
 
 class _Outputs:
-    """Trajectory, thermo log and checkpoints of one run."""
+    """Trajectory, thermo log and checkpoints of one run (files written by rank 0 only;
+    the methods are collective under domain decomposition)."""
 
-    def __init__(self, cfg: MDConfig, n_atoms: int, meta: dict | None, directory: Path,
-                 enabled: bool = True):
-        self.cfg = cfg
+    def __init__(self, cfg: MDConfig, par, counts: torch.Tensor, meta: dict | None,
+                 directory: Path):
+        self.cfg, self.par = cfg, par
         self.dir = Path(directory)
-        self.enabled = enabled  # False on ranks other than 0 of a decomposed run
+        self.enabled = par.main  # False on ranks other than 0 of a decomposed run
         files = (meta or {}).get("files", {})
         self.traj = None
         self.log = None
-        self.drift: DriftMonitor | None = None  # from the first row this run logs
-        if not enabled:
+        self.drift = DriftMonitor(cfg.safety.max_drift, counts)  # from this run's first row
+        if not self.enabled:
             return
         if cfg.output.trajectory_every:
-            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
+            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format,
+                                        int(counts.sum()),
                                         files.get("trajectory") if meta else None)
         self.log = ThermoLog(self.dir / "thermo.csv", files.get("log_rows") if meta else None)
 
@@ -97,53 +100,56 @@ class _Outputs:
         return {"kind": "md", "ensemble": ensemble, "files": files}
 
     def record(self, state: MDState, integrator, force: bool = False) -> None:
-        if not self.enabled:
-            return
         out, step = self.cfg.output, state.step
         if force or step % out.log_every == 0:
-            values = observables(state, integrator.conserved)
-            self.log.write(step, self.cfg.timestep, values)
-            if self.drift is None:
-                n = torch.bincount(state.graph.batch, minlength=state.n_systems)
-                self.drift = DriftMonitor(self.cfg.safety.max_drift, n)
-            self.drift.update(step * self.cfg.timestep, values["conserved_eV"])
-        if self.traj is not None and (force or step % out.trajectory_every == 0):
-            self.traj.write(state.graph, step, _results(state))
+            values = observables(state, integrator.conserved, self.par.reduce)
+            if self.enabled:
+                self.log.write(step, self.cfg.timestep, values)
+                self.drift.update(step * self.cfg.timestep, values["conserved_eV"])
+        if out.trajectory_every and (force or step % out.trajectory_every == 0):
+            full = self.par.gather(state)
+            if self.traj is not None:
+                self.traj.write(full.graph, step, _results(full))
 
-    def checkpoint(self, state: MDState, potential, name: str = "checkpoint.pt") -> Path | None:
+    def checkpoint(self, state: MDState, name: str = "checkpoint.pt",
+                   meta: dict | None = None) -> Path | None:
+        full = self.par.gather(state)
         if not self.enabled:
             return None
         path = self.dir / name
-        ckpt.save_checkpoint(path, state, self.meta(self.cfg.ensemble), potential)
+        meta = {**(meta or self.meta(self.cfg.ensemble)), **self.par.meta(full)}
+        ckpt.save_checkpoint(path, full, meta, self.par.checkpoint_potential)
         return path
 
 
-def _check(state: MDState, potential, cfg: MDConfig, max_t: torch.Tensor) -> None:
+def _check(state: MDState, par, cfg: MDConfig, max_t: torch.Tensor) -> None:
     periodic = state.step % cfg.safety.check_every == 0
     if periodic:
-        check_distances(state, potential, cfg.safety.min_distance)
-    check_forces(state, cfg.safety.max_force)
+        check_distances(state, par.potential, cfg.safety.min_distance, par.reduce)
+    check_forces(state, cfg.safety.max_force, par.reduce)
     if periodic:
-        check_temperature(state, max_t)
+        check_temperature(state, max_t, par.reduce)
 
 
 def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) -> SimulationError:
     """Write the last good frame and its checkpoint (with the output sizes at that step)."""
-    d = outputs.dir
+    d, full = outputs.dir, outputs.par.gather(good)
     if outputs.enabled:
-        ExtxyzWriter(d / "last_good.xyz").write(good.graph, good.step, _results(good))
-        ckpt.save_checkpoint(d / "checkpoint_last_good.pt", good, meta, None)
+        ExtxyzWriter(d / "last_good.xyz").write(full.graph, good.step, _results(full))
+        ckpt.save_checkpoint(d / "checkpoint_last_good.pt", full,
+                             {**meta, **outputs.par.meta(full)}, None)
     return SimulationError(f"{err}; stopped. Last good frame (step {good.step}) written to "
                            f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
 
 
 def _setup(schema, config, overrides: Sequence[str], manager=None):
-    """The config (object or YAML path + dotlist overrides), device, dtype, potential and
-    output folder plan (checked, nothing written) of an ``xnn md`` / ``xnn relax`` run.
+    """The config (object or YAML path + dotlist overrides), device, dtype, the run's
+    parallel layer (holding the potential) and output folder plan (checked, nothing
+    written) of an ``xnn md`` / ``xnn relax`` run.
 
-    With a multi-rank ``manager`` the potential is decomposed over its ranks
-    (:class:`~xnn.distributed.DecomposedPotential`: replicated dynamics, the model's
-    evaluation spread over the ranks) and only rank 0 writes files."""
+    With a multi-rank ``manager`` the system is decomposed over its ranks
+    (:class:`~xnn.distributed.md_run.DomainRun`: each rank owns the atoms of its box) and
+    only rank 0 writes files."""
     cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
     folder = plan_run_folder(cfg.output.dir, RUN_FILES, resume=cfg.resume,
                              overwrite=cfg.output.overwrite, key="output.dir",
@@ -155,12 +161,15 @@ def _setup(schema, config, overrides: Sequence[str], manager=None):
     if manager is not None:
         device = manager.device
     potential = load_potential(cfg.model, device, dtype)
-    if manager is not None:
-        from xnn.distributed import DecomposedPotential
+    if manager is None:
+        from xnn.dynamics.parallel import SerialRun
 
-        potential = DecomposedPotential(potential.model, manager, skin=cfg.model.skin,
-                                        mode="auto", backend=cfg.model.neighbor_backend)
-    return cfg, device, dtype, potential, folder
+        return cfg, device, dtype, SerialRun(potential), folder
+    from xnn.distributed.md_run import DomainRun
+
+    par = DomainRun(potential.model, manager, skin=cfg.model.skin,
+                    backend=cfg.model.neighbor_backend)
+    return cfg, device, dtype, par, folder
 
 
 def _open_folder(cfg, folder: RunFolder, manager=None) -> Path:
@@ -183,103 +192,127 @@ def _launched_on_several_ranks() -> bool:
     return detect_launch().world_size > 1
 
 
-def _start(cfg: MDConfig, potential, device, dtype):
+def _resume(cfg, par, device, kind: str):
+    """The checkpoint's state split over the ranks (rank 0 reads it) and its meta."""
+    state = meta = None
+    with par.guarded("reading the checkpoint"):
+        if par.main:
+            state, meta = ckpt.load_checkpoint(cfg.resume, device, par.checkpoint_potential,
+                                               kind=kind)
+    meta = par.broadcast(meta)
+    return par.scatter_state(state, meta), meta
+
+
+def _start(cfg: MDConfig, par, device, dtype):
     """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
-    integrator = get_integrator(cfg.ensemble)
+    integrator, potential = get_integrator(cfg.ensemble), par.potential
     if cfg.resume:
-        state, meta = ckpt.load_checkpoint(cfg.resume, device, potential, kind="md")
-        if meta.get("ensemble") != cfg.ensemble:
-            raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} run, "
-                             f"not {cfg.ensemble!r}")
-        check_species(potential, state.graph)
+        state, meta = _resume(cfg, par, device, "md")
+        with par.guarded("checking the checkpoint"):
+            if meta.get("ensemble") != cfg.ensemble:
+                raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} "
+                                 f"run, not {cfg.ensemble!r}")
+            check_species(potential, state.graph)
         return integrator, state, meta
-    graph = load_structure(cfg.structure, cfg.index, device, dtype)
-    check_species(potential, graph)
+    graph, from_file = None, None
+    with par.guarded("reading the structure"):
+        if par.main:
+            graph = load_structure(cfg.structure, cfg.index, device, dtype)
+            check_species(potential, graph)
+            temps = target_temperatures(cfg, graph.n_systems, graph.positions)
+            check_kinetic_dof(cfg, graph, temps)
+            from_file = velocities_from_file(cfg, graph)
+    from_file = par.broadcast(from_file)
+    graph = par.scatter_graph(graph)
     temps = target_temperatures(cfg, graph.n_systems, graph.positions)
-    check_kinetic_dof(cfg, graph, temps)
-    graph = initial_velocities(cfg, graph, temps)
-    state = integrator.init(graph, potential, **integrator_args(cfg, temps))
+    graph = initial_velocities(cfg, graph, temps, par.reduce, from_file)
+    state = integrator.init(graph, potential, reduce=par.reduce,
+                            **integrator_args(cfg, temps))
     return integrator, state, None
 
 
 def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
     """Run molecular dynamics from a config (object or YAML path + dotlist overrides).
 
-    Launched on several ranks (torchrun, srun), every rank integrates the same system and
-    the model's evaluation is decomposed over the ranks (:class:`~xnn.distributed.
-    DecomposedPotential`, one system only); rank 0 writes the outputs. The trajectory equals
-    a single-process run to round-off.
+    Launched on several ranks (torchrun, srun), the system (one) is decomposed over the
+    ranks: rank 0 reads the structure and scatters it, each rank integrates the atoms of
+    its box, atoms migrate between ranks, and rank 0 writes the outputs (gathered in
+    atom-id order) and ``summary.json``. The trajectory equals a single-process run to
+    round-off, and checkpoints (the global state by atom id) resume on any number of ranks.
 
     Returns:
         the output folder (with ``thermo.csv``, ``thermo.png``, trajectory, ``checkpoint.pt``).
     Raises:
         SimulationError: the run diverged (after writing the last good frame and a checkpoint).
     """
-    if _launched_on_several_ranks():  # torchrun / srun: the model decomposed over the ranks
-        from xnn.distributed import DistributedManager
-
-        cfg = config if isinstance(config, MDConfig) else load_config(MDConfig, config,
-                                                                     overrides)
-        from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
-
-        manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type)
-        try:
-            with manager.watch():  # a collective that times out: one line naming the ranks
-                files = {"structure": cfg.structure, "model.file": cfg.model.file,
-                         "resume": cfg.resume}
-                check_ranks_agree(run_fingerprint(cfg, files))  # the first collective
-                return _run_md(cfg, (), manager)
-        finally:
-            manager.cleanup()
+    if _launched_on_several_ranks():
+        return _distributed(MDConfig, config, overrides, _run_md)
     return _run_md(config, overrides, None)
 
 
+def _distributed(schema, config, overrides, body) -> Path:
+    """Run ``body(cfg, (), manager)`` on the ranks of a torchrun / srun launch."""
+    from xnn.distributed import DistributedManager
+    from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
+
+    cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
+    manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type)
+    try:
+        with manager.watch():  # a collective that times out: one line naming the ranks
+            files = {"structure": cfg.structure, "model.file": cfg.model.file,
+                     "resume": cfg.resume}
+            check_ranks_agree(run_fingerprint(cfg, files))  # the first collective
+            return body(cfg, (), manager)
+    finally:
+        manager.cleanup()
+
+
 def _run_md(config, overrides: Sequence[str], manager) -> Path:
-    cfg, device, dtype, potential, folder = _setup(MDConfig, config, overrides, manager)
-    main = manager is None or manager.is_main
-    integrator, state, meta = _start(cfg, potential, device, dtype)
+    cfg, device, dtype, par, folder = _setup(MDConfig, config, overrides, manager)
+    integrator, state, meta = _start(cfg, par, device, dtype)
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
                                                                  state.positions))
     max_t = (torch.full_like(targets, cfg.safety.max_temperature)
              if cfg.safety.max_temperature is not None else 10 * targets + 1000.0)
     if meta is None:
         try:
-            check_distances(state, potential, cfg.safety.min_distance)
-            check_forces(state, cfg.safety.max_force)
+            check_distances(state, par.potential, cfg.safety.min_distance, par.reduce)
+            check_forces(state, cfg.safety.max_force, par.reduce)
         except SimulationError as err:
             raise SimulationError(f"the initial structure is unsafe: {err}", 0) from None
     out_dir = _open_folder(cfg, folder, manager)
-    outputs = _Outputs(cfg, state.graph.n_atoms, meta, out_dir, enabled=main)
+    counts = par.reduce.count_per_system(state.graph.batch, state.n_systems)
+    outputs = _Outputs(cfg, par, counts, meta, out_dir)
     if meta is None:
         outputs.record(state, integrator, force=True)
-    _loop(cfg, integrator, state, potential, outputs, max_t)
-    if cfg.output.plot and main:
+    _loop(cfg, integrator, state, outputs, max_t)
+    par.write_summary(out_dir / "summary.json")
+    if cfg.output.plot and par.main:
         plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}")
-    if main:
+    if par.main:
         folder.commit()
     return folder.final
 
 
-def _loop(
-    cfg: MDConfig, integrator, state: MDState, potential, outputs: _Outputs, max_t
-) -> MDState:
-    n_atoms, start = state.graph.n_atoms, state.step
+def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -> MDState:
+    par = outputs.par
+    n_atoms, start = int(outputs.drift.n_atoms.sum()), state.step
     good, good_meta, t0 = state, outputs.meta(cfg.ensemble), time.perf_counter()
     bar = _progress(cfg.output, cfg.steps, start, f"md {cfg.ensemble}", outputs.enabled)
     every = cfg.output.checkpoint_every
     try:
         while state.step < cfg.steps:
-            new = integrator.step(state, potential, cfg.timestep)
+            new = integrator.step(state, par.potential, cfg.timestep, reduce=par.reduce)
             try:
-                _check(new, potential, cfg, max_t)
+                _check(new, par, cfg, max_t)
             except SimulationError as err:
                 raise _fail(err, good, good_meta, outputs) from None
-            state = new
+            state = par.after_step(new)
             outputs.record(state, integrator)
             if state.step % cfg.safety.check_every == 0:
                 good, good_meta = state, outputs.meta(cfg.ensemble)
             if every and state.step % every == 0:
-                outputs.checkpoint(state, potential)
+                outputs.checkpoint(state)
             bar.update(1)
             if state.step % cfg.output.log_every == 0:
                 done, el = state.step - start, time.perf_counter() - t0
@@ -290,7 +323,7 @@ def _loop(
         if outputs.traj is not None:
             outputs.traj.close()
     if not (every and state.step % every == 0):
-        outputs.checkpoint(state, potential)
+        outputs.checkpoint(state)
     return state
 
 
@@ -325,13 +358,17 @@ class _RelaxLog:
 
 
 class _RelaxOutputs:
-    """``relax.csv``, the relaxation trajectory and ``checkpoint.pt`` of one relaxation."""
+    """``relax.csv``, the relaxation trajectory and ``checkpoint.pt`` of one relaxation
+    (files written by rank 0; the methods are collective under domain decomposition)."""
 
-    def __init__(self, cfg: RelaxConfig, n_atoms: int, meta: dict | None, directory: Path):
-        self.cfg, self.dir = cfg, Path(directory)
+    def __init__(self, cfg: RelaxConfig, par, n_atoms: int, meta: dict | None,
+                 directory: Path):
+        self.cfg, self.dir, self.par = cfg, Path(directory), par
         files = meta["files"] if meta else {}
+        self.log = self.traj = None
+        if not par.main:
+            return
         self.log = _RelaxLog(self.dir / "relax.csv", files.get("log_bytes"))
-        self.traj = None
         if cfg.output.trajectory_every:
             self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
                                         files.get("trajectory") if meta else None,
@@ -340,7 +377,7 @@ class _RelaxOutputs:
     def meta(self, done: torch.Tensor) -> dict:
         """The checkpoint meta: settings, per-system convergence, output sizes (before this
         step's rows and frame, which a resumed run writes again)."""
-        files = {"log_bytes": self.log.position()}
+        files = {"log_bytes": self.log.position()} if self.log is not None else {}
         if self.traj is not None:
             files["trajectory"] = self.traj.position()
         return {"kind": "relax", "settings": _relax_settings(self.cfg),
@@ -348,10 +385,19 @@ class _RelaxOutputs:
 
     def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
         out = self.cfg.output
-        if force or state.step % out.log_every == 0:
+        if self.log is not None and (force or state.step % out.log_every == 0):
             self.log.write(state, fm)
-        if self.traj is not None and state.step % out.trajectory_every == 0:
-            self.traj.write(state.graph, state.step, _results(state))
+        if out.trajectory_every and state.step % out.trajectory_every == 0:
+            full = self.par.gather(state)
+            if self.traj is not None:
+                self.traj.write(full.graph, full.step, _results(full))
+
+    def save(self, state: MDState, meta: dict, name: str = "checkpoint.pt") -> int:
+        full = self.par.gather(state)
+        if self.par.main:
+            ckpt.save_checkpoint(self.dir / name, full, {**meta, **self.par.meta(full)},
+                                 self.par.checkpoint_potential)
+        return state.step
 
     def close(self) -> None:
         if self.traj is not None:
@@ -364,14 +410,7 @@ def _relax_settings(cfg: RelaxConfig) -> dict:
             "pressure_eV_A3": pressure_to_internal(cfg.pressure, cfg.pressure_unit)}
 
 
-def _relax_start(cfg: RelaxConfig, potential, device, dtype) -> tuple[MDState, dict | None]:
-    """The FIRE state (fresh, or from ``cfg.resume``) and the checkpoint meta (``None``: fresh)."""
-    graph = load_structure(cfg.structure, cfg.index, device, dtype)
-    check_species(potential, graph)
-    if not cfg.resume:
-        return fire.init(graph, potential, relax_cell=cfg.relax_cell, maxstep=cfg.maxstep,
-                         pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit)), None
-    state, meta = ckpt.load_checkpoint(cfg.resume, device, potential, kind="relax")
+def _check_relax_resume(cfg: RelaxConfig, state: MDState, meta: dict, graph) -> None:
     if state.n_systems != graph.n_systems or not torch.equal(state.graph.numbers,
                                                              graph.numbers):
         raise InputError(f"checkpoint {cfg.resume} holds {state.n_systems} structures "
@@ -382,7 +421,26 @@ def _relax_start(cfg: RelaxConfig, potential, device, dtype) -> tuple[MDState, d
     if diff:
         raise InputError(f"checkpoint {cfg.resume} was written with {', '.join(diff)}; "
                          "resume with the same settings")
-    return state, meta
+
+
+def _relax_start(cfg: RelaxConfig, par, device, dtype) -> tuple[MDState, dict | None]:
+    """The FIRE state (fresh, or from ``cfg.resume``) and the checkpoint meta (``None``: fresh)."""
+    graph = state = meta = None
+    with par.guarded("reading the structure"):
+        if par.main:
+            graph = load_structure(cfg.structure, cfg.index, device, dtype)
+            check_species(par.potential, graph)
+            if cfg.resume:
+                state, meta = ckpt.load_checkpoint(cfg.resume, device,
+                                                   par.checkpoint_potential, kind="relax")
+                _check_relax_resume(cfg, state, meta, graph)
+    if cfg.resume:
+        meta = par.broadcast(meta)
+        return par.scatter_state(state, meta), meta
+    graph = par.scatter_graph(graph)
+    return fire.init(graph, par.potential, relax_cell=cfg.relax_cell, maxstep=cfg.maxstep,
+                     pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit),
+                     reduce=par.reduce), None
 
 
 def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
@@ -391,58 +449,63 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -
 
     With ``resume=checkpoint.pt`` (same output folder) the relaxation continues (up to the
     new ``max_steps``) and its outputs are bitwise identical to an uninterrupted run on CPU.
+    Launched on several ranks (torchrun), the system (one) is decomposed as in ``xnn md``.
 
     Returns:
         the output folder.
     """
     if _launched_on_several_ranks():
-        raise InputError("xnn relax runs in one process; launch it without torchrun/srun "
-                         "(xnn md decomposes the model over the ranks of a torchrun job)")
-    cfg, device, dtype, potential, folder = _setup(RelaxConfig, config, overrides)
-    state, meta = _relax_start(cfg, potential, device, dtype)
-    out_dir = _open_folder(cfg, folder)
-    outputs = _RelaxOutputs(cfg, state.graph.n_atoms, meta, out_dir)
-    state = _relax_loop(cfg, state, potential, outputs)
-    ExtxyzWriter(out_dir / "relaxed.xyz").write(state.graph.replace(velocities=None),
-                                               state.step, _results(state))
-    folder.commit()
-    n_bad = int((fire.fmax(state) >= cfg.fmax).sum())
-    if n_bad:
+        return _distributed(RelaxConfig, config, overrides, _run_relax)
+    return _run_relax(config, overrides, None)
+
+
+def _run_relax(config, overrides: Sequence[str], manager) -> Path:
+    cfg, device, dtype, par, folder = _setup(RelaxConfig, config, overrides, manager)
+    state, meta = _relax_start(cfg, par, device, dtype)
+    out_dir = _open_folder(cfg, folder, manager)
+    n_atoms = int(par.reduce.count_per_system(state.graph.batch, state.n_systems).sum())
+    outputs = _RelaxOutputs(cfg, par, n_atoms, meta, out_dir)
+    state = _relax_loop(cfg, state, outputs)
+    full = par.gather(state)
+    if par.main:
+        ExtxyzWriter(out_dir / "relaxed.xyz").write(full.graph.replace(velocities=None),
+                                                   state.step, _results(full))
+    par.write_summary(out_dir / "summary.json")
+    if par.main:
+        folder.commit()
+    n_bad = int((fire.fmax(state, par.reduce) >= cfg.fmax).sum())
+    if n_bad and par.main:
         print(f"xnn relax: {n_bad} of {state.n_systems} systems did not reach fmax={cfg.fmax} "
               f"eV/Å in {cfg.max_steps} steps")
     return folder.final
 
 
-def _relax_loop(cfg: RelaxConfig, state: MDState, potential, outputs: _RelaxOutputs) -> MDState:
+def _relax_loop(cfg: RelaxConfig, state: MDState, outputs: _RelaxOutputs) -> MDState:
     """FIRE steps until every system is below ``cfg.fmax`` or ``cfg.max_steps``; checkpoints
     are taken at the top of a step, before its rows are written."""
-    every, start, saved = cfg.output.checkpoint_every, state.step, None
-    bar = _progress(cfg.output, cfg.max_steps, min(start, cfg.max_steps), "relax")
+    every, start, saved, par = cfg.output.checkpoint_every, state.step, None, outputs.par
+    bar = _progress(cfg.output, cfg.max_steps, min(start, cfg.max_steps), "relax", par.main)
     try:
         while True:
-            fm = fire.fmax(state)
+            fm = fire.fmax(state, par.reduce)
             done = fm < cfg.fmax
             meta = outputs.meta(done)
             if every and state.step % every == 0 and state.step != start:
-                saved = _save(outputs.dir, state, meta, potential)
+                saved = outputs.save(state, meta)
             outputs.record(state, fm, force=bool(done.all()))
             if bool(done.all()) or state.step >= cfg.max_steps:
                 break
-            check_forces(state, float("inf"))
-            state = fire.step(state, potential, cfg.fmax)
+            check_forces(state, float("inf"), par.reduce)
+            state = fire.step(state, par.potential, cfg.fmax, reduce=par.reduce)
+            state = par.after_step(state)
             bar.update(1)
             bar.set_postfix(fmax=f"{float(fm.max()):.3g}", refresh=False)
     finally:
         bar.close()
         outputs.close()
     if saved != state.step:
-        _save(outputs.dir, state, meta, potential)
+        outputs.save(state, meta)
     return state
-
-
-def _save(out_dir: Path, state: MDState, meta: dict, potential) -> int:
-    ckpt.save_checkpoint(out_dir / "checkpoint.pt", state, meta, potential)
-    return state.step
 
 
 def demo_md(

@@ -26,7 +26,9 @@ def _ids(state: MDState, mask: Tensor, limit: int = 6) -> list[int]:
 
 
 def check_forces(state: MDState, max_force: float, reduce: Reducer = LOCAL) -> None:
-    """Raise :class:`SimulationError` on non-finite energies/forces or a force > ``max_force``."""
+    """Raise :class:`SimulationError` on non-finite energies/forces or a force > ``max_force``.
+
+    Collective with a cross-rank ``reduce`` (every rank raises, even one without atoms)."""
     f = state.forces
     norm = f.norm(dim=-1)
     bad = ~torch.isfinite(norm) | (norm > max_force)
@@ -34,27 +36,52 @@ def check_forces(state: MDState, max_force: float, reduce: Reducer = LOCAL) -> N
         if reduce.any(~torch.isfinite(norm)) or not bool(torch.isfinite(state.energy).all()):
             what = "non-finite energy or forces"
         else:
-            what = f"force above safety.max_force={max_force} eV/Å (max {float(norm.max()):.3g})"
+            g = state.graph
+            top = reduce.max_per_system(norm, g.batch, g.n_systems).max()
+            what = f"force above safety.max_force={max_force} eV/Å (max {float(top):.3g})"
         raise SimulationError(f"step {state.step}: {what} on atoms (atom_id) "
                               f"{_ids(state, bad)}", state.step)
+
+
+def _min_pair(state: MDState, potential) -> tuple[float, list[int]]:
+    """This process's shortest pair (Å) and its atom ids, from the potential's neighbors."""
+    if hasattr(potential, "min_pair_distance"):  # a decomposed potential (last evaluation)
+        d, ids = potential.min_pair_distance()
+        return float(d), [int(i) for i in ids.tolist()]
+    g = potential.neighbors(state.graph)
+    d = g.edge_vectors().norm(dim=-1)
+    if not d.numel():
+        return float("inf"), [-1, -1]
+    e = int(torch.argmin(d))
+    j, i = g.edge_index[0, e], g.edge_index[1, e]
+    return float(d[e]), [int(g.atom_id[i]), int(g.atom_id[j])]
 
 
 def check_distances(
     state: MDState, potential, min_distance: float, reduce: Reducer = LOCAL
 ) -> None:
-    """Raise when two atoms are closer than ``min_distance`` (Å), from the Verlet list."""
+    """Raise when two atoms are closer than ``min_distance`` (Å), from the Verlet list (or,
+    for a decomposed potential, its last evaluation's pairs, minimum over the ranks)."""
     if min_distance <= 0:
         return
-    g = potential.neighbors(state.graph)
-    d = g.edge_vectors().norm(dim=-1)
-    close = d < min_distance
-    if reduce.any(close):
-        e = int(torch.argmin(d))
-        j, i = g.edge_index[0, e], g.edge_index[1, e]
-        ids = [int(g.atom_id[i]), int(g.atom_id[j])]
-        raise SimulationError(f"step {state.step}: atoms (atom_id) {ids} are {float(d[e]):.3f} Å "
-                              f"apart, closer than safety.min_distance={min_distance} Å",
-                              state.step)
+    d, ids = _min_pair(state, potential)
+    if reduce is LOCAL:
+        if d < min_distance:
+            _raise_close(state, d, ids, min_distance)
+        return
+    like = state.positions.new_zeros(1, dtype=torch.float64)
+    one = torch.zeros(1, dtype=torch.long, device=like.device)
+    dmin = float(reduce.min_per_system(like + d, one, 1)[0])
+    if dmin < min_distance:
+        mine = torch.tensor(ids if d == dmin else [-1, -1], dtype=torch.float64,
+                            device=like.device)
+        pair = [int(reduce.max_per_system(mine[k:k + 1], one, 1)[0]) for k in range(2)]
+        _raise_close(state, dmin, pair, min_distance)
+
+
+def _raise_close(state: MDState, d: float, ids: list[int], min_distance: float) -> None:
+    raise SimulationError(f"step {state.step}: atoms (atom_id) {ids} are {d:.3f} Å apart, "
+                          f"closer than safety.min_distance={min_distance} Å", state.step)
 
 
 def check_temperature(state: MDState, max_temperature: Tensor, reduce: Reducer = LOCAL) -> None:

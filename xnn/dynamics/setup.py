@@ -11,6 +11,7 @@ from xnn._torch_files import refuse_non_model_file
 from xnn.config.md import MDConfig, MDModelConfig
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
+from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import check_graph, free_mask, has_fixed, maxwell_boltzmann
 from xnn.errors import DataFileError, InputError, ModelFileError
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
@@ -93,7 +94,7 @@ def check_species(potential, graph: AtomicGraph) -> None:
         check(graph.numbers)
 
 
-def _velocities_from_file(cfg: MDConfig, graph: AtomicGraph) -> bool:
+def velocities_from_file(cfg: MDConfig, graph: AtomicGraph) -> bool:
     if cfg.velocities == "file":
         if K.VELOCITIES not in graph:
             raise InputError(f"velocities=file but {cfg.structure} holds no velocities")
@@ -102,12 +103,22 @@ def _velocities_from_file(cfg: MDConfig, graph: AtomicGraph) -> bool:
     return cfg.velocities == "auto" and has
 
 
-def initial_velocities(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) -> AtomicGraph:
-    """Velocities from the file, or Maxwell–Boltzmann at the initial temperature (seeded)."""
-    if _velocities_from_file(cfg, graph):
-        return check_graph(graph)
+def initial_velocities(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor,
+                       reduce: Reducer = LOCAL, from_file: bool | None = None) -> AtomicGraph:
+    """Velocities from the file, or Maxwell–Boltzmann at the initial temperature (seeded,
+    keyed by atom id: the same on any number of ranks).
+
+    Args:
+        reduce: global sums over the ranks holding the atoms.
+        from_file: whether the file's velocities are used (decided where the whole file
+            was read); ``None``: decided here from ``graph``.
+    """
+    if from_file is None:
+        from_file = velocities_from_file(cfg, graph)
+    if from_file:
+        return check_graph(graph, reduce)
     t0 = targets if cfg.initial_temperature is None else cfg.initial_temperature
-    return maxwell_boltzmann(graph, t0, seed=cfg.seed)
+    return maxwell_boltzmann(graph, t0, seed=cfg.seed, reduce=reduce)
 
 
 def check_kinetic_dof(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) -> None:
@@ -128,7 +139,7 @@ def check_kinetic_dof(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) 
     n_free = torch.zeros(graph.n_systems, dtype=torch.float64, device=free.device)
     n_free = n_free.index_add(0, graph.batch, free)
     dof = torch.where(has_fixed(graph), 3 * n_free, 3 * n_free - 3)
-    mb = None if _velocities_from_file(cfg, graph) else (
+    mb = None if velocities_from_file(cfg, graph) else (
         targets if cfg.initial_temperature is None else torch.full_like(
             targets, float(cfg.initial_temperature)))
     asked = targets if cfg.ensemble != "nve" else torch.zeros_like(targets)

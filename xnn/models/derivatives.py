@@ -14,6 +14,7 @@ training so that force and stress losses can be differentiated (double backward)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ def derive(
     forces: bool,
     stress: bool,
     create_graph: bool,
+    reduce_strain: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Forces, virial and stress from ``total_energy`` (a scalar) by one autograd call.
 
@@ -61,6 +63,9 @@ def derive(
         strained: the leaves from :func:`apply_strain`.
         volume: ``[n_systems]`` Å³.
         pbc: ``[n_systems, 3]``; stress is zero for systems not periodic along all axes.
+        reduce_strain: applied to ``∂E/∂ε [n_systems, 3, 3]`` before virial and stress are
+            formed. Domain decomposition passes a sum over ranks: each rank differentiates
+            its share of the energy, and the shares' strain gradients add up.
     """
     out: dict[str, Tensor] = {}
     inputs = []
@@ -80,7 +85,7 @@ def derive(
     if forces:
         out[K.FORCES] = -grads[0]
     if stress:
-        g = grads[-1]
+        g = grads[-1] if reduce_strain is None else reduce_strain(grads[-1])
         periodic = pbc.all(-1)
         vol = torch.where(periodic, volume, torch.ones_like(volume))
         virial = -g

@@ -1,13 +1,17 @@
 """One rank's view of a decomposed system: owned atoms, ghost images, exchange plan, edges.
 
 Local atoms are ordered ``[owned | images of owned atoms | ghosts from other ranks]``. Each
-local atom is an image of a global atom, ``x = x_owner + shift @ cell`` with an integer
-``shift`` relative to the owner's *input* (possibly unwrapped) position.
+local atom is an image of an owned atom, ``x = x_owner + shift @ cell`` with an integer
+``shift`` relative to the owner's (unwrapped) position; owned atoms themselves sit at their
+*home* image, the one nearest to their box. Ghosts come from their owners, which push every
+image of their atoms lying within the halo of a peer's region (no rank scans the system):
+ids, shifts and the other per-atom fields travel once per rebuild; per evaluation only
+positions (and, in mode ``"sync"``, features) travel through :func:`halo_exchange`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -15,44 +19,47 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.halo import HaloPlan, build_plan, halo_exchange
-from xnn.distributed.domain.partition import Grid, Partition, image_shifts, make_partition
+from xnn.distributed.domain.halo import HaloPlan, halo_exchange
+from xnn.distributed.domain.partition import Partition, sorted_images
+from xnn.distributed.domain.transport import exchange_packed, layout_of, pack, unpack
 from xnn.neighbors import neighbor_list
+
+#: per-step or recomputed fields that do not travel with ghosts (positions travel per call)
+_NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
+_SHIFT, _POS = "__shift", "__positions"
 
 
 @dataclass
 class LocalDomain:
-    """Owned atoms, ghosts and the exchange plan of one rank.
+    """Ghosts, the exchange plan and the local edges of one rank (one rebuild).
 
     Attributes:
         partition: the box grid.
-        owned: ``[n_owned]`` rows of the global graph owned here (increasing).
-        local_rows: ``[n_local]`` global row of every local atom.
-        shifts: ``[n_local, 3]`` long image shift of every local atom.
-        self_src: ``[n_self]`` owned row of each image of an owned atom.
+        extents: ``[n_ranks, 2, 3]`` fractional region of every rank's owned atoms (its box,
+            grown to hold atoms that left it since the last migration).
+        self_src: ``[n_self]`` owned row of each periodic image of an owned atom.
+        shifts: ``[n_local, 3]`` long image shift of every local atom from its owner's position.
         plan: the halo exchange for ghosts owned by other ranks.
+        ghost_fields: per-atom fields (numbers, ids, user fields...) of the remote ghosts,
+            each ``[n_recv, ...]``, in ghost order (by peer, then image shift, then id).
         edge_index: ``[2, n_edges]`` local edges within ``cutoff + skin``.
-        ref_positions, ref_cell: the global positions/cell the domain was built for.
     """
 
     partition: Partition
-    owned: Tensor
-    local_rows: Tensor
-    shifts: Tensor
+    extents: Tensor
     self_src: Tensor
+    shifts: Tensor
     plan: HaloPlan
-    edge_index: Tensor
-    ref_positions: Tensor
-    ref_cell: Tensor
-    ref_ids: Tensor
+    ghost_fields: dict[str, Tensor] = field(default_factory=dict)
+    edge_index: Tensor | None = None
 
     @property
     def n_owned(self) -> int:
-        return int(self.owned.numel())
+        return self.plan.n_owned
 
     @property
     def n_local(self) -> int:
-        return int(self.local_rows.numel())
+        return int(self.shifts.shape[0])
 
     @property
     def n_ghost(self) -> int:
@@ -71,116 +78,132 @@ class LocalDomain:
         src = self.gather_local(owned_positions)
         return src + self.shifts.to(src.dtype) @ cell
 
-
-def _rank_within_owner(owner: Tensor, n_ranks: int) -> Tensor:
-    """``[n]`` index of each atom among the atoms of its owner, in global order."""
-    n = owner.numel()
-    order = torch.argsort(owner * max(n, 1) + torch.arange(n, device=owner.device))
-    counts = torch.bincount(owner, minlength=n_ranks)
-    starts = torch.cumsum(counts, 0) - counts
-    out = torch.empty_like(owner)
-    out[order] = torch.arange(n, device=owner.device) - starts[owner[order]]
-    return out
+    def local_field(self, name: str, owned: Tensor) -> Tensor:
+        """``[n_local, ...]`` per-atom field ``name``: ``owned [n_owned, ...]``, then its rows
+        for the owned atoms' images, then the values received with the ghosts."""
+        return torch.cat([owned, owned.index_select(0, self.self_src), self.ghost_fields[name]])
 
 
-def find_ghosts(partition: Partition, positions: Tensor, rank: int, halo_width: float):
-    """Owned rows and ghost images of box ``rank``.
+def _images(part: Partition, home: Tensor, extent: Tensor, t: Tensor):
+    return sorted_images(home, extent[0] - t, extent[1] + t, part.pbc)
 
-    Returns:
-        ``(owner [n], rank_within_owner [n], wrap [n, 3], owned [n_owned], ghost_rows [g],
-        ghost_shifts [g, 3])`` where the ghosts are every image of every atom inside the box
-        grown by ``halo_width`` (except owned atoms themselves), shifts relative to the input
-        positions.
+
+def _push(graph: AtomicGraph, part: Partition, extents: Tensor, rank: int, halo_width: float,
+          group):
+    """Send each peer the images of the owned atoms within its halo; receive our ghosts.
+
+    Returns ``(peers, send_index, self_src, self_shift, n_home, ghost fields)``.
     """
-    u, wrap = partition.fractional(positions.detach())
-    owner = partition.owner(u)
-    within = _rank_within_owner(owner, partition.n_boxes)
-    owned = torch.nonzero(owner == rank).flatten()
-    low, high = partition.box_bounds(rank)
-    t = partition.thickness(halo_width)
-    rows, shifts = image_shifts(u, low - t, high + t, partition.pbc)
-    keep = ~((owner[rows] == rank) & (shifts == 0).all(-1))
-    rows, shifts = rows[keep], shifts[keep] - wrap[rows[keep]]
-    return owner, within, wrap, owned, rows, shifts
+    with C.guarded(group, "ghost selection"):
+        pos = graph.positions.detach()
+        home, n_home = part.home(pos, rank)
+        t = part.thickness(halo_width)
+        rows, img = _images(part, home, extents[rank], t)
+        keep = (img != 0).any(-1)  # shift 0 is the owned atom itself
+        self_src, self_shift = rows[keep], img[keep] + n_home[rows[keep]]
+        peers = part.peers(extents, halo_width, rank)
+        static = {k: v for k, v in graph.fields.items()
+                  if K.scope_of(k) == K.ATOM and k not in _NOT_SENT}
+        layout = layout_of({**static, _SHIFT: n_home, _POS: pos})
+        send_index, payloads = [], []
+        for q in peers:
+            r, s = _images(part, home, extents[q], t)
+            send_index.append(r)
+            rowfields = {k: v.index_select(0, r) for k, v in static.items()}
+            rowfields.update({_SHIFT: s + n_home.index_select(0, r), _POS: pos.index_select(0, r)})
+            payloads.append(pack(rowfields, layout))
+    bufs = exchange_packed(peers, payloads, layout, group, "ghost exchange")
+    recv = [unpack(b, layout) for b in bufs]
+    empty = unpack(torch.zeros(0, layout.row_bytes, dtype=torch.uint8, device=pos.device), layout)
+    ghosts = {k: torch.cat([empty[k]] + [r[k] for r in recv]) for k in layout.names}
+    counts = [int(b.shape[0]) for b in bufs]
+    return peers, send_index, counts, self_src, self_shift, n_home, ghosts
 
 
-def _receivers(part: Partition, rank: int, x: Tensor, n_owned: int, width: float) -> Tensor:
-    """``[n_local]`` bool: owned atoms and atoms within ``width`` (Å) of box ``rank``."""
+def _receivers(extent: Tensor, part: Partition, x: Tensor, n_owned: int, width: float) -> Tensor:
+    """``[n_local]`` bool: owned atoms and atoms within ``width`` (Å) of the owned region."""
     keep = torch.arange(x.shape[0], device=x.device) < n_owned
     if width > 0:
-        low, high = part.box_bounds(rank)
         t = part.thickness(width)
         frac = x @ part.inv_cell
-        keep |= ((frac >= low - t) & (frac <= high + t)).all(-1)
+        keep |= ((frac >= extent[0] - t) & (frac <= extent[1] + t)).all(-1)
     return keep
 
 
-def build_local_domain(graph: AtomicGraph, n_ranks: int, rank: int, halo_width: float,
-                       edge_cutoff: float, grid: Grid | None, group, backend: str,
+def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, halo_width: float,
+                       edge_cutoff: float, group, backend: str,
                        receiver_width: float | None = None) -> LocalDomain:
-    """Partition ``graph`` (one system), find this rank's ghosts, agree on the exchange plan.
+    """Find this rank's ghosts by owner push, agree on the exchange plan, build local edges.
 
     Args:
+        graph: this rank's owned atoms (one system).
+        part: the partition; ``extents [n_ranks, 2, 3]`` every rank's owned region.
+        halo_width: Å; ghosts are all images within it of the owned region.
+        edge_cutoff: Å, the local neighbor list's cutoff (``cutoff + skin``).
         receiver_width: if given, local edges keep only receivers that are owned or within
-            this distance (Å) of the box: the others' updates never reach an owned energy
-            (with ``L`` interactions, ``(L - 1) * cutoff + skin``; 0 when ghost features are
-            overwritten at sync points), so their edges are wasted work.
+            this distance (Å) of the owned region: the others' updates never reach an owned
+            energy (with ``L`` interactions, ``(L - 1) * cutoff + skin``; 0 when ghost
+            features are overwritten at sync points), so their edges are wasted work.
 
     Collective over ``group``; rank-local failures are agreed before any other collective.
     """
-    with C.guarded(group, "domain partition"):
-        pos = graph.positions.detach()
-        part = make_partition(pos, graph.cell[0], graph.pbc[0], n_ranks, halo_width, grid)
-        owner, within, wrap, owned, rows, shifts = find_ghosts(part, pos, rank, halo_width)
-        mine = owner[rows] == rank
-        remote_rows, remote_shifts = rows[~mine], shifts[~mine]
-        key = owner[remote_rows] * max(pos.shape[0], 1) + within[remote_rows]
-        order = torch.sort(key, stable=True).indices
-        remote_rows, remote_shifts = remote_rows[order], remote_shifts[order]
-    plan = build_plan(owner[remote_rows], within[remote_rows], int(owned.numel()), group)
+    rank = C.group_rank(group)
+    peers, send_index, counts, self_src, self_shift, n_home, ghosts = _push(
+        graph, part, extents, rank, halo_width, group)
+    plan = HaloPlan(graph.n_atoms, peers, send_index, counts, group)
     with C.guarded(group, "local neighbor list"):
-        local_rows = torch.cat([owned, rows[mine], remote_rows])
-        all_shifts = torch.cat([-wrap[owned], shifts[mine], remote_shifts])
-        x = pos[local_rows] + all_shifts.to(pos.dtype) @ graph.cell[0].detach()
+        pos, cell = graph.positions.detach(), part.cell.to(graph.positions.dtype)
+        remote_shift, remote_pos = ghosts.pop(_SHIFT), ghosts.pop(_POS)
+        shifts = torch.cat([n_home, self_shift, remote_shift])
+        src = torch.cat([pos, pos.index_select(0, self_src), remote_pos])
+        x = src + shifts.to(pos.dtype) @ cell
         edge_index, _ = neighbor_list(
             x, torch.zeros(1, 3, 3, dtype=x.dtype, device=x.device),
             torch.zeros(1, 3, dtype=torch.bool, device=x.device), edge_cutoff, None, backend)
         if receiver_width is not None:
-            keep = _receivers(part, rank, x, int(owned.numel()), receiver_width)
+            keep = _receivers(extents[rank], part, x, graph.n_atoms, receiver_width)
             edge_index = edge_index[:, keep[edge_index[1]]]
-    return LocalDomain(part, owned, local_rows, all_shifts, within[rows[mine]], plan,
-                       edge_index, pos.clone(), graph.cell.detach().clone(),
-                       graph.atom_id.clone())
+    return LocalDomain(part, extents, self_src, shifts, plan, ghosts, edge_index)
 
 
-_NOT_COPIED = (K.POSITIONS, K.FORCES, K.ENERGIES, K.ENERGY, K.STRESS, K.VIRIAL, K.CELL, K.PBC,
-               K.EDGE_INDEX, K.SHIFTS)
+def min_pair_distance(x: Tensor, dom: LocalDomain, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Shortest local edge with an owned receiver: ``(distance [] Å, atom ids [2])``.
+
+    ``x [n_local, 3]`` are local positions and ``ids [n_local]`` their global atom ids;
+    ``inf`` and ids ``-1`` when there is no such edge.
+    """
+    ei = dom.edge_index
+    ei = ei[:, ei[1] < dom.n_owned]
+    if not ei.shape[1]:
+        return x.new_tensor(float("inf")), ids.new_full((2,), -1)
+    d = (x.index_select(0, ei[0]) - x.index_select(0, ei[1])).norm(dim=-1)
+    e = int(torch.argmin(d))
+    return d[e], torch.stack([ids[ei[1, e]], ids[ei[0, e]]])
 
 
 def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
                 owned_only: bool = False) -> AtomicGraph:
     """The non-periodic graph of the local atoms (owned + ghosts) at explicit ``positions``.
 
+    Per-atom fields are the owned ``graph``'s (for owned atoms and their images) and those
+    received with the ghosts; system fields other than cell and pbc are copied.
     ``owned_only``: mark the graph so that models update only the owned atoms' features
     (``K.N_UPDATE``); the ghosts' features then come from the sync points' exchanges.
     """
-    fields = {}
+    fields = {name: dom.local_field(name, graph[name]) for name in dom.ghost_fields}
     for name, value in graph.fields.items():
-        if name in _NOT_COPIED:
-            continue
-        scope = K.scope_of(name)
-        if scope == K.ATOM:
-            fields[name] = value.index_select(0, dom.local_rows)
-        elif scope == K.SYSTEM:
+        if K.scope_of(name) == K.SYSTEM and name not in _SYSTEM_RESULTS:
             fields[name] = value
-    n_local = dom.n_local
+    device = positions.device
     fields[K.POSITIONS] = positions
-    fields[K.BATCH] = torch.zeros(n_local, dtype=torch.long, device=positions.device)
-    fields[K.CELL] = torch.zeros(1, 3, 3, dtype=positions.dtype, device=positions.device)
-    fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=positions.device)
+    fields[K.BATCH] = torch.zeros(dom.n_local, dtype=torch.long, device=device)
+    fields[K.CELL] = torch.zeros(1, 3, 3, dtype=positions.dtype, device=device)
+    fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=device)
     if owned_only:
-        fields[K.N_UPDATE] = torch.tensor([dom.n_owned], device=positions.device)
+        fields[K.N_UPDATE] = torch.tensor([dom.n_owned], device=device)
     fields[K.EDGE_INDEX] = dom.edge_index
-    fields[K.SHIFTS] = torch.zeros(dom.edge_index.shape[1], 3, dtype=torch.long,
-                                   device=positions.device)
+    fields[K.SHIFTS] = torch.zeros(dom.edge_index.shape[1], 3, dtype=torch.long, device=device)
     return AtomicGraph(fields, validate=False)
+
+
+_SYSTEM_RESULTS = (K.ENERGY, K.STRESS, K.VIRIAL, K.CELL, K.PBC)

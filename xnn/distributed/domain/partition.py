@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,6 +36,16 @@ def parse_grid(text: str | Sequence | None) -> Grid | None:
         raise InputError(f"grid must be three positive integers like 2,1,1; got {text!r}") from None
     if len(grid) != 3 or min(grid) < 1:
         raise InputError(f"grid must be three positive integers like 2,1,1; got {text!r}")
+    return grid  # type: ignore[return-value]
+
+
+def check_grid(grid: Sequence[int], n_ranks: int) -> Grid:
+    """``grid`` as a tuple; ``InputError`` unless it has ``n_ranks`` boxes."""
+    grid = tuple(int(g) for g in grid)
+    if len(grid) != 3 or min(grid) < 1 or grid[0] * grid[1] * grid[2] != n_ranks:
+        raise InputError(f"grid {'x'.join(map(str, grid))} has "
+                         f"{int(np.prod(grid))} boxes but there are {n_ranks} "
+                         "domain ranks; give px*py*pz equal to the number of ranks")
     return grid  # type: ignore[return-value]
 
 
@@ -127,10 +138,53 @@ class Partition:
         idx = torch.minimum(idx.clamp_min(0), grid - 1)
         return (idx[:, 0] * grid[1] + idx[:, 1]) * grid[2] + idx[:, 2]
 
+    def home(self, positions: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+        """Fractional coordinates of the images of ``positions`` nearest to box ``rank``.
+
+        Along periodic axes each atom is taken at the image whose fractional coordinate lies
+        within half a cell of the box centre (its own box, once ownership is fresh).
+
+        Args:
+            positions: ``[n, 3]`` Å (unwrapped).
+        Returns:
+            ``g [n, 3]`` fractional coordinates and the integer ``n_home [n, 3]`` (long)
+            with ``g = positions @ inv_cell + n_home``.
+        """
+        low, high = self.box_bounds(rank)
+        frac = positions @ self.inv_cell
+        centre = 0.5 * (low + high)
+        n = torch.where(self.pbc, -torch.round(frac - centre), torch.zeros_like(frac))
+        return frac + n, n.to(torch.long)
+
+    def extent(self, rank: int, home: Tensor) -> Tensor:
+        """``[2, 3]`` fractional ``(low, high)`` of box ``rank`` grown to hold ``home [n, 3]``."""
+        low, high = self.box_bounds(rank)
+        if home.shape[0]:
+            low = torch.minimum(low, home.min(0).values)
+            high = torch.maximum(high, home.max(0).values)
+        return torch.stack([low, high])
+
+    def peers(self, extents: Tensor, halo_width: float, rank: int) -> list[int]:
+        """Ranks whose atoms lie within ``halo_width`` of rank ``rank``'s (any image).
+
+        The relation is symmetric and computed identically on every rank (from the same
+        all-gathered ``extents [n_ranks, 2, 3]``): ``q`` talks to ``r`` when some periodic
+        image of extent ``r`` comes within the fractional halo thickness of extent ``q``.
+        """
+        t = self.thickness(halo_width) * (1 + 1e-6) + 1e-9  # wider than any pushed region
+        first = (torch.arange(extents.shape[0], device=extents.device) < rank)[:, None, None]
+        mine = extents[rank].expand_as(extents)
+        a, b = torch.where(first, extents, mine), torch.where(first, mine, extents)
+        smin = torch.ceil(b[:, 0] - t - a[:, 1])  # the same arithmetic on both sides
+        smax = torch.floor(b[:, 1] + t - a[:, 0])
+        ok = torch.where(self.pbc, smin <= smax, (smin <= 0) & (smax >= 0)).all(-1)
+        ok[rank] = False
+        return torch.nonzero(ok).flatten().tolist()
+
 
 def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
                    halo_width: float, grid: Grid | None = None) -> Partition:
-    """Partition one system over ``n_ranks`` boxes.
+    """Partition one system over ``n_ranks`` boxes from all of its positions (one process).
 
     Args:
         positions: ``[n_atoms, 3]`` Å.
@@ -142,29 +196,54 @@ def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
     Raises:
         InputError: a grid whose number of boxes is not ``n_ranks``; a singular cell.
     """
-    pos = positions.detach()
+    full, inv = _completed(cell)
+    frac = positions.detach() @ inv
+    if frac.shape[0]:
+        fmin, fmax = frac.min(0).values, frac.max(0).values
+    else:
+        fmin = fmax = torch.zeros(3, dtype=frac.dtype, device=frac.device)
+    return partition_from_bounds(fmin, fmax, cell, pbc, n_ranks, halo_width, grid)
+
+
+def _completed(cell: Tensor) -> tuple[Tensor, Tensor]:
     full = complete_cell(cell.detach().unsqueeze(0))[0]
     if torch.linalg.det(full).abs() < 1e-12:
         raise InputError("singular cell: cannot partition the system into domains")
-    inv = torch.linalg.inv(full)
+    return full, torch.linalg.inv(full)
+
+
+def fractional_bounds(positions: Tensor, cell: Tensor) -> Tensor:
+    """``[6]`` ``(max frac, -min frac)`` of some atoms (``-inf`` when there are none).
+
+    The form lets one MAX all-reduce give the bounding box of the atoms of all ranks.
+    """
+    frac = positions.detach() @ _completed(cell)[1]
+    if not frac.shape[0]:
+        return torch.full((6,), float("-inf"), dtype=frac.dtype, device=frac.device)
+    return torch.cat([frac.max(0).values, -frac.min(0).values])
+
+
+def partition_from_bounds(fmin: Tensor, fmax: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
+                          halo_width: float, grid: Grid | None = None) -> Partition:
+    """The partition of a system whose atoms' fractional coordinates lie in ``[fmin, fmax]``.
+
+    Args:
+        fmin, fmax: ``[3]`` bounds of the atoms' fractional coordinates (only used along
+            non-periodic axes; non-finite bounds, i.e. no atoms, count as 0).
+        cell, pbc, n_ranks, halo_width, grid: see :func:`make_partition`.
+    """
+    full, inv = _completed(cell)
     heights = cell_heights(full.unsqueeze(0))[0]
     pbc = pbc.to(torch.bool)
-    frac = pos @ inv
-    if pos.shape[0]:
-        fmin, fmax = frac.min(0).values, frac.max(0).values
-    else:
-        fmin = fmax = torch.zeros(3, dtype=pos.dtype, device=pos.device)
+    fmin = torch.where(torch.isfinite(fmin), fmin, torch.zeros_like(fmin))
+    fmax = torch.where(torch.isfinite(fmax), fmax, fmin)
     lo = torch.where(pbc, torch.zeros_like(fmin), fmin)
     extent = torch.where(pbc, torch.ones_like(fmin), (fmax - fmin).clamp_min(1e-9))
     if grid is None:
         grid = choose_grid(n_ranks, (extent * heights).tolist(), pbc.tolist(), halo_width)
     else:
-        grid = tuple(int(g) for g in grid)  # type: ignore[assignment]
-        if len(grid) != 3 or min(grid) < 1 or grid[0] * grid[1] * grid[2] != n_ranks:
-            raise InputError(f"grid {'x'.join(map(str, grid))} has "
-                             f"{grid[0] * grid[1] * grid[2]} boxes but there are {n_ranks} "
-                             "domain ranks; give px*py*pz equal to the number of ranks")
-    width = extent / torch.tensor(grid, dtype=pos.dtype, device=pos.device)
+        grid = check_grid(grid, n_ranks)
+    width = extent / torch.tensor(grid, dtype=fmin.dtype, device=fmin.device)
     return Partition(grid, full, inv, pbc, lo, width, heights)
 
 
@@ -196,3 +275,18 @@ def image_shifts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> tuple[Ten
         return torch.zeros(0, dtype=torch.long, device=u.device), smin[:0]
     return torch.cat(idx_parts), torch.cat(shift_parts)
 
+
+
+def sorted_images(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`image_shifts` ordered by shift (lexicographic), then by point index.
+
+    A canonical order: the same points and box give bitwise the same list.
+    """
+    index, shift = image_shifts(u, low, high, pbc)
+    if not index.numel():
+        return index, shift
+    span = int(shift.abs().max()) + 1
+    base = 2 * span + 1
+    key = ((shift[:, 0] + span) * base + shift[:, 1] + span) * base + shift[:, 2] + span
+    order = torch.argsort(key * max(u.shape[0], 1) + index)
+    return index[order], shift[order]

@@ -1,0 +1,187 @@
+"""Domain decomposition applied from outside to an ``xnn md`` / ``xnn relax`` run.
+
+:class:`DomainRun` wraps a :class:`~xnn.distributed.domain.DomainPotential`: rank 0 reads the
+structure (or the checkpoint, which holds the global state by atom id) and scatters it, each
+rank integrates its owned atoms with the cross-rank reducer, atoms migrate after every step,
+and states are gathered on rank 0 (in global-id order) for output and checkpoints. The
+runner calls the same methods on :class:`~xnn.dynamics.parallel.SerialRun` in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.distributed import collectives as C
+from xnn.distributed.domain.potential import DomainPotential
+from xnn.distributed.domain.state import Counters
+from xnn.dynamics.parallel import SerialRun
+from xnn.dynamics.state import MDState
+from xnn.errors import InputError
+
+# per-atom fields that travel with a checkpoint's atoms to their ranks on resume
+_REF, _MIGRATED = "xnn_md_rebuild_reference", "xnn_md_migration_reference"
+K.register_field(_REF, K.ATOM)
+K.register_field(_MIGRATED, K.ATOM)
+
+
+class DomainRun(SerialRun):
+    """Several ranks, each owning the atoms of its box (see the module docstring).
+
+    Args:
+        model: the model of the loaded potential (with ``cutoff``).
+        manager: the run's :class:`~xnn.distributed.DistributedManager`.
+        skin: Verlet skin (Å). backend: neighbor-list backend.
+    """
+
+    def __init__(self, model, manager, skin: float, backend: str):
+        self.potential = DomainPotential(model, manager, skin=skin, mode="auto",
+                                         backend=backend)
+        self.reduce = self.potential.reducer
+        self.main = manager.is_main
+        self.size, self.rank = manager.world_size, manager.rank
+        self.checkpoint_potential = None  # the ghost plan is rebuilt on resume
+        self._meta: dict = {}
+
+    def guarded(self, phase: str):
+        return C.guarded(None, phase)
+
+    def broadcast(self, obj):
+        return C.broadcast_object(obj)
+
+    def scatter_graph(self, graph):
+        """This rank's owned atoms of rank 0's ``graph`` (one system)."""
+        with C.guarded(None, "checking the structure"):
+            if self.main and graph.n_systems != 1:
+                raise InputError(f"a decomposed run (torchrun) simulates one system, the "
+                                 f"structure selects {graph.n_systems}; pick one frame "
+                                 "(index=-1) or run in one process")
+        return self.potential.scatter(graph if self.main else None)
+
+    def scatter_state(self, state: MDState | None, meta: dict | None) -> MDState:
+        """Rank 0's global ``state`` (from a checkpoint) split over the ranks: atoms go to
+        the ranks that owned them when it was written by as many ranks (with the ghost
+        plan's reference, for a bitwise continuation), else to their box."""
+        owner = graph = None
+        dom = ((meta or {}).get("domain") or {}) if self.main else {}
+        same = self.broadcast(dom.get("ranks") == self.size and dom.get("owner") is not None)
+        with_ref = same and self.broadcast(dom.get("ref_positions") is not None)
+        if self.main:
+            fields = {K.FORCES: state.forces}
+            if same:
+                owner = torch.as_tensor(dom["owner"], device=state.positions.device)
+            if with_ref:
+                fields.update({_REF: dom["ref_positions"].to(state.positions),
+                               _MIGRATED: dom["migrated"].to(state.positions)})
+            graph = state.graph.replace(fields)
+        head = self.broadcast(None if not self.main else {
+            "energy": state.energy.cpu(), "stress": state.stress.cpu(), "step": state.step,
+            "vars": {k: v.cpu() for k, v in state.vars.items()},
+            "rng": None if state.rng is None else state.rng.cpu(),
+            "compute_stress": state.compute_stress,
+            "domain": {k: v for k, v in dom.items() if k in ("grid", "counters", "ref_cell")}})
+        with C.guarded(None, "checking the checkpoint"):
+            if self.main and graph.n_systems != 1:
+                raise InputError(f"checkpoint holds {graph.n_systems} systems; a decomposed "
+                                 "run simulates one (resume it in one process)")
+        owned = self.potential.scatter(graph if self.main else None, owner=owner)
+        dev, moved = owned.positions.device, (K.FORCES, _REF, _MIGRATED)
+        forces, ref, migrated = (owned.fields.get(k) for k in moved)
+        owned = AtomicGraph({k: v for k, v in owned.fields.items() if k not in moved},
+                            validate=False)
+        if with_ref:
+            self._restore_reference(owned, ref, migrated, head["domain"])
+        return MDState(owned, forces, head["energy"].to(dev), head["stress"].to(dev),
+                       head["step"], {k: v.to(dev) for k, v in head["vars"].items()},
+                       head["rng"], head["compute_stress"])
+
+    def gather(self, state: MDState) -> MDState | None:
+        """The global state on rank 0 (atoms by id, with each atom's rank and the rebuild
+        reference), ``None`` elsewhere. Collective."""
+        pos = state.positions
+        extra = {K.FORCES: state.forces,
+                 "owner": torch.full((pos.shape[0],), self.rank, dtype=torch.int64,
+                                     device=pos.device)}
+        st = self.potential.state
+        # the rebuild reference, for a bitwise continuation on as many ranks (see meta)
+        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if self._has_reference(state)
+                                                     else 1.0], dtype=torch.float64,
+                                                    device=pos.device))[0] == 0)
+        if ref_ok:
+            extra.update(ref_positions=st.ref_positions, migrated=st.migrated)
+        full, extra = self.potential.gather(state.graph, extra)
+        if full is None:
+            return None
+        self._meta = {"ranks": self.size, "owner": extra["owner"].cpu(),
+                      "grid": list(self.potential.grid) if self.potential.grid else None,
+                      "counters": dataclasses.asdict(st.counters) if st else None}
+        if ref_ok:
+            self._meta.update(ref_positions=extra["ref_positions"].cpu(),
+                              migrated=extra["migrated"].cpu(), ref_cell=st.ref_cell.cpu())
+        return state.replace(graph=full, forces=extra[K.FORCES])
+
+    def _has_reference(self, state: MDState) -> bool:
+        """The last rebuild is of these atoms and knows where they were at the migration."""
+        st = self.potential.state
+        return (st is not None and st.migrated is not None
+                and torch.equal(st.graph.atom_id, state.graph.atom_id)
+                and self.potential._last_positions is not None
+                and torch.equal(self.potential._last_positions, state.positions))
+
+    def meta(self, state: MDState) -> dict:
+        """Checkpoint meta of the last :meth:`gather` (rank 0): the rank count, each atom's
+        rank, the grid and the ghost plan's reference positions (by id)."""
+        return {"domain": self._meta}
+
+    def _restore_reference(self, owned, ref, migrated, dom: dict) -> None:
+        """Rebuild the ghost plan at the checkpoint's reference (same rank count): the
+        continuation then takes the rebuilds and migrations of the uninterrupted run.
+
+        Uses the potential's rebuild internals (``_rebuild``, ``_last_positions``)."""
+        pot = self.potential
+        if dom.get("grid"):
+            pot.grid = tuple(dom["grid"])
+        cell = dom["ref_cell"].to(owned.cell).reshape(owned.cell.shape)
+        c = Counters(**dom["counters"]) if dom.get("counters") else Counters()
+        pot._rebuild(owned.replace(positions=ref, cell=cell), migrated=migrated,
+                     counters=dataclasses.replace(c, rebuilds=c.rebuilds - 1))
+        pot._last_positions = owned.positions.detach()
+
+    def after_step(self, state: MDState) -> MDState:
+        return self.potential.maybe_migrate(state)
+
+    def write_summary(self, path: Path) -> None:
+        """``summary.json`` (rank 0): ranks, grid, owned/ghost atoms per rank (min/max),
+        migrations, rebuilds and per-rank peak memory (MiB). Collective: one all-gather."""
+        s = self.potential.stats()
+        dev = self.potential.device or torch.device("cpu")
+        if dev.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(dev) / 2**20
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        mine = torch.tensor([s.get("n_owned", 0), s.get("n_ghost", 0), s.get("n_held", 0),
+                             s.get("migrations", 0), s.get("rebuilds", 0), peak],
+                            dtype=torch.float64, device=dev)
+        every = C.all_gather_tensor(mine).cpu()
+        if not self.main:
+            return
+        cols = every.T.tolist()
+
+        def span(values):
+            return {"min": min(values), "max": max(values), "per_rank": values}
+
+        out = {"ranks": self.size, "grid": s.get("grid"), "n_atoms": self.potential.n_total,
+               "owned": span([int(v) for v in cols[0]]),
+               "ghost": span([int(v) for v in cols[1]]),
+               "held": span([int(v) for v in cols[2]]),
+               "migrations": int(max(cols[3])), "rebuilds": int(max(cols[4])),
+               "peak_memory_MiB": span([round(v, 1) for v in cols[5]]),
+               "memory_kind": "cuda max_memory_allocated" if dev.type == "cuda"
+               else "process maxrss"}
+        Path(path).write_text(json.dumps(out, indent=1) + "\n")

@@ -1,0 +1,65 @@
+"""How an ``xnn md`` / ``xnn relax`` run is spread over processes: the interface the runner
+calls, and its single-process implementation :class:`SerialRun` (which does nothing).
+
+The decomposed implementation, :class:`xnn.distributed.md_run.DomainRun`, is applied from
+outside (``xnn.distributed``); this module imports nothing from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from xnn.dynamics.reduce import LOCAL, Reducer
+from xnn.dynamics.state import MDState
+
+
+class SerialRun:
+    """One process holding every atom: the potential as given, states unchanged.
+
+    Attributes:
+        potential: what the integrators evaluate.
+        reduce: the global reductions (here, plain per-system sums).
+        main: this process writes the files.
+        checkpoint_potential: whose neighbor list a checkpoint stores (``None``: none).
+    """
+
+    main = True
+    size = 1
+    reduce: Reducer = LOCAL
+
+    def __init__(self, potential):
+        self.potential = potential
+        self.checkpoint_potential = potential
+
+    def guarded(self, phase: str):
+        """A block of rank-local work whose failure every rank learns of (here: nothing)."""
+        return contextlib.nullcontext()
+
+    def broadcast(self, obj):
+        """``obj`` from rank 0 on every rank."""
+        return obj
+
+    def scatter_graph(self, graph):
+        """This process's owned atoms of rank 0's graph."""
+        return graph
+
+    def scatter_state(self, state: MDState, meta: dict | None) -> MDState:
+        """This process's part of rank 0's global state (read from a checkpoint)."""
+        return state
+
+    def gather(self, state: MDState) -> MDState:
+        """The global state (atoms by id) on rank 0, ``None`` elsewhere. Collective."""
+        return state
+
+    def meta(self, state: MDState) -> dict:
+        """Extra checkpoint meta of the last :meth:`gather`."""
+        return {}
+
+    def after_step(self, state: MDState) -> MDState:
+        """The state after an integrator step with atoms moved to their owners."""
+        return state
+
+    def write_summary(self, path: Path) -> None:
+        """Write the run's decomposition summary (nothing in one process)."""
+        return None

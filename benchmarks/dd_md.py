@@ -1,4 +1,4 @@
-"""Decomposed MD: atoms held and peak memory per rank, owned-atom domains vs the old replicated layout.
+"""Decomposed MD: atoms held and peak memory per rank, owned domains vs the old replicated layout.
 
 Runs velocity-Verlet NVE of an FCC crystal (argon for ``--model lj``, copper for the ML
 models) over 1, 2, 4, 8 ranks. By default the script spawns its own ranks

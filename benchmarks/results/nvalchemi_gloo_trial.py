@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
-rank = dist.get_rank(); world = dist.get_world_size()
+rank = dist.get_rank()
+world = dist.get_world_size()
 try:
     from ase.build import bulk
     from nvalchemi.data.atomic_data import AtomicData
@@ -21,14 +22,16 @@ try:
     from nvalchemi.models.lj import LennardJonesModelWrapper
     from torch.distributed.device_mesh import init_device_mesh
     atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((8, 8, 8))
-    atoms.set_velocities(torch.randn(len(atoms), 3, generator=torch.Generator().manual_seed(0)).numpy() * 0.01)
+    gen = torch.Generator().manual_seed(0)
+    atoms.set_velocities(torch.randn(len(atoms), 3, generator=gen).numpy() * 0.01)
     model = LennardJonesModelWrapper(epsilon=0.0104, sigma=3.405, cutoff=6.0)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("domain",))
     cfg = DomainConfig(cutoff=6.0, skin=1.0, mesh=mesh)
-    batch = Batch.from_data_list([AtomicData.from_atoms(atoms, dtype=torch.float64)]) if rank == 0 else None
+    data = AtomicData.from_atoms(atoms, dtype=torch.float64)
+    batch = Batch.from_data_list([data]) if rank == 0 else None
     dyn = DomainParallel(NVE(model, dt=2.0, n_steps=10), cfg)
     owned = dyn.partition(batch)
-    print(rank, "partitioned", owned.num_nodes if hasattr(owned, "num_nodes") else owned, flush=True)
+    print(rank, "partitioned", getattr(owned, "num_nodes", owned), flush=True)
     out = dyn.run(owned, n_steps=10)
     print(rank, "ran", flush=True)
 except Exception:

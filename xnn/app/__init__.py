@@ -9,6 +9,7 @@
   launch on several ranks through :func:`xnn.distributed.parallelize.parallelize_md`) and
   :mod:`~xnn.app.md_setup` (potential, structure, velocities and integrator arguments from
   the config).
+* :mod:`xnn.app.validate` — ``run_validate(options)`` (``xnn validate``).
 * :mod:`xnn.app.demo` — ``demo_train`` and ``demo_md`` (``xnn demo``).
 
 The only layer that knows all the others; the libraries below it (``training``,

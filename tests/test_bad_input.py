@@ -273,8 +273,8 @@ def test_overwrite_validates_everything_before_touching_the_previous_run(
 
 def test_overwrite_swaps_in_the_new_run_only_when_it_completes(
         tmp_path, emt_file, capsys, monkeypatch):
+    from xnn.app import train_finish as finish
     from xnn.models.serialization import load_model
-    from xnn.training import finish
 
     run = tmp_path / "run"
     before = fake_training_run(run)
@@ -362,11 +362,11 @@ def test_config_numbers_must_be_finite(tmp_path, capsys):
 
 
 def test_output_location_errors(tmp_path, emt_file, argon_file, capsys):
+    from xnn.app.train import train
     from xnn.config.loader import load_config
     from xnn.config.train import TrainConfig
     from xnn.data.emt import write_emt
     from xnn.models.serialization import save_model
-    from xnn.training.run import train
 
     afile = tmp_path / "afile"
     afile.write_text("keep\n")
@@ -441,11 +441,11 @@ def test_frame_index_past_the_end(tmp_path, argon_file, capsys):
 
 
 def test_truncated_checkpoints_and_model_files(tmp_path, emt_file, argon_file, capsys):
+    from xnn.app.train import train
     from xnn.config.loader import load_config
     from xnn.config.train import TrainConfig
     from xnn.errors import ModelFileError
     from xnn.models.serialization import save_model
-    from xnn.training.run import train
 
     run = tmp_path / "run"
     fake_training_run(run)
@@ -492,7 +492,7 @@ def test_training_checkpoint_given_as_model_file(tmp_path, argon_file, emt_file,
 
 
 def test_cli_messages_are_one_plain_line(monkeypatch, capsys):
-    from xnn.dynamics import runner
+    from xnn.app import md as runner
     from xnn.errors import ModelFileError
 
     def fail(cfg):

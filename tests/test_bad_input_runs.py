@@ -131,7 +131,7 @@ def test_training_data_with_coincident_atoms_is_refused(tmp_path, data):
     frames[5].positions[3] = frames[5].positions[1]
     bad = tmp_path / "bad.xyz"
     ase_write(bad, frames)
-    from xnn.training.data import build_splits
+    from xnn.app.train_data import build_splits
 
     cfg = tiny(tmp_path / "run", bad)
     msg = one_line(DataFileError, build_splits, cfg.data, cfg.loss, 3.0, 0)
@@ -142,7 +142,7 @@ def test_training_data_with_coincident_atoms_is_refused(tmp_path, data):
 
 
 def test_md_without_kinetic_degrees_of_freedom_is_refused(tmp_path):
-    from xnn.dynamics.runner import run_md
+    from xnn.app.md import run_md
 
     one = tmp_path / "one.xyz"
     ase_write(one, Atoms("Ar", positions=[[0, 0, 0]], cell=[10] * 3, pbc=True))
@@ -202,7 +202,7 @@ def test_drift_monitor_measures_per_atom_per_ps():
 
 
 def test_md_warns_once_when_energy_drifts(tmp_path):
-    from xnn.dynamics.runner import run_md
+    from xnn.app.md import run_md
     from xnn.dynamics.safety import DriftWarning
 
     ar = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(3)
@@ -341,7 +341,7 @@ def test_metrics_row_comes_after_its_checkpoint(tmp_path, data, monkeypatch):
     each epoch once, as in an uninterrupted run (the row was written before the checkpoint,
     so the resumed run wrote epoch 2 again)."""
     import xnn.training.loop as loop_module
-    from xnn.training.run import train
+    from xnn.app.train import train
 
     train(tiny(tmp_path / "full", data))
     real = loop_module.save_checkpoint

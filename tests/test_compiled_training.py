@@ -109,10 +109,10 @@ def test_compile_config_rules():
 @pytest.mark.slow
 def test_xnn_train_compiled_matches_eager(tmp_path, structures):
     """``xnn train compile=true`` (inductor) follows the eager run's loss curve."""
+    from xnn.app.train import train
     from xnn.config.loader import load_config
     from xnn.config.train import TrainConfig
     from xnn.training.checkpoint import load_checkpoint
-    from xnn.training.run import train
 
     data = tmp_path / "cu.xyz"
     write_emt(data, 12, ["Cu"], seed=0)

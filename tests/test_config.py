@@ -140,7 +140,7 @@ def test_cli_help_and_print_config(cfg_file, capsys):
 def test_example_config_is_the_demo_config():
     from pathlib import Path
 
-    from xnn.training.demo import DEMO_YAML
+    from xnn.app.demo import DEMO_YAML
 
     path = Path(__file__).resolve().parents[1] / "examples" / "train_emt.yaml"
     assert path.read_text() == DEMO_YAML

@@ -11,11 +11,12 @@ import torch
 from ase.build import bulk, molecule
 from md_helpers import rattled_argon
 
+from xnn.app.md import run_md
+from xnn.app.relax import run_relax
 from xnn.cli.main import main
 from xnn.config.loader import ConfigError, load_config
 from xnn.config.md import MDConfig
 from xnn.dynamics import checkpoint as ckpt
-from xnn.dynamics.runner import run_md, run_relax
 from xnn.dynamics.safety import SimulationError
 from xnn.errors import InputError, ModelFileError, UnknownSpeciesError
 from xnn.io.trajectory import read_hdf5_trajectory
@@ -234,7 +235,7 @@ def test_examples_load_and_run(tmp_path, argon_file, name):
 
 
 def test_demo_md_with_a_model_file(tmp_path, argon_file):
-    from xnn.dynamics.runner import demo_md
+    from xnn.app.demo import demo_md
     from xnn.models.serialization import save_model
 
     model_file = tmp_path / "lj.pt"

@@ -16,10 +16,11 @@ from ase.io import read
 from dist_helpers import spawn
 from md_helpers import rattled_argon
 
+from xnn.app.md import run_md
+from xnn.app.relax import run_relax
 from xnn.config.loader import load_config
 from xnn.config.md import MDConfig, RelaxConfig
 from xnn.dynamics import checkpoint as ckpt
-from xnn.dynamics.runner import run_md, run_relax
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 

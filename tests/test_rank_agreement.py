@@ -72,11 +72,11 @@ def _timeout(port: int, rank: int, other: str) -> str | None:
 
 
 def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
+    from xnn.app.train_data import data_files
     from xnn.config.loader import load_config
     from xnn.config.train import TrainConfig
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
     from xnn.distributed.manager import DistributedManager
-    from xnn.training.data import data_files
 
     out = {}
     # 1. one rank given another override: both stop before the first training collective

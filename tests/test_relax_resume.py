@@ -13,12 +13,13 @@ import torch
 from ase.build import bulk
 from md_helpers import rattled_argon
 
+from xnn.app.md import run_md
+from xnn.app.relax import run_relax
 from xnn.cli.main import main
 from xnn.config.loader import load_config
 from xnn.config.md import MDConfig, RelaxConfig
 from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics import fire
-from xnn.dynamics.runner import run_md, run_relax
 from xnn.errors import DataFileError, InputError
 
 LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",

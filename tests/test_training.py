@@ -38,7 +38,7 @@ def tiny(out, data, *extra) -> TrainConfig:
 
 
 def run_train(cfg):
-    from xnn.training.run import train
+    from xnn.app.train import train
 
     return train(cfg)
 
@@ -289,8 +289,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data, monkeypat
 
 
 def test_splits_weights_overfit_and_hdf5(tmp_path, data):
+    from xnn.app.train_data import build_splits
     from xnn.data.hdf5 import write_hdf5
-    from xnn.training.data import build_splits
 
     h5 = tmp_path / "second.h5"
     extra = tmp_path / "second.xyz"
@@ -447,7 +447,7 @@ def test_energy_only_training_learns(tmp_path, data):
 def test_pretrained_external_wrapper_is_refused_before_training(tmp_path, data, monkeypatch):
     """A pretrained file holding an external model wrapper (no native hyperparameters) is
     refused at start with a clear message, not at the first checkpoint write."""
-    import xnn.training.run as run_module
+    import xnn.app.train as run_module
 
     class Wrapper(torch.nn.Module):  # like MACEWrapper / SevenNetWrapper: no `hparams`
         species = [29]

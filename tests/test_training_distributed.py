@@ -36,10 +36,10 @@ def _gradients(reducer, data, device="cpu", compile=False, steps=1):
     the label counts summed over ranks; with ``steps > 1`` the later steps (same batch, zero
     learning rate, reused gradient buffers) take the counts from the dataset's metadata, as
     the training loop does, and must give the same."""
+    from xnn.app.train import loss_specs
     from xnn.config.train import LossConfig
     from xnn.data.datasets import WithEdges, read_structures, shard_batch
     from xnn.models import build
-    from xnn.training.run import loss_specs
     from xnn.training.trainer import Trainer
 
     cfg = _cfg(data, "unused")
@@ -66,9 +66,9 @@ def _gradients(reducer, data, device="cpu", compile=False, steps=1):
 
 
 def _rank_main(rank, world, data, out):
+    from xnn.app.train import train
     from xnn.distributed.ddp import build_reducer
     from xnn.distributed.manager import DistributedManager
-    from xnn.training.run import train
 
     manager = DistributedManager.initialize(device="cpu")
     reducer = build_reducer(manager)
@@ -89,9 +89,9 @@ def _rank_main(rank, world, data, out):
 
 
 def test_two_ranks_match_one_process(tmp_path):
+    from xnn.app.train import train
     from xnn.training.checkpoint import load_checkpoint
     from xnn.training.reducer import LocalReducer
-    from xnn.training.run import train
 
     data = tmp_path / "cu.xyz"
     write_emt(data, 12, ["Cu"], seed=2)

@@ -26,7 +26,7 @@ def _cfg(out, data, *extra) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from xnn.training.run import train
+    from xnn.app.train import train
 
     d = tmp_path_factory.mktemp("run")
     write_emt(d / "cu.xyz", 8, ["Cu"], seed=0)
@@ -55,7 +55,7 @@ def test_checkpoint_is_data_and_restores_every_rng(run, tmp_path):
 
 @pytest.mark.parametrize("source", ["model.pt", "checkpoints/last.pt"])
 def test_pretrained_refuses_another_cutoff_or_hyperparameters(run, tmp_path, source):
-    from xnn.training.run import train
+    from xnn.app.train import train
 
     pretrained = f"pretrained={run / 'run' / source}"
     data = run / "cu.xyz"

@@ -12,7 +12,7 @@ __all__ = ["AtomicGraph", "Calculator", "save_model", "load_model", "__version__
 
 _SUBPACKAGES = (
     "units", "errors", "data", "neighbors", "models", "training", "dynamics", "distributed",
-    "config", "io", "testing", "plotting",
+    "config", "io", "app", "testing", "plotting",
 )
 
 

@@ -107,7 +107,7 @@ def step_lj_relax(out: Path, fmax: float = 1e-4, steps: int = 500, repeat: int =
 
 def step_train(out: Path, minutes: float, n_structures: int) -> dict:
     """EMT Cu data → train the default model within ``minutes`` → test-set errors and plots."""
-    from xnn.training.demo import demo_train
+    from xnn.app.demo import demo_train
 
     summary = demo_train(out, minutes_budget=minutes, n_structures=n_structures)
     metrics = summary.get("metrics", {})
@@ -126,7 +126,7 @@ def step_md(out: Path, model_file: str, steps: int, temperature: float) -> dict:
 
     from ase.build import bulk
 
-    from xnn.dynamics.runner import demo_md
+    from xnn.app.demo import demo_md
 
     md_dir = out / "md"
     md_dir.mkdir(parents=True, exist_ok=True)

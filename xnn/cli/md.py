@@ -59,7 +59,7 @@ def run_config(args, command: str, schema, runner) -> int:
 
 
 def run(args) -> int:
+    from xnn.app.md import run_md
     from xnn.config.md import MDConfig
-    from xnn.dynamics.runner import run_md
 
     return run_config(args, "md", MDConfig, run_md)

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from xnn.app.relax import run_relax
     from xnn.config.md import RelaxConfig
-    from xnn.dynamics.runner import run_relax
 
     return run_config(args, "relax", RelaxConfig, run_relax)

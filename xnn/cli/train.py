@@ -50,28 +50,7 @@ def run(args) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
-    from xnn.distributed.ddp import build_reducer
-    from xnn.distributed.manager import DistributedManager
-    from xnn.training.data import data_files
-    from xnn.training.run import resolve_resume, train
-    from xnn.training.setup import pick_device
+    from xnn.app.train import run_train
 
-    device = pick_device(cfg.device)
-    manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type)
-    try:
-        if manager.is_distributed:  # the first collective: every rank runs the same job
-            files = {**data_files(cfg.data), "pretrained": cfg.pretrained,
-                     "resume": resolve_resume(cfg)}
-            check_ranks_agree(run_fingerprint(cfg, files))
-        if device.type == "cuda" and manager.is_distributed:
-            cfg.device = str(manager.device)
-        reducer = build_reducer(manager, cfg.parallel.dp, cfg.parallel.dd)
-        if manager.is_distributed and manager.is_main:
-            print(manager.describe(), flush=True)
-        train(cfg, reducer)
-    except RuntimeError as e:  # a collective that timed out: one line naming it and the ranks
-        raise manager.explain(e) from None
-    finally:
-        manager.cleanup()
+    run_train(cfg)
     return 0

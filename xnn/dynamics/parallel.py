@@ -1,8 +1,10 @@
-"""How an ``xnn md`` / ``xnn relax`` run is spread over processes: the interface the runner
-calls, and its single-process implementation :class:`SerialRun` (which does nothing).
+"""How an MD or relaxation run is spread over processes: the interface the application
+(:mod:`xnn.app.md`, :mod:`xnn.app.relax`) calls, and its single-process implementation
+:class:`SerialRun` (which does nothing).
 
-The decomposed implementation, :class:`xnn.distributed.md_run.DomainRun`, is applied from
-outside (``xnn.distributed``); this module imports nothing from there.
+The decomposed implementation, :class:`xnn.distributed.md_run.DomainRun`, is chosen by
+:func:`xnn.distributed.parallelize.parallelize_md` from outside; this module imports
+nothing from there.
 """
 
 from __future__ import annotations

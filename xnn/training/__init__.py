@@ -1,7 +1,9 @@
-"""Training: losses, metrics, EMA, schedules, checkpoints, the loop, and ``train(config)``.
+"""Training as a library: losses, metrics, EMA, schedules, checkpoints, the Trainer and the
+epoch loop, taking plain objects (a model, datasets, a reducer, :class:`LoopSettings`).
 
 Written for one process; data parallelism comes from a reducer passed in from outside
-(:mod:`xnn.distributed.ddp`). Nothing here imports ``torch.distributed``.
+(:mod:`xnn.distributed.ddp`). Nothing here imports ``torch.distributed`` or the config: a
+run from a config is the application's (:func:`xnn.app.train.train`, ``xnn train``).
 """
 
 from xnn.training.losses import TermSpec, loss_terms, residuals
@@ -9,18 +11,10 @@ from xnn.training.metrics import MetricSums
 from xnn.training.trainer import NonFiniteLossError, Trainer
 
 __all__ = ["TermSpec", "loss_terms", "residuals", "MetricSums", "Trainer", "NonFiniteLossError",
-           "train", "demo_train", "evaluate_model"]
+           "evaluate_model"]
 
 
 def __getattr__(name):  # heavier entry points are imported lazily
-    if name == "train":
-        from xnn.training.run import train
-
-        return train
-    if name == "demo_train":
-        from xnn.training.demo import demo_train
-
-        return demo_train
     if name == "evaluate_model":
         from xnn.training.evaluate import evaluate_model
 

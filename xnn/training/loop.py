@@ -16,11 +16,45 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xnn.config.train import TrainConfig
 from xnn.data.datasets import make_batches, shard_batch
 from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
 from xnn.training.metrics import MetricSums
 from xnn.training.trainer import NonFiniteLossError, Trainer
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the epoch loop needs to know of a run (built from the config by the app layer).
+
+    Attributes:
+        seed: batch-order and per-rank seed.
+        batch_size: structures per training batch (``None``: by ``max_atoms_per_batch``).
+        max_atoms_per_batch: atoms per batch (``None``: by ``batch_size``).
+        shuffle: shuffle the training batches each epoch.
+        val_batch_size: structures per evaluation batch (``None``: as for training).
+        max_epochs: epochs to train.
+        max_steps: optimizer steps to stop at (``None``: no limit).
+        time_limit_min: wall-time limit of the loop in minutes (``None``: none).
+        eval_every: validate every this many epochs.
+        checkpoint_metric: the validation metric that picks ``best.pt``.
+        patience: epochs without improvement before early stopping (``None``: never).
+        min_delta: the improvement that counts.
+        validation_only: evaluate a model, never train (``metrics.csv`` is not touched).
+    """
+
+    seed: int = 0
+    batch_size: int | None = 8
+    max_atoms_per_batch: int | None = None
+    shuffle: bool = True
+    val_batch_size: int | None = None
+    max_epochs: int = 1
+    max_steps: int | None = None
+    time_limit_min: float | None = None
+    eval_every: int = 1
+    checkpoint_metric: str = "val_loss"
+    patience: int | None = None
+    min_delta: float = 0.0
+    validation_only: bool = False
 
 
 @dataclass
@@ -45,17 +79,17 @@ def seed_everything(seed: int, rank: int = 0, step: int = 0) -> None:
 
 
 class TrainingLoop:
-    """Run epochs of ``trainer`` over ``splits`` as configured by ``cfg``.
+    """Run epochs of ``trainer`` over ``splits`` as ``cfg`` says.
 
     Args:
-        cfg: the run's config.
+        cfg: the run's :class:`LoopSettings`.
         trainer: a :class:`~xnn.training.trainer.Trainer`.
         splits: a :class:`~xnn.training.data.DataSplits`.
         out_dir: run folder (checkpoints in ``out_dir/checkpoints``).
         logger: a :class:`~xnn.training.loggers.RunLogger`.
     """
 
-    def __init__(self, cfg: TrainConfig, trainer: Trainer, splits, out_dir: Path, logger):
+    def __init__(self, cfg: LoopSettings, trainer: Trainer, splits, out_dir: Path, logger):
         self.cfg = cfg
         self.trainer = trainer
         self.splits = splits
@@ -74,12 +108,12 @@ class TrainingLoop:
         return lambda batch: shard_batch(batch, n_atoms, rank, world)
 
     def train_batches(self, epoch: int) -> list[list[int]]:
-        d = self.cfg.data
+        d = self.cfg
         return make_batches(self.splits.train.n_atoms, d.batch_size, d.max_atoms_per_batch,
                             shuffle=d.shuffle, seed=self.cfg.seed, epoch=epoch)
 
     def eval_batches(self, dataset) -> list[list[int]]:
-        d = self.cfg.data
+        d = self.cfg
         size = d.val_batch_size or d.batch_size
         max_atoms = None if d.val_batch_size else d.max_atoms_per_batch
         if max_atoms is not None:
@@ -195,11 +229,11 @@ class TrainingLoop:
             value = val.get(cfg.checkpoint_metric)
             if self.trainer.schedule is not None:
                 self.trainer.schedule.epoch_end(value)
-            if value is not None and value < p.best_value - cfg.early_stopping.min_delta:
+            if value is not None and value < p.best_value - cfg.min_delta:
                 p.best_value, p.best_epoch, p.bad_epochs, improved = value, p.epoch, 0, True
             elif value is not None:
                 p.bad_epochs += 1
-                patience = cfg.early_stopping.patience
+                patience = cfg.patience
                 stop = patience is not None and p.bad_epochs > patience
         row["time_s"] = time.perf_counter() - t0
         p.history.append(row)

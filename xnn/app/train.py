@@ -1,4 +1,6 @@
-"""``train(config)``: one training run from a resolved config, single process or data parallel.
+"""The application behind ``xnn train``: ``train(cfg, reducer)`` runs one training from a
+resolved config, single process or data parallel; ``run_train(cfg)`` launches it (one
+process, torchrun or srun) with the data-parallel reducer.
 
 Steps: plan the output folder → read and split the data → statistics → build the model
 (or load ``pretrained``) → optimizer, schedule, EMA → resume → create the output folder →
@@ -11,33 +13,27 @@ config, data, model or resume file changes no file; a run that replaces a previo
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from xnn._torch_files import check_complete
+from xnn.app.train_data import build_splits, data_files
+from xnn.app.train_model import build_model, check_pretrained_config, data_statistics
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
-from xnn.training.data import build_splits, structures_for_statistics
+from xnn.training.data import structures_for_statistics
 from xnn.training.ema import EMA
 from xnn.training.loggers import RunLogger
-from xnn.training.loop import TrainingLoop, describe_model, seed_everything
+from xnn.training.loop import LoopSettings, TrainingLoop, describe_model, seed_everything
 from xnn.training.losses import TermSpec
 from xnn.training.reducer import LocalReducer
 from xnn.training.schedule import LRSchedule, build_optimizer
-from xnn.training.setup import (
-    build_model,
-    check_pretrained_config,
-    configure_precision,
-    data_statistics,
-    load_pretrained,
-    pick_device,
-)
+from xnn.training.setup import configure_precision, load_pretrained, pick_device
 from xnn.training.trainer import Trainer
 
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "summary.json", "model.pt",
@@ -81,6 +77,17 @@ def loss_specs(cfg: TrainConfig) -> dict[str, TermSpec]:
     return {name: TermSpec(t.weight, t.type, t.delta)
             for name in ("energy", "forces", "stress")
             for t in [getattr(cfg.loss, name)]}
+
+
+def loop_settings(cfg: TrainConfig) -> LoopSettings:
+    """The epoch loop's settings from the config."""
+    d, es = cfg.data, cfg.early_stopping
+    return LoopSettings(
+        seed=cfg.seed, batch_size=d.batch_size, max_atoms_per_batch=d.max_atoms_per_batch,
+        shuffle=d.shuffle, val_batch_size=d.val_batch_size, max_epochs=cfg.max_epochs,
+        max_steps=cfg.max_steps, time_limit_min=cfg.time_limit_min, eval_every=cfg.eval_every,
+        checkpoint_metric=cfg.checkpoint_metric, patience=es.patience,
+        min_delta=es.min_delta, validation_only=cfg.validation_only)
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
@@ -154,7 +161,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
     model = _model_for_run(cfg, splits, logger)  # seeded with cfg.seed: same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, reducer, device)
-    loop = TrainingLoop(cfg, trainer, splits, out, logger)
+    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger)
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)
     if resume:
@@ -168,7 +175,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
     reason = "validation_only"
     if not cfg.validation_only:
         reason = loop.run()
-    from xnn.training.finish import finish_run
+    from xnn.app.train_finish import finish_run
 
     summary = finish_run(cfg, loop, reason, time.perf_counter() - t_start)
     logger.close()
@@ -199,4 +206,34 @@ def _open_folder(cfg: TrainConfig, folder: RunFolder, reducer, logger) -> RunLog
     return logger
 
 
-__all__ = ["train", "plan_output", "resolve_resume", "json"]
+def run_train(cfg: TrainConfig) -> dict:
+    """Launch ``train(cfg)`` in one process or on the ranks of a torchrun / srun job (every
+    rank checks first that all run the same job), with the configured data parallelism.
+
+    Returns:
+        the run summary (as :func:`train`).
+    """
+    from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
+    from xnn.distributed.ddp import build_reducer
+    from xnn.distributed.manager import DistributedManager
+
+    device = pick_device(cfg.device)
+    manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type)
+    try:
+        if manager.is_distributed:  # the first collective: every rank runs the same job
+            files = {**data_files(cfg.data), "pretrained": cfg.pretrained,
+                     "resume": resolve_resume(cfg)}
+            check_ranks_agree(run_fingerprint(cfg, files))
+        if device.type == "cuda" and manager.is_distributed:
+            cfg.device = str(manager.device)
+        reducer = build_reducer(manager, cfg.parallel.dp, cfg.parallel.dd)
+        if manager.is_distributed and manager.is_main:
+            print(manager.describe(), flush=True)
+        return train(cfg, reducer)
+    except RuntimeError as e:  # a collective that timed out: one line naming it and the ranks
+        raise manager.explain(e) from None
+    finally:
+        manager.cleanup()
+
+
+__all__ = ["train", "run_train", "plan_output", "resolve_resume", "loop_settings"]

@@ -1,7 +1,9 @@
-"""The demo: EMT Cu data → a small model trained for a few minutes on CPU → errors and plots.
+"""The demo applications behind ``xnn demo``.
 
-``demo_train(out_dir, minutes_budget=2.5)`` is what ``xnn demo`` calls. The config is
-:data:`DEMO_YAML` (identical to ``examples/train_emt.yaml`` apart from the data path).
+``demo_train(out_dir, minutes_budget=2.5)``: EMT Cu data → a small model trained for a few
+minutes on CPU → errors and plots; its config is :data:`DEMO_YAML` (identical to
+``examples/train_emt.yaml`` apart from the data path). ``demo_md(model_file, ...)``: a short
+NVT run with the trained model.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ def demo_train(out_dir: str | os.PathLike, minutes_budget: float = 2.5,
         the run summary, with ``"model"`` (path of the trained model), ``"data"`` and
         ``"out_dir"``.
     """
+    from xnn.app.train import train
     from xnn.data.emt import write_emt
-    from xnn.training.run import train
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,3 +86,33 @@ def demo_train(out_dir: str | os.PathLike, minutes_budget: float = 2.5,
     summary = train(cfg)
     summary.update(data=str(data), out_dir=str(out / "train"))
     return summary
+
+
+def demo_md(
+    model_file: str | Path, structure: str | Path, out_dir: str | Path, temperature: float = 300.0,
+    steps: int = 500, timestep: float = 1.0, ensemble: str = "csvr", device: str = "auto",
+) -> Path:
+    """A short NVT run with a trained model file, for ``xnn demo``.
+
+    Args:
+        model_file: a model saved by ``xnn train`` / :func:`xnn.save_model`.
+        structure: structure file (its last frame is simulated).
+        out_dir: output folder (gets ``thermo.csv``, ``thermo.png``, ``trajectory.xyz``).
+        temperature: K. steps: number of steps. timestep: fs.
+        ensemble: ``csvr`` (default), ``langevin`` or ``nhc``.
+    Returns:
+        ``out_dir``; ``out_dir / "thermo.png"`` is the plot.
+    """
+    from xnn.app.md import run_md
+    from xnn.config.loader import load_config
+    from xnn.config.md import MDConfig
+
+    cfg = load_config(MDConfig, None, [
+        f"structure={structure}", f"model.file={model_file}", f"model.device={device}",
+        f"ensemble={ensemble}", f"temperature={temperature}", f"steps={steps}",
+        f"timestep={timestep}", f"output.dir={out_dir}", "output.progress=false",
+        f"output.trajectory_every={max(1, steps // 20)}",
+        f"output.log_every={max(1, steps // 200)}",
+        f"output.checkpoint_every={steps}",
+    ])
+    return run_md(cfg)

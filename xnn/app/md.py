@@ -1,0 +1,229 @@
+"""``run_md(config)``: the application behind ``xnn md``.
+
+It reads a structure (every selected frame is a system of the batch), builds or loads the
+model, and integrates, writing under ``output.dir``: ``config.yaml``, ``thermo.csv``
+(+ ``thermo.png``), ``trajectory.xyz``/``.h5``, ``checkpoint.pt``. A run started with
+``resume=checkpoint.pt`` continues bitwise identically on CPU (integrator, thermostat and
+RNG state, neighbor list and output files are restored). Safety checks stop a diverging run
+with a clear message after writing ``last_good.xyz`` and ``checkpoint_last_good.pt``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from xnn.app.md_common import (
+    launched_on_several_ranks,
+    open_folder,
+    progress_bar,
+    results,
+    resume_state,
+    run_distributed,
+    setup_run,
+)
+from xnn.app.md_setup import (
+    check_kinetic_dof,
+    check_species,
+    initial_velocities,
+    integrator_args,
+    load_structure,
+    target_temperatures,
+    velocities_from_file,
+)
+from xnn.config.md import MDConfig
+from xnn.dynamics import checkpoint as ckpt
+from xnn.dynamics.registry import get_integrator
+from xnn.dynamics.safety import (
+    DriftMonitor,
+    SimulationError,
+    check_distances,
+    check_forces,
+    check_temperature,
+)
+from xnn.dynamics.state import MDState
+from xnn.dynamics.thermo import ThermoLog, observables, plot_log
+from xnn.errors import InputError
+from xnn.io.trajectory import ExtxyzWriter, open_trajectory
+
+
+class _Outputs:
+    """Trajectory, thermo log and checkpoints of one run (files written by rank 0 only;
+    the methods are collective under domain decomposition)."""
+
+    def __init__(self, cfg: MDConfig, par, counts: torch.Tensor, meta: dict | None,
+                 directory: Path):
+        self.cfg, self.par = cfg, par
+        self.dir = Path(directory)
+        self.enabled = par.main  # False on ranks other than 0 of a decomposed run
+        files = (meta or {}).get("files", {})
+        self.traj = None
+        self.log = None
+        self.drift = DriftMonitor(cfg.safety.max_drift, counts)  # from this run's first row
+        if not self.enabled:
+            return
+        if cfg.output.trajectory_every:
+            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format,
+                                        int(counts.sum()),
+                                        files.get("trajectory") if meta else None)
+        self.log = ThermoLog(self.dir / "thermo.csv", files.get("log_rows") if meta else None)
+
+    def meta(self, ensemble: str) -> dict:
+        if not self.enabled:
+            return {"kind": "md", "ensemble": ensemble, "files": {}}
+        files = {"log_rows": self.log.rows}
+        if self.traj is not None:
+            files["trajectory"] = self.traj.position()
+        return {"kind": "md", "ensemble": ensemble, "files": files}
+
+    def record(self, state: MDState, integrator, force: bool = False) -> None:
+        out, step = self.cfg.output, state.step
+        if force or step % out.log_every == 0:
+            values = observables(state, integrator.conserved, self.par.reduce)
+            if self.enabled:
+                self.log.write(step, self.cfg.timestep, values)
+                self.drift.update(step * self.cfg.timestep, values["conserved_eV"])
+        if out.trajectory_every and (force or step % out.trajectory_every == 0):
+            full = self.par.gather(state)
+            if self.traj is not None:
+                self.traj.write(full.graph, step, results(full))
+
+    def checkpoint(self, state: MDState, name: str = "checkpoint.pt",
+                   meta: dict | None = None) -> Path | None:
+        full = self.par.gather(state)
+        if not self.enabled:
+            return None
+        path = self.dir / name
+        meta = {**(meta or self.meta(self.cfg.ensemble)), **self.par.meta(full)}
+        ckpt.save_checkpoint(path, full, meta, self.par.checkpoint_potential)
+        return path
+
+
+def _check(state: MDState, par, cfg: MDConfig, max_t: torch.Tensor) -> None:
+    periodic = state.step % cfg.safety.check_every == 0
+    if periodic:
+        check_distances(state, par.potential, cfg.safety.min_distance, par.reduce)
+    check_forces(state, cfg.safety.max_force, par.reduce)
+    if periodic:
+        check_temperature(state, max_t, par.reduce)
+
+
+def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) -> SimulationError:
+    """Write the last good frame and its checkpoint (with the output sizes at that step)."""
+    d, full = outputs.dir, outputs.par.gather(good)
+    if outputs.enabled:
+        ExtxyzWriter(d / "last_good.xyz").write(full.graph, good.step, results(full))
+        ckpt.save_checkpoint(d / "checkpoint_last_good.pt", full,
+                             {**meta, **outputs.par.meta(full)}, None)
+    return SimulationError(f"{err}; stopped. Last good frame (step {good.step}) written to "
+                           f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
+
+
+def _start(cfg: MDConfig, par, device, dtype):
+    """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
+    integrator, potential = get_integrator(cfg.ensemble), par.potential
+    if cfg.resume:
+        state, meta = resume_state(cfg, par, device, "md")
+        with par.guarded("checking the checkpoint"):
+            if meta.get("ensemble") != cfg.ensemble:
+                raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} "
+                                 f"run, not {cfg.ensemble!r}")
+            check_species(potential, state.graph)
+        return integrator, state, meta
+    graph, from_file = None, None
+    with par.guarded("reading the structure"):
+        if par.main:
+            graph = load_structure(cfg.structure, cfg.index, device, dtype)
+            check_species(potential, graph)
+            temps = target_temperatures(cfg, graph.n_systems, graph.positions)
+            check_kinetic_dof(cfg, graph, temps)
+            from_file = velocities_from_file(cfg, graph)
+    from_file = par.broadcast(from_file)
+    graph = par.scatter_graph(graph)
+    temps = target_temperatures(cfg, graph.n_systems, graph.positions)
+    graph = initial_velocities(cfg, graph, temps, par.reduce, from_file)
+    state = integrator.init(graph, potential, reduce=par.reduce,
+                            **integrator_args(cfg, temps))
+    return integrator, state, None
+
+
+def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
+    """Run molecular dynamics from a config (object or YAML path + dotlist overrides).
+
+    Launched on several ranks (torchrun, srun), the system (one) is decomposed over the
+    ranks: rank 0 reads the structure and scatters it, each rank integrates the atoms of
+    its box, atoms migrate between ranks, and rank 0 writes the outputs (gathered in
+    atom-id order) and ``summary.json``. The trajectory equals a single-process run to
+    round-off, and checkpoints (the global state by atom id) resume on any number of ranks.
+
+    Returns:
+        the output folder (with ``thermo.csv``, ``thermo.png``, trajectory, ``checkpoint.pt``).
+    Raises:
+        SimulationError: the run diverged (after writing the last good frame and a checkpoint).
+    """
+    if launched_on_several_ranks():
+        return run_distributed(MDConfig, config, overrides, _run_md)
+    return _run_md(config, overrides, None)
+
+
+def _run_md(config, overrides: Sequence[str], manager) -> Path:
+    cfg, device, dtype, par, folder = setup_run(MDConfig, config, overrides, manager)
+    integrator, state, meta = _start(cfg, par, device, dtype)
+    targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
+                                                                 state.positions))
+    max_t = (torch.full_like(targets, cfg.safety.max_temperature)
+             if cfg.safety.max_temperature is not None else 10 * targets + 1000.0)
+    if meta is None:
+        try:
+            check_distances(state, par.potential, cfg.safety.min_distance, par.reduce)
+            check_forces(state, cfg.safety.max_force, par.reduce)
+        except SimulationError as err:
+            raise SimulationError(f"the initial structure is unsafe: {err}", 0) from None
+    out_dir = open_folder(cfg, folder, manager)
+    counts = par.reduce.count_per_system(state.graph.batch, state.n_systems)
+    outputs = _Outputs(cfg, par, counts, meta, out_dir)
+    if meta is None:
+        outputs.record(state, integrator, force=True)
+    _loop(cfg, integrator, state, outputs, max_t)
+    par.write_summary(out_dir / "summary.json")
+    if cfg.output.plot and par.main:
+        plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}")
+    if par.main:
+        folder.commit()
+    return folder.final
+
+
+def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -> MDState:
+    par = outputs.par
+    n_atoms, start = int(outputs.drift.n_atoms.sum()), state.step
+    good, good_meta, t0 = state, outputs.meta(cfg.ensemble), time.perf_counter()
+    bar = progress_bar(cfg.output, cfg.steps, start, f"md {cfg.ensemble}", outputs.enabled)
+    every = cfg.output.checkpoint_every
+    try:
+        while state.step < cfg.steps:
+            new = integrator.step(state, par.potential, cfg.timestep, reduce=par.reduce)
+            try:
+                _check(new, par, cfg, max_t)
+            except SimulationError as err:
+                raise _fail(err, good, good_meta, outputs) from None
+            state = par.after_step(new)
+            outputs.record(state, integrator)
+            if state.step % cfg.safety.check_every == 0:
+                good, good_meta = state, outputs.meta(cfg.ensemble)
+            if every and state.step % every == 0:
+                outputs.checkpoint(state)
+            bar.update(1)
+            if state.step % cfg.output.log_every == 0:
+                done, el = state.step - start, time.perf_counter() - t0
+                bar.set_postfix(ns_day=f"{done * cfg.timestep * 1e-6 * 86400 / el:.3g}",
+                                atom_steps_s=f"{n_atoms * done / el:.3g}", refresh=False)
+    finally:
+        bar.close()
+        if outputs.traj is not None:
+            outputs.traj.close()
+    if not (every and state.step % every == 0):
+        outputs.checkpoint(state)
+    return state

@@ -1,0 +1,111 @@
+"""What ``xnn md`` and ``xnn relax`` share: the config → device, dtype, potential → run
+layer (:func:`xnn.distributed.parallelize.parallelize_md`) → output folder set-up, the launch
+on several ranks, resuming from a checkpoint, and the progress bar."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from xnn._torch_files import check_complete
+from xnn.app.md_setup import load_potential, resolve_device
+from xnn.config.loader import load_config, save_config
+from xnn.data import keys as K
+from xnn.distributed.parallelize import parallelize_md
+from xnn.dynamics import checkpoint as ckpt
+from xnn.dynamics.state import MDState
+from xnn.io.run_folder import RunFolder, plan_run_folder
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# what xnn md and xnn relax write into output.dir (a previous run is recognised by these)
+RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajectory.xyz",
+             "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
+             "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json")
+
+
+def progress_bar(cfg_out, total: int, initial: int, desc: str, enabled: bool = True):
+    """A tqdm bar of ``total`` steps (off unless ``output.progress`` and ``enabled``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
+                disable=None if cfg_out.progress and enabled else True, mininterval=0.5)
+
+
+def results(state: MDState) -> dict:
+    """The energy, forces and stress of ``state`` keyed as a trajectory frame stores them."""
+    return {K.ENERGY: state.energy, K.FORCES: state.forces, K.STRESS: state.stress}
+
+
+def setup_run(schema, config, overrides: Sequence[str], manager=None):
+    """The config (object or YAML path + dotlist overrides), device, dtype, the run's
+    parallel layer (holding the potential) and output folder plan (checked, nothing
+    written) of an ``xnn md`` / ``xnn relax`` run.
+
+    With a multi-rank ``manager`` the system is decomposed over its ranks
+    (:class:`~xnn.distributed.md_run.DomainRun`: each rank owns the atoms of its box) and
+    only rank 0 writes files."""
+    cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
+    folder = plan_run_folder(cfg.output.dir, RUN_FILES, resume=cfg.resume,
+                             overwrite=cfg.output.overwrite, key="output.dir",
+                             overwrite_key="output.overwrite",
+                             resume_hint=f"resume={Path(cfg.output.dir) / 'checkpoint.pt'}")
+    if cfg.resume and Path(cfg.resume).is_file():
+        check_complete(cfg.resume, "checkpoint")
+    device, dtype = resolve_device(cfg.model.device), DTYPES[cfg.model.dtype]
+    if manager is not None:
+        device = manager.device
+    potential = load_potential(cfg.model, device, dtype)
+    par = parallelize_md(potential, manager, skin=cfg.model.skin,
+                         backend=cfg.model.neighbor_backend)
+    return cfg, device, dtype, par, folder
+
+
+def open_folder(cfg, folder: RunFolder, manager=None) -> Path:
+    """The run is validated: create its folder (rank 0) with ``config.yaml``; returns the
+    folder it writes to (the staging folder of a run that replaces a previous one)."""
+    if manager is not None:
+        manager.barrier()  # every rank has checked the folder before rank 0 changes it
+    if manager is None or manager.is_main:
+        folder.create()
+        save_config(cfg, folder.work / "config.yaml")
+        if folder.staged:
+            print(f"output.overwrite=true: this run is written to {folder.work} and replaces "
+                  f"the previous run in {folder.final} when it completes", flush=True)
+    return folder.work
+
+
+def launched_on_several_ranks() -> bool:
+    """Whether this process is one of several ranks of a torchrun / srun launch."""
+    from xnn.distributed.manager import detect_launch
+
+    return detect_launch().world_size > 1
+
+
+def resume_state(cfg, par, device, kind: str):
+    """The checkpoint's state split over the ranks (rank 0 reads it) and its meta."""
+    state = meta = None
+    with par.guarded("reading the checkpoint"):
+        if par.main:
+            state, meta = ckpt.load_checkpoint(cfg.resume, device, par.checkpoint_potential,
+                                               kind=kind)
+    meta = par.broadcast(meta)
+    return par.scatter_state(state, meta), meta
+
+
+def run_distributed(schema, config, overrides, body) -> Path:
+    """Run ``body(cfg, (), manager)`` on the ranks of a torchrun / srun launch."""
+    from xnn.distributed import DistributedManager
+    from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
+
+    cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
+    manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type)
+    try:
+        with manager.watch():  # a collective that times out: one line naming the ranks
+            files = {"structure": cfg.structure, "model.file": cfg.model.file,
+                     "resume": cfg.resume}
+            check_ranks_agree(run_fingerprint(cfg, files))  # the first collective
+            return body(cfg, (), manager)
+    finally:
+        manager.cleanup()

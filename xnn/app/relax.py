@@ -1,0 +1,212 @@
+"""``run_relax(config)``: the application behind ``xnn relax``.
+
+FIRE (batched, optionally with the cell) writes ``relax.csv``, the relaxation trajectory,
+``relaxed.xyz`` and ``checkpoint.pt`` under ``output.dir``, and resumes from
+``resume=checkpoint.pt`` bitwise on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from xnn.app.md_common import (
+    launched_on_several_ranks,
+    open_folder,
+    progress_bar,
+    results,
+    run_distributed,
+    setup_run,
+)
+from xnn.app.md_setup import check_species, load_structure, pressure_to_internal
+from xnn.config.md import RelaxConfig
+from xnn.dynamics import checkpoint as ckpt
+from xnn.dynamics import fire
+from xnn.dynamics.safety import check_forces
+from xnn.dynamics.state import MDState
+from xnn.errors import DataFileError, InputError
+from xnn.io.trajectory import ExtxyzWriter, open_trajectory
+
+
+class _RelaxLog:
+    """``relax.csv``, one row per system per logged step, appended as the run goes.
+
+    Args:
+        path: CSV file.
+        truncate_to: on resume, the size (bytes) to cut the file to; ``None``: a new file.
+    """
+
+    HEADER = "step,system,energy_eV,fmax_eV_A,volume_A3\n"
+
+    def __init__(self, path: Path, truncate_to: int | None):
+        self.path = path
+        if truncate_to is None:
+            path.write_text(self.HEADER)
+        elif not path.is_file() or path.stat().st_size < truncate_to:
+            raise DataFileError(f"cannot resume: {path} is missing or shorter than the "
+                                "checkpoint says")
+        else:
+            os.truncate(path, truncate_to)
+
+    def write(self, state: MDState, fm: torch.Tensor) -> None:
+        cols = zip(state.energy.tolist(), fm.tolist(), state.graph.volume().tolist())
+        with open(self.path, "a") as fh:
+            fh.writelines(f"{state.step},{s},{e!r},{f!r},{v!r}\n"
+                          for s, (e, f, v) in enumerate(cols))
+
+    def position(self) -> int:
+        return self.path.stat().st_size
+
+
+class _RelaxOutputs:
+    """``relax.csv``, the relaxation trajectory and ``checkpoint.pt`` of one relaxation
+    (files written by rank 0; the methods are collective under domain decomposition)."""
+
+    def __init__(self, cfg: RelaxConfig, par, n_atoms: int, meta: dict | None,
+                 directory: Path):
+        self.cfg, self.dir, self.par = cfg, Path(directory), par
+        files = meta["files"] if meta else {}
+        self.log = self.traj = None
+        if not par.main:
+            return
+        self.log = _RelaxLog(self.dir / "relax.csv", files.get("log_bytes"))
+        if cfg.output.trajectory_every:
+            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
+                                        files.get("trajectory") if meta else None,
+                                        name="relax_trajectory")
+
+    def meta(self, done: torch.Tensor) -> dict:
+        """The checkpoint meta: settings, per-system convergence, output sizes (before this
+        step's rows and frame, which a resumed run writes again)."""
+        files = {"log_bytes": self.log.position()} if self.log is not None else {}
+        if self.traj is not None:
+            files["trajectory"] = self.traj.position()
+        return {"kind": "relax", "settings": _relax_settings(self.cfg),
+                "converged": done.tolist(), "files": files}
+
+    def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
+        out = self.cfg.output
+        if self.log is not None and (force or state.step % out.log_every == 0):
+            self.log.write(state, fm)
+        if out.trajectory_every and state.step % out.trajectory_every == 0:
+            full = self.par.gather(state)
+            if self.traj is not None:
+                self.traj.write(full.graph, full.step, results(full))
+
+    def save(self, state: MDState, meta: dict, name: str = "checkpoint.pt") -> int:
+        full = self.par.gather(state)
+        if self.par.main:
+            ckpt.save_checkpoint(self.dir / name, full, {**meta, **self.par.meta(full)},
+                                 self.par.checkpoint_potential)
+        return state.step
+
+    def close(self) -> None:
+        if self.traj is not None:
+            self.traj.close()
+
+
+def _relax_settings(cfg: RelaxConfig) -> dict:
+    """The options a resumed relaxation must share with the run that wrote the checkpoint."""
+    return {"relax_cell": cfg.relax_cell, "maxstep": cfg.maxstep, "dtype": cfg.model.dtype,
+            "pressure_eV_A3": pressure_to_internal(cfg.pressure, cfg.pressure_unit)}
+
+
+def _check_relax_resume(cfg: RelaxConfig, state: MDState, meta: dict, graph) -> None:
+    if state.n_systems != graph.n_systems or not torch.equal(state.graph.numbers,
+                                                             graph.numbers):
+        raise InputError(f"checkpoint {cfg.resume} holds {state.n_systems} structures "
+                         f"({state.graph.n_atoms} atoms), but structure={cfg.structure} "
+                         f"index={cfg.index} selects {graph.n_systems} ({graph.n_atoms} atoms)")
+    want, got = _relax_settings(cfg), meta["settings"]
+    diff = [f"{k}={got[k]!r}" for k in want if want[k] != got[k]]
+    if diff:
+        raise InputError(f"checkpoint {cfg.resume} was written with {', '.join(diff)}; "
+                         "resume with the same settings")
+
+
+def _relax_start(cfg: RelaxConfig, par, device, dtype) -> tuple[MDState, dict | None]:
+    """The FIRE state (fresh, or from ``cfg.resume``) and the checkpoint meta (``None``: fresh)."""
+    graph = state = meta = None
+    with par.guarded("reading the structure"):
+        if par.main:
+            graph = load_structure(cfg.structure, cfg.index, device, dtype)
+            check_species(par.potential, graph)
+            if cfg.resume:
+                state, meta = ckpt.load_checkpoint(cfg.resume, device,
+                                                   par.checkpoint_potential, kind="relax")
+                _check_relax_resume(cfg, state, meta, graph)
+    if cfg.resume:
+        meta = par.broadcast(meta)
+        return par.scatter_state(state, meta), meta
+    graph = par.scatter_graph(graph)
+    return fire.init(graph, par.potential, relax_cell=cfg.relax_cell, maxstep=cfg.maxstep,
+                     pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit),
+                     reduce=par.reduce), None
+
+
+def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
+    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz``, ``relax.csv``
+    and ``checkpoint.pt`` (every ``output.checkpoint_every`` steps and at the end).
+
+    With ``resume=checkpoint.pt`` (same output folder) the relaxation continues (up to the
+    new ``max_steps``) and its outputs are bitwise identical to an uninterrupted run on CPU.
+    Launched on several ranks (torchrun), the system (one) is decomposed as in ``xnn md``.
+
+    Returns:
+        the output folder.
+    """
+    if launched_on_several_ranks():
+        return run_distributed(RelaxConfig, config, overrides, _run_relax)
+    return _run_relax(config, overrides, None)
+
+
+def _run_relax(config, overrides: Sequence[str], manager) -> Path:
+    cfg, device, dtype, par, folder = setup_run(RelaxConfig, config, overrides, manager)
+    state, meta = _relax_start(cfg, par, device, dtype)
+    out_dir = open_folder(cfg, folder, manager)
+    n_atoms = int(par.reduce.count_per_system(state.graph.batch, state.n_systems).sum())
+    outputs = _RelaxOutputs(cfg, par, n_atoms, meta, out_dir)
+    state = _relax_loop(cfg, state, outputs)
+    full = par.gather(state)
+    if par.main:
+        ExtxyzWriter(out_dir / "relaxed.xyz").write(full.graph.replace(velocities=None),
+                                                   state.step, results(full))
+    par.write_summary(out_dir / "summary.json")
+    if par.main:
+        folder.commit()
+    n_bad = int((fire.fmax(state, par.reduce) >= cfg.fmax).sum())
+    if n_bad and par.main:
+        print(f"xnn relax: {n_bad} of {state.n_systems} systems did not reach fmax={cfg.fmax} "
+              f"eV/Å in {cfg.max_steps} steps")
+    return folder.final
+
+
+def _relax_loop(cfg: RelaxConfig, state: MDState, outputs: _RelaxOutputs) -> MDState:
+    """FIRE steps until every system is below ``cfg.fmax`` or ``cfg.max_steps``; checkpoints
+    are taken at the top of a step, before its rows are written."""
+    every, start, saved, par = cfg.output.checkpoint_every, state.step, None, outputs.par
+    bar = progress_bar(cfg.output, cfg.max_steps, min(start, cfg.max_steps), "relax", par.main)
+    try:
+        while True:
+            fm = fire.fmax(state, par.reduce)
+            done = fm < cfg.fmax
+            meta = outputs.meta(done)
+            if every and state.step % every == 0 and state.step != start:
+                saved = outputs.save(state, meta)
+            outputs.record(state, fm, force=bool(done.all()))
+            if bool(done.all()) or state.step >= cfg.max_steps:
+                break
+            check_forces(state, float("inf"), par.reduce)
+            state = fire.step(state, par.potential, cfg.fmax, reduce=par.reduce)
+            state = par.after_step(state)
+            bar.update(1)
+            bar.set_postfix(fmax=f"{float(fm.max()):.3g}", refresh=False)
+    finally:
+        bar.close()
+        outputs.close()
+    if saved != state.step:
+        outputs.save(state, meta)
+    return state

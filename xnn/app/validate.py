@@ -1,0 +1,141 @@
+"""The application behind ``xnn validate``: a model in one process vs decomposed over all
+ranks, compared by atom id (see :mod:`xnn.distributed.validate`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    """What ``xnn validate`` compares (see ``xnn validate --help``).
+
+    Attributes:
+        model: model file or built-in spec (``lj:sigma=2.3``). structure: structure file.
+        index: frame of ``structure``. dtype: ``float64`` or ``float32``.
+        grid: boxes ``"px,py,pz"`` (``None``: automatic). mode: ``auto``, ``halo`` or ``sync``.
+        skin: Verlet skin (Å). tol: largest relative error that passes.
+        json: report file (rank 0). skip_reference: decomposed single point only.
+        output: structure file with the decomposed results (rank 0).
+        device: ``cpu`` or ``cuda`` (``None``: cuda if available).
+        timeout: collective timeout (s). trust_file: load model files holding pickled code.
+    """
+
+    model: str
+    structure: str
+    index: str = "-1"
+    dtype: str = "float64"
+    grid: str | None = None
+    mode: str = "auto"
+    skin: float = 0.0
+    tol: float = 1e-10
+    json: str | None = None
+    skip_reference: bool = False
+    output: str | None = None
+    device: str | None = None
+    timeout: float = 600.0
+    trust_file: bool = False
+
+
+def _report_lines(report: dict, tol: float) -> list[str]:
+    lines = [f"{'quantity':<10} {'max abs error':>14} {'max rel error':>14} {'scale':>12}"]
+    for name, r in report.items():
+        lines.append(f"{name:<10} {r['max_abs']:>14.3e} {r['max_rel']:>14.3e} {r['scale']:>12.4g}")
+    worst = max(r["max_rel"] for r in report.values())
+    lines.append(f"worst relative error {worst:.3e} ({'PASS' if worst <= tol else 'FAIL'}, "
+                 f"tol {tol:.1e})")
+    return lines
+
+
+def _write_output(path: str, graph, out) -> None:
+    import numpy as np
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.io import write
+
+    from xnn.data.ase_io import to_ase
+
+    atoms = to_ase(graph.detach().to("cpu"))[0]
+    order = np.argsort(graph.atom_id.cpu().numpy())
+    forces = np.empty((len(atoms), 3))
+    forces[order] = out["forces"].cpu().numpy()
+    results = {"energy": float(out["energy"].sum()), "forces": forces}
+    if bool(graph.pbc.all()):
+        results["stress"] = out["stress"][0].cpu().numpy()
+    atoms.calc = SinglePointCalculator(atoms, **results)
+    write(path, atoms)
+
+
+def _report(opts: ValidateOptions, manager, dd, graph, out, ref, seconds: dict) -> bool:
+    """Print (and write) the comparison on rank 0; True if above the tolerance."""
+    import json
+    from pathlib import Path
+
+    from xnn.distributed import validate as V
+
+    info = {"world_size": manager.world_size, "n_atoms": graph.n_atoms,
+            "grid": dd.stats()["grid"], "halo_width": dd.halo_width, "mode": dd.mode,
+            "energy": float(out["energy"].sum()), **seconds}
+    print(f"xnn validate: {graph.n_atoms} atoms on {manager.world_size} rank(s), grid "
+          f"{'x'.join(map(str, info['grid']))}, halo {dd.halo_width:.3g} Å, mode {dd.mode}; "
+          f"energy {info['energy']:.10g} eV ({seconds['seconds_decomposed']:.3g} s decomposed)")
+    failed = False
+    if ref is not None:
+        report = V.compare(out, ref, graph)
+        info.update(report=report, tol=opts.tol)
+        print("\n".join(_report_lines(report, opts.tol)))
+        failed = max(r["max_rel"] for r in report.values()) > opts.tol
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(info, indent=2))
+    if opts.output:
+        _write_output(opts.output, graph, out)
+    return failed
+
+
+def run_validate(opts: ValidateOptions) -> int:
+    """Evaluate ``opts.model`` on ``opts.structure`` in one process (rank 0) and decomposed
+    over all ranks of the launch; print (and write) the comparison on rank 0.
+
+    Returns:
+        the exit status on every rank: 1 if the worst relative error exceeds ``opts.tol``,
+        else 0.
+    """
+    import time
+
+    import torch
+
+    from xnn.distributed import DistributedManager, DomainDecomposed
+    from xnn.distributed import collectives as C
+    from xnn.distributed import validate as V
+    from xnn.distributed.domain.partition import parse_grid
+    from xnn.errors import InputError
+
+    dtype = getattr(torch, opts.dtype)
+    grid = parse_grid(opts.grid)
+    if opts.tol <= 0:
+        raise InputError(f"--tol must be > 0, got {opts.tol}")
+    manager = DistributedManager.initialize(timeout_s=opts.timeout, device=opts.device)
+    try:
+        graph = V.read_structure_rank0(opts.structure, opts.index)
+        species = C.broadcast_object(
+            None if graph is None else sorted(set(graph.numbers.tolist())))
+        model = V.load_model_everywhere(opts.model, species, trust=opts.trust_file)
+        model = model.to(manager.device, dtype)
+        dd = DomainDecomposed(model, manager, grid=grid, skin=opts.skin, mode=opts.mode)
+        graph = None if graph is None else graph.to(manager.device, dtype)  # rank 0 only
+        ref, seconds = None, {}
+        with C.guarded(None, "single-process reference"):
+            if manager.is_main and not opts.skip_reference:
+                t0 = time.perf_counter()
+                ref = V.single_process(model, graph)
+                seconds["seconds_single"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = dd(graph)
+        seconds["seconds_decomposed"] = time.perf_counter() - t0
+        status = torch.zeros(1, device=manager.device)
+        with C.guarded(None, "report on rank 0"):
+            if manager.is_main:
+                status[0] = float(_report(opts, manager, dd, graph, out, ref, seconds))
+        C.all_reduce_(status)
+        return int(status.item() > 0)
+    finally:
+        manager.cleanup()

@@ -4,7 +4,8 @@
 structure (or the checkpoint, which holds the global state by atom id) and scatters it, each
 rank integrates its owned atoms with the cross-rank reducer, atoms migrate after every step,
 and states are gathered on rank 0 (in global-id order) for output and checkpoints. The
-MD and relax applications (xnn.app.md, xnn.app.relax) call the same methods on :class:`~xnn.dynamics.parallel.SerialRun` in one process.
+applications (:mod:`xnn.app.md`, :mod:`xnn.app.relax`) call the same methods on
+:class:`~xnn.dynamics.parallel.SerialRun` in one process.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from xnn.training.schedule import LRSchedule, build_optimizer
 from xnn.training.setup import configure_precision, load_pretrained, pick_device
 from xnn.training.trainer import Trainer
 
-RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "summary.json", "model.pt",
+RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
              "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard")
 
 
@@ -87,7 +87,9 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         shuffle=d.shuffle, val_batch_size=d.val_batch_size, max_epochs=cfg.max_epochs,
         max_steps=cfg.max_steps, time_limit_min=cfg.time_limit_min, eval_every=cfg.eval_every,
         checkpoint_metric=cfg.checkpoint_metric, patience=es.patience,
-        min_delta=es.min_delta, validation_only=cfg.validation_only)
+        min_delta=es.min_delta, validation_only=cfg.validation_only,
+        checkpoint_mode=cfg.checkpoint_mode, samples_per_epoch=d.samples_per_epoch,
+        every_n_steps=cfg.logging.every_n_steps, precision=cfg.precision)
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
@@ -168,7 +170,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
         payload = load_checkpoint(resume)
         require_fields(payload, resume)  # what restore reads: one line, not a KeyError
         check_same_architecture(payload, trainer.model, resume)
-        loop.restore(payload)
+        loop.restore(payload, resume)
         logger.print(f"resumed from {resume} at epoch {loop.progress.epoch}, "
                      f"step {loop.progress.step}")
     logger = loop.logger = _open_folder(cfg, folder, reducer, logger)

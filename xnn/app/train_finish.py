@@ -51,14 +51,16 @@ def _gather_parity(reducer, parity):
 
 
 def _save_final(loop, save_model) -> Path:
-    """Save the model (EMA weights if any) as ``model.pt`` in the run folder."""
+    """Save the model (EMA weights if any) as ``model.pt`` in the run folder, with the run's
+    training precision recorded."""
     t = loop.trainer
     path = Path(loop.out_dir) / "model.pt"
+    precision = loop.cfg.precision
     if t.ema is not None:
         with t.ema.applied(t.model):
-            save_model(t.model, path)
+            save_model(t.model, path, precision=precision)
     else:
-        save_model(t.model, path)
+        save_model(t.model, path, precision=precision)
     return path
 
 
@@ -86,6 +88,8 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
         "steps": loop.progress.step,
         "final_weights": origin,
         "checkpoint_metric": cfg.checkpoint_metric,
+        "checkpoint_mode": cfg.checkpoint_mode,
+        "precision": cfg.precision,
         "best_value": loop.progress.best_value if loop.progress.best_epoch >= 0 else None,
         "elapsed_s": elapsed_s,
         "metrics": metrics,

@@ -71,6 +71,10 @@ class DataConfig:
     overfit: int | None = field(None, "debug: train and validate on the first N training "
                                 "structures only")
     cache_edges: bool = field(True, "keep neighbor lists in memory after the first epoch")
+    samples_per_epoch: int | None = field(None, "structures per epoch, drawn with replacement "
+                                          "with probability proportional to their dataset's "
+                                          "weight, seeded by (seed, epoch) (null: every "
+                                          "training structure once per epoch)")
 
     def __post_init__(self):
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.99)
@@ -78,6 +82,7 @@ class DataConfig:
         check_range("data.batch_size", self.batch_size, 1)
         check_range("data.max_atoms_per_batch", self.max_atoms_per_batch, 1)
         check_range("data.overfit", self.overfit, 1)
+        check_range("data.samples_per_epoch", self.samples_per_epoch, 1)
         if self.max_atoms_per_batch is not None:
             self.batch_size = None
         if self.batch_size is None and self.max_atoms_per_batch is None:
@@ -173,6 +178,12 @@ class LoggingConfig:
     csv: bool = field(True, "write metrics.csv")
     progress_bar: bool = field(True, "tqdm bar per epoch (only on a terminal)")
     plots: bool = field(True, "PNG learning curves and parity plots at the end")
+    every_n_steps: int | None = field(None, "also log the step loss, lr and the epoch's "
+                                      "training metrics so far every N optimizer steps "
+                                      "(steps.csv, TensorBoard steps/*; null: per epoch only)")
+
+    def __post_init__(self):
+        check_range("logging.every_n_steps", self.every_n_steps, 1)
 
 
 @dataclass
@@ -210,7 +221,9 @@ class TrainConfig:
     validation_only: bool = field(False, "evaluate the model (pretrained/resume) on "
                                   "validation and test sets without training")
     checkpoint_metric: str = field("val_loss", "validation metric that selects the best "
-                                   "checkpoint", choices=METRICS)
+                                   "checkpoint (and early stopping)", choices=METRICS)
+    checkpoint_mode: str = field("min", "whether a smaller (min) or larger (max) "
+                                 "checkpoint_metric is better", choices=("min", "max"))
 
     def __post_init__(self):
         validate(self)  # every number finite, every choice valid (also when built in Python)

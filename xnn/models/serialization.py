@@ -5,7 +5,11 @@
     {"format": "xnn-model", "format_version": 1, "xnn_version": "...",
      "name": <registry name>, "hparams": {...}, "state_dict": {...},
      "species": [...], "e0": {Z: eV}, "units": {"energy": "eV", "length": "Å"},
-     "dtype": "float64"}
+     "dtype": "float64", "precision": "fp32" | None}
+
+``precision`` is the training precision of the run that wrote the file (``xnn train``'s
+``precision``; ``None`` for models saved outside a run). :func:`model_metadata` reads every
+entry but the weights, as data.
 
 ``load_model`` reads it back with ``torch.load(..., weights_only=True)`` (always: explicit,
 so the ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` variable set by some packages cannot override
@@ -150,8 +154,14 @@ def _xnn_version() -> str:
     return str(xnn.__version__)
 
 
-def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+def save_model(model: nn.Module, path: str | os.PathLike, precision: str | None = None) -> Path:
     """Write ``model`` to one self-describing file (atomically); returns the path.
+
+    Args:
+        model: the model (native, or a wrapper with ``to_payload``).
+        path: the file.
+        precision: the training precision to record (``fp32``, ``tf32``, ``bf16_mixed``,
+            ``fp64``), or ``None``.
 
     Raises:
         InputError: ``path`` is a folder, or its folder cannot be created (a file is in the
@@ -164,8 +174,24 @@ def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     blocking = next((p for p in path.parents if p.exists()), None)
     if blocking is not None and not blocking.is_dir():
         raise InputError(f"cannot save the model to {path}: {blocking} is a file, not a folder")
-    _write_atomic(model_payload(model), path)
+    payload = model_payload(model)
+    payload["precision"] = None if precision is None else str(precision)
+    _write_atomic(payload, path)
     return path
+
+
+def model_metadata(path: str | os.PathLike) -> dict:
+    """Every entry of a model file except its weights (``state_dict``), read as data
+    (``weights_only=True``): name, hparams, species, e0, units, dtype, xnn_version and the
+    training ``precision`` (``None`` when unknown, also for files of earlier versions).
+
+    Raises:
+        ModelFileError: as :func:`load_model`.
+    """
+    payload = _read_payload(Path(path), "cpu")
+    meta = {k: v for k, v in payload.items() if k != "state_dict"}
+    meta.setdefault("precision", None)
+    return meta
 
 
 def _read_payload(path: Path, map_location) -> dict:

@@ -1,5 +1,11 @@
 """What a run shows and writes: a progress bar, one table line per epoch, CSV and TensorBoard.
 
+Per epoch: a console table line, a ``metrics.csv`` row and TensorBoard scalars named after
+the columns. With ``logging.every_n_steps``, also per N steps: a ``steps.csv`` row (columns
+``epoch`` (the epoch in progress, from 1), ``step``, ``lr``, ``loss`` (that step's loss),
+``train_*`` (the epoch's training metrics so far), ``time_s`` (since the loop started)) and
+TensorBoard scalars ``steps/<column>``; no console line (the progress bar shows the loss).
+
 Only the main rank logs; the numbers it logs are all-reduced, so they are the same on every
 rank.
 """
@@ -52,11 +58,13 @@ class RunLogger:
         self.enabled = enabled
         self.out_dir = Path(out_dir)
         self.csv_path = self.out_dir / "metrics.csv" if csv_log else None
+        self.steps_path = self.out_dir / "steps.csv" if csv_log else None
         self.stream = stream or sys.stdout
         self.progress_bar = progress_bar and enabled and sys.stderr.isatty()
         self._tb = None
         self._header_done = False
         self._csv_fields: list[str] | None = None
+        self._step_fields: list[str] | None = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -92,20 +100,37 @@ class RunLogger:
                     self._tb.add_scalar(k, v, row.get("step", 0))
             self._tb.flush()
 
+    def step(self, row: dict) -> None:
+        """Log one ``every_n_steps`` row (``steps.csv`` and TensorBoard ``steps/*``)."""
+        if not self.enabled:
+            return
+        if self.steps_path is not None:
+            self._step_fields = _append_row(self.steps_path, self._step_fields, row)
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k not in ("epoch", "step"):
+                    self._tb.add_scalar(f"steps/{k}", v, row["step"])
+            self._tb.flush()
+
     def _write_csv(self, row: dict) -> None:
-        exists = self.csv_path.is_file()
-        if self._csv_fields is None:
-            if exists:
-                with open(self.csv_path, newline="") as f:
-                    self._csv_fields = next(csv.reader(f), None)
-            if not self._csv_fields:
-                self._csv_fields = list(row)
-                exists = False
-        with open(self.csv_path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self._csv_fields, extrasaction="ignore")
-            if not exists:
-                w.writeheader()
-            w.writerow(row)
+        self._csv_fields = _append_row(self.csv_path, self._csv_fields, row)
+
+    def restore_steps_csv(self, step: int) -> None:
+        """On resume: drop the ``steps.csv`` rows after ``step`` (the checkpoint's), which
+        the resumed run logs again."""
+        if not self.enabled or self.steps_path is None or not self.steps_path.is_file():
+            return
+        with open(self.steps_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+            fields = rows and list(rows[0])
+        buf = io.StringIO(newline="")
+        kept = [r for r in rows if int(r["step"]) <= step]
+        if kept:
+            w = csv.DictWriter(buf, fieldnames=fields)
+            w.writeheader()
+            w.writerows(kept)
+        self._step_fields = fields if kept else None
+        atomic_write_text(self.steps_path, buf.getvalue())
 
     def restore_csv(self, history: list[dict]) -> None:
         """On resume: rewrite ``metrics.csv`` (atomically) as the rows of the checkpoint's
@@ -125,3 +150,22 @@ class RunLogger:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def _append_row(path: Path, fields: list[str] | None, row: dict) -> list[str]:
+    """Append ``row`` to the CSV file ``path`` (a header first when it is new or empty, with
+    the columns of ``row``); returns the file's columns (keys outside them are dropped)."""
+    exists = path.is_file()
+    if fields is None:
+        if exists:
+            with open(path, newline="") as f:
+                fields = next(csv.reader(f), None)
+        if not fields:
+            fields = list(row)
+            exists = False
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        if not exists:
+            w.writeheader()
+        w.writerow(row)
+    return fields

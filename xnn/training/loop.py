@@ -1,8 +1,22 @@
 """The epoch loop: batches, validation, checkpoints, early stopping, exact resume.
 
 The sampler position is ``(epoch, batch_in_epoch)``: the batches of an epoch are a pure
-function of ``(seed, epoch)``, so a resumed run skips the ``batch_in_epoch`` batches already
-done and continues with exactly the batches the uninterrupted run would have seen.
+function of ``(seed, epoch)`` (a seeded permutation of the training set, or with
+``samples_per_epoch`` a seeded draw by dataset weight, :mod:`xnn.training.sampling`), so a
+resumed run skips the ``batch_in_epoch`` batches already done and continues with exactly the
+batches the uninterrupted run would have seen.
+
+Random streams: the global torch, numpy and python generators are reseeded at the start of
+every epoch and after every optimizer step from :func:`stream_seed` ``(seed, rank, epoch,
+step)`` (the step about to run), so that the random numbers a training step draws (dropout,
+augmentation) are a function of where it is: different on every rank, epoch and step, and
+the same in a resumed run as in the uninterrupted one (no rank replays another's stream or
+its own after a restart). The weights are initialised before, from ``seed`` and the rank
+(:func:`seed_everything`).
+
+``best.pt`` holds the epoch with the best ``checkpoint_metric`` (smallest for
+``checkpoint_mode="min"``, largest for ``"max"``); early stopping and the plateau schedule
+follow the same metric and direction.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ import numpy as np
 import torch
 
 from xnn.data.datasets import make_batches, shard_batch
+from xnn.errors import InputError
 from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
 from xnn.training.metrics import MetricSums
 from xnn.training.trainer import NonFiniteLossError, Trainer
@@ -37,9 +52,14 @@ class LoopSettings:
         time_limit_min: wall-time limit of the loop in minutes (``None``: none).
         eval_every: validate every this many epochs.
         checkpoint_metric: the validation metric that picks ``best.pt``.
+        checkpoint_mode: ``"min"`` (smaller is better) or ``"max"``.
         patience: epochs without improvement before early stopping (``None``: never).
         min_delta: the improvement that counts.
         validation_only: evaluate a model, never train (``metrics.csv`` is not touched).
+        samples_per_epoch: structures per epoch drawn by dataset weight (``None``: each
+            training structure once).
+        every_n_steps: log a ``steps.csv`` row every this many steps (``None``: never).
+        precision: the run's precision (recorded in checkpoints; a resume must match).
     """
 
     seed: int = 0
@@ -55,6 +75,10 @@ class LoopSettings:
     patience: int | None = None
     min_delta: float = 0.0
     validation_only: bool = False
+    checkpoint_mode: str = "min"
+    samples_per_epoch: int | None = None
+    every_n_steps: int | None = None
+    precision: str = "fp32"
 
 
 @dataclass
@@ -68,11 +92,31 @@ class Progress:
     best_epoch: int = -1
     bad_epochs: int = 0
     history: list = field(default_factory=list)
+    best_metric: str | None = None  # what best_value measures (None: checkpoints before 0.x)
+    best_mode: str | None = None
 
 
 def seed_everything(seed: int, rank: int = 0, step: int = 0) -> None:
-    """Seed torch, numpy and random with a value offset by rank and step."""
+    """Seed torch, numpy and random with ``seed + 1_000_003 rank + 7_919 step`` (start-up:
+    weight initialisation and data splits; training steps use :func:`seed_streams`)."""
     s = int(seed) + 1_000_003 * int(rank) + 7_919 * int(step)
+    torch.manual_seed(s)
+    np.random.seed(s % 2**32)
+    random.seed(s)
+
+
+def stream_seed(seed: int, rank: int, epoch: int, step: int) -> int:
+    """A 63-bit seed that is a hash of ``(seed, rank, epoch, step)`` (numpy's
+    ``SeedSequence``): distinct tuples give unrelated streams (no linear offsets that two
+    ranks or steps could share)."""
+    entropy = [int(seed) % 2**64, int(rank), int(epoch), int(step)]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def seed_streams(seed: int, rank: int, epoch: int, step: int) -> None:
+    """Reseed the global torch (CPU and CUDA), numpy and python generators from
+    :func:`stream_seed` ``(seed, rank, epoch, step)``."""
+    s = stream_seed(seed, rank, epoch, step)
     torch.manual_seed(s)
     np.random.seed(s % 2**32)
     random.seed(s)
@@ -97,10 +141,12 @@ class TrainingLoop:
         self.out_dir = Path(out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.logger = logger
-        self.progress = Progress()
+        self.progress = Progress(best_value=_worst(cfg.checkpoint_mode),
+                                 best_metric=cfg.checkpoint_metric, best_mode=cfg.checkpoint_mode)
         self.config_yaml = ""
         self.t_start = time.perf_counter()
         self.stop_reason = ""
+        self._weights = None  # per-structure sampling weights (samples_per_epoch)
 
     # ------------------------------------------------------------------ batches
     def _shard(self, dataset):
@@ -108,9 +154,20 @@ class TrainingLoop:
         return lambda batch: shard_batch(batch, n_atoms, rank, world)
 
     def train_batches(self, epoch: int) -> list[list[int]]:
+        """The global batches of ``epoch``: a pure function of ``(seed, epoch)``."""
         d = self.cfg
-        return make_batches(self.splits.train.n_atoms, d.batch_size, d.max_atoms_per_batch,
-                            shuffle=d.shuffle, seed=self.cfg.seed, epoch=epoch)
+        n_atoms = np.asarray(self.splits.train.n_atoms)
+        if d.samples_per_epoch is None:
+            return make_batches(n_atoms, d.batch_size, d.max_atoms_per_batch,
+                                shuffle=d.shuffle, seed=d.seed, epoch=epoch)
+        from xnn.training.sampling import sample_epoch, structure_weights
+
+        if self._weights is None:
+            self._weights = structure_weights(self.splits.train)
+        drawn = sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
+        # the draws are in random order already: batch them as they come
+        batches = make_batches(n_atoms[drawn], d.batch_size, d.max_atoms_per_batch)
+        return [drawn[b].tolist() for b in batches]
 
     def eval_batches(self, dataset) -> list[list[int]]:
         d = self.cfg
@@ -137,6 +194,7 @@ class TrainingLoop:
             "schedule": t.schedule.state_dict() if t.schedule is not None else None,
             "progress": asdict(self.progress),
             "rng": rng_state(),
+            "precision": self.cfg.precision,
             "config": self.config_yaml,
         }
 
@@ -145,9 +203,36 @@ class TrainingLoop:
             return None
         return save_checkpoint(self.payload(), self.ckpt_dir / f"{name}.pt")
 
-    def restore(self, payload: dict) -> None:
+    def check_resumable(self, payload: dict, path) -> None:
+        """Raise a one-line :class:`InputError` when the config changes what an exact
+        resume needs: the precision, or the metric and mode that chose ``best.pt``."""
+        cfg, saved = self.cfg, payload.get("precision")
+        if saved is not None and saved != cfg.precision:
+            raise InputError(
+                f"checkpoint {str(path)!r} was trained with precision={saved}, the config says "
+                f"precision={cfg.precision}; resume with precision={saved}, or start a new run "
+                f"from its weights with pretrained={path} precision={cfg.precision}")
+        p = payload["progress"]
+        metric, mode = p.get("best_metric"), p.get("best_mode")
+        if metric is not None and (metric, mode) != (cfg.checkpoint_metric,
+                                                     cfg.checkpoint_mode):
+            raise InputError(
+                f"checkpoint {str(path)!r} picks best.pt by checkpoint_metric={metric} "
+                f"checkpoint_mode={mode}, the config by checkpoint_metric="
+                f"{cfg.checkpoint_metric} checkpoint_mode={cfg.checkpoint_mode}; resume with "
+                f"the checkpoint's, or start a new run with pretrained={path}")
+
+    def restore(self, payload: dict, path="the checkpoint") -> None:
         """Load model, EMA, optimizer, schedule, progress and RNG state from a checkpoint;
-        ``metrics.csv`` is rewritten to hold exactly the epochs of the checkpoint."""
+        ``metrics.csv`` (and ``steps.csv``) are rewritten to hold exactly the epochs (steps)
+        of the checkpoint.
+
+        Raises:
+            InputError: to train on, the config changes the precision or the checkpoint
+                metric or mode (:meth:`check_resumable`).
+        """
+        if not self.cfg.validation_only:
+            self.check_resumable(payload, path)
         t = self.trainer
         t.model.load_state_dict(payload["model"]["state_dict"], strict=True)
         if t.ema is not None and payload.get("ema") is not None:
@@ -155,13 +240,23 @@ class TrainingLoop:
         t.optimizer.load_state_dict(payload["optimizer"])
         if t.schedule is not None and payload.get("schedule") is not None:
             t.schedule.load_state_dict(payload["schedule"])
-        self.progress = Progress(**payload["progress"])
+        progress = dict(payload["progress"])
+        if progress.get("best_metric") is None:  # a checkpoint of an earlier xnn
+            progress.update(best_metric=self.cfg.checkpoint_metric,
+                            best_mode=self.cfg.checkpoint_mode)
+        self.progress = Progress(**progress)
         if not self.cfg.validation_only:  # metrics.csv = the rows of the checkpoint
             self.logger.restore_csv(self.progress.history)
+            self.logger.restore_steps_csv(self.progress.step)
         if self.reducer.rank == 0:
             set_rng_state(payload["rng"])
-        else:
-            seed_everything(self.cfg.seed, self.reducer.rank, self.progress.step)
+        self.reseed()  # the stream of the next step (the same as rank 0's saved state)
+
+    def reseed(self) -> None:
+        """Reseed the random streams for the next step: :func:`seed_streams` of ``(seed,
+        rank, epoch, step)``."""
+        p = self.progress
+        seed_streams(self.cfg.seed, self.reducer.rank, p.epoch, p.step)
 
     # ------------------------------------------------------------------ validation
     def validate(self, dataset, prefix: str, collect: bool = False):
@@ -207,11 +302,35 @@ class TrainingLoop:
                                                counts=data.batch_label_counts(batch))
                 p.step += 1
                 p.batch_in_epoch += 1
+                self._step_done(loss, metrics)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         finally:
             bar.close()
         return True
+
+    def _step_done(self, loss: float, metrics: MetricSums) -> None:
+        """After each optimizer step: a ``steps.csv`` row every ``every_n_steps`` steps (the
+        step's loss, the lr and the epoch's training metrics so far, all-reduced: every rank
+        calls this), then reseed the random streams for the next step."""
+        p, n = self.progress, self.cfg.every_n_steps
+        if n is not None and p.step % n == 0:
+            row: dict = {"epoch": p.epoch + 1, "step": p.step,
+                         "lr": self.trainer.optimizer.param_groups[0]["lr"], "loss": loss}
+            sums = MetricSums(self.trainer.device)
+            sums.values = self.reducer.all_reduce_sum(metrics.values)
+            row.update(sums.finalize("train_"))
+            row["time_s"] = time.perf_counter() - self.t_start
+            self.logger.step(row)
+        self.reseed()
+
+    def _improved(self, value: float) -> bool:
+        """``value`` beats the best so far by more than ``min_delta`` (in the mode's
+        direction)."""
+        best, delta = self.progress.best_value, self.cfg.min_delta
+        if self.cfg.checkpoint_mode == "max":
+            return value > best + delta
+        return value < best - delta
 
     def _end_epoch(self, train_metrics: MetricSums, t0: float) -> bool:
         """Validate, log, checkpoint; True when early stopping says stop."""
@@ -227,9 +346,10 @@ class TrainingLoop:
             val, _ = self.validate(self.splits.val, "val_")
             row.update(val)
             value = val.get(cfg.checkpoint_metric)
-            if self.trainer.schedule is not None:
-                self.trainer.schedule.epoch_end(value)
-            if value is not None and value < p.best_value - cfg.min_delta:
+            if self.trainer.schedule is not None:  # the plateau schedule minimises
+                sign = -1.0 if cfg.checkpoint_mode == "max" else 1.0
+                self.trainer.schedule.epoch_end(None if value is None else sign * value)
+            if value is not None and self._improved(value):
                 p.best_value, p.best_epoch, p.bad_epochs, improved = value, p.epoch, 0, True
             elif value is not None:
                 p.bad_epochs += 1
@@ -253,12 +373,16 @@ class TrainingLoop:
             NonFiniteLossError: NaN/inf loss; the last checkpoint is the last good state.
         """
         self.t_start = time.perf_counter()
+        if self.cfg.precision == "tf32" and self.trainer.device.type != "cuda":
+            self.logger.print("precision=tf32 selects TF32 matmuls on CUDA; on "
+                              f"{self.trainer.device.type} this run trains in fp32")
         if not (self.ckpt_dir / "last.pt").is_file():
             self.save("last")
         p = self.progress
         while p.epoch < self.cfg.max_epochs:
             t0 = time.perf_counter()
             metrics = MetricSums(self.trainer.device)
+            self.reseed()  # epoch start (or the resumed position): (seed, rank, epoch, step)
             try:
                 finished = self._train_epoch(metrics)
             except NonFiniteLossError as e:
@@ -274,6 +398,11 @@ class TrainingLoop:
             if self._stop_for_steps():
                 return self.stop_reason
         return "max_epochs"
+
+
+def _worst(mode: str) -> float:
+    """The best value before any epoch: +inf when minimising, -inf when maximising."""
+    return -math.inf if mode == "max" else math.inf
 
 
 def describe_model(model) -> str:

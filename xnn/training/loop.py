@@ -22,18 +22,17 @@ follow the same metric and direction.
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from xnn.data.datasets import make_batches, shard_batch
 from xnn.errors import InputError
 from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
 from xnn.training.metrics import MetricSums
+from xnn.training.seeding import seed_everything, seed_streams, stream_seed  # noqa: F401
 from xnn.training.trainer import NonFiniteLossError, Trainer
 
 
@@ -96,32 +95,6 @@ class Progress:
     best_mode: str | None = None
 
 
-def seed_everything(seed: int, rank: int = 0, step: int = 0) -> None:
-    """Seed torch, numpy and random with ``seed + 1_000_003 rank + 7_919 step`` (start-up:
-    weight initialisation and data splits; training steps use :func:`seed_streams`)."""
-    s = int(seed) + 1_000_003 * int(rank) + 7_919 * int(step)
-    torch.manual_seed(s)
-    np.random.seed(s % 2**32)
-    random.seed(s)
-
-
-def stream_seed(seed: int, rank: int, epoch: int, step: int) -> int:
-    """A 63-bit seed that is a hash of ``(seed, rank, epoch, step)`` (numpy's
-    ``SeedSequence``): distinct tuples give unrelated streams (no linear offsets that two
-    ranks or steps could share)."""
-    entropy = [int(seed) % 2**64, int(rank), int(epoch), int(step)]
-    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-
-def seed_streams(seed: int, rank: int, epoch: int, step: int) -> None:
-    """Reseed the global torch (CPU and CUDA), numpy and python generators from
-    :func:`stream_seed` ``(seed, rank, epoch, step)``."""
-    s = stream_seed(seed, rank, epoch, step)
-    torch.manual_seed(s)
-    np.random.seed(s % 2**32)
-    random.seed(s)
-
-
 class TrainingLoop:
     """Run epochs of ``trainer`` over ``splits`` as ``cfg`` says.
 
@@ -147,6 +120,7 @@ class TrainingLoop:
         self.t_start = time.perf_counter()
         self.stop_reason = ""
         self._weights = None  # per-structure sampling weights (samples_per_epoch)
+        self._partial = None  # metric sums of the epoch so far (all ranks), saved mid-epoch
 
     # ------------------------------------------------------------------ batches
     def _shard(self, dataset):
@@ -195,6 +169,7 @@ class TrainingLoop:
             "progress": asdict(self.progress),
             "rng": rng_state(),
             "precision": self.cfg.precision,
+            "epoch_metrics": self._partial.cpu() if self.progress.batch_in_epoch else None,
             "config": self.config_yaml,
         }
 
@@ -250,6 +225,7 @@ class TrainingLoop:
             self.logger.restore_steps_csv(self.progress.step)
         if self.reducer.rank == 0:
             set_rng_state(payload["rng"])
+            self._partial = payload.get("epoch_metrics")  # counted once: by rank 0
         self.reseed()  # the stream of the next step (the same as rank 0's saved state)
 
     def reseed(self) -> None:
@@ -324,6 +300,15 @@ class TrainingLoop:
             self.logger.step(row)
         self.reseed()
 
+    def _epoch_metrics(self) -> MetricSums:
+        """The training metric sums of the epoch starting (or resumed) now: zeros, or after a
+        mid-epoch resume the sums of the batches before it (on rank 0)."""
+        metrics = MetricSums(self.trainer.device)
+        if self._partial is not None and self.progress.batch_in_epoch > 0:
+            metrics.values += self._partial.to(metrics.values)
+        self._partial = None
+        return metrics
+
     def _improved(self, value: float) -> bool:
         """``value`` beats the best so far by more than ``min_delta`` (in the mode's
         direction)."""
@@ -381,7 +366,7 @@ class TrainingLoop:
         p = self.progress
         while p.epoch < self.cfg.max_epochs:
             t0 = time.perf_counter()
-            metrics = MetricSums(self.trainer.device)
+            metrics = self._epoch_metrics()
             self.reseed()  # epoch start (or the resumed position): (seed, rank, epoch, step)
             try:
                 finished = self._train_epoch(metrics)
@@ -390,7 +375,8 @@ class TrainingLoop:
                     f"{e} (epoch {p.epoch + 1}); training stopped, the last good checkpoint is "
                     f"{self.ckpt_dir / 'last.pt'}"
                 ) from None
-            if not finished:
+            if not finished:  # mid-epoch: the checkpoint keeps the epoch's metric sums
+                self._partial = self.reducer.all_reduce_sum(metrics.values)
                 self.save("last")
                 return self.stop_reason
             if self._end_epoch(metrics, t0):

@@ -5,9 +5,12 @@ A checkpoint is a ``torch.save`` dict::
     {"format": "xnn-checkpoint", "format_version": 1,
      "model": {"name", "hparams", "state_dict"},   # rebuildable with xnn.models.build
      "ema": {...} | None, "optimizer": {...}, "schedule": {...},
-     "progress": {"epoch", "step", "batch_in_epoch"},  # the sampler position
+     "progress": {"epoch", "step", "batch_in_epoch",   # the sampler position
+                  "best_value", "best_epoch", "best_metric", "best_mode", "bad_epochs",
+                  "history": [...]},                # one row per epoch (metrics.csv)
      "rng": {"torch", "numpy", "python"},
-     "best": {"metric", "value", "epoch"}, "early_stopping": {...}, "history": [...],
+     "precision": "fp32" | "tf32" | "bf16_mixed" | "fp64",  # a resume must use the same
+     "epoch_metrics": tensor | None,   # training metric sums of the epoch so far (mid-epoch)
      "config": "<resolved YAML>"}
 
 It holds tensors and primitives only (the numpy and python RNG states as a tensor and

@@ -91,7 +91,7 @@ class Progress:
     best_epoch: int = -1
     bad_epochs: int = 0
     history: list = field(default_factory=list)
-    best_metric: str | None = None  # what best_value measures (None: checkpoints before 0.x)
+    best_metric: str | None = None  # what best_value measures (None: an earlier xnn's)
     best_mode: str | None = None
 
 
@@ -169,7 +169,8 @@ class TrainingLoop:
             "progress": asdict(self.progress),
             "rng": rng_state(),
             "precision": self.cfg.precision,
-            "epoch_metrics": self._partial.cpu() if self.progress.batch_in_epoch else None,
+            "epoch_metrics": (self._partial.cpu() if self._partial is not None
+                              and self.progress.batch_in_epoch else None),
             "config": self.config_yaml,
         }
 
@@ -197,7 +198,7 @@ class TrainingLoop:
                 f"{cfg.checkpoint_metric} checkpoint_mode={cfg.checkpoint_mode}; resume with "
                 f"the checkpoint's, or start a new run with pretrained={path}")
 
-    def restore(self, payload: dict, path="the checkpoint") -> None:
+    def restore(self, payload: dict, path: str = "last.pt") -> None:
         """Load model, EMA, optimizer, schedule, progress and RNG state from a checkpoint;
         ``metrics.csv`` (and ``steps.csv``) are rewritten to hold exactly the epochs (steps)
         of the checkpoint.

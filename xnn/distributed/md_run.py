@@ -109,31 +109,24 @@ class DomainRun(SerialRun):
         extra = {K.FORCES: state.forces,
                  "owner": torch.full((pos.shape[0],), self.rank, dtype=torch.int64,
                                      device=pos.device)}
-        st = self.potential.state
+        ref = self.potential.reference(state.graph)
         # the rebuild reference, for a bitwise continuation on as many ranks (see meta)
-        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if self._has_reference(state)
-                                                     else 1.0], dtype=torch.float64,
+        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if ref is not None else 1.0],
+                                                    dtype=torch.float64,
                                                     device=pos.device))[0] == 0)
         if ref_ok:
-            extra.update(ref_positions=st.ref_positions, migrated=st.migrated)
+            extra.update(ref_positions=ref["ref_positions"], migrated=ref["migrated"])
         full, extra = self.potential.gather(state.graph, extra)
         if full is None:
             return None
+        st = self.potential.state
         self._meta = {"ranks": self.size, "owner": extra["owner"].cpu(),
                       "grid": list(self.potential.grid) if self.potential.grid else None,
                       "counters": dataclasses.asdict(st.counters) if st else None}
         if ref_ok:
             self._meta.update(ref_positions=extra["ref_positions"].cpu(),
-                              migrated=extra["migrated"].cpu(), ref_cell=st.ref_cell.cpu())
+                              migrated=extra["migrated"].cpu(), ref_cell=ref["ref_cell"].cpu())
         return state.replace(graph=full, forces=extra[K.FORCES])
-
-    def _has_reference(self, state: MDState) -> bool:
-        """The last rebuild is of these atoms and knows where they were at the migration."""
-        st = self.potential.state
-        return (st is not None and st.migrated is not None
-                and torch.equal(st.graph.atom_id, state.graph.atom_id)
-                and self.potential._last_positions is not None
-                and torch.equal(self.potential._last_positions, state.positions))
 
     def meta(self, state: MDState) -> dict:
         """Checkpoint meta of the last :meth:`gather` (rank 0): the rank count, each atom's
@@ -142,17 +135,10 @@ class DomainRun(SerialRun):
 
     def _restore_reference(self, owned, ref, migrated, dom: dict) -> None:
         """Rebuild the ghost plan at the checkpoint's reference (same rank count): the
-        continuation then takes the rebuilds and migrations of the uninterrupted run.
-
-        Uses the potential's rebuild internals (``_rebuild``, ``_last_positions``)."""
-        pot = self.potential
-        if dom.get("grid"):
-            pot.grid = tuple(dom["grid"])
-        cell = dom["ref_cell"].to(owned.cell).reshape(owned.cell.shape)
+        continuation then takes the rebuilds and migrations of the uninterrupted run."""
         c = Counters(**dom["counters"]) if dom.get("counters") else Counters()
-        pot._rebuild(owned.replace(positions=ref, cell=cell), migrated=migrated,
-                     counters=dataclasses.replace(c, rebuilds=c.rebuilds - 1))
-        pot._last_positions = owned.positions.detach()
+        self.potential.restore_reference(owned, ref, migrated, dom["ref_cell"], c,
+                                         grid=dom.get("grid"))
 
     def after_step(self, state: MDState) -> MDState:
         return self.potential.maybe_migrate(state)

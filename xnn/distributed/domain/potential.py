@@ -287,6 +287,45 @@ class DomainPotential:
         self._last_positions = graph.positions.detach()
         return graph, extra
 
+    # ------------------------------------------------------------------ checkpoints
+    def reference(self, graph: AtomicGraph) -> dict | None:
+        """What a checkpoint needs to continue bitwise on as many ranks (rank-local).
+
+        Args:
+            graph: this rank's owned atoms, as last passed to :meth:`maybe_rebuild`.
+        Returns:
+            ``None`` unless the last rebuild is of these atoms and knows where they were at
+            the last migration; else ``ref_positions [n_owned, 3]`` (Å, at the rebuild),
+            ``migrated [n_owned, 3]`` (Å, at the migration), ``ref_cell [3, 3]`` (Å) and
+            ``counters`` (:class:`Counters`).
+        """
+        st, last = self.state, self._last_positions
+        if (st is None or st.migrated is None or last is None
+                or not torch.equal(st.graph.atom_id, graph.atom_id)
+                or not torch.equal(last, graph.positions.detach())):
+            return None
+        return {"ref_positions": st.ref_positions, "migrated": st.migrated,
+                "ref_cell": st.ref_cell, "counters": st.counters}
+
+    def restore_reference(self, graph: AtomicGraph, ref_positions: Tensor, migrated: Tensor,
+                          ref_cell: Tensor, counters: Counters, grid=None) -> None:
+        """Rebuild the ghost plan at a checkpoint's :meth:`reference` (same rank count), so
+        that the continuation takes the rebuilds and migrations of the uninterrupted run.
+        Collective.
+
+        Args:
+            graph: this rank's owned atoms (as written by the checkpoint's ranks).
+            ref_positions, migrated: ``[n_owned, 3]`` (Å) of :meth:`reference`, by atom.
+            ref_cell: ``[3, 3]`` (Å). counters: as of the checkpoint.
+            grid: the checkpoint's ``(px, py, pz)`` (``None``: keep this one's).
+        """
+        if grid:
+            self.grid = tuple(grid)
+        cell = ref_cell.to(graph.cell).reshape(graph.cell.shape)
+        self._rebuild(graph.replace(positions=ref_positions, cell=cell), migrated=migrated,
+                      counters=dataclasses.replace(counters, rebuilds=counters.rebuilds - 1))
+        self._last_positions = graph.positions.detach()
+
     def maybe_migrate(self, state):
         """An :class:`~xnn.dynamics.MDState` with atoms (and forces) moved to their owners
         when :meth:`maybe_rebuild` decides so; the same state otherwise. Collective."""

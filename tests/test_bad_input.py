@@ -11,25 +11,16 @@ import pytest
 import torch
 from ase.calculators.lj import LennardJones as AseLJ
 from ase.calculators.singlepoint import SinglePointCalculator
+from error_helpers import raises_one_line
 
 import xnn
 from xnn.cli.main import main
 from xnn.data import AtomicGraph, from_ase, read, write
-from xnn.errors import DataFileError, InputError, UnknownSpeciesError, XnnError
+from xnn.errors import DataFileError, InputError, UnknownSpeciesError
 from xnn.models import Potential, build
 from xnn.models.classical import LennardJones, Morse
 
 SIGMA, EPS, RC = 3.4, 0.0104, 8.5
-
-
-def raises_one_line(exc, fn, *args, match=None, **kw):
-    """``fn`` raises ``exc`` (an xnn error) whose message is a single line."""
-    with pytest.raises(exc, match=match) as info:
-        fn(*args, **kw)
-    assert isinstance(info.value, XnnError)
-    msg = str(info.value)
-    assert msg and "\n" not in msg, repr(msg)
-    return msg
 
 
 def test_missing_and_unparseable_files(tmp_path):

@@ -20,13 +20,14 @@ import torch
 from ase import Atoms
 from ase.build import bulk
 from ase.io import write as ase_write
+from error_helpers import raises_one_line
 
 import xnn
 from xnn.cli.main import main
 from xnn.config.loader import load_config
 from xnn.config.train import TrainConfig
 from xnn.data.emt import write_emt
-from xnn.errors import DataFileError, InputError, XnnError
+from xnn.errors import DataFileError, InputError
 from xnn.models import build
 from xnn.models.serialization import save_model
 
@@ -34,15 +35,6 @@ LJ = {"sigma": 3.405, "epsilon": 0.0104, "cutoff": 8.5}
 LJ_PARAMS = "model.params={sigma: 3.405, epsilon: 0.0104, cutoff: 8.5}"
 TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
         "num_basis: 8}")
-
-
-def one_line(exc, fn, *args, match=None, **kw) -> str:
-    with pytest.raises(exc, match=match) as info:
-        fn(*args, **kw)
-    assert isinstance(info.value, XnnError)
-    msg = str(info.value)
-    assert msg and "\n" not in msg, repr(msg)
-    return msg
 
 
 def sha(path) -> str:
@@ -111,11 +103,11 @@ def test_calculator_refuses_coincident_atoms(name):
     atoms = Atoms("Ar3", positions=[[0, 0, 0], [3.7, 0, 0], [3.7, 0, 0]], cell=[12] * 3,
                   pbc=True)
     atoms.calc = calc
-    msg = one_line(InputError, atoms.get_potential_energy, match="atoms 1 and 2 are 0 Å")
+    msg = raises_one_line(InputError, atoms.get_potential_energy, match="atoms 1 and 2 are 0 Å")
     assert "min_distance=0" in msg
     # 0.05 Å from another atom's periodic image
     atoms.positions[2] = [11.95, 0, 0]
-    one_line(InputError, atoms.get_potential_energy, match="atoms 0 and 2 are 0.05 Å")
+    raises_one_line(InputError, atoms.get_potential_energy, match="atoms 0 and 2 are 0.05 Å")
     # physical structures pass; min_distance=0 evaluates anyway
     atoms.positions[2] = [0, 3.7, 0]
     assert np.isfinite(atoms.get_potential_energy())
@@ -134,7 +126,7 @@ def test_training_data_with_coincident_atoms_is_refused(tmp_path, data):
     from xnn.app.train_data import build_splits
 
     cfg = tiny(tmp_path / "run", bad)
-    msg = one_line(DataFileError, build_splits, cfg.data, cfg.loss, 3.0, 0)
+    msg = raises_one_line(DataFileError, build_splits, cfg.data, cfg.loss, 3.0, 0)
     assert f"structure 5 of {str(bad)!r}: atoms 1 and 3 are 0 Å apart" in msg, msg
     code, err = run_cli(["train", f"data.datasets.0.path={bad}", f"output_dir={tmp_path / 'r'}",
                          "device=cpu"])
@@ -147,7 +139,7 @@ def test_md_without_kinetic_degrees_of_freedom_is_refused(tmp_path):
     one = tmp_path / "one.xyz"
     ase_write(one, Atoms("Ar", positions=[[0, 0, 0]], cell=[10] * 3, pbc=True))
     for ensemble in ("langevin", "csvr", "nve"):
-        msg = one_line(InputError, run_md, None, md_args(one, tmp_path / ensemble,
+        msg = raises_one_line(InputError, run_md, None, md_args(one, tmp_path / ensemble,
                                                          f"ensemble={ensemble}", "steps=2"))
         assert "system 0 has no kinetic degrees of freedom (1 atom" in msg, msg
         assert "300 K" in msg
@@ -157,7 +149,7 @@ def test_md_without_kinetic_degrees_of_freedom_is_refused(tmp_path):
     pair = Atoms("Ar2", positions=[[0, 0, 0], [3.8, 0, 0]], cell=[10] * 3, pbc=True)
     pair.set_constraint(FixAtoms(indices=[0, 1]))
     ase_write(tmp_path / "fixed.xyz", pair)
-    one_line(InputError, run_md, None, md_args(tmp_path / "fixed.xyz", tmp_path / "f",
+    raises_one_line(InputError, run_md, None, md_args(tmp_path / "fixed.xyz", tmp_path / "f",
                                                "steps=2"), match="all its atoms are fixed")
     # asked for 0 K, it runs (an isolated atom in NVE)
     run_md(None, md_args(one, tmp_path / "ok", "ensemble=nve", "temperature=0", "steps=2"))
@@ -175,12 +167,12 @@ def test_md_without_kinetic_degrees_of_freedom_is_refused(tmp_path):
     ("equivariant", {"num_bessel": 0}, "num_bessel"),
 ])
 def test_zero_size_models_are_refused(name, hp, key):
-    msg = one_line(InputError, build, name, species=[29], **hp)
+    msg = raises_one_line(InputError, build, name, species=[29], **hp)
     assert f"{name}: {key}=" in msg and ">=" in msg, msg
 
 
 def test_zero_sigma_lj_is_refused():
-    one_line(InputError, build, "lj", sigma=0.0, epsilon=0.01, cutoff=5.0, match="sigma > 0")
+    raises_one_line(InputError, build, "lj", sigma=0.0, epsilon=0.01, cutoff=5.0, match="sigma > 0")
 
 
 def test_drift_monitor_measures_per_atom_per_ps():

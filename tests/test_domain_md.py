@@ -310,8 +310,11 @@ def _check_ensemble(res, world, ensemble):
     if ensemble.startswith("npt") or ensemble == "fire":
         start = _start_cell(ensemble, world)
         assert _rel(ref["cell"], start) > 1e-3, (ref["cell"], start)  # the cell did change
-        # the cell changed at (nearly) every step: every step re-partitioned
-        assert all(s["rebuilds"] > 0.9 * r0["steps"] for s in stats), stats
+        # the cell changed at every step, but the plan is kept while the images moved
+        # less than the skin allows (deformation budget): rebuilt, not at every step
+        assert all(s["rebuilds"] > 1 for s in stats), stats
+        if ensemble != "fire":
+            assert all(s["rebuilds"] < 0.9 * r0["steps"] for s in stats), stats
     if ensemble != "fire":  # atoms crossed box faces, in and out, on every rank
         assert all(s["migrations"] > 0 and s["migrated_in"] > 0 and s["migrated_out"] > 0
                    for s in stats), stats

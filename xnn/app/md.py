@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from xnn.app.md_common import (
+    RunOutputs,
     launched_on_several_ranks,
     open_folder,
     progress_bar,
@@ -35,7 +36,6 @@ from xnn.app.md_setup import (
     velocities_from_file,
 )
 from xnn.config.md import MDConfig
-from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics.registry import get_integrator
 from xnn.dynamics.safety import (
     DriftMonitor,
@@ -47,59 +47,39 @@ from xnn.dynamics.safety import (
 from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import ThermoLog, observables, plot_log
 from xnn.errors import InputError
-from xnn.io.trajectory import ExtxyzWriter, open_trajectory
+from xnn.io.trajectory import write_extxyz
 
 
-class _Outputs:
-    """Trajectory, thermo log and checkpoints of one run (files written by rank 0 only;
-    the methods are collective under domain decomposition)."""
+class _Outputs(RunOutputs):
+    """Trajectory, thermo log, checkpoints and decomposition lines of one MD run (files
+    written by rank 0 only; the methods are collective under domain decomposition)."""
 
     def __init__(self, cfg: MDConfig, par, counts: torch.Tensor, meta: dict | None,
                  directory: Path):
-        self.cfg, self.par = cfg, par
-        self.dir = Path(directory)
-        self.enabled = par.main  # False on ranks other than 0 of a decomposed run
-        files = (meta or {}).get("files", {})
-        self.traj = None
+        super().__init__(cfg, par, int(counts.sum()), meta, directory, "md")
         self.log = None
         self.drift = DriftMonitor(cfg.safety.max_drift, counts)  # from this run's first row
-        if not self.enabled:
-            return
-        if cfg.output.trajectory_every:
-            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format,
-                                        int(counts.sum()),
-                                        files.get("trajectory") if meta else None)
-        self.log = ThermoLog(self.dir / "thermo.csv", files.get("log_rows") if meta else None)
+        if self.enabled:
+            self.log = ThermoLog(self.dir / "thermo.csv",
+                                 self.files.get("log_rows") if meta else None)
 
     def meta(self, ensemble: str) -> dict:
-        if not self.enabled:
-            return {"kind": "md", "ensemble": ensemble, "files": {}}
-        files = {"log_rows": self.log.rows}
-        if self.traj is not None:
-            files["trajectory"] = self.traj.position()
+        files = {"log_rows": self.log.rows, **self.file_sizes()} if self.enabled else {}
         return {"kind": "md", "ensemble": ensemble, "files": files}
 
     def record(self, state: MDState, integrator, force: bool = False) -> None:
-        out, step = self.cfg.output, state.step
-        if force or step % out.log_every == 0:
+        step = state.step
+        if force or step % self.cfg.output.log_every == 0:
             values = observables(state, integrator.conserved, self.par.reduce)
             if self.enabled:
                 self.log.write(step, self.cfg.timestep, values)
                 self.drift.update(step * self.cfg.timestep, values["conserved_eV"])
-        if out.trajectory_every and (force or step % out.trajectory_every == 0):
-            full = self.par.gather(state)
-            if self.traj is not None:
-                self.traj.write(full.graph, step, results(full))
+            self.report(step)
+        self.frame(state, force)
 
     def checkpoint(self, state: MDState, name: str = "checkpoint.pt",
                    meta: dict | None = None) -> Path | None:
-        full = self.par.gather(state)
-        if not self.enabled:
-            return None
-        path = self.dir / name
-        meta = {**(meta or self.meta(self.cfg.ensemble)), **self.par.meta(full)}
-        ckpt.save_checkpoint(path, full, meta, self.par.checkpoint_potential)
-        return path
+        return self.save(state, meta or self.meta(self.cfg.ensemble), name)
 
 
 def _check(state: MDState, par, cfg: MDConfig, max_t: torch.Tensor) -> None:
@@ -115,9 +95,8 @@ def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) ->
     """Write the last good frame and its checkpoint (with the output sizes at that step)."""
     d, full = outputs.dir, outputs.par.gather(good)
     if outputs.enabled:
-        ExtxyzWriter(d / "last_good.xyz").write(full.graph, good.step, results(full))
-        ckpt.save_checkpoint(d / "checkpoint_last_good.pt", full,
-                             {**meta, **outputs.par.meta(full)}, None)
+        write_extxyz(d / "last_good.xyz", full.graph, good.step, results(full))
+    outputs.save(good, meta, "checkpoint_last_good.pt", with_neighbors=False)
     return SimulationError(f"{err}; stopped. Last good frame (step {good.step}) written to "
                            f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
 
@@ -222,8 +201,7 @@ def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -
                                 atom_steps_s=f"{n_atoms * done / el:.3g}", refresh=False)
     finally:
         bar.close()
-        if outputs.traj is not None:
-            outputs.traj.close()
+        outputs.close()
     if not (every and state.step % every == 0):
         outputs.checkpoint(state)
     return state

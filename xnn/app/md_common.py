@@ -1,6 +1,7 @@
 """What ``xnn md`` and ``xnn relax`` share: the config → device, dtype, potential → run
 layer (:func:`xnn.distributed.parallelize.parallelize_md`) → output folder set-up, the launch
-on several ranks, resuming from a checkpoint, and the progress bar."""
+on several ranks, resuming from a checkpoint, the trajectory and checkpoint files
+(:class:`RunOutputs`), and the progress bar."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ from pathlib import Path
 
 import torch
 
+from xnn._files import atomic_write
 from xnn._torch_files import check_complete
-from xnn.app.md_setup import load_potential, resolve_device
+from xnn.app.md_setup import load_potential
 from xnn.config.loader import load_config, save_config
 from xnn.data import keys as K
 from xnn.distributed.parallelize import parallelize_md
 from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics.state import MDState
+from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder
+from xnn.io.trajectory import open_trajectory
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # what xnn md and xnn relax write into output.dir (a previous run is recognised by these)
@@ -36,6 +40,65 @@ def progress_bar(cfg_out, total: int, initial: int, desc: str, enabled: bool = T
 def results(state: MDState) -> dict:
     """The energy, forces and stress of ``state`` keyed as a trajectory frame stores them."""
     return {K.ENERGY: state.energy, K.FORCES: state.forces, K.STRESS: state.stress}
+
+
+class RunOutputs:
+    """The trajectory and checkpoints of an ``xnn md`` / ``xnn relax`` run, and its
+    decomposition lines: files written by rank 0 only, the methods collective under domain
+    decomposition (they gather the global state on rank 0).
+
+    Args:
+        cfg: the run's config (its ``output`` section). par: the run layer.
+        n_atoms: atoms of the whole run (picks the trajectory format).
+        meta: the checkpoint meta of a resumed run (output sizes), ``None`` when fresh.
+        directory: the output folder. command: ``"md"`` or ``"relax"``.
+        trajectory: the trajectory's file name without suffix.
+    """
+
+    def __init__(self, cfg, par, n_atoms: int, meta: dict | None, directory: Path,
+                 command: str, trajectory: str = "trajectory"):
+        self.cfg, self.par, self.dir, self.command = cfg, par, Path(directory), command
+        self.enabled = par.main  # False on ranks other than 0 of a decomposed run
+        self.files = (meta or {}).get("files", {})
+        self.traj = None
+        if self.enabled and cfg.output.trajectory_every:
+            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
+                                        self.files.get("trajectory") if meta else None,
+                                        name=trajectory)
+
+    def file_sizes(self) -> dict:
+        """The trajectory's size, for a checkpoint's meta (rank 0; ``{}`` elsewhere)."""
+        return {"trajectory": self.traj.position()} if self.traj is not None else {}
+
+    def frame(self, state: MDState, force: bool = False) -> None:
+        """A trajectory frame every ``output.trajectory_every`` steps (or now: ``force``)."""
+        every = self.cfg.output.trajectory_every
+        if every and (force or state.step % every == 0):
+            full = self.par.gather(state)
+            if self.traj is not None:
+                self.traj.write(full.graph, state.step, results(full))
+
+    def report(self, step: int) -> None:
+        """With a log row: the decomposition line after ghost-plan rebuilds (torchrun)."""
+        if self.cfg.output.log_rebuilds:
+            self.par.report(step, self.command)
+
+    def save(self, state: MDState, meta: dict, name: str = "checkpoint.pt",
+             with_neighbors: bool = True) -> Path | None:
+        """Write ``name`` (rank 0) with the global state and ``meta`` (plus the run layer's);
+        ``with_neighbors``: with the neighbor list of the single-process potential."""
+        full = self.par.gather(state)
+        if not self.enabled:
+            return None
+        path = self.dir / name
+        ckpt.save_checkpoint(path, full, {**meta, **self.par.meta(full)},
+                             self.par.checkpoint_potential if with_neighbors else None)
+        return path
+
+    def close(self) -> None:
+        if self.traj is not None:
+            self.traj.close()
+            self.traj = None
 
 
 def setup_run(schema, config, overrides: Sequence[str], manager=None):
@@ -69,7 +132,7 @@ def open_folder(cfg, folder: RunFolder, manager=None) -> Path:
         manager.barrier()  # every rank has checked the folder before rank 0 changes it
     if manager is None or manager.is_main:
         folder.create()
-        save_config(cfg, folder.work / "config.yaml")
+        atomic_write(folder.work / "config.yaml", lambda tmp: save_config(cfg, tmp))
         if folder.staged:
             print(f"output.overwrite=true: this run is written to {folder.work} and replaces "
                   f"the previous run in {folder.final} when it completes", flush=True)

@@ -17,18 +17,6 @@ from xnn.errors import DataFileError, InputError, ModelFileError
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("model.device is cuda but no CUDA device is available")
-    return dev
-
-
 def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
     """A :class:`~xnn.models.Potential` for ``model.file`` or ``model.name`` + ``model.params``."""
     from xnn.models import Potential, build

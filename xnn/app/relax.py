@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from xnn.app.md_common import (
+    RunOutputs,
     launched_on_several_ranks,
     open_folder,
     progress_bar,
@@ -28,7 +29,7 @@ from xnn.dynamics import fire
 from xnn.dynamics.safety import check_forces
 from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError, InputError
-from xnn.io.trajectory import ExtxyzWriter, open_trajectory
+from xnn.io.trajectory import write_extxyz
 
 
 class _RelaxLog:
@@ -61,51 +62,32 @@ class _RelaxLog:
         return self.path.stat().st_size
 
 
-class _RelaxOutputs:
-    """``relax.csv``, the relaxation trajectory and ``checkpoint.pt`` of one relaxation
-    (files written by rank 0; the methods are collective under domain decomposition)."""
+class _RelaxOutputs(RunOutputs):
+    """``relax.csv``, the relaxation trajectory, ``checkpoint.pt`` and decomposition lines
+    of one relaxation (files written by rank 0; the methods are collective under domain
+    decomposition)."""
 
     def __init__(self, cfg: RelaxConfig, par, n_atoms: int, meta: dict | None,
                  directory: Path):
-        self.cfg, self.dir, self.par = cfg, Path(directory), par
-        files = meta["files"] if meta else {}
-        self.log = self.traj = None
-        if not par.main:
-            return
-        self.log = _RelaxLog(self.dir / "relax.csv", files.get("log_bytes"))
-        if cfg.output.trajectory_every:
-            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
-                                        files.get("trajectory") if meta else None,
-                                        name="relax_trajectory")
+        super().__init__(cfg, par, n_atoms, meta, directory, "relax", "relax_trajectory")
+        self.log = None
+        if self.enabled:
+            self.log = _RelaxLog(self.dir / "relax.csv", self.files.get("log_bytes"))
 
     def meta(self, done: torch.Tensor) -> dict:
         """The checkpoint meta: settings, per-system convergence, output sizes (before this
         step's rows and frame, which a resumed run writes again)."""
-        files = {"log_bytes": self.log.position()} if self.log is not None else {}
-        if self.traj is not None:
-            files["trajectory"] = self.traj.position()
+        files = {"log_bytes": self.log.position(), **self.file_sizes()} if self.enabled \
+            else {}
         return {"kind": "relax", "settings": _relax_settings(self.cfg),
                 "converged": done.tolist(), "files": files}
 
     def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
-        out = self.cfg.output
-        if self.log is not None and (force or state.step % out.log_every == 0):
-            self.log.write(state, fm)
-        if out.trajectory_every and state.step % out.trajectory_every == 0:
-            full = self.par.gather(state)
-            if self.traj is not None:
-                self.traj.write(full.graph, full.step, results(full))
-
-    def save(self, state: MDState, meta: dict, name: str = "checkpoint.pt") -> int:
-        full = self.par.gather(state)
-        if self.par.main:
-            ckpt.save_checkpoint(self.dir / name, full, {**meta, **self.par.meta(full)},
-                                 self.par.checkpoint_potential)
-        return state.step
-
-    def close(self) -> None:
-        if self.traj is not None:
-            self.traj.close()
+        if force or state.step % self.cfg.output.log_every == 0:
+            if self.log is not None:
+                self.log.write(state, fm)
+            self.report(state.step)
+        self.frame(state)
 
 
 def _relax_settings(cfg: RelaxConfig) -> dict:
@@ -172,8 +154,8 @@ def _run_relax(config, overrides: Sequence[str], manager) -> Path:
     state = _relax_loop(cfg, state, outputs)
     full = par.gather(state)
     if par.main:
-        ExtxyzWriter(out_dir / "relaxed.xyz").write(full.graph.replace(velocities=None),
-                                                   state.step, results(full))
+        write_extxyz(out_dir / "relaxed.xyz", full.graph.replace(velocities=None), state.step,
+                     results(full))
     par.write_summary(out_dir / "summary.json")
     if par.main:
         folder.commit()
@@ -195,7 +177,8 @@ def _relax_loop(cfg: RelaxConfig, state: MDState, outputs: _RelaxOutputs) -> MDS
             done = fm < cfg.fmax
             meta = outputs.meta(done)
             if every and state.step % every == 0 and state.step != start:
-                saved = outputs.save(state, meta)
+                outputs.save(state, meta)
+                saved = state.step
             outputs.record(state, fm, force=bool(done.all()))
             if bool(done.all()) or state.step >= cfg.max_steps:
                 break

@@ -78,6 +78,10 @@ class OutputConfig:
     checkpoint_every: int = field(1000, "checkpoint every N steps (0: only at the end)")
     plot: bool = field(True, "write thermo.png at the end")
     progress: bool = field(True, "show a progress bar (on a terminal)")
+    log_rebuilds: bool = field(True, "under torchrun: with the next log row after ghost-plan "
+                               "rebuilds, print one line on the decomposition (rebuilds and "
+                               "migrations since the last line, owned/ghost atoms per rank, "
+                               "peak memory); false: only summary.json")
     overwrite: bool = field(False, "replace a previous run in dir: it is kept until the new "
                             "run completes (written meanwhile to dir/.xnn-new-run; resume "
                             "an interrupted one with resume=dir/.xnn-new-run/checkpoint.pt)")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from xnn._files import atomic_write
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
@@ -49,6 +50,7 @@ class DomainRun(SerialRun):
         self.size, self.rank = manager.world_size, manager.rank
         self.checkpoint_potential = None  # the ghost plan is rebuilt on resume
         self._meta: dict = {}
+        self._reported, self._reported_step = Counters(), 0  # as of the last report line
 
     def guarded(self, phase: str):
         return C.guarded(None, phase)
@@ -98,6 +100,9 @@ class DomainRun(SerialRun):
                             validate=False)
         if with_ref:
             self._restore_reference(owned, ref, migrated, head["domain"])
+            c = self.potential.state.counters  # the next line counts from the checkpoint
+            self._reported = dataclasses.replace(c, rebuilds=c.rebuilds - 1)
+        self._reported_step = head["step"]
         return MDState(owned, forces, head["energy"].to(dev), head["stress"].to(dev),
                        head["step"], {k: v.to(dev) for k, v in head["vars"].items()},
                        head["rng"], head["compute_stress"])
@@ -109,31 +114,24 @@ class DomainRun(SerialRun):
         extra = {K.FORCES: state.forces,
                  "owner": torch.full((pos.shape[0],), self.rank, dtype=torch.int64,
                                      device=pos.device)}
-        st = self.potential.state
+        ref = self.potential.reference(state.graph)
         # the rebuild reference, for a bitwise continuation on as many ranks (see meta)
-        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if self._has_reference(state)
-                                                     else 1.0], dtype=torch.float64,
+        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if ref is not None else 1.0],
+                                                    dtype=torch.float64,
                                                     device=pos.device))[0] == 0)
         if ref_ok:
-            extra.update(ref_positions=st.ref_positions, migrated=st.migrated)
+            extra.update(ref_positions=ref["ref_positions"], migrated=ref["migrated"])
         full, extra = self.potential.gather(state.graph, extra)
         if full is None:
             return None
+        st = self.potential.state
         self._meta = {"ranks": self.size, "owner": extra["owner"].cpu(),
                       "grid": list(self.potential.grid) if self.potential.grid else None,
                       "counters": dataclasses.asdict(st.counters) if st else None}
         if ref_ok:
             self._meta.update(ref_positions=extra["ref_positions"].cpu(),
-                              migrated=extra["migrated"].cpu(), ref_cell=st.ref_cell.cpu())
+                              migrated=extra["migrated"].cpu(), ref_cell=ref["ref_cell"].cpu())
         return state.replace(graph=full, forces=extra[K.FORCES])
-
-    def _has_reference(self, state: MDState) -> bool:
-        """The last rebuild is of these atoms and knows where they were at the migration."""
-        st = self.potential.state
-        return (st is not None and st.migrated is not None
-                and torch.equal(st.graph.atom_id, state.graph.atom_id)
-                and self.potential._last_positions is not None
-                and torch.equal(self.potential._last_positions, state.positions))
 
     def meta(self, state: MDState) -> dict:
         """Checkpoint meta of the last :meth:`gather` (rank 0): the rank count, each atom's
@@ -142,24 +140,18 @@ class DomainRun(SerialRun):
 
     def _restore_reference(self, owned, ref, migrated, dom: dict) -> None:
         """Rebuild the ghost plan at the checkpoint's reference (same rank count): the
-        continuation then takes the rebuilds and migrations of the uninterrupted run.
-
-        Uses the potential's rebuild internals (``_rebuild``, ``_last_positions``)."""
-        pot = self.potential
-        if dom.get("grid"):
-            pot.grid = tuple(dom["grid"])
-        cell = dom["ref_cell"].to(owned.cell).reshape(owned.cell.shape)
+        continuation then takes the rebuilds and migrations of the uninterrupted run."""
         c = Counters(**dom["counters"]) if dom.get("counters") else Counters()
-        pot._rebuild(owned.replace(positions=ref, cell=cell), migrated=migrated,
-                     counters=dataclasses.replace(c, rebuilds=c.rebuilds - 1))
-        pot._last_positions = owned.positions.detach()
+        self.potential.restore_reference(owned, ref, migrated, dom["ref_cell"], c,
+                                         grid=dom.get("grid"))
 
     def after_step(self, state: MDState) -> MDState:
         return self.potential.maybe_migrate(state)
 
-    def write_summary(self, path: Path) -> None:
-        """``summary.json`` (rank 0): ranks, grid, owned/ghost atoms per rank (min/max),
-        migrations, rebuilds and per-rank peak memory (MiB). Collective: one all-gather."""
+    def decomposition(self) -> dict | None:
+        """Ranks, grid, owned/ghost/held atoms per rank (min/max), rebuilds, migrations and
+        per-rank peak memory (MiB) on rank 0; ``None`` elsewhere. Collective: one
+        all-gather of seven numbers per rank."""
         s = self.potential.stats()
         dev = self.potential.device or torch.device("cpu")
         if dev.type == "cuda":
@@ -167,22 +159,60 @@ class DomainRun(SerialRun):
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         mine = torch.tensor([s.get("n_owned", 0), s.get("n_ghost", 0), s.get("n_held", 0),
-                             s.get("migrations", 0), s.get("rebuilds", 0), peak],
-                            dtype=torch.float64, device=dev)
+                             s.get("migrations", 0), s.get("rebuilds", 0),
+                             s.get("migrated_out", 0), peak], dtype=torch.float64, device=dev)
         every = C.all_gather_tensor(mine).cpu()
         if not self.main:
-            return
+            return None
         cols = every.T.tolist()
 
         def span(values):
             return {"min": min(values), "max": max(values), "per_rank": values}
 
-        out = {"ranks": self.size, "grid": s.get("grid"), "n_atoms": self.potential.n_total,
-               "owned": span([int(v) for v in cols[0]]),
-               "ghost": span([int(v) for v in cols[1]]),
-               "held": span([int(v) for v in cols[2]]),
-               "migrations": int(max(cols[3])), "rebuilds": int(max(cols[4])),
-               "peak_memory_MiB": span([round(v, 1) for v in cols[5]]),
-               "memory_kind": "cuda max_memory_allocated" if dev.type == "cuda"
-               else "process maxrss"}
-        Path(path).write_text(json.dumps(out, indent=1) + "\n")
+        return {"ranks": self.size, "grid": s.get("grid"), "n_atoms": self.potential.n_total,
+                "owned": span([int(v) for v in cols[0]]),
+                "ghost": span([int(v) for v in cols[1]]),
+                "held": span([int(v) for v in cols[2]]),
+                "migrations": int(max(cols[3])), "rebuilds": int(max(cols[4])),
+                "migrated_atoms": int(sum(cols[5])),
+                "peak_memory_MiB": span([round(v, 1) for v in cols[6]]),
+                "memory_kind": "cuda max_memory_allocated" if dev.type == "cuda"
+                else "process maxrss"}
+
+    def report(self, step: int, command: str = "md") -> str | None:
+        """At an output row: when the ghost plan was rebuilt since the last report, rank 0
+        prints (and returns) one line on the decomposition (:meth:`decomposition`).
+
+        Every rank counts the same rebuilds (they are collective), so all ranks take the
+        collective together, and only at rows that follow a rebuild.
+
+        Args:
+            step: the step of the row. command: named in the line (``xnn md: ...``).
+        """
+        st = self.potential.state
+        c = st.counters if st is not None else None
+        if c is None or c.rebuilds == self._reported.rebuilds:
+            return None
+        d, last, since = self.decomposition(), self._reported, self._reported_step
+        self._reported, self._reported_step = dataclasses.replace(c), step
+        if d is None:
+            return None
+        grid = "x".join(str(g) for g in d["grid"] or ())
+        mem = d["peak_memory_MiB"]
+        line = (f"xnn {command}: step {step}: {c.rebuilds - last.rebuilds} ghost-plan "
+                f"rebuild(s), {c.migrations - last.migrations} with migration, "
+                f"{'at start' if step == since else f'since step {since}'}; "
+                f"{d['ranks']} ranks, grid {grid}; atoms per rank: owned "
+                f"{d['owned']['min']}-{d['owned']['max']}, ghost "
+                f"{d['ghost']['min']}-{d['ghost']['max']}; {d['migrations']} migrations "
+                f"({d['migrated_atoms']} atoms moved) and {d['rebuilds']} rebuilds so far; "
+                f"peak memory {mem['min']:.0f}-{mem['max']:.0f} MiB per rank")
+        print(line, flush=True)
+        return line
+
+    def write_summary(self, path: Path) -> None:
+        """``summary.json`` (rank 0) of :meth:`decomposition`. Collective."""
+        out = self.decomposition()
+        if out is not None:
+            text = json.dumps(out, indent=1) + "\n"
+            atomic_write(path, lambda tmp: tmp.write_text(text))

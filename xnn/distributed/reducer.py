@@ -32,3 +32,6 @@ class GroupReducer(Reducer):
     def any(self, flag: Tensor) -> bool:
         t = torch.tensor([float(bool(flag.any()))], device=flag.device)
         return bool(C.all_reduce_(t, self.group).item() > 0)
+
+    def gather_small(self, values: Tensor) -> Tensor:
+        return C.all_gather_tensor(values.contiguous(), self.group)

@@ -62,6 +62,11 @@ class SerialRun:
         """The state after an integrator step with atoms moved to their owners."""
         return state
 
+    def report(self, step: int, command: str = "md") -> str | None:
+        """At an output row: one line on the decomposition after ghost-plan rebuilds (here:
+        none, one process has no decomposition)."""
+        return None
+
     def write_summary(self, path: Path) -> None:
         """Write the run's decomposition summary (nothing in one process)."""
         return None

@@ -4,9 +4,10 @@ Every global quantity an integrator needs (kinetic energy, degrees of freedom, a
 centre-of-mass motion, pressure, FIRE power and norms, convergence, input checks) is
 computed through a :class:`Reducer`, so that every rank of a decomposed run gets the same
 value and takes the same branch. In a single process it is a plain per-system sum; the
-domain-decomposition layer replaces it by a subclass whose three primitive methods
-(:meth:`~Reducer.sum_per_system`, :meth:`~Reducer.max_per_system`, :meth:`~Reducer.any`)
-add a cross-rank all-reduce, without touching the integrators. The other methods are
+domain-decomposition layer replaces it by a subclass whose primitive methods
+(:meth:`~Reducer.sum_per_system`, :meth:`~Reducer.max_per_system`, :meth:`~Reducer.any`,
+:meth:`~Reducer.gather_small`) add a cross-rank collective, without touching the
+integrators. The other methods are
 written with the primitives, so a subclass inherits them correct.
 """
 
@@ -33,6 +34,11 @@ class Reducer:
     def any(self, flag: Tensor) -> bool:
         """True if any element of ``flag`` is true on any process (a host decision)."""
         return bool(flag.any())
+
+    def gather_small(self, values: Tensor) -> Tensor:
+        """``[n_processes, ...]``: every process's ``values`` (a small tensor of the same
+        shape everywhere), stacked in rank order; here ``values[None]``."""
+        return values[None]
 
     # ------------------------------------------------------------------ derived
     def all(self, flag: Tensor) -> bool:

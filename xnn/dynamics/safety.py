@@ -21,47 +21,84 @@ class SimulationError(XnnError):
         self.step = step
 
 
-def _ids(state: MDState, mask: Tensor, limit: int = 6) -> list[int]:
-    return state.graph.atom_id[torch.nonzero(mask).flatten()[:limit]].tolist()
+def top_atoms(values: Tensor, ids: Tensor, reduce: Reducer = LOCAL,
+              k: int = 6) -> tuple[list[float], list[int], list[int] | None]:
+    """The ``k`` atoms of all processes with the largest ``values`` (ties: smallest id).
+
+    Args:
+        values: ``[n_atoms]`` per atom; ``-inf`` excludes an atom (``nan``: use ``inf``).
+        ids: ``[n_atoms]`` their global atom ids.
+        reduce: the reducer whose processes hold the atoms (one all-gather of ``[k, 2]``).
+    Returns:
+        ``(values, atom ids, ranks)``, best first; ``ranks`` is ``None`` in one process.
+    """
+    v = values.detach().to(torch.float64)
+    i = ids.to(device=v.device, dtype=torch.float64)
+    order = torch.argsort(i, stable=True)
+    order = order[torch.argsort(-v[order], stable=True)][:k]
+    mine = torch.full((k, 2), float("-inf"), dtype=torch.float64, device=v.device)
+    mine[: order.numel(), 0], mine[: order.numel(), 1] = v[order], i[order]
+    every = reduce.gather_small(mine).cpu()
+    rows = sorted((-float(val), int(aid), r) for r, part in enumerate(every.tolist())
+                  for val, aid in part if val != float("-inf"))[:k]
+    ranks = [r for _, _, r in rows] if every.shape[0] > 1 else None
+    return [-a for a, _, _ in rows], [b for _, b, _ in rows], ranks
+
+
+def _on_ranks(ranks: list[int] | None) -> str:
+    """`` (on rank(s) ...)`` naming where the atoms are under domain decomposition."""
+    if not ranks:
+        return ""
+    return f" (owned by rank {ranks[0]})" if len(set(ranks)) == 1 else \
+        f" (owned by ranks {ranks})"
 
 
 def check_forces(state: MDState, max_force: float, reduce: Reducer = LOCAL) -> None:
     """Raise :class:`SimulationError` on non-finite energies/forces or a force > ``max_force``.
 
-    Collective with a cross-rank ``reduce`` (every rank raises, even one without atoms)."""
-    f = state.forces
-    norm = f.norm(dim=-1)
-    bad = ~torch.isfinite(norm) | (norm > max_force)
-    if reduce.any(bad) or reduce.any(~torch.isfinite(state.energy)):
-        if reduce.any(~torch.isfinite(norm)) or not bool(torch.isfinite(state.energy).all()):
-            what = "non-finite energy or forces"
-        else:
-            g = state.graph
-            top = reduce.max_per_system(norm, g.batch, g.n_systems).max()
-            what = f"force above safety.max_force={max_force} eV/Å (max {float(top):.3g})"
-        raise SimulationError(f"step {state.step}: {what} on atoms (atom_id) "
-                              f"{_ids(state, bad)}", state.step)
+    The message names the global atom ids (largest forces first; under domain
+    decomposition also their ranks). Collective with a cross-rank ``reduce``: one all-reduce
+    of two numbers per call (every rank raises, even one without atoms)."""
+    norm = state.forces.detach().norm(dim=-1)
+    finite = torch.isfinite(norm)
+    bad_energy = ~torch.isfinite(state.energy.detach()).all()
+    largest = torch.where(finite, norm, 0.0).max() if norm.numel() else norm.new_zeros(())
+    local = torch.stack([((~finite).any() | bad_energy).to(norm.dtype), largest])
+    nonfinite, top = reduce.max_per_system(local, torch.arange(2, device=norm.device),
+                                           2).tolist()
+    if not (nonfinite > 0 or top > max_force):
+        return
+    if nonfinite > 0:
+        what = "non-finite energy or forces"
+        rank_by = torch.where(finite, float("-inf"), 1.0).to(norm.dtype)
+    else:
+        what = f"force above safety.max_force={max_force} eV/Å (max {top:.3g})"
+        rank_by = torch.where(norm > max_force, norm, float("-inf"))
+    _, ids, ranks = top_atoms(rank_by, state.graph.atom_id, reduce)
+    raise SimulationError(f"step {state.step}: {what} on atoms (atom_id) {ids}"
+                          f"{_on_ranks(ranks)}", state.step)
 
 
 def _min_pair(state: MDState, potential) -> tuple[float, list[int]]:
     """This process's shortest pair (Å) and its atom ids, from the potential's neighbors."""
     if hasattr(potential, "min_pair_distance"):  # a decomposed potential (last evaluation)
         d, ids = potential.min_pair_distance()
-        return float(d), [int(i) for i in ids.tolist()]
+        return float(d), sorted(int(i) for i in ids.tolist())
     g = potential.neighbors(state.graph)
     d = g.edge_vectors().norm(dim=-1)
     if not d.numel():
         return float("inf"), [-1, -1]
     e = int(torch.argmin(d))
     j, i = g.edge_index[0, e], g.edge_index[1, e]
-    return float(d[e]), [int(g.atom_id[i]), int(g.atom_id[j])]
+    return float(d[e]), sorted([int(g.atom_id[i]), int(g.atom_id[j])])
 
 
 def check_distances(
     state: MDState, potential, min_distance: float, reduce: Reducer = LOCAL
 ) -> None:
     """Raise when two atoms are closer than ``min_distance`` (Å), from the Verlet list (or,
-    for a decomposed potential, its last evaluation's pairs, minimum over the ranks)."""
+    for a decomposed potential, its last evaluation's pairs, minimum over the ranks); the
+    message names the pair's global atom ids (and, decomposed, the rank that found it)."""
     if min_distance <= 0:
         return
     d, ids = _min_pair(state, potential)
@@ -72,30 +109,34 @@ def check_distances(
     like = state.positions.new_zeros(1, dtype=torch.float64)
     one = torch.zeros(1, dtype=torch.long, device=like.device)
     dmin = float(reduce.min_per_system(like + d, one, 1)[0])
-    if dmin < min_distance:
-        mine = torch.tensor(ids if d == dmin else [-1, -1], dtype=torch.float64,
-                            device=like.device)
-        pair = [int(reduce.max_per_system(mine[k:k + 1], one, 1)[0]) for k in range(2)]
-        _raise_close(state, dmin, pair, min_distance)
+    if dmin < min_distance:  # every rank: which rank's pair, and its ids
+        every = reduce.gather_small(like.new_tensor([d, *ids])).cpu().tolist()
+        best, a, b, rank = min((x, int(i), int(j), r) for r, (x, i, j) in enumerate(every))
+        _raise_close(state, best, [a, b], min_distance, f" (found by rank {rank})")
 
 
-def _raise_close(state: MDState, d: float, ids: list[int], min_distance: float) -> None:
+def _raise_close(state: MDState, d: float, ids: list[int], min_distance: float,
+                 where: str = "") -> None:
     raise SimulationError(f"step {state.step}: atoms (atom_id) {ids} are {d:.3f} Å apart, "
-                          f"closer than safety.min_distance={min_distance} Å", state.step)
+                          f"closer than safety.min_distance={min_distance} Å{where}",
+                          state.step)
 
 
 def check_temperature(state: MDState, max_temperature: Tensor, reduce: Reducer = LOCAL) -> None:
-    """Raise when a system's temperature exceeds ``max_temperature [n_systems]`` (K)."""
+    """Raise when a system's temperature exceeds ``max_temperature [n_systems]`` (K); the
+    message names the fastest atoms (largest kinetic energy, global ids, over the ranks)."""
     t = temperature(state.graph, reduce)
-    hot = t > max_temperature
-    if reduce.any(hot) or reduce.any(~torch.isfinite(t)):
-        s = int(torch.nonzero(hot | ~torch.isfinite(t)).flatten()[0])
+    hot = (t > max_temperature) | ~torch.isfinite(t)
+    if reduce.any(hot):
+        s = int(torch.nonzero(hot).flatten()[0])
         g = state.graph
-        ke = (g.masses * (g.velocities ** 2).sum(-1)).masked_fill(g.batch != s, -1.0)
-        fastest = g.atom_id[torch.topk(ke, min(3, g.n_atoms)).indices].tolist()
+        ke = (g.masses * (g.velocities ** 2).sum(-1)).masked_fill(g.batch != s, float("-inf"))
+        _, fastest, ranks = top_atoms(torch.nan_to_num(ke, nan=float("inf")), g.atom_id,
+                                      reduce, k=3)
         raise SimulationError(f"step {state.step}: temperature of system {s} is "
                               f"{float(t[s]):.4g} K, above {float(max_temperature[s]):.4g} K "
-                              f"(fastest atoms, atom_id: {fastest})", state.step)
+                              f"(fastest atoms, atom_id: {fastest}){_on_ranks(ranks)}",
+                              state.step)
 
 
 class DriftWarning(UserWarning):

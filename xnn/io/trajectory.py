@@ -2,7 +2,9 @@
 
 Both append one frame per call, report their size (``position()``) so that a checkpoint can
 record it, and can be reopened truncated to that size on resume, so a resumed run writes
-exactly the file an uninterrupted one would.
+exactly the file an uninterrupted one would (a frame torn by a killed run, after the
+checkpoint, is cut off). A file of one frame that is read back as a whole
+(``relaxed.xyz``, ``last_good.xyz``) is written atomically by :func:`write_extxyz`.
 
 HDF5 layout (atoms fixed during a run): ``positions [T, N, 3]`` Å, ``velocities [T, N, 3]``
 Å/fs, ``forces [T, N, 3]`` eV/Å, ``cell [T, S, 3, 3]`` Å, ``energy [T, S]`` eV, ``step [T]``,
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from xnn._files import atomic_write
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError
@@ -44,19 +47,8 @@ class ExtxyzWriter:
 
     def write(self, graph: AtomicGraph, step: int, results: dict | None = None) -> None:
         """Write ``graph`` (all its systems) at ``step``; ``results`` adds energy/forces/stress."""
-        import ase.io
-
-        from xnn.data.ase_io import to_ase
-
-        g = graph.replace(results or {}) if results else graph
-        frames = to_ase(g.detach())
-        for s, atoms in enumerate(frames):
-            atoms.info["step"] = int(step)
-            atoms.info["system"] = s
-        buf = io.StringIO()
-        ase.io.write(buf, frames, format="extxyz")
         with open(self.path, "a") as fh:
-            fh.write(buf.getvalue())
+            fh.write(extxyz_text(graph, step, results))
 
     def position(self) -> int:
         """Size of the file in bytes (stored in checkpoints)."""
@@ -64,6 +56,30 @@ class ExtxyzWriter:
 
     def close(self) -> None:
         pass
+
+
+def extxyz_text(graph: AtomicGraph, step: int, results: dict | None = None) -> str:
+    """Every system of ``graph`` at ``step`` as extxyz frames (``results``: energy, forces,
+    stress)."""
+    import ase.io
+
+    from xnn.data.ase_io import to_ase
+
+    g = graph.replace(results or {}) if results else graph
+    frames = to_ase(g.detach())
+    for s, atoms in enumerate(frames):
+        atoms.info["step"] = int(step)
+        atoms.info["system"] = s
+    buf = io.StringIO()
+    ase.io.write(buf, frames, format="extxyz")
+    return buf.getvalue()
+
+
+def write_extxyz(path: str | os.PathLike, graph: AtomicGraph, step: int,
+                 results: dict | None = None) -> Path:
+    """Replace ``path`` atomically by ``graph``'s frames (see :func:`extxyz_text`)."""
+    text = extxyz_text(graph, step, results)
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 class HDF5TrajectoryWriter:

@@ -19,8 +19,9 @@ through the differentiable halo exchange, ``x_ghost = exchange(x_owner (1 + ε))
 cell (1 + ε)``; ``F_owned = -∂E_r/∂x_owned`` (the exchange's backward sums ghost gradients
 into owners) and the strain gradients of the ranks' energy shares are summed.
 
-The ghost plan is rebuilt when an atom moved more than ``skin / 2`` since the last rebuild
-or the cell changed (all-reduced: every rank takes the same branch). Ghost regions follow the
+The ghost plan is rebuilt when an atom moved more than ``skin / 2`` since the last rebuild,
+counting the move of its periodic images by a changed cell (all-reduced: every rank takes the
+same branch; see :meth:`DomainPotential._deformation`). Ghost regions follow the
 atoms each rank actually owns, so results are exact whatever the ownership; migration (in
 :meth:`DomainPotential.maybe_migrate`) keeps ownership equal to the boxes.
 """
@@ -216,12 +217,32 @@ class DomainPotential:
                                  dataclasses.replace(counters, rebuilds=counters.rebuilds + 1))
 
     def _changed(self, graph: AtomicGraph) -> bool:
-        """Rank-local: the graph is not the one of the last rebuild (atoms, cell or pbc)."""
+        """Rank-local: the graph is not of the atoms of the last rebuild (ids or pbc); a
+        changed cell counts through :meth:`_deformation`."""
         st = self.state
         return (st is None or graph.n_atoms != st.n_owned
                 or not torch.equal(graph.atom_id, st.graph.atom_id)
-                or not torch.equal(graph.cell.detach(), st.graph.cell)
                 or not torch.equal(graph.pbc, st.graph.pbc))
+
+    def _deformation(self, cell: Tensor) -> float:
+        """How much a cell change since the last rebuild moved the local images (Å):
+        ``max |shift @ (cell - cell_ref)|`` over this rank's local atoms.
+
+        A pair's separation changes by the two atoms' displacements plus the change of
+        their image offsets, so the plan (ghosts with a halo of ``cutoff * hops + skin``,
+        edges within ``cutoff + skin``) stays complete while ``max displacement +
+        deformation < skin / 2`` over all ranks (a deformation budget: NPT and cell
+        relaxations rebuild only when the cell has moved enough, not at every step).
+        """
+        d = cell.detach().reshape(3, 3) - self.state.ref_cell
+        if not bool(d.any()):
+            return 0.0
+        shifts = self.state.local.shifts
+        if self.skin == 0 or not bool(torch.isfinite(d).all()):
+            return float("inf")
+        if not shifts.shape[0]:
+            return 0.0
+        return float((shifts.to(d.dtype) @ d).norm(dim=-1).max())
 
     def _max_disp(self, pos: Tensor, ref: Tensor | None) -> float:
         """Largest displacement (Å) from ``ref`` (``inf`` without a matching ``ref``, and on
@@ -237,8 +258,9 @@ class DomainPotential:
     def update(self, graph: AtomicGraph) -> bool:
         """Rebuild ghosts and edges (not ownership) if stale; True if rebuilt. Collective."""
         changed = self._changed(graph)
-        disp = 0.0 if changed else self._max_disp(graph.positions.detach(),
-                                                  self.state.ref_positions)
+        disp = 0.0 if changed else (self._max_disp(graph.positions.detach(),
+                                                   self.state.ref_positions)
+                                    + self._deformation(graph.cell))
         flags = C.all_reduce_max(torch.tensor([float(changed), disp], dtype=torch.float64,
                                               device=graph.device), self.group)
         if not (flags[0] > 0 or flags[1] > 0.5 * self.skin):
@@ -252,10 +274,11 @@ class DomainPotential:
     def maybe_rebuild(self, graph: AtomicGraph, extra: Mapping[str, Tensor] | None = None):
         """Between steps: migrate atoms to their boxes and rebuild, when needed. Collective.
 
-        Migrates when the displacement since the last rebuild plus that of the last step
-        exceeds ``skin / 2`` (so that the next step's evaluation rarely has to rebuild the
-        ghosts itself), when atoms moved more than ``skin / 2`` since the last migration,
-        when the cell changed, or when ownership is unknown (a graph not made by
+        Migrates when the displacement since the last rebuild (with the images' move by a
+        changed cell, :meth:`_deformation`) plus that of the last step exceeds ``skin / 2``
+        (so that the next step's evaluation rarely has to rebuild the ghosts itself), when
+        atoms moved more than ``skin / 2`` since the last migration, or when ownership is
+        unknown (a graph not made by
         :meth:`scatter` or a migration, e.g. read from a checkpoint shard).
 
         Args:
@@ -269,8 +292,9 @@ class DomainPotential:
         changed = self._changed(graph) or st.migrated is None
         last = self._last_positions
         step = 0.0 if last is None or last.shape != pos.shape else self._max_disp(pos, last)
-        d = [0.0, 0.0, 0.0] if changed else [self._max_disp(pos, st.ref_positions),
-                                             self._max_disp(pos, st.migrated), step]
+        d = [0.0, 0.0, 0.0] if changed else [
+            self._max_disp(pos, st.ref_positions) + self._deformation(graph.cell),
+            self._max_disp(pos, st.migrated), step]
         flags = C.all_reduce_max(torch.tensor([float(changed), *d], dtype=torch.float64,
                                               device=graph.device), self.group).tolist()
         half = 0.5 * self.skin
@@ -286,6 +310,45 @@ class DomainPotential:
         self._rebuild(graph, part, migrated=graph.positions.detach().clone(), counters=c)
         self._last_positions = graph.positions.detach()
         return graph, extra
+
+    # ------------------------------------------------------------------ checkpoints
+    def reference(self, graph: AtomicGraph) -> dict | None:
+        """What a checkpoint needs to continue bitwise on as many ranks (rank-local).
+
+        Args:
+            graph: this rank's owned atoms, as last passed to :meth:`maybe_rebuild`.
+        Returns:
+            ``None`` unless the last rebuild is of these atoms and knows where they were at
+            the last migration; else ``ref_positions [n_owned, 3]`` (Å, at the rebuild),
+            ``migrated [n_owned, 3]`` (Å, at the migration), ``ref_cell [3, 3]`` (Å) and
+            ``counters`` (:class:`Counters`).
+        """
+        st, last = self.state, self._last_positions
+        if (st is None or st.migrated is None or last is None
+                or not torch.equal(st.graph.atom_id, graph.atom_id)
+                or not torch.equal(last, graph.positions.detach())):
+            return None
+        return {"ref_positions": st.ref_positions, "migrated": st.migrated,
+                "ref_cell": st.ref_cell, "counters": st.counters}
+
+    def restore_reference(self, graph: AtomicGraph, ref_positions: Tensor, migrated: Tensor,
+                          ref_cell: Tensor, counters: Counters, grid=None) -> None:
+        """Rebuild the ghost plan at a checkpoint's :meth:`reference` (same rank count), so
+        that the continuation takes the rebuilds and migrations of the uninterrupted run.
+        Collective.
+
+        Args:
+            graph: this rank's owned atoms (as written by the checkpoint's ranks).
+            ref_positions, migrated: ``[n_owned, 3]`` (Å) of :meth:`reference`, by atom.
+            ref_cell: ``[3, 3]`` (Å). counters: as of the checkpoint.
+            grid: the checkpoint's ``(px, py, pz)`` (``None``: keep this one's).
+        """
+        if grid:
+            self.grid = tuple(grid)
+        cell = ref_cell.to(graph.cell).reshape(graph.cell.shape)
+        self._rebuild(graph.replace(positions=ref_positions, cell=cell), migrated=migrated,
+                      counters=dataclasses.replace(counters, rebuilds=counters.rebuilds - 1))
+        self._last_positions = graph.positions.detach()
 
     def maybe_migrate(self, state):
         """An :class:`~xnn.dynamics.MDState` with atoms (and forces) moved to their owners

@@ -33,20 +33,21 @@ class _CheckpointedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: Callable, n_inputs: int, *tensors: Tensor):
         ctx.fn, ctx.n_inputs = fn, n_inputs
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*tensors[:n_inputs])
+        ctx.params = tensors[n_inputs:]  # leaves, by reference (never copied or offloaded)
         with torch.no_grad():
             return fn(*tensors[:n_inputs])
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        tensors, needs = ctx.saved_tensors, ctx.needs_input_grad[2:]
+        tensors, needs = (*ctx.saved_tensors, *ctx.params), ctx.needs_input_grad[2:]
         if torch.is_grad_enabled():  # building the graph of the first derivative
             found = _BlockVJP.apply(ctx.fn, ctx.n_inputs, needs, len(tensors), *tensors,
                                     *grads)
             it = iter(found)
             return (None, None, *(next(it) if need else None for need in needs))
         with torch.enable_grad():
-            leaves = _leaves(tensors, needs)
+            leaves = _leaves(tensors, needs, ctx.n_inputs)
             found = _vjp(ctx.fn, ctx.n_inputs, leaves, needs, grads, create_graph=False)
         return (None, None, *found)
 
@@ -59,17 +60,18 @@ class _BlockVJP(torch.autograd.Function):
     def forward(ctx, fn: Callable, n_inputs: int, needs, n_tensors: int, *args: Tensor):
         tensors, grads = args[:n_tensors], args[n_tensors:]
         ctx.fn, ctx.n_inputs, ctx.needs, ctx.n_tensors = fn, n_inputs, needs, n_tensors
-        ctx.save_for_backward(*args)
+        ctx.save_for_backward(*tensors[:n_inputs], *grads)
+        ctx.params = tensors[n_inputs:]
         with torch.enable_grad():
-            found = _vjp(fn, n_inputs, _leaves(tensors, needs), needs, grads, False)
+            found = _vjp(fn, n_inputs, _leaves(tensors, needs, n_inputs), needs, grads, False)
         return tuple(g for g, need in zip(found, needs) if need)
 
     @staticmethod
     def backward(ctx, *h: Tensor):
-        args = ctx.saved_tensors
-        tensors, grads = args[:ctx.n_tensors], args[ctx.n_tensors:]
+        saved, n = ctx.saved_tensors, ctx.n_inputs
+        tensors, grads = (*saved[:n], *ctx.params), saved[n:]
         with torch.enable_grad():
-            leaves = _leaves(tensors, ctx.needs)
+            leaves = _leaves(tensors, ctx.needs, n)
             g_leaves = [g.detach().requires_grad_(True) for g in grads]
             found = _vjp(ctx.fn, ctx.n_inputs, leaves, ctx.needs, g_leaves, True)
             firsts = [(f, hk) for f, hk in zip((f for f in found if f is not None), h)
@@ -82,11 +84,11 @@ class _BlockVJP(torch.autograd.Function):
         return (None, None, None, None, *out, *it)
 
 
-def _leaves(tensors: Sequence[Tensor], needs: Sequence[bool]) -> list[Tensor]:
-    """Copies of ``tensors`` without history, those in ``needs`` requiring gradients
-    (parameters stay themselves: their gradients accumulate as usual)."""
-    return [t if isinstance(t, torch.nn.Parameter) else
-            t.detach().requires_grad_(bool(need)) for t, need in zip(tensors, needs)]
+def _leaves(tensors: Sequence[Tensor], needs: Sequence[bool], n_inputs: int) -> list[Tensor]:
+    """The first ``n_inputs`` (the block's inputs) as copies without history, requiring
+    gradients where ``needs``; the parameters after them stay themselves (``fn`` reads them)."""
+    return [t.detach().requires_grad_(bool(need)) if k < n_inputs else t
+            for k, (t, need) in enumerate(zip(tensors, needs))]
 
 
 def _vjp(fn: Callable, n_inputs: int, leaves: Sequence[Tensor], needs: Sequence[bool],

@@ -62,6 +62,7 @@ class _BlockVJP(torch.autograd.Function):
         ctx.fn, ctx.n_inputs, ctx.needs, ctx.n_tensors = fn, n_inputs, needs, n_tensors
         ctx.save_for_backward(*tensors[:n_inputs], *grads)
         ctx.params = tensors[n_inputs:]
+        ctx.set_materialize_grads(False)  # unused outputs (parameter gradients): None
         with torch.enable_grad():
             found = _vjp(fn, n_inputs, _leaves(tensors, needs, n_inputs), needs, grads, False)
         return tuple(g for g, need in zip(found, needs) if need)
@@ -75,8 +76,10 @@ class _BlockVJP(torch.autograd.Function):
             g_leaves = [g.detach().requires_grad_(True) for g in grads]
             found = _vjp(ctx.fn, ctx.n_inputs, leaves, ctx.needs, g_leaves, True)
             firsts = [(f, hk) for f, hk in zip((f for f in found if f is not None), h)
-                      if f.requires_grad]
+                      if f.requires_grad and hk is not None]
             wrt = [t for t, need in zip(leaves, ctx.needs) if need] + g_leaves
+            if not firsts:
+                return (None,) * (4 + len(tensors) + len(grads))
             second = torch.autograd.grad([f for f, _ in firsts], wrt, [hk for _, hk in firsts],
                                          allow_unused=True, materialize_grads=True)
         it = iter(second)

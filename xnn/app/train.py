@@ -31,6 +31,7 @@ from xnn.training.ema import EMA
 from xnn.training.loggers import RunLogger
 from xnn.training.loop import LoopSettings, TrainingLoop, describe_model, seed_everything
 from xnn.training.losses import TermSpec
+from xnn.training.memory import MemoryTools, build_memory_tools, set_activation_checkpointing
 from xnn.training.reducer import LocalReducer
 from xnn.training.schedule import LRSchedule, build_optimizer
 from xnn.training.setup import configure_precision, load_pretrained, pick_device
@@ -118,8 +119,17 @@ def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
     return model
 
 
-def _trainer(cfg: TrainConfig, model, reducer, device) -> Trainer:
+def _memory(cfg: TrainConfig, device, rank: int) -> MemoryTools | None:
+    """Offload and CUDA profile of ``cfg.memory`` (checked before anything is read)."""
+    m = cfg.memory
+    return build_memory_tools(m.offload_activations, m.profile_prefix, m.profile_steps,
+                              m.profile_max_entries, device, rank, cfg.compile)
+
+
+def _trainer(cfg: TrainConfig, model, reducer, device, memory=None) -> Trainer:
     dtype, autocast = configure_precision(cfg.precision)
+    set_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.name,
+                                 cfg.compile)
     model = model.to(device=device, dtype=dtype)
     reducer.broadcast_module(model)
     optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
@@ -129,7 +139,7 @@ def _trainer(cfg: TrainConfig, model, reducer, device) -> Trainer:
                           s.min_lr_factor, s.factor, s.patience)
     ema = EMA(model, cfg.ema.decay) if cfg.ema.enabled else None
     return Trainer(model, loss_specs(cfg), optimizer, schedule, ema, reducer, device, dtype,
-                   autocast, cfg.optim.grad_clip, compile=cfg.compile)
+                   autocast, cfg.optim.grad_clip, compile=cfg.compile, memory=memory)
 
 
 def _horizon(cfg: TrainConfig, loop: TrainingLoop) -> int:
@@ -155,6 +165,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
     out = folder.work
     logger = RunLogger(out, reducer.is_main, cfg.logging.csv, False, cfg.logging.progress_bar)
     device = pick_device(cfg.device)
+    memory = _memory(cfg, device, reducer.rank)
     seed_everything(cfg.seed, reducer.rank)
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species)
     logger.print(f"data: {len(splits.train)} training, "
@@ -162,7 +173,7 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
                  f"{len(splits.test) if splits.test else 0} test structures")
     model = _model_for_run(cfg, splits, logger)  # seeded with cfg.seed: same on every rank
     seed_everything(cfg.seed, reducer.rank)
-    trainer = _trainer(cfg, model, reducer, device)
+    trainer = _trainer(cfg, model, reducer, device, memory)
     loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger)
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)
@@ -177,6 +188,8 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
     reason = "validation_only"
     if not cfg.validation_only:
         reason = loop.run()
+        if memory is not None:
+            memory.close()  # a profile of more steps than the run made
     from xnn.app.train_finish import finish_run
 
     summary = finish_run(cfg, loop, reason, time.perf_counter() - t_start)

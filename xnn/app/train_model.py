@@ -24,7 +24,7 @@ def model_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=No
     """Keyword arguments for ``xnn.models.build``: config hyperparameters plus species, cutoff
     and (for models that take it, unless set) the average number of neighbours."""
     hp = dict(cfg.hyperparameters)
-    for key in ("species", "cutoff"):
+    for key in ("species", "cutoff", "activation_checkpointing"):
         if key in hp:
             raise InputError(f"set model.{key} rather than model.hyperparameters.{key}")
     hp["species"] = list(species)

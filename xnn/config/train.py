@@ -33,6 +33,12 @@ class ModelConfig:
                     choices=("fit", "zero"))
     scale_shift: bool = field(True, "set the output scale to the force RMS and the shift to the "
                               "mean per-atom residual energy of the training set")
+    activation_checkpointing: bool = field(False, "recompute each interaction block in backward "
+                                           "instead of keeping its intermediates (schnet, "
+                                           "painn, equivariant; exact, also for force "
+                                           "training; ~2x step time, several-fold less "
+                                           "activation memory); saved with the model, no "
+                                           "effect in evaluation or MD")
 
     def __post_init__(self):
         check_range("model.cutoff", self.cutoff, 0.0, low_inclusive=False)
@@ -173,6 +179,27 @@ class ParallelConfig:
 
 
 @dataclass
+class MemoryConfig:
+    offload_activations: bool = field(False, "keep the tensors saved for backward in host "
+                                      "memory (pinned on CUDA) instead of on the device; with "
+                                      "model.activation_checkpointing, those are the blocks' "
+                                      "inputs")
+    profile_prefix: str | None = field(None, "CUDA only: record the allocator history of the "
+                                       "first profile_steps training steps and write "
+                                       "PREFIX_rank{r}.pickle per rank (open it at "
+                                       "https://pytorch.org/memory_viz)")
+    profile_steps: int = field(3, "training steps the memory profile records")
+    profile_max_entries: int = field(100000, "allocation events the memory profile keeps "
+                                     "(the oldest are dropped beyond this)")
+
+    def __post_init__(self):
+        check_range("memory.profile_steps", self.profile_steps, 1)
+        check_range("memory.profile_max_entries", self.profile_max_entries, 1)
+        if self.profile_prefix is not None and not self.profile_prefix.strip():
+            raise ConfigError("memory.profile_prefix is empty; give a path prefix or null")
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = field(False, "write TensorBoard events (needs the tensorboard package)")
     csv: bool = field(True, "write metrics.csv")
@@ -197,6 +224,7 @@ class TrainConfig:
     early_stopping: EarlyStoppingConfig = field(EarlyStoppingConfig(), "early stopping")
     parallel: ParallelConfig = field(ParallelConfig(), "multi-GPU / multi-node layout")
     logging: LoggingConfig = field(LoggingConfig(), "what the run writes and shows")
+    memory: MemoryConfig = field(MemoryConfig(), "activation offload and CUDA memory profile")
     max_epochs: int = field(100, "epochs to train")
     max_steps: int | None = field(None, "stop after this many optimizer steps (null: no limit)")
     time_limit_min: float | None = field(None, "stop training after this many minutes of wall "

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from xnn.models.base import AtomisticModel, SyncPoints
+from xnn.models.base import AtomisticModel, SyncPoints, graph_tracing
 
 N_ELEMENTS = 119  # lookup tables are indexed by atomic number 0..118
 
@@ -230,6 +230,26 @@ class EnergyScaleShift(nn.Module):
         if e0:
             self.set_statistics(e0=e0)
 
+    def checkpointed(self, fn, *args, params=None):
+        """``fn(*args)``, under activation checkpointing when it saves memory.
+
+        With ``activation_checkpointing`` set, in training mode and with gradients enabled
+        (and not under a graph tracer), ``fn`` runs under
+        :func:`~xnn.models.checkpointing.checkpoint_block`: autograd keeps only its inputs,
+        and its intermediates (and those of its first derivative) are recomputed in each
+        backward pass; twice-differentiable (force training). In evaluation or under
+        ``torch.no_grad()`` it is a plain call. ``fn`` must not communicate (sync points
+        stay outside) and must use no parameters other than ``params`` (default: those of
+        ``fn``, a module).
+        """
+        if (self.activation_checkpointing and self.training and torch.is_grad_enabled()
+                and not graph_tracing()):
+            from xnn.models.checkpointing import checkpoint_block
+
+            params = list(fn.parameters()) if params is None else list(params)
+            return checkpoint_block(fn, args, [p for p in params if p.requires_grad])
+        return fn(*args)
+
     def set_statistics(
         self,
         e0: Mapping[int, float] | None = None,
@@ -297,9 +317,13 @@ class NativeModel(SyncPoints, AtomisticModel):
         cutoff: Å.
         num_interactions: interaction layers.
         sync: ``nn.ModuleList`` of ``num_interactions - 1`` :class:`SyncPoint` identities.
+        activation_checkpointing: run each interaction block under
+            :func:`checkpointed` (subclasses that support it set this from their
+            ``activation_checkpointing`` hyperparameter).
     """
 
     output: EnergyScaleShift
+    activation_checkpointing: bool = False
 
     def __init__(
         self,
@@ -316,6 +340,26 @@ class NativeModel(SyncPoints, AtomisticModel):
         self.cutoff = float(cutoff)
         self.num_interactions = int(num_interactions)
         self.init_sync_points(self.num_interactions - 1)
+
+    def checkpointed(self, fn, *args, params=None):
+        """``fn(*args)``, under activation checkpointing when it saves memory.
+
+        With ``activation_checkpointing`` set, in training mode and with gradients enabled
+        (and not under a graph tracer), ``fn`` runs under
+        :func:`~xnn.models.checkpointing.checkpoint_block`: autograd keeps only its inputs,
+        and its intermediates (and those of its first derivative) are recomputed in each
+        backward pass; twice-differentiable (force training). In evaluation or under
+        ``torch.no_grad()`` it is a plain call. ``fn`` must not communicate (sync points
+        stay outside) and must use no parameters other than ``params`` (default: those of
+        ``fn``, a module).
+        """
+        if (self.activation_checkpointing and self.training and torch.is_grad_enabled()
+                and not graph_tracing()):
+            from xnn.models.checkpointing import checkpoint_block
+
+            params = list(fn.parameters()) if params is None else list(params)
+            return checkpoint_block(fn, args, [p for p in params if p.requires_grad])
+        return fn(*args)
 
     def set_statistics(
         self,

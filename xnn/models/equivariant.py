@@ -346,6 +346,10 @@ class Equivariant(NativeModel):
             not fit comfortably (estimated above 40% of the free device memory), so small
             and mid-sized systems run at full speed and large ones still fit. ``None``:
             never chunk.
+        activation_checkpointing: in training, also recompute each interaction layer in
+            backward instead of keeping its intermediates (per-edge weights, gathered
+            senders, product basis); no effect in evaluation (see
+            :meth:`NativeModel.checkpointed`). Independent of ``edge_chunk_size``.
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
@@ -360,7 +364,7 @@ class Equivariant(NativeModel):
     """
 
     # hyperparameters that model files of earlier versions lack, with the value they implied
-    saved_defaults = {"first_self_connection": False}
+    saved_defaults = {"first_self_connection": False, "activation_checkpointing": False}
 
     def __init__(
         self,
@@ -381,6 +385,7 @@ class Equivariant(NativeModel):
         scale: float = 1.0,
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
+        activation_checkpointing: bool = False,
     ):
         check_sizes("equivariant", channels=channels, num_interactions=num_interactions,
                     correlation=correlation, num_bessel=num_bessel, envelope_p=envelope_p,
@@ -396,8 +401,10 @@ class Equivariant(NativeModel):
             edge_chunk_size=edge_chunk_size, scale=scale,
             shift=shift,
             e0=None if e0 is None else {int(z): float(v) for z, v in e0.items()},
+            activation_checkpointing=bool(activation_checkpointing),
         )
         super().__init__(hparams, species, cutoff, num_interactions)
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.channels, self.l_max, self.hidden_l_max = channels, l_max, hidden_l_max
         self.first_self_connection = bool(first_self_connection)
         if edge_chunk_size is not None and edge_chunk_size != "auto":
@@ -515,7 +522,7 @@ class Equivariant(NativeModel):
             gate = None
             if t == 0 and edges.density is not None:
                 gate = -torch.expm1(-edges.density)
-            h = layer(h, species, edges, n_up, gate)
+            h = self.checkpointed(layer, h, species, edges, n_up, gate)
             out.append(h)
         return out
 

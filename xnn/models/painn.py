@@ -116,6 +116,10 @@ class PaiNN(NativeModel):
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
+        activation_checkpointing: in training, recompute each message + update block in
+            backward instead of keeping its intermediates (the per-edge ``[n_edges, 3F]``
+            and ``[n_edges, 3, F]`` tensors); no effect in evaluation (see
+            :meth:`NativeModel.checkpointed`).
 
     Parameter count with the defaults (F = 128, 3 interactions, 20 Bessel functions,
     2 species): 576,513 (each interaction 189,312, readout 8,321).
@@ -123,6 +127,9 @@ class PaiNN(NativeModel):
     Shapes:
         ``forward(graph)`` -> per-atom energies ``[n_atoms]`` (eV).
     """
+
+    # hyperparameters that model files of earlier versions lack, with the value they implied
+    saved_defaults = {"activation_checkpointing": False}
 
     def __init__(
         self,
@@ -136,6 +143,7 @@ class PaiNN(NativeModel):
         scale: float = 1.0,
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
+        activation_checkpointing: bool = False,
     ):
         check_sizes("painn", num_features=num_features, num_interactions=num_interactions,
                     num_basis=num_basis)
@@ -144,8 +152,10 @@ class PaiNN(NativeModel):
             num_interactions=num_interactions, num_basis=num_basis, radial_basis=radial_basis,
             cutoff_fn=cutoff_fn, scale=scale, shift=shift,
             e0=None if e0 is None else {int(z): float(v) for z, v in e0.items()},
+            activation_checkpointing=bool(activation_checkpointing),
         )
         super().__init__(hparams, species, cutoff, num_interactions)
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.num_features = int(num_features)
         self.embedding = SpeciesEmbedding(self.species, num_features)
         self.rbf = make_radial_basis(radial_basis, cutoff, num_basis)
@@ -164,6 +174,14 @@ class PaiNN(NativeModel):
         packed = self.sync[k](packed, graph).reshape(n, 4, f)
         return packed[:, 0], packed[:, 1:]
 
+    def _interaction(self, k: int, s: Tensor, v: Tensor, rbf_cut: Tensor, fcut: Tensor,
+                     unit: Tensor, edge_index: Tensor) -> tuple[Tensor, Tensor]:
+        """Message + update of interaction ``k``: new ``(s [n, F], v [n, 3, F])``."""
+        ds, dv = self.messages[k](s, v, rbf_cut, fcut, unit, edge_index, k == 0)
+        s, v = s + ds, v + dv
+        ds, dv = self.updates[k](s, v)
+        return s + ds, v + dv
+
     def forward(self, graph: AtomicGraph) -> Tensor:
         vec = graph.edge_vectors()
         r = vec.norm(dim=-1)
@@ -176,10 +194,9 @@ class PaiNN(NativeModel):
         for k in range(self.num_interactions):
             if k > 0:
                 s, v = self._sync(k - 1, s, v, graph)
-            ds, dv = self.messages[k](s, v, rbf_cut, fcut, unit, graph.edge_index, k == 0)
-            s, v = s + ds, v + dv
-            ds, dv = self.updates[k](s, v)
-            s, v = s + ds, v + dv
+            params = [*self.messages[k].parameters(), *self.updates[k].parameters()]
+            s, v = self.checkpointed(self._interaction, k, s, v, rbf_cut, fcut, unit,
+                                     graph.edge_index, params=params)
         e = self.readout(s).squeeze(-1) - self.isolated_outputs()[species]
         return self.output(e, graph.numbers)
 

@@ -72,6 +72,9 @@ class SchNet(NativeModel):
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
+        activation_checkpointing: in training, recompute each interaction block in backward
+            instead of keeping its intermediates (the per-edge filters ``[n_edges, filters]``
+            and messages); no effect in evaluation (see :meth:`NativeModel.checkpointed`).
 
     Parameter count with the defaults (F = filters = 128, 3 interactions, 50 Gaussians,
     2 species): 225,921 (each interaction 72,448, readout 8,321).
@@ -79,6 +82,9 @@ class SchNet(NativeModel):
     Shapes:
         ``forward(graph)`` -> per-atom energies ``[n_atoms]`` (eV).
     """
+
+    # hyperparameters that model files of earlier versions lack, with the value they implied
+    saved_defaults = {"activation_checkpointing": False}
 
     def __init__(
         self,
@@ -93,6 +99,7 @@ class SchNet(NativeModel):
         scale: float = 1.0,
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
+        activation_checkpointing: bool = False,
     ):
         check_sizes("schnet", num_filters=num_filters, num_interactions=num_interactions,
                     num_basis=num_basis)
@@ -102,8 +109,10 @@ class SchNet(NativeModel):
             num_filters=num_filters, num_interactions=num_interactions, num_basis=num_basis,
             radial_basis=radial_basis, cutoff_fn=cutoff_fn, scale=scale, shift=shift,
             e0=None if e0 is None else {int(z): float(v) for z, v in e0.items()},
+            activation_checkpointing=bool(activation_checkpointing),
         )
         super().__init__(hparams, species, cutoff, num_interactions)
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.embedding = SpeciesEmbedding(self.species, num_features)
         self.rbf = make_radial_basis(radial_basis, cutoff, num_basis)
         self.fcut = cutoff_envelope(cutoff_fn, cutoff)
@@ -122,7 +131,7 @@ class SchNet(NativeModel):
         for k, interaction in enumerate(self.interactions):
             if k > 0:
                 x = self.sync[k - 1](x, graph)
-            x = x + interaction(x, rbf, fcut, graph.edge_index)
+            x = x + self.checkpointed(interaction, x, rbf, fcut, graph.edge_index)
         e = self.readout(x).squeeze(-1) - self.isolated_outputs()[species]
         return self.output(e, graph.numbers)
 

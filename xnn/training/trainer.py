@@ -58,13 +58,16 @@ class Trainer:
             (:class:`~xnn.models.compiled_training.CompiledProperties`; evaluation stays
             eager); ``True`` for inductor, or the name of a ``torch.compile`` backend. Not
             with ``autocast``.
+        memory: a :class:`~xnn.training.memory.MemoryTools` whose ``context()`` wraps each
+            step's forward and backward (CPU offload, allocator profile), or ``None``.
     """
 
     def __init__(self, model: nn.Module, specs: dict[str, TermSpec], optimizer, schedule=None,
                  ema=None, reducer=None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
-                 grad_clip: float | None = None, compile: bool | str = False):
+                 grad_clip: float | None = None, compile: bool | str = False, memory=None):
         self.model = model
+        self.memory = memory
         self.specs = specs
         self.optimizer = optimizer
         self.schedule = schedule
@@ -152,10 +155,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if batch is not None:
-            pred = self._predict(batch, self.need_forces, self.need_stress, training=True)
-            res = residuals(pred, batch, index)
-            loss_t, _ = loss_terms(res, self.specs, pending.wait())
-            loss_t.backward()
+            with self.memory.context() if self.memory else contextlib.nullcontext():
+                pred = self._predict(batch, self.need_forces, self.need_stress, training=True)
+                res = residuals(pred, batch, index)
+                loss_t, _ = loss_terms(res, self.specs, pending.wait())
+                loss_t.backward()
             loss = loss_t.detach().to(torch.float64)
             if metrics is not None:
                 self._add_metrics(metrics, res, batch, index)

@@ -1,6 +1,7 @@
-"""The application behind ``xnn train``: ``train(cfg, reducer)`` runs one training from a
-resolved config, single process or data parallel; ``run_train(cfg)`` launches it (one
-process, torchrun or srun) with the data-parallel reducer.
+"""The application behind ``xnn train``: ``train(cfg, reducer, parallel)`` runs one training
+from a resolved config, single process, data parallel or context parallel (``dp × dd``);
+``run_train(cfg)`` launches it (one process, torchrun or srun) with the parallel layer of
+:func:`~xnn.distributed.parallelize.parallelize_train`.
 
 Steps: plan the output folder → read and split the data → statistics → build the model
 (or load ``pretrained``) → optimizer, schedule, EMA → resume → create the output folder →
@@ -87,7 +88,8 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         shuffle=d.shuffle, val_batch_size=d.val_batch_size, max_epochs=cfg.max_epochs,
         max_steps=cfg.max_steps, time_limit_min=cfg.time_limit_min, eval_every=cfg.eval_every,
         checkpoint_metric=cfg.checkpoint_metric, patience=es.patience,
-        min_delta=es.min_delta, validation_only=cfg.validation_only)
+        min_delta=es.min_delta, validation_only=cfg.validation_only,
+        accumulate_grad_batches=cfg.accumulate_grad_batches)
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
@@ -116,7 +118,8 @@ def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
     return model
 
 
-def _trainer(cfg: TrainConfig, model, reducer, device) -> Trainer:
+def _trainer(cfg: TrainConfig, model, parallel, device) -> Trainer:
+    reducer = parallel.reducer
     dtype, autocast = configure_precision(cfg.precision)
     model = model.to(device=device, dtype=dtype)
     reducer.broadcast_module(model)
@@ -126,8 +129,11 @@ def _trainer(cfg: TrainConfig, model, reducer, device) -> Trainer:
     schedule = LRSchedule(optimizer, s.name, cfg.optim.lr, s.warmup_steps, s.total_steps,
                           s.min_lr_factor, s.factor, s.patience)
     ema = EMA(model, cfg.ema.decay) if cfg.ema.enabled else None
-    return Trainer(model, loss_specs(cfg), optimizer, schedule, ema, reducer, device, dtype,
-                   autocast, cfg.optim.grad_clip, compile=cfg.compile)
+    specs = loss_specs(cfg)
+    predictor = parallel.predictor(model, device, dtype, autocast, cfg.compile,
+                                   specs["forces"].weight > 0, specs["stress"].weight > 0)
+    return Trainer(model, specs, optimizer, schedule, ema, reducer, device, dtype, autocast,
+                   cfg.optim.grad_clip, predictor=predictor)
 
 
 def _horizon(cfg: TrainConfig, loop: TrainingLoop) -> int:
@@ -138,14 +144,21 @@ def _horizon(cfg: TrainConfig, loop: TrainingLoop) -> int:
     return max(cfg.max_epochs * loop.steps_per_epoch(), 1)
 
 
-def train(cfg: TrainConfig, reducer=None) -> dict:
+def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     """Run training as configured; returns the summary (also written to ``summary.json``).
 
     Args:
         cfg: a resolved :class:`~xnn.config.train.TrainConfig`.
-        reducer: cross-rank operations (default: a single process).
+        reducer: cross-rank operations of plain data parallelism (default: one process);
+            ignored with ``parallel``.
+        parallel: the :class:`~xnn.distributed.parallelize.TrainParallel` of the run (from
+            :func:`~xnn.distributed.parallelize.parallelize_train`): reducer, sharding and
+            prediction function; ``None``: data parallel by ``reducer``.
     """
-    reducer = reducer or LocalReducer()
+    from xnn.distributed.parallelize import local_train_parallel
+
+    parallel = parallel or local_train_parallel(reducer or LocalReducer())
+    reducer = parallel.reducer
     t_start = time.perf_counter()
     resume = resolve_resume(cfg)
     folder = plan_output(cfg, resume)  # checks only: nothing is created or removed yet
@@ -160,8 +173,9 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
                  f"{len(splits.test) if splits.test else 0} test structures")
     model = _model_for_run(cfg, splits, logger)  # seeded with cfg.seed: same on every rank
     seed_everything(cfg.seed, reducer.rank)
-    trainer = _trainer(cfg, model, reducer, device)
-    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger)
+    trainer = _trainer(cfg, model, parallel, device)
+    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding)
+    loop.check_batches()  # a structure over a dd group's budget is refused now
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)
     if resume:
@@ -208,14 +222,15 @@ def _open_folder(cfg: TrainConfig, folder: RunFolder, reducer, logger) -> RunLog
 
 def run_train(cfg: TrainConfig) -> dict:
     """Launch ``train(cfg)`` in one process or on the ranks of a torchrun / srun job (every
-    rank checks first that all run the same job), with the configured data parallelism.
+    rank checks first that all run the same job), on the configured ``dp × dd`` mesh (built
+    once here; ``dd > 1``: each structure decomposed over its dd group).
 
     Returns:
         the run summary (as :func:`train`).
     """
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
-    from xnn.distributed.ddp import build_reducer
     from xnn.distributed.manager import DistributedManager
+    from xnn.distributed.parallelize import parallelize_train
 
     device = pick_device(cfg.device)
     manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type)
@@ -226,10 +241,10 @@ def run_train(cfg: TrainConfig) -> dict:
             check_ranks_agree(run_fingerprint(cfg, files))
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
-        reducer = build_reducer(manager, cfg.parallel.dp, cfg.parallel.dd)
+        parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile)
         if manager.is_distributed and manager.is_main:
             print(manager.describe(), flush=True)
-        return train(cfg, reducer)
+        return train(cfg, parallel=parallel)
     except RuntimeError as e:  # a collective that timed out: one line naming it and the ranks
         raise manager.explain(e) from None
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xnn.data.datasets import make_batches, shard_batch
+from xnn.data.datasets import make_batches
 from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
 from xnn.training.metrics import MetricSums
 from xnn.training.trainer import NonFiniteLossError, Trainer
@@ -40,6 +40,8 @@ class LoopSettings:
         patience: epochs without improvement before early stopping (``None``: never).
         min_delta: the improvement that counts.
         validation_only: evaluate a model, never train (``metrics.csv`` is not touched).
+        accumulate_grad_batches: consecutive global batches per optimizer step (one
+            forward/backward each, one gradient reduction and step, the label counts summed).
     """
 
     seed: int = 0
@@ -55,6 +57,7 @@ class LoopSettings:
     patience: int | None = None
     min_delta: float = 0.0
     validation_only: bool = False
+    accumulate_grad_batches: int = 1
 
 
 @dataclass
@@ -87,9 +90,14 @@ class TrainingLoop:
         splits: a :class:`~xnn.training.data.DataSplits`.
         out_dir: run folder (checkpoints in ``out_dir/checkpoints``).
         logger: a :class:`~xnn.training.loggers.RunLogger`.
+        sharding: ``sharding(batch, n_atoms, max_atoms) -> this rank's indices`` with a
+            ``groups`` attribute (the ``groups`` of ``make_batches``), from
+            :func:`~xnn.distributed.parallelize.parallelize_train`; ``None``: by the
+            reducer's rank among its ranks.
     """
 
-    def __init__(self, cfg: LoopSettings, trainer: Trainer, splits, out_dir: Path, logger):
+    def __init__(self, cfg: LoopSettings, trainer: Trainer, splits, out_dir: Path, logger,
+                 sharding=None):
         self.cfg = cfg
         self.trainer = trainer
         self.splits = splits
@@ -101,27 +109,45 @@ class TrainingLoop:
         self.config_yaml = ""
         self.t_start = time.perf_counter()
         self.stop_reason = ""
+        if sharding is None:
+            from xnn.distributed.cp_train import BatchSharding
+
+            sharding = BatchSharding(self.reducer.rank, self.reducer.world_size)
+        self.sharding = sharding
 
     # ------------------------------------------------------------------ batches
-    def _shard(self, dataset):
-        n_atoms, rank, world = dataset.n_atoms, self.reducer.rank, self.reducer.world_size
-        return lambda batch: shard_batch(batch, n_atoms, rank, world)
+    def _shard(self, dataset, max_atoms: int | None):
+        """``shard(batch) -> this rank's indices`` for batches made with ``max_atoms``."""
+        n_atoms, sharding = dataset.n_atoms, self.sharding
+        return lambda batch: sharding(batch, n_atoms, max_atoms)
+
+    def _eval_max_atoms(self) -> int | None:
+        d = self.cfg
+        return None if d.val_batch_size else d.max_atoms_per_batch
 
     def train_batches(self, epoch: int) -> list[list[int]]:
         d = self.cfg
         return make_batches(self.splits.train.n_atoms, d.batch_size, d.max_atoms_per_batch,
-                            shuffle=d.shuffle, seed=self.cfg.seed, epoch=epoch)
+                            shuffle=d.shuffle, seed=self.cfg.seed, epoch=epoch,
+                            groups=self.sharding.groups)
 
     def eval_batches(self, dataset) -> list[list[int]]:
         d = self.cfg
-        size = d.val_batch_size or d.batch_size
-        max_atoms = None if d.val_batch_size else d.max_atoms_per_batch
-        if max_atoms is not None:
-            size = None
-        return make_batches(dataset.n_atoms, size, max_atoms)
+        max_atoms = self._eval_max_atoms()
+        size = None if max_atoms is not None else d.val_batch_size or d.batch_size
+        return make_batches(dataset.n_atoms, size, max_atoms, groups=self.sharding.groups)
+
+    def check_batches(self) -> None:
+        """Make every split's batches once (refuses a structure too large for a group's
+        budget at start-up rather than at the first validation)."""
+        self.train_batches(0)
+        for ds in (self.splits.val, self.splits.test):
+            if ds is not None and len(ds):
+                self.eval_batches(ds)
 
     def steps_per_epoch(self) -> int:
-        return len(self.train_batches(0))
+        k = self.cfg.accumulate_grad_batches
+        return -(-len(self.train_batches(0)) // k)
 
     # ------------------------------------------------------------------ checkpoints
     def payload(self) -> dict:
@@ -169,7 +195,8 @@ class TrainingLoop:
         if dataset is None or len(dataset) == 0:
             return {}, None
         sums, parity = self.trainer.evaluate(dataset, self.eval_batches(dataset),
-                                             self._shard(dataset), collect=collect)
+                                             self._shard(dataset, self._eval_max_atoms()),
+                                             collect=collect)
         return sums.finalize(prefix), parity
 
     # ------------------------------------------------------------------ epochs
@@ -191,23 +218,29 @@ class TrainingLoop:
                 and time.perf_counter() - self.t_start > 60.0 * limit)
 
     def _train_epoch(self, metrics: MetricSums) -> bool:
-        """Train the rest of the current epoch; False if stopped by ``max_steps``."""
+        """Train the rest of the current epoch; False if stopped by ``max_steps``.
+
+        An optimizer step takes ``accumulate_grad_batches`` consecutive global batches (the
+        epoch's last step may take fewer), consumed together: ``batch_in_epoch`` advances by
+        a step's batches, so a resumed run continues at a step boundary."""
         p = self.progress
         batches = self.train_batches(p.epoch)
-        shard = self._shard(self.splits.train)
+        shard = self._shard(self.splits.train, self.cfg.max_atoms_per_batch)
         data = self.splits.train
+        k = self.cfg.accumulate_grad_batches
         bar = self.logger.bar(len(batches), p.batch_in_epoch, f"epoch {p.epoch + 1}")
         try:
             while p.batch_in_epoch < len(batches):
                 if self._stop_for_steps():
                     return False
-                batch = batches[p.batch_in_epoch]
-                graphs = [data[i] for i in shard(batch)]
+                step_batches = batches[p.batch_in_epoch : p.batch_in_epoch + k]
+                graphs = [[data[i] for i in shard(b)] for b in step_batches]
+                counts = data.batch_label_counts([i for b in step_batches for i in b])
                 loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late(),
-                                               counts=data.batch_label_counts(batch))
+                                               counts=counts)
                 p.step += 1
-                p.batch_in_epoch += 1
-                bar.update(1)
+                p.batch_in_epoch += len(step_batches)
+                bar.update(len(step_batches))
                 bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         finally:
             bar.close()

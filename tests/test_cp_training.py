@@ -8,6 +8,8 @@ cases inside (tests/dist_helpers.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -249,8 +251,6 @@ def _emt_cfg(data, out, *extra):
 def _app_case(manager, tmp):
     """``xnn train`` on dp=2 dd=2: outputs, rank-0 checkpoints, exact resume, and the same
     weights as one process."""
-    from pathlib import Path
-
     from xnn.app.train import train
     from xnn.distributed.parallelize import parallelize_train
     from xnn.training.checkpoint import load_checkpoint
@@ -263,14 +263,23 @@ def _app_case(manager, tmp):
         write_emt(data, 14, ["Cu"], seed=3)
     torch.distributed.barrier()
     plan = parallelize_train(manager, 2, 2)
-    full = train(_emt_cfg(data, Path(tmp) / "full"), parallel=plan)
-    train(_emt_cfg(data, Path(tmp) / "half", "max_steps=2"), parallel=plan)
-    resumed = train(_emt_cfg(data, Path(tmp) / "half", "resume=auto"), parallel=plan)
-    out = {"steps": full["steps"], "resumed_steps": resumed["steps"]}
+    bs = ("data.max_atoms_per_batch=null", "data.batch_size=4")
+    full = train(_emt_cfg(data, Path(tmp) / "full", *bs), parallel=plan)
+    train(_emt_cfg(data, Path(tmp) / "half", *bs, "max_steps=2"), parallel=plan)
+    resumed = train(_emt_cfg(data, Path(tmp) / "half", *bs, "resume=auto"), parallel=plan)
+    # data.max_atoms_per_batch is one dd group's budget: two shares of <= 40 atoms a step
+    budget = train(_emt_cfg(data, Path(tmp) / "budget", "max_epochs=1"), parallel=plan)
+    out = {"steps": full["steps"], "resumed_steps": resumed["steps"],
+           "budget_steps": budget["steps"], "tmp": str(tmp)}
+    try:
+        train(_emt_cfg(data, Path(tmp) / "refused", "data.max_atoms_per_batch=1"),
+              parallel=plan)
+    except InputError as e:
+        out["refused"] = str(e)
     if rank == 0:
         from xnn.training.reducer import LocalReducer
 
-        single = train(_emt_cfg(data, Path(tmp) / "single"), LocalReducer())
+        single = train(_emt_cfg(data, Path(tmp) / "single", *bs), LocalReducer())
         sd = {n: load_checkpoint(Path(tmp) / n / "checkpoints/last.pt")["model"]["state_dict"]
               for n in ("full", "half", "single")}
         out["resume"] = max(float((sd["full"][k] - sd["half"][k]).abs().max())
@@ -371,6 +380,9 @@ def test_train_app_dp2_dd2(fast):
     assert app["single"] <= 1e-9  # the same training as one process
     assert app["val"][0] == pytest.approx(app["val"][1], rel=1e-8)
     assert all(r["app"]["steps"] == app["steps"] for r in fast)
+    assert all("max_atoms_per_batch=1" in r["app"]["refused"] for r in fast)
+    assert len({r["app"]["budget_steps"] for r in fast}) == 1 and app["budget_steps"] > 0
+    assert not (Path(app["tmp"]) / "refused").exists()  # refused before any file is written
 
 
 @pytest.mark.slow

@@ -448,6 +448,17 @@ def test_max_atoms_budget_per_group_refuses_large_structures():
     assert [1] in make_batches(n_atoms, max_atoms=25)
 
 
+def test_dd_ranks_read_structures_without_the_whole_neighbor_list():
+    from xnn.data.datasets import InMemoryDataset, WithEdges
+    from xnn.distributed.cp_train import BatchSharding
+
+    ds = WithEdges(InMemoryDataset([molecule(2).without_edges()]), CUTOFF)
+    (raw,) = BatchSharding(0, 2, 2, without_edges=True).load(ds, [0])
+    (full,) = BatchSharding(0, 2).load(ds, [0])
+    assert "edge_index" not in raw and "edge_index" in full
+    assert torch.equal(raw.forces, full.forces) and torch.equal(raw.energy, full.energy)
+
+
 def test_parallel_config_checks():
     from xnn.config.loader import ConfigError, load_config
     from xnn.config.train import TrainConfig

@@ -50,11 +50,22 @@ class BatchSharding:
         dp: number of replicas (``dd`` groups).
         groups: ``dp`` when ``data.max_atoms_per_batch`` is a per-group budget (``dd > 1``;
             batches are then made by ``make_batches(..., groups=dp)``), else ``None``.
+        without_edges: :meth:`load` reads the structures without the neighbor list of the
+            whole structure (``dd > 1``: each rank builds the edges of its own atoms).
     """
 
     dp_rank: int = 0
     dp: int = 1
     groups: int | None = None
+    without_edges: bool = False
+
+    def load(self, dataset, indices: Sequence[int]) -> list[AtomicGraph]:
+        """The structures ``indices`` of ``dataset`` as this rank's predictor takes them."""
+        from xnn.data.datasets import WithEdges
+
+        if self.without_edges and isinstance(dataset, WithEdges):
+            dataset = dataset.dataset  # the same structures and labels, no edges
+        return [dataset[i] for i in indices]
 
     def __call__(self, batch: Sequence[int], n_atoms: np.ndarray,
                  max_atoms: int | None = None) -> list[int]:

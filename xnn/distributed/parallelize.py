@@ -50,7 +50,8 @@ class TrainParallel:
             given reducer).
         reducer: gradients, loss, counts and metrics summed over the whole mesh.
         sharding: ``sharding(batch, n_atoms, max_atoms) -> indices`` of this rank's ``dd``
-            group (:class:`~xnn.distributed.cp_train.BatchSharding`); its ``groups`` is the
+            group and ``sharding.load(dataset, indices) -> graphs``
+            (:class:`~xnn.distributed.cp_train.BatchSharding`); its ``groups`` is the
             ``groups`` argument of ``make_batches``.
     """
 
@@ -127,5 +128,5 @@ def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | s
     if dims.dd == 1:
         return TrainParallel(DataParallelReducer(dims.dp_group),
                              BatchSharding(dims.dp_rank, dims.dp), dims)
-    sharding = BatchSharding(dims.dp_rank, dims.dp, groups=dims.dp)
+    sharding = BatchSharding(dims.dp_rank, dims.dp, groups=dims.dp, without_edges=True)
     return TrainParallel(DataParallelReducer(None), sharding, dims, mode, backend)

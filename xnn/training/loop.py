@@ -91,7 +91,8 @@ class TrainingLoop:
         out_dir: run folder (checkpoints in ``out_dir/checkpoints``).
         logger: a :class:`~xnn.training.loggers.RunLogger`.
         sharding: ``sharding(batch, n_atoms, max_atoms) -> this rank's indices`` with a
-            ``groups`` attribute (the ``groups`` of ``make_batches``), from
+            ``groups`` attribute (the ``groups`` of ``make_batches``) and
+            ``load(dataset, indices) -> graphs``, from
             :func:`~xnn.distributed.parallelize.parallelize_train`; ``None``: by the
             reducer's rank among its ranks.
     """
@@ -196,7 +197,7 @@ class TrainingLoop:
             return {}, None
         sums, parity = self.trainer.evaluate(dataset, self.eval_batches(dataset),
                                              self._shard(dataset, self._eval_max_atoms()),
-                                             collect=collect)
+                                             collect=collect, load=self.sharding.load)
         return sums.finalize(prefix), parity
 
     # ------------------------------------------------------------------ epochs
@@ -234,7 +235,7 @@ class TrainingLoop:
                 if self._stop_for_steps():
                     return False
                 step_batches = batches[p.batch_in_epoch : p.batch_in_epoch + k]
-                graphs = [[data[i] for i in shard(b)] for b in step_batches]
+                graphs = [self.sharding.load(data, shard(b)) for b in step_batches]
                 counts = data.batch_label_counts([i for b in step_batches for i in b])
                 loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late(),
                                                counts=counts)

@@ -178,7 +178,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, batches: Sequence[Sequence[int]], shard,
-                 collect: bool = False) -> tuple[MetricSums, dict | None]:
+                 collect: bool = False, load=None) -> tuple[MetricSums, dict | None]:
         """Errors of the model (EMA weights if any) over ``batches`` of ``dataset``.
 
         Args:
@@ -187,6 +187,7 @@ class Trainer:
             shard: ``shard(batch) -> this rank's indices``.
             collect: also return this rank's parity data ``{"energy": (ref, pred) per atom,
                 "forces": (ref, pred)}`` as numpy arrays.
+            load: ``load(dataset, indices) -> graphs`` (default: ``dataset[i]`` each).
         Returns:
             ``(metrics, parity)``: metric sums reduced over ranks; parity or ``None``.
         """
@@ -196,7 +197,8 @@ class Trainer:
         parity: dict[str, list] = {"energy": [], "forces": [], "numbers": []}
         with ctx:
             for global_batch in batches:
-                graphs = [dataset[i] for i in shard(global_batch)]
+                mine = shard(global_batch)
+                graphs = load(dataset, mine) if load else [dataset[i] for i in mine]
                 if not graphs:  # the counts come from metadata: no collective to join
                     continue
                 counts = self._global_counts([graphs],

@@ -193,7 +193,10 @@ def compile_check(trainer: Trainer, ds, batch, reducer, device) -> dict:
     from xnn.models.derivatives import compute_properties
 
     graphs = [ds[i] for i in shard_batch(batch, ds.n_atoms, reducer.rank, reducer.world_size)]
-    g = trainer._batch(graphs)[1]
+    from xnn.data.datasets import collate
+
+    g = collate(graphs).to(trainer.device, trainer.dtype)
+    compiled_fn = trainer.predictor.compiled
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 
     def grads(out):
@@ -202,7 +205,7 @@ def compile_check(trainer: Trainer, ds, batch, reducer, device) -> dict:
 
     synchronize(device)
     t0 = time.perf_counter()
-    compiled = grads(trainer.compiled(g))
+    compiled = grads(compiled_fn(g))
     synchronize(device)
     seconds = time.perf_counter() - t0
     eager = grads(compute_properties(trainer.model, g, True, True, training=True))
@@ -215,7 +218,7 @@ def compile_check(trainer: Trainer, ds, batch, reducer, device) -> dict:
     # the second eager evaluation differs from the first by the order of atomic additions
     return {"first_compiled_call_s": seconds, "compiled_vs_eager_grad_rel_diff":
             rel(compiled, eager), "eager_vs_eager_grad_rel_diff": rel(again, eager),
-            "eager_batches": trainer.compiled.eager_calls}
+            "eager_batches": compiled_fn.eager_calls}
 
 
 def profile_steps(trainer: Trainer, ds, batches, rank: int, world: int, device, path) -> None:

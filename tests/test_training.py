@@ -265,11 +265,11 @@ def test_bad_inputs(tmp_path, data):
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data, monkeypatch):
-    from xnn.training import trainer as T
+    from xnn.training import prediction as T
     from xnn.training.trainer import NonFiniteLossError
 
     calls = {"n": 0}
-    original = T.Trainer._predict
+    original = T.LocalPredictor._predict
 
     def poisoned(self, batch, forces, stress, training):
         out = original(self, batch, forces, stress, training)
@@ -279,7 +279,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data, monkeypat
                 out[K.ENERGY] = out[K.ENERGY] * float("nan")
         return out
 
-    monkeypatch.setattr(T.Trainer, "_predict", poisoned)
+    monkeypatch.setattr(T.LocalPredictor, "_predict", poisoned)
     out = tmp_path / "nan"
     with pytest.raises(NonFiniteLossError, match="nan.*last good checkpoint"):
         run_train(tiny(out, data, "max_epochs=3"))

@@ -1,6 +1,7 @@
-"""The application behind ``xnn train``: ``train(cfg, reducer)`` runs one training from a
-resolved config, single process or data parallel; ``run_train(cfg)`` launches it (one
-process, torchrun or srun) with the data-parallel reducer.
+"""The application behind ``xnn train``: ``train(cfg, reducer, parallel)`` runs one training
+from a resolved config, single process, data parallel or context parallel (``dp × dd``);
+``run_train(cfg)`` launches it (one process, torchrun or srun) with the parallel layer of
+:func:`~xnn.distributed.parallelize.parallelize_train`.
 
 Steps: plan the output folder → read and split the data → statistics → build the model
 (or load ``pretrained``) → optimizer, schedule, EMA → resume → create the output folder →
@@ -90,7 +91,8 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         checkpoint_metric=cfg.checkpoint_metric, patience=es.patience,
         min_delta=es.min_delta, validation_only=cfg.validation_only,
         checkpoint_mode=cfg.checkpoint_mode, samples_per_epoch=d.samples_per_epoch,
-        every_n_steps=cfg.logging.every_n_steps, precision=cfg.precision)
+        every_n_steps=cfg.logging.every_n_steps, precision=cfg.precision,
+        accumulate_grad_batches=cfg.accumulate_grad_batches)
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
@@ -126,7 +128,8 @@ def _memory(cfg: TrainConfig, device, rank: int) -> MemoryTools | None:
                               m.profile_max_entries, device, rank, cfg.compile)
 
 
-def _trainer(cfg: TrainConfig, model, reducer, device, memory=None) -> Trainer:
+def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:
+    reducer = parallel.reducer
     dtype, autocast = configure_precision(cfg.precision)
     set_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.name,
                                  cfg.compile)
@@ -138,8 +141,11 @@ def _trainer(cfg: TrainConfig, model, reducer, device, memory=None) -> Trainer:
     schedule = LRSchedule(optimizer, s.name, cfg.optim.lr, s.warmup_steps, s.total_steps,
                           s.min_lr_factor, s.factor, s.patience)
     ema = EMA(model, cfg.ema.decay) if cfg.ema.enabled else None
-    return Trainer(model, loss_specs(cfg), optimizer, schedule, ema, reducer, device, dtype,
-                   autocast, cfg.optim.grad_clip, compile=cfg.compile, memory=memory)
+    specs = loss_specs(cfg)
+    predictor = parallel.predictor(model, device, dtype, autocast, cfg.compile,
+                                   specs["forces"].weight > 0, specs["stress"].weight > 0)
+    return Trainer(model, specs, optimizer, schedule, ema, reducer, device, dtype, autocast,
+                   cfg.optim.grad_clip, predictor=predictor, memory=memory)
 
 
 def _horizon(cfg: TrainConfig, loop: TrainingLoop) -> int:
@@ -150,14 +156,21 @@ def _horizon(cfg: TrainConfig, loop: TrainingLoop) -> int:
     return max(cfg.max_epochs * loop.steps_per_epoch(), 1)
 
 
-def train(cfg: TrainConfig, reducer=None) -> dict:
+def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     """Run training as configured; returns the summary (also written to ``summary.json``).
 
     Args:
         cfg: a resolved :class:`~xnn.config.train.TrainConfig`.
-        reducer: cross-rank operations (default: a single process).
+        reducer: cross-rank operations of plain data parallelism (default: one process);
+            ignored with ``parallel``.
+        parallel: the :class:`~xnn.distributed.parallelize.TrainParallel` of the run (from
+            :func:`~xnn.distributed.parallelize.parallelize_train`): reducer, sharding and
+            prediction function; ``None``: data parallel by ``reducer``.
     """
-    reducer = reducer or LocalReducer()
+    from xnn.distributed.parallelize import local_train_parallel
+
+    parallel = parallel or local_train_parallel(reducer or LocalReducer())
+    reducer = parallel.reducer
     t_start = time.perf_counter()
     resume = resolve_resume(cfg)
     folder = plan_output(cfg, resume)  # checks only: nothing is created or removed yet
@@ -173,8 +186,9 @@ def train(cfg: TrainConfig, reducer=None) -> dict:
                  f"{len(splits.test) if splits.test else 0} test structures")
     model = _model_for_run(cfg, splits, logger)  # seeded with cfg.seed: same on every rank
     seed_everything(cfg.seed, reducer.rank)
-    trainer = _trainer(cfg, model, reducer, device, memory)
-    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger)
+    trainer = _trainer(cfg, model, parallel, device, memory)
+    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding)
+    loop.check_batches()  # a structure over a dd group's budget is refused now
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)
     if resume:
@@ -223,14 +237,15 @@ def _open_folder(cfg: TrainConfig, folder: RunFolder, reducer, logger) -> RunLog
 
 def run_train(cfg: TrainConfig) -> dict:
     """Launch ``train(cfg)`` in one process or on the ranks of a torchrun / srun job (every
-    rank checks first that all run the same job), with the configured data parallelism.
+    rank checks first that all run the same job), on the configured ``dp × dd`` mesh (built
+    once here; ``dd > 1``: each structure decomposed over its dd group).
 
     Returns:
         the run summary (as :func:`train`).
     """
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
-    from xnn.distributed.ddp import build_reducer
     from xnn.distributed.manager import DistributedManager
+    from xnn.distributed.parallelize import parallelize_train
 
     device = pick_device(cfg.device)
     manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type)
@@ -241,10 +256,10 @@ def run_train(cfg: TrainConfig) -> dict:
             check_ranks_agree(run_fingerprint(cfg, files))
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
-        reducer = build_reducer(manager, cfg.parallel.dp, cfg.parallel.dd)
+        parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile)
         if manager.is_distributed and manager.is_main:
             print(manager.describe(), flush=True)
-        return train(cfg, reducer)
+        return train(cfg, parallel=parallel)
     except RuntimeError as e:  # a collective that timed out: one line naming it and the ranks
         raise manager.explain(e) from None
     finally:

@@ -70,7 +70,11 @@ class DataConfig:
                                  "(when data.test is empty)")
     batch_size: int | None = field(8, "structures per global batch (null: use "
                                    "max_atoms_per_batch)")
-    max_atoms_per_batch: int | None = field(None, "atoms per global batch (replaces batch_size)")
+    max_atoms_per_batch: int | None = field(None, "atoms per global batch (replaces "
+                                            "batch_size); with parallel.dd > 1 the budget of "
+                                            "ONE dd group's share (a global batch holds up to "
+                                            "dp shares) and a structure with more atoms is "
+                                            "refused")
     val_batch_size: int | None = field(None, "structures per validation batch (null: "
                                        "batch_size, or max_atoms_per_batch)")
     shuffle: bool = field(True, "shuffle the training set every epoch (seeded)")
@@ -170,7 +174,9 @@ class EarlyStoppingConfig:
 @dataclass
 class ParallelConfig:
     dp: int = field(-1, "data-parallel degree (-1: world size / dd)")
-    dd: int = field(1, "domain-decomposition degree (training supports 1)")
+    dd: int = field(1, "domain-decomposition degree: ranks that split each structure "
+                    "spatially (training: context parallel, every structure of a dd group's "
+                    "share decomposed over its dd ranks; not with compile=true)")
     timeout_s: float = field(600.0, "timeout of every collective (s); a timeout names the "
                              "collective and the ranks that did not arrive")
 
@@ -230,6 +236,10 @@ class TrainConfig:
     time_limit_min: float | None = field(None, "stop training after this many minutes of wall "
                                          "time (null: no limit)")
     eval_every: int = field(1, "validate every N epochs")
+    accumulate_grad_batches: int = field(1, "global batches per optimizer step (gradient "
+                                         "accumulation: one forward/backward each, one "
+                                         "gradient reduction and step; the same update as "
+                                         "one batch of the summed size)")
     precision: str = field("fp32", "arithmetic precision", choices=PRECISIONS)
     compile: bool = field(False, "train through compiled kernels: energy, forces and stress "
                           "are traced into one graph and compiled by torch.compile (dynamic "
@@ -259,11 +269,16 @@ class TrainConfig:
         check_range("max_steps", self.max_steps, 0)
         check_range("time_limit_min", self.time_limit_min, 0.0)
         check_range("eval_every", self.eval_every, 1)
+        check_range("accumulate_grad_batches", self.accumulate_grad_batches, 1)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r} is not a valid choice; choose one of "
                               "['auto', 'cpu', 'cuda', 'cuda:N']")
         if self.compile and self.precision == "bf16_mixed":
             raise ConfigError("compile=true does not support precision=bf16_mixed; choose "
                               "fp32, tf32 or fp64, or compile=false")
+        if self.compile and self.parallel.dd > 1:
+            raise ConfigError(f"compile=true does not support parallel.dd={self.parallel.dd} "
+                              "(domain-decomposed training runs eager); set compile=false or "
+                              "parallel.dd=1")
         if self.validation_only and not (self.pretrained or self.resume):
             raise ConfigError("validation_only=true needs pretrained=PATH or resume=PATH")

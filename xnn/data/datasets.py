@@ -333,6 +333,7 @@ def make_batches(
     shuffle: bool = False,
     seed: int = 0,
     epoch: int = 0,
+    groups: int | None = None,
 ) -> list[list[int]]:
     """Group structure indices into global batches for one epoch.
 
@@ -342,8 +343,14 @@ def make_batches(
         max_atoms: alternatively, add structures (in order) while the batch holds at most
             this many atoms; a structure larger than ``max_atoms`` forms its own batch.
         shuffle: order the structures by a permutation seeded with ``(seed, epoch)``.
+        groups: with ``max_atoms``, the number of domain-decomposition groups sharing a
+            global batch (context-parallel training): ``max_atoms`` is then the budget of
+            ONE group's share, a global batch joins ``groups`` consecutive shares (see
+            :func:`atom_chunks`) and a structure larger than the budget is refused.
     Returns:
         list of batches, each a list of structure indices; identical on every rank.
+    Raises:
+        InputError: bad sizes, or (with ``groups``) a structure larger than ``max_atoms``.
     """
     if (batch_size is None) == (max_atoms is None):
         raise InputError("give exactly one of batch_size and max_atoms_per_batch")
@@ -355,10 +362,27 @@ def make_batches(
         return [order[i : i + batch_size].tolist() for i in range(0, n, batch_size)]
     if max_atoms < 1:
         raise InputError(f"max_atoms_per_batch must be >= 1, got {max_atoms}")
+    if groups is None:
+        return atom_chunks(order.tolist(), n_atoms, max_atoms)
+    big = [i for i in order.tolist() if int(n_atoms[i]) > max_atoms]
+    if big:
+        i = min(big)
+        raise InputError(f"structure {i} has {int(n_atoms[i])} atoms, more than "
+                         f"data.max_atoms_per_batch={max_atoms}, the budget of one domain-"
+                         f"decomposition group's share ({len(big)} such structures); raise "
+                         "data.max_atoms_per_batch or parallel.dd, or remove the structure")
+    chunks = atom_chunks(order.tolist(), n_atoms, max_atoms)
+    return [sum(chunks[k : k + groups], []) for k in range(0, len(chunks), groups)]
+
+
+def atom_chunks(indices: Sequence[int], n_atoms: np.ndarray, max_atoms: int) -> list[list[int]]:
+    """``indices`` cut in order into chunks of at most ``max_atoms`` atoms (a structure
+    larger than that forms its own chunk). Deterministic: cutting a concatenation of such
+    chunks again gives the same chunks (how a dd group finds its share of a batch)."""
     batches: list[list[int]] = []
     current: list[int] = []
     count = 0
-    for i in order.tolist():
+    for i in indices:
         if current and count + int(n_atoms[i]) > max_atoms:
             batches.append(current)
             current, count = [], 0

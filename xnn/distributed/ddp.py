@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from xnn.errors import InputError
-from xnn.training.reducer import LocalReducer, Pending
+from xnn.training.reducer import LocalReducer, Pending  # noqa: F401 - re-exported
 
 
 class DataParallelReducer:
@@ -112,19 +111,16 @@ class _Bucket:
 
 
 def build_reducer(manager, dp: int = -1, dd: int = 1):
-    """The reducer for a job: :class:`LocalReducer` in a single process, else data parallel.
+    """The reducer for a job: :class:`LocalReducer` in a single process, else the reducer of
+    :func:`~xnn.distributed.parallelize.parallelize_train` (over the ``dp`` group when
+    ``dd == 1``, over the whole ``dp × dd`` mesh otherwise).
 
     Args:
         manager: a :class:`~xnn.distributed.manager.DistributedManager`.
         dp, dd: requested degrees (checked against the world size by ``ParallelDims``).
     Raises:
-        InputError: inconsistent degrees, or ``dd > 1`` (training by domain decomposition
-            is not supported).
+        InputError: inconsistent degrees.
     """
-    dims = manager.mesh(dp=dp, dd=dd)
-    if dims.dd != 1:
-        raise InputError(f"training supports parallel.dd=1 only (got dd={dims.dd}); use data "
-                         "parallelism (parallel.dp) for training")
-    if not manager.is_distributed:
-        return LocalReducer()
-    return DataParallelReducer(dims.dp_group)
+    from xnn.distributed.parallelize import parallelize_train
+
+    return parallelize_train(manager, dp, dd).reducer

@@ -7,6 +7,12 @@ drives: :class:`~xnn.dynamics.parallel.SerialRun` in one process, or
 :class:`~xnn.distributed.md_run.DomainRun` (each rank owns the atoms of its box) on several
 ranks. The integrators, FIRE and the safety checks are the same functions in both cases;
 they see the run layer's ``potential`` and ``reduce``.
+
+:func:`parallelize_train` does the same for ``xnn train``: from the manager and the
+``dp × dd`` degrees it returns the reducer, the sharding of global batches and the
+prediction function the :class:`~xnn.training.trainer.Trainer` and
+:class:`~xnn.training.loop.TrainingLoop` use; with ``dd > 1`` each structure is decomposed
+over its ``dd`` group by the same domain code as MD (:mod:`xnn.distributed.cp_train`).
 """
 
 from __future__ import annotations
@@ -34,3 +40,93 @@ def parallelize_md(potential, manager=None, skin: float = 0.0,
     from xnn.distributed.md_run import DomainRun
 
     return DomainRun(potential.model, manager, skin=skin, backend=backend)
+
+
+class TrainParallel:
+    """What the training step and loop take from the parallelization layer.
+
+    Attributes:
+        dims: the :class:`~xnn.distributed.mesh.ParallelDims` (``None``: one process or a
+            given reducer).
+        reducer: gradients, loss, counts and metrics summed over the whole mesh.
+        sharding: ``sharding(batch, n_atoms, max_atoms) -> indices`` of this rank's ``dd``
+            group and ``sharding.load(dataset, indices) -> graphs``
+            (:class:`~xnn.distributed.cp_train.BatchSharding`); its ``groups`` is the
+            ``groups`` argument of ``make_batches``.
+    """
+
+    def __init__(self, reducer, sharding, dims=None, mode: str = "auto",
+                 backend: str = "auto"):
+        self.reducer, self.sharding, self.dims = reducer, sharding, dims
+        self.mode, self.backend = mode, backend
+
+    @property
+    def dd(self) -> int:
+        return 1 if self.dims is None else self.dims.dd
+
+    def predictor(self, model, device, dtype, autocast=None, compile: bool | str = False,
+                  forces: bool = True, stress: bool = True):
+        """The training step's prediction function for ``model``: collated batches through
+        ``compute_properties`` (``dd == 1``), or each structure decomposed over the ``dd``
+        group (:class:`~xnn.distributed.cp_train.DomainPredictor`)."""
+        if self.dd == 1:
+            from xnn.training.prediction import make_local_predictor
+
+            return make_local_predictor(model, device, dtype, autocast, compile, forces,
+                                        stress)
+        from xnn.distributed.cp_train import DomainPredictor
+
+        return DomainPredictor(model, self.dims.dd_group, device, dtype, autocast, self.mode,
+                               self.backend)
+
+
+def local_train_parallel(reducer=None) -> TrainParallel:
+    """Data parallelism by a given reducer (default: one process): each rank takes its share
+    by its rank among ``reducer.world_size`` (today's behaviour of a plain reducer)."""
+    from xnn.distributed.cp_train import BatchSharding
+    from xnn.training.reducer import LocalReducer
+
+    reducer = reducer or LocalReducer()
+    return TrainParallel(reducer, BatchSharding(reducer.rank, reducer.world_size))
+
+
+def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | str = False,
+                      mode: str = "auto", backend: str = "auto") -> TrainParallel:
+    """The parallel layer of an ``xnn train`` run on a ``dp × dd`` mesh (built once, here).
+
+    Args:
+        manager: the run's :class:`~xnn.distributed.DistributedManager` (``None``: one
+            process).
+        dp, dd: data-parallel and domain-decomposition degrees (``-1``: inferred);
+            ``dp × dd`` must equal the world size.
+        compile: the run's ``compile`` setting (refused with ``dd > 1``).
+        mode: decomposition mode of ``dd > 1`` (``"auto"``: sync where the model has sync
+            points).
+        backend: neighbor-list backend of the decomposed local graphs.
+    Returns:
+        a :class:`TrainParallel`: the reducer (whole mesh), the sharding (by dp rank) and
+        the predictor factory.
+    Raises:
+        InputError: ``dp × dd`` is not the world size, or ``compile`` with ``dd > 1``.
+    """
+    from xnn.distributed.cp_train import BatchSharding
+    from xnn.errors import InputError
+    from xnn.training.reducer import LocalReducer
+
+    if manager is None or not manager.is_distributed:
+        from xnn.distributed.mesh import ParallelDims
+
+        ParallelDims(dp=dp, dd=dd, world_size=1)  # the same check and message
+        return local_train_parallel(LocalReducer())
+    from xnn.distributed.ddp import DataParallelReducer
+
+    dims = manager.mesh(dp=dp, dd=dd)
+    if dims.dd > 1 and compile:
+        raise InputError(f"compile=true does not support parallel.dd={dims.dd} (the halo "
+                         "exchange of domain-decomposed training is not compiled); set "
+                         "compile=false or parallel.dd=1")
+    if dims.dd == 1:
+        return TrainParallel(DataParallelReducer(dims.dp_group),
+                             BatchSharding(dims.dp_rank, dims.dp), dims)
+    sharding = BatchSharding(dims.dp_rank, dims.dp, groups=dims.dp, without_edges=True)
+    return TrainParallel(DataParallelReducer(None), sharding, dims, mode, backend)

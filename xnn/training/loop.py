@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xnn.data.datasets import make_batches, shard_batch
+from xnn.data.datasets import make_batches
 from xnn.errors import InputError
 from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
 from xnn.training.metrics import MetricSums
@@ -59,6 +59,8 @@ class LoopSettings:
             training structure once).
         every_n_steps: log a ``steps.csv`` row every this many steps (``None``: never).
         precision: the run's precision (recorded in checkpoints; a resume must match).
+        accumulate_grad_batches: consecutive global batches per optimizer step (one
+            forward/backward each, one gradient reduction and step, the label counts summed).
     """
 
     seed: int = 0
@@ -78,6 +80,7 @@ class LoopSettings:
     samples_per_epoch: int | None = None
     every_n_steps: int | None = None
     precision: str = "fp32"
+    accumulate_grad_batches: int = 1
 
 
 @dataclass
@@ -104,9 +107,15 @@ class TrainingLoop:
         splits: a :class:`~xnn.training.data.DataSplits`.
         out_dir: run folder (checkpoints in ``out_dir/checkpoints``).
         logger: a :class:`~xnn.training.loggers.RunLogger`.
+        sharding: ``sharding(batch, n_atoms, max_atoms) -> this rank's indices`` with a
+            ``groups`` attribute (the ``groups`` of ``make_batches``) and
+            ``load(dataset, indices) -> graphs``, from
+            :func:`~xnn.distributed.parallelize.parallelize_train`; ``None``: by the
+            reducer's rank among its ranks.
     """
 
-    def __init__(self, cfg: LoopSettings, trainer: Trainer, splits, out_dir: Path, logger):
+    def __init__(self, cfg: LoopSettings, trainer: Trainer, splits, out_dir: Path, logger,
+                 sharding=None):
         self.cfg = cfg
         self.trainer = trainer
         self.splits = splits
@@ -121,38 +130,57 @@ class TrainingLoop:
         self.stop_reason = ""
         self._weights = None  # per-structure sampling weights (samples_per_epoch)
         self._partial = None  # metric sums of the epoch so far (all ranks), saved mid-epoch
+        if sharding is None:
+            from xnn.training.sharding import BatchSharding
+
+            sharding = BatchSharding(self.reducer.rank, self.reducer.world_size)
+        self.sharding = sharding
 
     # ------------------------------------------------------------------ batches
-    def _shard(self, dataset):
-        n_atoms, rank, world = dataset.n_atoms, self.reducer.rank, self.reducer.world_size
-        return lambda batch: shard_batch(batch, n_atoms, rank, world)
+    def _shard(self, dataset, max_atoms: int | None):
+        """``shard(batch) -> this rank's indices`` for batches made with ``max_atoms``."""
+        n_atoms, sharding = dataset.n_atoms, self.sharding
+        return lambda batch: sharding(batch, n_atoms, max_atoms)
+
+    def _eval_max_atoms(self) -> int | None:
+        d = self.cfg
+        return None if d.val_batch_size else d.max_atoms_per_batch
 
     def train_batches(self, epoch: int) -> list[list[int]]:
         """The global batches of ``epoch``: a pure function of ``(seed, epoch)``."""
         d = self.cfg
         n_atoms = np.asarray(self.splits.train.n_atoms)
+        groups = self.sharding.groups
         if d.samples_per_epoch is None:
             return make_batches(n_atoms, d.batch_size, d.max_atoms_per_batch,
-                                shuffle=d.shuffle, seed=d.seed, epoch=epoch)
+                                shuffle=d.shuffle, seed=d.seed, epoch=epoch, groups=groups)
         from xnn.training.sampling import sample_epoch, structure_weights
 
         if self._weights is None:
             self._weights = structure_weights(self.splits.train)
         drawn = sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
         # the draws are in random order already: batch them as they come
-        batches = make_batches(n_atoms[drawn], d.batch_size, d.max_atoms_per_batch)
+        batches = make_batches(n_atoms[drawn], d.batch_size, d.max_atoms_per_batch,
+                               groups=groups)
         return [drawn[b].tolist() for b in batches]
 
     def eval_batches(self, dataset) -> list[list[int]]:
         d = self.cfg
-        size = d.val_batch_size or d.batch_size
-        max_atoms = None if d.val_batch_size else d.max_atoms_per_batch
-        if max_atoms is not None:
-            size = None
-        return make_batches(dataset.n_atoms, size, max_atoms)
+        max_atoms = self._eval_max_atoms()
+        size = None if max_atoms is not None else d.val_batch_size or d.batch_size
+        return make_batches(dataset.n_atoms, size, max_atoms, groups=self.sharding.groups)
+
+    def check_batches(self) -> None:
+        """Make every split's batches once (refuses a structure too large for a group's
+        budget at start-up rather than at the first validation)."""
+        self.train_batches(0)
+        for ds in (self.splits.val, self.splits.test):
+            if ds is not None and len(ds):
+                self.eval_batches(ds)
 
     def steps_per_epoch(self) -> int:
-        return len(self.train_batches(0))
+        k = self.cfg.accumulate_grad_batches
+        return -(-len(self.train_batches(0)) // k)
 
     # ------------------------------------------------------------------ checkpoints
     def payload(self) -> dict:
@@ -241,7 +269,8 @@ class TrainingLoop:
         if dataset is None or len(dataset) == 0:
             return {}, None
         sums, parity = self.trainer.evaluate(dataset, self.eval_batches(dataset),
-                                             self._shard(dataset), collect=collect)
+                                             self._shard(dataset, self._eval_max_atoms()),
+                                             collect=collect, load=self.sharding.load)
         return sums.finalize(prefix), parity
 
     # ------------------------------------------------------------------ epochs
@@ -263,24 +292,30 @@ class TrainingLoop:
                 and time.perf_counter() - self.t_start > 60.0 * limit)
 
     def _train_epoch(self, metrics: MetricSums) -> bool:
-        """Train the rest of the current epoch; False if stopped by ``max_steps``."""
+        """Train the rest of the current epoch; False if stopped by ``max_steps``.
+
+        An optimizer step takes ``accumulate_grad_batches`` consecutive global batches (the
+        epoch's last step may take fewer), consumed together: ``batch_in_epoch`` advances by
+        a step's batches, so a resumed run continues at a step boundary."""
         p = self.progress
         batches = self.train_batches(p.epoch)
-        shard = self._shard(self.splits.train)
+        shard = self._shard(self.splits.train, self.cfg.max_atoms_per_batch)
         data = self.splits.train
+        k = self.cfg.accumulate_grad_batches
         bar = self.logger.bar(len(batches), p.batch_in_epoch, f"epoch {p.epoch + 1}")
         try:
             while p.batch_in_epoch < len(batches):
                 if self._stop_for_steps():
                     return False
-                batch = batches[p.batch_in_epoch]
-                graphs = [data[i] for i in shard(batch)]
+                step_batches = batches[p.batch_in_epoch : p.batch_in_epoch + k]
+                graphs = [self.sharding.load(data, shard(b)) for b in step_batches]
+                counts = data.batch_label_counts([i for b in step_batches for i in b])
                 loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late(),
-                                               counts=data.batch_label_counts(batch))
+                                               counts=counts)
                 p.step += 1
-                p.batch_in_epoch += 1
+                p.batch_in_epoch += len(step_batches)
                 self._step_done(loss, metrics)
-                bar.update(1)
+                bar.update(len(step_batches))
                 bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         finally:
             bar.close()

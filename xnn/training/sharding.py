@@ -1,0 +1,53 @@
+"""Which structures of a global batch a rank's data-parallel replica takes.
+
+Pure index arithmetic (no collective): the parallelization layer
+(:func:`xnn.distributed.parallelize.parallelize_train`) builds the :class:`BatchSharding` of
+each rank; a single process takes every structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from xnn.data.datasets import atom_chunks, shard_batch
+from xnn.data.graph import AtomicGraph
+
+
+@dataclass(frozen=True)
+class BatchSharding:
+    """The share of a global batch that this rank's ``dd`` group takes.
+
+    Attributes:
+        dp_rank: this rank's data-parallel replica.
+        dp: number of replicas (``dd`` groups).
+        groups: ``dp`` when ``data.max_atoms_per_batch`` is a per-group budget (``dd > 1``;
+            batches are then made by ``make_batches(..., groups=dp)``), else ``None``.
+        without_edges: :meth:`load` reads the structures without the neighbor list of the
+            whole structure (``dd > 1``: each rank builds the edges of its own atoms).
+    """
+
+    dp_rank: int = 0
+    dp: int = 1
+    groups: int | None = None
+    without_edges: bool = False
+
+    def load(self, dataset, indices: Sequence[int]) -> list[AtomicGraph]:
+        """The structures ``indices`` of ``dataset`` as this rank's predictor takes them."""
+        from xnn.data.datasets import WithEdges
+
+        if self.without_edges and isinstance(dataset, WithEdges):
+            dataset = dataset.dataset  # the same structures and labels, no edges
+        return [dataset[i] for i in indices]
+
+    def __call__(self, batch: Sequence[int], n_atoms: np.ndarray,
+                 max_atoms: int | None = None) -> list[int]:
+        """This group's indices of ``batch`` (made with ``max_atoms`` if not ``None``)."""
+        if self.dp == 1:
+            return list(batch)
+        if self.groups is not None and max_atoms is not None:
+            chunks = atom_chunks(list(batch), n_atoms, max_atoms)
+            return chunks[self.dp_rank] if self.dp_rank < len(chunks) else []
+        return shard_batch(batch, n_atoms, self.dp_rank, self.dp)

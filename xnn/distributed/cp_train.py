@@ -2,8 +2,8 @@
 
 Each ``dd`` group (the ``dd`` consecutive ranks of one data-parallel replica, see
 :class:`~xnn.distributed.mesh.ParallelDims`) takes one share of the global batch; every rank
-of the group takes the same share (:class:`~xnn.training.sharding.BatchSharding`). Each structure of the share is
-decomposed spatially over the group with the MD domain code
+of the group takes the same share (:class:`~xnn.training.sharding.BatchSharding`). Each
+structure of the share is decomposed spatially over the group with the MD domain code
 (:class:`~xnn.distributed.domain.potential.DomainPotential`, mode ``"auto"``: sync for models
 with sync points): the group's first rank scatters it and every rank evaluates only its
 owned atoms and their ghosts (:class:`DomainPredictor`). Then
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 

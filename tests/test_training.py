@@ -165,9 +165,20 @@ def _state(path):
     return p["model"]["state_dict"], p["ema"]["shadow"], p["optimizer"], p["progress"]
 
 
-def test_resume_is_bitwise(tmp_path, data):
+@pytest.fixture
+def restore_determinism():
+    yield
+    torch.use_deterministic_algorithms(False)  # process-global: set by deterministic=true
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_resume_is_bitwise(tmp_path, data, device, restore_determinism):
+    # CUDA's index_add/scatter use atomics: bitwise only with deterministic kernels
     common = ("precision=fp64", "schedule.name=cosine", "schedule.warmup_steps=2",
-              "schedule.total_steps=9", "max_epochs=5")
+              "schedule.total_steps=9", "max_epochs=5", f"device={device}",
+              f"deterministic={device == 'cuda'}")
     run_train(tiny(tmp_path / "full", data, *common, "max_steps=7"))
     run_train(tiny(tmp_path / "part", data, *common, "max_steps=4"))
     mid = load_checkpoint(tmp_path / "part" / "checkpoints" / "last.pt")["progress"]

@@ -178,6 +178,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     out = folder.work
     logger = RunLogger(out, reducer.is_main, cfg.logging.csv, False, cfg.logging.progress_bar)
     device = pick_device(cfg.device)
+    if cfg.deterministic:
+        _deterministic()
     memory = _memory(cfg, device, reducer.rank)
     seed_everything(cfg.seed, reducer.rank)
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species)
@@ -212,6 +214,14 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
         folder.commit()  # a run that replaces another: swap the files in now that it is done
     reducer.barrier()
     return summary
+
+
+def _deterministic() -> None:
+    """Deterministic kernels: atomics-free index_add/scatter, fixed cuBLAS workspaces."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def _open_folder(cfg: TrainConfig, folder: RunFolder, reducer, logger) -> RunLogger:

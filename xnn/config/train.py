@@ -246,6 +246,10 @@ class TrainConfig:
                           "shapes, checked against eager autograd first); the first steps "
                           "compile for about a minute. xnn models; not with bf16_mixed")
     device: str = field("auto", "cpu, cuda or auto (cuda when available)")
+    deterministic: bool = field(False, "deterministic CUDA kernels "
+                                "(torch.use_deterministic_algorithms): on a GPU, a resumed or "
+                                "repeated run is then bitwise equal to the uninterrupted one "
+                                "(CPU runs always are); somewhat slower")
     seed: int = field(0, "seed of the split, the initial weights and the batch order")
     output_dir: str = field("runs/xnn", "folder of checkpoints, logs, plots and the final model")
     overwrite: bool = field(False, "replace a previous run in output_dir: it is kept until "

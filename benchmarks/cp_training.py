@@ -142,7 +142,7 @@ def run_point(rank: int, world: int, args, checkpointing: bool) -> dict:
     dtype = torch.float32 if args.device == "cuda" else torch.float64
     model = model.to(device=device, dtype=dtype)
     plan = parallelize_train(manager, 1, world)
-    graph = structure(args.atoms)
+    graph = structure(args.point_atoms)
     if world == 1:
         graph = with_edges(graph, args.cutoff)  # the one-process path needs edges
     specs = {"energy": TermSpec(1.0), "forces": TermSpec(10.0), "stress": TermSpec(1.0)}
@@ -161,7 +161,8 @@ def run_point(rank: int, world: int, args, checkpointing: bool) -> dict:
             times.append(dt)
             peaks.append(mem.peak)
     stats = getattr(trainer.predictor, "last_stats", {})
-    return {"rank": rank, "n_atoms": graph.n_atoms, "step_s": statistics.median(times),
+    return {"rank": rank, "requested_atoms": args.point_atoms, "n_atoms": graph.n_atoms,
+            "step_s": statistics.median(times),
             "peak_bytes": max(peaks), "n_owned": stats.get("n_owned", graph.n_atoms),
             "n_ghost": stats.get("n_ghost", 0)}
 
@@ -208,6 +209,7 @@ def spawn_point(args, world: int, checkpointing: bool) -> list[dict]:
 
 def summarise(dd: int, checkpointing: bool, ranks: list[dict]) -> dict:
     row = {"dd": dd, "checkpointing": checkpointing, "ranks": ranks}
+    row["requested_atoms"] = ranks[0].get("requested_atoms")
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         row["error"] = errors[0]
@@ -219,8 +221,38 @@ def summarise(dd: int, checkpointing: bool, ranks: list[dict]) -> dict:
     return row
 
 
+def largest(rows: list[dict], budget_gb: float) -> dict:
+    """Largest trainable structure per ``(dd, checkpointing)`` under a per-rank memory budget:
+    the peak per rank is fitted as ``a + b * n_atoms`` over the measured sizes (least squares;
+    it is linear in the atoms once the model's weights are counted in ``a``) and solved for
+    the budget. An estimate: reported with the fit's points."""
+    import numpy as np
+
+    out = {}
+    groups: dict = {}
+    for r in rows:
+        if "error" not in r:
+            groups.setdefault((r["dd"], r["checkpointing"]), []).append(r)
+    for (dd, ck), rs in sorted(groups.items()):
+        if len({r["n_atoms"] for r in rs}) < 2:
+            continue
+        n = np.array([r["n_atoms"] for r in rs], dtype=float)
+        m = np.array([r["peak_mb_per_rank"] for r in rs]) / 1024
+        b, a = np.polyfit(n, m, 1)
+        out[f"dd{dd}{'_ckpt' if ck else ''}"] = {
+            "gb_per_1k_atoms": 1000 * b, "intercept_gb": a,
+            "largest_atoms": int((budget_gb - a) / b) if b > 0 else None}
+    for ck in ("", "_ckpt"):
+        one, four = out.get(f"dd1{ck}"), out.get(f"dd4{ck}")
+        if one and four and one["largest_atoms"] and four["largest_atoms"]:
+            out[f"dd4{ck}_largest_over_dd1"] = four["largest_atoms"] / one["largest_atoms"]
+    return {"budget_gb_per_rank": budget_gb, **out}
+
+
 def ratios(rows: list[dict]) -> dict:
-    ok = {(r["dd"], r["checkpointing"]): r for r in rows if "error" not in r}
+    top = max((r["n_atoms"] for r in rows if "error" not in r), default=None)
+    ok = {(r["dd"], r["checkpointing"]): r for r in rows
+          if "error" not in r and r["n_atoms"] == top}  # ratios at the largest size
     out = {}
     for (dd, ck), r in ok.items():
         base = ok.get((1, ck))
@@ -238,7 +270,11 @@ def ratios(rows: list[dict]) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", required=True, help="output file")
-    p.add_argument("--atoms", type=int, default=20000, help="atoms of the structure (about)")
+    p.add_argument("--atoms", default="20000",
+                   help="atoms of the structure (about); comma-separated for several sizes "
+                        "(then the largest trainable structure under --budget-gb is fitted)")
+    p.add_argument("--budget-gb", type=float, default=80.0,
+                   help="per-rank memory budget of the largest-structure estimate (GB)")
     p.add_argument("--dd", default="1,2,4", help="comma-separated dd degrees")
     p.add_argument("--model", default="schnet")
     p.add_argument("--hparams", default="", help="model hyperparameters as JSON")
@@ -251,11 +287,13 @@ def main(argv=None) -> dict:
     p.add_argument("--timeout", type=float, default=1800.0, help="s per point")
     args = p.parse_args(argv)
     rows = []
-    for ck in ([False, True] if args.checkpointing else [False]):
-        for dd in [int(x) for x in args.dd.split(",")]:
-            row = summarise(dd, ck, spawn_point(args, dd, ck))
-            print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
-            rows.append(row)
+    for n in [int(x) for x in str(args.atoms).split(",")]:
+        args.point_atoms = n
+        for ck in ([False, True] if args.checkpointing else [False]):
+            for dd in [int(x) for x in args.dd.split(",")]:
+                row = summarise(dd, ck, spawn_point(args, dd, ck))
+                print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
+                rows.append(row)
     try:
         from benchmarks.common import machine_info
     except ImportError:  # run as a script
@@ -263,9 +301,11 @@ def main(argv=None) -> dict:
 
     result = {"benchmark": "cp_training", "args": vars(args), "machine": machine_info(
         args.device), "rows": rows, "ratios": ratios(rows),
+        "largest_trainable": largest(rows, args.budget_gb),
         "checkpointing_supported": supports_checkpointing(args.model)}
     Path(args.json).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["ratios"], indent=2))
+    print(json.dumps({"ratios": result["ratios"],
+                      "largest_trainable": result["largest_trainable"]}, indent=2))
     return result
 
 

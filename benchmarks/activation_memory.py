@@ -50,8 +50,7 @@ class SavedBytes:
         self.live = self.peak = 0
 
     def pack(self, t):
-        ptr = t.data_ptr()
-        if ptr in self.params or t.device.type == "meta":
+        if t.data_ptr() in self.params or t.device.type == "meta":
             return t
         return _Holder(self, t)
 
@@ -59,7 +58,8 @@ class SavedBytes:
         return h.t if isinstance(h, _Holder) else h
 
     def add(self, t, sign: int) -> None:
-        ptr, n = t.data_ptr(), t.untyped_storage().nbytes()
+        storage = t.untyped_storage()  # views (slices) of one storage count once
+        ptr, n = storage.data_ptr(), storage.nbytes()
         c = self.count.get(ptr, 0) + sign
         if c == 0:
             self.count.pop(ptr, None)

@@ -83,7 +83,7 @@ def scatter_sum(src: Tensor, index: Tensor, n: int) -> Tensor:
 
 AUTO_CHUNK = 131072  # edges per chunk when ``edge_chunk_size="auto"`` decides to chunk
 LEAN_EDGES = 131072  # above this many edges, recompute cheap intermediates in backward
-CKPT_EDGES_PER_ATOM = 8  # edges per checkpointed edge piece, per atom (see checkpoint_chunk)
+CKPT_EDGES_PER_ATOM = 4  # edges per checkpointed edge piece, per atom (see checkpoint_chunk)
 CKPT_MIN_EDGES = 4096  # ... but at least this many
 
 

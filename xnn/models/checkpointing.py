@@ -14,8 +14,11 @@ saves little. :func:`checkpoint_block` checkpoints both levels:
 * second backward: that product is recomputed once more, block by block.
 
 So per block only node-sized tensors outlive the block; per-edge intermediates exist for one
-block at a time. It costs about two extra forward + backward passes of each block. Results
-are those of the plain block up to the order of floating-point sums.
+block at a time. A block may be a piece of a layer: the equivariant model checkpoints the
+messages of each chunk of edges separately (``Interaction.forward``), so that the peak is
+one chunk's recomputation rather than a whole layer's. It costs about two extra forward +
+backward passes of each block. Results are those of the plain block up to the order of
+floating-point sums.
 """
 
 from __future__ import annotations

@@ -28,7 +28,11 @@ activation checkpointing, so no per-edge tensor outlives its chunk and the memor
 that of the node features. Measured on CPU (fp32, FCC Cu, 43 edges/atom, C = 64, ``hidden_l_max
 = 1``, energy + forces, ``benchmarks/bench_equivariant.py``): kept for backward ~250 KiB/atom
 without chunks and ~48 KiB/atom with chunks vs 597 KiB/atom for mace-torch's MACE of the same
-size; peak resident memory ~790 and ~110 KiB/atom vs ~1000 KiB/atom for MACE.
+size; peak resident memory ~790 and ~110 KiB/atom vs ~1000 KiB/atom for MACE. With
+``activation_checkpointing`` (training), each interaction is checkpointed in pieces (one per
+chunk of about ``4 * n_atoms`` edges, see :class:`Equivariant`) for both derivatives of
+force training: on 500-atom Cu (fp64, C = 32, ``benchmarks/activation_memory.py``) the peak
+of the tensors saved over a force-training step falls ~9x, the allocator's peak ~6x.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from xnn.models.blocks import (
     PolynomialCutoff,
     SpeciesEmbedding,
 )
+from xnn.models.checkpointing import checkpoint_block
 from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis, o3
 from xnn.models.registry import check_sizes
 
@@ -82,6 +87,23 @@ def scatter_sum(src: Tensor, index: Tensor, n: int) -> Tensor:
 
 AUTO_CHUNK = 131072  # edges per chunk when ``edge_chunk_size="auto"`` decides to chunk
 LEAN_EDGES = 131072  # above this many edges, recompute cheap intermediates in backward
+CKPT_EDGES_PER_ATOM = 4  # edges per checkpointed edge piece, per atom (see checkpoint_chunk)
+CKPT_MIN_EDGES = 4096  # ... but at least this many
+
+
+def checkpoint_chunk(n_edges: int, n_atoms: int) -> int:
+    """Edges per piece of the edge part under activation checkpointing: about
+    ``max(CKPT_EDGES_PER_ATOM * n_atoms, CKPT_MIN_EDGES)``, balanced over the pieces.
+
+    A piece's recomputation (with the derivative's graph, inside the second backward) is then
+    of the order of the node-sized tensors kept for all layers, whatever the system size
+    (500-atom Cu, C = 32: ~80 MB vs ~35 MB in fp64), the node-sized work per piece (the
+    gradient of the gathered sender features) stays a fixed fraction of the edge work, and a
+    piece is never so small that kernel launches dominate on a GPU.
+    """
+    target = max(CKPT_EDGES_PER_ATOM * n_atoms, CKPT_MIN_EDGES)
+    pieces = max(1, -(-n_edges // target))
+    return -(-n_edges // pieces)
 
 
 def available_memory(device: torch.device) -> int:
@@ -129,6 +151,9 @@ class EdgeData(NamedTuple):
         density: ``[n_update]`` sum of the cutoff envelopes of each receiver's edges (a
             smooth neighbour count, 0 for an atom without neighbours), or ``None`` when the
             model has no first-layer self-connection.
+        pieces: activation checkpointing is on (training): every interaction runs as
+            separately checkpointed pieces (``linear_up``, one per edge chunk, the node
+            update; see :meth:`Interaction.forward`), and ``chunks`` is never ``None``.
     """
 
     edge_index: Tensor
@@ -137,6 +162,7 @@ class EdgeData(NamedTuple):
     chunks: list[tuple[int, int, int, int]] | None
     lean: bool = True
     density: Tensor | None = None
+    pieces: bool = False
 
 
 def receiver_chunks(receiver: Tensor, n_atoms: int, chunk: int) -> list[tuple[int, int, int, int]]:
@@ -291,11 +317,49 @@ class Interaction(nn.Module):
                 sc_gate: Tensor | None = None) -> Tensor:
         """New features of the first ``n_up`` atoms (default all) from ``h`` of all atoms;
         ``sc_gate [n_up]`` multiplies the self-connection (first layer: ``1 - exp(-density)``,
-        so that an atom without neighbours keeps zero features)."""
+        so that an atom without neighbours keeps zero features).
+
+        With ``edges.pieces`` (activation checkpointing), ``linear_up``, the messages of each
+        edge chunk and the node update (``linear_a``, product basis, ``linear_out``,
+        self-connection) each run under :func:`checkpoint_block`: the second backward of
+        force training recomputes one piece at a time, so its transient memory is that of one
+        edge chunk, not of the whole layer.
+        """
         n_up = h.shape[0] if n_up is None else n_up
         species = species[:n_up]
-        a = self.aggregate(h, edges, n_up)
-        b = self.linear_out(self.product(a, species, recompute=edges.lean))
+        if not edges.pieces:
+            return self.update(self.aggregate(h, edges, n_up), h, species, sc_gate, edges.lean)
+        h_up = checkpoint_block(self.linear_up, (h,), _trained(self.linear_up.parameters()))
+        sender, receiver = edges.edge_index[0], edges.edge_index[1]
+        radial = _trained(self.radial.parameters())
+        a = torch.cat([
+            checkpoint_block(self.messages, (h_up, edges.y[e0:e1], edges.feats[e0:e1],
+                                             sender[e0:e1], receiver[e0:e1] - a0, a1 - a0),
+                             radial)
+            for e0, e1, a0, a1 in edges.chunks
+        ])
+        rest = _trained(p for name, p in self.named_parameters()
+                        if not name.startswith(("linear_up.", "radial.")))
+        return checkpoint_block(self._update_sum, (a, h, species, sc_gate), rest)
+
+    def _update_sum(self, a: Tensor, h: Tensor, species: Tensor, sc_gate: Tensor | None):
+        """:meth:`update` from the plain sum of messages ``a [n_up, C, (l_max+1)^2]``."""
+        return self.update(self.linear_a(a / self.avg_num_neighbors), h, species, sc_gate,
+                           False)
+
+    def update(self, a: Tensor, h: Tensor, species: Tensor, sc_gate: Tensor | None,
+               lean: bool) -> Tensor:
+        """Node update ``W_out B(A) + W_sc (s[z] ⊙ h)`` of the first ``n_up`` atoms.
+
+        Args:
+            a: ``A [n_up, C, (l_max+1)^2]`` (see :meth:`aggregate`).
+            h: ``[n_atoms, C, (l_in+1)^2]`` input features.
+            species: ``[n_up]`` species indices.
+            sc_gate: ``[n_up]`` factor of the self-connection, or ``None``.
+            lean: recompute the product basis's intermediates in backward.
+        """
+        n_up = a.shape[0]
+        b = self.linear_out(self.product(a, species, recompute=lean))
         if self.sc is None:
             return b
         d_sc = (min(self.l_in, self.l_out) + 1) ** 2
@@ -306,6 +370,10 @@ class Interaction(nn.Module):
         if self.pad:
             sc = torch.nn.functional.pad(sc, (0, self.pad))
         return b + sc
+
+
+def _trained(params) -> list[Tensor]:
+    return [p for p in params if p.requires_grad]
 
 
 class Equivariant(NativeModel):
@@ -346,10 +414,14 @@ class Equivariant(NativeModel):
             not fit comfortably (estimated above 40% of the free device memory), so small
             and mid-sized systems run at full speed and large ones still fit. ``None``:
             never chunk.
-        activation_checkpointing: in training, also recompute each interaction layer in
-            backward instead of keeping its intermediates (per-edge weights, gathered
-            senders, product basis); no effect in evaluation (see
-            :meth:`NativeModel.checkpointed`). Independent of ``edge_chunk_size``.
+        activation_checkpointing: in training, recompute each interaction in backward
+            instead of keeping its intermediates (per-edge weights, gathered senders,
+            product basis), also for the graph of the forces: each interaction runs as
+            pieces under :func:`~xnn.models.checkpointing.checkpoint_block` (``linear_up``;
+            the messages of each chunk of about ``4 * n_atoms`` edges, see
+            :func:`checkpoint_chunk`; the node update), so force training keeps node-sized
+            tensors only and the second backward recomputes one piece at a time. No effect
+            in evaluation. Chunks are those of ``edge_chunk_size`` where smaller.
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
@@ -480,7 +552,13 @@ class Equivariant(NativeModel):
         if not bool(inside.all()):
             keep = torch.nonzero(inside).flatten()
         chunks = None
-        chunk = self.chunk_size_for(int(inside.sum()), vec.device, vec.dtype)
+        n_in = int(inside.sum())
+        chunk = self.chunk_size_for(n_in, vec.device, vec.dtype)
+        pieces = (self.activation_checkpointing and self.training and torch.is_grad_enabled())
+        if pieces:  # checkpointed pieces of the edge part (see Interaction.forward)
+            chunk = min(chunk or n_in, checkpoint_chunk(n_in, graph.n_update))
+            if chunk >= n_in:  # one piece: no need to sort
+                chunk = None
         if chunk is not None:
             receiver = edge_index[1] if keep is None else edge_index[1, keep]
             if bool((receiver[1:] < receiver[:-1]).any()):
@@ -490,12 +568,14 @@ class Equivariant(NativeModel):
             vec, r, edge_index = vec[keep], r[keep], edge_index[:, keep]
         if chunk is not None:
             chunks = receiver_chunks(edge_index[1], graph.n_update, chunk)
+        elif pieces:
+            chunks = [(0, edge_index.shape[1], 0, graph.n_update)]
         y = self.sh(vec)
         env = self.envelope(r)
         feats = self.bessel(r) * env.unsqueeze(-1)
-        lean = chunks is not None or edge_index.shape[1] > LEAN_EDGES
+        lean = not pieces and (chunks is not None or edge_index.shape[1] > LEAN_EDGES)
         density = self._density(env, edge_index, graph.n_update)
-        return EdgeData(edge_index, y, feats, chunks, lean, density)
+        return EdgeData(edge_index, y, feats, chunks, lean, density, pieces)
 
     def _density(self, env: Tensor, edge_index: Tensor, n: int) -> Tensor | None:
         """``[n]`` receivers' sums of edge envelopes (``None`` without first self-connection)."""
@@ -522,7 +602,7 @@ class Equivariant(NativeModel):
             gate = None
             if t == 0 and edges.density is not None:
                 gate = -torch.expm1(-edges.density)
-            h = self.checkpointed(layer, h, species, edges, n_up, gate)
+            h = layer(h, species, edges, n_up, gate)  # checkpointed pieces: edges.pieces
             out.append(h)
         return out
 

@@ -230,26 +230,6 @@ class EnergyScaleShift(nn.Module):
         if e0:
             self.set_statistics(e0=e0)
 
-    def checkpointed(self, fn, *args, params=None):
-        """``fn(*args)``, under activation checkpointing when it saves memory.
-
-        With ``activation_checkpointing`` set, in training mode and with gradients enabled
-        (and not under a graph tracer), ``fn`` runs under
-        :func:`~xnn.models.checkpointing.checkpoint_block`: autograd keeps only its inputs,
-        and its intermediates (and those of its first derivative) are recomputed in each
-        backward pass; twice-differentiable (force training). In evaluation or under
-        ``torch.no_grad()`` it is a plain call. ``fn`` must not communicate (sync points
-        stay outside) and must use no parameters other than ``params`` (default: those of
-        ``fn``, a module).
-        """
-        if (self.activation_checkpointing and self.training and torch.is_grad_enabled()
-                and not graph_tracing()):
-            from xnn.models.checkpointing import checkpoint_block
-
-            params = list(fn.parameters()) if params is None else list(params)
-            return checkpoint_block(fn, args, [p for p in params if p.requires_grad])
-        return fn(*args)
-
     def set_statistics(
         self,
         e0: Mapping[int, float] | None = None,

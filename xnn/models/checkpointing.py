@@ -8,9 +8,9 @@ saves little. :func:`checkpoint_block` checkpoints both levels:
 
 * forward: the block runs without a graph; autograd keeps its inputs and parameters;
 * first backward: the block's vector-Jacobian product (recomputed forward, then its
-  backward) runs under non-reentrant ``torch.utils.checkpoint`` when a graph is being built,
-  so the graph of the first derivative keeps only the block's inputs and the incoming
-  gradients ``[n_atoms, ...]``;
+  backward) is itself a custom autograd function (``_BlockVJP``) when a graph is being
+  built, so the graph of the first derivative keeps only the block's inputs and the
+  incoming gradients ``[n_atoms, ...]``;
 * second backward: that product is recomputed once more, block by block.
 
 So per block only node-sized tensors outlive the block; per-edge intermediates exist for one

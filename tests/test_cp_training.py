@@ -80,8 +80,10 @@ def structures():
 
 
 def _model(name):
+    """A small model; ``"NAME+ckpt"``: with activation checkpointing (same weights)."""
     from xnn.models import build
 
+    name, _, ckpt = name.partition("+")
     torch.manual_seed(0)
     small = {
         "schnet": dict(num_features=8, num_filters=8, num_basis=8),
@@ -89,6 +91,8 @@ def _model(name):
         "equivariant": dict(channels=4, l_max=1, hidden_l_max=1, correlation=2,
                             radial_mlp=(8,), readout_hidden=4, num_bessel=4),
     }[name]
+    if ckpt:
+        small["activation_checkpointing"] = True
     model = build(name, species=[29], cutoff=CUTOFF, num_interactions=2, **small).double()
     with torch.no_grad():  # non-trivial outputs
         for p in model.parameters():
@@ -178,7 +182,7 @@ def _cp_case(manager, dims, name, batches_idx=((0, 1, 2, 3), (3, 1, 0, 2), (2, 0
     losses, first, weights = _steps(trainer, shares, counts)
     out = {"log": predictor.log, "n_share": [len(s) for s in shares]}
     if torch.distributed.get_rank() == 0:
-        ref = _trainer(_model(name))
+        ref = _trainer(_model(name.partition("+")[0]))  # one process, no checkpointing
         ref_losses, ref_first, ref_weights = _steps(
             ref, [[data[i] for i in b] for b in batches_idx], counts)
         out.update(loss=abs(losses[0] - ref_losses[0]) / abs(ref_losses[0]),
@@ -292,7 +296,9 @@ def _app_case(manager, tmp):
     return out
 
 
-FAST = [((2, 2), "schnet"), ((2, 2), "painn"), ((2, 2), "equivariant")]
+# "+ckpt": activation checkpointing under decomposition vs a plain single-process model
+FAST = [((2, 2), "schnet"), ((2, 2), "painn"), ((2, 2), "equivariant"),
+        ((2, 2), "equivariant+ckpt")]
 GRID = {2: [((1, 2), m) for m in ("schnet", "painn", "equivariant")],
         4: [((1, 4), m) for m in ("schnet", "painn", "equivariant")],
         8: [((2, 4), m) for m in ("schnet", "painn", "equivariant")]}

@@ -25,6 +25,7 @@ from xnn.app.train_model import build_model, check_pretrained_config, data_stati
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
 from xnn.errors import InputError
+from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
@@ -35,7 +36,7 @@ from xnn.training.losses import TermSpec
 from xnn.training.memory import MemoryTools, build_memory_tools, set_activation_checkpointing
 from xnn.training.reducer import LocalReducer
 from xnn.training.schedule import LRSchedule, build_optimizer
-from xnn.training.setup import configure_precision, load_pretrained, pick_device
+from xnn.training.setup import configure_precision, load_pretrained
 from xnn.training.trainer import Trainer
 
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
@@ -177,7 +178,7 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     _check_inputs(cfg, resume)
     out = folder.work
     logger = RunLogger(out, reducer.is_main, cfg.logging.csv, False, cfg.logging.progress_bar)
-    device = pick_device(cfg.device)
+    device = resolve_device(cfg.device)
     if cfg.deterministic:
         _deterministic()
     memory = _memory(cfg, device, reducer.rank)
@@ -257,7 +258,7 @@ def run_train(cfg: TrainConfig) -> dict:
     from xnn.distributed.manager import DistributedManager
     from xnn.distributed.parallelize import parallelize_train
 
-    device = pick_device(cfg.device)
+    device = resolve_device(cfg.device)
     manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type)
     try:
         if manager.is_distributed:  # the first collective: every rank runs the same job

@@ -35,9 +35,9 @@ def run(args) -> int:
 
     from xnn import plotting
     from xnn.errors import InputError
+    from xnn.io.calculator import resolve_device
     from xnn.models.serialization import load_model
     from xnn.training.evaluate import evaluate_model, format_metrics
-    from xnn.training.setup import pick_device
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -47,7 +47,7 @@ def run(args) -> int:
         refuse_non_model_file(args.model)  # truncated, or a training/MD checkpoint
     model = load_model(args.model, trust=args.trust_file)
     metrics, parity = evaluate_model(
-        model, args.data, args.batch_size, pick_device(args.device),
+        model, args.data, args.batch_size, resolve_device(args.device),
         energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
     )
     print(format_metrics(metrics))

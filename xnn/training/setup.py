@@ -12,16 +12,6 @@ PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16_mixed": 
                     "fp64": torch.float64}
 
 
-def pick_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("device 'cuda' requested but CUDA is not available")
-    return dev
-
-
 def configure_precision(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
     """``(parameter dtype, autocast dtype or None)``; ``tf32`` enables TF32 matmuls."""
     tf32 = precision == "tf32"

@@ -18,7 +18,8 @@ from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 
 def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
-    """A :class:`~xnn.models.Potential` for ``model.file`` or ``model.name`` + ``model.params``."""
+    """A :class:`~xnn.models.Potential` for ``model.file`` or ``model.name`` + ``model.params``
+    (summed with the ``model.add`` terms, if any)."""
     from xnn.models import Potential, build
 
     cfg.check_source()
@@ -33,6 +34,10 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
         model = build(cfg.name, **dict(cfg.params))
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):
         raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
+    if cfg.add:
+        from xnn.models import Sum
+
+        model = Sum([model, *[dict(t) if isinstance(t, dict) else t for t in cfg.add]])
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)

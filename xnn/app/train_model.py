@@ -22,11 +22,15 @@ def _accepts(name: str, arg: str) -> bool:
 
 def model_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=None) -> dict:
     """Keyword arguments for ``xnn.models.build``: config hyperparameters plus species, cutoff
-    and (for models that take it, unless set) the average number of neighbours."""
+    and (for models that take it, unless set) the average number of neighbours.
+
+    ``avg_neighbors``: a number, or for ``model.name=sum`` a ``{cutoff: average}`` dict."""
     hp = dict(cfg.hyperparameters)
     for key in ("species", "cutoff", "activation_checkpointing"):
         if key in hp:
             raise InputError(f"set model.{key} rather than model.hyperparameters.{key}")
+    if cfg.name == "sum":
+        return sum_hyperparameters(cfg, species, avg_neighbors)
     hp["species"] = list(species)
     hp["cutoff"] = float(cfg.cutoff)
     if avg_neighbors is not None and "avg_num_neighbors" not in hp \
@@ -35,11 +39,60 @@ def model_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=No
     return hp
 
 
+def _term_cutoff(cfg: ModelConfig, spec: dict) -> float:
+    """A named sum term's cutoff: its own or ``model.cutoff`` (which must cover it)."""
+    cut = float(spec.get("cutoff", cfg.cutoff))
+    if cut > float(cfg.cutoff) * (1 + 1e-12):
+        raise InputError(f"sum term {spec.get('name')!r} has cutoff {cut:g} Å > model.cutoff "
+                         f"{float(cfg.cutoff):g}: the data's neighbor lists use model.cutoff; "
+                         f"set model.cutoff to at least {cut:g}")
+    return cut
+
+
+def sum_terms(cfg: ModelConfig) -> list:
+    """The ``terms`` list of a ``model.name=sum`` config (refused when missing)."""
+    terms = cfg.hyperparameters.get("terms")
+    if not isinstance(terms, (list, tuple)) or not terms:
+        raise InputError("model.name=sum needs model.hyperparameters.terms: a list of "
+                         "{name: ..., ...} or {model_file: ...} terms")
+    return [dict(t) if isinstance(t, dict) else t for t in terms]
+
+
+def sum_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=None) -> dict:
+    """``terms`` of a sum for ``xnn train``: each named term gets ``species`` and, unless it
+    sets them, ``cutoff = model.cutoff`` and the average number of neighbours within its
+    cutoff (for the classes that take them); model files are used as they are."""
+    hp = dict(cfg.hyperparameters)
+    terms = []
+    for spec in sum_terms(cfg):
+        if isinstance(spec, dict) and "name" in spec:
+            spec = dict(spec)
+            cut = _term_cutoff(cfg, spec)
+            for key, value in (("species", list(species)), ("cutoff", cut)):
+                if key not in spec and _accepts(spec["name"], key):
+                    spec[key] = value
+            if isinstance(avg_neighbors, dict) and "avg_num_neighbors" not in spec \
+                    and _accepts(spec["name"], "avg_num_neighbors") and cut in avg_neighbors:
+                spec["avg_num_neighbors"] = float(avg_neighbors[cut])
+        terms.append(spec)
+    hp["terms"] = terms
+    return hp
+
+
 def data_statistics(cfg: ModelConfig, species: list[int], structures: list) -> dict:
-    """E0s, shift, scale and average neighbours from training structures (see ModelConfig)."""
+    """E0s, shift, scale and average neighbours from training structures (see ModelConfig).
+
+    For ``model.name=sum`` the statistics are those of the labels (not of the residual left
+    by fixed terms), plus a ``{cutoff: average number of neighbours}`` dict over the named
+    terms' cutoffs in ``term_avg_num_neighbors``."""
     from xnn.models import statistics as S
 
     out: dict = {"avg_num_neighbors": S.average_num_neighbors(structures, cfg.cutoff)}
+    if cfg.name == "sum":
+        cuts = sorted({_term_cutoff(cfg, t) for t in sum_terms(cfg)
+                       if isinstance(t, dict) and "name" in t})
+        out["term_avg_num_neighbors"] = {c: S.average_num_neighbors(structures, c)
+                                         for c in cuts}
     e0 = S.fit_e0(structures, species) if cfg.e0 == "fit" else {z: 0.0 for z in species}
     out["e0"] = e0
     if cfg.scale_shift:
@@ -53,8 +106,13 @@ def build_model(cfg: TrainConfig, species: list[int], statistics: dict | None) -
     """Build the configured model (seeded) and apply the statistics."""
     torch.manual_seed(cfg.seed)
     stats = statistics or {}
-    hp = model_hyperparameters(cfg.model, species, stats.get("avg_num_neighbors"))
+    key = "term_avg_num_neighbors" if cfg.model.name == "sum" else "avg_num_neighbors"
+    hp = model_hyperparameters(cfg.model, species, stats.get(key))
     model = build(cfg.model.name, **hp)
+    if float(model.cutoff) > float(cfg.model.cutoff) * (1 + 1e-12):
+        raise InputError(f"the model's cutoff {float(model.cutoff):g} Å (a sum term's) exceeds "
+                         f"model.cutoff {float(cfg.model.cutoff):g}, the cutoff of the data's "
+                         f"neighbor lists: set model.cutoff to at least {float(model.cutoff):g}")
     setter = getattr(model, "set_statistics", None)
     if statistics and callable(setter):
         setter(e0=stats.get("e0"), scale=stats.get("scale"), shift=stats.get("shift"))

@@ -23,6 +23,12 @@ class MDModelConfig:
     name: str | None = field(None, "built-in model by registry name instead of a file (e.g. lj)")
     params: dict[str, Any] = field({}, "hyperparameters of the built-in model (e.g. sigma, "
                                    "epsilon, cutoff for lj)")
+    add: list[Any] = field([], "terms added to the model (model.file or model.name), each "
+                           "{name: REGISTRY_NAME, ...hyperparameters} or {model_file: PATH}: "
+                           "the potential is then their sum (xnn.models.Sum), one neighbor "
+                           "list at the largest cutoff, filtered per term; e.g. a trained "
+                           "MLIP plus dispersion: model: {file: model.pt, add: [{name: d3, "
+                           "functional: pbe}]}")
     skin: float = field(1.0, "Verlet skin (Å): neighbor lists are rebuilt after a move of skin/2")
     neighbor_backend: str = field("auto", "neighbor-list backend",
                                   choices=("auto", "torch", "vesin", "brute"))

@@ -23,8 +23,13 @@ METRICS = (
 
 @dataclass
 class ModelConfig:
-    name: str = field("schnet", "registry name of the model (xnn.models.available_models())")
-    cutoff: float = field(5.0, "interaction cutoff (Å); the neighbor lists of the data use it")
+    name: str = field("schnet", "registry name of the model (xnn.models.available_models()); "
+                      "sum: the sum of hyperparameters.terms, e.g. [{name: d3, functional: pbe, "
+                      "trainable: false}, {name: schnet}] (delta learning on top of D3; a "
+                      "term may be {model_file: PATH}; trainable: false freezes a term)")
+    cutoff: float = field(5.0, "interaction cutoff (Å); the neighbor lists of the data use it "
+                          "(sum: the largest term cutoff allowed, and the cutoff of the terms "
+                          "that set none)")
     species: list[int] | None = field(None, "atomic numbers the model knows; null: those of "
                                       "the training data")
     hyperparameters: dict[str, Any] = field({}, "other keyword arguments of the model "

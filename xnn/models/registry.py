@@ -23,6 +23,8 @@ _REGISTRY: dict[str, str] = {
     "equivariant": "xnn.models.equivariant:Equivariant",
     "mace": "xnn.models.external.mace:MACEWrapper",
     "sevenn": "xnn.models.external.sevenn:SevenNetWrapper",
+    "d3": "xnn.models.long_range.dispersion:D3",
+    "sum": "xnn.models.composed:Sum",
 }
 
 

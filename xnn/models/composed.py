@@ -1,0 +1,189 @@
+"""``Sum``: a potential whose per-atom energies are the sums of its terms' (MLIP + D3 + ...).
+
+One neighbor list at the largest term cutoff is built (by :class:`~xnn.models.Potential`, the
+data loader or the domain decomposition); each term gets the edges shorter than its own
+cutoff. A term is a model, or a spec (plain data, as in YAML)::
+
+    {"name": "lj", "sigma": 3.4, "epsilon": 0.0104, "cutoff": 8.5}   # built by registry name
+    {"name": "d3", "functional": "pbe", "trainable": False}
+    {"model_file": "trained.pt"}                      # a file written by xnn.save_model
+
+``trainable: false`` (or ``Sum(terms, trainable=[...])``) freezes a term: its parameters get
+``requires_grad=False``, so training fits the other terms on top of it (delta learning).
+
+Saving stores each term's registry name, hyperparameters and trainable flag (``hparams``)
+and the weights of all terms (``state_dict``, prefixed ``terms.<k>.``): a term loaded from a
+model file is stored by value, not by path. External wrappers without ``hparams`` (mace,
+sevenn) cannot be saved inside a ``Sum`` yet.
+
+Domain decomposition: ``num_interactions`` is the largest of the terms', ``cutoff`` the largest
+cutoff, so the halo ``cutoff * num_interactions`` covers every term. A ``Sum`` has no sync
+points of its own (sync-point mode of a term inside a sum is not wired yet; the halo mode is
+exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.models.base import AtomisticModel, graph_tracing
+
+# an edge up to this relative distance beyond a term's cutoff is still handed to the term,
+# which ignores it itself (models contribute nothing at or beyond their cutoff): rounding
+# of the edge length can never drop an edge the term would count
+_MARGIN = 1e-9
+
+
+def build_term(spec: Mapping[str, Any] | nn.Module) -> tuple[nn.Module, bool | None]:
+    """A term and its ``trainable`` flag (``None``: not given) from a model or a spec dict.
+
+    Raises:
+        InputError: a spec with neither (or both) ``name`` and ``model_file``.
+    """
+    if isinstance(spec, nn.Module):
+        return spec, None
+    if not isinstance(spec, Mapping):
+        raise InputError(f"a sum term must be a model or a mapping with `name` or "
+                         f"`model_file`, got {type(spec).__name__}")
+    hp = dict(spec)
+    trainable = hp.pop("trainable", None)
+    if trainable is not None and not isinstance(trainable, bool):
+        raise InputError(f"sum term {spec!r}: trainable must be true or false")
+    if ("name" in hp) == ("model_file" in hp):
+        raise InputError(f"sum term {spec!r}: give exactly one of `name` (a registry model "
+                         "with its hyperparameters) or `model_file` (a saved model)")
+    if "model_file" in hp:
+        from xnn.models.serialization import load_model
+
+        path, trust = hp.pop("model_file"), hp.pop("trust", False)
+        if hp:
+            raise InputError(f"sum term model_file={path!r}: unknown keys {sorted(hp)} "
+                             "(a model file takes only trust and trainable)")
+        return load_model(path, trust=bool(trust)), trainable
+    from xnn.models.registry import build
+
+    name = hp.pop("name")
+    if name == "sum":
+        raise InputError("a sum term cannot itself be a sum: list its terms instead")
+    return build(name, **hp), trainable
+
+
+class Sum(AtomisticModel):
+    """Per-atom energies ``E_i = sum_t E_i^(t)`` of several terms, each with its own cutoff.
+
+    Args:
+        terms: models or spec dicts (see the module docstring), at least one.
+        trainable: one flag per term (default: each spec's ``trainable``, else true); a
+            frozen term's parameters have ``requires_grad=False``.
+
+    Attributes:
+        terms: ``nn.ModuleList`` of the terms.
+        trainable: the flags.
+    """
+
+    def __init__(self, terms: Sequence[Mapping[str, Any] | nn.Module],
+                 trainable: Sequence[bool] | None = None):
+        super().__init__()
+        if isinstance(terms, (str, bytes, Mapping)) or not len(terms):
+            raise InputError("sum needs a non-empty list of terms")
+        built = [build_term(t) for t in terms]
+        if trainable is not None and len(trainable) != len(built):
+            raise InputError(f"sum: trainable has {len(trainable)} flags for {len(built)} "
+                             "terms")
+        self.terms = nn.ModuleList([m for m, _ in built])
+        for m in self.terms:
+            if not hasattr(m, "cutoff"):
+                raise InputError(f"sum term {type(m).__name__} declares no cutoff")
+        self.trainable = [bool(trainable[k]) if trainable is not None else
+                          (True if flag is None else flag) for k, (_, flag) in enumerate(built)]
+        for m, flag in zip(self.terms, self.trainable):
+            if not flag:
+                for p in m.parameters():
+                    p.requires_grad_(False)
+        self.cutoff = max(float(m.cutoff) for m in self.terms)
+        self.num_interactions = max(int(getattr(m, "num_interactions", 1)) for m in self.terms)
+        known = [set(m.species) for m in self.terms if getattr(m, "species", None) is not None]
+        self.species = sorted(set.intersection(*known)) if known else None
+
+    @property
+    def receptive_field(self) -> float:
+        """The largest receptive field of the terms (Å)."""
+        return max(float(m.cutoff) * int(getattr(m, "num_interactions", 1)) for m in self.terms)
+
+    @property
+    def hparams(self) -> dict:
+        """``{"terms": [{"name": ..., **hyperparameters, "trainable": ...}]}`` (plain data,
+        rebuilt by ``xnn.models.build("sum", **hparams)``)."""
+        from xnn.models.serialization import registry_name
+
+        specs = []
+        for m, flag in zip(self.terms, self.trainable):
+            hp = getattr(m, "hparams", None)
+            if not isinstance(hp, Mapping):
+                raise InputError(f"sum term {type(m).__name__} has no hparams; a sum holding "
+                                 "it cannot be saved or checkpointed")
+            specs.append({"name": registry_name(m), **dict(hp), "trainable": flag})
+        return {"terms": specs}
+
+    @property
+    def e0(self) -> dict[int, float] | None:
+        """Reference energies of the terms that have them, added (``None``: none has)."""
+        tables = [m.e0 for m in self.terms if isinstance(getattr(m, "e0", None), Mapping)]
+        if not tables:
+            return None
+        out: dict[int, float] = {}
+        for t in tables:
+            for z, v in t.items():
+                out[int(z)] = out.get(int(z), 0.0) + float(v)
+        return out
+
+    def set_statistics(self, e0=None, scale=None, shift=None) -> None:
+        """Data statistics go to the first trainable term that takes them (the MLIP)."""
+        for m, flag in zip(self.terms, self.trainable):
+            setter = getattr(m, "set_statistics", None)
+            if flag and callable(setter):
+                setter(e0=e0, scale=scale, shift=shift)
+                return
+
+    def check_species(self, numbers: Tensor) -> None:
+        for m in self.terms:
+            check = getattr(m, "check_species", None)
+            if check is not None:
+                check(numbers)
+
+    def compile_for_inference(self, enabled: bool = True) -> bool:
+        done = [bool(getattr(m, "compile_for_inference", lambda e: False)(enabled))
+                for m in self.terms]
+        return any(done)
+
+    def edges_within(self, graph: AtomicGraph, cutoff: float) -> AtomicGraph:
+        """``graph`` with only the edges shorter than ``cutoff`` (plus a rounding margin)."""
+        if K.EDGE_INDEX not in graph or graph_tracing():
+            return graph  # traced: no data-dependent shapes; the term masks by itself
+        with torch.no_grad():
+            vec = graph.edge_vectors()
+            keep = (vec * vec).sum(-1) < (cutoff * (1.0 + _MARGIN)) ** 2
+        if bool(keep.all()):
+            return graph
+        fields = {}
+        for key in graph.keys():
+            if K.FIELD_SCOPES.get(key) == K.EDGE:
+                value = graph[key]
+                fields[key] = value[:, keep] if key == K.EDGE_INDEX else value[keep]
+        return graph.replace(fields)
+
+    def forward(self, graph: AtomicGraph) -> Tensor:
+        """Per-atom energies ``[n_atoms]`` (eV), the sum of the terms'."""
+        total = None
+        for m in self.terms:
+            g = graph if float(m.cutoff) >= self.cutoff else self.edges_within(graph, m.cutoff)
+            e = m(g)
+            total = e if total is None else total + e.to(total.dtype)
+        return total

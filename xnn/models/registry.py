@@ -23,6 +23,9 @@ _REGISTRY: dict[str, str] = {
     "equivariant": "xnn.models.equivariant:Equivariant",
     "mace": "xnn.models.external.mace:MACEWrapper",
     "sevenn": "xnn.models.external.sevenn:SevenNetWrapper",
+    "ewald": "xnn.models.long_range.coulomb:Ewald",
+    "pme": "xnn.models.long_range.coulomb:PME",
+    "coulomb": "xnn.models.long_range.coulomb:DirectCoulomb",
 }
 
 

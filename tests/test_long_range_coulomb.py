@@ -290,3 +290,36 @@ def test_errors_and_registry():
         registry.build("pme", charges="mulliken")
     with pytest.raises(InputError, match="interpolation_nodes"):
         registry.build("pme", interpolation_nodes=9)
+
+
+@pytest.mark.parametrize("name", ["ewald", "pme"])
+@pytest.mark.parametrize("slab", [False, True])
+def test_global_sum_hook_makes_kspace_exact_over_atom_subsets(name, slab):
+    """Two fake 'ranks' owning halves of the atoms: each evaluates the k-space part on its
+    own atoms with a ``global_sum`` that adds the other rank's partial sums (recorded); the
+    potentials then equal the one-process ones. This is the contract a DD layer relies on."""
+    from xnn.models.long_range.reciprocal import ewald_kspace, pme_kspace
+
+    model = registry.build(name, cutoff=6.0, accuracy=1e-6, charges=NACL)
+    atoms = _capacitor(5.0, 40.0)[0] if slab else _rattled_nacl()
+    g = graph_of(atoms, 6.0)
+    q = model.atom_charges(g)
+    pos, cell, pbc = g.positions, g.cell[0], g.pbc[0]
+
+    def kspace(idx, global_sum):
+        if name == "ewald":
+            return ewald_kspace(model.calculator.potential, model.lr_wavelength, q[idx], cell,
+                                pos[idx], pbc, global_sum, slab)
+        return pme_kspace(model.calculator, q[idx], cell, pos[idx], pbc, global_sum, slab)
+
+    full = kspace(torch.arange(len(q)), lambda x: x)
+    halves = [torch.arange(0, len(q), 2), torch.arange(1, len(q), 2)]
+    recorded = [[], []]
+    for r in (0, 1):
+        kspace(halves[r], lambda x, r=r: recorded[r].append(x) or x)
+    for r in (0, 1):
+        other = iter(recorded[1 - r])
+        phi = kspace(halves[r], lambda x, other=other: x + next(other))
+        assert torch.allclose(phi, full[halves[r]], rtol=1e-12, atol=1e-12)
+    # and without the hook a half alone is wrong
+    assert not torch.allclose(kspace(halves[0], lambda x: x), full[halves[0]], atol=1e-3)

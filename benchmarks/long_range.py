@@ -1,0 +1,117 @@
+"""PME time per evaluation (energy + forces): xnn's ``pme`` against torch-pme's
+``PMECalculator`` called directly, same parameters, same neighbor list, same run.
+
+Usage (from the repository root)::
+
+    python benchmarks/long_range.py --json benchmarks/results/long_range_cpu_quick.json --quick
+    python benchmarks/long_range.py --json long_range_cuda.json --device cuda
+
+Systems: rattled rock-salt NaCl (a = 5.64 Å, charges +-1) of about 10k, 100k (and 1M on
+CUDA) ions; ``cutoff`` 6 Å, ``accuracy`` 1e-4, 4 interpolation nodes (smearing and mesh
+spacing from xnn's formulas, passed unchanged to torch-pme). The neighbor list is built
+once, outside the timings. Both sides compute the edge distances from positions (so that
+forces include the real-space part) and one backward for the forces; no stress. Reported:
+median wall time per evaluation and the ratio xnn / torch-pme (goal <= 1.1). The DD part
+(per-rank cost on gloo) is not measured here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from ase.build import bulk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import time_fn, write_json  # noqa: E402
+from xnn.data.graph import AtomicGraph  # noqa: E402
+from xnn.models import registry  # noqa: E402
+from xnn.models.derivatives import compute_properties  # noqa: E402
+from xnn.models.long_range import COULOMB_CONSTANT  # noqa: E402
+from xnn.neighbors.api import with_edges  # noqa: E402
+
+CUTOFF, ACCURACY, NODES = 6.0, 1e-4, 4
+
+
+def nacl(n_target: int, device, dtype) -> AtomicGraph:
+    reps = max(1, round((n_target / 8) ** (1 / 3)))
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat(reps)
+    atoms.rattle(0.05, seed=0)
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell[:], atoms.pbc,
+                                dtype=dtype, device=device)
+    return with_edges(g, CUTOFF)
+
+
+def torchpme_fn(model, g: AtomicGraph):
+    from torchpme import CoulombPotential, PMECalculator
+
+    calc = PMECalculator(CoulombPotential(smearing=model.smearing, prefactor=COULOMB_CONSTANT),
+                         mesh_spacing=model.mesh_spacing, interpolation_nodes=NODES,
+                         full_neighbor_list=True).to(device=g.device, dtype=g.dtype)
+    q = torch.where(g.numbers == 11, 1.0, -1.0).to(g.dtype)[:, None]
+    pairs = torch.stack([g.edge_index[1], g.edge_index[0]], 1)
+    cell = g.cell[0]
+
+    def run():
+        pos = g.positions.detach().requires_grad_(True)
+        ei = g.edge_index
+        vec = pos[ei[0]] - pos[ei[1]] + g.shifts.to(g.dtype) @ cell
+        pot = calc(q, cell, pos, pairs, vec.norm(dim=-1))
+        energy = (q * pot).sum()
+        (grad,) = torch.autograd.grad(energy, pos)
+        return energy.detach(), -grad
+
+    return run
+
+
+def bench(n: int, device: str, dtype, repeat: int) -> dict:
+    g = nacl(n, device, dtype)
+    model = registry.build("pme", cutoff=CUTOFF, accuracy=ACCURACY, interpolation_nodes=NODES,
+                           charges={"Na": 1.0, "Cl": -1.0}).to(device=device, dtype=dtype)
+    ref = torchpme_fn(model, g)
+
+    def ours():
+        return compute_properties(model, g, forces=True, stress=False)
+
+    e_ref, f_ref = ref()
+    out = ours()
+    de = float((out["energy"].sum() - e_ref).abs() / e_ref.abs())
+    df = float((out["forces"] - f_ref).abs().max())
+    t_ours = time_fn(ours, repeat=repeat, warmup=1, device=device)
+    t_ref = time_fn(ref, repeat=repeat, warmup=1, device=device)
+    from torchpme.lib.kvectors import get_ns_mesh
+
+    mesh = get_ns_mesh(g.cell[0], model.mesh_spacing).tolist()
+    row = {"n_atoms": g.n_atoms, "n_edges": g.n_edges, "mesh": mesh,
+           "smearing_A": model.smearing, "mesh_spacing_A": model.mesh_spacing,
+           "xnn_s": t_ours["median_s"], "torchpme_s": t_ref["median_s"],
+           "ratio": t_ours["median_s"] / t_ref["median_s"],
+           "energy_rel_diff": de, "forces_max_abs_diff": df}
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quick", action="store_true", help="10k only (CPU smoke run)")
+    p.add_argument("--sizes", type=int, nargs="*", help="override the system sizes")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    sizes = args.sizes or ([10_000] if args.quick else
+                           [10_000, 100_000] + ([1_000_000] if args.device == "cuda" else []))
+    dtype = getattr(torch, args.dtype)
+    rows = [bench(n, args.device, dtype, args.repeat) for n in sizes]
+    write_json(args.json, {"benchmark": "long_range_pme", "device": args.device,
+                           "dtype": args.dtype, "cutoff_A": CUTOFF, "accuracy": ACCURACY,
+                           "interpolation_nodes": NODES, "threads": torch.get_num_threads(),
+                           "results": rows}, device=args.device)
+
+
+if __name__ == "__main__":
+    main()

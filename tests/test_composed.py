@@ -174,3 +174,23 @@ def test_xnn_md_with_a_model_file_plus_d3(tmp_path):
     d3_only = float(Potential(build(**TERMS["d3"]))(graph, stress=False)[K.ENERGY][0])
     assert abs(d3_only) > 0.1
     assert float(rows[0]["epot_eV"]) == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.parametrize("coulomb", ["ewald", "pme"])
+def test_lj_plus_coulomb_is_additive(coulomb):
+    """LJ + Ewald/PME on rock salt: energies, forces and stress are the sums of the terms'."""
+    nacl = bulk("NaCl", "rocksalt", a=5.64, cubic=True)
+    nacl.rattle(0.1, seed=3)
+    nacl.set_cell(nacl.cell.array @ np.array([[1.0, 0.03, 0.0], [0.0, 1.0, 0.02],
+                                              [0.0, 0.0, 0.98]]), scale_atoms=True)
+    graph = from_ase([nacl], dtype=torch.float64)
+    lj = {"name": "lj", "sigma": 2.6, "epsilon": 0.01, "cutoff": 6.0}
+    coul = {"name": coulomb, "cutoff": 5.0, "accuracy": 1e-7,
+            "charges": {"Na": 1.0, "Cl": -1.0}}
+    if coulomb == "pme":
+        coul["interpolation_nodes"] = 5
+    alone = [Potential(build(**t))(graph) for t in (lj, coul)]
+    out = Potential(Sum([dict(lj), dict(coul)]), skin=0.5)(graph)
+    assert abs(float(alone[1][K.ENERGY])) > 1.0  # the Coulomb term is not negligible
+    for key in (K.ENERGY, K.ENERGIES, K.FORCES, K.STRESS, K.VIRIAL):
+        assert_rel(out[key], alone[0][key] + alone[1][key], what=f"lj+{coulomb} {key}")

@@ -53,3 +53,22 @@ def test_parallel_dims_validation():
         ParallelDims(dp=-1, dd=3, world_size=8)
     with pytest.raises(InputError, match="positive integer"):
         ParallelDims(dp=0, dd=2, world_size=2)
+
+
+def test_more_ranks_than_gpus_is_refused_for_nccl(monkeypatch):
+    """4 ranks on a 1-GPU node with the default (NCCL) backend: one clear line, not NCCL's
+    'Duplicate GPU detected' after the rendezvous."""
+    import torch
+
+    from xnn.distributed import manager as M
+    from xnn.errors import InputError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(InputError, match="4 ranks on this node share 1 CUDA GPU"):
+        M._pick_device(None, 3, None)
+    assert M._pick_device("cpu", 3, None).type == "cpu"  # gloo on CPU is fine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert M._pick_device(None, 0, None) == torch.device("cuda", 0)

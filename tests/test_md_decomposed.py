@@ -30,7 +30,8 @@ CASES = {  # ensemble -> extra overrides (Langevin/CSVR: random numbers by atom 
     "csvr": ["temperature=150", "thermostat.tau=40"],
     "npt": ["temperature=150", "pressure=0.1", "barostat.tau_p=200", "thermostat.tau=50"],
 }
-LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
+LJ = ["model.device=cpu", "model.name=lj", "model.params.sigma=3.405",
+      "model.params.epsilon=0.0104",
       "output.progress=false"]
 BIG = ["model.params.cutoff=5.0", "model.skin=0.3", "steps=12", "timestep=5.0",
        "initial_temperature=400", "output.log_every=6", "output.trajectory_every=0"]

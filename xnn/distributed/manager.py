@@ -334,6 +334,11 @@ def _pick_device(device, local_rank: int, backend: str | None) -> torch.device:
             raise InputError("device 'cuda' requested but CUDA is not available")
         if dev.index is None:
             n = torch.cuda.device_count()
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+            if backend in (None, "nccl") and local_world > n:
+                raise InputError(f"{local_world} ranks on this node share {n} CUDA GPU(s), but "
+                                 "NCCL needs one GPU per rank: launch at most "
+                                 f"--nproc-per-node {n}, or run on CPU (device cpu, gloo)")
             dev = torch.device("cuda", local_rank % max(n, 1))
         torch.cuda.set_device(dev)
     return dev

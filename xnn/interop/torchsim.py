@@ -37,7 +37,8 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 
-__all__ = ["XnnTorchSimModel", "TorchSimPotential", "require_torch_sim"]
+# XnnTorchSimModel subclasses torch-sim's ModelInterface: built on first access (__getattr__)
+__all__ = ["XnnTorchSimModel", "TorchSimPotential", "require_torch_sim"]  # noqa: F822
 
 INSTALL_HINT = "pip install torch-sim-atomistic (or pip install 'xnn[torchsim]')"
 
@@ -56,7 +57,7 @@ def require_torch_sim():
 
 
 def _pbc_rows(pbc, n_systems: int, device: torch.device) -> Tensor:
-    """torch-sim's ``pbc`` (a bool, or a ``[3]`` / ``[n_systems, 3]`` tensor) as ``[n_systems, 3]``."""
+    """torch-sim's ``pbc`` (bool, ``[3]`` or ``[n_systems, 3]`` tensor) as ``[n_systems, 3]``."""
     p = torch.as_tensor(pbc, dtype=torch.bool, device=device)
     if p.ndim == 0:
         p = p.expand(3)

@@ -12,8 +12,8 @@ Inputs (one batch of ``n_systems`` systems, ``n_atoms`` atoms, ``n_edges`` edges
 * ``pbc [n_systems, 3]`` bool
 * ``batch [n_atoms]`` int64 system index of each atom, non-decreasing
 * ``edge_index [2, n_edges]`` int64; row 0 the sender j, row 1 the receiver i
-* ``shifts [n_edges, 3]`` integer image shifts stored in the positions' dtype; the edge
-  vector is ``r_ij = positions[j] - positions[i] + shifts @ cell[batch[i]]``
+* ``shifts [n_edges, 3]`` int64 image shifts; the edge vector is
+  ``r_ij = positions[j] - positions[i] + shifts @ cell[batch[i]]``
 
 The neighbor list is the caller's: a **full** list (both directions), every pair closer than
 ``metadata["cutoff"]`` (longer edges are allowed and get zero weight), no self-pair with a
@@ -105,8 +105,7 @@ def example_inputs(model: nn.Module) -> tuple[Tensor, ...]:
     cell = torch.eye(3, dtype=torch.float64).expand(len(sizes), 3, 3) * side
     graph = AtomicGraph.from_arrays(pos, numbers, cell, True, batch, dtype=_model_dtype(model))
     g = with_edges(graph, float(model.cutoff), backend="brute")
-    return (g.positions, g.numbers, g.cell, g.pbc, g.batch, g.edge_index,
-            g.shifts.to(g.positions.dtype))
+    return (g.positions, g.numbers, g.cell, g.pbc, g.batch, g.edge_index, g.shifts)
 
 
 def refuse_unexportable(model: nn.Module) -> None:
@@ -220,17 +219,23 @@ def export_forcefield(model: nn.Module, path: str | os.PathLike, fmt: str) -> Pa
     path = Path(path)
     if path.is_dir():
         raise InputError(f"cannot export to {path}: it is a folder; give a file name")
+    refuse_unexportable(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = json.dumps(metadata(model, fmt))
     if fmt == "torchscript":
         module = scripted(trace_forcefield(model))
-        return atomic_write(path, lambda tmp: torch.jit.save(
-            module, str(tmp), _extra_files={META_FILE: meta}))
+        return atomic_write(path, lambda tmp: _jit_save(module, tmp, meta))
     program = export_program(model)
     if fmt == "export":
         return atomic_write(path, lambda tmp: torch.export.save(
             program, tmp, extra_files={META_FILE: meta}))
     return atomic_write(path, lambda tmp: _aoti(program, tmp, meta))
+
+
+def _jit_save(module: torch.jit.ScriptModule, path: Path, meta: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # documented in the module
+        torch.jit.save(module, str(path), _extra_files={META_FILE: meta})
 
 
 def _aoti(program: torch.export.ExportedProgram, path: Path, meta: str) -> None:

@@ -29,8 +29,9 @@ Formats:
 * ``export``: a ``torch.export`` program (``.pt2``); ``torch.export.load(f).module()``.
 * ``aoti``: an AOTInductor package (``.pt2``, compiled C++; needs a C++ compiler when
   exporting); ``torch._inductor.aoti_load_package(f)``.
-* ``torchscript``: TorchScript (``.pt``); ``torch.jit.load(f)`` (TorchScript is deprecated
-  in torch >= 2.10 and warns; still what LAMMPS' ML-IAP/pair styles of other codes load).
+* ``torchscript``: TorchScript (``.pt``); ``torch.jit.load(f)`` (TorchScript is deprecated:
+  torch 2.13 warns on save and load; it is still the format that C++ hosts such as the
+  LAMMPS pair styles of other packages load).
 
 Every dimension above (atoms, edges, systems) is dynamic. External wrappers (``mace``,
 ``sevenn``) are refused: use their own packages' export tools.

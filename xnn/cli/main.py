@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "md": "xnn.cli.md",
     "relax": "xnn.cli.relax",
     "validate": "xnn.cli.validate",
+    "export": "xnn.cli.export",
 }
 
 

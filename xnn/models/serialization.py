@@ -22,7 +22,9 @@ needs unpickling takes ``trust`` (``load_model(..., trust=True)``) and refuses i
 ``export_model(model, path)`` writes a ``torch.export`` program mapping plain tensors to
 per-atom energies (differentiable, so forces follow by autograd); see :func:`load_exported`.
 ``torch.export.load`` unpickles parts of such a file, so :func:`load_exported` needs
-``trust=True``.
+``trust=True``. ``export_model(model, path, format="export" | "aoti" | "torchscript")``
+writes instead a self-contained artefact returning energy, forces and stress that loads with
+torch alone (:mod:`xnn.models.export`).
 """
 
 from __future__ import annotations
@@ -330,22 +332,38 @@ def default_example(model: nn.Module) -> AtomicGraph:
 
 
 def export_model(
-    model: nn.Module, path: str | os.PathLike, example: AtomicGraph | None = None
+    model: nn.Module,
+    path: str | os.PathLike,
+    example: AtomicGraph | None = None,
+    format: str = "energies",
 ) -> Path:
-    """Export ``model`` with ``torch.export`` (dynamic numbers of atoms, edges and systems).
+    """Export ``model`` (dynamic numbers of atoms, edges and systems).
 
     Args:
         model: a per-atom-energy model.
-        path: output file (``.pt2``); metadata (name, hparams, cutoff, species) is stored
-            as the extra file ``xnn.json``.
-        example: a graph with edges (two or more systems, atoms and edges) used for
-            tracing; by default :func:`default_example`.
+        path: output file (``.pt2``; ``.pt`` for TorchScript); metadata (name, hparams,
+            cutoff, species) is stored inside as ``xnn.json``.
+        example: for ``format="energies"``: a graph with edges (two or more systems, atoms
+            and edges) used for tracing; by default :func:`default_example`.
+        format: ``energies`` (default): a ``torch.export`` program mapping plain tensors
+            to per-atom energies (forces by autograd; load with :func:`load_exported`).
+            ``export``, ``aoti``, ``torchscript``: a self-contained artefact that returns
+            ``(energy, forces, stress)`` and loads with torch alone, see
+            :mod:`xnn.models.export`.
     Returns:
-        the path. Load with :func:`load_exported`.
+        the path.
     Raises:
         InputError: if the model cannot be exported (its reason in one line).
     """
     from torch.export import Dim
+
+    if format != "energies":
+        from xnn.models.export import export_forcefield
+
+        if example is not None:
+            raise InputError(f"export format {format!r} traces its own example; pass "
+                             "example only with format='energies'")
+        return export_forcefield(model, path, format)
 
     if example is None:
         example = default_example(model)

@@ -26,12 +26,25 @@ from torchpme.lib.kvectors import get_ns_mesh
 GlobalSum = Callable[[Tensor], Tensor]
 
 
-def _moments(q: Tensor, pos: Tensor, periodic: Tensor, slab: bool) -> Tensor:
+def _height(pos: Tensor, cell: Tensor, periodic: Tensor) -> Tensor:
+    """``z [n]`` (Å): the coordinate along the unit normal of the two periodic vectors
+    (pointing like the third). It is unchanged by a move along a periodic vector, strained
+    or not, so the slab term and its strain derivative do not depend on which periodic
+    image of an atom is given (``z`` is the Cartesian z for a cell with ``a, b`` in the
+    x-y plane)."""
+    axis = int(torch.nonzero(~periodic).flatten()[0])
+    a, b = cell[(axis + 1) % 3], cell[(axis + 2) % 3]
+    n = torch.linalg.cross(a, b)
+    n = n * torch.sign((n * cell[axis]).sum()) / torch.linalg.norm(n)
+    return pos @ n
+
+
+def _moments(q: Tensor, pos: Tensor, cell: Tensor, periodic: Tensor, slab: bool) -> Tensor:
     """This rank's scalar moments: ``[Q]``, or ``[Q, sum q z, sum q z^2]`` for a slab."""
     total = q.sum().reshape(1)
     if not slab:
         return total
-    z = pos[:, int(torch.nonzero(~periodic).flatten()[0])]
+    z = _height(pos, cell, periodic)
     return torch.cat([total, torch.stack([(q * z).sum(), (q * z * z).sum()])])
 
 
@@ -50,7 +63,7 @@ def _corrections(potential, q: Tensor, cell: Tensor, pos: Tensor, periodic: Tens
     phi = phi - 2.0 * potential.background_correction() * total / volume
     if slab:
         axis = int(torch.nonzero(~periodic).flatten()[0])
-        z = pos[:, axis]
+        z = _height(pos, cell, periodic)
         length = torch.linalg.norm(cell[axis])
         phi = phi + potential.prefactor * (4.0 * torch.pi / volume) * (
             z * moments[1] - 0.5 * (moments[2] + total * z * z) - total / 12.0 * length**2)
@@ -79,7 +92,7 @@ def ewald_kspace(potential, lr_wavelength: float, q: Tensor, cell: Tensor, pos: 
     cos, sin = torch.cos(arg), torch.sin(arg)
     # structure factors [2, n_k] and the moments, summed over all atoms
     s_k, moments = _summed(global_sum, [torch.stack([q @ cos, q @ sin]),
-                                        _moments(q, pos, periodic, slab)])
+                                        _moments(q, pos, cell, periodic, slab)])
     volume = torch.abs(torch.linalg.det(cell))
     phi = (cos @ (green * s_k[0]) + sin @ (green * s_k[1])) / volume
     return phi + _corrections(potential, q, cell, pos, periodic, moments, slab)
@@ -96,7 +109,7 @@ def pme_kspace(calculator, q: Tensor, cell: Tensor, pos: Tensor, periodic: Tenso
     kfilter.update(cell, ns)
     interp.compute_weights(pos)
     mesh = interp.points_to_mesh(particle_weights=q[:, None])  # [1, nx, ny, nz]
-    mesh, moments = _summed(global_sum, [mesh, _moments(q, pos, periodic, slab)])
+    mesh, moments = _summed(global_sum, [mesh, _moments(q, pos, cell, periodic, slab)])
     volume = torch.abs(torch.linalg.det(cell))
     phi = interp.mesh_to_points(kfilter.forward(mesh))[:, 0] / volume
     return phi + _corrections(calculator.potential, q, cell, pos, periodic, moments, slab)

@@ -278,3 +278,23 @@ def test_four_ranks_equal_one_process():
 @pytest.mark.parametrize("world", [3, 8])
 def test_three_and_eight_ranks_equal_one_process(world):
     _check(_run(world), world)
+
+
+def test_molten_nacl_example_runs(tmp_path):
+    """examples/molten_nacl/md.yaml runs under ``xnn md``: NVE conserves energy and the
+    cohesive energy is that of NaCl (about -7.9 eV per ion pair: LJ + PME with +-1 charges)."""
+    import csv
+    from pathlib import Path
+
+    from xnn.cli.main import main
+
+    folder = Path(__file__).resolve().parents[1] / "examples" / "molten_nacl"
+    rc = main(["md", str(folder / "md.yaml"), f"structure={folder / 'nacl_216.xyz'}",
+               f"output.dir={tmp_path / 'md'}", "ensemble=nve", "steps=4", "timestep=1.0",
+               "output.plot=false", "output.progress=false", "output.log_every=1"])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "md" / "thermo.csv")))
+    assert len(rows) == 5
+    e = [float(r["conserved_eV"]) for r in rows]
+    assert max(e) - min(e) < 1e-3 * 216 * 0.01
+    assert -8.5 < float(rows[0]["epot_eV"]) / 108 < -7.0

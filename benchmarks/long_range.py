@@ -11,8 +11,15 @@ CUDA) ions; ``cutoff`` 6 Å, ``accuracy`` 1e-4, 4 interpolation nodes (smearing 
 spacing from xnn's formulas, passed unchanged to torch-pme). The neighbor list is built
 once, outside the timings. Both sides compute the edge distances from positions (so that
 forces include the real-space part) and one backward for the forces; no stress. Reported:
-median wall time per evaluation and the ratio xnn / torch-pme (goal <= 1.1). The DD part
-(per-rank cost on gloo) is not measured here yet.
+median wall time per evaluation and the ratio xnn / torch-pme (goal <= 1.1).
+
+``--dd 1,2,4``: the same system decomposed over that many gloo ranks on this host (one
+thread each; :class:`~xnn.distributed.DomainPotential`: real space through the halo, the
+PME mesh all-reduced, replicated FFT): per-rank median time of one evaluation (energy,
+forces, stress), owned / ghost atoms, the mesh's size and peak resident memory per rank::
+
+    python benchmarks/long_range.py --json benchmarks/results/long_range_dd_cpu.json \
+        --sizes 10000 --dd 1,2 --no-direct
 """
 
 from __future__ import annotations
@@ -94,6 +101,50 @@ def bench(n: int, device: str, dtype, repeat: int) -> dict:
     return row
 
 
+def _dd_rank(rank: int, world: int, n: int, repeat: int) -> dict:
+    """One gloo rank: decomposed PME (energy, forces, stress) of the ``n``-ion system."""
+    import resource
+    import time
+
+    from xnn.distributed import DistributedManager, DomainPotential
+
+    manager = DistributedManager.initialize(backend="gloo", timeout_s=600)
+    g = nacl(n, "cpu", torch.float64).without_edges()
+    model = registry.build("pme", cutoff=CUTOFF, accuracy=ACCURACY, interpolation_nodes=NODES,
+                           charges={"Na": 1.0, "Cl": -1.0})
+    pot = DomainPotential(model, manager)
+    owned = pot.scatter(g if rank == 0 else None)
+    times = []
+    for _ in range(repeat + 1):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        out = pot(owned, forces=True, stress=True)
+        times.append(time.perf_counter() - t0)
+    from torchpme.lib.kvectors import get_ns_mesh
+
+    mesh = get_ns_mesh(g.cell[0], model.mesh_spacing).tolist()
+    st = pot.stats()
+    return {"rank": rank, "median_s": sorted(times[1:])[len(times[1:]) // 2],
+            "n_owned": st["n_owned"], "n_ghost": st["n_ghost"], "mesh": mesh,
+            "mesh_MiB": 8 * mesh[0] * mesh[1] * mesh[2] / 2**20,
+            "peak_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "energy": float(out["energy"])}
+
+
+def bench_dd(n: int, worlds: list[int], repeat: int) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from dist_helpers import spawn  # one set of gloo ranks per rank count
+
+    rows = []
+    for world in worlds:
+        ranks = spawn(_dd_rank, world, (n, repeat), timeout_s=3600)
+        row = {"n_atoms": nacl(n, "cpu", torch.float64).n_atoms, "ranks": world,
+               "per_rank": ranks, "max_rank_s": max(r["median_s"] for r in ranks)}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True)
@@ -102,15 +153,23 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="*", help="override the system sizes")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dd", default=None, help="also decomposed over these gloo rank counts, "
+                   "e.g. 1,2,4 (CPU)")
+    p.add_argument("--no-direct", action="store_true", help="skip the xnn vs torch-pme part")
     args = p.parse_args()
     sizes = args.sizes or ([10_000] if args.quick else
                            [10_000, 100_000] + ([1_000_000] if args.device == "cuda" else []))
     dtype = getattr(torch, args.dtype)
-    rows = [bench(n, args.device, dtype, args.repeat) for n in sizes]
-    write_json(args.json, {"benchmark": "long_range_pme", "device": args.device,
-                           "dtype": args.dtype, "cutoff_A": CUTOFF, "accuracy": ACCURACY,
-                           "interpolation_nodes": NODES, "threads": torch.get_num_threads(),
-                           "results": rows}, device=args.device)
+    rows = [] if args.no_direct else [bench(n, args.device, dtype, args.repeat) for n in sizes]
+    payload = {"benchmark": "long_range_pme", "device": args.device, "dtype": args.dtype,
+               "cutoff_A": CUTOFF, "accuracy": ACCURACY, "interpolation_nodes": NODES,
+               "threads": torch.get_num_threads(), "results": rows}
+    if args.dd:
+        worlds = [int(w) for w in args.dd.split(",")]
+        payload["dd"] = {"backend": "gloo", "threads_per_rank": 1, "dtype": "float64",
+                         "results": [r for n in sizes for r in bench_dd(n, worlds,
+                                                                         args.repeat)]}
+    write_json(args.json, payload, device=args.device)
 
 
 if __name__ == "__main__":

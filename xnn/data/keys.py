@@ -34,6 +34,13 @@ WEIGHT = "weight"  # [n_systems] float, per-structure loss weight
 # energies; the others are senders only (a domain's ghosts, whose features a sync point
 # refreshes). Absent: every atom. Models may ignore it.
 N_UPDATE = "n_update"
+# Domain decomposition, for long-range models (absent in one process): the local graph of a
+# rank is non-periodic (explicit ghost images), so the decomposed system's true cell
+# [1, 3, 3] Å (strained, when stress is asked), its pbc [1, 3] bool, and [1] long the number
+# of owned atoms (the first rows; the k-space part runs over them only) travel as fields.
+GLOBAL_CELL = "global_cell"
+GLOBAL_PBC = "global_pbc"
+N_OWNED = "n_owned"
 
 EDGE_INDEX = "edge_index"  # [2, n_edges] long, row 0 sender j, row 1 receiver i
 SHIFTS = "shifts"  # [n_edges, 3] integer image shifts (stored as positions dtype)
@@ -59,6 +66,9 @@ FIELD_SCOPES: dict[str, str] = {
     SYSTEM_ID: SYSTEM,
     WEIGHT: SYSTEM,
     N_UPDATE: SYSTEM,
+    GLOBAL_CELL: SYSTEM,
+    GLOBAL_PBC: SYSTEM,
+    N_OWNED: SYSTEM,
     EDGE_INDEX: EDGE,
     SHIFTS: EDGE,
 }

@@ -17,9 +17,11 @@ model file is stored by value, not by path. External wrappers without ``hparams`
 sevenn) cannot be saved inside a ``Sum`` yet.
 
 Domain decomposition: ``num_interactions`` is the largest of the terms', ``cutoff`` the largest
-cutoff, so the halo ``cutoff * num_interactions`` covers every term. A ``Sum`` has no sync
-points of its own (sync-point mode of a term inside a sum is not wired yet; the halo mode is
-exact).
+cutoff, so the halo ``cutoff * num_interactions`` covers every term; DD takes the smaller
+``receptive_field`` (the largest of the terms', e.g. D3's ``cutoff + cn_cutoff``) when it is
+smaller. Long-range terms inside a sum are found by their ``global_sum`` attribute. A
+``Sum`` has no sync points of its own (sync-point mode of a term inside a sum is not wired
+yet; the halo mode is exact).
 """
 
 from __future__ import annotations
@@ -114,8 +116,11 @@ class Sum(AtomisticModel):
 
     @property
     def receptive_field(self) -> float:
-        """The largest receptive field of the terms (Å)."""
-        return max(float(m.cutoff) * int(getattr(m, "num_interactions", 1)) for m in self.terms)
+        """The largest receptive field of the terms (Å), as each declares it (else
+        ``cutoff * num_interactions``)."""
+        return max(float(getattr(m, "receptive_field", float(m.cutoff)
+                                 * int(getattr(m, "num_interactions", 1))))
+                   for m in self.terms)
 
     @property
     def hparams(self) -> dict:

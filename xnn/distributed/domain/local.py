@@ -182,13 +182,16 @@ def min_pair_distance(x: Tensor, dom: LocalDomain, ids: Tensor) -> tuple[Tensor,
 
 
 def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
-                owned_only: bool = False) -> AtomicGraph:
+                owned_only: bool = False, extra: dict[str, Tensor] | None = None
+                ) -> AtomicGraph:
     """The non-periodic graph of the local atoms (owned + ghosts) at explicit ``positions``.
 
     Per-atom fields are the owned ``graph``'s (for owned atoms and their images) and those
     received with the ghosts; system fields other than cell and pbc are copied.
     ``owned_only``: mark the graph so that models update only the owned atoms' features
     (``K.N_UPDATE``); the ghosts' features then come from the sync points' exchanges.
+    ``extra``: further system fields (the long-range fields of
+    :func:`~xnn.distributed.domain.longrange.domain_fields`).
     """
     fields = {name: dom.local_field(name, graph[name]) for name in dom.ghost_fields}
     for name, value in graph.fields.items():
@@ -201,6 +204,7 @@ def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
     fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=device)
     if owned_only:
         fields[K.N_UPDATE] = torch.tensor([dom.n_owned], device=device)
+    fields.update(extra or {})
     fields[K.EDGE_INDEX] = dom.edge_index
     fields[K.SHIFTS] = torch.zeros(dom.edge_index.shape[1], 3, dtype=torch.long, device=device)
     return AtomicGraph(fields, validate=False)

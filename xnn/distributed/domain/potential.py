@@ -39,6 +39,11 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.local import build_local_domain, local_graph, min_pair_distance
+from xnn.distributed.domain.longrange import (
+    domain_fields,
+    long_range_modules,
+    swapped_global_sums,
+)
 from xnn.distributed.domain.migrate import migrate
 from xnn.distributed.domain.partition import (
     Partition,
@@ -129,10 +134,16 @@ class DomainPotential:
         self.grid = parse_grid(grid)
         self.skin, self.mode, self.backend, self.cutoff = float(skin), mode, backend, cutoff
         depth = 1 if mode == "sync" else hops
+        reach = cutoff * depth
+        if mode == "halo":  # a declared receptive field (e.g. D3's cutoff + cn_cutoff)
+            reach = min(reach, float(getattr(model, "receptive_field", reach)))
         # receivers farther than (depth - 1) hops + skin from the box never reach an owned
         # energy: their edges are dropped (all ghosts when depth is 1)
-        self.receiver_width = cutoff * (depth - 1) + self.skin if depth > 1 else 0.0
-        self.halo_width = cutoff * depth + self.skin
+        self.receiver_width = (min(cutoff * (depth - 1), reach) + self.skin if depth > 1
+                               else 0.0)
+        self.halo_width = reach + self.skin
+        # long-range terms: k-space over owned atoms, their global sums all-reduced
+        self.long_range = long_range_modules(model)
         self.size, self.rank = C.group_size(self.group), C.group_rank(self.group)
         if self.grid is not None:
             self.grid = check_grid(self.grid, self.size)
@@ -384,9 +395,12 @@ class DomainPotential:
             tape: list[Tensor] = []
             x = dom.local_positions(g.positions, g.cell[0])
             tape.append(x)
+            extra = (domain_fields(g.cell[0], graph.pbc[0], dom.n_owned)
+                     if self.long_range else None)
             with C.guarded(self.group, "model evaluation"), \
-                    swapped_sync_points(self.model, dom, tape, enabled=self.mode == "sync"):
-                energies = self.model(local_graph(graph, dom, x, self.mode == "sync"))
+                    swapped_sync_points(self.model, dom, tape, enabled=self.mode == "sync"), \
+                    swapped_global_sums(self.long_range, self.group, tape):
+                energies = self.model(local_graph(graph, dom, x, self.mode == "sync", extra))
                 energies = energies[: dom.n_owned]
             # every exchange must be part of every rank's backward, even where the model
             # ignores it (a rank with no atoms): add exact zeros that depend on them

@@ -31,21 +31,26 @@ correction, with the terms for a net charge); not periodic at all -> exact direc
 all pairs of the system. A periodic system with a net charge gets the neutralising uniform
 background (as LAMMPS' kspace does) and a warning.
 
-Domain decomposition (not implemented here; the plan): the real-space part is local (edges
-through the halo, like any pair model). The k-space part is isolated in
-:mod:`xnn.models.long_range.reciprocal`, whose every sum over atoms goes through the
-model's ``global_sum`` attribute (identity here). A DD layer (1) evaluates the k-space part
-on owned atoms only and (2) sets ``model.global_sum`` to a differentiable all-reduce:
-each rank spreads its own charges on the full mesh (PME, ``n_mesh`` values) or forms its
-partial structure factors (Ewald, ``2 n_k`` values), the all-reduce makes them global, and
-each rank interpolates back at its atoms; the backward of an all-reduce-sum is an
-all-reduce-sum of the gradients, so forces and the strain gradient are exact. Cost per rank:
-one all-reduce of the mesh (``8 n_mesh`` bytes in fp64, ``~2 n_mesh`` with a ring) forward
-and one backward, plus the full FFT on every rank (``O(n_mesh log n_mesh)``, replicated).
-This beats a distributed (pencil) FFT up to a few hundred ranks at the mesh sizes of MLIP MD
-(``n_mesh ~ N``), needs no FFT library beyond torch, and keeps the model free of
-torch.distributed; a distributed FFT (two all-to-all transposes, ``O(n_mesh / P)`` memory
-and work per rank) is the path when the replicated mesh stops fitting.
+Domain decomposition (:mod:`xnn.distributed.domain.longrange`): the real-space part is
+local (edges through the halo, like any pair model). The k-space part is isolated in
+:mod:`xnn.models.long_range.reciprocal`, whose sums over atoms go through the model's
+``global_sum`` attribute (identity here), once per evaluation. Under DD the local graph
+carries ``K.GLOBAL_CELL``, ``K.GLOBAL_PBC`` and ``K.N_OWNED``; the model then evaluates the
+k-space part on the owned atoms in the true (strained) cell, and the DD layer has set
+``global_sum`` to a differentiable all-reduce: each rank spreads its own charges on the full
+mesh (PME, ``n_mesh`` values) or forms its partial structure factors (Ewald, ``2 n_k``
+values), the all-reduce makes them global, and each rank interpolates back at its atoms; the
+backward of an all-reduce-sum is an all-reduce-sum of the gradients, so forces and the
+strain gradient are exact. Cost per rank: one all-reduce of the mesh (``8 n_mesh`` bytes in
+fp64, ``~2 n_mesh`` with a ring) forward and one backward, the mesh replicated in memory,
+plus the full FFT on every rank (``O(n_mesh log n_mesh)``, replicated). This beats a
+distributed (pencil) FFT up to a few hundred ranks at the mesh sizes of MLIP MD (``n_mesh ~
+N``), needs no FFT library beyond torch, and keeps the model free of torch.distributed; a
+distributed FFT (two all-to-all transposes, ``O(n_mesh / P)`` memory and work per rank) is
+the path when the replicated mesh stops fitting. A non-periodic system's direct sum is over
+all pairs: under DD the owned atoms' positions and charges are gathered on every rank
+through ``global_gather`` (O(N) memory and an O(n_owned N) sum per rank; for molecules and
+clusters, not for large non-periodic systems).
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ class _Coulomb(AtomisticModel):
         self.cutoff = float(cutoff)
         self.charge_model = charge_model
         self.global_sum: Callable[[Tensor], Tensor] = identity_sum
+        # rows of every rank, concatenated (identity in one process; see the module doc)
+        self.global_gather: Callable[[Tensor], Tensor] = identity_sum
         table = torch.zeros(119, dtype=torch.float64)
         if isinstance(charges, Mapping):
             zs = [atomic_number(k) for k in charges]
@@ -148,15 +155,16 @@ class _Coulomb(AtomisticModel):
                              "charges={'Na': 1, ...} in the model")
         return graph[K.CHARGES].reshape(-1).to(graph.dtype)
 
-    def _real_space(self, calc, q: Tensor, graph: AtomicGraph) -> Tensor:
-        """``phi [n_atoms]`` of the erfc-screened pairs on the edges (torch-pme's sum)."""
+    def _real_space(self, calc, q: Tensor, graph: AtomicGraph, periodic: Tensor) -> Tensor:
+        """``phi [n_atoms]`` of the erfc-screened pairs on the edges (torch-pme's sum) of
+        the systems with ``periodic [n_systems]`` true."""
         if graph.n_edges == 0:
             return torch.zeros_like(q)
         vec = graph.edge_vectors()
         dist = torch.linalg.norm(vec, dim=-1)
         inside = dist < self.cutoff
         # pairs of non-periodic systems are in the direct sum already
-        inside = inside & graph.pbc.any(-1)[graph.batch[graph.edge_index[1]]]
+        inside = inside & periodic[graph.batch[graph.edge_index[1]]]
         dist = torch.where(inside, dist, torch.full_like(dist, self.cutoff))
         pairs = torch.stack([graph.edge_index[1], graph.edge_index[0]], dim=1)
         return 2.0 * calc._compute_rspace(q[:, None], pairs, dist,
@@ -172,7 +180,7 @@ class _Coulomb(AtomisticModel):
         return 2.0 * calc._compute_rspace(q[:, None], torch.stack([i, j], 1), dist)[:, 0]
 
     def _check_neutral(self, q: Tensor, s: int) -> None:
-        total = float(q.detach().sum())
+        total = float(q.detach().sum())  # q: the charges, or their sum
         if abs(total) > 1e-6:
             warnings.warn(f"periodic system {s} has a net charge {total:.6g} e: a uniform "
                           "neutralising background is applied", stacklevel=3)
@@ -198,6 +206,8 @@ class _Coulomb(AtomisticModel):
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV): ``1/2 q_i phi_i``."""
         q = self.atom_charges(graph)
+        if K.GLOBAL_CELL in graph:
+            return self._forward_domain(graph, q)
         calc = self.calculator
         parts = []
         bounds = graph.ptr.tolist()
@@ -219,8 +229,39 @@ class _Coulomb(AtomisticModel):
             parts.append(part)
         phi = torch.cat(parts) if parts else torch.zeros_like(q)
         if periodic_any:
-            phi = phi + self._real_space(calc, q, graph)
+            phi = phi + self._real_space(calc, q, graph, graph.pbc.any(-1))
         return 0.5 * q * phi
+
+    def _forward_domain(self, graph: AtomicGraph, q: Tensor) -> Tensor:
+        """Per-atom energies ``[n_local]`` of a domain's local graph (see the module doc):
+        k-space (or the direct sum) over the first ``K.N_OWNED`` atoms in ``K.GLOBAL_CELL``,
+        real space on the local edges; the ghosts' energies are partial (the DD layer keeps
+        the owned rows). Every rank calls ``global_sum`` / ``global_gather`` the same number
+        of times, whatever it owns."""
+        n = int(graph[K.N_OWNED].reshape(-1)[0])
+        cell, pbc = graph[K.GLOBAL_CELL][0], graph[K.GLOBAL_PBC][0].to(torch.bool)
+        kind = self._system_kind(pbc.tolist(), 0)
+        pos, rest = graph.positions[:n], q.new_zeros(graph.n_atoms - n)
+        if kind == "direct":
+            phi = self._direct_domain(q[:n], pos, graph.atom_id[:n])
+            return 0.5 * q * torch.cat([phi, rest])
+        if not torch.compiler.is_compiling():
+            self._check_neutral(self.global_sum(q[:n].detach().sum().reshape(1)), 0)
+        phi = self._kspace_system(q[:n], cell, pos, pbc, kind == "slab")
+        periodic = torch.ones(1, dtype=torch.bool, device=q.device)
+        return 0.5 * q * (torch.cat([phi, rest]) + self._real_space(self.calculator, q, graph,
+                                                                     periodic))
+
+    def _direct_domain(self, q: Tensor, pos: Tensor, ids: Tensor) -> Tensor:
+        """``phi [n_owned]``: the direct sum over all atoms of all ranks (gathered)."""
+        rows = torch.cat([pos, q[:, None], ids.to(pos.dtype)[:, None]], dim=1)
+        every = self.global_gather(rows)  # [n_total, 5]
+        d = pos[:, None, :] - every[None, :, :3]
+        d2 = (d * d).sum(-1)
+        own = ids.to(pos.dtype)[:, None] == every[None, :, 4]
+        inv = torch.where(own, torch.zeros_like(d2), 1.0 / torch.where(own, torch.ones_like(d2),
+                                                                       d2).sqrt())
+        return COULOMB_CONSTANT * (inv * every[None, :, 3]).sum(-1)
 
 
 class DirectCoulomb(_Coulomb):

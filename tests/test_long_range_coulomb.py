@@ -323,3 +323,14 @@ def test_global_sum_hook_makes_kspace_exact_over_atom_subsets(name, slab):
         assert torch.allclose(phi, full[halves[r]], rtol=1e-12, atol=1e-12)
     # and without the hook a half alone is wrong
     assert not torch.allclose(kspace(halves[0], lambda x: x), full[halves[0]], atol=1e-3)
+
+
+def test_predicted_charges_are_refused_under_domain_decomposition():
+    """Ghost charges from a charge model would need its receptive field in the halo: refused
+    with one line rather than silently wrong (one process: group of one rank)."""
+    from xnn.distributed.domain.potential import DomainPotential
+
+    model = registry.model_class("ewald")(charge_model=ScaledCharges(0.7))
+    with pytest.raises(InputError, match="predicted charges"):
+        DomainPotential(model)
+    DomainPotential(registry.model_class("ewald")(charges={"Na": 1.0, "Cl": -1.0}))

@@ -144,6 +144,11 @@ class DomainPotential:
         self.halo_width = reach + self.skin
         # long-range terms: k-space over owned atoms, their global sums all-reduced
         self.long_range = long_range_modules(model)
+        if any(getattr(m, "charge_model", None) is not None for m in self.long_range):
+            # ghosts' predicted charges would need the charge model's own receptive field
+            raise InputError("domain decomposition does not support predicted charges "
+                             "(charge_model) yet: use charges from the data or a table, or "
+                             "run in one process")
         self.size, self.rank = C.group_size(self.group), C.group_rank(self.group)
         if self.grid is not None:
             self.grid = check_grid(self.grid, self.size)

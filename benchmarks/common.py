@@ -161,3 +161,37 @@ def fcc_cu(n_atoms_target: int, rattle: float = 0.05, seed: int = 0):
         rng = np.random.default_rng(seed)
         atoms.positions += rng.normal(scale=rattle, size=atoms.positions.shape)
     return atoms
+
+
+def spawn_json_ranks(entry: Callable, world: int, extra: tuple, timeout_s: float) -> list[dict]:
+    """Run ``entry(rank, world, port, out_dir, *extra)`` on ``world`` freshly spawned ranks;
+    each rank writes ``out_dir/rank{r}.json``. Returns the ranks' results in rank order; a
+    rank that wrote none (killed for memory, timed out) gives ``{"rank": r, "error": ...}``."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(entry, nprocs=world, join=False, start_method="spawn",
+                                 args=(world, port, out_dir, *extra))
+        error, deadline = None, time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    error = f"timed out after {timeout_s:g} s"
+                    break
+        except mp.ProcessExitedException as e:  # e.g. killed for memory
+            error = f"rank {e.error_index} exited ({e.exit_code}, {e.signal_name})"
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        out = []
+        for r in range(world):
+            path = Path(out_dir, f"rank{r}.json")
+            out.append(json.loads(path.read_text()) if path.exists()
+                       else {"rank": r, "error": error or "no result"})
+        return out

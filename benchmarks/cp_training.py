@@ -27,10 +27,8 @@ import argparse
 import inspect
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -180,31 +178,9 @@ def _entry(rank, world, port, out_dir, args, checkpointing):
 
 
 def spawn_point(args, world: int, checkpointing: bool) -> list[dict]:
-    import torch.multiprocessing as mp
+    from benchmarks.common import spawn_json_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, nprocs=world, join=False, start_method="spawn",
-                                 args=(world, port, out_dir, args, checkpointing))
-        error, deadline = None, time.monotonic() + args.timeout
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    error = f"timed out after {args.timeout:g} s"
-                    break
-        except mp.ProcessExitedException as e:  # e.g. killed for memory
-            error = f"rank {e.error_index} exited ({e.exit_code}, {e.signal_name})"
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        out = []
-        for r in range(world):
-            path = Path(out_dir, f"rank{r}.json")
-            out.append(json.loads(path.read_text()) if path.exists()
-                       else {"rank": r, "error": error or "no result"})
-        return out
+    return spawn_json_ranks(_entry, world, (args, checkpointing), args.timeout)
 
 
 def summarise(dd: int, checkpointing: bool, ranks: list[dict]) -> dict:

@@ -39,9 +39,7 @@ import gc
 import json
 import os
 import resource
-import socket
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -284,39 +282,11 @@ def _rank_entry(rank, world, port, out_dir, args, n_atoms, layout):
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_point(args, world: int, n_atoms: int, layout: str) -> list[dict]:
     """Per-rank results of one point on ``world`` freshly spawned ranks."""
-    import torch.multiprocessing as mp
+    from benchmarks.common import spawn_json_ranks
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_entry, nprocs=world, join=False, start_method="spawn",
-                                 args=(world, _free_port(), out_dir, args, n_atoms, layout))
-        deadline = time.monotonic() + args.timeout
-        error = None
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    error = f"timed out after {args.timeout:g} s"
-                    break
-        except mp.ProcessExitedException as e:  # e.g. killed for memory
-            error = f"rank {e.error_index} exited ({e.exit_code}, {e.signal_name})"
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        out = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.json")
-            if os.path.exists(path):
-                out.append(json.loads(Path(path).read_text()))
-            else:
-                out.append({"rank": r, "error": error or "no result"})
-        return out
+    return spawn_json_ranks(_rank_entry, world, (args, n_atoms, layout), args.timeout)
 
 
 def torchrun_point(manager, args, n_atoms: int, layout: str) -> list[dict]:

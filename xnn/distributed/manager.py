@@ -320,6 +320,10 @@ class DistributedManager:
     def cleanup(self) -> None:
         """Destroy the process group if this manager created it."""
         if self._owns_group and dist.is_available() and dist.is_initialized():
+            try:  # no rank tears the group down while a peer still has work in flight
+                self.barrier()
+            except RuntimeError:
+                pass
             dist.destroy_process_group()
         self._owns_group = False
 

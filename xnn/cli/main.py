@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "relax": "xnn.cli.relax",
     "validate": "xnn.cli.validate",
     "export": "xnn.cli.export",
+    "run": "xnn.cli.run",
 }
 
 

@@ -6,3 +6,30 @@
 * :mod:`xnn.interop.lammps`: an xnn model as the force field of a serial LAMMPS run through
   ``fix external`` (:class:`~xnn.interop.lammps.XnnFixExternal`).
 """
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from xnn.errors import InputError
+
+
+def load_xnn_model(model_or_path) -> torch.nn.Module:
+    """An xnn model given as itself or as a model file path (``model.pt`` / ``.xnn``).
+
+    Raises:
+        InputError: for anything else (a module without a ``cutoff`` is not an xnn model).
+    """
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from xnn.models.serialization import load_model
+
+        return load_model(Path(model_or_path))
+    if not isinstance(model_or_path, torch.nn.Module):
+        raise InputError(f"expected an xnn model or a model file path, got "
+                         f"{type(model_or_path).__name__}")
+    if not hasattr(model_or_path, "cutoff"):
+        raise InputError(f"{type(model_or_path).__name__} has no 'cutoff': not an xnn model")
+    return model_or_path

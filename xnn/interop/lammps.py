@@ -29,7 +29,6 @@ Scope (what was testable here; see docs/user-guide.md, "LAMMPS"):
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.interop import load_xnn_model
 
 __all__ = ["XnnFixExternal", "require_lammps", "lammps_cell"]
 
@@ -106,17 +106,6 @@ def _species_numbers(species: Sequence[int | str]) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def _load(model_or_path) -> torch.nn.Module:
-    if isinstance(model_or_path, (str, os.PathLike)):
-        from xnn.models.serialization import load_model
-
-        return load_model(Path(model_or_path))
-    if not isinstance(model_or_path, torch.nn.Module) or not hasattr(model_or_path, "cutoff"):
-        raise InputError(f"expected an xnn model or a model file path, got "
-                         f"{type(model_or_path).__name__}")
-    return model_or_path
-
-
 class XnnFixExternal:
     """An xnn model as the force field of a (serial) LAMMPS run, via ``fix external``.
 
@@ -163,7 +152,7 @@ class XnnFixExternal:
                              f"{n_types} atom types; give one element per type")
         self.lmp, self.fix_id = lmp, fix_id
         self.device, self.dtype = resolve_device(device), dtype
-        self.model = _load(model_or_path).to(device=self.device, dtype=dtype)
+        self.model = load_xnn_model(model_or_path).to(device=self.device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
         self.periodic = bool(lammps_cell(lmp)[2].all())
         self.energy: float = float("nan")

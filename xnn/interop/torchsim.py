@@ -28,7 +28,6 @@ torch-sim is imported only when one of the classes is first used: ``import xnn``
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -36,6 +35,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.interop import load_xnn_model
 
 # XnnTorchSimModel subclasses torch-sim's ModelInterface: built on first access (__getattr__)
 __all__ = ["XnnTorchSimModel", "TorchSimPotential", "require_torch_sim"]  # noqa: F822
@@ -110,19 +110,6 @@ def state_to_graph(state, dtype: torch.dtype, device: torch.device) -> AtomicGra
     )
 
 
-def _load(model_or_path) -> torch.nn.Module:
-    if isinstance(model_or_path, (str, os.PathLike)):
-        from xnn.models.serialization import load_model
-
-        return load_model(Path(model_or_path))
-    if not isinstance(model_or_path, torch.nn.Module):
-        raise InputError(f"expected an xnn model or a model file path, got "
-                         f"{type(model_or_path).__name__}")
-    if not hasattr(model_or_path, "cutoff"):
-        raise InputError(f"{type(model_or_path).__name__} has no 'cutoff': not an xnn model")
-    return model_or_path
-
-
 class _XnnTorchSimMixin:
     """The body of :class:`XnnTorchSimModel` (mixed into torch-sim's ``ModelInterface``)."""
 
@@ -144,7 +131,7 @@ class _XnnTorchSimMixin:
         self._dtype = dtype
         self._compute_forces = bool(compute_forces)
         self._compute_stress = bool(compute_stress)
-        self.model = _load(model_or_path).to(device=self._device, dtype=dtype)
+        self.model = load_xnn_model(model_or_path).to(device=self._device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
 
     # torch-sim's ModelInterface makes these read-only; its validate_model_outputs and

@@ -266,11 +266,20 @@ def _copy_potential(potential, cfg: WorkflowConfig):
 
 def read_systems(cfg: WorkflowConfig, potential, device, dtype) -> list:
     """One single-system graph per selected frame, atom ids ``0..n-1`` in each."""
+    from xnn.data import keys as K
+    from xnn.data.graph import AtomicGraph
+
     graph = load_structure(cfg.structure, cfg.index, device, dtype)
     check_species(potential, graph)
+    ptr = graph.ptr.tolist()
     out = []
-    for g in graph.split():
-        out.append(g.replace(atom_id=torch.arange(g.n_atoms, device=device)))
+    for s in range(graph.n_systems):  # slices: linear in the number of atoms
+        lo, hi = ptr[s], ptr[s + 1]
+        fields = {k: v[lo:hi] if K.scope_of(k) == K.ATOM else v[s:s + 1]
+                  for k, v in graph.fields.items() if K.scope_of(k) in (K.ATOM, K.SYSTEM)}
+        fields[K.BATCH] = torch.zeros(hi - lo, dtype=torch.long, device=device)
+        fields[K.ATOM_ID] = torch.arange(hi - lo, device=device)
+        out.append(AtomicGraph(fields, validate=False))
     return out
 
 

@@ -7,7 +7,10 @@ from xnn.cli.md import add_config_parser, run_config
 
 
 def add_parser(sub) -> None:
-    from xnn.config.workflow import WorkflowConfig
+    from xnn.config.workflow import STAGE_OPTIONS, WorkflowConfig
+
+    options = "; ".join(f"{t}: " + ", ".join(f"{k}={v}" for k, v in o.items())
+                        for t, o in STAGE_OPTIONS.items())
 
     p = add_config_parser(
         sub, "run", WorkflowConfig, "run a workflow: structures through relax/nve/nvt/npt "
@@ -16,7 +19,8 @@ def add_parser(sub) -> None:
         "npt ...). Up to `slots` systems advance together; a system that finishes a stage "
         "moves on at once and its slot is refilled from the queue. Writes results.csv (one "
         "row per system and stage), trajectories/, final.xyz and summary.json to output.dir; "
-        "resume=output.dir/checkpoint.pt continues a killed campaign.",
+        "resume=output.dir/checkpoint.pt continues a killed campaign. Each stage is {type, name, "
+        f"trajectory_every, ...}} with the options of its type (defaults) -- {options}.",
     )
     p.set_defaults(func=run)
 

@@ -84,9 +84,9 @@ def test_200_structures_relax_then_nvt_with_refill(campaign):
     assert first_nvt < 50 and last_relax > 350  # refill: nvt rows long before the last relax
     start = ase.io.read(structure, index=":")
     e0 = []
+    from xnn.data.ase_io import from_ase
     from xnn.models import build
     from xnn.models.potential import Potential
-    from xnn.data.ase_io import from_ase
 
     pot = Potential(build("lj", **LJ).double())
     for atoms in start[:20]:
@@ -190,6 +190,7 @@ def test_batched_equals_each_system_alone(tmp_path):
     _compare(a, b)
     rows = _rows(a)
     assert rows[(4, "relax")]["status"] == "failed" and (4, "langevin") not in rows
+    assert "above max_force" in rows[(4, "relax")]["reason"]
     assert len(rows) == 8 * 4 + 1
     assert rows[(0, "csvr")]["energy_eV"] != rows[(1, "csvr")]["energy_eV"]
 
@@ -217,6 +218,18 @@ def test_npt_batched_equals_alone(tmp_path):
     _compare(a, b)
     vols = [float(r["volume_A3"]) for k, r in _rows(a).items() if k[1] == "npt"]
     assert len(set(vols)) == 4  # the cells moved, each its own way
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_campaign_equals_cpu(tmp_path):
+    """The same campaign on the GPU and on the CPU (fp64): the same rows to 1e-10."""
+    structure = _write(tmp_path / "c.xyz", _clusters(6, seed=2))
+    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}", "slots=4",
+              "output.progress=false", "stages.0.type=relax", "stages.0.fmax=0.005",
+              "stages.1.type=nvt", "stages.1.temperature=40", "stages.1.steps=10"]
+    a = run_workflow(None, common + ["model.device=cuda", f"output.dir={tmp_path / 'a'}"])
+    b = run_workflow(None, common + ["model.device=cpu", f"output.dir={tmp_path / 'b'}"])
+    _compare(a, b)
 
 
 def test_slot_primitives_keep_each_systems_trajectory():

@@ -169,7 +169,8 @@ class Campaign:
                          "status": "failed" if bool(failed[k]) else "ok",
                          "converged": bool(conv[k]),
                          "n_atoms": int((state.graph.batch == j).sum()),
-                         "wall_s": round(pool.wall[i], 6), **{c: v[j] for c, v in values.items()}})
+                         "wall_s": round(pool.wall[i], 6), "reason": _reason(state, j, failed[k]),
+                         **{c: v[j] for c, v in values.items()}})
         self.results.append(rows)
         self.stages_done += len(rows)
         nxt = pool.index + 1
@@ -257,11 +258,22 @@ class Campaign:
             wf.append_text(self._traj(i), text, new)
 
 
+def _reason(state: MDState, j: int, failed) -> str:
+    """Why system ``j`` of ``state`` failed ("" when it did not)."""
+    if not bool(failed):
+        return ""
+    fm = float(ws.max_force(state)[j])
+    if not (torch.isfinite(state.energy[j]) and fm == fm and fm != float("inf")):
+        return "non-finite energy or forces"
+    return f"force {fm:.3g} eV/A above max_force"
+
+
 def _copy_potential(potential, cfg: WorkflowConfig):
     """A potential of the same model with its own neighbor list (one per pool)."""
     from xnn.models import Potential
 
-    return Potential(potential.model, skin=cfg.model.skin, backend=cfg.model.neighbor_backend)
+    return Potential(potential.model, skin=cfg.model.skin, backend=cfg.model.neighbor_backend,
+                     compile=cfg.model.compile)
 
 
 def read_systems(cfg: WorkflowConfig, potential, device, dtype) -> list:
@@ -295,9 +307,12 @@ def summary(cfg: WorkflowConfig, folder: Path, n_systems: int, wall: float) -> d
                        "failed": sum(r["status"] == "failed" for r in mine),
                        "mean_steps": sum(steps) / len(steps) if steps else 0.0})
     failed = sorted({int(r["id"]) for r in rows if r["status"] == "failed"})
+    atom_steps = sum(int(r["steps"]) * int(r["n_atoms"]) for r in rows)
     return {"command": "run", "systems": n_systems, "slots": cfg.slots, "stages": stages,
             "failed_ids": failed, "completed": n_systems - len(failed),
-            "wall_s": round(wall, 3), "results": "results.csv", "final": "final.xyz"}
+            "wall_s": round(wall, 3), "atom_steps": atom_steps,
+            "atom_steps_per_s": round(atom_steps / wall, 1) if wall > 0 else None,
+            "results": "results.csv", "final": "final.xyz"}
 
 
 def run_workflow(config: WorkflowConfig | str | Path, overrides: Sequence[str] = ()) -> Path:

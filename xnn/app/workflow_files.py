@@ -27,7 +27,8 @@ from xnn.models.serialization import load_failure, read_as_data
 
 FORMAT = "xnn-workflow-checkpoint"
 COLUMNS = ("id", "stage_index", "stage", "type", "status", "converged", "steps", "n_atoms",
-           "energy_eV", "fmax_eV_A", "temperature_K", "volume_A3", "pressure_GPa", "wall_s")
+           "energy_eV", "fmax_eV_A", "temperature_K", "volume_A3", "pressure_GPa", "wall_s",
+           "reason")
 #: what a campaign writes into its folder (a previous campaign is recognised by these)
 RUN_FILES = ("config.yaml", "checkpoint.pt", "results.csv", "summary.json", "final.xyz",
              "trajectories", "final")

@@ -274,3 +274,12 @@ def test_config_errors_are_one_line():
         load_config(WorkflowConfig, None, ["structure=x.xyz"])
     with pytest.raises(ConfigError, match="named 'nvt'"):
         load_config(WorkflowConfig, None, ["stages.0.type=nvt", "stages.1.type=nvt"])
+
+
+def test_a_stage_the_systems_cannot_take_is_refused_before_running(tmp_path):
+    """An npt stage on non-periodic clusters: one clear error, no run folder written."""
+    structure = _write(tmp_path / "c.xyz", _clusters(3))
+    with pytest.raises(InputError, match="system 0 .* not periodic"):
+        run_workflow(None, [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
+                            "stages.0.type=npt", f"output.dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()

@@ -292,7 +292,25 @@ def read_systems(cfg: WorkflowConfig, potential, device, dtype) -> list:
         fields[K.BATCH] = torch.zeros(hi - lo, dtype=torch.long, device=device)
         fields[K.ATOM_ID] = torch.arange(hi - lo, device=device)
         out.append(AtomicGraph(fields, validate=False))
+    check_systems(cfg, out)
     return out
+
+
+def check_systems(cfg: WorkflowConfig, systems: list) -> None:
+    """Refuse, before anything runs, a system that a stage cannot take: a cell stage
+    (``npt``, ``relax_cell``) needs a cell periodic along all axes, ``npt`` no fixed atoms."""
+    from xnn.data import keys as K
+
+    for i, stage in enumerate(cfg.stages):
+        cell = stage.type == "npt" or bool(stage.relax_cell)
+        for sid, g in enumerate(systems):
+            if cell and not bool(g.pbc.all()):
+                raise InputError(f"stages.{i} ({stage.name}) changes the cell, but system "
+                                 f"{sid} of {cfg.structure} is not periodic along all axes; "
+                                 "select periodic frames only (index=...)")
+            if stage.type == "npt" and K.FIXED in g and bool(g[K.FIXED].any()):
+                raise InputError(f"stages.{i} ({stage.name}) is npt, but system {sid} has "
+                                 "fixed atoms (a barostat cannot move them)")
 
 
 def summary(cfg: WorkflowConfig, folder: Path, n_systems: int, wall: float) -> dict:

@@ -168,7 +168,7 @@ def _compare(a: Path, b: Path) -> None:
 
 
 def test_batched_equals_each_system_alone(tmp_path):
-    """Relax -> Langevin -> CSVR -> NVE with 4 slots equals 1 slot (each system alone) to
+    """Relax -> Langevin -> CSVR -> NVE -> NHC with 4 slots equals 1 slot (each system alone) to
     1e-10 in fp64: the noise is keyed by system id, not slot. A system with overlapping
     atoms fails its first stage and leaves the campaign without disturbing the others."""
     frames = _clusters(9, seed=3)
@@ -182,7 +182,9 @@ def test_batched_equals_each_system_alone(tmp_path):
               "stages.2.type=nvt", "stages.2.name=csvr", "stages.2.thermostat=csvr",
               "stages.2.temperature=30", "stages.2.tau=50", "stages.2.steps=20",
               "stages.2.timestep=4", "stages.3.type=nve", "stages.3.steps=15",
-              "stages.3.timestep=4"]
+              "stages.3.timestep=4", "stages.4.type=nvt", "stages.4.name=nhc",
+              "stages.4.thermostat=nhc", "stages.4.temperature=30", "stages.4.steps=10",
+              "stages.4.timestep=4"]
     common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
               "output.progress=false", "output.trajectory_every=0", *stages]
     a = run_workflow(None, common + ["slots=4", f"output.dir={tmp_path / 'a'}"])
@@ -191,7 +193,7 @@ def test_batched_equals_each_system_alone(tmp_path):
     rows = _rows(a)
     assert rows[(4, "relax")]["status"] == "failed" and (4, "langevin") not in rows
     assert "above max_force" in rows[(4, "relax")]["reason"]
-    assert len(rows) == 8 * 4 + 1
+    assert len(rows) == 8 * 5 + 1
     assert rows[(0, "csvr")]["energy_eV"] != rows[(1, "csvr")]["energy_eV"]
 
 

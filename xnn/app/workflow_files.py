@@ -134,12 +134,21 @@ def _state_from(d: dict, device) -> MDState:
                    bool(d["compute_stress"]))
 
 
+def _cpu(d: dict | None) -> dict | None:
+    """A neighbor-list state (tensors, tuples of tensors, numbers) on the CPU."""
+    if d is None:
+        return None
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else
+            tuple(t.cpu() for t in v) if isinstance(v, (tuple, list)) else v
+            for k, v in d.items()}
+
+
 def save_campaign(path: Path, pools: list, meta: dict) -> None:
     """Write every pool's state (``None`` when empty), neighbor list and ids with ``meta``."""
     payload = {"format": FORMAT, "version": 1, "meta": meta, "pools": [
         None if p.state is None else {
             "state": _state_dict(p.state), "ids": list(p.ids),
-            "neighbors": ckpt._to_cpu(ckpt.neighbor_state(p.potential)),
+            "neighbors": _cpu(ckpt.neighbor_state(p.potential)),
         } for p in pools]}
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 

@@ -108,8 +108,10 @@ def test_user_guide_config_keys_exist():
     (sections ``xnn train``/``md``/``relax``; elsewhere any schema)."""
     from xnn.config.md import MDConfig, RelaxConfig
     from xnn.config.train import TrainConfig
+    from xnn.config.workflow import WorkflowConfig
 
-    by_section = {"train": [TrainConfig], "md": [MDConfig], "relax": [RelaxConfig]}
+    by_section = {"train": [TrainConfig], "md": [MDConfig], "relax": [RelaxConfig],
+                  "run": [WorkflowConfig]}
     every = [TrainConfig, MDConfig, RelaxConfig]
     text = (ROOT / "docs" / "user-guide.md").read_text()
     sections = re.split(r"^## ", text, flags=re.M)

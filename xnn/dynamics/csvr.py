@@ -17,6 +17,8 @@ Variables: ``temperature [n_systems]`` (K), ``tau [n_systems]`` (fs), ``heat [n_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
@@ -33,6 +35,7 @@ from xnn.dynamics.state import (
     new_rng,
     per_system,
     seed_of,
+    system_words,
 )
 from xnn.units import KB
 
@@ -61,19 +64,22 @@ def init(
     return initial_state(model, state, vars_, new_rng(seed), reduce)
 
 
-def draws(rng: Tensor, step: int, stage: int, nf: Tensor) -> tuple[Tensor, Tensor]:
+def draws(rng: Tensor, step: int, stage: int, nf: Tensor,
+          vars: Mapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``R`` and ``S`` ``[n_systems]`` (float64) of half step ``stage`` (0, 1) of step ``step``.
 
     Args:
         rng: ``MDState.rng``.
         nf: ``[n_systems]`` degrees of freedom; ``S`` sums ``N_f - 1`` squared normals.
+        vars: ``MDState.vars``; per-system keys there (:func:`~xnn.dynamics.state.
+            system_words`) replace the system index.
     """
     seed, stream = seed_of(rng), random.STREAMS["csvr"]
-    system = torch.arange(nf.shape[0], device=nf.device)
+    step, system = system_words(vars or {}, step, nf.shape[0], nf.device)
     half = torch.full((), int(stage), dtype=torch.int64, device=nf.device)
-    r = random.normal(seed, step, stream, system, half, torch.zeros_like(half))
+    r = random.normal(seed, step, stream, *system, half, torch.zeros_like(half))
     count = (nf - 1).round().clamp(min=0)
-    s = random.chi_squared(seed, step, stream, count, system, half, torch.ones_like(half))
+    s = random.chi_squared(seed, step, stream, count, *system, half, torch.ones_like(half))
     return r, s
 
 
@@ -89,7 +95,7 @@ def rescale(state: MDState, dt: float, reduce: Reducer, step: int, stage: int) -
     k = kinetic_energy(g, reduce)
     kt = 0.5 * nf * KB * state.vars["temperature"]
     c = torch.exp(-dt / state.vars["tau"])
-    r, s = (x.to(g.dtype) for x in draws(state.rng, step, stage, nf))
+    r, s = (x.to(g.dtype) for x in draws(state.rng, step, stage, nf, state.vars))
     k_safe = k.clamp(min=torch.finfo(g.dtype).tiny)
     ratio = kt / (nf * k_safe)
     alpha2 = c + (1 - c) * (s + r * r) * ratio + 2 * r * torch.sqrt(c * (1 - c) * ratio)

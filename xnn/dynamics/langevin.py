@@ -29,6 +29,7 @@ from xnn.dynamics.state import (
     per_system,
     remove_com_velocity,
     seed_of,
+    system_words,
 )
 from xnn.units import KB, MVV2E
 
@@ -60,8 +61,10 @@ def init(
 def noise(state: MDState) -> Tensor:
     """``[n_atoms, 3]`` standard normals of the O step taken from ``state.step``."""
     g = state.graph
-    words = random.atom_words(g.batch, g.atom_id, 3)
-    xi = random.normal(seed_of(state.rng), state.step, random.STREAMS["langevin"], *words)
+    key_step, sys_words = system_words(state.vars, state.step, g.n_systems, g.device)
+    comp = torch.arange(3, device=g.device)
+    words = (*(w[g.batch][:, None] for w in sys_words), g.atom_id[:, None], comp)
+    xi = random.normal(seed_of(state.rng), key_step, random.STREAMS["langevin"], *words)
     return xi.to(g.dtype)
 
 

@@ -60,6 +60,7 @@ from xnn.dynamics.state import (
     kinetic_tensor,
     per_system,
     seed_of,
+    system_words,
 )
 from xnn.errors import InputError
 from xnn.units import KB
@@ -142,9 +143,10 @@ def noise(state: MDState, step: int) -> Tensor:
     """``[n_systems, 3, 3]`` standard normals of the barostat of step ``step``, keyed by
     (seed, step, system index, component)."""
     g = state.graph
-    system = torch.arange(g.n_systems, device=g.device)[:, None]
+    key_step, system = system_words(state.vars, step, g.n_systems, g.device)
     comp = torch.arange(9, device=g.device)
-    xi = random.normal(seed_of(state.rng), step, random.STREAMS["npt"], system, comp)
+    words = (*(w[:, None] for w in system), comp)
+    xi = random.normal(seed_of(state.rng), key_step, random.STREAMS["npt"], *words)
     return xi.reshape(g.n_systems, 3, 3).to(g.dtype)
 
 

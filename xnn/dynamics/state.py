@@ -214,6 +214,30 @@ def maxwell_boltzmann(
     return graph.replace(velocities=v)
 
 
+#: optional ``MDState.vars`` entries that key each system's random numbers by the system
+#: itself instead of its index in the batch (:mod:`xnn.dynamics.slots`, batched workflows
+#: with in-flight refill): ``rng_key [n_systems]`` int64 (e.g. a campaign's system id) and
+#: ``rng_step0 [n_systems]`` int64, the batch step at which the system's own step count was 0.
+RNG_KEY = "rng_key"
+RNG_STEP0 = "rng_step0"
+
+
+def system_words(
+    vars: Mapping[str, Tensor], step: int, n_systems: int, device
+) -> tuple[int, tuple[Tensor, ...]]:
+    """The key step and the per-system words (each ``[n_systems]`` int64) of the draws of
+    batch step ``step`` (:func:`xnn.dynamics.random.random_bits`).
+
+    Without :data:`RNG_KEY` in ``vars``: ``(step, (system index,))``. With it:
+    ``(-1, (rng_key, step - rng_step0))``: a system draws the same numbers whatever its place
+    in the batch and whenever it joined it.
+    """
+    if RNG_KEY not in vars:
+        return int(step), (torch.arange(n_systems, device=device),)
+    key = vars[RNG_KEY].to(device=device, dtype=torch.int64)
+    return -1, (key, int(step) - vars[RNG_STEP0].to(device=device, dtype=torch.int64))
+
+
 # ----------------------------------------------------------------------------- model calls
 def evaluate(model, graph: AtomicGraph, stress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Energy ``[n_systems]``, forces ``[n_atoms, 3]`` and stress ``[n_systems, 3, 3]``.

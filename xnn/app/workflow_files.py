@@ -1,0 +1,170 @@
+"""The files of an ``xnn run`` campaign folder.
+
+``results.csv`` (one row per system and stage, appended as they finish),
+``trajectories/sys_NNNNN.xyz`` (each system's frames, every stage, with the stage in each
+frame's info), ``final/sys_NNNNN.xyz`` (a system's last structure, written when it leaves
+the campaign) gathered into ``final.xyz`` in id order at the end, ``summary.json``, and
+``checkpoint.pt``: every slot's full state, the neighbor lists, the queue position and the
+sizes of the appended files, written atomically (a resumed campaign cuts the files back
+to those sizes and continues bitwise).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+import torch
+
+from xnn._files import atomic_write
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics import checkpoint as ckpt
+from xnn.dynamics.state import MDState
+from xnn.errors import DataFileError
+from xnn.models.serialization import load_failure, read_as_data
+
+FORMAT = "xnn-workflow-checkpoint"
+COLUMNS = ("id", "stage_index", "stage", "type", "status", "converged", "steps", "n_atoms",
+           "energy_eV", "fmax_eV_A", "temperature_K", "volume_A3", "pressure_GPa", "wall_s",
+           "reason")
+#: what a campaign writes into its folder (a previous campaign is recognised by these)
+RUN_FILES = ("config.yaml", "checkpoint.pt", "results.csv", "summary.json", "final.xyz",
+             "trajectories", "final")
+
+
+def system_name(system_id: int) -> str:
+    return f"sys_{int(system_id):05d}.xyz"
+
+
+class ResultsTable:
+    """``results.csv``, one row per finished (system, stage), appended.
+
+    Args:
+        truncate_to: on resume, the size (bytes) the checkpoint recorded; ``None``: new file.
+    """
+
+    def __init__(self, path: Path, truncate_to: int | None):
+        self.path = path
+        if truncate_to is None:
+            path.write_text(",".join(COLUMNS) + "\n")
+        else:
+            truncate(path, truncate_to)
+
+    def append(self, rows: list[dict]) -> None:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        for r in rows:
+            w.writerow([_cell(r[c]) for c in COLUMNS])
+        with open(self.path, "a") as fh:
+            fh.write(buf.getvalue())
+
+    def position(self) -> int:
+        return self.path.stat().st_size
+
+
+def _cell(v) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def read_results(path: str | os.PathLike) -> list[dict]:
+    """The rows of a ``results.csv`` (values as strings)."""
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def truncate(path: Path, size: int) -> None:
+    if not path.is_file() or path.stat().st_size < size:
+        raise DataFileError(f"cannot resume: {path} is missing or shorter than the "
+                            "checkpoint says")
+    os.truncate(path, size)
+
+
+def frame_text(atoms_list: list, info: list[dict]) -> list[str]:
+    """extxyz text of each ASE ``Atoms`` with ``info`` added."""
+    import ase.io
+
+    out = []
+    for atoms, extra in zip(atoms_list, info):
+        atoms.info.update(extra)
+        buf = io.StringIO()
+        ase.io.write(buf, atoms, format="extxyz")
+        out.append(buf.getvalue())
+    return out
+
+
+def append_text(path: Path, text: str, new: bool) -> None:
+    with open(path, "w" if new else "a") as fh:
+        fh.write(text)
+
+
+def write_final(folder: Path, system_id: int, text: str) -> None:
+    atomic_write(folder / "final" / system_name(system_id), lambda tmp: tmp.write_text(text))
+
+
+def gather_final(folder: Path, n_systems: int) -> Path:
+    """``final.xyz``: the last structure of every system, in id order."""
+    parts = []
+    for i in range(n_systems):
+        p = folder / "final" / system_name(i)
+        if p.is_file():
+            parts.append(p.read_text())
+    return atomic_write(folder / "final.xyz", lambda tmp: tmp.write_text("".join(parts)))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _state_dict(state: MDState) -> dict:
+    return {
+        "step": state.step,
+        "graph": {k: v.detach().cpu() for k, v in state.graph.fields.items()},
+        "forces": state.forces.cpu(), "energy": state.energy.cpu(),
+        "stress": state.stress.cpu(),
+        "vars": {k: v.cpu() for k, v in state.vars.items()},
+        "rng": None if state.rng is None else state.rng.cpu(),
+        "compute_stress": state.compute_stress,
+    }
+
+
+def _state_from(d: dict, device) -> MDState:
+    graph = AtomicGraph({k: v.to(device) for k, v in d["graph"].items()}, validate=False)
+    return MDState(graph, d["forces"].to(device), d["energy"].to(device),
+                   d["stress"].to(device), int(d["step"]),
+                   {k: v.to(device) for k, v in d["vars"].items()}, d["rng"],
+                   bool(d["compute_stress"]))
+
+
+def _cpu(d: dict | None) -> dict | None:
+    """A neighbor-list state (tensors, tuples of tensors, numbers) on the CPU."""
+    if d is None:
+        return None
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else
+            tuple(t.cpu() for t in v) if isinstance(v, (tuple, list)) else v
+            for k, v in d.items()}
+
+
+def save_campaign(path: Path, pools: list, meta: dict) -> None:
+    """Write every pool's state (``None`` when empty), neighbor list and ids with ``meta``."""
+    payload = {"format": FORMAT, "version": 1, "meta": meta, "pools": [
+        None if p.state is None else {
+            "state": _state_dict(p.state), "ids": list(p.ids),
+            "neighbors": _cpu(ckpt.neighbor_state(p.potential)),
+        } for p in pools]}
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+
+
+def load_campaign(path: str | os.PathLike, device) -> tuple[list, dict]:
+    """``(pools, meta)``: per stage ``None`` or ``(state, ids, neighbor state)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFileError(f"checkpoint not found: {path}")
+    try:
+        p = read_as_data(path)
+    except Exception as e:
+        raise DataFileError(f"{path} is not a readable xnn run checkpoint: "
+                            f"{load_failure(e)}") from None
+    if not isinstance(p, dict) or p.get("format") != FORMAT:
+        raise DataFileError(f"{path} is not an xnn run (workflow) checkpoint")
+    pools = [None if d is None else (_state_from(d["state"], device), list(d["ids"]),
+                                     d["neighbors"]) for d in p["pools"]]
+    return pools, p["meta"]

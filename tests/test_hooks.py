@@ -236,6 +236,30 @@ def test_callables_in_every_scope():
                                 "force_sum_2", "r_dot_f")
 
 
+def test_hooks_are_library_code():
+    """xnn.dynamics.hooks/observers import no config, io or distributed module."""
+    import subprocess
+    import sys
+
+    code = ("import sys, xnn.dynamics.observers, xnn.dynamics.hooks; print([m for m in "
+            "sys.modules if m.startswith(('xnn.config', 'xnn.io', 'xnn.distributed', "
+            "'xnn.app'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    assert out.stdout.strip() == "[]"
+
+
+def test_rdf_resumed_with_other_settings_is_refused():
+    states, pot = trajectory(argon_krypton(rep=2), 0)
+    rdf = RDF(every=1, r_max=4.0, bins=10)
+    rdf.observe(states[0], 0.0)
+    with pytest.raises(InputError, match="same settings"):
+        RDF(every=1, r_max=4.0, bins=20).load_state_dict(rdf.state_dict())
+    again = RDF(every=1, r_max=4.0, bins=10)
+    again.load_state_dict(rdf.state_dict())
+    np.testing.assert_array_equal(again.result()["g"], rdf.result()["g"])
+
+
 def test_bad_hooks_are_refused_clearly():
     with pytest.raises(InputError, match="package.module:function"):
         build_hook("callable", 5, target="no_colon")

@@ -1,25 +1,33 @@
-"""Built-in hooks (:mod:`xnn.dynamics.hooks`): RDF, MSD, per-species temperature, and user
-callables in each scope; :func:`build_hook` makes one from plain settings.
+"""Built-in hooks (:mod:`xnn.dynamics.hooks`): RDF, MSD, per-species temperature, and (from
+:mod:`xnn.dynamics.callable_hooks`) user callables in each scope; :func:`build_hook` makes
+one from plain settings.
 
 Species are atomic numbers; rows name them by chemical symbol (``"all"``: every atom).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from xnn.data import keys as K
-from xnn.dynamics.hooks import SCOPES, GlobalHook, OwnedHook, Rank0Hook, by_id, n_ids
+from xnn.dynamics.callable_hooks import (
+    FrameCallable,
+    GlobalCallable,
+    OwnedCallable,
+    load_target,
+)
+from xnn.dynamics.hooks import SCOPES, GlobalHook, Rank0Hook, by_id, n_ids
 from xnn.dynamics.reduce import Reducer
 from xnn.dynamics.state import MDState, free_mask
 from xnn.errors import InputError
 from xnn.units import KB, MVV2E
+
+__all__ = ["RDF", "MSD", "SpeciesTemperature", "FrameCallable", "OwnedCallable",
+           "GlobalCallable", "build_hook", "HOOKS"]
 
 N_Z = 119  # atomic numbers 0..118: species groups are system * N_Z + Z
 
@@ -38,12 +46,6 @@ def _group_sum(values: Tensor, graph) -> Tensor:
     """``[n_systems * N_Z, ...]`` sums of per-atom ``values`` by (system, species) here."""
     out = values.new_zeros((graph.n_systems * N_Z, *values.shape[1:]))
     return out.index_add(0, _groups(graph), values)
-
-
-def _with_results(state: MDState):
-    """The state's graph with its energy, forces and stress attached."""
-    return state.graph.replace({K.ENERGY: state.energy, K.FORCES: state.forces,
-                                K.STRESS: state.stress})
 
 
 # ----------------------------------------------------------------------------- RDF
@@ -164,10 +166,16 @@ class RDF(Rank0Hook):
 
     def state_dict(self) -> dict:
         return {"frames": self.frames, "species": list(self.species),
+                "settings": [self.r_max, self.bins, self.partials],
                 "sum_g": None if self.sum_g is None else self.sum_g.cpu(),
                 "sum_partial": None if self.sum_partial is None else self.sum_partial.cpu()}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("settings")
+        if saved is not None and list(saved) != [self.r_max, self.bins, self.partials]:
+            raise InputError(f"hook {self.name!r}: the checkpoint's RDF has r_max, bins, "
+                             f"partials = {saved}; resume with the same settings (or "
+                             "give this RDF another label)")
         self.frames, self.species = int(state["frames"]), list(state["species"])
         self.sum_g, self.sum_partial = state["sum_g"], state["sum_partial"]
 
@@ -188,6 +196,7 @@ class MSD(GlobalHook):
         super().__init__(every, name)
         self.columns = MSD.columns
         self.reference: Tensor | None = None  # [n_ids, 3] Å
+        self._saved: Tensor | None = None  # its CPU copy, for checkpoints
 
     def setup(self, state: MDState, reduce: Reducer) -> None:
         if self.reference is None:
@@ -206,10 +215,12 @@ class MSD(GlobalHook):
                       lambda n, sq: [sq / n])
 
     def state_dict(self) -> dict:
-        return {"reference": None if self.reference is None else self.reference.cpu()}
+        if self._saved is None and self.reference is not None:
+            self._saved = self.reference.cpu()  # once: the reference does not change
+        return {"reference": self._saved}
 
     def load_state_dict(self, state: dict) -> None:
-        self.reference = state["reference"]
+        self.reference = self._saved = state["reference"]
 
 
 def _species_rows(hook, step, time_fs, n: Tensor, values: list[Tensor], fn) -> None:
@@ -264,135 +275,6 @@ class SpeciesTemperature(GlobalHook):
             return [ke, 2 * ke / (f * KB) if f > 0 else float("nan")]
 
         _species_rows(self, step, time_fs, sums["n"], [sums["ke"], dof_g], temp)
-
-
-# ----------------------------------------------------------------------------- callables
-def load_target(target: str) -> Callable:
-    """The function named by ``"package.module:function"``."""
-    mod, sep, attr = str(target).partition(":")
-    if not sep or not mod or not attr:
-        raise InputError(f"callable target {target!r} must read 'package.module:function'")
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise InputError(f"callable target {target!r}: cannot import {mod!r} ({e}); put it "
-                         "on PYTHONPATH") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise InputError(f"callable target {target!r}: {mod!r} has no {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise InputError(f"callable target {target!r} is not callable")
-    return obj
-
-
-def _values(out, n_systems: int, name: str) -> dict[str, list[float]]:
-    if not isinstance(out, Mapping):
-        raise InputError(f"hook {name!r}: the callable must return a mapping of names to "
-                         f"numbers (or None), got {type(out).__name__}")
-    res = {}
-    for key, v in out.items():
-        t = torch.as_tensor(v, dtype=torch.float64).reshape(-1)
-        if t.numel() not in (1, n_systems):
-            raise InputError(f"hook {name!r}: value {key!r} has {t.numel()} entries; give "
-                             f"one number (or one per system, {n_systems})")
-        res[str(key)] = t.expand(n_systems).tolist()
-    return res
-
-
-class FrameCallable(Rank0Hook):
-    """A user function of the gathered frame on the main process, in global-id order.
-
-    ``fn(frame, step)`` gets an ``ase.Atoms`` per system (``frame_format="ase"``; energy,
-    forces, stress in its calculator, ``arrays["atom_id"]``) or the whole
-    :class:`~xnn.data.graph.AtomicGraph` with ``energy``, ``forces``, ``stress``
-    (``"graph"``). It returns ``None`` or a mapping of names to numbers (``"graph"``: a
-    number or one per system); rows ``step, time_fs, system, *names``.
-    """
-
-    def __init__(self, fn: Callable, every: int = 100, name: str = "callable",
-                 frame_format: str = "ase"):
-        super().__init__(every, name)
-        if frame_format not in ("ase", "graph"):
-            raise InputError(f"hook {name!r}: format must be 'ase' or 'graph', got "
-                             f"{frame_format!r}")
-        self.fn, self.frame_format = fn, frame_format
-
-    def observe(self, state: MDState, time_fs: float) -> None:
-        graph, step = _with_results(state), state.step
-        if self.frame_format == "ase":
-            from xnn.data.ase_io import to_ase
-
-            outs = [self.fn(atoms, step) for atoms in to_ase(graph)]
-            outs = [None if o is None else _values(o, 1, self.name) for o in outs]
-        else:
-            out = self.fn(graph, step)
-            if out is None:
-                return
-            vals = _values(out, graph.n_systems, self.name)
-            outs = [{k: [v[s]] for k, v in vals.items()} for s in range(graph.n_systems)]
-        for s, vals in enumerate(outs):
-            if vals is not None:
-                _check_columns(self, ("step", "time_fs", "system", *vals))
-                self.add_row((step, time_fs, s, *(v[0] for v in vals.values())))
-
-
-def _check_columns(hook, cols: tuple) -> None:
-    if hook.columns is None:
-        hook.columns = cols
-    elif tuple(hook.columns) != tuple(cols):
-        raise InputError(f"hook {hook.name!r}: the callable returned {list(cols[3:])} "
-                         f"after {list(hook.columns[3:])}; return the same names every call")
-
-
-class OwnedCallable(OwnedHook):
-    """``fn(graph, step) -> [n_owned]`` or ``[n_owned, k]`` per-atom values of the atoms a
-    process owns (its graph, with ``forces``); assembled by id. Rows ``step, time_fs,
-    atom_id, value`` (``value_0..`` for ``k > 1``)."""
-
-    def __init__(self, fn: Callable, every: int = 100, name: str = "callable"):
-        super().__init__(every, name)
-        self.fn = fn
-
-    def per_atom(self, state: MDState) -> Tensor:
-        return torch.as_tensor(self.fn(state.graph.replace({K.FORCES: state.forces}),
-                                       state.step))
-
-    def update(self, step: int, time_fs: float, atom_id: Tensor, values: Tensor) -> None:
-        k = values.shape[1]
-        cols = ("value",) if k == 1 else tuple(f"value_{c}" for c in range(k))
-        if self.columns is None:
-            self.columns = ("step", "time_fs", "atom_id", *cols)
-        for a, row in zip(atom_id.tolist(), values.cpu().double().tolist()):
-            self.add_row((step, time_fs, a, *row))
-
-
-class GlobalCallable(GlobalHook):
-    """``fn(graph, step) -> {name: tensor}`` partial sums over the atoms a process owns
-    (its graph, with ``forces``), summed over the processes: the same names and shapes on
-    every process, also one that owns no atom. Rows ``step, time_fs, *names`` (a tensor of
-    ``m`` entries gives ``name_0..name_{m-1}``)."""
-
-    def __init__(self, fn: Callable, every: int = 100, name: str = "callable"):
-        super().__init__(every, name)
-        self.fn = fn
-
-    def partial(self, state: MDState) -> dict[str, Tensor]:
-        out = self.fn(state.graph.replace({K.FORCES: state.forces}), state.step)
-        if not isinstance(out, Mapping):
-            raise InputError(f"hook {self.name!r}: the callable must return a mapping of "
-                             f"names to tensors, got {type(out).__name__}")
-        return {str(k): torch.as_tensor(v).to(state.positions.dtype) for k, v in out.items()}
-
-    def update(self, step: int, time_fs: float, sums: dict[str, Tensor]) -> None:
-        cols, vals = [], []
-        for key, v in sums.items():
-            flat = v.reshape(-1).cpu().double().tolist()
-            cols += [key] if v.ndim == 0 else [f"{key}_{c}" for c in range(len(flat))]
-            vals += flat
-        if self.columns is None:
-            self.columns = ("step", "time_fs", *cols)
-        self.add_row((step, time_fs, *vals))
 
 
 # ----------------------------------------------------------------------------- factory

@@ -157,9 +157,12 @@ class HookRunner:
     Args:
         hooks: the hooks (names must be unique).
         run: the run layer: ``reduce`` (a :class:`Reducer`), ``main`` (this process holds
-            the results) and ``gather(state)`` (the state with every atom in id order on
-            the main process, ``None`` elsewhere; collective), e.g.
-            :class:`~xnn.dynamics.parallel.SerialRun` or the decomposed run.
+            the results), ``guarded(phase)`` (a block whose failure every process learns
+            of), ``gather(state)`` (the state with every atom in id order on the main
+            process, ``None`` elsewhere; collective) and optionally ``gather_atoms(graph,
+            values)`` (per-atom values by id on the main process; without it they are
+            placed by id with ``reduce``), e.g. :class:`~xnn.dynamics.parallel.SerialRun`
+            or the decomposed run.
         timestep: fs per step, for the ``time_fs`` column (``None``: NaN, e.g. relaxation).
 
     Every process must call :meth:`__call__` at the same steps (the collectives inside are
@@ -225,7 +228,13 @@ class HookRunner:
         k = int(reduce.max_per_system(width, zero, 1)[0])  # processes without atoms agree
         if values.shape[1] != k:
             values = values.new_zeros((g.n_atoms, k))
-        count = n_ids(g, reduce)
+        gather = getattr(self.run, "gather_atoms", None)
+        if gather is not None:  # a decomposed run: gathered to the main process by id
+            got = gather(g, values)
+            if self.run.main:
+                hook.update(step, t, *got)
+            return
+        count = n_ids(g, reduce)  # else: placed by id with the reducer (one process: local)
         table = by_id(values, g.atom_id, count, reduce)
         held = by_id(torch.ones_like(g.atom_id, dtype=values.dtype), g.atom_id, count, reduce)
         if self.run.main:

@@ -150,8 +150,10 @@ def _check_hooks(hooks: list) -> None:
 def hooks_field():
     """The ``hooks`` option of ``xnn md`` and ``xnn relax``."""
     return field([], "observers run during the run, each {name: rdf|msd|species_temperature|"
-                 "callable, every: N, ...} (see hooks.N.* keys); results in "
-                 "output.dir/hooks/NAME.csv")
+                 "callable, every: N, ...} with keys name, every, scope (callable: rank0, "
+                 "owned or global), r_max, bins, partials (rdf), target "
+                 "('package.module:function'), format (ase or graph), label; e.g. "
+                 "hooks.0.name=msd hooks.0.every=5; results in output.dir/hooks/NAME.csv")
 
 
 def resume_field():

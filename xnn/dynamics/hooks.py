@@ -226,6 +226,11 @@ class HookRunner:
         width = torch.tensor([float(values.shape[1])], dtype=torch.float64, device=g.device)
         zero = torch.zeros(1, dtype=torch.long, device=g.device)
         k = int(reduce.max_per_system(width, zero, 1)[0])  # processes without atoms agree
+        with self.run.guarded(f"hook {hook.name!r} at step {step}"):
+            if g.n_atoms and values.shape[1] != k:
+                raise InputError(f"hook {hook.name!r} returned {values.shape[1]} values per "
+                                 f"atom here and {k} on another process; return the same "
+                                 "number everywhere")
         if values.shape[1] != k:
             values = values.new_zeros((g.n_atoms, k))
         gather = getattr(self.run, "gather_atoms", None)

@@ -9,6 +9,7 @@ import csv
 import itertools
 import shutil
 
+import ase.io
 import numpy as np
 import pytest
 import torch
@@ -344,7 +345,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hooks")
     argon_krypton(rep=3, amp=0.1).write(tmp / "arkr.xyz")
     s = tmp / "arkr.xyz"
-    run_md(load_config(MDConfig, None, md_overrides(s, tmp / "single")))
+    frames = []  # the frames the RDF sees, kept exactly (a Python hook of the same run)
+    keep = FrameCallable(lambda atoms, step: frames.append(atoms.copy()), every=5,
+                         name="keep")
+    run_md(load_config(MDConfig, None, md_overrides(s, tmp / "single")), hooks=[keep])
+    ase.io.write(tmp / "rdf_frames.traj", frames)
     run_md(load_config(MDConfig, None, md_overrides(s, tmp / "single_20", "steps=20")))
     shutil.copytree(tmp / "single_20", tmp / "dd_resumed")  # 1 process -> 4 ranks
     run_relax(load_config(RelaxConfig, None, relax_overrides(s, tmp / "single_relax")))
@@ -372,6 +377,24 @@ def test_decomposed_runs_migrated_and_relax_hooks(runs):
                     runs / "single_relax" / "hooks" / "msd.csv", 1e-9)
     rows = read_csv(runs / "single_relax" / "hooks" / "msd.csv")
     assert rows[1][1] == "nan" and float(rows[-1][-1]) > 0
+
+
+@pytest.mark.distributed
+def test_rdf_of_the_hot_run_matches_ase(runs):
+    """The RDF file of the hot run (the crystal heated at 900-1500 K, far above argon's
+    melting point, melting; 4 ranks equal it, above) equals ASE's get_rdf of the 9 frames
+    it saw, total and partials."""
+    frames = ase.io.read(runs / "rdf_frames.traj", ":")
+    assert len(frames) == 9
+    rows = read_csv(runs / "single" / "hooks" / "rdf.csv")
+    cols = {c: np.array([float(r[i]) for r in rows[1:]]) for i, c in enumerate(rows[0])}
+    g, r = get_rdf(frames, 7.0, 35)
+    np.testing.assert_allclose(cols["r_A"], r, rtol=1e-14)
+    np.testing.assert_allclose(cols["g"], g, rtol=1e-12, atol=1e-12)
+    for a, b in (("Ar", "Ar"), ("Ar", "Kr"), ("Kr", "Kr")):
+        want = get_rdf(frames, 7.0, 35, elements=[a, b], no_dists=True)
+        np.testing.assert_allclose(cols[f"g_{a}_{b}"], want, rtol=1e-12, atol=1e-12)
+    assert g[:8].max() == 0 and g.max() > 1.2  # no pair closer than 1.6 Å; a first shell
 
 
 @pytest.mark.distributed

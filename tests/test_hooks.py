@@ -382,8 +382,8 @@ def test_decomposed_runs_migrated_and_relax_hooks(runs):
 @pytest.mark.distributed
 def test_rdf_of_the_hot_run_matches_ase(runs):
     """The RDF file of the hot run (the crystal heated at 900-1500 K, far above argon's
-    melting point, melting; 4 ranks equal it, above) equals ASE's get_rdf of the 9 frames
-    it saw, total and partials."""
+    melting point; 4 ranks equal it, above) equals ASE's get_rdf of the 9 frames it saw,
+    total and partials."""
     frames = ase.io.read(runs / "rdf_frames.traj", ":")
     assert len(frames) == 9
     rows = read_csv(runs / "single" / "hooks" / "rdf.csv")

@@ -10,6 +10,7 @@ with a clear message after writing ``last_good.xyz`` and ``checkpoint_last_good.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from xnn.app.md_common import (
     run_distributed,
     setup_run,
 )
+from xnn.app.md_hooks import RunHooks, hooks_from_config
 from xnn.app.md_setup import (
     check_kinetic_dof,
     check_species,
@@ -58,6 +60,7 @@ class _Outputs(RunOutputs):
                  directory: Path):
         super().__init__(cfg, par, int(counts.sum()), meta, directory, "md")
         self.log = None
+        self.hooks: RunHooks | None = None  # set by _run_md
         self.drift = DriftMonitor(cfg.safety.max_drift, counts)  # from this run's first row
         if self.enabled:
             self.log = ThermoLog(self.dir / "thermo.csv",
@@ -65,7 +68,10 @@ class _Outputs(RunOutputs):
 
     def meta(self, ensemble: str) -> dict:
         files = {"log_rows": self.log.rows, **self.file_sizes()} if self.enabled else {}
-        return {"kind": "md", "ensemble": ensemble, "files": files}
+        out = {"kind": "md", "ensemble": ensemble, "files": files}
+        if self.hooks:
+            out["hooks"] = self.hooks.state_dict()
+        return out
 
     def record(self, state: MDState, integrator, force: bool = False) -> None:
         step = state.step
@@ -76,6 +82,8 @@ class _Outputs(RunOutputs):
                 self.drift.update(step * self.cfg.timestep, values["conserved_eV"])
             self.report(step)
         self.frame(state, force)
+        if self.hooks:
+            self.hooks(state)
 
     def checkpoint(self, state: MDState, name: str = "checkpoint.pt",
                    meta: dict | None = None) -> Path | None:
@@ -129,7 +137,8 @@ def _start(cfg: MDConfig, par, device, dtype):
     return integrator, state, None
 
 
-def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
+def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = (),
+           hooks: Sequence = ()) -> Path:
     """Run molecular dynamics from a config (object or YAML path + dotlist overrides).
 
     Launched on several ranks (torchrun, srun), the system (one) is decomposed over the
@@ -138,18 +147,25 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = ()) -> Path
     atom-id order) and ``summary.json``. The trajectory equals a single-process run to
     round-off, and checkpoints (the global state by atom id) resume on any number of ranks.
 
+    Args:
+        hooks: observers (:mod:`xnn.dynamics.observers`) run with those of the config's
+            ``hooks:`` list; their results stay in them (``hook.result()``, on rank 0).
+
     Returns:
-        the output folder (with ``thermo.csv``, ``thermo.png``, trajectory, ``checkpoint.pt``).
+        the output folder (with ``thermo.csv``, ``thermo.png``, trajectory, ``checkpoint.pt``,
+        ``hooks/*.csv``).
     Raises:
         SimulationError: the run diverged (after writing the last good frame and a checkpoint).
     """
     if launched_on_several_ranks():
-        return run_distributed(MDConfig, config, overrides, _run_md)
-    return _run_md(config, overrides, None)
+        return run_distributed(MDConfig, config, overrides,
+                               functools.partial(_run_md, extra_hooks=hooks))
+    return _run_md(config, overrides, None, hooks)
 
 
-def _run_md(config, overrides: Sequence[str], manager) -> Path:
+def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = ()) -> Path:
     cfg, device, dtype, par, folder = setup_run(MDConfig, config, overrides, manager)
+    hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]  # user targets imported first
     integrator, state, meta = _start(cfg, par, device, dtype)
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
                                                                  state.positions))
@@ -164,6 +180,8 @@ def _run_md(config, overrides: Sequence[str], manager) -> Path:
     out_dir = open_folder(cfg, folder, manager)
     counts = par.reduce.count_per_system(state.graph.batch, state.n_systems)
     outputs = _Outputs(cfg, par, counts, meta, out_dir)
+    outputs.hooks = RunHooks(hooks, par, out_dir, cfg.timestep, meta,
+                             None if meta is None else state.step)
     if meta is None:
         outputs.record(state, integrator, force=True)
     _loop(cfg, integrator, state, outputs, max_t)

@@ -26,7 +26,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # what xnn md and xnn relax write into output.dir (a previous run is recognised by these)
 RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajectory.xyz",
              "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
-             "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json")
+             "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json",
+             "hooks")
 
 
 def progress_bar(cfg_out, total: int, initial: int, desc: str, enabled: bool = True):

@@ -7,6 +7,7 @@ FIRE (batched, optionally with the cell) writes ``relax.csv``, the relaxation tr
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from xnn.app.md_common import (
     run_distributed,
     setup_run,
 )
+from xnn.app.md_hooks import RunHooks, hooks_from_config
 from xnn.app.md_setup import check_species, load_structure, pressure_to_internal
 from xnn.config.md import RelaxConfig
 from xnn.dynamics import checkpoint as ckpt
@@ -71,6 +73,7 @@ class _RelaxOutputs(RunOutputs):
                  directory: Path):
         super().__init__(cfg, par, n_atoms, meta, directory, "relax", "relax_trajectory")
         self.log = None
+        self.hooks: RunHooks | None = None  # set by _run_relax
         if self.enabled:
             self.log = _RelaxLog(self.dir / "relax.csv", self.files.get("log_bytes"))
 
@@ -79,8 +82,11 @@ class _RelaxOutputs(RunOutputs):
         step's rows and frame, which a resumed run writes again)."""
         files = {"log_bytes": self.log.position(), **self.file_sizes()} if self.enabled \
             else {}
-        return {"kind": "relax", "settings": _relax_settings(self.cfg),
-                "converged": done.tolist(), "files": files}
+        out = {"kind": "relax", "settings": _relax_settings(self.cfg),
+               "converged": done.tolist(), "files": files}
+        if self.hooks:
+            out["hooks"] = self.hooks.state_dict()
+        return out
 
     def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
         if force or state.step % self.cfg.output.log_every == 0:
@@ -88,6 +94,8 @@ class _RelaxOutputs(RunOutputs):
                 self.log.write(state, fm)
             self.report(state.step)
         self.frame(state)
+        if self.hooks:
+            self.hooks(state)
 
 
 def _relax_settings(cfg: RelaxConfig) -> dict:
@@ -129,7 +137,8 @@ def _relax_start(cfg: RelaxConfig, par, device, dtype) -> tuple[MDState, dict | 
                      reduce=par.reduce), None
 
 
-def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
+def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = (),
+              hooks: Sequence = ()) -> Path:
     """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz``, ``relax.csv``
     and ``checkpoint.pt`` (every ``output.checkpoint_every`` steps and at the end).
 
@@ -137,20 +146,29 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = ()) -
     new ``max_steps``) and its outputs are bitwise identical to an uninterrupted run on CPU.
     Launched on several ranks (torchrun), the system (one) is decomposed as in ``xnn md``.
 
+    Args:
+        hooks: observers run with those of the config's ``hooks:`` list (as in ``run_md``;
+            ``time_fs`` is NaN).
+
     Returns:
         the output folder.
     """
     if launched_on_several_ranks():
-        return run_distributed(RelaxConfig, config, overrides, _run_relax)
-    return _run_relax(config, overrides, None)
+        return run_distributed(RelaxConfig, config, overrides,
+                               functools.partial(_run_relax, extra_hooks=hooks))
+    return _run_relax(config, overrides, None, hooks)
 
 
-def _run_relax(config, overrides: Sequence[str], manager) -> Path:
+def _run_relax(config, overrides: Sequence[str], manager, extra_hooks: Sequence = ()) -> Path:
     cfg, device, dtype, par, folder = setup_run(RelaxConfig, config, overrides, manager)
+    hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]
     state, meta = _relax_start(cfg, par, device, dtype)
     out_dir = open_folder(cfg, folder, manager)
     n_atoms = int(par.reduce.count_per_system(state.graph.batch, state.n_systems).sum())
     outputs = _RelaxOutputs(cfg, par, n_atoms, meta, out_dir)
+    # a relaxation checkpoint is taken before its step's rows: keep the rows before it
+    outputs.hooks = RunHooks(hooks, par, out_dir, None, meta,
+                             None if meta is None else state.step - 1)
     state = _relax_loop(cfg, state, outputs)
     full = par.gather(state)
     if par.main:

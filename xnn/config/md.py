@@ -98,6 +98,64 @@ class OutputConfig:
         check_range("output.log_every", self.log_every, 1)
 
 
+HOOK_NAMES = ("rdf", "msd", "species_temperature", "callable")
+HOOK_SCOPES = {"rdf": ("rank0",), "msd": ("global",), "species_temperature": ("global",),
+               "callable": ("rank0", "owned", "global")}
+
+
+@dataclass
+class HookConfig:
+    name: str = field("rdf", "the observer: rdf (g(r) averaged over the calls), msd (mean "
+                      "squared displacement from the first call, per species), "
+                      "species_temperature (kinetic temperature per species) or callable "
+                      "(target, a user function)", choices=HOOK_NAMES)
+    every: int = field(10, "run at the steps that are multiples of N")
+    scope: str | None = field(None, "callable only: rank0 (the gathered frame), owned "
+                              "(per-atom values of each rank's atoms, assembled by id) or "
+                              "global (partial sums summed over the ranks); null: the "
+                              "hook's own (rdf and the callable: rank0; msd, "
+                              "species_temperature: global)")
+    r_max: float = field(6.0, "rdf: largest distance (Å)")
+    bins: int = field(200, "rdf: number of bins")
+    partials: bool = field(False, "rdf: also the partial g(r) of every species pair")
+    target: str | None = field(None, "callable: 'package.module:function'")
+    format: str = field("ase", "callable in scope rank0: the frame as ase.Atoms (one call "
+                        "per system) or as the xnn graph (graph)", choices=("ase", "graph"))
+    label: str | None = field(None, "the file name hooks/LABEL.csv (default: the name; a "
+                              "callable: its function's name)")
+
+    def __post_init__(self):
+        check_range("hooks.every", self.every, 1)
+        check_range("hooks.r_max", self.r_max, 0.0, low_inclusive=False)
+        check_range("hooks.bins", self.bins, 1)
+        if self.name not in HOOK_NAMES:
+            return  # validate() names the valid choices
+        scopes = HOOK_SCOPES[self.name]
+        if self.scope is not None and self.scope not in scopes:
+            raise ConfigError(f"hooks: {self.name} runs in scope {list(scopes)}, not "
+                              f"{self.scope!r}")
+        if (self.name == "callable") != (self.target is not None):
+            raise ConfigError("hooks: a callable hook needs target: 'package.module:function'"
+                              if self.name == "callable" else
+                              f"hooks: target is only for name: callable, not {self.name}")
+
+
+def _check_hooks(hooks: list) -> None:
+    names = [h.label or (h.target.rpartition(":")[2] if h.target else h.name) for h in hooks]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"hooks: two hooks write hooks/{dup[0]}.csv; give each a label")
+
+
+def hooks_field():
+    """The ``hooks`` option of ``xnn md`` and ``xnn relax``."""
+    return field([], "observers run during the run, each {name: rdf|msd|species_temperature|"
+                 "callable, every: N, ...} with keys name, every, scope (callable: rank0, "
+                 "owned or global), r_max, bins, partials (rdf), target "
+                 "('package.module:function'), format (ase or graph), label; e.g. "
+                 "hooks.0.name=msd hooks.0.every=5; results in output.dir/hooks/NAME.csv")
+
+
 def resume_field():
     """The ``resume`` option of ``xnn md`` and ``xnn relax`` (one definition for both)."""
     return field(None, "checkpoint (output.dir/checkpoint.pt) to continue from, writing into "
@@ -147,10 +205,12 @@ class MDConfig:
     barostat: BarostatConfig = field(BarostatConfig(), "barostat settings (npt)")
     output: OutputConfig = field(OutputConfig(), "files written")
     safety: SafetyConfig = field(SafetyConfig(), "checks that stop a diverging run")
+    hooks: list[HookConfig] = hooks_field()
     resume: str | None = resume_field()
 
     def __post_init__(self):
         validate(self)  # every number finite, every choice valid (also when built in Python)
+        _check_hooks(self.hooks)
         check_range("temperature", self.temperature, 0.0)
         for t in self.temperatures or []:
             check_range("temperatures", t, 0.0)
@@ -183,10 +243,12 @@ class RelaxConfig:
                                               log_every=1, checkpoint_every=0),
                                  "files written (checkpoint.pt every checkpoint_every "
                                  "steps and at the end)")
+    hooks: list[HookConfig] = hooks_field()
     resume: str | None = resume_field()
 
     def __post_init__(self):
         validate(self)
+        _check_hooks(self.hooks)
         check_range("fmax", self.fmax, 0.0, low_inclusive=False)
         check_range("max_steps", self.max_steps, 0)
         check_range("maxstep", self.maxstep, 0.0, low_inclusive=False)

@@ -133,6 +133,15 @@ class DomainRun(SerialRun):
                               migrated=extra["migrated"].cpu(), ref_cell=ref["ref_cell"].cpu())
         return state.replace(graph=full, forces=extra[K.FORCES])
 
+    def gather_atoms(self, graph: AtomicGraph, values: torch.Tensor):
+        """``(atom_id [n_atoms], values [n_atoms, k])`` of every rank's owned atoms (of
+        ``graph``) in id order on rank 0, ``None`` elsewhere: per-atom values of an
+        ``owned`` hook (:class:`~xnn.dynamics.hooks.HookRunner`). Collective."""
+        ids = AtomicGraph({K.POSITIONS: graph.positions, K.ATOM_ID: graph.atom_id},
+                          validate=False)
+        full, extra = self.potential.gather(ids, {"values": values})
+        return None if full is None else (full.atom_id, extra["values"])
+
     def meta(self, state: MDState) -> dict:
         """Checkpoint meta of the last :meth:`gather` (rank 0): the rank count, each atom's
         rank, the grid and the ghost plan's reference positions (by id)."""

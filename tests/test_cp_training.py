@@ -21,6 +21,7 @@ except ImportError:  # tests/ is a package
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models import Potential
 
 pytestmark = pytest.mark.distributed
 
@@ -230,6 +231,65 @@ def _whole_structure_case(manager):
     return out
 
 
+def nacl(seed):
+    """64 rattled ions of NaCl in a sheared cell, per-atom charges from the data (about +-1,
+    neutral), edges at the PME real-space cutoff."""
+    from ase.build import bulk
+
+    from xnn.neighbors import with_edges
+
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((2, 2, 2))
+    atoms.rattle(0.1, seed=seed)
+    cell = atoms.cell.array.copy()
+    cell[1] += 0.2 * cell[0]
+    atoms.set_cell(cell, scale_atoms=True)
+    g = _labelled(atoms, seed).without_edges()
+    q = np.where(atoms.numbers == 11, 1.0, -1.0)
+    q *= 1.0 + 0.2 * np.random.default_rng(seed).random(len(q))
+    g = g.replace(charges=torch.tensor(q - q.mean()))
+    return with_edges(g, 5.0)
+
+
+def ionic_model():
+    """A trainable SchNet + a fixed PME term on the data's charges."""
+    from xnn.models import Sum, build
+
+    torch.manual_seed(0)
+    mlip = build("schnet", species=[11, 17], cutoff=CUTOFF, num_interactions=2,
+                 num_features=8, num_filters=8, num_basis=8).double()
+    with torch.no_grad():
+        for p in mlip.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return Sum([mlip, build("pme", cutoff=5.0, accuracy=1e-5)], trainable=[True, False])
+
+
+def _ionic_case(manager):
+    """dp=2 dd=2 training of SchNet + fixed PME (decomposed mesh) vs one process."""
+    from xnn.distributed.parallelize import parallelize_train
+
+    data = [nacl(7), nacl(8), nacl(9), nacl(10)]
+    plan = parallelize_train(manager, 2, 2)
+    model = ionic_model()
+    predictor = _recording(plan.predictor(model, "cpu", torch.float64))
+    trainer = _trainer(model, plan.reducer, predictor)
+    batches_idx = ((0, 1, 2, 3), (3, 1, 0, 2))
+    n_atoms = np.array([g.n_atoms for g in data])
+    shares = [[data[i] for i in plan.sharding(b, n_atoms)] for b in batches_idx]
+    counts = [_counts([data[i] for i in b]) for b in batches_idx]
+    losses, first, weights = _steps(trainer, shares, counts)
+    out = {"log": predictor.log, "n_share": [len(s) for s in shares]}
+    if torch.distributed.get_rank() == 0:
+        ref = _trainer(ionic_model())
+        ref_losses, ref_first, ref_weights = _steps(
+            ref, [[data[i] for i in b] for b in batches_idx], counts)
+        pme_only = Potential(ionic_model().terms[1])(data[0])
+        out.update(loss=abs(losses[0] - ref_losses[0]) / abs(ref_losses[0]),
+                   grad=_rel(first, ref_first), weights=_rel(weights, ref_weights),
+                   moved=_rel(weights, _weights(ionic_model())),
+                   pme_energy=float(pme_only["energy"][0]))
+    return out
+
+
 def _compile_refused(manager):
     from xnn.distributed.parallelize import parallelize_train
 
@@ -312,6 +372,7 @@ def fast_worker(rank, world, tmp):
     out["accumulation"] = _accumulation_case(manager)
     out["whole"] = _whole_structure_case(manager)
     out["compile"] = _compile_refused(manager)
+    out["ionic"] = _ionic_case(manager)
     out["app"] = _app_case(manager, tmp)
     return out
 
@@ -350,6 +411,13 @@ def fast(tmp_path_factory):
 @pytest.mark.parametrize("dims,model", FAST)
 def test_cp_step_matches_one_process(fast, dims, model):
     _check_case(fast, f"{dims[0]}x{dims[1]}-{model}", dims[1])
+
+
+def test_training_through_the_decomposed_pme_mesh(fast):
+    """SchNet + fixed PME with the data's charges, dp=2 dd=2: the mesh of each structure is
+    summed over its dd group; loss, gradients and weights equal one process."""
+    _check_case(fast, "ionic", 2)
+    assert fast[0]["ionic"]["pme_energy"] < -50.0  # the electrostatics dominate the energy
 
 
 def test_structures_cover_periodic_slab_molecule():

@@ -123,6 +123,12 @@ class Sum(AtomisticModel):
                    for m in self.terms)
 
     @property
+    def receiver_field(self) -> float:
+        """The largest ``receiver_field`` the terms declare (0 if none does): see
+        :class:`~xnn.distributed.DomainPotential`."""
+        return max(float(getattr(m, "receiver_field", 0.0)) for m in self.terms)
+
+    @property
     def hparams(self) -> dict:
         """``{"terms": [{"name": ..., **hyperparameters, "trainable": ...}]}`` (plain data,
         rebuilt by ``xnn.models.build("sum", **hparams)``)."""

@@ -250,26 +250,36 @@ def nacl(seed):
     return with_edges(g, 5.0)
 
 
-def ionic_model():
-    """A trainable SchNet + a fixed PME term on the data's charges."""
+def ionic_model(predicted=False):
+    """A trainable SchNet + a fixed PME term on the data's charges; ``predicted``: PME on
+    neutralised charges of a trainable 1-layer SchNet (cutoff 3.5 Å) instead."""
     from xnn.models import Sum, build
 
+    def schnet(cutoff, layers, noise=0.1):
+        m = build("schnet", species=[11, 17], cutoff=cutoff, num_interactions=layers,
+                  num_features=8, num_filters=8, num_basis=8).double()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(noise * torch.randn_like(p))
+        return m
+
     torch.manual_seed(0)
-    mlip = build("schnet", species=[11, 17], cutoff=CUTOFF, num_interactions=2,
-                 num_features=8, num_filters=8, num_basis=8).double()
-    with torch.no_grad():
-        for p in mlip.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return Sum([mlip, build("pme", cutoff=5.0, accuracy=1e-5)], trainable=[True, False])
+    mlip = schnet(CUTOFF, 2)
+    if not predicted:
+        return Sum([mlip, build("pme", cutoff=5.0, accuracy=1e-5)], trainable=[True, False])
+    charges = schnet(3.5, 1, noise=0.3)
+    charges.set_statistics(scale=20.0)  # a few tenths of e
+    return Sum([mlip, build("pme", cutoff=5.0, accuracy=1e-5, charge_model=charges,
+                            neutral=True)])
 
 
-def _ionic_case(manager):
-    """dp=2 dd=2 training of SchNet + fixed PME (decomposed mesh) vs one process."""
+def _ionic_case(manager, predicted=False):
+    """dp=2 dd=2 training of SchNet + PME (decomposed mesh) vs one process."""
     from xnn.distributed.parallelize import parallelize_train
 
     data = [nacl(7), nacl(8), nacl(9), nacl(10)]
     plan = parallelize_train(manager, 2, 2)
-    model = ionic_model()
+    model = ionic_model(predicted)
     predictor = _recording(plan.predictor(model, "cpu", torch.float64))
     trainer = _trainer(model, plan.reducer, predictor)
     batches_idx = ((0, 1, 2, 3), (3, 1, 0, 2))
@@ -279,14 +289,18 @@ def _ionic_case(manager):
     losses, first, weights = _steps(trainer, shares, counts)
     out = {"log": predictor.log, "n_share": [len(s) for s in shares]}
     if torch.distributed.get_rank() == 0:
-        ref = _trainer(ionic_model())
+        ref = _trainer(ionic_model(predicted))
         ref_losses, ref_first, ref_weights = _steps(
             ref, [[data[i] for i in b] for b in batches_idx], counts)
-        pme_only = Potential(ionic_model().terms[1])(data[0])
+        pme_only = Potential(ionic_model(predicted).terms[1])(data[0])
         out.update(loss=abs(losses[0] - ref_losses[0]) / abs(ref_losses[0]),
                    grad=_rel(first, ref_first), weights=_rel(weights, ref_weights),
-                   moved=_rel(weights, _weights(ionic_model())),
+                   moved=_rel(weights, _weights(ionic_model(predicted))),
                    pme_energy=float(pme_only["energy"][0]))
+        if predicted:  # the charge model's own gradients, alone
+            n_q = sum(p.numel() for p in model.terms[1].parameters())
+            out["charge_grad"] = _rel(first[-n_q:], ref_first[-n_q:])
+            out["charge_grad_norm"] = float(ref_first[-n_q:].abs().max())
     return out
 
 
@@ -373,6 +387,7 @@ def fast_worker(rank, world, tmp):
     out["whole"] = _whole_structure_case(manager)
     out["compile"] = _compile_refused(manager)
     out["ionic"] = _ionic_case(manager)
+    out["ionic-q"] = _ionic_case(manager, predicted=True)
     out["app"] = _app_case(manager, tmp)
     return out
 
@@ -418,6 +433,14 @@ def test_training_through_the_decomposed_pme_mesh(fast):
     summed over its dd group; loss, gradients and weights equal one process."""
     _check_case(fast, "ionic", 2)
     assert fast[0]["ionic"]["pme_energy"] < -50.0  # the electrostatics dominate the energy
+
+
+def test_training_predicted_charges_under_decomposition(fast):
+    """SchNet + PME on neutralised charges of a trained SchNet, dp=2 dd=2: ghosts' charges
+    are computed locally (halo 5 + 3.5 Å); the charge model's gradients equal one process."""
+    _check_case(fast, "ionic-q", 2)
+    r0 = fast[0]["ionic-q"]
+    assert r0["charge_grad"] <= 1e-10 and r0["charge_grad_norm"] > 1e-6, r0
 
 
 def test_structures_cover_periodic_slab_molecule():

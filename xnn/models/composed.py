@@ -19,11 +19,11 @@ model file is stored by value, not by path. A sum holding an external wrapper wi
 checkpoints, which store ``hparams``, refuse it).
 
 Domain decomposition: ``num_interactions`` is the largest of the terms', ``cutoff`` the largest
-cutoff, so the halo ``cutoff * num_interactions`` covers every term; DD takes the smaller
-``receptive_field`` (the largest of the terms', e.g. D3's ``cutoff + cn_cutoff``) when it is
-smaller. Long-range terms inside a sum are found by their ``global_sum`` attribute. A
-``Sum`` has no sync points of its own (sync-point mode of a term inside a sum is not wired
-yet; the halo mode is exact).
+cutoff; DD's halo is the declared ``receptive_field``, the largest of the terms' (e.g. D3's
+``cutoff + cn_cutoff``, a Coulomb term's ``cutoff`` plus its charge model's receptive field),
+and ``receiver_field`` the largest of the terms'. Long-range terms inside a sum are found
+by their ``global_sum`` attribute. A ``Sum`` has no sync points of its own (sync-point mode
+of a term inside a sum is not wired yet; the halo mode is exact).
 """
 
 from __future__ import annotations

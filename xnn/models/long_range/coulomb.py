@@ -50,7 +50,9 @@ distributed FFT (two all-to-all transposes, ``O(n_mesh / P)`` memory and work pe
 the path when the replicated mesh stops fitting. A non-periodic system's direct sum is over
 all pairs: under DD the owned atoms' positions and charges are gathered on every rank
 through ``global_gather`` (O(N) memory and an O(n_owned N) sum per rank; for molecules and
-clusters, not for large non-periodic systems).
+clusters, not for large non-periodic systems). Predicted charges (``charge_model``) widen
+the halo by the charge model's receptive field (``receptive_field``, ``receiver_field``):
+every rank computes its ghosts' charges itself; ``neutral`` goes through ``global_sum``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel
 from xnn.models.classical import atomic_number
+from xnn.models.long_range.charges import charge_fields, neutralised
 from xnn.models.long_range.reciprocal import ewald_kspace, pme_kspace
 
 #: Coulomb constant ``Hartree * Bohr`` (eV Å / e^2), as ``ase.units``.
@@ -160,32 +163,21 @@ class _Coulomb(AtomisticModel):
         """``cutoff``, plus the charge model's receptive field ``R_q`` with predicted charges
         (the charges of atoms within ``cutoff`` depend on atoms ``R_q`` further); ``inf``
         for a charge model that declares no ``cutoff``."""
-        return self.cutoff + self._charge_fields()[0]
+        return self.cutoff + charge_fields(self.charge_model)[0]
 
     @property
     def receiver_field(self) -> float:
         """Distance (Å) from an atom whose energy counts up to which atoms need all their
         neighbors: ``cutoff + R_q - c_q`` with a charge model of cutoff ``c_q`` (its last
         hop reads features, not edges), else 0."""
-        r_q, c_q = self._charge_fields()
+        r_q, c_q = charge_fields(self.charge_model)
         return self.cutoff + r_q - c_q if self.charge_model is not None else 0.0
-
-    def _charge_fields(self) -> tuple[float, float]:
-        """``(R_q, c_q)``: the charge model's receptive field and cutoff (0 without one)."""
-        m = self.charge_model
-        if m is None:
-            return 0.0, 0.0
-        if getattr(m, "cutoff", None) is None:
-            return math.inf, 0.0
-        c_q = float(m.cutoff)
-        return float(getattr(m, "receptive_field", c_q * int(getattr(m, "num_interactions",
-                                                                      1)))), c_q
 
     def atom_charges(self, graph: AtomicGraph) -> Tensor:
         """``[n_atoms]`` charges (e) from the charge model, the table or the data."""
         if self.charge_model is not None:
             q = self.charge_model(graph).reshape(-1).to(graph.dtype)
-            return self._neutralised(graph, q) if self.neutral else q
+            return neutralised(graph, q, self.global_sum) if self.neutral else q
         if self.charge_source == "table":
             return self.charge_table.to(graph.dtype)[graph.numbers]
         if K.CHARGES not in graph:
@@ -193,17 +185,6 @@ class _Coulomb(AtomisticModel):
                              "(extxyz initial_charges / the 'charges' field) or set "
                              "charges={'Na': 1, ...} in the model")
         return graph[K.CHARGES].reshape(-1).to(graph.dtype)
-
-    def _neutralised(self, graph: AtomicGraph, q: Tensor) -> Tensor:
-        """``q - mean(q)`` per system; in a domain's local graph the mean over the owned
-        atoms of every rank (``global_sum``), applied to owned atoms and ghosts alike."""
-        if K.GLOBAL_CELL in graph:
-            n = int(graph[K.N_OWNED].reshape(-1)[0])
-            total = self.global_sum(torch.stack([q[:n].sum(), q.new_tensor(float(n))]))
-            return q - total[0] / total[1]
-        sums = q.new_zeros(graph.n_systems).index_add(0, graph.batch, q)
-        counts = torch.bincount(graph.batch, minlength=graph.n_systems).to(q.dtype)
-        return q - (sums / counts.clamp_min(1.0))[graph.batch]
 
     def _real_space(self, calc, q: Tensor, graph: AtomicGraph, periodic: Tensor) -> Tensor:
         """``phi [n_atoms]`` of the erfc-screened pairs on the edges (torch-pme's sum) of

@@ -22,10 +22,10 @@ constants). Because everything is a function of edge vectors, forces and stress 
 :func:`xnn.models.derivatives.compute_properties`, and batched, mixed-pbc graphs work.
 
 Domain decomposition: an atom's energy depends on its neighbors' ``CN`` (a second hop), so
-``num_interactions = 2`` and the halo must reach ``receptive_field = cutoff + cn_cutoff``
-(not ``2 * max(cutoff, cn_cutoff)``: DD uses the declared receptive field); ghost atoms
-within ``cutoff`` of the box need full neighborhoods to ``cn_cutoff``. There are no sync
-points: ghosts' ``CN`` are recomputed from the halo.
+``num_interactions = 2`` and the halo must reach ``receptive_field = max(cutoff,
+atm_cutoff) + cn_cutoff`` (not ``2 * self.cutoff``: DD uses the declared receptive field);
+ghost atoms within ``max(cutoff, atm_cutoff)`` of the box need full neighborhoods to
+``cn_cutoff``. There are no sync points: ghosts' ``CN`` are recomputed from the halo.
 
 Three-body (Axilrod–Teller–Muto) term, as ``tad_dftd3.damping.dispersion_atm``: for every
 triple of atoms with all three distances ``<= atm_cutoff``,

@@ -197,4 +197,8 @@ def test_parameters_and_errors():
         D3(None)
     with pytest.raises(InputError, match="atm_cutoff"):
         D3("pbe", atm_cutoff=-1.0)
+    # too many triples: one line saying what to do, not an out-of-memory
+    big = bulk("Si", "diamond", a=5.43)
+    with pytest.raises(InputError, match="smaller atm_cutoff"):
+        Potential(D3("pbe", cutoff=6.0, max_triples=1000))(from_ase([big]), stress=False)
     assert "ref_c6" not in pbe.state_dict()  # tables are rebuilt from tad-dftd3, not saved

@@ -123,6 +123,9 @@ class D3(AtomisticModel):
             s-dftd3); 0 switches the term off.
         atm_cutoff: three-body cutoff on each of a triple's distances (Å); default
             ``min(cutoff, 40 Bohr)`` (tad-dftd3's and s-dftd3's 40 Bohr).
+        max_triples: refuse (``InputError``) an evaluation with more candidate triples (edge
+            pairs within ``atm_cutoff``) than this, rather than run out of memory (each
+            takes a few hundred bytes with forces).
 
     ``self.cutoff = max(cutoff, cn_cutoff, atm_cutoff)``: the neighbor list the model needs.
     """
@@ -132,7 +135,8 @@ class D3(AtomisticModel):
     def __init__(self, functional: str | None = "pbe", cutoff: float = 25.0,
                  cn_cutoff: float | None = None, s6: float | None = None,
                  s8: float | None = None, a1: float | None = None, a2: float | None = None,
-                 s9: float | None = None, atm_cutoff: float | None = None):
+                 s9: float | None = None, atm_cutoff: float | None = None,
+                 max_triples: int = 20_000_000):
         super().__init__()
         aa2au, _ = _units()
         cn_cutoff = min(float(cutoff), 25.0 / aa2au) if cn_cutoff is None else cn_cutoff
@@ -147,10 +151,12 @@ class D3(AtomisticModel):
         self.cn_cutoff = float(cn_cutoff)
         self.atm_cutoff = float(atm_cutoff) if self.params["s9"] != 0.0 else 0.0
         self.cutoff = max(self.disp_cutoff, self.cn_cutoff, self.atm_cutoff)
+        self.max_triples = int(max_triples)
         self.species = None
         self.hparams = {"functional": functional, "cutoff": self.disp_cutoff,
                         "cn_cutoff": self.cn_cutoff, "s6": s6, "s8": s8, "a1": a1, "a2": a2,
-                        "s9": self.params["s9"], "atm_cutoff": float(atm_cutoff)}
+                        "s9": self.params["s9"], "atm_cutoff": float(atm_cutoff),
+                        "max_triples": self.max_triples}
         for name, table in _tables().items():  # not in state_dict: rebuilt from tad-dftd3
             self.register_buffer(name, table.clone(), persistent=False)
 
@@ -235,7 +241,8 @@ class D3(AtomisticModel):
                              "cannot be compiled; set s9=0 for compiled evaluation")
         rc2 = (self.atm_cutoff * _units()[0]) ** 2
         i_all = graph.edge_index[1]
-        a, b = _edge_pairs(i_all, r2 <= rc2, graph.n_atoms)
+        a, b = _edge_pairs(i_all, r2 <= rc2, graph.n_atoms, self.max_triples,
+                           self.atm_cutoff)
         i, j, k = i_all[a], graph.edge_index[0][a], graph.edge_index[0][b]
         r2ij, r2ik = r2[a], r2[b]
         vjk = vec[b] - vec[a]
@@ -262,14 +269,20 @@ class D3(AtomisticModel):
             0, i, e)
 
 
-def _edge_pairs(center: Tensor, mask: Tensor, n_atoms: int) -> tuple[Tensor, Tensor]:
+def _edge_pairs(center: Tensor, mask: Tensor, n_atoms: int, limit: int,
+                atm_cutoff: float) -> tuple[Tensor, Tensor]:
     """All unordered pairs ``(a, b)`` of distinct edges with the same center among those
-    in ``mask`` (edge ids ``[n_pairs]`` each)."""
+    in ``mask`` (edge ids ``[n_pairs]`` each); ``InputError`` beyond ``limit`` pairs."""
     idx = torch.nonzero(mask).flatten()
     c = center[idx]
     order = torch.argsort(c, stable=True)
     idx, c = idx[order], c[order]
     counts = torch.bincount(c, minlength=n_atoms)
+    n_pairs = int((counts * (counts - 1) // 2).sum())
+    if n_pairs > limit:
+        raise InputError(f"d3: {n_pairs} candidate ATM triples within atm_cutoff="
+                         f"{atm_cutoff:.3g} Å exceed max_triples={limit}; set a smaller "
+                         "atm_cutoff (e.g. 8-10 Å), s9=0, or a larger max_triples")
     start = torch.cumsum(counts, 0) - counts
     rank = torch.arange(idx.numel(), device=idx.device) - start[c]
     n_after = counts[c] - rank - 1  # partners of each edge later in its center's group

@@ -222,3 +222,32 @@ def test_delta_learning_statistics_are_those_of_the_residual():
     plain = data_statistics(ModelConfig(name="sum", cutoff=5.0, hyperparameters={
         "terms": [dict(d3), terms[1]]}), [29], graphs)
     assert abs(plain["e0"][29] - 0.5) > 1e-3  # a trainable d3 leaves the labels as they are
+
+
+def test_sum_with_an_external_wrapper_saves_and_loads(tmp_path):
+    """MACE + D3 (frozen): saved term by term as plain data (no hparams for the wrapper),
+    loaded with the same energies, forces and stress and the same trainable flags."""
+    from xnn.models.external._optional import MissingExtraError, import_extra
+
+    try:
+        import_extra("mace", "mace.modules")
+    except MissingExtraError as err:
+        pytest.skip(str(err))
+    try:
+        from test_external_mace import _mace_model, _molecule, _periodic
+    except ImportError:  # tests/ is a package
+        from tests.test_external_mace import _mace_model, _molecule, _periodic
+    model = Sum([build("mace", model=_mace_model(4)),
+                 {"name": "d3", "functional": "pbe", "cutoff": 5.0, "cn_cutoff": 3.0,
+                  "trainable": False}])
+    graph = from_ase([_periodic(), _molecule()], dtype=torch.float64)
+    ref = Potential(model)(graph)
+    path = save_model(model, tmp_path / "mace_d3.pt")
+    assert torch.load(path, weights_only=True)["kind"] == "xnn-sum-terms"
+    back = load_model(path)
+    assert back.trainable == [True, False] and type(back.terms[0]) is type(model.terms[0])
+    out = Potential(back)(graph)
+    for key in (K.ENERGIES, K.FORCES, K.STRESS):
+        assert torch.equal(out[key], ref[key]), key
+    with pytest.raises(InputError, match="xnn.save_model"):
+        model.hparams  # noqa: B018 - what checkpoints read: refused with what to do

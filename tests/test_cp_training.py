@@ -21,6 +21,7 @@ except ImportError:  # tests/ is a package
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models import Potential
 
 pytestmark = pytest.mark.distributed
 
@@ -230,6 +231,79 @@ def _whole_structure_case(manager):
     return out
 
 
+def nacl(seed):
+    """64 rattled ions of NaCl in a sheared cell, per-atom charges from the data (about +-1,
+    neutral), edges at the PME real-space cutoff."""
+    from ase.build import bulk
+
+    from xnn.neighbors import with_edges
+
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((2, 2, 2))
+    atoms.rattle(0.1, seed=seed)
+    cell = atoms.cell.array.copy()
+    cell[1] += 0.2 * cell[0]
+    atoms.set_cell(cell, scale_atoms=True)
+    g = _labelled(atoms, seed).without_edges()
+    q = np.where(atoms.numbers == 11, 1.0, -1.0)
+    q *= 1.0 + 0.2 * np.random.default_rng(seed).random(len(q))
+    g = g.replace(charges=torch.tensor(q - q.mean()))
+    return with_edges(g, 5.0)
+
+
+def ionic_model(predicted=False):
+    """A trainable SchNet + a fixed PME term on the data's charges; ``predicted``: PME on
+    neutralised charges of a trainable 1-layer SchNet (cutoff 3.5 Å) instead."""
+    from xnn.models import Sum, build
+
+    def schnet(cutoff, layers, noise=0.1):
+        m = build("schnet", species=[11, 17], cutoff=cutoff, num_interactions=layers,
+                  num_features=8, num_filters=8, num_basis=8).double()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(noise * torch.randn_like(p))
+        return m
+
+    torch.manual_seed(0)
+    mlip = schnet(CUTOFF, 2)
+    if not predicted:
+        return Sum([mlip, build("pme", cutoff=5.0, accuracy=1e-5)], trainable=[True, False])
+    charges = schnet(3.5, 1, noise=0.3)
+    charges.set_statistics(scale=20.0)  # a few tenths of e
+    return Sum([mlip, build("pme", cutoff=5.0, accuracy=1e-5, charge_model=charges,
+                            neutral=True)])
+
+
+def _ionic_case(manager, predicted=False):
+    """dp=2 dd=2 training of SchNet + PME (decomposed mesh) vs one process."""
+    from xnn.distributed.parallelize import parallelize_train
+
+    data = [nacl(7), nacl(8), nacl(9), nacl(10)]
+    plan = parallelize_train(manager, 2, 2)
+    model = ionic_model(predicted)
+    predictor = _recording(plan.predictor(model, "cpu", torch.float64))
+    trainer = _trainer(model, plan.reducer, predictor)
+    batches_idx = ((0, 1, 2, 3), (3, 1, 0, 2))
+    n_atoms = np.array([g.n_atoms for g in data])
+    shares = [[data[i] for i in plan.sharding(b, n_atoms)] for b in batches_idx]
+    counts = [_counts([data[i] for i in b]) for b in batches_idx]
+    losses, first, weights = _steps(trainer, shares, counts)
+    out = {"log": predictor.log, "n_share": [len(s) for s in shares]}
+    if torch.distributed.get_rank() == 0:
+        ref = _trainer(ionic_model(predicted))
+        ref_losses, ref_first, ref_weights = _steps(
+            ref, [[data[i] for i in b] for b in batches_idx], counts)
+        pme_only = Potential(ionic_model(predicted).terms[1])(data[0])
+        out.update(loss=abs(losses[0] - ref_losses[0]) / abs(ref_losses[0]),
+                   grad=_rel(first, ref_first), weights=_rel(weights, ref_weights),
+                   moved=_rel(weights, _weights(ionic_model(predicted))),
+                   pme_energy=float(pme_only["energy"][0]))
+        if predicted:  # the charge model's own gradients, alone
+            n_q = sum(p.numel() for p in model.terms[1].parameters())
+            out["charge_grad"] = _rel(first[-n_q:], ref_first[-n_q:])
+            out["charge_grad_norm"] = float(ref_first[-n_q:].abs().max())
+    return out
+
+
 def _compile_refused(manager):
     from xnn.distributed.parallelize import parallelize_train
 
@@ -312,6 +386,8 @@ def fast_worker(rank, world, tmp):
     out["accumulation"] = _accumulation_case(manager)
     out["whole"] = _whole_structure_case(manager)
     out["compile"] = _compile_refused(manager)
+    out["ionic"] = _ionic_case(manager)
+    out["ionic-q"] = _ionic_case(manager, predicted=True)
     out["app"] = _app_case(manager, tmp)
     return out
 
@@ -350,6 +426,21 @@ def fast(tmp_path_factory):
 @pytest.mark.parametrize("dims,model", FAST)
 def test_cp_step_matches_one_process(fast, dims, model):
     _check_case(fast, f"{dims[0]}x{dims[1]}-{model}", dims[1])
+
+
+def test_training_through_the_decomposed_pme_mesh(fast):
+    """SchNet + fixed PME with the data's charges, dp=2 dd=2: the mesh of each structure is
+    summed over its dd group; loss, gradients and weights equal one process."""
+    _check_case(fast, "ionic", 2)
+    assert fast[0]["ionic"]["pme_energy"] < -50.0  # the electrostatics dominate the energy
+
+
+def test_training_predicted_charges_under_decomposition(fast):
+    """SchNet + PME on neutralised charges of a trained SchNet, dp=2 dd=2: ghosts' charges
+    are computed locally (halo 5 + 3.5 Å); the charge model's gradients equal one process."""
+    _check_case(fast, "ionic-q", 2)
+    r0 = fast[0]["ionic-q"]
+    assert r0["charge_grad"] <= 1e-10 and r0["charge_grad_norm"] > 1e-6, r0
 
 
 def test_structures_cover_periodic_slab_molecule():

@@ -325,12 +325,44 @@ def test_global_sum_hook_makes_kspace_exact_over_atom_subsets(name, slab):
     assert not torch.allclose(kspace(halves[0], lambda x: x), full[halves[0]], atol=1e-3)
 
 
-def test_predicted_charges_are_refused_under_domain_decomposition():
-    """Ghost charges from a charge model would need its receptive field in the halo: refused
-    with one line rather than silently wrong (one process: group of one rank)."""
+def test_predicted_charges_under_domain_decomposition_need_a_declared_cutoff():
+    """A charge model without a cutoff cannot size the halo: refused with one line (one
+    process: group of one rank); with a cutoff the halo is the real-space cutoff plus the
+    charge model's receptive field (equality with one process: test_long_range_dd.py)."""
     from xnn.distributed.domain.potential import DomainPotential
 
     model = registry.model_class("ewald")(charge_model=ScaledCharges(0.7))
     with pytest.raises(InputError, match="predicted charges"):
         DomainPotential(model)
     DomainPotential(registry.model_class("ewald")(charges={"Na": 1.0, "Cl": -1.0}))
+    q = registry.build("schnet", species=[11, 17], cutoff=3.0, num_interactions=2)
+    pme = registry.build("pme", cutoff=5.0, charge_model=q)
+    assert pme.receptive_field == 11.0 and pme.receiver_field == 8.0
+    dd = DomainPotential(pme, skin=0.5)
+    assert dd.halo_width == 11.5 and dd.receiver_width == 8.5
+
+
+def test_neutral_predicted_charges():
+    """``neutral=True`` removes each system's mean predicted charge (batched), and a charge
+    model whose cutoff exceeds the real-space one (it would miss edges) is refused."""
+    atoms = _rattled_nacl()
+    q = registry.build("schnet", species=[11, 17], cutoff=3.0, num_interactions=1)
+    q.set_statistics(shift=0.3)  # a net charge to remove
+    model = registry.build("pme", cutoff=5.0, charge_model=q, neutral=True)
+    other = atoms.copy()
+    other.rattle(0.1, seed=9)
+    from xnn.data.ase_io import from_ase
+
+    g = with_edges(from_ase([atoms, other[:6]], dtype=torch.float64), 5.0)
+    q.double()
+    charges = model.atom_charges(g).detach()
+    raw = q(g).detach()
+    for s in range(2):
+        sel = g.batch == s
+        assert abs(float(raw[sel].mean())) > 0.1
+        assert abs(float(charges[sel].sum())) < 1e-12
+        assert torch.allclose(charges[sel], raw[sel] - raw[sel].mean(), atol=1e-14)
+    with pytest.raises(InputError, match="exceeds the real-space cutoff"):
+        registry.build("pme", cutoff=2.0, charge_model=q)
+    with pytest.raises(InputError, match="charge_model"):
+        registry.build("pme", cutoff=5.0, neutral=True)

@@ -99,13 +99,30 @@ def _kspace(name):
 def _d3(slab=False):
     from xnn.models import build
 
-    return build("d3", functional="pbe", cutoff=6.0, cn_cutoff=4.0)
+    # with the ATM term, its cutoff beyond the two-body one: the halo is 6 + 4 Å
+    return build("d3", functional="pbe", cutoff=5.0, cn_cutoff=4.0, s9=1.0, atm_cutoff=6.0)
 
 
 def _coulomb(slab=False):
     from xnn.models import build
 
     return build("coulomb")
+
+
+def _predicted(slab=False):
+    """PME on charges predicted by a 2-layer SchNet (cutoff 3 Å), neutralised: the halo is
+    5 + 6 Å, ghosts within 5 Å of a box compute their charges locally."""
+    from xnn.models import build
+
+    torch.manual_seed(1)
+    qmodel = build("schnet", species=[11, 17], cutoff=3.0, num_interactions=2, num_features=8,
+                   num_filters=8, num_basis=8).double()
+    with torch.no_grad():
+        for p in qmodel.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    qmodel.set_statistics(scale=300.0)  # charges of a few tenths of e
+    return build("pme", cutoff=5.0, accuracy=1e-5, slab_correction=slab, charge_model=qmodel,
+                 neutral=True)
 
 
 def _mixed(slab=False):
@@ -123,7 +140,7 @@ def _mixed(slab=False):
 
 
 MODELS = {"ewald": _kspace("ewald"), "pme": _kspace("pme"), "d3": _d3, "coulomb": _coulomb,
-          "sum": _mixed}
+          "sum": _mixed, "qpme": _predicted}
 
 # (case, model, structure, grid)
 BASE = [(f"{m}-{s}", m, s, None) for m in ("ewald", "pme", "d3", "sum")
@@ -131,10 +148,11 @@ BASE = [(f"{m}-{s}", m, s, None) for m in ("ewald", "pme", "d3", "sum")
     ("coulomb-cluster", "coulomb", "cluster", None),
     ("pme-corner", "pme", "corner", None),
     ("ewald-tiny", "ewald", "tiny", None)]
+PREDICTED = [(f"qpme-{s}", "qpme", s, None) for s in ("bulk", "slab", "cluster", "tiny")]
 CASES = {
-    2: BASE + [("pme-tiny-grid", "pme", "tiny", (2, 1, 1))],
+    2: BASE + PREDICTED + [("pme-tiny-grid", "pme", "tiny", (2, 1, 1))],
     3: [c for c in BASE if c[1] in ("pme", "sum", "coulomb")],
-    4: BASE + [("pme-corner-grid", "pme", "corner", (1, 1, 4)),
+    4: BASE + PREDICTED + [("pme-corner-grid", "pme", "corner", (1, 1, 4)),
                ("sum-corner-grid", "sum", "corner", (2, 2, 1))],
     8: [c for c in BASE if c[1] in ("pme", "sum") or c[0] == "coulomb-cluster"]
     + [("ewald-tiny-grid", "ewald", "tiny", (2, 2, 2)),
@@ -249,8 +267,10 @@ def _check(results, world):
     # empty boxes were part of it
     empty = [name for name, *_ in CASES[world] if any(r[name]["n_owned"] == 0 for r in results)]
     assert empty, "no case with an empty box"
-    # D3 (cutoff 6, cn_cutoff 4) needs a halo of its receptive field, not 2 x 6 Å
+    # D3 (atm_cutoff 6, cn_cutoff 4) needs a halo of its receptive field, not 2 x 6 Å
     assert root["d3-bulk"]["halo"] == pytest.approx(10.0) if "d3-bulk" in root else True
+    # predicted charges: PME's 5 Å plus the charge model's 2 x 3 Å
+    assert root["qpme-bulk"]["halo"] == pytest.approx(11.0) if "qpme-bulk" in root else True
 
 
 def _run(world, with_md=False):

@@ -13,15 +13,17 @@ cutoff. A term is a model, or a spec (plain data, as in YAML)::
 
 Saving stores each term's registry name, hyperparameters and trainable flag (``hparams``)
 and the weights of all terms (``state_dict``, prefixed ``terms.<k>.``): a term loaded from a
-model file is stored by value, not by path. External wrappers without ``hparams`` (mace,
-sevenn) cannot be saved inside a ``Sum`` yet.
+model file is stored by value, not by path. A sum holding an external wrapper without
+``hparams`` (mace, sevenn) is saved instead as one model payload per term (each term's own
+``to_payload``, plain data) and rebuilt term by term; it has no ``hparams`` (training
+checkpoints, which store ``hparams``, refuse it).
 
 Domain decomposition: ``num_interactions`` is the largest of the terms', ``cutoff`` the largest
-cutoff, so the halo ``cutoff * num_interactions`` covers every term; DD takes the smaller
-``receptive_field`` (the largest of the terms', e.g. D3's ``cutoff + cn_cutoff``) when it is
-smaller. Long-range terms inside a sum are found by their ``global_sum`` attribute. A
-``Sum`` has no sync points of its own (sync-point mode of a term inside a sum is not wired
-yet; the halo mode is exact).
+cutoff; DD's halo is the declared ``receptive_field``, the largest of the terms' (e.g. D3's
+``cutoff + cn_cutoff``, a Coulomb term's ``cutoff`` plus its charge model's receptive field),
+and ``receiver_field`` the largest of the terms'. Long-range terms inside a sum are found
+by their ``global_sum`` attribute. A ``Sum`` has no sync points of its own (sync-point mode
+of a term inside a sum is not wired yet; the halo mode is exact).
 """
 
 from __future__ import annotations
@@ -77,6 +79,28 @@ def build_term(spec: Mapping[str, Any] | nn.Module) -> tuple[nn.Module, bool | N
     return build(name, **hp), trainable
 
 
+_TERMS_KIND = "xnn-sum-terms"
+
+
+def _term_from_payload(payload: Mapping[str, Any], trust: bool) -> nn.Module:
+    """One term of a sum saved term by term (as :func:`xnn.load_model` rebuilds a file)."""
+    import inspect
+
+    from xnn.errors import ModelFileError
+    from xnn.models.registry import model_class
+    from xnn.models.serialization import _rebuild
+
+    if not isinstance(payload, Mapping) or not isinstance(payload.get("name"), str):
+        raise ModelFileError("a sum term's payload has no model name")
+    term_cls = model_class(payload["name"])
+    from_payload = getattr(term_cls, "from_payload", None)
+    if not callable(from_payload):
+        return _rebuild(payload["name"], dict(payload))
+    if "trust" in inspect.signature(from_payload).parameters:
+        return from_payload(dict(payload), trust=trust)
+    return from_payload(dict(payload))
+
+
 class Sum(AtomisticModel):
     """Per-atom energies ``E_i = sum_t E_i^(t)`` of several terms, each with its own cutoff.
 
@@ -123,6 +147,12 @@ class Sum(AtomisticModel):
                    for m in self.terms)
 
     @property
+    def receiver_field(self) -> float:
+        """The largest ``receiver_field`` the terms declare (0 if none does): see
+        :class:`~xnn.distributed.DomainPotential`."""
+        return max(float(getattr(m, "receiver_field", 0.0)) for m in self.terms)
+
+    @property
     def hparams(self) -> dict:
         """``{"terms": [{"name": ..., **hyperparameters, "trainable": ...}]}`` (plain data,
         rebuilt by ``xnn.models.build("sum", **hparams)``)."""
@@ -132,10 +162,37 @@ class Sum(AtomisticModel):
         for m, flag in zip(self.terms, self.trainable):
             hp = getattr(m, "hparams", None)
             if not isinstance(hp, Mapping):
-                raise InputError(f"sum term {type(m).__name__} has no hparams; a sum holding "
-                                 "it cannot be saved or checkpointed")
+                raise InputError(f"sum term {type(m).__name__} has no hparams, so this sum "
+                                 "has none (it cannot be checkpointed); save it with "
+                                 "xnn.save_model, which stores each term's own payload")
             specs.append({"name": registry_name(m), **dict(hp), "trainable": flag})
         return {"terms": specs}
+
+    def to_payload(self) -> dict:
+        """What :func:`xnn.save_model` stores: ``hparams`` and ``state_dict`` when every term
+        has ``hparams``; else one model payload per term (external wrappers: their own
+        ``to_payload``) and the trainable flags."""
+        from xnn.models.serialization import model_payload
+
+        if all(isinstance(getattr(m, "hparams", None), Mapping) for m in self.terms):
+            state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+            return {"hparams": self.hparams, "state_dict": state}
+        return {"kind": _TERMS_KIND, "terms": [model_payload(m) for m in self.terms],
+                "trainable": list(self.trainable)}
+
+    @classmethod
+    def from_payload(cls, payload: dict, trust: bool = False) -> Sum:
+        """Rebuild from :meth:`to_payload` output (``trust``: passed to each term)."""
+        from xnn.errors import ModelFileError
+        from xnn.models.serialization import _rebuild
+
+        if payload.get("kind") != _TERMS_KIND:
+            return _rebuild("sum", payload)
+        terms, flags = payload.get("terms"), payload.get("trainable")
+        if not isinstance(terms, list) or not isinstance(flags, list) or \
+                len(terms) != len(flags):
+            raise ModelFileError("sum payload lacks its terms or their trainable flags")
+        return cls([_term_from_payload(t, trust) for t in terms], [bool(f) for f in flags])
 
     @property
     def e0(self) -> dict[int, float] | None:

@@ -135,20 +135,25 @@ class DomainPotential:
         self.skin, self.mode, self.backend, self.cutoff = float(skin), mode, backend, cutoff
         depth = 1 if mode == "sync" else hops
         reach = cutoff * depth
-        if mode == "halo":  # a declared receptive field (e.g. D3's cutoff + cn_cutoff)
-            reach = min(reach, float(getattr(model, "receptive_field", reach)))
+        if mode == "halo":  # a declared receptive field (e.g. D3's cutoff + cn_cutoff,
+            # or a Coulomb term's cutoff + its charge model's receptive field)
+            reach = float(getattr(model, "receptive_field", reach))
         # receivers farther than (depth - 1) hops + skin from the box never reach an owned
-        # energy: their edges are dropped (all ghosts when depth is 1)
+        # energy: their edges are dropped (all ghosts when depth is 1), unless the model
+        # declares a wider ``receiver_field`` (ghosts whose predicted charges count)
         self.receiver_width = (min(cutoff * (depth - 1), reach) + self.skin if depth > 1
                                else 0.0)
+        if mode == "halo" and getattr(model, "receiver_field", 0.0) > 0.0:
+            self.receiver_width = max(self.receiver_width,
+                                      float(model.receiver_field) + self.skin)
         self.halo_width = reach + self.skin
         # long-range terms: k-space over owned atoms, their global sums all-reduced
         self.long_range = long_range_modules(model)
-        if any(getattr(m, "charge_model", None) is not None for m in self.long_range):
-            # ghosts' predicted charges would need the charge model's own receptive field
-            raise InputError("domain decomposition does not support predicted charges "
-                             "(charge_model) yet: use charges from the data or a table, or "
-                             "run in one process")
+        if any(getattr(m, "charge_model", None) is not None for m in self.long_range) and (
+                mode != "halo" or reach == float("inf")):
+            raise InputError("domain decomposition of predicted charges (charge_model) needs "
+                             "mode 'halo' and a charge model that declares its cutoff (and "
+                             "num_interactions or receptive_field)")
         self.size, self.rank = C.group_size(self.group), C.group_rank(self.group)
         if self.grid is not None:
             self.grid = check_grid(self.grid, self.size)

@@ -50,7 +50,9 @@ distributed FFT (two all-to-all transposes, ``O(n_mesh / P)`` memory and work pe
 the path when the replicated mesh stops fitting. A non-periodic system's direct sum is over
 all pairs: under DD the owned atoms' positions and charges are gathered on every rank
 through ``global_gather`` (O(N) memory and an O(n_owned N) sum per rank; for molecules and
-clusters, not for large non-periodic systems).
+clusters, not for large non-periodic systems). Predicted charges (``charge_model``) widen
+the halo by the charge model's receptive field (``receptive_field``, ``receiver_field``):
+every rank computes its ghosts' charges itself; ``neutral`` goes through ``global_sum``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel
 from xnn.models.classical import atomic_number
+from xnn.models.long_range.charges import charge_fields, neutralised
 from xnn.models.long_range.reciprocal import ewald_kspace, pme_kspace
 
 #: Coulomb constant ``Hartree * Bohr`` (eV Å / e^2), as ``ase.units``.
@@ -108,19 +111,29 @@ class _Coulomb(AtomisticModel):
             a table by element, e.g. ``{"Na": 1, "Cl": -1}`` (e).
         charge_model: a module mapping an ``AtomicGraph`` to per-atom charges ``[n_atoms]``
             (e); when given it replaces ``charges`` (e.g. a charge-predicting network,
-            trained jointly or fixed).
+            trained jointly or fixed). It sees the edges up to ``cutoff``, so its own
+            ``cutoff`` (if declared) must not exceed it.
+        neutral: subtract each system's mean charge from the predicted charges (a neutral
+            system; through ``global_sum`` under domain decomposition).
     """
 
     num_interactions = 1
     kspace = False
 
     def __init__(self, cutoff: float, charges: str | ChargeTable = "data",
-                 charge_model: nn.Module | None = None):
+                 charge_model: nn.Module | None = None, neutral: bool = False):
         super().__init__()
         if not (isinstance(cutoff, (int, float)) and 0 < cutoff < math.inf):
             raise InputError(f"cutoff must be a positive finite number (Å), got {cutoff!r}")
         self.cutoff = float(cutoff)
+        q_cut = getattr(charge_model, "cutoff", None)
+        if q_cut is not None and float(q_cut) > self.cutoff * (1 + 1e-12):
+            raise InputError(f"charge_model cutoff {float(q_cut)} Å exceeds the real-space "
+                             f"cutoff {self.cutoff} Å (it would miss edges): raise cutoff")
+        if neutral and charge_model is None:
+            raise InputError("neutral=true corrects predicted charges: give a charge_model")
         self.charge_model = charge_model
+        self.neutral = bool(neutral)
         self.global_sum: Callable[[Tensor], Tensor] = identity_sum
         # rows of every rank, concatenated (identity in one process; see the module doc)
         self.global_gather: Callable[[Tensor], Tensor] = identity_sum
@@ -142,11 +155,29 @@ class _Coulomb(AtomisticModel):
             self.charge_source = "model"
         self.register_buffer("charge_table", table)
         self.hparams: dict = {"cutoff": self.cutoff, "charges": plain}
+        if self.neutral:
+            self.hparams["neutral"] = True
+
+    @property
+    def receptive_field(self) -> float:
+        """``cutoff``, plus the charge model's receptive field ``R_q`` with predicted charges
+        (the charges of atoms within ``cutoff`` depend on atoms ``R_q`` further); ``inf``
+        for a charge model that declares no ``cutoff``."""
+        return self.cutoff + charge_fields(self.charge_model)[0]
+
+    @property
+    def receiver_field(self) -> float:
+        """Distance (Å) from an atom whose energy counts up to which atoms need all their
+        neighbors: ``cutoff + R_q - c_q`` with a charge model of cutoff ``c_q`` (its last
+        hop reads features, not edges), else 0."""
+        r_q, c_q = charge_fields(self.charge_model)
+        return self.cutoff + r_q - c_q if self.charge_model is not None else 0.0
 
     def atom_charges(self, graph: AtomicGraph) -> Tensor:
         """``[n_atoms]`` charges (e) from the charge model, the table or the data."""
         if self.charge_model is not None:
-            return self.charge_model(graph).reshape(-1).to(graph.dtype)
+            q = self.charge_model(graph).reshape(-1).to(graph.dtype)
+            return neutralised(graph, q, self.global_sum) if self.neutral else q
         if self.charge_source == "table":
             return self.charge_table.to(graph.dtype)[graph.numbers]
         if K.CHARGES not in graph:
@@ -272,12 +303,12 @@ class DirectCoulomb(_Coulomb):
 
     Args:
         cutoff: Å (unused by the sum).
-        charges, charge_model: see :class:`Ewald`.
+        charges, charge_model, neutral: see :class:`Ewald`.
     """
 
     def __init__(self, cutoff: float = 1.0, charges: str | ChargeTable = "data",
-                 charge_model: nn.Module | None = None):
-        super().__init__(cutoff, charges, charge_model)
+                 charge_model: nn.Module | None = None, neutral: bool = False):
+        super().__init__(cutoff, charges, charge_model, neutral)
         from torchpme import Calculator, CoulombPotential
 
         self.direct_calculator = Calculator(CoulombPotential(prefactor=COULOMB_CONSTANT))
@@ -296,6 +327,7 @@ class Ewald(_Coulomb):
         charges: ``"data"`` (atom field ``charges``) or a table by element (e).
         charge_model: module giving per-atom charges ``[n_atoms]`` (replaces ``charges``).
         slab_correction: treat ``pbc=[T, T, F]`` systems as slabs (Yeh–Berkowitz).
+        neutral: remove each system's mean predicted charge (with ``charge_model``).
     """
 
     kspace = True
@@ -303,8 +335,8 @@ class Ewald(_Coulomb):
     def __init__(self, cutoff: float = 10.0, accuracy: float = 1e-6,
                  smearing: float | None = None, lr_wavelength: float | None = None,
                  charges: str | ChargeTable = "data", charge_model: nn.Module | None = None,
-                 slab_correction: bool = False):
-        super().__init__(cutoff, charges, charge_model)
+                 slab_correction: bool = False, neutral: bool = False):
+        super().__init__(cutoff, charges, charge_model, neutral)
         from torchpme import Calculator, CoulombPotential, EwaldCalculator
 
         sigma, wavelength = ewald_parameters(self.cutoff, _check_accuracy(accuracy))
@@ -338,7 +370,7 @@ class PME(_Coulomb):
         mesh_spacing: torch-pme's mesh spacing (Å); the mesh has ``2^ceil(log2(2 L / h
             + 1))`` points along a cell vector of length ``L``.
         interpolation_nodes: Lagrange interpolation nodes per axis (3..7).
-        charges, charge_model, slab_correction: see :class:`Ewald`.
+        charges, charge_model, slab_correction, neutral: see :class:`Ewald`.
     """
 
     kspace = True
@@ -346,8 +378,9 @@ class PME(_Coulomb):
     def __init__(self, cutoff: float = 10.0, accuracy: float = 1e-6,
                  smearing: float | None = None, mesh_spacing: float | None = None,
                  interpolation_nodes: int = 4, charges: str | ChargeTable = "data",
-                 charge_model: nn.Module | None = None, slab_correction: bool = False):
-        super().__init__(cutoff, charges, charge_model)
+                 charge_model: nn.Module | None = None, slab_correction: bool = False,
+                 neutral: bool = False):
+        super().__init__(cutoff, charges, charge_model, neutral)
         from torchpme import Calculator, CoulombPotential, PMECalculator
 
         if interpolation_nodes not in (3, 4, 5, 6, 7):

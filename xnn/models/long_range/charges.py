@@ -1,0 +1,39 @@
+"""Predicted charges of the Coulomb terms: the charge model's reach (for the DD halo) and
+the neutrality correction (through the term's ``global_sum`` under domain decomposition)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+
+
+def charge_fields(charge_model: nn.Module | None) -> tuple[float, float]:
+    """``(R_q, c_q)`` (Å): the charge model's receptive field (its ``receptive_field``, else
+    ``cutoff * num_interactions``) and cutoff; ``(0, 0)`` without a charge model, ``(inf,
+    0)`` for one that declares no ``cutoff``."""
+    if charge_model is None:
+        return 0.0, 0.0
+    if getattr(charge_model, "cutoff", None) is None:
+        return math.inf, 0.0
+    c_q = float(charge_model.cutoff)
+    hops = int(getattr(charge_model, "num_interactions", 1))
+    return float(getattr(charge_model, "receptive_field", c_q * hops)), c_q
+
+
+def neutralised(graph: AtomicGraph, q: Tensor, global_sum: Callable[[Tensor], Tensor]) -> Tensor:
+    """``q - mean(q)`` per system ``[n_atoms]`` (e); in a domain's local graph the mean over
+    the owned atoms (the first ``K.N_OWNED``) of every rank, through ``global_sum``, applied
+    to owned atoms and ghosts alike."""
+    if K.GLOBAL_CELL in graph:
+        n = int(graph[K.N_OWNED].reshape(-1)[0])
+        total = global_sum(torch.stack([q[:n].sum(), q.new_tensor(float(n))]))
+        return q - total[0] / total[1]
+    sums = q.new_zeros(graph.n_systems).index_add(0, graph.batch, q)
+    counts = torch.bincount(graph.batch, minlength=graph.n_systems).to(q.dtype)
+    return q - (sums / counts.clamp_min(1.0))[graph.batch]

@@ -289,6 +289,35 @@ def _cli_md(structure, out_dir, mode=None):
     assert main(args) == 0, f"xnn md {' '.join(args)} failed"
 
 
+def _training_case(manager, rank, name="painn"):
+    """Context-parallel training steps (dp=1, dd=2, parallel.mode=graph) vs one process:
+    the loss, first gradients and weights after three SGD steps."""
+    try:
+        import test_cp_training as CP
+    except ImportError:  # tests/ is a package
+        from tests import test_cp_training as CP
+    from xnn.distributed.parallelize import parallelize_train
+
+    data, batches = CP.structures(), ((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1))
+    plan = parallelize_train(manager, 1, 2, mode="graph")
+    model = CP._model(name)
+    predictor = plan.predictor(model, "cpu", torch.float64)
+    trainer = CP._trainer(model, plan.reducer, predictor)
+    n_atoms = np.array([g.n_atoms for g in data])
+    shares = [[data[i] for i in plan.sharding(b, n_atoms)] for b in batches]
+    counts = [CP._counts([data[i] for i in b]) for b in batches]
+    losses, first, weights = CP._steps(trainer, shares, counts)
+    out = {"mode": predictor.mode, "stats": predictor.last_stats}
+    if rank == 0:
+        ref = CP._trainer(CP._model(name))
+        ref_losses, ref_first, ref_weights = CP._steps(
+            ref, [[data[i] for i in b] for b in batches], counts)
+        out.update(loss=abs(losses[0] - ref_losses[0]) / abs(ref_losses[0]),
+                   grad=CP._rel(first, ref_first), weights=CP._rel(weights, ref_weights),
+                   moved=CP._rel(weights, CP._weights(CP._model(name))))
+    return out
+
+
 def worker(rank, world, tmp):
     from xnn.distributed import DistributedManager
     from xnn.distributed import collectives as C
@@ -302,6 +331,7 @@ def worker(rank, world, tmp):
     if world == 2:
         results["md"] = _md_case(manager, rank)
         results["validate"] = _validate_cli(rank, tmp)
+        results["training"] = _training_case(manager, rank)
     if world == 4:
         results["validate"] = None
         if rank == 0:
@@ -390,6 +420,15 @@ def test_md_matches_single_process():
     # the skin's neighbor list was reused and rebuilt; ownership never changed
     assert 1 < res[0]["md"]["rebuilds"] < MD_STEPS + 1
     assert [r["md"]["n_owned"] for r in res] == [32, 32]
+
+
+@pytest.mark.distributed
+def test_context_parallel_training_in_graph_mode_matches_one_process():
+    res = results(2)
+    r0 = res[0]["training"]
+    assert r0["mode"] == "graph" and r0["stats"]["mode"] == "graph"
+    assert r0["loss"] <= TOL and r0["grad"] <= TOL and r0["weights"] <= 1e-9, r0
+    assert r0["moved"] > 1e-4  # the steps changed the weights
 
 
 @pytest.mark.distributed

@@ -318,6 +318,27 @@ def _training_case(manager, rank, name="painn"):
     return out
 
 
+def _md_auto_case(manager, rank):
+    """``parallelize_md(mode="auto")`` (dd.mode=auto) picks graph for a tiny dense cell and
+    halo for a large one, and the chosen potential evaluates the system exactly."""
+    from xnn.distributed.parallelize import parallelize_md
+    from xnn.models import Potential, build
+
+    out = {}
+    # 6912 atoms, 43 Å cell, 3.3 Å halo: ghosts 0.7 x owned < the other rank's atoms
+    short = build("lj", sigma=2.3, epsilon=0.4, cutoff=3.0)
+    for name, model, graph in (("tiny", lj(), tiny()),
+                               ("large", short, _graph(_fcc((12, 12, 12), rattle=0.05)))):
+        par = parallelize_md(Potential(model), manager, skin=0.3, mode="auto")
+        owned = par.scatter_graph(graph if rank == 0 else None)
+        res = par.potential(owned)
+        out[name] = {"mode": par.mode, "type": type(par.potential).__name__,
+                     "energy": float(res["energy"])}
+        if rank == 0:
+            out[name]["ref"] = float(Potential(model)(graph)["energy"])
+    return out
+
+
 def worker(rank, world, tmp):
     from xnn.distributed import DistributedManager
     from xnn.distributed import collectives as C
@@ -332,6 +353,7 @@ def worker(rank, world, tmp):
         results["md"] = _md_case(manager, rank)
         results["validate"] = _validate_cli(rank, tmp)
         results["training"] = _training_case(manager, rank)
+        results["md_auto"] = _md_auto_case(manager, rank)
     if world == 4:
         results["validate"] = None
         if rank == 0:
@@ -429,6 +451,15 @@ def test_context_parallel_training_in_graph_mode_matches_one_process():
     assert r0["mode"] == "graph" and r0["stats"]["mode"] == "graph"
     assert r0["loss"] <= TOL and r0["grad"] <= TOL and r0["weights"] <= 1e-9, r0
     assert r0["moved"] > 1e-4  # the steps changed the weights
+
+
+@pytest.mark.distributed
+def test_md_auto_mode_chooses_by_halo_fraction():
+    auto = results(2)[0]["md_auto"]
+    assert (auto["tiny"]["mode"], auto["tiny"]["type"]) == ("graph", "GraphPotential")
+    assert (auto["large"]["mode"], auto["large"]["type"]) == ("halo", "DomainPotential")
+    for case in auto.values():
+        assert abs(case["energy"] - case["ref"]) <= TOL * abs(case["ref"]), case
 
 
 @pytest.mark.distributed

@@ -10,17 +10,20 @@ rank holds and receives per evaluation. Rank 0 measures, on the actual structure
 
 Cost per evaluation of the slowest rank, in units of one atom-layer of model compute::
 
-    halo  = L n_owned + [mode halo: L n_ghost] + γ (3 + (L-1) F) n_ghost
+    halo  = L n_owned + [mode halo: (L-1) n_ghost] + γ (3 + (L-1) F) n_ghost
             + λ n_peers L_msg
     graph = L n_owned + γ (3 + (L-1) F) (N - n_owned) + λ ceil(log2 P) L
 
-with ``L_msg = L`` where ghosts' features are exchanged (models with sync points, mode
-``sync``), else 1; ``γ = 0.01`` (one received number costs about 1% of an atom-layer) and
-``λ = 20`` (one message's latency, in atom-layers), rough CPU/gloo values from
-``benchmarks/dd.py --modes halo,graph``. Graph mode wins when the halo holds more than the
-rest of the system (small dense cells, many ranks: ``h > P - 1`` for sync models) or when
-a halo mode would recompute many ghosts. Models graph mode cannot split exactly (several
-layers without sync points, long-range terms) always take the spatial halo.
+(mode halo recomputes the ghosts within ``(L-1)`` cutoffs of the box for ``L-1`` layers,
+roughly ``(L-1) n_ghost``), with ``L_msg = L`` where ghosts' features are exchanged
+(models with sync points, mode ``sync``), else 1; ``γ = 0.01`` (one received number costs
+about 1% of an atom-layer) and ``λ = 20`` (one message's latency, in atom-layers), rough
+CPU/gloo values. Graph mode wins when the halo holds more than the rest of the system
+(``n_ghost > N - n_owned``, i.e. ``h > P - 1``: small dense cells, many ranks; up to the
+latency terms) or when a halo mode would recompute many ghosts. Models graph mode cannot
+split exactly (several layers without sync points, long-range terms) always take the
+spatial halo. ``benchmarks/dd.py --modes halo,graph`` records the measured crossover and
+this model's choice side by side.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def choose_mode(model, graph: AtomicGraph, n_ranks: int, grid=None,
     f = feature_size(model)
     rows = 3 + (layers - 1) * f
     n_peers = min(n_ranks - 1, 26)
-    halo = (layers * n_own + (layers * n_ghost if spatial == "halo" else 0)
+    halo = (layers * n_own + ((layers - 1) * n_ghost if spatial == "halo" else 0)
             + GAMMA * rows * n_ghost
             + LATENCY * n_peers * (layers if spatial == "sync" else 1))
     n = graph.n_atoms

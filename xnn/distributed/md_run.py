@@ -227,7 +227,7 @@ class DomainRun(SerialRun):
         self._reported, self._reported_step = dataclasses.replace(c), step
         if d is None:
             return None
-        grid = "x".join(str(g) for g in d["grid"] or ())
+        grid = "x".join(str(g) for g in d["grid"] or ()) or "none (graph mode)"
         mem = d["peak_memory_MiB"]
         line = (f"xnn {command}: step {step}: {c.rebuilds - last.rebuilds} ghost-plan "
                 f"rebuild(s), {c.migrations - last.migrations} with migration, "

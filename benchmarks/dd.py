@@ -23,6 +23,14 @@ predicts, ``1 / (1 + max halo fraction)``, the edge-bound prediction (ideal shar
 baseline's edges / busiest rank's local edges), atoms exchanged, peak memory per
 rank (CUDA ``max_memory_allocated``; process peak RSS on CPU), and the one-off cost of the
 partition and of a full call (scatter + gather).
+
+``--modes halo,graph`` (graph parallelism, :mod:`xnn.distributed.graph`) times each mode on
+each ``--sizes`` point instead and records the crossover: per size the time per step of
+each mode (``halo``: the spatial mode of the model, sync where it has sync points), which
+is faster, and what ``mode=auto``'s cost model picks (with its reason)::
+
+    torchrun --nproc-per-node 4 benchmarks/dd.py --json /tmp/x.json --quick \
+        --modes halo,graph --sizes 32,108,256,500 --scaling none
 """
 
 from __future__ import annotations
@@ -59,6 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync"],
                    help="auto: sync for models with sync points, else halo")
+    p.add_argument("--modes", default=None,
+                   help="comma list of halo, sync, graph: time each on every --sizes point and "
+                   "record the crossover (halo: sync for models with sync points)")
+    p.add_argument("--order", default="morton", choices=["morton", "index"],
+                   help="atom order of mode graph")
     p.add_argument("--cutoff", type=float, default=5.0, help="cutoff of native models (Å)")
     p.add_argument("--skin", type=float, default=0.0)
     p.add_argument("--repeat", type=int, default=5)
@@ -76,6 +89,7 @@ def parse_args(argv=None):
     args.sizes = [int(s) for s in (args.sizes or ("500" if quick else "100000,400000")).split(",")]
     args.atoms_per_rank = args.atoms_per_rank or (256 if quick else 100_000)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
     if quick:
         args.repeat = min(args.repeat, 2)
     return args
@@ -122,7 +136,12 @@ def single_rank(model, graph, device, repeat):
 def decomposed(model, graph, manager, args, mode):
     """Time of a decomposed step on all ranks, with halo and memory statistics."""
     device = manager.device
-    dd = DomainDecomposed(model, manager, skin=args.skin, mode=mode)
+    if mode == "graph":
+        from xnn.distributed.graph import GraphDecomposed
+
+        dd = GraphDecomposed(model, manager, skin=args.skin, order=args.order)
+    else:
+        dd = DomainDecomposed(model, manager, skin=args.skin, mode=mode)
     t0 = time.perf_counter()
     g = dd.scatter(graph)  # this rank's owned atoms; the ghost plan is built
     setup_s = time.perf_counter() - t0
@@ -265,7 +284,41 @@ def find_max(model, manager, args, mode) -> dict:
     return out
 
 
+def crossover(name, model, manager, args) -> dict:
+    """``--modes``: every mode on every size (the same partitioned system per mode), the
+    single-rank baseline once per size, the faster mode and ``mode=auto``'s choice."""
+    from xnn.distributed.graph.auto import choose_mode
+
+    dtype, modes = getattr(torch, args.dtype), args.modes
+    res = {"modes": modes, "cutoff": float(model.cutoff),
+           "num_interactions": int(getattr(model, "num_interactions", 1)), "points": []}
+    for n in args.sizes:
+        graph = structure(n, dtype) if manager.is_main else None
+        base = auto = None
+        with C.guarded(None, "single-rank baseline and auto choice"):
+            if manager.is_main:
+                base = single_rank(model, graph, manager.device, args.repeat)
+                auto = choose_mode(model, graph, manager.world_size, skin=args.skin)
+        pt = {"n_atoms": graph.n_atoms if graph is not None else None,
+              "ranks": manager.world_size, "single": base, "by_mode": {}}
+        for m in modes:
+            mode = resolve_mode(model, "auto") if m == "halo" else m
+            pt["by_mode"][m] = decomposed(model, graph, manager, args, mode)
+        if manager.is_main:
+            times = {m: d["time_s"] for m, d in pt["by_mode"].items()}
+            pt["faster"] = min(times, key=times.get)
+            pt["auto"] = {"mode": "graph" if auto[0] == "graph" else "halo",
+                          "reason": auto[1]}
+            print(f"{name:>12} {pt['n_atoms']:>7} atoms on {manager.world_size} ranks: "
+                  + "  ".join(f"{m} {t:.4g} s" for m, t in times.items())
+                  + f"  faster {pt['faster']}, auto {pt['auto']['mode']}", flush=True)
+        res["points"].append(pt)
+    return res
+
+
 def run_model(name, model, manager, args):
+    if args.modes:
+        return crossover(name, model, manager, args)
     mode = resolve_mode(model, args.mode)
     res = {"mode": mode, "cutoff": float(model.cutoff),
            "num_interactions": int(getattr(model, "num_interactions", 1)),

@@ -122,7 +122,8 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None):
         device = manager.device
     potential = load_potential(cfg.model, device, dtype)
     par = parallelize_md(potential, manager, skin=cfg.model.skin,
-                         backend=cfg.model.neighbor_backend)
+                         backend=cfg.model.neighbor_backend, mode=cfg.dd.mode,
+                         order=cfg.dd.order)
     return cfg, device, dtype, par, folder
 
 

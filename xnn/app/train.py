@@ -267,7 +267,8 @@ def run_train(cfg: TrainConfig) -> dict:
             check_ranks_agree(run_fingerprint(cfg, files))
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
-        parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile)
+        parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile,
+                                     mode="graph" if cfg.parallel.mode == "graph" else "auto")
         if manager.is_distributed and manager.is_main:
             print(manager.describe(), flush=True)
         return train(cfg, parallel=parallel)

@@ -13,7 +13,8 @@ class ValidateOptions:
     Attributes:
         model: model file or built-in spec (``lj:sigma=2.3``). structure: structure file.
         index: frame of ``structure``. dtype: ``float64`` or ``float32``.
-        grid: boxes ``"px,py,pz"`` (``None``: automatic). mode: ``auto``, ``halo`` or ``sync``.
+        grid: boxes ``"px,py,pz"`` (``None``: automatic). mode: ``auto``, ``halo``, ``sync`` or
+        ``graph``. order: atom order of mode ``graph`` (``morton`` or ``index``).
         skin: Verlet skin (Å). tol: largest relative error that passes.
         json: report file (rank 0). skip_reference: decomposed single point only.
         output: structure file with the decomposed results (rank 0).
@@ -35,6 +36,7 @@ class ValidateOptions:
     device: str | None = None
     timeout: float = 600.0
     trust_file: bool = False
+    order: str = "morton"
 
 
 def _report_lines(report: dict, tol: float) -> list[str]:
@@ -75,8 +77,12 @@ def _report(opts: ValidateOptions, manager, dd, graph, out, ref, seconds: dict) 
     info = {"world_size": manager.world_size, "n_atoms": graph.n_atoms,
             "grid": dd.stats()["grid"], "halo_width": dd.halo_width, "mode": dd.mode,
             "energy": float(out["energy"].sum()), **seconds}
-    print(f"xnn validate: {graph.n_atoms} atoms on {manager.world_size} rank(s), grid "
-          f"{'x'.join(map(str, info['grid']))}, halo {dd.halo_width:.3g} Å, mode {dd.mode}; "
+    if getattr(dd, "reason", None):
+        info["mode_reason"] = dd.reason
+    layout = (f"grid {'x'.join(map(str, info['grid']))}" if info["grid"]
+              else f"{dd.stats().get('order', 'index')} order")
+    print(f"xnn validate: {graph.n_atoms} atoms on {manager.world_size} rank(s), "
+          f"{layout}, halo {dd.halo_width:.3g} Å, mode {dd.mode}; "
           f"energy {info['energy']:.10g} eV ({seconds['seconds_decomposed']:.3g} s decomposed)")
     failed = False
     if ref is not None:
@@ -103,10 +109,11 @@ def run_validate(opts: ValidateOptions) -> int:
 
     import torch
 
-    from xnn.distributed import DistributedManager, DomainDecomposed
+    from xnn.distributed import DistributedManager
     from xnn.distributed import collectives as C
     from xnn.distributed import validate as V
     from xnn.distributed.domain.partition import parse_grid
+    from xnn.distributed.graph.auto import decomposed
     from xnn.errors import InputError
 
     dtype = getattr(torch, opts.dtype)
@@ -120,8 +127,9 @@ def run_validate(opts: ValidateOptions) -> int:
             None if graph is None else sorted(set(graph.numbers.tolist())))
         model = V.load_model_everywhere(opts.model, species, trust=opts.trust_file)
         model = model.to(manager.device, dtype)
-        dd = DomainDecomposed(model, manager, grid=grid, skin=opts.skin, mode=opts.mode)
         graph = None if graph is None else graph.to(manager.device, dtype)  # rank 0 only
+        dd = decomposed(model, manager, opts.mode, graph, grid=grid, skin=opts.skin,
+                        order=opts.order)
         ref, seconds = None, {}
         with C.guarded(None, "single-process reference"):
             if manager.is_main and not opts.skip_reference:

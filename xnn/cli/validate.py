@@ -32,10 +32,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
                    help="evaluation dtype (default float64)")
     p.add_argument("--grid", default=None, help="boxes px,py,pz (default: automatic)")
-    p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync"],
+    p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync", "graph"],
                    help="halo: ghosts within the receptive field (any model); sync: per-layer "
-                   "feature exchange at the model's sync points (halo of one cutoff); auto: "
-                   "sync for models with sync points, else halo (default auto)")
+                   "feature exchange at the model's sync points (halo of one cutoff); graph: "
+                   "atoms split by index, positions replicated, features all-gathered at the "
+                   "sync points; auto: graph or the spatial mode (sync for models with sync "
+                   "points, else halo) by a cost model, reason printed (default auto)")
+    p.add_argument("--order", default="morton", choices=["morton", "index"],
+                   help="atom order split into blocks by --mode graph: morton (space-filling "
+                   "curve, fewer cross-rank edges) or index (by atom id); default morton")
     p.add_argument("--skin", type=float, default=0.0, help="Verlet skin in Å (default 0)")
     p.add_argument("--tol", type=float, default=1e-10,
                    help="maximum relative error allowed (default 1e-10)")
@@ -58,4 +63,4 @@ def run(args) -> int:
         model=args.model, structure=args.structure, index=args.index, dtype=args.dtype,
         grid=args.grid, mode=args.mode, skin=args.skin, tol=args.tol, json=args.json,
         skip_reference=args.skip_reference, output=args.output, device=args.device,
-        timeout=args.timeout, trust_file=args.trust_file))
+        timeout=args.timeout, trust_file=args.trust_file, order=args.order))

@@ -181,6 +181,19 @@ class SafetyConfig:
 
 
 @dataclass
+class DecompositionConfig:
+    mode: str = field("halo", "how a run launched on several ranks (torchrun) splits the "
+                      "system: halo (spatial boxes with ghosts; per-layer exchanges at the "
+                      "model's sync points), graph (atoms split by index, positions "
+                      "replicated, node features all-gathered per layer: for small dense "
+                      "systems on many ranks) or auto (chosen from the measured halo "
+                      "fraction, layers and feature size; the reason is printed)",
+                      choices=("halo", "graph", "auto"))
+    order: str = field("morton", "atom order split into blocks by mode graph: morton "
+                       "(space-filling curve) or index (atom id)", choices=("morton", "index"))
+
+
+@dataclass
 class MDConfig:
     structure: str = field("", "structure file (extxyz or any ASE format); every selected "
                            "frame is an independent system, all advanced together")
@@ -207,6 +220,8 @@ class MDConfig:
     safety: SafetyConfig = field(SafetyConfig(), "checks that stop a diverging run")
     hooks: list[HookConfig] = hooks_field()
     resume: str | None = resume_field()
+    dd: DecompositionConfig = field(DecompositionConfig(), "decomposition over the ranks "
+                                    "of a torchrun launch")
 
     def __post_init__(self):
         validate(self)  # every number finite, every choice valid (also when built in Python)
@@ -245,6 +260,8 @@ class RelaxConfig:
                                  "steps and at the end)")
     hooks: list[HookConfig] = hooks_field()
     resume: str | None = resume_field()
+    dd: DecompositionConfig = field(DecompositionConfig(), "decomposition over the ranks "
+                                    "of a torchrun launch")
 
     def __post_init__(self):
         validate(self)

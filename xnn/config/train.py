@@ -182,6 +182,10 @@ class ParallelConfig:
     dd: int = field(1, "domain-decomposition degree: ranks that split each structure "
                     "spatially (training: context parallel, every structure of a dd group's "
                     "share decomposed over its dd ranks; not with compile=true)")
+    mode: str = field("halo", "how a dd group splits a structure: halo (spatial boxes; "
+                      "sync-point exchanges where the model has them) or graph (atoms split "
+                      "by index, positions replicated, features all-gathered per layer)",
+                      choices=("halo", "graph"))
     timeout_s: float = field(600.0, "timeout of every collective (s); a timeout names the "
                              "collective and the ranks that did not arrive")
 

@@ -48,7 +48,8 @@ class DomainPredictor:
         device: where the owned atoms go.
         dtype: floating dtype of the structures.
         autocast: ``torch.bfloat16`` for bf16 mixed precision, else ``None``.
-        mode: ``"auto"`` (sync where the model has sync points), ``"halo"`` or ``"sync"``.
+        mode: ``"auto"`` (sync where the model has sync points), ``"halo"``, ``"sync"`` or
+            ``"graph"`` (graph parallelism: :class:`~xnn.distributed.graph.GraphPotential`).
         backend: neighbor-list backend of the local graphs.
 
     Attributes:
@@ -65,7 +66,13 @@ class DomainPredictor:
         self.device = torch.device(device)
         self.dtype = dtype
         self.autocast = autocast
-        self.mode = resolve_mode(model, mode)
+        if mode == "graph":  # graph parallelism: atoms split by index (xnn.distributed.graph)
+            from xnn.distributed.graph import check_graph_model
+
+            check_graph_model(model)
+            self.mode = mode
+        else:
+            self.mode = resolve_mode(model, mode)
         self.backend = backend
         self.size, self.rank = C.group_size(group), C.group_rank(group)
         self.last_stats: dict = {}
@@ -93,7 +100,12 @@ class DomainPredictor:
         """Residuals of this rank's owned atoms of the one structure in ``piece``
         (collective over the group: every rank passes the same structure)."""
         (graph,) = piece
-        pot = DomainPotential(self.model, self.group, mode=self.mode, backend=self.backend)
+        if self.mode == "graph":
+            from xnn.distributed.graph import GraphPotential
+
+            pot = GraphPotential(self.model, self.group, backend=self.backend)
+        else:
+            pot = DomainPotential(self.model, self.group, mode=self.mode, backend=self.backend)
         root = graph.without_edges().to(self.device, self.dtype) if self.rank == 0 else None
         owned = pot.scatter(root)  # each rank receives only the atoms of its box
         with self._context():

@@ -40,11 +40,26 @@ class DomainRun(SerialRun):
         model: the model of the loaded potential (with ``cutoff``).
         manager: the run's :class:`~xnn.distributed.DistributedManager`.
         skin: Verlet skin (Å). backend: neighbor-list backend.
+        mode: ``"halo"`` (spatial boxes; sync-point exchanges where the model has them),
+            ``"graph"`` (:class:`~xnn.distributed.graph.GraphPotential`: atoms split by
+            index, positions replicated) or ``"auto"`` (chosen on the structure when it is
+            scattered, :mod:`xnn.distributed.graph.auto`; the reason is printed).
+        order: atom order of mode ``"graph"`` (``"morton"`` or ``"index"``).
     """
 
-    def __init__(self, model, manager, skin: float, backend: str):
-        self.potential = DomainPotential(model, manager, skin=skin, mode="auto",
-                                         backend=backend)
+    def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
+                 order: str = "morton"):
+        from xnn.distributed.graph import GraphPotential
+
+        if mode not in ("halo", "graph", "auto"):
+            raise InputError(f"dd.mode must be halo, graph or auto, got {mode!r}")
+        self.mode, self._args = mode, (model, manager, skin, backend, order)
+        if mode == "graph":
+            self.potential = GraphPotential(model, manager, skin=skin, order=order,
+                                            backend=backend)
+        else:  # auto: replaced when the structure is known (_choose)
+            self.potential = DomainPotential(model, manager, skin=skin, mode="auto",
+                                             backend=backend)
         self.reduce = self.potential.reducer
         self.main = manager.is_main
         self.size, self.rank = manager.world_size, manager.rank
@@ -54,6 +69,18 @@ class DomainRun(SerialRun):
 
     def guarded(self, phase: str):
         return C.guarded(None, phase)
+
+    def _choose(self, graph) -> None:
+        """``mode="auto"``: halo or graph from rank 0's ``graph`` (once; collective)."""
+        if self.mode != "auto":
+            return
+        from xnn.distributed.graph.auto import make_potential
+
+        model, manager, skin, backend, order = self._args
+        # the spatial choice is today's (sync where the model has sync points, else halo)
+        self.potential, _ = make_potential(model, manager, "auto", graph, skin, order,
+                                           backend)
+        self.mode = "graph" if self.potential.mode == "graph" else "halo"
 
     def broadcast(self, obj):
         return C.broadcast_object(obj)
@@ -65,6 +92,7 @@ class DomainRun(SerialRun):
                 raise InputError(f"a decomposed run (torchrun) simulates one system, the "
                                  f"structure selects {graph.n_systems}; pick one frame "
                                  "(index=-1) or run in one process")
+        self._choose(graph if self.main else None)
         return self.potential.scatter(graph if self.main else None)
 
     def scatter_state(self, state: MDState | None, meta: dict | None) -> MDState:
@@ -72,9 +100,11 @@ class DomainRun(SerialRun):
         the ranks that owned them when it was written by as many ranks (with the ghost
         plan's reference, for a bitwise continuation), else to their box."""
         owner = graph = None
+        self._choose(state.graph if self.main else None)
         dom = ((meta or {}).get("domain") or {}) if self.main else {}
         same = self.broadcast(dom.get("ranks") == self.size and dom.get("owner") is not None)
         with_ref = same and self.broadcast(dom.get("ref_positions") is not None)
+        with_ref = with_ref and self.potential.mode != "graph"  # graph mode: no ghost plan
         if self.main:
             fields = {K.FORCES: state.forces}
             if same:
@@ -206,7 +236,7 @@ class DomainRun(SerialRun):
         self._reported, self._reported_step = dataclasses.replace(c), step
         if d is None:
             return None
-        grid = "x".join(str(g) for g in d["grid"] or ())
+        grid = "x".join(str(g) for g in d["grid"] or ()) or "none (graph mode)"
         mem = d["peak_memory_MiB"]
         line = (f"xnn {command}: step {step}: {c.rebuilds - last.rebuilds} ghost-plan "
                 f"rebuild(s), {c.migrations - last.migrations} with migration, "

@@ -21,7 +21,8 @@ from xnn.dynamics.parallel import SerialRun
 
 
 def parallelize_md(potential, manager=None, skin: float = 0.0,
-                   backend: str = "auto") -> SerialRun:
+                   backend: str = "auto", mode: str = "halo",
+                   order: str = "morton") -> SerialRun:
     """The run layer of an ``xnn md`` / ``xnn relax`` run.
 
     Args:
@@ -31,6 +32,9 @@ def parallelize_md(potential, manager=None, skin: float = 0.0,
             several ranks; ``None``: one process.
         skin: Verlet skin (Å) of the decomposed neighbor lists.
         backend: neighbor-list backend of the decomposed potential.
+        mode: ``"halo"`` (spatial boxes), ``"graph"`` (graph parallelism) or ``"auto"``
+            (chosen on the structure); ``order``: atom order of mode graph. See
+            :class:`~xnn.distributed.md_run.DomainRun`.
     Returns:
         a :class:`~xnn.dynamics.parallel.SerialRun` (one process) or a
         :class:`~xnn.distributed.md_run.DomainRun` (its subclass, several ranks).
@@ -39,7 +43,8 @@ def parallelize_md(potential, manager=None, skin: float = 0.0,
         return SerialRun(potential)
     from xnn.distributed.md_run import DomainRun
 
-    return DomainRun(potential.model, manager, skin=skin, backend=backend)
+    return DomainRun(potential.model, manager, skin=skin, backend=backend, mode=mode,
+                     order=order)
 
 
 class TrainParallel:
@@ -101,7 +106,7 @@ def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | s
             ``dp × dd`` must equal the world size.
         compile: the run's ``compile`` setting (refused with ``dd > 1``).
         mode: decomposition mode of ``dd > 1`` (``"auto"``: sync where the model has sync
-            points).
+            points; ``"graph"``: graph parallelism, atoms split by index).
         backend: neighbor-list backend of the decomposed local graphs.
     Returns:
         a :class:`TrainParallel`: the reducer (whole mesh), the sharding (by dp rank) and

@@ -137,15 +137,17 @@ def validate_decomposition(model, graph: AtomicGraph | None, manager_or_group=No
     Args:
         model: the same model on every rank.
         graph: one system on group rank 0 (others may pass ``None``).
-        manager_or_group, grid, mode, skin: see :class:`~xnn.distributed.DomainDecomposed`.
+        manager_or_group, grid, mode, skin: see :class:`~xnn.distributed.DomainDecomposed`;
+            ``mode`` may also be ``"graph"`` (graph parallelism) or ``"auto"`` (halo or graph
+            by the cost model of :mod:`xnn.distributed.graph.auto`).
     Returns:
         On group rank 0 the report of :func:`compare` (worst absolute and relative errors of
         energy, per-atom energies, forces by atom id, stress or virial); ``None`` elsewhere.
     """
-    from xnn.distributed.domain.decomposed import DomainDecomposed
     from xnn.distributed.domain.potential import model_device
+    from xnn.distributed.graph.auto import decomposed
 
-    dd = DomainDecomposed(model, manager_or_group, grid=grid, skin=skin, mode=mode)
+    dd = decomposed(model, manager_or_group, mode, graph, grid=grid, skin=skin)
     ref = None
     with C.guarded(dd.group, "single-process reference"):
         if dd.rank == 0:

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 try:
-    from dist_helpers import spawn
+    from dist_helpers import FreshPorts, spawn
     from md_helpers import rattled_argon
     from test_domain_state import corner, hot, lj, molecule, primitive, slab
 except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
+    from tests.dist_helpers import FreshPorts, spawn
     from tests.md_helpers import rattled_argon
     from tests.test_domain_state import corner, hot, lj, molecule, primitive, slab
 
@@ -231,19 +231,23 @@ def worker(rank, world, tmp, ensembles, with_app):
     if with_app and world == 4:
         for name in GEOMETRY:
             results[name] = _geometry(manager, name, rank)
-    manager.cleanup()
+    ports = FreshPorts(manager, 3)
     if with_app:
         p = cli_paths(tmp)
         if world == 4:
+            ports.next()
             cli_md(p["structure"], p["full"], CLI_FULL)
+            ports.next()
             cli_md(p["structure"], p["half"], CLI_HALF)
             if rank == 0:
                 shutil.copytree(p["half"], p["again4"])
                 shutil.copytree(p["half"], p["on3"])
                 shutil.copytree(p["half"], p["on1"])
             _barrier_after_copy(world, tmp, rank)
+            ports.next()
             cli_md(p["structure"], p["again4"], CLI_FULL, p["again4"] / "checkpoint.pt")
         if world == 3:
+            ports.next()
             cli_md(p["structure"], p["on3"], CLI_FULL, p["on3"] / "checkpoint.pt")
     return results
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 try:
-    from dist_helpers import spawn
+    from dist_helpers import FreshPorts, spawn
     from md_helpers import rattled_argon
     from test_domain_state import hot, primitive
 except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
+    from tests.dist_helpers import FreshPorts, spawn
     from tests.md_helpers import rattled_argon
     from tests.test_domain_state import hot, primitive
 
@@ -133,10 +133,13 @@ def worker(rank, world, tmp):
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
     out = run_cases(rank, manager)
-    manager.cleanup()
+    ports = FreshPorts(manager, 3)
     s = f"{tmp}/ar108.xyz"
+    ports.next()
     out["md"] = md_lines(s, f"{tmp}/md")
+    ports.next()
     out["md_quiet"] = md_lines(s, f"{tmp}/md_quiet", "output.log_rebuilds=false")
+    ports.next()
     out["relax"] = relax_lines(s, f"{tmp}/relax")
     return out
 

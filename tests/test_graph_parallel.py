@@ -27,9 +27,9 @@ from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 
 try:
-    from dist_helpers import free_port, spawn
+    from dist_helpers import FreshPorts, spawn
 except ImportError:  # tests/ is a package
-    from tests.dist_helpers import free_port, spawn
+    from tests.dist_helpers import FreshPorts, spawn
 
 TOL = 1e-10
 
@@ -341,7 +341,6 @@ def _md_auto_case(manager, rank):
 
 def worker(rank, world, tmp):
     from xnn.distributed import DistributedManager
-    from xnn.distributed import collectives as C
 
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
@@ -362,9 +361,7 @@ def worker(rank, world, tmp):
             to_ase(primitive_lj((3, 3, 3)))[0].write(os.path.join(tmp, "lj27.xyz"))
     # the CLI starts its own process group: on a fresh port (a re-rendezvous on the old one
     # raced with rank 0's teardown of its store)
-    port = C.broadcast_object(free_port() if rank == 0 else None)
-    manager.cleanup()
-    os.environ["MASTER_PORT"] = str(port)
+    FreshPorts(manager, 1).next()
     if world == 4:
         _cli_md(os.path.join(tmp, "lj27.xyz"), os.path.join(tmp, "md_graph4"), "graph")
     return results

@@ -143,3 +143,69 @@ def test_model_cueq_equals_reference_cuda_fp32():
     o_ref, o_cq = _props(ref, g), _props(cq, g)
     for key in (K.ENERGY, K.FORCES, K.STRESS):
         torch.testing.assert_close(o_cq[key], o_ref[key], atol=1e-5, rtol=1e-5)
+
+
+def _tiny_mace():
+    from xnn.models.external._optional import MissingExtraError, import_extra
+
+    try:
+        (modules,) = import_extra("mace", "mace.modules")
+    except MissingExtraError as err:
+        pytest.skip(str(err))
+    import numpy as np
+    from e3nn import o3
+
+    torch.manual_seed(0)
+    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    model = modules.ScaleShiftMACE(
+        r_max=3.0, num_bessel=4, num_polynomial_cutoff=5, max_ell=2, interaction_cls=block,
+        interaction_cls_first=block, num_interactions=2, num_elements=2,
+        hidden_irreps=o3.Irreps("4x0e + 4x1o"), MLP_irreps=o3.Irreps("4x0e"),
+        gate=torch.nn.functional.silu, atomic_energies=np.array([-1.5, -3.25]),
+        avg_num_neighbors=6.0, atomic_numbers=SPECIES, correlation=3,
+        atomic_inter_scale=1.3, atomic_inter_shift=0.2)
+    return model.double().eval()
+
+
+def test_mace_wrapper_cueq_equals_reference():
+    """mace-torch's own cuEq conversion behind the same switch: the same energies, forces and
+    stress on CPU, the same wrapper parameters, and the backend kept in the saved payload."""
+    from xnn.models.external.mace import MACEWrapper
+
+    module = _tiny_mace()
+    ref = build("mace", model=module).eval()
+    cq = build("mace", model=module, backend="cueq").eval()  # the cueq copy serves eval
+    assert list(cq.state_dict()) == list(ref.state_dict())
+    g = _system()
+    dtype = torch.get_default_dtype()
+    o_ref, o_cq = _props(ref, g), _props(cq, g)
+    assert torch.get_default_dtype() == dtype  # the conversion's set_default_dtype undone
+    assert getattr(cq, "_cueq", None) is not None and getattr(ref, "_cueq", None) is None
+    for key in (K.ENERGY, K.FORCES, K.STRESS):
+        assert o_ref[key].abs().max() > 1e-6
+        # mace's conversion re-expresses the correlation-3 weights in cue's basis (a
+        # projection): ~1e-10 eV/Å apart in fp64
+        torch.testing.assert_close(o_cq[key], o_ref[key], atol=1e-9, rtol=0)
+    again = MACEWrapper.from_payload(cq.to_payload())
+    assert again.backend == "cueq"
+    torch.testing.assert_close(_props(again.eval(), g)[K.ENERGY], o_ref[K.ENERGY], atol=1e-9,
+                               rtol=0)
+
+
+def test_set_kernel_backend_from_config():
+    """``model.backend`` reaches the equivariant model (hparams too) and is refused for a
+    model without kernel backends and as a hyperparameter."""
+    from xnn.config.loader import ConfigError
+    from xnn.config.train import ModelConfig
+    from xnn.models.cueq import set_kernel_backend
+
+    model = small_model("reference")
+    set_kernel_backend(model, "cueq", "equivariant")
+    assert model.hparams["backend"] == "cueq" and model.interactions[0].tp.backend == "cueq"
+    schnet = build("schnet", species=SPECIES, cutoff=3.0)
+    set_kernel_backend(schnet, "reference")
+    with pytest.raises(InputError, match="model.backend=reference"):
+        set_kernel_backend(schnet, "cueq", "schnet")
+    assert ModelConfig(backend="cueq").backend == "cueq"
+    with pytest.raises(ConfigError, match="model.backend"):
+        ModelConfig(hyperparameters={"backend": "cueq"})

@@ -150,3 +150,23 @@ def to_ir_mul(x: Tensor) -> Tensor:
 def from_ir_mul(x: Tensor, channels: int) -> Tensor:
     """Flat ``ir_mul`` ``[n, D*C]`` -> ``[n, C, D]``."""
     return x.view(x.shape[0], -1, channels).transpose(1, 2)
+
+
+def set_kernel_backend(model: torch.nn.Module, backend: str, name: str = "") -> None:
+    """Switch the kernel backend of every native module of ``model`` that has one (the
+    equivariant model, also as a term of a sum), recorded in its ``hparams``.
+
+    Raises:
+        InputError: unknown backend, ``cueq`` without cuequivariance, or ``cueq`` for a model
+            without kernel backends.
+    """
+    check_backend(backend)
+    targets = [m for m in model.modules()
+               if isinstance(getattr(m, "hparams", None), dict) and "backend" in m.hparams
+               and hasattr(m, "set_backend")]
+    if not targets and backend != "reference":
+        raise InputError(f"model {name or type(model).__name__!r} has no kernel backends "
+                         f"(only equivariant has; mace: build('mace', ..., backend=...)); "
+                         f"set model.backend=reference")
+    for m in targets:
+        m.set_backend(backend)

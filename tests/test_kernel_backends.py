@@ -89,9 +89,12 @@ def test_model_cueq_equals_reference_fp64():
         torch.testing.assert_close(o_cq[key], o_ref[key], atol=1e-10, rtol=0)
 
 
-def test_force_training_gradients_equal():
-    """Double backward (force loss -> parameters) is the same through both backends."""
-    model, g = small_model("reference"), _system()
+@pytest.mark.parametrize("lean", [False, True])
+def test_force_training_gradients_equal(lean):
+    """Double backward (force loss -> parameters) is the same through both backends, also
+    with edge chunks under activation checkpointing (``lean``)."""
+    hp = dict(edge_chunk_size=7, activation_checkpointing=True) if lean else {}
+    model, g = small_model("reference", **hp).train(), _system()
     grads = []
     for backend in ("reference", "cueq"):
         model.set_backend(backend)

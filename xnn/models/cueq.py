@@ -20,6 +20,7 @@ backend never changes the parameter names.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import numpy as np
@@ -97,17 +98,20 @@ def linear_descriptor(c_out: int, l_max: int, norm: float, c_in: int):
 
 
 class CueOp:
-    """A cuEquivariance polynomial, built lazily per ``(device, dtype)``; not a submodule, so
+    """A cuEquivariance polynomial, built lazily per device, dtype and width; not a submodule, so
     its coefficient buffers stay out of the owner's ``state_dict``.
 
     Args:
         make_descriptor: ``make_descriptor(channels)`` returns the
             ``cue.SegmentedTensorProduct`` (last operand = output) for ``channels`` input
             channels.
+        cuda_method: cuEquivariance's kernel on CUDA (``uniform_1d``: the tensor product and
+            the product basis, one uniform channel mode; ``fused_tp``: the linear maps);
+            where it is missing or refuses the polynomial, the ``naive`` method.
     """
 
-    def __init__(self, make_descriptor: Callable[[], object]):
-        self.make_descriptor = make_descriptor
+    def __init__(self, make_descriptor: Callable[[int], object], cuda_method: str = "uniform_1d"):
+        self.make_descriptor, self.cuda_method = make_descriptor, cuda_method
         self.cache: dict[tuple[torch.device, torch.dtype, int], torch.nn.Module] = {}
 
     def module(self, device: torch.device, dtype: torch.dtype, channels: int) -> torch.nn.Module:
@@ -118,13 +122,12 @@ class CueOp:
 
             poly = cue.SegmentedPolynomial.eval_last_operand(self.make_descriptor(channels))
             module = None
-            if device.type == "cuda":
-                try:  # the CUDA kernel; needs cuequivariance-ops-torch-cu12
-                    import cuequivariance_ops_torch  # noqa: F401
-
-                    module = cuet.SegmentedPolynomial(poly.flatten_coefficient_modes(),
-                                                      method="uniform_1d", math_dtype=dtype)
-                except (ImportError, ValueError, NotImplementedError):
+            if device.type == "cuda" and importlib.util.find_spec("cuequivariance_ops_torch"):
+                try:  # the CUDA kernel (cuequivariance-ops-torch-cu12); refused at construction
+                    module = cuet.SegmentedPolynomial(poly, method=self.cuda_method,
+                                                      math_dtype=dtype)
+                except (ImportError, ValueError, AssertionError, NotImplementedError,
+                        RuntimeError):
                     module = None
             if module is None:
                 module = cuet.SegmentedPolynomial(poly, method="naive", math_dtype=dtype)
@@ -139,7 +142,8 @@ class CueOp:
         return out
 
     def __getstate__(self):  # pickling / deepcopy: rebuild the kernels where they are used
-        return {"make_descriptor": self.make_descriptor, "cache": {}}
+        return {"make_descriptor": self.make_descriptor, "cuda_method": self.cuda_method,
+                "cache": {}}
 
 
 def to_ir_mul(x: Tensor) -> Tensor:

@@ -287,7 +287,7 @@ class IrrepsLinear(nn.Module):
         """``"reference"`` or ``"cueq"`` (same parameters, same result)."""
         self.backend = cueq.check_backend(backend)
         self._cue = None if backend == "reference" else cueq.CueOp(partial(
-            cueq.linear_descriptor, self.weight.shape[2], self.l_max, self.norm))
+            cueq.linear_descriptor, self.weight.shape[2], self.l_max, self.norm), "fused_tp")
 
     def forward(self, x: Tensor) -> Tensor:
         if self._cue is not None:

@@ -213,3 +213,40 @@ def test_set_kernel_backend_from_config():
     assert ModelConfig(backend="cueq").backend == "cueq"
     with pytest.raises(ConfigError, match="model.backend"):
         ModelConfig(hyperparameters={"backend": "cueq"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mace_wrapper_cueq_equals_reference_cuda_fp32():
+    module = _tiny_mace().float().cuda()
+    ref = build("mace", model=module).eval()
+    cq = build("mace", model=module, backend="cueq").eval()
+    g = _system(torch.float32, "cuda")
+    o_ref, o_cq = _props(ref, g), _props(cq, g)
+    for key in (K.ENERGY, K.FORCES, K.STRESS):
+        torch.testing.assert_close(o_cq[key], o_ref[key], atol=1e-5, rtol=1e-5)
+
+
+def test_train_with_model_backend_cueq(tmp_path):
+    """``xnn train model.backend=cueq`` trains the equivariant model through cuEquivariance
+    and saves the backend in the model file; the file runs with the reference backend."""
+    from xnn.app.train import train
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+    from xnn.data.emt import write_emt
+    from xnn.models.serialization import load_model
+
+    write_emt(tmp_path / "cu.xyz", 6, ["Cu"], seed=0)
+    hp = ("model.hyperparameters={channels: 4, l_max: 1, hidden_l_max: 1, correlation: 2, "
+          "num_bessel: 4, radial_mlp: [8], num_interactions: 1, readout_hidden: 0}")
+    cfg = load_config(TrainConfig, None, [
+        f"data.datasets.0.path={tmp_path / 'cu.xyz'}", f"output_dir={tmp_path / 'run'}",
+        "data.batch_size=3", "logging.plots=false", "logging.progress_bar=false", "device=cpu",
+        "model.name=equivariant", "model.cutoff=3.0", hp, "model.backend=cueq", "max_steps=2"])
+    train(cfg)
+    model = load_model(tmp_path / "run" / "model.pt")
+    assert model.hparams["backend"] == "cueq" and model.interactions[0].tp._cue is not None
+    g = with_edges(_system().without_edges(), 3.0)
+    g = g.replace(numbers=torch.full_like(g.numbers, 29))
+    e_cq = _props(model.double(), g)[K.ENERGY]
+    model.set_backend("reference")
+    torch.testing.assert_close(_props(model, g)[K.ENERGY], e_cq, atol=1e-10, rtol=0)

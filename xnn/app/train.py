@@ -27,6 +27,7 @@ from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
+from xnn.models.cueq import set_kernel_backend
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
 from xnn.training.ema import EMA
@@ -134,6 +135,7 @@ def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:
     dtype, autocast = configure_precision(cfg.precision)
     set_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.name,
                                  cfg.compile)
+    set_kernel_backend(model, cfg.model.backend, cfg.model.name)
     model = model.to(device=device, dtype=dtype)
     reducer.broadcast_module(model)
     optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,

@@ -44,9 +44,15 @@ class ModelConfig:
                                            "training; ~2x step time, several-fold less "
                                            "activation memory); saved with the model, no "
                                            "effect in evaluation or MD")
+    backend: str = field("reference", "kernels of the equivariant model's tensor products, "
+                         "product basis and linear maps: reference (einsum) or cueq "
+                         "(cuEquivariance: pip install cuequivariance-torch; same parameters "
+                         "and results, saved with the model)", choices=("reference", "cueq"))
 
     def __post_init__(self):
         check_range("model.cutoff", self.cutoff, 0.0, low_inclusive=False)
+        if self.hyperparameters.get("backend", self.backend) != self.backend:
+            raise ConfigError("set model.backend, not model.hyperparameters.backend")
 
 
 @dataclass

@@ -55,6 +55,7 @@ from xnn.models.blocks import (
     SpeciesEmbedding,
 )
 from xnn.models.checkpointing import checkpoint_block
+from xnn.models.cueq import check_backend
 from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis, o3
 from xnn.models.registry import check_sizes
 
@@ -425,6 +426,12 @@ class Equivariant(NativeModel):
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
+        backend: kernels of the tensor products, product basis and linear maps:
+            ``"reference"`` (einsum/matmul) or ``"cueq"`` (cuEquivariance, ``pip install
+            cuequivariance-torch``; its CUDA kernels with ``cuequivariance-ops-torch-cu12``,
+            else its pure-PyTorch path). Same parameters and, to rounding, the same result:
+            a model trained with one backend loads and runs with the other
+            (:meth:`set_backend`).
 
     Parameter count: 122,448 with the defaults and 2 species (C = 64, l_max = 2,
     hidden_l_max = 1, 2 interactions, correlation 3, radial MLP [64, 64, 64]); 342,160 with
@@ -436,7 +443,8 @@ class Equivariant(NativeModel):
     """
 
     # hyperparameters that model files of earlier versions lack, with the value they implied
-    saved_defaults = {"first_self_connection": False, "activation_checkpointing": False}
+    saved_defaults = {"first_self_connection": False, "activation_checkpointing": False,
+                      "backend": "reference"}
 
     def __init__(
         self,
@@ -458,6 +466,7 @@ class Equivariant(NativeModel):
         shift: float = 0.0,
         e0: Mapping[int, float] | None = None,
         activation_checkpointing: bool = False,
+        backend: str = "reference",
     ):
         check_sizes("equivariant", channels=channels, num_interactions=num_interactions,
                     correlation=correlation, num_bessel=num_bessel, envelope_p=envelope_p,
@@ -474,6 +483,7 @@ class Equivariant(NativeModel):
             shift=shift,
             e0=None if e0 is None else {int(z): float(v) for z, v in e0.items()},
             activation_checkpointing=bool(activation_checkpointing),
+            backend=check_backend(backend),
         )
         super().__init__(hparams, species, cutoff, num_interactions)
         self.activation_checkpointing = bool(activation_checkpointing)
@@ -504,6 +514,20 @@ class Equivariant(NativeModel):
             )
             self.readouts.append(_readout(channels, readout_hidden if last else 0))
         self.output = EnergyScaleShift(self.species, scale, shift, e0)
+        self.set_backend(backend)
+
+    def set_backend(self, backend: str) -> None:
+        """Switch the kernel backend (``"reference"`` or ``"cueq"``) of every equivariant
+        operation, also in ``hparams``; parameters are untouched.
+
+        Raises:
+            InputError: unknown backend, or ``cueq`` without cuequivariance installed.
+        """
+        check_backend(backend)
+        for module in self.modules():
+            if isinstance(module, (EdgeTensorProduct, IrrepsLinear, ProductBasis)):
+                module.set_backend(backend)
+        self.hparams["backend"] = backend
 
     def compile_for_inference(self, enabled: bool = True) -> bool:
         """Compile the edge part of every interaction (see the base class): about 1.5x faster

@@ -16,6 +16,7 @@ All operations are plain differentiable torch ops, so forces (backward) and forc
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,8 @@ from torch.utils.checkpoint import checkpoint
 # weights_only=True, which rejects the ``slice`` objects in that file. ``slice`` is inert.
 torch.serialization.add_safe_globals([slice])
 from e3nn import o3  # noqa: E402
+
+from xnn.models import cueq  # noqa: E402
 
 
 def block(l: int) -> slice:
@@ -68,6 +71,9 @@ class EdgeTensorProduct(nn.Module):
         l_sh: highest degree of the spherical harmonics.
         l_out: highest degree of the messages.
 
+    ``backend`` (attribute, see :meth:`set_backend`): ``"reference"`` (this einsum/bmm
+    code) or ``"cueq"`` (the same coefficients as one cuEquivariance tensor product).
+
     Shapes:
         ``x [n_edges, C, (l_in+1)^2]``, ``y [n_edges, (l_sh+1)^2]``,
         ``w [n_edges, C, num_paths]`` -> ``[n_edges, C, (l_out+1)^2]``.
@@ -76,7 +82,9 @@ class EdgeTensorProduct(nn.Module):
     def __init__(self, l_in: int, l_sh: int, l_out: int):
         super().__init__()
         self.paths = coupling_paths(l_in, l_sh, l_out)  # l1-major order
+        self.l_in, self.l_sh, self.l_out = l_in, l_sh, l_out
         self.d_sh, self.d_out = (l_sh + 1) ** 2, (l_out + 1) ** 2
+        self.backend, self._cue = "reference", None
         fan_in = _fan_in(self.paths)
         self.groups: list[tuple[int, int, int]] = []  # (l1, first path, last path + 1)
         for l1 in range(l_in + 1):
@@ -95,8 +103,25 @@ class EdgeTensorProduct(nn.Module):
     def num_paths(self) -> int:
         return len(self.paths)
 
+    def coefficients(self) -> list:
+        """Per path, the ``[2l1+1, 2l2+1, 2l3+1]`` coefficients (float64 numpy)."""
+        fan_in = _fan_in(self.paths)
+        return [(_cg(*p) / math.sqrt(fan_in[p[2]])).numpy() for p in self.paths]
+
+    def set_backend(self, backend: str) -> None:
+        """``"reference"`` or ``"cueq"`` (same parameters, same result)."""
+        self.backend = cueq.check_backend(backend)
+        self._cue = None if backend == "reference" else cueq.CueOp(partial(
+            cueq.edge_tp_descriptor, self.paths, self.coefficients(), self.l_in, self.l_sh,
+            self.l_out))
+
     def forward(self, x: Tensor, y: Tensor, w: Tensor, recompute: bool = False) -> Tensor:
-        """With ``recompute``, ``Z`` is recomputed in backward instead of being kept."""
+        """With ``recompute``, ``Z`` is recomputed in backward instead of being kept
+        (reference backend only; cueq keeps its own intermediates)."""
+        if self._cue is not None:
+            c = x.shape[1]
+            out = self._cue([cueq.to_ir_mul(w), cueq.to_ir_mul(x), y], c)
+            return cueq.from_ir_mul(out, c)
         e = x.shape[0]
         out = None
         w_groups = w.split([p1 - p0 for _, p0, p1 in self.groups], dim=-1)
@@ -150,11 +175,14 @@ class ProductBasis(nn.Module):
     def __init__(self, num_species: int, channels: int, l_max: int, l_out: int, correlation: int):
         super().__init__()
         self.l_max, self.l_out, self.correlation = l_max, l_out, correlation
+        self.backend, self._cue = "reference", None
+        self.step_paths: list[tuple[int, list[tuple[int, int, int]]]] = []  # (l3_max, paths)
         self.weights = nn.ParameterList()
         d = (l_max + 1) ** 2
         for k, nu in enumerate(range(2, correlation + 1)):
             l3_max = l_max if nu < correlation else l_out
             paths = coupling_paths(l_max, l_max, l3_max)
+            self.step_paths.append((l3_max, paths))
             fan_in = _fan_in(paths)
             cols = [(q, m) for q, p in enumerate(paths) for m in range(p[2] ** 2, (p[2] + 1) ** 2)]
             g = torch.zeros(d, d, len(cols), dtype=torch.float64)
@@ -177,6 +205,40 @@ class ProductBasis(nn.Module):
         ls = torch.arange(l_out + 1)
         self.register_buffer("degree", torch.repeat_interleave(ls, 2 * ls + 1), persistent=False)
 
+    def set_backend(self, backend: str) -> None:
+        """``"reference"`` or ``"cueq"`` (same parameters, same result)."""
+        self.backend = cueq.check_backend(backend)
+        self._cue = None
+        if backend == "cueq":
+            self._cue = []
+            for l3_max, paths in self.step_paths:
+                fan_in = _fan_in(paths)
+                coeffs = [(_cg(*p) / math.sqrt(fan_in[p[2]])).numpy() for p in paths]
+                self._cue.append(cueq.CueOp(partial(
+                    cueq.contraction_descriptor, paths, coeffs, self.l_max, l3_max)))
+
+    def _cue_forward(self, a: Tensor, species: Tensor, recompute: bool) -> Tensor:
+        """The cueq path: each product step is one cuEquivariance contraction, on flat
+        ``ir_mul`` features, with the species' weights gathered by the kernel."""
+        c, d_out = a.shape[1], (self.l_out + 1) ** 2
+        u = self.out_weights[species][:, :, :, self.degree].transpose(2, 3)  # [n, ν, d_out, C]
+        a_flat = cueq.to_ir_mul(a)
+        out = a_flat[:, : d_out * c] * u[:, 0].reshape(a.shape[0], -1)
+        b = a_flat
+        for k, nu in enumerate(range(2, self.correlation + 1)):
+            w = self.weights[k].transpose(1, 2).reshape(self.weights[k].shape[0], -1)
+            if recompute:
+                b = checkpoint(self._cue_step, k, w, b, a_flat, species, use_reentrant=False)
+            else:
+                b = self._cue_step(k, w, b, a_flat, species)
+            out = out + b[:, : d_out * c] * u[:, nu - 1].reshape(a.shape[0], -1)
+        return cueq.from_ir_mul(out, c)
+
+    def _cue_step(self, k: int, w: Tensor, b: Tensor, a: Tensor, species: Tensor) -> Tensor:
+        """``w [num_species, P*C]``, flat ``b`` and ``a [n, D*C]``."""
+        return self._cue[k]([w, b, a], w.shape[1] // len(self.step_paths[k][1]),
+                            input_indices={0: species})
+
     def _step(self, k: int, b: Tensor, a: Tensor, species: Tensor) -> Tensor:
         n, c, d = a.shape
         g = getattr(self, f"g_{k}").to(a.dtype)
@@ -189,6 +251,8 @@ class ProductBasis(nn.Module):
     def forward(self, a: Tensor, species: Tensor, recompute: bool = True) -> Tensor:
         """With ``recompute``, the ``[n, C, Σ(2l3+1)]`` products of each step are recomputed
         in backward (only ``b`` and ``a`` are kept)."""
+        if self._cue is not None:
+            return self._cue_forward(a, species, recompute)
         d_out = (self.l_out + 1) ** 2
         u = self.out_weights[species][:, :, :, self.degree]  # [n, ν, C, d_out]
         out = a[:, :, :d_out] * u[:, 0]
@@ -217,9 +281,19 @@ class IrrepsLinear(nn.Module):
         self.weight = nn.Parameter(torch.randn(l_max + 1, c_in, c_out))
         self.bias = nn.Parameter(torch.zeros(c_out)) if bias else None
         self.norm = 1.0 / math.sqrt(c_in)
+        self.backend, self._cue = "reference", None
+
+    def set_backend(self, backend: str) -> None:
+        """``"reference"`` or ``"cueq"`` (same parameters, same result)."""
+        self.backend = cueq.check_backend(backend)
+        self._cue = None if backend == "reference" else cueq.CueOp(partial(
+            cueq.linear_descriptor, self.weight.shape[2], self.l_max, self.norm), "fused_tp")
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.l_max == 0:
+        if self._cue is not None:
+            flat = self._cue([self.weight.reshape(1, -1), cueq.to_ir_mul(x)], x.shape[1])
+            out = cueq.from_ir_mul(flat, self.weight.shape[2])
+        elif self.l_max == 0:
             out = torch.einsum("ncm,cd->ndm", x, self.weight[0] * self.norm)
         else:
             out = torch.cat(

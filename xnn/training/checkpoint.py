@@ -127,9 +127,10 @@ def model_identity(model) -> tuple[str, dict]:
 
 def _architecture(hp: dict) -> dict:
     """Hyperparameters that define the architecture (statistics and the memory switch
-    ``activation_checkpointing``, which a resumed run may change, excluded)."""
+    ``activation_checkpointing`` and the kernel ``backend``, which a resumed run may change,
+    excluded)."""
     return {k: v for k, v in hp.items()
-            if k not in ("e0", "scale", "shift", "activation_checkpointing")}
+            if k not in ("e0", "scale", "shift", "activation_checkpointing", "backend")}
 
 
 def check_same_architecture(payload: dict, model, path) -> None:

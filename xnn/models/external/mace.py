@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.errors import InputError, ModelFileError
 from xnn.models.base import AtomisticModel
+from xnn.models.cueq import check_backend
 from xnn.models.external import _mace_data
 from xnn.models.external._common import check_dtype, edges_within, leaf_safe
 from xnn.models.external._optional import import_extra, preserved_environ
@@ -93,6 +94,12 @@ class MACEWrapper(AtomisticModel):
         head: head name for multi-head models; defaults to the only head or ``"default"``.
         trust: load a ``.model`` file although it is a pickle (it can run code: only for
             files you trust); without it a path is refused.
+        backend: ``"reference"`` (the e3nn model as given) or ``"cueq"``: evaluate a copy
+            converted by mace-torch's own ``mace.cli.convert_e3nn_cueq`` (cuEquivariance
+            kernels; its pure-PyTorch path on CPU, equal to the reference to ~1e-13 in fp64).
+            The wrapper's parameters stay those of the e3nn model (files, state dicts and
+            training are unchanged: training runs the e3nn model); the copy is made at the
+            first evaluation and remade when the weights, device or dtype change.
 
     Attributes:
         cutoff: ``model.r_max`` (Å).
@@ -101,8 +108,9 @@ class MACEWrapper(AtomisticModel):
     """
 
     def __init__(self, model: nn.Module | str | os.PathLike, head: str | None = None,
-                 trust: bool = False):
+                 trust: bool = False, backend: str = "reference"):
         super().__init__()
+        self.backend = check_backend(backend)
         if isinstance(model, (str, os.PathLike)):
             model = _load_module(model, trust)
         elif not isinstance(model, nn.Module) or not hasattr(model, "r_max"):
@@ -160,6 +168,8 @@ class MACEWrapper(AtomisticModel):
         from the weights the wrapper holds then; later changes to ``self.model`` (training,
         ``.to()``) drop it, and the next evaluation makes a new one.
         """
+        if self.backend == "cueq":  # the converted copy runs eager
+            return False
         if bool(enabled) != getattr(self, "_compile", False):
             self._compile = bool(enabled)
             self._compiled = None
@@ -182,10 +192,31 @@ class MACEWrapper(AtomisticModel):
         object.__setattr__(self, "_compiled", (key, compiled))  # not a registered submodule
         return compiled
 
+    def _cueq_model(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The cuEquivariance copy of ``self.model`` (mace-torch's own conversion), cached."""
+        key = (device, dtype, tuple(p._version for p in self.model.parameters()))
+        cached = getattr(self, "_cueq", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        (convert,) = import_extra("mace", "mace.cli.convert_e3nn_cueq")
+        default = torch.get_default_dtype()
+        try:
+            with preserved_environ():
+                copy = convert.run(self.model, device=device.type, return_model=True)
+        finally:
+            torch.set_default_dtype(default)  # run() sets it to the model's dtype
+        copy = copy.to(device=device, dtype=dtype).eval()
+        for p in copy.parameters():
+            p.requires_grad_(False)
+        object.__setattr__(self, "_cueq", (key, copy))  # not a registered submodule
+        return copy
+
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV), including E0; ``graph`` must carry edges."""
         check_dtype(graph, self.model)
         model, compiled = self.model, getattr(self, "_compile", False) and not self.training
+        if self.backend == "cueq" and not self.training:
+            model, compiled = self._cueq_model(graph.positions.device, graph.dtype), False
         if compiled:
             model = self._compiled_model(graph.positions.device, graph.dtype)
         out = model(self.mace_inputs(graph, cell_grad=compiled), training=False,
@@ -203,7 +234,7 @@ class MACEWrapper(AtomisticModel):
         """
         state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         return {"kind": PAYLOAD_KIND, "config": self._data_config(), "state_dict": state,
-                "head": self.head}
+                "head": self.head, "backend": self.backend}
 
     def _data_config(self) -> dict:
         """The constructor arguments, checked once: the model rebuilt from them (with the
@@ -250,4 +281,5 @@ class MACEWrapper(AtomisticModel):
         tensors = [v for v in state.values() if isinstance(v, Tensor)] \
             if isinstance(state, dict) else []
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float64)
-        return cls(_mace_data.build_module(config, state, dtype), head=payload.get("head"))
+        return cls(_mace_data.build_module(config, state, dtype), head=payload.get("head"),
+                   backend=payload.get("backend", "reference"))

@@ -398,12 +398,30 @@ def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = 
     if mats.shape[0] == 1:
         return x @ mats[0]
     idx = batch if rows is None else batch.index_select(0, rows)
+    counts = _cpu_segments(x, idx, mats.shape[0])
+    if counts is not None:
+        # rows grouped by matrix (edges of concatenated systems): one product per system,
+        # the 64-cell batch then costs what one cell of as many atoms does
+        return torch.cat([xs @ m for xs, m in zip(x.split(counts), mats.unbind(0))])
     # the three rows of each gathered matrix weighted by x, summed in the order of
     # sum(-2): the values of (x[..., None] * mats[idx]).sum(-2), without its [M, 3, 3]
     # product (and index_select's backward is an index_add, not an index_put)
     g0, g1, g2 = mats.reshape(-1, 9).index_select(0, idx).view(-1, 3, 3).unbind(1)
     x0, x1, x2 = x.unsqueeze(-1).unbind(1)
     return x0 * g0 + x1 * g1 + x2 * g2
+
+
+def _cpu_segments(x: Tensor, idx: Tensor, n_mats: int) -> list[int] | None:
+    """Row counts per matrix when ``idx`` is non-decreasing, on the CPU outside tracers
+    (where reading the data is free); else ``None`` (the gathered form is used)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if x.device.type != "cpu" or idx.numel() == 0 or torch.compiler.is_compiling() \
+            or is_fake(x) or is_fake(idx):
+        return None
+    if bool((idx[1:] < idx[:-1]).any()):
+        return None
+    return torch.bincount(idx, minlength=n_mats).tolist()
 
 
 def complete_cell(cell: Tensor) -> Tensor:

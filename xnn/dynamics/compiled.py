@@ -6,7 +6,7 @@ The function ``(weights, x, v, F, edges, ...) -> (x', v', F', E', σ', d')`` is 
 gives forces and stress as ordinary operations, then compiled (inductor by default) for the
 exact shapes of this run. Shapes stay fixed although the neighbor list changes size:
 
-* edges are padded to a *capacity* with inert edges, self-edges of atom 0 shifted by a
+* edges are padded to a *capacity* with inert edges, self-edges of atoms shifted by a
   whole number of lattice vectors beyond ``cutoff + skin``; their vector does not depend on
   the positions, and every xnn model gives edges beyond its cutoff zero weight (the Verlet
   list relies on that too), so they change neither energy nor forces nor stress;
@@ -189,21 +189,24 @@ def _drifted(g: AtomicGraph, forces: Tensor, inv_m: Tensor, dt: float) -> Tensor
 
 
 def _inert_edges(graph: AtomicGraph, reach: float, n: int) -> tuple[Tensor, Tensor]:
-    """``n`` self-edges of atom 0 shifted by ``k`` times its system's longest lattice vector,
-    ``k |a| > reach``: beyond every cutoff and independent of the positions."""
+    """``n`` self-edges, of atoms ``0, 1, 2, ...`` in turn (no two padding edges scatter
+    onto one atom while ``n <= n_atoms``: no atomic contention on a GPU), each shifted by
+    ``k`` times the longest lattice vector ``a`` of its system with ``k |a| > reach``:
+    beyond every cutoff, and independent of the positions."""
     dev = graph.positions.device
-    ei = torch.zeros(2, n, dtype=torch.long, device=dev)
+    atoms = torch.arange(n, device=dev) % max(graph.n_atoms, 1)
+    ei = torch.stack([atoms, atoms])
     sh = torch.zeros(n, 3, dtype=torch.long, device=dev)
     if n == 0:
         return ei, sh
-    cell0 = graph.cell[int(graph.batch[0])].detach()
-    lengths = cell0.norm(dim=-1)
-    axis = int(lengths.argmax())
-    length = float(lengths[axis])
-    if length < 1e-6:
-        raise InputError("the compiled MD step needs a cell with a non-zero lattice vector "
-                         "(give the cluster a box) or run without md.compile")
-    sh[:, axis] = int(reach // length) + 2
+    lengths = graph.cell.detach().norm(dim=-1)  # [n_systems, 3]
+    longest, axis = lengths.max(dim=-1)
+    if bool((longest < 1e-6).any()):
+        raise InputError("the compiled MD step needs cells with a non-zero lattice vector "
+                         "(give clusters a box) or run without compile")
+    k = torch.floor(reach / longest).to(torch.long) + 2  # [n_systems]
+    system = graph.batch.index_select(0, atoms)
+    sh[torch.arange(n, device=dev), axis.index_select(0, system)] = k.index_select(0, system)
     return ei, sh
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -123,3 +124,45 @@ def test_batch_of_two_cells_follows_eager(one_thread):
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
     torch.testing.assert_close(compiled.stress, eager.stress, rtol=0, atol=1e-12)
     torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
+
+
+def _md(tmp_path, out, *extra):
+    import ase.io
+
+    from xnn.app.md import run_md
+    from xnn.config.loader import load_config
+    from xnn.config.md import MDConfig
+
+    path = tmp_path / "ar.xyz"
+    if not path.exists():
+        ase.io.write(path, [rattled_argon(seed=0), rattled_argon(seed=1)])
+    cfg = load_config(MDConfig, None, [
+        f"structure={path}", "index=:", f"output.dir={tmp_path / out}", "model.name=lj",
+        "model.params.sigma=3.405", "model.params.epsilon=0.0104", "model.params.cutoff=6.5",
+        "output.progress=false", "output.plot=false", "ensemble=nve", "steps=30",
+        "output.log_every=10", "initial_temperature=300", *extra])
+    run_md(cfg)
+    return (tmp_path / out / "thermo.csv").read_text().splitlines()
+
+
+def test_md_compile_runs_the_compiled_step(tmp_path, monkeypatch, one_thread):
+    """``xnn md compile=true`` logs the thermo rows of the eager run (two systems)."""
+    import xnn.dynamics.compiled as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    made = []
+    real = compiled.CompiledVerlet.__init__
+    monkeypatch.setattr(compiled.CompiledVerlet, "__init__",
+                        lambda self, *a, **k: made.append(self) or real(self, *a, **k))
+    eager = _md(tmp_path, "eager")
+    fast = _md(tmp_path, "compiled", "compile=true")
+    assert len(made) == 1 and made[0].n_compiles == 1
+    assert len(fast) == len(eager) > 3
+    for a, b in zip(eager[1:], fast[1:]):
+        va, vb = [float(x) for x in a.split(",")], [float(x) for x in b.split(",")]
+        np.testing.assert_allclose(vb, va, rtol=1e-9, atol=1e-9)
+
+
+def test_md_compile_refuses_other_ensembles(tmp_path):
+    with pytest.raises(InputError, match="nve"):
+        _md(tmp_path, "l", "compile=true", "ensemble=langevin")

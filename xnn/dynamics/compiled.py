@@ -38,6 +38,9 @@ from xnn.dynamics.state import MDState, check_timestep, free_mask
 from xnn.errors import InputError
 from xnn.units import MVV2E
 
+#: ``torch.compile`` backend of :class:`CompiledNVE` (the one ``md.compile`` uses)
+DEFAULT_BACKEND = "inductor"
+
 #: graph fields the traced step takes besides positions and edges
 _FIELDS = (K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID)
 
@@ -221,11 +224,12 @@ class CompiledNVE:
     """The integrator interface of :mod:`xnn.dynamics.nve` (``init``, ``step``,
     ``conserved``) with steps through :class:`CompiledVerlet`, made for one potential."""
 
-    def __init__(self, potential, backend: str = "inductor", cuda_graph: bool = False):
+    def __init__(self, potential, backend: str | None = None, cuda_graph: bool = False):
         from xnn.dynamics import nve
 
         self._nve = nve
-        self.stepper = CompiledVerlet(potential, backend=backend, cuda_graph=cuda_graph)
+        self.stepper = CompiledVerlet(potential, backend=backend or DEFAULT_BACKEND,
+                                      cuda_graph=cuda_graph)
 
     def init(self, state: AtomicGraph, model, reduce: Reducer = LOCAL) -> MDState:
         return self._nve.init(state, model, reduce=reduce)

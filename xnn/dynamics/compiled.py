@@ -59,14 +59,14 @@ class _Step(nn.Module):
         from xnn.models.derivatives import compute_properties
 
         dt = self.dt
-        v = v + (0.5 * dt) * f * inv_m
+        v = v + (0.5 * dt) * _acc(f, inv_m)
         x = x + dt * v
         graph = AtomicGraph({**fields, K.POSITIONS: x}, validate=False)
         out = compute_properties(self.model, graph, True, self.stress)
         f = out[K.FORCES]
-        v = v + (0.5 * dt) * f * inv_m
+        v = v + (0.5 * dt) * _acc(f, inv_m)
         # where the next call will drift to, measured from the last build
-        x_next = x + dt * (v + (0.5 * dt) * f * inv_m)
+        x_next = x + dt * (v + (0.5 * dt) * _acc(f, inv_m))
         d_next = (x_next - ref).norm(dim=-1).max()
         stress = out[K.STRESS] if self.stress else torch.zeros_like(fields[K.CELL])
         return x, v, f, out[K.ENERGY], stress, d_next
@@ -168,8 +168,9 @@ class CompiledVerlet:
         """Advance ``state`` by ``dt`` (fs); the returned state's step count is +1."""
         dt = check_timestep(dt)
         g = state.graph
-        inv_m = torch.where(free_mask(g)[:, None], 1.0 / (g.masses[:, None] * MVV2E),
-                            torch.zeros_like(g.positions[:, :1]))
+        # m * MVV2E, infinite on fixed atoms: f / it is the eager step's acceleration
+        inv_m = torch.where(free_mask(g)[:, None], g.masses[:, None] * MVV2E,
+                            torch.full_like(g.positions[:, :1], math.inf))
         if self._edges is None or self._ref is None or self._ref.shape != g.positions.shape:
             self._next_disp = None
             self._rebuild(g, _drifted(g, state.forces, inv_m, dt))
@@ -187,8 +188,14 @@ class CompiledVerlet:
 
 def _drifted(g: AtomicGraph, forces: Tensor, inv_m: Tensor, dt: float) -> Tensor:
     """The positions the compiled step drifts to (same arithmetic as :class:`_Step`)."""
-    v = g.velocities + (0.5 * dt) * forces * inv_m
+    v = g.velocities + (0.5 * dt) * _acc(forces, inv_m)
     return g.positions.detach() + dt * v
+
+
+def _acc(forces: Tensor, m_mvv: Tensor) -> Tensor:
+    """Accelerations (Å/fs²) as :func:`~xnn.dynamics.state.accelerations` computes them:
+    ``F / (m MVV2E)``, zero where ``m_mvv`` is infinite (fixed atoms)."""
+    return forces / m_mvv
 
 
 def _inert_edges(graph: AtomicGraph, reach: float, n: int) -> tuple[Tensor, Tensor]:

@@ -147,7 +147,8 @@ def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
         pos = pos.cpu()
     nl = _calculator(_vesin, pos.device, cutoff)
     # copy=False: views into nl's buffers, copied out once by _outputs before nl is reused
-    pairs, shifts = nl.compute(pos, cell.detach().to(pos), pbc.to(pos.device), "PS", copy=False)
+    pairs, shifts = nl.compute(pos, cell.detach().to(pos), pbc.to(pos.device), "PS",
+                               copy=not _ordered_with_vesin(pos.device))
     return _outputs(pairs, shifts, device)
 
 
@@ -170,6 +171,16 @@ def _vesin_cuda_ok() -> bool:  # pragma: no cover - needs CUDA
 def _with_vesin_torch(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
     nl = _calculator(_vesin_torch, pos.device, cutoff)
     pairs, shifts = nl.compute(
-        pos.detach(), cell.detach().to(pos.dtype), pbc.to(torch.bool), "PS", copy=False
+        pos.detach(), cell.detach().to(pos.dtype), pbc.to(torch.bool), "PS",
+        copy=not _ordered_with_vesin(pos.device),
     )
     return _outputs(pairs, shifts, pos.device)
+
+
+def _ordered_with_vesin(device: torch.device) -> bool:
+    """Whether our copies out of vesin's reused buffers are ordered before its next build:
+    always on the CPU; on CUDA while torch runs on the default stream (which vesin's
+    kernels also use). On a side stream vesin's own copies (``copy=True``) are taken."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.current_stream(device) == torch.cuda.default_stream(device)

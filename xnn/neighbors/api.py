@@ -175,7 +175,7 @@ class VerletList:
         for name, ref in (("atom_id", self._ref_ids), ("pbc", self._ref_pbc),
                           ("numbers", self._ref_numbers)):
             cur = getattr(graph, name)
-            src, version = self._sources[name]
+            src, version = self._sources.get(name, (None, -1))  # none after a restore
             if cur is src and cur._version == version:
                 continue  # the very tensor of the build, not modified in place since
             if cur.shape != ref.shape:
@@ -185,7 +185,7 @@ class VerletList:
         pos = graph.positions.detach()
         if cell.shape != self._ref_cell.shape:
             return True
-        src, version = self._sources["cell"]
+        src, version = self._sources.get("cell", (None, -1))
         if graph.cell is src and graph.cell._version == version:
             cell_moved: bool | Tensor = False  # the build's own cell tensor, untouched
         elif cell.device.type == "cpu":

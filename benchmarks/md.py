@@ -255,8 +255,11 @@ def main(argv=None) -> int:
                    "rows (default: --sizes)")
     p.add_argument("--compile", action="store_true",
                    help="MACE rows: also time xnn with Potential(compile=True)")
-    p.add_argument("--only", default=None, choices=("lj", "equivariant", "batched", "mace"),
-                   help="run one case only")
+    p.add_argument("--only", default=None,
+                   choices=("lj", "equivariant", "batched", "mace", "compiled", "cells"),
+                   help="run one case only (compiled: benchmarks/md_compiled.py's compiled "
+                   "vs eager step; cells: benchmarks/md_batched.py's 64 small cells vs one; "
+                   "both only when asked for)")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     def counts(text):
@@ -285,6 +288,15 @@ def main(argv=None) -> int:
                                "quick": args.quick, "results": results + list(extra)},
                    device=str(device))
 
+    if args.only == "compiled":
+        from benchmarks.md_compiled import bench_compiled
+
+        results += [bench_compiled(name, sizes[0], steps, device, dtype)
+                    for name in ("schnet", "equivariant")]
+    if args.only == "cells":
+        from benchmarks.md_batched import bench as bench_cells
+
+        results += [bench_cells(name, 64, 100, max(1, steps // 3), 3) for name in ("lj", "schnet")]
     if run("mace"):
         mace_sizes = counts(args.mace_sizes) if args.mace_sizes \
             else sizes[:1] if args.quick else sizes

@@ -10,13 +10,21 @@ method builds the full list of rattled FCC Cu; the median wall time per build is
 with its ratio to vesin on the same device (vesin-torch on CUDA when importable, else
 vesin on CPU). Peers too slow for a size are recorded as skipped, as are packages that are
 not installed. Every method's edge count is checked against the reference count.
+
+``paired`` (the issue-20 goal, ``xnn:auto`` within 1.05x of vesin): per size, ``xnn:auto``
+and vesin itself (vesin-torch on CUDA) are timed alternately, build after build, in the
+same process, and the ratios of their median and minimum times are reported; alternating
+cancels most of the drift of a shared machine. ``--methods`` limits the table to some
+methods (the paired comparison always runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -135,6 +143,9 @@ def run(args: argparse.Namespace) -> dict:
     table = methods(device)
     rows: list[dict] = []
     last: dict[str, tuple[int, float]] = {}  # method -> (n_atoms, seconds) at the last size
+    paired: list[dict] = []
+    if args.methods:
+        table = {k: v for k, v in table.items() if k in args.methods}
     for n in sizes:
         case = Case(n, device)
         size_rows = []
@@ -153,6 +164,11 @@ def run(args: argparse.Namespace) -> dict:
             _print(size_rows[-1])
         _add_ratios(size_rows, device)
         rows.extend(size_rows)
+        paired.append(bench_paired(case, device, args.cutoff, args.paired_rounds))
+        print(f"{case.n_atoms:>9} paired xnn:auto / {paired[-1]['reference']}: "
+              f"{paired[-1]['ratio_median']:.3f} (median) {paired[-1]['ratio_min']:.3f} (min)",
+              flush=True)
+        del case
     return {
         "benchmark": "neighbors",
         "system": "FCC Cu, a = 3.61 Å, rattled 0.05 Å, periodic cubic supercell",
@@ -161,7 +177,43 @@ def run(args: argparse.Namespace) -> dict:
         "repeat": args.repeat,
         "auto_backend": _auto_name(device),
         "results": rows,
+        "paired": paired,
+        "goal": "paired ratio_median <= 1.05 (xnn:auto against vesin on the same device)",
     }
+
+
+def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -> dict:
+    """``xnn:auto`` and vesin (vesin-torch on CUDA) timed alternately on ``case``."""
+    if device.type == "cuda" and _installed("vesin.torch"):
+        ref_name, ref = "vesin-torch", _vesin_torch(case, cutoff)
+    else:
+        ref_name, ref = "vesin", _vesin(case, cutoff)
+    ours = _xnn("auto", case, cutoff)
+    times: dict[str, list[float]] = {"xnn:auto": [], ref_name: []}
+    counts = {"xnn:auto": ours(), ref_name: ref()}  # warm-up (and both edge counts)
+    for k in range(rounds):
+        pair = [("xnn:auto", ours), (ref_name, ref)]
+        for name, fn in pair if k % 2 == 0 else pair[::-1]:
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    return {
+        "n_atoms": case.n_atoms, "reference": ref_name, "rounds": rounds,
+        "xnn_auto_median_s": med["xnn:auto"], "reference_median_s": med[ref_name],
+        "xnn_auto_min_s": low["xnn:auto"], "reference_min_s": low[ref_name],
+        "ratio_median": med["xnn:auto"] / med[ref_name],
+        "ratio_min": low["xnn:auto"] / low[ref_name],
+        "edges_match": counts["xnn:auto"] == counts[ref_name], "n_edges": counts[ref_name],
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _skip(name, run_dev, case, why) -> dict:
@@ -203,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="atom counts (overrides)")
     p.add_argument("--cutoff", type=float, default=5.0, help="Å (default 5.0)")
     p.add_argument("--repeat", type=int, default=None, help="timed builds (default 5, quick 3)")
+    p.add_argument("--methods", nargs="*", default=None,
+                   help="only these methods in the table (e.g. xnn:auto vesin)")
+    p.add_argument("--paired-rounds", type=int, default=9,
+                   help="alternating xnn:auto / vesin builds per size (default 9)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-seconds", type=float, default=30.0,

@@ -456,3 +456,63 @@ def test_verlet_list_stays_complete_under_random_deformations():
         ei, sh = neighbor_list(g.positions, g.cell, g.pbc, cutoff, g.batch, "brute")
         assert _short_edges(out, cutoff) == _as_set(ei, sh)
     assert reused > 0  # the deformation-aware rule does reuse lists
+
+
+def test_verlet_list_sees_in_place_edits_of_the_build_tensors():
+    """Unchanged tensors are recognised without comparing them (identity and version), so an
+    in-place edit of the very tensors the list was built from must still trigger a rebuild."""
+    graph = _fcc_graph(np.random.default_rng(11))
+    nl = VerletList(3.0, 1.0)
+    nl(graph)
+    flag = nl.rebuild_flag(graph)
+    assert isinstance(flag, torch.Tensor) and not bool(flag)  # the skin check, on the device
+    nl(graph)
+    assert nl.n_builds == 1
+    graph.numbers[3] = 8  # same tensor object, edited in place
+    nl(graph)
+    assert nl.n_builds == 2
+    graph.cell.mul_(1.2)  # the cell tensor of the last build, scaled in place: beyond skin
+    nl(graph)
+    assert nl.n_builds == 3
+    graph.positions[0, 0] += 0.6  # > skin / 2 on the tensor of the last build
+    nl(graph)
+    assert nl.n_builds == 4
+
+
+@pytest.mark.skipif("vesin" not in available_backends(), reason="vesin not installed")
+def test_vesin_results_survive_the_next_build():
+    """vesin's buffers are reused between builds (copy=False): earlier results must be
+    copies, unchanged by later builds of other systems with the same cutoff."""
+    first = ZOO["tri60"]
+    ei, sh = neighbor_list(torch.tensor(first.positions), torch.tensor(first.cell.array),
+                           torch.tensor(first.pbc), CUTOFF, backend="vesin")
+    before = _as_set(ei, sh)
+    for other in ("hex", "small", "tri120"):
+        a = ZOO[other]
+        neighbor_list(torch.tensor(a.positions), torch.tensor(a.cell.array),
+                      torch.tensor(a.pbc), CUTOFF, backend="vesin")
+    assert _as_set(ei, sh) == before == _reference(first, CUTOFF)
+
+
+def test_rowvec_matmul_per_system_products_equal_the_gather():
+    """Rows grouped by system (the edges of concatenated cells) take one product per system
+    on the CPU; values and gradients equal the gathered form, also for unsorted rows."""
+    from xnn.data.graph import rowvec_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    mats = torch.randn(5, 3, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    batch = torch.sort(torch.randint(0, 5, (300,), generator=gen)).values
+    batch[batch == 2] = 3  # a system with no rows
+    shifts = torch.randint(-2, 3, (300, 3), generator=gen).double()
+    pos = torch.randn(300, 3, dtype=torch.float64, generator=gen)
+    for x, rows in ((shifts, None), (pos, None), (shifts, torch.randperm(300, generator=gen))):
+        idx = batch if rows is None else batch[rows]
+        ref = (x.unsqueeze(-1) * mats[idx]).sum(-2)
+        out = rowvec_matmul(x, mats, batch, rows)
+        if x is shifts:
+            assert torch.equal(out, ref)  # integer shifts: exact either way
+        torch.testing.assert_close(out, ref, rtol=1e-14, atol=1e-14)
+        w = torch.randn(300, 3, dtype=torch.float64, generator=gen)
+        g_out, = torch.autograd.grad((out * w).sum(), mats)
+        g_ref, = torch.autograd.grad((ref * w).sum(), mats)
+        torch.testing.assert_close(g_out, g_ref, rtol=1e-13, atol=1e-13)

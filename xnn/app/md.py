@@ -31,6 +31,7 @@ from xnn.app.md_hooks import RunHooks, hooks_from_config
 from xnn.app.md_setup import (
     check_kinetic_dof,
     check_species,
+    compiled_integrator,
     initial_velocities,
     integrator_args,
     load_structure,
@@ -112,6 +113,8 @@ def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) ->
 def _start(cfg: MDConfig, par, device, dtype):
     """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
     integrator, potential = get_integrator(cfg.ensemble), par.potential
+    if cfg.compile or cfg.cuda_graph:
+        integrator = compiled_integrator(cfg, par)
     if cfg.resume:
         state, meta = resume_state(cfg, par, device, "md")
         with par.guarded("checking the checkpoint"):

@@ -182,3 +182,18 @@ def integrator_args(cfg: MDConfig, temperatures: torch.Tensor) -> dict:
             anisotropic=ba.anisotropic,
         )
     raise InputError(f"unknown ensemble {cfg.ensemble!r}")
+
+
+def compiled_integrator(cfg: MDConfig, par):
+    """The integrator of ``md.compile=true`` (:class:`~xnn.dynamics.compiled.CompiledNVE`),
+    after checking that the run is one it compiles."""
+    from xnn.dynamics.compiled import CompiledNVE
+    from xnn.models.potential import Potential
+
+    if cfg.ensemble != "nve":
+        raise InputError(f"compile=true compiles ensemble nve only, not {cfg.ensemble!r}: set "
+                         "ensemble: nve or compile: false")
+    if type(par.potential) is not Potential:
+        raise InputError("compile=true runs in one process: launch without torchrun or set "
+                         "compile: false")
+    return CompiledNVE(par.potential, cuda_graph=cfg.cuda_graph)

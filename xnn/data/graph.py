@@ -373,7 +373,8 @@ class AtomicGraph:
         cell = self._fields[K.CELL] if cell is None else cell
         ei = self._fields[K.EDGE_INDEX]
         j, i = ei[0], ei[1]
-        vec = pos[j] - pos[i]
+        # index_select, not pos[j]: same values, a faster gather and (index_add) backward
+        vec = pos.index_select(0, j) - pos.index_select(0, i)
         shifts = self._fields.get(K.SHIFTS)
         if shifts is not None:
             vec = vec + rowvec_matmul(shifts.to(pos.dtype), cell, self._fields[K.BATCH], i)
@@ -396,8 +397,31 @@ def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = 
     """
     if mats.shape[0] == 1:
         return x @ mats[0]
-    idx = batch if rows is None else batch[rows]
-    return (x.unsqueeze(-1) * mats[idx]).sum(-2)
+    idx = batch if rows is None else batch.index_select(0, rows)
+    counts = _cpu_segments(x, idx, mats.shape[0])
+    if counts is not None:
+        # rows grouped by matrix (edges of concatenated systems): one product per system,
+        # the 64-cell batch then costs what one cell of as many atoms does
+        return torch.cat([xs @ m for xs, m in zip(x.split(counts), mats.unbind(0))])
+    # the three rows of each gathered matrix weighted by x, summed in the order of
+    # sum(-2): the values of (x[..., None] * mats[idx]).sum(-2), without its [M, 3, 3]
+    # product (and index_select's backward is an index_add, not an index_put)
+    g0, g1, g2 = mats.reshape(-1, 9).index_select(0, idx).view(-1, 3, 3).unbind(1)
+    x0, x1, x2 = x.unsqueeze(-1).unbind(1)
+    return x0 * g0 + x1 * g1 + x2 * g2
+
+
+def _cpu_segments(x: Tensor, idx: Tensor, n_mats: int) -> list[int] | None:
+    """Row counts per matrix when ``idx`` is non-decreasing, on the CPU outside tracers
+    (where reading the data is free); else ``None`` (the gathered form is used)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if x.device.type != "cpu" or idx.numel() == 0 or torch.compiler.is_compiling() \
+            or is_fake(x) or is_fake(idx):
+        return None
+    if bool((idx[1:] < idx[:-1]).any()):
+        return None
+    return torch.bincount(idx, minlength=n_mats).tolist()
 
 
 def complete_cell(cell: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, complete_cell, rowvec_matmul
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
-from xnn.neighbors.common import check_inputs
+from xnn.neighbors.common import validate_inputs
 from xnn.neighbors.torch_cells import torch_neighbor_list
 from xnn.neighbors.vesin_backend import vesin_available, vesin_neighbor_list, vesin_torch_available
 
@@ -92,16 +92,16 @@ def neighbor_list(
         ``edge_index [2, E]`` long (row 0 sender j, row 1 receiver i) and integer image
         ``shifts [E, 3]`` long, with ``r_ij = pos[j] - pos[i] + shifts @ cell[batch[i]]``.
     """
-    positions, cell, pbc, batch = check_inputs(positions, cell, pbc, cutoff, batch)
+    positions, cell, pbc, batch, has_zero = validate_inputs(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, cell.shape[0]) if backend == "auto" else backend
     if name not in _BACKENDS:
         choices = ["auto", *available_backends()]
         raise InputError(f"unknown neighbor-list backend {backend!r}; choose one of {choices}")
     with torch.no_grad():
-        full = complete_cell(cell)
+        full = complete_cell(cell) if has_zero else cell
         pos = positions.detach()
         n_wrap = None
-        if pbc.any() and name not in _TAKES_UNWRAPPED:
+        if name not in _TAKES_UNWRAPPED and bool(pbc.any()):
             # whole lattice vectors that bring each atom into the cell along periodic axes
             frac = rowvec_matmul(pos, torch.linalg.inv(full), batch)
             n = torch.where(pbc[batch], torch.floor(frac), torch.zeros_like(frac))
@@ -114,7 +114,7 @@ def neighbor_list(
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
             shifts = shifts - n_wrap.index_select(0, edge_index[0])
             shifts = shifts + n_wrap.index_select(0, edge_index[1])
-    return edge_index, shifts.to(torch.long)
+    return edge_index, shifts if shifts.dtype == torch.long else shifts.to(torch.long)
 
 
 def with_edges(graph: AtomicGraph, cutoff: float, backend: str = "auto") -> AtomicGraph:
@@ -152,47 +152,79 @@ class VerletList:
         self._ref_pbc: Tensor | None = None
         self._ref_numbers: Tensor | None = None
         self._edges: tuple[Tensor, Tensor] | None = None
+        self._sources: dict[str, tuple[Tensor, int]] = {}
 
     def reset(self) -> None:
         self._edges = None
 
     def needs_rebuild(self, graph: AtomicGraph) -> bool:
+        """True when the list must be rebuilt for ``graph`` (one host sync at most)."""
+        flag = self.rebuild_flag(graph)
+        return flag if isinstance(flag, bool) else bool(flag)
+
+    def rebuild_flag(self, graph: AtomicGraph) -> bool | Tensor:
+        """Whether to rebuild, as a Python bool when known without reading the device, else
+        a 0-d bool tensor on the device (every data check folded into it, no sync)."""
         if self._edges is None or self._ref_positions is None:
             return True
         if graph.positions.shape != self._ref_positions.shape:
             return True
         if graph.positions.device != self._ref_positions.device:
             return True
-        if not torch.equal(graph.atom_id, self._ref_ids):
-            return True
-        if not torch.equal(graph.pbc, self._ref_pbc):
-            return True
-        if not torch.equal(graph.numbers, self._ref_numbers):
-            return True
+        flags = []
+        for name, ref in (("atom_id", self._ref_ids), ("pbc", self._ref_pbc),
+                          ("numbers", self._ref_numbers)):
+            cur = getattr(graph, name)
+            src, version = self._sources.get(name, (None, -1))  # none after a restore
+            if cur is src and cur._version == version:
+                continue  # the very tensor of the build, not modified in place since
+            if cur.shape != ref.shape:
+                return True
+            flags.append((cur != ref).any())
         cell = graph.cell.detach()
-        same_cell = torch.equal(cell, self._ref_cell)
+        pos = graph.positions.detach()
+        if cell.shape != self._ref_cell.shape:
+            return True
+        src, version = self._sources.get("cell", (None, -1))
+        if graph.cell is src and graph.cell._version == version:
+            cell_moved: bool | Tensor = False  # the build's own cell tensor, untouched
+        elif cell.device.type == "cpu":
+            cell_moved = not torch.equal(cell, self._ref_cell)  # no device to wait for
+        else:
+            cell_moved = (cell != self._ref_cell).any()
         if self.skin == 0.0:
-            return not (same_cell and torch.equal(graph.positions.detach(), self._ref_positions))
-        if graph.n_atoms == 0:
-            return not same_cell
-        return self._beyond_skin(graph, cell, same_cell)
+            flags += [cell_moved, (pos != self._ref_positions).any()]
+        elif graph.n_atoms == 0:
+            flags.append(cell_moved)
+        else:
+            flags.append(self._beyond_skin(graph, cell, cell_moved))
+        flags = [f for f in flags if f is not False]
+        if any(f is True for f in flags):
+            return True
+        if not flags:
+            return False
+        return torch.stack(flags).any() if len(flags) > 1 else flags[0]
 
-    def _beyond_skin(self, graph: AtomicGraph, cell: Tensor, same_cell: bool) -> bool:
+    def _beyond_skin(self, graph: AtomicGraph, cell: Tensor, cell_moved: bool | Tensor) -> Tensor:
+        """0-d bool: some atom may have come within ``cutoff`` of a pair not in the list."""
         ref = self._ref_positions
-        if same_cell:
-            disp = (graph.positions.detach() - ref).norm(dim=-1)
-            return bool(disp.max() > 0.5 * self.skin)
+        pos = graph.positions.detach()
+        fixed = (pos - ref).norm(dim=-1).max() > 0.5 * self.skin
+        if cell_moved is False:
+            return fixed
+        if cell_moved is True:
+            cell_moved = torch.ones((), dtype=torch.bool, device=pos.device)
         ref_full = complete_cell(self._ref_cell)
         deform = torch.linalg.solve(ref_full, complete_cell(cell))  # F = inv(C0) @ C1
         eye = torch.eye(3, dtype=deform.dtype, device=deform.device)
         strain = torch.linalg.matrix_norm(deform - eye, ord=2)  # [n_systems]
         affine = rowvec_matmul(ref, deform, graph.batch)
-        disp = (graph.positions.detach() - affine).norm(dim=-1)
+        disp = (pos - affine).norm(dim=-1)
         d_max = torch.zeros_like(strain).scatter_reduce(
             0, graph.batch, disp, reduce="amax", include_self=True
         )
         budget = (self.cutoff + self.skin) * strain + 2.0 * d_max
-        return bool((budget >= self.skin).any())
+        return torch.where(cell_moved, (budget >= self.skin).any(), fixed)
 
     def __call__(self, graph: AtomicGraph) -> AtomicGraph:
         """Return ``graph`` with ``edge_index`` and ``shifts`` attached (rebuilding if needed)."""
@@ -210,6 +242,8 @@ class VerletList:
             self._ref_ids = graph.atom_id.clone()
             self._ref_pbc = graph.pbc.clone()
             self._ref_numbers = graph.numbers.clone()
+            self._sources = {k: (getattr(graph, k), getattr(graph, k)._version)
+                             for k in ("atom_id", "pbc", "numbers", "cell")}
             self.n_builds += 1
         ei, sh = self._edges
         return graph.replace({K.EDGE_INDEX: ei, K.SHIFTS: sh})

@@ -35,6 +35,14 @@ def image_ranges(cell: Tensor, pbc: Tensor, cutoff: float) -> Tensor:
 
 def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None):
     """Validate and normalise neighbor-list inputs; returns (positions, cell, pbc, batch)."""
+    return validate_inputs(positions, cell, pbc, cutoff, batch)[:4]
+
+
+def validate_inputs(
+    positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """Validate and normalise neighbor-list inputs with one host sync (two for cells with
+    zero vectors); returns ``(positions, cell, pbc, batch, has_zero_vectors)``."""
     if not isinstance(cutoff, (int, float)) or not math.isfinite(cutoff) or cutoff <= 0:
         raise InputError(f"cutoff must be a positive finite number, got {cutoff!r}")
     if positions.ndim != 2 or positions.shape[-1] != 3:
@@ -52,32 +60,45 @@ def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, ba
         pbc = pbc.unsqueeze(0).expand(cell.shape[0], 3)
     if tuple(pbc.shape) != (cell.shape[0], 3):
         raise InputError(f"pbc must have shape [n_systems, 3], got {tuple(pbc.shape)}")
+    given_batch = batch is not None
     if batch is None:
         if cell.shape[0] != 1:
             raise InputError("batch is required when more than one cell is given")
         batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
     if batch.shape != (positions.shape[0],):
         raise InputError(f"batch must have shape [{positions.shape[0]}], got {tuple(batch.shape)}")
-    if batch.numel() and (
-        batch.dtype.is_floating_point
-        or int(batch.min()) < 0
-        or int(batch.max()) >= cell.shape[0]
-        or bool((batch[1:] < batch[:-1]).any())
-    ):
+    if batch.dtype.is_floating_point and batch.numel():
         raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
-    if not torch.isfinite(positions).all():
+    cell = cell.to(positions.dtype)
+    check_batch = given_batch and batch.numel() > 0
+    # every data-dependent check in one device tensor: one host sync
+    zero = cell.norm(dim=-1) < 1e-12  # [n_systems, 3] vectors to complete (slabs, wires)
+    checks = [torch.isfinite(positions).all(), torch.isfinite(cell).all(), zero.any(),
+              ~_singular(cell, pbc, zero).any()]
+    if check_batch:
+        checks.append((batch.min() >= 0) & (batch.max() < cell.shape[0])
+                      & ~(batch[1:] < batch[:-1]).any())
+    ok = torch.stack(checks).tolist()
+    if not ok[0]:
         raise InputError("non-finite positions")
-    if not torch.isfinite(cell).all():
+    if not ok[1]:
         raise InputError("non-finite cell")
-    if pbc.any():
-        # zero vectors along non-periodic axes (slabs, wires) are completed first: legal
+    if check_batch and not ok[4]:
+        raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
+    has_zero = bool(ok[2])
+    if has_zero:
         from xnn.data.graph import complete_cell
 
-        c = cell.to(positions.dtype)
-        h = cell_heights(complete_cell(c))
-        h = torch.where(c.norm(dim=-1) < 1e-12, torch.zeros_like(h), h)
-        bad = (pbc & (h < 1e-8)).any(-1)
-        if bad.any():
-            s = int(torch.nonzero(bad).flatten()[0])
-            raise InputError(f"system {s}: singular cell along a periodic axis")
-    return positions, cell.to(positions.dtype), pbc, batch
+        bad = _singular(complete_cell(cell), pbc, zero)
+    else:
+        bad = None if ok[3] else _singular(cell, pbc, zero)
+    if bad is not None and bad.any():
+        s = int(torch.nonzero(bad).flatten()[0])
+        raise InputError(f"system {s}: singular cell along a periodic axis")
+    return positions, cell, pbc, batch, has_zero
+
+
+def _singular(full: Tensor, pbc: Tensor, zero: Tensor) -> Tensor:
+    """``[n_systems]`` True where a periodic axis of the completed ``full`` cell is flat."""
+    h = torch.where(zero, torch.zeros_like(zero, dtype=full.dtype), cell_heights(full))
+    return (pbc & (h < 1e-8)).any(-1)

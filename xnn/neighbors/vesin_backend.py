@@ -1,14 +1,26 @@
 """Neighbor lists from vesin (https://github.com/Luthaf/vesin), one system at a time.
 
-``vesin`` (numpy, CPU) is used for CPU tensors; ``vesin.torch`` (package ``vesin-torch``) for
-CUDA tensors when it is importable, otherwise the CUDA data is copied through the CPU.
-vesin ≥ 0.6 supports mixed periodicity, non-periodic systems and cells thinner than the
-cutoff; its ``(i, j, S)`` follow ASE (``r = pos[j] - pos[i] + S @ cell``), i.e. ``i`` is our
-receiver and ``j`` our sender. A system that the installed vesin refuses (older versions
-reject mixed periodicity or degenerate boxes) is computed by the torch cell list instead.
+``vesin`` (the C library's Python package) takes torch tensors directly on CPU; CUDA tensors
+go to ``vesin.torch`` (package ``vesin-torch``) when it is importable, otherwise through
+``vesin`` itself (which reads CUDA torch tensors when its library was built with CUDA), and
+as a last resort through the CPU. vesin ≥ 0.6 supports mixed periodicity, non-periodic
+systems and cells thinner than the cutoff; its ``(i, j, S)`` follow ASE
+(``r = pos[j] - pos[i] + S @ cell``), i.e. ``i`` is our receiver and ``j`` our sender. A
+system that the installed vesin refuses (older versions reject mixed periodicity or
+degenerate boxes) is computed by the torch cell list instead.
+
+Overhead against calling vesin directly (``benchmarks/neighbors.py``): one
+``NeighborList`` per thread, device and cutoff is kept and reused (its output buffers are
+not reallocated, and on CUDA not freed with a device sync, on every build); results are
+read with ``copy=False`` and written once into the returned tensors (``edge_index`` from
+the ``[E, 2]`` pairs, ``shifts`` widened from int32; by numpy on CPU, which copies these
+2-4x faster than torch), which replaces vesin's own copy. No dtype conversion of positions
+beyond what vesin itself needs.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -26,16 +38,32 @@ except (ImportError, OSError, RuntimeError):  # pragma: no cover - absent or ABI
 
 # Errors vesin raises for inputs it cannot handle; we fall back to the torch cell list.
 _VESIN_ERRORS = (ValueError, RuntimeError, TypeError)
+_CACHE = threading.local()
+_CACHE_SIZE = 8
 
 
 def vesin_available() -> bool:
-    """True when the numpy ``vesin`` package is importable."""
+    """True when the ``vesin`` package is importable."""
     return _vesin is not None
 
 
 def vesin_torch_available() -> bool:
     """True when ``vesin.torch`` (package ``vesin-torch``) is importable."""
     return _vesin_torch is not None
+
+
+def _calculator(module, device: torch.device, cutoff: float):
+    """This thread's reusable ``module.NeighborList`` for ``(device, cutoff)``."""
+    cache = getattr(_CACHE, "lists", None)
+    if cache is None:
+        cache = _CACHE.lists = {}
+    key = (module.__name__, str(device), cutoff)
+    nl = cache.get(key)
+    if nl is None:
+        if len(cache) >= _CACHE_SIZE:
+            cache.clear()
+        nl = cache[key] = module.NeighborList(cutoff=cutoff, full_list=True)
+    return nl
 
 
 def vesin_neighbor_list(
@@ -89,26 +117,70 @@ def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[
         return neighbor_list(pos, cell, pbc, cutoff, backend="torch")
 
 
+def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Our ``edge_index [2, E]`` (sender, receiver) and long ``shifts [E, 3]`` from vesin's
+    ``pairs [E, 2]`` (i, j) and ``shifts [E, 3]`` int32, each written once (views are fine)."""
+    if pairs.device.type == "cpu":
+        # numpy's strided copy and int32 -> int64 widening are 2-4x faster than torch's here
+        p = pairs.numpy().view(np.int64)  # size_t: reinterpret, never negative below 2**63
+        edge_index = np.empty((2, p.shape[0]), dtype=np.int64)
+        edge_index[0] = p[:, 1]
+        edge_index[1] = p[:, 0]
+        sh = np.empty((p.shape[0], 3), dtype=np.int64)
+        sh[...] = shifts.numpy().reshape(-1, 3)
+        return torch.from_numpy(edge_index).to(device), torch.from_numpy(sh).to(device)
+    if pairs.dtype == torch.uint64:
+        pairs = pairs.view(torch.int64)
+    pairs = pairs.to(device)
+    edge_index = torch.empty((2, pairs.shape[0]), dtype=torch.long, device=device)
+    edge_index[0].copy_(pairs[:, 1])
+    edge_index[1].copy_(pairs[:, 0])
+    return edge_index, shifts.to(device=device, dtype=torch.long, copy=True).reshape(-1, 3)
+
+
 def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
-    nl = _vesin.NeighborList(cutoff=cutoff, full_list=True)
-    # copy=False: views into nl's buffers, copied out once below while nl is alive
-    i, j, s = nl.compute(
-        pos.detach().cpu().to(torch.float64).numpy(),
-        cell.detach().cpu().to(torch.float64).numpy(),
-        [bool(p) for p in pbc.tolist()],
-        "ijS",
-        copy=False,
-    )
-    # vesin's indices are size_t (uint64): reinterpret, never negative below 2**63
-    j = torch.from_numpy(np.asarray(j).view(np.int64))
-    i = torch.from_numpy(np.asarray(i).view(np.int64))
-    edge_index = torch.stack([j, i]).to(pos.device)
-    shifts = torch.from_numpy(np.asarray(s)).to(device=pos.device, dtype=torch.long)
-    del nl
-    return edge_index, shifts.reshape(-1, 3)
+    """Through the ``vesin`` package, which reads torch tensors in place (CPU, or CUDA when
+    its library has CUDA; otherwise the inputs are copied to the CPU)."""
+    device = pos.device
+    pos = pos.detach()
+    if device.type != "cpu" and not _vesin_cuda_ok():
+        pos = pos.cpu()
+    nl = _calculator(_vesin, pos.device, cutoff)
+    # copy=False: views into nl's buffers, copied out once by _outputs before nl is reused
+    pairs, shifts = nl.compute(pos, cell.detach().to(pos), pbc.to(pos.device), "PS",
+                               copy=not _ordered_with_vesin(pos.device))
+    return _outputs(pairs, shifts, device)
+
+
+def _vesin_cuda_ok() -> bool:  # pragma: no cover - needs CUDA
+    """True when the installed vesin library computes on CUDA (probed once)."""
+    ok = getattr(_CACHE, "cuda_ok", None)
+    if ok is None:
+        try:
+            x = torch.zeros(2, 3, dtype=torch.float64, device="cuda")
+            x[1, 0] = 1.0
+            box = torch.eye(3, dtype=torch.float64, device="cuda") * 10
+            _vesin.NeighborList(cutoff=2.0, full_list=True).compute(x, box, False, "P")
+            ok = True
+        except _VESIN_ERRORS:
+            ok = False
+        _CACHE.cuda_ok = ok
+    return ok
 
 
 def _with_vesin_torch(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
-    nl = _vesin_torch.NeighborList(cutoff=cutoff, full_list=True)
-    i, j, s = nl.compute(pos.detach(), cell.detach().to(pos.dtype), pbc.to(torch.bool), "ijS")
-    return torch.stack([j, i]).to(torch.long), s.to(torch.long).reshape(-1, 3)
+    nl = _calculator(_vesin_torch, pos.device, cutoff)
+    pairs, shifts = nl.compute(
+        pos.detach(), cell.detach().to(pos.dtype), pbc.to(torch.bool), "PS",
+        copy=not _ordered_with_vesin(pos.device),
+    )
+    return _outputs(pairs, shifts, pos.device)
+
+
+def _ordered_with_vesin(device: torch.device) -> bool:
+    """Whether our copies out of vesin's reused buffers are ordered before its next build:
+    always on the CPU; on CUDA while torch runs on the default stream (which vesin's
+    kernels also use). On a side stream vesin's own copies (``copy=True``) are taken."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.current_stream(device) == torch.cuda.default_stream(device)

@@ -1,0 +1,168 @@
+"""The compiled MD step (xnn.dynamics.compiled, md.compile=true): no steady-state
+recompiles over 200 steps with neighbor-list rebuilds, and the trajectory of the eager
+velocity-Verlet step (fp64), for LJ and SchNet."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from md_helpers import rattled_argon
+
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics import maxwell_boltzmann, nve
+from xnn.dynamics.compiled import CompiledVerlet
+from xnn.errors import InputError
+from xnn.models import Potential, build
+
+SKIN = 0.4
+
+
+@functools.cache
+def _system(temperature: float = 600.0) -> AtomicGraph:
+    """32 argon atoms after 60 eager LJ steps from a rattled FCC lattice at ``temperature``:
+    past the first steps, in which the pair count within the cutoff rises by half (the
+    capacity's warm-up), so that the runs below exercise rebuilds, not growth."""
+    atoms = rattled_argon(rep=2)
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True)
+    pot = Potential(_model("lj"), skin=SKIN)
+    state = nve.init(maxwell_boltzmann(g, temperature, seed=3), pot)
+    for _ in range(60):
+        state = nve.step(state, pot, 2.0)
+    return state.graph
+
+
+def _model(name: str):
+    if name == "lj":
+        return build("lj", sigma=3.4, epsilon=0.0104, cutoff=6.0).double()
+    torch.manual_seed(0)
+    return build("schnet", species=[18], cutoff=5.0).double()
+
+
+def _unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("name,steps", [("lj", 200), ("schnet", 60)])
+def test_compiled_steps_follow_eager_without_recompiles(name, steps, one_thread):
+    model = _model(name)
+    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    stepper = CompiledVerlet(compiled_pot, backend="aot_eager")
+    eager = compiled = nve.init(_system(), eager_pot)
+    eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)  # warm-up
+    graphs, compiles = _unique_graphs(), stepper.n_compiles
+    assert compiles == 1
+    for _ in range(steps - 1):
+        eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
+    assert stepper.n_rebuilds >= 3  # the atoms moved through the skin several times
+    assert stepper.n_compiles == compiles and _unique_graphs() == graphs  # 0 recompiles
+    assert compiled.step == eager.step == steps
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.velocities, eager.velocities, rtol=0, atol=1e-12)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.stress, eager.stress, rtol=0, atol=1e-12)
+    # and it conserves energy like the eager step (a check of the integrator itself)
+    assert abs(float(nve.conserved(compiled) - nve.conserved(eager))) < 1e-9
+
+
+def test_capacity_overflow_grows_geometrically_then_stays(one_thread):
+    """A rebuild with more edges than the capacity compiles once for a grown capacity; the
+    steps after it compile nothing."""
+    model = _model("lj")
+    pot = Potential(model, skin=SKIN)
+    stepper = CompiledVerlet(pot, backend="aot_eager", headroom=1.0, growth=1.5)
+    state = stepper.step(nve.init(_system(), pot), 2.0)
+    first = stepper.capacity
+    smaller = int(0.9 * first)
+    stepper.capacity = smaller  # pretend the last build had fewer edges than the next has
+    stepper._next_disp = torch.tensor(float("inf"))  # force a rebuild before the next step
+    state = stepper.step(state, 2.0)
+    assert stepper.n_compiles == 2 and stepper.capacity == math.ceil(1.5 * smaller)
+    graphs = _unique_graphs()
+    for _ in range(20):
+        state = stepper.step(state, 2.0)
+    assert stepper.n_compiles == 2 and _unique_graphs() == graphs
+
+
+def test_cuda_graph_refused_on_cpu():
+    with pytest.raises(InputError, match="CUDA"):
+        CompiledVerlet(Potential(_model("lj"), skin=SKIN), cuda_graph=True)
+
+
+@pytest.mark.slow
+def test_inductor_step_matches_eager(one_thread):
+    """The default backend (inductor, C++ on CPU) on the same comparison, fewer steps."""
+    model = _model("lj")
+    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    stepper = CompiledVerlet(compiled_pot)
+    eager = compiled = nve.init(_system(), eager_pot)
+    for _ in range(40):
+        eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
+    assert stepper.n_compiles == 1
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-10)
+
+
+def test_batch_of_two_cells_follows_eager(one_thread):
+    """Padding edges spread over the atoms of every system (each shifted along its own cell)
+    leave a batched trajectory equal to the eager one."""
+    first = _system()
+    second = first.replace(cell=first.cell * 1.05, positions=first.positions * 1.05)
+    graph = AtomicGraph.concat([first, second])
+    model = _model("lj")
+    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    stepper = CompiledVerlet(compiled_pot, backend="aot_eager")
+    eager = compiled = nve.init(graph, eager_pot)
+    for _ in range(40):
+        eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
+    assert stepper.capacity > compiled_pot.neighbors._edges[0].shape[1]  # padding in use
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.stress, eager.stress, rtol=0, atol=1e-12)
+    torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
+
+
+def _md(tmp_path, out, *extra):
+    import ase.io
+
+    from xnn.app.md import run_md
+    from xnn.config.loader import load_config
+    from xnn.config.md import MDConfig
+
+    path = tmp_path / "ar.xyz"
+    if not path.exists():
+        ase.io.write(path, [rattled_argon(seed=0), rattled_argon(seed=1)])
+    cfg = load_config(MDConfig, None, [
+        f"structure={path}", "index=:", f"output.dir={tmp_path / out}", "model.name=lj",
+        "model.params.sigma=3.405", "model.params.epsilon=0.0104", "model.params.cutoff=6.5",
+        "output.progress=false", "output.plot=false", "ensemble=nve", "steps=30",
+        "output.log_every=10", "initial_temperature=300", *extra])
+    run_md(cfg)
+    return (tmp_path / out / "thermo.csv").read_text().splitlines()
+
+
+def test_md_compile_runs_the_compiled_step(tmp_path, monkeypatch, one_thread):
+    """``xnn md compile=true`` logs the thermo rows of the eager run (two systems)."""
+    import xnn.dynamics.compiled as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    made = []
+    real = compiled.CompiledVerlet.__init__
+    monkeypatch.setattr(compiled.CompiledVerlet, "__init__",
+                        lambda self, *a, **k: made.append(self) or real(self, *a, **k))
+    eager = _md(tmp_path, "eager")
+    fast = _md(tmp_path, "compiled", "compile=true")
+    assert len(made) == 1 and made[0].n_compiles == 1
+    assert len(fast) == len(eager) > 3
+    for a, b in zip(eager[1:], fast[1:]):
+        va, vb = [float(x) for x in a.split(",")], [float(x) for x in b.split(",")]
+        np.testing.assert_allclose(vb, va, rtol=1e-9, atol=1e-9)
+
+
+def test_md_compile_refuses_other_ensembles(tmp_path):
+    with pytest.raises(InputError, match="nve"):
+        _md(tmp_path, "l", "compile=true", "ensemble=langevin")

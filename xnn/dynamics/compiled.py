@@ -1,0 +1,250 @@
+"""A compiled velocity-Verlet step: kick, drift, the model's energy, its force (and stress)
+derivative and the second kick as one ``torch.compile``'d graph with fixed shapes.
+
+The function ``(weights, x, v, F, edges, ...) -> (x', v', F', E', σ', d')`` is traced by
+:func:`torch.fx.experimental.proxy_tensor.make_fx`, which records the autograd call that
+gives forces and stress as ordinary operations, then compiled (inductor by default) for the
+exact shapes of this run. Shapes stay fixed although the neighbor list changes size:
+
+* edges are padded to a *capacity* with inert edges, self-edges of atoms shifted by a
+  whole number of lattice vectors beyond ``cutoff + skin``; their vector does not depend on
+  the positions, and every xnn model gives edges beyond its cutoff zero weight (the Verlet
+  list relies on that too), so they change neither energy nor forces nor stress;
+* the capacity grows geometrically (``growth``) when a rebuild overflows it, the only
+  event that recompiles; neighbor lists are rebuilt outside the graph.
+
+The graph also returns ``d'``, the largest distance of the *next* step's drifted positions
+(``x' + dt (v' + a' dt / 2)``, exactly what the next call computes) from the positions of
+the last build: the host reads this one scalar per step and, when it exceeds ``skin / 2``,
+rebuilds the list at those positions before the next step. The list is thus valid at every
+force evaluation, and a step costs one compiled call plus one host read.
+
+Only NVE with a fixed cell is compiled (thermostats, barostats and domain decomposition
+run eagerly); the model must be traceable (data-independent shapes under
+:func:`~xnn.models.base.tracing_graph`). The result equals the eager step up to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics.reduce import LOCAL, Reducer
+from xnn.dynamics.state import MDState, check_timestep, free_mask
+from xnn.errors import InputError
+from xnn.units import MVV2E
+
+#: ``torch.compile`` backend of :class:`CompiledNVE` (the one ``md.compile`` uses)
+DEFAULT_BACKEND = "inductor"
+
+#: graph fields the traced step takes besides positions and edges
+_FIELDS = (K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID)
+
+
+class _Step(nn.Module):
+    """What is traced: one velocity-Verlet step on padded edges."""
+
+    def __init__(self, model: nn.Module, dt: float, stress: bool):
+        super().__init__()
+        self.model = model
+        self.dt = dt
+        self.stress = stress
+
+    def forward(self, x: Tensor, v: Tensor, f: Tensor, inv_m: Tensor, ref: Tensor,
+                fields: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        from xnn.models.derivatives import compute_properties
+
+        dt = self.dt
+        v = v + (0.5 * dt) * _acc(f, inv_m)
+        x = x + dt * v
+        graph = AtomicGraph({**fields, K.POSITIONS: x}, validate=False)
+        out = compute_properties(self.model, graph, True, self.stress)
+        f = out[K.FORCES]
+        v = v + (0.5 * dt) * _acc(f, inv_m)
+        # where the next call will drift to, measured from the last build
+        x_next = x + dt * (v + (0.5 * dt) * _acc(f, inv_m))
+        d_next = (x_next - ref).norm(dim=-1).max()
+        stress = out[K.STRESS] if self.stress else torch.zeros_like(fields[K.CELL])
+        return x, v, f, out[K.ENERGY], stress, d_next
+
+
+class CompiledVerlet:
+    """Velocity-Verlet (NVE) steps of a :class:`~xnn.models.Potential` through one compiled
+    graph per edge capacity.
+
+    Args:
+        potential: the model and its Verlet list (``potential.model``, ``.neighbors``).
+        backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` for tests).
+        growth: capacity factor applied when a rebuild overflows the capacity (> 1).
+        headroom: capacity of the first build relative to its edge count (>= 1).
+    Attributes:
+        n_compiles: graphs compiled so far (one per capacity, dt and stress setting).
+        n_rebuilds: neighbor-list builds so far.
+    """
+
+    def __init__(self, potential, backend: str = "inductor", growth: float = 1.25,
+                 headroom: float = 1.1, cuda_graph: bool = False):
+        if cuda_graph and potential_device(potential).type != "cuda":
+            raise InputError("md.cuda_graph needs a CUDA device (model.device=cuda); on the "
+                             "CPU use md.compile alone")
+        if growth <= 1.0 or headroom < 1.0:
+            raise InputError(f"growth must be > 1 and headroom >= 1, got {growth}, {headroom}")
+        self.potential = potential
+        self.model = potential.model
+        self.neighbors = potential.neighbors
+        self.backend = backend
+        self.growth = float(growth)
+        self.headroom = float(headroom)
+        self.cuda_graph = bool(cuda_graph)
+        self.capacity = 0
+        self.n_compiles = 0
+        self.n_rebuilds = 0
+        self._fn = None
+        self._key: tuple | None = None
+        self._edges: tuple[Tensor, Tensor] | None = None
+        self._ref: Tensor | None = None
+        self._next_disp: Tensor | None = None
+
+    # ------------------------------------------------------------------ neighbor list
+    def _rebuild(self, graph: AtomicGraph, positions: Tensor) -> None:
+        """Build the list at ``positions`` and pad it to the capacity (grown if needed)."""
+        nl = self.neighbors
+        nl.reset()
+        g = nl(graph.replace(positions=positions))
+        ei, sh = g.edge_index, g.shifts
+        n = ei.shape[1]
+        if n > self.capacity:
+            grown = math.ceil(self.capacity * self.growth)
+            self.capacity = max(math.ceil(n * self.headroom), grown, 1)
+        pad = self.capacity - n
+        ei_pad, sh_pad = _inert_edges(graph, nl.cutoff + nl.skin, pad)
+        self._edges = (torch.cat([ei, ei_pad], 1), torch.cat([sh, sh_pad]))
+        self._ref = positions.detach().clone()
+        self.n_rebuilds += 1
+
+    # ------------------------------------------------------------------ compiled step
+    def _function(self, state: MDState, dt: float, inputs):
+        key = (self.capacity, dt, state.compute_stress, state.graph.n_atoms)
+        if self._fn is None or key != self._key:
+            self._fn = self._compile(dt, state.compute_stress, inputs)
+            self._key = key
+        return self._fn
+
+    def _compile(self, dt: float, stress: bool, inputs):
+        from torch.func import functional_call
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from xnn.models.base import tracing_graph
+
+        step = _Step(self.model, dt, stress)
+        weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
+        weights = {k: t.detach() for k, t in weights.items()}
+
+        def fn(weights, *args):
+            return functional_call(step, weights, args)
+
+        with tracing_graph():
+            gm = make_fx(fn, tracing_mode="fake")(weights, *inputs)
+        # cuda_graph: inductor's CUDA-graph trees replay the whole step (shapes are fixed)
+        mode = "reduce-overhead" if self.cuda_graph else None
+        compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True,
+                                 mode=mode)
+        self.n_compiles += 1
+        if not self.cuda_graph:
+            return lambda *args: compiled(weights, *args)
+
+        def replay(*args):  # pragma: no cover - needs CUDA
+            torch.compiler.cudagraph_mark_step_begin()
+            # the graph's output buffers are reused by the next replay: states keep copies
+            return tuple(t.clone() for t in compiled(weights, *args))
+
+        return replay
+
+    def step(self, state: MDState, dt: float) -> MDState:
+        """Advance ``state`` by ``dt`` (fs); the returned state's step count is +1."""
+        dt = check_timestep(dt)
+        g = state.graph
+        # m * MVV2E, infinite on fixed atoms: f / it is the eager step's acceleration
+        inv_m = torch.where(free_mask(g)[:, None], g.masses[:, None] * MVV2E,
+                            torch.full_like(g.positions[:, :1], math.inf))
+        if self._edges is None or self._ref is None or self._ref.shape != g.positions.shape:
+            self._next_disp = None
+            self._rebuild(g, _drifted(g, state.forces, inv_m, dt))
+        elif self._next_disp is not None and bool(self._next_disp > 0.5 * self.neighbors.skin):
+            self._rebuild(g, _drifted(g, state.forces, inv_m, dt))
+        ei, sh = self._edges
+        fields = {k: g[k] for k in _FIELDS if k in g}
+        fields[K.EDGE_INDEX], fields[K.SHIFTS] = ei, sh
+        inputs = (g.positions.detach(), g.velocities, state.forces, inv_m, self._ref, fields)
+        x, v, f, energy, stress, self._next_disp = self._function(state, dt, inputs)(*inputs[:5],
+                                                                                  fields)
+        return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
+                             energy=energy, stress=stress, step=state.step + 1)
+
+
+def _drifted(g: AtomicGraph, forces: Tensor, inv_m: Tensor, dt: float) -> Tensor:
+    """The positions the compiled step drifts to (same arithmetic as :class:`_Step`)."""
+    v = g.velocities + (0.5 * dt) * _acc(forces, inv_m)
+    return g.positions.detach() + dt * v
+
+
+def _acc(forces: Tensor, m_mvv: Tensor) -> Tensor:
+    """Accelerations (Å/fs²) as :func:`~xnn.dynamics.state.accelerations` computes them:
+    ``F / (m MVV2E)``, zero where ``m_mvv`` is infinite (fixed atoms)."""
+    return forces / m_mvv
+
+
+def _inert_edges(graph: AtomicGraph, reach: float, n: int) -> tuple[Tensor, Tensor]:
+    """``n`` self-edges, of atoms ``0, 1, 2, ...`` in turn (no two padding edges scatter
+    onto one atom while ``n <= n_atoms``: no atomic contention on a GPU), each shifted by
+    ``k`` times the longest lattice vector ``a`` of its system with ``k |a| > reach``:
+    beyond every cutoff, and independent of the positions."""
+    dev = graph.positions.device
+    atoms = torch.arange(n, device=dev) % max(graph.n_atoms, 1)
+    ei = torch.stack([atoms, atoms])
+    sh = torch.zeros(n, 3, dtype=torch.long, device=dev)
+    if n == 0:
+        return ei, sh
+    lengths = graph.cell.detach().norm(dim=-1)  # [n_systems, 3]
+    longest, axis = lengths.max(dim=-1)
+    if bool((longest < 1e-6).any()):
+        raise InputError("the compiled MD step needs cells with a non-zero lattice vector "
+                         "(give clusters a box) or run without compile")
+    k = torch.floor(reach / longest).to(torch.long) + 2  # [n_systems]
+    system = graph.batch.index_select(0, atoms)
+    sh[torch.arange(n, device=dev), axis.index_select(0, system)] = k.index_select(0, system)
+    return ei, sh
+
+
+def potential_device(potential) -> torch.device:
+    """The device of the potential's model (its first parameter or buffer; CPU if none)."""
+    for t in (*potential.model.parameters(), *potential.model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+class CompiledNVE:
+    """The integrator interface of :mod:`xnn.dynamics.nve` (``init``, ``step``,
+    ``conserved``) with steps through :class:`CompiledVerlet`, made for one potential."""
+
+    def __init__(self, potential, backend: str | None = None, cuda_graph: bool = False):
+        from xnn.dynamics import nve
+
+        self._nve = nve
+        self.stepper = CompiledVerlet(potential, backend=backend or DEFAULT_BACKEND,
+                                      cuda_graph=cuda_graph)
+
+    def init(self, state: AtomicGraph, model, reduce: Reducer = LOCAL) -> MDState:
+        return self._nve.init(state, model, reduce=reduce)
+
+    def step(self, state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
+        if model is not self.stepper.potential or reduce is not LOCAL:
+            raise InputError("this compiled integrator runs its own potential in one process")
+        return self.stepper.step(state, dt)
+
+    def conserved(self, state: MDState, reduce: Reducer = LOCAL) -> Tensor:
+        return self._nve.conserved(state, reduce)

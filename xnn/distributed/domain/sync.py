@@ -16,7 +16,11 @@ from xnn.data.graph import AtomicGraph
 
 
 class HaloSync(nn.Module):
-    """Replace ghost rows of ``features [n_local, ...]`` by their owners' rows."""
+    """Replace ghost rows of ``features [n_local, ...]`` by their owners' rows.
+
+    ``domain`` gives ``n_owned`` and ``gather_local`` (owned rows -> local rows): a halo
+    exchange for a spatial domain, an all-gather for a graph-parallel one.
+    """
 
     def __init__(self, domain, tape: list[Tensor]):
         super().__init__()

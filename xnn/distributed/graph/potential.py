@@ -5,9 +5,11 @@ holds its owned atoms (an ``AtomicGraph`` sorted by atom id, as under spatial do
 decomposition, so the MD drivers run unchanged on the owned atoms), the positions are
 all-gathered at every evaluation (replicated), each rank evaluates the edges whose receiver
 it owns, and at each of the model's sync points the owned node features are all-gathered
-(:class:`GraphSync`; backward a reduce-scatter). The owned atoms' energies are summed and
-all-reduced; ``F_owned = -∂E/∂x_owned`` (the all-gather's backward sums every rank's partial
-gradients into the owners) and the strain gradients are all-reduced (stress, virial).
+(:class:`~xnn.distributed.domain.sync.HaloSync` over the graph domain, whose
+``gather_local`` is an all-gather; backward a reduce-scatter). The owned atoms' energies
+are summed and all-reduced; ``F_owned = -∂E/∂x_owned`` (the all-gather's backward sums
+every rank's partial gradients into the owners) and the strain gradients are all-reduced
+(stress, virial).
 
 There is no geometry in the ownership, so nothing ever migrates, the results are exact for
 any atom order, and a halo wider than the cell costs nothing extra. The price: every rank
@@ -18,11 +20,10 @@ their ghosts), and builds the whole system's neighbor list at a rebuild.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from functools import partial
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
@@ -30,38 +31,11 @@ from xnn.distributed import collectives as C
 from xnn.distributed.domain.longrange import long_range_modules
 from xnn.distributed.domain.potential import model_cutoff, model_device, resolve_group
 from xnn.distributed.domain.state import Counters, gather, scatter
+from xnn.distributed.domain.sync import swapped_sync_points
 from xnn.distributed.graph.domain import GraphDomain, build_graph_domain, local_graph
 from xnn.distributed.graph.order import assign_owners
 from xnn.errors import InputError
 from xnn.models.derivatives import apply_strain, derive
-
-
-class GraphSync(nn.Module):
-    """A sync point under graph parallelism: ``[n_owned+, ...] -> [n_local, ...]``, the
-    ghosts' rows from their owners (all-gather)."""
-
-    def __init__(self, domain: GraphDomain, tape: list[Tensor]):
-        super().__init__()
-        self.domain = domain
-        self.tape = tape
-
-    def forward(self, features: Tensor, graph: AtomicGraph) -> Tensor:
-        out = self.domain.gather_local(features[: self.domain.n_owned])
-        self.tape.append(out)
-        return out
-
-
-@contextmanager
-def graph_sync_points(model, domain: GraphDomain, tape: list[Tensor]):
-    """Within the block, ``model``'s sync points are :class:`GraphSync` all-gathers."""
-    originals = list(getattr(model, "sync_points", []))
-    try:
-        for name, _ in originals:
-            model.set_sync_point(name, GraphSync(domain, tape))
-        yield
-    finally:
-        for name, module in originals:
-            model.set_sync_point(name, module)
 
 
 def check_graph_model(model) -> tuple[float, int]:
@@ -237,7 +211,7 @@ class GraphPotential:
             x = dom.gather_local(g.positions)
             tape: list[Tensor] = [x]
             with C.guarded(self.group, "model evaluation"), \
-                    graph_sync_points(self.model, dom, tape):
+                    swapped_sync_points(self.model, dom, tape):
                 energies = self.model(local_graph(graph, dom, x, g.cell))[: dom.n_owned]
             # every all-gather must be part of every rank's backward, even where the model
             # ignores it (a rank without atoms or ghosts): exact zeros that depend on them

@@ -101,6 +101,30 @@ def model_device(model) -> torch.device | None:
     return None
 
 
+def decomposed_results(energies: Tensor, tape: list[Tensor], strained, graph: AtomicGraph,
+                       forces: bool, stress: bool, training: bool, group
+                       ) -> dict[str, Tensor]:
+    """The results of one decomposed evaluation from the owned atoms' ``energies``.
+
+    Shared by the spatial (:class:`DomainPotential`) and graph-parallel evaluations.
+    ``tape`` holds every exchanged tensor (the local positions first); ``strained`` is
+    :func:`~xnn.models.derivatives.apply_strain`'s result (``None`` without forces/stress).
+
+    Returns:
+        ``energy [1]`` (eV, all-reduced), ``energies [n_owned]``, ``atom_id [n_owned]`` and,
+        from :func:`~xnn.models.derivatives.derive`, forces and virial/stress as asked.
+    """
+    # every exchange must be part of every rank's backward, even where the model ignores
+    # it (a rank with no atoms or ghosts): add exact zeros that depend on them
+    e_local = energies.sum() + sum((0.0 * t.sum() for t in tape), tape[0].new_zeros(()))
+    out = {K.ENERGY: C.all_reduce_sum(e_local.reshape(1), group),
+           K.ENERGIES: energies, K.ATOM_ID: graph.atom_id}
+    if forces or stress:
+        out.update(derive(e_local, strained, graph.volume(), graph.pbc, forces, stress,
+                          training, partial(C.all_reduce_sum, group=group)))
+    return out
+
+
 class DomainPotential:
     """Evaluate ``model`` on a system whose atoms are owned by the ranks of a group.
 
@@ -412,14 +436,8 @@ class DomainPotential:
                     swapped_global_sums(self.long_range, self.group, tape):
                 energies = self.model(local_graph(graph, dom, x, self.mode == "sync", extra))
                 energies = energies[: dom.n_owned]
-            # every exchange must be part of every rank's backward, even where the model
-            # ignores it (a rank with no atoms): add exact zeros that depend on them
-            e_local = energies.sum() + sum((0.0 * t.sum() for t in tape), x.new_zeros(()))
-            out = {K.ENERGY: C.all_reduce_sum(e_local.reshape(1), self.group),
-                   K.ENERGIES: energies, K.ATOM_ID: graph.atom_id}
-            if need_grad:
-                out.update(derive(e_local, strained, graph.volume(), graph.pbc, forces, stress,
-                                  training, partial(C.all_reduce_sum, group=self.group)))
+            out = decomposed_results(energies, tape, strained, graph, forces, stress,
+                                     training, self.group)
         self._last_eval = (x.detach(), dom, graph.atom_id)
         if not training:
             out = {k: v.detach() for k, v in out.items()}

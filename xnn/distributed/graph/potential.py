@@ -20,7 +20,6 @@ their ghosts), and builds the whole system's neighbor list at a rebuild.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import torch
 from torch import Tensor
@@ -29,13 +28,18 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.longrange import long_range_modules
-from xnn.distributed.domain.potential import model_cutoff, model_device, resolve_group
+from xnn.distributed.domain.potential import (
+    decomposed_results,
+    model_cutoff,
+    model_device,
+    resolve_group,
+)
 from xnn.distributed.domain.state import Counters, gather, scatter
 from xnn.distributed.domain.sync import swapped_sync_points
 from xnn.distributed.graph.domain import GraphDomain, build_graph_domain, local_graph
 from xnn.distributed.graph.order import assign_owners
 from xnn.errors import InputError
-from xnn.models.derivatives import apply_strain, derive
+from xnn.models.derivatives import apply_strain
 
 
 def check_graph_model(model) -> tuple[float, int]:
@@ -213,14 +217,8 @@ class GraphPotential:
             with C.guarded(self.group, "model evaluation"), \
                     swapped_sync_points(self.model, dom, tape):
                 energies = self.model(local_graph(graph, dom, x, g.cell))[: dom.n_owned]
-            # every all-gather must be part of every rank's backward, even where the model
-            # ignores it (a rank without atoms or ghosts): exact zeros that depend on them
-            e_local = energies.sum() + sum((0.0 * t.sum() for t in tape), x.new_zeros(()))
-            out = {K.ENERGY: C.all_reduce_sum(e_local.reshape(1), self.group),
-                   K.ENERGIES: energies, K.ATOM_ID: graph.atom_id}
-            if need_grad:
-                out.update(derive(e_local, strained, graph.volume(), graph.pbc, forces, stress,
-                                  training, partial(C.all_reduce_sum, group=self.group)))
+            out = decomposed_results(energies, tape, strained, graph, forces, stress,
+                                     training, self.group)
         self._last_eval = (x.detach(), g.cell.detach(), dom)
         if not training:
             out = {k: v.detach() for k, v in out.items()}

@@ -9,17 +9,24 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from xnn.data import keys as K
-from xnn.data.graph import AtomicGraph
 
 try:
     from dist_helpers import spawn
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import spawn
+
+try:
+    from structures import fcc as _fcc
+    from structures import graph as _graph
+    from structures import molecule, triclinic
+except ImportError:  # tests/ is a package
+    from tests.structures import fcc as _fcc
+    from tests.structures import graph as _graph
+    from tests.structures import molecule, triclinic
 
 pytestmark = pytest.mark.distributed
 
@@ -29,30 +36,6 @@ K.register_field("test_tag", K.ATOM)  # a user field: [n_atoms, 2] float, moves 
 
 
 # ---------------------------------------------------------------------------- systems
-
-
-def _fcc(reps, a=3.6, rattle=0.08, seed=0):
-    from ase.build import bulk
-
-    atoms = bulk("Cu", "fcc", a=a, cubic=True).repeat(reps)
-    atoms.rattle(rattle, seed=seed)
-    return atoms
-
-
-def _graph(atoms, seed=0):
-    ids = np.random.default_rng(seed).permutation(len(atoms))
-    return AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
-                                   atom_id=ids, dtype=torch.float64)
-
-
-def triclinic(reps=(3, 3, 2), seed=1):
-    atoms = _fcc(reps, seed=seed)
-    cell = atoms.cell.array.copy()
-    cell[1] += 0.6 * cell[0]
-    cell[2] += -0.45 * cell[0] + 0.35 * cell[1]
-    atoms.set_cell(cell, scale_atoms=True)
-    atoms.positions += np.array([-7.0, 3.0, 12.0])  # unwrapped input positions
-    return _graph(atoms, seed)
 
 
 def primitive(reps=(4, 4, 4), seed=6):
@@ -69,13 +52,6 @@ def slab():
     atoms.cell[2] *= 3.0
     atoms.pbc = (True, True, False)
     return _graph(atoms, 2)
-
-
-def molecule(reps=(2, 2, 2)):
-    atoms = _fcc(reps, rattle=0.15, seed=3)
-    atoms.pbc = False
-    atoms.cell[:] = 0.0
-    return _graph(atoms, 3)
 
 
 def corner():

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 
-from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 
 try:
@@ -31,41 +30,18 @@ try:
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import FreshPorts, spawn
 
+try:
+    from structures import fcc as _fcc
+    from structures import graph as _graph
+    from structures import molecule, triclinic
+except ImportError:  # tests/ is a package
+    from tests.structures import fcc as _fcc
+    from tests.structures import graph as _graph
+    from tests.structures import molecule, triclinic
+
 TOL = 1e-10
 
 # ---------------------------------------------------------------------------- structures
-
-
-def _fcc(reps, a=3.6, rattle=0.08, seed=0):
-    from ase.build import bulk
-
-    atoms = bulk("Cu", "fcc", a=a, cubic=True).repeat(reps)
-    atoms.rattle(rattle, seed=seed)
-    return atoms
-
-
-def _graph(atoms, seed=0):
-    ids = np.random.default_rng(seed).permutation(len(atoms))
-    return AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
-                                   atom_id=ids, dtype=torch.float64)
-
-
-def triclinic(reps=(3, 3, 2)):
-    """72 (or 8 per cubic cell) rattled Cu atoms in a sheared cell, unwrapped positions."""
-    atoms = _fcc(reps, seed=1)
-    cell = atoms.cell.array.copy()
-    cell[1] += 0.6 * cell[0]
-    cell[2] += -0.45 * cell[0] + 0.35 * cell[1]
-    atoms.set_cell(cell, scale_atoms=True)
-    atoms.positions += np.array([-7.0, 3.0, 12.0])
-    return _graph(atoms, seed=1)
-
-
-def molecule():
-    atoms = _fcc((2, 2, 2), rattle=0.15, seed=3)
-    atoms.pbc = False
-    atoms.cell[:] = 0.0
-    return _graph(atoms, seed=3)
 
 
 def tiny():

@@ -62,8 +62,7 @@ def noise(state: MDState) -> Tensor:
     """``[n_atoms, 3]`` standard normals of the O step taken from ``state.step``."""
     g = state.graph
     key_step, sys_words = system_words(state.vars, state.step, g.n_systems, g.device)
-    comp = torch.arange(3, device=g.device)
-    words = (*(w[g.batch][:, None] for w in sys_words), g.atom_id[:, None], comp)
+    words = random.atom_words(g.batch, g.atom_id, 3, sys_words)
     xi = random.normal(seed_of(state.rng), key_step, random.STREAMS["langevin"], *words)
     return xi.to(g.dtype)
 

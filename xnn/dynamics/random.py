@@ -140,7 +140,14 @@ def chi_squared(seed: int, step: int, stream: int, dof: Tensor, *words: Tensor) 
     return 2.0 * gamma(seed, step, stream, 0.5 * dof.to(torch.float64), *words)
 
 
-def atom_words(batch: Tensor, atom_id: Tensor, n_components: int) -> tuple[Tensor, ...]:
-    """Words ``(system, global atom id, component)`` of ``[n_atoms, n_components]`` draws."""
+def atom_words(batch: Tensor, atom_id: Tensor, n_components: int,
+               systems: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
+    """Words ``(system, global atom id, component)`` of ``[n_atoms, n_components]`` draws.
+
+    ``systems``: per-system words (each ``[n_systems]``, from
+    :func:`~xnn.dynamics.state.system_words`) in place of the system index ``batch``.
+    """
     comp = torch.arange(n_components, device=atom_id.device)
-    return batch[:, None], atom_id[:, None], comp
+    if systems is None:
+        return batch[:, None], atom_id[:, None], comp
+    return (*(w[batch][:, None] for w in systems), atom_id[:, None], comp)

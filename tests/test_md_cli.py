@@ -253,6 +253,11 @@ def test_demo_md_with_a_model_file(tmp_path, argon_file):
     assert (out / "thermo.png").is_file() and (out / "trajectory.xyz").is_file()
     rows = list(csv.DictReader(open(out / "thermo.csv")))
     assert rows[-1]["step"] == "20"
+    # a second `make demo` into the same folder replaces the MD run, as it does the training
+    again = demo_md(model_file, argon_file, tmp_path / "demo", temperature=40, steps=10,
+                    timestep=5, device="cpu")
+    rows = list(csv.DictReader(open(again / "thermo.csv")))
+    assert rows[-1]["step"] == "10"
 
 
 def build_lj():

@@ -110,7 +110,8 @@ def demo_md(
     cfg = load_config(MDConfig, None, [
         f"structure={structure}", f"model.file={model_file}", f"model.device={device}",
         f"ensemble={ensemble}", f"temperature={temperature}", f"steps={steps}",
-        f"timestep={timestep}", f"output.dir={out_dir}", "output.progress=false",
+        f"timestep={timestep}", f"output.dir={out_dir}", "output.overwrite=true",
+        "output.progress=false",
         f"output.trajectory_every={max(1, steps // 20)}",
         f"output.log_every={max(1, steps // 200)}",
         f"output.checkpoint_every={steps}",

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"equivariant {row}", flush=True)
     if args.mace:
         module = tiny_mace(args.channels, args.correlation).to(device=args.device, dtype=dtype)
-        wrappers = {b: build("mace", model=module, backend=b).eval()
+        wrappers = {b: build("mace", model=module, backend=b).to(args.device).eval()
                     for b in ("reference", "cueq")}
         for n in args.sizes:
             g = graph_of(n, 5.0, args.device, dtype)

@@ -132,6 +132,24 @@ def test_unknown_species_and_bad_parameters(ar_periodic):
     raises_one_line(InputError, build, "lj", sigma=1.0, epsilon=1.0, cutof=3.0)
 
 
+def test_species_checked_once_per_numbers_tensor(ar_periodic, monkeypatch):
+    """An MD run passes the same ``numbers`` every step: the check (a host sync) runs once,
+    and again only for another tensor or one changed in place."""
+    model = build("lj", sigma={"Ar": SIGMA}, epsilon={"Ar": EPS}, cutoff=RC)
+    calls = []
+    original = model.check_species
+    monkeypatch.setattr(model, "check_species", lambda z: (calls.append(1), original(z)))
+    pot = Potential(model)
+    g = from_ase(ar_periodic)
+    pot(g), pot(g), pot(g.replace(positions=g.positions + 0.01))
+    assert len(calls) == 1
+    g.numbers[1] = 29  # in place: version changes, checked again and refused
+    raises_one_line(UnknownSpeciesError, pot, g)
+    bad = from_ase(ar_periodic)
+    bad.numbers[0] = 36
+    raises_one_line(UnknownSpeciesError, pot, bad)
+
+
 def test_failed_write_overwrites_nothing(tmp_path, ar_periodic):
     path = tmp_path / "keep.xyz"
     write(path, ar_periodic)

@@ -29,6 +29,7 @@ class Potential:
         self.compiled = bool(compile) and bool(
             getattr(model, "compile_for_inference", lambda enabled: False)(True))
         self.neighbors = VerletList(float(model.cutoff), skin, backend)
+        self._checked: tuple[Tensor, int] | None = None  # numbers last checked, its version
 
     def __call__(
         self,
@@ -40,7 +41,17 @@ class Potential:
         if training and self.compiled:
             raise InputError("a Potential built with compile=True evaluates energy, forces "
                              "and stress only; training needs the eager model")
-        check = getattr(self.model, "check_species", None)
-        if check is not None:
-            check(graph.numbers)
+        self._check_species(graph.numbers)
         return compute_properties(self.model, self.neighbors(graph), forces, stress, training)
+
+    def _check_species(self, numbers: Tensor) -> None:
+        """The model's species check, skipped for the tensor checked last if unchanged (an
+        MD run passes the same ``numbers`` every step; the check costs a host sync)."""
+        check = getattr(self.model, "check_species", None)
+        if check is None:
+            return
+        last = self._checked
+        if last is not None and last[0] is numbers and last[1] == numbers._version:
+            return
+        check(numbers)
+        self._checked = (numbers, numbers._version)

@@ -77,8 +77,8 @@ def _reference(atoms: Atoms, cutoff: float, offset: int = 0) -> set:
 
 
 def _as_set(edge_index: torch.Tensor, shifts: torch.Tensor) -> set:
-    assert edge_index.dtype == torch.long and shifts.dtype == torch.long
-    rows = torch.cat([edge_index.t(), shifts], dim=1).tolist()
+    assert edge_index.dtype == torch.long and shifts.dtype in (torch.int32, torch.long)
+    rows = torch.cat([edge_index.t(), shifts.long()], dim=1).tolist()
     out = {tuple(r) for r in rows}
     assert len(out) == len(rows), "duplicate edges"
     return out

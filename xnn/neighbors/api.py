@@ -90,7 +90,9 @@ def neighbor_list(
         backend: ``"auto"``, ``"brute"``, ``"torch"`` or ``"vesin"``.
     Returns:
         ``edge_index [2, E]`` long (row 0 sender j, row 1 receiver i) and integer image
-        ``shifts [E, 3]`` long, with ``r_ij = pos[j] - pos[i] + shifts @ cell[batch[i]]``.
+        ``shifts [E, 3]``, with ``r_ij = pos[j] - pos[i] + shifts @ cell[batch[i]]``: int32
+        from vesin (its own dtype, returned without a widening copy), int64 from the torch
+        and brute backends. Convert with ``shifts.to(positions.dtype)`` before use.
     """
     positions, cell, pbc, batch, has_zero = validate_inputs(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, cell.shape[0]) if backend == "auto" else backend
@@ -114,7 +116,7 @@ def neighbor_list(
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
             shifts = shifts - n_wrap.index_select(0, edge_index[0])
             shifts = shifts + n_wrap.index_select(0, edge_index[1])
-    return edge_index, shifts if shifts.dtype == torch.long else shifts.to(torch.long)
+    return edge_index, shifts
 
 
 def with_edges(graph: AtomicGraph, cutoff: float, backend: str = "auto") -> AtomicGraph:

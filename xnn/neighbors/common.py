@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -71,29 +72,38 @@ def validate_inputs(
         raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
     cell = cell.to(positions.dtype)
     check_batch = given_batch and batch.numel() > 0
-    host = _read_once(positions, cell, pbc, batch if check_batch else None)
+    host = _read_once(positions, cell, pbc, batch if check_batch else None).numpy()
     n_sys = cell.shape[0]
     if not math.isfinite(host[0]) and not bool(torch.isfinite(positions).all()):
         raise InputError("non-finite positions")  # (a finite sum needs no element check)
-    cell_h = host[1 : 1 + 9 * n_sys].reshape(n_sys, 3, 3).to(positions.dtype)
+    # the cell checks on the host copy, in numpy: µs for a few 3x3 matrices
+    cell_h = host[1 : 1 + 9 * n_sys].reshape(n_sys, 3, 3)
     pbc_h = host[1 + 9 * n_sys : 1 + 12 * n_sys].reshape(n_sys, 3) != 0
-    if not bool(torch.isfinite(cell_h).all()):
+    if not np.isfinite(cell_h).all():
         raise InputError("non-finite cell")
     if check_batch:
-        b_min, b_max, unsorted = host[1 + 12 * n_sys :].tolist() + [0.0] * (n_sys == 1)
+        b_min, b_max, unsorted = [*host[1 + 12 * n_sys :].tolist(), 0.0][:3]
         if b_min < 0 or b_max >= n_sys or unsorted:
             raise InputError(f"batch must be non-decreasing integers in [0, {n_sys})")
-    zero = cell_h.norm(dim=-1) < 1e-12  # [n_systems, 3] vectors to complete (slabs, wires)
+    zero = np.linalg.norm(cell_h, axis=-1) < 1e-12  # [n_systems, 3] vectors to complete
     has_zero = bool(zero.any())
-    if has_zero:
+    if has_zero:  # slabs, wires, clusters
         from xnn.data.graph import complete_cell
 
-        cell_h = complete_cell(cell_h)
-    bad = _singular(cell_h, pbc_h, zero)
+        cell_h = complete_cell(torch.from_numpy(cell_h.copy())).numpy()
+    bad = (pbc_h & (zero | (_heights(cell_h) < 1e-8))).any(-1)  # zero vector: flat
     if bad.any():
-        s = int(torch.nonzero(bad).flatten()[0])
-        raise InputError(f"system {s}: singular cell along a periodic axis")
+        raise InputError(f"system {int(np.flatnonzero(bad)[0])}: singular cell along a "
+                         "periodic axis")
     return positions, cell, pbc, batch, has_zero
+
+
+def _heights(cell: np.ndarray) -> np.ndarray:
+    """``[n_systems, 3]`` :func:`cell_heights` of a host cell ``[n_systems, 3, 3]``."""
+    a, b, c = cell[:, 0], cell[:, 1], cell[:, 2]
+    vol = np.abs(np.linalg.det(cell))
+    cross = np.linalg.norm(np.stack([np.cross(b, c), np.cross(c, a), np.cross(a, b)], 1), axis=-1)
+    return np.where(cross > 0, vol[:, None] / np.maximum(cross, 1e-300), 0.0)
 
 
 def _read_once(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor | None) -> Tensor:
@@ -109,12 +119,6 @@ def _read_once(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor | Non
         if cell.shape[0] > 1:  # one system: in [0, 1) means all zero, so sorted
             parts.append((batch[1:] < batch[:-1]).any().reshape(1).double())
     return torch.cat(parts).cpu()
-
-
-def _singular(full: Tensor, pbc: Tensor, zero: Tensor) -> Tensor:
-    """``[n_systems]`` True where a periodic axis of the completed ``full`` cell is flat."""
-    h = torch.where(zero, torch.zeros_like(zero, dtype=full.dtype), cell_heights(full))
-    return (pbc & (h < 1e-8)).any(-1)
 
 
 def spectral_norm_3x3(m: Tensor) -> Tensor:

@@ -15,7 +15,12 @@ not installed. Every method's edge count is checked against the reference count.
 and vesin itself (vesin-torch on CUDA) are timed alternately, build after build, in the
 same process, and the ratios of their median and minimum times are reported; alternating
 cancels most of the drift of a shared machine. ``--methods`` limits the table to some
-methods (the paired comparison always runs).
+methods (the paired comparison always runs). ``--paired-only --devices cuda cpu`` runs only
+the paired comparison, on each device in turn (one structure per size), e.g. the issue-20
+check on a GPU machine (about 1-2 minutes on one H200 with 16 CPU cores)::
+
+    python benchmarks/neighbors.py --json benchmarks/results/neighbors_paired_h200.json \
+        --paired-only --devices cuda cpu --sizes 100000 1000000
 """
 
 from __future__ import annotations
@@ -55,11 +60,15 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _has_vesin_torch() -> bool:
+    return _installed("vesin_torch") or _installed("vesin.torch")
+
+
 class Case:
     """One structure in the formats every method needs."""
 
-    def __init__(self, n_target: int, device: torch.device, seed: int = 0):
-        self.atoms = fcc_cu(n_target, rattle=0.05, seed=seed)
+    def __init__(self, n_target: int, device: torch.device, seed: int = 0, atoms=None):
+        self.atoms = fcc_cu(n_target, rattle=0.05, seed=seed) if atoms is None else atoms
         self.n_atoms = len(self.atoms)
         self.pos = torch.tensor(self.atoms.positions, dtype=torch.float64, device=device)
         self.cell = torch.tensor(self.atoms.cell.array, dtype=torch.float64, device=device)
@@ -95,7 +104,10 @@ def _vesin(case: Case, cutoff: float) -> Callable[[], int]:
 
 
 def _vesin_torch(case: Case, cutoff: float) -> Callable[[], int]:
-    import vesin.torch as vt
+    try:
+        import vesin_torch as vt
+    except ImportError:
+        import vesin.torch as vt
 
     nl = vt.NeighborList(cutoff=cutoff, full_list=True)
     return lambda: nl.compute(case.pos, case.cell, case.pbc, "ijS")[0].shape[0]
@@ -108,7 +120,7 @@ def methods(device: torch.device) -> dict[str, tuple[str, Callable | None]]:
     for backend in ("torch", "vesin", "auto"):
         ok = backend == "auto" or backend in available_backends()
         out[f"xnn:{backend}"] = (dev, (lambda c, r, b=backend: _xnn(b, c, r)) if ok else None)
-    out["vesin-torch"] = (dev, _vesin_torch if _installed("vesin.torch") else None)
+    out["vesin-torch"] = (dev, _vesin_torch if _has_vesin_torch() else None)
     out["vesin"] = ("cpu", _vesin if _installed("vesin") else None)
     out["matscipy"] = ("cpu", _matscipy if _installed("matscipy") else None)
     out["ase"] = ("cpu", _ase)
@@ -182,15 +194,47 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def run_paired_only(args: argparse.Namespace) -> dict:
+    """Only the paired comparison, per size on every device of ``--devices`` in turn."""
+    devices = [torch.device(d) for d in (args.devices or [args.device])]
+    if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
+        raise SystemExit("cuda in --devices but CUDA is not available")
+    paired = []
+    for n in args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES):
+        atoms = None
+        for device in devices:
+            case = Case(n, device, atoms=atoms)
+            atoms = case.atoms
+            rounds = args.paired_rounds * (3 if device.type == "cuda" else 1)
+            paired.append({"device": device.type,
+                           **bench_paired(case, device, args.cutoff, rounds)})
+            p = paired[-1]
+            print(f"{p['n_atoms']:>9} {device.type:<4} xnn:auto / {p['reference']}: "
+                  f"{p['ratio_median']:.3f} (median) {p['ratio_min']:.3f} (min) "
+                  f"{p['xnn_auto_median_s'] * 1e3:.2f} vs {p['reference_median_s'] * 1e3:.2f} ms"
+                  f", edges match: {p['edges_match']}", flush=True)
+            del case
+    return {
+        "benchmark": "neighbors (paired only)",
+        "system": "FCC Cu, a = 3.61 Å, rattled 0.05 Å, periodic cubic supercell",
+        "cutoff_angstrom": args.cutoff,
+        "auto_backend": {d.type: _auto_name(d) for d in devices},
+        "paired": paired,
+        "goal": "paired ratio_median <= 1.05 (xnn:auto against vesin-torch on CUDA, vesin "
+                "on CPU, timed alternately in one process)",
+    }
+
+
 def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -> dict:
     """``xnn:auto`` and vesin (vesin-torch on CUDA) timed alternately on ``case``."""
-    if device.type == "cuda" and _installed("vesin.torch"):
+    if device.type == "cuda" and _has_vesin_torch():
         ref_name, ref = "vesin-torch", _vesin_torch(case, cutoff)
     else:
         ref_name, ref = "vesin", _vesin(case, cutoff)
     ours = _xnn("auto", case, cutoff)
     times: dict[str, list[float]] = {"xnn:auto": [], ref_name: []}
     counts = {"xnn:auto": ours(), ref_name: ref()}  # warm-up (and both edge counts)
+    ours(), ref()
     for k in range(rounds):
         pair = [("xnn:auto", ours), (ref_name, ref)]
         for name, fn in pair if k % 2 == 0 else pair[::-1]:
@@ -251,6 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--devices", nargs="*", default=None, choices=["cpu", "cuda"],
+                   help="with --paired-only: each of these devices in turn")
+    p.add_argument("--paired-only", action="store_true",
+                   help="only the paired xnn:auto / vesin comparison (no table of peers)")
     p.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="atom counts (overrides)")
     p.add_argument("--cutoff", type=float, default=5.0, help="Å (default 5.0)")
@@ -258,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--methods", nargs="*", default=None,
                    help="only these methods in the table (e.g. xnn:auto vesin)")
     p.add_argument("--paired-rounds", type=int, default=9,
-                   help="alternating xnn:auto / vesin builds per size (default 9)")
+                   help="alternating xnn:auto / vesin builds per size (default 9; 3x "
+                   "that on CUDA with --paired-only)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-seconds", type=float, default=30.0,
@@ -269,8 +318,9 @@ def main(argv: list[str] | None = None) -> None:
         args.repeat = 3 if args.quick else 5
     if args.threads:
         torch.set_num_threads(args.threads)
-    payload = run(args)
-    out = write_json(args.json, payload, device=args.device)
+    payload = run_paired_only(args) if args.paired_only else run(args)
+    device = "cuda" if "cuda" in (args.devices or [args.device]) else args.device
+    out = write_json(args.json, payload, device=device)
     print(f"wrote {out}")
 
 

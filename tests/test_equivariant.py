@@ -354,7 +354,7 @@ def test_torch_export_matches_eager(tmp_path):
     system = random_periodic_system(SPECIES, 6, volume_per_atom=12.0, min_distance=1.3, seed=1)
     g = with_edges(system.to(dtype=torch.float32), model.cutoff + 0.7)
     pos = [g.positions.clone().requires_grad_(True) for _ in range(2)]
-    e1 = exported(pos[0], g.numbers, g.cell, g.pbc, g.batch, g.edge_index, g.shifts)
+    e1 = exported(pos[0], g.numbers, g.cell, g.pbc, g.batch, g.edge_index, g.shifts.long())
     e2 = model(g.replace(positions=pos[1]))
     f1, f2 = (torch.autograd.grad(e.sum(), p)[0] for e, p in zip((e1, e2), pos))
     torch.testing.assert_close(e1, e2, atol=1e-6, rtol=1e-5)

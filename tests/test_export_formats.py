@@ -92,8 +92,9 @@ GRAPHS = _structures(CUTOFF)
 
 
 def _inputs(graph: AtomicGraph) -> tuple:
+    # artefacts take int64 shifts (xnn's vesin lists are int32)
     return (graph.positions, graph.numbers, graph.cell, graph.pbc, graph.batch,
-            graph.edge_index, graph.shifts)
+            graph.edge_index, graph.shifts.long())
 
 
 def _run_clean(tmp_path, cases) -> dict:

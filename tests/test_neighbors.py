@@ -77,8 +77,8 @@ def _reference(atoms: Atoms, cutoff: float, offset: int = 0) -> set:
 
 
 def _as_set(edge_index: torch.Tensor, shifts: torch.Tensor) -> set:
-    assert edge_index.dtype == torch.long and shifts.dtype == torch.long
-    rows = torch.cat([edge_index.t(), shifts], dim=1).tolist()
+    assert edge_index.dtype == torch.long and shifts.dtype in (torch.int32, torch.long)
+    rows = torch.cat([edge_index.t(), shifts.long()], dim=1).tolist()
     out = {tuple(r) for r in rows}
     assert len(out) == len(rows), "duplicate edges"
     return out
@@ -516,3 +516,171 @@ def test_rowvec_matmul_per_system_products_equal_the_gather():
         g_out, = torch.autograd.grad((out * w).sum(), mats)
         g_ref, = torch.autograd.grad((ref * w).sum(), mats)
         torch.testing.assert_close(g_out, g_ref, rtol=1e-13, atol=1e-13)
+
+
+# ----------------------------------------------------------------------------- no overhead
+@pytest.mark.skipif("vesin" not in available_backends(), reason="vesin not installed")
+def test_vesin_shifts_keep_vesins_int32():
+    """vesin's shifts come back in its own int32 (no widening copy: 12 B per edge, as in
+    vesin's output) and give the same edge vectors as ASE's int64 shifts."""
+    atoms = ZOO["unwrapped_far"]
+    pos, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
+    ei, sh = neighbor_list(pos, cell, torch.tensor(atoms.pbc), CUTOFF, backend="vesin")
+    assert sh.dtype == torch.int32 and ei.dtype == torch.long and ei.is_contiguous()
+    assert _as_set(ei, sh) == _reference(atoms, CUTOFF)
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True)
+    vec = g.replace(edge_index=ei, shifts=sh).edge_vectors()
+    ref = pos[ei[0]] - pos[ei[1]] + sh.long().double() @ cell
+    assert torch.equal(vec, ref)
+
+
+def test_spectral_norm_3x3_equals_svd():
+    from xnn.neighbors.common import spectral_norm_3x3
+
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-9, 1, 500, dtype=torch.float64)[:, None, None]
+    m = torch.randn(500, 3, 3, dtype=torch.float64, generator=gen) * scale
+    eye = torch.eye(3, dtype=torch.float64)
+    m = torch.cat([m, torch.stack([eye * 0, eye * 0.01, torch.diag(torch.tensor(
+        [0.01, 0.01, -0.02], dtype=torch.float64))])])  # repeated singular values
+    ref = torch.linalg.matrix_norm(m, ord=2)
+    torch.testing.assert_close(spectral_norm_3x3(m), ref, rtol=1e-12, atol=1e-300)
+
+
+def _host_reads(fn) -> list[str]:
+    """The ops of ``fn()`` that read a tensor's value to the host (host syncs on CUDA) or
+    call LAPACK (which checks its errors on the host). (On the CPU the Verlet list compares
+    cells with ``torch.equal``, a host read by design there: not recorded.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = str(func).split(".")[1]
+            lapack = op.startswith(("linalg_", "_linalg_")) and op not in (
+                "linalg_vector_norm", "linalg_cross")
+            if op == "_local_scalar_dense" or lapack:
+                seen.append(op)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def test_verlet_rebuild_check_reads_nothing_to_the_host(monkeypatch):
+    """Under cell deformation and atom motion the check builds its flag from device ops only:
+    no value read to the host, no LAPACK call (both host-sync on CUDA). The decision still
+    equals a fresh comparison: reuse only while every pair < cutoff is in the list."""
+    import xnn.data.graph as graph_module
+
+    # rowvec_matmul's per-system products read the batch on the CPU only (as on CUDA: off)
+    monkeypatch.setattr(graph_module, "_cpu_segments", lambda *a: None)
+    rng = np.random.default_rng(5)
+    cutoff, skin = 3.0, 0.8
+    single = _fcc_graph(rng)
+    slab = _fcc_graph(rng).replace(pbc=torch.tensor([[True, True, False]]))
+    reused = 0
+    for graph in (single, AtomicGraph.concat([single, slab])):
+        nl = VerletList(cutoff, skin, "torch")
+        nl(graph)
+        for k in range(6):
+            deform = torch.eye(3, dtype=torch.float64) + torch.tensor(
+                rng.normal(scale=0.02 * (k + 1), size=(3, 3)))
+            g = graph.replace(positions=graph.positions @ deform, cell=graph.cell @ deform)
+            assert _host_reads(lambda nl=nl, g=g: nl.rebuild_flag(g)) == []
+            flag = nl.rebuild_flag(g)
+            assert isinstance(flag, torch.Tensor)
+            if not bool(flag):
+                reused += 1
+                out = nl(g)
+                ei, sh = neighbor_list(g.positions, g.cell, g.pbc, cutoff, g.batch, "brute")
+                assert _short_edges(out, cutoff) == _as_set(ei, sh)
+    assert 0 < reused < 12  # both decisions were taken
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n_cells", [3, 10])
+def test_cuda_auto_list_equals_torch_reference(n_cells):
+    """One system on CUDA (auto: vesin-torch where installed): the same (j, i, shift) set as
+    the pure-torch cell list, tensors on the device, one host sync of xnn's own."""
+    import warnings
+
+    from ase.build import bulk
+
+    import xnn.neighbors.vesin_backend as vb
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((n_cells,) * 3)
+    rng = np.random.default_rng(n_cells)
+    atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
+    atoms.cell = atoms.cell.array @ (np.eye(3) + rng.normal(scale=0.02, size=(3, 3)))
+    atoms.positions += rng.integers(-2, 3, (len(atoms), 3)) @ atoms.cell.array  # unwrapped
+    args = [torch.tensor(x, device="cuda") for x in (atoms.positions, atoms.cell.array,
+                                                      atoms.pbc)]
+    real = vb._calculator
+
+    class Quiet:  # vesin's own count read is vesin's sync, not ours
+        def __init__(self, nl):
+            self.nl = nl
+
+        def compute(self, *a, **k):
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return self.nl.compute(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+
+    vb._calculator = lambda *a: Quiet(real(*a))
+    try:
+        neighbor_list(*args, 5.0)  # warm-up: cached NeighborList, CUDA context
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                ei, sh = neighbor_list(*args, 5.0)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        vb._calculator = real
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]
+    assert ei.is_cuda and sh.is_cuda and ei.dtype == torch.long
+    if vb.vesin_torch_available():
+        assert sh.dtype == torch.int32
+    ref = neighbor_list(*args, 5.0, backend="torch")
+    assert _as_set(ei.cpu(), sh.cpu()) == _as_set(ref[0].cpu(), ref[1].cpu())
+    assert ei.shape[1] > 40 * len(atoms)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_verlet_rebuild_check_does_not_sync():
+    """The rebuild check of a CUDA Verlet list (moved atoms, deformed cell, a batch with a
+    slab) raises no synchronizing-operation error; its decision equals the CPU list's."""
+    rng = np.random.default_rng(9)
+    single = _fcc_graph(rng)
+    slab = _fcc_graph(rng).replace(pbc=torch.tensor([[True, True, False]]))
+    for graph in (single, AtomicGraph.concat([single, slab])):
+        lists = {d: VerletList(3.0, 0.8, "auto") for d in ("cpu", "cuda")}
+        graphs = {"cpu": graph, "cuda": graph.to("cuda")}
+        for d in lists:
+            lists[d](graphs[d])
+        for k in range(5):
+            deform = torch.eye(3, dtype=torch.float64) + torch.tensor(
+                rng.normal(scale=0.004 * (k + 1), size=(3, 3)))
+            step = torch.tensor(rng.normal(scale=0.05 * k, size=graph.positions.shape))
+            flags = {}
+            for d, g in graphs.items():
+                moved = g.replace(positions=g.positions @ deform.to(d) + step.to(d),
+                                  cell=g.cell @ deform.to(d), numbers=g.numbers.clone())
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    flags[d] = lists[d].rebuild_flag(moved)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            assert isinstance(flags["cuda"], torch.Tensor) and flags["cuda"].is_cuda
+            assert bool(flags["cuda"]) == bool(flags["cpu"])

@@ -196,7 +196,7 @@ def test_export_gives_same_energies_and_forces(tmp_path, name):
     g = with_edges(g, 3.5)
     ref = evaluate(model, g, stress=False)
     pos = g.positions.clone().requires_grad_(True)
-    energies = module(pos, g.numbers, g.cell, g.pbc, g.batch, g.edge_index, g.shifts)
+    energies = module(pos, g.numbers, g.cell, g.pbc, g.batch, g.edge_index, g.shifts.long())
     (grad,) = torch.autograd.grad(energies.sum(), pos)
     torch.testing.assert_close(energies.detach(), ref[K.ENERGIES])
     torch.testing.assert_close(-grad, ref[K.FORCES])

@@ -11,7 +11,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, complete_cell, rowvec_matmul
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
-from xnn.neighbors.common import validate_inputs
+from xnn.neighbors.common import spectral_norm_3x3, validate_inputs
 from xnn.neighbors.torch_cells import torch_neighbor_list
 from xnn.neighbors.vesin_backend import vesin_available, vesin_neighbor_list, vesin_torch_available
 
@@ -90,7 +90,9 @@ def neighbor_list(
         backend: ``"auto"``, ``"brute"``, ``"torch"`` or ``"vesin"``.
     Returns:
         ``edge_index [2, E]`` long (row 0 sender j, row 1 receiver i) and integer image
-        ``shifts [E, 3]`` long, with ``r_ij = pos[j] - pos[i] + shifts @ cell[batch[i]]``.
+        ``shifts [E, 3]``, with ``r_ij = pos[j] - pos[i] + shifts @ cell[batch[i]]``: int32
+        from vesin (its own dtype, returned without a widening copy), int64 from the torch
+        and brute backends. Convert with ``shifts.to(positions.dtype)`` before use.
     """
     positions, cell, pbc, batch, has_zero = validate_inputs(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, cell.shape[0]) if backend == "auto" else backend
@@ -114,7 +116,7 @@ def neighbor_list(
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
             shifts = shifts - n_wrap.index_select(0, edge_index[0])
             shifts = shifts + n_wrap.index_select(0, edge_index[1])
-    return edge_index, shifts if shifts.dtype == torch.long else shifts.to(torch.long)
+    return edge_index, shifts
 
 
 def with_edges(graph: AtomicGraph, cutoff: float, backend: str = "auto") -> AtomicGraph:
@@ -148,6 +150,7 @@ class VerletList:
         self.n_builds = 0
         self._ref_positions: Tensor | None = None
         self._ref_cell: Tensor | None = None
+        self._ref_frame: tuple[Tensor, Tensor, Tensor] | None = None
         self._ref_ids: Tensor | None = None
         self._ref_pbc: Tensor | None = None
         self._ref_numbers: Tensor | None = None
@@ -158,7 +161,8 @@ class VerletList:
         self._edges = None
 
     def needs_rebuild(self, graph: AtomicGraph) -> bool:
-        """True when the list must be rebuilt for ``graph`` (one host sync at most)."""
+        """True when the list must be rebuilt for ``graph`` (one host sync at most: the read
+        of :meth:`rebuild_flag`, which itself does not sync)."""
         flag = self.rebuild_flag(graph)
         return flag if isinstance(flag, bool) else bool(flag)
 
@@ -214,17 +218,22 @@ class VerletList:
             return fixed
         if cell_moved is True:
             cell_moved = torch.ones((), dtype=torch.bool, device=pos.device)
-        ref_full = complete_cell(self._ref_cell)
-        deform = torch.linalg.solve(ref_full, complete_cell(cell))  # F = inv(C0) @ C1
+        # no host sync (no LAPACK, no completion by data): zero vectors of the build's cell
+        # keep the build's completion; a change of which vectors are zero forces a rebuild
+        ref_full, ref_inv, ref_zero = self._ref_frame
+        zero = cell.norm(dim=-1) < 1e-12
+        full = torch.where(ref_zero.unsqueeze(-1), ref_full, cell)
+        deform = ref_inv @ full  # F = inv(C0) @ C1
         eye = torch.eye(3, dtype=deform.dtype, device=deform.device)
-        strain = torch.linalg.matrix_norm(deform - eye, ord=2)  # [n_systems]
+        strain = spectral_norm_3x3(deform - eye)  # [n_systems]
         affine = rowvec_matmul(ref, deform, graph.batch)
         disp = (pos - affine).norm(dim=-1)
         d_max = torch.zeros_like(strain).scatter_reduce(
             0, graph.batch, disp, reduce="amax", include_self=True
         )
         budget = (self.cutoff + self.skin) * strain + 2.0 * d_max
-        return torch.where(cell_moved, (budget >= self.skin).any(), fixed)
+        moved_out = (budget >= self.skin).any() | (zero != ref_zero).any()
+        return torch.where(cell_moved, moved_out, fixed)
 
     def __call__(self, graph: AtomicGraph) -> AtomicGraph:
         """Return ``graph`` with ``edge_index`` and ``shifts`` attached (rebuilding if needed)."""
@@ -239,6 +248,9 @@ class VerletList:
             )
             self._ref_positions = graph.positions.detach().clone()
             self._ref_cell = graph.cell.detach().clone()
+            ref_full = complete_cell(self._ref_cell)  # host syncs: a build has them anyway
+            self._ref_frame = (ref_full, torch.linalg.inv(ref_full),
+                               self._ref_cell.norm(dim=-1) < 1e-12)
             self._ref_ids = graph.atom_id.clone()
             self._ref_pbc = graph.pbc.clone()
             self._ref_numbers = graph.numbers.clone()

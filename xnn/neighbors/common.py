@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,8 +42,8 @@ def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, ba
 def validate_inputs(
     positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-    """Validate and normalise neighbor-list inputs with one host sync (two for cells with
-    zero vectors); returns ``(positions, cell, pbc, batch, has_zero_vectors)``."""
+    """Validate and normalise neighbor-list inputs with one host sync; returns
+    ``(positions, cell, pbc, batch, has_zero_vectors)``."""
     if not isinstance(cutoff, (int, float)) or not math.isfinite(cutoff) or cutoff <= 0:
         raise InputError(f"cutoff must be a positive finite number, got {cutoff!r}")
     if positions.ndim != 2 or positions.shape[-1] != 3:
@@ -71,34 +72,69 @@ def validate_inputs(
         raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
     cell = cell.to(positions.dtype)
     check_batch = given_batch and batch.numel() > 0
-    # every data-dependent check in one device tensor: one host sync
-    zero = cell.norm(dim=-1) < 1e-12  # [n_systems, 3] vectors to complete (slabs, wires)
-    checks = [torch.isfinite(positions).all(), torch.isfinite(cell).all(), zero.any(),
-              ~_singular(cell, pbc, zero).any()]
-    if check_batch:
-        checks.append((batch.min() >= 0) & (batch.max() < cell.shape[0])
-                      & ~(batch[1:] < batch[:-1]).any())
-    ok = torch.stack(checks).tolist()
-    if not ok[0]:
-        raise InputError("non-finite positions")
-    if not ok[1]:
+    host = _read_once(positions, cell, pbc, batch if check_batch else None).numpy()
+    n_sys = cell.shape[0]
+    if not math.isfinite(host[0]) and not bool(torch.isfinite(positions).all()):
+        raise InputError("non-finite positions")  # (a finite sum needs no element check)
+    # the cell checks on the host copy, in numpy: µs for a few 3x3 matrices
+    cell_h = host[1 : 1 + 9 * n_sys].reshape(n_sys, 3, 3)
+    pbc_h = host[1 + 9 * n_sys : 1 + 12 * n_sys].reshape(n_sys, 3) != 0
+    if not np.isfinite(cell_h).all():
         raise InputError("non-finite cell")
-    if check_batch and not ok[4]:
-        raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
-    has_zero = bool(ok[2])
-    if has_zero:
+    if check_batch:
+        b_min, b_max, unsorted = [*host[1 + 12 * n_sys :].tolist(), 0.0][:3]
+        if b_min < 0 or b_max >= n_sys or unsorted:
+            raise InputError(f"batch must be non-decreasing integers in [0, {n_sys})")
+    zero = np.linalg.norm(cell_h, axis=-1) < 1e-12  # [n_systems, 3] vectors to complete
+    has_zero = bool(zero.any())
+    if has_zero:  # slabs, wires, clusters
         from xnn.data.graph import complete_cell
 
-        bad = _singular(complete_cell(cell), pbc, zero)
-    else:
-        bad = None if ok[3] else _singular(cell, pbc, zero)
-    if bad is not None and bad.any():
-        s = int(torch.nonzero(bad).flatten()[0])
-        raise InputError(f"system {s}: singular cell along a periodic axis")
+        cell_h = complete_cell(torch.from_numpy(cell_h.copy())).numpy()
+    bad = (pbc_h & (zero | (_heights(cell_h) < 1e-8))).any(-1)  # zero vector: flat
+    if bad.any():
+        raise InputError(f"system {int(np.flatnonzero(bad)[0])}: singular cell along a "
+                         "periodic axis")
     return positions, cell, pbc, batch, has_zero
 
 
-def _singular(full: Tensor, pbc: Tensor, zero: Tensor) -> Tensor:
-    """``[n_systems]`` True where a periodic axis of the completed ``full`` cell is flat."""
-    h = torch.where(zero, torch.zeros_like(zero, dtype=full.dtype), cell_heights(full))
-    return (pbc & (h < 1e-8)).any(-1)
+def _heights(cell: np.ndarray) -> np.ndarray:
+    """``[n_systems, 3]`` :func:`cell_heights` of a host cell ``[n_systems, 3, 3]``."""
+    a, b, c = cell[:, 0], cell[:, 1], cell[:, 2]
+    vol = np.abs(np.linalg.det(cell))
+    cross = np.linalg.norm(np.stack([np.cross(b, c), np.cross(c, a), np.cross(a, b)], 1), axis=-1)
+    return np.where(cross > 0, vol[:, None] / np.maximum(cross, 1e-300), 0.0)
+
+
+def _read_once(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor | None) -> Tensor:
+    """Everything the checks read, in one float64 CPU tensor from one device read (the one
+    host sync of a build; a few kernels on CUDA): ``[sum of positions, cell [9 S], pbc [3 S],
+    (batch min, batch max, 1 if batch decreases anywhere)]``. The cell checks then run on
+    this host copy, not as dozens of small device kernels."""
+    parts = [positions.sum().reshape(1).double(), cell.reshape(-1).double(),
+             pbc.reshape(-1).double()]
+    if batch is not None:
+        lo, hi = torch.aminmax(batch)
+        parts.append(torch.stack([lo, hi]).double())
+        if cell.shape[0] > 1:  # one system: in [0, 1) means all zero, so sorted
+            parts.append((batch[1:] < batch[:-1]).any().reshape(1).double())
+    return torch.cat(parts).cpu()
+
+
+def spectral_norm_3x3(m: Tensor) -> Tensor:
+    """``[...]`` largest singular value of ``m [..., 3, 3]`` in closed form (the largest
+    eigenvalue of ``mᵀ m`` by the trigonometric method): elementwise kernels only, so no
+    LAPACK call and no host sync on CUDA, unlike ``torch.linalg.matrix_norm(ord=2)``."""
+    a = m.transpose(-1, -2) @ m
+    diag = a.diagonal(dim1=-2, dim2=-1)
+    q = diag.sum(-1) / 3
+    off = a[..., 0, 1] ** 2 + a[..., 0, 2] ** 2 + a[..., 1, 2] ** 2
+    p = torch.sqrt((((diag - q.unsqueeze(-1)) ** 2).sum(-1) + 2 * off) / 6)
+    eye = torch.eye(3, dtype=m.dtype, device=m.device)
+    b = (a - q[..., None, None] * eye) / p.clamp_min(1e-300)[..., None, None]
+    det = (b[..., 0, 0] * (b[..., 1, 1] * b[..., 2, 2] - b[..., 1, 2] * b[..., 2, 1])
+           - b[..., 0, 1] * (b[..., 1, 0] * b[..., 2, 2] - b[..., 1, 2] * b[..., 2, 0])
+           + b[..., 0, 2] * (b[..., 1, 0] * b[..., 2, 1] - b[..., 1, 1] * b[..., 2, 0]))
+    phi = torch.acos((det / 2).clamp(-1.0, 1.0)) / 3
+    top = torch.where(p > 0, q + 2 * p * torch.cos(phi), q)
+    return torch.sqrt(top.clamp_min(0.0))

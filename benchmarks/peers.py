@@ -276,7 +276,8 @@ def guarded(launch, n_atoms, args, device) -> tuple[dict, torch.Tensor | None]:
     except ImportError as e:
         return {"skipped": f"not importable: {e}"}, None
     except Exception as e:  # a peer's API or a model that does not trace: record, go on
-        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"}, None
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        return {"error": f"{type(e).__name__}: {first}"}, None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)

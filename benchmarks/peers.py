@@ -80,17 +80,35 @@ class OverBudget(Exception):
 
 
 # --------------------------------------------------------------------------- models
-def base_model(name: str) -> torch.nn.Module:
+def base_model(name: str, small: bool = False) -> torch.nn.Module:
     """The random-weight model of ``name`` (float64 master copy; every framework gets a
-    deep copy cast to the run's dtype): mace-torch's module or xnn's equivariant model."""
+    deep copy cast to the run's dtype): mace-torch's module or xnn's equivariant model.
+    ``small``: 8-channel models of the same kinds (tests, smoke runs)."""
     torch.manual_seed(0)
     if name == "mace":
         from xnn.models.external._optional import import_extra
 
-        import_extra("mace", "mace", "mace.modules")  # sets up e3nn without leaking env vars
-        from benchmarks.models import build_mace
+        (mod,) = import_extra("mace", "mace.modules")  # e3nn set up, env vars kept
+        if not small:
+            from benchmarks.models import build_mace
 
-        return build_mace(avg_num_neighbors=40.0).double().eval()
+            return build_mace(avg_num_neighbors=40.0).double().eval()
+        import numpy as np
+        from e3nn import o3
+
+        block = mod.interaction_classes["RealAgnosticResidualInteractionBlock"]
+        return mod.ScaleShiftMACE(
+            r_max=4.0, num_bessel=6, num_polynomial_cutoff=5, max_ell=1, interaction_cls=block,
+            interaction_cls_first=block, num_interactions=2, num_elements=1,
+            hidden_irreps=o3.Irreps("8x0e+8x1o"), MLP_irreps=o3.Irreps("8x0e"),
+            atomic_energies=np.array([-3.0]), avg_num_neighbors=20.0, atomic_numbers=[29],
+            correlation=2, gate=torch.nn.functional.silu, atomic_inter_scale=1.0,
+            atomic_inter_shift=0.0).double().eval()
+    if small:
+        from xnn.models import build
+
+        return build("equivariant", species=[29], cutoff=4.0, channels=8, l_max=1,
+                     hidden_l_max=1, num_interactions=2, correlation=2).double().eval()
     from benchmarks.bench_equivariant import xnn_model
 
     return xnn_model(channels=128, hidden_l_max=1, cutoff=6.0).double().eval()
@@ -302,7 +320,8 @@ def ratios(frameworks: dict) -> dict:
 
 
 def goals(rows: list) -> list:
-    """The issue's goals: best xnn variant whose forces match / best variant of the peer."""
+    """The issue's goals: best xnn variant / best variant of the peer, both with forces
+    matching xnn's eager ones (``ratio`` None where a side is missing or differs)."""
     out = []
     for measure_, kind, batched, peer, goal in GOALS:
         cand = [r for r in rows if "frameworks" in r and r["model"] == kind
@@ -315,7 +334,7 @@ def goals(rows: list) -> list:
             xs = {k: fw[k]["atom_steps_per_s"] for k in XNN if "atom_steps_per_s" in fw.get(k, {})
                   and fw[k].get("forces_match", True)}
             ps = {k: fw[k]["atom_steps_per_s"] for k in PEERS if k.startswith(peer)
-                  and "atom_steps_per_s" in fw.get(k, {})}
+                  and "atom_steps_per_s" in fw.get(k, {}) and fw[k].get("forces_match")}
             if xs and ps:
                 x, p = max(xs, key=xs.get), max(ps, key=ps.get)
                 entry.update(n_atoms=r["n_atoms"], xnn=x, peer=p, ratio=xs[x] / ps[p],
@@ -397,6 +416,8 @@ def parse(argv):
     p.add_argument("--budget-s", type=float, default=240.0, help="time limit per case and "
                    "framework, compilation included (s)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    p.add_argument("--small-models", action="store_true", help="8-channel MACE and "
+                   "equivariant models instead of the reference size (tests)")
     a = p.parse_args(argv)
     a.sizes = tuple(int(x) for x in (a.sizes if a.sizes is not None else ",".join(
         map(str, QUICK_SIZES if a.quick else SIZES))).split(",") if x)
@@ -425,7 +446,7 @@ def main(argv=None) -> int:
     head = {"benchmark": "peers", "dtype": args.dtype, "dt_fs": DT_FS, "temperature_K": T_K,
             "friction_per_fs": FRICTION, "skin_A": SKIN, "steps": args.steps,
             "warmup": args.warmup, "blocks": args.blocks, "budget_s": args.budget_s,
-            "quick": args.quick, "versions": _versions(),
+            "quick": args.quick, "small_models": args.small_models, "versions": _versions(),
             "force_check": "max |F - F_xnn| at the start; forces_match: <= 1e-4 (fp32) / "
                            "1e-9 (fp64) of max |F_xnn|"}
 
@@ -438,7 +459,7 @@ def main(argv=None) -> int:
     for model_name, n, b in cases(args):
         if model_name not in bases:
             try:
-                bases[model_name] = base_model(model_name)
+                bases[model_name] = base_model(model_name, args.small_models)
             except ImportError as e:
                 bases[model_name] = None
                 rows.append({"model": model_name, "skipped": f"not importable: {e}"})

@@ -108,6 +108,10 @@ class CompiledVerlet:
         self._edges: tuple[Tensor, Tensor] | None = None
         self._ref: Tensor | None = None
         self._next_disp: Tensor | None = None
+        #: the ensemble's :class:`~xnn.dynamics.compiled_thermo.Scheme` (None: NVE)
+        self.scheme = None
+        self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
+        self._draws: tuple | None = None  # (step, its host-made random inputs)
 
     # ------------------------------------------------------------------ neighbor list
     def _rebuild(self, graph: AtomicGraph, positions: Tensor) -> None:
@@ -126,21 +130,30 @@ class CompiledVerlet:
         self._ref = positions.detach().clone()
         self.n_rebuilds += 1
 
+    def _ensure_list(self, g: AtomicGraph, positions) -> None:
+        """Rebuild the list at ``positions()`` (the next force call's positions) when there
+        is none for this system or the last step's look-ahead left the skin."""
+        if self._edges is None or self._ref is None or self._ref.shape != g.positions.shape:
+            self._next_disp = None
+            self._rebuild(g, positions())
+        elif self._next_disp is not None and bool(self._next_disp > 0.5 * self.neighbors.skin):
+            self._rebuild(g, positions())
+
     # ------------------------------------------------------------------ compiled step
-    def _function(self, state: MDState, dt: float, inputs):
-        key = (self.capacity, dt, state.compute_stress, state.graph.n_atoms)
+    def _function(self, key: tuple, module: nn.Module, inputs):
+        """The compiled function of ``module`` for ``key`` (compiled again when it changes)."""
+        key = (self.capacity, *key)
         if self._fn is None or key != self._key:
-            self._fn = self._compile(dt, state.compute_stress, inputs)
+            self._fn = self._compile(module, inputs)
             self._key = key
         return self._fn
 
-    def _compile(self, dt: float, stress: bool, inputs):
+    def _compile(self, step: nn.Module, inputs):
         from torch.func import functional_call
         from torch.fx.experimental.proxy_tensor import make_fx
 
         from xnn.models.base import tracing_graph
 
-        step = _Step(self.model, dt, stress)
         weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
         weights = {k: t.detach() for k, t in weights.items()}
 
@@ -156,6 +169,10 @@ class CompiledVerlet:
         self.n_compiles += 1
         if not self.cuda_graph:
             return lambda *args: compiled(weights, *args)
+        for t in weights.values():  # pragma: no cover - needs CUDA
+            # the weights keep their address: the CUDA graph reads them in place instead of
+            # copying every one into a static buffer at each replay
+            torch._dynamo.mark_static_address(t)
 
         def replay(*args):  # pragma: no cover - needs CUDA
             torch.compiler.cudagraph_mark_step_begin()
@@ -167,23 +184,29 @@ class CompiledVerlet:
     def step(self, state: MDState, dt: float) -> MDState:
         """Advance ``state`` by ``dt`` (fs); the returned state's step count is +1."""
         dt = check_timestep(dt)
+        if self.scheme is not None:
+            from xnn.dynamics import compiled_thermo
+
+            return compiled_thermo.step(self, state, dt)
         g = state.graph
-        # m * MVV2E, infinite on fixed atoms: f / it is the eager step's acceleration
-        inv_m = torch.where(free_mask(g)[:, None], g.masses[:, None] * MVV2E,
-                            torch.full_like(g.positions[:, :1], math.inf))
-        if self._edges is None or self._ref is None or self._ref.shape != g.positions.shape:
-            self._next_disp = None
-            self._rebuild(g, _drifted(g, state.forces, inv_m, dt))
-        elif self._next_disp is not None and bool(self._next_disp > 0.5 * self.neighbors.skin):
-            self._rebuild(g, _drifted(g, state.forces, inv_m, dt))
+        inv_m = mass_mvv(g)
+        self._ensure_list(g, lambda: _drifted(g, state.forces, inv_m, dt))
         ei, sh = self._edges
         fields = {k: g[k] for k in _FIELDS if k in g}
         fields[K.EDGE_INDEX], fields[K.SHIFTS] = ei, sh
         inputs = (g.positions.detach(), g.velocities, state.forces, inv_m, self._ref, fields)
-        x, v, f, energy, stress, self._next_disp = self._function(state, dt, inputs)(*inputs[:5],
-                                                                                  fields)
+        key = (dt, state.compute_stress, g.n_atoms)
+        fn = self._function(key, _Step(self.model, dt, state.compute_stress), inputs)
+        x, v, f, energy, stress, self._next_disp = fn(*inputs)
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
                              energy=energy, stress=stress, step=state.step + 1)
+
+
+def mass_mvv(g: AtomicGraph) -> Tensor:
+    """``[n_atoms, 1]`` ``m MVV2E`` (amu → eV fs²/Å²), infinite on fixed atoms: ``F /`` it is the eager step's
+    acceleration (Å/fs²)."""
+    return torch.where(free_mask(g)[:, None], g.masses[:, None] * MVV2E,
+                       torch.full_like(g.positions[:, :1], math.inf))
 
 
 def _drifted(g: AtomicGraph, forces: Tensor, inv_m: Tensor, dt: float) -> Tensor:

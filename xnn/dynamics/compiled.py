@@ -19,8 +19,10 @@ the last build: the host reads this one scalar per step and, when it exceeds ``s
 rebuilds the list at those positions before the next step. The list is thus valid at every
 force evaluation, and a step costs one compiled call plus one host read.
 
-Only NVE with a fixed cell is compiled (thermostats, barostats and domain decomposition
-run eagerly); the model must be traceable (data-independent shapes under
+This module compiles NVE; :mod:`xnn.dynamics.compiled_thermo` adds Langevin, CSVR and
+Nosé–Hoover chains (``scheme``) and :mod:`xnn.dynamics.compiled_graphs` the CUDA-graph
+replay (``cuda_graph``). The cell stays fixed (NPT and domain decomposition run eagerly);
+the model must be traceable (data-independent shapes under
 :func:`~xnn.models.base.tracing_graph`). The result equals the eager step up to rounding.
 """
 
@@ -112,6 +114,8 @@ class CompiledVerlet:
         self.scheme = None
         self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
         self._draws: tuple | None = None  # (step, its host-made random inputs)
+        self._mass: tuple | None = None  # (ids of masses and fixed, mass_mvv, masses)
+        self._replay = None  # the CudaGraphStep of the current function (cuda_graph)
 
     # ------------------------------------------------------------------ neighbor list
     def _rebuild(self, graph: AtomicGraph, positions: Tensor) -> None:
@@ -140,13 +144,21 @@ class CompiledVerlet:
             self._rebuild(g, positions())
 
     # ------------------------------------------------------------------ compiled step
-    def _function(self, key: tuple, module: nn.Module, inputs):
-        """The compiled function of ``module`` for ``key`` (compiled again when it changes)."""
+    def _function(self, key: tuple, make_step, inputs):
+        """The compiled function of the module ``make_step()`` for ``key`` (compiled again
+        when it or the capacity changes), replayed as a CUDA graph under ``cuda_graph``."""
         key = (self.capacity, *key)
         if self._fn is None or key != self._key:
-            self._fn = self._compile(module, inputs)
+            self._fn = self._compile(make_step(), inputs)
+            self._replay = None
             self._key = key
-        return self._fn
+        if not self.cuda_graph:
+            return self._fn
+        if self._replay is None:  # pragma: no cover - needs CUDA
+            from xnn.dynamics.compiled_graphs import CudaGraphStep
+
+            self._replay = CudaGraphStep(self._fn)
+        return self._replay
 
     def _compile(self, step: nn.Module, inputs):
         from torch.func import functional_call
@@ -162,24 +174,9 @@ class CompiledVerlet:
 
         with tracing_graph():
             gm = make_fx(fn, tracing_mode="fake")(weights, *inputs)
-        # cuda_graph: inductor's CUDA-graph trees replay the whole step (shapes are fixed)
-        mode = "reduce-overhead" if self.cuda_graph else None
-        compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True,
-                                 mode=mode)
+        compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True)
         self.n_compiles += 1
-        if not self.cuda_graph:
-            return lambda *args: compiled(weights, *args)
-        for t in weights.values():  # pragma: no cover - needs CUDA
-            # the weights keep their address: the CUDA graph reads them in place instead of
-            # copying every one into a static buffer at each replay
-            torch._dynamo.mark_static_address(t)
-
-        def replay(*args):  # pragma: no cover - needs CUDA
-            torch.compiler.cudagraph_mark_step_begin()
-            # the graph's output buffers are reused by the next replay: states keep copies
-            return tuple(t.clone() for t in compiled(weights, *args))
-
-        return replay
+        return lambda *args: compiled(weights, *args)
 
     def step(self, state: MDState, dt: float) -> MDState:
         """Advance ``state`` by ``dt`` (fs); the returned state's step count is +1."""
@@ -189,14 +186,16 @@ class CompiledVerlet:
 
             return compiled_thermo.step(self, state, dt)
         g = state.graph
-        inv_m = mass_mvv(g)
+        if self._mass is None or self._mass[:2] != (id(g.masses), id(g.get(K.FIXED))):
+            self._mass = (id(g.masses), id(g.get(K.FIXED)), mass_mvv(g), g.masses)
+        inv_m = self._mass[2]
         self._ensure_list(g, lambda: _drifted(g, state.forces, inv_m, dt))
         ei, sh = self._edges
         fields = {k: g[k] for k in _FIELDS if k in g}
         fields[K.EDGE_INDEX], fields[K.SHIFTS] = ei, sh
         inputs = (g.positions.detach(), g.velocities, state.forces, inv_m, self._ref, fields)
         key = (dt, state.compute_stress, g.n_atoms)
-        fn = self._function(key, _Step(self.model, dt, state.compute_stress), inputs)
+        fn = self._function(key, lambda: _Step(self.model, dt, state.compute_stress), inputs)
         x, v, f, energy, stress, self._next_disp = fn(*inputs)
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
                              energy=energy, stress=stress, step=state.step + 1)

@@ -263,9 +263,9 @@ def step(stepper, state: MDState, dt: float) -> MDState:
     fields = {k: g[k] for k in _FIELDS if k in g}
     fields[K.EDGE_INDEX], fields[K.SHIFTS] = stepper._edges
     inputs = (x, v, f, stepper._ref, fields, vars_, counter[1], draws, next_draws)
-    module = _ThermoStep(stepper.model, dt, state.compute_stress, sch, LOCAL)
-    fn = stepper._function((type(sch), *key, dt, state.compute_stress, g.n_atoms,
-                            tuple(vars_)), module, inputs)
+    fn = stepper._function((type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
+                           lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch,
+                                               LOCAL), inputs)
     x, v, f, energy, stress, stepper._next_disp, step_t, *written = fn(*inputs)
     stepper._counter = (state.step + 1, step_t)
     stepper._draws = (state.step + 1, next_draws)

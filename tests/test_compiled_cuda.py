@@ -91,7 +91,8 @@ def test_replay_bookkeeping_follows_eager(monkeypatch, one_thread):
     from xnn.dynamics.compiled_graphs import CudaGraphStep
 
     for name, value in [("CUDAGraph", _FakeGraph), ("graph", _capture), ("Stream", _Stream),
-                        ("current_stream", _Stream), ("stream", lambda s: contextlib.nullcontext())]:
+                        ("current_stream", _Stream),
+                        ("stream", lambda s: contextlib.nullcontext())]:
         monkeypatch.setattr(torch.cuda, name, value)
     real_init = CudaGraphStep.__init__
     monkeypatch.setattr(CudaGraphStep, "__init__",

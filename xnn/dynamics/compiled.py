@@ -202,8 +202,8 @@ class CompiledVerlet:
 
 
 def mass_mvv(g: AtomicGraph) -> Tensor:
-    """``[n_atoms, 1]`` ``m MVV2E`` (amu → eV fs²/Å²), infinite on fixed atoms: ``F /`` it is the eager step's
-    acceleration (Å/fs²)."""
+    """``[n_atoms, 1]`` ``m MVV2E`` (eV fs²/Å²), infinite on fixed atoms: ``F /`` it is the
+    eager step's acceleration (Å/fs²)."""
     return torch.where(free_mask(g)[:, None], g.masses[:, None] * MVV2E,
                        torch.full_like(g.positions[:, :1], math.inf))
 

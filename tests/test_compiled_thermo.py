@@ -136,3 +136,18 @@ def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeyp
     for a, b in zip(eager[1:], fast[1:]):
         va, vb = [float(x) for x in a.split(",")], [float(x) for x in b.split(",")]
         np.testing.assert_allclose(vb, va, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_inductor_langevin_matches_eager(one_thread):
+    """The default backend (inductor's C++) compiles the int64 noise hash to the same bits:
+    the trajectory is the eager one."""
+    model = _model("lj")
+    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    integ = CompiledIntegrator("langevin", compiled_pot, backend="inductor")
+    eager = compiled = langevin.init(_system(), eager_pot, **ARGS["langevin"])
+    for _ in range(30):
+        eager = langevin.step(eager, eager_pot, 2.0)
+        compiled = integ.step(compiled, compiled_pot, 2.0)
+    assert integ.stepper.n_compiles == 1
+    _assert_same(langevin, eager, compiled)

@@ -159,10 +159,14 @@ class NHCScheme(Scheme):
 
     def __init__(self):
         self.n_yoshida = 1
+        self._read: Tensor | None = None
 
     def key(self, state: MDState) -> tuple:
-        # read once on the host; the chain's half step reads it as vars["n_yoshida"][0]
-        self.n_yoshida = int(state.vars["n_yoshida"][0])
+        # read on the host once per tensor (no device sync per step); the chain's half
+        # step reads it as vars["n_yoshida"][0]
+        if state.vars["n_yoshida"] is not self._read:
+            self._read = state.vars["n_yoshida"]
+            self.n_yoshida = int(self._read[0])
         return (self.n_yoshida, state.vars["eta"].shape[1])
 
     def pre(self, s, dt, reduce, draws, step):

@@ -1,17 +1,25 @@
 """Compiled MD step (``md.compile=true``, :mod:`xnn.dynamics.compiled`) against the eager
-velocity-Verlet step, same model, same start, same run (called by ``benchmarks/md.py
---only compiled``; also runnable alone).
+step, same model, same start, same run (called by ``benchmarks/md.py --only compiled``;
+also runnable alone).
 
-For each model (SchNet and the equivariant model, random weights; FCC Cu ``n_atoms``) the
-eager and the compiled NVE steps are timed alternately in blocks after warm-up; the row
-gives seconds per step of each, their ratio (``speedup`` = eager / compiled), the time to
-the first compiled step (tracing and inductor compilation), the compiles and rebuilds
-during the timed steps (``recompiles_timed`` must be 0) and the largest position and force
-differences from the eager trajectory (checked in the same run).
+For each model (SchNet and the equivariant model, random weights; FCC Cu ``n_atoms``) and
+ensemble (``nve``, ``langevin``, ``csvr``, ``nhc``) the eager step, the compiled step and,
+on CUDA, the compiled step replayed as a CUDA graph (``md.cuda_graph=true``, the same
+compiled function) are timed in alternating blocks after warm-up; the compiled and graph
+blocks continue one trajectory, and the eager trajectory is then run (untimed) to the
+same step. The row gives seconds per step of each, ``speedup`` (eager / compiled) and
+``speedup_cuda_graph`` (eager / graph), the time to the first compiled step (tracing and
+inductor compilation) and to the graph's capture, the compiles, dynamo graphs and
+captures during the timed steps (``recompiles_timed`` must be 0), the rebuilds, and the
+largest position and force differences from the eager trajectory after the first step
+and after all steps (checked in the same run; chaotic growth of rounding makes the
+latter grow with the steps in fp32).
 
 Usage::
 
     python benchmarks/md_compiled.py --json benchmarks/results/md_compiled_cpu.json
+    python benchmarks/md_compiled.py --device cuda --dtype float32 --models equivariant \\
+        --ensembles nve,langevin --n-atoms 10000 --steps 30 --json md_compiled_h200.json
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 try:
     from benchmarks.common import fcc_cu, synchronize, write_json
@@ -30,8 +39,9 @@ except ImportError:  # run as `python benchmarks/md_compiled.py`
     from benchmarks.common import fcc_cu, synchronize, write_json
 
 from xnn.data import AtomicGraph
-from xnn.dynamics import maxwell_boltzmann, nve
-from xnn.dynamics.compiled import CompiledVerlet
+from xnn.dynamics import maxwell_boltzmann
+from xnn.dynamics.compiled_thermo import CompiledIntegrator
+from xnn.dynamics.registry import get_integrator
 from xnn.models import Potential, build
 
 DT = 2.0
@@ -39,50 +49,104 @@ MODELS = {
     "schnet": lambda: build("schnet", species=[29], cutoff=5.0),
     "equivariant": lambda: build("equivariant", species=[29], cutoff=5.0),
 }
+ENSEMBLE_ARGS = {"nve": {}, "langevin": dict(temperature=300.0, friction=0.01, seed=1),
+                 "csvr": dict(temperature=300.0, tau=50.0, seed=1),
+                 "nhc": dict(temperature=300.0, tau=50.0)}
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _timed(fn, state, n: int, device) -> tuple:
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        state = fn(state)
+    synchronize(device)
+    return state, time.perf_counter() - t0
+
+
+def _diffs(eager, compiled) -> tuple[float, float]:
+    return (float((eager.positions - compiled.positions).abs().max()),
+            float((eager.forces - compiled.forces).abs().max()))
 
 
 def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: int = 3,
-                   backend: str = "inductor") -> dict:
-    """One row: eager and compiled NVE of ``name`` on ~``n_atoms`` Cu atoms."""
+                   backend: str = "inductor", ensemble: str = "nve",
+                   cuda_graph: bool | None = None) -> dict:
+    """One row: eager, compiled (and CUDA-graph) steps of ``name`` on ~``n_atoms`` Cu atoms.
+
+    Args:
+        steps: timed steps of each kind (split into ``blocks`` alternating blocks).
+        cuda_graph: time the CUDA-graph replay too (default: on CUDA devices).
+    """
+    device = torch.device(device)
+    cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     torch.manual_seed(0)
     model = MODELS[name]().to(device=device, dtype=dtype)
     atoms = fcc_cu(n_atoms, rattle=0.05, seed=0)
     g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
                                 dtype=dtype, device=device)
     g = maxwell_boltzmann(g, 300.0, seed=0)
+    mod = get_integrator(ensemble)
     pe, pc = Potential(model, skin=1.0), Potential(model, skin=1.0)
-    stepper = CompiledVerlet(pc, backend=backend)
-    se = sc = nve.init(g, pe)
-    t0 = time.perf_counter()
-    sc = stepper.step(sc, DT)
-    synchronize(device)
-    first = time.perf_counter() - t0
-    se = nve.step(se, pe, DT)
-    for _ in range(2):  # warm-up of both
-        se, sc = nve.step(se, pe, DT), stepper.step(sc, DT)
-    compiles = stepper.n_compiles
-    t_e = t_c = 0.0
+    integ = CompiledIntegrator(ensemble, pc, backend=backend)
+    stepper = integ.stepper
+
+    def eager_step(s):
+        return mod.step(s, pe, DT)
+
+    def compiled_step(s):
+        return integ.step(s, pc, DT)
+
+    se = sc = mod.init(g, pe, **ENSEMBLE_ARGS[ensemble])
+    sc, first = _timed(compiled_step, sc, 1, device)
+    se = eager_step(se)
+    first_diffs = _diffs(se, sc)
+    se, sc = _timed(eager_step, se, 2, device)[0], _timed(compiled_step, sc, 2, device)[0]
+    capture = 0.0
+    if cuda_graph:  # same compiled function: warm-up calls, then the capture
+        stepper.cuda_graph = True
+        sc, capture = _timed(compiled_step, sc, 3, device)
+        stepper.cuda_graph = False
+    compiles, graphs = stepper.n_compiles, _graphs()
+    t = {"eager": 0.0, "compiled": 0.0, "cuda_graph": 0.0}
     per_block = max(1, steps // blocks)
     for _ in range(blocks):
-        t0 = time.perf_counter()
-        for _ in range(per_block):
-            se = nve.step(se, pe, DT)
-        synchronize(device)
-        t1 = time.perf_counter()
-        for _ in range(per_block):
-            sc = stepper.step(sc, DT)
-        synchronize(device)
-        t_e, t_c = t_e + (t1 - t0), t_c + (time.perf_counter() - t1)
+        se, dt_e = _timed(eager_step, se, per_block, device)
+        sc, dt_c = _timed(compiled_step, sc, per_block, device)
+        t["eager"] += dt_e
+        t["compiled"] += dt_c
+        if cuda_graph:
+            stepper.cuda_graph = True
+            sc, dt_g = _timed(compiled_step, sc, per_block, device)
+            stepper.cuda_graph = False
+            t["cuda_graph"] += dt_g
+    recompiles, new_graphs = stepper.n_compiles - compiles, _graphs() - graphs
+    while se.step < sc.step:  # the eager trajectory to the same step, untimed
+        se = eager_step(se)
     n = per_block * blocks
-    return {
-        "case": f"compiled_step_{name}", "n_atoms": g.n_atoms, "steps": n,
-        "backend": backend, "eager_s_per_step": t_e / n, "compiled_s_per_step": t_c / n,
-        "speedup": t_e / t_c, "first_compiled_step_s": first,
-        "recompiles_timed": stepper.n_compiles - compiles, "capacity": stepper.capacity,
-        "rebuilds": stepper.n_rebuilds,
-        "max_position_diff_A": float((se.positions - sc.positions).abs().max()),
-        "max_force_diff_eV_A": float((se.forces - sc.forces).abs().max()),
+    pos, force = _diffs(se, sc)
+    row = {
+        "case": f"compiled_step_{name}_{ensemble}", "ensemble": ensemble,
+        "n_atoms": g.n_atoms, "steps": n, "backend": backend,
+        "eager_s_per_step": t["eager"] / n, "compiled_s_per_step": t["compiled"] / n,
+        "speedup": t["eager"] / t["compiled"], "first_compiled_step_s": first,
+        "recompiles_timed": recompiles, "dynamo_graphs_timed": new_graphs,
+        "capacity": stepper.capacity, "rebuilds": stepper.n_rebuilds,
+        "trajectory_steps": sc.step,
+        "first_step_position_diff_A": first_diffs[0], "first_step_force_diff_eV_A": first_diffs[1],
+        "max_position_diff_A": pos, "max_force_diff_eV_A": force,
     }
+    if cuda_graph:
+        row.update(cuda_graph_s_per_step=t["cuda_graph"] / n,
+                   speedup_cuda_graph=t["eager"] / t["cuda_graph"],
+                   cuda_graph_warmup_and_capture_s=capture,
+                   cuda_graph_captures=stepper._replay.n_captures if stepper._replay else 0)
+    if device.type == "cuda":
+        row["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return row
 
 
 def main(argv=None) -> int:
@@ -93,7 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="schnet", help="comma-separated: schnet,equivariant")
     p.add_argument("--n-atoms", type=int, default=108)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ensembles", default="nve", help="comma-separated: nve,langevin,csvr,nhc")
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: skip the graph replay")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -101,11 +167,13 @@ def main(argv=None) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows = []
     for name in args.models.split(","):
-        rows.append(bench_compiled(name, args.n_atoms, args.steps, device, dtype,
-                                   backend=args.backend))
-        print(rows[-1], flush=True)
-        write_json(args.json, {"benchmark": "md_compiled", "dtype": args.dtype, "dt_fs": DT,
-                               "results": rows}, device=str(device))
+        for ensemble in args.ensembles.split(","):
+            rows.append(bench_compiled(name, args.n_atoms, args.steps, device, dtype,
+                                       backend=args.backend, ensemble=ensemble,
+                                       cuda_graph=False if args.no_cuda_graph else None))
+            print(rows[-1], flush=True)
+            write_json(args.json, {"benchmark": "md_compiled", "dtype": args.dtype,
+                                   "dt_fs": DT, "results": rows}, device=str(device))
     print(f"wrote {args.json}")
     return 0
 

@@ -163,6 +163,6 @@ def test_md_compile_runs_the_compiled_step(tmp_path, monkeypatch, one_thread):
         np.testing.assert_allclose(vb, va, rtol=1e-9, atol=1e-9)
 
 
-def test_md_compile_refuses_other_ensembles(tmp_path):
-    with pytest.raises(InputError, match="nve"):
-        _md(tmp_path, "l", "compile=true", "ensemble=langevin")
+def test_md_compile_refuses_npt(tmp_path):
+    with pytest.raises(InputError, match="compiles ensembles nve, langevin, csvr, nhc"):
+        _md(tmp_path, "p", "compile=true", "ensemble=npt", "pressure=0")

@@ -185,15 +185,15 @@ def integrator_args(cfg: MDConfig, temperatures: torch.Tensor) -> dict:
 
 
 def compiled_integrator(cfg: MDConfig, par):
-    """The integrator of ``md.compile=true`` (:class:`~xnn.dynamics.compiled.CompiledNVE`),
-    after checking that the run is one it compiles."""
-    from xnn.dynamics.compiled import CompiledNVE
+    """The integrator of ``md.compile=true`` (:class:`~xnn.dynamics.compiled_thermo.
+    CompiledIntegrator`), after checking that the run is one it compiles."""
+    from xnn.dynamics.compiled_thermo import SCHEMES, CompiledIntegrator
     from xnn.models.potential import Potential
 
-    if cfg.ensemble != "nve":
-        raise InputError(f"compile=true compiles ensemble nve only, not {cfg.ensemble!r}: set "
-                         "ensemble: nve or compile: false")
+    if cfg.ensemble not in SCHEMES:
+        raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
+                         f"{cfg.ensemble!r}: choose one of them or set compile: false")
     if type(par.potential) is not Potential:
         raise InputError("compile=true runs in one process: launch without torchrun or set "
                          "compile: false")
-    return CompiledNVE(par.potential, cuda_graph=cfg.cuda_graph)
+    return CompiledIntegrator(cfg.ensemble, par.potential, cuda_graph=cfg.cuda_graph)

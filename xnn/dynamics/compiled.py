@@ -19,8 +19,10 @@ the last build: the host reads this one scalar per step and, when it exceeds ``s
 rebuilds the list at those positions before the next step. The list is thus valid at every
 force evaluation, and a step costs one compiled call plus one host read.
 
-Only NVE with a fixed cell is compiled (thermostats, barostats and domain decomposition
-run eagerly); the model must be traceable (data-independent shapes under
+This module compiles NVE; :mod:`xnn.dynamics.compiled_thermo` adds Langevin, CSVR and
+Nosé–Hoover chains (``scheme``) and :mod:`xnn.dynamics.compiled_graphs` the CUDA-graph
+replay (``cuda_graph``). The cell stays fixed (NPT and domain decomposition run eagerly);
+the model must be traceable (data-independent shapes under
 :func:`~xnn.models.base.tracing_graph`). The result equals the eager step up to rounding.
 """
 
@@ -108,6 +110,12 @@ class CompiledVerlet:
         self._edges: tuple[Tensor, Tensor] | None = None
         self._ref: Tensor | None = None
         self._next_disp: Tensor | None = None
+        #: the ensemble's :class:`~xnn.dynamics.compiled_thermo.Scheme` (None: NVE)
+        self.scheme = None
+        self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
+        self._draws: tuple | None = None  # (step, its host-made random inputs)
+        self._mass: tuple | None = None  # (ids of masses and fixed, mass_mvv, masses)
+        self._replay = None  # the CudaGraphStep of the current function (cuda_graph)
 
     # ------------------------------------------------------------------ neighbor list
     def _rebuild(self, graph: AtomicGraph, positions: Tensor) -> None:
@@ -126,21 +134,38 @@ class CompiledVerlet:
         self._ref = positions.detach().clone()
         self.n_rebuilds += 1
 
-    # ------------------------------------------------------------------ compiled step
-    def _function(self, state: MDState, dt: float, inputs):
-        key = (self.capacity, dt, state.compute_stress, state.graph.n_atoms)
-        if self._fn is None or key != self._key:
-            self._fn = self._compile(dt, state.compute_stress, inputs)
-            self._key = key
-        return self._fn
+    def _ensure_list(self, g: AtomicGraph, positions) -> None:
+        """Rebuild the list at ``positions()`` (the next force call's positions) when there
+        is none for this system or the last step's look-ahead left the skin."""
+        if self._edges is None or self._ref is None or self._ref.shape != g.positions.shape:
+            self._next_disp = None
+            self._rebuild(g, positions())
+        elif self._next_disp is not None and bool(self._next_disp > 0.5 * self.neighbors.skin):
+            self._rebuild(g, positions())
 
-    def _compile(self, dt: float, stress: bool, inputs):
+    # ------------------------------------------------------------------ compiled step
+    def _function(self, key: tuple, make_step, inputs):
+        """The compiled function of the module ``make_step()`` for ``key`` (compiled again
+        when it or the capacity changes), replayed as a CUDA graph under ``cuda_graph``."""
+        key = (self.capacity, *key)
+        if self._fn is None or key != self._key:
+            self._fn = self._compile(make_step(), inputs)
+            self._replay = None
+            self._key = key
+        if not self.cuda_graph:
+            return self._fn
+        if self._replay is None:  # pragma: no cover - needs CUDA
+            from xnn.dynamics.compiled_graphs import CudaGraphStep
+
+            self._replay = CudaGraphStep(self._fn)
+        return self._replay
+
+    def _compile(self, step: nn.Module, inputs):
         from torch.func import functional_call
         from torch.fx.experimental.proxy_tensor import make_fx
 
         from xnn.models.base import tracing_graph
 
-        step = _Step(self.model, dt, stress)
         weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
         weights = {k: t.detach() for k, t in weights.items()}
 
@@ -149,41 +174,38 @@ class CompiledVerlet:
 
         with tracing_graph():
             gm = make_fx(fn, tracing_mode="fake")(weights, *inputs)
-        # cuda_graph: inductor's CUDA-graph trees replay the whole step (shapes are fixed)
-        mode = "reduce-overhead" if self.cuda_graph else None
-        compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True,
-                                 mode=mode)
+        compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True)
         self.n_compiles += 1
-        if not self.cuda_graph:
-            return lambda *args: compiled(weights, *args)
-
-        def replay(*args):  # pragma: no cover - needs CUDA
-            torch.compiler.cudagraph_mark_step_begin()
-            # the graph's output buffers are reused by the next replay: states keep copies
-            return tuple(t.clone() for t in compiled(weights, *args))
-
-        return replay
+        return lambda *args: compiled(weights, *args)
 
     def step(self, state: MDState, dt: float) -> MDState:
         """Advance ``state`` by ``dt`` (fs); the returned state's step count is +1."""
         dt = check_timestep(dt)
+        if self.scheme is not None:
+            from xnn.dynamics import compiled_thermo
+
+            return compiled_thermo.step(self, state, dt)
         g = state.graph
-        # m * MVV2E, infinite on fixed atoms: f / it is the eager step's acceleration
-        inv_m = torch.where(free_mask(g)[:, None], g.masses[:, None] * MVV2E,
-                            torch.full_like(g.positions[:, :1], math.inf))
-        if self._edges is None or self._ref is None or self._ref.shape != g.positions.shape:
-            self._next_disp = None
-            self._rebuild(g, _drifted(g, state.forces, inv_m, dt))
-        elif self._next_disp is not None and bool(self._next_disp > 0.5 * self.neighbors.skin):
-            self._rebuild(g, _drifted(g, state.forces, inv_m, dt))
+        if self._mass is None or self._mass[:2] != (id(g.masses), id(g.get(K.FIXED))):
+            self._mass = (id(g.masses), id(g.get(K.FIXED)), mass_mvv(g), g.masses)
+        inv_m = self._mass[2]
+        self._ensure_list(g, lambda: _drifted(g, state.forces, inv_m, dt))
         ei, sh = self._edges
         fields = {k: g[k] for k in _FIELDS if k in g}
         fields[K.EDGE_INDEX], fields[K.SHIFTS] = ei, sh
         inputs = (g.positions.detach(), g.velocities, state.forces, inv_m, self._ref, fields)
-        x, v, f, energy, stress, self._next_disp = self._function(state, dt, inputs)(*inputs[:5],
-                                                                                  fields)
+        key = (dt, state.compute_stress, g.n_atoms)
+        fn = self._function(key, lambda: _Step(self.model, dt, state.compute_stress), inputs)
+        x, v, f, energy, stress, self._next_disp = fn(*inputs)
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
                              energy=energy, stress=stress, step=state.step + 1)
+
+
+def mass_mvv(g: AtomicGraph) -> Tensor:
+    """``[n_atoms, 1]`` ``m MVV2E`` (eV fs²/Å²), infinite on fixed atoms: ``F /`` it is the
+    eager step's acceleration (Å/fs²)."""
+    return torch.where(free_mask(g)[:, None], g.masses[:, None] * MVV2E,
+                       torch.full_like(g.positions[:, :1], math.inf))
 
 
 def _drifted(g: AtomicGraph, forces: Tensor, inv_m: Tensor, dt: float) -> Tensor:

@@ -1,0 +1,153 @@
+"""Compiled thermostatted MD steps (xnn.dynamics.compiled_thermo, md.compile=true with
+ensemble langevin / csvr / nhc): the eager trajectory and thermostat state (fp64, LJ and
+SchNet), no steady-state recompiles over 200 steps with rebuilds, the noise hashed in the
+graph equal to the eager noise, and the app's thermo log equal to the eager run's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_compiled_md import SKIN, _md, _model, _system, _unique_graphs
+
+from xnn.dynamics import csvr, langevin, nhc
+from xnn.dynamics.compiled_thermo import (
+    CompiledIntegrator,
+    LangevinScheme,
+    normal_keyed,
+    stream_key_of,
+)
+from xnn.dynamics.state import RNG_KEY, RNG_STEP0
+from xnn.errors import InputError
+from xnn.models import Potential
+
+MODULES = {"langevin": langevin, "csvr": csvr, "nhc": nhc}
+ARGS = {"langevin": dict(temperature=500.0, friction=0.05, seed=7),
+        "csvr": dict(temperature=500.0, tau=20.0, seed=7),
+        "nhc": dict(temperature=500.0, tau=20.0)}
+
+
+def _pair(name: str, model_name: str = "lj", graph=None):
+    """Eager and compiled (aot_eager) integrators of ``name`` from one start."""
+    model = _model(model_name)
+    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    integ = CompiledIntegrator(name, compiled_pot, backend="aot_eager")
+    start = MODULES[name].init(_system() if graph is None else graph, eager_pot, **ARGS[name])
+    return MODULES[name], eager_pot, integ, start
+
+
+def _assert_same(mod, eager, compiled):
+    assert compiled.step == eager.step
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.velocities, eager.velocities, rtol=0, atol=1e-12)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.stress, eager.stress, rtol=0, atol=1e-12)
+    assert set(compiled.vars) == set(eager.vars)
+    for k, v in eager.vars.items():  # thermostat state: heat, eta, v_eta, targets
+        torch.testing.assert_close(compiled.vars[k], v, rtol=0, atol=1e-10)
+    torch.testing.assert_close(mod.conserved(compiled), mod.conserved(eager), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name,steps", [("langevin", 200), ("csvr", 200), ("nhc", 120)])
+def test_compiled_thermostat_follows_eager_without_recompiles(name, steps, one_thread):
+    mod, pot, integ, eager = _pair(name)
+    compiled = eager
+    eager, compiled = mod.step(eager, pot, 2.0), integ.step(compiled, integ.stepper.potential, 2.0)
+    graphs, stepper = _unique_graphs(), integ.stepper
+    assert stepper.n_compiles == 1
+    for _ in range(steps - 1):
+        eager = mod.step(eager, pot, 2.0)
+        compiled = integ.step(compiled, stepper.potential, 2.0)
+    assert stepper.n_rebuilds >= 3  # atoms crossed the skin several times
+    assert stepper.n_compiles == 1 and _unique_graphs() == graphs  # 0 recompiles
+    _assert_same(mod, eager, compiled)
+    if name != "nhc":
+        assert float(compiled.vars["heat"].abs().max()) > 1e-3  # the thermostat acted
+
+
+@pytest.mark.parametrize("name", ["langevin", "csvr", "nhc"])
+def test_compiled_thermostat_with_schnet(name, one_thread):
+    mod, pot, integ, eager = _pair(name, "schnet")
+    compiled = eager
+    for _ in range(25):
+        eager = mod.step(eager, pot, 2.0)
+        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    assert integ.stepper.n_compiles == 1
+    _assert_same(mod, eager, compiled)
+
+
+def test_graph_noise_is_the_eager_noise():
+    """The hash on a step tensor (the key the graph computes) gives langevin.noise's bits,
+    with system indices and with per-system keys (slots)."""
+    mod, pot, integ, state = _pair("langevin")
+    scheme = LangevinScheme()
+    scheme.key(state)
+    for step in (0, 5, 2**40):
+        s = state.replace(step=step)
+        got = scheme.noise(s, torch.tensor(step))
+        assert torch.equal(got, langevin.noise(s))
+    keyed = state.replace(vars={RNG_KEY: torch.tensor([11]), RNG_STEP0: torch.tensor([3])})
+    assert torch.equal(scheme.noise(keyed.replace(step=9), torch.tensor(9)),
+                       langevin.noise(keyed.replace(step=9)))
+    k1, k2 = stream_key_of(7, 2, torch.tensor(4))
+    ids = torch.arange(5)
+    assert not torch.equal(normal_keyed(k1, k2, ids), normal_keyed(k2, k1, ids))
+
+
+def test_langevin_with_fixed_atoms_and_slot_keys(one_thread):
+    """Fixed atoms (no COM removal, zero velocity) and per-system rng keys compile to the
+    eager result too."""
+    fixed = torch.zeros(_system().n_atoms, dtype=torch.bool)
+    fixed[:4] = True
+    mod, pot, integ, eager = _pair("langevin", graph=_system().replace(fixed=fixed))
+    eager = eager.replace(vars={RNG_KEY: torch.tensor([5]), RNG_STEP0: torch.tensor([-2])})
+    compiled = eager
+    for _ in range(30):
+        eager = mod.step(eager, pot, 2.0)
+        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    assert bool((compiled.velocities[:4] == 0).all())
+    _assert_same(mod, eager, compiled)
+
+
+def test_compiled_integrator_refuses_npt():
+    with pytest.raises(InputError, match="nve, langevin, csvr, nhc"):
+        CompiledIntegrator("npt", Potential(_model("lj"), skin=SKIN))
+
+
+@pytest.mark.parametrize("ensemble", ["langevin", "csvr"])
+def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeypatch,
+                                                     one_thread):
+    """``xnn md compile=true ensemble=langevin`` (two systems) writes the eager thermo rows,
+    conserved quantity included."""
+    import xnn.dynamics.compiled as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    made = []
+    real = compiled.CompiledVerlet.step
+    monkeypatch.setattr(compiled.CompiledVerlet, "step",
+                        lambda self, *a: made.append(self) or real(self, *a))
+    extra = (f"ensemble={ensemble}", "temperature=400", "thermostat.tau=20")
+    eager = _md(tmp_path, "eager", *extra)
+    assert not made
+    fast = _md(tmp_path, "compiled", "compile=true", *extra)
+    assert len(made) == 30 and made[0].n_compiles == 1 and made[0].scheme is not None
+    assert len(fast) == len(eager) > 3
+    for a, b in zip(eager[1:], fast[1:]):
+        va, vb = [float(x) for x in a.split(",")], [float(x) for x in b.split(",")]
+        np.testing.assert_allclose(vb, va, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_inductor_langevin_matches_eager(one_thread):
+    """The default backend (inductor's C++) compiles the int64 noise hash to the same bits:
+    the trajectory is the eager one."""
+    model = _model("lj")
+    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    integ = CompiledIntegrator("langevin", compiled_pot, backend="inductor")
+    eager = compiled = langevin.init(_system(), eager_pot, **ARGS["langevin"])
+    for _ in range(30):
+        eager = langevin.step(eager, eager_pot, 2.0)
+        compiled = integ.step(compiled, compiled_pot, 2.0)
+    assert integ.stepper.n_compiles == 1
+    _assert_same(langevin, eager, compiled)

@@ -1,0 +1,313 @@
+"""Compiled thermostatted steps: Langevin (BAOAB), CSVR and Nosé–Hoover chain through the
+graph of :class:`~xnn.dynamics.compiled.CompiledVerlet` (``md.compile=true``).
+
+A :class:`Scheme` splits an eager step into the part before the force call (``pre``, up to
+the positions the model is evaluated at) and the part after it (``post``), written with the
+eager modules' own functions (:func:`~xnn.dynamics.nve.half_kick`, :func:`~xnn.dynamics.nhc.
+_chain_half`, :func:`~xnn.dynamics.state.kinetic_energy`, ... through the step's
+:class:`~xnn.dynamics.reduce.Reducer`), so the compiled step does the eager step's
+arithmetic. The traced function is ``pre``, model, forces (and stress), ``post``, and then
+``pre`` of the *next* step once more, whose positions give the look-ahead displacement that
+decides the next rebuild (as for NVE). The step number is a device int64 counter in the
+graph's inputs and outputs, so nothing in the graph depends on a host value that changes.
+
+Random numbers equal the eager ones bit for bit:
+
+* Langevin's noise is hashed in the graph (:mod:`xnn.dynamics.random`'s SplitMix64 chain,
+  int64 ops, the key of step ``n`` computed from the step counter), for this step and the
+  next (the look-ahead), elementwise and fused;
+* CSVR's per-system draws (a normal and a Gamma variate, a few values per system) are
+  drawn on the host side by :func:`xnn.dynamics.csvr.draws`, for step ``n + 1`` once per
+  step, and passed in.
+
+NPT (cell moves) is not compiled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics import csvr, nhc, nve, random
+from xnn.dynamics.reduce import LOCAL, Reducer
+from xnn.dynamics.state import (
+    RNG_KEY,
+    RNG_STEP0,
+    MDState,
+    degrees_of_freedom,
+    free_mask,
+    kinetic_energy,
+    remove_com_velocity,
+    seed_of,
+)
+from xnn.errors import InputError
+from xnn.units import KB, MVV2E
+
+#: graph fields the traced thermostatted step takes besides positions, velocities, edges
+_FIELDS = (K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID, K.FIXED)
+
+
+class Scheme:
+    """An ensemble as ``pre`` / ``post`` halves around the force call (here: NVE).
+
+    Attributes:
+        reads: the ``MDState.vars`` the graph takes; ``writes``: those it returns.
+    """
+
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+
+    def key(self, state: MDState) -> tuple:
+        """Host values baked into the graph (a change compiles again)."""
+        return ()
+
+    def draws(self, state: MDState, step: int) -> tuple[Tensor, ...]:
+        """Host-drawn random inputs of step ``step`` (none here)."""
+        return ()
+
+    def pre(self, s: MDState, dt: float, reduce: Reducer, draws, step: Tensor) -> MDState:
+        """From the start of step ``step`` to the positions of its force call."""
+        s = nve.half_kick(s, dt)
+        return s.replace(graph=nve.drift(s, dt))
+
+    def post(self, s: MDState, dt: float, reduce: Reducer, draws, step: Tensor) -> MDState:
+        """From the force call (new forces in ``s``) to the end of the step."""
+        return nve.half_kick(s, dt)
+
+
+class LangevinScheme(Scheme):
+    """BAOAB as :func:`xnn.dynamics.langevin.step`, the noise hashed in the graph."""
+
+    reads = ("temperature", "friction", "heat", RNG_KEY, RNG_STEP0)
+    writes = ("heat",)
+
+    def __init__(self):
+        self.seed = 0
+
+    def key(self, state: MDState) -> tuple:
+        self.seed = seed_of(state.rng)
+        return (self.seed, RNG_KEY in state.vars)
+
+    def pre(self, s, dt, reduce, draws, step):
+        s = nve.half_kick(s, dt)
+        s = s.replace(graph=nve.drift(s, 0.5 * dt))
+        s = self._ou(s, dt, reduce, step)
+        return s.replace(graph=nve.drift(s, 0.5 * dt))
+
+    def _ou(self, s: MDState, dt: float, reduce: Reducer, step: Tensor) -> MDState:
+        """:func:`xnn.dynamics.langevin.ou_step` with the noise of the step counter."""
+        g = s.graph
+        xi = self.noise(s, step)
+        c1 = torch.exp(-s.vars["friction"] * dt)[g.batch, None]
+        c2 = torch.sqrt(1.0 - c1 * c1)
+        sigma = torch.sqrt(KB * s.vars["temperature"][g.batch] / (g.masses * MVV2E))[:, None]
+        v = remove_com_velocity(c1 * g.velocities + c2 * sigma * xi, g, reduce)
+        new = g.replace(velocities=v)
+        dk = kinetic_energy(new, reduce) - kinetic_energy(g, reduce)
+        return s.replace(graph=new, vars={"heat": s.vars["heat"] - dk})
+
+    def noise(self, s: MDState, step: Tensor) -> Tensor:
+        """``[n_atoms, 3]`` the normals of :func:`xnn.dynamics.langevin.noise` at the step
+        ``step`` (int64 0-d tensor), by the same hash on tensors."""
+        g = s.graph
+        if RNG_KEY in s.vars:  # system_words: the key step is -1, the step is a word
+            k1, k2 = (torch.tensor(k, device=g.device)
+                      for k in random.stream_key(self.seed, -1, random.STREAMS["langevin"]))
+            systems = (s.vars[RNG_KEY].to(torch.int64), step - s.vars[RNG_STEP0].to(torch.int64))
+        else:
+            k1, k2 = stream_key_of(self.seed, random.STREAMS["langevin"], step)
+            systems = (torch.arange(g.n_systems, device=g.device),)
+        words = random.atom_words(g.batch, g.atom_id, 3, systems)
+        return normal_keyed(k1, k2, *words).to(g.dtype)
+
+
+class CSVRScheme(Scheme):
+    """:func:`xnn.dynamics.csvr.step`, its draws made by :func:`xnn.dynamics.csvr.draws`."""
+
+    reads = ("temperature", "tau", "heat")
+    writes = ("heat",)
+
+    def __init__(self):
+        self._nf: tuple | None = None
+
+    def draws(self, state: MDState, step: int) -> tuple[Tensor, ...]:
+        g = state.graph
+        nf = self._nf[1] if self._nf and self._nf[0] is g.batch else None
+        if nf is None:  # it depends on the batch and the fixed atoms only
+            nf = degrees_of_freedom(g, LOCAL)
+            self._nf = (g.batch, nf)
+        return (*csvr.draws(state.rng, step, 0, nf, state.vars),
+                *csvr.draws(state.rng, step, 1, nf, state.vars))
+
+    def pre(self, s, dt, reduce, draws, step):
+        s = _rescale(s, 0.5 * dt, reduce, draws[0], draws[1])
+        return super().pre(s, dt, reduce, draws, step)
+
+    def post(self, s, dt, reduce, draws, step):
+        return _rescale(nve.half_kick(s, dt), 0.5 * dt, reduce, draws[2], draws[3])
+
+
+class NHCScheme(Scheme):
+    """:func:`xnn.dynamics.nhc.step`: chain half steps around velocity Verlet."""
+
+    reads = ("temperature", "tau", "eta", "v_eta")
+    writes = ("eta", "v_eta")
+
+    def __init__(self):
+        self.n_yoshida = 1
+        self._read: Tensor | None = None
+
+    def key(self, state: MDState) -> tuple:
+        # read on the host once per tensor (no device sync per step); the chain's half
+        # step reads it as vars["n_yoshida"][0]
+        if state.vars["n_yoshida"] is not self._read:
+            self._read = state.vars["n_yoshida"]
+            self.n_yoshida = int(self._read[0])
+        return (self.n_yoshida, state.vars["eta"].shape[1])
+
+    def pre(self, s, dt, reduce, draws, step):
+        s = nhc._chain_half(s.replace(vars={"n_yoshida": (self.n_yoshida,)}), dt, reduce)
+        return super().pre(s, dt, reduce, draws, step)
+
+    def post(self, s, dt, reduce, draws, step):
+        return nhc._chain_half(nve.half_kick(s, dt), dt, reduce)
+
+
+def _rescale(state: MDState, dt: float, reduce: Reducer, r: Tensor, s: Tensor) -> MDState:
+    """:func:`xnn.dynamics.csvr.rescale` with its draws ``r``, ``s`` ``[n_systems]`` given."""
+    g = state.graph
+    nf = degrees_of_freedom(g, reduce)
+    k = kinetic_energy(g, reduce)
+    kt = 0.5 * nf * KB * state.vars["temperature"]
+    c = torch.exp(-dt / state.vars["tau"])
+    r, s = r.to(g.dtype), s.to(g.dtype)
+    k_safe = k.clamp(min=torch.finfo(g.dtype).tiny)
+    ratio = kt / (nf * k_safe)
+    alpha2 = c + (1 - c) * (s + r * r) * ratio + 2 * r * torch.sqrt(c * (1 - c) * ratio)
+    sign = torch.where(r + torch.sqrt(c / ((1 - c) * ratio)) < 0, -1.0, 1.0).to(g.dtype)
+    alpha = torch.where(k > 0, sign * torch.sqrt(alpha2), torch.ones_like(alpha2))
+    v = g.velocities * alpha[g.batch, None]
+    v = torch.where(free_mask(g)[:, None], v, torch.zeros_like(v))
+    new = g.replace(velocities=v)
+    dk = kinetic_energy(new, reduce) - k
+    return state.replace(graph=new, vars={"heat": state.vars["heat"] - dk})
+
+
+# ----------------------------------------------------------------------------- keyed hash
+def stream_key_of(seed: int, stream: int, step: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`xnn.dynamics.random.stream_key` with the step an int64 tensor (same bits)."""
+    k0 = random.as_int64(random.mix64_int(int(seed) + random._GOLDEN * (int(stream) + 1)))
+    k = random.mix64((step.to(torch.int64) + 1) * random.as_int64(random._GOLDEN) + k0)
+    return k, random.mix64(k ^ random.as_int64(random._M2))
+
+
+def normal_keyed(k1: Tensor, k2: Tensor, *words: Tensor) -> Tensor:
+    """:func:`xnn.dynamics.random.normal` with the key ``k1, k2`` (int64 0-d tensors)."""
+    two = torch.arange(2, device=words[0].device)
+    h = None
+    for w in (*(w.unsqueeze(-1) for w in words), two):
+        w = w.to(torch.int64) * random.as_int64(random._GOLDEN)
+        h = random.mix64(w + k1 if h is None else h + w)
+    bits = random._srl(random.mix64(h ^ k2), 11)
+    u = (bits + 1).to(torch.float64) * 2.0**-53
+    return torch.sqrt(-2.0 * torch.log(u[..., 0])) * torch.cos((2 * math.pi) * u[..., 1])
+
+
+# ----------------------------------------------------------------------------- the step
+class _ThermoStep(nn.Module):
+    """What is traced: ``pre``, the model's energy and derivatives, ``post``, and the next
+    step's ``pre`` for the look-ahead displacement from the last build ``ref``."""
+
+    def __init__(self, model: nn.Module, dt: float, stress: bool, scheme: Scheme,
+                 reduce: Reducer):
+        super().__init__()
+        self.model, self.dt, self.stress, self.scheme, self.reduce = (
+            model, dt, stress, scheme, reduce)
+
+    def forward(self, x: Tensor, v: Tensor, f: Tensor, ref: Tensor, fields: dict[str, Tensor],
+                vars: dict[str, Tensor], step: Tensor, draws: tuple, next_draws: tuple):
+        from xnn.models.derivatives import compute_properties
+
+        dt, sch, red = self.dt, self.scheme, self.reduce
+        fields = dict(fields)
+        edges = {k: fields.pop(k) for k in (K.EDGE_INDEX, K.SHIFTS)}
+        g = AtomicGraph({**fields, K.POSITIONS: x, K.VELOCITIES: v}, validate=False)
+        zero = torch.zeros_like(fields[K.CELL])
+        s = sch.pre(MDState(g, f, zero[:, 0, 0], zero, 0, vars), dt, red, draws, step)
+        model_fields = {k: t for k, t in fields.items() if k != K.FIXED}
+        graph = AtomicGraph({**model_fields, **edges, K.POSITIONS: s.positions}, validate=False)
+        out = compute_properties(self.model, graph, True, self.stress)
+        stress = out[K.STRESS] if self.stress else zero
+        s = s.replace(forces=out[K.FORCES], energy=out[K.ENERGY], stress=stress)
+        s = sch.post(s, dt, red, draws, step)
+        ahead = sch.pre(s, dt, red, next_draws, step + 1)
+        d_next = (ahead.positions - ref).norm(dim=-1).max()
+        return (s.positions, s.velocities, s.forces, s.energy, s.stress, d_next, step + 1,
+                *(s.vars[k] for k in sch.writes))
+
+
+def step(stepper, state: MDState, dt: float) -> MDState:
+    """One compiled step of ``stepper`` (a :class:`~xnn.dynamics.compiled.CompiledVerlet`
+    whose ``scheme`` is set) from ``state``; the eager step's result up to rounding."""
+    sch, g = stepper.scheme, state.graph
+    key = sch.key(state)
+    counter = stepper._counter
+    if counter is None or counter[0] != state.step:
+        counter = (state.step, torch.tensor(state.step, dtype=torch.int64, device=g.device))
+    cached = stepper._draws
+    draws = cached[1] if cached and cached[0] == state.step else sch.draws(state, state.step)
+    next_draws = sch.draws(state, state.step + 1)
+    vars_ = {k: state.vars[k] for k in sch.reads if k in state.vars}
+    x, v, f = g.positions.detach(), g.velocities, state.forces
+    stepper._ensure_list(g, lambda: sch.pre(state, dt, LOCAL, draws, counter[1]).positions)
+    fields = {k: g[k] for k in _FIELDS if k in g}
+    fields[K.EDGE_INDEX], fields[K.SHIFTS] = stepper._edges
+    inputs = (x, v, f, stepper._ref, fields, vars_, counter[1], draws, next_draws)
+    fn = stepper._function((type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
+                           lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch,
+                                               LOCAL), inputs)
+    x, v, f, energy, stress, stepper._next_disp, step_t, *written = fn(*inputs)
+    stepper._counter = (state.step + 1, step_t)
+    stepper._draws = (state.step + 1, next_draws)
+    return state.replace(graph=g.replace(positions=x, velocities=v), forces=f, energy=energy,
+                         stress=stress, step=state.step + 1, vars=dict(zip(sch.writes, written)))
+
+
+#: the ensembles that compile, by ``md.ensemble`` name
+SCHEMES = {"nve": Scheme, "langevin": LangevinScheme, "csvr": CSVRScheme, "nhc": NHCScheme}
+
+
+class CompiledIntegrator:
+    """The integrator interface (``init``, ``step``, ``conserved``) of ensemble ``name``
+    (a key of :data:`SCHEMES`) with compiled steps, made for one potential; ``init`` and
+    ``conserved`` are the eager module's.
+
+    Args:
+        name: ``nve``, ``langevin``, ``csvr`` or ``nhc``.
+        potential: the :class:`~xnn.models.Potential` every step evaluates.
+        backend: ``torch.compile`` backend (default :data:`~xnn.dynamics.compiled.DEFAULT_BACKEND`).
+        cuda_graph: replay each step as a CUDA graph.
+    """
+
+    def __init__(self, name: str, potential, backend: str | None = None,
+                 cuda_graph: bool = False):
+        from xnn.dynamics import compiled, registry
+
+        if name not in SCHEMES:
+            raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
+                             f"{name!r}: choose one of them or set compile: false")
+        module = registry.get_integrator(name)
+        self.init, self.conserved = module.init, module.conserved
+        self.stepper = compiled.CompiledVerlet(
+            potential, backend=backend or compiled.DEFAULT_BACKEND, cuda_graph=cuda_graph)
+        if name != "nve":  # NVE keeps the leaner step of CompiledVerlet
+            self.stepper.scheme = SCHEMES[name]()
+
+    def step(self, state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
+        if model is not self.stepper.potential or reduce is not LOCAL:
+            raise InputError("this compiled integrator runs its own potential in one process")
+        return self.stepper.step(state, dt)

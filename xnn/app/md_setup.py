@@ -193,6 +193,8 @@ def compiled_integrator(cfg: MDConfig, par):
     if cfg.ensemble != "nve":
         raise InputError(f"compile=true compiles ensemble nve only, not {cfg.ensemble!r}: set "
                          "ensemble: nve or compile: false")
+    if hasattr(par, "compiled_integrator"):  # several ranks: the compiled decomposed step
+        return par.compiled_integrator(cuda_graph=cfg.cuda_graph)
     if type(par.potential) is not Potential:
         raise InputError("compile=true runs in one process: launch without torchrun or set "
                          "compile: false")

@@ -39,7 +39,14 @@ def _model(name):
     from xnn.models import build
 
     torch.manual_seed(0)
-    return build("schnet", species=[29], cutoff=4.0, num_interactions=2).double()
+    before = torch.get_default_dtype()  # the same weights in the ranks (fp64 default) and here
+    torch.set_default_dtype(torch.float32)
+    try:
+        model = build("schnet", species=[29], cutoff=3.5, num_interactions=2, num_features=16,
+                      num_filters=16, num_basis=12)
+    finally:
+        torch.set_default_dtype(before)
+    return model.double()
 
 
 WARMUP = 100
@@ -156,6 +163,9 @@ def worker(rank, world, tmp):
     for name, steps in CASES.items():
         out[name] = {"eager": _eager(manager, name, steps, rank),
                      "compiled": _compiled(manager, name, steps, rank)}
+    import xnn.dynamics.compiled as one_process
+
+    one_process.DEFAULT_BACKEND = "aot_eager"  # the app's backend here: no C++ compile
     ports = FreshPorts(manager, 2)
     tmp = Path(tmp)
     for flag in (False, True):

@@ -113,7 +113,7 @@ class CompiledDomainVerlet:
     """
 
     def __init__(self, potential, backend: str = "inductor", growth: float = 1.25,
-                 headroom: float = 1.2, slack: int = 8):
+                 headroom: float = 1.25, slack: int = 16):
         if potential.mode != "halo":
             raise InputError(f"the compiled decomposed step needs dd.mode halo, not "
                              f"{potential.mode!r} (sync points exchange inside the model); "

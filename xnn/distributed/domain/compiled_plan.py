@@ -36,12 +36,13 @@ CAPACITIES = ("owned", "recv", "send", "local", "edges")
 
 @dataclass
 class Capacities:
-    """Capacities of the padded arrays, grown by ``growth`` (at least to ``headroom`` times
-    the count plus ``slack`` rows) when a rebuild overflows one."""
+    """Capacities of the padded arrays, grown by ``growth`` when a rebuild overflows one, and
+    at least to ``headroom n + 4 sqrt(n) + slack`` for a count ``n`` (counts per rank
+    fluctuate by a few ``sqrt(n)`` as atoms migrate: small domains need relatively more)."""
 
     growth: float = 1.25
-    headroom: float = 1.2
-    slack: int = 8
+    headroom: float = 1.25
+    slack: int = 16
     sizes: dict | None = None
 
     def fit(self, counts: dict[str, int]) -> bool:
@@ -51,7 +52,8 @@ class Capacities:
         for name in CAPACITIES:
             n, cap = counts[name], old.get(name, 0)
             new[name] = cap if n <= cap and cap > 0 else max(
-                math.ceil(n * self.headroom) + self.slack, math.ceil(cap * self.growth), 1)
+                math.ceil(n * self.headroom + 4.0 * math.sqrt(n)) + self.slack,
+                math.ceil(cap * self.growth), 1)
         self.sizes = new
         return new != old
 

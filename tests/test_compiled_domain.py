@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ SKIN = 0.5
 DT = 1.0
 REPS = (4, 4, 4)  # 64 atoms of a hot (2000 K) primitive FCC crystal
 CASES = {"lj": 200, "schnet": 40}  # steps
+SLOW = ("schnet",)  # its own spawn, under -m slow
 
 
 def _model(name):
@@ -154,24 +156,39 @@ def _cli(structure, out_dir, compile_):
     assert main(args) == 0, f"xnn md {' '.join(args)} failed"
 
 
-def worker(rank, world, tmp):
+def worker(rank, world, tmp, names, with_app):
     from xnn.distributed import DistributedManager
 
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
-    out = {}
-    for name, steps in CASES.items():
+    out, seconds = {}, {}
+    for name in names:
+        steps = CASES[name]
+        t0 = time.perf_counter()
         out[name] = {"eager": _eager(manager, name, steps, rank),
                      "compiled": _compiled(manager, name, steps, rank)}
+        seconds[name] = time.perf_counter() - t0
+    if not with_app:
+        return {**out, "seconds": seconds}
+    import xnn.distributed.domain.compiled as compiled
     import xnn.dynamics.compiled as one_process
 
     one_process.DEFAULT_BACKEND = "aot_eager"  # the app's backend here: no C++ compile
+    calls, step = [0], compiled.CompiledDomainVerlet.step
+
+    def counted(self, state, dt):
+        calls[0] += 1
+        return step(self, state, dt)
+
+    compiled.CompiledDomainVerlet.step = counted
     ports = FreshPorts(manager, 2)
     tmp = Path(tmp)
+    t0 = time.perf_counter()
     for flag in (False, True):
         ports.next()
         _cli(tmp / "ar.xyz", tmp / f"md_{world}_{flag}", flag)
-    return out
+    seconds["app"] = time.perf_counter() - t0
+    return {**out, "app_compiled_steps": calls[0], "seconds": seconds}
 
 
 _CACHE: dict = {}
@@ -184,19 +201,27 @@ def tmp(tmp_path_factory):
     return tmp
 
 
-def results(world, tmp):
-    if world not in _CACHE:
-        _CACHE[world] = spawn(worker, world, args=(str(tmp),), timeout_s=500)
-    return _CACHE[world]
+def results(world, tmp, slow=False):
+    """Per-rank results of a world size's spawn: the fast cases and the app, or the slow
+    cases."""
+    key = (world, slow)
+    if key not in _CACHE:
+        names = [n for n in CASES if (n in SLOW) == slow]
+        _CACHE[key] = spawn(worker, world, args=(str(tmp), names, not slow), timeout_s=500)
+    return _CACHE[key]
+
+
+def _params():
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
 
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", _params())
 def test_compiled_decomposed_nve_matches_eager_and_one_process(tmp, name):
-    res = results(2, tmp)
+    res = results(2, tmp, name in SLOW)
     ref = reference(name, CASES[name])
     r0 = res[0][name]
     for run in ("eager", "compiled"):
@@ -216,12 +241,12 @@ def test_compiled_decomposed_nve_matches_eager_and_one_process(tmp, name):
         assert all(s["rebuilds"] >= 3 for s in stats), stats
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", _params())
 def test_no_recompiles_and_fixed_breaks_per_step(tmp, name):
     """After the first step (3 regions compiled): the same compiled graphs over every later
     step with rebuilds and migrations on each rank; a step without re-plan is 3 compiled
     calls, 2 point-to-point exchanges and 1 collective."""
-    for r in results(2, tmp):
+    for r in results(2, tmp, name in SLOW):
         c = r[name]["compiled"]
         assert c["first"]["compiles"] == 3
         assert c["compiles"] == 3 and c["graphs"] == c["first"]["graphs"], c
@@ -237,7 +262,8 @@ def _rows(path):
 
 def test_xnn_md_compile_on_two_ranks_logs_the_eager_rows(tmp):
     """``xnn md compile=true`` under torchrun-like ranks: the thermo rows of compile=false."""
-    results(2, tmp)
+    res = results(2, tmp)
+    assert all(r["app_compiled_steps"] == 30 for r in res)  # the compiled decomposed step
     eager, compiled = (_rows(tmp / f"md_2_{flag}" / "thermo.csv") for flag in (False, True))
     assert len(compiled) == len(eager) == 30 // 5 + 2
     assert compiled[0] == eager[0]

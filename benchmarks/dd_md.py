@@ -13,6 +13,15 @@ models) over 1, 2, 4, 8 ranks. By default the script spawns its own ranks
 (Under torchrun all points run in the same processes one after the other; CUDA peaks are
 reset per point, CPU peaks are reset through ``/proc/self/clear_refs`` where allowed.)
 
+``--compile`` adds the layout ``compiled``: the domain layout stepped by the compiled
+decomposed step (:class:`xnn.distributed.domain.compiled.CompiledDomainVerlet`, backend
+``--compile-backend``), with its first (compiling) step time, recompiles after that step,
+and compiled regions / communication points (graph breaks) per step; the ratios compare it
+with ``domain`` (speed-up, conserved-energy difference)::
+
+    python benchmarks/dd_md.py --compile --ranks 2 --sizes 2000 --layouts domain \
+        --json benchmarks/results/dd_md_compiled_gloo2.json
+
 Layouts, both measured in the same run:
 
 * ``domain``: :class:`xnn.distributed.DomainPotential`. Rank 0 builds the crystal and scatters
@@ -52,7 +61,7 @@ except ImportError:  # run as `python benchmarks/dd_md.py` / `torchrun benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.common import write_json
 
-LAYOUTS = ("domain", "replicated")
+LAYOUTS = ("domain", "replicated", "compiled")
 AR = {"symbol": "Ar", "a": 5.26, "mass": 39.948}  # LJ argon near its 0 K lattice constant
 CU = {"symbol": "Cu", "a": 3.61, "mass": 63.546}
 
@@ -77,10 +86,16 @@ def parse_args(argv=None):
                    help="default: float64 on CPU, float32 on CUDA")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per point")
+    p.add_argument("--compile", action="store_true",
+                   help="also run the compiled decomposed step (layout compiled)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of --compile (inductor, aot_eager)")
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     args.ranks = [int(s) for s in args.ranks.split(",") if s.strip()]
     args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    if args.compile and "compiled" not in args.layouts:
+        args.layouts.append("compiled")
     bad = [s for s in args.layouts if s not in LAYOUTS]
     if bad:
         p.error(f"unknown layouts {bad}; choose from {list(LAYOUTS)}")
@@ -187,19 +202,20 @@ class Replicated:
 # ---------------------------------------------------------------------------- one point
 
 
-def _md(state, pot, reduce, args, device, migrate, stats):
-    """Warm-up and timed NVE steps; returns (state, seconds per step, max atoms held)."""
+def _md(state, pot, reduce, args, device, migrate, stats, step=None, done: int = 0):
+    """Warm-up and timed NVE steps (``step(state)``: the compiled step; ``done``: warm-up
+    steps already taken); returns (state, seconds per step, max atoms held)."""
     from xnn.distributed import collectives as C
     from xnn.dynamics import nve
 
     held = stats()["n_held"]
-    for i in range(args.warmup + args.steps):
+    for i in range(done, args.warmup + args.steps):
         if i == args.warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             C.all_reduce_sum(torch.zeros(1, device=device), getattr(pot, "group", None))
             t0 = time.perf_counter()
-        state = nve.step(state, pot, args.dt, reduce=reduce)
+        state = step(state) if step else nve.step(state, pot, args.dt, reduce=reduce)
         if migrate:
             state = pot.maybe_migrate(state)
         held = max(held, stats()["n_held"])
@@ -224,8 +240,9 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
     base = peak_bytes(device)
     model = build_model(args, device, dtype)
     t0 = time.perf_counter()
-    if layout == "domain":
-        pot = DomainPotential(model, manager, skin=args.skin)
+    if layout in ("domain", "compiled"):
+        pot = DomainPotential(model, manager, skin=args.skin,
+                              mode="halo" if layout == "compiled" else "auto")
         graph = crystal(n_atoms, args.model, dtype).to(device) if manager.is_main else None
         owned = pot.scatter(graph)
         del graph
@@ -244,14 +261,51 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
     gc.collect()
     setup_s = time.perf_counter() - t0
     e0 = float(nve.conserved(state, reduce))
-    state, step_s, held = _md(state, pot, reduce, args, device, layout == "domain", stats)
+    step, done, compiled = None, 0, {}
+    if layout == "compiled":
+        step, compiled = _compiled_step(pot, args, device)
+        state, done = step(state), 1  # the first step compiles
+        compiled["first_step_s"] = time.perf_counter() - compiled.pop("t0")
+    state, step_s, held = _md(state, pot, reduce, args, device, layout == "domain", stats,
+                              step, done)
     e1 = float(nve.conserved(state, reduce))
     st = stats()
-    return {"rank": manager.rank, "n_owned": st["n_owned"], "n_ghost": st["n_ghost"],
+    if layout == "compiled":
+        compiled = _compiled_figures(step.stepper, compiled)
+    return {"rank": manager.rank, **compiled, "n_owned": st["n_owned"], "n_ghost": st["n_ghost"],
             "n_held_max": held, "migrations": st["migrations"], "grid": st["grid"],
             "step_s": step_s, "setup_s": setup_s, "baseline_bytes": base,
             "peak_bytes": peak_bytes(device), "peak_fresh": fresh,
             "conserved_start_eV": e0, "conserved_end_eV": e1}
+
+
+def _compiled_step(pot, args, device):
+    """``step(state)`` of the compiled decomposed step, and the start time of its first
+    call (taken by the caller)."""
+    from xnn.distributed.domain.compiled import CompiledDomainVerlet
+
+    stepper = CompiledDomainVerlet(pot, backend=args.compile_backend)
+
+    def step(state):
+        return stepper.step(state, args.dt)
+
+    step.stepper = stepper
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return step, {"t0": time.perf_counter()}
+
+
+def _compiled_figures(stepper, figures: dict) -> dict:
+    """Recompiles after the first step and the per-step counts of the compiled step."""
+    from xnn.distributed.domain.compiled import REGIONS_PER_STEP, steps_summary
+
+    s = steps_summary(stepper)
+    return {**figures, "compiles": s["compiles"],
+            "recompiles_after_first_step": s["compiles"] - REGIONS_PER_STEP,
+            "replans": s["replans"], "regions_per_step": s["regions_per_step"],
+            "exchanges_per_step": s["exchanges_per_step"],
+            "collectives_per_step": s["collectives_per_step"],
+            "breaks_per_step": s["breaks_per_step"], "capacities": s["capacities"]}
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -337,6 +391,12 @@ def summarize(per_rank: list[dict], n_atoms_target: int, world: int, layout: str
                                      "migrations", "step_s", "baseline_bytes", "peak_bytes")}
                   for r in per_rank])
     row["held_over_ideal"] = row["held_max"] / (n / world)
+    if layout == "compiled":
+        for key in ("first_step_s", "recompiles_after_first_step", "compiles", "replans"):
+            row[key] = max(r[key] for r in per_rank)
+        for key in ("regions_per_step", "exchanges_per_step", "collectives_per_step",
+                    "breaks_per_step"):
+            row[key] = per_rank[0][key]
     return row
 
 
@@ -358,6 +418,12 @@ def ratios(rows: list[dict]) -> list[dict]:
             d["peak_abs_vs_1_rank"] = r["peak_bytes_max"] / max(one["peak_bytes_max"], 1)
             d["goal_peak_le_0.2"] = d["peak_over_baseline_vs_1_rank"] <= 0.2
             d["speedup_vs_1_rank"] = one["step_s"] / r["step_s"]
+        dom = next((q for q in ok if q["n_atoms_target"] == r["n_atoms_target"]
+                    and q["layout"] == "domain" and q["ranks"] == r["ranks"]), None)
+        if dom is not None and r["layout"] == "compiled":
+            d["speedup_vs_eager_domain"] = dom["step_s"] / r["step_s"]
+            d["conserved_end_diff_vs_domain_eV"] = abs(r["conserved_end_eV"]
+                                                      - dom["conserved_end_eV"])
         if rep is not None and r["layout"] == "domain":
             d["peak_over_baseline_vs_replicated"] = (r["peak_over_baseline_bytes_max"]
                                                      / max(rep["peak_over_baseline_bytes_max"], 1))
@@ -377,7 +443,10 @@ def _fmt(row: dict) -> str:
             f"owned {row['owned_min']}-{row['owned_max']} mig={row['migrations']} "
             f"peak={row['peak_bytes_max'] / mib:.0f} MiB "
             f"(+{row['peak_over_baseline_bytes_max'] / mib:.0f}) "
-            f"step={row['step_s'] * 1e3:.1f} ms {row['atom_steps_per_s']:.3g} atom-steps/s")
+            f"step={row['step_s'] * 1e3:.1f} ms {row['atom_steps_per_s']:.3g} atom-steps/s"
+            + (f" first step {row['first_step_s']:.1f} s, recompiles "
+               f"{row['recompiles_after_first_step']}, {row['breaks_per_step']:.2f} breaks/step"
+               if row["layout"] == "compiled" else ""))
 
 
 def main(argv=None) -> int:

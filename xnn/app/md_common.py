@@ -123,7 +123,9 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None):
     potential = load_potential(cfg.model, device, dtype)
     par = parallelize_md(potential, manager, skin=cfg.model.skin,
                          backend=cfg.model.neighbor_backend, mode=cfg.dd.mode,
-                         order=cfg.dd.order)
+                         order=cfg.dd.order,
+                         compile=bool(getattr(cfg, "compile", False)  # xnn md only
+                                      or getattr(cfg, "cuda_graph", False)))
     return cfg, device, dtype, par, folder
 
 

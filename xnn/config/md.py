@@ -221,8 +221,8 @@ class MDConfig:
     hooks: list[HookConfig] = hooks_field()
     compile: bool = field(False, "compile each MD step (kick, drift, model, forces, stress, "
                           "kick) into one torch.compile graph with fixed-capacity neighbor "
-                          "lists (ensembles nve, langevin, csvr, nhc; one process; the first "
-                          "step compiles)")
+                          "lists (ensembles nve, langevin, csvr, nhc in one process; nve under "
+                          "torchrun: the decomposed step, dd.mode halo; the first step compiles)")
     cuda_graph: bool = field(False, "replay the compiled step as a CUDA graph (implies compile; "
                              "CUDA devices only)")
     resume: str | None = resume_field()

@@ -22,7 +22,7 @@ from xnn.dynamics.parallel import SerialRun
 
 def parallelize_md(potential, manager=None, skin: float = 0.0,
                    backend: str = "auto", mode: str = "halo",
-                   order: str = "morton") -> SerialRun:
+                   order: str = "morton", compile: bool = False) -> SerialRun:
     """The run layer of an ``xnn md`` / ``xnn relax`` run.
 
     Args:
@@ -35,6 +35,9 @@ def parallelize_md(potential, manager=None, skin: float = 0.0,
         mode: ``"halo"`` (spatial boxes), ``"graph"`` (graph parallelism) or ``"auto"``
             (chosen on the structure); ``order``: atom order of mode graph. See
             :class:`~xnn.distributed.md_run.DomainRun`.
+        compile: ``md.compile``: on several ranks the run layer is a
+            :class:`~xnn.distributed.domain.compiled_run.CompiledDomainRun` (mode halo,
+            migration inside the compiled step); ignored in one process.
     Returns:
         a :class:`~xnn.dynamics.parallel.SerialRun` (one process) or a
         :class:`~xnn.distributed.md_run.DomainRun` (its subclass, several ranks).
@@ -43,6 +46,11 @@ def parallelize_md(potential, manager=None, skin: float = 0.0,
         return SerialRun(potential)
     from xnn.distributed.md_run import DomainRun
 
+    if compile:
+        from xnn.distributed.domain.compiled_run import CompiledDomainRun
+
+        return CompiledDomainRun(potential.model, manager, skin=skin, backend=backend,
+                                 mode=mode, order=order)
     return DomainRun(potential.model, manager, skin=skin, backend=backend, mode=mode,
                      order=order)
 

@@ -1,0 +1,288 @@
+"""The compiled velocity-Verlet step under domain decomposition (``md.compile=true`` on
+several ranks, mode ``halo``).
+
+A step of the eager decomposed NVE (:class:`~xnn.distributed.DomainPotential` with
+:func:`xnn.dynamics.nve.step`) runs as three compiled regions with fixed shapes and three
+communication points between them (the *graph breaks*, eager on purpose)::
+
+    [1] kick, drift, gather of the rows each peer needs     (compiled)
+        halo exchange of ghost positions                    (point-to-point, break 1)
+    [2] model energy of the padded local graph, its gradient
+        with respect to owned and ghost rows and the strain (compiled)
+        reverse exchange of ghost gradients                 (point-to-point, break 2)
+    [3] force sum, second kick, look-ahead displacements    (compiled)
+        one all-gather of energy, strain gradient and the
+        look-ahead displacements of every rank              (collective, break 3)
+
+Shapes survive rebuilds and migrations through the padding of
+:mod:`xnn.distributed.domain.compiled_plan` (inert atoms and edges, capacities grown
+geometrically on overflow: the only recompile). Region 3 returns the largest distance of
+the *next* drift's positions from the ghost plan's reference and from the last migration;
+when either exceeds ``skin / 2`` on some rank, all ranks migrate
+(:meth:`~xnn.distributed.DomainPotential.maybe_migrate`) and rebuild the plan at the next
+positions (:meth:`~xnn.distributed.DomainPotential.update`) eagerly, outside the graphs, so
+the plan is valid at every force evaluation. A steady step thus costs 3 compiled calls, 2
+point-to-point exchanges and 1 all-gather (the eager step: 2 exchanges and 4 all-reduces).
+
+Forces: ``F_owned = -(∂E_r/∂x_owned + Σ_peers ∂E_q/∂x_ghost)`` where ``E_r`` is the
+rank's share (its owned atoms' energies), the same sum as the eager step's backward through
+the exchange; the strain gradient is that of ``x_local (1 + ε)``, equal to the eager step's
+strained owners and cell. Results equal the eager decomposed step (and one process) to
+rounding. Models with sync points run in mode ``halo`` (ghosts of ``cutoff ×
+num_interactions``); long-range models are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.distributed import collectives as C
+from xnn.distributed.domain.compiled_plan import Capacities, PaddedPlan, pad_plan
+from xnn.dynamics.state import MDState, check_timestep
+from xnn.errors import InputError
+
+#: compiled regions and communication points (graph breaks) of a step without rebuild
+REGIONS_PER_STEP = 3
+BREAKS_PER_STEP = 3
+
+
+class _Model(nn.Module):
+    """Region 2: the rank's energy share on the padded local graph and its gradients."""
+
+    def __init__(self, model: nn.Module, stress: bool):
+        super().__init__()
+        self.model = model
+        self.stress = stress
+
+    def forward(self, x_owned: Tensor, recv: Tensor, src: Tensor, shifts: Tensor,
+                cell: Tensor, owned: Tensor, fields: dict[str, Tensor]):
+        base = torch.cat([x_owned, recv]).detach().requires_grad_(True)
+        eps = torch.zeros(3, 3, dtype=base.dtype, device=base.device)
+        if self.stress:
+            eps.requires_grad_(True)
+        x = base.index_select(0, src) + shifts @ cell[0]
+        x = x + x @ (0.5 * (eps + eps.T))
+        energies = self.model(AtomicGraph({**fields, K.POSITIONS: x}, validate=False))
+        e = torch.where(owned, energies, torch.zeros_like(energies)).sum()
+        leaves = [base, eps] if self.stress else [base]
+        grads = torch.autograd.grad(e, leaves, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+        g_eps = grads[1] if self.stress else torch.zeros_like(eps)
+        return e.detach(), grads[0], g_eps, x.detach()
+
+
+def _kick_drift(dt: float):
+    def region(x, v, f, inv_m, send_index):
+        v = v + (0.5 * dt) * (f / inv_m)
+        x = x + dt * v
+        return x, v, x.index_select(0, send_index)
+    return region
+
+
+def _finish(dt: float):
+    def region(x, v, g_base, back, send_index, inv_m, ref, migrated, e, g_eps):
+        g = g_base.index_add(0, send_index, back)
+        f = -g
+        a = f / inv_m
+        v = v + (0.5 * dt) * a
+        x_next = x + dt * (v + (0.5 * dt) * a)  # where region 1 of the next step drifts to
+        d = torch.stack([(x_next - ref).norm(dim=-1).max(),
+                         (x_next - migrated).norm(dim=-1).max()])
+        head = torch.cat([e.reshape(1), g_eps.reshape(9), d])
+        return v, f, head
+    return region
+
+
+class CompiledDomainVerlet:
+    """Velocity-Verlet (NVE) steps of a :class:`~xnn.distributed.DomainPotential` through
+    three compiled regions per capacity (see the module docstring).
+
+    Args:
+        potential: the decomposed potential (mode ``halo``, no long-range terms).
+        backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` for tests).
+        growth, headroom, slack: capacity policy (:class:`~.compiled_plan.Capacities`).
+    Attributes:
+        n_compiles: regions compiled so far (three per set of capacities).
+        n_replans: padded plans made (first step, rebuilds, migrations).
+        n_steps, n_region_calls, n_exchanges, n_collectives: per-run counts of steps,
+            compiled calls, point-to-point exchanges and collectives of the steps (rebuilds
+            included; the initial evaluation excluded).
+    """
+
+    def __init__(self, potential, backend: str = "inductor", growth: float = 1.25,
+                 headroom: float = 1.25, slack: int = 16):
+        if potential.mode != "halo":
+            raise InputError(f"the compiled decomposed step needs dd.mode halo, not "
+                             f"{potential.mode!r} (sync points exchange inside the model); "
+                             "set dd.mode: halo or compile: false")
+        if potential.long_range:
+            raise InputError("the compiled decomposed step does not run long-range models "
+                             "(their global sums are collectives inside the model); set "
+                             "compile: false")
+        if growth <= 1.0 or headroom < 1.0:
+            raise InputError(f"growth must be > 1 and headroom >= 1, got {growth}, {headroom}")
+        self.potential = potential
+        self.backend = backend
+        self.caps = Capacities(float(growth), float(headroom), int(slack))
+        self.n_compiles = self.n_replans = self.n_steps = 0
+        self.n_region_calls = self.n_exchanges = self.n_collectives = 0
+        self._plan: PaddedPlan | None = None
+        self._fns: dict = {}
+        self._pad_z: int | None = None
+        self._x_local: Tensor | None = None
+
+    # ------------------------------------------------------------------ compilation
+    def _compiled(self, name: str, key: tuple, make, inputs):
+        full = (name, *key)
+        if full not in self._fns:
+            self._fns[full] = self._compile(make(), inputs)
+        self.n_region_calls += 1
+        return self._fns[full]
+
+    def _compile(self, fn, inputs):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from xnn.models.base import tracing_graph
+
+        with tracing_graph():
+            gm = make_fx(fn, tracing_mode="fake")(*inputs)
+        self.n_compiles += 1
+        return torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True)
+
+    def _model_region(self, stress: bool, inputs):
+        from torch.func import functional_call
+
+        step = _Model(self.potential.model, stress)
+        weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
+        weights = {k: t.detach() for k, t in weights.items()}
+        key = (tuple(sorted(self._plan.caps.items())), stress)
+        fn = self._compiled("model", key, lambda: lambda w, *a: functional_call(step, w, a),
+                            (weights, *inputs))
+        return fn(weights, *inputs)
+
+    # ------------------------------------------------------------------ padding
+    def _padded(self, t: Tensor, cap: int) -> Tensor:
+        """``t [n_owned, ...]`` as ``[cap, ...]`` (zero rows appended); a view of the last
+        step's padded output is used as it is."""
+        base = t._base
+        if base is not None and base.shape[0] == cap and t.data_ptr() == base.data_ptr() \
+                and base.shape[1:] == t.shape[1:]:
+            return base
+        out = t.new_zeros((cap, *t.shape[1:]))
+        out[: t.shape[0]] = t
+        return out
+
+    def _replan(self, state: MDState, dt: float) -> None:
+        """Rebuild the ghost plan where it is stale at the next drift's positions, then
+        pad it. Collective."""
+        pot, g = self.potential, state.graph
+        if self._pad_z is None:  # a species of the system for the padding atoms
+            z = g.numbers.max() if g.n_atoms else g.numbers.new_tensor(-1)
+            self._pad_z = int(C.all_reduce_max(z.reshape(1).double(), pot.group)[0])
+            self.n_collectives += 1
+        pot.update(g.replace(positions=_drifted(g, state.forces, dt)))
+        self.n_collectives += 1
+        if not torch.equal(pot.state.graph.atom_id, g.atom_id):
+            raise InputError("the compiled decomposed step got other atoms than its "
+                             "potential's plan holds; pass the states it returns")
+        self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, 2.0 * pot.halo_width
+                              + 2.0 * pot.cutoff)
+        self.n_replans += 1
+
+    # ------------------------------------------------------------------ exchanges
+    def _exchange(self, send: Tensor, recv: Tensor, send_counts, recv_counts) -> None:
+        p = self._plan
+        sends = list(zip(p.peers, torch.split(send[: sum(send_counts)], send_counts)))
+        recvs = list(zip(p.peers, torch.split(recv[: sum(recv_counts)], recv_counts)))
+        C.exchange(sends, recvs, self.potential.group)
+        self.n_exchanges += 1
+
+    # ------------------------------------------------------------------ the step
+    def step(self, state: MDState, dt: float) -> MDState:
+        """Advance ``state`` (this rank's owned atoms) by ``dt`` (fs); atoms migrate when
+        the look-ahead asks for it. Collective."""
+        dt = check_timestep(dt)
+        pot = self.potential
+        if self._plan is None or self._plan.state is not pot.state:
+            self._replan(state, dt)
+        p, g = self._plan, state.graph
+        co = p.caps["owned"]
+        x, v, f = (self._padded(t, co) for t in (g.positions.detach(), g.velocities,
+                                                 state.forces))
+        args = (x, v, f, p.inv_m, p.send_index)
+        x, v, send = self._compiled("kick", (co, p.caps["send"], dt), lambda: _kick_drift(dt),
+                                    args)(*args)
+        self._exchange(send, p.recv_buf, p.send_counts, p.recv_counts)  # ghost positions
+        cell = g.cell.detach()
+        e, g_base, g_eps, self._x_local = self._model_region(
+            state.compute_stress, (x, p.recv_buf, p.src, p.shifts, cell, p.owned_mask,
+                                   p.fields))
+        self._exchange(g_base[co:], p.back_buf, p.recv_counts, p.send_counts)  # reverse
+        args = (x, v, g_base[:co], p.back_buf, p.send_index, p.inv_m, p.ref, p.migrated, e,
+                g_eps)
+        v, f, head = self._compiled("finish", (co, p.caps["send"], dt), lambda: _finish(dt),
+                                    args)(*args)
+        every = C.all_gather_tensor(head, pot.group)
+        self.n_collectives += 1
+        self.n_steps += 1
+        n = p.n_owned
+        energy, g_strain = every[:, 0].sum().reshape(1), every[:, 1:10].sum(0).reshape(1, 3, 3)
+        stress = torch.zeros_like(g.cell)
+        if state.compute_stress:
+            periodic = g.pbc.all(-1)
+            vol = torch.where(periodic, g.volume(), torch.ones_like(g.volume()))
+            stress = torch.where(periodic[:, None, None], g_strain / vol[:, None, None], stress)
+        pot._last_eval = (self._x_local[: p.state.local.n_local], p.state.local, g.atom_id)
+        out = state.replace(graph=g.replace(positions=x[:n], velocities=v[:n]), forces=f[:n],
+                            energy=energy, stress=stress, step=state.step + 1)
+        if bool((every[:, 10:].max() > 0.5 * pot.skin).item()):
+            out = pot.maybe_migrate(out)  # collective: every rank has the same maxima
+            self.n_collectives += 1
+            self._replan(out, dt)
+        return out
+
+
+def _drifted(g: AtomicGraph, forces: Tensor, dt: float) -> Tensor:
+    """The positions region 1 drifts to (fixed atoms stay)."""
+    from xnn.dynamics.state import accelerations
+
+    v = g.velocities + (0.5 * dt) * accelerations(forces, g)
+    return g.positions.detach() + dt * v
+
+
+class CompiledDomainNVE:
+    """The integrator interface of :mod:`xnn.dynamics.nve` (``init``, ``step``,
+    ``conserved``) with steps through :class:`CompiledDomainVerlet`, for one decomposed
+    potential; migration happens inside the steps (the run layer must not migrate again)."""
+
+    def __init__(self, potential, backend: str | None = None):
+        from xnn.dynamics import nve
+        from xnn.dynamics.compiled import DEFAULT_BACKEND
+
+        self._nve = nve
+        self.stepper = CompiledDomainVerlet(potential, backend=backend or DEFAULT_BACKEND)
+
+    def init(self, state: AtomicGraph, model, reduce):
+        return self._nve.init(state, model, reduce=reduce)
+
+    def step(self, state: MDState, model, dt: float, reduce=None) -> MDState:
+        if model is not self.stepper.potential:
+            raise InputError("this compiled integrator runs its own decomposed potential")
+        return self.stepper.step(state, dt)
+
+    def conserved(self, state: MDState, reduce) -> Tensor:
+        return self._nve.conserved(state, reduce)
+
+
+def steps_summary(stepper: CompiledDomainVerlet) -> dict:
+    """Counts per step of a run (for benchmarks and reports)."""
+    n = max(stepper.n_steps, 1)
+    return {"steps": stepper.n_steps, "compiles": stepper.n_compiles,
+            "replans": stepper.n_replans, "regions_per_step": stepper.n_region_calls / n,
+            "exchanges_per_step": stepper.n_exchanges / n,
+            "collectives_per_step": stepper.n_collectives / n,
+            "breaks_per_step": (stepper.n_exchanges + stepper.n_collectives) / n,
+            "capacities": dict(stepper.caps.sizes or {})}

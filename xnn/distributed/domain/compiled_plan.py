@@ -1,0 +1,150 @@
+"""Fixed-capacity arrays of one rank's decomposed domain, for the compiled decomposed step.
+
+Between two ghost-plan rebuilds a rank's owned atoms, ghosts, messages and local edges keep
+their counts; a rebuild (or a migration) changes them. :class:`PaddedPlan` pads every array
+that the compiled regions of :mod:`xnn.distributed.domain.compiled` read to a *capacity*,
+so that their shapes (and the compiled graphs) survive rebuilds:
+
+* owned rows ``[cap_owned]`` (positions, velocities, forces, ``m MVV2E`` with ``inf`` on
+  padding and fixed atoms: padding rows never move and have zero acceleration);
+* the exchange base ``[cap_owned + cap_recv]``: owned rows, then the ghost rows received
+  from other ranks; each local atom ``[cap_local]`` is ``base[src] + shift @ cell``, padding
+  local atoms copy row 0 and own no energy (masked out of the rank's sum);
+* send rows ``[cap_send]`` (the owned rows every peer needs, concatenated in peer order);
+* local edges ``[cap_edges]``: padding edges are self-edges shifted by one lattice vector of
+  a fictitious local cell ``diag(L)`` with ``L`` beyond every reach, so they carry no weight
+  (real edges have zero shifts: their vectors are unchanged).
+
+Capacities grow geometrically when a rebuild overflows one (the only event that compiles).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from xnn.data import keys as K
+from xnn.distributed.domain.local import _SYSTEM_RESULTS
+from xnn.units import MVV2E
+
+#: capacity names, in the order of :attr:`PaddedPlan.capacities`
+CAPACITIES = ("owned", "recv", "send", "local", "edges")
+
+
+@dataclass
+class Capacities:
+    """Capacities of the padded arrays, grown by ``growth`` when a rebuild overflows one, and
+    at least to ``headroom n + 4 sqrt(n) + slack`` for a count ``n`` (counts per rank
+    fluctuate by a few ``sqrt(n)`` as atoms migrate: small domains need relatively more)."""
+
+    growth: float = 1.25
+    headroom: float = 1.25
+    slack: int = 16
+    sizes: dict | None = None
+
+    def fit(self, counts: dict[str, int]) -> bool:
+        """Grow to hold ``counts``; True if any capacity changed."""
+        old = dict(self.sizes or {})
+        new = {}
+        for name in CAPACITIES:
+            n, cap = counts[name], old.get(name, 0)
+            new[name] = cap if n <= cap and cap > 0 else max(
+                math.ceil(n * self.headroom + 4.0 * math.sqrt(n)) + self.slack,
+                math.ceil(cap * self.growth), 1)
+        self.sizes = new
+        return new != old
+
+
+@dataclass
+class PaddedPlan:
+    """One rebuild's padded arrays (see the module docstring). ``n_*``: true counts."""
+
+    state: object  # the DomainState it pads
+    n_owned: int
+    n_recv: int
+    send_counts: list[int]
+    recv_counts: list[int]
+    peers: list[int]
+    caps: dict
+    src: Tensor  # [cap_local] rows of the base
+    shifts: Tensor  # [cap_local, 3] float
+    owned_mask: Tensor  # [cap_local] bool
+    send_index: Tensor  # [cap_send]
+    inv_m: Tensor  # [cap_owned, 1] m MVV2E, inf on fixed and padding rows
+    ref: Tensor  # [cap_owned, 3] positions at the rebuild
+    migrated: Tensor  # [cap_owned, 3] positions at the last migration (inf: unknown)
+    fields: dict  # the local graph's fields but positions
+    recv_buf: Tensor  # [cap_recv, 3] received ghost positions
+    back_buf: Tensor  # [cap_send, 3] received ghost gradients, in send order
+
+
+def _pad(t: Tensor, n: int, value=0) -> Tensor:
+    """``t`` with ``n - len(t)`` rows of ``value`` appended."""
+    extra = t.new_full((n - t.shape[0], *t.shape[1:]), value)
+    return torch.cat([t, extra])
+
+
+def local_box(reach: float, like: Tensor) -> Tensor:
+    """``[1, 3, 3]`` the fictitious cell of the local graph: ``diag(L)``, ``L > 2 reach``."""
+    return torch.eye(3, dtype=like.dtype, device=like.device)[None] * (2.0 * reach + 10.0)
+
+
+def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float) -> PaddedPlan:
+    """Pad the arrays of ``state`` (a :class:`~xnn.distributed.domain.state.DomainState`)
+    and its owned ``graph`` (same atoms, same order) to the (grown) capacities.
+
+    ``pad_z``: atomic number of the padding atoms (one the model knows); ``reach``: Å, an
+    upper bound of every length the model looks at (the padding edges are longer).
+    """
+    dom, dev, dtype = state.local, graph.positions.device, graph.positions.dtype
+    plan = dom.plan
+    n_o, n_r, n_l = dom.n_owned, plan.n_recv, dom.n_local
+    n_e = int(dom.edge_index.shape[1])
+    caps.fit({"owned": n_o, "recv": n_r, "send": plan.n_send, "local": n_l, "edges": n_e})
+    c = caps.sizes
+    base_rows = torch.arange(n_o, device=dev)
+    src = torch.cat([base_rows, dom.self_src.to(dev), c["owned"] + torch.arange(n_r, device=dev)])
+    sends = [s.to(dev) for s in plan.send_index]
+    send_index = torch.cat(sends) if sends else torch.zeros(0, dtype=torch.long, device=dev)
+    free = ~graph[K.FIXED].to(torch.bool) if K.FIXED in graph else torch.ones(
+        n_o, dtype=torch.bool, device=dev)
+    m = torch.where(free, graph.masses * MVV2E, torch.full_like(graph.masses, math.inf))
+    migrated = state.migrated
+    if migrated is None:  # ownership unknown: the first look-ahead asks for a migration
+        migrated = torch.full_like(graph.positions, math.inf)
+    return PaddedPlan(
+        state, n_o, n_r, [int(s.numel()) for s in sends], list(plan.recv_counts),
+        list(plan.peers), dict(c), _pad(src, c["local"]),
+        _pad(dom.shifts.to(device=dev, dtype=dtype), c["local"]),
+        torch.arange(c["local"], device=dev) < n_o, _pad(send_index, c["send"]),
+        _pad(m[:, None], c["owned"], math.inf), _pad(state.ref_positions.detach(), c["owned"]),
+        _pad(migrated.detach(), c["owned"]), _local_fields(dom, graph, c, pad_z, reach),
+        torch.zeros(c["recv"], 3, dtype=dtype, device=dev),
+        torch.zeros(c["send"], 3, dtype=dtype, device=dev))
+
+
+def _local_fields(dom, graph, c: dict, pad_z: int, reach: float) -> dict[str, Tensor]:
+    """The local graph's fields (as :func:`~xnn.distributed.domain.local.local_graph`
+    makes them) padded to ``cap_local`` atoms and ``cap_edges`` edges; no positions."""
+    dev = graph.positions.device
+    fields = {}
+    for name in dom.ghost_fields:
+        value = dom.local_field(name, graph[name])
+        fields[name] = _pad(value, c["local"], pad_z if name == K.NUMBERS else 0)
+    for name, value in graph.fields.items():
+        if K.scope_of(name) == K.SYSTEM and name not in _SYSTEM_RESULTS:
+            fields[name] = value
+    fields[K.BATCH] = torch.zeros(c["local"], dtype=torch.long, device=dev)
+    fields[K.CELL] = local_box(reach, graph.positions)
+    fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=dev)
+    ei = dom.edge_index.to(dev)
+    n_pad = c["edges"] - ei.shape[1]
+    atoms = torch.arange(n_pad, device=dev) % c["local"]
+    fields[K.EDGE_INDEX] = torch.cat([ei, torch.stack([atoms, atoms])], 1)
+    shifts = torch.zeros(c["edges"], 3, dtype=torch.long, device=dev)
+    shifts[ei.shape[1]:, 0] = 1  # one fictitious lattice vector: |r| = L beyond every reach
+    fields[K.SHIFTS] = shifts
+    return fields

@@ -1,0 +1,41 @@
+"""The run layer of ``xnn md compile=true`` on several ranks: a
+:class:`~xnn.distributed.md_run.DomainRun` whose steps are compiled
+(:mod:`xnn.distributed.domain.compiled`) and migrate inside the step."""
+
+from __future__ import annotations
+
+from xnn.distributed.domain.potential import DomainPotential
+from xnn.distributed.md_run import DomainRun
+from xnn.errors import InputError
+
+
+class CompiledDomainRun(DomainRun):
+    """:class:`~xnn.distributed.md_run.DomainRun` in mode ``halo`` (``auto`` means halo
+    here; ``graph`` is refused) for :class:`~xnn.distributed.domain.compiled.CompiledDomainNVE`.
+
+    The potential is a :class:`~xnn.distributed.DomainPotential` in mode ``halo`` also for
+    models with sync points (their exchanges would break the compiled model region), and
+    :meth:`after_step` leaves the state as it is: the compiled step migrates itself.
+    """
+
+    def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
+                 order: str = "morton"):
+        if mode == "graph":
+            raise InputError("compile=true on several ranks runs dd.mode halo, not graph: set "
+                             "dd.mode: halo or compile: false")
+        super().__init__(model, manager, skin, backend, "halo", order)
+        self.potential = DomainPotential(model, manager, skin=skin, mode="halo",
+                                         backend=backend)
+        self.reduce = self.potential.reducer
+
+    def after_step(self, state):
+        return state
+
+    def compiled_integrator(self, cuda_graph: bool = False):
+        """The compiled NVE integrator of this run's potential."""
+        from xnn.distributed.domain.compiled import CompiledDomainNVE
+
+        if cuda_graph:
+            raise InputError("md.cuda_graph runs in one process; on several ranks set "
+                             "cuda_graph: false (compile: true alone compiles the step)")
+        return CompiledDomainNVE(self.potential)

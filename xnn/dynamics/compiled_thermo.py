@@ -271,6 +271,7 @@ def step(stepper, state: MDState, dt: float) -> MDState:
                            lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch,
                                                LOCAL), inputs)
     x, v, f, energy, stress, stepper._next_disp, step_t, *written = fn(*inputs)
+    stepper._returned = x
     stepper._counter = (state.step + 1, step_t)
     stepper._draws = (state.step + 1, next_draws)
     return state.replace(graph=g.replace(positions=x, velocities=v), forces=f, energy=energy,

@@ -11,13 +11,9 @@ import torch
 from test_compiled_md import SKIN, _md, _model, _system, _unique_graphs
 
 from xnn.dynamics import csvr, langevin, nhc
-from xnn.dynamics.compiled_thermo import (
-    CompiledIntegrator,
-    LangevinScheme,
-    normal_keyed,
-    stream_key_of,
-)
-from xnn.dynamics.state import RNG_KEY, RNG_STEP0
+from xnn.dynamics.compiled_random import csvr_draws, normal_keyed, stream_key_of
+from xnn.dynamics.compiled_thermo import CompiledIntegrator, LangevinScheme
+from xnn.dynamics.state import RNG_KEY, RNG_STEP0, new_rng
 from xnn.errors import InputError
 from xnn.models import Potential
 
@@ -115,6 +111,19 @@ def test_graph_noise_is_the_eager_noise():
     k1, k2 = stream_key_of(7, 2, torch.tensor(4))
     ids = torch.arange(5)
     assert not torch.equal(normal_keyed(k1, k2, ids), normal_keyed(k2, k1, ids))
+
+
+@pytest.mark.parametrize("nf", [[1.0, 2.0, 95.0], [3.0, 400.0, 3.0]])
+def test_graph_csvr_draws_are_the_eager_draws(nf):
+    """R and S (a Gamma variate: small and large shapes) at a step tensor equal
+    csvr.draws, with system indices and with per-system keys."""
+    nf = torch.tensor(nf, dtype=torch.float64)
+    keyed = {RNG_KEY: torch.tensor([4, 9, 2]), RNG_STEP0: torch.tensor([0, -3, 5])}
+    for vars_ in ({}, keyed):
+        for step, stage in ((0, 0), (13, 1), (2**35, 0)):
+            want = csvr.draws(new_rng(21), step, stage, nf, vars_)
+            got = csvr_draws(21, torch.tensor(step), stage, nf, vars_)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_langevin_with_fixed_atoms_and_slot_keys(one_thread):

@@ -171,15 +171,15 @@ def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_inductor_langevin_matches_eager(one_thread):
-    """The default backend (inductor's C++) compiles the int64 noise hash to the same bits:
-    the trajectory is the eager one."""
-    model = _model("lj")
-    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
-    integ = CompiledIntegrator("langevin", compiled_pot, backend="inductor")
-    eager = compiled = langevin.init(_system(), eager_pot, **ARGS["langevin"])
+@pytest.mark.parametrize("name", ["langevin", "csvr"])
+def test_inductor_thermostat_matches_eager(name, one_thread):
+    """The default backend (inductor's C++) compiles the int64 hash of the noise and of the
+    CSVR draws to the same bits: the trajectory is the eager one."""
+    mod, pot, integ, eager = _pair(name)
+    integ = CompiledIntegrator(name, integ.stepper.potential, backend="inductor")
+    compiled = eager
     for _ in range(30):
-        eager = langevin.step(eager, eager_pot, 2.0)
-        compiled = integ.step(compiled, compiled_pot, 2.0)
+        eager = mod.step(eager, pot, 2.0)
+        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
     assert integ.stepper.n_compiles == 1
-    _assert_same(langevin, eager, compiled)
+    _assert_same(mod, eager, compiled)

@@ -1,6 +1,7 @@
 """``md.cuda_graph=true``: on a GPU (skipped without CUDA) the compiled step (inductor)
 replayed as a CUDA graph follows the eager step over 50 steps with rebuilds, captures once
-and compiles nothing after its first step (NVE and Langevin, fp64, LJ); on the CPU, the
+and compiles nothing after its first step (NVE, Langevin and CSVR, fp64, LJ: the
+noise hash compiled by Triton gives the eager bits); on the CPU, the
 replay's bookkeeping (static buffers, inputs copied only when they changed, edges after a
 rebuild) through a stand-in for the CUDA graph that runs the captured call again."""
 
@@ -12,16 +13,17 @@ import pytest
 import torch
 from test_compiled_md import SKIN, _model, _system, _unique_graphs
 
-from xnn.dynamics import langevin, nve
+from xnn.dynamics import csvr, langevin, nve
 from xnn.dynamics.compiled_thermo import CompiledIntegrator
 from xnn.models import Potential
 
-ARGS = {"nve": {}, "langevin": dict(temperature=500.0, friction=0.05, seed=7)}
-MODULES = {"nve": nve, "langevin": langevin}
+ARGS = {"nve": {}, "langevin": dict(temperature=500.0, friction=0.05, seed=7),
+        "csvr": dict(temperature=500.0, tau=20.0, seed=7)}
+MODULES = {"nve": nve, "langevin": langevin, "csvr": csvr}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["nve", "langevin"])
+@pytest.mark.parametrize("name", ["nve", "langevin", "csvr"])
 def test_cuda_graph_replay_follows_eager(name):
     torch._dynamo.utils.counters.clear()
     dev = torch.device("cuda")

@@ -11,13 +11,9 @@ import torch
 from test_compiled_md import SKIN, _md, _model, _system, _unique_graphs
 
 from xnn.dynamics import csvr, langevin, nhc
-from xnn.dynamics.compiled_thermo import (
-    CompiledIntegrator,
-    LangevinScheme,
-    normal_keyed,
-    stream_key_of,
-)
-from xnn.dynamics.state import RNG_KEY, RNG_STEP0
+from xnn.dynamics.compiled_random import csvr_draws, normal_keyed, stream_key_of
+from xnn.dynamics.compiled_thermo import CompiledIntegrator, LangevinScheme
+from xnn.dynamics.state import RNG_KEY, RNG_STEP0, new_rng
 from xnn.errors import InputError
 from xnn.models import Potential
 
@@ -77,6 +73,28 @@ def test_compiled_thermostat_with_schnet(name, one_thread):
     _assert_same(mod, eager, compiled)
 
 
+@pytest.mark.parametrize("name", ["langevin", "csvr"])
+def test_compiled_steps_continue_a_resumed_state(name, one_thread):
+    """Started from a state at step 7 (a resumed run) and then handed an earlier one, the
+    compiled step keys its random numbers by each state's step, as the eager step does,
+    and builds a list for the state it is handed."""
+    mod, pot, integ, eager = _pair(name)
+    for _ in range(7):
+        eager = mod.step(eager, pot, 2.0)
+    other = eager
+    compiled = eager
+    for _ in range(8):
+        eager = mod.step(eager, pot, 2.0)
+        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    _assert_same(mod, eager, compiled)
+    rebuilds = integ.stepper.n_rebuilds
+    other_eager = mod.step(other, pot, 2.0)
+    other_compiled = integ.step(other, integ.stepper.potential, 2.0)
+    assert integ.stepper.n_rebuilds == rebuilds + 1
+    _assert_same(mod, other_eager, other_compiled)
+    assert integ.stepper.n_compiles == 1
+
+
 def test_graph_noise_is_the_eager_noise():
     """The hash on a step tensor (the key the graph computes) gives langevin.noise's bits,
     with system indices and with per-system keys (slots)."""
@@ -93,6 +111,19 @@ def test_graph_noise_is_the_eager_noise():
     k1, k2 = stream_key_of(7, 2, torch.tensor(4))
     ids = torch.arange(5)
     assert not torch.equal(normal_keyed(k1, k2, ids), normal_keyed(k2, k1, ids))
+
+
+@pytest.mark.parametrize("nf", [[1.0, 2.0, 95.0], [3.0, 400.0, 3.0]])
+def test_graph_csvr_draws_are_the_eager_draws(nf):
+    """R and S (a Gamma variate: small and large shapes) at a step tensor equal
+    csvr.draws, with system indices and with per-system keys."""
+    nf = torch.tensor(nf, dtype=torch.float64)
+    keyed = {RNG_KEY: torch.tensor([4, 9, 2]), RNG_STEP0: torch.tensor([0, -3, 5])}
+    for vars_ in ({}, keyed):
+        for step, stage in ((0, 0), (13, 1), (2**35, 0)):
+            want = csvr.draws(new_rng(21), step, stage, nf, vars_)
+            got = csvr_draws(21, torch.tensor(step), stage, nf, vars_)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_langevin_with_fixed_atoms_and_slot_keys(one_thread):
@@ -132,6 +163,7 @@ def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeyp
     assert not made
     fast = _md(tmp_path, "compiled", "compile=true", *extra)
     assert len(made) == 30 and made[0].n_compiles == 1 and made[0].scheme is not None
+    assert made[0].n_rebuilds < 10  # the loop hands back the states it gets: no rebuild each step
     assert len(fast) == len(eager) > 3
     for a, b in zip(eager[1:], fast[1:]):
         va, vb = [float(x) for x in a.split(",")], [float(x) for x in b.split(",")]
@@ -139,15 +171,15 @@ def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_inductor_langevin_matches_eager(one_thread):
-    """The default backend (inductor's C++) compiles the int64 noise hash to the same bits:
-    the trajectory is the eager one."""
-    model = _model("lj")
-    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
-    integ = CompiledIntegrator("langevin", compiled_pot, backend="inductor")
-    eager = compiled = langevin.init(_system(), eager_pot, **ARGS["langevin"])
+@pytest.mark.parametrize("name", ["langevin", "csvr"])
+def test_inductor_thermostat_matches_eager(name, one_thread):
+    """The default backend (inductor's C++) compiles the int64 hash of the noise and of the
+    CSVR draws to the same bits: the trajectory is the eager one."""
+    mod, pot, integ, eager = _pair(name)
+    integ = CompiledIntegrator(name, integ.stepper.potential, backend="inductor")
+    compiled = eager
     for _ in range(30):
-        eager = langevin.step(eager, eager_pot, 2.0)
-        compiled = integ.step(compiled, compiled_pot, 2.0)
+        eager = mod.step(eager, pot, 2.0)
+        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
     assert integ.stepper.n_compiles == 1
-    _assert_same(langevin, eager, compiled)
+    _assert_same(mod, eager, compiled)

@@ -116,6 +116,7 @@ class CompiledVerlet:
         self._draws: tuple | None = None  # (step, its host-made random inputs)
         self._mass: tuple | None = None  # (ids of masses and fixed, mass_mvv, masses)
         self._replay = None  # the CudaGraphStep of the current function (cuda_graph)
+        self._returned: Tensor | None = None  # positions of the state the last step returned
 
     # ------------------------------------------------------------------ neighbor list
     def _rebuild(self, graph: AtomicGraph, positions: Tensor) -> None:
@@ -136,8 +137,9 @@ class CompiledVerlet:
 
     def _ensure_list(self, g: AtomicGraph, positions) -> None:
         """Rebuild the list at ``positions()`` (the next force call's positions) when there
-        is none for this system or the last step's look-ahead left the skin."""
-        if self._edges is None or self._ref is None or self._ref.shape != g.positions.shape:
+        is none for this system, the state is not the one the last step returned (its
+        look-ahead says nothing about it), or that look-ahead left the skin."""
+        if self._edges is None or self._ref is None or g.positions is not self._returned:
             self._next_disp = None
             self._rebuild(g, positions())
         elif self._next_disp is not None and bool(self._next_disp > 0.5 * self.neighbors.skin):
@@ -197,6 +199,7 @@ class CompiledVerlet:
         key = (dt, state.compute_stress, g.n_atoms)
         fn = self._function(key, lambda: _Step(self.model, dt, state.compute_stress), inputs)
         x, v, f, energy, stress, self._next_disp = fn(*inputs)
+        self._returned = x
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
                              energy=energy, stress=stress, step=state.step + 1)
 

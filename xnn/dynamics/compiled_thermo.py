@@ -11,28 +11,24 @@ arithmetic. The traced function is ``pre``, model, forces (and stress), ``post``
 decides the next rebuild (as for NVE). The step number is a device int64 counter in the
 graph's inputs and outputs, so nothing in the graph depends on a host value that changes.
 
-Random numbers equal the eager ones bit for bit:
-
-* Langevin's noise is hashed in the graph (:mod:`xnn.dynamics.random`'s SplitMix64 chain,
-  int64 ops, the key of step ``n`` computed from the step counter), for this step and the
-  next (the look-ahead), elementwise and fused;
-* CSVR's per-system draws (a normal and a Gamma variate, a few values per system) are
-  drawn on the host side by :func:`xnn.dynamics.csvr.draws`, for step ``n + 1`` once per
-  step, and passed in.
+Random numbers equal the eager ones bit for bit: Langevin's noise and CSVR's per-system
+draws (a normal and a Gamma variate) are hashed in the graph (:mod:`xnn.dynamics.
+compiled_random`: :mod:`xnn.dynamics.random`'s SplitMix64 chain in int64 ops, the key of
+step ``n`` computed from the step counter), for this step and the next (the look-ahead),
+elementwise and fused. (:meth:`Scheme.draws` can pass host-made inputs instead.)
 
 NPT (cell moves) is not compiled.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import csvr, nhc, nve, random
+from xnn.dynamics import nhc, nve, random
+from xnn.dynamics.compiled_random import csvr_draws, normal_keyed, system_keys
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
     RNG_KEY,
@@ -114,41 +110,36 @@ class LangevinScheme(Scheme):
         """``[n_atoms, 3]`` the normals of :func:`xnn.dynamics.langevin.noise` at the step
         ``step`` (int64 0-d tensor), by the same hash on tensors."""
         g = s.graph
-        if RNG_KEY in s.vars:  # system_words: the key step is -1, the step is a word
-            k1, k2 = (torch.tensor(k, device=g.device)
-                      for k in random.stream_key(self.seed, -1, random.STREAMS["langevin"]))
-            systems = (s.vars[RNG_KEY].to(torch.int64), step - s.vars[RNG_STEP0].to(torch.int64))
-        else:
-            k1, k2 = stream_key_of(self.seed, random.STREAMS["langevin"], step)
-            systems = (torch.arange(g.n_systems, device=g.device),)
+        k1, k2, systems = system_keys(self.seed, random.STREAMS["langevin"], s.vars, step,
+                                      g.n_systems)
         words = random.atom_words(g.batch, g.atom_id, 3, systems)
         return normal_keyed(k1, k2, *words).to(g.dtype)
 
 
 class CSVRScheme(Scheme):
-    """:func:`xnn.dynamics.csvr.step`, its draws made by :func:`xnn.dynamics.csvr.draws`."""
+    """:func:`xnn.dynamics.csvr.step`, its draws made in the graph at the step counter."""
 
-    reads = ("temperature", "tau", "heat")
+    reads = ("temperature", "tau", "heat", RNG_KEY, RNG_STEP0)
     writes = ("heat",)
 
     def __init__(self):
-        self._nf: tuple | None = None
+        self.seed = 0
 
-    def draws(self, state: MDState, step: int) -> tuple[Tensor, ...]:
-        g = state.graph
-        nf = self._nf[1] if self._nf and self._nf[0] is g.batch else None
-        if nf is None:  # it depends on the batch and the fixed atoms only
-            nf = degrees_of_freedom(g, LOCAL)
-            self._nf = (g.batch, nf)
-        return (*csvr.draws(state.rng, step, 0, nf, state.vars),
-                *csvr.draws(state.rng, step, 1, nf, state.vars))
+    def key(self, state: MDState) -> tuple:
+        self.seed = seed_of(state.rng)
+        return (self.seed, RNG_KEY in state.vars)
+
+    def _draws(self, s: MDState, reduce: Reducer, step: Tensor, stage: int):
+        nf = degrees_of_freedom(s.graph, reduce)
+        return csvr_draws(self.seed, step, stage, nf, s.vars)
 
     def pre(self, s, dt, reduce, draws, step):
-        s = _rescale(s, 0.5 * dt, reduce, draws[0], draws[1])
+        s = _rescale(s, 0.5 * dt, reduce, *self._draws(s, reduce, step, 0))
         return super().pre(s, dt, reduce, draws, step)
 
     def post(self, s, dt, reduce, draws, step):
-        return _rescale(nve.half_kick(s, dt), 0.5 * dt, reduce, draws[2], draws[3])
+        s = nve.half_kick(s, dt)
+        return _rescale(s, 0.5 * dt, reduce, *self._draws(s, reduce, step, 1))
 
 
 class NHCScheme(Scheme):
@@ -195,26 +186,6 @@ def _rescale(state: MDState, dt: float, reduce: Reducer, r: Tensor, s: Tensor) -
     new = g.replace(velocities=v)
     dk = kinetic_energy(new, reduce) - k
     return state.replace(graph=new, vars={"heat": state.vars["heat"] - dk})
-
-
-# ----------------------------------------------------------------------------- keyed hash
-def stream_key_of(seed: int, stream: int, step: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`xnn.dynamics.random.stream_key` with the step an int64 tensor (same bits)."""
-    k0 = random.as_int64(random.mix64_int(int(seed) + random._GOLDEN * (int(stream) + 1)))
-    k = random.mix64((step.to(torch.int64) + 1) * random.as_int64(random._GOLDEN) + k0)
-    return k, random.mix64(k ^ random.as_int64(random._M2))
-
-
-def normal_keyed(k1: Tensor, k2: Tensor, *words: Tensor) -> Tensor:
-    """:func:`xnn.dynamics.random.normal` with the key ``k1, k2`` (int64 0-d tensors)."""
-    two = torch.arange(2, device=words[0].device)
-    h = None
-    for w in (*(w.unsqueeze(-1) for w in words), two):
-        w = w.to(torch.int64) * random.as_int64(random._GOLDEN)
-        h = random.mix64(w + k1 if h is None else h + w)
-    bits = random._srl(random.mix64(h ^ k2), 11)
-    u = (bits + 1).to(torch.float64) * 2.0**-53
-    return torch.sqrt(-2.0 * torch.log(u[..., 0])) * torch.cos((2 * math.pi) * u[..., 1])
 
 
 # ----------------------------------------------------------------------------- the step
@@ -271,6 +242,7 @@ def step(stepper, state: MDState, dt: float) -> MDState:
                            lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch,
                                                LOCAL), inputs)
     x, v, f, energy, stress, stepper._next_disp, step_t, *written = fn(*inputs)
+    stepper._returned = x
     stepper._counter = (state.step + 1, step_t)
     stepper._draws = (state.step + 1, next_draws)
     return state.replace(graph=g.replace(positions=x, velocities=v), forces=f, energy=energy,

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.compiled_plan import Capacities, PaddedPlan, pad_plan
+from xnn.distributed.domain.compiled_plan import Capacities, PaddedPlan, pad_plan, plan_counts
 from xnn.dynamics.state import MDState, check_timestep
 from xnn.errors import InputError
 
@@ -177,7 +177,7 @@ class CompiledDomainVerlet:
 
     def _replan(self, state: MDState, dt: float) -> None:
         """Rebuild the ghost plan where it is stale at the next drift's positions, then
-        pad it. Collective."""
+        pad it to capacities shared by the ranks. Collective."""
         pot, g = self.potential, state.graph
         if self._pad_z is None:  # a species of the system for the padding atoms
             z = g.numbers.max() if g.n_atoms else g.numbers.new_tensor(-1)
@@ -188,8 +188,13 @@ class CompiledDomainVerlet:
         if not torch.equal(pot.state.graph.atom_id, g.atom_id):
             raise InputError("the compiled decomposed step got other atoms than its "
                              "potential's plan holds; pass the states it returns")
+        # capacities shared by the ranks (ranks alike in the mean: the largest count is the
+        # best guess of any rank's next one; growth, and the recompile, happen together)
+        counts = torch.tensor(plan_counts(pot.state), dtype=torch.float64, device=g.device)
+        fit = [int(n) for n in C.all_reduce_max(counts, pot.group).tolist()]
+        self.n_collectives += 1
         self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, 2.0 * pot.halo_width
-                              + 2.0 * pot.cutoff)
+                              + 2.0 * pot.cutoff, fit)
         self.n_replans += 1
 
     # ------------------------------------------------------------------ exchanges
@@ -210,8 +215,8 @@ class CompiledDomainVerlet:
             self._replan(state, dt)
         p, g = self._plan, state.graph
         co = p.caps["owned"]
-        x, v, f = (self._padded(t, co) for t in (g.positions.detach(), g.velocities,
-                                                 state.forces))
+        x, v, f = (self._padded(t, co).detach() for t in (g.positions, g.velocities,
+                                                          state.forces))
         args = (x, v, f, p.inv_m, p.send_index)
         x, v, send = self._compiled("kick", (co, p.caps["send"], dt), lambda: _kick_drift(dt),
                                     args)(*args)

@@ -290,3 +290,48 @@ def test_xnn_md_compile_on_two_ranks_logs_the_eager_rows(tmp):
     assert compiled[0] == eager[0]
     for a, b in zip(compiled[1:], eager[1:]):
         assert [float(x) for x in a] == pytest.approx([float(x) for x in b], rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- one process
+
+
+def test_refuses_sync_mode_long_range_and_graph_mode():
+    """Exchanges inside the model (sync points, long-range sums) would sit inside the compiled
+    model region: refused with what to set instead."""
+    from xnn.distributed import DomainPotential
+    from xnn.distributed.domain.compiled import CompiledDomainVerlet
+    from xnn.errors import InputError
+    from xnn.models import build
+
+    with pytest.raises(InputError, match="dd.mode halo"):
+        CompiledDomainVerlet(DomainPotential(_model("schnet"), None, mode="sync"))
+    coulomb = build("ewald", cutoff=6.0)
+    with pytest.raises(InputError, match="long-range"):
+        CompiledDomainVerlet(DomainPotential(coulomb, None, mode="halo"))
+
+
+def test_one_process_domain_follows_eager_with_a_grown_capacity():
+    """Without a process group (one domain, its own periodic images as ghosts): the compiled
+    step follows the eager one, and an overflowing rebuild grows the capacities once (the
+    only recompile) while the trajectory stays the eager one."""
+    from xnn.distributed import DomainPotential
+    from xnn.distributed.domain.compiled import CompiledDomainVerlet
+    from xnn.dynamics import nve
+
+    graph = _crystal()
+    eager_pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    stepper = CompiledDomainVerlet(pot, backend="aot_eager", headroom=1.0, slack=0)
+    eager = nve.init(eager_pot.scatter(graph), eager_pot)
+    compiled = nve.init(pot.scatter(graph), pot)
+    for i in range(60):
+        eager = eager_pot.maybe_migrate(nve.step(eager, eager_pot, DT))
+        compiled = stepper.step(compiled, DT)
+        if i == 0:
+            stepper.caps.sizes = {k: int(0.9 * n) for k, n in stepper.caps.sizes.items()}
+            stepper._plan = None  # as if the last rebuild had fewer of everything
+    assert stepper.n_compiles == 6  # the first step, then once for the grown capacities
+    assert torch.equal(compiled.graph.atom_id, eager.graph.atom_id)
+    assert _rel(compiled.velocities, eager.velocities) <= TOL
+    assert _rel(compiled.positions, eager.positions) <= TOL
+    assert _rel(compiled.energy, eager.energy) <= TOL

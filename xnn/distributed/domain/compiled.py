@@ -34,6 +34,8 @@ num_interactions``); long-range models are refused.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor, nn
 
@@ -110,6 +112,9 @@ class CompiledDomainVerlet:
         n_steps, n_region_calls, n_exchanges, n_collectives: per-run counts of steps,
             compiled calls, point-to-point exchanges and collectives of the steps (rebuilds
             included; the initial evaluation excluded).
+        comm_s: host seconds spent in the steps' exchanges and all-gathers (waiting for
+            the other ranks included; on a GPU, without a device synchronisation, a lower
+            bound).
     """
 
     def __init__(self, potential, backend: str = "inductor", growth: float = 1.25,
@@ -129,6 +134,7 @@ class CompiledDomainVerlet:
         self.caps = Capacities(float(growth), float(headroom), int(slack))
         self.n_compiles = self.n_replans = self.n_steps = 0
         self.n_region_calls = self.n_exchanges = self.n_collectives = 0
+        self.comm_s = 0.0
         self._plan: PaddedPlan | None = None
         self._fns: dict = {}
         self._pad_z: int | None = None
@@ -202,7 +208,9 @@ class CompiledDomainVerlet:
         p = self._plan
         sends = list(zip(p.peers, torch.split(send[: sum(send_counts)], send_counts)))
         recvs = list(zip(p.peers, torch.split(recv[: sum(recv_counts)], recv_counts)))
+        t0 = time.perf_counter()
         C.exchange(sends, recvs, self.potential.group)
+        self.comm_s += time.perf_counter() - t0
         self.n_exchanges += 1
 
     # ------------------------------------------------------------------ the step
@@ -230,7 +238,9 @@ class CompiledDomainVerlet:
                 g_eps)
         v, f, head = self._compiled("finish", (co, p.caps["send"], dt), lambda: _finish(dt),
                                     args)(*args)
+        t0 = time.perf_counter()
         every = C.all_gather_tensor(head, pot.group)
+        self.comm_s += time.perf_counter() - t0
         self.n_collectives += 1
         self.n_steps += 1
         n = p.n_owned
@@ -290,4 +300,5 @@ def steps_summary(stepper: CompiledDomainVerlet) -> dict:
             "exchanges_per_step": stepper.n_exchanges / n,
             "collectives_per_step": stepper.n_collectives / n,
             "breaks_per_step": (stepper.n_exchanges + stepper.n_collectives) / n,
+            "comm_s_per_step": stepper.comm_s / n,
             "capacities": dict(stepper.caps.sizes or {})}

@@ -308,6 +308,10 @@ def test_refuses_sync_mode_long_range_and_graph_mode():
     coulomb = build("ewald", cutoff=6.0)
     with pytest.raises(InputError, match="long-range"):
         CompiledDomainVerlet(DomainPotential(coulomb, None, mode="halo"))
+    from xnn.distributed.domain.compiled_run import CompiledDomainRun
+
+    with pytest.raises(InputError, match="dd.mode halo, not graph"):
+        CompiledDomainRun(lj(), None, 0.3, "auto", mode="graph")
 
 
 def test_one_process_domain_follows_eager_with_a_grown_capacity():

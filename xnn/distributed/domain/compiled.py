@@ -137,6 +137,7 @@ class CompiledDomainVerlet:
         self.comm_s = 0.0
         self._plan: PaddedPlan | None = None
         self._fns: dict = {}
+        self._models: dict = {}
         self._pad_z: int | None = None
         self._x_local: Tensor | None = None
 
@@ -161,9 +162,11 @@ class CompiledDomainVerlet:
     def _model_region(self, stress: bool, inputs):
         from torch.func import functional_call
 
-        step = _Model(self.potential.model, stress)
-        weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
-        weights = {k: t.detach() for k, t in weights.items()}
+        if stress not in self._models:  # the traced module and its weights, once
+            step = _Model(self.potential.model, stress)
+            weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
+            self._models[stress] = (step, {k: t.detach() for k, t in weights.items()})
+        step, weights = self._models[stress]
         key = (tuple(sorted(self._plan.caps.items())), stress)
         fn = self._compiled("model", key, lambda: lambda w, *a: functional_call(step, w, a),
                             (weights, *inputs))

@@ -215,6 +215,8 @@ def _md(state, pot, reduce, args, device, migrate, stats, step=None, done: int =
                 torch.cuda.synchronize(device)
             C.all_reduce_sum(torch.zeros(1, device=device), getattr(pot, "group", None))
             t0 = time.perf_counter()
+            if step is not None:  # communication time of the timed steps only
+                step.mark = (step.stepper.comm_s, step.stepper.n_steps)
         state = step(state) if step else nve.step(state, pot, args.dt, reduce=reduce)
         if migrate:
             state = pot.maybe_migrate(state)
@@ -271,7 +273,7 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
     e1 = float(nve.conserved(state, reduce))
     st = stats()
     if layout == "compiled":
-        compiled = _compiled_figures(step.stepper, compiled)
+        compiled = _compiled_figures(step, compiled)
     return {"rank": manager.rank, **compiled, "n_owned": st["n_owned"], "n_ghost": st["n_ghost"],
             "n_held_max": held, "migrations": st["migrations"], "grid": st["grid"],
             "step_s": step_s, "setup_s": setup_s, "baseline_bytes": base,
@@ -295,17 +297,22 @@ def _compiled_step(pot, args, device):
     return step, {"t0": time.perf_counter()}
 
 
-def _compiled_figures(stepper, figures: dict) -> dict:
-    """Recompiles after the first step and the per-step counts of the compiled step."""
+def _compiled_figures(step, figures: dict) -> dict:
+    """Recompiles after the first step, the per-step counts of the compiled step and the
+    host time of its communication points per timed step."""
     from xnn.distributed.domain.compiled import REGIONS_PER_STEP, steps_summary
 
+    stepper = step.stepper
     s = steps_summary(stepper)
+    comm0, n0 = getattr(step, "mark", (0.0, 0))
+    s["comm_s_per_step"] = (stepper.comm_s - comm0) / max(stepper.n_steps - n0, 1)
     return {**figures, "compiles": s["compiles"],
             "recompiles_after_first_step": s["compiles"] - REGIONS_PER_STEP,
             "replans": s["replans"], "regions_per_step": s["regions_per_step"],
             "exchanges_per_step": s["exchanges_per_step"],
             "collectives_per_step": s["collectives_per_step"],
-            "breaks_per_step": s["breaks_per_step"], "capacities": s["capacities"]}
+            "breaks_per_step": s["breaks_per_step"], "comm_s_per_step": s["comm_s_per_step"],
+            "capacities": s["capacities"]}
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -392,7 +399,8 @@ def summarize(per_rank: list[dict], n_atoms_target: int, world: int, layout: str
                   for r in per_rank])
     row["held_over_ideal"] = row["held_max"] / (n / world)
     if layout == "compiled":
-        for key in ("first_step_s", "recompiles_after_first_step", "compiles", "replans"):
+        for key in ("first_step_s", "recompiles_after_first_step", "compiles", "replans",
+                    "comm_s_per_step"):
             row[key] = max(r[key] for r in per_rank)
         for key in ("regions_per_step", "exchanges_per_step", "collectives_per_step",
                     "breaks_per_step"):
@@ -445,7 +453,8 @@ def _fmt(row: dict) -> str:
             f"(+{row['peak_over_baseline_bytes_max'] / mib:.0f}) "
             f"step={row['step_s'] * 1e3:.1f} ms {row['atom_steps_per_s']:.3g} atom-steps/s"
             + (f" first step {row['first_step_s']:.1f} s, recompiles "
-               f"{row['recompiles_after_first_step']}, {row['breaks_per_step']:.2f} breaks/step"
+               f"{row['recompiles_after_first_step']}, {row['breaks_per_step']:.2f} breaks/step "
+               f"({row['comm_s_per_step'] * 1e3:.2f} ms/step in them)"
                if row["layout"] == "compiled" else ""))
 
 

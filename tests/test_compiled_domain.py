@@ -19,11 +19,11 @@ import torch
 try:
     from dist_helpers import FreshPorts, spawn
     from md_helpers import rattled_argon
-    from test_domain_state import hot, lj, primitive
+    from test_domain_state import corner, hot, lj, primitive
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import FreshPorts, spawn
     from tests.md_helpers import rattled_argon
-    from tests.test_domain_state import hot, lj, primitive
+    from tests.test_domain_state import corner, hot, lj, primitive
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
@@ -31,13 +31,14 @@ TOL = 1e-10
 SKIN = 0.5
 DT = 1.0
 REPS = (4, 4, 4)  # 64 atoms of a hot (2000 K) primitive FCC crystal
-CASES = {"lj": 200, "schnet": 40}  # steps
+CASES = {"lj": 200, "schnet": 40, "corner": 60}  # steps
 SLOW = ("schnet",)  # its own spawn, under -m slow
+WORLD4 = ("lj", "corner")  # on 4 ranks (under -m slow); corner: 32 atoms, 4 slabs, empty boxes
 
 
 def _model(name):
-    if name == "lj":
-        return lj()
+    if name in ("lj", "corner"):
+        return lj(3.0 if name == "corner" else 5.0)
     from xnn.models import build
 
     torch.manual_seed(0)
@@ -54,8 +55,16 @@ def _model(name):
 WARMUP = 100
 
 
+def _graph(name):
+    return hot(corner(), 1500.0) if name == "corner" else _crystal()
+
+
+def _grid(name):
+    return (1, 1, 4) if name == "corner" else None
+
+
 @functools.cache
-def _graph():
+def _crystal():
     """The hot crystal after ``WARMUP`` one-process steps: past the first steps, in which the
     pair count within the cutoff rises (the capacities' warm-up), so that the runs below
     exercise rebuilds and migrations, not growth."""
@@ -88,8 +97,9 @@ def _eager(manager, name, steps, rank):
     from xnn.distributed import DomainPotential
     from xnn.dynamics import nve
 
-    pot = DomainPotential(_model(name), manager, skin=SKIN, mode="halo")
-    state = nve.init(pot.scatter(_graph() if rank == 0 else None), pot, reduce=pot.reducer)
+    pot = DomainPotential(_model(name), manager, grid=_grid(name), skin=SKIN, mode="halo")
+    state = nve.init(pot.scatter(_graph(name) if rank == 0 else None), pot,
+                     reduce=pot.reducer)
     for _ in range(steps):
         state = nve.step(state, pot, DT, reduce=pot.reducer)
         state = pot.maybe_migrate(state)
@@ -101,14 +111,16 @@ def _compiled(manager, name, steps, rank):
     from xnn.distributed.domain.compiled import CompiledDomainVerlet, steps_summary
     from xnn.dynamics import nve
 
-    pot = DomainPotential(_model(name), manager, skin=SKIN, mode="halo")
+    pot = DomainPotential(_model(name), manager, grid=_grid(name), skin=SKIN, mode="halo")
     stepper = CompiledDomainVerlet(pot, backend="aot_eager")
-    state = nve.init(pot.scatter(_graph() if rank == 0 else None), pot, reduce=pot.reducer)
+    state = nve.init(pot.scatter(_graph(name) if rank == 0 else None), pot,
+                     reduce=pot.reducer)
     state = stepper.step(state, DT)  # compiles
     first = {"compiles": stepper.n_compiles, "graphs": _unique_graphs(),
              "calls": stepper.n_region_calls, "exchanges": stepper.n_exchanges,
              "collectives": stepper.n_collectives}
     steady = []  # per step without re-plan: (region calls, exchanges, collectives)
+    owned = [state.graph.n_atoms]
     for _ in range(steps - 1):
         before = (stepper.n_replans, stepper.n_region_calls, stepper.n_exchanges,
                   stepper.n_collectives)
@@ -116,11 +128,13 @@ def _compiled(manager, name, steps, rank):
         if stepper.n_replans == before[0]:
             steady.append((stepper.n_region_calls - before[1], stepper.n_exchanges - before[2],
                            stepper.n_collectives - before[3]))
+        owned.append(state.graph.n_atoms)
     dist = pot.min_pair_distance()[0]
     return _final(pot, state, rank, {
         "first": first, "compiles": stepper.n_compiles, "graphs": _unique_graphs(),
         "replans": stepper.n_replans, "steady": sorted(set(steady)),
-        "summary": steps_summary(stepper), "min_distance": float(dist)})
+        "summary": steps_summary(stepper), "min_distance": float(dist),
+        "min_owned": min(owned)})
 
 
 def reference(name, steps):
@@ -129,7 +143,7 @@ def reference(name, steps):
     from xnn.models import Potential
 
     pot = Potential(_model(name), skin=SKIN)
-    graph = _graph()
+    graph = _graph(name)
     state = nve.init(graph, pot)
     for _ in range(steps):
         state = nve.step(state, pot, DT)
@@ -202,26 +216,31 @@ def tmp(tmp_path_factory):
 
 
 def results(world, tmp, slow=False):
-    """Per-rank results of a world size's spawn: the fast cases and the app, or the slow
-    cases."""
+    """Per-rank results of a world size's spawn: on 2 ranks the fast cases and the app, or
+    the slow cases; on 4 ranks :data:`WORLD4`."""
     key = (world, slow)
     if key not in _CACHE:
-        names = [n for n in CASES if (n in SLOW) == slow]
+        names = WORLD4 if world == 4 else [n for n in CASES if n != "corner"
+                                           and (n in SLOW) == slow]
         _CACHE[key] = spawn(worker, world, args=(str(tmp), names, not slow), timeout_s=500)
     return _CACHE[key]
 
 
-def _params():
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
+def _params(corner_case=True):
+    """(world, name) cases; those in their own spawn are slow."""
+    out = [(2, n) for n in CASES if n != "corner"] + [(4, n) for n in WORLD4
+                                                      if corner_case or n != "corner"]
+    return [pytest.param(w, n, marks=pytest.mark.slow) if w == 4 or n in SLOW else (w, n)
+            for w, n in out]
 
 
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-@pytest.mark.parametrize("name", _params())
-def test_compiled_decomposed_nve_matches_eager_and_one_process(tmp, name):
-    res = results(2, tmp, name in SLOW)
+@pytest.mark.parametrize("world,name", _params())
+def test_compiled_decomposed_nve_matches_eager_and_one_process(tmp, world, name):
+    res = results(world, tmp, world == 4 or name in SLOW)
     ref = reference(name, CASES[name])
     r0 = res[0][name]
     for run in ("eager", "compiled"):
@@ -239,14 +258,16 @@ def test_compiled_decomposed_nve_matches_eager_and_one_process(tmp, name):
         assert all(s["migrations"] > 0 and s["migrated_in"] > 0 and s["migrated_out"] > 0
                    for s in stats), stats
         assert all(s["rebuilds"] >= 3 for s in stats), stats
+    if name == "corner":  # boxes without atoms (padding only) take part in every step
+        assert min(r[name]["compiled"]["min_owned"] for r in res) == 0
 
 
-@pytest.mark.parametrize("name", _params())
-def test_no_recompiles_and_fixed_breaks_per_step(tmp, name):
+@pytest.mark.parametrize("world,name", _params(corner_case=False))
+def test_no_recompiles_and_fixed_breaks_per_step(tmp, world, name):
     """After the first step (3 regions compiled): the same compiled graphs over every later
     step with rebuilds and migrations on each rank; a step without re-plan is 3 compiled
     calls, 2 point-to-point exchanges and 1 collective."""
-    for r in results(2, tmp, name in SLOW):
+    for r in results(world, tmp, world == 4 or name in SLOW):
         c = r[name]["compiled"]
         assert c["first"]["compiles"] == 3
         assert c["compiles"] == 3 and c["graphs"] == c["first"]["graphs"], c
@@ -269,3 +290,52 @@ def test_xnn_md_compile_on_two_ranks_logs_the_eager_rows(tmp):
     assert compiled[0] == eager[0]
     for a, b in zip(compiled[1:], eager[1:]):
         assert [float(x) for x in a] == pytest.approx([float(x) for x in b], rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- one process
+
+
+def test_refuses_sync_mode_long_range_and_graph_mode():
+    """Exchanges inside the model (sync points, long-range sums) would sit inside the compiled
+    model region: refused with what to set instead."""
+    from xnn.distributed import DomainPotential
+    from xnn.distributed.domain.compiled import CompiledDomainVerlet
+    from xnn.errors import InputError
+    from xnn.models import build
+
+    with pytest.raises(InputError, match="dd.mode halo"):
+        CompiledDomainVerlet(DomainPotential(_model("schnet"), None, mode="sync"))
+    coulomb = build("ewald", cutoff=6.0)
+    with pytest.raises(InputError, match="long-range"):
+        CompiledDomainVerlet(DomainPotential(coulomb, None, mode="halo"))
+    from xnn.distributed.domain.compiled_run import CompiledDomainRun
+
+    with pytest.raises(InputError, match="dd.mode halo, not graph"):
+        CompiledDomainRun(lj(), None, 0.3, "auto", mode="graph")
+
+
+def test_one_process_domain_follows_eager_with_a_grown_capacity():
+    """Without a process group (one domain, its own periodic images as ghosts): the compiled
+    step follows the eager one, and an overflowing rebuild grows the capacities once (the
+    only recompile) while the trajectory stays the eager one."""
+    from xnn.distributed import DomainPotential
+    from xnn.distributed.domain.compiled import CompiledDomainVerlet
+    from xnn.dynamics import nve
+
+    graph = _crystal()
+    eager_pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    stepper = CompiledDomainVerlet(pot, backend="aot_eager", headroom=1.0, slack=0)
+    eager = nve.init(eager_pot.scatter(graph), eager_pot)
+    compiled = nve.init(pot.scatter(graph), pot)
+    for i in range(60):
+        eager = eager_pot.maybe_migrate(nve.step(eager, eager_pot, DT))
+        compiled = stepper.step(compiled, DT)
+        if i == 0:
+            stepper.caps.sizes = {k: int(0.9 * n) for k, n in stepper.caps.sizes.items()}
+            stepper._plan = None  # as if the last rebuild had fewer of everything
+    assert stepper.n_compiles == 6  # the first step, then once for the grown capacities
+    assert torch.equal(compiled.graph.atom_id, eager.graph.atom_id)
+    assert _rel(compiled.velocities, eager.velocities) <= TOL
+    assert _rel(compiled.positions, eager.positions) <= TOL
+    assert _rel(compiled.energy, eager.energy) <= TOL

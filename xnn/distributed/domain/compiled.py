@@ -34,13 +34,15 @@ num_interactions``); long-range models are refused.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.compiled_plan import Capacities, PaddedPlan, pad_plan
+from xnn.distributed.domain.compiled_plan import Capacities, PaddedPlan, pad_plan, plan_counts
 from xnn.dynamics.state import MDState, check_timestep
 from xnn.errors import InputError
 
@@ -110,6 +112,9 @@ class CompiledDomainVerlet:
         n_steps, n_region_calls, n_exchanges, n_collectives: per-run counts of steps,
             compiled calls, point-to-point exchanges and collectives of the steps (rebuilds
             included; the initial evaluation excluded).
+        comm_s: host seconds spent in the steps' exchanges and all-gathers (waiting for
+            the other ranks included; on a GPU, without a device synchronisation, a lower
+            bound).
     """
 
     def __init__(self, potential, backend: str = "inductor", growth: float = 1.25,
@@ -129,8 +134,10 @@ class CompiledDomainVerlet:
         self.caps = Capacities(float(growth), float(headroom), int(slack))
         self.n_compiles = self.n_replans = self.n_steps = 0
         self.n_region_calls = self.n_exchanges = self.n_collectives = 0
+        self.comm_s = 0.0
         self._plan: PaddedPlan | None = None
         self._fns: dict = {}
+        self._models: dict = {}
         self._pad_z: int | None = None
         self._x_local: Tensor | None = None
 
@@ -155,9 +162,11 @@ class CompiledDomainVerlet:
     def _model_region(self, stress: bool, inputs):
         from torch.func import functional_call
 
-        step = _Model(self.potential.model, stress)
-        weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
-        weights = {k: t.detach() for k, t in weights.items()}
+        if stress not in self._models:  # the traced module and its weights, once
+            step = _Model(self.potential.model, stress)
+            weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
+            self._models[stress] = (step, {k: t.detach() for k, t in weights.items()})
+        step, weights = self._models[stress]
         key = (tuple(sorted(self._plan.caps.items())), stress)
         fn = self._compiled("model", key, lambda: lambda w, *a: functional_call(step, w, a),
                             (weights, *inputs))
@@ -177,7 +186,7 @@ class CompiledDomainVerlet:
 
     def _replan(self, state: MDState, dt: float) -> None:
         """Rebuild the ghost plan where it is stale at the next drift's positions, then
-        pad it. Collective."""
+        pad it to capacities shared by the ranks. Collective."""
         pot, g = self.potential, state.graph
         if self._pad_z is None:  # a species of the system for the padding atoms
             z = g.numbers.max() if g.n_atoms else g.numbers.new_tensor(-1)
@@ -188,8 +197,13 @@ class CompiledDomainVerlet:
         if not torch.equal(pot.state.graph.atom_id, g.atom_id):
             raise InputError("the compiled decomposed step got other atoms than its "
                              "potential's plan holds; pass the states it returns")
+        # capacities shared by the ranks (ranks alike in the mean: the largest count is the
+        # best guess of any rank's next one; growth, and the recompile, happen together)
+        counts = torch.tensor(plan_counts(pot.state), dtype=torch.float64, device=g.device)
+        fit = [int(n) for n in C.all_reduce_max(counts, pot.group).tolist()]
+        self.n_collectives += 1
         self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, 2.0 * pot.halo_width
-                              + 2.0 * pot.cutoff)
+                              + 2.0 * pot.cutoff, fit)
         self.n_replans += 1
 
     # ------------------------------------------------------------------ exchanges
@@ -197,7 +211,9 @@ class CompiledDomainVerlet:
         p = self._plan
         sends = list(zip(p.peers, torch.split(send[: sum(send_counts)], send_counts)))
         recvs = list(zip(p.peers, torch.split(recv[: sum(recv_counts)], recv_counts)))
+        t0 = time.perf_counter()
         C.exchange(sends, recvs, self.potential.group)
+        self.comm_s += time.perf_counter() - t0
         self.n_exchanges += 1
 
     # ------------------------------------------------------------------ the step
@@ -210,8 +226,8 @@ class CompiledDomainVerlet:
             self._replan(state, dt)
         p, g = self._plan, state.graph
         co = p.caps["owned"]
-        x, v, f = (self._padded(t, co) for t in (g.positions.detach(), g.velocities,
-                                                 state.forces))
+        x, v, f = (self._padded(t, co).detach() for t in (g.positions, g.velocities,
+                                                          state.forces))
         args = (x, v, f, p.inv_m, p.send_index)
         x, v, send = self._compiled("kick", (co, p.caps["send"], dt), lambda: _kick_drift(dt),
                                     args)(*args)
@@ -225,7 +241,9 @@ class CompiledDomainVerlet:
                 g_eps)
         v, f, head = self._compiled("finish", (co, p.caps["send"], dt), lambda: _finish(dt),
                                     args)(*args)
+        t0 = time.perf_counter()
         every = C.all_gather_tensor(head, pot.group)
+        self.comm_s += time.perf_counter() - t0
         self.n_collectives += 1
         self.n_steps += 1
         n = p.n_owned
@@ -285,4 +303,5 @@ def steps_summary(stepper: CompiledDomainVerlet) -> dict:
             "exchanges_per_step": stepper.n_exchanges / n,
             "collectives_per_step": stepper.n_collectives / n,
             "breaks_per_step": (stepper.n_exchanges + stepper.n_collectives) / n,
+            "comm_s_per_step": stepper.comm_s / n,
             "capacities": dict(stepper.caps.sizes or {})}

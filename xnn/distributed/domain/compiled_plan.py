@@ -92,18 +92,28 @@ def local_box(reach: float, like: Tensor) -> Tensor:
     return torch.eye(3, dtype=like.dtype, device=like.device)[None] * (2.0 * reach + 10.0)
 
 
-def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float) -> PaddedPlan:
+def plan_counts(state) -> list[int]:
+    """The counts of :data:`CAPACITIES` in ``state`` (a
+    :class:`~xnn.distributed.domain.state.DomainState`)."""
+    dom = state.local
+    return [dom.n_owned, dom.plan.n_recv, dom.plan.n_send, dom.n_local,
+            int(dom.edge_index.shape[1])]
+
+
+def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
+             fit: list[int] | None = None) -> PaddedPlan:
     """Pad the arrays of ``state`` (a :class:`~xnn.distributed.domain.state.DomainState`)
     and its owned ``graph`` (same atoms, same order) to the (grown) capacities.
 
     ``pad_z``: atomic number of the padding atoms (one the model knows); ``reach``: Å, an
-    upper bound of every length the model looks at (the padding edges are longer).
+    upper bound of every length the model looks at (the padding edges are longer);
+    ``fit``: the counts the capacities must hold (default: this rank's, :func:`plan_counts`;
+    the compiled step passes the maxima over the ranks, so that all ranks share capacities).
     """
     dom, dev, dtype = state.local, graph.positions.device, graph.positions.dtype
     plan = dom.plan
-    n_o, n_r, n_l = dom.n_owned, plan.n_recv, dom.n_local
-    n_e = int(dom.edge_index.shape[1])
-    caps.fit({"owned": n_o, "recv": n_r, "send": plan.n_send, "local": n_l, "edges": n_e})
+    n_o, n_r = dom.n_owned, plan.n_recv
+    caps.fit(dict(zip(CAPACITIES, fit or plan_counts(state))))
     c = caps.sizes
     base_rows = torch.arange(n_o, device=dev)
     src = torch.cat([base_rows, dom.self_src.to(dev), c["owned"] + torch.arange(n_r, device=dev)])

@@ -174,9 +174,17 @@ class CompiledVerlet:
         def fn(weights, *args):
             return functional_call(step, weights, args)
 
-        with tracing_graph():
-            gm = make_fx(fn, tracing_mode="fake")(weights, *inputs)
-        compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True)
+        with tracing_graph():  # constants outside parameters/buffers (cuEquivariance's
+            # descriptors) are kept as graph constants
+            gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(weights, *inputs)
+        options = None
+        if self.backend == "inductor" and hasattr(self.scheme, "seed"):
+            # hashed draws multiply index-derived words by 64-bit constants; inductor's index
+            # propagation folds them into int32 index arithmetic that Triton refuses
+            # ("Scalar ... out of range for type int32"), so it is off for these graphs
+            options = {"constant_and_index_propagation": False}
+        compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True,
+                                 options=options)
         self.n_compiles += 1
         return lambda *args: compiled(weights, *args)
 

@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
@@ -74,12 +75,15 @@ def _diffs(eager, compiled) -> tuple[float, float]:
 
 def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: int = 3,
                    backend: str = "inductor", ensemble: str = "nve",
-                   cuda_graph: bool | None = None) -> dict:
+                   cuda_graph: bool | None = None, kernel_backend: str = "reference") -> dict:
     """One row: eager, compiled (and CUDA-graph) steps of ``name`` on ~``n_atoms`` Cu atoms.
 
     Args:
         steps: timed steps of each kind (split into ``blocks`` alternating blocks).
         cuda_graph: time the CUDA-graph replay too (default: on CUDA devices).
+        kernel_backend: the compiled step's model runs this kernel backend
+            (``model.backend``: ``reference`` or ``cueq``); the eager baseline keeps the
+            reference, and with ``cueq`` the eager ``cueq`` step is timed too.
     """
     device = torch.device(device)
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -90,7 +94,13 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
                                 dtype=dtype, device=device)
     g = maxwell_boltzmann(g, 300.0, seed=0)
     mod = get_integrator(ensemble)
-    pe, pc = Potential(model, skin=1.0), Potential(model, skin=1.0)
+    model_c = model
+    if kernel_backend != "reference":
+        model_c = copy.deepcopy(model)
+        model_c.set_backend(kernel_backend)
+    pe, pc = Potential(model, skin=1.0), Potential(model_c, skin=1.0)
+    # the eager kernel-backend step gets its own copy: tracing may cache state on a module
+    pk = Potential(copy.deepcopy(model_c), skin=1.0) if model_c is not model else None
     integ = CompiledIntegrator(ensemble, pc, backend=backend)
     stepper = integ.stepper
 
@@ -111,12 +121,16 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         sc, capture = _timed(compiled_step, sc, 3, device)
         stepper.cuda_graph = False
     compiles, graphs = stepper.n_compiles, _graphs()
-    t = {"eager": 0.0, "compiled": 0.0, "cuda_graph": 0.0}
+    t = {"eager": 0.0, "compiled": 0.0, "cuda_graph": 0.0, "eager_kernel": 0.0}
+    sk = mod.init(se.graph, pk, **ENSEMBLE_ARGS[ensemble]) if pk is not None else None
     per_block = max(1, steps // blocks)
     for _ in range(blocks):
         se, dt_e = _timed(eager_step, se, per_block, device)
         sc, dt_c = _timed(compiled_step, sc, per_block, device)
         t["eager"] += dt_e
+        if sk is not None:
+            sk, dt_k = _timed(lambda s: mod.step(s, pk, DT), sk, per_block, device)
+            t["eager_kernel"] += dt_k
         t["compiled"] += dt_c
         if cuda_graph:
             stepper.cuda_graph = True
@@ -130,7 +144,7 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
     pos, force = _diffs(se, sc)
     row = {
         "case": f"compiled_step_{name}_{ensemble}", "ensemble": ensemble,
-        "n_atoms": g.n_atoms, "steps": n, "backend": backend,
+        "n_atoms": g.n_atoms, "steps": n, "backend": backend, "kernel_backend": kernel_backend,
         "eager_s_per_step": t["eager"] / n, "compiled_s_per_step": t["compiled"] / n,
         "speedup": t["eager"] / t["compiled"], "first_compiled_step_s": first,
         "recompiles_timed": recompiles, "dynamo_graphs_timed": new_graphs,
@@ -139,6 +153,9 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         "first_step_position_diff_A": first_diffs[0], "first_step_force_diff_eV_A": first_diffs[1],
         "max_position_diff_A": pos, "max_force_diff_eV_A": force,
     }
+    if sk is not None:
+        row.update(eager_kernel_s_per_step=t["eager_kernel"] / n,
+                   speedup_eager_kernel=t["eager"] / t["eager_kernel"])
     if cuda_graph:
         row.update(cuda_graph_s_per_step=t["cuda_graph"] / n,
                    speedup_cuda_graph=t["eager"] / t["cuda_graph"],
@@ -159,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ensembles", default="nve", help="comma-separated: nve,langevin,csvr,nhc")
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--kernel-backends", default="reference",
+                   help="comma-separated model.backend values of the compiled step")
     p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: skip the graph replay")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -167,10 +186,12 @@ def main(argv=None) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows = []
     for name in args.models.split(","):
-        for ensemble in args.ensembles.split(","):
+        for ensemble, kb in [(e, k) for k in args.kernel_backends.split(",")
+                             for e in args.ensembles.split(",")]:
             rows.append(bench_compiled(name, args.n_atoms, args.steps, device, dtype,
                                        backend=args.backend, ensemble=ensemble,
-                                       cuda_graph=False if args.no_cuda_graph else None))
+                                       cuda_graph=False if args.no_cuda_graph else None,
+                                       kernel_backend=kb))
             print(rows[-1], flush=True)
             write_json(args.json, {"benchmark": "md_compiled", "dtype": args.dtype,
                                    "dt_fs": DT, "results": rows}, device=str(device))

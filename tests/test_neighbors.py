@@ -615,7 +615,8 @@ def test_cuda_auto_list_equals_torch_reference(n_cells):
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((n_cells,) * 3)
     rng = np.random.default_rng(n_cells)
     atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
-    atoms.cell = atoms.cell.array @ (np.eye(3) + rng.normal(scale=0.02, size=(3, 3)))
+    atoms.set_cell(atoms.cell.array @ (np.eye(3) + rng.normal(scale=0.02, size=(3, 3))),
+                   scale_atoms=True)  # triclinic
     atoms.positions += rng.integers(-2, 3, (len(atoms), 3)) @ atoms.cell.array  # unwrapped
     args = [torch.tensor(x, device="cuda") for x in (atoms.positions, atoms.cell.array,
                                                       atoms.pbc)]

@@ -94,6 +94,12 @@ def neighbor_list(
         from vesin (its own dtype, returned without a widening copy), int64 from the torch
         and brute backends. Convert with ``shifts.to(positions.dtype)`` before use.
     """
+    return _build(positions, cell, pbc, cutoff, batch, backend)[:2]
+
+
+def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None,
+           backend: str) -> tuple[Tensor, Tensor, bool]:
+    """:func:`neighbor_list` and whether the cell has zero (completed) vectors."""
     positions, cell, pbc, batch, has_zero = validate_inputs(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, cell.shape[0]) if backend == "auto" else backend
     if name not in _BACKENDS:
@@ -116,7 +122,7 @@ def neighbor_list(
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
             shifts = shifts - n_wrap.index_select(0, edge_index[0])
             shifts = shifts + n_wrap.index_select(0, edge_index[1])
-    return edge_index, shifts
+    return edge_index, shifts, has_zero
 
 
 def with_edges(graph: AtomicGraph, cutoff: float, backend: str = "auto") -> AtomicGraph:
@@ -232,24 +238,22 @@ class VerletList:
             0, graph.batch, disp, reduce="amax", include_self=True
         )
         budget = (self.cutoff + self.skin) * strain + 2.0 * d_max
-        moved_out = (budget >= self.skin).any() | (zero != ref_zero).any()
+        # not (budget < skin): a NaN budget (a cell singular along an open axis) rebuilds
+        moved_out = (~(budget < self.skin)).any() | (zero != ref_zero).any()
         return torch.where(cell_moved, moved_out, fixed)
 
     def __call__(self, graph: AtomicGraph) -> AtomicGraph:
         """Return ``graph`` with ``edge_index`` and ``shifts`` attached (rebuilding if needed)."""
         if self.needs_rebuild(graph):
-            self._edges = neighbor_list(
-                graph.positions,
-                graph.cell,
-                graph.pbc,
-                self.cutoff + self.skin,
-                graph.batch,
-                self.backend,
-            )
+            ei, sh, has_zero = _build(graph.positions, graph.cell, graph.pbc,
+                                      self.cutoff + self.skin, graph.batch, self.backend)
+            self._edges = (ei, sh)
             self._ref_positions = graph.positions.detach().clone()
             self._ref_cell = graph.cell.detach().clone()
-            ref_full = complete_cell(self._ref_cell)  # host syncs: a build has them anyway
-            self._ref_frame = (ref_full, torch.linalg.inv(ref_full),
+            # for the deformation check; no host sync without zero vectors (singular cells
+            # were refused by the build)
+            full = complete_cell(self._ref_cell) if has_zero else self._ref_cell
+            self._ref_frame = (full, torch.linalg.inv_ex(full, check_errors=False)[0],
                                self._ref_cell.norm(dim=-1) < 1e-12)
             self._ref_ids = graph.atom_id.clone()
             self._ref_pbc = graph.pbc.clone()

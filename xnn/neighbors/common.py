@@ -85,17 +85,34 @@ def validate_inputs(
         b_min, b_max, unsorted = [*host[1 + 12 * n_sys :].tolist(), 0.0][:3]
         if b_min < 0 or b_max >= n_sys or unsorted:
             raise InputError(f"batch must be non-decreasing integers in [0, {n_sys})")
-    zero = np.linalg.norm(cell_h, axis=-1) < 1e-12  # [n_systems, 3] vectors to complete
-    has_zero = bool(zero.any())
-    if has_zero:  # slabs, wires, clusters
-        from xnn.data.graph import complete_cell
-
-        cell_h = complete_cell(torch.from_numpy(cell_h.copy())).numpy()
-    bad = (pbc_h & (zero | (_heights(cell_h) < 1e-8))).any(-1)  # zero vector: flat
-    if bad.any():
-        raise InputError(f"system {int(np.flatnonzero(bad)[0])}: singular cell along a "
-                         "periodic axis")
+    has_zero, bad = _cell_verdict(cell_h, pbc_h)
+    if bad >= 0:
+        raise InputError(f"system {bad}: singular cell along a periodic axis")
     return positions, cell, pbc, batch, has_zero
+
+
+_VERDICTS: dict[bytes, tuple[bool, int]] = {}
+
+
+def _cell_verdict(cell: np.ndarray, pbc: np.ndarray) -> tuple[bool, int]:
+    """``(has zero vectors, first system singular along a periodic axis or -1)`` of a host
+    cell ``[S, 3, 3]`` and pbc ``[S, 3]``; remembered for the last few cells (an MD run
+    asks for the same cell at every rebuild)."""
+    key = cell.tobytes() + pbc.tobytes()
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        zero = np.linalg.norm(cell, axis=-1) < 1e-12  # [S, 3] vectors to complete
+        has_zero = bool(zero.any())
+        if has_zero:  # slabs, wires, clusters
+            from xnn.data.graph import complete_cell
+
+            cell = complete_cell(torch.from_numpy(cell.copy())).numpy()
+        bad = (pbc & (zero | (_heights(cell) < 1e-8))).any(-1)  # a zero vector is flat
+        verdict = (has_zero, int(np.flatnonzero(bad)[0]) if bad.any() else -1)
+        if len(_VERDICTS) >= 16:
+            _VERDICTS.clear()
+        _VERDICTS[key] = verdict
+    return verdict
 
 
 def _heights(cell: np.ndarray) -> np.ndarray:

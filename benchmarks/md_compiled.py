@@ -186,8 +186,8 @@ def main(argv=None) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows = []
     for name in args.models.split(","):
-        for ensemble, kb in [(e, k) for k in args.kernel_backends.split(",")
-                             for e in args.ensembles.split(",")]:
+        for ensemble, kb in [(e, k) for e in args.ensembles.split(",")
+                             for k in args.kernel_backends.split(",")]:
             rows.append(bench_compiled(name, args.n_atoms, args.steps, device, dtype,
                                        backend=args.backend, ensemble=ensemble,
                                        cuda_graph=False if args.no_cuda_graph else None,

@@ -142,27 +142,31 @@ def run_xnn(module, kind, atoms_list, v, device, dtype, variant):
     gs = [AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc, dtype=dtype,
                                   device=device) for a in atoms_list]
     g = (AtomicGraph.concat(gs) if len(gs) > 1 else gs[0]).replace(velocities=v.to(device))
-    if variant == "xnn_step_compiled":
-        from xnn.dynamics.compiled import CompiledNVE
-
-        integ = CompiledNVE(pot)
-        state = [integ.init(g, pot).replace(compute_stress=False)]
-
-        def one(s):
-            return integ.step(s, pot, DT_FS)
-        ensemble = "NVE (the compiled MD step compiles NVE only)"
-    else:
+    if variant != "xnn_step_compiled":
         state = [langevin.init(g, pot, T_K, friction=FRICTION, seed=0)
                  .replace(compute_stress=False)]
+        return state[0].forces.detach(), _advance(state, lambda s: langevin.step(
+            s, pot, DT_FS)), {"ensemble": LANGEVIN}
+    from xnn.dynamics.compiled import CompiledNVE
 
-        def one(s):
-            return langevin.step(s, pot, DT_FS)
-        ensemble = LANGEVIN
+    integ = CompiledNVE(pot)
+    state = [integ.init(g, pot).replace(compute_stress=False)]  # eager forces
+    # the compiled graph's own forces at the start: a step from rest without forces drifts
+    # nowhere (it compiles here; the run then reuses the graph and the neighbor list)
+    s0 = state[0]
+    rest = s0.replace(graph=s0.graph.replace(velocities=torch.zeros_like(s0.graph.velocities)),
+                      forces=torch.zeros_like(s0.forces))
+    forces = integ.step(rest, pot, DT_FS).forces.detach()
+    return forces, _advance(state, lambda s: integ.step(s, pot, DT_FS)), {
+        "ensemble": "NVE (the compiled MD step compiles NVE only)"}
 
+
+def _advance(state: list, one):
+    """``advance(n)``: ``n`` steps of ``one`` applied to ``state[0]`` in place."""
     def advance(n):
         for _ in range(n):
             state[0] = one(state[0])
-    return state[0].forces.detach(), advance, {"ensemble": ensemble}
+    return advance
 
 
 def run_torch_sim(module, atoms_list, v, device, dtype, compiled):

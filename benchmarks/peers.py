@@ -171,9 +171,14 @@ def _advance(state: list, one):
 
 def run_torch_sim(module, atoms_list, v, device, dtype, compiled):
     """torch-sim 0.6: ``MaceModel`` (mace-torch's ``MaceTorchSimModel``) + BAOAB Langevin."""
-    import torch_sim as ts
-    from torch_sim.models.mace import MaceModel
-    from torch_sim.units import MetalUnits
+    from xnn.models.external._optional import preserved_environ
+
+    with preserved_environ():  # mace sets env vars on import
+        # torch-sim's MaceModel is this class; torch-sim hides its import error behind a stub
+        import mace.calculators.mace_torchsim  # noqa: F401
+        import torch_sim as ts
+        from torch_sim.models.mace import MaceModel
+        from torch_sim.units import MetalUnits
 
     nl_fn, nl_name = None, "torchsim_nl (default)"
     try:  # the default picks nvalchemiops' O(N^2) list first: give it the cell list
@@ -201,11 +206,14 @@ def run_torch_sim(module, atoms_list, v, device, dtype, compiled):
 
 def run_nvalchemi(module, atoms_list, v, device, dtype, compiled):
     """nvalchemi-toolkit 0.2: ``MACEWrapper`` + ``NVTLangevin`` + ``NeighborListHook``."""
-    from nvalchemi.data import AtomicData, Batch
-    from nvalchemi.dynamics import NVTLangevin
-    from nvalchemi.dynamics.base import DynamicsStage
-    from nvalchemi.hooks import NeighborListHook
-    from nvalchemi.models.mace import MACEWrapper, _patch_e3nn_irrep_len_for_compile
+    from xnn.models.external._optional import preserved_environ
+
+    with preserved_environ():
+        from nvalchemi.data import AtomicData, Batch
+        from nvalchemi.dynamics import NVTLangevin
+        from nvalchemi.dynamics.base import DynamicsStage
+        from nvalchemi.hooks import NeighborListHook
+        from nvalchemi.models.mace import MACEWrapper, _patch_e3nn_irrep_len_for_compile
 
     module = module.to(device=device, dtype=dtype).eval()
     if compiled:  # what MACEWrapper.from_checkpoint(compile_model=True) does

@@ -38,7 +38,8 @@ Usage::
 
     python benchmarks/peers.py --json benchmarks/results/peers_cpu_quick.json --quick
     python benchmarks/peers.py --json out.json --device cuda --dtype float32 \\
-        --sizes 1000,10000,100000 --batched 64x100 --steps 12 --compile --compile-cases 10000
+        --sizes 1000,10000,100000 --batched 64x100 --steps 9 --budget-s 150 \\
+        --frameworks xnn,xnn_compiled,torch_sim,nvalchemi --compile-cases 10000
 """
 
 from __future__ import annotations

@@ -38,12 +38,14 @@ Usage::
 
     python benchmarks/peers.py --json benchmarks/results/peers_cpu_quick.json --quick
     python benchmarks/peers.py --json out.json --device cuda --dtype float32 \\
-        --sizes 1000,10000,100000 --batched 64x100 --steps 12 --compile --compile-cases 10000
+        --sizes 1000,10000,100000 --batched 64x100 --steps 9 --budget-s 150 \\
+        --frameworks xnn,xnn_compiled,torch_sim,nvalchemi --compile-cases 10000
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import signal
@@ -130,46 +132,60 @@ def start_velocities(atoms_list, dtype) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- frameworks
-def run_xnn(module, kind, atoms_list, v, device, dtype, variant):
+def run_xnn(module, kind, atoms_list, v, device, dtype, variant, cueq):
     """xnn: Langevin (``xnn``, ``xnn_compiled``) or the compiled NVE step."""
     from xnn.data import AtomicGraph
     from xnn.dynamics import langevin
     from xnn.models import Potential, build
 
-    model = (build("mace", model=module) if kind == "mace" else module)
+    backend = "cueq" if cueq else "reference"
+    if kind == "mace":
+        model = build("mace", model=module, backend=backend)
+    else:
+        model = module
+        model.set_backend(backend)
     model = model.to(device=device, dtype=dtype).eval()
     pot = Potential(model, skin=SKIN, compile=variant == "xnn_compiled")
     gs = [AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc, dtype=dtype,
                                   device=device) for a in atoms_list]
     g = (AtomicGraph.concat(gs) if len(gs) > 1 else gs[0]).replace(velocities=v.to(device))
-    if variant == "xnn_step_compiled":
-        from xnn.dynamics.compiled import CompiledNVE
-
-        integ = CompiledNVE(pot)
-        state = [integ.init(g, pot).replace(compute_stress=False)]
-
-        def one(s):
-            return integ.step(s, pot, DT_FS)
-        ensemble = "NVE (the compiled MD step compiles NVE only)"
-    else:
+    if variant != "xnn_step_compiled":
         state = [langevin.init(g, pot, T_K, friction=FRICTION, seed=0)
                  .replace(compute_stress=False)]
+        return state[0].forces.detach(), _advance(state, lambda s: langevin.step(
+            s, pot, DT_FS)), {"ensemble": LANGEVIN}
+    from xnn.dynamics.compiled import CompiledNVE
 
-        def one(s):
-            return langevin.step(s, pot, DT_FS)
-        ensemble = LANGEVIN
+    integ = CompiledNVE(pot)
+    state = [integ.init(g, pot).replace(compute_stress=False)]  # eager forces
+    # the compiled graph's own forces at the start: a step from rest without forces drifts
+    # nowhere (it compiles here; the run then reuses the graph and the neighbor list)
+    s0 = state[0]
+    rest = s0.replace(graph=s0.graph.replace(velocities=torch.zeros_like(s0.graph.velocities)),
+                      forces=torch.zeros_like(s0.forces))
+    forces = integ.step(rest, pot, DT_FS).forces.detach()
+    return forces, _advance(state, lambda s: integ.step(s, pot, DT_FS)), {
+        "ensemble": "NVE (the compiled MD step compiles NVE only)"}
 
+
+def _advance(state: list, one):
+    """``advance(n)``: ``n`` steps of ``one`` applied to ``state[0]`` in place."""
     def advance(n):
         for _ in range(n):
             state[0] = one(state[0])
-    return state[0].forces.detach(), advance, {"ensemble": ensemble}
+    return advance
 
 
-def run_torch_sim(module, atoms_list, v, device, dtype, compiled):
+def run_torch_sim(module, atoms_list, v, device, dtype, compiled, cueq):
     """torch-sim 0.6: ``MaceModel`` (mace-torch's ``MaceTorchSimModel``) + BAOAB Langevin."""
-    import torch_sim as ts
-    from torch_sim.models.mace import MaceModel
-    from torch_sim.units import MetalUnits
+    from xnn.models.external._optional import preserved_environ
+
+    with preserved_environ():  # mace sets env vars on import
+        # torch-sim's MaceModel is this class; torch-sim hides its import error behind a stub
+        import mace.calculators.mace_torchsim  # noqa: F401
+        import torch_sim as ts
+        from torch_sim.models.mace import MaceModel
+        from torch_sim.units import MetalUnits
 
     nl_fn, nl_name = None, "torchsim_nl (default)"
     try:  # the default picks nvalchemiops' O(N^2) list first: give it the cell list
@@ -179,9 +195,10 @@ def run_torch_sim(module, atoms_list, v, device, dtype, compiled):
             nl_fn, nl_name = alchemiops_nl_cell_list, "alchemiops_nl_cell_list"
     except ImportError:
         pass
-    model = MaceModel(model=module, device=device, dtype=dtype, compute_forces=True,
-                      compute_stress=False, neighbor_list_fn=nl_fn,
-                      compile_mode="default" if compiled else None)
+    with _default_dtype():  # mace's cueq conversion sets it
+        model = MaceModel(model=module, device=device, dtype=dtype, compute_forces=True,
+                          compute_stress=False, neighbor_list_fn=nl_fn, enable_cueq=cueq,
+                          compile_mode="default" if compiled else None)
     state = ts.io.atoms_to_state(atoms_list, device=device, dtype=dtype)
     state.momenta = state.masses[:, None] * v.to(device) * FS_PER_INTERNAL
     kt = T_K * float(MetalUnits.temperature)
@@ -195,15 +212,24 @@ def run_torch_sim(module, atoms_list, v, device, dtype, compiled):
     return st[0].forces.detach(), advance, {"ensemble": LANGEVIN, "neighbor_list": nl_name}
 
 
-def run_nvalchemi(module, atoms_list, v, device, dtype, compiled):
+def run_nvalchemi(module, atoms_list, v, device, dtype, compiled, cueq):
     """nvalchemi-toolkit 0.2: ``MACEWrapper`` + ``NVTLangevin`` + ``NeighborListHook``."""
-    from nvalchemi.data import AtomicData, Batch
-    from nvalchemi.dynamics import NVTLangevin
-    from nvalchemi.dynamics.base import DynamicsStage
-    from nvalchemi.hooks import NeighborListHook
-    from nvalchemi.models.mace import MACEWrapper, _patch_e3nn_irrep_len_for_compile
+    from xnn.models.external._optional import preserved_environ
+
+    with preserved_environ():
+        from nvalchemi.data import AtomicData, Batch
+        from nvalchemi.dynamics import NVTLangevin
+        from nvalchemi.dynamics.base import DynamicsStage
+        from nvalchemi.hooks import NeighborListHook
+        from nvalchemi.models.mace import MACEWrapper, _patch_e3nn_irrep_len_for_compile
 
     module = module.to(device=device, dtype=dtype).eval()
+    if cueq:  # what MACEWrapper.from_checkpoint(enable_cueq=True) does
+        from mace.cli.convert_e3nn_cueq import run as convert
+
+        with _default_dtype(), preserved_environ():
+            module = convert(module, return_model=True, device=device.type)
+        module = module.to(device=device, dtype=dtype).eval()
     if compiled:  # what MACEWrapper.from_checkpoint(compile_model=True) does
         _patch_e3nn_irrep_len_for_compile()
         for p in module.parameters():
@@ -233,15 +259,24 @@ def run_nvalchemi(module, atoms_list, v, device, dtype, compiled):
     return forces, advance, {"ensemble": LANGEVIN, "neighbor_list": f"NeighborListHook skin {SKIN}"}
 
 
-def start(framework, kind, base, atoms_list, v, device, dtype):
+@contextlib.contextmanager
+def _default_dtype():
+    """Restore torch's default dtype on exit."""
+    saved = torch.get_default_dtype()
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def start(framework, kind, base, atoms_list, v, device, dtype, cueq=False):
     """``(forces0 [n_atoms, 3], advance(n_steps), info)`` of ``framework`` on a fresh copy
-    of ``base``."""
+    of ``base`` (``cueq``: each framework's cuEquivariance path)."""
     module = copy.deepcopy(base)
     if framework in XNN:
-        return run_xnn(module, kind, atoms_list, v, device, dtype, framework)
-    if framework.startswith("torch_sim"):
-        return run_torch_sim(module, atoms_list, v, device, dtype, framework.endswith("compiled"))
-    return run_nvalchemi(module, atoms_list, v, device, dtype, framework.endswith("compiled"))
+        return run_xnn(module, kind, atoms_list, v, device, dtype, framework, cueq)
+    run = run_torch_sim if framework.startswith("torch_sim") else run_nvalchemi
+    return run(module, atoms_list, v, device, dtype, framework.endswith("compiled"), cueq)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -380,7 +415,7 @@ def run_case(model_name, base, n, b, args, device, dtype, on_update) -> dict:
         if fw.endswith("compiled") and args.compile_cases and tag not in args.compile_cases:
             continue
         res, forces = guarded(lambda fw=fw: start(fw, model_name, base, atoms_list, v, device,
-                                                  dtype), n_atoms, args, device)
+                                                  dtype, args.cueq), n_atoms, args, device)
         if forces is not None:
             if ref is None and fw == "xnn":
                 ref = forces
@@ -407,6 +442,8 @@ def parse(argv):
     p.add_argument("--frameworks", default="xnn,torch_sim,nvalchemi",
                    help=f"comma-separated of {','.join(XNN + PEERS)}")
     p.add_argument("--compile", action="store_true", help="add xnn_compiled,xnn_step_compiled")
+    p.add_argument("--cueq", action="store_true", help="every framework on its "
+                   "cuEquivariance path (xnn backend=cueq, torch-sim/nvalchemi enable_cueq)")
     p.add_argument("--compile-cases", default="", help="cases where *_compiled run: atom "
                    "counts and/or 'batched' (default: all)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12; quick 2)")
@@ -446,7 +483,8 @@ def main(argv=None) -> int:
     head = {"benchmark": "peers", "dtype": args.dtype, "dt_fs": DT_FS, "temperature_K": T_K,
             "friction_per_fs": FRICTION, "skin_A": SKIN, "steps": args.steps,
             "warmup": args.warmup, "blocks": args.blocks, "budget_s": args.budget_s,
-            "quick": args.quick, "small_models": args.small_models, "versions": _versions(),
+            "quick": args.quick, "small_models": args.small_models, "cueq": args.cueq,
+            "versions": _versions(),
             "force_check": "max |F - F_xnn| at the start; forces_match: <= 1e-4 (fp32) / "
                            "1e-9 (fp64) of max |F_xnn|"}
 

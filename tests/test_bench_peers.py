@@ -67,3 +67,16 @@ def test_wrong_forces_do_not_count_towards_goals():
     ts = goal["MACE MD vs torch-sim newest, 10k atoms"]
     assert ts["ratio"] == 3.0 and ts["met"] is True
     assert goal["MACE MD vs nvalchemi 0.2, 10k atoms, 1 GPU"]["ratio"] is None
+
+
+def test_compiled_step_forces_are_checked(tmp_path, one_thread, monkeypatch):
+    """The compiled NVE step's row carries its own forces at the start (a step from rest),
+    checked against the eager ones; recorded as NVE."""
+    import xnn.dynamics.compiled as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")  # no C++ compile in tests
+    data = _run(tmp_path, "--models", "equivariant", "--frameworks", "xnn,xnn_step_compiled",
+                "--batched", "none")
+    r = data["results"][0]["frameworks"]["xnn_step_compiled"]
+    assert r["ensemble"].startswith("NVE") and r["atom_steps_per_s"] > 0
+    assert r["forces_match"] and r["force_max_abs_ref_eV_A"] > 0

@@ -6,6 +6,9 @@
 # PART 3: training throughput, DDP efficiency (2 GPUs), equivariant memory ceiling (1 GPU).
 # PART 5: matched-size equivariant vs MACE: auto chunking, compiled inference, memory ceiling (1 GPU).
 # PART 6: NCCL check of the owned-only sync mode, largest system on 1 vs 2 GPUs, SevenNet-0 (2 GPUs).
+# PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
+#         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
+#         split in parts, travel in several calls and are installed with pip --target first).
 set -u
 PART=${1:?part}; OUT=${2:?outdir}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -71,5 +74,19 @@ PY
   step 150 dd_sevenn torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda --models sevenn \
       --sizes 20000,40000 --repeat 2 --scaling strong --timeout 120 \
       --json "$OUT/dd_sevenn_h200x2.json"
+  ;;
+7)
+  step 150 gpu_tests python3 -m pytest -q -m gpu tests/test_kernel_backends.py tests/test_compiled_md.py \
+      tests/test_compiled_cuda.py tests/test_neighbors.py -p no:cacheprovider -rA
+  step 100 neighbors python3 benchmarks/neighbors.py --json "$OUT/neighbors_paired_h200.json" --paired-only \
+      --devices cuda cpu --sizes 100000 1000000
+  step 100 kernel python3 benchmarks/kernel_backends.py --device cuda --sizes 1000 10000 --mace \
+      --json "$OUT/kernel_backends_h200.json"
+  step 260 md_compiled python3 benchmarks/md_compiled.py --device cuda --dtype float32 --models equivariant \
+      --ensembles nve,langevin --kernel-backends reference --n-atoms 10000 --steps 20 --json "$OUT/md_compiled_h200.json"
+  step 250 peers python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 1000,10000,100000 \
+      --batched 64x100 --steps 9 --budget-s 90 --frameworks xnn,torch_sim,nvalchemi --json "$OUT/peers_h200.json"
+  step 150 peers_cueq python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 --batched 64x100 \
+      --models mace --steps 9 --budget-s 60 --frameworks xnn,torch_sim,nvalchemi --cueq --json "$OUT/peers_cueq_h200.json"
   ;;
 esac

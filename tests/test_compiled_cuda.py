@@ -22,6 +22,7 @@ ARGS = {"nve": {}, "langevin": dict(temperature=500.0, friction=0.05, seed=7),
 MODULES = {"nve": nve, "langevin": langevin, "csvr": csvr}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["nve", "langevin", "csvr"])
 def test_cuda_graph_replay_follows_eager(name):

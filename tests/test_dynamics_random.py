@@ -120,6 +120,7 @@ def test_seed_tensor_round_trip_and_old_generator_states():
         seed_of(old)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_draws_equal_cpu_draws():
     ids = torch.arange(N)

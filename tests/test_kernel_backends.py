@@ -147,6 +147,7 @@ def test_cueq_without_package_refused(monkeypatch):
         small_model("cueq")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @requires_cue
 def test_model_cueq_equals_reference_cuda_fp32():
@@ -227,6 +228,7 @@ def test_set_kernel_backend_from_config():
         ModelConfig(hyperparameters={"backend": "cueq"})
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @requires_cue
 def test_mace_wrapper_cueq_equals_reference_cuda_fp32():

@@ -222,6 +222,7 @@ def test_npt_batched_equals_alone(tmp_path):
     assert len(set(vols)) == 4  # the cells moved, each its own way
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_campaign_equals_cpu(tmp_path):
     """The same campaign on the GPU and on the CPU (fp64): the same rows to 1e-10."""

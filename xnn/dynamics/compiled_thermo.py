@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import nhc, nve, random
+from xnn.dynamics import csvr, langevin, nhc, nve, random
 from xnn.dynamics.compiled_random import csvr_draws, normal_keyed, system_keys
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
@@ -35,13 +35,9 @@ from xnn.dynamics.state import (
     RNG_STEP0,
     MDState,
     degrees_of_freedom,
-    free_mask,
-    kinetic_energy,
-    remove_com_velocity,
     seed_of,
 )
 from xnn.errors import InputError
-from xnn.units import KB, MVV2E
 
 #: graph fields the traced thermostatted step takes besides positions, velocities, edges
 _FIELDS = (K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID, K.FIXED)
@@ -75,11 +71,8 @@ class Scheme:
         return nve.half_kick(s, dt)
 
 
-class LangevinScheme(Scheme):
-    """BAOAB as :func:`xnn.dynamics.langevin.step`, the noise hashed in the graph."""
-
-    reads = ("temperature", "friction", "heat", RNG_KEY, RNG_STEP0)
-    writes = ("heat",)
+class _Hashed(Scheme):
+    """A scheme whose random numbers are hashed in the graph from the run's seed."""
 
     def __init__(self):
         self.seed = 0
@@ -87,6 +80,13 @@ class LangevinScheme(Scheme):
     def key(self, state: MDState) -> tuple:
         self.seed = seed_of(state.rng)
         return (self.seed, RNG_KEY in state.vars)
+
+
+class LangevinScheme(_Hashed):
+    """BAOAB as :func:`xnn.dynamics.langevin.step`, the noise hashed in the graph."""
+
+    reads = ("temperature", "friction", "heat", RNG_KEY, RNG_STEP0)
+    writes = ("heat",)
 
     def pre(self, s, dt, reduce, draws, step):
         s = nve.half_kick(s, dt)
@@ -96,15 +96,7 @@ class LangevinScheme(Scheme):
 
     def _ou(self, s: MDState, dt: float, reduce: Reducer, step: Tensor) -> MDState:
         """:func:`xnn.dynamics.langevin.ou_step` with the noise of the step counter."""
-        g = s.graph
-        xi = self.noise(s, step)
-        c1 = torch.exp(-s.vars["friction"] * dt)[g.batch, None]
-        c2 = torch.sqrt(1.0 - c1 * c1)
-        sigma = torch.sqrt(KB * s.vars["temperature"][g.batch] / (g.masses * MVV2E))[:, None]
-        v = remove_com_velocity(c1 * g.velocities + c2 * sigma * xi, g, reduce)
-        new = g.replace(velocities=v)
-        dk = kinetic_energy(new, reduce) - kinetic_energy(g, reduce)
-        return s.replace(graph=new, vars={"heat": s.vars["heat"] - dk})
+        return langevin.ou_step(s, dt, reduce, self.noise(s, step))
 
     def noise(self, s: MDState, step: Tensor) -> Tensor:
         """``[n_atoms, 3]`` the normals of :func:`xnn.dynamics.langevin.noise` at the step
@@ -116,30 +108,25 @@ class LangevinScheme(Scheme):
         return normal_keyed(k1, k2, *words).to(g.dtype)
 
 
-class CSVRScheme(Scheme):
+class CSVRScheme(_Hashed):
     """:func:`xnn.dynamics.csvr.step`, its draws made in the graph at the step counter."""
 
     reads = ("temperature", "tau", "heat", RNG_KEY, RNG_STEP0)
     writes = ("heat",)
 
-    def __init__(self):
-        self.seed = 0
-
-    def key(self, state: MDState) -> tuple:
-        self.seed = seed_of(state.rng)
-        return (self.seed, RNG_KEY in state.vars)
-
-    def _draws(self, s: MDState, reduce: Reducer, step: Tensor, stage: int):
+    def _rescale(self, s: MDState, dt: float, reduce: Reducer, step: Tensor, stage: int):
+        """:func:`xnn.dynamics.csvr.rescale`, its draws made in the graph."""
         nf = degrees_of_freedom(s.graph, reduce)
-        return csvr_draws(self.seed, step, stage, nf, s.vars)
+        r, x = csvr_draws(self.seed, step, stage, nf, s.vars)
+        return csvr.rescale_with(s, dt, reduce, r, x, nf)
 
     def pre(self, s, dt, reduce, draws, step):
-        s = _rescale(s, 0.5 * dt, reduce, *self._draws(s, reduce, step, 0))
+        s = self._rescale(s, 0.5 * dt, reduce, step, 0)
         return super().pre(s, dt, reduce, draws, step)
 
     def post(self, s, dt, reduce, draws, step):
         s = nve.half_kick(s, dt)
-        return _rescale(s, 0.5 * dt, reduce, *self._draws(s, reduce, step, 1))
+        return self._rescale(s, 0.5 * dt, reduce, step, 1)
 
 
 class NHCScheme(Scheme):
@@ -166,26 +153,6 @@ class NHCScheme(Scheme):
 
     def post(self, s, dt, reduce, draws, step):
         return nhc._chain_half(nve.half_kick(s, dt), dt, reduce)
-
-
-def _rescale(state: MDState, dt: float, reduce: Reducer, r: Tensor, s: Tensor) -> MDState:
-    """:func:`xnn.dynamics.csvr.rescale` with its draws ``r``, ``s`` ``[n_systems]`` given."""
-    g = state.graph
-    nf = degrees_of_freedom(g, reduce)
-    k = kinetic_energy(g, reduce)
-    kt = 0.5 * nf * KB * state.vars["temperature"]
-    c = torch.exp(-dt / state.vars["tau"])
-    r, s = r.to(g.dtype), s.to(g.dtype)
-    k_safe = k.clamp(min=torch.finfo(g.dtype).tiny)
-    ratio = kt / (nf * k_safe)
-    alpha2 = c + (1 - c) * (s + r * r) * ratio + 2 * r * torch.sqrt(c * (1 - c) * ratio)
-    sign = torch.where(r + torch.sqrt(c / ((1 - c) * ratio)) < 0, -1.0, 1.0).to(g.dtype)
-    alpha = torch.where(k > 0, sign * torch.sqrt(alpha2), torch.ones_like(alpha2))
-    v = g.velocities * alpha[g.batch, None]
-    v = torch.where(free_mask(g)[:, None], v, torch.zeros_like(v))
-    new = g.replace(velocities=v)
-    dk = kinetic_energy(new, reduce) - k
-    return state.replace(graph=new, vars={"heat": state.vars["heat"] - dk})
 
 
 # ----------------------------------------------------------------------------- the step

@@ -90,12 +90,20 @@ def rescale(state: MDState, dt: float, reduce: Reducer, step: int, stage: int) -
         step: the number of the step being taken (``state.step`` at its start).
         stage: 0 for the half step before the force call, 1 for the one after.
     """
+    nf = degrees_of_freedom(state.graph, reduce)
+    r, s = draws(state.rng, step, stage, nf, state.vars)
+    return rescale_with(state, dt, reduce, r, s, nf)
+
+
+def rescale_with(state: MDState, dt: float, reduce: Reducer, r: Tensor, s: Tensor,
+                 nf: Tensor) -> MDState:
+    """:func:`rescale` with its draws given: ``r`` (normal) and ``s`` (chi-squared of
+    ``nf - 1`` degrees), each ``[n_systems]``, and ``nf`` the degrees of freedom."""
     g = state.graph
-    nf = degrees_of_freedom(g, reduce)
     k = kinetic_energy(g, reduce)
     kt = 0.5 * nf * KB * state.vars["temperature"]
     c = torch.exp(-dt / state.vars["tau"])
-    r, s = (x.to(g.dtype) for x in draws(state.rng, step, stage, nf, state.vars))
+    r, s = r.to(g.dtype), s.to(g.dtype)
     k_safe = k.clamp(min=torch.finfo(g.dtype).tiny)
     ratio = kt / (nf * k_safe)
     alpha2 = c + (1 - c) * (s + r * r) * ratio + 2 * r * torch.sqrt(c * (1 - c) * ratio)

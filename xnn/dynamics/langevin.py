@@ -67,10 +67,11 @@ def noise(state: MDState) -> Tensor:
     return xi.to(g.dtype)
 
 
-def ou_step(state: MDState, dt: float, reduce: Reducer) -> MDState:
-    """Exact Ornstein–Uhlenbeck update of the velocities over ``dt``."""
+def ou_step(state: MDState, dt: float, reduce: Reducer, xi: Tensor | None = None) -> MDState:
+    """Exact Ornstein–Uhlenbeck update of the velocities over ``dt``; ``xi`` ``[n_atoms, 3]``
+    the standard normals (default: :func:`noise` of this step)."""
     g = state.graph
-    xi = noise(state)
+    xi = noise(state) if xi is None else xi
     c1 = torch.exp(-state.vars["friction"] * dt)[g.batch, None]
     c2 = torch.sqrt(1.0 - c1 * c1)
     sigma = torch.sqrt(KB * state.vars["temperature"][g.batch] / (g.masses * MVV2E))[:, None]

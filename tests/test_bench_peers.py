@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
-from benchmarks import peers  # noqa: E402
+from benchmarks import peers, peers_frameworks  # noqa: E402
 
 
 def _run(tmp_path, *extra):
@@ -32,7 +32,7 @@ def test_xnn_rows_and_recorded_failures(tmp_path, one_thread):
         ("equivariant", 1, 32), ("equivariant", 2, 64)]
     for r in rows:
         x = r["frameworks"]["xnn"]
-        assert x["ensemble"] == peers.LANGEVIN
+        assert x["ensemble"] == peers_frameworks.LANGEVIN
         assert x["atom_steps_per_s"] > 0 and x["time_to_first_step_s"] > 0
     assert data["temperature_K"] == 300.0 and data["dt_fs"] == 1.0
 

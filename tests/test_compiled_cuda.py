@@ -8,9 +8,11 @@ rebuild) through a stand-in for the CUDA graph that runs the captured call again
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import pytest
 import torch
+from structures import fcc
 from test_compiled_md import SKIN, _model, _system, _unique_graphs
 
 from xnn.dynamics import csvr, langevin, nve
@@ -77,8 +79,10 @@ class _Stream:
 @contextlib.contextmanager
 def _capture(graph):
     _FakeGraph.capturing = graph
-    yield
-    _FakeGraph.capturing = None
+    try:
+        yield
+    finally:
+        _FakeGraph.capturing = None
 
 
 def _recording(fn):
@@ -90,13 +94,39 @@ def _recording(fn):
     return call
 
 
-def test_replay_bookkeeping_follows_eager(monkeypatch, one_thread):
-    from xnn.dynamics.compiled_graphs import CudaGraphStep
-
+def _fake_cuda_graphs(monkeypatch):
     for name, value in [("CUDAGraph", _FakeGraph), ("graph", _capture), ("Stream", _Stream),
                         ("current_stream", _Stream),
                         ("stream", lambda s: contextlib.nullcontext())]:
         monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_failed_capture_says_what_to_set(monkeypatch):
+    """A step that cannot be captured (as a cueq model's once could not) fails with one line
+    that names ``md.cuda_graph: false``, and the next call tries the capture again."""
+    from xnn.dynamics.compiled_graphs import CudaGraphStep
+
+    _fake_cuda_graphs(monkeypatch)
+
+    def fn(x):
+        if _FakeGraph.capturing is not None:
+            raise NotImplementedError("Attempt to trace generator\nmore")
+        return (x + 1,)
+
+    step = CudaGraphStep(fn, warmup=1)
+    x = torch.zeros(3)
+    assert torch.equal(step(x)[0], x + 1)  # the warm-up call runs fn itself
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"NotImplementedError: Attempt to trace "
+                           r"generator\): set md.cuda_graph: false"):
+            step(x)
+    assert step.n_captures == 0
+
+
+def test_replay_bookkeeping_follows_eager(monkeypatch, one_thread):
+    from xnn.dynamics.compiled_graphs import CudaGraphStep
+
+    _fake_cuda_graphs(monkeypatch)
     real_init = CudaGraphStep.__init__
     monkeypatch.setattr(CudaGraphStep, "__init__",
                         lambda self, fn, warmup=2: real_init(self, _recording(fn), warmup))
@@ -114,3 +144,38 @@ def test_replay_bookkeeping_follows_eager(monkeypatch, one_thread):
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
     torch.testing.assert_close(compiled.velocities, eager.velocities, rtol=0, atol=1e-12)
     torch.testing.assert_close(compiled.vars["heat"], eager.vars["heat"], rtol=0, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(importlib.util.find_spec("cuequivariance_torch") is None,
+                    reason="needs cuEquivariance (pip install cuequivariance-torch)")
+def test_cuda_graph_replay_of_a_cueq_model_follows_eager():
+    """``model.backend=cueq`` under ``md.cuda_graph=true`` (fp32, equivariant model on 108
+    Cu atoms): the replayed step follows the eager cueq step over 30 steps with a rebuild,
+    capturing once."""
+    from xnn.data import AtomicGraph
+    from xnn.dynamics import maxwell_boltzmann
+    from xnn.models import build
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build("equivariant", species=[29], cutoff=4.5).to(device=dev, dtype=torch.float32)
+    model.set_backend("cueq")
+    atoms = fcc((3, 3, 3), a=3.61, rattle=0.05, seed=0)
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True,
+                                dtype=torch.float32, device=dev)
+    g = maxwell_boltzmann(g, 600.0, seed=3)
+    eager_pot, compiled_pot = Potential(model, skin=0.5), Potential(model, skin=0.5)
+    integ = CompiledIntegrator("nve", compiled_pot, backend="inductor", cuda_graph=True)
+    stepper = integ.stepper
+    eager = compiled = nve.init(g, eager_pot)
+    for i in range(30):
+        if i == 15:
+            stepper._next_disp = torch.tensor(float("inf"), device=dev)
+        eager, compiled = nve.step(eager, eager_pot, 2.0), integ.step(compiled, compiled_pot, 2.0)
+    assert stepper.n_compiles == 1 and stepper._replay.n_captures == 1
+    assert stepper.n_rebuilds >= 2
+    scale = float(eager.forces.abs().max())
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-4)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-4 * scale)

@@ -166,20 +166,3 @@ def test_md_compile_runs_the_compiled_step(tmp_path, monkeypatch, one_thread):
 def test_md_compile_refuses_npt(tmp_path):
     with pytest.raises(InputError, match="compiles ensembles nve, langevin, csvr, nhc"):
         _md(tmp_path, "p", "compile=true", "ensemble=npt", "pressure=0")
-
-
-def test_cuda_graph_refused_for_cueq_models():
-    """A cueq model's step failed to capture on an H200: the run says so before starting."""
-    from types import SimpleNamespace
-
-    from xnn.app.md_setup import compiled_integrator
-
-    model = _model("lj")
-    cfg = SimpleNamespace(ensemble="nve", cuda_graph=True)
-    par = SimpleNamespace(potential=Potential(model, skin=SKIN))
-    model.backend = "cueq"
-    with pytest.raises(InputError, match="cuda_graph"):
-        compiled_integrator(cfg, par)
-    model.backend = "reference"
-    cfg.cuda_graph = False
-    assert compiled_integrator(cfg, par) is not None

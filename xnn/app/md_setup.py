@@ -201,10 +201,4 @@ def compiled_integrator(cfg: MDConfig, par):
     if type(par.potential) is not Potential:
         raise InputError("compile=true runs in one process: launch without torchrun or set "
                          "compile: false")
-    model = par.potential.model
-    backend = getattr(model, "backend", None) or getattr(model, "hparams", {}).get("backend")
-    if cfg.cuda_graph and backend == "cueq":
-        raise InputError("cuda_graph=true does not capture a model with kernel backend cueq "
-                         "(the capture failed on an H200 with cuequivariance 0.13): set "
-                         "cuda_graph: false (compile: true still compiles the step)")
     return CompiledIntegrator(cfg.ensemble, par.potential, cuda_graph=cfg.cuda_graph)

@@ -64,12 +64,19 @@ class CudaGraphStep:  # pragma: no cover - needs CUDA
         self._static = [t.clone() for t in flat]
         self._last, self._spec = flat, spec
         static_args = tree_unflatten(self._static, spec)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # one more run on a side stream, as capture wants
-            self.fn(*static_args)
-        torch.cuda.current_stream().wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._out = tuple(self.fn(*static_args))
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # one more run on a side stream, as capture wants
+                self.fn(*static_args)
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._out = tuple(self.fn(*static_args))
+        except Exception as err:
+            self._graph = None
+            raise RuntimeError(f"the CUDA-graph capture of the compiled MD step failed "
+                               f"({type(err).__name__}: {str(err).splitlines()[0]}): set "
+                               f"md.cuda_graph: false (md.compile: true still compiles the "
+                               f"step)") from err
         self.n_captures += 1

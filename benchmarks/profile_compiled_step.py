@@ -1,0 +1,60 @@
+"""Where the compiled MD step's time goes: a torch.profiler table (CUDA kernels) of the
+``md.compile=true`` NVE step (inductor) of the ``equivariant`` model on rattled FCC Cu.
+
+A diagnostic, not a benchmark (no JSON). The H200 table at 10,976 atoms, fp32, is
+``results/profile_compiled_equivariant_10k_h200.txt``::
+
+    python benchmarks/profile_compiled_step.py --atoms 10000 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import fcc_cu, synchronize  # noqa: E402
+from xnn.data import AtomicGraph  # noqa: E402
+from xnn.dynamics import maxwell_boltzmann, nve  # noqa: E402
+from xnn.dynamics.compiled_thermo import CompiledIntegrator  # noqa: E402
+from xnn.models import Potential, build  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--atoms", type=int, default=10000)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--kernel-backend", default="reference", choices=("reference", "cueq"))
+    p.add_argument("--rows", type=int, default=30)
+    a = p.parse_args(argv)
+    dev, dt = torch.device(a.device), torch.float32
+    atoms = fcc_cu(a.atoms, rattle=0.05, seed=0)
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
+                                dtype=dt, device=dev)
+    g = maxwell_boltzmann(g, 300.0, seed=0)
+    torch.manual_seed(0)
+    model = build("equivariant", species=[29], cutoff=5.0).to(device=dev, dtype=dt)
+    model.set_backend(a.kernel_backend)
+    pot = Potential(model, skin=1.0)
+    integ = CompiledIntegrator("nve", pot, backend="inductor")
+    state = nve.init(g, pot)
+    for _ in range(4):  # compile and warm up
+        state = integ.step(state, pot, 2.0)
+    synchronize(dev)
+    acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            state = integ.step(state, pot, 2.0)
+        synchronize(dev)
+    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=90))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

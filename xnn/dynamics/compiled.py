@@ -21,7 +21,8 @@ force evaluation, and a step costs one compiled call plus one host read.
 
 This module compiles NVE; :mod:`xnn.dynamics.compiled_thermo` adds Langevin, CSVR and
 Nosé–Hoover chains (``scheme``) and :mod:`xnn.dynamics.compiled_graphs` the CUDA-graph
-replay (``cuda_graph``). The cell stays fixed (NPT and domain decomposition run eagerly);
+replay (``cuda_graph``). The cell stays fixed (NPT runs eagerly; domain decomposition
+has its own compiled step, :mod:`xnn.distributed.domain.compiled`);
 the model must be traceable (data-independent shapes under
 :func:`~xnn.models.base.tracing_graph`). The result equals the eager step up to rounding.
 """

@@ -30,6 +30,9 @@ the exchange; the strain gradient is that of ``x_local (1 + ε)``, equal to the 
 strained owners and cell. Results equal the eager decomposed step (and one process) to
 rounding. Models with sync points run in mode ``halo`` (ghosts of ``cutoff ×
 num_interactions``); long-range models are refused.
+
+Regions 1 and 3 are methods (``_first``, ``_last``) that
+:mod:`xnn.distributed.domain.compiled_thermo` overrides to run Langevin, CSVR and NHC.
 """
 
 from __future__ import annotations

@@ -183,3 +183,19 @@ def test_inductor_thermostat_matches_eager(name, one_thread):
         compiled = integ.step(compiled, integ.stepper.potential, 2.0)
     assert integ.stepper.n_compiles == 1
     _assert_same(mod, eager, compiled)
+
+
+def test_hashed_schemes_declare_it_and_inductor_drops_index_propagation():
+    """The schemes that hash random numbers in the graph say so (a class attribute, not the
+    presence of a seed), and only their inductor graphs run without constant and index
+    propagation (Triton refuses the 64-bit constants it folds into int32 indices)."""
+    from xnn.dynamics.compiled import compile_options
+    from xnn.dynamics.compiled_thermo import SCHEMES
+
+    hashed = {name for name, cls in SCHEMES.items() if cls.uses_hashed_rng}
+    assert hashed == {"langevin", "csvr"}
+    off = {"constant_and_index_propagation": False}
+    for name, cls in SCHEMES.items():
+        assert compile_options("inductor", cls()) == (off if name in hashed else None)
+        assert compile_options("aot_eager", cls()) is None
+    assert compile_options("inductor", None) is None

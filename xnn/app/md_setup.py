@@ -190,14 +190,11 @@ def compiled_integrator(cfg: MDConfig, par):
     from xnn.dynamics.compiled_thermo import SCHEMES, CompiledIntegrator
     from xnn.models.potential import Potential
 
-    if hasattr(par, "compiled_integrator"):  # several ranks: the compiled decomposed step
-        if cfg.ensemble != "nve":
-            raise InputError(f"compile=true under torchrun compiles ensemble nve only, not "
-                             f"{cfg.ensemble!r}: set ensemble: nve or compile: false")
-        return par.compiled_integrator(cuda_graph=cfg.cuda_graph)
     if cfg.ensemble not in SCHEMES:
         raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
                          f"{cfg.ensemble!r}: choose one of them or set compile: false")
+    if hasattr(par, "compiled_integrator"):  # several ranks: the compiled decomposed step
+        return par.compiled_integrator(cfg.ensemble, cuda_graph=cfg.cuda_graph)
     if type(par.potential) is not Potential:
         raise InputError("compile=true runs in one process: launch without torchrun or set "
                          "compile: false")

@@ -21,7 +21,8 @@ force evaluation, and a step costs one compiled call plus one host read.
 
 This module compiles NVE; :mod:`xnn.dynamics.compiled_thermo` adds Langevin, CSVR and
 Nosé–Hoover chains (``scheme``) and :mod:`xnn.dynamics.compiled_graphs` the CUDA-graph
-replay (``cuda_graph``). The cell stays fixed (NPT and domain decomposition run eagerly);
+replay (``cuda_graph``). The cell stays fixed (NPT runs eagerly; domain decomposition
+has its own compiled step, :mod:`xnn.distributed.domain.compiled`);
 the model must be traceable (data-independent shapes under
 :func:`~xnn.models.base.tracing_graph`). The result equals the eager step up to rounding.
 """
@@ -177,14 +178,8 @@ class CompiledVerlet:
         with tracing_graph():  # constants outside parameters/buffers (cuEquivariance's
             # descriptors) are kept as graph constants
             gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(weights, *inputs)
-        options = None
-        if self.backend == "inductor" and hasattr(self.scheme, "seed"):
-            # hashed draws multiply index-derived words by 64-bit constants; inductor's index
-            # propagation folds them into int32 index arithmetic that Triton refuses
-            # ("Scalar ... out of range for type int32"), so it is off for these graphs
-            options = {"constant_and_index_propagation": False}
         compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True,
-                                 options=options)
+                                 options=compile_options(self.backend, self.scheme))
         self.n_compiles += 1
         return lambda *args: compiled(weights, *args)
 
@@ -210,6 +205,17 @@ class CompiledVerlet:
         self._returned = x
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
                              energy=energy, stress=stress, step=state.step + 1)
+
+
+def compile_options(backend: str, scheme) -> dict | None:
+    """``torch.compile`` options of a step graph of ``scheme`` (a
+    :class:`~xnn.dynamics.compiled_thermo.Scheme` or None for NVE): with inductor, graphs
+    whose scheme ``uses_hashed_rng`` run without constant and index propagation (hashed
+    draws multiply index-derived words by 64-bit constants; the propagation folds them into
+    int32 index arithmetic that Triton refuses: "Scalar ... out of range for type int32")."""
+    if backend == "inductor" and scheme is not None and scheme.uses_hashed_rng:
+        return {"constant_and_index_propagation": False}
+    return None
 
 
 def mass_mvv(g: AtomicGraph) -> Tensor:

@@ -57,26 +57,11 @@ def normal_keyed(k1: Tensor, k2: Tensor, *words: Tensor) -> Tensor:
 
 def gamma_keyed(k1: Tensor, k2: Tensor, shape: Tensor, *words: Tensor,
                 n_candidates: int = 16) -> Tensor:
-    """:func:`xnn.dynamics.random.gamma` with the key ``k1, k2`` (the same candidates)."""
-    a = shape.to(torch.float64)
-    a1 = torch.where(a < 1, a + 1, a)
-    d = a1 - 1.0 / 3.0
-    c = 1.0 / torch.sqrt(9.0 * d)
-    w = [x.unsqueeze(-1) for x in words]
-    j = torch.arange(n_candidates, device=a.device)
-    x = normal_keyed(k1, k2, *w, torch.zeros_like(j), j)
-    u = uniform_keyed(k1, k2, *w, torch.ones_like(j), j)
-    v = (1.0 + c.unsqueeze(-1) * x) ** 3
-    dd = d.unsqueeze(-1)
-    log_v = torch.log(v.clamp(min=torch.finfo(torch.float64).tiny))
-    ok = (v > 0) & (torch.log(u) < 0.5 * x * x + dd - dd * v + dd * log_v)
-    first = torch.argmax(ok.to(torch.int8), dim=-1, keepdim=True)
-    g = (dd * v).gather(-1, first).squeeze(-1)
-    g = torch.where(ok.any(-1), g, a1)
-    two = torch.full((), 2, dtype=torch.int64, device=a.device)
-    boost = uniform_keyed(k1, k2, *words, two, torch.zeros_like(two))
-    g = torch.where(a < 1, g * boost ** (1.0 / a.clamp(min=1e-300)), g)
-    return torch.where(a > 0, g, torch.zeros_like(g))
+    """:func:`xnn.dynamics.random.gamma` with the key ``k1, k2`` (the same candidates,
+    through :func:`xnn.dynamics.random.gamma_with`)."""
+    return random.gamma_with(lambda *w: normal_keyed(k1, k2, *w),
+                             lambda *w: uniform_keyed(k1, k2, *w), shape, *words,
+                             n_candidates=n_candidates)
 
 
 def csvr_draws(seed: int, step: Tensor, stage: int, nf: Tensor,

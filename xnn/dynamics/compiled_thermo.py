@@ -48,10 +48,13 @@ class Scheme:
 
     Attributes:
         reads: the ``MDState.vars`` the graph takes; ``writes``: those it returns.
+        uses_hashed_rng: the graph hashes random numbers (int64 arithmetic on index-derived
+            words; see :func:`xnn.dynamics.compiled.compile_options`).
     """
 
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
+    uses_hashed_rng: bool = False
 
     def key(self, state: MDState) -> tuple:
         """Host values baked into the graph (a change compiles again)."""
@@ -73,6 +76,8 @@ class Scheme:
 
 class _Hashed(Scheme):
     """A scheme whose random numbers are hashed in the graph from the run's seed."""
+
+    uses_hashed_rng = True
 
     def __init__(self):
         self.seed = 0
@@ -147,12 +152,16 @@ class NHCScheme(Scheme):
             self.n_yoshida = int(self._read[0])
         return (self.n_yoshida, state.vars["eta"].shape[1])
 
+    def _order(self, s: MDState) -> MDState:
+        return s.replace(vars={"n_yoshida": (self.n_yoshida,)})
+
     def pre(self, s, dt, reduce, draws, step):
-        s = nhc._chain_half(s.replace(vars={"n_yoshida": (self.n_yoshida,)}), dt, reduce)
+        s = nhc._chain_half(self._order(s), dt, reduce)
         return super().pre(s, dt, reduce, draws, step)
 
     def post(self, s, dt, reduce, draws, step):
-        return nhc._chain_half(nve.half_kick(s, dt), dt, reduce)
+        # the order also here: under domain decomposition post starts from a new state
+        return nhc._chain_half(self._order(nve.half_kick(s, dt)), dt, reduce)
 
 
 # ----------------------------------------------------------------------------- the step

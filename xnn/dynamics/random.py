@@ -114,14 +114,25 @@ def gamma(
         shape: float tensor of shapes ``a >= 0``.
         words: int64 word tensors broadcastable to ``shape`` (e.g. the system index).
     """
+    return gamma_with(lambda *w: normal(seed, step, stream, *w),
+                      lambda *w: uniform(seed, step, stream, *w), shape, *words,
+                      n_candidates=n_candidates)
+
+
+def gamma_with(normal_of, uniform_of, shape: Tensor, *words: Tensor,
+               n_candidates: int = 16) -> Tensor:
+    """:func:`gamma` with the draws given as functions of the words: ``normal_of(*words)``
+    and ``uniform_of(*words)`` (float64 normals and uniforms of one key, shaped like the
+    words' broadcast), e.g. those of a key made in a compiled graph
+    (:func:`xnn.dynamics.compiled_random.gamma_keyed`)."""
     a = shape.to(torch.float64)
     a1 = torch.where(a < 1, a + 1, a)
     d = a1 - 1.0 / 3.0
     c = 1.0 / torch.sqrt(9.0 * d)
     w = [x.unsqueeze(-1) for x in words]
     j = torch.arange(n_candidates, device=a.device)
-    x = normal(seed, step, stream, *w, torch.zeros_like(j), j)
-    u = uniform(seed, step, stream, *w, torch.ones_like(j), j)
+    x = normal_of(*w, torch.zeros_like(j), j)
+    u = uniform_of(*w, torch.ones_like(j), j)
     v = (1.0 + c.unsqueeze(-1) * x) ** 3
     dd = d.unsqueeze(-1)
     log_v = torch.log(v.clamp(min=torch.finfo(torch.float64).tiny))
@@ -130,7 +141,7 @@ def gamma(
     g = (dd * v).gather(-1, first).squeeze(-1)
     g = torch.where(ok.any(-1), g, a1)
     two = torch.full((), 2, dtype=torch.int64, device=a.device)
-    boost = uniform(seed, step, stream, *words, two, torch.zeros_like(two))
+    boost = uniform_of(*words, two, torch.zeros_like(two))
     g = torch.where(a < 1, g * boost ** (1.0 / a.clamp(min=1e-300)), g)
     return torch.where(a > 0, g, torch.zeros_like(g))
 

@@ -30,6 +30,9 @@ the exchange; the strain gradient is that of ``x_local (1 + ε)``, equal to the 
 strained owners and cell. Results equal the eager decomposed step (and one process) to
 rounding. Models with sync points run in mode ``halo`` (ghosts of ``cutoff ×
 num_interactions``); long-range models are refused.
+
+Regions 1 and 3 are methods (``_first``, ``_last``) that
+:mod:`xnn.distributed.domain.compiled_thermo` overrides to run Langevin, CSVR and NHC.
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class CompiledDomainVerlet:
         n_steps, n_region_calls, n_exchanges, n_collectives: per-run counts of steps,
             compiled calls, point-to-point exchanges and collectives of the steps (rebuilds
             included; the initial evaluation excluded).
+        n_graph_collectives: all-reduces inside the compiled regions called so far (the
+            thermostats' global sums, :mod:`~xnn.distributed.domain.compiled_thermo`; none
+            for NVE).
         comm_s: host seconds spent in the steps' exchanges and all-gathers (waiting for
             the other ranks included; on a GPU, without a device synchronisation, a lower
             bound).
@@ -134,7 +140,11 @@ class CompiledDomainVerlet:
         self.caps = Capacities(float(growth), float(headroom), int(slack))
         self.n_compiles = self.n_replans = self.n_steps = 0
         self.n_region_calls = self.n_exchanges = self.n_collectives = 0
+        self.n_graph_collectives = self._traced_collectives = 0
         self.comm_s = 0.0
+        #: the ensemble's :class:`~xnn.dynamics.compiled_thermo.Scheme` (None: NVE)
+        self.scheme = None
+        self._in_graph: dict = {}  # collectives traced into each compiled region
         self._plan: PaddedPlan | None = None
         self._fns: dict = {}
         self._models: dict = {}
@@ -145,19 +155,24 @@ class CompiledDomainVerlet:
     def _compiled(self, name: str, key: tuple, make, inputs):
         full = (name, *key)
         if full not in self._fns:
+            before = self._traced_collectives
             self._fns[full] = self._compile(make(), inputs)
+            self._in_graph[full] = self._traced_collectives - before
         self.n_region_calls += 1
+        self.n_graph_collectives += self._in_graph[full]
         return self._fns[full]
 
     def _compile(self, fn, inputs):
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        from xnn.dynamics.compiled import compile_options
         from xnn.models.base import tracing_graph
 
         with tracing_graph():
             gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
         self.n_compiles += 1
-        return torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True)
+        return torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True,
+                             options=compile_options(self.backend, self.scheme))
 
     def _model_region(self, stress: bool, inputs):
         from torch.func import functional_call
@@ -192,7 +207,7 @@ class CompiledDomainVerlet:
             z = g.numbers.max() if g.n_atoms else g.numbers.new_tensor(-1)
             self._pad_z = int(C.all_reduce_max(z.reshape(1).double(), pot.group)[0])
             self.n_collectives += 1
-        pot.update(g.replace(positions=_drifted(g, state.forces, dt)))
+        pot.update(g.replace(positions=self._next_positions(state, dt)))
         self.n_collectives += 1
         if not torch.equal(pot.state.graph.atom_id, g.atom_id):
             raise InputError("the compiled decomposed step got other atoms than its "
@@ -216,6 +231,29 @@ class CompiledDomainVerlet:
         self.comm_s += time.perf_counter() - t0
         self.n_exchanges += 1
 
+    # ------------------------------------------------------------------ regions 1 and 3
+    def _next_positions(self, state: MDState, dt: float) -> Tensor:
+        """``[n_owned, 3]`` the positions region 1 moves ``state`` to (eager)."""
+        return _drifted(state.graph, state.forces, dt)
+
+    def _first(self, state: MDState, x: Tensor, v: Tensor, f: Tensor, dt: float):
+        """Region 1 on the padded rows: ``x, v`` at the force call and the rows to send."""
+        p = self._plan
+        args = (x, v, f, p.inv_m, p.send_index)
+        return self._compiled("kick", (p.caps["owned"], p.caps["send"], dt),
+                              lambda: _kick_drift(dt), args)(*args)
+
+    def _last(self, state: MDState, x: Tensor, v: Tensor, g_base: Tensor, e: Tensor,
+              g_eps: Tensor, dt: float):
+        """Region 3: ``v, f`` at the end of the step, the head to all-gather (energy share,
+        strain gradient, look-ahead displacements) and the ``MDState.vars`` written."""
+        p = self._plan
+        args = (x, v, g_base[: p.caps["owned"]], p.back_buf, p.send_index, p.inv_m, p.ref,
+                p.migrated, e, g_eps)
+        v, f, head = self._compiled("finish", (p.caps["owned"], p.caps["send"], dt),
+                                    lambda: _finish(dt), args)(*args)
+        return v, f, head, {}
+
     # ------------------------------------------------------------------ the step
     def step(self, state: MDState, dt: float) -> MDState:
         """Advance ``state`` (this rank's owned atoms) by ``dt`` (fs); atoms migrate when
@@ -228,19 +266,14 @@ class CompiledDomainVerlet:
         co = p.caps["owned"]
         x, v, f = (self._padded(t, co).detach() for t in (g.positions, g.velocities,
                                                           state.forces))
-        args = (x, v, f, p.inv_m, p.send_index)
-        x, v, send = self._compiled("kick", (co, p.caps["send"], dt), lambda: _kick_drift(dt),
-                                    args)(*args)
+        x, v, send = self._first(state, x, v, f, dt)
         self._exchange(send, p.recv_buf, p.send_counts, p.recv_counts)  # ghost positions
         cell = g.cell.detach()
         e, g_base, g_eps, self._x_local = self._model_region(
             state.compute_stress, (x, p.recv_buf, p.src, p.shifts, cell, p.owned_mask,
                                    p.fields))
         self._exchange(g_base[co:], p.back_buf, p.recv_counts, p.send_counts)  # reverse
-        args = (x, v, g_base[:co], p.back_buf, p.send_index, p.inv_m, p.ref, p.migrated, e,
-                g_eps)
-        v, f, head = self._compiled("finish", (co, p.caps["send"], dt), lambda: _finish(dt),
-                                    args)(*args)
+        v, f, head, written = self._last(state, x, v, g_base, e, g_eps, dt)
         t0 = time.perf_counter()
         every = C.all_gather_tensor(head, pot.group)
         self.comm_s += time.perf_counter() - t0
@@ -255,7 +288,7 @@ class CompiledDomainVerlet:
             stress = torch.where(periodic[:, None, None], g_strain / vol[:, None, None], stress)
         pot._last_eval = (self._x_local[: p.state.local.n_local], p.state.local, g.atom_id)
         out = state.replace(graph=g.replace(positions=x[:n], velocities=v[:n]), forces=f[:n],
-                            energy=energy, stress=stress, step=state.step + 1)
+                            energy=energy, stress=stress, step=state.step + 1, vars=written)
         if bool((every[:, 10:].max() > 0.5 * pot.skin).item()):
             out = pot.maybe_migrate(out)  # collective: every rank has the same maxima
             self.n_collectives += 1
@@ -302,6 +335,7 @@ def steps_summary(stepper: CompiledDomainVerlet) -> dict:
             "replans": stepper.n_replans, "regions_per_step": stepper.n_region_calls / n,
             "exchanges_per_step": stepper.n_exchanges / n,
             "collectives_per_step": stepper.n_collectives / n,
+            "graph_collectives_per_step": stepper.n_graph_collectives / n,
             "breaks_per_step": (stepper.n_exchanges + stepper.n_collectives) / n,
             "comm_s_per_step": stepper.comm_s / n,
             "capacities": dict(stepper.caps.sizes or {})}

@@ -11,7 +11,8 @@ from xnn.errors import InputError
 
 class CompiledDomainRun(DomainRun):
     """:class:`~xnn.distributed.md_run.DomainRun` in mode ``halo`` (``auto`` means halo
-    here; ``graph`` is refused) for :class:`~xnn.distributed.domain.compiled.CompiledDomainNVE`.
+    here; ``graph`` is refused) for the compiled decomposed steps of NVE, Langevin, CSVR and
+    NHC (:class:`~xnn.distributed.domain.compiled_thermo.CompiledDomainIntegrator`).
 
     The potential is a :class:`~xnn.distributed.DomainPotential` in mode ``halo`` also for
     models with sync points (their exchanges would break the compiled model region), and
@@ -31,11 +32,13 @@ class CompiledDomainRun(DomainRun):
     def after_step(self, state):
         return state
 
-    def compiled_integrator(self, cuda_graph: bool = False):
-        """The compiled NVE integrator of this run's potential."""
-        from xnn.distributed.domain.compiled import CompiledDomainNVE
+    def compiled_integrator(self, ensemble: str = "nve", cuda_graph: bool = False):
+        """The compiled integrator of ``ensemble`` (``nve``, ``langevin``, ``csvr``,
+        ``nhc``) for this run's potential
+        (:class:`~xnn.distributed.domain.compiled_thermo.CompiledDomainIntegrator`)."""
+        from xnn.distributed.domain.compiled_thermo import CompiledDomainIntegrator
 
         if cuda_graph:
             raise InputError("md.cuda_graph runs in one process; on several ranks set "
                              "cuda_graph: false (compile: true alone compiles the step)")
-        return CompiledDomainNVE(self.potential)
+        return CompiledDomainIntegrator(ensemble, self.potential)

@@ -1,0 +1,217 @@
+"""Compiled thermostatted steps under domain decomposition: Langevin (BAOAB), CSVR and
+Nosé–Hoover chain through the regions of :class:`~xnn.distributed.domain.compiled.
+CompiledDomainVerlet` (``md.compile=true`` with ``md.ensemble=langevin|csvr|nhc`` on
+several ranks, mode ``halo``).
+
+The ensembles are the one-process :class:`~xnn.dynamics.compiled_thermo.Scheme` objects,
+unchanged: region 1 runs the scheme's ``pre`` (up to the positions of the force call),
+region 3 its ``post`` and the next step's ``pre`` once more for the look-ahead
+displacements. Their global reductions (kinetic energy, degrees of freedom, centre-of-mass
+momentum) go through a :class:`GraphReducer`: a sum over the rank's real (not padding) rows,
+then an all-reduce *inside* the compiled region (a functional collective of
+:mod:`torch.distributed._functional_collectives`, traced as ``_c10d_functional.all_reduce``
+and ``wait_tensor``), so every rank gets the global value and a step keeps the 3 regions,
+2 exchanges and 1 all-gather of NVE; the in-graph all-reduces are counted
+(``n_graph_collectives``). The random numbers are hashed in the graph from the seed, the
+step counter and the global atom id (:mod:`xnn.dynamics.compiled_random`): they do not
+depend on how the atoms are split over the ranks, so the trajectory is the one-process one
+to rounding.
+
+Padding rows (capacity beyond the owned atoms) are fixed atoms of mass 1 at rest: every
+update leaves them at zero, and the reducer leaves them out of every sum. NPT (cell moves)
+is not compiled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.distributed import collectives as C
+from xnn.distributed.domain.compiled import CompiledDomainVerlet
+from xnn.dynamics.reduce import Reducer
+from xnn.dynamics.state import MDState
+from xnn.errors import InputError
+
+
+class GraphReducer(Reducer):
+    """The reductions of a compiled region over padded per-atom rows: the rows where
+    ``real [cap_owned]`` is True, summed over the ranks of ``group`` by an in-graph
+    all-reduce (``group`` None: this process alone). ``count()`` is called once per traced
+    collective."""
+
+    def __init__(self, real: Tensor, group, count):
+        self.real, self.group, self.count = real, group, count
+
+    def _rows(self, values: Tensor, fill: float) -> Tensor:
+        mask = self.real.reshape(-1, *([1] * (values.dim() - 1)))
+        return torch.where(mask, values, torch.full_like(values, fill))
+
+    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
+        if self.group is None:
+            return t
+        import torch.distributed._functional_collectives as fc
+
+        self.count()
+        return fc.wait_tensor(fc.all_reduce(t, op, self.group))
+
+    def sum_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
+        out = super().sum_per_system(self._rows(values, 0.0), batch, n_systems)
+        return self._all_reduce(out, "sum")
+
+    def max_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
+        out = super().max_per_system(self._rows(values, -math.inf), batch, n_systems)
+        return self._all_reduce(out, "max")
+
+    def any(self, flag: Tensor) -> bool:
+        raise InputError("a compiled decomposed step cannot take host decisions inside its "
+                         "regions; run this ensemble with compile: false")
+
+    def gather_small(self, values: Tensor) -> Tensor:
+        if self.group is None:
+            return values[None]
+        import torch.distributed._functional_collectives as fc
+
+        self.count()
+        out = fc.wait_tensor(fc.all_gather_tensor(values.contiguous().reshape(1, -1), 0,
+                                                  self.group))
+        return out.reshape(-1, *values.shape)
+
+
+def _state(x: Tensor, v: Tensor, f: Tensor, fields: dict, vars: dict) -> MDState:
+    """The padded rows as an :class:`~xnn.dynamics.state.MDState` (no energy, no stress)."""
+    g = AtomicGraph({**fields, K.POSITIONS: x, K.VELOCITIES: v}, validate=False)
+    zero = torch.zeros_like(fields[K.CELL])
+    return MDState(g, f, zero[:, 0, 0], zero, 0, vars)
+
+
+def _pre(scheme, dt: float, reducer):
+    """Region 1: the scheme's ``pre``, the rows to send and the ``vars`` it writes."""
+    def region(x, v, f, send_index, fields, real, vars, step, draws):
+        s = scheme.pre(_state(x, v, f, fields, vars), dt, reducer(real), draws, step)
+        return (s.positions, s.velocities, s.positions.index_select(0, send_index),
+                *(s.vars[k] for k in scheme.writes))
+    return region
+
+
+def _post(scheme, dt: float, reducer):
+    """Region 3: forces, the scheme's ``post``, the look-ahead (the next ``pre``'s
+    positions against the plan's reference and the last migration) and the head."""
+    def region(x, v, g_base, back, send_index, fields, real, ref, migrated, e, g_eps, vars,
+               step, draws, next_draws):
+        red = reducer(real)
+        f = -g_base.index_add(0, send_index, back)
+        s = scheme.post(_state(x, v, f, fields, vars), dt, red, draws, step)
+        ahead = scheme.pre(s, dt, red, next_draws, step + 1).positions
+        d = torch.stack([(ahead - ref).norm(dim=-1).max(),
+                         (ahead - migrated).norm(dim=-1).max()])
+        head = torch.cat([e.reshape(1), g_eps.reshape(9), d])
+        return (s.velocities, f, head, step + 1, *(s.vars[k] for k in scheme.writes))
+    return region
+
+
+def _pad(t: Tensor, n: int, value) -> Tensor:
+    return torch.cat([t, t.new_full((n - t.shape[0], *t.shape[1:]), value)])
+
+
+class CompiledDomainScheme(CompiledDomainVerlet):
+    """Steps of ``scheme`` (a :class:`~xnn.dynamics.compiled_thermo.Scheme`: Langevin, CSVR,
+    NHC) on a :class:`~xnn.distributed.DomainPotential` through three compiled regions per
+    capacity (see the module docstring); arguments and counters of
+    :class:`~xnn.distributed.domain.compiled.CompiledDomainVerlet`."""
+
+    def __init__(self, potential, scheme, backend: str = "inductor", growth: float = 1.25,
+                 headroom: float = 1.25, slack: int = 16):
+        super().__init__(potential, backend, growth, headroom, slack)
+        self.scheme = scheme
+        group = potential.group
+        self._group = (group or torch.distributed.group.WORLD) if C.is_active(group) else None
+        self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
+        self._rows: tuple | None = None  # (plan, padded owned fields, real-row mask)
+        self._mid: dict = {}  # this step: key, vars, draws between regions 1 and 3
+
+    def _count(self) -> None:
+        self._traced_collectives += 1
+
+    def _reducer(self, real: Tensor) -> GraphReducer:
+        return GraphReducer(real, self._group, self._count)
+
+    def _next_positions(self, state: MDState, dt: float) -> Tensor:
+        counter = torch.tensor(state.step, dtype=torch.int64, device=state.graph.device)
+        self.scheme.key(state)  # the seed of the hashed draws
+        s = self.scheme.pre(state, dt, self.potential.reducer,
+                            self.scheme.draws(state, state.step), counter)
+        return s.positions.detach()
+
+    def _fields(self, state: MDState) -> tuple[dict, Tensor]:
+        """The owned graph's fields the scheme reads, padded to the owned capacity (padding:
+        fixed atoms of mass 1, system 0, atom id -1), and the real-row mask."""
+        p, g = self._plan, state.graph
+        if self._rows is None or self._rows[0] is not p:
+            co = p.caps["owned"]
+            fixed = g[K.FIXED].to(torch.bool) if K.FIXED in g else torch.zeros(
+                g.n_atoms, dtype=torch.bool, device=g.device)
+            fields = {K.BATCH: _pad(g.batch, co, 0), K.MASSES: _pad(g.masses, co, 1.0),
+                      K.ATOM_ID: _pad(g.atom_id, co, -1), K.FIXED: _pad(fixed, co, True)}
+            self._rows = (p, fields, torch.arange(co, device=g.device) < p.n_owned)
+        fields = {**self._rows[1], K.CELL: g.cell.detach(), K.PBC: g.pbc}
+        return fields, self._rows[2]
+
+    def _first(self, state, x, v, f, dt):
+        sch, p = self.scheme, self._plan
+        key = sch.key(state)
+        if self._counter is None or self._counter[0] != state.step:
+            self._counter = (state.step, torch.tensor(state.step, dtype=torch.int64,
+                                                      device=x.device))
+        vars_ = {k: state.vars[k] for k in sch.reads if k in state.vars}
+        draws = sch.draws(state, state.step)
+        fields, real = self._fields(state)
+        args = (x, v, f, p.send_index, fields, real, vars_, self._counter[1], draws)
+        full = (p.caps["owned"], p.caps["send"], dt, type(sch), *key, tuple(vars_))
+        x, v, send, *written = self._compiled("pre", full, lambda: _pre(sch, dt, self._reducer),
+                                              args)(*args)
+        self._mid = {"key": full, "vars": {**vars_, **dict(zip(sch.writes, written))},
+                     "draws": draws, "fields": fields, "real": real}
+        return x, v, send
+
+    def _last(self, state, x, v, g_base, e, g_eps, dt):
+        sch, p, mid = self.scheme, self._plan, self._mid
+        co = p.caps["owned"]
+        args = (x, v, g_base[:co], p.back_buf, p.send_index, mid["fields"], mid["real"],
+                p.ref, p.migrated, e, g_eps, mid["vars"], self._counter[1], mid["draws"],
+                sch.draws(state, state.step + 1))
+        v, f, head, step, *written = self._compiled(
+            "post", mid["key"], lambda: _post(sch, dt, self._reducer), args)(*args)
+        self._counter = (state.step + 1, step)
+        return v, f, head, dict(zip(sch.writes, written))
+
+
+class CompiledDomainIntegrator:
+    """The integrator interface (``init``, ``step``, ``conserved``) of ensemble ``name``
+    (``nve``, ``langevin``, ``csvr``, ``nhc``) with compiled decomposed steps, for one
+    :class:`~xnn.distributed.DomainPotential`; ``init`` and ``conserved`` are the eager
+    module's (called with the run's decomposed reducer). Migration happens inside the
+    steps (the run layer must not migrate again)."""
+
+    def __init__(self, name: str, potential, backend: str | None = None):
+        from xnn.dynamics import registry
+        from xnn.dynamics.compiled import DEFAULT_BACKEND
+        from xnn.dynamics.compiled_thermo import SCHEMES
+
+        if name not in SCHEMES:
+            raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
+                             f"{name!r}: choose one of them or set compile: false")
+        module = registry.get_integrator(name)
+        self.init, self.conserved = module.init, module.conserved
+        backend = backend or DEFAULT_BACKEND
+        self.stepper = (CompiledDomainVerlet(potential, backend=backend) if name == "nve"
+                        else CompiledDomainScheme(potential, SCHEMES[name](), backend=backend))
+
+    def step(self, state: MDState, model, dt: float, reduce=None) -> MDState:
+        if model is not self.stepper.potential:
+            raise InputError("this compiled integrator runs its own decomposed potential")
+        return self.stepper.step(state, dt)

@@ -1,0 +1,137 @@
+"""Neighbor-list input checks with remembered host values (the CUDA fast path, run on CPU).
+
+On CUDA the cell, pbc and batch values read for the checks are remembered per tensor, so
+that a repeated call with the same tensors reads only the positions' sum. Here the same
+code runs on CPU (``REMEMBER_ON`` patched): every in-place edit, a reallocated tensor and
+non-finite positions must still be seen, and the lists must equal fresh ones.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import xnn.neighbors.common as common
+from xnn.errors import InputError
+from xnn.neighbors import neighbor_list
+
+CUTOFF = 3.0
+
+
+@pytest.fixture
+def remember(monkeypatch):
+    """Remember host values on CPU as on CUDA; count the full reads of cell/pbc/batch."""
+    monkeypatch.setattr(common, "REMEMBER_ON", {"cpu", "cuda"})
+    monkeypatch.setattr(common, "_HOST_VALUES", {})
+    reads = []
+    real = common._read_once
+    monkeypatch.setattr(common, "_read_once", lambda *a: reads.append(1) or real(*a))
+    return reads
+
+
+def _system(seed=0, n=40, box=8.0):
+    rng = np.random.default_rng(seed)
+    pos = torch.tensor(rng.random((n, 3)) * box)
+    cell = torch.eye(3, dtype=torch.float64) * box
+    return pos, cell, torch.tensor([True, True, True])
+
+
+def _edges(ei, sh) -> set:
+    return {(int(a), int(b), *map(int, s)) for a, b, s in zip(ei[0], ei[1], sh)}
+
+
+def _fresh(pos, cell, pbc, batch=None, backend="torch") -> set:
+    """The list from clones (never seen before: no remembered values apply)."""
+    b = None if batch is None else batch.clone()
+    return _edges(*neighbor_list(pos.clone(), cell.clone(), pbc.clone(), CUTOFF, b, backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_repeated_call_reads_only_the_positions(remember, backend):
+    """The second call with the same cell and pbc tensors does not read them again (the old
+    code read cell, pbc and positions at every call) and gives the same list."""
+    pos, cell, pbc = _system()
+    first = _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend=backend))
+    assert len(remember) == 1
+    moved = pos + 0.1
+    again = _edges(*neighbor_list(moved, cell, pbc, CUTOFF, backend=backend))
+    assert len(remember) == 1
+    assert first == _fresh(pos, cell, pbc) and again == _fresh(moved, cell, pbc)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_in_place_edits_are_seen(remember, backend):
+    """Scaling the cell in place changes the list; zeroing a periodic vector in place, or
+    switching on periodicity in place along a zero vector, is refused as singular."""
+    pos, cell, pbc = _system(1)
+    neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+    cell.mul_(0.8)  # denser periodic images: more pairs
+    out = _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend=backend))
+    assert len(remember) == 2  # read again
+    assert out == _fresh(pos, cell, pbc)
+    cell[2] = 0.0
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+    slab_pbc = torch.tensor([True, True, False])
+    neighbor_list(pos, cell, slab_pbc, CUTOFF, backend=backend)  # zero vector, open axis: fine
+    slab_pbc[2] = True
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, cell, slab_pbc, CUTOFF, backend=backend)
+    cell[2, 2] = float("nan")
+    with pytest.raises(InputError, match="non-finite cell"):
+        neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+
+
+def test_in_place_edit_of_the_batch_is_seen(remember):
+    pos, cell, pbc = _system(2)
+    cells = torch.stack([cell, cell * 1.1])
+    batch = torch.repeat_interleave(torch.arange(2), 20)
+    out = _edges(*neighbor_list(pos, cells, pbc, CUTOFF, batch, "torch"))
+    assert out == _fresh(pos, cells, pbc, batch)
+    batch[-1] = 2  # out of range for two systems
+    with pytest.raises(InputError, match="batch"):
+        neighbor_list(pos, cells, pbc, CUTOFF, batch, "torch")
+    batch[-1] = 1
+    batch[0] = 1  # decreasing
+    with pytest.raises(InputError, match="batch"):
+        neighbor_list(pos, cells, pbc, CUTOFF, batch, "torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_non_finite_positions_raise_with_a_remembered_cell(remember, backend):
+    pos, cell, pbc = _system(3)
+    neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        p = pos.clone()
+        p[5, 1] = bad
+        with pytest.raises(InputError, match="non-finite positions"):
+            neighbor_list(p, cell, pbc, CUTOFF, backend=backend)
+    assert len(remember) == 1  # the cell was remembered: still the positions were checked
+
+
+def test_reallocated_tensor_does_not_reuse_old_values(remember):
+    """A new tensor that gets the id, memory and version of a freed one (simulated by
+    filing the freed tensor's entry under the new id) is read afresh: identity is checked by
+    weak reference, not by ``id()``."""
+    pos, cell, pbc = _system(4)
+    neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
+    ref, (_, extra), values = common._HOST_VALUES[id(cell)]
+    del cell
+    gc.collect()
+    singular = torch.zeros(3, 3, dtype=torch.float64)
+    common._HOST_VALUES[id(singular)] = (ref, (common._meta(singular), extra), values)
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, singular, pbc, CUTOFF, backend="torch")
+
+
+def test_cell_of_another_dtype_is_checked_in_the_positions_dtype(remember):
+    """Values are remembered per positions dtype: a float64 cell used with float32 positions
+    (so converted to float32) is checked again, not taken from its float64 check."""
+    pos, cell, pbc = _system(5)
+    cell[2, 2] = 1e39  # finite in float64, inf in float32
+    neighbor_list(pos, cell, pbc, CUTOFF, backend="brute")  # a tall box: fine
+    with pytest.raises(InputError, match="non-finite cell"):
+        neighbor_list(pos.float(), cell, pbc, CUTOFF, backend="brute")

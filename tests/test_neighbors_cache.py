@@ -19,6 +19,8 @@ from xnn.errors import InputError
 from xnn.neighbors import neighbor_list
 
 CUTOFF = 3.0
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 @pytest.fixture
@@ -32,15 +34,16 @@ def remember(monkeypatch):
     return reads
 
 
-def _system(seed=0, n=40, box=8.0):
+def _system(seed=0, n=40, box=8.0, device="cpu"):
     rng = np.random.default_rng(seed)
-    pos = torch.tensor(rng.random((n, 3)) * box)
-    cell = torch.eye(3, dtype=torch.float64) * box
-    return pos, cell, torch.tensor([True, True, True])
+    pos = torch.tensor(rng.random((n, 3)) * box, device=device)
+    cell = torch.eye(3, dtype=torch.float64, device=device) * box
+    return pos, cell, torch.tensor([True, True, True], device=device)
 
 
 def _edges(ei, sh) -> set:
-    return {(int(a), int(b), *map(int, s)) for a, b, s in zip(ei[0], ei[1], sh)}
+    ei, sh = ei.cpu().tolist(), sh.cpu().tolist()
+    return {(a, b, *s) for a, b, s in zip(ei[0], ei[1], sh)}
 
 
 def _fresh(pos, cell, pbc, batch=None, backend="torch") -> set:
@@ -50,10 +53,11 @@ def _fresh(pos, cell, pbc, batch=None, backend="torch") -> set:
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_repeated_call_reads_only_the_positions(remember, backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_call_reads_only_the_positions(remember, backend, device):
     """The second call with the same cell and pbc tensors does not read them again (the old
     code read cell, pbc and positions at every call) and gives the same list."""
-    pos, cell, pbc = _system()
+    pos, cell, pbc = _system(device=device)
     first = _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend=backend))
     assert len(remember) == 1
     moved = pos + 0.1
@@ -63,10 +67,11 @@ def test_repeated_call_reads_only_the_positions(remember, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_in_place_edits_are_seen(remember, backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_edits_are_seen(remember, backend, device):
     """Scaling the cell in place changes the list; zeroing a periodic vector in place, or
     switching on periodicity in place along a zero vector, is refused as singular."""
-    pos, cell, pbc = _system(1)
+    pos, cell, pbc = _system(1, device=device)
     neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
     cell.mul_(0.8)  # denser periodic images: more pairs
     out = _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend=backend))
@@ -75,7 +80,7 @@ def test_in_place_edits_are_seen(remember, backend):
     cell[2] = 0.0
     with pytest.raises(InputError, match="singular"):
         neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
-    slab_pbc = torch.tensor([True, True, False])
+    slab_pbc = torch.tensor([True, True, False], device=device)
     neighbor_list(pos, cell, slab_pbc, CUTOFF, backend=backend)  # zero vector, open axis: fine
     slab_pbc[2] = True
     with pytest.raises(InputError, match="singular"):
@@ -101,8 +106,9 @@ def test_in_place_edit_of_the_batch_is_seen(remember):
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_non_finite_positions_raise_with_a_remembered_cell(remember, backend):
-    pos, cell, pbc = _system(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_positions_raise_with_a_remembered_cell(remember, backend, device):
+    pos, cell, pbc = _system(3, device=device)
     neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
     for bad in (float("nan"), float("inf"), -float("inf")):
         p = pos.clone()

@@ -12,11 +12,13 @@ degenerate boxes) is computed by the torch cell list instead.
 Overhead against calling vesin directly (``benchmarks/neighbors.py``): one
 ``NeighborList`` per thread, device and cutoff is kept and reused (its output buffers are
 not reallocated, and on CUDA not freed with a device sync, on every build); results are
-read with ``copy=False`` and written once into the returned tensors (``edge_index`` from
-the ``[E, 2]`` pairs; ``shifts`` kept in vesin's int32, 12 B per edge as in vesin's own
-output; by numpy on CPU, which copies these 2-4x faster than torch), which replaces vesin's
-own copy. No dtype conversion of positions beyond what vesin itself needs. On CUDA the
-tensors stay on the device: no host sync besides vesin's own read of the pair count.
+read with ``copy=False`` and written once into the returned tensors (``edge_index`` the
+transpose of the ``[E, 2]`` pairs, one copy; ``shifts`` negated, in vesin's int32, 12 B per
+edge as in vesin's own output; by numpy on CPU, which copies these 2-4x faster than torch),
+which replaces vesin's own copy. No dtype conversion of positions beyond what vesin itself
+needs. On CUDA the tensors stay on the device: besides vesin's own read of the pair count,
+one host sync of xnn's checks (:func:`xnn.neighbors.common.validate_lazy`: the positions'
+sum only, when the cell, pbc and batch tensors are those of an earlier call).
 """
 
 from __future__ import annotations
@@ -198,4 +200,9 @@ def _ordered_with_vesin(device: torch.device) -> bool:
     kernels also use). On a side stream vesin's own copies (``copy=True``) are taken."""
     if device.type != "cuda":
         return True
-    return torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:  # stream ids without building two Stream objects (µs per build)
+        current, default = torch._C._cuda_getCurrentStream, torch._C._cuda_getDefaultStream
+        return current(index)[0] == default(index)[0]
+    except (AttributeError, TypeError, IndexError):  # pragma: no cover - other torch versions
+        return torch.cuda.current_stream(device) == torch.cuda.default_stream(device)

@@ -141,3 +141,15 @@ def test_cell_of_another_dtype_is_checked_in_the_positions_dtype(remember):
     neighbor_list(pos, cell, pbc, CUTOFF, backend="brute")  # a tall box: fine
     with pytest.raises(InputError, match="non-finite cell"):
         neighbor_list(pos.float(), cell, pbc, CUTOFF, backend="brute")
+
+
+def test_inference_tensors_are_read_every_time(remember):
+    """Inference tensors have no version counter: their values are never remembered, so an
+    in-place edit under ``torch.inference_mode`` is still seen."""
+    with torch.inference_mode():
+        pos, cell, pbc = _system(6)
+        neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
+        cell[1] = 0.0
+        with pytest.raises(InputError, match="singular"):
+            neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
+    assert len(remember) == 2

@@ -155,7 +155,10 @@ def _meta(t: Tensor) -> tuple:
 
 
 def _remembered(t: Tensor, extra):
-    """The host values stored for ``t`` (this very object, unchanged since) and ``extra``."""
+    """The host values stored for ``t`` (this very object, unchanged since) and ``extra``;
+    never for inference tensors (no version counter: in-place edits would go unseen)."""
+    if t.is_inference():
+        return None
     entry = _HOST_VALUES.get(id(t))
     if entry is None or entry[0]() is not t or entry[1] != (_meta(t), extra):
         return None
@@ -163,6 +166,8 @@ def _remembered(t: Tensor, extra):
 
 
 def _remember(t: Tensor, extra, value) -> None:
+    if t.is_inference():
+        return
     if len(_HOST_VALUES) >= 64:
         _HOST_VALUES.clear()
     _HOST_VALUES[id(t)] = (weakref.ref(t), (_meta(t), extra), value)

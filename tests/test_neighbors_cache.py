@@ -153,3 +153,27 @@ def test_inference_tensors_are_read_every_time(remember):
         with pytest.raises(InputError, match="singular"):
             neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
     assert len(remember) == 2
+
+
+def test_torch_outputs_equal_ase_and_own_their_memory():
+    """The CUDA form of the copies out of vesin's buffers (torch ops), run here on CPU: the
+    same (sender, receiver, shift) set as ASE and as the numpy form, int32 shifts, and no
+    memory shared with vesin's reused buffers (``copy=False``)."""
+    vesin_torch = pytest.importorskip("vesin_torch")
+    from ase.build import bulk
+    from ase.neighborlist import neighbor_list as ase_neighbor_list
+
+    import xnn.neighbors.vesin_backend as vb
+
+    atoms = bulk("Cu", "fcc", a=3.61).repeat((3, 2, 2))  # triclinic primitive cell
+    atoms.rattle(0.05, seed=1)
+    pos, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
+    nl = vesin_torch.NeighborList(cutoff=CUTOFF, full_list=True)
+    pairs, shifts = nl.compute(pos, cell, torch.tensor(atoms.pbc), "PS", copy=False)
+    ei, sh = vb._outputs_torch(pairs, shifts, pos.device)
+    i, j, s = ase_neighbor_list("ijS", atoms, CUTOFF)
+    ref = {(int(b), int(a), *map(int, v)) for a, b, v in zip(i, j, s)}
+    assert _edges(ei, sh) == ref == _edges(*vb._outputs(pairs, shifts, pos.device))
+    assert ei.dtype == torch.long and ei.is_contiguous() and sh.dtype == torch.int32
+    for ours, theirs in ((ei, pairs), (sh, shifts)):
+        assert ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()

@@ -142,6 +142,11 @@ def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tenso
         edge_index[...] = p.T
         sh = np.negative(shifts.numpy().reshape(-1, 3))
         return torch.from_numpy(edge_index).to(device), torch.from_numpy(sh).to(device)
+    return _outputs_torch(pairs, shifts, device)
+
+
+def _outputs_torch(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """:func:`_outputs` by torch ops (on CUDA): one copy kernel each, no host sync."""
     if pairs.dtype == torch.uint64:
         pairs = pairs.view(torch.int64)
     if pairs.device != device:

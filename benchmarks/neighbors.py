@@ -21,6 +21,10 @@ check on a GPU machine (about 1-2 minutes on one H200 with 16 CPU cores)::
 
     python benchmarks/neighbors.py --json benchmarks/results/neighbors_paired_h200.json \
         --paired-only --devices cuda cpu --sizes 100000 1000000
+
+``--phases`` (with ``--paired-only``) adds where ``xnn:auto``'s time goes: input checks,
+vesin's compute, our output copies and the rest, host-only and with a device sync at each
+phase boundary (the GPU time of each phase).
 """
 
 from __future__ import annotations
@@ -209,6 +213,9 @@ def run_paired_only(args: argparse.Namespace) -> dict:
             paired.append({"device": device.type,
                            **bench_paired(case, device, args.cutoff, rounds)})
             p = paired[-1]
+            if args.phases:
+                p["phases"] = bench_phases(case, device, args.cutoff, rounds)
+                _print_phases(p["phases"])
             print(f"{p['n_atoms']:>9} {device.type:<4} xnn:auto / {p['reference']}: "
                   f"{p['ratio_median']:.3f} (median) {p['ratio_min']:.3f} (min) "
                   f"{p['xnn_auto_median_s'] * 1e3:.2f} vs {p['reference_median_s'] * 1e3:.2f} ms"
@@ -253,6 +260,72 @@ def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -
         "ratio_min": low["xnn:auto"] / low[ref_name],
         "edges_match": counts["xnn:auto"] == counts[ref_name], "n_edges": counts[ref_name],
     }
+
+
+def bench_phases(case: Case, device: torch.device, cutoff: float, rounds: int) -> dict:
+    """Per-phase time of ``xnn:auto`` on ``case``: input checks (``validate``), vesin's
+    ``compute`` (with its own count read), our ``outputs`` (edge_index and shifts copies) and
+    the rest (``other``: dispatch, Python), as medians over ``rounds`` builds.
+
+    ``host``: host time of each phase without extra syncs (what the caller waits for: on
+    CUDA, kernels after vesin's count read run on while the host returns). ``synced``: the
+    device synchronised at each phase boundary, so each phase includes its GPU time.
+    """
+    import xnn.neighbors.api as api
+    import xnn.neighbors.vesin_backend as vb
+
+    spent: dict[str, float] = {}
+    state = {"sync": False}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            if state["sync"]:
+                _sync(device)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if state["sync"]:
+                    _sync(device)
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    class Timed:
+        def __init__(self, nl):
+            self.compute = timed("vesin_compute", nl.compute)
+
+    real = (api.validate_lazy, vb._outputs, vb._calculator)
+    api.validate_lazy = timed("validate", real[0])
+    vb._outputs = timed("outputs", real[1])
+    vb._calculator = lambda *a: Timed(real[2](*a))
+    ours = _xnn("auto", case, cutoff)
+    out: dict[str, dict] = {}
+    try:
+        ours(), ours()  # warm-up
+        for mode in ("host", "synced"):
+            state["sync"] = mode == "synced"
+            rows: dict[str, list[float]] = {}
+            for _ in range(rounds):
+                spent.clear()
+                _sync(device)
+                t0 = time.perf_counter()
+                ours()
+                _sync(device)
+                total = time.perf_counter() - t0
+                for k, v in spent.items():
+                    rows.setdefault(k, []).append(v)
+                rows.setdefault("other", []).append(total - sum(spent.values()))
+                rows.setdefault("total", []).append(total)
+            out[mode] = {k: statistics.median(v) for k, v in rows.items()}
+    finally:
+        api.validate_lazy, vb._outputs, vb._calculator = real
+    return {"n_atoms": case.n_atoms, "device": device.type, "rounds": rounds, **out}
+
+
+def _print_phases(p: dict) -> None:
+    for mode in ("host", "synced"):
+        cols = " ".join(f"{k} {v * 1e3:.3f}" for k, v in p[mode].items())
+        print(f"{p['n_atoms']:>9} {p['device']:<4} phases ({mode}, ms): {cols}", flush=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -308,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paired-rounds", type=int, default=9,
                    help="alternating xnn:auto / vesin builds per size (default 9; 3x "
                    "that on CUDA with --paired-only)")
+    p.add_argument("--phases", action="store_true",
+                   help="with --paired-only: also time xnn:auto's phases (validate, vesin "
+                   "compute, outputs, other), host-only and with a sync at each boundary")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-seconds", type=float, default=30.0,

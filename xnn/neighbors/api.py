@@ -11,7 +11,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, complete_cell, rowvec_matmul
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
-from xnn.neighbors.common import spectral_norm_3x3, validate_inputs
+from xnn.neighbors.common import spectral_norm_3x3, validate_lazy
 from xnn.neighbors.torch_cells import torch_neighbor_list
 from xnn.neighbors.vesin_backend import vesin_available, vesin_neighbor_list, vesin_torch_available
 
@@ -64,8 +64,6 @@ def _auto_backend(device: torch.device, n_systems: int) -> str:
         if device.type == "cpu":
             return "vesin"
         if device.type == "cuda" and n_systems <= VESIN_CUDA_MAX_SYSTEMS:
-            from xnn.neighbors.vesin_backend import vesin_torch_available
-
             if vesin_torch_available():
                 return "vesin"
     return "torch" if "torch" in _BACKENDS else "brute"
@@ -100,11 +98,14 @@ def neighbor_list(
 def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None,
            backend: str) -> tuple[Tensor, Tensor, bool]:
     """:func:`neighbor_list` and whether the cell has zero (completed) vectors."""
-    positions, cell, pbc, batch, has_zero = validate_inputs(positions, cell, pbc, cutoff, batch)
+    positions, cell, pbc, batch, has_zero = validate_lazy(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, cell.shape[0]) if backend == "auto" else backend
-    if name not in _BACKENDS:
+    fn = _BACKENDS.get(name)
+    if fn is None:
         choices = ["auto", *available_backends()]
         raise InputError(f"unknown neighbor-list backend {backend!r}; choose one of {choices}")
+    if batch is None and not (fn is vesin_neighbor_list and cell.shape[0] == 1):
+        batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
     with torch.no_grad():
         full = complete_cell(cell) if has_zero else cell
         pos = positions.detach()
@@ -116,7 +117,7 @@ def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: T
             if bool(n.any()):
                 n_wrap = n.to(torch.long)
                 pos = pos - rowvec_matmul(n, full, batch)
-        edge_index, shifts = _BACKENDS[name](pos, full, pbc, float(cutoff), batch)
+        edge_index, shifts = fn(pos, full, pbc, float(cutoff), batch)
         if n_wrap is not None and edge_index.shape[1] > 0:
             # pos_w = pos - n @ cell, so
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -44,51 +45,132 @@ def validate_inputs(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
     """Validate and normalise neighbor-list inputs with one host sync; returns
     ``(positions, cell, pbc, batch, has_zero_vectors)``."""
+    positions, cell, pbc, batch, has_zero = validate_lazy(positions, cell, pbc, cutoff, batch)
+    if batch is None:
+        batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
+    return positions, cell, pbc, batch, has_zero
+
+
+def validate_lazy(
+    positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
+    """:func:`validate_inputs`, with ``batch`` left ``None`` for one system without one (no
+    zeros allocated when the backend does not need them).
+
+    The host values of the cell, pbc and batch are remembered per tensor on devices where
+    reading costs a host sync (:data:`REMEMBER_ON`): a later call with the very same tensor,
+    not modified in place since (same ``_version``, data pointer, shape, strides, dtype),
+    reads only the sum of the positions (one small kernel and one read: NaN/inf positions
+    must never reach a backend's kernels). Writes that bypass the version counter
+    (``tensor.data``, numpy views of a CPU tensor, custom kernels) are not seen.
+    """
     if not isinstance(cutoff, (int, float)) or not math.isfinite(cutoff) or cutoff <= 0:
         raise InputError(f"cutoff must be a positive finite number, got {cutoff!r}")
     if positions.ndim != 2 or positions.shape[-1] != 3:
         raise InputError(f"positions must have shape [n_atoms, 3], got {tuple(positions.shape)}")
+    cell_src = cell
     if cell.ndim == 2:
         cell = cell.unsqueeze(0)
     if cell.shape[1:] != (3, 3):
         raise InputError(f"cell must have shape [n_systems, 3, 3], got {tuple(cell.shape)}")
-    pbc = torch.as_tensor(pbc, dtype=torch.bool, device=positions.device)
-    if pbc.ndim > 2 or (pbc.ndim >= 1 and pbc.shape[-1] != 3):
-        raise InputError(f"pbc must have shape [n_systems, 3] or [3], got {tuple(pbc.shape)}")
-    if pbc.ndim == 0:
-        pbc = pbc.expand(cell.shape[0], 3)
-    elif pbc.ndim == 1:
-        pbc = pbc.unsqueeze(0).expand(cell.shape[0], 3)
-    if tuple(pbc.shape) != (cell.shape[0], 3):
-        raise InputError(f"pbc must have shape [n_systems, 3], got {tuple(pbc.shape)}")
-    given_batch = batch is not None
-    if batch is None:
-        if cell.shape[0] != 1:
-            raise InputError("batch is required when more than one cell is given")
-        batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
-    if batch.shape != (positions.shape[0],):
-        raise InputError(f"batch must have shape [{positions.shape[0]}], got {tuple(batch.shape)}")
-    if batch.dtype.is_floating_point and batch.numel():
-        raise InputError(f"batch must be non-decreasing integers in [0, {cell.shape[0]})")
-    cell = cell.to(positions.dtype)
-    check_batch = given_batch and batch.numel() > 0
-    host = _read_once(positions, cell, pbc, batch if check_batch else None).numpy()
     n_sys = cell.shape[0]
-    if not math.isfinite(host[0]) and not bool(torch.isfinite(positions).all()):
+    (pbc, pbc_src), pbc_h = _pbc(pbc, positions.device, n_sys)
+    remember_pbc = pbc_h is None  # a device tensor: its values cost a read
+    if batch is None:
+        if n_sys != 1:
+            raise InputError("batch is required when more than one cell is given")
+    else:
+        if batch.shape != (positions.shape[0],):
+            raise InputError(
+                f"batch must have shape [{positions.shape[0]}], got {tuple(batch.shape)}")
+        if batch.dtype.is_floating_point and batch.numel():
+            raise InputError(f"batch must be non-decreasing integers in [0, {n_sys})")
+    if cell.dtype != positions.dtype:
+        cell = cell.to(positions.dtype)
+    check_batch = batch is not None and batch.numel() > 0
+    remember = positions.device.type in REMEMBER_ON
+    cell_h = _remembered(cell_src, positions.dtype) if remember else None
+    if remember_pbc and remember:
+        pbc_h = _remembered(pbc_src, n_sys)
+    batch_h = _remembered(batch, n_sys > 1) if check_batch and remember else None
+    if cell_h is None or pbc_h is None or (check_batch and batch_h is None):
+        host = _read_once(positions, cell, pbc, batch if check_batch else None).numpy()
+        pos_sum = host[0]
+        cell_h = host[1 : 1 + 9 * n_sys].reshape(n_sys, 3, 3)
+        pbc_h = host[1 + 9 * n_sys : 1 + 12 * n_sys].reshape(n_sys, 3) != 0
+        batch_h = (*host[1 + 12 * n_sys :].tolist(), 0.0)[:3] if check_batch else None
+        if remember:
+            _remember(cell_src, positions.dtype, cell_h)
+            if remember_pbc:
+                _remember(pbc_src, n_sys, pbc_h)
+            if check_batch:
+                _remember(batch, n_sys > 1, batch_h)
+    else:  # the cell, pbc and batch as last read: only the positions are new
+        pos_sum = positions.sum().item()
+    if not math.isfinite(pos_sum) and not bool(torch.isfinite(positions).all()):
         raise InputError("non-finite positions")  # (a finite sum needs no element check)
     # the cell checks on the host copy, in numpy: µs for a few 3x3 matrices
-    cell_h = host[1 : 1 + 9 * n_sys].reshape(n_sys, 3, 3)
-    pbc_h = host[1 + 9 * n_sys : 1 + 12 * n_sys].reshape(n_sys, 3) != 0
     if not np.isfinite(cell_h).all():
         raise InputError("non-finite cell")
     if check_batch:
-        b_min, b_max, unsorted = [*host[1 + 12 * n_sys :].tolist(), 0.0][:3]
+        b_min, b_max, unsorted = batch_h
         if b_min < 0 or b_max >= n_sys or unsorted:
             raise InputError(f"batch must be non-decreasing integers in [0, {n_sys})")
     has_zero, bad = _cell_verdict(cell_h, pbc_h)
     if bad >= 0:
         raise InputError(f"system {bad}: singular cell along a periodic axis")
     return positions, cell, pbc, batch, has_zero
+
+
+def _pbc(pbc, device: torch.device, n_sys: int) -> tuple[tuple[Tensor, Tensor], np.ndarray | None]:
+    """``((pbc [n_systems, 3] bool on device, the tensor its values are remembered by),
+    host values [n_systems, 3] or None)``: host values are known without a device read when
+    ``pbc`` is not a tensor, or a CPU tensor for another device."""
+    src = pbc
+    host = None
+    if not isinstance(pbc, Tensor) or (pbc.device.type == "cpu" and device.type != "cpu"):
+        cpu = torch.as_tensor(pbc, dtype=torch.bool)
+        pbc = cpu if device.type == "cpu" else cpu.to(device)
+        host = cpu
+    elif pbc.dtype != torch.bool or pbc.device != device:
+        pbc = pbc.to(device=device, dtype=torch.bool)
+    if pbc.ndim > 2 or (pbc.ndim >= 1 and pbc.shape[-1] != 3):
+        raise InputError(f"pbc must have shape [n_systems, 3] or [3], got {tuple(pbc.shape)}")
+    if pbc.ndim < 2:
+        pbc = pbc.expand(n_sys, 3)
+    if tuple(pbc.shape) != (n_sys, 3):
+        raise InputError(f"pbc must have shape [n_systems, 3], got {tuple(pbc.shape)}")
+    if host is not None:
+        host = np.broadcast_to(host.numpy(), (n_sys, 3))
+    return (pbc, src), host
+
+
+#: device types on which the host values of cell, pbc and batch are remembered per tensor
+REMEMBER_ON = {"cuda"}
+_HOST_VALUES: dict[int, tuple] = {}
+
+
+def _meta(t: Tensor) -> tuple:
+    return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _remembered(t: Tensor, extra):
+    """The host values stored for ``t`` (this very object, unchanged since) and ``extra``;
+    never for inference tensors (no version counter: in-place edits would go unseen)."""
+    if t.is_inference():
+        return None
+    entry = _HOST_VALUES.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != (_meta(t), extra):
+        return None
+    return entry[2]
+
+
+def _remember(t: Tensor, extra, value) -> None:
+    if t.is_inference():
+        return
+    if len(_HOST_VALUES) >= 64:
+        _HOST_VALUES.clear()
+    _HOST_VALUES[id(t)] = (weakref.ref(t), (_meta(t), extra), value)
 
 
 _VERDICTS: dict[bytes, tuple[bool, int]] = {}

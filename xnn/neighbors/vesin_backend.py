@@ -12,11 +12,13 @@ degenerate boxes) is computed by the torch cell list instead.
 Overhead against calling vesin directly (``benchmarks/neighbors.py``): one
 ``NeighborList`` per thread, device and cutoff is kept and reused (its output buffers are
 not reallocated, and on CUDA not freed with a device sync, on every build); results are
-read with ``copy=False`` and written once into the returned tensors (``edge_index`` from
-the ``[E, 2]`` pairs; ``shifts`` kept in vesin's int32, 12 B per edge as in vesin's own
-output; by numpy on CPU, which copies these 2-4x faster than torch), which replaces vesin's
-own copy. No dtype conversion of positions beyond what vesin itself needs. On CUDA the
-tensors stay on the device: no host sync besides vesin's own read of the pair count.
+read with ``copy=False`` and written once into the returned tensors (``edge_index`` the
+transpose of the ``[E, 2]`` pairs, one copy; ``shifts`` negated, in vesin's int32, 12 B per
+edge as in vesin's own output; by numpy on CPU, which copies these 2-4x faster than torch),
+which replaces vesin's own copy. No dtype conversion of positions beyond what vesin itself
+needs. On CUDA the tensors stay on the device: besides vesin's own read of the pair count,
+one host sync of xnn's checks (:func:`xnn.neighbors.common.validate_lazy`: the positions'
+sum only, when the cell, pbc and batch tensors are those of an earlier call).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _calculator(module, device: torch.device, cutoff: float):
     cache = getattr(_CACHE, "lists", None)
     if cache is None:
         cache = _CACHE.lists = {}
-    key = (module.__name__, str(device), cutoff)
+    key = (module.__name__, device, cutoff)
     nl = cache.get(key)
     if nl is None:
         if len(cache) >= _CACHE_SIZE:
@@ -124,24 +126,36 @@ def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[
 
 
 def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Our ``edge_index [2, E]`` (sender, receiver) and ``shifts [E, 3]`` int32 from vesin's
-    ``pairs [E, 2]`` (i, j) and ``shifts [E, 3]`` int32, each written once (views are fine)."""
+    """Our ``edge_index [2, E]`` and ``shifts [E, 3]`` int32 from vesin's ``pairs [E, 2]``
+    (i, j) and ``shifts [E, 3]`` int32 (views are fine), each written once, in one kernel.
+
+    Each vesin pair ``(i, j, S)`` (``r = pos[j] - pos[i] + S @ cell``) becomes the edge
+    sender ``i``, receiver ``j``, shift ``-S``: the same pair seen from ``j``
+    (``pos[i] - pos[j] - S @ cell = -r``, as short), which a full list also holds as
+    ``(j, i, -S)``. So ``edge_index`` is the plain transpose of ``pairs`` (one copy, not two
+    strided ones) and the negation of the shifts is their copy out of vesin's buffer.
+    """
     if pairs.device.type == "cpu":
-        # numpy's strided copies are 2-4x faster than torch's here
+        # numpy's copies are 2-4x faster than torch's here
         p = pairs.numpy().view(np.int64)  # size_t: reinterpret, never negative below 2**63
         edge_index = np.empty((2, p.shape[0]), dtype=np.int64)
-        edge_index[0] = p[:, 1]
-        edge_index[1] = p[:, 0]
-        sh = shifts.numpy().reshape(-1, 3).copy()
+        edge_index[...] = p.T
+        sh = np.negative(shifts.numpy().reshape(-1, 3))
         return torch.from_numpy(edge_index).to(device), torch.from_numpy(sh).to(device)
+    return _outputs_torch(pairs, shifts, device)
+
+
+def _outputs_torch(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """:func:`_outputs` by torch ops (on CUDA): one copy kernel each, no host sync."""
     if pairs.dtype == torch.uint64:
         pairs = pairs.view(torch.int64)
-    pairs = pairs.to(device)
+    if pairs.device != device:
+        pairs, shifts = pairs.to(device), shifts.to(device)
     edge_index = torch.empty((2, pairs.shape[0]), dtype=torch.long, device=device)
-    edge_index[0].copy_(pairs[:, 1])
-    edge_index[1].copy_(pairs[:, 0])
-    sh = shifts.to(device=device, dtype=torch.int32, copy=True).reshape(-1, 3)
-    return edge_index, sh
+    edge_index.copy_(pairs.t())
+    if shifts.dtype != torch.int32:
+        shifts = shifts.to(torch.int32)
+    return edge_index, torch.neg(shifts.reshape(-1, 3))
 
 
 def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
@@ -176,10 +190,12 @@ def _vesin_cuda_ok() -> bool:  # pragma: no cover - needs CUDA
 
 def _with_vesin_torch(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
     nl = _calculator(_vesin_torch, pos.device, cutoff)
-    pairs, shifts = nl.compute(
-        pos.detach(), cell.detach().to(pos.dtype), pbc.to(torch.bool), "PS",
-        copy=not _ordered_with_vesin(pos.device),
-    )
+    if cell.dtype != pos.dtype:
+        cell = cell.to(pos.dtype)
+    if pbc.dtype != torch.bool:
+        pbc = pbc.to(torch.bool)
+    pairs, shifts = nl.compute(pos.detach(), cell.detach(), pbc, "PS",
+                               copy=not _ordered_with_vesin(pos.device))
     return _outputs(pairs, shifts, pos.device)
 
 
@@ -189,4 +205,9 @@ def _ordered_with_vesin(device: torch.device) -> bool:
     kernels also use). On a side stream vesin's own copies (``copy=True``) are taken."""
     if device.type != "cuda":
         return True
-    return torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:  # stream ids without building two Stream objects (µs per build)
+        current, default = torch._C._cuda_getCurrentStream, torch._C._cuda_getDefaultStream
+        return current(index)[0] == default(index)[0]
+    except (AttributeError, TypeError, IndexError):  # pragma: no cover - other torch versions
+        return torch.cuda.current_stream(device) == torch.cuda.default_stream(device)

@@ -1,0 +1,179 @@
+"""Neighbor-list input checks with remembered host values (the CUDA fast path, run on CPU).
+
+On CUDA the cell, pbc and batch values read for the checks are remembered per tensor, so
+that a repeated call with the same tensors reads only the positions' sum. Here the same
+code runs on CPU (``REMEMBER_ON`` patched): every in-place edit, a reallocated tensor and
+non-finite positions must still be seen, and the lists must equal fresh ones.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import xnn.neighbors.common as common
+from xnn.errors import InputError
+from xnn.neighbors import neighbor_list
+
+CUTOFF = 3.0
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.fixture
+def remember(monkeypatch):
+    """Remember host values on CPU as on CUDA; count the full reads of cell/pbc/batch."""
+    monkeypatch.setattr(common, "REMEMBER_ON", {"cpu", "cuda"})
+    monkeypatch.setattr(common, "_HOST_VALUES", {})
+    reads = []
+    real = common._read_once
+    monkeypatch.setattr(common, "_read_once", lambda *a: reads.append(1) or real(*a))
+    return reads
+
+
+def _system(seed=0, n=40, box=8.0, device="cpu"):
+    rng = np.random.default_rng(seed)
+    pos = torch.tensor(rng.random((n, 3)) * box, device=device)
+    cell = torch.eye(3, dtype=torch.float64, device=device) * box
+    return pos, cell, torch.tensor([True, True, True], device=device)
+
+
+def _edges(ei, sh) -> set:
+    ei, sh = ei.cpu().tolist(), sh.cpu().tolist()
+    return {(a, b, *s) for a, b, s in zip(ei[0], ei[1], sh)}
+
+
+def _fresh(pos, cell, pbc, batch=None, backend="torch") -> set:
+    """The list from clones (never seen before: no remembered values apply)."""
+    b = None if batch is None else batch.clone()
+    return _edges(*neighbor_list(pos.clone(), cell.clone(), pbc.clone(), CUTOFF, b, backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_call_reads_only_the_positions(remember, backend, device):
+    """The second call with the same cell and pbc tensors does not read them again (the old
+    code read cell, pbc and positions at every call) and gives the same list."""
+    pos, cell, pbc = _system(device=device)
+    first = _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend=backend))
+    assert len(remember) == 1
+    moved = pos + 0.1
+    again = _edges(*neighbor_list(moved, cell, pbc, CUTOFF, backend=backend))
+    assert len(remember) == 1
+    assert first == _fresh(pos, cell, pbc) and again == _fresh(moved, cell, pbc)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_edits_are_seen(remember, backend, device):
+    """Scaling the cell in place changes the list; zeroing a periodic vector in place, or
+    switching on periodicity in place along a zero vector, is refused as singular."""
+    pos, cell, pbc = _system(1, device=device)
+    neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+    cell.mul_(0.8)  # denser periodic images: more pairs
+    out = _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend=backend))
+    assert len(remember) == 2  # read again
+    assert out == _fresh(pos, cell, pbc)
+    cell[2] = 0.0
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+    slab_pbc = torch.tensor([True, True, False], device=device)
+    neighbor_list(pos, cell, slab_pbc, CUTOFF, backend=backend)  # zero vector, open axis: fine
+    slab_pbc[2] = True
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, cell, slab_pbc, CUTOFF, backend=backend)
+    cell[2, 2] = float("nan")
+    with pytest.raises(InputError, match="non-finite cell"):
+        neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+
+
+def test_in_place_edit_of_the_batch_is_seen(remember):
+    pos, cell, pbc = _system(2)
+    cells = torch.stack([cell, cell * 1.1])
+    batch = torch.repeat_interleave(torch.arange(2), 20)
+    out = _edges(*neighbor_list(pos, cells, pbc, CUTOFF, batch, "torch"))
+    assert out == _fresh(pos, cells, pbc, batch)
+    batch[-1] = 2  # out of range for two systems
+    with pytest.raises(InputError, match="batch"):
+        neighbor_list(pos, cells, pbc, CUTOFF, batch, "torch")
+    batch[-1] = 1
+    batch[0] = 1  # decreasing
+    with pytest.raises(InputError, match="batch"):
+        neighbor_list(pos, cells, pbc, CUTOFF, batch, "torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_positions_raise_with_a_remembered_cell(remember, backend, device):
+    pos, cell, pbc = _system(3, device=device)
+    neighbor_list(pos, cell, pbc, CUTOFF, backend=backend)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        p = pos.clone()
+        p[5, 1] = bad
+        with pytest.raises(InputError, match="non-finite positions"):
+            neighbor_list(p, cell, pbc, CUTOFF, backend=backend)
+    assert len(remember) == 1  # the cell was remembered: still the positions were checked
+
+
+def test_reallocated_tensor_does_not_reuse_old_values(remember):
+    """A new tensor that gets the id, memory and version of a freed one (simulated by
+    filing the freed tensor's entry under the new id) is read afresh: identity is checked by
+    weak reference, not by ``id()``."""
+    pos, cell, pbc = _system(4)
+    neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
+    ref, (_, extra), values = common._HOST_VALUES[id(cell)]
+    del cell
+    gc.collect()
+    singular = torch.zeros(3, 3, dtype=torch.float64)
+    common._HOST_VALUES[id(singular)] = (ref, (common._meta(singular), extra), values)
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, singular, pbc, CUTOFF, backend="torch")
+
+
+def test_cell_of_another_dtype_is_checked_in_the_positions_dtype(remember):
+    """Values are remembered per positions dtype: a float64 cell used with float32 positions
+    (so converted to float32) is checked again, not taken from its float64 check."""
+    pos, cell, pbc = _system(5)
+    cell[2, 2] = 1e39  # finite in float64, inf in float32
+    neighbor_list(pos, cell, pbc, CUTOFF, backend="brute")  # a tall box: fine
+    with pytest.raises(InputError, match="non-finite cell"):
+        neighbor_list(pos.float(), cell, pbc, CUTOFF, backend="brute")
+
+
+def test_inference_tensors_are_read_every_time(remember):
+    """Inference tensors have no version counter: their values are never remembered, so an
+    in-place edit under ``torch.inference_mode`` is still seen."""
+    with torch.inference_mode():
+        pos, cell, pbc = _system(6)
+        neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
+        cell[1] = 0.0
+        with pytest.raises(InputError, match="singular"):
+            neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
+    assert len(remember) == 2
+
+
+def test_torch_outputs_equal_ase_and_own_their_memory():
+    """The CUDA form of the copies out of vesin's buffers (torch ops), run here on CPU: the
+    same (sender, receiver, shift) set as ASE and as the numpy form, int32 shifts, and no
+    memory shared with vesin's reused buffers (``copy=False``)."""
+    vesin_torch = pytest.importorskip("vesin_torch")
+    from ase.build import bulk
+    from ase.neighborlist import neighbor_list as ase_neighbor_list
+
+    import xnn.neighbors.vesin_backend as vb
+
+    atoms = bulk("Cu", "fcc", a=3.61).repeat((3, 2, 2))  # triclinic primitive cell
+    atoms.rattle(0.05, seed=1)
+    pos, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
+    nl = vesin_torch.NeighborList(cutoff=CUTOFF, full_list=True)
+    pairs, shifts = nl.compute(pos, cell, torch.tensor(atoms.pbc), "PS", copy=False)
+    ei, sh = vb._outputs_torch(pairs, shifts, pos.device)
+    i, j, s = ase_neighbor_list("ijS", atoms, CUTOFF)
+    ref = {(int(b), int(a), *map(int, v)) for a, b, v in zip(i, j, s)}
+    assert _edges(ei, sh) == ref == _edges(*vb._outputs(pairs, shifts, pos.device))
+    assert ei.dtype == torch.long and ei.is_contiguous() and sh.dtype == torch.int32
+    for ours, theirs in ((ei, pairs), (sh, shifts)):
+        assert ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()

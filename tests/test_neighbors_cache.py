@@ -177,3 +177,68 @@ def test_torch_outputs_equal_ase_and_own_their_memory():
     assert ei.dtype == torch.long and ei.is_contiguous() and sh.dtype == torch.int32
     for ours, theirs in ((ei, pairs), (sh, shifts)):
         assert ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
+
+
+@pytest.fixture
+def deferred(remember, monkeypatch):
+    """The deferred positions check on CPU as on CUDA; records what the backend received."""
+    import xnn.neighbors.api as api
+
+    monkeypatch.setattr(common, "DEFER_ON", {"cpu", "cuda"})
+    seen = []
+    real = api._BACKENDS["torch"]
+
+    def spy(pos, *rest):
+        seen.append(pos.clone())
+        return real(pos, *rest)
+
+    monkeypatch.setitem(api._BACKENDS, "torch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_deferred_check_raises_and_never_passes_non_finite_positions(deferred, bad):
+    """With the cell remembered there is no read before the backend: the positions it gets
+    have non-finite entries zeroed, and the call still raises afterwards."""
+    pos, cell, pbc = _system()
+    ref = _fresh(pos, cell, pbc)
+    assert _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")) == ref
+    assert _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")) == ref  # deferred
+    bad_pos = pos.clone()
+    bad_pos[3, 1] = bad
+    with pytest.raises(InputError, match="non-finite positions"):
+        neighbor_list(bad_pos, cell, pbc, CUTOFF, backend="torch")
+    assert bool(torch.isfinite(deferred[-1]).all())
+    assert torch.equal(deferred[-1][3], torch.tensor([pos[3, 0], 0.0, pos[3, 2]]))
+
+
+def test_deferred_check_keeps_huge_finite_positions(deferred):
+    """A sum that overflows (finite float32 positions near 3e38) is not an error: the
+    elements are checked, and the list (built from the very positions) stands."""
+    pos = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [3.0e38, 0.0, 0.0],
+                        [3.0e38, 1.0, 0.0]], dtype=torch.float32)
+    cell = torch.zeros(3, 3, dtype=torch.float32)
+    pbc = torch.tensor([False, False, False])
+    ref = _fresh(pos, cell, pbc, backend="brute")
+    assert len(ref) == 4
+    for _ in range(2):  # the first call reads everything, the second defers
+        assert _edges(*neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")) == ref
+    assert not bool(torch.isfinite(pos.sum()))
+
+
+def test_backend_failure_on_zeroed_positions_reports_them(deferred, monkeypatch):
+    """A backend that fails on the zeroed copy (all atoms at the origin: too many pairs)
+    reports the non-finite positions, not its own error."""
+    import xnn.neighbors.api as api
+
+    pos, cell, pbc = _system()
+    neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("too many pairs")
+
+    monkeypatch.setitem(api._BACKENDS, "torch", oom)
+    with pytest.raises(InputError, match="non-finite positions"):
+        neighbor_list(torch.full_like(pos, float("nan")), cell, pbc, CUTOFF, backend="torch")
+    with pytest.raises(torch.OutOfMemoryError):  # finite positions: the backend's own error
+        neighbor_list(pos, cell, pbc, CUTOFF, backend="torch")

@@ -11,7 +11,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, complete_cell, rowvec_matmul
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
-from xnn.neighbors.common import finish_deferred, spectral_norm_3x3, validate_lazy
+from xnn.neighbors.common import spectral_norm_3x3, validate_lazy
 from xnn.neighbors.torch_cells import torch_neighbor_list
 from xnn.neighbors.vesin_backend import vesin_available, vesin_neighbor_list, vesin_torch_available
 
@@ -98,8 +98,7 @@ def neighbor_list(
 def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None,
            backend: str) -> tuple[Tensor, Tensor, bool]:
     """:func:`neighbor_list` and whether the cell has zero (completed) vectors."""
-    positions, cell, pbc, batch, has_zero, check = validate_lazy(positions, cell, pbc, cutoff,
-                                                                 batch, defer=True)
+    positions, cell, pbc, batch, has_zero = validate_lazy(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, cell.shape[0]) if backend == "auto" else backend
     fn = _BACKENDS.get(name)
     if fn is None:
@@ -118,12 +117,7 @@ def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: T
             if bool(n.any()):
                 n_wrap = n.to(torch.long)
                 pos = pos - rowvec_matmul(n, full, batch)
-        try:
-            edge_index, shifts = fn(pos, full, pbc, float(cutoff), batch)
-        except Exception:
-            finish_deferred(check)  # zeroed NaN positions may have been too many
-            raise
-        finish_deferred(check)
+        edge_index, shifts = fn(pos, full, pbc, float(cutoff), batch)
         if n_wrap is not None and edge_index.shape[1] > 0:
             # pos_w = pos - n @ cell, so
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 
 import numpy as np
@@ -46,24 +45,17 @@ def validate_inputs(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
     """Validate and normalise neighbor-list inputs with one host sync; returns
     ``(positions, cell, pbc, batch, has_zero_vectors)``."""
-    positions, cell, pbc, batch, has_zero, _ = validate_lazy(positions, cell, pbc, cutoff, batch)
+    positions, cell, pbc, batch, has_zero = validate_lazy(positions, cell, pbc, cutoff, batch)
     if batch is None:
         batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
     return positions, cell, pbc, batch, has_zero
 
 
 def validate_lazy(
-    positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None,
-    defer: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool, DeferredFinite | None]:
+    positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
     """:func:`validate_inputs`, with ``batch`` left ``None`` for one system without one (no
-    zeros allocated when the backend does not need them), and the positions' check possibly
-    deferred (the last element, else ``None``).
-
-    With ``defer`` on a device in :data:`DEFER_ON`, when nothing but the positions needs
-    reading, no host sync happens here at all: the returned positions are a copy with
-    non-finite entries zeroed (so NaN/inf never reach a backend's kernels) and the returned
-    :class:`DeferredFinite` must be read after the backend ran (:func:`finish_deferred`).
+    zeros allocated when the backend does not need them).
 
     The host values of the cell, pbc and batch are remembered per tensor on devices where
     reading costs a host sync (:data:`REMEMBER_ON`): a later call with the very same tensor,
@@ -96,7 +88,6 @@ def validate_lazy(
     if cell.dtype != positions.dtype:
         cell = cell.to(positions.dtype)
     check_batch = batch is not None and batch.numel() > 0
-    check = None
     remember = positions.device.type in REMEMBER_ON
     cell_h = _remembered(cell_src, positions.dtype) if remember else None
     if remember_pbc and remember:
@@ -114,9 +105,6 @@ def validate_lazy(
                 _remember(pbc_src, n_sys, pbc_h)
             if check_batch:
                 _remember(batch, n_sys > 1, batch_h)
-    elif defer and positions.device.type in DEFER_ON:  # nothing to read before the backend
-        check = DeferredFinite(positions)
-        positions, pos_sum = check.safe, 0.0
     else:  # the cell, pbc and batch as last read: only the positions are new
         pos_sum = positions.sum().item()
     if not math.isfinite(pos_sum) and not bool(torch.isfinite(positions).all()):
@@ -131,57 +119,7 @@ def validate_lazy(
     has_zero, bad = _cell_verdict(cell_h, pbc_h)
     if bad >= 0:
         raise InputError(f"system {bad}: singular cell along a periodic axis")
-    return positions, cell, pbc, batch, has_zero, check
-
-
-#: device types on which :func:`validate_lazy` may defer the positions' check
-DEFER_ON = {"cuda"}
-_FLAGS = threading.local()
-
-
-class DeferredFinite:
-    """Whether ``positions`` are all finite, known on the host after the backend ran.
-
-    Three kernels, no host sync: the sum's finiteness, copied into pinned host memory behind
-    an event (the backend's own read of its pair count waits for it, so reading it later
-    costs nothing), and ``safe``, the positions with non-finite entries zeroed, which the
-    backend gets instead. A sum that overflowed (huge but finite positions) reads as not
-    finite; :func:`finish_deferred` then checks the elements, and since ``safe`` equals
-    finite positions the list built from it stands.
-    """
-
-    def __init__(self, positions: Tensor):
-        self.positions = positions
-        ok = torch.isfinite(positions.detach().sum())
-        self.safe = torch.nan_to_num(positions.detach(), nan=0.0, posinf=0.0, neginf=0.0)
-        key = str(positions.device)
-        buffers = getattr(_FLAGS, "buffers", None)
-        if buffers is None:
-            buffers = _FLAGS.buffers = {}
-        if key not in buffers:
-            buffers[key] = torch.empty((), dtype=torch.bool,
-                                       pin_memory=positions.device.type == "cuda")
-        self._host = buffers[key]
-        self._host.copy_(ok, non_blocking=True)
-        self._event = None
-        if positions.device.type == "cuda":  # pragma: no cover - needs CUDA
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def finite_sum(self) -> bool:
-        if self._event is not None:  # pragma: no cover - needs CUDA
-            self._event.synchronize()
-        return bool(self._host)
-
-
-def finish_deferred(check: DeferredFinite | None) -> None:
-    """Raise ``InputError("non-finite positions")`` for a deferred check that fails (call
-    after the backend returned, and from its exception handler: many zeroed positions
-    coincide, which a backend may fail on)."""
-    if check is None or check.finite_sum():
-        return
-    if not bool(torch.isfinite(check.positions).all()):
-        raise InputError("non-finite positions")
+    return positions, cell, pbc, batch, has_zero
 
 
 def _pbc(pbc, device: torch.device, n_sys: int) -> tuple[tuple[Tensor, Tensor], np.ndarray | None]:

@@ -12,12 +12,13 @@ energy + forces only, one force call per step):
 * ``equivariant``: xnn's own equivariant model of about MACE's size (no peer).
 
 Each at ``--sizes`` atoms (one system) and at ``--batched B×n`` (B systems of ~n atoms in
-one batch). Frameworks (``--frameworks``; ``--compile`` adds the two ``xnn_*compiled``):
+one batch). Frameworks (``--frameworks``; ``--compile`` adds the ``xnn_*compiled`` ones):
 
 * ``xnn``: eager; ``xnn_compiled``: ``Potential(compile=True)`` (mace-torch's compile
-  preparation, ``torch.compile``), Langevin; ``xnn_step_compiled``: the compiled MD step
-  of ``md.compile`` (:class:`xnn.dynamics.compiled.CompiledNVE`: NVE only, recorded as such;
-  an untraceable model is recorded as an error);
+  preparation, ``torch.compile``), Langevin; ``xnn_step_compiled``: the compiled Langevin
+  step of ``md.compile`` (:class:`xnn.dynamics.compiled_thermo.CompiledIntegrator`; an
+  untraceable model is recorded as an error); ``xnn_step_graph``: the same step replayed as
+  a CUDA graph (``md.cuda_graph``; CUDA only);
 * ``torch_sim`` / ``torch_sim_compiled`` (``MaceModel(compile_mode="default")``);
 * ``nvalchemi`` / ``nvalchemi_compiled`` (the MACE module through ``torch.compile``, as
   ``MACEWrapper.from_checkpoint(compile_model=True)`` does).
@@ -248,7 +249,8 @@ def parse(argv):
     p.add_argument("--models", default="mace,equivariant", help="mace,equivariant")
     p.add_argument("--frameworks", default="xnn,torch_sim,nvalchemi",
                    help=f"comma-separated of {','.join(XNN + PEERS)}")
-    p.add_argument("--compile", action="store_true", help="add xnn_compiled,xnn_step_compiled")
+    p.add_argument("--compile", action="store_true",
+                   help="add xnn_compiled, xnn_step_compiled (and xnn_step_graph on CUDA)")
     p.add_argument("--cueq", action="store_true", help="every framework on its "
                    "cuEquivariance path (xnn backend=cueq, torch-sim/nvalchemi enable_cueq)")
     p.add_argument("--compile-cases", default="", help="cases where *_compiled run: atom "
@@ -270,7 +272,9 @@ def parse(argv):
     a.models = [m for m in a.models.split(",") if m]
     a.frameworks = [f for f in a.frameworks.split(",") if f]
     if a.compile:
-        a.frameworks += [f for f in ("xnn_compiled", "xnn_step_compiled") if f not in a.frameworks]
+        extra = ("xnn_compiled", "xnn_step_compiled") + (("xnn_step_graph",)
+                                                        if a.device == "cuda" else ())
+        a.frameworks += [f for f in extra if f not in a.frameworks]
     unknown = sorted(set(a.frameworks) - set(XNN + PEERS)) + sorted(
         set(a.models) - {"mace", "equivariant"})
     if unknown:

@@ -23,7 +23,7 @@ DT_FS, T_K, FRICTION, SKIN = 1.0, 300.0, 0.01, 1.0  # fs, K, 1/fs, Å
 FS_PER_INTERNAL = 10.180505710759414  # fs per sqrt(amu Å² / eV) (torch-sim, nvalchemi, ASE)
 KB_EV = 8.617333262e-5
 LANGEVIN = "Langevin BAOAB"
-XNN = ("xnn", "xnn_compiled", "xnn_step_compiled")
+XNN = ("xnn", "xnn_compiled", "xnn_step_compiled", "xnn_step_graph")
 
 
 # --------------------------------------------------------------------------- models
@@ -78,7 +78,8 @@ def start_velocities(atoms_list, dtype) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- frameworks
 def run_xnn(module, kind, atoms_list, v, device, dtype, variant, cueq):
-    """xnn: Langevin (``xnn``, ``xnn_compiled``) or the compiled NVE step."""
+    """xnn: Langevin, eager (``xnn``), with the model compiled (``xnn_compiled``), as the
+    compiled MD step (``xnn_step_compiled``) or its CUDA-graph replay (``xnn_step_graph``)."""
     from xnn.data import AtomicGraph
     from xnn.dynamics import langevin
     from xnn.models import Potential, build
@@ -94,23 +95,27 @@ def run_xnn(module, kind, atoms_list, v, device, dtype, variant, cueq):
     gs = [AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc, dtype=dtype,
                                   device=device) for a in atoms_list]
     g = (AtomicGraph.concat(gs) if len(gs) > 1 else gs[0]).replace(velocities=v.to(device))
-    if variant != "xnn_step_compiled":
+    if variant not in ("xnn_step_compiled", "xnn_step_graph"):
         state = [langevin.init(g, pot, T_K, friction=FRICTION, seed=0)
                  .replace(compute_stress=False)]
         return state[0].forces.detach(), _advance(state, lambda s: langevin.step(
             s, pot, DT_FS)), {"ensemble": LANGEVIN}
-    from xnn.dynamics.compiled import CompiledNVE
+    from xnn.dynamics.compiled_thermo import CompiledIntegrator
 
-    integ = CompiledNVE(pot)
-    state = [integ.init(g, pot).replace(compute_stress=False)]  # eager forces
-    # the compiled graph's own forces at the start: a step from rest without forces drifts
-    # nowhere (it compiles here; the run then reuses the graph and the neighbor list)
+    integ = CompiledIntegrator("langevin", pot, cuda_graph=variant == "xnn_step_graph")
+    state = [langevin.init(g, pot, T_K, friction=FRICTION, seed=0)
+             .replace(compute_stress=False)]  # eager forces
+    # the compiled graph's own forces at the start: a step from rest at 0 K without forces
+    # moves nothing (it compiles here; the run then reuses the graph and the neighbor list)
     s0 = state[0]
     rest = s0.replace(graph=s0.graph.replace(velocities=torch.zeros_like(s0.graph.velocities)),
-                      forces=torch.zeros_like(s0.forces))
+                      forces=torch.zeros_like(s0.forces),
+                      vars={**s0.vars, "temperature": torch.zeros_like(s0.vars["temperature"])})
     forces = integ.step(rest, pot, DT_FS).forces.detach()
+    how = "the compiled MD step" + (", replayed as a CUDA graph" if variant == "xnn_step_graph"
+                                    else "")
     return forces, _advance(state, lambda s: integ.step(s, pot, DT_FS)), {
-        "ensemble": "NVE (the compiled MD step compiles NVE only)"}
+        "ensemble": f"{LANGEVIN} ({how})"}
 
 
 def _advance(state: list, one):

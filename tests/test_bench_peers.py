@@ -70,13 +70,14 @@ def test_wrong_forces_do_not_count_towards_goals():
 
 
 def test_compiled_step_forces_are_checked(tmp_path, one_thread, monkeypatch):
-    """The compiled NVE step's row carries its own forces at the start (a step from rest),
-    checked against the eager ones; recorded as NVE."""
+    """The compiled Langevin step's row carries its own forces at the start (a step from
+    rest at 0 K), checked against the eager ones; recorded as Langevin."""
     import xnn.dynamics.compiled as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")  # no C++ compile in tests
     data = _run(tmp_path, "--models", "equivariant", "--frameworks", "xnn,xnn_step_compiled",
                 "--batched", "none")
     r = data["results"][0]["frameworks"]["xnn_step_compiled"]
-    assert r["ensemble"].startswith("NVE") and r["atom_steps_per_s"] > 0
+    assert r["ensemble"].startswith("Langevin") and "compiled MD step" in r["ensemble"]
+    assert r["atom_steps_per_s"] > 0
     assert r["forces_match"] and r["force_max_abs_ref_eV_A"] > 0

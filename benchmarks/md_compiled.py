@@ -183,17 +183,11 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-backends", default="reference",
                    help="comma-separated model.backend values of the compiled step")
     p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: skip the graph replay")
-    p.add_argument("--fused-tp", default="on", choices=("on", "off"),
-                   help="EdgeTensorProduct.fuse_when_traced: the compiled step's tensor "
-                        "product as a fused broadcast-sum (on) or batched matmuls (off)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    from xnn.models.equivariant_ops import EdgeTensorProduct
-
-    EdgeTensorProduct.fuse_when_traced = args.fused_tp == "on"
     rows = []
     for name in args.models.split(","):
         for ensemble, kb in [(e, k) for e in args.ensembles.split(",")
@@ -204,8 +198,7 @@ def main(argv=None) -> int:
                                        kernel_backend=kb))
             print(rows[-1], flush=True)
             write_json(args.json, {"benchmark": "md_compiled", "dtype": args.dtype,
-                                   "dt_fs": DT, "fused_tp": args.fused_tp, "results": rows},
-                       device=str(device))
+                                   "dt_fs": DT, "results": rows}, device=str(device))
     print(f"wrote {args.json}")
     return 0
 

@@ -266,20 +266,3 @@ def test_train_with_model_backend_cueq(tmp_path):
     e_cq = _props(model.double(), g)[K.ENERGY]
     model.set_backend("reference")
     torch.testing.assert_close(_props(model, g)[K.ENERGY], e_cq, atol=1e-10, rtol=0)
-
-
-def test_fused_weighted_sum_equals_the_batched_matmul():
-    """The traced-on-CUDA form of the edge tensor product's contraction (broadcast product
-    and sum, for the compiler to fuse) equals the eager batched matmul, values and
-    gradients (fp64)."""
-    from xnn.models.equivariant_ops import _weighted_bmm, _weighted_sum
-
-    g = torch.Generator().manual_seed(0)
-    w, x, m = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
-               for s in ((7, 5, 3), (7, 5, 4), (7, 12, 9)))
-    a, b = _weighted_bmm(w, x, m), _weighted_sum(w, x, m)
-    torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-13)
-    ga = torch.autograd.grad(a.square().sum(), (w, x, m))
-    gb = torch.autograd.grad(b.square().sum(), (w, x, m))
-    for u, v in zip(ga, gb):
-        torch.testing.assert_close(v, u, rtol=1e-12, atol=1e-12)

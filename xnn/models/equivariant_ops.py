@@ -28,7 +28,6 @@ torch.serialization.add_safe_globals([slice])
 from e3nn import o3  # noqa: E402
 
 from xnn.models import cueq  # noqa: E402
-from xnn.models.base import graph_tracing  # noqa: E402
 
 
 def block(l: int) -> slice:
@@ -79,10 +78,6 @@ class EdgeTensorProduct(nn.Module):
         ``x [n_edges, C, (l_in+1)^2]``, ``y [n_edges, (l_sh+1)^2]``,
         ``w [n_edges, C, num_paths]`` -> ``[n_edges, C, (l_out+1)^2]``.
     """
-
-    #: traced on CUDA (``torch.compile``, the compiled MD step), evaluate ``Z @ M`` as a
-    #: broadcast product and sum that the compiler fuses, instead of per-edge batched matmuls
-    fuse_when_traced: bool = True
 
     def __init__(self, l_in: int, l_sh: int, l_out: int):
         super().__init__()
@@ -137,22 +132,10 @@ class EdgeTensorProduct(nn.Module):
             xl = x[:, :, block(l1)]
             if recompute:
                 t = checkpoint(_weighted_bmm, w_groups[k], xl, m, use_reentrant=False)
-            elif self.fuse_when_traced and x.is_cuda and graph_tracing():
-                t = _weighted_sum(w_groups[k], xl, m)
             else:
                 t = _weighted_bmm(w_groups[k], xl, m)
             out = t if out is None else out + t
         return out
-
-
-def _weighted_sum(w: Tensor, x: Tensor, m: Tensor) -> Tensor:
-    """:func:`_weighted_bmm` as one broadcast product summed over ``(p, a)``: for a graph
-    compiler, which fuses it (and its derivatives) into reductions that never hold ``Z``
-    nor the ``[E, C, P*A, K]`` product; eager it would hold the latter, so it runs traced
-    on CUDA only (:attr:`EdgeTensorProduct.fuse_when_traced`)."""
-    e, c = x.shape[0], x.shape[1]
-    z = (w[:, :, :, None] * x[:, :, None, :]).reshape(e, c, w.shape[2] * x.shape[2])
-    return (z[:, :, :, None] * m[:, None, :, :]).sum(dim=2)
 
 
 def _weighted_bmm(w: Tensor, x: Tensor, m: Tensor) -> Tensor:

@@ -266,3 +266,29 @@ def test_train_with_model_backend_cueq(tmp_path):
     e_cq = _props(model.double(), g)[K.ENERGY]
     model.set_backend("reference")
     torch.testing.assert_close(_props(model, g)[K.ENERGY], e_cq, atol=1e-10, rtol=0)
+
+
+def test_md_model_kernel_backend_switches_the_loaded_model():
+    """``xnn md model.kernel_backend=...`` sets the kernels of the model it loads (saved:
+    as built; a model without kernel backends is refused with what to set)."""
+    from xnn.app.md_setup import load_potential
+    from xnn.config.loader import load_config
+    from xnn.config.md import MDConfig
+
+    def model_of(*extra):
+        cfg = load_config(MDConfig, None, ["model.name=equivariant", "model.params.species=[29]",
+                                           *extra])
+        model = load_potential(cfg.model, torch.device("cpu"), torch.float64).model
+        ops = {m.backend for m in model.modules() if isinstance(m, EdgeTensorProduct)}
+        assert ops == {model.hparams["backend"]}  # the kernels, not only the record
+        return model
+
+    assert model_of().hparams["backend"] == "reference"
+    assert model_of("model.kernel_backend=reference").hparams["backend"] == "reference"
+    if importlib.util.find_spec("cuequivariance_torch") is not None:
+        assert model_of("model.kernel_backend=cueq").hparams["backend"] == "cueq"
+    with pytest.raises(InputError, match="set model.kernel_backend: saved"):
+        lj_cfg = load_config(MDConfig, None, [
+            "model.name=lj", "model.params.sigma=2.3", "model.params.epsilon=0.4",
+            "model.params.cutoff=5.0", "model.kernel_backend=reference"])
+        load_potential(lj_cfg.model, torch.device("cpu"), torch.float64)

@@ -34,6 +34,13 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
         model = build(cfg.name, **dict(cfg.params))
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):
         raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
+    if cfg.kernel_backend != "saved":
+        if not hasattr(model, "set_backend"):
+            raise InputError(f"model.kernel_backend={cfg.kernel_backend}: "
+                             f"{type(model).__name__} has no kernel backends to choose (the "
+                             f"equivariant model has; a MACE wrapper takes backend= when "
+                             f"built): set model.kernel_backend: saved")
+        model.set_backend(cfg.kernel_backend)
     if cfg.add:
         from xnn.models import Sum
 

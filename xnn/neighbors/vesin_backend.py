@@ -159,11 +159,13 @@ def _outputs_torch(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple
         pairs = pairs.view(torch.int64)
     if pairs.device != device:
         pairs, shifts = pairs.to(device), shifts.to(device)
-    edge_index = torch.empty((2, pairs.shape[0]), dtype=torch.long, device=device)
-    edge_index.copy_(pairs.t())
+    # always a copy (contiguous() would return the view of vesin's buffer at E <= 1)
+    edge_index = pairs.t().clone(memory_format=torch.contiguous_format)
     if shifts.dtype != torch.int32:
         shifts = shifts.to(torch.int32)
-    return edge_index, torch.neg(shifts.reshape(-1, 3))
+    if shifts.ndim != 2:
+        shifts = shifts.reshape(-1, 3)
+    return edge_index, torch.neg(shifts)
 
 
 def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):

@@ -329,13 +329,15 @@ def bench_phases(case: Case, device: torch.device, cutoff: float, rounds: int) -
 
 
 def bench_host_overhead(device: torch.device, calls: int, n_atoms: int = 64,
-                        n_edges: int = 8, profile: int = 0) -> dict:
+                        n_edges: int = 8, profile: int = 0, torch_route: bool = False) -> dict:
     """Host time of one repeated ``neighbor_list(..., backend="auto")`` call with vesin's
     ``compute`` stubbed to return precomputed buffers (``n_edges`` pairs): xnn's wrapper
     alone (checks, remembered host values, dispatch, output copies). On CPU the host values
     are remembered as on CUDA (``REMEMBER_ON`` patched) so that the CUDA fast path runs.
     Reports µs per call (median of 5 batches of ``calls``) and, with ``profile`` > 0, the
-    top ``profile`` functions by own time from cProfile."""
+    top ``profile`` functions by own time from cProfile. ``torch_route``: on CPU, take
+    the route of CUDA tensors (``vesin.torch`` and the torch-op output copies), not
+    ``vesin``'s numpy one."""
     import cProfile
     import pstats
 
@@ -353,10 +355,13 @@ def bench_host_overhead(device: torch.device, calls: int, n_atoms: int = 64,
         def compute(self, *a, **k):
             return pairs, shifts
 
-    real = (vb._calculator, common.REMEMBER_ON)
+    real = (vb._calculator, common.REMEMBER_ON, vb._vesin, vb._vesin_torch, vb._outputs)
     vb._calculator = lambda *a: Stub()
     common.REMEMBER_ON = {*real[1], device.type}
-    out: dict = {"device": device.type, "n_atoms": n_atoms, "n_edges": n_edges, "calls": calls}
+    if torch_route:
+        vb._vesin, vb._vesin_torch, vb._outputs = None, vb._vesin_torch or Stub, vb._outputs_torch
+    out: dict = {"device": device.type, "n_atoms": n_atoms, "n_edges": n_edges, "calls": calls,
+                 "route": "vesin.torch" if torch_route or device.type != "cpu" else "vesin"}
     try:
         call = lambda: neighbor_list(pos, cell, pbc, 5.0, backend="auto")  # noqa: E731
         ei, sh = call()
@@ -382,7 +387,7 @@ def bench_host_overhead(device: torch.device, calls: int, n_atoms: int = 64,
                 f"{Path(f).name}:{line}({fn})": round(v[2] / calls * 1e6, 2)
                 for (f, line, fn), v in rows}
     finally:
-        vb._calculator, common.REMEMBER_ON = real
+        vb._calculator, common.REMEMBER_ON, vb._vesin, vb._vesin_torch, vb._outputs = real
     return out
 
 
@@ -464,10 +469,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.host_overhead:
-        rows = [bench_host_overhead(torch.device(d), args.host_overhead, profile=args.profile)
-                for d in (args.devices or [args.device])]
+        rows = [bench_host_overhead(torch.device(d), args.host_overhead, profile=args.profile,
+                                    torch_route=route)
+                for d in (args.devices or [args.device]) for route in (False, True)
+                if not (route and d != "cpu")]
         for r in rows:
-            print(f"{r['device']:<4} host overhead: {r['us_per_call_median']:.1f} us/call "
+            print(f"{r['device']:<4} {r['route']:<11} host overhead: "
+                  f"{r['us_per_call_median']:.1f} us/call "
                   f"(min {r['us_per_call_min']:.1f}), outputs match: {r['outputs_match']}")
             for k, v in r.get("profile_own_us_per_call", {}).items():
                 print(f"    {v:8.2f} us  {k}")

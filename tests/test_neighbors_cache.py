@@ -202,3 +202,14 @@ def test_whole_call_entry_follows_each_tensor(remember):
     moved = pos[:30] + 0.1  # fewer atoms: the batch no longer fits
     with pytest.raises(InputError, match="batch must have shape"):
         neighbor_list(moved, cells, pbc, CUTOFF, batch, "auto")
+
+
+def test_whole_call_entry_is_not_used_once_the_cell_requires_grad(remember):
+    """``requires_grad_`` changes no version: the stored grad-less float32 copy of a float64
+    cell must not be returned once the cell requires grad (its conversion keeps the graph)."""
+    pos, cell, pbc = _system(8)
+    pos = pos.float()
+    common.validate_lazy(pos, cell, pbc, CUTOFF, None)
+    assert not common.validate_lazy(pos, cell, pbc, CUTOFF, None)[1].requires_grad
+    cell.requires_grad_(True)
+    assert common.validate_lazy(pos, cell, pbc, CUTOFF, None)[1].requires_grad

@@ -25,6 +25,12 @@ check on a GPU machine (about 1-2 minutes on one H200 with 16 CPU cores)::
 ``--phases`` (with ``--paired-only``) adds where ``xnn:auto``'s time goes: input checks,
 vesin's compute, our output copies and the rest, host-only and with a device sync at each
 phase boundary (the GPU time of each phase).
+
+``--host-overhead CALLS`` times only xnn's wrapper: ``neighbor_list(..., backend="auto")``
+repeated with the same cell and pbc tensors while vesin's ``compute`` is stubbed to return
+precomputed buffers (8 pairs), in µs per call (``--profile N``: cProfile's top N functions)::
+
+    python benchmarks/neighbors.py --json host.json --host-overhead 2000 --devices cuda cpu
 """
 
 from __future__ import annotations
@@ -322,6 +328,69 @@ def bench_phases(case: Case, device: torch.device, cutoff: float, rounds: int) -
     return {"n_atoms": case.n_atoms, "device": device.type, "rounds": rounds, **out}
 
 
+def bench_host_overhead(device: torch.device, calls: int, n_atoms: int = 64,
+                        n_edges: int = 8, profile: int = 0, torch_route: bool = False) -> dict:
+    """Host time of one repeated ``neighbor_list(..., backend="auto")`` call with vesin's
+    ``compute`` stubbed to return precomputed buffers (``n_edges`` pairs): xnn's wrapper
+    alone (checks, remembered host values, dispatch, output copies). On CPU the host values
+    are remembered as on CUDA (``REMEMBER_ON`` patched) so that the CUDA fast path runs.
+    Reports µs per call (median of 5 batches of ``calls``) and, with ``profile`` > 0, the
+    top ``profile`` functions by own time from cProfile. ``torch_route``: on CPU, take
+    the route of CUDA tensors (``vesin.torch`` and the torch-op output copies), not
+    ``vesin``'s numpy one."""
+    import cProfile
+    import pstats
+
+    import xnn.neighbors.common as common
+    import xnn.neighbors.vesin_backend as vb
+
+    g = torch.Generator().manual_seed(0)
+    pos = (torch.rand(n_atoms, 3, generator=g, dtype=torch.float64) * 10).to(device)
+    cell = (torch.eye(3, dtype=torch.float64) * 10).to(device)
+    pbc = torch.tensor([True, True, True], device=device)
+    pairs = torch.randint(0, n_atoms, (n_edges, 2), generator=g).to(torch.uint64).to(device)
+    shifts = torch.randint(-1, 2, (n_edges, 3), generator=g, dtype=torch.int32).to(device)
+
+    class Stub:
+        def compute(self, *a, **k):
+            return pairs, shifts
+
+    real = (vb._calculator, common.REMEMBER_ON, vb._vesin, vb._vesin_torch, vb._outputs)
+    vb._calculator = lambda *a: Stub()
+    common.REMEMBER_ON = {*real[1], device.type}
+    if torch_route:
+        vb._vesin, vb._vesin_torch, vb._outputs = None, vb._vesin_torch or Stub, vb._outputs_torch
+    out: dict = {"device": device.type, "n_atoms": n_atoms, "n_edges": n_edges, "calls": calls,
+                 "route": "vesin.torch" if torch_route or device.type != "cpu" else "vesin"}
+    try:
+        call = lambda: neighbor_list(pos, cell, pbc, 5.0, backend="auto")  # noqa: E731
+        ei, sh = call()
+        ref = set(zip(*pairs.view(torch.int64).cpu().T.tolist()))
+        out["outputs_match"] = set(zip(*ei.cpu().tolist())) == ref and bool(
+            (sh.cpu() == -shifts.cpu()).all())
+        batches = []
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            _sync(device)
+            batches.append((time.perf_counter() - t0) / calls * 1e6)
+        out["us_per_call_median"] = statistics.median(batches)
+        out["us_per_call_min"] = min(batches)
+        if profile:
+            prof = cProfile.Profile()
+            prof.runcall(lambda: [call() for _ in range(calls)])
+            st = pstats.Stats(prof)
+            rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:profile]
+            out["profile_own_us_per_call"] = {
+                f"{Path(f).name}:{line}({fn})": round(v[2] / calls * 1e6, 2)
+                for (f, line, fn), v in rows}
+    finally:
+        vb._calculator, common.REMEMBER_ON, vb._vesin, vb._vesin_torch, vb._outputs = real
+    return out
+
+
 def _print_phases(p: dict) -> None:
     for mode in ("host", "synced"):
         cols = " ".join(f"{k} {v * 1e3:.3f}" for k, v in p[mode].items())
@@ -384,6 +453,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phases", action="store_true",
                    help="with --paired-only: also time xnn:auto's phases (validate, vesin "
                    "compute, outputs, other), host-only and with a sync at each boundary")
+    p.add_argument("--host-overhead", type=int, default=0, metavar="CALLS",
+                   help="only the host time of xnn's wrapper around a stubbed vesin "
+                   "(CALLS repeated calls per batch, e.g. 2000) on each of --devices")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --host-overhead: also the N functions with most own time")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-seconds", type=float, default=30.0,
@@ -394,7 +468,21 @@ def main(argv: list[str] | None = None) -> None:
         args.repeat = 3 if args.quick else 5
     if args.threads:
         torch.set_num_threads(args.threads)
-    payload = run_paired_only(args) if args.paired_only else run(args)
+    if args.host_overhead:
+        rows = [bench_host_overhead(torch.device(d), args.host_overhead, profile=args.profile,
+                                    torch_route=route)
+                for d in (args.devices or [args.device]) for route in (False, True)
+                if not (route and d != "cpu")]
+        for r in rows:
+            print(f"{r['device']:<4} {r['route']:<11} host overhead: "
+                  f"{r['us_per_call_median']:.1f} us/call "
+                  f"(min {r['us_per_call_min']:.1f}), outputs match: {r['outputs_match']}")
+            for k, v in r.get("profile_own_us_per_call", {}).items():
+                print(f"    {v:8.2f} us  {k}")
+        payload = {"benchmark": "neighbors host overhead (vesin compute stubbed)",
+                   "host_overhead": rows}
+    else:
+        payload = run_paired_only(args) if args.paired_only else run(args)
     device = "cuda" if "cuda" in (args.devices or [args.device]) else args.device
     out = write_json(args.json, payload, device=device)
     print(f"wrote {out}")

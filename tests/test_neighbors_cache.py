@@ -28,6 +28,7 @@ def remember(monkeypatch):
     """Remember host values on CPU as on CUDA; count the full reads of cell/pbc/batch."""
     monkeypatch.setattr(common, "REMEMBER_ON", {"cpu", "cuda"})
     monkeypatch.setattr(common, "_HOST_VALUES", {})
+    monkeypatch.setattr(common, "_FAST", {})
     reads = []
     real = common._read_once
     monkeypatch.setattr(common, "_read_once", lambda *a: reads.append(1) or real(*a))
@@ -177,3 +178,38 @@ def test_torch_outputs_equal_ase_and_own_their_memory():
     assert ei.dtype == torch.long and ei.is_contiguous() and sh.dtype == torch.int32
     for ours, theirs in ((ei, pairs), (sh, shifts)):
         assert ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
+
+
+def test_whole_call_entry_follows_each_tensor(remember):
+    """The whole-call entry (``common._FAST``, keyed on the cell) applies only with the very
+    pbc and batch tensors of the stored call: a new pbc tensor periodic along the cell's zero
+    vector, or a new unsorted batch, is refused although the cell is the same object."""
+    pos, cell, _ = _system(7)
+    cell[2] = 0.0  # a slab: periodic along a and b only
+    slab = torch.tensor([True, True, False])
+    neighbor_list(pos, cell, slab, CUTOFF, backend="auto")
+    neighbor_list(pos, cell, slab, CUTOFF, backend="auto")  # from the entry
+    assert len(remember) == 1 and id(cell) in common._FAST
+    with pytest.raises(InputError, match="singular"):
+        neighbor_list(pos, cell, torch.tensor([True, True, True]), CUTOFF, backend="auto")
+    cells = torch.stack([torch.eye(3, dtype=torch.float64) * 8] * 2)
+    pbc = torch.tensor([[True] * 3] * 2)
+    batch = torch.tensor([0] * 20 + [1] * 20)
+    neighbor_list(pos, cells, pbc, CUTOFF, batch, "auto")
+    neighbor_list(pos, cells, pbc, CUTOFF, batch, "auto")
+    with pytest.raises(InputError, match="non-decreasing"):
+        neighbor_list(pos, cells, pbc, CUTOFF, batch.flip(0), "auto")
+    moved = pos[:30] + 0.1  # fewer atoms: the batch no longer fits
+    with pytest.raises(InputError, match="batch must have shape"):
+        neighbor_list(moved, cells, pbc, CUTOFF, batch, "auto")
+
+
+def test_whole_call_entry_is_not_used_once_the_cell_requires_grad(remember):
+    """``requires_grad_`` changes no version: the stored grad-less float32 copy of a float64
+    cell must not be returned once the cell requires grad (its conversion keeps the graph)."""
+    pos, cell, pbc = _system(8)
+    pos = pos.float()
+    common.validate_lazy(pos, cell, pbc, CUTOFF, None)
+    assert not common.validate_lazy(pos, cell, pbc, CUTOFF, None)[1].requires_grad
+    cell.requires_grad_(True)
+    assert common.validate_lazy(pos, cell, pbc, CUTOFF, None)[1].requires_grad

@@ -11,9 +11,14 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, complete_cell, rowvec_matmul
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
-from xnn.neighbors.common import spectral_norm_3x3, validate_lazy
+from xnn.neighbors.common import checked, spectral_norm_3x3
 from xnn.neighbors.torch_cells import torch_neighbor_list
-from xnn.neighbors.vesin_backend import vesin_available, vesin_neighbor_list, vesin_torch_available
+from xnn.neighbors.vesin_backend import (
+    one_system,
+    vesin_available,
+    vesin_neighbor_list,
+    vesin_torch_available,
+)
 
 Backend = Callable[[Tensor, Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor]]
 
@@ -98,17 +103,23 @@ def neighbor_list(
 def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None,
            backend: str) -> tuple[Tensor, Tensor, bool]:
     """:func:`neighbor_list` and whether the cell has zero (completed) vectors."""
-    positions, cell, pbc, batch, has_zero = validate_lazy(positions, cell, pbc, cutoff, batch)
+    positions, cell, pbc, batch, has_zero, views = checked(positions, cell, pbc, cutoff, batch)
     name = _auto_backend(positions.device, cell.shape[0]) if backend == "auto" else backend
     fn = _BACKENDS.get(name)
     if fn is None:
         choices = ["auto", *available_backends()]
         raise InputError(f"unknown neighbor-list backend {backend!r}; choose one of {choices}")
-    if batch is None and not (fn is vesin_neighbor_list and cell.shape[0] == 1):
-        batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
-    with torch.no_grad():
+    pos = positions.detach() if positions.requires_grad else positions
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (µs)
+    try:
+        if fn is vesin_neighbor_list and views is not None and not has_zero:
+            # one system: vesin with the remembered [3, 3] cell and [3] pbc views
+            edge_index, shifts = one_system(pos, views[0], views[1], float(cutoff))
+            return edge_index, shifts, has_zero
+        if batch is None and not (fn is vesin_neighbor_list and cell.shape[0] == 1):
+            batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
         full = complete_cell(cell) if has_zero else cell
-        pos = positions.detach()
         n_wrap = None
         if name not in _TAKES_UNWRAPPED and bool(pbc.any()):
             # whole lattice vectors that bring each atom into the cell along periodic axes
@@ -123,6 +134,8 @@ def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: T
             # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
             shifts = shifts - n_wrap.index_select(0, edge_index[0])
             shifts = shifts + n_wrap.index_select(0, edge_index[1])
+    finally:
+        torch._C._set_grad_enabled(grad)
     return edge_index, shifts, has_zero
 
 

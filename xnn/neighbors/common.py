@@ -64,6 +64,37 @@ def validate_lazy(
     must never reach a backend's kernels). Writes that bypass the version counter
     (``tensor.data``, numpy views of a CPU tensor, custom kernels) are not seen.
     """
+    return checked(positions, cell, pbc, cutoff, batch)[:5]
+
+
+def checked(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None):
+    """:func:`validate_lazy` plus, for one system, its ``cell [3, 3]`` and ``pbc [3]`` as
+    views (or ``None``): ``(positions, cell, pbc, batch, has_zero_vectors, views)``.
+
+    A repeated call with the very cell, pbc and batch tensors of an earlier call (unchanged
+    since, as in :func:`validate_lazy`), positions of the same dtype and device and no grad
+    on the cell returns that call's normalised tensors and verdict at once (one entry per
+    cell: :data:`_FAST`), after reading only the positions' sum.
+    """
+    if not isinstance(cutoff, (int, float)) or not math.isfinite(cutoff) or cutoff <= 0:
+        raise InputError(f"cutoff must be a positive finite number, got {cutoff!r}")
+    if positions.ndim != 2 or positions.shape[-1] != 3:
+        raise InputError(f"positions must have shape [n_atoms, 3], got {tuple(positions.shape)}")
+    entry = _FAST.get(id(cell))
+    if entry is not None and _fast_match(entry, positions, cell, pbc, batch):
+        pos_sum = positions.sum().item()
+        if not math.isfinite(pos_sum) and not bool(torch.isfinite(positions).all()):
+            raise InputError("non-finite positions")
+        norm_cell, norm_pbc, has_zero, views = entry[-1]
+        return positions, norm_cell, norm_pbc, batch, has_zero, views
+    out = _validate_full(positions, cell, pbc, cutoff, batch)
+    if positions.device.type in REMEMBER_ON:
+        return _fast_store(positions, cell, pbc, batch, out)
+    return (*out, None)
+
+
+def _validate_full(positions, cell, pbc, cutoff, batch):
+    """:func:`validate_lazy` without the whole-call entry (per-tensor host values only)."""
     if not isinstance(cutoff, (int, float)) or not math.isfinite(cutoff) or cutoff <= 0:
         raise InputError(f"cutoff must be a positive finite number, got {cutoff!r}")
     if positions.ndim != 2 or positions.shape[-1] != 3:
@@ -148,6 +179,54 @@ def _pbc(pbc, device: torch.device, n_sys: int) -> tuple[tuple[Tensor, Tensor], 
 #: device types on which the host values of cell, pbc and batch are remembered per tensor
 REMEMBER_ON = {"cuda"}
 _HOST_VALUES: dict[int, tuple] = {}
+#: id(cell) -> the checked result of a whole call with that cell, pbc and batch (see
+#: :func:`checked`): (cell ref, cell meta, pbc ref, pbc meta, batch ref, batch meta,
+#: positions (dtype, device, n_atoms), device type, result)
+_FAST: dict[int, tuple] = {}
+
+
+def _fast_match(entry: tuple, positions: Tensor, cell: Tensor, pbc, batch) -> bool:
+    """Whether ``entry`` of :data:`_FAST` applies: the same tensor objects, each unchanged
+    (as :func:`_meta`), positions of the same dtype, device and (with a batch) count."""
+    ref_c, meta_c, ref_p, meta_p, ref_b, meta_b, pos_key, dev_type, _ = entry
+    if ref_c() is not cell or ref_p() is not pbc or dev_type not in REMEMBER_ON:
+        return False
+    if cell.requires_grad:  # switched on since: the stored cell has none
+        return False
+    if (cell._version, cell.data_ptr(), cell.shape, cell.stride(), cell.dtype,
+            cell.device) != meta_c:
+        return False
+    if (pbc._version, pbc.data_ptr(), pbc.shape, pbc.stride(), pbc.dtype,
+            pbc.device) != meta_p:
+        return False
+    if batch is None:
+        if ref_b is not None:
+            return False
+    elif ref_b is None or ref_b() is not batch or _meta(batch) != meta_b:
+        return False
+    return (positions.dtype, positions.device,
+            positions.shape[0] if batch is not None else -1) == pos_key
+
+
+def _fast_store(positions: Tensor, cell: Tensor, pbc, batch: Tensor | None, out: tuple):
+    """Store the whole-call entry of :func:`checked` for ``out`` (checks passed) where
+    allowed: tensors with version counters (not inference), no grad on the cell, a pbc
+    tensor (lists and tuples have no identity to trust); returns ``(*out, views)``."""
+    _, norm_cell, norm_pbc, _, has_zero = out
+    views = (norm_cell[0], norm_pbc[0]) if norm_cell.shape[0] == 1 else None
+    tensors = (cell, pbc) if batch is None else (cell, pbc, batch)
+    if (not isinstance(pbc, Tensor) or cell.requires_grad
+            or any(t.is_inference() for t in tensors)):
+        return (*out, views)
+    if len(_FAST) >= 16:
+        _FAST.clear()
+    pos_key = (positions.dtype, positions.device,
+               positions.shape[0] if batch is not None else -1)
+    _FAST[id(cell)] = (weakref.ref(cell), _meta(cell), weakref.ref(pbc), _meta(pbc),
+                       None if batch is None else weakref.ref(batch),
+                       None if batch is None else _meta(batch), pos_key,
+                       positions.device.type, (norm_cell, norm_pbc, has_zero, views))
+    return (*out, views)
 
 
 def _meta(t: Tensor) -> tuple:

@@ -18,7 +18,10 @@ edge as in vesin's own output; by numpy on CPU, which copies these 2-4x faster t
 which replaces vesin's own copy. No dtype conversion of positions beyond what vesin itself
 needs. On CUDA the tensors stay on the device: besides vesin's own read of the pair count,
 one host sync of xnn's checks (:func:`xnn.neighbors.common.validate_lazy`: the positions'
-sum only, when the cell, pbc and batch tensors are those of an earlier call).
+sum only, when the cell, pbc and batch tensors are those of an earlier call). For one
+system such a repeated call goes straight to :func:`one_system` with the remembered
+``[3, 3]`` cell and ``[3]`` pbc views (``xnn.neighbors.api``); host time of the wrapper
+around a stubbed vesin: ``benchmarks/neighbors.py --host-overhead 2000``.
 """
 
 from __future__ import annotations
@@ -110,9 +113,11 @@ def vesin_neighbor_list(
 
 def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[Tensor, Tensor]:
     """``edge_index [2, E]`` long and ``shifts [E, 3]`` int32 (on ``pos.device``) of one
-    system (int64 shifts from the torch cell list where vesin refused the system)."""
+    system (int64 shifts from the torch cell list where vesin refused the system), from
+    ``pos [n_atoms, 3]`` (need not be wrapped), ``cell [3, 3]`` (complete) and ``pbc [3]``
+    bool on ``pos``'s device."""
     try:
-        if pos.device.type != "cpu" and _vesin_torch is not None:
+        if not pos.is_cpu and _vesin_torch is not None:
             return _with_vesin_torch(pos, cell, pbc, cutoff)
         if _vesin is not None:
             return _with_vesin_numpy(pos, cell, pbc, cutoff)
@@ -125,6 +130,9 @@ def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[
         return neighbor_list(pos, cell, pbc, cutoff, backend="torch")
 
 
+one_system = _one_system
+
+
 def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
     """Our ``edge_index [2, E]`` and ``shifts [E, 3]`` int32 from vesin's ``pairs [E, 2]``
     (i, j) and ``shifts [E, 3]`` int32 (views are fine), each written once, in one kernel.
@@ -135,13 +143,16 @@ def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tenso
     ``(j, i, -S)``. So ``edge_index`` is the plain transpose of ``pairs`` (one copy, not two
     strided ones) and the negation of the shifts is their copy out of vesin's buffer.
     """
-    if pairs.device.type == "cpu":
+    if pairs.is_cpu:
         # numpy's copies are 2-4x faster than torch's here
         p = pairs.numpy().view(np.int64)  # size_t: reinterpret, never negative below 2**63
         edge_index = np.empty((2, p.shape[0]), dtype=np.int64)
         edge_index[...] = p.T
         sh = np.negative(shifts.numpy().reshape(-1, 3))
-        return torch.from_numpy(edge_index).to(device), torch.from_numpy(sh).to(device)
+        edge_index, sh = torch.from_numpy(edge_index), torch.from_numpy(sh)
+        if device.type != "cpu":
+            edge_index, sh = edge_index.to(device), sh.to(device)
+        return edge_index, sh
     return _outputs_torch(pairs, shifts, device)
 
 
@@ -151,24 +162,33 @@ def _outputs_torch(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple
         pairs = pairs.view(torch.int64)
     if pairs.device != device:
         pairs, shifts = pairs.to(device), shifts.to(device)
-    edge_index = torch.empty((2, pairs.shape[0]), dtype=torch.long, device=device)
-    edge_index.copy_(pairs.t())
+    # always a copy (contiguous() would return the view of vesin's buffer at E <= 1)
+    edge_index = pairs.t().clone(memory_format=torch.contiguous_format)
     if shifts.dtype != torch.int32:
         shifts = shifts.to(torch.int32)
-    return edge_index, torch.neg(shifts.reshape(-1, 3))
+    if shifts.ndim != 2:
+        shifts = shifts.reshape(-1, 3)
+    return edge_index, torch.neg(shifts)
 
 
 def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
     """Through the ``vesin`` package, which reads torch tensors in place (CPU, or CUDA when
     its library has CUDA; otherwise the inputs are copied to the CPU)."""
     device = pos.device
-    pos = pos.detach()
-    if device.type != "cpu" and not _vesin_cuda_ok():
+    if pos.requires_grad:
+        pos = pos.detach()
+    if not pos.is_cpu and not _vesin_cuda_ok():
         pos = pos.cpu()
-    nl = _calculator(_vesin, pos.device, cutoff)
+    dev = pos.device
+    if cell.requires_grad:
+        cell = cell.detach()
+    if cell.dtype != pos.dtype or cell.device != dev:
+        cell = cell.to(pos)
+    if pbc.device != dev:
+        pbc = pbc.to(dev)
+    nl = _calculator(_vesin, dev, cutoff)
     # copy=False: views into nl's buffers, copied out once by _outputs before nl is reused
-    pairs, shifts = nl.compute(pos, cell.detach().to(pos), pbc.to(pos.device), "PS",
-                               copy=not _ordered_with_vesin(pos.device))
+    pairs, shifts = nl.compute(pos, cell, pbc, "PS", copy=not _ordered_with_vesin(dev))
     return _outputs(pairs, shifts, device)
 
 
@@ -189,14 +209,19 @@ def _vesin_cuda_ok() -> bool:  # pragma: no cover - needs CUDA
 
 
 def _with_vesin_torch(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
+    """Through ``vesin.torch`` (CUDA, or CPU without the ``vesin`` package)."""
     nl = _calculator(_vesin_torch, pos.device, cutoff)
     if cell.dtype != pos.dtype:
         cell = cell.to(pos.dtype)
     if pbc.dtype != torch.bool:
         pbc = pbc.to(torch.bool)
-    pairs, shifts = nl.compute(pos.detach(), cell.detach(), pbc, "PS",
-                               copy=not _ordered_with_vesin(pos.device))
-    return _outputs(pairs, shifts, pos.device)
+    if pos.requires_grad:
+        pos = pos.detach()
+    if cell.requires_grad:
+        cell = cell.detach()
+    device = pos.device
+    pairs, shifts = nl.compute(pos, cell, pbc, "PS", copy=not _ordered_with_vesin(device))
+    return _outputs(pairs, shifts, device)
 
 
 def _ordered_with_vesin(device: torch.device) -> bool:

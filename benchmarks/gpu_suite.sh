@@ -6,6 +6,7 @@
 # PART 3: training throughput, DDP efficiency (2 GPUs), equivariant memory ceiling (1 GPU).
 # PART 5: matched-size equivariant vs MACE: auto chunking, compiled inference, memory ceiling (1 GPU).
 # PART 6: NCCL check of the owned-only sync mode, largest system on 1 vs 2 GPUs, SevenNet-0 (2 GPUs).
+# PART 8: issue 20 leftovers of session 11 (neighbor-list host overhead, peers' compiled steps).
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
 #         split in parts, travel in several calls and are installed with pip --target first).
@@ -88,5 +89,15 @@ PY
       --batched 64x100 --steps 9 --budget-s 90 --frameworks xnn,torch_sim,nvalchemi --json "$OUT/peers_h200.json"
   step 150 peers_cueq python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 --batched 64x100 \
       --models mace --steps 9 --budget-s 60 --frameworks xnn,torch_sim,nvalchemi --cueq --json "$OUT/peers_cueq_h200.json"
+  ;;
+8)  # issue 20, still to measure on one GPU (session 11 left these): host overhead and paired
+    # neighbor lists with the whole-call cache, peers with the compiled Langevin step
+  step 120 nl_host python3 benchmarks/neighbors.py --json "$OUT/neighbors_host_overhead_h200.json" \
+      --host-overhead 2000 --devices cuda cpu --profile 20
+  step 150 neighbors python3 benchmarks/neighbors.py --json "$OUT/neighbors_paired_h200.json" --paired-only \
+      --phases --devices cuda cpu --sizes 100000 1000000
+  step 400 peers_compiled python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
+      --batched 64x100 --steps 9 --budget-s 120 --frameworks xnn,xnn_step_graph,torch_sim,torch_sim_compiled \
+      --cueq --json "$OUT/peers_compiled_h200.json"
   ;;
 esac

@@ -82,23 +82,25 @@ def checked(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: 
         raise InputError(f"positions must have shape [n_atoms, 3], got {tuple(positions.shape)}")
     entry = _FAST.get(id(cell))
     if entry is not None and _fast_match(entry, positions, cell, pbc, batch):
-        pos_sum = positions.sum().item()
-        if not math.isfinite(pos_sum) and not bool(torch.isfinite(positions).all()):
-            raise InputError("non-finite positions")
+        _check_finite(positions, positions.sum().item())
         norm_cell, norm_pbc, has_zero, views = entry[-1]
         return positions, norm_cell, norm_pbc, batch, has_zero, views
-    out = _validate_full(positions, cell, pbc, cutoff, batch)
+    out = _validate_full(positions, cell, pbc, batch)
     if positions.device.type in REMEMBER_ON:
         return _fast_store(positions, cell, pbc, batch, out)
     return (*out, None)
 
 
-def _validate_full(positions, cell, pbc, cutoff, batch):
-    """:func:`validate_lazy` without the whole-call entry (per-tensor host values only)."""
-    if not isinstance(cutoff, (int, float)) or not math.isfinite(cutoff) or cutoff <= 0:
-        raise InputError(f"cutoff must be a positive finite number, got {cutoff!r}")
-    if positions.ndim != 2 or positions.shape[-1] != 3:
-        raise InputError(f"positions must have shape [n_atoms, 3], got {tuple(positions.shape)}")
+def _check_finite(positions: Tensor, pos_sum: float) -> None:
+    """Raise for non-finite positions, given their sum read on the host (a finite sum needs
+    no element check; an infinite one may be an overflow of finite values)."""
+    if not math.isfinite(pos_sum) and not bool(torch.isfinite(positions).all()):
+        raise InputError("non-finite positions")
+
+
+def _validate_full(positions, cell, pbc, batch):
+    """:func:`checked` without the whole-call entry (per-tensor host values only), after
+    its cutoff and positions-shape checks."""
     cell_src = cell
     if cell.ndim == 2:
         cell = cell.unsqueeze(0)
@@ -138,8 +140,7 @@ def _validate_full(positions, cell, pbc, cutoff, batch):
                 _remember(batch, n_sys > 1, batch_h)
     else:  # the cell, pbc and batch as last read: only the positions are new
         pos_sum = positions.sum().item()
-    if not math.isfinite(pos_sum) and not bool(torch.isfinite(positions).all()):
-        raise InputError("non-finite positions")  # (a finite sum needs no element check)
+    _check_finite(positions, pos_sum)
     # the cell checks on the host copy, in numpy: µs for a few 3x3 matrices
     if not np.isfinite(cell_h).all():
         raise InputError("non-finite cell")
@@ -193,11 +194,7 @@ def _fast_match(entry: tuple, positions: Tensor, cell: Tensor, pbc, batch) -> bo
         return False
     if cell.requires_grad:  # switched on since: the stored cell has none
         return False
-    if (cell._version, cell.data_ptr(), cell.shape, cell.stride(), cell.dtype,
-            cell.device) != meta_c:
-        return False
-    if (pbc._version, pbc.data_ptr(), pbc.shape, pbc.stride(), pbc.dtype,
-            pbc.device) != meta_p:
+    if _meta(cell) != meta_c or _meta(pbc) != meta_p:
         return False
     if batch is None:
         if ref_b is not None:

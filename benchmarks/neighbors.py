@@ -300,8 +300,8 @@ def bench_phases(case: Case, device: torch.device, cutoff: float, rounds: int) -
         def __init__(self, nl):
             self.compute = timed("vesin_compute", nl.compute)
 
-    real = (api.validate_lazy, vb._outputs, vb._calculator)
-    api.validate_lazy = timed("validate", real[0])
+    real = (api.checked, vb._outputs, vb._calculator)
+    api.checked = timed("validate", real[0])
     vb._outputs = timed("outputs", real[1])
     vb._calculator = lambda *a: Timed(real[2](*a))
     ours = _xnn("auto", case, cutoff)
@@ -324,7 +324,7 @@ def bench_phases(case: Case, device: torch.device, cutoff: float, rounds: int) -
                 rows.setdefault("total", []).append(total)
             out[mode] = {k: statistics.median(v) for k, v in rows.items()}
     finally:
-        api.validate_lazy, vb._outputs, vb._calculator = real
+        api.checked, vb._outputs, vb._calculator = real
     return {"n_atoms": case.n_atoms, "device": device.type, "rounds": rounds, **out}
 
 

@@ -95,13 +95,13 @@ def vesin_neighbor_list(
     device = positions.device
     n_sys = cell.shape[0]
     if n_sys == 1:
-        return _one_system(positions, cell[0], pbc[0], cutoff)
+        return one_system(positions, cell[0], pbc[0], cutoff)
     counts = torch.bincount(batch, minlength=n_sys).tolist()
     edges, shifts = [], []
     start = 0
     for s, n in enumerate(counts):
         if n > 0:
-            ei, sh = _one_system(positions[start : start + n], cell[s], pbc[s], cutoff)
+            ei, sh = one_system(positions[start : start + n], cell[s], pbc[s], cutoff)
             edges.append(ei + start)
             shifts.append(sh)
         start += n
@@ -111,7 +111,7 @@ def vesin_neighbor_list(
     return torch.cat(edges, dim=1), torch.cat(shifts)
 
 
-def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[Tensor, Tensor]:
+def one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[Tensor, Tensor]:
     """``edge_index [2, E]`` long and ``shifts [E, 3]`` int32 (on ``pos.device``) of one
     system (int64 shifts from the torch cell list where vesin refused the system), from
     ``pos [n_atoms, 3]`` (need not be wrapped), ``cell [3, 3]`` (complete) and ``pbc [3]``
@@ -129,8 +129,6 @@ def _one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[
 
         return neighbor_list(pos, cell, pbc, cutoff, backend="torch")
 
-
-one_system = _one_system
 
 
 def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -229,6 +229,17 @@ def step(stepper, state: MDState, dt: float) -> MDState:
 SCHEMES = {"nve": Scheme, "langevin": LangevinScheme, "csvr": CSVRScheme, "nhc": NHCScheme}
 
 
+def compiled_ensemble(name: str):
+    """The eager integrator module of ensemble ``name`` (its ``init`` and ``conserved`` serve
+    the compiled steps), refusing ensembles that do not compile (not in :data:`SCHEMES`)."""
+    from xnn.dynamics import registry
+
+    if name not in SCHEMES:
+        raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
+                         f"{name!r}: choose one of them or set compile: false")
+    return registry.get_integrator(name)
+
+
 class CompiledIntegrator:
     """The integrator interface (``init``, ``step``, ``conserved``) of ensemble ``name``
     (a key of :data:`SCHEMES`) with compiled steps, made for one potential; ``init`` and
@@ -243,12 +254,9 @@ class CompiledIntegrator:
 
     def __init__(self, name: str, potential, backend: str | None = None,
                  cuda_graph: bool = False):
-        from xnn.dynamics import compiled, registry
+        from xnn.dynamics import compiled
 
-        if name not in SCHEMES:
-            raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
-                             f"{name!r}: choose one of them or set compile: false")
-        module = registry.get_integrator(name)
+        module = compiled_ensemble(name)
         self.init, self.conserved = module.init, module.conserved
         self.stepper = compiled.CompiledVerlet(
             potential, backend=backend or compiled.DEFAULT_BACKEND, cuda_graph=cuda_graph)

@@ -81,7 +81,7 @@ class PaddedPlan:
     back_buf: Tensor  # [cap_send, 3] received ghost gradients, in send order
 
 
-def _pad(t: Tensor, n: int, value=0) -> Tensor:
+def pad_rows(t: Tensor, n: int, value=0) -> Tensor:
     """``t`` with ``n - len(t)`` rows of ``value`` appended."""
     extra = t.new_full((n - t.shape[0], *t.shape[1:]), value)
     return torch.cat([t, extra])
@@ -127,11 +127,12 @@ def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
         migrated = torch.full_like(graph.positions, math.inf)
     return PaddedPlan(
         state, n_o, n_r, [int(s.numel()) for s in sends], list(plan.recv_counts),
-        list(plan.peers), dict(c), _pad(src, c["local"]),
-        _pad(dom.shifts.to(device=dev, dtype=dtype), c["local"]),
-        torch.arange(c["local"], device=dev) < n_o, _pad(send_index, c["send"]),
-        _pad(m[:, None], c["owned"], math.inf), _pad(state.ref_positions.detach(), c["owned"]),
-        _pad(migrated.detach(), c["owned"]), _local_fields(dom, graph, c, pad_z, reach),
+        list(plan.peers), dict(c), pad_rows(src, c["local"]),
+        pad_rows(dom.shifts.to(device=dev, dtype=dtype), c["local"]),
+        torch.arange(c["local"], device=dev) < n_o, pad_rows(send_index, c["send"]),
+        pad_rows(m[:, None], c["owned"], math.inf),
+        pad_rows(state.ref_positions.detach(), c["owned"]),
+        pad_rows(migrated.detach(), c["owned"]), _local_fields(dom, graph, c, pad_z, reach),
         torch.zeros(c["recv"], 3, dtype=dtype, device=dev),
         torch.zeros(c["send"], 3, dtype=dtype, device=dev))
 
@@ -143,7 +144,7 @@ def _local_fields(dom, graph, c: dict, pad_z: int, reach: float) -> dict[str, Te
     fields = {}
     for name in dom.ghost_fields:
         value = dom.local_field(name, graph[name])
-        fields[name] = _pad(value, c["local"], pad_z if name == K.NUMBERS else 0)
+        fields[name] = pad_rows(value, c["local"], pad_z if name == K.NUMBERS else 0)
     for name, value in graph.fields.items():
         if K.scope_of(name) == K.SYSTEM and name not in _SYSTEM_RESULTS:
             fields[name] = value

@@ -33,6 +33,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.compiled import CompiledDomainVerlet
+from xnn.distributed.domain.compiled_plan import pad_rows
 from xnn.dynamics.reduce import Reducer
 from xnn.dynamics.state import MDState
 from xnn.errors import InputError
@@ -114,10 +115,6 @@ def _post(scheme, dt: float, reducer):
     return region
 
 
-def _pad(t: Tensor, n: int, value) -> Tensor:
-    return torch.cat([t, t.new_full((n - t.shape[0], *t.shape[1:]), value)])
-
-
 class CompiledDomainScheme(CompiledDomainVerlet):
     """Steps of ``scheme`` (a :class:`~xnn.dynamics.compiled_thermo.Scheme`: Langevin, CSVR,
     NHC) on a :class:`~xnn.distributed.DomainPotential` through three compiled regions per
@@ -155,8 +152,8 @@ class CompiledDomainScheme(CompiledDomainVerlet):
             co = p.caps["owned"]
             fixed = g[K.FIXED].to(torch.bool) if K.FIXED in g else torch.zeros(
                 g.n_atoms, dtype=torch.bool, device=g.device)
-            fields = {K.BATCH: _pad(g.batch, co, 0), K.MASSES: _pad(g.masses, co, 1.0),
-                      K.ATOM_ID: _pad(g.atom_id, co, -1), K.FIXED: _pad(fixed, co, True)}
+            fields = {K.BATCH: pad_rows(g.batch, co, 0), K.MASSES: pad_rows(g.masses, co, 1.0),
+                      K.ATOM_ID: pad_rows(g.atom_id, co, -1), K.FIXED: pad_rows(fixed, co, True)}
             self._rows = (p, fields, torch.arange(co, device=g.device) < p.n_owned)
         fields = {**self._rows[1], K.CELL: g.cell.detach(), K.PBC: g.pbc}
         return fields, self._rows[2]
@@ -198,14 +195,10 @@ class CompiledDomainIntegrator:
     steps (the run layer must not migrate again)."""
 
     def __init__(self, name: str, potential, backend: str | None = None):
-        from xnn.dynamics import registry
         from xnn.dynamics.compiled import DEFAULT_BACKEND
-        from xnn.dynamics.compiled_thermo import SCHEMES
+        from xnn.dynamics.compiled_thermo import SCHEMES, compiled_ensemble
 
-        if name not in SCHEMES:
-            raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
-                             f"{name!r}: choose one of them or set compile: false")
-        module = registry.get_integrator(name)
+        module = compiled_ensemble(name)
         self.init, self.conserved = module.init, module.conserved
         backend = backend or DEFAULT_BACKEND
         self.stepper = (CompiledDomainVerlet(potential, backend=backend) if name == "nve"

@@ -32,6 +32,14 @@ def _pair(name: str, model_name: str = "lj", graph=None):
     return MODULES[name], eager_pot, integ, start
 
 
+def _advance(mod, pot, integ, eager, compiled, n: int):
+    """``n`` steps of the eager module and of the compiled integrator, side by side."""
+    for _ in range(n):
+        eager = mod.step(eager, pot, 2.0)
+        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    return eager, compiled
+
+
 def _assert_same(mod, eager, compiled):
     assert compiled.step == eager.step
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
@@ -52,9 +60,7 @@ def test_compiled_thermostat_follows_eager_without_recompiles(name, steps, one_t
     eager, compiled = mod.step(eager, pot, 2.0), integ.step(compiled, integ.stepper.potential, 2.0)
     graphs, stepper = _unique_graphs(), integ.stepper
     assert stepper.n_compiles == 1
-    for _ in range(steps - 1):
-        eager = mod.step(eager, pot, 2.0)
-        compiled = integ.step(compiled, stepper.potential, 2.0)
+    eager, compiled = _advance(mod, pot, integ, eager, compiled, steps - 1)
     assert stepper.n_rebuilds >= 3  # atoms crossed the skin several times
     assert stepper.n_compiles == 1 and _unique_graphs() == graphs  # 0 recompiles
     _assert_same(mod, eager, compiled)
@@ -66,9 +72,7 @@ def test_compiled_thermostat_follows_eager_without_recompiles(name, steps, one_t
 def test_compiled_thermostat_with_schnet(name, one_thread):
     mod, pot, integ, eager = _pair(name, "schnet")
     compiled = eager
-    for _ in range(25):
-        eager = mod.step(eager, pot, 2.0)
-        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    eager, compiled = _advance(mod, pot, integ, eager, compiled, 25)
     assert integ.stepper.n_compiles == 1
     _assert_same(mod, eager, compiled)
 
@@ -83,9 +87,7 @@ def test_compiled_steps_continue_a_resumed_state(name, one_thread):
         eager = mod.step(eager, pot, 2.0)
     other = eager
     compiled = eager
-    for _ in range(8):
-        eager = mod.step(eager, pot, 2.0)
-        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    eager, compiled = _advance(mod, pot, integ, eager, compiled, 8)
     _assert_same(mod, eager, compiled)
     rebuilds = integ.stepper.n_rebuilds
     other_eager = mod.step(other, pot, 2.0)
@@ -134,9 +136,7 @@ def test_langevin_with_fixed_atoms_and_slot_keys(one_thread):
     mod, pot, integ, eager = _pair("langevin", graph=_system().replace(fixed=fixed))
     eager = eager.replace(vars={RNG_KEY: torch.tensor([5]), RNG_STEP0: torch.tensor([-2])})
     compiled = eager
-    for _ in range(30):
-        eager = mod.step(eager, pot, 2.0)
-        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    eager, compiled = _advance(mod, pot, integ, eager, compiled, 30)
     assert bool((compiled.velocities[:4] == 0).all())
     _assert_same(mod, eager, compiled)
 
@@ -178,9 +178,7 @@ def test_inductor_thermostat_matches_eager(name, one_thread):
     mod, pot, integ, eager = _pair(name)
     integ = CompiledIntegrator(name, integ.stepper.potential, backend="inductor")
     compiled = eager
-    for _ in range(30):
-        eager = mod.step(eager, pot, 2.0)
-        compiled = integ.step(compiled, integ.stepper.potential, 2.0)
+    eager, compiled = _advance(mod, pot, integ, eager, compiled, 30)
     assert integ.stepper.n_compiles == 1
     _assert_same(mod, eager, compiled)
 

@@ -194,12 +194,10 @@ def integrator_args(cfg: MDConfig, temperatures: torch.Tensor) -> dict:
 def compiled_integrator(cfg: MDConfig, par):
     """The integrator of ``md.compile=true`` (:class:`~xnn.dynamics.compiled_thermo.
     CompiledIntegrator`), after checking that the run is one it compiles."""
-    from xnn.dynamics.compiled_thermo import SCHEMES, CompiledIntegrator
+    from xnn.dynamics.compiled_thermo import CompiledIntegrator, compiled_ensemble
     from xnn.models.potential import Potential
 
-    if cfg.ensemble not in SCHEMES:
-        raise InputError(f"compile=true compiles ensembles {', '.join(SCHEMES)}, not "
-                         f"{cfg.ensemble!r}: choose one of them or set compile: false")
+    compiled_ensemble(cfg.ensemble)  # refused before the decomposed or one-process choice
     if hasattr(par, "compiled_integrator"):  # several ranks: the compiled decomposed step
         return par.compiled_integrator(cfg.ensemble, cuda_graph=cfg.cuda_graph)
     if type(par.potential) is not Potential:

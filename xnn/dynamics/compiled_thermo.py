@@ -165,6 +165,15 @@ class NHCScheme(Scheme):
 
 
 # ----------------------------------------------------------------------------- the step
+def state_of(x: Tensor, v: Tensor, f: Tensor, fields: dict, vars: dict) -> MDState:
+    """The traced rows as an :class:`~xnn.dynamics.state.MDState` for a scheme's ``pre`` and
+    ``post``: positions ``x``, velocities ``v``, forces ``f``, the graph's other ``fields``
+    and ``vars`` (energy and stress zero, step 0: the schemes do not read them)."""
+    g = AtomicGraph({**fields, K.POSITIONS: x, K.VELOCITIES: v}, validate=False)
+    zero = torch.zeros_like(fields[K.CELL])
+    return MDState(g, f, zero[:, 0, 0], zero, 0, vars)
+
+
 class _ThermoStep(nn.Module):
     """What is traced: ``pre``, the model's energy and derivatives, ``post``, and the next
     step's ``pre`` for the look-ahead displacement from the last build ``ref``."""
@@ -182,9 +191,8 @@ class _ThermoStep(nn.Module):
         dt, sch, red = self.dt, self.scheme, self.reduce
         fields = dict(fields)
         edges = {k: fields.pop(k) for k in (K.EDGE_INDEX, K.SHIFTS)}
-        g = AtomicGraph({**fields, K.POSITIONS: x, K.VELOCITIES: v}, validate=False)
         zero = torch.zeros_like(fields[K.CELL])
-        s = sch.pre(MDState(g, f, zero[:, 0, 0], zero, 0, vars), dt, red, draws, step)
+        s = sch.pre(state_of(x, v, f, fields, vars), dt, red, draws, step)
         model_fields = {k: t for k, t in fields.items() if k != K.FIXED}
         graph = AtomicGraph({**model_fields, **edges, K.POSITIONS: s.positions}, validate=False)
         out = compute_properties(self.model, graph, True, self.stress)

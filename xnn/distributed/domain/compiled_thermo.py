@@ -30,10 +30,10 @@ import torch
 from torch import Tensor
 
 from xnn.data import keys as K
-from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.compiled import CompiledDomainVerlet
 from xnn.distributed.domain.compiled_plan import pad_rows
+from xnn.dynamics.compiled_thermo import state_of
 from xnn.dynamics.reduce import Reducer
 from xnn.dynamics.state import MDState
 from xnn.errors import InputError
@@ -83,17 +83,10 @@ class GraphReducer(Reducer):
         return out.reshape(-1, *values.shape)
 
 
-def _state(x: Tensor, v: Tensor, f: Tensor, fields: dict, vars: dict) -> MDState:
-    """The padded rows as an :class:`~xnn.dynamics.state.MDState` (no energy, no stress)."""
-    g = AtomicGraph({**fields, K.POSITIONS: x, K.VELOCITIES: v}, validate=False)
-    zero = torch.zeros_like(fields[K.CELL])
-    return MDState(g, f, zero[:, 0, 0], zero, 0, vars)
-
-
 def _pre(scheme, dt: float, reducer):
     """Region 1: the scheme's ``pre``, the rows to send and the ``vars`` it writes."""
     def region(x, v, f, send_index, fields, real, vars, step, draws):
-        s = scheme.pre(_state(x, v, f, fields, vars), dt, reducer(real), draws, step)
+        s = scheme.pre(state_of(x, v, f, fields, vars), dt, reducer(real), draws, step)
         return (s.positions, s.velocities, s.positions.index_select(0, send_index),
                 *(s.vars[k] for k in scheme.writes))
     return region
@@ -106,7 +99,7 @@ def _post(scheme, dt: float, reducer):
                step, draws, next_draws):
         red = reducer(real)
         f = -g_base.index_add(0, send_index, back)
-        s = scheme.post(_state(x, v, f, fields, vars), dt, red, draws, step)
+        s = scheme.post(state_of(x, v, f, fields, vars), dt, red, draws, step)
         ahead = scheme.pre(s, dt, red, next_draws, step + 1).positions
         d = torch.stack([(ahead - ref).norm(dim=-1).max(),
                          (ahead - migrated).norm(dim=-1).max()])

@@ -357,3 +357,30 @@ def test_compiled_mace_matches_eager(mace_model, monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
     wrapper.train()
     assert wrapper(g).requires_grad  # eager path while training
+
+
+@pytest.mark.parametrize("n_systems", [1, 2])
+def test_compiled_md_step_with_mace_follows_eager(mace_model, n_systems, one_thread):
+    """``md.compile=true`` with a MACE model. The traced step keeps every edge of the Verlet
+    list (skin) and of the capacity's padding (MACE's cutoff gives them exactly zero weight)
+    and has no data-dependent shapes (``ptr``, edge selection). Over steps with rebuilds it
+    follows the eager step in fp64, for one system and a batch of two."""
+    from xnn.dynamics import maxwell_boltzmann, nve
+    from xnn.dynamics.compiled import CompiledVerlet
+
+    second = _periodic()
+    second.rattle(0.05, seed=7)
+    structures = [_periodic(), second][:n_systems]
+    g = AtomicGraph.concat([AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, True)
+                            for a in structures])
+    wrapper = build("mace", model=mace_model)
+    eager_pot, pot = Potential(wrapper, skin=0.5), Potential(wrapper, skin=0.5)
+    stepper = CompiledVerlet(pot, backend="aot_eager")
+    eager = compiled = nve.init(maxwell_boltzmann(g, 3000.0, seed=2), eager_pot)
+    for _ in range(40):
+        eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
+    assert stepper.n_rebuilds >= 1  # a recompile only when a rebuild overflows the capacity:
+    assert stepper.n_compiles <= 2  # at 3000 K the pair count grows once in the first steps
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-9)
+    torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-9)

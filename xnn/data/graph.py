@@ -232,8 +232,11 @@ class AtomicGraph:
 
     @property
     def n_atoms_per_system(self) -> Tensor:
-        """``[n_systems]`` number of atoms in each system."""
-        return torch.bincount(self._fields[K.BATCH], minlength=self.n_systems)
+        """``[n_systems]`` number of atoms in each system (a fixed-size sum, not
+        ``bincount``, whose length depends on the values: graph tracers need static shapes)."""
+        batch = self._fields[K.BATCH]
+        counts = torch.zeros(self.n_systems, dtype=batch.dtype, device=batch.device)
+        return counts.index_add_(0, batch, torch.ones_like(batch))
 
     @property
     def ptr(self) -> Tensor:

@@ -7,14 +7,21 @@ from torch import Tensor
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models.base import graph_tracing
 
 
-def edges_within(graph: AtomicGraph, cutoff: float) -> tuple[Tensor, Tensor, Tensor]:
+def edges_within(graph: AtomicGraph, cutoff: float,
+                 zero_beyond: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Edges of ``graph`` strictly shorter than ``cutoff`` (Verlet lists carry a skin).
 
     Args:
         graph: a graph with ``edge_index`` and ``shifts``.
         cutoff: Å.
+        zero_beyond: the wrapped model itself gives edges at or beyond ``cutoff`` exactly
+            zero weight (value and gradient), as MACE's ``PolynomialCutoff`` does with its
+            ``(r < r_max)`` factor. Under a graph tracer (the compiled MD step, whose edges
+            are padded to a fixed capacity with inert edges beyond every cutoff) all edges
+            are then kept: selecting them would make the shapes data-dependent.
     Returns:
         ``edge_index [2, E']`` (row 0 sender j, row 1 receiver i), integer ``shifts [E', 3]``
         and ``r_ij [E', 3]`` Å (``pos[j] - pos[i] + shifts @ cell[batch[i]]``,
@@ -25,6 +32,8 @@ def edges_within(graph: AtomicGraph, cutoff: float) -> tuple[Tensor, Tensor, Ten
             "the graph has no edges: attach a neighbor list (xnn.neighbors.with_edges)"
         )
     vec = graph.edge_vectors()
+    if zero_beyond and graph_tracing():
+        return graph.edge_index, graph.shifts, vec
     keep = (vec.detach() * vec.detach()).sum(-1) < float(cutoff) ** 2
     if bool(keep.all()):
         return graph.edge_index, graph.shifts, vec

@@ -134,7 +134,7 @@ class MACEWrapper(AtomisticModel):
         they do with it (apply_strain): one compiled graph serves both (torch.compile guards
         on ``requires_grad`` and recompiled the whole model, minutes on a GPU, when an MD
         run's first step asked for stress and later ones did not)."""
-        edge_index, shifts, _ = edges_within(graph, self.cutoff)
+        edge_index, shifts, _ = edges_within(graph, self.cutoff, zero_beyond=True)
         cell = graph.cell
         if cell_grad and torch.is_grad_enabled() and not cell.requires_grad:
             cell = cell.detach().requires_grad_(True)

@@ -100,6 +100,14 @@ def test_kernels_with_small_edge_blocks_and_channel_blocks(dtype):
             _assert_close(a, b, dtype)
 
 
+def test_no_edges():
+    w, x, m = _inputs(0, 8, 4, 3, 9, torch.float64)
+    out = triton_tp.weighted_bmm(w, x, m)
+    assert out.shape == (0, 8, 9)
+    grads = torch.autograd.grad(out.sum(), (w, x, m))
+    assert [t.shape for t in grads] == [(0, 8, 4), (0, 8, 3), (0, 12, 9)]
+
+
 def test_gradients_only_where_needed():
     """Only the inputs that need a gradient get one (the kernel skips the others)."""
     w, x, m = _inputs(23, 8, 3, 3, 9, torch.float64)
@@ -275,6 +283,22 @@ def test_model_triton_equals_reference_cuda(dtype):
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, **tol)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_compiled_model_triton_equals_reference_cuda():
+    """``model.compile`` (:meth:`compile_for_inference`: ``torch.compile(dynamic=True)`` of the
+    edge messages, symbolic sizes through the kernels) on the GPU, fp32."""
+    ref = small_model("reference").to(device="cuda", dtype=torch.float32)
+    tri = small_model("triton").to(device="cuda", dtype=torch.float32)
+    tri.load_state_dict(ref.state_dict())
+    tri.compile_for_inference()
+    g = _system(torch.float32, "cuda")
+    for _ in range(2):  # compile, then run compiled
+        o_ref, o_tri = _props(ref, g), _props(tri, g)
+    for key in (K.ENERGY, K.FORCES, K.STRESS):
+        torch.testing.assert_close(o_tri[key], o_ref[key], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

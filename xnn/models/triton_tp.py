@@ -202,7 +202,7 @@ def forward(w: Tensor, x: Tensor, m: Tensor, block_e: int | None = None,
     out = torch.empty((e, c, k), dtype=w.dtype, device=w.device)
     k_pad = triton.next_power_of_2(k)
     block_e, block_c, n_cb = _tiling(e, c, k_pad, interpret, block_e)
-    grid = (max(triton.cdiv(e, block_e), 1), n_cb)
+    grid = (triton.cdiv(e, block_e), n_cb)  # no edges: an empty grid, no launch
     kernel = _interpreted(_fwd_kernel) if interpret else wrap_triton(_FWD)
     kernel[grid](
         w, x, m, out, e, c, *w.stride(), *x.stride(), *m.stride(), P=p, A=a, K=k, K_PAD=k_pad,
@@ -237,7 +237,7 @@ def backward(g: Tensor, w: Tensor, x: Tensor, m: Tensor, need_w: bool = True,
     gx = w.new_empty((e, c, a) if need_x else (0,))
     gm = w.new_empty(((n_cb,) if n_cb > 1 else ()) + (e, p * a, k) if need_m else (0,))
     if need_w or need_x or need_m:
-        grid = (max(triton.cdiv(e, block_e), 1), n_cb)
+        grid = (triton.cdiv(e, block_e), n_cb)  # no edges: an empty grid, no launch
         kernel = _interpreted(_bwd_kernel) if interpret else wrap_triton(_BWD)
         kernel[grid](
             g, w, x, m, gw, gx, gm, e, c, *g.stride(), *w.stride(), *x.stride(), *m.stride(),

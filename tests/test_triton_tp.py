@@ -360,3 +360,35 @@ def test_cuda_graph_replay_of_a_triton_model_follows_eager():
     scale = float(eager.forces.abs().max())
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-4)
     torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-4 * scale)
+
+
+@pytest.mark.slow
+def test_compiled_training_keeps_the_operators(tmp_path):
+    """Compiled training (a symbolic ``make_fx`` trace, AOTAutograd's derivative of it: the
+    backward operator's own autograd formula) gives eager double backward's weight gradients
+    (~60 s on a CPU, mostly compilation)."""
+    from xnn.data.datasets import WithEdges, collate, read_structures
+    from xnn.data.emt import write_emt
+    from xnn.models import build
+    from xnn.models.compiled_training import CompiledProperties
+    from xnn.models.derivatives import compute_properties
+
+    write_emt(tmp_path / "cu.xyz", 4, ["Cu"], seed=3)
+    structures = WithEdges(read_structures(tmp_path / "cu.xyz"), 3.5)
+    torch.manual_seed(0)
+    model = build("equivariant", species=[29], cutoff=3.5, channels=4, l_max=2,
+                  hidden_l_max=1, correlation=2, avg_num_neighbors=10.0,
+                  backend="triton").double()
+    compiled = CompiledProperties(model, forces=True, stress=True, backend="aot_eager")
+    graph = collate([structures[0], structures[3]]).to(dtype=torch.float64)
+    out, ref = compiled(graph), compute_properties(model, graph, True, True, training=True)
+    gm = compiled._variants[0][0].gm
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.xnn.weighted_bmm_backward.default in targets
+    params = list(model.parameters())
+    g_c = torch.autograd.grad(out[K.FORCES].square().sum() + out[K.ENERGY].sum(), params)
+    g_e = torch.autograd.grad(ref[K.FORCES].square().sum() + ref[K.ENERGY].sum(), params)
+    scale = max(float(g.abs().max()) for g in g_e)
+    assert scale > 0
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)

@@ -392,3 +392,17 @@ def test_compiled_training_keeps_the_operators(tmp_path):
     assert scale > 0
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)
+
+
+def test_exported_artefact_runs_the_reference_kernels():
+    """An artefact of a triton-backend model holds no ``xnn::`` operators (torch alone loads
+    it) and gives the model's forces."""
+    from xnn.models.export import ForceField, example_inputs, trace_forcefield
+
+    tri = small_model("triton")
+    gm = trace_forcefield(tri)
+    assert tri.interactions[0].tp._fused is not None  # the model itself is unchanged
+    assert not [n for n in gm.graph.nodes if "xnn" in str(n.target)]
+    inputs = example_inputs(tri)
+    for got, want in zip(gm(*inputs), ForceField(tri)(*inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)

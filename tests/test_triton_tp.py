@@ -85,6 +85,74 @@ def test_op_and_gradients_equal_reference(shape, channels, dtype):
     _check_op(97, channels, shape, dtype)
 
 
+def _grouped_inputs(e, c, groups, k, dtype, device="cpu", seed=0):
+    """``w [E, C, ΣP]`` (strided), ``x [E, C, DX]``, ``m [E, ΣPA, K]`` for flat ``groups``."""
+    grp = [groups[i : i + 3] for i in range(0, len(groups), 3)]
+    n_paths, rows = sum(q[0] for q in grp), sum(q[0] * q[1] for q in grp)
+    dx = max(q[1] + q[2] for q in grp) + 1  # one column of no group: its gradient is zero
+    return _inputs(e, c, n_paths, dx, k, dtype, device, seed)[:2] + [
+        torch.randn(e, rows, k, dtype=torch.float64, generator=torch.Generator().manual_seed(
+            seed + 1)).to(device=device, dtype=dtype).requires_grad_()]
+
+
+def _per_group_reference(w, x, m, groups):
+    """The sum over groups of ``_weighted_bmm`` on each group's slices (what the reference
+    path of :class:`EdgeTensorProduct` computes)."""
+    out, wo, ro = None, 0, 0
+    for i in range(0, len(groups), 3):
+        p, a, xo = groups[i : i + 3]
+        t = _weighted_bmm(w[:, :, wo : wo + p], x[:, :, xo : xo + a], m[:, ro : ro + p * a])
+        out, wo, ro = (t if out is None else out + t), wo + p, ro + p * a
+    return out
+
+
+# the model's groups (l1 = 0..l_in at x columns l1^2), then overlapping x columns
+GROUPS = [[3, 1, 0, 4, 3, 1], [3, 1, 0, 4, 3, 1, 4, 5, 4], [2, 2, 1, 3, 2, 0, 1, 1, 2, 2, 3, 0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels", [8, 64])
+@pytest.mark.parametrize("groups", GROUPS)
+def test_grouped_op_and_gradients_equal_per_group_reference(groups, channels, dtype):
+    """Several groups of paths in one kernel (how the model calls it): output and gradients
+    equal the per-group reference summed (``grad_x`` of columns shared by groups summed,
+    of columns of no group zero)."""
+    k = 9 if len(groups) < 12 else 5
+    w, x, m = _grouped_inputs(83, channels, groups, k, dtype)
+    out, ref = triton_tp.weighted_bmm(w, x, m, groups), _per_group_reference(w, x, m, groups)
+    _assert_close(out, ref, dtype)
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (w, x, m), g)
+    grads_ref = torch.autograd.grad(ref, (w, x, m), g)
+    for got, want in zip(grads, grads_ref):
+        _assert_close(got, want, dtype)
+    assert float(grads[1][:, :, -1].abs().max()) == 0.0
+
+
+def test_grouped_double_backward_equals_reference():
+    groups, dtype = GROUPS[0], torch.float64
+    results = []
+    for fn in (lambda *t: triton_tp.weighted_bmm(*t, groups),
+               lambda *t: _per_group_reference(*t, groups)):
+        w, x, m = _grouped_inputs(29, 8, groups, 9, dtype)
+        g = torch.randn(29, 8, 9, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        g.requires_grad_()
+        gw, gx, gm = torch.autograd.grad(fn(w, x, m), (w, x, m), g, create_graph=True)
+        torch.manual_seed(2)
+        s = ((gw * torch.randn_like(gw)).sum() + (gx.square() * torch.randn_like(gx)).sum()
+             + (gm * torch.randn_like(gm)).sum())
+        results.append(torch.autograd.grad(s, (w, x, m, g)))
+    for got, want in zip(*results):
+        _assert_close(got, want, dtype)
+
+
+def test_groups_that_do_not_fit_are_refused():
+    w, x, m = (t.detach() for t in _grouped_inputs(5, 4, GROUPS[0], 9, torch.float64))
+    for bad in ([3, 1, 0, 4, 3, 4], [3, 1, 0, 3, 3, 1], [3, 1, 0, 4, 3]):
+        with pytest.raises(ValueError, match="do not fit"):
+            triton_tp.forward(w, x, m, bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kernels_with_small_edge_blocks_and_channel_blocks(dtype):
     """The kernels themselves with many programs (``block_e=4``; 37 edges: a partial last
@@ -95,7 +163,7 @@ def test_kernels_with_small_edge_blocks_and_channel_blocks(dtype):
         ref = _weighted_bmm(w, x, m)
         _assert_close(triton_tp.forward(w, x, m, block_e=block_e), ref, dtype)
         got = triton_tp.backward(g, w, x, m, block_e=block_e)
-        want = triton_tp._reference_backward(g, w, x, m, True, True, True)
+        want = triton_tp._reference_backward(g, w, x, m, [(4, 3, 0)], True, True, True)
         for a, b in zip(got, want):
             _assert_close(a, b, dtype)
 
@@ -151,8 +219,9 @@ def test_gradcheck_to_second_order():
     w, x, m = _inputs(3, 2, 2, 3, 3, torch.float64)
     assert torch.autograd.gradcheck(triton_tp.weighted_bmm, (w, x, m), fast_mode=True)
     g = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(triton_tp.weighted_bmm_backward, (g, w, x, m),
-                                    fast_mode=True)
+    assert torch.autograd.gradcheck(
+        lambda *t: triton_tp.weighted_bmm_backward(*t, [2, 3, 0]), (g, w, x, m),
+        fast_mode=True)
     assert torch.autograd.gradgradcheck(triton_tp.weighted_bmm, (w, x, m), fast_mode=True)
 
 
@@ -174,7 +243,10 @@ def test_model_triton_equals_reference_fp64(lean):
         else {}
     ref, tri = small_model("reference", **hp), small_model("triton", **hp)
     assert list(tri.state_dict()) == list(ref.state_dict())
-    assert tri.interactions[0].tp._fused is not None and tri.interactions[0].product._cue is None
+    assert tri.interactions[0].tp._fused_groups == [3, 1, 0]  # one group, l1 = 0
+    if not lean:
+        assert tri.interactions[1].tp._fused_groups == [3, 1, 0, 4, 3, 1]  # l1 = 0, 1
+    assert tri.interactions[0].product._cue is None
     tri.load_state_dict(ref.state_dict())
     g = _system()
     o_ref, o_tri = _props(ref, g), _props(tri, g)
@@ -241,6 +313,16 @@ def test_op_equals_reference_cuda(dtype):
     for shape in SHAPES:
         for channels in (16, 64, 130):
             _check_op(5003, channels, shape, dtype, "cuda")
+    for groups in GROUPS:
+        w, x, m = _grouped_inputs(5003, 64, groups, 9 if len(groups) < 12 else 5, dtype,
+                                  "cuda")
+        out, ref = triton_tp.weighted_bmm(w, x, m, groups), _per_group_reference(w, x, m,
+                                                                                  groups)
+        _assert_close(out, ref, dtype)
+        g = torch.randn_like(ref)
+        for got, want in zip(torch.autograd.grad(out, (w, x, m), g),
+                             torch.autograd.grad(ref, (w, x, m), g)):
+            _assert_close(got, want, dtype)
 
 
 @pytest.mark.gpu
@@ -259,7 +341,8 @@ def test_op_with_more_than_2_31_output_entries_cuda():
     _assert_close(out[tail], _weighted_bmm(w[tail], x[tail], m[tail]), torch.float32)
     g = torch.randn(e, c, k, device="cuda", generator=gen)
     got = triton_tp.backward(g, w, x, m)
-    want = triton_tp._reference_backward(g[tail], w[tail], x[tail], m[tail], True, True, True)
+    want = triton_tp._reference_backward(g[tail], w[tail], x[tail], m[tail], [(p, a, 0)],
+                                         True, True, True)
     for a_, b_ in zip(got, want):
         _assert_close(a_[tail], b_, torch.float32)
 

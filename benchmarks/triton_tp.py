@@ -10,7 +10,8 @@ gradients) of both, their ratios (``triton_over_reference_*``), the peak memory 
 backward, and the largest differences relative to the reference's largest entry (output and
 each gradient). The whole :class:`~xnn.models.equivariant_ops.EdgeTensorProduct` (coupling
 matrices included) is timed the same way. ``--sweep`` also times the kernels alone for
-``BLOCK_E x num_warps`` tilings and records the fastest (to choose the defaults,
+``BLOCK_E x num_warps`` tilings, for each group shape and for the grouped call of each
+tensor product with ``l_in >= 1``, and records the fastest (to choose the defaults,
 ``triton_tp.TILE_ELEMENTS`` and ``NUM_WARPS``). No assertion on times: the JSON records them.
 
 On CPU the triton operator is the reference formula (smoke runs only).
@@ -104,35 +105,39 @@ def compare_tensor_product(l_in: int, n_edges: int, channels: int, device, dtype
     return row
 
 
-def sweep(shape, n_edges: int, channels: int, device, dtype, repeat: int) -> dict:
-    """The kernels alone (no autograd) for each ``BLOCK_E x num_warps``; the fastest."""
-    p, a, k = shape
+def sweep(groups: list[int], n_edges: int, channels: int, device, dtype, repeat: int) -> dict:
+    """The kernels alone (no autograd) for each ``BLOCK_E x num_warps``, for the flat
+    ``groups`` of one call (one group, or all of an edge tensor product's); the fastest."""
+    k, grp = 9, [groups[i : i + 3] for i in range(0, len(groups), 3)]
+    n_paths, rows = sum(q[0] for q in grp), sum(q[0] * q[1] for q in grp)
+    dx = max(q[1] + q[2] for q in grp)
     gen = torch.Generator(device=device).manual_seed(0)
-    w = torch.randn(n_edges, channels, p, device=device, dtype=dtype, generator=gen)
-    x = torch.randn(n_edges, channels, a, device=device, dtype=dtype, generator=gen)
-    m = torch.randn(n_edges, p * a, k, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(n_edges, channels, n_paths, device=device, dtype=dtype, generator=gen)
+    x = torch.randn(n_edges, channels, dx, device=device, dtype=dtype, generator=gen)
+    m = torch.randn(n_edges, rows, k, device=device, dtype=dtype, generator=gen)
     g = torch.randn(n_edges, channels, k, device=device, dtype=dtype, generator=gen)
-    rows = []
+    table = []
     for block_e in (1, 2, 4, 8, 16):
         for num_warps in (1, 2, 4, 8):
             try:
                 t_f = time_fn(lambda b=block_e, n=num_warps: triton_tp.forward(
-                    w, x, m, block_e=b, num_warps=n), repeat=repeat, warmup=2, device=device)
+                    w, x, m, groups, block_e=b, num_warps=n), repeat=repeat, warmup=2,
+                    device=device)
                 t_b = time_fn(lambda b=block_e, n=num_warps: triton_tp.backward(
-                    g, w, x, m, block_e=b, num_warps=n), repeat=repeat, warmup=2,
+                    g, w, x, m, groups, block_e=b, num_warps=n), repeat=repeat, warmup=2,
                     device=device)
             except Exception as e:  # e.g. out of resources for a large tile
-                rows.append({"block_e": block_e, "num_warps": num_warps,
-                             "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
+                table.append({"block_e": block_e, "num_warps": num_warps,
+                              "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
                 continue
-            rows.append({"block_e": block_e, "num_warps": num_warps,
-                         "forward_s": t_f["median_s"], "backward_s": t_b["median_s"]})
-    ok = [r for r in rows if "error" not in r]
+            table.append({"block_e": block_e, "num_warps": num_warps,
+                          "forward_s": t_f["median_s"], "backward_s": t_b["median_s"]})
+    ok = [r for r in table if "error" not in r]
     best = {part: min(ok, key=lambda r, q=part: r[f"{q}_s"]) for part in ("forward", "backward")}
-    return {"P": p, "A": a, "K": k, "n_edges": n_edges, "channels": channels,
+    return {"groups": groups, "n_edges": n_edges, "channels": channels,
             "default_tiling": triton_tp._tiling(n_edges, channels, triton.next_power_of_2(k),
                                                 False, None)[:2],
-            "tilings": rows, "best": best}
+            "tilings": table, "best": best}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -162,10 +167,13 @@ def main(argv: list[str] | None = None) -> dict:
         results["tensor_products"].append(row)
         print(row, flush=True)
     if args.sweep and device.type == "cuda":
-        for shape in shapes:
-            row = sweep(shape, args.edges, args.channels, device, dtype, args.repeat)
+        calls = [[p_, a_, 0] for p_, a_, _ in shapes] + [  # then whole tensor products
+            [v for l1, p0, p1 in EdgeTensorProduct(l_in, 2, 2).groups
+             for v in (p1 - p0, 2 * l1 + 1, l1 * l1)] for l_in in range(1, args.hidden_l_max + 1)]
+        for groups in calls:
+            row = sweep(groups, args.edges, args.channels, device, dtype, args.repeat)
             results["sweeps"].append(row)
-            print({"shape": shape, "best": row["best"], "default": row["default_tiling"]},
+            print({"groups": groups, "best": row["best"], "default": row["default_tiling"]},
                   flush=True)
     if args.json:
         write_json(args.json, results, device=args.device)

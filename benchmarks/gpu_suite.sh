@@ -7,6 +7,8 @@
 # PART 5: matched-size equivariant vs MACE: auto chunking, compiled inference, memory ceiling (1 GPU).
 # PART 6: NCCL check of the owned-only sync mode, largest system on 1 vs 2 GPUs, SevenNet-0 (2 GPUs).
 # PART 8: issue 20 leftovers of session 11 (neighbor-list host overhead, peers' compiled steps).
+# PART 9: model.backend=triton on 1 GPU: its CUDA tests, the fused operator against the
+#         reference, kernel backends, compiled MD steps with it.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
 #         split in parts, travel in several calls and are installed with pip --target first).
@@ -99,5 +101,16 @@ PY
   step 400 peers_compiled python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
       --batched 64x100 --steps 9 --budget-s 120 --frameworks xnn,xnn_step_graph,torch_sim,torch_sim_compiled \
       --cueq --json "$OUT/peers_compiled_h200.json"
+  ;;
+9)  # model.backend=triton (xnn.models.triton_tp): GPU tests, the operator against the
+    # reference at 479k edges (with the tiling sweep), kernel backends and the compiled step
+  step 300 triton_tests python3 -m pytest -q -m gpu tests/test_triton_tp.py -p no:cacheprovider -rA
+  step 300 triton_tp python3 benchmarks/triton_tp.py --device cuda --dtype float32 --sweep \
+      --json "$OUT/triton_tp_h200.json"
+  step 150 kernel_triton python3 benchmarks/kernel_backends.py --device cuda --sizes 1000 10000 \
+      --backends reference,triton --json "$OUT/kernel_backends_triton_h200.json"
+  step 300 md_compiled_triton python3 benchmarks/md_compiled.py --device cuda --dtype float32 \
+      --models equivariant --ensembles nve --kernel-backends reference,triton --n-atoms 10000 \
+      --steps 20 --json "$OUT/md_compiled_triton_h200.json"
   ;;
 esac

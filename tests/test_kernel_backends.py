@@ -135,8 +135,8 @@ def test_saved_model_switches_backend(tmp_path):
 
 
 def test_unknown_backend_refused():
-    with pytest.raises(InputError, match="model.backend"):
-        small_model("triton")
+    with pytest.raises(InputError, match="model.backend must be one of.*triton"):
+        small_model("warp")
 
 
 def test_cueq_without_package_refused(monkeypatch):
@@ -145,6 +145,14 @@ def test_cueq_without_package_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuequivariance_torch", None)  # import raises
     with pytest.raises(InputError, match="pip install cuequivariance-torch"):
         small_model("cueq")
+
+
+def test_triton_without_package_refused(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import raises
+    with pytest.raises(InputError, match="pip install triton"):
+        small_model("triton")
 
 
 @pytest.mark.gpu

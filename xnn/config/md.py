@@ -35,10 +35,11 @@ class MDModelConfig:
     dtype: str = field("float64", "floating-point precision of the simulation",
                        choices=("float64", "float32"))
     kernel_backend: str = field("saved", "kernels of the model's tensor products for this run: "
-                                "saved (as in the model file), reference, or cueq "
-                                "(cuEquivariance; same parameters, same results to rounding); "
-                                "models with kernel backends only (the equivariant model)",
-                                choices=("saved", "reference", "cueq"))
+                                "saved (as in the model file), reference, cueq "
+                                "(cuEquivariance) or triton (fused Triton kernels of the edge "
+                                "tensor product, CUDA); same parameters, same results to "
+                                "rounding; models with kernel backends only (the equivariant "
+                                "model)", choices=("saved", "reference", "cueq", "triton"))
     device: str = field("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     compile: bool = field(False, "torch.compile the model's hot path where it has one (the "
                           "equivariant model: ~1.5x faster on a GPU, after a first step that "

@@ -45,9 +45,11 @@ class ModelConfig:
                                            "activation memory); saved with the model, no "
                                            "effect in evaluation or MD")
     backend: str = field("reference", "kernels of the equivariant model's tensor products, "
-                         "product basis and linear maps: reference (einsum) or cueq "
-                         "(cuEquivariance: pip install cuequivariance-torch; same parameters "
-                         "and results, saved with the model)", choices=("reference", "cueq"))
+                         "product basis and linear maps: reference (einsum), cueq "
+                         "(cuEquivariance: pip install cuequivariance-torch) or triton (fused "
+                         "Triton kernels of the edge tensor product on CUDA: pip install "
+                         "triton); same parameters and results, saved with the model",
+                         choices=("reference", "cueq", "triton"))
 
     def __post_init__(self):
         check_range("model.cutoff", self.cutoff, 0.0, low_inclusive=False)

@@ -29,15 +29,18 @@ from torch import Tensor
 
 from xnn.errors import InputError
 
-BACKENDS = ("reference", "cueq")
+BACKENDS = ("reference", "cueq", "triton")
 PIP_PACKAGE = "cuequivariance-torch"
 
 
 def check_backend(backend: str) -> str:
-    """Validate a kernel backend name; ``cueq`` needs cuequivariance installed.
+    """Validate a kernel backend name; ``cueq`` needs cuequivariance installed, ``triton``
+    (fused kernels of the edge tensor product, :mod:`xnn.models.triton_tp`) the ``triton``
+    package and torch >= 2.6 (``torch.library.triton_op``).
 
     Raises:
-        InputError: unknown name, or ``cueq`` without the cuequivariance packages.
+        InputError: unknown name, ``cueq`` without the cuequivariance packages, or
+            ``triton`` without triton.
     """
     if backend not in BACKENDS:
         raise InputError(f"model.backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -48,6 +51,16 @@ def check_backend(backend: str) -> str:
         except ImportError:
             raise InputError(f"model.backend=cueq needs cuEquivariance: pip install "
                              f"{PIP_PACKAGE} (or set model.backend=reference)") from None
+    if backend == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise InputError("model.backend=triton needs Triton: pip install triton (CUDA "
+                             "builds of torch include it; or set model.backend=reference)"
+                             ) from None
+        if not hasattr(torch.library, "triton_op"):
+            raise InputError(f"model.backend=triton needs torch >= 2.6 "
+                             f"(torch.library.triton_op), this is {torch.__version__}")
     return backend
 
 
@@ -161,8 +174,8 @@ def set_kernel_backend(model: torch.nn.Module, backend: str, name: str = "") -> 
     equivariant model, also as a term of a sum), recorded in its ``hparams``.
 
     Raises:
-        InputError: unknown backend, ``cueq`` without cuequivariance, or ``cueq`` for a model
-            without kernel backends.
+        InputError: unknown backend, ``cueq`` without cuequivariance, ``triton`` without
+            triton, or a backend other than ``reference`` for a model without kernel backends.
     """
     check_backend(backend)
     targets = [m for m in model.modules()

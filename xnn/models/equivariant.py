@@ -427,11 +427,13 @@ class Equivariant(NativeModel):
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
         backend: kernels of the tensor products, product basis and linear maps:
-            ``"reference"`` (einsum/matmul) or ``"cueq"`` (cuEquivariance, ``pip install
+            ``"reference"`` (einsum/matmul), ``"cueq"`` (cuEquivariance, ``pip install
             cuequivariance-torch``; its CUDA kernels with ``cuequivariance-ops-torch-cu12``,
-            else its pure-PyTorch path). Same parameters and, to rounding, the same result:
-            a model trained with one backend loads and runs with the other
-            (:meth:`set_backend`).
+            else its pure-PyTorch path) or ``"triton"`` (fused Triton kernels for the edge
+            tensor product only, :mod:`xnn.models.triton_tp`, ``pip install triton``; the
+            product basis and linear maps keep the reference code; on CPU tensors the
+            reference formula). Same parameters and, to rounding, the same result: a model
+            trained with one backend loads and runs with the others (:meth:`set_backend`).
 
     Parameter count: 122,448 with the defaults and 2 species (C = 64, l_max = 2,
     hidden_l_max = 1, 2 interactions, correlation 3, radial MLP [64, 64, 64]); 342,160 with
@@ -517,11 +519,13 @@ class Equivariant(NativeModel):
         self.set_backend(backend)
 
     def set_backend(self, backend: str) -> None:
-        """Switch the kernel backend (``"reference"`` or ``"cueq"``) of every equivariant
-        operation, also in ``hparams``; parameters are untouched.
+        """Switch the kernel backend (``"reference"``, ``"cueq"`` or ``"triton"``: the edge
+        tensor products only) of every equivariant operation, also in ``hparams``;
+        parameters are untouched.
 
         Raises:
-            InputError: unknown backend, or ``cueq`` without cuequivariance installed.
+            InputError: unknown backend, ``cueq`` without cuequivariance or ``triton``
+                without triton installed.
         """
         check_backend(backend)
         for module in self.modules():

@@ -72,7 +72,9 @@ class EdgeTensorProduct(nn.Module):
         l_out: highest degree of the messages.
 
     ``backend`` (attribute, see :meth:`set_backend`): ``"reference"`` (this einsum/bmm
-    code) or ``"cueq"`` (the same coefficients as one cuEquivariance tensor product).
+    code), ``"cueq"`` (the same coefficients as one cuEquivariance tensor product) or
+    ``"triton"`` (the same groups, ``Σ_groups Z @ M`` by one fused kernel of
+    :mod:`xnn.models.triton_tp`, which never materialises ``Z``).
 
     Shapes:
         ``x [n_edges, C, (l_in+1)^2]``, ``y [n_edges, (l_sh+1)^2]``,
@@ -84,7 +86,7 @@ class EdgeTensorProduct(nn.Module):
         self.paths = coupling_paths(l_in, l_sh, l_out)  # l1-major order
         self.l_in, self.l_sh, self.l_out = l_in, l_sh, l_out
         self.d_sh, self.d_out = (l_sh + 1) ** 2, (l_out + 1) ** 2
-        self.backend, self._cue = "reference", None
+        self.backend, self._cue, self._fused, self._fused_groups = "reference", None, None, None
         fan_in = _fan_in(self.paths)
         self.groups: list[tuple[int, int, int]] = []  # (l1, first path, last path + 1)
         for l1 in range(l_in + 1):
@@ -109,20 +111,33 @@ class EdgeTensorProduct(nn.Module):
         return [(_cg(*p) / math.sqrt(fan_in[p[2]])).numpy() for p in self.paths]
 
     def set_backend(self, backend: str) -> None:
-        """``"reference"`` or ``"cueq"`` (same parameters, same result)."""
+        """``"reference"``, ``"cueq"`` or ``"triton"`` (same parameters, same result)."""
         self.backend = cueq.check_backend(backend)
-        self._cue = None if backend == "reference" else cueq.CueOp(partial(
+        self._cue = None if backend != "cueq" else cueq.CueOp(partial(
             cueq.edge_tp_descriptor, self.paths, self.coefficients(), self.l_in, self.l_sh,
             self.l_out))
+        self._fused, self._fused_groups = None, None
+        if backend == "triton":
+            from xnn.models import triton_tp
+
+            self._fused = triton_tp.weighted_bmm
+            if len(self.groups) <= triton_tp.MAX_GROUPS:  # all groups in one kernel
+                self._fused_groups = [v for l1, p0, p1 in self.groups
+                                      for v in (p1 - p0, 2 * l1 + 1, l1 * l1)]
 
     def forward(self, x: Tensor, y: Tensor, w: Tensor, recompute: bool = False) -> Tensor:
         """With ``recompute``, ``Z`` is recomputed in backward instead of being kept
-        (reference backend only; cueq keeps its own intermediates)."""
+        (reference backend; cueq keeps its own intermediates; triton never forms ``Z`` and
+        keeps only the inputs of each group's product, as the recomputation does)."""
         if self._cue is not None:
             c = x.shape[1]
             out = self._cue([cueq.to_ir_mul(w), cueq.to_ir_mul(x), y], c)
             return cueq.from_ir_mul(out, c)
         e = x.shape[0]
+        if self._fused_groups is not None:  # triton: every group in one call
+            g = torch.cat([getattr(self, f"g_{k}").to(y.dtype).reshape(self.d_sh, -1)
+                           for k in range(len(self.groups))], dim=1)
+            return self._fused(w, x, (y @ g).view(e, -1, self.d_out), self._fused_groups)
         out = None
         w_groups = w.split([p1 - p0 for _, p0, p1 in self.groups], dim=-1)
         for k, (l1, p0, p1) in enumerate(self.groups):
@@ -130,7 +145,9 @@ class EdgeTensorProduct(nn.Module):
             pa = (p1 - p0) * (2 * l1 + 1)
             m = (y @ g.reshape(self.d_sh, pa * self.d_out)).view(e, pa, self.d_out)
             xl = x[:, :, block(l1)]
-            if recompute:
+            if self._fused is not None:
+                t = self._fused(w_groups[k], xl, m)
+            elif recompute:
                 t = checkpoint(_weighted_bmm, w_groups[k], xl, m, use_reentrant=False)
             else:
                 t = _weighted_bmm(w_groups[k], xl, m)
@@ -206,7 +223,8 @@ class ProductBasis(nn.Module):
         self.register_buffer("degree", torch.repeat_interleave(ls, 2 * ls + 1), persistent=False)
 
     def set_backend(self, backend: str) -> None:
-        """``"reference"`` or ``"cueq"`` (same parameters, same result)."""
+        """``"reference"`` or ``"cueq"`` (same parameters, same result); ``"triton"`` (a
+        backend of the edge tensor product only) keeps the reference code here."""
         self.backend = cueq.check_backend(backend)
         self._cue = None
         if backend == "cueq":
@@ -284,9 +302,10 @@ class IrrepsLinear(nn.Module):
         self.backend, self._cue = "reference", None
 
     def set_backend(self, backend: str) -> None:
-        """``"reference"`` or ``"cueq"`` (same parameters, same result)."""
+        """``"reference"`` or ``"cueq"`` (same parameters, same result); ``"triton"`` (a
+        backend of the edge tensor product only) keeps the reference code here."""
         self.backend = cueq.check_backend(backend)
-        self._cue = None if backend == "reference" else cueq.CueOp(partial(
+        self._cue = None if backend != "cueq" else cueq.CueOp(partial(
             cueq.linear_descriptor, self.weight.shape[2], self.l_max, self.norm), "fused_tp")
 
     def forward(self, x: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ Every dimension above (atoms, edges, systems) is dynamic. External wrappers (``m
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -131,7 +132,7 @@ def trace_forcefield(model: nn.Module) -> torch.fx.GraphModule:
     from xnn.models.base import tracing_graph
 
     refuse_unexportable(model)
-    model = model.eval()
+    model = _without_triton(model).eval()
     inputs = example_inputs(model)
     try:
         # no duck sizing: equal example sizes must not be fused into one symbol
@@ -141,6 +142,19 @@ def trace_forcefield(model: nn.Module) -> torch.fx.GraphModule:
     except Exception as err:
         raise InputError(f"{type(model).__name__} cannot be traced for export: "
                          f"{_first_line(err)}") from None
+
+
+def _without_triton(model: nn.Module) -> nn.Module:
+    """A copy with the reference kernels if ``model`` runs the ``triton`` backend (whose
+    operators, ``xnn::weighted_bmm``, only xnn registers): the artefact stays torch-only,
+    the same function to rounding."""
+    if not any(getattr(m, "_fused", None) is not None for m in model.modules()):
+        return model
+    from xnn.models.cueq import set_kernel_backend
+
+    model = copy.deepcopy(model)
+    set_kernel_backend(model, "reference")
+    return model
 
 
 def _first_line(err: BaseException) -> str:

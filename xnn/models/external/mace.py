@@ -94,7 +94,8 @@ class MACEWrapper(AtomisticModel):
         head: head name for multi-head models; defaults to the only head or ``"default"``.
         trust: load a ``.model`` file although it is a pickle (it can run code: only for
             files you trust); without it a path is refused.
-        backend: ``"reference"`` (the e3nn model as given) or ``"cueq"``: evaluate a copy
+        backend: ``"reference"`` (the e3nn model as given) or ``"cueq"`` (not ``"triton"``,
+            which is the equivariant model's): evaluate a copy
             converted by mace-torch's own ``mace.cli.convert_e3nn_cueq`` (cuEquivariance
             kernels; its pure-PyTorch path on CPU, equal to the reference to ~1e-13 in fp64).
             The wrapper's parameters stay those of the e3nn model (files, state dicts and
@@ -111,6 +112,9 @@ class MACEWrapper(AtomisticModel):
                  trust: bool = False, backend: str = "reference"):
         super().__init__()
         self.backend = check_backend(backend)
+        if self.backend == "triton":
+            raise InputError("backend=triton is a kernel backend of xnn's equivariant model "
+                             "only; the MACE wrapper takes reference or cueq")
         if isinstance(model, (str, os.PathLike)):
             model = _load_module(model, trust)
         elif not isinstance(model, nn.Module) or not hasattr(model, "r_max"):

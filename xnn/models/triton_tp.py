@@ -159,8 +159,11 @@ def _bwd_kernel(g_ptr, w_ptr, x_ptr, m_ptr, gw_ptr, gx_ptr, gm_ptr, n_edges, n_c
         tl.store(gx, gx_acc, mask=mask_ec[:, :, None] & (xi < DX)[None, None, :])
 
 
-_FWD = triton.jit(_fwd_kernel)
-_BWD = triton.jit(_bwd_kernel)
+# n_edges changes at every neighbor-list rebuild: specialising on it (Triton's default for
+# integers: divisibility by 16, == 1) recompiled the kernels during eager MD (on an H200, 10,976
+# atoms: 0.31 s per step over 18 steps, against 0.042 s without specialisation)
+_FWD = triton.jit(_fwd_kernel, do_not_specialize=["n_edges"])
+_BWD = triton.jit(_bwd_kernel, do_not_specialize=["n_edges"])
 
 
 @cache

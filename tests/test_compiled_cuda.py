@@ -154,19 +154,27 @@ def test_cuda_graph_replay_of_a_cueq_model_follows_eager():
     """``model.backend=cueq`` under ``md.cuda_graph=true`` (fp32, equivariant model on 108
     Cu atoms): the replayed step follows the eager cueq step over 30 steps with a rebuild,
     capturing once."""
-    from xnn.data import AtomicGraph
-    from xnn.dynamics import maxwell_boltzmann
     from xnn.models import build
 
-    dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = build("equivariant", species=[29], cutoff=4.5).to(device=dev, dtype=torch.float32)
+    model = build("equivariant", species=[29], cutoff=4.5).to(device="cuda", dtype=torch.float32)
     model.set_backend("cueq")
+    replay_follows_eager(model, model)
+
+
+def replay_follows_eager(eager_model, model) -> None:
+    """The CUDA-graph replay of the compiled NVE step with ``model`` follows the eager step
+    with ``eager_model`` (fp32, 108 Cu atoms at 600 K) over 30 steps with a forced rebuild,
+    compiling and capturing once (shared with tests/test_triton_tp.py)."""
+    from xnn.data import AtomicGraph
+    from xnn.dynamics import maxwell_boltzmann
+
+    dev = torch.device("cuda")
     atoms = fcc((3, 3, 3), a=3.61, rattle=0.05, seed=0)
     g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True,
                                 dtype=torch.float32, device=dev)
     g = maxwell_boltzmann(g, 600.0, seed=3)
-    eager_pot, compiled_pot = Potential(model, skin=0.5), Potential(model, skin=0.5)
+    eager_pot, compiled_pot = Potential(eager_model, skin=0.5), Potential(model, skin=0.5)
     integ = CompiledIntegrator("nve", compiled_pot, backend="inductor", cuda_graph=True)
     stepper = integ.stepper
     eager = compiled = nve.init(g, eager_pot)

@@ -87,11 +87,15 @@ def test_model_cueq_equals_reference_fp64():
     ref, cq = small_model("reference"), small_model("cueq")
     assert list(cq.state_dict()) == list(ref.state_dict())
     cq.load_state_dict(ref.state_dict())
-    g = _system()
-    o_ref, o_cq = _props(ref, g), _props(cq, g)
+    assert_same_properties(cq, ref, _system())
+
+
+def assert_same_properties(model, ref, g, atol=1e-10):
+    """Energy, forces and stress of ``model`` equal those of ``ref`` on ``g`` (none zero)."""
+    o_ref, o = _props(ref, g), _props(model, g)
     for key in (K.ENERGY, K.FORCES, K.STRESS):
         assert o_ref[key].abs().max() > 1e-6  # not trivially zero
-        torch.testing.assert_close(o_cq[key], o_ref[key], atol=1e-10, rtol=0)
+        torch.testing.assert_close(o[key], o_ref[key], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("lean", [False, True])
@@ -101,9 +105,16 @@ def test_force_training_gradients_equal(lean):
     with edge chunks under activation checkpointing (``lean``)."""
     hp = dict(edge_chunk_size=7, activation_checkpointing=True) if lean else {}
     model, g = small_model("reference", **hp).train(), _system()
+    assert_same_force_loss_grads([model, model], g, ["reference", "cueq"])
+
+
+def assert_same_force_loss_grads(models, g, backends=(None, None)):
+    """The gradients of a force loss with respect to the parameters (double backward) are
+    the same for both ``models`` (each first switched to its entry of ``backends``)."""
     grads = []
-    for backend in ("reference", "cueq"):
-        model.set_backend(backend)
+    for model, backend in zip(models, backends):
+        if backend is not None:
+            model.set_backend(backend)
         model.zero_grad()
         _props(model, g, training=True)[K.FORCES].square().sum().backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])

@@ -22,7 +22,13 @@ pytest.importorskip("triton")
 if not hasattr(torch.library, "triton_op"):
     pytest.skip("needs torch >= 2.6 (torch.library.triton_op)", allow_module_level=True)
 
-from test_kernel_backends import _props, _system, small_model  # noqa: E402
+from test_kernel_backends import (  # noqa: E402
+    _props,
+    _system,
+    assert_same_force_loss_grads,
+    assert_same_properties,
+    small_model,
+)
 
 from xnn.data import keys as K  # noqa: E402
 from xnn.models import triton_tp  # noqa: E402
@@ -68,13 +74,20 @@ def _assert_close(a, b, dtype, scale=None):
 
 def _check_op(e, c, shape, dtype, device="cpu"):
     w, x, m = _inputs(e, c, *shape, dtype, device)
-    out, ref = triton_tp.weighted_bmm(w, x, m), _weighted_bmm(w, x, m)
+    _check_values_and_grads(triton_tp.weighted_bmm(w, x, m), _weighted_bmm(w, x, m),
+                            (w, x, m), dtype)
+
+
+def _check_values_and_grads(out, ref, inputs, dtype):
+    """``out`` equals ``ref``, and so do their gradients with respect to ``inputs`` for one
+    random output gradient; returns the gradients of ``out``."""
     _assert_close(out, ref, dtype)
     g = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, (w, x, m), g)
-    grads_ref = torch.autograd.grad(ref, (w, x, m), g)
+    grads = torch.autograd.grad(out, inputs, g)
+    grads_ref = torch.autograd.grad(ref, inputs, g)
     for got, want in zip(grads, grads_ref):
         _assert_close(got, want, dtype)
+    return grads
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -119,13 +132,8 @@ def test_grouped_op_and_gradients_equal_per_group_reference(groups, channels, dt
     of columns of no group zero)."""
     k = 9 if len(groups) < 12 else 5
     w, x, m = _grouped_inputs(83, channels, groups, k, dtype)
-    out, ref = triton_tp.weighted_bmm(w, x, m, groups), _per_group_reference(w, x, m, groups)
-    _assert_close(out, ref, dtype)
-    g = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, (w, x, m), g)
-    grads_ref = torch.autograd.grad(ref, (w, x, m), g)
-    for got, want in zip(grads, grads_ref):
-        _assert_close(got, want, dtype)
+    grads = _check_values_and_grads(triton_tp.weighted_bmm(w, x, m, groups),
+                                    _per_group_reference(w, x, m, groups), (w, x, m), dtype)
     assert float(grads[1][:, :, -1].abs().max()) == 0.0
 
 
@@ -249,18 +257,8 @@ def test_model_triton_equals_reference_fp64(lean):
     assert tri.interactions[0].product._cue is None
     tri.load_state_dict(ref.state_dict())
     g = _system()
-    o_ref, o_tri = _props(ref, g), _props(tri, g)
-    for key in (K.ENERGY, K.FORCES, K.STRESS):
-        assert o_ref[key].abs().max() > 1e-6  # not trivially zero
-        torch.testing.assert_close(o_tri[key], o_ref[key], atol=1e-10, rtol=0)
-    grads = []
-    for model in (ref.train(), tri.train()):
-        model.zero_grad()
-        _props(model, g, training=True)[K.FORCES].square().sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    assert len(grads[0]) == len(grads[1]) > 0
-    for a, b in zip(*grads):
-        torch.testing.assert_close(b, a, atol=1e-10, rtol=0)
+    assert_same_properties(tri, ref, g)
+    assert_same_force_loss_grads([ref.train(), tri.train()], g)
 
 
 def test_traced_forces_keep_the_operators():
@@ -413,36 +411,15 @@ def test_cuda_graph_replay_of_a_triton_model_follows_eager():
     """``model.backend=triton`` under ``md.cuda_graph=true`` (fp32, the default equivariant
     model on 108 Cu atoms): the replayed compiled step follows the eager reference step over
     30 steps with a rebuild, compiling and capturing once."""
-    from structures import fcc
+    from test_compiled_cuda import replay_follows_eager
 
-    from xnn.data import AtomicGraph
-    from xnn.dynamics import maxwell_boltzmann, nve
-    from xnn.dynamics.compiled_thermo import CompiledIntegrator
-    from xnn.models import Potential, build
+    from xnn.models import build
 
-    dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = build("equivariant", species=[29], cutoff=4.5).to(device=dev, dtype=torch.float32)
+    model = build("equivariant", species=[29], cutoff=4.5).to(device="cuda", dtype=torch.float32)
     tri = build("equivariant", species=[29], cutoff=4.5, backend="triton")
     tri.load_state_dict(model.state_dict())
-    tri = tri.to(device=dev, dtype=torch.float32)
-    atoms = fcc((3, 3, 3), a=3.61, rattle=0.05, seed=0)
-    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True,
-                                dtype=torch.float32, device=dev)
-    g = maxwell_boltzmann(g, 600.0, seed=3)
-    eager_pot, compiled_pot = Potential(model, skin=0.5), Potential(tri, skin=0.5)
-    integ = CompiledIntegrator("nve", compiled_pot, backend="inductor", cuda_graph=True)
-    stepper = integ.stepper
-    eager = compiled = nve.init(g, eager_pot)
-    for i in range(30):
-        if i == 15:
-            stepper._next_disp = torch.tensor(float("inf"), device=dev)
-        eager, compiled = nve.step(eager, eager_pot, 2.0), integ.step(compiled, compiled_pot, 2.0)
-    assert stepper.n_compiles == 1 and stepper._replay.n_captures == 1
-    assert stepper.n_rebuilds >= 2
-    scale = float(eager.forces.abs().max())
-    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-4)
-    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-4 * scale)
+    replay_follows_eager(model, tri.to(device="cuda", dtype=torch.float32))
 
 
 @pytest.mark.slow

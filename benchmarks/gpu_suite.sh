@@ -9,6 +9,7 @@
 # PART 8: issue 20 leftovers of session 11 (neighbor-list host overhead, peers' compiled steps).
 # PART 9: model.backend=triton on 1 GPU: its CUDA tests, the fused operator against the
 #         reference, kernel backends, compiled MD steps with it.
+# Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
 #         split in parts, travel in several calls and are installed with pip --target first).

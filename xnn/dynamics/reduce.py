@@ -22,7 +22,13 @@ class Reducer:
 
     # ------------------------------------------------------------------ primitives
     def sum_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
-        """``[n_systems, ...]`` sum of per-atom ``values [n_atoms, ...]`` by system index."""
+        """``[n_systems, ...]`` sum of per-atom ``values [n_atoms, ...]`` by system index.
+
+        One system: a plain sum (deterministic on CUDA, where ``index_add`` accumulates
+        with atomics; and inductor's CPU code generation fails on a scatter of constant
+        values into one row, which the degrees of freedom of a compiled thermostat were)."""
+        if n_systems == 1:
+            return values.sum(0, keepdim=True, dtype=values.dtype)
         out = values.new_zeros((n_systems, *values.shape[1:]))
         return out.index_add(0, batch, values)
 

@@ -133,3 +133,23 @@ def test_xnn_train_compiled_matches_eager(tmp_path, structures):
     for a, b in zip(*hist):
         for key in ("train_loss", "val_loss", "val_forces_mae"):
             assert b[key] == pytest.approx(a[key], rel=1e-8), key
+
+
+def test_verify_copy_shares_scripted_functions():
+    """The float64 reference copy of ``verify`` works when a module holds a TorchScript
+    function (e3nn's ``SphericalHarmonics.sph_func`` once e3nn's scripting is on, as after
+    mace-torch's compile preparation): ``copy.deepcopy`` raises on those."""
+    import copy
+
+    from xnn.models import build
+    from xnn.models.compiled_training import _deepcopy
+
+    torch.manual_seed(0)
+    model = build("equivariant", species=[29], cutoff=3.5, channels=4, l_max=1)
+    model.sh.sph_func = torch.jit.script(model.sh.sph_func)
+    with pytest.raises(Exception, match="cannot be pickled"):
+        copy.deepcopy(model)
+    clone = _deepcopy(model)
+    assert clone.sh.sph_func is model.sh.sph_func
+    for a, b in zip(clone.parameters(), model.parameters()):
+        assert a is not b and torch.equal(a, b)

@@ -144,6 +144,15 @@ def _projection_loss(out: dict[str, Tensor], weights: dict[str, Tensor]) -> Tens
     return sum((out[k] * w).sum() for k, w in weights.items())
 
 
+def _deepcopy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` sharing the TorchScript functions that modules hold as
+    attributes (compiled code, immutable, and not copyable: e3nn's ``SphericalHarmonics``
+    keeps a scripted ``sph_func`` once something has enabled e3nn's scripting)."""
+    memo = {id(v): v for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.jit.ScriptFunction)}
+    return copy.deepcopy(model, memo)
+
+
 def verify(model: nn.Module, example: AtomicGraph, forces: bool, stress: bool,
            rtol: float = 1e-8) -> float:
     """Relative difference (in the max norm over all weight gradients) between the traced
@@ -153,7 +162,7 @@ def verify(model: nn.Module, example: AtomicGraph, forces: bool, stress: bool,
     Raises:
         CompileError: the difference exceeds ``rtol``.
     """
-    ref_model = copy.deepcopy(model).to(torch.float64)
+    ref_model = _deepcopy(model).to(torch.float64)
     graph = example.to(dtype=torch.float64)
     # rattled: in a symmetric crystal vector features vanish, and with them some terms
     gen = torch.Generator().manual_seed(0)

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
+from e3nn.o3._spherical_harmonics import _spherical_harmonics  # noqa: E402
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -503,6 +504,9 @@ class Equivariant(NativeModel):
         self.sh = o3.SphericalHarmonics(
             o3.Irreps.spherical_harmonics(l_max), normalize=True, normalization="component"
         )
+        # the plain function whatever e3nn's global jit_mode is (other packages set it to
+        # "script"): a ScriptFunction here breaks copies and the traces of compiled training
+        self.sh.sph_func = _spherical_harmonics
         self.interactions = nn.ModuleList()
         self.readouts = nn.ModuleList()
         for t in range(num_interactions):

@@ -1,5 +1,6 @@
 """Where the compiled MD step's time goes: a torch.profiler table (CUDA kernels) of the
-``md.compile=true`` NVE step (inductor) of the ``equivariant`` model on rattled FCC Cu.
+``md.compile=true`` NVE step (inductor; ``--eager``: the plain step) of the ``equivariant``
+model on rattled FCC Cu.
 
 A diagnostic, not a benchmark (no JSON). The H200 table at 10,976 atoms, fp32, is
 ``results/profile_compiled_equivariant_10k_h200.txt``::
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-backend", default="reference",
                    choices=("reference", "cueq", "triton"))
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--eager", action="store_true", help="profile the eager step instead")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.float32
     atoms = fcc_cu(a.atoms, rattle=0.05, seed=0)
@@ -42,15 +44,16 @@ def main(argv=None) -> int:
     model = build("equivariant", species=[29], cutoff=5.0).to(device=dev, dtype=dt)
     model.set_backend(a.kernel_backend)
     pot = Potential(model, skin=1.0)
-    integ = CompiledIntegrator("nve", pot, backend="inductor")
+    integ = None if a.eager else CompiledIntegrator("nve", pot, backend="inductor")
+    step = (lambda s: nve.step(s, pot, 2.0)) if a.eager else (lambda s: integ.step(s, pot, 2.0))
     state = nve.init(g, pot)
     for _ in range(4):  # compile and warm up
-        state = integ.step(state, pot, 2.0)
+        state = step(state)
     synchronize(dev)
     acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         for _ in range(3):
-            state = integ.step(state, pot, 2.0)
+            state = step(state)
         synchronize(dev)
     key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=90))

@@ -12,7 +12,7 @@ each gradient). The whole :class:`~xnn.models.equivariant_ops.EdgeTensorProduct`
 matrices included) is timed the same way. ``--sweep`` also times the kernels alone for
 ``BLOCK_E x num_warps`` tilings, for each group shape and for the grouped call of each
 tensor product with ``l_in >= 1``, and records the fastest (to choose the defaults,
-``triton_tp.TILE_ELEMENTS`` and ``NUM_WARPS``). No assertion on times: the JSON records them.
+``triton_tp.FWD_TILE``, ``BWD_TILE`` and their warps). No assertion on times: the JSON records them.
 
 On CPU the triton operator is the reference formula (smoke runs only).
 
@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -105,6 +104,48 @@ def compare_tensor_product(l_in: int, n_edges: int, channels: int, device, dtype
     return row
 
 
+def compare_conv(l_in: int, n_edges: int, n_atoms: int, channels: int, device, dtype,
+                 repeat: int) -> dict:
+    """The convolution of an interaction, ``scatter(tp(h[sender], y, w), receiver)``, forward
+    + backward: the reference backend (gather, product, ``index_add``), triton's product
+    between the same gather and ``index_add``, and triton's fused kernel (``tp_conv``)."""
+    tp = EdgeTensorProduct(l_in, 2, 2).to(device)
+    gen = torch.Generator(device=device).manual_seed(2)
+    h = torch.randn(n_atoms, channels, (l_in + 1) ** 2, device=device, dtype=dtype,
+                    generator=gen, requires_grad=True)
+    y = torch.randn(n_edges, 9, device=device, dtype=dtype, generator=gen, requires_grad=True)
+    w = torch.randn(n_edges, channels, tp.num_paths, device=device, dtype=dtype, generator=gen,
+                    requires_grad=True)
+    receiver = torch.randint(0, n_atoms, (n_edges,), device=device, generator=gen).sort().values
+    sender = torch.randint(0, n_atoms, (n_edges,), device=device, generator=gen)
+    g = torch.randn(n_atoms, channels, 9, device=device, dtype=dtype, generator=gen)
+
+    def unfused(h, y, w):
+        m = tp(h.index_select(0, sender), y, w)
+        return m.new_zeros((n_atoms, *m.shape[1:])).index_add(0, receiver, m)
+
+    row, results = {"case": f"convolution_l_in_{l_in}", "n_edges": n_edges,
+                    "n_atoms": n_atoms}, {}
+    for name, backend, fn in (("reference", "reference", unfused),
+                              ("triton_unfused", "triton", unfused),
+                              ("triton_fused", "triton",
+                               lambda h, y, w: tp.conv(h, y, w, sender, receiver, n_atoms))):
+        tp.set_backend(backend)
+        row[f"{name}_forward_backward_s"] = time_fn(
+            lambda f=fn: _fwd_bwd(f, (h, y, w), g), repeat=repeat, warmup=2,
+            device=device)["median_s"]
+        reset_peak_memory(device)
+        results[name] = (fn(h, y, w).detach(), *_fwd_bwd(fn, (h, y, w), g))
+        row[f"{name}_peak_memory_bytes"] = peak_memory(device)
+    for name in ("triton_unfused", "triton_fused"):
+        row[f"{name}_over_reference"] = (row[f"{name}_forward_backward_s"]
+                                         / row["reference_forward_backward_s"])
+        for label, got, want in zip(("out", "grad_h", "grad_y", "grad_w"), results[name],
+                                    results["reference"]):
+            row[f"{name}_max_rel_diff_{label}"] = _rel_diff(got, want)
+    return row
+
+
 def sweep(groups: list[int], n_edges: int, channels: int, device, dtype, repeat: int) -> dict:
     """The kernels alone (no autograd) for each ``BLOCK_E x num_warps``, for the flat
     ``groups`` of one call (one group, or all of an edge tensor product's); the fastest."""
@@ -118,7 +159,7 @@ def sweep(groups: list[int], n_edges: int, channels: int, device, dtype, repeat:
     g = torch.randn(n_edges, channels, k, device=device, dtype=dtype, generator=gen)
     table = []
     for block_e in (1, 2, 4, 8, 16):
-        for num_warps in (1, 2, 4, 8):
+        for num_warps in (1, 2, 4):
             try:
                 t_f = time_fn(lambda b=block_e, n=num_warps: triton_tp.forward(
                     w, x, m, groups, block_e=b, num_warps=n), repeat=repeat, warmup=2,
@@ -135,8 +176,11 @@ def sweep(groups: list[int], n_edges: int, channels: int, device, dtype, repeat:
     ok = [r for r in table if "error" not in r]
     best = {part: min(ok, key=lambda r, q=part: r[f"{q}_s"]) for part in ("forward", "backward")}
     return {"groups": groups, "n_edges": n_edges, "channels": channels,
-            "default_tiling": triton_tp._tiling(n_edges, channels, triton.next_power_of_2(k),
-                                                False, None)[:2],
+            "default_tiling": {
+                "forward": [*triton_tp._tiling(n_edges, channels, False, None,
+                                               triton_tp.FWD_TILE)[:2], triton_tp.FWD_WARPS],
+                "backward": [*triton_tp._tiling(n_edges, channels, False, None,
+                                                triton_tp.BWD_TILE)[:2], triton_tp.BWD_WARPS]},
             "tilings": table, "best": best}
 
 
@@ -146,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--edges", type=int, default=479326)
     p.add_argument("--channels", type=int, default=64)
+    p.add_argument("--atoms", type=int, default=10976, help="nodes of the convolution")
     p.add_argument("--hidden-l-max", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time BLOCK_E x num_warps")
@@ -155,8 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = sorted({(p1 - p0, 2 * l1 + 1, 9) for l_in in range(args.hidden_l_max + 1)
                      for l1, p0, p1 in EdgeTensorProduct(l_in, 2, 2).groups})
     results = {"benchmark": "triton_tp", "device": args.device, "dtype": args.dtype,
-               "tile_elements": triton_tp.TILE_ELEMENTS, "num_warps": triton_tp.NUM_WARPS,
-               "ops": [], "tensor_products": [], "sweeps": []}
+               "forward_tiling": [triton_tp.FWD_TILE, triton_tp.FWD_WARPS],
+               "backward_tiling": [triton_tp.BWD_TILE, triton_tp.BWD_WARPS],
+               "ops": [], "tensor_products": [], "convolutions": [], "sweeps": []}
     for shape in shapes:
         row = compare_op(shape, args.edges, args.channels, device, dtype, args.repeat)
         results["ops"].append(row)
@@ -165,6 +211,11 @@ def main(argv: list[str] | None = None) -> dict:
         row = compare_tensor_product(l_in, args.edges, args.channels, device, dtype,
                                      args.repeat)
         results["tensor_products"].append(row)
+        print(row, flush=True)
+    for l_in in range(args.hidden_l_max + 1):
+        row = compare_conv(l_in, args.edges, args.atoms, args.channels, device, dtype,
+                           args.repeat)
+        results["convolutions"].append(row)
         print(row, flush=True)
     if args.sweep and device.type == "cuda":
         calls = [[p_, a_, 0] for p_, a_, _ in shapes] + [  # then whole tensor products

@@ -233,6 +233,90 @@ def test_gradcheck_to_second_order():
     assert torch.autograd.gradgradcheck(triton_tp.weighted_bmm, (w, x, m), fast_mode=True)
 
 
+def _conv_inputs(e, n, c, groups, dtype, seed=0):
+    """``w, h [n, C, DX], m`` and random ``sender``/``receiver`` (receivers sorted, as a
+    neighbour list gives them; some nodes receive nothing) for :func:`triton_tp.tp_conv`."""
+    w, _, m = _grouped_inputs(e, c, groups, 9, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 5)
+    dx = max(groups[i + 1] + groups[i + 2] for i in range(0, len(groups), 3)) + 1
+    h = torch.randn(n, c, dx + 2, generator=gen, dtype=torch.float64)[:, :, 2:]
+    h = h.to(dtype).requires_grad_()
+    sender = torch.randint(0, n, (e,), generator=gen)
+    receiver = torch.randint(0, n - 2, (e,), generator=gen).sort().values
+    return w, h, m, sender, receiver
+
+
+def _conv_reference(w, h, m, sender, receiver, n, groups):
+    out = _per_group_reference(w, h.index_select(0, sender), m, groups)
+    return out.new_zeros((n, *out.shape[1:])).index_add(0, receiver, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("groups", GROUPS[:2] + [[4, 3, 0]])
+def test_fused_conv_and_gradients_equal_gather_product_scatter(groups, dtype):
+    """``tp_conv`` (the gather of senders' features and the scatter into receivers inside the
+    kernels) equals ``index_select``, the per-group product and ``index_add``: output and the
+    gradients of ``w``, the node features ``h`` and ``m``."""
+    n = 19
+    w, h, m, snd, rcv = _conv_inputs(71, n, 16, groups, dtype)
+    out = triton_tp.tp_conv(w, h, m, snd, rcv, n, groups)
+    assert out.shape == (n, 16, 9)
+    _check_values_and_grads(out, _conv_reference(w, h, m, snd, rcv, n, groups), (w, h, m),
+                            dtype)
+
+
+def test_fused_conv_small_blocks_and_dropped_receivers():
+    """The kernels with several programs per channel block and per edge block; receivers
+    outside ``0 .. n-1`` contribute nothing (forward) and get no gradient (backward)."""
+    groups, n, dtype = GROUPS[0], 7, torch.float64
+    w, h, m, snd, rcv = (t.detach() for t in _conv_inputs(37, n, 130, groups, dtype))
+    rcv = rcv.clone()
+    rcv[:3] = -1
+    rcv[-2:] = n
+    keep = (rcv >= 0) & (rcv < n)
+    out = triton_tp.forward(w, h, m, groups, x_index=snd, out_index=rcv, n_out=n, block_e=4)
+    want = _conv_reference(w[keep], h, m[keep], snd[keep], rcv[keep], n, groups)
+    _assert_close(out, want, dtype)
+    g = torch.randn(n, 130, 9, dtype=dtype)
+    gw, gh, gm = triton_tp.backward(g, w, h, m, groups, x_index=snd, g_index=rcv, block_e=2)
+    ref = triton_tp._reference_backward(g, w, h, m, [tuple(groups[i : i + 3]) for i in (0, 3)],
+                                        True, True, True, snd, rcv)
+    for got, want_ in zip((gw, gh, gm), ref):
+        _assert_close(got, want_, dtype)
+    assert float(gw[~keep].abs().max()) == 0.0 and float(gm[~keep].abs().max()) == 0.0
+
+
+def test_fused_conv_double_backward_equals_reference():
+    """Second derivatives through ``tp_conv`` (force training) equal autograd through the
+    gather, the reference product and the scatter, including the output gradient's."""
+    groups, n, dtype = GROUPS[0], 11, torch.float64
+    results = []
+    for fn in (lambda *t: triton_tp.tp_conv(*t, n, groups),
+               lambda *t: _conv_reference(*t, n, groups)):
+        w, h, m, snd, rcv = _conv_inputs(31, n, 8, groups, dtype)
+        g = torch.randn(n, 8, 9, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        g.requires_grad_()
+        gw, gh, gm = torch.autograd.grad(fn(w, h, m, snd, rcv), (w, h, m), g,
+                                         create_graph=True)
+        torch.manual_seed(2)
+        s = ((gw * torch.randn_like(gw)).sum() + (gh.square() * torch.randn_like(gh)).sum()
+             + (gm * torch.randn_like(gm)).sum())
+        results.append(torch.autograd.grad(s, (w, h, m, g)))
+    for got, want in zip(*results):
+        _assert_close(got, want, dtype)
+
+
+def test_fused_conv_gradcheck():
+    groups = [2, 3, 0]
+    w, _, m = _inputs(5, 2, 2, 3, 3, torch.float64)
+    h = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)
+    snd, rcv = torch.tensor([0, 2, 1, 1, 0]), torch.tensor([0, 0, 1, 2, 2])
+    assert torch.autograd.gradcheck(lambda *t: triton_tp.tp_conv(*t, snd, rcv, 3, groups),
+                                    (w, h, m), fast_mode=True)
+    assert torch.autograd.gradgradcheck(lambda *t: triton_tp.tp_conv(*t, snd, rcv, 3, groups),
+                                        (w, h, m), fast_mode=True)
+
+
 def test_cpu_without_interpreter_runs_the_reference_formula(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     w, x, m = _inputs(11, 4, 3, 3, 9, torch.float64)

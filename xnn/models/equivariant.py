@@ -284,6 +284,8 @@ class Interaction(nn.Module):
         intermediates in backward instead of keeping them (cheap element-wise work).
         """
         w = self.radial(feats, recompute)
+        if self.tp.fuses_conv:  # triton: gather, product and scatter in one kernel
+            return self.tp.conv(h_up, y, w, sender, receiver, n)
         m = self.tp(h_up.index_select(0, sender), y, w, recompute)
         return scatter_sum(m, receiver, n)
 

@@ -125,6 +125,37 @@ class EdgeTensorProduct(nn.Module):
                 self._fused_groups = [v for l1, p0, p1 in self.groups
                                       for v in (p1 - p0, 2 * l1 + 1, l1 * l1)]
 
+    @property
+    def fuses_conv(self) -> bool:
+        """Whether :meth:`conv` runs one fused kernel (the ``triton`` backend with at most
+        ``triton_tp.MAX_GROUPS`` groups)."""
+        return self._fused_groups is not None
+
+    def _coupling(self, y: Tensor) -> Tensor:
+        """``M [n_edges, Σ_groups P*A, d_out]``: all groups' coupling matrices, stacked."""
+        g = torch.cat([getattr(self, f"g_{k}").to(y.dtype).reshape(self.d_sh, -1)
+                       for k in range(len(self.groups))], dim=1)
+        return (y @ g).view(y.shape[0], -1, self.d_out)
+
+    def conv(self, h: Tensor, y: Tensor, w: Tensor, sender: Tensor, receiver: Tensor,
+             n: int) -> Tensor:
+        """``[n, C, (l_out+1)^2]``: ``forward(h[sender], y, w)`` summed into ``receiver``
+        (values in ``0 .. n-1``). With :attr:`fuses_conv`, one kernel gathers, multiplies and
+        scatters (:func:`~xnn.models.triton_tp.tp_conv`); else the gather, :meth:`forward`
+        and an ``index_add``.
+
+        Shapes:
+            ``h [n_nodes, C, (l_in+1)^2]``, ``y [n_edges, (l_sh+1)^2]``,
+            ``w [n_edges, C, num_paths]``, ``sender, receiver [n_edges]``.
+        """
+        if self.fuses_conv:
+            from xnn.models import triton_tp
+
+            return triton_tp.tp_conv(w, h, self._coupling(y), sender, receiver, n,
+                                     self._fused_groups)
+        m = self(h.index_select(0, sender), y, w)
+        return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
+
     def forward(self, x: Tensor, y: Tensor, w: Tensor, recompute: bool = False) -> Tensor:
         """With ``recompute``, ``Z`` is recomputed in backward instead of being kept
         (reference backend; cueq keeps its own intermediates; triton never forms ``Z`` and
@@ -135,9 +166,7 @@ class EdgeTensorProduct(nn.Module):
             return cueq.from_ir_mul(out, c)
         e = x.shape[0]
         if self._fused_groups is not None:  # triton: every group in one call
-            g = torch.cat([getattr(self, f"g_{k}").to(y.dtype).reshape(self.d_sh, -1)
-                           for k in range(len(self.groups))], dim=1)
-            return self._fused(w, x, (y @ g).view(e, -1, self.d_out), self._fused_groups)
+            return self._fused(w, x, self._coupling(y), self._fused_groups)
         out = None
         w_groups = w.split([p1 - p0 for _, p0, p1 in self.groups], dim=-1)
         for k, (l1, p0, p1) in enumerate(self.groups):

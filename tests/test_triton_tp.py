@@ -390,6 +390,23 @@ def test_saved_model_switches_between_triton_and_reference(tmp_path):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_conv_equals_reference_cuda(dtype):
+    """``tp_conv`` on the GPU (atomics in both directions) against the gather, reference
+    product and scatter, with many programs and two channel blocks."""
+    n = 997
+    for groups in GROUPS[:2]:
+        for channels in (64, 130):
+            ins = _conv_inputs(5003, n, channels, groups, dtype)
+            w, h, m = (t.detach().cuda().requires_grad_() for t in ins[:3])
+            snd, rcv = ins[3].cuda(), ins[4].cuda()
+            _check_values_and_grads(triton_tp.tp_conv(w, h, m, snd, rcv, n, groups),
+                                    _conv_reference(w, h, m, snd, rcv, n, groups), (w, h, m),
+                                    dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_op_equals_reference_cuda(dtype):
     """The compiled kernels on the GPU, every group shape, at sizes with many programs."""
     for shape in SHAPES:

@@ -22,16 +22,25 @@ edge tensor product passes all its groups (``l1 = 0 .. l_in``) at once, with the
 the summed messages once and the backward kernel reads ``g`` once and writes whole
 ``grad_w``/``grad_x`` (no per-group outputs to add, no slices to scatter back).
 
-A program handles ``BLOCK_E`` edges times a block of ``BLOCK_C`` channels (all of them up to
-:data:`MAX_BLOCK_C`); the group sizes and ``K`` are compile-time constants (``K`` padded to
-a power of two under a mask); edge offsets are 64-bit. Accumulation is in the tensors'
-dtype (float32 or float64, FMA), so the result equals the reference to rounding.
+A program handles a ``[BLOCK_E, BLOCK_C]`` tile of edges times channels (all channels up
+to :data:`MAX_BLOCK_C`); the ``K`` output columns (forward) and the ``K`` columns of ``g``
+(backward) are held as ``K`` separate tiles, so ``K`` needs no padding and the forward has
+no reductions; ``m`` is read as one value per edge. The group sizes and ``K`` are
+compile-time constants; edge offsets are 64-bit. Accumulation is in the tensors' dtype
+(float32 or float64, FMA), so the result equals the reference to rounding.
 
-Both are ``torch.library`` operators (``xnn::weighted_bmm``, ``xnn::weighted_bmm_backward``,
-via :func:`torch.library.triton_op`), so ``torch.compile(fullgraph=True)``, ``make_fx`` (the
+The fused convolution :func:`tp_conv` (``xnn::tp_conv``) runs the same kernels with the
+gather of the senders' features (``x = h[sender]``) and the scatter of the messages into the
+receivers inside them: rows are read through the index, the messages are added into the
+receivers with atomics, and in backward ``g`` is read by receiver and ``grad_h`` is added by
+sender. Neither ``h[sender]`` nor the per-edge messages or their gradients exist.
+
+All are ``torch.library`` operators (``xnn::weighted_bmm``, ``xnn::weighted_bmm_backward``,
+``xnn::tp_conv``, ``xnn::tp_conv_backward``, via :func:`torch.library.triton_op`), so
+``torch.compile(fullgraph=True)``, ``make_fx`` (the
 compiled MD step and compiled training) and CUDA-graph capture see them without graph breaks.
-The backward operator has its own autograd formula written with the two operators (double
-backward for force training, any order), so no derivative falls back to ``Z``.
+The backward operators have their own autograd formulas written with the edge operators
+(double backward for force training, any order), so no derivative falls back to ``Z``.
 
 Devices: CUDA tensors run the kernels. CPU tensors run the reference formula, except when
 Triton's interpreter is requested (``TRITON_INTERPRET=1`` in the environment when the

@@ -78,16 +78,22 @@ def compare_op(shape, n_edges: int, channels: int, device, dtype, repeat: int) -
     return row
 
 
+def _tp_inputs(tp: EdgeTensorProduct, n_rows: int, n_edges: int, channels: int, gen, device,
+               dtype) -> list[torch.Tensor]:
+    """Random leaves ``x [n_rows, C, (l_in+1)^2]``, ``y [n_edges, 9]``, ``w [n_edges, C,
+    num_paths]`` for ``tp`` (in this order from ``gen``)."""
+    shapes = ((n_rows, channels, (tp.l_in + 1) ** 2), (n_edges, 9),
+              (n_edges, channels, tp.num_paths))
+    return [torch.randn(s, device=device, dtype=dtype, generator=gen, requires_grad=True)
+            for s in shapes]
+
+
 def compare_tensor_product(l_in: int, n_edges: int, channels: int, device, dtype,
                            repeat: int) -> dict:
     """The whole edge tensor product ``(l_in, 2, 2)``, forward + backward, both backends."""
     tp = EdgeTensorProduct(l_in, 2, 2).to(device)
     gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(n_edges, channels, (l_in + 1) ** 2, device=device, dtype=dtype,
-                    generator=gen, requires_grad=True)
-    y = torch.randn(n_edges, 9, device=device, dtype=dtype, generator=gen, requires_grad=True)
-    w = torch.randn(n_edges, channels, tp.num_paths, device=device, dtype=dtype, generator=gen,
-                    requires_grad=True)
+    x, y, w = _tp_inputs(tp, n_edges, n_edges, channels, gen, device, dtype)
     g = torch.randn(n_edges, channels, 9, device=device, dtype=dtype, generator=gen)
     row, results = {"case": f"edge_tensor_product_l_in_{l_in}", "n_edges": n_edges}, {}
     for backend in ("reference", "triton"):
@@ -111,11 +117,7 @@ def compare_conv(l_in: int, n_edges: int, n_atoms: int, channels: int, device, d
     between the same gather and ``index_add``, and triton's fused kernel (``tp_conv``)."""
     tp = EdgeTensorProduct(l_in, 2, 2).to(device)
     gen = torch.Generator(device=device).manual_seed(2)
-    h = torch.randn(n_atoms, channels, (l_in + 1) ** 2, device=device, dtype=dtype,
-                    generator=gen, requires_grad=True)
-    y = torch.randn(n_edges, 9, device=device, dtype=dtype, generator=gen, requires_grad=True)
-    w = torch.randn(n_edges, channels, tp.num_paths, device=device, dtype=dtype, generator=gen,
-                    requires_grad=True)
+    h, y, w = _tp_inputs(tp, n_atoms, n_edges, channels, gen, device, dtype)
     receiver = torch.randint(0, n_atoms, (n_edges,), device=device, generator=gen).sort().values
     sender = torch.randint(0, n_atoms, (n_edges,), device=device, generator=gen)
     g = torch.randn(n_atoms, channels, 9, device=device, dtype=dtype, generator=gen)

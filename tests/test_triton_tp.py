@@ -90,6 +90,17 @@ def _check_values_and_grads(out, ref, inputs, dtype):
     return grads
 
 
+def _second_derivatives(out, inputs, g, squared):
+    """The gradients with respect to ``inputs`` and the output gradient ``g`` of a random
+    function of the first gradients (linear in each, except the ``squared``-th: its square),
+    as force training takes them."""
+    grads = torch.autograd.grad(out, inputs, g, create_graph=True)
+    torch.manual_seed(2)
+    s = sum(((t.square() if i == squared else t) * torch.randn_like(t)).sum()
+            for i, t in enumerate(grads))
+    return torch.autograd.grad(s, (*inputs, g))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("channels", [8, 16, 64])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -145,11 +156,7 @@ def test_grouped_double_backward_equals_reference():
         w, x, m = _grouped_inputs(29, 8, groups, 9, dtype)
         g = torch.randn(29, 8, 9, dtype=dtype, generator=torch.Generator().manual_seed(1))
         g.requires_grad_()
-        gw, gx, gm = torch.autograd.grad(fn(w, x, m), (w, x, m), g, create_graph=True)
-        torch.manual_seed(2)
-        s = ((gw * torch.randn_like(gw)).sum() + (gx.square() * torch.randn_like(gx)).sum()
-             + (gm * torch.randn_like(gm)).sum())
-        results.append(torch.autograd.grad(s, (w, x, m, g)))
+        results.append(_second_derivatives(fn(w, x, m), (w, x, m), g, squared=1))
     for got, want in zip(*results):
         _assert_close(got, want, dtype)
 
@@ -212,11 +219,7 @@ def test_double_backward_equals_reference(shape):
         w, x, m = _inputs(41, 8, *shape, dtype)
         g = torch.randn(41, 8, shape[2], dtype=dtype, generator=torch.Generator().manual_seed(1))
         g.requires_grad_()
-        gw, gx, gm = torch.autograd.grad(fn(w, x, m), (w, x, m), g, create_graph=True)
-        torch.manual_seed(2)
-        s = ((gw * torch.randn_like(gw)).sum() + (gx * torch.randn_like(gx)).sum()
-             + (gm.square() * torch.randn_like(gm)).sum())
-        results.append(torch.autograd.grad(s, (w, x, m, g)))
+        results.append(_second_derivatives(fn(w, x, m), (w, x, m), g, squared=2))
     for got, want in zip(*results):
         _assert_close(got, want, dtype)
 
@@ -296,12 +299,7 @@ def test_fused_conv_double_backward_equals_reference():
         w, h, m, snd, rcv = _conv_inputs(31, n, 8, groups, dtype)
         g = torch.randn(n, 8, 9, dtype=dtype, generator=torch.Generator().manual_seed(1))
         g.requires_grad_()
-        gw, gh, gm = torch.autograd.grad(fn(w, h, m, snd, rcv), (w, h, m), g,
-                                         create_graph=True)
-        torch.manual_seed(2)
-        s = ((gw * torch.randn_like(gw)).sum() + (gh.square() * torch.randn_like(gh)).sum()
-             + (gm * torch.randn_like(gm)).sum())
-        results.append(torch.autograd.grad(s, (w, h, m, g)))
+        results.append(_second_derivatives(fn(w, h, m, snd, rcv), (w, h, m), g, squared=1))
     for got, want in zip(*results):
         _assert_close(got, want, dtype)
 

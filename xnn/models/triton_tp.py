@@ -628,18 +628,23 @@ def _setup_conv_backward(ctx, inputs, output):
     ctx.groups, ctx.computed = groups, (need_w, need_h, need_m)
 
 
+def _in_rows(index: Tensor, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """``index`` clamped into ``0 .. n-1`` and the 0/1 factor (shaped to multiply rows of
+    ``like``) that is zero where it was outside."""
+    keep = ((index >= 0) & (index < n)).to(like.dtype).view(-1, *[1] * (like.dim() - 1))
+    return index.clamp(0, max(n - 1, 0)), keep
+
+
 def _rows(t: Tensor, index: Tensor) -> Tensor:
     """``t[index]``, zero where ``index`` is outside ``t``'s rows (differentiable)."""
-    n = t.shape[0]
-    keep = ((index >= 0) & (index < n)).to(t.dtype)
-    return t.index_select(0, index.clamp(0, max(n - 1, 0))) * keep.view(-1, *[1] * (t.dim() - 1))
+    rows, keep = _in_rows(index, t.shape[0], t)
+    return t.index_select(0, rows) * keep
 
 
 def _sum_rows(t: Tensor, index: Tensor, n: int) -> Tensor:
     """The adjoint of :func:`_rows`: ``out[index[e]] += t[e]`` into ``n`` zero rows."""
-    keep = ((index >= 0) & (index < n)).to(t.dtype)
-    t = t * keep.view(-1, *[1] * (t.dim() - 1))
-    return t.new_zeros((n, *t.shape[1:])).index_add(0, index.clamp(0, max(n - 1, 0)), t)
+    rows, keep = _in_rows(index, n, t)
+    return t.new_zeros((n, *t.shape[1:])).index_add(0, rows, t * keep)
 
 
 def _conv_backward_grad(ctx, hw, hh, hm):

@@ -89,7 +89,7 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
     device = torch.device(device)
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     torch.manual_seed(0)
-    model = MODELS[name]().to(device=device, dtype=dtype)
+    model = MODELS[name]().to(device=device, dtype=dtype).eval()  # as md_setup
     atoms = fcc_cu(n_atoms, rattle=0.05, seed=0)
     g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
                                 dtype=dtype, device=device)

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                                 dtype=dt, device=dev)
     g = maxwell_boltzmann(g, 300.0, seed=0)
     torch.manual_seed(0)
-    model = build("equivariant", species=[29], cutoff=5.0).to(device=dev, dtype=dt)
+    model = build("equivariant", species=[29], cutoff=5.0).to(device=dev, dtype=dt).eval()
     model.set_backend(a.kernel_backend)
     pot = Potential(model, skin=1.0)
     integ = None if a.eager else CompiledIntegrator("nve", pot, backend="inductor")

@@ -89,6 +89,59 @@ def test_capacity_overflow_grows_geometrically_then_stays(one_thread):
     assert stepper.n_compiles == 2 and _unique_graphs() == graphs
 
 
+def test_within_cutoff_keeps_the_edges_the_model_weighs_in_order():
+    """The graph's filter of the Verlet list: exactly the edges shorter than the cutoff, in
+    the list's order, then inert edges; a capacity too small drops edges and says so."""
+    from xnn.dynamics.compiled import _inert_edges, within_cutoff
+    from xnn.neighbors import VerletList
+
+    g = _system()
+    cutoff = 6.0
+    listed = VerletList(cutoff, SKIN)(g)
+    vec = listed.edge_vectors()
+    keep = (vec * vec).sum(-1) < cutoff**2
+    n = int(keep.sum())
+    assert 0 < n < listed.n_edges  # the skin holds edges beyond the cutoff
+    inert = _inert_edges(g, cutoff + SKIN, n + 7)
+    ei, sh, count = within_cutoff(listed, cutoff, inert)
+    assert int(count) == n and ei.shape == (2, n + 7) and sh.shape == (n + 7, 3)
+    torch.testing.assert_close(ei[:, :n], listed.edge_index[:, keep], rtol=0, atol=0)
+    torch.testing.assert_close(sh[:n], listed.shifts[keep].long(), rtol=0, atol=0)
+    torch.testing.assert_close(ei[:, n:], inert[0][:, n:], rtol=0, atol=0)
+    tail = listed.replace({"edge_index": ei[:, n:], "shifts": sh[n:]}).edge_vectors()
+    assert bool((tail.norm(dim=-1) > cutoff + SKIN).all())  # the rest is inert
+    small = tuple(t[..., : n // 2, :] if t.dim() == 2 and t.shape[1] == 3 else t[:, : n // 2]
+                  for t in inert)
+    ei, _, count = within_cutoff(listed, cutoff, small)
+    assert int(count) == n and ei.shape[1] == n // 2  # overflow: counted, not kept
+    torch.testing.assert_close(ei, listed.edge_index[:, keep][:, : n // 2], rtol=0, atol=0)
+
+
+def test_active_capacity_overflow_grows_and_repeats_the_step(one_thread):
+    """The model sees the edges within the cutoff at an active capacity below the list's;
+    a step that finds more of them than it holds is run again at a grown capacity, and the
+    trajectory stays the eager one."""
+    model = _model("lj")
+    eager_pot, pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    stepper = CompiledVerlet(pot, backend="aot_eager", growth=1.5)
+    eager = compiled = nve.init(_system(), eager_pot)
+    eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
+    assert 0 < stepper.n_active <= stepper.active_capacity < stepper.capacity
+    small = stepper.n_active // 2
+    stepper.active_capacity = small
+    stepper._grow_active(compiled.graph, 0)  # inert edges of the smaller capacity
+    compiles = stepper.n_compiles
+    for _ in range(10):
+        eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
+    # one graph for the small capacity (its step overflowed), one for the grown one
+    assert stepper.n_compiles == compiles + 2
+    assert stepper.n_active <= stepper.active_capacity == max(
+        math.ceil(1.5 * small), math.ceil(1.1 * stepper._overflowed))
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
+
+
 def test_cuda_graph_refused_on_cpu():
     with pytest.raises(InputError, match="CUDA"):
         CompiledVerlet(Potential(_model("lj"), skin=SKIN), cuda_graph=True)

@@ -14,6 +14,7 @@ from md_helpers import rattled_argon
 from xnn.data import AtomicGraph
 from xnn.dynamics import degrees_of_freedom, maxwell_boltzmann, nhc, nve, temperature
 from xnn.models import Potential, build
+from xnn.models.derivatives import compute_properties
 
 SIGMA, EPS, RC = 3.405, 0.0104, 8.0
 
@@ -154,3 +155,24 @@ def test_fixed_atoms_do_not_move_and_step_does_not_mutate_input():
     for k, v in s0.graph.fields.items():
         assert torch.equal(v, before[k]), k
     assert torch.equal(s0.forces, forces_before) and s0.step == 0 and s.step == 20
+
+
+def test_potential_gives_the_model_the_edges_within_the_cutoff():
+    """With a skin the model sees only the Verlet list's edges shorter than the cutoff (those
+    of a list built at the cutoff itself, in the list's order), and energy, forces and stress
+    are those of the whole list."""
+    g = graph_of(rattled_argon(rep=2))
+    model = build("lj", sigma=3.4, epsilon=0.0104, cutoff=6.0).double()
+    skin, exact = Potential(model, skin=1.0), Potential(model, skin=0.0)
+    listed, seen, want = skin.neighbors(g), skin.model_graph(g), exact.model_graph(g)
+    assert want.n_edges == seen.n_edges < listed.n_edges
+
+    def pairs(h):
+        return sorted(zip(*h.edge_index.tolist(), *h.shifts.T.tolist()))
+
+    assert pairs(seen) == pairs(want)
+    assert bool((seen.edge_vectors().norm(dim=-1) < 6.0).all())
+    everything = compute_properties(model, listed, True, True)
+    for key, value in skin(g).items():
+        torch.testing.assert_close(value, everything[key], rtol=0, atol=1e-13)
+        torch.testing.assert_close(value, exact(g)[key], rtol=0, atol=1e-12)

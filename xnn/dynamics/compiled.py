@@ -11,7 +11,14 @@ exact shapes of this run. Shapes stay fixed although the neighbor list changes s
   the positions, and every xnn model gives edges beyond its cutoff zero weight (the Verlet
   list relies on that too), so they change neither energy nor forces nor stress;
 * the capacity grows geometrically (``growth``) when a rebuild overflows it, the only
-  event that recompiles; neighbor lists are rebuilt outside the graph.
+  event that recompiles; neighbor lists are rebuilt outside the graph;
+* with a skin, the model does not see the whole Verlet list: the graph keeps the edges
+  shorter than the cutoff at the positions of the force call (in their order, compacted into
+  a second, *active* capacity of inert edges; :func:`within_cutoff`), so the model's edge
+  work is that of the edges it weighs (at 5 + 1 Å in FCC Cu, 42 of the list's 78 neighbours
+  per atom). The graph counts those edges; a count above the active capacity (the step
+  dropped edges) grows it, compiles again and repeats the step, so no result is ever one
+  of a truncated list.
 
 The graph also returns ``d'``, the largest distance of the *next* step's drifted positions
 (``x' + dt (v' + a' dt / 2)``, exactly what the next call computes) from the positions of
@@ -51,20 +58,21 @@ _FIELDS = (K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID)
 class _Step(nn.Module):
     """What is traced: one velocity-Verlet step on padded edges."""
 
-    def __init__(self, model: nn.Module, dt: float, stress: bool):
+    def __init__(self, model: nn.Module, dt: float, stress: bool, cutoff: float):
         super().__init__()
         self.model = model
         self.dt = dt
         self.stress = stress
+        self.cutoff = cutoff
 
     def forward(self, x: Tensor, v: Tensor, f: Tensor, inv_m: Tensor, ref: Tensor,
-                fields: dict[str, Tensor]) -> tuple[Tensor, ...]:
+                fields: dict[str, Tensor], active: tuple) -> tuple[Tensor, ...]:
         from xnn.models.derivatives import compute_properties
 
         dt = self.dt
         v = v + (0.5 * dt) * _acc(f, inv_m)
         x = x + dt * v
-        graph = AtomicGraph({**fields, K.POSITIONS: x}, validate=False)
+        graph, n_active = model_graph(fields, x, self.cutoff, active)
         out = compute_properties(self.model, graph, True, self.stress)
         f = out[K.FORCES]
         v = v + (0.5 * dt) * _acc(f, inv_m)
@@ -72,7 +80,47 @@ class _Step(nn.Module):
         x_next = x + dt * (v + (0.5 * dt) * _acc(f, inv_m))
         d_next = (x_next - ref).norm(dim=-1).max()
         stress = out[K.STRESS] if self.stress else torch.zeros_like(fields[K.CELL])
-        return x, v, f, out[K.ENERGY], stress, d_next
+        return x, v, f, out[K.ENERGY], stress, status(d_next, n_active)
+
+
+def model_graph(fields: dict[str, Tensor], x: Tensor, cutoff: float, active: tuple
+                ) -> tuple[AtomicGraph, Tensor]:
+    """The graph the model sees at positions ``x``: the padded Verlet list of ``fields``, or
+    with ``active`` (inert edges ``(edge_index, shifts)`` of the active capacity) its edges
+    within ``cutoff`` (:func:`within_cutoff`); and their count (0 without ``active``)."""
+    graph = AtomicGraph({**fields, K.POSITIONS: x}, validate=False)
+    if not active:
+        return graph, torch.zeros((), dtype=torch.int64, device=x.device)
+    ei, sh, n = within_cutoff(graph, cutoff, active)
+    return AtomicGraph({**fields, K.EDGE_INDEX: ei, K.SHIFTS: sh, K.POSITIONS: x},
+                       validate=False), n
+
+
+def within_cutoff(graph: AtomicGraph, cutoff: float, inert: tuple[Tensor, Tensor]
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(edge_index, shifts, n)``: the edges of ``graph`` shorter than ``cutoff`` at its
+    positions, in their order, in the first slots of the inert edges ``inert`` (the active
+    capacity; the other slots stay inert), and their number ``n`` (0-d int64; above the
+    capacity, the edges beyond it were dropped). Fixed shapes, no host sync: traceable."""
+    inert_ei, inert_sh = inert
+    cap = inert_ei.shape[1]
+    with torch.no_grad():
+        vec = graph.edge_vectors(graph.positions.detach())
+        keep = (vec * vec).sum(-1) < cutoff * cutoff
+        slot = torch.cumsum(keep, 0) - 1
+        n = keep.sum()
+        slot = torch.where(keep & (slot < cap), slot, cap)  # slot cap: a discarded column
+        ei = torch.cat([inert_ei, inert_ei[:, :1]], 1).index_copy(
+            1, slot, graph.edge_index.to(inert_ei.dtype))
+        sh = torch.cat([inert_sh, inert_sh[:1]]).index_copy(
+            0, slot, graph.shifts.to(inert_sh.dtype))
+    return ei[:, :cap], sh[:cap], n
+
+
+def status(d_next: Tensor, n_active: Tensor) -> Tensor:
+    """``[2]`` float64: the look-ahead displacement and the active edge count (exact below
+    2^53), read by the host with one transfer."""
+    return torch.stack([d_next.detach().to(torch.float64), n_active.to(torch.float64)])
 
 
 class CompiledVerlet:
@@ -104,13 +152,19 @@ class CompiledVerlet:
         self.headroom = float(headroom)
         self.cuda_graph = bool(cuda_graph)
         self.capacity = 0
+        #: filter the list to the cutoff in the graph (with a skin; ``active_capacity``)
+        self.filters = self.neighbors.skin > 0.0
+        self.active_capacity = 0
+        self.n_active = 0  # edges within the cutoff at the last force call
+        self._active: tuple = ()  # inert edges of the active capacity
+        self._overflowed = 0  # the count of the last step that overflowed it
         self.n_compiles = 0
         self.n_rebuilds = 0
         self._fn = None
         self._key: tuple | None = None
         self._edges: tuple[Tensor, Tensor] | None = None
         self._ref: Tensor | None = None
-        self._next_disp: Tensor | None = None
+        self._next_disp: float | Tensor | None = None
         #: the ensemble's :class:`~xnn.dynamics.compiled_thermo.Scheme` (None: NVE)
         self.scheme = None
         self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
@@ -135,6 +189,32 @@ class CompiledVerlet:
         self._edges = (torch.cat([ei, ei_pad], 1), torch.cat([sh, sh_pad]))
         self._ref = positions.detach().clone()
         self.n_rebuilds += 1
+        if self.filters:
+            vec = g.edge_vectors(positions.detach())
+            self._grow_active(graph, int(((vec * vec).sum(-1) < nl.cutoff ** 2).sum()))
+
+    def _grow_active(self, graph: AtomicGraph, n: int) -> None:
+        """The inert edges of an active capacity of at least ``n`` edges (grown as the
+        list's capacity) for the atoms and cells of ``graph``."""
+        if n > self.active_capacity:
+            grown = math.ceil(self.active_capacity * self.growth)
+            self.active_capacity = max(math.ceil(n * self.headroom), grown, 1)
+        nl = self.neighbors
+        self._active = _inert_edges(graph, nl.cutoff + nl.skin, self.active_capacity)
+
+    def _run(self, key: tuple, make_step, inputs: tuple, graph: AtomicGraph) -> tuple:
+        """The compiled step's outputs for ``inputs`` (their last is ``active``, the one
+        before it the status); an overflow of the active capacity grows it and runs again."""
+        while True:
+            fn = self._function(key, make_step, inputs)
+            out = fn(*inputs)
+            d_next, n_active = out[5].tolist()  # the step's one host read
+            self._next_disp, self.n_active = d_next, int(n_active)
+            if not self.filters or self.n_active <= self.active_capacity:
+                return out
+            self._overflowed = self.n_active
+            self._grow_active(graph, self.n_active)
+            inputs = (*inputs[:-1], self._active)
 
     def _ensure_list(self, g: AtomicGraph, positions) -> None:
         """Rebuild the list at ``positions()`` (the next force call's positions) when there
@@ -150,7 +230,7 @@ class CompiledVerlet:
     def _function(self, key: tuple, make_step, inputs):
         """The compiled function of the module ``make_step()`` for ``key`` (compiled again
         when it or the capacity changes), replayed as a CUDA graph under ``cuda_graph``."""
-        key = (self.capacity, *key)
+        key = (self.capacity, self.active_capacity, *key)
         if self._fn is None or key != self._key:
             self._fn = self._compile(make_step(), inputs)
             self._replay = None
@@ -198,10 +278,12 @@ class CompiledVerlet:
         ei, sh = self._edges
         fields = {k: g[k] for k in _FIELDS if k in g}
         fields[K.EDGE_INDEX], fields[K.SHIFTS] = ei, sh
-        inputs = (g.positions.detach(), g.velocities, state.forces, inv_m, self._ref, fields)
+        inputs = (g.positions.detach(), g.velocities, state.forces, inv_m, self._ref, fields,
+                  self._active)
         key = (dt, state.compute_stress, g.n_atoms)
-        fn = self._function(key, lambda: _Step(self.model, dt, state.compute_stress), inputs)
-        x, v, f, energy, stress, self._next_disp = fn(*inputs)
+        x, v, f, energy, stress, _ = self._run(
+            key, lambda: _Step(self.model, dt, state.compute_stress, self.neighbors.cutoff),
+            inputs, g)
         self._returned = x
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
                              energy=energy, stress=stress, step=state.step + 1)

@@ -179,13 +179,16 @@ class _ThermoStep(nn.Module):
     step's ``pre`` for the look-ahead displacement from the last build ``ref``."""
 
     def __init__(self, model: nn.Module, dt: float, stress: bool, scheme: Scheme,
-                 reduce: Reducer):
+                 reduce: Reducer, cutoff: float):
         super().__init__()
         self.model, self.dt, self.stress, self.scheme, self.reduce = (
             model, dt, stress, scheme, reduce)
+        self.cutoff = cutoff
 
     def forward(self, x: Tensor, v: Tensor, f: Tensor, ref: Tensor, fields: dict[str, Tensor],
-                vars: dict[str, Tensor], step: Tensor, draws: tuple, next_draws: tuple):
+                vars: dict[str, Tensor], step: Tensor, draws: tuple, next_draws: tuple,
+                active: tuple):
+        from xnn.dynamics.compiled import model_graph, status
         from xnn.models.derivatives import compute_properties
 
         dt, sch, red = self.dt, self.scheme, self.reduce
@@ -194,14 +197,16 @@ class _ThermoStep(nn.Module):
         zero = torch.zeros_like(fields[K.CELL])
         s = sch.pre(state_of(x, v, f, fields, vars), dt, red, draws, step)
         model_fields = {k: t for k, t in fields.items() if k != K.FIXED}
-        graph = AtomicGraph({**model_fields, **edges, K.POSITIONS: s.positions}, validate=False)
+        graph, n_active = model_graph({**model_fields, **edges}, s.positions, self.cutoff,
+                                      active)
         out = compute_properties(self.model, graph, True, self.stress)
         stress = out[K.STRESS] if self.stress else zero
         s = s.replace(forces=out[K.FORCES], energy=out[K.ENERGY], stress=stress)
         s = sch.post(s, dt, red, draws, step)
         ahead = sch.pre(s, dt, red, next_draws, step + 1)
         d_next = (ahead.positions - ref).norm(dim=-1).max()
-        return (s.positions, s.velocities, s.forces, s.energy, s.stress, d_next, step + 1,
+        return (s.positions, s.velocities, s.forces, s.energy, s.stress,
+                status(d_next, n_active), step + 1,
                 *(s.vars[k] for k in sch.writes))
 
 
@@ -221,11 +226,12 @@ def step(stepper, state: MDState, dt: float) -> MDState:
     stepper._ensure_list(g, lambda: sch.pre(state, dt, LOCAL, draws, counter[1]).positions)
     fields = {k: g[k] for k in _FIELDS if k in g}
     fields[K.EDGE_INDEX], fields[K.SHIFTS] = stepper._edges
-    inputs = (x, v, f, stepper._ref, fields, vars_, counter[1], draws, next_draws)
-    fn = stepper._function((type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
-                           lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch,
-                                               LOCAL), inputs)
-    x, v, f, energy, stress, stepper._next_disp, step_t, *written = fn(*inputs)
+    inputs = (x, v, f, stepper._ref, fields, vars_, counter[1], draws, next_draws,
+              stepper._active)
+    x, v, f, energy, stress, _, step_t, *written = stepper._run(
+        (type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
+        lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch, LOCAL,
+                            stepper.neighbors.cutoff), inputs, g)
     stepper._returned = x
     stepper._counter = (state.step + 1, step_t)
     stepper._draws = (state.step + 1, next_draws)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.derivatives import compute_properties
@@ -42,7 +43,22 @@ class Potential:
             raise InputError("a Potential built with compile=True evaluates energy, forces "
                              "and stress only; training needs the eager model")
         self._check_species(graph.numbers)
-        return compute_properties(self.model, self.neighbors(graph), forces, stress, training)
+        return compute_properties(self.model, self.model_graph(graph), forces, stress,
+                                  training)
+
+    def model_graph(self, graph: AtomicGraph) -> AtomicGraph:
+        """``graph`` with the edges the model sees: the Verlet list's, and with a skin only
+        those shorter than the cutoff at these positions (in the list's order; the model
+        weighs the others zero, so the result is the same, for less edge work: in FCC Cu at
+        5 + 1 Å, 42 of the list's 78 neighbours per atom; one host sync)."""
+        g = self.neighbors(graph)
+        if self.neighbors.skin == 0.0 or g.n_edges == 0:
+            return g
+        with torch.no_grad():
+            vec = g.edge_vectors(g.positions.detach())
+            keep = ((vec * vec).sum(-1) < self.neighbors.cutoff ** 2).nonzero().squeeze(1)
+        return g.replace({K.EDGE_INDEX: g.edge_index.index_select(1, keep),
+                          K.SHIFTS: g.shifts.index_select(0, keep)})
 
     def _check_species(self, numbers: Tensor) -> None:
         """The model's species check, skipped for the tensor checked last if unchanged (an

@@ -339,3 +339,64 @@ def test_one_process_domain_follows_eager_with_a_grown_capacity():
     assert _rel(compiled.velocities, eager.velocities) <= TOL
     assert _rel(compiled.positions, eager.positions) <= TOL
     assert _rel(compiled.energy, eager.energy) <= TOL
+
+
+def test_active_edges_overflow_grows_and_repeats_the_step():
+    """The model region sees only the local edges within the cutoff (compacted into the
+    active capacity); a step that finds more than the capacity holds is repeated at a grown
+    one, so the trajectory stays the eager one (which filters the same edges eagerly)."""
+    from xnn.distributed import DomainPotential
+    from xnn.distributed.domain.compiled import CompiledDomainVerlet
+    from xnn.dynamics import nve
+
+    graph = _crystal()
+    eager_pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    stepper = CompiledDomainVerlet(pot, backend="aot_eager")
+    assert stepper.filters
+    eager = nve.init(eager_pot.scatter(graph), eager_pot)
+    compiled = nve.init(pot.scatter(graph), pot)
+    for i in range(30):
+        eager = eager_pot.maybe_migrate(nve.step(eager, eager_pot, DT))
+        compiled = stepper.step(compiled, DT)
+        if i == 2:  # as if the capacity held 20 edges fewer than the last step found
+            n = stepper.n_active
+            assert 0 < n < stepper._plan.fields["edge_index"].shape[1]  # a real filter
+            stepper.caps.sizes["active"] = n - 20
+            stepper._plan.caps["active"] = n - 20
+            from xnn.distributed.domain.compiled_plan import inert_edges
+
+            stepper._plan.active = inert_edges(n - 20, stepper._plan.caps["local"], "cpu")
+    assert stepper.n_active_overflows >= 1
+    assert stepper.caps.sizes["active"] >= stepper.n_active
+    assert stepper.n_steps == 30
+    assert torch.equal(compiled.graph.atom_id, eager.graph.atom_id)
+    assert _rel(compiled.positions, eager.positions) <= TOL
+    assert _rel(compiled.velocities, eager.velocities) <= TOL
+    assert _rel(compiled.energy, eager.energy) <= TOL
+
+
+def test_local_graph_keeps_the_edges_within_the_cutoff():
+    """With a skin the eager decomposed potential gives the model the local edges shorter
+    than the cutoff (those of a list built at the cutoff), and its results equal those of
+    the whole Verlet list."""
+    from xnn.distributed import DomainPotential
+    from xnn.distributed.domain.local import local_graph
+    from xnn.neighbors import neighbor_list
+
+    graph = _crystal()
+    pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    owned = pot.scatter(graph)
+    out = pot(owned)
+    dom = pot.state.local
+    x = dom.local_positions(owned.positions, owned.cell[0])
+    whole = local_graph(owned, dom, x)
+    kept = local_graph(owned, dom, x, cutoff=pot.cutoff)
+    zero_cell = torch.zeros(1, 3, 3, dtype=x.dtype)
+    ref, _ = neighbor_list(x, zero_cell, torch.zeros(1, 3, dtype=torch.bool), pot.cutoff)
+    key = lambda ei: sorted(map(tuple, ei.T.tolist()))  # noqa: E731
+    assert kept.n_edges < whole.n_edges
+    assert set(key(kept.edge_index)) == set(key(ref)) & set(key(whole.edge_index))
+    assert dom.n_within == kept.n_edges  # counted at the build (same positions here)
+    e_whole = pot.model(whole)[: dom.n_owned].sum()
+    assert torch.allclose(out["energy"].sum(), e_whole, rtol=1e-12, atol=0)

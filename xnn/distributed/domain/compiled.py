@@ -24,6 +24,12 @@ positions (:meth:`~xnn.distributed.DomainPotential.update`) eagerly, outside the
 the plan is valid at every force evaluation. A steady step thus costs 3 compiled calls, 2
 point-to-point exchanges and 1 all-gather (the eager step: 2 exchanges and 4 all-reduces).
 
+With a skin, region 2 gives the model only the local edges shorter than the cutoff at its
+positions (compacted in order into a fixed *active* capacity of inert edges, as the
+one-process compiled step does) and counts them; the count travels in the all-gather, and a
+step in which some rank found more than the capacity holds is repeated by all ranks at a
+grown capacity (a recompile of region 2), so no result comes from a truncated list.
+
 Forces: ``F_owned = -(∂E_r/∂x_owned + Σ_peers ∂E_q/∂x_ghost)`` where ``E_r`` is the
 rank's share (its owned atoms' energies), the same sum as the eager step's backward through
 the exchange; the strain gradient is that of ``x_local (1 + ε)``, equal to the eager step's
@@ -37,12 +43,12 @@ Regions 1 and 3 are methods (``_first``, ``_last``) that
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from torch import Tensor, nn
 
-from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.compiled_plan import Capacities, PaddedPlan, pad_plan, plan_counts
@@ -55,28 +61,33 @@ BREAKS_PER_STEP = 3
 
 
 class _Model(nn.Module):
-    """Region 2: the rank's energy share on the padded local graph and its gradients."""
+    """Region 2: the rank's energy share on the padded local graph and its gradients (with
+    ``active``, on the local edges within ``cutoff``, and their count)."""
 
-    def __init__(self, model: nn.Module, stress: bool):
+    def __init__(self, model: nn.Module, stress: bool, cutoff: float):
         super().__init__()
         self.model = model
         self.stress = stress
+        self.cutoff = cutoff
 
     def forward(self, x_owned: Tensor, recv: Tensor, src: Tensor, shifts: Tensor,
-                cell: Tensor, owned: Tensor, fields: dict[str, Tensor]):
+                cell: Tensor, owned: Tensor, fields: dict[str, Tensor], active: tuple):
+        from xnn.dynamics.compiled import model_graph
+
         base = torch.cat([x_owned, recv]).detach().requires_grad_(True)
         eps = torch.zeros(3, 3, dtype=base.dtype, device=base.device)
         if self.stress:
             eps.requires_grad_(True)
         x = base.index_select(0, src) + shifts @ cell[0]
         x = x + x @ (0.5 * (eps + eps.T))
-        energies = self.model(AtomicGraph({**fields, K.POSITIONS: x}, validate=False))
+        graph, n_active = model_graph(fields, x, self.cutoff, active)
+        energies = self.model(graph)
         e = torch.where(owned, energies, torch.zeros_like(energies)).sum()
         leaves = [base, eps] if self.stress else [base]
         grads = torch.autograd.grad(e, leaves, allow_unused=True)
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
         g_eps = grads[1] if self.stress else torch.zeros_like(eps)
-        return e.detach(), grads[0], g_eps, x.detach()
+        return e.detach(), grads[0], g_eps, x.detach(), n_active
 
 
 def _kick_drift(dt: float):
@@ -115,6 +126,10 @@ class CompiledDomainVerlet:
         n_steps, n_region_calls, n_exchanges, n_collectives: per-run counts of steps,
             compiled calls, point-to-point exchanges and collectives of the steps (rebuilds
             included; the initial evaluation excluded).
+        filters: with a skin, the model region sees only the local edges within the cutoff
+            (compacted into the capacity ``active``; :func:`~xnn.dynamics.compiled.within_cutoff`).
+        n_active: the largest count over the ranks of those edges at the last step; a count
+            above the capacity grows it and repeats the step (``n_active_overflows``).
         n_graph_collectives: all-reduces inside the compiled regions called so far (the
             thermostats' global sums, :mod:`~xnn.distributed.domain.compiled_thermo`; none
             for NVE).
@@ -138,6 +153,10 @@ class CompiledDomainVerlet:
         self.potential = potential
         self.backend = backend
         self.caps = Capacities(float(growth), float(headroom), int(slack))
+        #: filter the local edges to the cutoff in the model region (with a skin)
+        self.filters = potential.skin > 0.0
+        self.n_active = 0  # largest count over the ranks of edges within the cutoff, last step
+        self.n_active_overflows = 0  # steps repeated at a grown active capacity
         self.n_compiles = self.n_replans = self.n_steps = 0
         self.n_region_calls = self.n_exchanges = self.n_collectives = 0
         self.n_graph_collectives = self._traced_collectives = 0
@@ -178,7 +197,7 @@ class CompiledDomainVerlet:
         from torch.func import functional_call
 
         if stress not in self._models:  # the traced module and its weights, once
-            step = _Model(self.potential.model, stress)
+            step = _Model(self.potential.model, stress, self.potential.cutoff)
             weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
             self._models[stress] = (step, {k: t.detach() for k, t in weights.items()})
         step, weights = self._models[stress]
@@ -217,9 +236,26 @@ class CompiledDomainVerlet:
         counts = torch.tensor(plan_counts(pot.state), dtype=torch.float64, device=g.device)
         fit = [int(n) for n in C.all_reduce_max(counts, pot.group).tolist()]
         self.n_collectives += 1
-        self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, 2.0 * pot.halo_width
-                              + 2.0 * pot.cutoff, fit)
+        self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, self._reach(), fit,
+                              self.filters)
         self.n_replans += 1
+
+    def _reach(self) -> float:
+        """Å beyond every length the model looks at (the padding edges are longer)."""
+        return 2.0 * self.potential.halo_width + 2.0 * self.potential.cutoff
+
+    def _grow_active(self, n: int) -> None:
+        """Grow the active capacity (shared by the ranks) to hold ``n`` edges."""
+        from xnn.distributed.domain.compiled_plan import inert_edges
+
+        p = self._plan
+        sizes = dict(self.caps.sizes)
+        sizes["active"] = max(math.ceil(n * self.caps.headroom + 4.0 * math.sqrt(n))
+                              + self.caps.slack, math.ceil(sizes["active"] * self.caps.growth))
+        self.caps.sizes = sizes
+        p.caps = dict(sizes)
+        p.active = inert_edges(sizes["active"], sizes["local"], p.src.device)
+        self.n_active_overflows += 1
 
     # ------------------------------------------------------------------ exchanges
     def _exchange(self, send: Tensor, recv: Tensor, send_counts, recv_counts) -> None:
@@ -269,16 +305,26 @@ class CompiledDomainVerlet:
         x, v, send = self._first(state, x, v, f, dt)
         self._exchange(send, p.recv_buf, p.send_counts, p.recv_counts)  # ghost positions
         cell = g.cell.detach()
-        e, g_base, g_eps, self._x_local = self._model_region(
+        e, g_base, g_eps, self._x_local, n_active = self._model_region(
             state.compute_stress, (x, p.recv_buf, p.src, p.shifts, cell, p.owned_mask,
-                                   p.fields))
+                                   p.fields, p.active))
         self._exchange(g_base[co:], p.back_buf, p.recv_counts, p.send_counts)  # reverse
         v, f, head, written = self._last(state, x, v, g_base, e, g_eps, dt)
+        head = torch.cat([head, n_active.reshape(1).to(head.dtype)])
         t0 = time.perf_counter()
         every = C.all_gather_tensor(head, pot.group)
         self.comm_s += time.perf_counter() - t0
         self.n_collectives += 1
         self.n_steps += 1
+        # the step's one host read: the look-ahead and the active edge counts of every rank
+        d_max, n_max = torch.stack([every[:, 10:12].max(), every[:, 12].max()]).tolist()
+        self.n_active = int(n_max)
+        if self.filters and self.n_active > p.caps["active"]:
+            # some rank found more edges within the cutoff than the graph held: all ranks
+            # grow the capacity together and repeat the step (no result of a truncated list)
+            self._grow_active(self.n_active)
+            self.n_steps -= 1
+            return self.step(state, dt)
         n = p.n_owned
         energy, g_strain = every[:, 0].sum().reshape(1), every[:, 1:10].sum(0).reshape(1, 3, 3)
         stress = torch.zeros_like(g.cell)
@@ -289,7 +335,7 @@ class CompiledDomainVerlet:
         pot._last_eval = (self._x_local[: p.state.local.n_local], p.state.local, g.atom_id)
         out = state.replace(graph=g.replace(positions=x[:n], velocities=v[:n]), forces=f[:n],
                             energy=energy, stress=stress, step=state.step + 1, vars=written)
-        if bool((every[:, 10:].max() > 0.5 * pot.skin).item()):
+        if d_max > 0.5 * pot.skin:
             out = pot.maybe_migrate(out)  # collective: every rank has the same maxima
             self.n_collectives += 1
             self._replan(out, dt)
@@ -338,4 +384,5 @@ def steps_summary(stepper: CompiledDomainVerlet) -> dict:
             "graph_collectives_per_step": stepper.n_graph_collectives / n,
             "breaks_per_step": (stepper.n_exchanges + stepper.n_collectives) / n,
             "comm_s_per_step": stepper.comm_s / n,
-            "capacities": dict(stepper.caps.sizes or {})}
+            "capacities": dict(stepper.caps.sizes or {}),
+            "active_edges": stepper.n_active, "active_overflows": stepper.n_active_overflows}

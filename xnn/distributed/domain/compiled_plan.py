@@ -13,7 +13,11 @@ so that their shapes (and the compiled graphs) survive rebuilds:
 * send rows ``[cap_send]`` (the owned rows every peer needs, concatenated in peer order);
 * local edges ``[cap_edges]``: padding edges are self-edges shifted by one lattice vector of
   a fictitious local cell ``diag(L)`` with ``L`` beyond every reach, so they carry no weight
-  (real edges have zero shifts: their vectors are unchanged).
+  (real edges have zero shifts: their vectors are unchanged);
+* with a skin, the *active* edges ``[cap_active]``: inert edges of that kind, into which the
+  model region compacts the local edges shorter than the cutoff at the force call's
+  positions (:func:`xnn.dynamics.compiled.within_cutoff`), so the model's edge work is that
+  of the edges it weighs.
 
 Capacities grow geometrically when a rebuild overflows one (the only event that compiles).
 """
@@ -31,7 +35,7 @@ from xnn.distributed.domain.local import _SYSTEM_RESULTS
 from xnn.units import MVV2E
 
 #: capacity names, in the order of :attr:`PaddedPlan.capacities`
-CAPACITIES = ("owned", "recv", "send", "local", "edges")
+CAPACITIES = ("owned", "recv", "send", "local", "edges", "active")
 
 
 @dataclass
@@ -79,6 +83,7 @@ class PaddedPlan:
     fields: dict  # the local graph's fields but positions
     recv_buf: Tensor  # [cap_recv, 3] received ghost positions
     back_buf: Tensor  # [cap_send, 3] received ghost gradients, in send order
+    active: tuple = ()  # (edge_index [2, cap_active], shifts) inert; () without a filter
 
 
 def pad_rows(t: Tensor, n: int, value=0) -> Tensor:
@@ -97,18 +102,19 @@ def plan_counts(state) -> list[int]:
     :class:`~xnn.distributed.domain.state.DomainState`)."""
     dom = state.local
     return [dom.n_owned, dom.plan.n_recv, dom.plan.n_send, dom.n_local,
-            int(dom.edge_index.shape[1])]
+            int(dom.edge_index.shape[1]), dom.n_within]
 
 
 def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
-             fit: list[int] | None = None) -> PaddedPlan:
+             fit: list[int] | None = None, filters: bool = False) -> PaddedPlan:
     """Pad the arrays of ``state`` (a :class:`~xnn.distributed.domain.state.DomainState`)
     and its owned ``graph`` (same atoms, same order) to the (grown) capacities.
 
     ``pad_z``: atomic number of the padding atoms (one the model knows); ``reach``: Å, an
     upper bound of every length the model looks at (the padding edges are longer);
     ``fit``: the counts the capacities must hold (default: this rank's, :func:`plan_counts`;
-    the compiled step passes the maxima over the ranks, so that all ranks share capacities).
+    the compiled step passes the maxima over the ranks, so that all ranks share capacities);
+    ``filters``: make the inert active edges (the model region filters to the cutoff).
     """
     dom, dev, dtype = state.local, graph.positions.device, graph.positions.dtype
     plan = dom.plan
@@ -134,7 +140,17 @@ def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
         pad_rows(state.ref_positions.detach(), c["owned"]),
         pad_rows(migrated.detach(), c["owned"]), _local_fields(dom, graph, c, pad_z, reach),
         torch.zeros(c["recv"], 3, dtype=dtype, device=dev),
-        torch.zeros(c["send"], 3, dtype=dtype, device=dev))
+        torch.zeros(c["send"], 3, dtype=dtype, device=dev),
+        inert_edges(c["active"], c["local"], dev) if filters else ())
+
+
+def inert_edges(n: int, n_local: int, device) -> tuple[Tensor, Tensor]:
+    """``n`` padding edges of the local graph: self-edges of local atoms ``0, 1, ...`` in
+    turn, shifted by the first lattice vector of :func:`local_box` (beyond every reach)."""
+    atoms = torch.arange(n, device=device) % max(n_local, 1)
+    shifts = torch.zeros(n, 3, dtype=torch.long, device=device)
+    shifts[:, 0] = 1
+    return torch.stack([atoms, atoms]), shifts
 
 
 def _local_fields(dom, graph, c: dict, pad_z: int, reach: float) -> dict[str, Tensor]:
@@ -152,10 +168,8 @@ def _local_fields(dom, graph, c: dict, pad_z: int, reach: float) -> dict[str, Te
     fields[K.CELL] = local_box(reach, graph.positions)
     fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=dev)
     ei = dom.edge_index.to(dev)
-    n_pad = c["edges"] - ei.shape[1]
-    atoms = torch.arange(n_pad, device=dev) % c["local"]
-    fields[K.EDGE_INDEX] = torch.cat([ei, torch.stack([atoms, atoms])], 1)
-    shifts = torch.zeros(c["edges"], 3, dtype=torch.long, device=dev)
-    shifts[ei.shape[1]:, 0] = 1  # one fictitious lattice vector: |r| = L beyond every reach
-    fields[K.SHIFTS] = shifts
+    pad_ei, pad_sh = inert_edges(c["edges"] - ei.shape[1], c["local"], dev)
+    fields[K.EDGE_INDEX] = torch.cat([ei, pad_ei], 1)
+    fields[K.SHIFTS] = torch.cat([torch.zeros(ei.shape[1], 3, dtype=torch.long, device=dev),
+                                  pad_sh])
     return fields

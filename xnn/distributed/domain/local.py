@@ -43,6 +43,8 @@ class LocalDomain:
         ghost_fields: per-atom fields (numbers, ids, user fields...) of the remote ghosts,
             each ``[n_recv, ...]``, in ghost order (by peer, then image shift, then id).
         edge_index: ``[2, n_edges]`` local edges within ``cutoff + skin``.
+        n_within: how many of them were shorter than ``within`` (the model's cutoff) at the
+            build (0 when not counted): the compiled step's first guess of its active edges.
     """
 
     partition: Partition
@@ -52,6 +54,7 @@ class LocalDomain:
     plan: HaloPlan
     ghost_fields: dict[str, Tensor] = field(default_factory=dict)
     edge_index: Tensor | None = None
+    n_within: int = 0
 
     @property
     def n_owned(self) -> int:
@@ -132,7 +135,8 @@ def _receivers(extent: Tensor, part: Partition, x: Tensor, n_owned: int, width: 
 
 def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, halo_width: float,
                        edge_cutoff: float, group, backend: str,
-                       receiver_width: float | None = None) -> LocalDomain:
+                       receiver_width: float | None = None,
+                       within: float | None = None) -> LocalDomain:
     """Find this rank's ghosts by owner push, agree on the exchange plan, build local edges.
 
     Args:
@@ -144,6 +148,7 @@ def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, hal
             this distance (Å) of the owned region: the others' updates never reach an owned
             energy (with ``L`` interactions, ``(L - 1) * cutoff + skin``; 0 when ghost
             features are overwritten at sync points), so their edges are wasted work.
+        within: if given (Å), count the local edges shorter than it (``n_within``).
 
     Collective over ``group``; rank-local failures are agreed before any other collective.
     """
@@ -163,7 +168,15 @@ def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, hal
         if receiver_width is not None:
             keep = _receivers(extents[rank], part, x, graph.n_atoms, receiver_width)
             edge_index = edge_index[:, keep[edge_index[1]]]
-    return LocalDomain(part, extents, self_src, shifts, plan, ghosts, edge_index)
+        n_within = int(edges_within(edge_index, x, within).sum()) if within else 0
+    return LocalDomain(part, extents, self_src, shifts, plan, ghosts, edge_index, n_within)
+
+
+def edges_within(edge_index: Tensor, x: Tensor, cutoff: float) -> Tensor:
+    """``[n_edges]`` bool: the local edges (zero shifts) shorter than ``cutoff`` at ``x``."""
+    with torch.no_grad():
+        d = x.detach().index_select(0, edge_index[1]) - x.detach().index_select(0, edge_index[0])
+        return (d * d).sum(-1) < cutoff * cutoff
 
 
 def min_pair_distance(x: Tensor, dom: LocalDomain, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -182,8 +195,8 @@ def min_pair_distance(x: Tensor, dom: LocalDomain, ids: Tensor) -> tuple[Tensor,
 
 
 def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
-                owned_only: bool = False, extra: dict[str, Tensor] | None = None
-                ) -> AtomicGraph:
+                owned_only: bool = False, extra: dict[str, Tensor] | None = None,
+                cutoff: float | None = None) -> AtomicGraph:
     """The non-periodic graph of the local atoms (owned + ghosts) at explicit ``positions``.
 
     Per-atom fields are the owned ``graph``'s (for owned atoms and their images) and those
@@ -191,7 +204,10 @@ def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
     ``owned_only``: mark the graph so that models update only the owned atoms' features
     (``K.N_UPDATE``); the ghosts' features then come from the sync points' exchanges.
     ``extra``: further system fields (the long-range fields of
-    :func:`~xnn.distributed.domain.longrange.domain_fields`).
+    :func:`~xnn.distributed.domain.longrange.domain_fields`). ``cutoff``: keep only the
+    edges shorter than it at ``positions`` (a Verlet list with a skin holds longer ones,
+    which the model weighs zero; one host sync), as the one-process
+    :meth:`~xnn.models.Potential.model_graph` does.
     """
     fields = {name: dom.local_field(name, graph[name]) for name in dom.ghost_fields}
     for name, value in graph.fields.items():
@@ -205,8 +221,11 @@ def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
     if owned_only:
         fields[K.N_UPDATE] = torch.tensor([dom.n_owned], device=device)
     fields.update(extra or {})
-    fields[K.EDGE_INDEX] = dom.edge_index
-    fields[K.SHIFTS] = torch.zeros(dom.edge_index.shape[1], 3, dtype=torch.long, device=device)
+    edge_index = dom.edge_index
+    if cutoff is not None and edge_index.shape[1]:
+        edge_index = edge_index[:, edges_within(edge_index, positions, cutoff)]
+    fields[K.EDGE_INDEX] = edge_index
+    fields[K.SHIFTS] = torch.zeros(edge_index.shape[1], 3, dtype=torch.long, device=device)
     return AtomicGraph(fields, validate=False)
 
 

@@ -254,7 +254,7 @@ class DomainPotential:
         extents = self._extents(part, graph)
         local = build_local_domain(graph, part, extents, self.halo_width,
                                    self.cutoff + self.skin, self.group, self.backend,
-                                   self.receiver_width)
+                                   self.receiver_width, self.cutoff if self.skin > 0 else None)
         counters = counters or (self.state.counters if self.state else Counters())
         ref = graph.without_edges().replace(positions=graph.positions.detach().clone(),
                                             cell=graph.cell.detach().clone())
@@ -434,7 +434,8 @@ class DomainPotential:
             with C.guarded(self.group, "model evaluation"), \
                     swapped_sync_points(self.model, dom, tape, enabled=self.mode == "sync"), \
                     swapped_global_sums(self.long_range, self.group, tape):
-                energies = self.model(local_graph(graph, dom, x, self.mode == "sync", extra))
+                energies = self.model(local_graph(graph, dom, x, self.mode == "sync", extra,
+                                                  self.cutoff if self.skin > 0 else None))
                 energies = energies[: dom.n_owned]
             out = decomposed_results(energies, tape, strained, graph, forces, stress,
                                      training, self.group)

@@ -284,9 +284,8 @@ class Interaction(nn.Module):
         intermediates in backward instead of keeping them (cheap element-wise work).
         """
         w = self.radial(feats, recompute)
-        # triton: gather, product and scatter in one kernel (not in traced training: its
-        # double backward failed to trace there; the edge operators are used instead)
-        if self.tp.fuses_conv and not (self.training and graph_tracing()):
+        # triton: gather, product and scatter in one kernel
+        if self.tp.fuses_conv:
             return self.tp.conv(h_up, y, w, sender, receiver, n)
         m = self.tp(h_up.index_select(0, sender), y, w, recompute)
         return scatter_sum(m, receiver, n)

@@ -594,7 +594,7 @@ def tp_conv(w: Tensor, h: Tensor, m: Tensor, sender: Tensor, receiver: Tensor, n
     """
     if groups is None:
         groups = [w.shape[2], h.shape[2], 0]
-    return torch.ops.xnn.tp_conv(w, h, m, sender, receiver, int(n_out), list(groups))
+    return torch.ops.xnn.tp_conv(w, h, m, sender, receiver, n_out, list(groups))
 
 
 def tp_conv_backward(g: Tensor, w: Tensor, h: Tensor, m: Tensor, sender: Tensor,

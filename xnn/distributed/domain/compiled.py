@@ -43,7 +43,6 @@ Regions 1 and 3 are methods (``_first``, ``_last``) that
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -250,8 +249,7 @@ class CompiledDomainVerlet:
 
         p = self._plan
         sizes = dict(self.caps.sizes)
-        sizes["active"] = max(math.ceil(n * self.caps.headroom + 4.0 * math.sqrt(n))
-                              + self.caps.slack, math.ceil(sizes["active"] * self.caps.growth))
+        sizes["active"] = self.caps.grown(n, sizes["active"])
         self.caps.sizes = sizes
         p.caps = dict(sizes)
         p.active = inert_edges(sizes["active"], sizes["local"], p.src.device)

@@ -55,11 +55,14 @@ class Capacities:
         new = {}
         for name in CAPACITIES:
             n, cap = counts[name], old.get(name, 0)
-            new[name] = cap if n <= cap and cap > 0 else max(
-                math.ceil(n * self.headroom + 4.0 * math.sqrt(n)) + self.slack,
-                math.ceil(cap * self.growth), 1)
+            new[name] = cap if n <= cap and cap > 0 else self.grown(n, cap)
         self.sizes = new
         return new != old
+
+    def grown(self, n: int, cap: int) -> int:
+        """The capacity that replaces ``cap`` when it cannot hold ``n``."""
+        return max(math.ceil(n * self.headroom + 4.0 * math.sqrt(n)) + self.slack,
+                   math.ceil(cap * self.growth), 1)
 
 
 @dataclass

@@ -249,3 +249,17 @@ def test_save_load_round_trip(tmp_path):
         assert type(loaded) is type(model) and loaded.species == model.species
         a, b = xnn_results(model, atoms), xnn_results(loaded, atoms)
         torch.testing.assert_close(a[K.FORCES], b[K.FORCES], rtol=0, atol=0)
+
+
+def test_squared_lengths_equal_the_sum_and_differentiate_twice():
+    """The CPU form of |v|^2 (a matrix-vector product, torch's sum over a last dimension of 3
+    being slow there) gives the sum's values bitwise and its first and second derivatives."""
+    from xnn.models.base import squared_lengths
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        v = torch.randn(5000, 3, dtype=dtype, generator=gen)
+        assert torch.equal(squared_lengths(v), (v * v).sum(-1))
+    v = torch.randn(40, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: squared_lengths(t).sqrt(), (v,))
+    assert torch.autograd.gradgradcheck(lambda t: squared_lengths(t).sqrt(), (v,))

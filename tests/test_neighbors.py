@@ -518,6 +518,37 @@ def test_rowvec_matmul_per_system_products_equal_the_gather():
         torch.testing.assert_close(g_out, g_ref, rtol=1e-13, atol=1e-13)
 
 
+def test_rowvec_matmul_keeps_the_counts_of_a_key_until_it_or_the_batch_changes():
+    """With ``key`` (the edge index) the rows' system counts are read once per key; an
+    in-place change of the key or another batch counts again, so the result is never one
+    of stale counts."""
+    import xnn.data.graph as graph_module
+    from xnn.data.graph import rowvec_matmul
+
+    gen = torch.Generator().manual_seed(1)
+    mats = torch.randn(3, 3, 3, dtype=torch.float64, generator=gen)
+    batch = torch.tensor([0] * 4 + [1] * 3 + [2] * 5)
+    ei = torch.stack([torch.arange(12), torch.arange(12)])  # receivers sorted by system
+    x = torch.randn(12, 3, dtype=torch.float64, generator=gen)
+
+    def ref(rows, b):
+        return (x.unsqueeze(-1) * mats[b[rows]]).sum(-2)
+
+    for _ in range(3):
+        torch.testing.assert_close(rowvec_matmul(x, mats, batch, ei[1], key=ei),
+                                   ref(ei[1], batch), rtol=1e-14, atol=0)
+    assert graph_module._SEGMENTS[ei][4] == [4, 3, 5]
+    ei[1] = torch.tensor([0, 1, 2, 3, 0, 1, 2, 4, 5, 7, 8, 9])  # in place: counted again
+    torch.testing.assert_close(rowvec_matmul(x, mats, batch, ei[1], key=ei),
+                               ref(ei[1], batch), rtol=1e-14, atol=0)
+    assert graph_module._SEGMENTS[ei][4] == [7, 2, 3]
+    other = torch.tensor([0] * 2 + [1] * 8 + [2] * 2)  # another batch: counted again
+    ei[1] = torch.arange(12)
+    torch.testing.assert_close(rowvec_matmul(x, mats, other, ei[1], key=ei),
+                               ref(ei[1], other), rtol=1e-14, atol=0)
+    assert graph_module._SEGMENTS[ei][4] == [2, 8, 2]
+
+
 # ----------------------------------------------------------------------------- no overhead
 @pytest.mark.skipif("vesin" not in available_backends(), reason="vesin not installed")
 def test_vesin_shifts_keep_vesins_int32():

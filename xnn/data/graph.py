@@ -6,11 +6,13 @@ so that slicing, concatenation, device/dtype moves and migration are written onc
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from xnn.data import keys as K
 from xnn.errors import InputError
@@ -380,7 +382,8 @@ class AtomicGraph:
         vec = pos.index_select(0, j) - pos.index_select(0, i)
         shifts = self._fields.get(K.SHIFTS)
         if shifts is not None:
-            vec = vec + rowvec_matmul(shifts.to(pos.dtype), cell, self._fields[K.BATCH], i)
+            vec = vec + rowvec_matmul(shifts.to(pos.dtype), cell, self._fields[K.BATCH], i,
+                                      key=ei)
         return vec
 
     def wrapped(self) -> AtomicGraph:
@@ -390,22 +393,28 @@ class AtomicGraph:
         )
 
 
-def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = None) -> Tensor:
+def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = None,
+                  key: Tensor | None = None) -> Tensor:
     """``[M, 3]`` ``x[m] @ mats[batch[rows[m]]]`` for row vectors ``x [M, 3]``, ``mats [S, 3, 3]``.
 
     With one system this is one matrix product, whose backward is a GEMM reduction. The
     gathered form is kept for batches only: its backward (a scatter-add of ``[M, 3, 3]``
     onto ``S`` matrices) serializes on GPU atomics when all rows hit the same matrix,
     which made a 10k-atom stress evaluation ~100x slower than the model itself.
+
+    ``key``: a tensor that determines ``rows`` (the edge index of which ``rows`` is a row;
+    without ``rows``, ``batch`` is its own key): on the CPU the rows' system counts are kept
+    for it (and its version), so the calls of one evaluation (edge vectors, the filter,
+    their derivatives) count them once.
     """
     if mats.shape[0] == 1:
         return x @ mats[0]
-    idx = batch if rows is None else batch.index_select(0, rows)
-    counts = _cpu_segments(x, idx, mats.shape[0])
+    counts = _cpu_segments(x, batch, rows, mats.shape[0], key)
     if counts is not None:
         # rows grouped by matrix (edges of concatenated systems): one product per system,
         # the 64-cell batch then costs what one cell of as many atoms does
         return torch.cat([xs @ m for xs, m in zip(x.split(counts), mats.unbind(0))])
+    idx = batch if rows is None else batch.index_select(0, rows)
     # the three rows of each gathered matrix weighted by x, summed in the order of
     # sum(-2): the values of (x[..., None] * mats[idx]).sum(-2), without its [M, 3, 3]
     # product (and index_select's backward is an index_add, not an index_put)
@@ -414,17 +423,32 @@ def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = 
     return x0 * g0 + x1 * g1 + x2 * g2
 
 
-def _cpu_segments(x: Tensor, idx: Tensor, n_mats: int) -> list[int] | None:
-    """Row counts per matrix when ``idx`` is non-decreasing, on the CPU outside tracers
-    (where reading the data is free); else ``None`` (the gathered form is used)."""
+#: key tensor -> (its version, weakref of batch, batch's version, n_mats, counts or None)
+_SEGMENTS = WeakIdKeyDictionary()
+
+
+def _cpu_segments(x: Tensor, batch: Tensor, rows: Tensor | None, n_mats: int,
+                  key: Tensor | None) -> list[int] | None:
+    """Row counts per matrix when the rows' systems ``batch[rows]`` are non-decreasing, on
+    the CPU outside tracers (where reading the data is free); else ``None`` (the gathered
+    form is used). Kept per ``key`` (see :func:`rowvec_matmul`)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if x.device.type != "cpu" or idx.numel() == 0 or torch.compiler.is_compiling() \
-            or is_fake(x) or is_fake(idx):
+    if x.device.type != "cpu" or x.shape[0] == 0 or torch.compiler.is_compiling() \
+            or is_fake(x) or is_fake(batch) or (rows is not None and is_fake(rows)):
         return None
-    if bool((idx[1:] < idx[:-1]).any()):
-        return None
-    return torch.bincount(idx, minlength=n_mats).tolist()
+    key = batch if rows is None else key
+    if key is not None:
+        hit = _SEGMENTS.get(key)
+        if hit is not None and hit[0] == key._version and hit[1]() is batch \
+                and hit[2] == batch._version and hit[3] == n_mats:
+            return hit[4]
+    idx = batch if rows is None else batch.index_select(0, rows)
+    counts = None if bool((idx[1:] < idx[:-1]).any()) else \
+        torch.bincount(idx, minlength=n_mats).tolist()
+    if key is not None:
+        _SEGMENTS[key] = (key._version, weakref.ref(batch), batch._version, n_mats, counts)
+    return counts
 
 
 def complete_cell(cell: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import AtomisticModel
+from xnn.models.base import AtomisticModel, squared_lengths
 
 ElementKey = int | str
 PerElement = float | Mapping[ElementKey, float]
@@ -104,7 +104,7 @@ class PairPotential(AtomisticModel):
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV): ``E_i = 1/2 sum_j (u(r_ij) - u(r_c))``."""
         vec = graph.edge_vectors()
-        r2 = (vec * vec).sum(-1)
+        r2 = squared_lengths(vec)
         rc2 = self.cutoff * self.cutoff
         inside = r2 < rc2
         # outside the cutoff the distance is replaced by a constant: no value, no gradient

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import AtomisticModel, graph_tracing
+from xnn.models.base import AtomisticModel, graph_tracing, squared_lengths
 
 # an edge up to this relative distance beyond a term's cutoff is still handed to the term,
 # which ignores it itself (models contribute nothing at or beyond their cutoff): rounding
@@ -231,7 +231,7 @@ class Sum(AtomisticModel):
             return graph  # traced: no data-dependent shapes; the term masks by itself
         with torch.no_grad():
             vec = graph.edge_vectors()
-            keep = (vec * vec).sum(-1) < (cutoff * (1.0 + _MARGIN)) ** 2
+            keep = squared_lengths(vec) < (cutoff * (1.0 + _MARGIN)) ** 2
         if bool(keep.all()):
             return graph
         fields = {}

@@ -8,6 +8,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models.base import squared_lengths
 from xnn.models.derivatives import compute_properties
 from xnn.neighbors import VerletList
 
@@ -56,7 +57,7 @@ class Potential:
             return g
         with torch.no_grad():
             vec = g.edge_vectors(g.positions.detach())
-            keep = ((vec * vec).sum(-1) < self.neighbors.cutoff ** 2).nonzero().squeeze(1)
+            keep = (squared_lengths(vec) < self.neighbors.cutoff ** 2).nonzero().squeeze(1)
         return g.replace({K.EDGE_INDEX: g.edge_index.index_select(1, keep),
                           K.SHIFTS: g.shifts.index_select(0, keep)})
 

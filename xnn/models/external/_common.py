@@ -7,7 +7,7 @@ from torch import Tensor
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import graph_tracing
+from xnn.models.base import graph_tracing, squared_lengths
 
 
 def edges_within(graph: AtomicGraph, cutoff: float,
@@ -34,7 +34,7 @@ def edges_within(graph: AtomicGraph, cutoff: float,
     vec = graph.edge_vectors()
     if zero_beyond and graph_tracing():
         return graph.edge_index, graph.shifts, vec
-    keep = (vec.detach() * vec.detach()).sum(-1) < float(cutoff) ** 2
+    keep = squared_lengths(vec.detach()) < float(cutoff) ** 2
     if bool(keep.all()):
         return graph.edge_index, graph.shifts, vec
     idx = torch.nonzero(keep).flatten()

@@ -144,7 +144,7 @@ class MACEWrapper(AtomisticModel):
             cell = cell.detach().requires_grad_(True)
         receiver = edge_index[1]
         unit_shifts = -shifts.to(cell.dtype)  # MACE vector = pos[recv] - pos[send] + shift
-        cart_shifts = rowvec_matmul(unit_shifts, cell, graph.batch, receiver)
+        cart_shifts = rowvec_matmul(unit_shifts, cell, graph.batch, receiver, key=edge_index)
         index = self.z_to_index[graph.numbers]
         node_attrs = nn.functional.one_hot(index, len(self.species)).to(cell.dtype)
         n_sys = graph.n_systems

@@ -521,12 +521,8 @@ def test_cuda_graph_replay_of_a_triton_model_follows_eager():
     replay_follows_eager(model, tri.to(device="cuda", dtype=torch.float32))
 
 
-@pytest.mark.slow
-def test_compiled_training_keeps_the_operators(tmp_path):
-    """Compiled training (a symbolic ``make_fx`` trace, AOTAutograd's derivative of it: the
-    backward operator's own autograd formula) runs the fused convolution (its atom count a
-    symbol of the trace, not the traced batch's) and gives eager double backward's weight
-    gradients on a batch of another size than the trace's (~120 s on a CPU)."""
+def _compiled_training_follows_eager(tmp_path, device: str) -> None:
+    """Compiled training of a triton-backend model against eager double backward (fp64)."""
     from xnn.data.datasets import WithEdges, collate, read_structures
     from xnn.data.emt import write_emt
     from xnn.models import build
@@ -538,9 +534,9 @@ def test_compiled_training_keeps_the_operators(tmp_path):
     torch.manual_seed(0)
     model = build("equivariant", species=[29], cutoff=3.5, channels=4, l_max=2,
                   hidden_l_max=1, correlation=2, avg_num_neighbors=10.0,
-                  backend="triton").double()
+                  backend="triton").to(device=device, dtype=torch.float64)
     compiled = CompiledProperties(model, forces=True, stress=True, backend="aot_eager")
-    graph = collate([structures[0], structures[3]]).to(dtype=torch.float64)
+    graph = collate([structures[0], structures[3]]).to(device=device, dtype=torch.float64)
     out, ref = compiled(graph), compute_properties(model, graph, True, True, training=True)
     gm = compiled._variants[0][0].gm
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
@@ -552,6 +548,22 @@ def test_compiled_training_keeps_the_operators(tmp_path):
     assert scale > 0
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)
+
+
+@pytest.mark.slow
+def test_compiled_training_keeps_the_operators(tmp_path):
+    """Compiled training (a symbolic ``make_fx`` trace, AOTAutograd's derivative of it: the
+    backward operator's own autograd formula) runs the fused convolution (its atom count a
+    symbol of the trace, not the traced batch's) and gives eager double backward's weight
+    gradients on a batch of another size than the trace's (~120 s on a CPU)."""
+    _compiled_training_follows_eager(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_compiled_training_keeps_the_operators_cuda(tmp_path):
+    """The same on CUDA (the kernels, not the interpreter)."""
+    _compiled_training_follows_eager(tmp_path, "cuda")
 
 
 def test_exported_artefact_runs_the_reference_kernels():

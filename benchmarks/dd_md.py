@@ -32,6 +32,9 @@ Layouts, both measured in the same run:
   rank builds the whole system, keeps a whole-system Verlet list (its safety check), runs the
   integrator on all N atoms, evaluates the model on its share of the atoms (the same domain
   code, fixed ownership) and all-gathers the N forces every step.
+* ``domain_whole`` (not by default): ``domain`` with ``pot.filters = False``, the model given
+  the whole local Verlet list (``cutoff + skin``) instead of its edges within the cutoff;
+  ``filter_speedup`` is its step time over ``domain``'s.
 
 Per point: atoms held per rank (owned + ghost; max over steps and ranks), min/max owned,
 migrations, per-rank peak memory (RSS high-water mark ``ru_maxrss``, absolute and minus the
@@ -61,7 +64,7 @@ except ImportError:  # run as `python benchmarks/dd_md.py` / `torchrun benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.common import write_json
 
-LAYOUTS = ("domain", "replicated", "compiled")
+LAYOUTS = ("domain", "replicated", "compiled", "domain_whole")
 AR = {"symbol": "Ar", "a": 5.26, "mass": 39.948}  # LJ argon near its 0 K lattice constant
 CU = {"symbol": "Cu", "a": 3.61, "mass": 63.546}
 
@@ -73,7 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="lj", choices=("lj", "equivariant", "mace"))
     p.add_argument("--sizes", default="4000", help="comma list of target atom counts")
     p.add_argument("--ranks", default="1,2,4,8", help="comma list of rank counts")
-    p.add_argument("--layouts", default="domain,replicated", help="domain, replicated")
+    p.add_argument("--layouts", default="domain,replicated",
+                   help="domain, replicated, domain_whole (domain with the model given the "
+                        "whole local Verlet list: no filter to the cutoff)")
     p.add_argument("--replicated-max-atoms", type=int, default=None,
                    help="skip the replicated layout above this many atoms (memory)")
     p.add_argument("--steps", type=int, default=20, help="timed MD steps")
@@ -242,9 +247,10 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
     base = peak_bytes(device)
     model = build_model(args, device, dtype)
     t0 = time.perf_counter()
-    if layout in ("domain", "compiled"):
+    if layout in ("domain", "compiled", "domain_whole"):
         pot = DomainPotential(model, manager, skin=args.skin,
                               mode="halo" if layout == "compiled" else "auto")
+        pot.filters = pot.filters and layout != "domain_whole"
         graph = crystal(n_atoms, args.model, dtype).to(device) if manager.is_main else None
         owned = pot.scatter(graph)
         del graph
@@ -268,8 +274,8 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
         step, compiled = _compiled_step(pot, args, device)
         state, done = step(state), 1  # the first step compiles
         compiled["first_step_s"] = time.perf_counter() - compiled.pop("t0")
-    state, step_s, held = _md(state, pot, reduce, args, device, layout == "domain", stats,
-                              step, done)
+    state, step_s, held = _md(state, pot, reduce, args, device,
+                              layout in ("domain", "domain_whole"), stats, step, done)
     e1 = float(nve.conserved(state, reduce))
     st = stats()
     if layout == "compiled":
@@ -430,6 +436,10 @@ def ratios(rows: list[dict]) -> list[dict]:
                     and q["layout"] == "domain" and q["ranks"] == r["ranks"]), None)
         if dom is not None and r["layout"] == "compiled":
             d["speedup_vs_eager_domain"] = dom["step_s"] / r["step_s"]
+            d["conserved_end_diff_vs_domain_eV"] = abs(r["conserved_end_eV"]
+                                                      - dom["conserved_end_eV"])
+        if dom is not None and r["layout"] == "domain_whole":
+            d["filter_speedup"] = r["step_s"] / dom["step_s"]  # whole list over filtered
             d["conserved_end_diff_vs_domain_eV"] = abs(r["conserved_end_eV"]
                                                       - dom["conserved_end_eV"])
         if rep is not None and r["layout"] == "domain":

@@ -15,6 +15,11 @@ largest position and force differences from the eager trajectory after the first
 and after all steps (checked in the same run; chaotic growth of rounding makes the
 latter grow with the steps in fp32).
 
+``--unfiltered`` also times, in the same blocks, the eager and compiled steps that give the
+model the whole Verlet list (``cutoff + skin``), as before the steps filtered it to the
+cutoff: ``filter_speedup_eager`` and ``filter_speedup_compiled`` are their times over the
+filtered steps' (and the unfiltered trajectories are checked against the filtered ones).
+
 Usage::
 
     python benchmarks/md_compiled.py --json benchmarks/results/md_compiled_cpu.json
@@ -55,6 +60,14 @@ ENSEMBLE_ARGS = {"nve": {}, "langevin": dict(temperature=300.0, friction=0.01, s
                  "nhc": dict(temperature=300.0, tau=50.0)}
 
 
+class WholeList(Potential):
+    """A :class:`~xnn.models.Potential` whose model sees the whole Verlet list (no filter to
+    the cutoff): the eager step as it was before the filter."""
+
+    def model_graph(self, graph: AtomicGraph) -> AtomicGraph:
+        return self.neighbors(graph)
+
+
 def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -75,7 +88,8 @@ def _diffs(eager, compiled) -> tuple[float, float]:
 
 def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: int = 3,
                    backend: str = "inductor", ensemble: str = "nve",
-                   cuda_graph: bool | None = None, kernel_backend: str = "reference") -> dict:
+                   cuda_graph: bool | None = None, kernel_backend: str = "reference",
+                   unfiltered: bool = False) -> dict:
     """One row: eager, compiled (and CUDA-graph) steps of ``name`` on ~``n_atoms`` Cu atoms.
 
     Args:
@@ -85,6 +99,8 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
             (``model.backend``: ``reference``, ``cueq`` or ``triton``); the eager baseline
             keeps the reference, and with another backend the eager step with that backend
             is timed too.
+        unfiltered: time the eager and compiled steps without the filter to the cutoff too
+            (the compiled one with the kernel backend).
     """
     device = torch.device(device)
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -111,6 +127,12 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
     integ_g = (CompiledIntegrator(ensemble, pg, backend=backend, cuda_graph=True)
                if cuda_graph else None)
 
+    pu = WholeList(model, skin=1.0) if unfiltered else None
+    pcu = Potential(copy.deepcopy(model_c), skin=1.0) if unfiltered else None
+    integ_u = CompiledIntegrator(ensemble, pcu, backend=backend) if unfiltered else None
+    if unfiltered:
+        integ_u.stepper.filters = False  # the model sees the padded whole list
+
     def eager_step(s):
         return mod.step(s, pe, DT)
 
@@ -126,8 +148,15 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
     if cuda_graph:  # compile, two warm-up calls, then the capture
         sg = mod.init(g, pg, **ENSEMBLE_ARGS[ensemble])
         sg, capture = _timed(lambda s: integ_g.step(s, pg, DT), sg, 4, device)
+    su = scu = None
+    if unfiltered:
+        su = mod.init(g, pu, **ENSEMBLE_ARGS[ensemble])
+        scu = mod.init(g, pcu, **ENSEMBLE_ARGS[ensemble])
+        su = _timed(lambda s: mod.step(s, pu, DT), su, 3, device)[0]
+        scu = _timed(lambda s: integ_u.step(s, pcu, DT), scu, 3, device)[0]
     compiles, graphs = stepper.n_compiles, _graphs()
-    t = {"eager": 0.0, "compiled": 0.0, "cuda_graph": 0.0, "eager_kernel": 0.0}
+    t = {"eager": 0.0, "compiled": 0.0, "cuda_graph": 0.0, "eager_kernel": 0.0,
+         "eager_unfiltered": 0.0, "compiled_unfiltered": 0.0}
     sk = mod.init(se.graph, pk, **ENSEMBLE_ARGS[ensemble]) if pk is not None else None
     per_block = max(1, steps // blocks)
     for _ in range(blocks):
@@ -141,6 +170,11 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         if cuda_graph:
             sg, dt_g = _timed(lambda s: integ_g.step(s, pg, DT), sg, per_block, device)
             t["cuda_graph"] += dt_g
+        if unfiltered:
+            su, dt_u = _timed(lambda s: mod.step(s, pu, DT), su, per_block, device)
+            scu, dt_cu = _timed(lambda s: integ_u.step(s, pcu, DT), scu, per_block, device)
+            t["eager_unfiltered"] += dt_u
+            t["compiled_unfiltered"] += dt_cu
     recompiles, new_graphs = stepper.n_compiles - compiles, _graphs() - graphs
     while se.step < sc.step:  # the eager trajectory to the same step, untimed
         se = eager_step(se)
@@ -158,6 +192,17 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         "first_step_position_diff_A": first_diffs[0], "first_step_force_diff_eV_A": first_diffs[1],
         "max_position_diff_A": pos, "max_force_diff_eV_A": force,
     }
+    if unfiltered:
+        while su.step < se.step:
+            su = mod.step(su, pu, DT)
+        row.update(eager_unfiltered_s_per_step=t["eager_unfiltered"] / n,
+                   compiled_unfiltered_s_per_step=t["compiled_unfiltered"] / n,
+                   filter_speedup_eager=t["eager_unfiltered"] / t["eager"],
+                   filter_speedup_compiled=t["compiled_unfiltered"] / t["compiled"],
+                   unfiltered_list_edges=int(integ_u.stepper._edges[0].shape[1]),
+                   unfiltered_eager_position_diff_A=_diffs(se, su)[0],
+                   unfiltered_compiled_position_diff_A=_diffs(scu, sc)[0]
+                   if scu.step == sc.step else None)
     if sk is not None:
         row.update(eager_kernel_s_per_step=t["eager_kernel"] / n,
                    speedup_eager_kernel=t["eager"] / t["eager_kernel"])
@@ -186,6 +231,8 @@ def main(argv=None) -> int:
                    help="comma-separated model.backend values of the compiled step")
     p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: skip the graph replay")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--unfiltered", action="store_true",
+                   help="also time the steps that give the model the whole Verlet list")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,7 +244,7 @@ def main(argv=None) -> int:
             rows.append(bench_compiled(name, args.n_atoms, args.steps, device, dtype,
                                        backend=args.backend, ensemble=ensemble,
                                        cuda_graph=False if args.no_cuda_graph else None,
-                                       kernel_backend=kb))
+                                       kernel_backend=kb, unfiltered=args.unfiltered))
             print(rows[-1], flush=True)
             write_json(args.json, {"benchmark": "md_compiled", "dtype": args.dtype,
                                    "dt_fs": DT, "results": rows}, device=str(device))

@@ -153,7 +153,7 @@ class CompiledDomainVerlet:
         self.backend = backend
         self.caps = Capacities(float(growth), float(headroom), int(slack))
         #: filter the local edges to the cutoff in the model region (with a skin)
-        self.filters = potential.skin > 0.0
+        self.filters = potential.filters
         self.n_active = 0  # largest count over the ranks of edges within the cutoff, last step
         self.n_active_overflows = 0  # steps repeated at a grown active capacity
         self.n_compiles = self.n_replans = self.n_steps = 0

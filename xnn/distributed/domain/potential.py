@@ -157,6 +157,9 @@ class DomainPotential:
         self.group, self.device = resolve_group(manager_or_group)
         self.grid = parse_grid(grid)
         self.skin, self.mode, self.backend, self.cutoff = float(skin), mode, backend, cutoff
+        #: with a skin the model sees the local edges within the cutoff only (the others it
+        #: weighs zero): less edge work for the same result (False: the whole list)
+        self.filters = self.skin > 0
         depth = 1 if mode == "sync" else hops
         reach = cutoff * depth
         if mode == "halo":  # a declared receptive field (e.g. D3's cutoff + cn_cutoff,
@@ -254,7 +257,7 @@ class DomainPotential:
         extents = self._extents(part, graph)
         local = build_local_domain(graph, part, extents, self.halo_width,
                                    self.cutoff + self.skin, self.group, self.backend,
-                                   self.receiver_width, self.cutoff if self.skin > 0 else None)
+                                   self.receiver_width, self.cutoff if self.filters else None)
         counters = counters or (self.state.counters if self.state else Counters())
         ref = graph.without_edges().replace(positions=graph.positions.detach().clone(),
                                             cell=graph.cell.detach().clone())
@@ -435,7 +438,7 @@ class DomainPotential:
                     swapped_sync_points(self.model, dom, tape, enabled=self.mode == "sync"), \
                     swapped_global_sums(self.long_range, self.group, tape):
                 energies = self.model(local_graph(graph, dom, x, self.mode == "sync", extra,
-                                                  self.cutoff if self.skin > 0 else None))
+                                                  self.cutoff if self.filters else None))
                 energies = energies[: dom.n_owned]
             out = decomposed_results(energies, tape, strained, graph, forces, stress,
                                      training, self.group)

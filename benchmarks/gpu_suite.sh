@@ -9,9 +9,10 @@
 # PART 8: issue 20 leftovers of session 11 (neighbor-list host overhead, peers' compiled steps).
 # PART 9: model.backend=triton on 1 GPU: its CUDA tests, the fused operator against the
 #         reference, kernel backends, compiled MD steps with it.
-# PART 10: still to measure (sessions 14-15): the compiled and eager steps with the Verlet list
-#         filtered to the cutoff, compiled training through the fused convolution, peers with
-#         the filter (1 GPU; the peers need the big wheels, the rest the small set).
+# PARTS 10-12: still to measure (sessions 14-15), one device call each (1 GPU): the GPU tests
+#         of compiled training through the fused convolution (10), the steps with the Verlet
+#         list filtered to the cutoff against the whole list (11), the peers with the filter
+#         (12; they need the big wheels, 10 and 11 the small set).
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -121,9 +122,13 @@ PY
     # in compiled training (491ef65), then the peers (MACE and the batched cells)
   step 240 triton_gpu_tests python3 -m pytest -q -m gpu tests/test_triton_tp.py tests/test_compiled_cuda.py \
       -k "compiled_training or cuda_graph or model_triton or replay" -p no:cacheprovider -rA
-  step 300 md_compiled_filter python3 benchmarks/md_compiled.py --device cuda --dtype float32 \
+  ;;
+11)
+  step 500 md_compiled_filter python3 benchmarks/md_compiled.py --device cuda --dtype float32 \
       --models equivariant --ensembles nve --kernel-backends reference,triton --n-atoms 10000 \
-      --steps 20 --json "$OUT/md_compiled_filter_h200.json"
+      --steps 20 --unfiltered --json "$OUT/md_compiled_filter_h200.json"
+  ;;
+12)
   step 400 peers_filter python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
       --batched 64x100 --steps 9 --budget-s 120 --frameworks xnn,xnn_step_graph,torch_sim \
       --cueq --json "$OUT/peers_filter_h200.json"

@@ -46,6 +46,7 @@ from xnn.data.graph import AtomicGraph
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState, check_timestep, free_mask
 from xnn.errors import InputError
+from xnn.models.base import squared_lengths
 from xnn.units import MVV2E
 
 #: ``torch.compile`` backend of :class:`CompiledNVE` (the one ``md.compile`` uses)
@@ -191,7 +192,7 @@ class CompiledVerlet:
         self.n_rebuilds += 1
         if self.filters:
             vec = g.edge_vectors(positions.detach())
-            self._grow_active(graph, int(((vec * vec).sum(-1) < nl.cutoff ** 2).sum()))
+            self._grow_active(graph, int((squared_lengths(vec) < nl.cutoff ** 2).sum()))
 
     def _grow_active(self, graph: AtomicGraph, n: int) -> None:
         """The inert edges of an active capacity of at least ``n`` edges (grown as the

@@ -235,13 +235,9 @@ class CompiledDomainVerlet:
         counts = torch.tensor(plan_counts(pot.state), dtype=torch.float64, device=g.device)
         fit = [int(n) for n in C.all_reduce_max(counts, pot.group).tolist()]
         self.n_collectives += 1
-        self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, self._reach(), fit,
-                              self.filters)
+        self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, 2.0 * pot.halo_width
+                              + 2.0 * pot.cutoff, fit, self.filters)
         self.n_replans += 1
-
-    def _reach(self) -> float:
-        """Å beyond every length the model looks at (the padding edges are longer)."""
-        return 2.0 * self.potential.halo_width + 2.0 * self.potential.cutoff
 
     def _grow_active(self, n: int) -> None:
         """Grow the active capacity (shared by the ranks) to hold ``n`` edges."""

@@ -22,6 +22,7 @@ from xnn.distributed import collectives as C
 from xnn.distributed.domain.halo import HaloPlan, halo_exchange
 from xnn.distributed.domain.partition import Partition, sorted_images
 from xnn.distributed.domain.transport import exchange_packed, layout_of, pack, unpack
+from xnn.models.base import squared_lengths
 from xnn.neighbors import neighbor_list
 
 #: per-step or recomputed fields that do not travel with ghosts (positions travel per call)
@@ -176,7 +177,7 @@ def edges_within(edge_index: Tensor, x: Tensor, cutoff: float) -> Tensor:
     """``[n_edges]`` bool: the local edges (zero shifts) shorter than ``cutoff`` at ``x``."""
     with torch.no_grad():
         d = x.detach().index_select(0, edge_index[1]) - x.detach().index_select(0, edge_index[0])
-        return (d * d).sum(-1) < cutoff * cutoff
+        return squared_lengths(d) < cutoff * cutoff
 
 
 def min_pair_distance(x: Tensor, dom: LocalDomain, ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -9,10 +9,12 @@
 # PART 8: issue 20 leftovers of session 11 (neighbor-list host overhead, peers' compiled steps).
 # PART 9: model.backend=triton on 1 GPU: its CUDA tests, the fused operator against the
 #         reference, kernel backends, compiled MD steps with it.
-# PARTS 10-12: still to measure (sessions 14-15), one device call each (1 GPU): the GPU tests
-#         of compiled training through the fused convolution (10), the steps with the Verlet
-#         list filtered to the cutoff against the whole list (11), the peers with the filter
-#         (12; they need the big wheels, 10 and 11 the small set).
+# PARTS 10-12: one device call each (1 GPU): the GPU tests of compiled training through the
+#         fused convolution (10), the steps with the Verlet list filtered to the cutoff
+#         against the whole list (11), the peers with the filter (12; they need the big
+#         wheels, 10 and 11 the small set). Session 16 ran 11 with the reference kernels
+#         and 12; still to run: 10 (after the symbolic-width fix) and 11's triton half
+#         (KB=triton). pytest's plugin autoload is off: hydra's (in the big wheels) fails.
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -120,12 +122,13 @@ PY
   ;;
 10) # the filtered Verlet list (3bc5d57 one process, d83ae58 decomposed), the fused convolution
     # in compiled training (491ef65), then the peers (MACE and the batched cells)
-  step 240 triton_gpu_tests python3 -m pytest -q -m gpu tests/test_triton_tp.py tests/test_compiled_cuda.py \
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 500 triton_gpu_tests python3 -m pytest -q -m gpu tests/test_triton_tp.py tests/test_compiled_cuda.py \
       -k "compiled_training or cuda_graph or model_triton or replay" -p no:cacheprovider -rA
   ;;
 11)
   step 500 md_compiled_filter python3 benchmarks/md_compiled.py --device cuda --dtype float32 \
-      --models equivariant --ensembles nve --kernel-backends reference,triton --n-atoms 10000 \
+      --models equivariant --ensembles nve --kernel-backends "${KB:-reference,triton}" --n-atoms 10000 \
       --steps 20 --unfiltered --json "$OUT/md_compiled_filter_h200.json"
   ;;
 12)

@@ -518,6 +518,24 @@ def test_rowvec_matmul_per_system_products_equal_the_gather():
         torch.testing.assert_close(g_out, g_ref, rtol=1e-13, atol=1e-13)
 
 
+def test_rowvec_matmul_per_system_product_differentiates_twice():
+    """The per-system product (one output, no concatenation) has first and second
+    derivatives in x and in the matrices equal to finite differences, with a system of
+    no rows among them (forces' training differentiates the edge vectors twice)."""
+    from xnn.data.graph import _SegmentProduct
+
+    gen = torch.Generator().manual_seed(2)
+    counts = [4, 0, 3, 5]
+    x = torch.randn(12, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    mats = torch.randn(4, 3, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    fn = lambda a, m: _SegmentProduct.apply(a, m, counts)  # noqa: E731
+    idx = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    torch.testing.assert_close(fn(x, mats), (x.unsqueeze(-1) * mats[idx]).sum(-2),
+                               rtol=1e-14, atol=1e-14)
+    assert torch.autograd.gradcheck(fn, (x, mats))
+    assert torch.autograd.gradgradcheck(fn, (x, mats))
+
+
 def test_rowvec_matmul_keeps_the_counts_of_a_key_until_it_or_the_batch_changes():
     """With ``key`` (the edge index) the rows' system counts are read once per key; an
     in-place change of the key or another batch counts again, so the result is never one

@@ -315,6 +315,54 @@ def test_fused_conv_gradcheck():
                                         (w, h, m), fast_mode=True)
 
 
+def test_symbolic_trace_on_cuda_keeps_the_edge_count_symbolic():
+    """Under a dynamic-shape trace (compiled training: ``torch.compile(dynamic=True)``) of
+    fake CUDA tensors, the kernels' launches specialize the channel and output widths (the
+    model's constants) and leave the edge and atom counts symbolic. Reading the tiling off
+    the symbols instead built guards of nested bit operations that sympy took minutes to
+    simplify (the CUDA compiled-training test ran past its limit on an H200)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    groups, (e, n, c, k) = [3, 3, 0], (50, 10, 16, 5)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+
+    def fake(*shape, dtype=torch.float32):
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * len(shape))
+        t = mode.from_tensor(torch.empty(shape, dtype=dtype, device="meta"),
+                             symbolic_context=ctx)
+        t.fake_device = torch.device("cuda", 0)  # the kernel path, without a GPU
+        return t
+
+    w, h, m, g = fake(e, c, 3), fake(n, c, 3), fake(e, 9, k), fake(n, c, k)
+    snd, rcv = fake(e, dtype=torch.int64), fake(e, dtype=torch.int64)
+    sym_c, sym_k = str(w.shape[1].node.expr), str(m.shape[2].node.expr)
+    symbols = {str(w.shape[0].node.expr), str(h.shape[0].node.expr)}  # E, N
+
+    def fn(w, h, m, g, snd, rcv):
+        out = triton_tp.tp_conv(w, h, m, snd, rcv, h.shape[0], groups)
+        grads = triton_tp.tp_conv_backward(g, w, h, m, snd, rcv, groups)
+        return out, *grads, triton_tp.weighted_bmm(w, h.index_select(0, snd), m, groups)
+
+    with mode:
+        gm = make_fx(fn)(w, h, m, g, snd, rcv)
+        assert any(node.target is torch.ops.xnn.tp_conv.default for node in gm.graph.nodes)
+        outs = fn(w, h, m, g, snd, rcv)
+    guards = [str(guard.expr) for guard in env.guards]
+    assert not any("Bitwise" in x for x in guards), guards
+    assert f"Eq({sym_c}, {c})" in guards  # channels: specialized
+    assert f"Eq({sym_k}, {k})" in guards  # output width: specialized
+    assert all(isinstance(o.shape[0], torch.SymInt) for o in outs)  # E and N: symbolic
+    assert not any(x.startswith("Eq(") and x.split(",")[0][3:] in symbols
+                   and x.split(", ")[1].rstrip(")").isdigit() for x in guards), guards
+
+
 def test_cpu_without_interpreter_runs_the_reference_formula(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     w, x, m = _inputs(11, 4, 3, 3, 9, torch.float64)

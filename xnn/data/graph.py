@@ -413,7 +413,7 @@ def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = 
     if counts is not None:
         # rows grouped by matrix (edges of concatenated systems): one product per system,
         # the 64-cell batch then costs what one cell of as many atoms does
-        return torch.cat([xs @ m for xs, m in zip(x.split(counts), mats.unbind(0))])
+        return _SegmentProduct.apply(x, mats, counts)
     idx = batch if rows is None else batch.index_select(0, rows)
     # the three rows of each gathered matrix weighted by x, summed in the order of
     # sum(-2): the values of (x[..., None] * mats[idx]).sum(-2), without its [M, 3, 3]
@@ -421,6 +421,36 @@ def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = 
     g0, g1, g2 = mats.reshape(-1, 9).index_select(0, idx).view(-1, 3, 3).unbind(1)
     x0, x1, x2 = x.unsqueeze(-1).unbind(1)
     return x0 * g0 + x1 * g1 + x2 * g2
+
+
+class _SegmentProduct(torch.autograd.Function):
+    """``x[rows of system s] @ mats[s]`` for rows grouped by system (``counts`` rows each):
+    one product per system written into one output (no ``torch.cat`` copy of the rows).
+    Its backward is the same product with the transposed matrices (so it differentiates
+    again, for forces' training) and one ``[3, M_s] @ [M_s, 3]`` reduction per matrix."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mats: Tensor, counts: list[int]) -> Tensor:
+        ctx.save_for_backward(x, mats)
+        ctx.counts = counts
+        out = x.new_empty(x.shape[0], mats.shape[-1])
+        start = 0
+        for n, m in zip(counts, mats.unbind(0)):
+            if n:
+                torch.mm(x.narrow(0, start, n), m, out=out.narrow(0, start, n))
+            start += n
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, mats = ctx.saved_tensors
+        gx = gm = None
+        if ctx.needs_input_grad[0]:
+            gx = _SegmentProduct.apply(grad, mats.transpose(1, 2), ctx.counts)
+        if ctx.needs_input_grad[1]:
+            gm = torch.stack([xs.T @ gs for xs, gs in
+                              zip(x.split(ctx.counts), grad.split(ctx.counts))])
+        return gx, gm, None
 
 
 #: key tensor -> (its version, weakref of batch, batch's version, n_mats, counts or None)

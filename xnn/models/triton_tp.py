@@ -345,7 +345,9 @@ def forward(w: Tensor, x: Tensor, m: Tensor, groups: list[int] | None = None,
         ``[E, C, K]`` or ``[n_out, C, K]`` (contiguous, dtype of the inputs).
     """
     grp = _groups(w, x, m, groups, gathered=x_index is not None)
-    (e, c), k = w.shape[:2], m.shape[2]
+    # the channel and output widths are the model's constants: concrete under a dynamic-shape
+    # trace (compiled training), where the tiling's bit arithmetic on symbols blows up sympy
+    e, c, k = w.shape[0], int(w.shape[1]), int(m.shape[2])
     for index, what in ((x_index, "x_index"), (out_index, "out_index")):
         if index is not None:
             _check_index(index, e, what)
@@ -396,6 +398,7 @@ def backward(g: Tensor, w: Tensor, x: Tensor, m: Tensor, groups: list[int] | Non
     """
     grp = _groups(w, x, m, groups, gathered=x_index is not None)
     (e, c, n_paths), (nx, _, dx), (_, rows, k) = w.shape, x.shape, m.shape
+    c, k, dx = int(c), int(k), int(dx)  # the model's constants (see forward)
     n_g = g.shape[0] if g_index is not None else e
     if g.shape != (n_g, c, k) or g.dtype != w.dtype:
         raise ValueError(f"weighted_bmm_backward: gradient {tuple(g.shape)} {g.dtype} for an "

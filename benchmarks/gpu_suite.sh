@@ -15,6 +15,7 @@
 #         wheels, 10 and 11 the small set). Session 16 ran 11 with the reference kernels
 #         and 12; still to run: 10 (after the symbolic-width fix) and 11's triton half
 #         (KB=triton). pytest's plugin autoload is off: hydra's (in the big wheels) fails.
+#         Session 17 ran 10 and 11 (KB=triton), then 13 and 14 (big wheels).
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -135,5 +136,27 @@ PY
   step 400 peers_filter python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
       --batched 64x100 --steps 9 --budget-s 120 --frameworks xnn,xnn_step_graph,torch_sim \
       --cueq --json "$OUT/peers_filter_h200.json"
+  ;;
+13) # big wheels: the mace wrapper's cueq check, where the MACE step's time goes (kernel time
+    # against wall time), nvalchemi (goal 1.3x) with the filtered list
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 120 mace_cueq_test python3 -m pytest -q -m gpu tests/test_kernel_backends.py -k mace_wrapper \
+      -p no:cacheprovider -p no:logging --tb=long
+  step 150 profile_mace_cueq python3 benchmarks/profile_compiled_step.py --model mace --kernel-backend cueq \
+      --atoms 10000 --device cuda --rows 40
+  step 280 peers_nvalchemi python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
+      --batched none --models mace --steps 9 --budget-s 100 --frameworks xnn_step_graph,torch_sim,nvalchemi \
+      --cueq --json "$OUT/peers_nvalchemi_filter_h200.json"
+  ;;
+14) # big wheels: the mace wrapper's cueq check after the species-table fix, the MACE profile
+    # with whole kernel names, MACE at 10k against torch-sim with the eager force reference
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 120 mace_cueq_test python3 -m pytest -q -m gpu tests/test_kernel_backends.py -k mace_wrapper \
+      -p no:cacheprovider -p no:logging -rA
+  step 150 profile_mace_cueq python3 benchmarks/profile_compiled_step.py --model mace --kernel-backend cueq \
+      --atoms 10000 --device cuda --rows 25
+  step 300 peers_mace python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
+      --batched none --models mace --steps 9 --budget-s 100 --frameworks xnn,xnn_step_graph,torch_sim \
+      --cueq --json "$OUT/peers_mace_h200.json"
   ;;
 esac

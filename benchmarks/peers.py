@@ -279,6 +279,8 @@ def parse(argv):
         set(a.models) - {"mace", "equivariant"})
     if unknown:
         p.error(f"unknown framework/model {unknown}")
+    if "xnn" not in a.frameworks:  # the force reference: without it no ratio counts
+        a.frameworks.append("xnn")
     a.frameworks.sort(key=lambda f: f != "xnn")  # xnn first: the force reference
     a.compile_cases = {x for x in a.compile_cases.split(",") if x}
     a.steps = a.steps or (2 if a.quick else 12)

@@ -1,6 +1,8 @@
 """Where the compiled MD step's time goes: a torch.profiler table (CUDA kernels) of the
 ``md.compile=true`` NVE step (inductor; ``--eager``: the plain step) of the ``equivariant``
-model on rattled FCC Cu.
+model (``--model mace``: the MACE of ``benchmarks/peers.py``, r_c 6 Å) on rattled FCC Cu.
+After the table: the wall time per step and the CUDA kernels' summed time per step (their
+ratio says how much of the step the GPU is busy; the rest is launch or host time).
 
 A diagnostic, not a benchmark (no JSON). The H200 table at 10,976 atoms, fp32, is
 ``results/profile_compiled_equivariant_10k_h200.txt``::
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--kernel-backend", default="reference",
                    choices=("reference", "cueq", "triton"))
+    p.add_argument("--model", default="equivariant", choices=("equivariant", "mace"))
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--eager", action="store_true", help="profile the eager step instead")
     a = p.parse_args(argv)
@@ -41,8 +45,14 @@ def main(argv=None) -> int:
                                 dtype=dt, device=dev)
     g = maxwell_boltzmann(g, 300.0, seed=0)
     torch.manual_seed(0)
-    model = build("equivariant", species=[29], cutoff=5.0).to(device=dev, dtype=dt).eval()
-    model.set_backend(a.kernel_backend)
+    if a.model == "mace":
+        from benchmarks.peers_frameworks import base_model
+
+        model = build("mace", model=base_model("mace"), backend=a.kernel_backend)
+    else:
+        model = build("equivariant", species=[29], cutoff=5.0)
+        model.set_backend(a.kernel_backend)
+    model = model.to(device=dev, dtype=dt).eval()
     pot = Potential(model, skin=1.0)
     integ = None if a.eager else CompiledIntegrator("nve", pot, backend="inductor")
     step = (lambda s: nve.step(s, pot, 2.0)) if a.eager else (lambda s: integ.step(s, pot, 2.0))
@@ -51,12 +61,25 @@ def main(argv=None) -> int:
         state = step(state)
     synchronize(dev)
     acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
+    t0, n = time.perf_counter(), 5
+    for _ in range(n):
+        state = step(state)
+    synchronize(dev)
+    wall = (time.perf_counter() - t0) / n
     with profile(activities=acts) as prof:
         for _ in range(3):
             state = step(state)
         synchronize(dev)
     key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=90))
+    events = prof.key_averages()
+    print(events.table(sort_by=key, row_limit=a.rows, max_name_column_width=160))
+    if dev.type == "cuda":  # kernels only: device-side events (no CPU time of their own)
+        busy = sum(e.self_device_time_total for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA) / 3e6
+        print(f"wall {wall * 1e3:.2f} ms/step; CUDA kernels {busy * 1e3:.2f} ms/step "
+              f"({busy / wall:.0%} busy)")
+    else:
+        print(f"wall {wall * 1e3:.2f} ms/step")
     return 0
 
 

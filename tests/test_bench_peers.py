@@ -81,3 +81,10 @@ def test_compiled_step_forces_are_checked(tmp_path, one_thread, monkeypatch):
     assert r["ensemble"].startswith("Langevin") and "compiled MD step" in r["ensemble"]
     assert r["atom_steps_per_s"] > 0
     assert r["forces_match"] and r["force_max_abs_ref_eV_A"] > 0
+
+
+def test_the_eager_force_reference_always_runs_first():
+    """Without xnn's eager run no peer's forces are checked and no goal counts, so a
+    framework list that leaves it out gets it back, first."""
+    a = peers.parse(["--json", "x.json", "--frameworks", "xnn_step_graph,torch_sim"])
+    assert a.frameworks == ["xnn", "xnn_step_graph", "torch_sim"]

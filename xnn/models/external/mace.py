@@ -129,7 +129,9 @@ class MACEWrapper(AtomisticModel):
         self.species = [int(z) for z in model.atomic_numbers]
         table = torch.full((119,), -1, dtype=torch.long)
         table[torch.tensor(self.species)] = torch.arange(len(self.species))
-        self.register_buffer("z_to_index", table, persistent=False)
+        # on the wrapped module's device: a wrapper built around a CUDA model runs there
+        device = next(iter(model.parameters()), table).device
+        self.register_buffer("z_to_index", table.to(device), persistent=False)
 
     def mace_inputs(self, graph: AtomicGraph, cell_grad: bool = False) -> dict[str, Tensor]:
         """MACE's input dict for ``graph`` (edges within ``r_max``; see the module doc).

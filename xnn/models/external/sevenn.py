@@ -175,7 +175,9 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
         table = torch.full((120,), -1, dtype=torch.long)
         for z, k in model.type_map.items():
             table[int(z)] = int(k)
-        self.register_buffer("z_to_type", table, persistent=False)
+        # on the wrapped module's device: a wrapper built around a CUDA model runs there
+        device = next(iter(model.parameters()), table).device
+        self.register_buffer("z_to_type", table.to(device), persistent=False)
 
     def sevenn_inputs(self, graph: AtomicGraph) -> dict:
         """SevenNet's input dict for ``graph`` (edges within the cutoff, flipped)."""

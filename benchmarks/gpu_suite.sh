@@ -159,4 +159,16 @@ PY
       --batched none --models mace --steps 9 --budget-s 100 --frameworks xnn,xnn_step_graph,torch_sim \
       --cueq --json "$OUT/peers_mace_h200.json"
   ;;
+15) # big wheels: MACE's radial MLPs once per edge pair in the compiled step (session 18):
+    # the step profile per edge, with the half-size weights by index and concatenated,
+    # then MACE at 10k against torch-sim with the eager (per-edge) force reference
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  for pairs in off index concat; do
+    step 150 profile_mace_pairs_$pairs python3 benchmarks/profile_compiled_step.py --model mace \
+        --kernel-backend cueq --atoms 10000 --device cuda --rows 25 --pairs $pairs
+  done
+  step 300 peers_mace_pairs python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
+      --batched none --models mace --steps 9 --budget-s 100 --frameworks xnn,xnn_step_graph,torch_sim \
+      --cueq --json "$OUT/peers_mace_pairs_h200.json"
+  ;;
 esac

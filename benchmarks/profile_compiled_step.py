@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="equivariant", choices=("equivariant", "mace"))
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--eager", action="store_true", help="profile the eager step instead")
+    p.add_argument("--pairs", default="index", choices=("index", "concat", "off"),
+                   help="MACE with cueq: radial MLPs once per edge pair, the half-size "
+                        "weights read by index (default) or concatenated; off: per edge")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.float32
     atoms = fcc_cu(a.atoms, rattle=0.05, seed=0)
@@ -55,6 +58,12 @@ def main(argv=None) -> int:
     model = model.to(device=dev, dtype=dt).eval()
     pot = Potential(model, skin=1.0)
     integ = None if a.eager else CompiledIntegrator("nve", pot, backend="inductor")
+    if integ is not None:
+        from xnn.models.external import _mace_pairs
+
+        _mace_pairs.INDEXED = a.pairs == "index"
+        integ.stepper.paired = integ.stepper.paired and a.pairs != "off"
+        print(f"paired edges: {integ.stepper.paired} ({a.pairs})")
     step = (lambda s: nve.step(s, pot, 2.0)) if a.eager else (lambda s: integ.step(s, pot, 2.0))
     state = nve.init(g, pot)
     for _ in range(4):  # compile and warm up

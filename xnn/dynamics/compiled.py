@@ -46,7 +46,8 @@ from xnn.data.graph import AtomicGraph
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState, check_timestep, free_mask
 from xnn.errors import InputError
-from xnn.models.base import squared_lengths
+from xnn.models.base import pairing_edges, squared_lengths
+from xnn.neighbors.pairs import pair_order
 from xnn.units import MVV2E
 
 #: ``torch.compile`` backend of :class:`CompiledNVE` (the one ``md.compile`` uses)
@@ -59,12 +60,14 @@ _FIELDS = (K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID)
 class _Step(nn.Module):
     """What is traced: one velocity-Verlet step on padded edges."""
 
-    def __init__(self, model: nn.Module, dt: float, stress: bool, cutoff: float):
+    def __init__(self, model: nn.Module, dt: float, stress: bool, cutoff: float,
+                 paired: bool = False):
         super().__init__()
         self.model = model
         self.dt = dt
         self.stress = stress
         self.cutoff = cutoff
+        self.paired = paired
 
     def forward(self, x: Tensor, v: Tensor, f: Tensor, inv_m: Tensor, ref: Tensor,
                 fields: dict[str, Tensor], active: tuple) -> tuple[Tensor, ...]:
@@ -73,28 +76,35 @@ class _Step(nn.Module):
         dt = self.dt
         v = v + (0.5 * dt) * _acc(f, inv_m)
         x = x + dt * v
-        graph, n_active = model_graph(fields, x, self.cutoff, active)
-        out = compute_properties(self.model, graph, True, self.stress)
+        graph, n_active, broken = model_graph(fields, x, self.cutoff, active, self.paired)
+        with pairing_edges(self.paired):
+            out = compute_properties(self.model, graph, True, self.stress)
         f = out[K.FORCES]
         v = v + (0.5 * dt) * _acc(f, inv_m)
         # where the next call will drift to, measured from the last build
         x_next = x + dt * (v + (0.5 * dt) * _acc(f, inv_m))
         d_next = (x_next - ref).norm(dim=-1).max()
         stress = out[K.STRESS] if self.stress else torch.zeros_like(fields[K.CELL])
-        return x, v, f, out[K.ENERGY], stress, status(d_next, n_active)
+        return x, v, f, out[K.ENERGY], stress, status(d_next, n_active, broken)
 
 
-def model_graph(fields: dict[str, Tensor], x: Tensor, cutoff: float, active: tuple
-                ) -> tuple[AtomicGraph, Tensor]:
+def model_graph(fields: dict[str, Tensor], x: Tensor, cutoff: float, active: tuple,
+                paired: bool = False) -> tuple[AtomicGraph, Tensor, Tensor]:
     """The graph the model sees at positions ``x``: the padded Verlet list of ``fields``, or
     with ``active`` (inert edges ``(edge_index, shifts)`` of the active capacity) its edges
-    within ``cutoff`` (:func:`within_cutoff`); and their count (0 without ``active``)."""
+    within ``cutoff`` (:func:`within_cutoff`); their count (0 without ``active``); and, for
+    a ``paired`` list, the number of pairs whose two edges the filter parted (0 unless the
+    pairing is wrong)."""
     graph = AtomicGraph({**fields, K.POSITIONS: x}, validate=False)
+    zero = torch.zeros((), dtype=torch.int64, device=x.device)
     if not active:
-        return graph, torch.zeros((), dtype=torch.int64, device=x.device)
-    ei, sh, n = within_cutoff(graph, cutoff, active)
+        return graph, zero, zero
+    if paired:
+        ei, sh, n, broken = within_cutoff_paired(graph, cutoff, active)
+    else:
+        (ei, sh, n), broken = within_cutoff(graph, cutoff, active), zero
     return AtomicGraph({**fields, K.EDGE_INDEX: ei, K.SHIFTS: sh, K.POSITIONS: x},
-                       validate=False), n
+                       validate=False), n, broken
 
 
 def within_cutoff(graph: AtomicGraph, cutoff: float, inert: tuple[Tensor, Tensor]
@@ -118,10 +128,41 @@ def within_cutoff(graph: AtomicGraph, cutoff: float, inert: tuple[Tensor, Tensor
     return ei[:, :cap], sh[:cap], n
 
 
-def status(d_next: Tensor, n_active: Tensor) -> Tensor:
-    """``[2]`` float64: the look-ahead displacement and the active edge count (exact below
-    2^53), read by the host with one transfer."""
-    return torch.stack([d_next.detach().to(torch.float64), n_active.to(torch.float64)])
+def within_cutoff_paired(graph: AtomicGraph, cutoff: float, inert: tuple[Tensor, Tensor]
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`within_cutoff` of a paired list (its second half reverses its first, edge by
+    edge; :func:`xnn.neighbors.pairs.pair_order`) into a paired active capacity: each half
+    compacted into its half of the slots, so the kept edges stay paired (a pair's two
+    lengths are bitwise equal, so both or neither are kept). Also returns the number of
+    pairs with one edge kept and the other not (0; anything else is a wrong pairing)."""
+    inert_ei, inert_sh = inert
+    cap = inert_ei.shape[1]
+    half_cap = cap // 2
+    half = graph.edge_index.shape[1] // 2
+    with torch.no_grad():
+        vec = graph.edge_vectors(graph.positions.detach())
+        keep = (vec * vec).sum(-1) < cutoff * cutoff
+        first, second = keep[:half], keep[half:]
+        slot_a = torch.cumsum(first, 0) - 1
+        slot_b = torch.cumsum(second, 0) - 1
+        slot = torch.cat([torch.where(first & (slot_a < half_cap), slot_a, cap),
+                          torch.where(second & (slot_b < half_cap), slot_b + half_cap, cap)])
+        n = keep.sum()
+        broken = (first != second).sum()
+        ei = torch.cat([inert_ei, inert_ei[:, :1]], 1).index_copy(
+            1, slot, graph.edge_index.to(inert_ei.dtype))
+        sh = torch.cat([inert_sh, inert_sh[:1]]).index_copy(
+            0, slot, graph.shifts.to(inert_sh.dtype))
+    return ei[:, :cap], sh[:cap], n, broken
+
+
+def status(d_next: Tensor, n_active: Tensor, broken: Tensor | None = None) -> Tensor:
+    """``[3]`` float64: the look-ahead displacement, the active edge count (exact below
+    2^53) and the count of parted pairs (:func:`model_graph`), read by the host with one
+    transfer."""
+    broken = torch.zeros_like(n_active) if broken is None else broken
+    return torch.stack([d_next.detach().to(torch.float64), n_active.to(torch.float64),
+                        broken.to(torch.float64)])
 
 
 class CompiledVerlet:
@@ -155,6 +196,10 @@ class CompiledVerlet:
         self.capacity = 0
         #: filter the list to the cutoff in the graph (with a skin; ``active_capacity``)
         self.filters = self.neighbors.skin > 0.0
+        #: lists arranged as reverse pairs for a model that evaluates length-only edge
+        #: work once per pair (its ``pairs_edges``; :func:`~xnn.models.base.edges_paired`);
+        #: false from the first list that is not full
+        self.paired = bool(getattr(self.model, "pairs_edges", False))
         self.active_capacity = 0
         self.n_active = 0  # edges within the cutoff at the last force call
         self._active: tuple = ()  # inert edges of the active capacity
@@ -182,12 +227,21 @@ class CompiledVerlet:
         g = nl(graph.replace(positions=positions))
         ei, sh = g.edge_index, g.shifts
         n = ei.shape[1]
+        order = pair_order(ei, sh) if self.paired else None
+        self.paired = order is not None
         if n > self.capacity:
             grown = math.ceil(self.capacity * self.growth)
             self.capacity = max(math.ceil(n * self.headroom), grown, 1)
-        pad = self.capacity - n
-        ei_pad, sh_pad = _inert_edges(graph, nl.cutoff + nl.skin, pad)
-        self._edges = (torch.cat([ei, ei_pad], 1), torch.cat([sh, sh_pad]))
+        if self.paired:  # [first half, padding, second half, the same padding]
+            self.capacity += self.capacity % 2
+            half = n // 2
+            ei, sh = ei[:, order], sh[order]
+            ei_pad, sh_pad = _inert_edges(graph, nl.cutoff + nl.skin, self.capacity // 2 - half)
+            self._edges = (torch.cat([ei[:, :half], ei_pad, ei[:, half:], ei_pad], 1),
+                           torch.cat([sh[:half], sh_pad, sh[half:], sh_pad]))
+        else:
+            ei_pad, sh_pad = _inert_edges(graph, nl.cutoff + nl.skin, self.capacity - n)
+            self._edges = (torch.cat([ei, ei_pad], 1), torch.cat([sh, sh_pad]))
         self._ref = positions.detach().clone()
         self.n_rebuilds += 1
         if self.filters:
@@ -201,7 +255,12 @@ class CompiledVerlet:
             grown = math.ceil(self.active_capacity * self.growth)
             self.active_capacity = max(math.ceil(n * self.headroom), grown, 1)
         nl = self.neighbors
-        self._active = _inert_edges(graph, nl.cutoff + nl.skin, self.active_capacity)
+        if self.paired:  # two equal halves (within_cutoff_paired)
+            self.active_capacity += self.active_capacity % 2
+            ei, sh = _inert_edges(graph, nl.cutoff + nl.skin, self.active_capacity // 2)
+            self._active = (torch.cat([ei, ei], 1), torch.cat([sh, sh]))
+        else:
+            self._active = _inert_edges(graph, nl.cutoff + nl.skin, self.active_capacity)
 
     def _run(self, key: tuple, make_step, inputs: tuple, graph: AtomicGraph) -> tuple:
         """The compiled step's outputs for ``inputs`` (their last is ``active``, the one
@@ -209,8 +268,11 @@ class CompiledVerlet:
         while True:
             fn = self._function(key, make_step, inputs)
             out = fn(*inputs)
-            d_next, n_active = out[5].tolist()  # the step's one host read
+            d_next, n_active, broken = out[5].tolist()  # the step's one host read
             self._next_disp, self.n_active = d_next, int(n_active)
+            if broken:  # pragma: no cover - a pair's lengths are bitwise equal
+                raise RuntimeError(f"the paired neighbor list parted {int(broken)} pairs "
+                                   "at the cutoff: please report this (xnn bug)")
             if not self.filters or self.n_active <= self.active_capacity:
                 return out
             self._overflowed = self.n_active
@@ -231,7 +293,7 @@ class CompiledVerlet:
     def _function(self, key: tuple, make_step, inputs):
         """The compiled function of the module ``make_step()`` for ``key`` (compiled again
         when it or the capacity changes), replayed as a CUDA graph under ``cuda_graph``."""
-        key = (self.capacity, self.active_capacity, *key)
+        key = (self.capacity, self.active_capacity, self.paired, *key)
         if self._fn is None or key != self._key:
             self._fn = self._compile(make_step(), inputs)
             self._replay = None
@@ -283,7 +345,8 @@ class CompiledVerlet:
                   self._active)
         key = (dt, state.compute_stress, g.n_atoms)
         x, v, f, energy, stress, _ = self._run(
-            key, lambda: _Step(self.model, dt, state.compute_stress, self.neighbors.cutoff),
+            key, lambda: _Step(self.model, dt, state.compute_stress, self.neighbors.cutoff,
+                               self.paired),
             inputs, g)
         self._returned = x
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,

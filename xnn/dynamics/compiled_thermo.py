@@ -179,16 +179,18 @@ class _ThermoStep(nn.Module):
     step's ``pre`` for the look-ahead displacement from the last build ``ref``."""
 
     def __init__(self, model: nn.Module, dt: float, stress: bool, scheme: Scheme,
-                 reduce: Reducer, cutoff: float):
+                 reduce: Reducer, cutoff: float, paired: bool = False):
         super().__init__()
         self.model, self.dt, self.stress, self.scheme, self.reduce = (
             model, dt, stress, scheme, reduce)
         self.cutoff = cutoff
+        self.paired = paired
 
     def forward(self, x: Tensor, v: Tensor, f: Tensor, ref: Tensor, fields: dict[str, Tensor],
                 vars: dict[str, Tensor], step: Tensor, draws: tuple, next_draws: tuple,
                 active: tuple):
         from xnn.dynamics.compiled import model_graph, status
+        from xnn.models.base import pairing_edges
         from xnn.models.derivatives import compute_properties
 
         dt, sch, red = self.dt, self.scheme, self.reduce
@@ -197,16 +199,17 @@ class _ThermoStep(nn.Module):
         zero = torch.zeros_like(fields[K.CELL])
         s = sch.pre(state_of(x, v, f, fields, vars), dt, red, draws, step)
         model_fields = {k: t for k, t in fields.items() if k != K.FIXED}
-        graph, n_active = model_graph({**model_fields, **edges}, s.positions, self.cutoff,
-                                      active)
-        out = compute_properties(self.model, graph, True, self.stress)
+        graph, n_active, broken = model_graph({**model_fields, **edges}, s.positions,
+                                              self.cutoff, active, self.paired)
+        with pairing_edges(self.paired):
+            out = compute_properties(self.model, graph, True, self.stress)
         stress = out[K.STRESS] if self.stress else zero
         s = s.replace(forces=out[K.FORCES], energy=out[K.ENERGY], stress=stress)
         s = sch.post(s, dt, red, draws, step)
         ahead = sch.pre(s, dt, red, next_draws, step + 1)
         d_next = (ahead.positions - ref).norm(dim=-1).max()
         return (s.positions, s.velocities, s.forces, s.energy, s.stress,
-                status(d_next, n_active), step + 1,
+                status(d_next, n_active, broken), step + 1,
                 *(s.vars[k] for k in sch.writes))
 
 
@@ -231,7 +234,7 @@ def step(stepper, state: MDState, dt: float) -> MDState:
     x, v, f, energy, stress, _, step_t, *written = stepper._run(
         (type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
         lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch, LOCAL,
-                            stepper.neighbors.cutoff), inputs, g)
+                            stepper.neighbors.cutoff, stepper.paired), inputs, g)
     stepper._returned = x
     stepper._counter = (state.step + 1, step_t)
     stepper._draws = (state.step + 1, next_draws)

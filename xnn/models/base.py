@@ -44,6 +44,29 @@ def tracing_graph() -> Iterator[None]:
         _TRACING[0] = False
 
 
+_PAIRED = [False]
+
+
+def edges_paired() -> bool:
+    """Whether the graph a model sees now holds its edges as reverse pairs: with
+    ``h = n_edges // 2``, edge ``h + k`` is edge ``k`` reversed (receiver and sender
+    swapped, shift negated: the same length bitwise; :func:`xnn.neighbors.pairs.pair_order`).
+    Set by the compiled MD step (:func:`pairing_edges`) for models whose ``pairs_edges``
+    attribute is true; such a model may evaluate length-only edge work once per pair."""
+    return _PAIRED[0]
+
+
+@contextlib.contextmanager
+def pairing_edges(enabled: bool = True) -> Iterator[None]:
+    """Make :func:`edges_paired` ``enabled`` inside."""
+    before = _PAIRED[0]
+    _PAIRED[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _PAIRED[0] = before
+
+
 class AtomisticModel(nn.Module):
     """Base class of every xnn model.
 

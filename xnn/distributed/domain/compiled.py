@@ -79,7 +79,7 @@ class _Model(nn.Module):
             eps.requires_grad_(True)
         x = base.index_select(0, src) + shifts @ cell[0]
         x = x + x @ (0.5 * (eps + eps.T))
-        graph, n_active = model_graph(fields, x, self.cutoff, active)
+        graph, n_active, _ = model_graph(fields, x, self.cutoff, active)
         energies = self.model(graph)
         e = torch.where(owned, energies, torch.zeros_like(energies)).sum()
         leaves = [base, eps] if self.stress else [base]

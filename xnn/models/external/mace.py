@@ -34,7 +34,7 @@ from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.errors import InputError, ModelFileError
 from xnn.models.base import AtomisticModel
 from xnn.models.cueq import check_backend
-from xnn.models.external import _mace_data
+from xnn.models.external import _mace_data, _mace_pairs
 from xnn.models.external._common import check_dtype, edges_within, leaf_safe
 from xnn.models.external._optional import import_extra, preserved_environ
 
@@ -163,6 +163,12 @@ class MACEWrapper(AtomisticModel):
             "pbc": graph.pbc,
         }
 
+    @property
+    def pairs_edges(self) -> bool:
+        """With ``backend="cueq"``: the converted copy runs its radial networks once per
+        edge pair on a paired list (the compiled MD step's; :mod:`._mace_pairs`)."""
+        return self.backend == "cueq" and _mace_pairs.pairable(self.model)
+
     def compile_for_inference(self, enabled: bool = True) -> bool:
         """Run MACE through ``torch.compile`` for energy, forces and stress (see the base
         class), prepared the way mace-torch's own ``MACECalculator(compile_mode=...)`` does:
@@ -211,7 +217,7 @@ class MACEWrapper(AtomisticModel):
                 copy = convert.run(self.model, device=device.type, return_model=True)
         finally:
             torch.set_default_dtype(default)  # run() sets it to the model's dtype
-        copy = copy.to(device=device, dtype=dtype).eval()
+        copy = _mace_pairs.patch(copy.to(device=device, dtype=dtype).eval())
         for p in copy.parameters():
             p.requires_grad_(False)
         object.__setattr__(self, "_cueq", (key, copy))  # not a registered submodule

@@ -1,0 +1,187 @@
+"""Reverse-edge pairs (xnn.neighbors.pairs) and the compiled MD step on a paired list: every
+edge's reverse found (bitwise the negated vector), lists that are not full refused, the
+cutoff filter keeping pairs together, and a model that weighs each pair once (an EAM-like
+density, wrong on a wrong pairing) following the eager trajectory; MACE's radial networks
+once per pair (cuEquivariance copy, both convolution paths) equal to per edge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_compiled_md import SKIN, _system
+from test_kernel_backends import SPECIES, _tiny_mace, requires_cue
+
+from xnn.data import keys as K
+from xnn.dynamics import nve
+from xnn.dynamics.compiled import CompiledVerlet, within_cutoff, within_cutoff_paired
+from xnn.models import Potential, build, compute_properties
+from xnn.models.base import AtomisticModel, edges_paired, pairing_edges
+from xnn.neighbors import with_edges
+from xnn.neighbors.pairs import pair_order
+from xnn.testing import random_periodic_system
+
+
+def _paired(graph):
+    order = pair_order(graph.edge_index, graph.shifts)
+    assert order is not None
+    return graph.replace(edge_index=graph.edge_index[:, order], shifts=graph.shifts[order])
+
+
+@pytest.mark.parametrize("volume,cutoff", [(11.0, 3.5), (6.0, 4.0)])  # (6, 4): self-images
+def test_pair_order_reverses_every_edge(volume, cutoff):
+    g = random_periodic_system(SPECIES, 6, volume_per_atom=volume, min_distance=1.0, seed=1)
+    g = with_edges(g.to(dtype=torch.float64), cutoff)
+    order = pair_order(g.edge_index, g.shifts)
+    n = g.edge_index.shape[1]
+    assert order is not None and torch.equal(order.sort().values, torch.arange(n))
+    ei, sh = g.edge_index[:, order], g.shifts[order]
+    h = n // 2
+    assert torch.equal(ei[:, h:], ei[:, :h].flip(0)) and torch.equal(sh[h:], -sh[:h])
+    if volume < 10:
+        assert bool((ei[0, :h] == ei[1, :h]).any())  # an atom paired with its own image
+    vec = g.replace(edge_index=ei, shifts=sh).edge_vectors()
+    assert torch.equal(vec[h:], -vec[:h])  # bitwise: the lengths of a pair are equal
+    assert torch.equal((vec[h:] ** 2).sum(-1), (vec[:h] ** 2).sum(-1))
+
+
+def test_pair_order_refuses_a_list_that_is_not_full():
+    g = random_periodic_system(SPECIES, 6, volume_per_atom=11.0, min_distance=1.0, seed=1)
+    g = with_edges(g, 3.5)
+    ei, sh = g.edge_index, g.shifts
+    assert pair_order(ei[:, 1:], sh[1:]) is None  # odd
+    assert pair_order(ei[:, 2:], sh[2:]) is None  # two edges without their reverses
+    bad = sh.clone()
+    bad[0, 0] += 1
+    assert pair_order(ei, bad) is None  # a shift that no reverse negates
+    loop = torch.tensor([[0, 1], [0, 1]])
+    assert pair_order(loop, torch.zeros(2, 3, dtype=torch.long)) is None  # i -> i, no shift
+    assert pair_order(ei[:, :0], sh[:0]).numel() == 0
+
+
+def test_the_cutoff_filter_keeps_pairs_together():
+    """``within_cutoff_paired`` keeps the edges ``within_cutoff`` keeps, each half compacted
+    into its half of the active capacity, so that they stay paired."""
+    g = random_periodic_system(SPECIES, 12, volume_per_atom=11.0, min_distance=1.0, seed=2)
+    g = _paired(with_edges(g.to(dtype=torch.float64), 4.0))
+    cap = g.edge_index.shape[1]
+    inert = (torch.zeros(2, cap, dtype=torch.long), torch.zeros(cap, 3, dtype=torch.long))
+    ei, sh, n, broken = within_cutoff_paired(g, 3.0, inert)
+    ref_ei, ref_sh, ref_n = within_cutoff(g, 3.0, inert)
+    assert int(broken) == 0 and int(n) == int(ref_n) and 0 < int(n) < cap
+    h, k = cap // 2, int(n) // 2
+    assert torch.equal(ei[:, h:h + k], ei[:, :k].flip(0)) and torch.equal(sh[h:h + k], -sh[:k])
+    kept = torch.cat([ei[:, :k], ei[:, h:h + k]], 1)
+    key = lambda e: sorted(map(tuple, e.T.tolist()))  # noqa: E731
+    assert key(kept) == key(ref_ei[:, :int(ref_n)])
+    # a list whose halves are not reverses parts pairs: counted, never silently used
+    rolled = g.replace(edge_index=torch.cat([g.edge_index[:, :h], g.edge_index[:, h:].roll(1, 1)],
+                                            1), shifts=torch.cat([g.shifts[:h],
+                                                                  g.shifts[h:].roll(1, 0)]))
+    assert int(within_cutoff_paired(rolled, 3.0, inert)[3]) > 0
+
+
+class PairDensity(AtomisticModel):
+    """EAM-like ``E_i = -sqrt(rho_i + 0.01)``, ``rho_i = sum_{j -> i} g(r_ij)``: on a paired
+    list ``g`` is evaluated on the first half only and reused for the reversed edges (a
+    wrong pairing gives wrong densities, so a wrong energy)."""
+
+    cutoff = 6.0
+
+    def __init__(self):
+        super().__init__()
+        self.pairs_edges = True
+        self.calls: list[tuple[bool, int]] = []
+
+    def density(self, r2):
+        x = r2 / self.cutoff ** 2
+        return torch.where(x < 1, torch.exp(-r2 / 8.0) * (1 - x) ** 2, torch.zeros_like(x))
+
+    def forward(self, graph):
+        vec = graph.edge_vectors()
+        r2 = (vec * vec).sum(-1)
+        paired = edges_paired()
+        self.calls.append((paired, r2.shape[0]))
+        if paired:
+            half = self.density(r2[: r2.shape[0] // 2])
+            g = torch.cat([half, half])
+        else:
+            g = self.density(r2)
+        rho = torch.zeros(graph.n_atoms, dtype=r2.dtype).index_add(0, graph.edge_index[1], g)
+        return -torch.sqrt(rho + 0.01)
+
+
+def test_compiled_step_on_a_paired_list_follows_eager(one_thread):
+    """The paired compiled step (list, padding and active capacity in halves) gives the
+    eager, unpaired trajectory of the pair-density model over rebuilds, compiling no more
+    than the unpaired step (capacity growth only), and the model sees each pair's density
+    once."""
+    model = PairDensity().double()
+    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    stepper = CompiledVerlet(compiled_pot, backend="aot_eager")
+    plain = CompiledVerlet(Potential(model, skin=SKIN), backend="aot_eager")
+    plain.paired = False
+    eager = compiled = unpaired = nve.init(_system(), eager_pot)
+    model.calls.clear()
+    for _ in range(60):
+        eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
+        unpaired = plain.step(unpaired, 2.0)
+    assert stepper.paired and stepper.n_rebuilds >= 2
+    assert stepper.n_compiles == plain.n_compiles <= 2
+    assert stepper.capacity % 2 == 0 and stepper.active_capacity % 2 == 0
+    assert (True, stepper.active_capacity) in model.calls  # the traced call: paired
+    assert (False, plain.active_capacity) in model.calls
+    assert not edges_paired()
+    torch.testing.assert_close(compiled.positions, unpaired.positions, rtol=0, atol=1e-12)
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.stress, eager.stress, rtol=0, atol=1e-12)
+    # a model without pairs_edges gets the list as built
+    assert not CompiledVerlet(Potential(build("lj", sigma=3.4, epsilon=0.01, cutoff=6.0)),
+                              backend="aot_eager").paired
+
+
+@pytest.fixture
+def naive_conv_fusion(monkeypatch):
+    """mace's cuEquivariance conversion with the fused convolution (a CUDA-only choice of
+    mace's) on the CPU, through cuEquivariance's pure-PyTorch segmented polynomial."""
+    pytest.importorskip("mace")
+    import mace.cli.convert_e3nn_cueq as convert
+    import mace.modules.wrapper_ops as ops
+
+    fuse, config = ops.with_cueq_conv_fusion, convert.CuEquivarianceConfig
+
+    def naive(tp):
+        tp.m.buffer_num_segments = [tp._polynomial_orig.inputs[0].size]
+        tp.m.operand_extent = 1
+        return fuse(tp)
+
+    monkeypatch.setattr(ops, "with_cueq_conv_fusion", naive)
+    monkeypatch.setattr(convert, "CuEquivarianceConfig",
+                        lambda **kw: config(**{**kw, "conv_fusion": True}))
+
+
+@requires_cue
+@pytest.mark.parametrize("fused", [False, True])
+def test_mace_radial_networks_once_per_pair(fused, request):
+    """The MACE wrapper's cuEquivariance copy on a paired list: each interaction's radial MLP
+    on half the edges, and the energies, forces and stress of the per-edge evaluation
+    (fp64; fused: the half-size weights read through the convolution's input index)."""
+    if fused:
+        request.getfixturevalue("naive_conv_fusion")
+    model = build("mace", model=_tiny_mace(), backend="cueq").eval()
+    assert model.pairs_edges and not build("mace", model=_tiny_mace()).pairs_edges
+    g = random_periodic_system(SPECIES, 10, volume_per_atom=11.0, min_distance=1.0, seed=4)
+    g = _paired(with_edges(g.to(dtype=torch.float64), 3.0))
+    ref = compute_properties(model, g)
+    copy = model._cueq[1]
+    assert hasattr(copy.interactions[0], "conv_fusion") == fused
+    rows = []
+    for block in copy.interactions:
+        block.conv_tp_weights.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    with pairing_edges():
+        out = compute_properties(model, g)
+    assert rows == [g.edge_index.shape[1] // 2] * 2
+    for key in (K.ENERGIES, K.FORCES, K.STRESS):
+        assert ref[key].abs().max() > 1e-6
+        torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-12)

@@ -1,0 +1,100 @@
+"""MACE's radial networks once per edge pair (a copy's interaction blocks, patched).
+
+An interaction block of mace-torch weighs its edge tensor product with ``R(r) * cutoff(r)``,
+a radial MLP of the edge length (``conv_tp_weights``, two thirds of a compiled MACE MD
+step's GEMM time at 10k atoms). The two edges of a pair (``j -> i`` and ``i -> j``) have the
+same length bitwise, so on a paired list (:func:`xnn.models.base.edges_paired`: edge
+``h + k`` reverses edge ``k``) the MLP and the cutoff product run on the first half and the
+second half reuses them: the same values, the same energy, and the same forces (the
+derivative through ``r_k`` alone is exact since ``r_{h+k} = r_k`` as functions of the
+positions). cuEquivariance's fused convolution reads the half-size weights through an input
+index; other convolutions get them concatenated (``INDEXED = False`` always does that).
+
+Only the blocks whose forward this module mirrors (``RealAgnosticInteractionBlock``,
+``RealAgnosticResidualInteractionBlock``: MACE's defaults) are patched; :func:`pairable`
+tells whether a model's blocks all are. The patched forward runs mace-torch's own code
+whenever the list is not paired or LAMMPS arguments are given.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+
+from xnn.models.base import edges_paired
+
+#: pass the half-size weights to cuEquivariance's fused convolution through an index
+#: (else concatenated to a full-size tensor); a switch for benchmarks
+INDEXED = True
+
+
+def _classes() -> tuple[type, type]:
+    from mace.modules.blocks import (
+        RealAgnosticInteractionBlock,
+        RealAgnosticResidualInteractionBlock,
+    )
+
+    return RealAgnosticInteractionBlock, RealAgnosticResidualInteractionBlock
+
+
+def pairable(model: nn.Module) -> bool:
+    """Whether every interaction block of the mace-torch ``model`` is of a class
+    :func:`patch` handles."""
+    blocks = list(getattr(model, "interactions", []))
+    return bool(blocks) and all(type(b) in _classes() for b in blocks)
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Give the interaction blocks of ``model`` (a copy: changed in place) the paired
+    forward; returns ``model``."""
+    if pairable(model):
+        for block in model.interactions:
+            block._mace_forward = block.forward
+            block.forward = types.MethodType(_forward, block)
+    return model
+
+
+def _messages(block: nn.Module, node_feats: Tensor, edge_attrs: Tensor, edge_feats: Tensor,
+              edge_index: Tensor, cutoff: Tensor | None) -> Tensor:
+    """The block's summed messages ``[n_nodes, irreps]`` with the radial MLP on the first
+    half of the paired edges."""
+    from mace.tools.scatter import scatter_sum
+
+    half = edge_index.shape[1] // 2
+    w = block.conv_tp_weights(edge_feats[:half])
+    if cutoff is not None:
+        w = w * cutoff[:half]
+    sender, receiver = edge_index[0], edge_index[1]
+    conv = block.conv_tp
+    if hasattr(block, "conv_fusion"):
+        if INDEXED and hasattr(conv, "original_forward") and hasattr(conv, "weight_numel"):
+            # mace's cuEquivariance fusion (with_cueq_conv_fusion): the weights by index
+            slots = torch.arange(half, device=edge_index.device, dtype=edge_index.dtype)
+            return conv.original_forward(
+                [w, node_feats, edge_attrs], {0: torch.cat([slots, slots]), 1: sender},
+                {0: node_feats}, {0: receiver})[0]
+        return conv(node_feats, edge_attrs, torch.cat([w, w]), edge_index)
+    mji = conv(node_feats[sender], edge_attrs, torch.cat([w, w]))
+    return scatter_sum(src=mji, index=receiver, dim=0, dim_size=node_feats.shape[0])
+
+
+def _forward(self, node_attrs: Tensor, node_feats: Tensor, edge_attrs: Tensor,
+             edge_feats: Tensor, edge_index: Tensor, cutoff: Tensor | None = None,
+             *args, **kwargs):
+    """mace-torch's forward of the two block classes (0.3.16), radial work once per pair."""
+    if not edges_paired() or args or kwargs.get("lammps_class") is not None:
+        return self._mace_forward(node_attrs, node_feats, edge_attrs, edge_feats, edge_index,
+                                  cutoff, *args, **kwargs)
+    plain, _ = _classes()
+    if type(self) is plain:
+        node_feats = self.linear_up(node_feats)
+        message = _messages(self, node_feats, edge_attrs, edge_feats, edge_index, cutoff)
+        message = self.linear(message) / self.avg_num_neighbors
+        return self.reshape(self.skip_tp(message, node_attrs)), None
+    sc = self.skip_tp(node_feats, node_attrs)
+    node_feats = self.linear_up(node_feats)
+    message = _messages(self, node_feats, edge_attrs, edge_feats, edge_index, cutoff)
+    message = self.linear(message) / self.avg_num_neighbors
+    return self.reshape(message), sc

@@ -38,9 +38,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="equivariant", choices=("equivariant", "mace"))
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--eager", action="store_true", help="profile the eager step instead")
-    p.add_argument("--pairs", default="index", choices=("index", "concat", "off"),
-                   help="MACE with cueq: radial MLPs once per edge pair, the half-size "
-                        "weights read by index (default) or concatenated; off: per edge")
+    p.add_argument("--pairs", default="split", choices=("split", "index", "concat", "off"),
+                   help="MACE with cueq: radial MLPs once per edge pair, the fused "
+                        "convolution once per half (default), reading the half-size weights "
+                        "by index, or on them concatenated; off: per edge")
+    p.add_argument("--index-dtype", default="int32", choices=("int32", "int64"),
+                   help="MACE with cueq, paired: dtype of the fused convolution's indices")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.float32
     atoms = fcc_cu(a.atoms, rattle=0.05, seed=0)
@@ -61,9 +64,10 @@ def main(argv=None) -> int:
     if integ is not None:
         from xnn.models.external import _mace_pairs
 
-        _mace_pairs.INDEXED = a.pairs == "index"
+        _mace_pairs.FUSION = a.pairs if a.pairs != "off" else _mace_pairs.FUSION
+        _mace_pairs.INDEX_DTYPE = getattr(torch, a.index_dtype)
         integ.stepper.paired = integ.stepper.paired and a.pairs != "off"
-        print(f"paired edges: {integ.stepper.paired} ({a.pairs})")
+        print(f"paired edges: {integ.stepper.paired} ({a.pairs}, {a.index_dtype} indices)")
     step = (lambda s: nve.step(s, pot, 2.0)) if a.eager else (lambda s: integ.step(s, pot, 2.0))
     state = nve.init(g, pot)
     for _ in range(4):  # compile and warm up

@@ -162,26 +162,59 @@ def naive_conv_fusion(monkeypatch):
 
 
 @requires_cue
-@pytest.mark.parametrize("fused", [False, True])
-def test_mace_radial_networks_once_per_pair(fused, request):
+@pytest.mark.parametrize("fused", [None, "split", "index", "concat"])
+def test_mace_radial_networks_once_per_pair(fused, request, monkeypatch):
     """The MACE wrapper's cuEquivariance copy on a paired list: each interaction's radial MLP
     on half the edges, and the energies, forces and stress of the per-edge evaluation
-    (fp64; fused: the half-size weights read through the convolution's input index)."""
+    (fp64; fused: the convolution once per half of the edges, or once with the half-size
+    weights read through its input index, or concatenated)."""
+    from xnn.models.external import _mace_pairs
+
     if fused:
         request.getfixturevalue("naive_conv_fusion")
+        monkeypatch.setattr(_mace_pairs, "FUSION", fused)
     model = build("mace", model=_tiny_mace(), backend="cueq").eval()
     assert model.pairs_edges and not build("mace", model=_tiny_mace()).pairs_edges
     g = random_periodic_system(SPECIES, 10, volume_per_atom=11.0, min_distance=1.0, seed=4)
     g = _paired(with_edges(g.to(dtype=torch.float64), 3.0))
     ref = compute_properties(model, g)
     copy = model._cueq[1]
-    assert hasattr(copy.interactions[0], "conv_fusion") == fused
-    rows = []
+    assert hasattr(copy.interactions[0], "conv_fusion") == bool(fused)
+    rows, fusions = [], []
     for block in copy.interactions:
         block.conv_tp_weights.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+        if fused:  # (weight rows, edge rows) of each fused call
+            conv, original = block.conv_tp, block.conv_tp.original_forward
+            conv.original_forward = (lambda inputs, *a, f=original: fusions.append(
+                (inputs[0].shape[0], inputs[2].shape[0])) or f(inputs, *a))
     with pairing_edges():
         out = compute_properties(model, g)
-    assert rows == [g.edge_index.shape[1] // 2] * 2
+    h = g.edge_index.shape[1] // 2
+    assert rows == [h] * 2
+    assert fusions == {None: [], "split": [(h, h)] * 4, "index": [(h, 2 * h)] * 2,
+                       "concat": [(2 * h, 2 * h)] * 2}[fused]
     for key in (K.ENERGIES, K.FORCES, K.STRESS):
         assert ref[key].abs().max() > 1e-6
         torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cue
+@pytest.mark.parametrize("fusion", ["split", "index", "concat"])
+def test_mace_pairs_cuda_fused_kernels_equal_per_edge(fusion, monkeypatch):
+    """On CUDA (mace's own fused convolution, cuEquivariance's kernels), each way of giving
+    the fused convolution the half-size weights gives the per-edge evaluation (fp32)."""
+    from xnn.models.external import _mace_pairs
+
+    monkeypatch.setattr(_mace_pairs, "FUSION", fusion)
+    model = build("mace", model=_tiny_mace().float().cuda(), backend="cueq").eval()
+    g = random_periodic_system(SPECIES, 40, volume_per_atom=11.0, min_distance=1.0, seed=5)
+    g = _paired(with_edges(g.to(dtype=torch.float32, device="cuda"), 3.5))
+    ref = compute_properties(model, g)
+    assert hasattr(model._cueq[1].interactions[0], "conv_fusion")
+    with pairing_edges():
+        out = compute_properties(model, g)
+    for key in (K.ENERGIES, K.FORCES, K.STRESS):
+        assert ref[key].abs().max() > 1e-4
+        torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5)

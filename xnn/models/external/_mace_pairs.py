@@ -7,8 +7,9 @@ same length bitwise, so on a paired list (:func:`xnn.models.base.edges_paired`: 
 ``h + k`` reverses edge ``k``) the MLP and the cutoff product run on the first half and the
 second half reuses them: the same values, the same energy, and the same forces (the
 derivative through ``r_k`` alone is exact since ``r_{h+k} = r_k`` as functions of the
-positions). cuEquivariance's fused convolution reads the half-size weights through an input
-index; other convolutions get them concatenated (``INDEXED = False`` always does that).
+positions). cuEquivariance's fused convolution runs once per half with the half-size weights
+as they are (``FUSION``: or once, reading them through an input index); other convolutions
+get them concatenated.
 
 Only the blocks whose forward this module mirrors (``RealAgnosticInteractionBlock``,
 ``RealAgnosticResidualInteractionBlock``: MACE's defaults) are patched; :func:`pairable`
@@ -25,9 +26,14 @@ from torch import Tensor, nn
 
 from xnn.models.base import edges_paired
 
-#: pass the half-size weights to cuEquivariance's fused convolution through an index
-#: (else concatenated to a full-size tensor); a switch for benchmarks
-INDEXED = True
+#: how cuEquivariance's fused convolution gets the half-size weights (a switch for
+#: benchmarks): ``"split"`` one call per half of the edges, each reading them directly
+#: (the kernels of the per-edge call), ``"index"`` one call reading them through an input
+#: index (kernels with two indexed inputs: slower on an H200), ``"concat"`` one call on
+#: the weights concatenated to full size
+FUSION = "split"
+#: dtype of the edge indices given to the fused convolution (cuEquivariance sorts them)
+INDEX_DTYPE = torch.int32
 
 
 def _classes() -> tuple[type, type]:
@@ -69,9 +75,18 @@ def _messages(block: nn.Module, node_feats: Tensor, edge_attrs: Tensor, edge_fea
     sender, receiver = edge_index[0], edge_index[1]
     conv = block.conv_tp
     if hasattr(block, "conv_fusion"):
-        if INDEXED and hasattr(conv, "original_forward") and hasattr(conv, "weight_numel"):
-            # mace's cuEquivariance fusion (with_cueq_conv_fusion): the weights by index
-            slots = torch.arange(half, device=edge_index.device, dtype=edge_index.dtype)
+        cueq = hasattr(conv, "original_forward") and hasattr(conv, "weight_numel")
+        if cueq and edge_index.is_cuda:  # (the pure-PyTorch fallback takes int64 alone)
+            sender, receiver = sender.to(INDEX_DTYPE), receiver.to(INDEX_DTYPE)
+        if cueq and FUSION == "split":
+            # mace's cuEquivariance fusion (with_cueq_conv_fusion), once per half
+            n = {0: node_feats}
+            out = conv.original_forward([w, node_feats, edge_attrs[:half]],
+                                        {1: sender[:half]}, n, {0: receiver[:half]})[0]
+            return out + conv.original_forward([w, node_feats, edge_attrs[half:]],
+                                               {1: sender[half:]}, n, {0: receiver[half:]})[0]
+        if cueq and FUSION == "index":
+            slots = torch.arange(half, device=edge_index.device, dtype=sender.dtype)
             return conv.original_forward(
                 [w, node_feats, edge_attrs], {0: torch.cat([slots, slots]), 1: sender},
                 {0: node_feats}, {0: receiver})[0]

@@ -16,7 +16,8 @@
 #         and 12; still to run: 10 (after the symbolic-width fix) and 11's triton half
 #         (KB=triton). pytest's plugin autoload is off: hydra's (in the big wheels) fails.
 #         Session 17 ran 10 and 11 (KB=triton), then 13 and 14 (big wheels); session 18: 15;
-#         session 19: 16 and 17 (big wheels).
+#         sessions 19-20 prepared 16 and 17 (big wheels;
+#         no GPU was lent to them: not yet run).
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -173,8 +174,8 @@ PY
       --cueq --json "$OUT/peers_mace_pairs_h200.json"
   ;;
 16) # big wheels (session 19): the paired MACE step with cuEquivariance's fused convolution
-    # once per half of the edges (split, the default now) against one call reading the
-    # half-size weights by index (session 18's), and the CUDA test of every fusion mode
+    # once per half of the edges (split) against one call reading the half-size weights by
+    # index (session 18's, the default), and the CUDA test of every fusion mode
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   step 150 mace_pairs_cuda_test python3 -m pytest -q -m gpu tests/test_edge_pairs.py \
       -p no:cacheprovider -p no:logging -rA
@@ -196,6 +197,6 @@ PY
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   step 300 peers_mace_split python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
       --batched none --models mace --steps 9 --budget-s 100 --frameworks xnn,xnn_step_graph,torch_sim \
-      --cueq --json "$OUT/peers_mace_split_h200.json"
+      --cueq --mace-fusion split --json "$OUT/peers_mace_split_h200.json"
   ;;
 esac

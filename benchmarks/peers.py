@@ -253,6 +253,10 @@ def parse(argv):
                    help="add xnn_compiled, xnn_step_compiled (and xnn_step_graph on CUDA)")
     p.add_argument("--cueq", action="store_true", help="every framework on its "
                    "cuEquivariance path (xnn backend=cueq, torch-sim/nvalchemi enable_cueq)")
+    p.add_argument("--mace-fusion", default=None, choices=("index", "split", "concat"),
+                   help="with --cueq, xnn's paired MACE step: how cuEquivariance's fused "
+                        "convolution gets the half-size radial weights (default: "
+                        "xnn.models.external._mace_pairs.FUSION)")
     p.add_argument("--compile-cases", default="", help="cases where *_compiled run: atom "
                    "counts and/or 'batched' (default: all)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12; quick 2)")
@@ -291,12 +295,17 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.mace_fusion:
+        from xnn.models.external import _mace_pairs
+
+        _mace_pairs.FUSION = args.mace_fusion
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows: list = []
     head = {"benchmark": "peers", "dtype": args.dtype, "dt_fs": DT_FS, "temperature_K": T_K,
             "friction_per_fs": FRICTION, "skin_A": SKIN, "steps": args.steps,
             "warmup": args.warmup, "blocks": args.blocks, "budget_s": args.budget_s,
             "quick": args.quick, "small_models": args.small_models, "cueq": args.cueq,
+            "mace_fusion": args.mace_fusion,
             "versions": _versions(),
             "force_check": "max |F - F_xnn| at the start; forces_match: <= 1e-4 (fp32) / "
                            "1e-9 (fp64) of max |F_xnn|"}

@@ -38,11 +38,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="equivariant", choices=("equivariant", "mace"))
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--eager", action="store_true", help="profile the eager step instead")
-    p.add_argument("--pairs", default="split", choices=("split", "index", "concat", "off"),
+    p.add_argument("--pairs", default="index", choices=("index", "split", "concat", "off"),
                    help="MACE with cueq: radial MLPs once per edge pair, the fused "
-                        "convolution once per half (default), reading the half-size weights "
-                        "by index, or on them concatenated; off: per edge")
-    p.add_argument("--index-dtype", default="int32", choices=("int32", "int64"),
+                        "convolution reading the half-size weights by index (default), once "
+                        "per half of the edges, or on them concatenated; off: per edge")
+    p.add_argument("--index-dtype", default="int64", choices=("int32", "int64"),
                    help="MACE with cueq, paired: dtype of the fused convolution's indices")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.float32

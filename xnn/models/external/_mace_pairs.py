@@ -7,9 +7,9 @@ same length bitwise, so on a paired list (:func:`xnn.models.base.edges_paired`: 
 ``h + k`` reverses edge ``k``) the MLP and the cutoff product run on the first half and the
 second half reuses them: the same values, the same energy, and the same forces (the
 derivative through ``r_k`` alone is exact since ``r_{h+k} = r_k`` as functions of the
-positions). cuEquivariance's fused convolution runs once per half with the half-size weights
-as they are (``FUSION``: or once, reading them through an input index); other convolutions
-get them concatenated.
+positions). cuEquivariance's fused convolution reads the half-size weights through an input
+index (``FUSION``: or runs once per half of the edges, reading them directly); other
+convolutions get them concatenated.
 
 Only the blocks whose forward this module mirrors (``RealAgnosticInteractionBlock``,
 ``RealAgnosticResidualInteractionBlock``: MACE's defaults) are patched; :func:`pairable`
@@ -27,13 +27,15 @@ from torch import Tensor, nn
 from xnn.models.base import edges_paired
 
 #: how cuEquivariance's fused convolution gets the half-size weights (a switch for
-#: benchmarks): ``"split"`` one call per half of the edges, each reading them directly
-#: (the kernels of the per-edge call), ``"index"`` one call reading them through an input
-#: index (kernels with two indexed inputs: slower on an H200), ``"concat"`` one call on
-#: the weights concatenated to full size
-FUSION = "split"
-#: dtype of the edge indices given to the fused convolution (cuEquivariance sorts them)
-INDEX_DTYPE = torch.int32
+#: benchmarks): ``"index"`` one call reading them through an input index (measured on an
+#: H200: the step 33.9 ms against 40.4 per edge, though cuEquivariance picks slower
+#: convolution kernels for two indexed inputs), ``"split"`` one call per half of the edges,
+#: each reading them directly (the kernels of the per-edge call; not yet measured on a
+#: GPU), ``"concat"`` one call on the weights concatenated to full size (41.7 ms)
+FUSION = "index"
+#: dtype of the edge indices given to the fused convolution on CUDA (int64: as measured;
+#: int32 halves the bytes of the sorts in cuEquivariance's backward, not yet measured)
+INDEX_DTYPE = torch.int64
 
 
 def _classes() -> tuple[type, type]:

@@ -113,19 +113,11 @@ def within_cutoff(graph: AtomicGraph, cutoff: float, inert: tuple[Tensor, Tensor
     positions, in their order, in the first slots of the inert edges ``inert`` (the active
     capacity; the other slots stay inert), and their number ``n`` (0-d int64; above the
     capacity, the edges beyond it were dropped). Fixed shapes, no host sync: traceable."""
-    inert_ei, inert_sh = inert
-    cap = inert_ei.shape[1]
+    cap = inert[0].shape[1]
     with torch.no_grad():
-        vec = graph.edge_vectors(graph.positions.detach())
-        keep = (vec * vec).sum(-1) < cutoff * cutoff
-        slot = torch.cumsum(keep, 0) - 1
-        n = keep.sum()
-        slot = torch.where(keep & (slot < cap), slot, cap)  # slot cap: a discarded column
-        ei = torch.cat([inert_ei, inert_ei[:, :1]], 1).index_copy(
-            1, slot, graph.edge_index.to(inert_ei.dtype))
-        sh = torch.cat([inert_sh, inert_sh[:1]]).index_copy(
-            0, slot, graph.shifts.to(inert_sh.dtype))
-    return ei[:, :cap], sh[:cap], n
+        keep = _kept(graph, cutoff)
+        ei, sh = _compact(graph, _slots(keep, cap, 0, cap), inert)
+    return ei, sh, keep.sum()
 
 
 def within_cutoff_paired(graph: AtomicGraph, cutoff: float, inert: tuple[Tensor, Tensor]
@@ -135,25 +127,39 @@ def within_cutoff_paired(graph: AtomicGraph, cutoff: float, inert: tuple[Tensor,
     compacted into its half of the slots, so the kept edges stay paired (a pair's two
     lengths are bitwise equal, so both or neither are kept). Also returns the number of
     pairs with one edge kept and the other not (0; anything else is a wrong pairing)."""
+    cap = inert[0].shape[1]
+    half_cap, half = cap // 2, graph.edge_index.shape[1] // 2
+    with torch.no_grad():
+        keep = _kept(graph, cutoff)
+        first, second = keep[:half], keep[half:]
+        slot = torch.cat([_slots(first, half_cap, 0, cap), _slots(second, half_cap, half_cap, cap)])
+        ei, sh = _compact(graph, slot, inert)
+    return ei, sh, keep.sum(), (first != second).sum()
+
+
+def _kept(graph: AtomicGraph, cutoff: float) -> Tensor:
+    """``[E]`` bool: the edges of ``graph`` shorter than ``cutoff`` at its positions."""
+    vec = graph.edge_vectors(graph.positions.detach())
+    return (vec * vec).sum(-1) < cutoff * cutoff
+
+
+def _slots(keep: Tensor, cap: int, offset: int, discard: int) -> Tensor:
+    """The slot of each kept edge in a block of ``cap`` slots starting at ``offset``, in
+    their order; ``discard`` for the others and for those beyond the block."""
+    slot = torch.cumsum(keep, 0) - 1
+    return torch.where(keep & (slot < cap), slot + offset, discard)
+
+
+def _compact(graph: AtomicGraph, slot: Tensor, inert: tuple[Tensor, Tensor]
+             ) -> tuple[Tensor, Tensor]:
+    """The inert edges ``inert`` with the edges of ``graph`` written into their ``slot``
+    (slot = capacity: a discarded extra column)."""
     inert_ei, inert_sh = inert
     cap = inert_ei.shape[1]
-    half_cap = cap // 2
-    half = graph.edge_index.shape[1] // 2
-    with torch.no_grad():
-        vec = graph.edge_vectors(graph.positions.detach())
-        keep = (vec * vec).sum(-1) < cutoff * cutoff
-        first, second = keep[:half], keep[half:]
-        slot_a = torch.cumsum(first, 0) - 1
-        slot_b = torch.cumsum(second, 0) - 1
-        slot = torch.cat([torch.where(first & (slot_a < half_cap), slot_a, cap),
-                          torch.where(second & (slot_b < half_cap), slot_b + half_cap, cap)])
-        n = keep.sum()
-        broken = (first != second).sum()
-        ei = torch.cat([inert_ei, inert_ei[:, :1]], 1).index_copy(
-            1, slot, graph.edge_index.to(inert_ei.dtype))
-        sh = torch.cat([inert_sh, inert_sh[:1]]).index_copy(
-            0, slot, graph.shifts.to(inert_sh.dtype))
-    return ei[:, :cap], sh[:cap], n, broken
+    ei = torch.cat([inert_ei, inert_ei[:, :1]], 1).index_copy(
+        1, slot, graph.edge_index.to(inert_ei.dtype))
+    sh = torch.cat([inert_sh, inert_sh[:1]]).index_copy(0, slot, graph.shifts.to(inert_sh.dtype))
+    return ei[:, :cap], sh[:cap]
 
 
 def status(d_next: Tensor, n_active: Tensor, broken: Tensor | None = None) -> Tensor:
@@ -234,14 +240,11 @@ class CompiledVerlet:
             self.capacity = max(math.ceil(n * self.headroom), grown, 1)
         if self.paired:  # [first half, padding, second half, the same padding]
             self.capacity += self.capacity % 2
-            half = n // 2
             ei, sh = ei[:, order], sh[order]
-            ei_pad, sh_pad = _inert_edges(graph, nl.cutoff + nl.skin, self.capacity // 2 - half)
-            self._edges = (torch.cat([ei[:, :half], ei_pad, ei[:, half:], ei_pad], 1),
-                           torch.cat([sh[:half], sh_pad, sh[half:], sh_pad]))
-        else:
-            ei_pad, sh_pad = _inert_edges(graph, nl.cutoff + nl.skin, self.capacity - n)
-            self._edges = (torch.cat([ei, ei_pad], 1), torch.cat([sh, sh_pad]))
+        parts = 2 if self.paired else 1
+        ei_pad, sh_pad = _inert_edges(graph, nl.cutoff + nl.skin, (self.capacity - n) // parts)
+        self._edges = (torch.cat([x for e in ei.tensor_split(parts, 1) for x in (e, ei_pad)], 1),
+                       torch.cat([x for e in sh.tensor_split(parts) for x in (e, sh_pad)]))
         self._ref = positions.detach().clone()
         self.n_rebuilds += 1
         if self.filters:

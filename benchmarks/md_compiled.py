@@ -19,6 +19,9 @@ latter grow with the steps in fp32).
 model the whole Verlet list (``cutoff + skin``), as before the steps filtered it to the
 cutoff: ``filter_speedup_eager`` and ``filter_speedup_compiled`` are their times over the
 filtered steps' (and the unfiltered trajectories are checked against the filtered ones).
+``--unpaired`` likewise times the compiled step with the list as built, for a model that
+runs its radial networks once per reverse edge pair on the paired list (``pairs_edges``):
+``pairs_speedup_compiled`` is its time over the paired step's (trajectories checked).
 
 Usage::
 
@@ -89,7 +92,7 @@ def _diffs(eager, compiled) -> tuple[float, float]:
 def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: int = 3,
                    backend: str = "inductor", ensemble: str = "nve",
                    cuda_graph: bool | None = None, kernel_backend: str = "reference",
-                   unfiltered: bool = False) -> dict:
+                   unfiltered: bool = False, unpaired: bool = False) -> dict:
     """One row: eager, compiled (and CUDA-graph) steps of ``name`` on ~``n_atoms`` Cu atoms.
 
     Args:
@@ -101,6 +104,7 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
             is timed too.
         unfiltered: time the eager and compiled steps without the filter to the cutoff too
             (the compiled one with the kernel backend).
+        unpaired: time the compiled step without the reverse-pair layout too.
     """
     device = torch.device(device)
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -132,6 +136,10 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
     integ_u = CompiledIntegrator(ensemble, pcu, backend=backend) if unfiltered else None
     if unfiltered:
         integ_u.stepper.filters = False  # the model sees the padded whole list
+    pcp = Potential(copy.deepcopy(model_c), skin=1.0) if unpaired else None
+    integ_p = CompiledIntegrator(ensemble, pcp, backend=backend) if unpaired else None
+    if unpaired:
+        integ_p.stepper.paired = False  # the list as built: radial work per edge
 
     def eager_step(s):
         return mod.step(s, pe, DT)
@@ -154,9 +162,13 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         scu = mod.init(g, pcu, **ENSEMBLE_ARGS[ensemble])
         su = _timed(lambda s: mod.step(s, pu, DT), su, 3, device)[0]
         scu = _timed(lambda s: integ_u.step(s, pcu, DT), scu, 3, device)[0]
+    scp = None
+    if unpaired:
+        scp = mod.init(g, pcp, **ENSEMBLE_ARGS[ensemble])
+        scp = _timed(lambda s: integ_p.step(s, pcp, DT), scp, 3, device)[0]
     compiles, graphs = stepper.n_compiles, _graphs()
     t = {"eager": 0.0, "compiled": 0.0, "cuda_graph": 0.0, "eager_kernel": 0.0,
-         "eager_unfiltered": 0.0, "compiled_unfiltered": 0.0}
+         "eager_unfiltered": 0.0, "compiled_unfiltered": 0.0, "compiled_unpaired": 0.0}
     sk = mod.init(se.graph, pk, **ENSEMBLE_ARGS[ensemble]) if pk is not None else None
     per_block = max(1, steps // blocks)
     for _ in range(blocks):
@@ -175,6 +187,9 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
             scu, dt_cu = _timed(lambda s: integ_u.step(s, pcu, DT), scu, per_block, device)
             t["eager_unfiltered"] += dt_u
             t["compiled_unfiltered"] += dt_cu
+        if unpaired:
+            scp, dt_p = _timed(lambda s: integ_p.step(s, pcp, DT), scp, per_block, device)
+            t["compiled_unpaired"] += dt_p
     recompiles, new_graphs = stepper.n_compiles - compiles, _graphs() - graphs
     while se.step < sc.step:  # the eager trajectory to the same step, untimed
         se = eager_step(se)
@@ -203,6 +218,11 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
                    unfiltered_eager_position_diff_A=_diffs(se, su)[0],
                    unfiltered_compiled_position_diff_A=_diffs(scu, sc)[0]
                    if scu.step == sc.step else None)
+    if unpaired:
+        row.update(paired=stepper.paired, compiled_unpaired_s_per_step=t["compiled_unpaired"] / n,
+                   pairs_speedup_compiled=t["compiled_unpaired"] / t["compiled"],
+                   unpaired_compiled_position_diff_A=_diffs(scp, sc)[0]
+                   if scp.step == sc.step else None)
     if sk is not None:
         row.update(eager_kernel_s_per_step=t["eager_kernel"] / n,
                    speedup_eager_kernel=t["eager"] / t["eager_kernel"])
@@ -233,6 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--unfiltered", action="store_true",
                    help="also time the steps that give the model the whole Verlet list")
+    p.add_argument("--unpaired", action="store_true",
+                   help="also time the compiled step without the reverse-pair layout")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -244,7 +266,8 @@ def main(argv=None) -> int:
             rows.append(bench_compiled(name, args.n_atoms, args.steps, device, dtype,
                                        backend=args.backend, ensemble=ensemble,
                                        cuda_graph=False if args.no_cuda_graph else None,
-                                       kernel_backend=kb, unfiltered=args.unfiltered))
+                                       kernel_backend=kb, unfiltered=args.unfiltered,
+                                       unpaired=args.unpaired))
             print(rows[-1], flush=True)
             write_json(args.json, {"benchmark": "md_compiled", "dtype": args.dtype,
                                    "dt_fs": DT, "results": rows}, device=str(device))

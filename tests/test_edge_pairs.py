@@ -2,7 +2,8 @@
 edge's reverse found (bitwise the negated vector), lists that are not full refused, the
 cutoff filter keeping pairs together, and a model that weighs each pair once (an EAM-like
 density, wrong on a wrong pairing) following the eager trajectory; MACE's radial networks
-once per pair (cuEquivariance copy, both convolution paths) equal to per edge."""
+once per pair (cuEquivariance copy, every convolution path) and xnn's equivariant model's
+(reference kernels, also in the compiled step) equal to per edge."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from test_compiled_md import SKIN, _system
 from test_kernel_backends import SPECIES, _tiny_mace, requires_cue
 
 from xnn.data import keys as K
-from xnn.dynamics import nve
+from xnn.dynamics import maxwell_boltzmann, nve
 from xnn.dynamics.compiled import CompiledVerlet, within_cutoff, within_cutoff_paired
 from xnn.models import Potential, build, compute_properties
 from xnn.models.base import AtomisticModel, edges_paired, pairing_edges
@@ -218,3 +219,77 @@ def test_mace_pairs_cuda_fused_kernels_equal_per_edge(fusion, monkeypatch):
     for key in (K.ENERGIES, K.FORCES, K.STRESS):
         assert ref[key].abs().max() > 1e-4
         torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5)
+
+
+def _equivariant(backend: str = "reference"):
+    torch.manual_seed(0)
+    return build("equivariant", species=SPECIES, cutoff=3.5, channels=4, l_max=2,
+                 hidden_l_max=1, correlation=2, num_bessel=4, radial_mlp=[8, 8],
+                 avg_num_neighbors=8.0, backend=backend).double()
+
+
+def test_equivariant_radial_networks_once_per_pair():
+    """xnn's equivariant model on a paired list (the compiled step's traced branch): each
+    interaction's radial MLP on half the edges, the tensor products weighing both edges of a
+    pair with its row, and the per-edge energies, forces and stress (fp64); a list whose
+    halves are not reverses gives other energies (the pairing is used, not ignored)."""
+    from xnn.models.base import tracing_graph
+
+    model = _equivariant().eval()
+    assert model.pairs_edges
+    if _has_cue():
+        assert not _equivariant("cueq").pairs_edges
+    g = random_periodic_system(SPECIES, 10, volume_per_atom=11.0, min_distance=1.0, seed=4)
+    g = _paired(with_edges(g.to(dtype=torch.float64), 4.0))  # beyond the cutoff too (skin)
+    ref = compute_properties(model, g, True, True)
+    rows = []
+    for layer in model.interactions:
+        layer.radial.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    with tracing_graph(), pairing_edges():
+        out = compute_properties(model, g, True, True)
+    h = g.edge_index.shape[1] // 2
+    assert rows == [h] * len(model.interactions)
+    for key in (K.ENERGIES, K.FORCES, K.STRESS):
+        assert ref[key].abs().max() > 1e-6
+        torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-12)
+    rolled = g.replace(edge_index=torch.cat([g.edge_index[:, :h], g.edge_index[:, h:].roll(1, 1)],
+                                            1), shifts=torch.cat([g.shifts[:h],
+                                                                  g.shifts[h:].roll(1, 0)]))
+    with tracing_graph(), pairing_edges():
+        wrong = compute_properties(model, rolled, False, False)
+    assert (wrong[K.ENERGIES] - ref[K.ENERGIES]).abs().max() > 1e-6
+
+
+def _has_cue() -> bool:
+    try:
+        import cuequivariance_torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_equivariant_compiled_step_on_a_paired_list_follows_eager(one_thread):
+    """The compiled NVE step of the equivariant model on the paired list (radial MLPs once
+    per pair) follows the eager trajectory over rebuilds, as the unpaired compiled step
+    does."""
+    model = _equivariant().eval()
+    g = random_periodic_system(SPECIES, 12, volume_per_atom=11.0, min_distance=1.2, seed=6)
+    g = maxwell_boltzmann(g.to(dtype=torch.float64), 900.0, seed=1)
+    eager_pot = Potential(model, skin=0.3)
+    stepper = CompiledVerlet(Potential(model, skin=0.3), backend="aot_eager")
+    plain = CompiledVerlet(Potential(model, skin=0.3), backend="aot_eager")
+    plain.paired = False
+    rows = []
+    model.interactions[0].radial.register_forward_hook(
+        lambda m, i, o: rows.append(i[0].shape[0]))
+    eager = compiled = unpaired = nve.init(g, eager_pot)
+    for _ in range(25):
+        eager, compiled = nve.step(eager, eager_pot, 1.0), stepper.step(compiled, 1.0)
+        unpaired = plain.step(unpaired, 1.0)
+    assert stepper.paired and stepper.n_rebuilds >= 2 and stepper.n_compiles <= 2
+    # traced: the paired step's radial MLP on half its active capacity, the plain one's on all
+    assert stepper.active_capacity // 2 in rows and plain.active_capacity in rows
+    for a, b in ((compiled, unpaired), (compiled, eager)):
+        torch.testing.assert_close(a.positions, b.positions, rtol=0, atol=1e-10)
+        torch.testing.assert_close(a.forces, b.forces, rtol=0, atol=1e-10)
+        torch.testing.assert_close(a.energy, b.energy, rtol=0, atol=1e-10)

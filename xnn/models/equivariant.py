@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import graph_tracing
+from xnn.models.base import edges_paired, graph_tracing
 from xnn.models.blocks import (
     BesselBasis,
     EnergyScaleShift,
@@ -124,9 +124,10 @@ def available_memory(device: torch.device) -> int:
     return 16 << 30
 
 
-def _edge_messages(layer: Interaction, h_up, y, feats, sender, receiver, n: int) -> Tensor:
+def _edge_messages(layer: Interaction, h_up, y, feats, sender, receiver, n: int,
+                   paired: bool = False) -> Tensor:
     """``Interaction.messages`` for ``torch.compile`` (its scatter then uses ``index_add``)."""
-    return layer.messages(h_up, y, feats, sender, receiver, n)
+    return layer.messages(h_up, y, feats, sender, receiver, n, paired=paired)
 
 
 _COMPILED: dict[str, object] = {}
@@ -156,6 +157,10 @@ class EdgeData(NamedTuple):
         pieces: activation checkpointing is on (training): every interaction runs as
             separately checkpointed pieces (``linear_up``, one per edge chunk, the node
             update; see :meth:`Interaction.forward`), and ``chunks`` is never ``None``.
+        paired: the edges are reverse pairs (edge ``h + k`` reverses edge ``k``,
+            ``h = n_in // 2``; the compiled MD step's list, :func:`~xnn.models.base.
+            edges_paired`) and ``feats`` holds the first half's rows only: a pair's two
+            lengths are bitwise equal, so its radial weights are computed once.
     """
 
     edge_index: Tensor
@@ -165,6 +170,7 @@ class EdgeData(NamedTuple):
     lean: bool = True
     density: Tensor | None = None
     pieces: bool = False
+    paired: bool = False
 
 
 def receiver_chunks(receiver: Tensor, n_atoms: int, chunk: int) -> list[tuple[int, int, int, int]]:
@@ -277,17 +283,20 @@ class Interaction(nn.Module):
         receiver: Tensor,
         n: int,
         recompute: bool = False,
+        paired: bool = False,
     ) -> Tensor:
         """``[n, C, (l_max+1)^2]`` sum of the messages of some edges into receivers ``0..n-1``.
 
         ``recompute``: recompute the radial MLP's hidden layers and the tensor-product
         intermediates in backward instead of keeping them (cheap element-wise work).
+        ``paired``: the edges are reverse pairs and ``feats`` holds the first half's rows
+        (:class:`EdgeData`): the radial MLP runs once per pair.
         """
         w = self.radial(feats, recompute)
         # triton: gather, product and scatter in one kernel
         if self.tp.fuses_conv:
             return self.tp.conv(h_up, y, w, sender, receiver, n)
-        m = self.tp(h_up.index_select(0, sender), y, w, recompute)
+        m = self.tp(h_up.index_select(0, sender), y, w, recompute, paired)
         return scatter_sum(m, receiver, n)
 
     def aggregate(self, h: Tensor, edges: EdgeData, n_up: int | None = None) -> Tensor:
@@ -303,9 +312,10 @@ class Interaction(nn.Module):
         sender, receiver = edges.edge_index[0], edges.edge_index[1]
         if edges.chunks is None and self.compiled:
             a = compiled_edge_messages()(self, h_up, edges.y, edges.feats, sender, receiver,
-                                         n_up)
+                                         n_up, edges.paired)
         elif edges.chunks is None:
-            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, n_up, edges.lean)
+            a = self.messages(h_up, edges.y, edges.feats, sender, receiver, n_up, edges.lean,
+                              edges.paired)
         else:
             a = torch.cat(
                 [
@@ -540,6 +550,13 @@ class Equivariant(NativeModel):
                 module.set_backend(backend)
         self.hparams["backend"] = backend
 
+    @property
+    def pairs_edges(self) -> bool:
+        """With the reference kernels: on a paired list (the compiled MD step's;
+        :func:`~xnn.models.base.edges_paired`) the radial MLPs run once per edge pair, the
+        tensor products read each pair's weights for both of its edges."""
+        return self.hparams.get("backend", "reference") == "reference"
+
     def compile_for_inference(self, enabled: bool = True) -> bool:
         """Compile the edge part of every interaction (see the base class): about 1.5x faster
         energy + forces on an H200 at 10k atoms (``benchmarks/bench_equivariant.py``). Only
@@ -577,9 +594,12 @@ class Equivariant(NativeModel):
         r = vec.norm(dim=-1)
         if graph_tracing():  # torch.export / compile / make_fx: no data-dependent shapes;
             env = self.envelope(r)  # envelope 0 beyond rc
-            feats = self.bessel(r) * env.unsqueeze(-1)
+            # a paired list (compiled MD): radial features of the first half, once per pair
+            paired = edges_paired() and self.pairs_edges
+            half = r.shape[0] // 2 if paired else r.shape[0]
+            feats = self.bessel(r[:half]) * env[:half].unsqueeze(-1)
             return EdgeData(edge_index, self.sh(vec), feats, None, False,
-                            self._density(env, edge_index, graph.n_update))
+                            self._density(env, edge_index, graph.n_update), paired=paired)
         keep = None
         inside = r < self.cutoff
         if graph.n_update < graph.n_atoms:  # only the first n_update atoms receive

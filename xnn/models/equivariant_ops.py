@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 torch.serialization.add_safe_globals([slice])
 from e3nn import o3  # noqa: E402
 
+from xnn.errors import InputError  # noqa: E402
 from xnn.models import cueq  # noqa: E402
 
 
@@ -156,10 +157,18 @@ class EdgeTensorProduct(nn.Module):
         m = self(h.index_select(0, sender), y, w)
         return m.new_zeros((n, *m.shape[1:])).index_add(0, receiver, m)
 
-    def forward(self, x: Tensor, y: Tensor, w: Tensor, recompute: bool = False) -> Tensor:
+    def forward(self, x: Tensor, y: Tensor, w: Tensor, recompute: bool = False,
+                paired: bool = False) -> Tensor:
         """With ``recompute``, ``Z`` is recomputed in backward instead of being kept
         (reference backend; cueq keeps its own intermediates; triton never forms ``Z`` and
-        keeps only the inputs of each group's product, as the recomputation does)."""
+        keeps only the inputs of each group's product, as the recomputation does).
+
+        ``paired`` (reference backend): the edges are reverse pairs (edge ``E/2 + k``
+        reverses edge ``k``) and ``w [E/2, C, num_paths]`` holds one row per pair, used by
+        both of its edges (broadcast, not copied)."""
+        if paired and (self._cue is not None or self._fused is not None):
+            raise InputError(f"paired edge weights need the reference backend, not "
+                             f"{self.backend}")
         if self._cue is not None:
             c = x.shape[1]
             out = self._cue([cueq.to_ir_mul(w), cueq.to_ir_mul(x), y], c)
@@ -177,22 +186,27 @@ class EdgeTensorProduct(nn.Module):
             if self._fused is not None:
                 t = self._fused(w_groups[k], xl, m)
             elif recompute:
-                t = checkpoint(_weighted_bmm, w_groups[k], xl, m, use_reentrant=False)
+                t = checkpoint(_weighted_bmm, w_groups[k], xl, m, paired, use_reentrant=False)
             else:
-                t = _weighted_bmm(w_groups[k], xl, m)
+                t = _weighted_bmm(w_groups[k], xl, m, paired)
             out = t if out is None else out + t
         return out
 
 
-def _weighted_bmm(w: Tensor, x: Tensor, m: Tensor) -> Tensor:
-    """``Z @ M`` with ``Z[e, c, (p, a)] = w[e, c, p] x[e, c, a]``.
+def _weighted_bmm(w: Tensor, x: Tensor, m: Tensor, paired: bool = False) -> Tensor:
+    """``Z @ M`` with ``Z[e, c, (p, a)] = w[e, c, p] x[e, c, a]``; ``paired``: ``w`` has one
+    row per reverse pair (``E/2``), row ``k`` weighing edges ``k`` and ``E/2 + k``.
 
     Shapes:
-        ``w [E, C, P]``, ``x [E, C, A]``, ``m [E, P*A, K]`` -> ``[E, C, K]``.
+        ``w [E, C, P]`` (paired ``[E/2, C, P]``), ``x [E, C, A]``, ``m [E, P*A, K]`` ->
+        ``[E, C, K]``.
     """
-    e, c = x.shape[0], x.shape[1]
-    z = (w[:, :, :, None] * x[:, :, None, :]).reshape(e, c, w.shape[2] * x.shape[2])
-    return torch.bmm(z, m)
+    e, c, a = x.shape
+    if paired:  # [2, E/2, C, P, A]: both halves weighed by the same rows
+        z = w[None, :, :, :, None] * x.view(2, e // 2, c, 1, a)
+    else:
+        z = w[:, :, :, None] * x[:, :, None, :]
+    return torch.bmm(z.reshape(e, c, w.shape[2] * a), m)
 
 
 class ProductBasis(nn.Module):

@@ -19,9 +19,10 @@ latter grow with the steps in fp32).
 model the whole Verlet list (``cutoff + skin``), as before the steps filtered it to the
 cutoff: ``filter_speedup_eager`` and ``filter_speedup_compiled`` are their times over the
 filtered steps' (and the unfiltered trajectories are checked against the filtered ones).
-``--unpaired`` likewise times the compiled step with the list as built, for a model that
-runs its radial networks once per reverse edge pair on the paired list (``pairs_edges``):
-``pairs_speedup_compiled`` is its time over the paired step's (trajectories checked).
+``--unpaired`` likewise times the compiled and the eager step with the list as built, for a
+model that runs its radial networks once per reverse edge pair on the paired list
+(``pairs_edges``): ``pairs_speedup_compiled`` and ``pairs_speedup_eager`` are their times
+over the paired steps' (trajectories checked).
 
 Usage::
 
@@ -67,8 +68,8 @@ class WholeList(Potential):
     """A :class:`~xnn.models.Potential` whose model sees the whole Verlet list (no filter to
     the cutoff): the eager step as it was before the filter."""
 
-    def model_graph(self, graph: AtomicGraph) -> AtomicGraph:
-        return self.neighbors(graph)
+    def edges_for_model(self, graph: AtomicGraph, paired: bool = False):
+        return self.neighbors(graph), False
 
 
 def _graphs() -> int:
@@ -104,7 +105,7 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
             is timed too.
         unfiltered: time the eager and compiled steps without the filter to the cutoff too
             (the compiled one with the kernel backend).
-        unpaired: time the compiled step without the reverse-pair layout too.
+        unpaired: time the compiled and eager steps without the reverse-pair layout too.
     """
     device = torch.device(device)
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -138,8 +139,10 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         integ_u.stepper.filters = False  # the model sees the padded whole list
     pcp = Potential(copy.deepcopy(model_c), skin=1.0) if unpaired else None
     integ_p = CompiledIntegrator(ensemble, pcp, backend=backend) if unpaired else None
+    pep = Potential(model, skin=1.0) if unpaired else None
     if unpaired:
         integ_p.stepper.paired = False  # the list as built: radial work per edge
+        pep.paired = False
 
     def eager_step(s):
         return mod.step(s, pe, DT)
@@ -162,13 +165,16 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         scu = mod.init(g, pcu, **ENSEMBLE_ARGS[ensemble])
         su = _timed(lambda s: mod.step(s, pu, DT), su, 3, device)[0]
         scu = _timed(lambda s: integ_u.step(s, pcu, DT), scu, 3, device)[0]
-    scp = None
+    scp = sep = None
     if unpaired:
         scp = mod.init(g, pcp, **ENSEMBLE_ARGS[ensemble])
         scp = _timed(lambda s: integ_p.step(s, pcp, DT), scp, 3, device)[0]
+        sep = mod.init(g, pep, **ENSEMBLE_ARGS[ensemble])
+        sep = _timed(lambda s: mod.step(s, pep, DT), sep, 3, device)[0]
     compiles, graphs = stepper.n_compiles, _graphs()
     t = {"eager": 0.0, "compiled": 0.0, "cuda_graph": 0.0, "eager_kernel": 0.0,
-         "eager_unfiltered": 0.0, "compiled_unfiltered": 0.0, "compiled_unpaired": 0.0}
+         "eager_unfiltered": 0.0, "compiled_unfiltered": 0.0, "compiled_unpaired": 0.0,
+         "eager_unpaired": 0.0}
     sk = mod.init(se.graph, pk, **ENSEMBLE_ARGS[ensemble]) if pk is not None else None
     per_block = max(1, steps // blocks)
     for _ in range(blocks):
@@ -190,6 +196,8 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         if unpaired:
             scp, dt_p = _timed(lambda s: integ_p.step(s, pcp, DT), scp, per_block, device)
             t["compiled_unpaired"] += dt_p
+            sep, dt_ep = _timed(lambda s: mod.step(s, pep, DT), sep, per_block, device)
+            t["eager_unpaired"] += dt_ep
     recompiles, new_graphs = stepper.n_compiles - compiles, _graphs() - graphs
     while se.step < sc.step:  # the eager trajectory to the same step, untimed
         se = eager_step(se)
@@ -222,7 +230,11 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
         row.update(paired=stepper.paired, compiled_unpaired_s_per_step=t["compiled_unpaired"] / n,
                    pairs_speedup_compiled=t["compiled_unpaired"] / t["compiled"],
                    unpaired_compiled_position_diff_A=_diffs(scp, sc)[0]
-                   if scp.step == sc.step else None)
+                   if scp.step == sc.step else None,
+                   eager_paired=pe.paired, eager_unpaired_s_per_step=t["eager_unpaired"] / n,
+                   pairs_speedup_eager=t["eager_unpaired"] / t["eager"],
+                   unpaired_eager_position_diff_A=_diffs(sep, se)[0]
+                   if sep.step == se.step else None)
     if sk is not None:
         row.update(eager_kernel_s_per_step=t["eager_kernel"] / n,
                    speedup_eager_kernel=t["eager"] / t["eager_kernel"])

@@ -118,6 +118,7 @@ def test_compiled_step_on_a_paired_list_follows_eager(one_thread):
     once."""
     model = PairDensity().double()
     eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
+    eager_pot.paired = False  # the reference: the list as built
     stepper = CompiledVerlet(compiled_pot, backend="aot_eager")
     plain = CompiledVerlet(Potential(model, skin=SKIN), backend="aot_eager")
     plain.paired = False
@@ -276,6 +277,7 @@ def test_equivariant_compiled_step_on_a_paired_list_follows_eager(one_thread):
     g = random_periodic_system(SPECIES, 12, volume_per_atom=11.0, min_distance=1.2, seed=6)
     g = maxwell_boltzmann(g.to(dtype=torch.float64), 900.0, seed=1)
     eager_pot = Potential(model, skin=0.3)
+    eager_pot.paired = False  # the reference: the list as built
     stepper = CompiledVerlet(Potential(model, skin=0.3), backend="aot_eager")
     plain = CompiledVerlet(Potential(model, skin=0.3), backend="aot_eager")
     plain.paired = False
@@ -293,3 +295,90 @@ def test_equivariant_compiled_step_on_a_paired_list_follows_eager(one_thread):
         torch.testing.assert_close(a.positions, b.positions, rtol=0, atol=1e-10)
         torch.testing.assert_close(a.forces, b.forces, rtol=0, atol=1e-10)
         torch.testing.assert_close(a.energy, b.energy, rtol=0, atol=1e-10)
+
+
+def _schnet():
+    torch.manual_seed(0)
+    return build("schnet", species=SPECIES, cutoff=3.5, num_features=8, num_filters=8,
+                 num_interactions=2, num_basis=6).double()
+
+
+@pytest.mark.parametrize("name,skin", [("equivariant", 0.0), ("equivariant", 0.4),
+                                       ("schnet", 0.4)])
+def test_eager_potential_pairs_the_list(name, skin):
+    """``Potential`` gives a model with ``pairs_edges`` its list as reverse pairs (arranged
+    once per build, filtered to the cutoff pair by pair): the radial networks (equivariant
+    radial MLP, SchNet filter) run on half the edges, and an NVE run over rebuilds follows
+    the run on the list as built (fp64); training evaluations and models without
+    ``pairs_edges`` get the list as built."""
+    model = (_equivariant() if name == "equivariant" else _schnet()).eval()
+    radial = (model.interactions[0].radial if name == "equivariant"
+              else model.interactions[0].filter)
+    g = random_periodic_system(SPECIES, 12, volume_per_atom=11.0, min_distance=1.2, seed=6)
+    g = maxwell_boltzmann(g.to(dtype=torch.float64), 900.0, seed=1)
+    paired, plain = Potential(model, skin=skin), Potential(model, skin=skin)
+    plain.paired = False
+    assert paired.paired
+    rows = []
+    hook = radial.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    edges, is_paired = paired.edges_for_model(g, paired=True)
+    assert is_paired and not edges_paired()
+    h = edges.n_edges // 2
+    assert torch.equal(edges.edge_index[:, h:], edges.edge_index[:, :h].flip(0))
+    assert torch.equal(edges.shifts[h:], -edges.shifts[:h])
+    assert sorted(map(tuple, edges.edge_index.T.tolist())) == sorted(
+        map(tuple, plain.model_graph(g).edge_index.T.tolist()))
+    a = b = nve.init(g, paired)
+    assert rows[-1] == h
+    builds = paired.neighbors.n_builds
+    for _ in range(15):
+        a, b = nve.step(a, paired, 1.0), nve.step(b, plain, 1.0)
+    assert paired.neighbors.n_builds >= builds + 2
+    hook.remove()
+    torch.testing.assert_close(a.positions, b.positions, rtol=0, atol=1e-11)
+    torch.testing.assert_close(a.forces, b.forces, rtol=0, atol=1e-11)
+    torch.testing.assert_close(a.energy, b.energy, rtol=0, atol=1e-11)
+    torch.testing.assert_close(a.stress, b.stress, rtol=0, atol=1e-12)
+    # training, and a model without pairs_edges: the list as built
+    model.train()
+    rows.clear()
+    radial.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    paired(g, training=True)
+    assert rows == [paired.model_graph(g).n_edges]
+    assert not Potential(build("lj", sigma=2.0, epsilon=0.01, cutoff=3.0)).paired
+
+
+def test_schnet_compiled_step_on_a_paired_list_follows_eager(one_thread):
+    """SchNet's compiled NVE step on the paired list (filters once per pair) follows the
+    eager trajectory on the list as built."""
+    model = _schnet().eval()
+    g = random_periodic_system(SPECIES, 12, volume_per_atom=11.0, min_distance=1.2, seed=6)
+    g = maxwell_boltzmann(g.to(dtype=torch.float64), 900.0, seed=1)
+    eager_pot = Potential(model, skin=0.3)
+    eager_pot.paired = False
+    stepper = CompiledVerlet(Potential(model, skin=0.3), backend="aot_eager")
+    eager = compiled = nve.init(g, eager_pot)
+    for _ in range(25):
+        eager, compiled = nve.step(eager, eager_pot, 1.0), stepper.step(compiled, 1.0)
+    assert stepper.paired and stepper.n_rebuilds >= 2
+    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
+    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-10)
+
+
+@requires_cue
+def test_eager_potential_pairs_mace_cueq():
+    """The MACE wrapper with cuEquivariance through ``Potential``: its radial MLPs on half
+    the edges, and the energies, forces and stress of the list as built (fp64)."""
+    model = build("mace", model=_tiny_mace(), backend="cueq").eval()
+    g = random_periodic_system(SPECIES, 10, volume_per_atom=11.0, min_distance=1.0, seed=4)
+    g = g.to(dtype=torch.float64)
+    paired, plain = Potential(model, skin=0.5), Potential(model, skin=0.5)
+    plain.paired = False
+    ref = plain(g)
+    rows = []
+    for block in model._cueq_model(g.positions.device, g.dtype).interactions:
+        block.conv_tp_weights.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    out = paired(g)
+    assert rows == [paired.model_graph(g).n_edges // 2] * 2
+    for key in (K.ENERGIES, K.FORCES, K.STRESS):
+        torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-12)

@@ -587,19 +587,20 @@ class Equivariant(NativeModel):
         """Edges with ``r < cutoff`` (others dropped), their harmonics and radial features.
 
         With more than ``edge_chunk_size`` edges, the edges are sorted by receiver and split
-        into chunks (see :class:`EdgeData`).
+        into chunks (see :class:`EdgeData`). On a paired list (:func:`~xnn.models.base.
+        edges_paired`; unchunked, every atom a receiver) the radial features are those of the
+        first half: the selection of the edges inside the cutoff keeps the pairs (a pair's
+        two lengths are bitwise equal).
         """
         vec = graph.edge_vectors()
         edge_index = graph.edge_index
         r = vec.norm(dim=-1)
+        paired = (edges_paired() and self.pairs_edges and graph.n_update == graph.n_atoms)
         if graph_tracing():  # torch.export / compile / make_fx: no data-dependent shapes;
             env = self.envelope(r)  # envelope 0 beyond rc
-            # a paired list (compiled MD): radial features of the first half, once per pair
-            paired = edges_paired() and self.pairs_edges
-            half = r.shape[0] // 2 if paired else r.shape[0]
-            feats = self.bessel(r[:half]) * env[:half].unsqueeze(-1)
-            return EdgeData(edge_index, self.sh(vec), feats, None, False,
-                            self._density(env, edge_index, graph.n_update), paired=paired)
+            return EdgeData(edge_index, self.sh(vec), self._radial_features(r, env, paired),
+                            None, False, self._density(env, edge_index, graph.n_update),
+                            paired=paired)
         keep = None
         inside = r < self.cutoff
         if graph.n_update < graph.n_atoms:  # only the first n_update atoms receive
@@ -625,12 +626,19 @@ class Equivariant(NativeModel):
             chunks = receiver_chunks(edge_index[1], graph.n_update, chunk)
         elif pieces:
             chunks = [(0, edge_index.shape[1], 0, graph.n_update)]
+        paired = paired and chunks is None  # (chunks sort the edges by receiver)
         y = self.sh(vec)
         env = self.envelope(r)
-        feats = self.bessel(r) * env.unsqueeze(-1)
+        feats = self._radial_features(r, env, paired)
         lean = not pieces and (chunks is not None or edge_index.shape[1] > LEAN_EDGES)
         density = self._density(env, edge_index, graph.n_update)
-        return EdgeData(edge_index, y, feats, chunks, lean, density, pieces)
+        return EdgeData(edge_index, y, feats, chunks, lean, density, pieces, paired)
+
+    def _radial_features(self, r: Tensor, env: Tensor, paired: bool) -> Tensor:
+        """Bessel basis times envelope of every edge, or of the first half of a paired list
+        (one row per pair)."""
+        n = r.shape[0] // 2 if paired else r.shape[0]
+        return self.bessel(r[:n]) * env[:n].unsqueeze(-1)
 
     def _density(self, env: Tensor, edge_index: Tensor, n: int) -> Tensor | None:
         """``[n]`` receivers' sums of edge envelopes (``None`` without first self-connection)."""

@@ -8,9 +8,10 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import squared_lengths
+from xnn.models.base import pairing_edges, squared_lengths
 from xnn.models.derivatives import compute_properties
 from xnn.neighbors import VerletList
+from xnn.neighbors.pairs import pair_order
 
 
 class Potential:
@@ -23,6 +24,13 @@ class Potential:
         compile: run the model's hot path through ``torch.compile`` where it has one (see
             :meth:`~xnn.models.base.AtomisticModel.compile_for_inference`); energy, forces
             and stress only, not ``training=True``.
+
+    Attributes:
+        paired: give a model that declares ``pairs_edges`` its edges as reverse pairs
+            (:func:`xnn.neighbors.pairs.pair_order`, arranged once per list build; edge
+            ``h + k`` reverses edge ``k``), so that it runs its length-only edge work once
+            per pair (:func:`~xnn.models.base.edges_paired`); not under ``training=True``.
+            Set it to false for the list's own order.
     """
 
     def __init__(self, model: torch.nn.Module, skin: float = 0.0, backend: str = "auto",
@@ -32,6 +40,8 @@ class Potential:
             getattr(model, "compile_for_inference", lambda enabled: False)(True))
         self.neighbors = VerletList(float(model.cutoff), skin, backend)
         self._checked: tuple[Tensor, int] | None = None  # numbers last checked, its version
+        self.paired = bool(getattr(model, "pairs_edges", False))
+        self._pairs: tuple | None = None  # (an edge_index seen, the paired list or None)
 
     def __call__(
         self,
@@ -44,22 +54,52 @@ class Potential:
             raise InputError("a Potential built with compile=True evaluates energy, forces "
                              "and stress only; training needs the eager model")
         self._check_species(graph.numbers)
-        return compute_properties(self.model, self.model_graph(graph), forces, stress,
-                                  training)
+        g, paired = self.edges_for_model(graph, paired=self.paired and not training)
+        with pairing_edges(paired):
+            return compute_properties(self.model, g, forces, stress, training)
 
     def model_graph(self, graph: AtomicGraph) -> AtomicGraph:
         """``graph`` with the edges the model sees: the Verlet list's, and with a skin only
         those shorter than the cutoff at these positions (in the list's order; the model
         weighs the others zero, so the result is the same, for less edge work: in FCC Cu at
         5 + 1 Å, 42 of the list's 78 neighbours per atom; one host sync)."""
+        return self.edges_for_model(graph)[0]
+
+    def edges_for_model(self, graph: AtomicGraph, paired: bool = False
+                        ) -> tuple[AtomicGraph, bool]:
+        """:meth:`model_graph`, with ``paired`` as reverse pairs where the list allows it
+        (a full list does); returns the graph and whether its edges are paired."""
         g = self.neighbors(graph)
+        pairs = self._paired_edges(g) if paired and g.n_edges else None
+        if pairs is not None:
+            g = g.replace({K.EDGE_INDEX: pairs[0], K.SHIFTS: pairs[1]})
         if self.neighbors.skin == 0.0 or g.n_edges == 0:
-            return g
+            return g, pairs is not None
         with torch.no_grad():
             vec = g.edge_vectors(g.positions.detach())
-            keep = (squared_lengths(vec) < self.neighbors.cutoff ** 2).nonzero().squeeze(1)
+            inside = squared_lengths(vec) < self.neighbors.cutoff ** 2
+            if pairs is None:
+                keep = inside.nonzero().squeeze(1)
+            else:  # a pair's two lengths are bitwise equal: both edges or neither
+                h = g.n_edges // 2
+                first = inside[:h].nonzero().squeeze(1)
+                if bool((inside[:h] != inside[h:]).any()):  # pragma: no cover
+                    raise RuntimeError("the paired neighbor list parted a pair at the "
+                                       "cutoff: please report this (xnn bug)")
+                keep = torch.cat([first, first + h])
         return g.replace({K.EDGE_INDEX: g.edge_index.index_select(1, keep),
-                          K.SHIFTS: g.shifts.index_select(0, keep)})
+                          K.SHIFTS: g.shifts.index_select(0, keep)}), pairs is not None
+
+    def _paired_edges(self, g: AtomicGraph) -> tuple[Tensor, Tensor] | None:
+        """The edges of the list ``g`` carries in reverse-pair order (``None``: the list is
+        not full). Arranged once per build, in the Verlet list itself (no second copy)."""
+        cached = self._pairs
+        if cached is None or cached[0] is not g.edge_index:
+            order = pair_order(g.edge_index, g.shifts)
+            arranged = None if order is None else self.neighbors.reorder(order)
+            cached = self._pairs = (g.edge_index if arranged is None else arranged[0],
+                                    arranged)
+        return cached[1]
 
     def _check_species(self, numbers: Tensor) -> None:
         """The model's species check, skipped for the tensor checked last if unchanged (an

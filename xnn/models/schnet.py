@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
+from xnn.models.base import edges_paired
 from xnn.models.blocks import (
     EnergyScaleShift,
     NativeModel,
@@ -48,10 +49,17 @@ class CFConv(nn.Module):
         self.in2f = nn.Linear(num_features, num_filters, bias=False)
         self.f2out = mlp([num_filters, num_features, num_features], ShiftedSoftplus)
 
-    def forward(self, x: Tensor, rbf: Tensor, fcut: Tensor, edge_index: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rbf: Tensor, fcut: Tensor, edge_index: Tensor,
+                paired: bool = False) -> Tensor:
+        """``paired``: the edges are reverse pairs (edge ``E/2 + k`` reverses edge ``k``) and
+        ``rbf``, ``fcut`` hold one row per pair: each filter weighs both edges of its pair."""
         sender, receiver = edge_index[0], edge_index[1]
         w = self.filter(rbf) * fcut.unsqueeze(-1)
-        msg = self.in2f(x).index_select(0, sender) * w
+        msg = self.in2f(x).index_select(0, sender)
+        if paired:
+            msg = (msg.view(2, w.shape[0], w.shape[1]) * w).view(msg.shape)
+        else:
+            msg = msg * w
         agg = torch.zeros(x.shape[0], msg.shape[1], dtype=msg.dtype, device=msg.device)
         agg = agg.index_add(0, receiver, msg)
         return self.f2out(agg)
@@ -85,6 +93,9 @@ class SchNet(NativeModel):
 
     # hyperparameters that model files of earlier versions lack, with the value they implied
     saved_defaults = {"activation_checkpointing": False}
+    #: on a paired list (:func:`~xnn.models.base.edges_paired`, the MD steps' list) the
+    #: filter networks run once per edge pair (a pair's two lengths are bitwise equal)
+    pairs_edges = True
 
     def __init__(
         self,
@@ -124,6 +135,9 @@ class SchNet(NativeModel):
 
     def forward(self, graph: AtomicGraph) -> Tensor:
         r = graph.edge_vectors().norm(dim=-1)
+        paired = edges_paired()
+        if paired:  # one row of radial features per reverse pair
+            r = r[: r.shape[0] // 2]
         rbf = self.rbf(r)
         fcut = self.fcut(r)
         species = self.embedding.index(graph.numbers)
@@ -131,7 +145,7 @@ class SchNet(NativeModel):
         for k, interaction in enumerate(self.interactions):
             if k > 0:
                 x = self.sync[k - 1](x, graph)
-            x = x + self.checkpointed(interaction, x, rbf, fcut, graph.edge_index)
+            x = x + self.checkpointed(interaction, x, rbf, fcut, graph.edge_index, paired)
         e = self.readout(x).squeeze(-1) - self.isolated_outputs()[species]
         return self.output(e, graph.numbers)
 

@@ -256,6 +256,15 @@ class VerletList:
         moved_out = (~(budget < self.skin)).any() | (zero != ref_zero).any()
         return torch.where(cell_moved, moved_out, fixed)
 
+    def reorder(self, order: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep the current list's edges in the order ``order`` (a permutation of them; the
+        rebuild bookkeeping is unchanged) and return them as ``(edge_index, shifts)``."""
+        if self._edges is None:
+            raise RuntimeError("no neighbor list has been built yet")
+        ei, sh = self._edges
+        self._edges = (ei[:, order], sh[order])
+        return self._edges
+
     def __call__(self, graph: AtomicGraph) -> AtomicGraph:
         """Return ``graph`` with ``edge_index`` and ``shifts`` attached (rebuilding if needed)."""
         if self.needs_rebuild(graph):

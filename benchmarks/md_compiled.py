@@ -57,6 +57,7 @@ from xnn.models import Potential, build
 DT = 2.0
 MODELS = {
     "schnet": lambda: build("schnet", species=[29], cutoff=5.0),
+    "painn": lambda: build("painn", species=[29], cutoff=5.0),
     "equivariant": lambda: build("equivariant", species=[29], cutoff=5.0),
 }
 ENSEMBLE_ARGS = {"nve": {}, "langevin": dict(temperature=300.0, friction=0.01, seed=1),
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
-    p.add_argument("--models", default="schnet", help="comma-separated: schnet,equivariant")
+    p.add_argument("--models", default="schnet", help="comma-separated: schnet,painn,equivariant")
     p.add_argument("--n-atoms", type=int, default=108)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ensembles", default="nve", help="comma-separated: nve,langevin,csvr,nhc")

@@ -303,17 +303,25 @@ def _schnet():
                  num_interactions=2, num_basis=6).double()
 
 
+def _painn():
+    torch.manual_seed(0)
+    return build("painn", species=SPECIES, cutoff=3.5, num_features=8, num_interactions=2,
+                 num_basis=6).double()
+
+
 @pytest.mark.parametrize("name,skin", [("equivariant", 0.0), ("equivariant", 0.4),
-                                       ("schnet", 0.4)])
+                                       ("schnet", 0.4), ("painn", 0.4)])
 def test_eager_potential_pairs_the_list(name, skin):
     """``Potential`` gives a model with ``pairs_edges`` its list as reverse pairs (arranged
     once per build, filtered to the cutoff pair by pair): the radial networks (equivariant
     radial MLP, SchNet filter) run on half the edges, and an NVE run over rebuilds follows
-    the run on the list as built (fp64); training evaluations and models without
+    the run on the list as built (fp64; PaiNN: its radial basis on half the edges, its
+    filter after it); training evaluations and models without
     ``pairs_edges`` get the list as built."""
-    model = (_equivariant() if name == "equivariant" else _schnet()).eval()
-    radial = (model.interactions[0].radial if name == "equivariant"
-              else model.interactions[0].filter)
+    model = {"equivariant": _equivariant, "schnet": _schnet, "painn": _painn}[name]().eval()
+    radial = {"equivariant": lambda: model.interactions[0].radial,
+              "schnet": lambda: model.interactions[0].filter,
+              "painn": lambda: model.rbf}[name]()
     g = random_periodic_system(SPECIES, 12, volume_per_atom=11.0, min_distance=1.2, seed=6)
     g = maxwell_boltzmann(g.to(dtype=torch.float64), 900.0, seed=1)
     paired, plain = Potential(model, skin=skin), Potential(model, skin=skin)

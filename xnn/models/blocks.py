@@ -153,6 +153,16 @@ class ShiftedSoftplus(nn.Module):
         return nn.functional.softplus(x) - math.log(2.0)
 
 
+def weigh_edges(x: Tensor, w: Tensor, paired: bool = False) -> Tensor:
+    """``x * w`` for per-edge ``x [E, ...]`` and radial weights ``w``; ``paired``: the edges
+    are reverse pairs (edge ``E/2 + k`` reverses edge ``k``, the same length bitwise) and
+    ``w [E/2, ...]`` holds one row per pair, weighing both of its edges (a broadcast, no
+    copy; :func:`~xnn.models.base.edges_paired`)."""
+    if not paired:
+        return x * w
+    return (x.view(2, *w.shape) * w).view(x.shape)
+
+
 def mlp(sizes: Sequence[int], activation: type[nn.Module] = nn.SiLU, bias_last: bool = True):
     """``Linear -> act -> ... -> Linear`` for layer widths ``sizes`` (no activation at the end)."""
     layers: list[nn.Module] = []

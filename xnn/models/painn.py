@@ -31,12 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
+from xnn.models.base import edges_paired
 from xnn.models.blocks import (
     EnergyScaleShift,
     NativeModel,
     SpeciesEmbedding,
     cutoff_envelope,
     mlp,
+    weigh_edges,
 )
 from xnn.models.blocks import (
     radial_basis as make_radial_basis,
@@ -64,15 +66,18 @@ class PaiNNMessage(nn.Module):
         unit: Tensor,
         edge_index: Tensor,
         v_is_zero: bool = False,
+        paired: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """``rbf_cut = rbf * fcut [n_edges, B]``; ``v_is_zero`` skips the ``v_j`` term (layer 0).
+        """``rbf_cut = rbf * fcut [n_edges, B]``; ``v_is_zero`` skips the ``v_j`` term (layer 0);
+        ``paired``: reverse pairs, ``rbf_cut`` and ``fcut`` with one row per pair (the filter
+        once per pair, :func:`~xnn.models.blocks.weigh_edges`).
 
         ``W(r) fcut = (rbf fcut) Wᵀ + fcut b``: written so, autograd keeps the small
         ``[n_edges, B]`` input instead of another ``[n_edges, 3F]`` tensor.
         """
         sender, receiver = edge_index[0], edge_index[1]
         w = rbf_cut @ self.filter.weight.T + fcut.unsqueeze(-1) * self.filter.bias
-        x = self.phi(s).index_select(0, sender) * w
+        x = weigh_edges(self.phi(s).index_select(0, sender), w, paired)
         a, b, c = torch.split(x, self.num_features, dim=-1)
         dv_edge = unit.unsqueeze(-1) * c.unsqueeze(1)
         if not v_is_zero:
@@ -130,6 +135,9 @@ class PaiNN(NativeModel):
 
     # hyperparameters that model files of earlier versions lack, with the value they implied
     saved_defaults = {"activation_checkpointing": False}
+    #: on a paired list (:func:`~xnn.models.base.edges_paired`, the MD steps' list) the
+    #: radial filters run once per edge pair (a pair's two lengths are bitwise equal)
+    pairs_edges = True
 
     def __init__(
         self,
@@ -175,9 +183,10 @@ class PaiNN(NativeModel):
         return packed[:, 0], packed[:, 1:]
 
     def _interaction(self, k: int, s: Tensor, v: Tensor, rbf_cut: Tensor, fcut: Tensor,
-                     unit: Tensor, edge_index: Tensor) -> tuple[Tensor, Tensor]:
+                     unit: Tensor, edge_index: Tensor, paired: bool = False
+                     ) -> tuple[Tensor, Tensor]:
         """Message + update of interaction ``k``: new ``(s [n, F], v [n, 3, F])``."""
-        ds, dv = self.messages[k](s, v, rbf_cut, fcut, unit, edge_index, k == 0)
+        ds, dv = self.messages[k](s, v, rbf_cut, fcut, unit, edge_index, k == 0, paired)
         s, v = s + ds, v + dv
         ds, dv = self.updates[k](s, v)
         return s + ds, v + dv
@@ -186,6 +195,9 @@ class PaiNN(NativeModel):
         vec = graph.edge_vectors()
         r = vec.norm(dim=-1)
         unit = vec / r.unsqueeze(-1)
+        paired = edges_paired()
+        if paired:  # one row of radial features per reverse pair
+            r = r[: r.shape[0] // 2]
         fcut = self.fcut(r)
         rbf_cut = self.rbf(r) * fcut.unsqueeze(-1)
         species = self.embedding.index(graph.numbers)
@@ -196,7 +208,7 @@ class PaiNN(NativeModel):
                 s, v = self._sync(k - 1, s, v, graph)
             params = [*self.messages[k].parameters(), *self.updates[k].parameters()]
             s, v = self.checkpointed(self._interaction, k, s, v, rbf_cut, fcut, unit,
-                                     graph.edge_index, params=params)
+                                     graph.edge_index, paired, params=params)
         e = self.readout(s).squeeze(-1) - self.isolated_outputs()[species]
         return self.output(e, graph.numbers)
 

@@ -28,6 +28,7 @@ from xnn.models.blocks import (
     SpeciesEmbedding,
     cutoff_envelope,
     mlp,
+    weigh_edges,
 )
 from xnn.models.blocks import (
     radial_basis as make_radial_basis,
@@ -55,11 +56,7 @@ class CFConv(nn.Module):
         ``rbf``, ``fcut`` hold one row per pair: each filter weighs both edges of its pair."""
         sender, receiver = edge_index[0], edge_index[1]
         w = self.filter(rbf) * fcut.unsqueeze(-1)
-        msg = self.in2f(x).index_select(0, sender)
-        if paired:
-            msg = (msg.view(2, w.shape[0], w.shape[1]) * w).view(msg.shape)
-        else:
-            msg = msg * w
+        msg = weigh_edges(self.in2f(x).index_select(0, sender), w, paired)
         agg = torch.zeros(x.shape[0], msg.shape[1], dtype=msg.dtype, device=msg.device)
         agg = agg.index_add(0, receiver, msg)
         return self.f2out(agg)

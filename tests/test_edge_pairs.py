@@ -238,8 +238,6 @@ def test_equivariant_radial_networks_once_per_pair():
 
     model = _equivariant().eval()
     assert model.pairs_edges
-    if _has_cue():
-        assert not _equivariant("cueq").pairs_edges
     g = random_periodic_system(SPECIES, 10, volume_per_atom=11.0, min_distance=1.0, seed=4)
     g = _paired(with_edges(g.to(dtype=torch.float64), 4.0))  # beyond the cutoff too (skin)
     ref = compute_properties(model, g, True, True)
@@ -261,12 +259,10 @@ def test_equivariant_radial_networks_once_per_pair():
     assert (wrong[K.ENERGIES] - ref[K.ENERGIES]).abs().max() > 1e-6
 
 
-def _has_cue() -> bool:
-    try:
-        import cuequivariance_torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+@requires_cue
+def test_equivariant_pairs_only_with_reference_kernels():
+    """The cueq kernels take per-edge weights: the model then declares no pairing."""
+    assert not _equivariant("cueq").pairs_edges
 
 
 def test_equivariant_compiled_step_on_a_paired_list_follows_eager(one_thread):

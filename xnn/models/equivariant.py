@@ -595,7 +595,7 @@ class Equivariant(NativeModel):
         vec = graph.edge_vectors()
         edge_index = graph.edge_index
         r = vec.norm(dim=-1)
-        paired = (edges_paired() and self.pairs_edges and graph.n_update == graph.n_atoms)
+        paired = edges_paired() and self.pairs_edges and graph.n_update == graph.n_atoms
         if graph_tracing():  # torch.export / compile / make_fx: no data-dependent shapes;
             env = self.envelope(r)  # envelope 0 beyond rc
             return EdgeData(edge_index, self.sh(vec), self._radial_features(r, env, paired),

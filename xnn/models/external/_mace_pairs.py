@@ -36,6 +36,12 @@ FUSION = "index"
 #: dtype of the edge indices given to the fused convolution on CUDA (int64: as measured;
 #: int32 halves the bytes of the sorts in cuEquivariance's backward, not yet measured)
 INDEX_DTYPE = torch.int64
+#: how the radial MLP and its cutoff product run on the pairs: ``"torch"`` (mace-torch's
+#: e3nn layers: cuBLAS GEMMs and a pointwise product, as measured), ``"ieee"`` or
+#: ``"tf32x3"``: one fused Triton kernel each way (:mod:`xnn.models.triton_mlp`: the
+#: weights written once, their gradient read once; fp32 products, or three TF32
+#: tensor-core products with errors of fp32's order), CUDA only, not yet measured on a GPU
+RADIAL = "torch"
 
 
 def _classes() -> tuple[type, type]:
@@ -71,9 +77,8 @@ def _messages(block: nn.Module, node_feats: Tensor, edge_attrs: Tensor, edge_fea
     from mace.tools.scatter import scatter_sum
 
     half = edge_index.shape[1] // 2
-    w = block.conv_tp_weights(edge_feats[:half])
-    if cutoff is not None:
-        w = w * cutoff[:half]
+    w = _radial(block.conv_tp_weights, edge_feats[:half],
+                None if cutoff is None else cutoff[:half])
     sender, receiver = edge_index[0], edge_index[1]
     conv = block.conv_tp
     if hasattr(block, "conv_fusion"):
@@ -95,6 +100,57 @@ def _messages(block: nn.Module, node_feats: Tensor, edge_attrs: Tensor, edge_fea
         return conv(node_feats, edge_attrs, torch.cat([w, w]), edge_index)
     mji = conv(node_feats[sender], edge_attrs, torch.cat([w, w]))
     return scatter_sum(src=mji, index=receiver, dim=0, dim_size=node_feats.shape[0])
+
+
+def _radial(mlp: nn.Module, x: Tensor, cutoff: Tensor | None) -> Tensor:
+    """``mlp(x) * cutoff`` (``[P, N]``): mace-torch's layers, or the fused kernel
+    (:data:`RADIAL`) on CUDA, or on the CPU under Triton's interpreter."""
+    layers = fused_layers(mlp) if RADIAL != "torch" else None
+    if layers is None or not (x.is_cuda or _interpreting(x)):
+        w = mlp(x)
+        return w if cutoff is None else w * cutoff
+    from xnn.models import triton_mlp
+
+    wh, bh, wo, bo = triton_mlp.pack(*layers)
+    s = None if cutoff is None else cutoff.reshape(-1)
+    return triton_mlp.radial_mlp(x, wh, wo, bh, bo, s, precision=RADIAL)
+
+
+def _interpreting(x: Tensor) -> bool:
+    import os
+
+    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fused_layers(mlp: nn.Module) -> tuple[list, list[float]] | None:
+    """``(layers, post_scales)`` of :func:`xnn.models.triton_mlp.pack` for an e3nn
+    ``FullyConnectedNet`` with (normalised) SiLU between its layers and none after the last
+    (MACE's radial networks), its normalisations folded into the matrices; ``None`` for any
+    other network (which then runs as it is)."""
+    from e3nn.math import normalize2mom
+    from e3nn.nn import FullyConnectedNet
+
+    if type(mlp) is not FullyConnectedNet:
+        return None
+    layers, scales = [], []
+    children = list(mlp.children())
+    for i, layer in enumerate(children):
+        act, last = layer.act, i == len(children) - 1
+        if last != (act is None) or layer.weight.requires_grad:
+            return None
+        if act is None:
+            layers.append((layer.weight / (layer.h_in * layer.var_in / layer.var_out) ** 0.5,
+                           None))
+            continue
+        silu = (torch.nn.functional.silu, torch.nn.SiLU)
+        f = act.f if isinstance(act, normalize2mom) else act
+        if not (f is silu[0] or isinstance(f, silu[1])):
+            return None
+        # (e3nn skips a factor within 1e-4 of one)
+        cst = act.cst if isinstance(act, normalize2mom) and not act._is_id else 1.0
+        layers.append((layer.weight / (layer.h_in * layer.var_in) ** 0.5, None))
+        scales.append(cst * layer.var_out ** 0.5)
+    return (layers, scales) if len(layers) >= 2 else None
 
 
 def _forward(self, node_attrs: Tensor, node_feats: Tensor, edge_attrs: Tensor,

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 if not hasattr(torch.library, "triton_op"):
     pytest.skip("needs torch >= 2.6 (torch.library.triton_op)", allow_module_level=True)
 
-from test_edge_pairs import _paired  # noqa: E402
+from test_edge_pairs import _equivariant, _paired  # noqa: E402
 from test_kernel_backends import SPECIES, _tiny_mace, requires_cue  # noqa: E402
 
 from xnn.data import keys as K  # noqa: E402
@@ -197,6 +197,33 @@ def test_mace_paired_blocks_through_the_fused_mlp(precision, kernel_calls, monke
     with pairing_edges():
         out = compute_properties(model, g)
     assert kernel_calls == {"forward": 2, "backward": 2}  # two interactions
+    for key in (K.ENERGIES, K.FORCES, K.STRESS):
+        assert ref[key].abs().max() > 1e-6
+        torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_equivariant_radial_networks_through_the_fused_mlp(paired, kernel_calls, monkeypatch):
+    """xnn's equivariant model with ``RADIAL_KERNEL`` fused and frozen weights (as the MD
+    application leaves them): every interaction's radial MLP in the kernels, per edge or
+    once per pair, and the energies, forces and stress of its torch layers (fp64); with
+    weights that need gradients (training), the torch layers."""
+    from xnn.models import equivariant
+
+    model = _equivariant().eval()
+    g = random_periodic_system(SPECIES, 10, volume_per_atom=11.0, min_distance=1.0, seed=4)
+    g = with_edges(g.to(dtype=torch.float64), 3.5)
+    g = _paired(g) if paired else g
+    ref = compute_properties(model, g)
+    monkeypatch.setattr(equivariant, "RADIAL_KERNEL", "tf32x3")
+    with pairing_edges(paired):
+        compute_properties(model, g)
+    assert kernel_calls == {"forward": 0, "backward": 0}  # trainable weights: torch
+    model.requires_grad_(False)
+    with pairing_edges(paired):
+        out = compute_properties(model, g)
+    n = len(model.interactions)
+    assert kernel_calls == {"forward": n, "backward": n}
     for key in (K.ENERGIES, K.FORCES, K.STRESS):
         assert ref[key].abs().max() > 1e-6
         torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-12)

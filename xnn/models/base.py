@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -45,6 +46,13 @@ def tracing_graph() -> Iterator[None]:
 
 
 _PAIRED = [False]
+
+
+def triton_device(x: Tensor) -> bool:
+    """Whether Triton kernels run on ``x``: CUDA, or the CPU when Triton's interpreter is
+    requested (``TRITON_INTERPRET=1`` at the call; the tests)."""
+    return x.is_cuda or (x.device.type == "cpu"
+                         and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def edges_paired() -> bool:

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import edges_paired, graph_tracing
+from xnn.models.base import edges_paired, graph_tracing, triton_device
 from xnn.models.blocks import (
     BesselBasis,
     EnergyScaleShift,
@@ -195,8 +195,18 @@ def receiver_chunks(receiver: Tensor, n_atoms: int, chunk: int) -> list[tuple[in
 class _NormalizedSiLU(nn.Module):
     """``silu(x) * 1.679``: unit second moment for unit-normal inputs (e3nn's normalize2mom)."""
 
+    scale = 1.6790
+
     def forward(self, x: Tensor) -> Tensor:
-        return torch.nn.functional.silu(x) * 1.6790
+        return torch.nn.functional.silu(x) * self.scale
+
+
+#: how a radial MLP whose weights need no gradient (inference: MD, relaxation; the MD
+#: application freezes them) runs on CUDA: ``"torch"`` (its layers: cuBLAS GEMMs), or one
+#: fused Triton kernel each way, ``"ieee"`` (fp32 products) or ``"tf32x3"`` (three TF32
+#: tensor-core products, errors of fp32's order; :mod:`xnn.models.triton_mlp`). A switch
+#: for benchmarks until measured on a GPU.
+RADIAL_KERNEL = "torch"
 
 
 class RadialMLP(nn.Module):
@@ -223,7 +233,18 @@ class RadialMLP(nn.Module):
         self.num_paths, self.channels = num_paths, channels
 
     def forward(self, x: Tensor, recompute: bool = False) -> Tensor:
-        """With ``recompute``, the hidden activations are recomputed in backward, not kept."""
+        """With ``recompute``, the hidden activations are recomputed in backward, not kept.
+        Weights that need no gradient: :data:`RADIAL_KERNEL`."""
+        linears = self.net[::2]
+        if (RADIAL_KERNEL != "torch" and triton_device(x) and 2 <= len(linears)
+                and max(lin.weight.shape[1] for lin in linears) <= 128
+                and not any(p.requires_grad for p in self.parameters())):
+            from xnn.models import triton_mlp
+
+            layers = [(lin.weight.T, None) for lin in linears]
+            wh, bh, wo, bo = triton_mlp.pack(layers, [_NormalizedSiLU.scale] * (len(linears) - 1))
+            y = triton_mlp.radial_mlp(x, wh, wo, bh, bo, None, precision=RADIAL_KERNEL)
+            return y.view(x.shape[0], self.channels, self.num_paths)
         trunk, last = self.net[:-1], self.net[-1]
         hidden = checkpoint(trunk, x, use_reentrant=False) if recompute else trunk(x)
         return last(hidden).view(x.shape[0], self.channels, self.num_paths)

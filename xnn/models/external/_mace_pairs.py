@@ -24,7 +24,7 @@ import types
 import torch
 from torch import Tensor, nn
 
-from xnn.models.base import edges_paired
+from xnn.models.base import edges_paired, triton_device
 
 #: how cuEquivariance's fused convolution gets the half-size weights (a switch for
 #: benchmarks): ``"index"`` one call reading them through an input index (measured on an
@@ -106,7 +106,7 @@ def _radial(mlp: nn.Module, x: Tensor, cutoff: Tensor | None) -> Tensor:
     """``mlp(x) * cutoff`` (``[P, N]``): mace-torch's layers, or the fused kernel
     (:data:`RADIAL`) on CUDA, or on the CPU under Triton's interpreter."""
     layers = fused_layers(mlp) if RADIAL != "torch" else None
-    if layers is None or not (x.is_cuda or _interpreting(x)):
+    if layers is None or not triton_device(x):
         w = mlp(x)
         return w if cutoff is None else w * cutoff
     from xnn.models import triton_mlp
@@ -114,12 +114,6 @@ def _radial(mlp: nn.Module, x: Tensor, cutoff: Tensor | None) -> Tensor:
     wh, bh, wo, bo = triton_mlp.pack(*layers)
     s = None if cutoff is None else cutoff.reshape(-1)
     return triton_mlp.radial_mlp(x, wh, wo, bh, bo, s, precision=RADIAL)
-
-
-def _interpreting(x: Tensor) -> bool:
-    import os
-
-    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fused_layers(mlp: nn.Module) -> tuple[list, list[float]] | None:

@@ -9,7 +9,8 @@ memory five or six times per evaluation, and the GEMMs run in fp32 on the CUDA c
 an H200 a seventh of the tensor cores' TF32 rate).
 
 Here one kernel computes a tile of rows through every layer in registers and writes ``y``
-once; one backward kernel reads ``dL/dy`` once, recomputes the hidden layers (64 wide:
+once; one backward kernel reads ``dL/dy`` once, computes ``t = dL/dy A_o^T`` (the only product
+with the output layer: ``dL/ds = Σ_k h_k t_k``), recomputes the hidden layers (64 wide:
 cheap), and returns ``dL/dx [P, D0]`` and ``dL/ds [P]`` (the forces need both: the basis and
 the cutoff are functions of the edge length). The matrix products use ``tl.dot`` with the
 input precision given:
@@ -100,11 +101,9 @@ def _bwd_kernel(g_ptr, x_ptr, wh_ptr, bh_ptr, wo_ptr, bo_ptr, s_ptr, gx_ptr, gs_
     rows = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     rmask = rows < n_rows
     hc = tl.arange(0, H)
-    h = _hidden(x_ptr, wh_ptr, bh_ptr, rows, rmask, hc, sx_r, D0, H, L, HAS_BIAS, PREC)
-    if HAS_SCALE:
-        s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
-    gh = tl.full((BLOCK_P, H), 0.0, h.dtype)
-    gs = tl.full((BLOCK_P,), 0.0, h.dtype)
+    # t = g @ A_o^T; then dL/ds = Σ_n g (h @ A_o + b_o) = Σ_k h t + Σ_n g b_o, dL/dh = s t
+    t = tl.full((BLOCK_P, H), 0.0, x_ptr.dtype.element_ty)
+    gb = tl.full((BLOCK_P,), 0.0, x_ptr.dtype.element_ty)
     for n0 in range(0, n_out, BLOCK_N):
         nc = n0 + tl.arange(0, BLOCK_N)
         nmask = nc < n_out
@@ -112,14 +111,10 @@ def _bwd_kernel(g_ptr, x_ptr, wh_ptr, bh_ptr, wo_ptr, bo_ptr, s_ptr, gx_ptr, gs_
                     mask=rmask[:, None] & nmask[None, :], other=0.0)
         wt = tl.load(wo_ptr + hc[None, :] * n_out + nc[:, None], mask=nmask[:, None],
                      other=0.0)  # [BLOCK_N, H]: the output layer transposed
-        if HAS_SCALE:
-            if NEED_S:  # dL/ds = Σ_n g * (the unscaled output)
-                y = tl.dot(h, tl.trans(wt), input_precision=PREC)
-                if HAS_BIAS:
-                    y += tl.load(bo_ptr + nc, mask=nmask, other=0.0)[None, :]
-                gs += tl.reduce(g * y, 1, tl.standard._sum_combine)  # (tl.sum: interpreter)
-            g = g * s[:, None]
-        gh += tl.dot(g, wt, input_precision=PREC)
+        t += tl.dot(g, wt, input_precision=PREC)
+        if NEED_S and HAS_BIAS:  # (tl.sum is not in the interpreter's reach)
+            gb += tl.reduce(g * tl.load(bo_ptr + nc, mask=nmask, other=0.0)[None, :], 1,
+                            tl.standard._sum_combine)
     for j in tl.static_range(L):  # back through the hidden layers, last first
         hi = _hidden(x_ptr, wh_ptr, bh_ptr, rows, rmask, hc, sx_r, D0, H, L - 1 - j, HAS_BIAS,
                      PREC)
@@ -128,12 +123,17 @@ def _bwd_kernel(g_ptr, x_ptr, wh_ptr, bh_ptr, wo_ptr, bo_ptr, s_ptr, gx_ptr, gs_
         if HAS_BIAS:
             z += tl.load(bh_ptr + (L - 1 - j) * H + hc)[None, :]
         sg = 1.0 / (1.0 + tl.exp(-z))
+        if j == 0:  # z * sg is the last hidden layer h
+            if NEED_S:
+                gs = tl.reduce(z * sg * t, 1, tl.standard._sum_combine) + gb
+                tl.store(gs_ptr + rows, gs, mask=rmask)
+            gh = t
+            if HAS_SCALE:
+                gh = t * tl.load(s_ptr + rows, mask=rmask, other=0.0)[:, None]
         gz = gh * (sg * (1.0 + z * (1.0 - sg)))
         gh = tl.dot(gz, tl.trans(w), input_precision=PREC)
     tl.store(gx_ptr + rows[:, None] * sgx_r + hc[None, :], gh,
              mask=rmask[:, None] & (hc[None, :] < D0))
-    if NEED_S:
-        tl.store(gs_ptr + rows, gs, mask=rmask)
 
 
 _hidden = triton.jit(_hidden_fn)  # the kernels' device function (by this global name)

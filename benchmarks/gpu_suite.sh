@@ -18,6 +18,10 @@
 #         Session 17 ran 10 and 11 (KB=triton), then 13 and 14 (big wheels); session 18: 15;
 #         sessions 19-20 prepared 16 and 17 (big wheels;
 #         no GPU was lent to them: not yet run).
+# PART 18: MACE's radial MLPs through the fused Triton kernel (xnn.models.triton_mlp): the
+#         micro-benchmark against mace-torch's layers (tiling sweep), its GPU tests, the paired
+#         MACE step's profile per _mace_pairs.RADIAL (torch, ieee, tf32x3: 18p); 18b: MACE at 10k
+#         against torch-sim with tf32x3; 18c: the micro-benchmark under torch.compile (not yet run).
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -198,5 +202,42 @@ PY
   step 300 peers_mace_split python3 benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 \
       --batched none --models mace --steps 9 --budget-s 100 --frameworks xnn,xnn_step_graph,torch_sim \
       --cueq --mace-fusion split --json "$OUT/peers_mace_split_h200.json"
+  ;;
+18) # MACE's radial MLPs by the fused Triton kernel (xnn.models.triton_mlp), fp32 (ieee) or
+    # 3xTF32 products, against mace-torch's e3nn layers: the micro-benchmark on the 428,070 edge
+    # pairs of 10,976 Cu atoms at 6 A (errors against fp64, the tiling sweep cut at 75 s; it
+    # takes the peers' MACE weights from mace-torch (.whl), or e3nn networks of the same shapes
+    # without it) and the kernel's GPU tests (the small set is enough for these two)
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 180 triton_mlp python3 benchmarks/triton_mlp.py --device cuda --sweep --sweep-budget-s 75 \
+      --json "$OUT/triton_mlp_h200.json"
+  step 150 triton_mlp_tests python3 -m pytest -q -m gpu tests/test_triton_mlp.py \
+      -p no:cacheprovider -p no:logging -rA
+  ;;
+18p) # big wheels: the paired compiled MACE step's profile per radial path (cuEquivariance),
+    # then xnn's equivariant model (triton kernels) with and without the fused radial MLPs
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  for radial in torch ieee tf32x3; do
+    step 150 profile_mace_radial_$radial python3 benchmarks/profile_compiled_step.py --model mace \
+        --kernel-backend cueq --atoms 10000 --device cuda --rows 25 --pairs index --radial $radial
+  done
+  for radial in torch tf32x3; do
+    step 150 profile_equivariant_radial_$radial python3 benchmarks/profile_compiled_step.py \
+        --model equivariant --kernel-backend triton --atoms 10000 --device cuda --rows 25 \
+        --radial $radial
+  done
+  ;;
+18b) # big wheels: MACE at 10k against torch-sim with the radial MLPs by the 3xTF32 kernel (the
+    # forces checked against the eager per-edge step's)
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 300 peers_mace_radial_tf32x3 python3 benchmarks/peers.py --device cuda --dtype float32 \
+      --sizes 10000 --batched none --models mace --steps 9 --budget-s 100 \
+      --frameworks xnn,xnn_step_graph,torch_sim --cueq --radial tf32x3 \
+      --json "$OUT/peers_mace_radial_tf32x3_h200.json"
+  ;;
+18c) # the micro-benchmark of 18 with each variant's forward also under torch.compile (inductor's
+    # GEMMs and fused pointwise kernels: the compiled step's torch baseline), without s
+  step 300 triton_mlp_compiled python3 benchmarks/triton_mlp.py --device cuda --compile --scale off \
+      --json "$OUT/triton_mlp_compiled_h200.json"
   ;;
 esac

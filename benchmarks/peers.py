@@ -257,6 +257,10 @@ def parse(argv):
                    help="with --cueq, xnn's paired MACE step: how cuEquivariance's fused "
                         "convolution gets the half-size radial weights (default: "
                         "xnn.models.external._mace_pairs.FUSION)")
+    p.add_argument("--radial", default=None, choices=("torch", "ieee", "tf32x3"),
+                   help="xnn's radial MLPs on CUDA: their torch layers, or the fused Triton "
+                        "kernel in fp32 / 3xTF32 (sets _mace_pairs.RADIAL: MACE with --cueq, "
+                        "paired; and equivariant.RADIAL_KERNEL; default: as they are)")
     p.add_argument("--compile-cases", default="", help="cases where *_compiled run: atom "
                    "counts and/or 'batched' (default: all)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12; quick 2)")
@@ -299,6 +303,11 @@ def main(argv=None) -> int:
         from xnn.models.external import _mace_pairs
 
         _mace_pairs.FUSION = args.mace_fusion
+    if args.radial:
+        from xnn.models import equivariant
+        from xnn.models.external import _mace_pairs
+
+        _mace_pairs.RADIAL = equivariant.RADIAL_KERNEL = args.radial
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows: list = []
     head = {"benchmark": "peers", "dtype": args.dtype, "dt_fs": DT_FS, "temperature_K": T_K,
@@ -306,6 +315,7 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "blocks": args.blocks, "budget_s": args.budget_s,
             "quick": args.quick, "small_models": args.small_models, "cueq": args.cueq,
             "mace_fusion": args.mace_fusion,
+            "radial": args.radial,
             "versions": _versions(),
             "force_check": "max |F - F_xnn| at the start; forces_match: <= 1e-4 (fp32) / "
                            "1e-9 (fp64) of max |F_xnn|"}

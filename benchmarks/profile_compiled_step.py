@@ -44,6 +44,9 @@ def main(argv=None) -> int:
                         "per half of the edges, or on them concatenated; off: per edge")
     p.add_argument("--index-dtype", default="int64", choices=("int32", "int64"),
                    help="MACE with cueq, paired: dtype of the fused convolution's indices")
+    p.add_argument("--radial", default="torch", choices=("torch", "ieee", "tf32x3"),
+                   help="the radial MLPs through their torch layers (default) or the fused "
+                        "Triton kernel, fp32 or 3xTF32 products (MACE: paired, cueq)")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.float32
     atoms = fcc_cu(a.atoms, rattle=0.05, seed=0)
@@ -58,7 +61,10 @@ def main(argv=None) -> int:
     else:
         model = build("equivariant", species=[29], cutoff=5.0)
         model.set_backend(a.kernel_backend)
-    model = model.to(device=dev, dtype=dt).eval()
+    model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)  # as `xnn md` has it
+    from xnn.models import equivariant
+
+    equivariant.RADIAL_KERNEL = a.radial
     pot = Potential(model, skin=1.0)
     integ = None if a.eager else CompiledIntegrator("nve", pot, backend="inductor")
     if integ is not None:
@@ -66,8 +72,10 @@ def main(argv=None) -> int:
 
         _mace_pairs.FUSION = a.pairs if a.pairs != "off" else _mace_pairs.FUSION
         _mace_pairs.INDEX_DTYPE = getattr(torch, a.index_dtype)
+        _mace_pairs.RADIAL = a.radial
         integ.stepper.paired = integ.stepper.paired and a.pairs != "off"
-        print(f"paired edges: {integ.stepper.paired} ({a.pairs}, {a.index_dtype} indices)")
+        print(f"paired edges: {integ.stepper.paired} ({a.pairs}, {a.index_dtype} indices, "
+              f"radial MLPs {a.radial})")
     step = (lambda s: nve.step(s, pot, 2.0)) if a.eager else (lambda s: integ.step(s, pot, 2.0))
     state = nve.init(g, pot)
     for _ in range(4):  # compile and warm up

@@ -111,6 +111,9 @@ def _native(name):
 
 MODELS = {"lj": lj, "schnet": lambda: _native("schnet"), "painn": lambda: _native("painn"),
           "equivariant": lambda: _native("equivariant")}
+# evaluation mode: the local edges arranged as reverse pairs (radial work once per pair)
+MODELS.update({f"{m}_eval": (lambda m=m: _native(m).eval())
+               for m in ("schnet", "painn", "equivariant")})
 STRUCTURES = {"cubic": cubic, "triclinic": triclinic, "slab": slab, "molecule": molecule,
               "corner": corner, "tiny": tiny}
 
@@ -119,7 +122,9 @@ LJ_CASES = [("lj-" + s, "lj", s, None, "halo") for s in STRUCTURES]
 NN_CASES = [(f"{m}-{mode}", m, "triclinic", None, mode)
             for m in ("schnet", "painn", "equivariant") for mode in ("halo", "sync")]
 CASES = {
-    2: LJ_CASES + NN_CASES + [("lj-tiny-grid", "lj", "tiny", (2, 1, 1), "halo")],
+    2: LJ_CASES + NN_CASES + [("lj-tiny-grid", "lj", "tiny", (2, 1, 1), "halo")]
+    + [(f"{m}-halo-paired", f"{m}_eval", "triclinic", None, "halo")
+       for m in ("schnet", "painn", "equivariant")],
     3: LJ_CASES + [("schnet-sync-3", "schnet", "slab", None, "sync")],
     4: LJ_CASES + [("lj-corner-grid", "lj", "corner", (1, 1, 4), "halo"),
                    ("painn-sync-4", "painn", "cubic", None, "sync"),
@@ -262,6 +267,46 @@ def _md_case(manager, rank):
     return out
 
 
+def _md_pairs_case(manager, rank):
+    """20 NVE steps of SchNet (evaluation mode) on paired local edges, with rebuilds and
+    migrations, vs one process on the list as built; the model sees paired lists only."""
+    from xnn.distributed import DomainPotential
+    from xnn.dynamics import maxwell_boltzmann, nve
+    from xnn.models import Potential
+    from xnn.models.base import edges_paired
+
+    model, graph = _native("schnet").eval(), triclinic()
+    graph = maxwell_boltzmann(graph, 3000.0, seed=3)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(
+        (edges_paired(), a[0].edge_index.shape[1])))
+
+    def run(potential, start, reduce=None):
+        state = nve.init(start, potential)
+        for _ in range(20):
+            state = nve.step(state, potential, dt=2.0, **({} if reduce is None
+                                                          else {"reduce": reduce}))
+            if reduce is not None:
+                state = potential.maybe_migrate(state)
+        return state
+
+    dec = DomainPotential(model, manager, skin=0.5)
+    state = run(dec, dec.scatter(graph if rank == 0 else None), dec.reducer)
+    full, extra = dec.gather(state.graph, {"forces": state.forces})
+    c = dec.state.counters
+    out = {"paired": dec.stats()["paired"], "rebuilds": c.rebuilds, "migrations": c.migrations,
+           "calls": len(seen), "all_paired": all(p and n % 2 == 0 for p, n in seen)}
+    if rank == 0:
+        plain = Potential(model, skin=0.5)
+        plain.paired = False
+        ref = run(plain, graph)
+        order = torch.argsort(graph.atom_id)
+        out["positions"] = _rel(full.positions - graph.positions[order],
+                                ref.graph.positions[order] - graph.positions[order])
+        out["forces"] = _rel(extra["forces"], ref.forces[order])
+    return out
+
+
 def _grad_case(manager, rank, world, name="painn"):
     """Loss on energy, forces and stress; double backward through the exchange."""
     from xnn.distributed import DomainDecomposed
@@ -382,6 +427,7 @@ def worker(rank, world, tmp):
         results["errors"] = _error_cases(manager)
         results["calc"] = _calculator_and_cli(manager, rank, tmp)
         results["reducer"] = _reducer_case(rank)
+        results["md_pairs"] = _md_pairs_case(manager, rank)
     if world == 4:
         results["mesh"] = _mesh_case(manager, rank)
     if world == 3:
@@ -478,6 +524,24 @@ def test_decomposed_md_matches_single_process():
     md = res[0]["md"]
     assert md["positions"] <= 1e-9 and md["energy"] <= 1e-10, md
     assert all(1 <= r["md"]["n_builds"] < 21 for r in res)
+
+
+@pytest.mark.distributed
+def test_decomposed_lists_pair_edges_for_models_that_pair():
+    """Models with ``pairs_edges`` in evaluation mode get paired local edges (the cases
+    above match one process with them); training-mode models and LJ per edge; MD over
+    rebuilds and migrations on paired lists follows one process."""
+    res = results(2)
+    for r in res:
+        for m in ("schnet", "painn", "equivariant"):
+            assert r[f"{m}-halo-paired"]["stats"]["paired"], m
+            assert not r[f"{m}-halo"]["stats"]["paired"], m  # training mode
+        assert not r["lj-triclinic"]["stats"]["paired"]
+        md = r["md_pairs"]
+        assert md["paired"] and md["all_paired"] and md["calls"] >= 20, md
+        assert md["rebuilds"] >= 2 and md["migrations"] >= 1, md
+    md = res[0]["md_pairs"]
+    assert md["positions"] <= 1e-9 and md["forces"] <= 1e-9, md
 
 
 @pytest.mark.distributed

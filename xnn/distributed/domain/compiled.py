@@ -150,6 +150,9 @@ class CompiledDomainVerlet:
         if growth <= 1.0 or headroom < 1.0:
             raise InputError(f"growth must be > 1 and headroom >= 1, got {growth}, {headroom}")
         self.potential = potential
+        # its lists per edge from the next rebuild on (the region filters edge by edge; a
+        # paired list built before is exact too, with its extra edges)
+        potential.paired = False
         self.backend = backend
         self.caps = Capacities(float(growth), float(headroom), int(slack))
         #: filter the local edges to the cutoff in the model region (with a skin)

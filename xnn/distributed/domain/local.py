@@ -24,6 +24,7 @@ from xnn.distributed.domain.partition import Partition, sorted_images
 from xnn.distributed.domain.transport import exchange_packed, layout_of, pack, unpack
 from xnn.models.base import squared_lengths
 from xnn.neighbors import neighbor_list
+from xnn.neighbors.pairs import pair_order
 
 #: per-step or recomputed fields that do not travel with ghosts (positions travel per call)
 _NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
@@ -46,6 +47,9 @@ class LocalDomain:
         edge_index: ``[2, n_edges]`` local edges within ``cutoff + skin``.
         n_within: how many of them were shorter than ``within`` (the model's cutoff) at the
             build (0 when not counted): the compiled step's first guess of its active edges.
+        paired: the edges are reverse pairs (edge ``h + k`` reverses edge ``k``,
+            :func:`~xnn.neighbors.pairs.pair_order`), for a model that does its radial work
+            once per pair (:func:`~xnn.models.base.edges_paired`).
     """
 
     partition: Partition
@@ -56,6 +60,7 @@ class LocalDomain:
     ghost_fields: dict[str, Tensor] = field(default_factory=dict)
     edge_index: Tensor | None = None
     n_within: int = 0
+    paired: bool = False
 
     @property
     def n_owned(self) -> int:
@@ -137,7 +142,7 @@ def _receivers(extent: Tensor, part: Partition, x: Tensor, n_owned: int, width: 
 def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, halo_width: float,
                        edge_cutoff: float, group, backend: str,
                        receiver_width: float | None = None,
-                       within: float | None = None) -> LocalDomain:
+                       within: float | None = None, paired: bool = False) -> LocalDomain:
     """Find this rank's ghosts by owner push, agree on the exchange plan, build local edges.
 
     Args:
@@ -150,6 +155,11 @@ def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, hal
             energy (with ``L`` interactions, ``(L - 1) * cutoff + skin``; 0 when ghost
             features are overwritten at sync points), so their edges are wasted work.
         within: if given (Å), count the local edges shorter than it (``n_within``).
+        paired: arrange the local edges as reverse pairs (``LocalDomain.paired``). The
+            receiver filter then also keeps the reverse of every edge it keeps (an edge
+            into a ghost beyond ``receiver_width`` from an atom within it): those ghosts'
+            features never reach an owned energy (the reason they are filtered), so the
+            extra edges change no result, and the radial work of each pair is done once.
 
     Collective over ``group``; rank-local failures are agreed before any other collective.
     """
@@ -168,9 +178,16 @@ def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, hal
             torch.zeros(1, 3, dtype=torch.bool, device=x.device), edge_cutoff, None, backend)
         if receiver_width is not None:
             keep = _receivers(extents[rank], part, x, graph.n_atoms, receiver_width)
-            edge_index = edge_index[:, keep[edge_index[1]]]
+            kept = keep[edge_index[1]]
+            edge_index = edge_index[:, kept | keep[edge_index[0]] if paired else kept]
+        order = None
+        if paired:
+            order = pair_order(edge_index, edge_index.new_zeros(edge_index.shape[1], 3))
+            if order is not None:
+                edge_index = edge_index[:, order]
         n_within = int(edges_within(edge_index, x, within).sum()) if within else 0
-    return LocalDomain(part, extents, self_src, shifts, plan, ghosts, edge_index, n_within)
+    return LocalDomain(part, extents, self_src, shifts, plan, ghosts, edge_index, n_within,
+                       order is not None)
 
 
 def edges_within(edge_index: Tensor, x: Tensor, cutoff: float) -> Tensor:
@@ -224,7 +241,11 @@ def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
     fields.update(extra or {})
     edge_index = dom.edge_index
     if cutoff is not None and edge_index.shape[1]:
-        edge_index = edge_index[:, edges_within(edge_index, positions, cutoff)]
+        if dom.paired:  # a pair's two edges have the same length: one mask for both halves
+            keep = edges_within(edge_index[:, : edge_index.shape[1] // 2], positions, cutoff)
+            edge_index = edge_index[:, torch.cat([keep, keep])]
+        else:
+            edge_index = edge_index[:, edges_within(edge_index, positions, cutoff)]
     fields[K.EDGE_INDEX] = edge_index
     fields[K.SHIFTS] = torch.zeros(edge_index.shape[1], 3, dtype=torch.long, device=device)
     return AtomicGraph(fields, validate=False)

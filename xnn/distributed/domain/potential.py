@@ -55,6 +55,7 @@ from xnn.distributed.domain.partition import (
 from xnn.distributed.domain.state import Counters, DomainState, gather, scatter
 from xnn.distributed.domain.sync import swapped_sync_points
 from xnn.errors import InputError
+from xnn.models.base import pairing_edges
 from xnn.models.derivatives import apply_strain, derive
 
 _MODES = ("auto", "halo", "sync")
@@ -174,8 +175,13 @@ class DomainPotential:
             self.receiver_width = max(self.receiver_width,
                                       float(model.receiver_field) + self.skin)
         self.halo_width = reach + self.skin
+        #: arrange the local edges as reverse pairs (radial work once per pair) for a model
+        #: that declares ``pairs_edges``, in mode halo, without long-range terms, while the
+        #: model is not training (as the one-process :class:`~xnn.models.Potential`)
+        self.paired = bool(getattr(model, "pairs_edges", False)) and mode == "halo"
         # long-range terms: k-space over owned atoms, their global sums all-reduced
         self.long_range = long_range_modules(model)
+        self.paired = self.paired and not self.long_range
         if any(getattr(m, "charge_model", None) is not None for m in self.long_range) and (
                 mode != "halo" or reach == float("inf")):
             raise InputError("domain decomposition of predicted charges (charge_model) needs "
@@ -257,7 +263,8 @@ class DomainPotential:
         extents = self._extents(part, graph)
         local = build_local_domain(graph, part, extents, self.halo_width,
                                    self.cutoff + self.skin, self.group, self.backend,
-                                   self.receiver_width, self.cutoff if self.filters else None)
+                                   self.receiver_width, self.cutoff if self.filters else None,
+                                   self.paired and not getattr(self.model, "training", False))
         counters = counters or (self.state.counters if self.state else Counters())
         ref = graph.without_edges().replace(positions=graph.positions.detach().clone(),
                                             cell=graph.cell.detach().clone())
@@ -436,7 +443,8 @@ class DomainPotential:
                      if self.long_range else None)
             with C.guarded(self.group, "model evaluation"), \
                     swapped_sync_points(self.model, dom, tape, enabled=self.mode == "sync"), \
-                    swapped_global_sums(self.long_range, self.group, tape):
+                    swapped_global_sums(self.long_range, self.group, tape), \
+                    pairing_edges(dom.paired and not training):
                 energies = self.model(local_graph(graph, dom, x, self.mode == "sync", extra,
                                                   self.cutoff if self.filters else None))
                 energies = energies[: dom.n_owned]
@@ -469,6 +477,7 @@ class DomainPotential:
         return {"grid": list(d.partition.grid), "n_owned": st.n_owned, "n_ghost": d.n_ghost,
                 "n_held": st.n_owned + d.n_ghost, "n_recv": d.plan.n_recv,
                 "n_send": d.plan.n_send, "n_peers": len(d.plan.peers),
-                "n_edges": int(d.edge_index.shape[1]), "halo_width": self.halo_width,
+                "n_edges": int(d.edge_index.shape[1]), "paired": d.paired,
+                "halo_width": self.halo_width,
                 "rebuilds": c.rebuilds, "migrations": c.migrations, "migrated_out": c.sent,
                 "migrated_in": c.received}

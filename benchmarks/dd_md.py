@@ -35,6 +35,9 @@ Layouts, both measured in the same run:
 * ``domain_whole`` (not by default): ``domain`` with ``pot.filters = False``, the model given
   the whole local Verlet list (``cutoff + skin``) instead of its edges within the cutoff;
   ``filter_speedup`` is its step time over ``domain``'s.
+* ``domain_unpaired`` (not by default): ``domain`` with ``pot.paired = False``, the local
+  edges as built instead of reverse pairs (a model with ``pairs_edges`` does its radial work
+  per edge); ``pairing_speedup`` is its step time over ``domain``'s.
 
 Per point: atoms held per rank (owned + ghost; max over steps and ranks), min/max owned,
 migrations, per-rank peak memory (RSS high-water mark ``ru_maxrss``, absolute and minus the
@@ -64,7 +67,7 @@ except ImportError:  # run as `python benchmarks/dd_md.py` / `torchrun benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.common import write_json
 
-LAYOUTS = ("domain", "replicated", "compiled", "domain_whole")
+LAYOUTS = ("domain", "replicated", "compiled", "domain_whole", "domain_unpaired")
 AR = {"symbol": "Ar", "a": 5.26, "mass": 39.948}  # LJ argon near its 0 K lattice constant
 CU = {"symbol": "Cu", "a": 3.61, "mass": 63.546}
 
@@ -73,7 +76,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", required=True, help="output JSON (written after every point)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--model", default="lj", choices=("lj", "equivariant", "mace"))
+    p.add_argument("--mode", default="auto", choices=("auto", "halo", "sync"),
+                   help="DomainPotential mode of the eager domain layouts (auto: sync for "
+                        "models with sync points)")
+    p.add_argument("--model", default="lj", choices=("lj", "equivariant", "schnet", "mace"))
     p.add_argument("--sizes", default="4000", help="comma list of target atom counts")
     p.add_argument("--ranks", default="1,2,4,8", help="comma list of rank counts")
     p.add_argument("--layouts", default="domain,replicated",
@@ -143,8 +149,8 @@ def build_model(args, device, dtype):
     torch.manual_seed(0)
     if args.model == "lj":
         model = build("lj", sigma=3.405, epsilon=0.0104, cutoff=args.cutoff)
-    elif args.model == "equivariant":
-        model = build("equivariant", species=[29], cutoff=args.cutoff)
+    elif args.model in ("equivariant", "schnet"):
+        model = build(args.model, species=[29], cutoff=args.cutoff)
     else:
         from benchmarks.models import build_mace
 
@@ -247,10 +253,11 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
     base = peak_bytes(device)
     model = build_model(args, device, dtype)
     t0 = time.perf_counter()
-    if layout in ("domain", "compiled", "domain_whole"):
+    if layout in ("domain", "compiled", "domain_whole", "domain_unpaired"):
         pot = DomainPotential(model, manager, skin=args.skin,
-                              mode="halo" if layout == "compiled" else "auto")
+                              mode="halo" if layout == "compiled" else args.mode)
         pot.filters = pot.filters and layout != "domain_whole"
+        pot.paired = pot.paired and layout != "domain_unpaired"
         graph = crystal(n_atoms, args.model, dtype).to(device) if manager.is_main else None
         owned = pot.scatter(graph)
         del graph
@@ -275,13 +282,15 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
         state, done = step(state), 1  # the first step compiles
         compiled["first_step_s"] = time.perf_counter() - compiled.pop("t0")
     state, step_s, held = _md(state, pot, reduce, args, device,
-                              layout in ("domain", "domain_whole"), stats, step, done)
+                              layout in ("domain", "domain_whole", "domain_unpaired"), stats,
+                              step, done)
     e1 = float(nve.conserved(state, reduce))
     st = stats()
     if layout == "compiled":
         compiled = _compiled_figures(step, compiled)
     return {"rank": manager.rank, **compiled, "n_owned": st["n_owned"], "n_ghost": st["n_ghost"],
             "n_held_max": held, "migrations": st["migrations"], "grid": st["grid"],
+            "paired": st.get("paired", False),
             "step_s": step_s, "setup_s": setup_s, "baseline_bytes": base,
             "peak_bytes": peak_bytes(device), "peak_fresh": fresh,
             "conserved_start_eV": e0, "conserved_end_eV": e1}
@@ -386,7 +395,7 @@ def summarize(per_rank: list[dict], n_atoms_target: int, world: int, layout: str
     step = max(r["step_s"] for r in per_rank)
     growth = [r["peak_bytes"] - r["baseline_bytes"] for r in per_rank]
     row.update(
-        n_atoms=n, grid=per_rank[0]["grid"],
+        n_atoms=n, grid=per_rank[0]["grid"], paired=per_rank[0].get("paired", False),
         held_max=max(r["n_held_max"] for r in per_rank),
         owned_min=min(r["n_owned"] for r in per_rank),
         owned_max=max(r["n_owned"] for r in per_rank),
@@ -440,6 +449,10 @@ def ratios(rows: list[dict]) -> list[dict]:
                                                       - dom["conserved_end_eV"])
         if dom is not None and r["layout"] == "domain_whole":
             d["filter_speedup"] = r["step_s"] / dom["step_s"]  # whole list over filtered
+            d["conserved_end_diff_vs_domain_eV"] = abs(r["conserved_end_eV"]
+                                                      - dom["conserved_end_eV"])
+        if dom is not None and r["layout"] == "domain_unpaired":
+            d["pairing_speedup"] = r["step_s"] / dom["step_s"]  # per edge over paired
             d["conserved_end_diff_vs_domain_eV"] = abs(r["conserved_end_eV"]
                                                       - dom["conserved_end_eV"])
         if rep is not None and r["layout"] == "domain":

@@ -61,17 +61,20 @@ BREAKS_PER_STEP = 3
 
 class _Model(nn.Module):
     """Region 2: the rank's energy share on the padded local graph and its gradients (with
-    ``active``, on the local edges within ``cutoff``, and their count)."""
+    ``active``, on the local edges within ``cutoff``, and their count; ``paired``: the local
+    edges are reverse pairs, and the model does its radial work once per pair)."""
 
-    def __init__(self, model: nn.Module, stress: bool, cutoff: float):
+    def __init__(self, model: nn.Module, stress: bool, cutoff: float, paired: bool = False):
         super().__init__()
         self.model = model
         self.stress = stress
         self.cutoff = cutoff
+        self.paired = paired
 
     def forward(self, x_owned: Tensor, recv: Tensor, src: Tensor, shifts: Tensor,
                 cell: Tensor, owned: Tensor, fields: dict[str, Tensor], active: tuple):
         from xnn.dynamics.compiled import model_graph
+        from xnn.models.base import pairing_edges
 
         base = torch.cat([x_owned, recv]).detach().requires_grad_(True)
         eps = torch.zeros(3, 3, dtype=base.dtype, device=base.device)
@@ -79,8 +82,10 @@ class _Model(nn.Module):
             eps.requires_grad_(True)
         x = base.index_select(0, src) + shifts @ cell[0]
         x = x + x @ (0.5 * (eps + eps.T))
-        graph, n_active, _ = model_graph(fields, x, self.cutoff, active)
-        energies = self.model(graph)
+        # (a paired filter keeps both edges of a pair or neither: their lengths are equal)
+        graph, n_active, _ = model_graph(fields, x, self.cutoff, active, self.paired)
+        with pairing_edges(self.paired):
+            energies = self.model(graph)
         e = torch.where(owned, energies, torch.zeros_like(energies)).sum()
         leaves = [base, eps] if self.stress else [base]
         grads = torch.autograd.grad(e, leaves, allow_unused=True)
@@ -150,9 +155,6 @@ class CompiledDomainVerlet:
         if growth <= 1.0 or headroom < 1.0:
             raise InputError(f"growth must be > 1 and headroom >= 1, got {growth}, {headroom}")
         self.potential = potential
-        # its lists per edge from the next rebuild on (the region filters edge by edge; a
-        # paired list built before is exact too, with its extra edges)
-        potential.paired = False
         self.backend = backend
         self.caps = Capacities(float(growth), float(headroom), int(slack))
         #: filter the local edges to the cutoff in the model region (with a skin)
@@ -198,12 +200,13 @@ class CompiledDomainVerlet:
     def _model_region(self, stress: bool, inputs):
         from torch.func import functional_call
 
-        if stress not in self._models:  # the traced module and its weights, once
-            step = _Model(self.potential.model, stress, self.potential.cutoff)
+        paired = self._plan.paired
+        if (stress, paired) not in self._models:  # the traced module and its weights, once
+            step = _Model(self.potential.model, stress, self.potential.cutoff, paired)
             weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
-            self._models[stress] = (step, {k: t.detach() for k, t in weights.items()})
-        step, weights = self._models[stress]
-        key = (tuple(sorted(self._plan.caps.items())), stress)
+            self._models[stress, paired] = (step, {k: t.detach() for k, t in weights.items()})
+        step, weights = self._models[stress, paired]
+        key = (tuple(sorted(self._plan.caps.items())), stress, paired)
         fn = self._compiled("model", key, lambda: lambda w, *a: functional_call(step, w, a),
                             (weights, *inputs))
         return fn(weights, *inputs)
@@ -244,14 +247,15 @@ class CompiledDomainVerlet:
 
     def _grow_active(self, n: int) -> None:
         """Grow the active capacity (shared by the ranks) to hold ``n`` edges."""
-        from xnn.distributed.domain.compiled_plan import inert_edges
+        from xnn.distributed.domain.compiled_plan import inert_active
 
         p = self._plan
         sizes = dict(self.caps.sizes)
         sizes["active"] = self.caps.grown(n, sizes["active"])
+        sizes["active"] += sizes["active"] % 2  # (a paired list's two halves)
         self.caps.sizes = sizes
         p.caps = dict(sizes)
-        p.active = inert_edges(sizes["active"], sizes["local"], p.src.device)
+        p.active = inert_active(sizes["active"], sizes["local"], p.src.device, p.paired)
         self.n_active_overflows += 1
 
     # ------------------------------------------------------------------ exchanges

@@ -19,6 +19,11 @@ so that their shapes (and the compiled graphs) survive rebuilds:
   positions (:func:`xnn.dynamics.compiled.within_cutoff`), so the model's edge work is that
   of the edges it weighs.
 
+A paired local list (``LocalDomain.paired``: its second half reverses its first) is padded
+half by half, ``[first half, padding, second half, the same padding]``, and so are the
+active edges (:func:`~xnn.dynamics.compiled.within_cutoff_paired` keeps the pairs): the two
+capacities are even.
+
 Capacities grow geometrically when a rebuild overflows one (the only event that compiles).
 """
 
@@ -56,6 +61,8 @@ class Capacities:
         for name in CAPACITIES:
             n, cap = counts[name], old.get(name, 0)
             new[name] = cap if n <= cap and cap > 0 else self.grown(n, cap)
+        for name in ("edges", "active"):  # even: a paired list's halves
+            new[name] += new[name] % 2
         self.sizes = new
         return new != old
 
@@ -87,6 +94,7 @@ class PaddedPlan:
     recv_buf: Tensor  # [cap_recv, 3] received ghost positions
     back_buf: Tensor  # [cap_send, 3] received ghost gradients, in send order
     active: tuple = ()  # (edge_index [2, cap_active], shifts) inert; () without a filter
+    paired: bool = False  # the local edges (and the active ones) are reverse pairs
 
 
 def pad_rows(t: Tensor, n: int, value=0) -> Tensor:
@@ -144,7 +152,16 @@ def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
         pad_rows(migrated.detach(), c["owned"]), _local_fields(dom, graph, c, pad_z, reach),
         torch.zeros(c["recv"], 3, dtype=dtype, device=dev),
         torch.zeros(c["send"], 3, dtype=dtype, device=dev),
-        inert_edges(c["active"], c["local"], dev) if filters else ())
+        inert_active(c["active"], c["local"], dev, dom.paired) if filters else (), dom.paired)
+
+
+def inert_active(n: int, n_local: int, device, paired: bool) -> tuple[Tensor, Tensor]:
+    """The ``n`` inert active edges (:func:`inert_edges`), as two equal halves for a paired
+    list (``n`` even)."""
+    if not paired:
+        return inert_edges(n, n_local, device)
+    ei, sh = inert_edges(n // 2, n_local, device)
+    return torch.cat([ei, ei], 1), torch.cat([sh, sh])
 
 
 def inert_edges(n: int, n_local: int, device) -> tuple[Tensor, Tensor]:
@@ -171,8 +188,10 @@ def _local_fields(dom, graph, c: dict, pad_z: int, reach: float) -> dict[str, Te
     fields[K.CELL] = local_box(reach, graph.positions)
     fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=dev)
     ei = dom.edge_index.to(dev)
-    pad_ei, pad_sh = inert_edges(c["edges"] - ei.shape[1], c["local"], dev)
-    fields[K.EDGE_INDEX] = torch.cat([ei, pad_ei], 1)
-    fields[K.SHIFTS] = torch.cat([torch.zeros(ei.shape[1], 3, dtype=torch.long, device=dev),
-                                  pad_sh])
+    parts = 2 if dom.paired else 1  # paired: [first half, padding, second half, padding]
+    pad_ei, pad_sh = inert_edges((c["edges"] - ei.shape[1]) // parts, c["local"], dev)
+    sh = torch.zeros(ei.shape[1], 3, dtype=torch.long, device=dev)
+    fields[K.EDGE_INDEX] = torch.cat([x for e in ei.tensor_split(parts, 1) for x in (e, pad_ei)],
+                                     1)
+    fields[K.SHIFTS] = torch.cat([x for e in sh.tensor_split(parts) for x in (e, pad_sh)])
     return fields

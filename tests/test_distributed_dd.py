@@ -114,6 +114,7 @@ MODELS = {"lj": lj, "schnet": lambda: _native("schnet"), "painn": lambda: _nativ
 # evaluation mode: the local edges arranged as reverse pairs (radial work once per pair)
 MODELS.update({f"{m}_eval": (lambda m=m: _native(m).eval())
                for m in ("schnet", "painn", "equivariant")})
+MODELS["schnet_guarded"] = MODELS["schnet_eval"]
 STRUCTURES = {"cubic": cubic, "triclinic": triclinic, "slab": slab, "molecule": molecule,
               "corner": corner, "tiny": tiny}
 
@@ -124,7 +125,8 @@ NN_CASES = [(f"{m}-{mode}", m, "triclinic", None, mode)
 CASES = {
     2: LJ_CASES + NN_CASES + [("lj-tiny-grid", "lj", "tiny", (2, 1, 1), "halo")]
     + [(f"{m}-halo-paired", f"{m}_eval", "triclinic", None, "halo")
-       for m in ("schnet", "painn", "equivariant")],
+       for m in ("schnet", "painn", "equivariant")]
+    + [("schnet-halo-guarded", "schnet_guarded", "triclinic", None, "halo")],
     3: LJ_CASES + [("schnet-sync-3", "schnet", "slab", None, "sync")],
     4: LJ_CASES + [("lj-corner-grid", "lj", "corner", (1, 1, 4), "halo"),
                    ("painn-sync-4", "painn", "cubic", None, "sync"),
@@ -206,10 +208,16 @@ def _compare(out, ref, graph):
 def _run_cases(rank, cases):
     from xnn.distributed import DistributedManager, DomainDecomposed
 
+    from xnn.distributed.domain import local
+
     manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
     results = {}
+    default = local.PAIR_EXTRA_EDGES
     for name, model_name, struct, grid, mode in cases:
         t0 = time.perf_counter()
+        # these small domains' paired lists carry many extra edges: pair them all the same
+        # (but for the case that shows the default declining)
+        local.PAIR_EXTRA_EDGES = default if model_name == "schnet_guarded" else float("inf")
         model = MODELS[model_name]()
         graph = STRUCTURES[struct]()
         dd = DomainDecomposed(model, manager, grid=grid, mode=mode)
@@ -273,8 +281,10 @@ def _md_pairs_case(manager, rank):
     from xnn.distributed import DomainPotential
     from xnn.dynamics import maxwell_boltzmann, nve
     from xnn.models import Potential
+    from xnn.distributed.domain import local
     from xnn.models.base import edges_paired
 
+    local.PAIR_EXTRA_EDGES = float("inf")  # (a small domain: many extra edges)
     model, graph = _native("schnet").eval(), triclinic()
     graph = maxwell_boltzmann(graph, 3000.0, seed=3)
     seen = []
@@ -529,14 +539,17 @@ def test_decomposed_md_matches_single_process():
 @pytest.mark.distributed
 def test_decomposed_lists_pair_edges_for_models_that_pair():
     """Models with ``pairs_edges`` in evaluation mode get paired local edges (the cases
-    above match one process with them); training-mode models and LJ per edge; MD over
-    rebuilds and migrations on paired lists follows one process."""
+    above match one process with them); training-mode models and LJ per edge, and so does a
+    small domain's list under the default ``PAIR_EXTRA_EDGES``; MD over rebuilds and
+    migrations on paired lists follows one process."""
     res = results(2)
     for r in res:
         for m in ("schnet", "painn", "equivariant"):
             assert r[f"{m}-halo-paired"]["stats"]["paired"], m
             assert not r[f"{m}-halo"]["stats"]["paired"], m  # training mode
         assert not r["lj-triclinic"]["stats"]["paired"]
+        # the default declines to pair a small domain's list (too many extra edges)
+        assert not r["schnet-halo-guarded"]["stats"]["paired"]
         md = r["md_pairs"]
         assert md["paired"] and md["all_paired"] and md["calls"] >= 20, md
         assert md["rebuilds"] >= 2 and md["migrations"] >= 1, md

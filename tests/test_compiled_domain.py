@@ -172,7 +172,6 @@ def _cli(structure, out_dir, compile_):
 
 def worker(rank, world, tmp, names, with_app):
     from xnn.distributed import DistributedManager
-
     from xnn.distributed.domain import local
 
     torch.set_default_dtype(torch.float64)

@@ -207,7 +207,6 @@ def _compare(out, ref, graph):
 
 def _run_cases(rank, cases):
     from xnn.distributed import DistributedManager, DomainDecomposed
-
     from xnn.distributed.domain import local
 
     manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
@@ -279,9 +278,9 @@ def _md_pairs_case(manager, rank):
     """20 NVE steps of SchNet (evaluation mode) on paired local edges, with rebuilds and
     migrations, vs one process on the list as built; the model sees paired lists only."""
     from xnn.distributed import DomainPotential
+    from xnn.distributed.domain import local
     from xnn.dynamics import maxwell_boltzmann, nve
     from xnn.models import Potential
-    from xnn.distributed.domain import local
     from xnn.models.base import edges_paired
 
     local.PAIR_EXTRA_EDGES = float("inf")  # (a small domain: many extra edges)

@@ -11,6 +11,8 @@ test (not for ``gpu`` tests), read by the module when an operator is called (see
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -279,23 +281,45 @@ BWD_ARGS = (["g_ptr", "x_ptr", "wh_ptr", "bh_ptr", "wo_ptr", "bo_ptr", "s_ptr", 
              "gs_ptr"], ["n_rows", "sg_r", "sx_r", "sgx_r"])
 
 
-def _compiles_for_h200(dtype, precision, bias):
+def _compiles_for_h200(dtype, precision, bias, as_inductor_copies=False):
+    """Both kernels compiled for sm_90 (MACE's shape); ``as_inductor_copies``: from the
+    source that inductor generates for them in a compiled graph (the kernel and the device
+    functions it calls, copied by name)."""
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("Triton without its NVIDIA backend")
+    kernels = [triton_mlp._FWD, triton_mlp._BWD]
+    if as_inductor_copies:
+        import importlib.util
+
+        wrapper = pytest.importorskip("torch._inductor.codegen.wrapper")
+        copy = getattr(wrapper, "user_defined_triton_kernel_transitive_closure_source_code",
+                       None)
+        if copy is None:
+            pytest.skip("this torch's inductor has no such source copy")
+        for i, k in enumerate(kernels):
+            path = tempfile.mkdtemp() + "/kernel.py"
+            with open(path, "w") as f:
+                f.write("import triton\nimport triton.language as tl\n@triton.jit\n" + copy(k))
+            spec = importlib.util.spec_from_file_location("kernel", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            kernels[i] = getattr(mod, k.fn.__name__)
     c = dict(n_out=1792, D0=8, H=64, L=3, HAS_BIAS=bias, HAS_SCALE=True,
              BLOCK_P=triton_mlp.BLOCK_P, BLOCK_N=triton_mlp.BLOCK_N, PREC=precision)
-    fwd = _sm90_compile(triton_mlp._FWD, *FWD_ARGS, c, dtype)
+    fwd = _sm90_compile(kernels[0], *FWD_ARGS, c, dtype)
     c.update(NEED_S=True, BLOCK_P=triton_mlp.BWD_BLOCK_P, BLOCK_N=triton_mlp.BWD_BLOCK_N)
-    bwd = _sm90_compile(triton_mlp._BWD, *BWD_ARGS, c, dtype)
+    bwd = _sm90_compile(kernels[1], *BWD_ARGS, c, dtype)
     return fwd.asm["ptx"], bwd.asm["ptx"]
 
 
-def test_kernels_compile_for_the_h200_tf32x3():
-    """The kernels as the H200 gets them (sm_90; no GPU needed to compile), MACE's shape:
-    the tf32x3 products are tensor-core ``mma`` instructions."""
-    for ptx in _compiles_for_h200("fp32", "tf32x3", False):
+def test_kernels_compile_for_the_h200_tf32x3(monkeypatch):
+    """The kernels as the H200 gets them (sm_90; no GPU needed to compile), as inductor
+    copies them into a compiled MD step: the tf32x3 products are tensor-core ``mma``
+    instructions."""
+    monkeypatch.delenv("TRITON_INTERPRET")  # (the copies' triton.jit: real kernels)
+    for ptx in _compiles_for_h200("fp32", "tf32x3", False, as_inductor_copies=True):
         assert "mma" in ptx and ".tf32" in ptx
 
 

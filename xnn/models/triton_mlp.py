@@ -55,7 +55,8 @@ INTERPRETER_BLOCK_P = 64
 MAX_WIDTH = 128  # hidden widths (and D0) padded to a power of two up to this
 
 
-def _hidden_fn(x_ptr, wh_ptr, bh_ptr, rows, rmask, hc, sx_r, D0: tl.constexpr, H: tl.constexpr,
+@triton.jit
+def _hidden(x_ptr, wh_ptr, bh_ptr, rows, rmask, hc, sx_r, D0: tl.constexpr, H: tl.constexpr,
             N_LAYERS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """The input rows (zero-padded to ``H`` columns) through the first ``N_LAYERS`` hidden
     layers."""
@@ -136,7 +137,7 @@ def _bwd_kernel(g_ptr, x_ptr, wh_ptr, bh_ptr, wo_ptr, bo_ptr, s_ptr, gx_ptr, gs_
              mask=rmask[:, None] & (hc[None, :] < D0))
 
 
-_hidden = triton.jit(_hidden_fn)  # the kernels' device function (by this global name)
+# (the device function's global name is its def's: inductor copies its source by that name)
 _FWD = triton.jit(_fwd_kernel, do_not_specialize=["n_rows"])
 _BWD = triton.jit(_bwd_kernel, do_not_specialize=["n_rows"])
 
@@ -147,7 +148,7 @@ def _interpreted_kernel(fn):
     interpreted too (a ``triton.jit`` function cannot be called from interpreted code)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    scope = dict(fn.__globals__, _hidden=InterpretedFunction(_hidden_fn))
+    scope = dict(fn.__globals__, _hidden=InterpretedFunction(_hidden.fn))
     return InterpretedFunction(types.FunctionType(fn.__code__, scope, fn.__name__))
 
 

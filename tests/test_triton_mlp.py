@@ -181,6 +181,8 @@ def test_e3nn_radial_network_folds_exactly():
     assert fused_layers(FullyConnectedNet([4, 8, 8], torch.tanh).requires_grad_(False)) is None
     assert fused_layers(FullyConnectedNet([4, 8, 8], torch.nn.functional.silu)) is None  # grads
     assert fused_layers(torch.nn.Linear(4, 8)) is None
+    wide = FullyConnectedNet([4, 256, 8], torch.nn.functional.silu).requires_grad_(False)
+    assert fused_layers(wide) is None
 
 
 @requires_cue

@@ -120,7 +120,7 @@ def fused_layers(mlp: nn.Module) -> tuple[list, list[float]] | None:
     """``(layers, post_scales)`` of :func:`xnn.models.triton_mlp.pack` for an e3nn
     ``FullyConnectedNet`` with (normalised) SiLU between its layers and none after the last
     (MACE's radial networks), its normalisations folded into the matrices; ``None`` for any
-    other network (which then runs as it is)."""
+    other network, or one wider than the kernels take (which then runs as it is)."""
     from e3nn.math import normalize2mom
     from e3nn.nn import FullyConnectedNet
 
@@ -144,7 +144,8 @@ def fused_layers(mlp: nn.Module) -> tuple[list, list[float]] | None:
         cst = act.cst if isinstance(act, normalize2mom) and not act._is_id else 1.0
         layers.append((layer.weight / (layer.h_in * layer.var_in) ** 0.5, None))
         scales.append(cst * layer.var_out ** 0.5)
-    return (layers, scales) if len(layers) >= 2 else None
+    fits = len(layers) >= 2 and max(a.shape[0] for a, _ in layers) <= 128  # (MAX_WIDTH)
+    return (layers, scales) if fits else None
 
 
 def _forward(self, node_attrs: Tensor, node_feats: Tensor, edge_attrs: Tensor,

@@ -181,8 +181,15 @@ def test_e3nn_radial_network_folds_exactly():
     assert fused_layers(FullyConnectedNet([4, 8, 8], torch.tanh).requires_grad_(False)) is None
     assert fused_layers(FullyConnectedNet([4, 8, 8], torch.nn.functional.silu)) is None  # grads
     assert fused_layers(torch.nn.Linear(4, 8)) is None
+    # wider than the kernels take: no fused result, and MACE's blocks run the network itself
+    from xnn.models.external import _mace_pairs
+
     wide = FullyConnectedNet([4, 256, 8], torch.nn.functional.silu).requires_grad_(False)
-    assert fused_layers(wide) is None
+    x = torch.randn(5, 4)
+    assert triton_mlp.fused(x, *fused_layers(wide), None, "ieee") is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_mace_pairs, "RADIAL", "ieee")
+        torch.testing.assert_close(_mace_pairs._radial(wide, x, None), wide(x), rtol=0, atol=0)
 
 
 @requires_cue

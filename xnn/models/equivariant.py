@@ -235,16 +235,16 @@ class RadialMLP(nn.Module):
     def forward(self, x: Tensor, recompute: bool = False) -> Tensor:
         """With ``recompute``, the hidden activations are recomputed in backward, not kept.
         Weights that need no gradient: :data:`RADIAL_KERNEL`."""
-        linears = self.net[::2]
-        if (RADIAL_KERNEL != "torch" and triton_device(x) and 2 <= len(linears)
-                and max(lin.weight.shape[1] for lin in linears) <= 128
+        if (RADIAL_KERNEL != "torch" and triton_device(x)
                 and not any(p.requires_grad for p in self.parameters())):
             from xnn.models import triton_mlp
 
-            layers = [(lin.weight.T, None) for lin in linears]
-            wh, bh, wo, bo = triton_mlp.pack(layers, [_NormalizedSiLU.scale] * (len(linears) - 1))
-            y = triton_mlp.radial_mlp(x, wh, wo, bh, bo, None, precision=RADIAL_KERNEL)
-            return y.view(x.shape[0], self.channels, self.num_paths)
+            linears = self.net[::2]
+            y = triton_mlp.fused(x, [(lin.weight.T, None) for lin in linears],
+                                 [_NormalizedSiLU.scale] * (len(linears) - 1), None,
+                                 RADIAL_KERNEL)
+            if y is not None:
+                return y.view(x.shape[0], self.channels, self.num_paths)
         trunk, last = self.net[:-1], self.net[-1]
         hidden = checkpoint(trunk, x, use_reentrant=False) if recompute else trunk(x)
         return last(hidden).view(x.shape[0], self.channels, self.num_paths)

@@ -339,6 +339,18 @@ def radial_mlp_backward(g: Tensor, x: Tensor, wh: Tensor, bh: Tensor | None, wo:
 
 # ---- packing the layers of a network
 
+def fused(x: Tensor, layers: list[tuple[Tensor, Tensor | None]], post_scales: list[float],
+          s: Tensor | None, precision: str) -> Tensor | None:
+    """:func:`radial_mlp` of the network ``layers`` (see :func:`pack`), or ``None`` when the
+    kernels cannot take it (no hidden layer, or one wider than :data:`MAX_WIDTH`): the
+    caller then runs its own layers."""
+    widths = [a.shape[0] for a, _ in layers]  # inputs of every layer: D0 and hidden widths
+    if len(layers) < 2 or max(widths) > MAX_WIDTH:
+        return None
+    wh, bh, wo, bo = pack(layers, post_scales)
+    return radial_mlp(x, wh, wo, bh, bo, s, precision)
+
+
 def pack(layers: list[tuple[Tensor, Tensor | None]], post_scales: list[float] | None = None
          ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """``(wh, bh, wo, bo)`` for :func:`radial_mlp` from ``[(A_i [d_in, d_out], b_i), ...]``

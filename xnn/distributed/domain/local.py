@@ -188,10 +188,12 @@ def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, hal
         if receiver_width is not None:
             keep = _receivers(extents[rank], part, x, graph.n_atoms, receiver_width)
             kept = keep[edge_index[1]]
-            both = kept | keep[edge_index[0]] if paired else kept
-            n_kept = int(kept.sum())
-            paired = paired and int(both.sum()) - n_kept <= PAIR_EXTRA_EDGES * n_kept
-            edge_index = edge_index[:, both if paired else kept]
+            if paired:  # with the reverses of the edges into far ghosts, if not too many
+                both = kept | keep[edge_index[0]]
+                n_kept = int(kept.sum())
+                paired = int(both.sum()) - n_kept <= PAIR_EXTRA_EDGES * n_kept
+                kept = both if paired else kept
+            edge_index = edge_index[:, kept]
         order = None
         if paired:
             order = pair_order(edge_index, edge_index.new_zeros(edge_index.shape[1], 3))

@@ -175,13 +175,13 @@ class DomainPotential:
             self.receiver_width = max(self.receiver_width,
                                       float(model.receiver_field) + self.skin)
         self.halo_width = reach + self.skin
+        # long-range terms: k-space over owned atoms, their global sums all-reduced
+        self.long_range = long_range_modules(model)
         #: arrange the local edges as reverse pairs (radial work once per pair) for a model
         #: that declares ``pairs_edges``, in mode halo, without long-range terms, while the
         #: model is not training (as the one-process :class:`~xnn.models.Potential`)
-        self.paired = bool(getattr(model, "pairs_edges", False)) and mode == "halo"
-        # long-range terms: k-space over owned atoms, their global sums all-reduced
-        self.long_range = long_range_modules(model)
-        self.paired = self.paired and not self.long_range
+        self.paired = (bool(getattr(model, "pairs_edges", False)) and mode == "halo"
+                       and not self.long_range)
         if any(getattr(m, "charge_model", None) is not None for m in self.long_range) and (
                 mode != "halo" or reach == float("inf")):
             raise InputError("domain decomposition of predicted charges (charge_model) needs "

@@ -105,22 +105,23 @@ def _messages(block: nn.Module, node_feats: Tensor, edge_attrs: Tensor, edge_fea
 def _radial(mlp: nn.Module, x: Tensor, cutoff: Tensor | None) -> Tensor:
     """``mlp(x) * cutoff`` (``[P, N]``): mace-torch's layers, or the fused kernel
     (:data:`RADIAL`) on CUDA, or on the CPU under Triton's interpreter."""
-    layers = fused_layers(mlp) if RADIAL != "torch" else None
-    if layers is None or not triton_device(x):
-        w = mlp(x)
-        return w if cutoff is None else w * cutoff
-    from xnn.models import triton_mlp
+    layers = fused_layers(mlp) if RADIAL != "torch" and triton_device(x) else None
+    if layers is not None:
+        from xnn.models import triton_mlp
 
-    wh, bh, wo, bo = triton_mlp.pack(*layers)
-    s = None if cutoff is None else cutoff.reshape(-1)
-    return triton_mlp.radial_mlp(x, wh, wo, bh, bo, s, precision=RADIAL)
+        s = None if cutoff is None else cutoff.reshape(-1)
+        w = triton_mlp.fused(x, *layers, s, RADIAL)
+        if w is not None:
+            return w
+    w = mlp(x)
+    return w if cutoff is None else w * cutoff
 
 
 def fused_layers(mlp: nn.Module) -> tuple[list, list[float]] | None:
     """``(layers, post_scales)`` of :func:`xnn.models.triton_mlp.pack` for an e3nn
     ``FullyConnectedNet`` with (normalised) SiLU between its layers and none after the last
     (MACE's radial networks), its normalisations folded into the matrices; ``None`` for any
-    other network, or one wider than the kernels take (which then runs as it is)."""
+    other network (which then runs as it is)."""
     from e3nn.math import normalize2mom
     from e3nn.nn import FullyConnectedNet
 
@@ -144,8 +145,7 @@ def fused_layers(mlp: nn.Module) -> tuple[list, list[float]] | None:
         cst = act.cst if isinstance(act, normalize2mom) and not act._is_id else 1.0
         layers.append((layer.weight / (layer.h_in * layer.var_in) ** 0.5, None))
         scales.append(cst * layer.var_out ** 0.5)
-    fits = len(layers) >= 2 and max(a.shape[0] for a, _ in layers) <= 128  # (MAX_WIDTH)
-    return (layers, scales) if fits else None
+    return layers, scales
 
 
 def _forward(self, node_attrs: Tensor, node_feats: Tensor, edge_attrs: Tensor,

@@ -22,6 +22,8 @@
 #         micro-benchmark against mace-torch's layers (tiling sweep), its GPU tests, the paired
 #         MACE step's profile per _mace_pairs.RADIAL (torch, ieee, tf32x3: 18p); 18b: MACE at 10k
 #         against torch-sim with tf32x3; 18c: the micro-benchmark under torch.compile (not yet run).
+# PART 19 (session 22): 18's CUDA tests with 16's, the micro-benchmark; 19b: MACE at 10k against
+#         torch-sim with each fusion x radial variant of the graph step in one run (VARIANTS=...).
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -239,5 +241,21 @@ PY
     # GEMMs and fused pointwise kernels: the compiled step's torch baseline), without s
   step 300 triton_mlp_compiled python3 benchmarks/triton_mlp.py --device cuda --compile --scale off \
       --json "$OUT/triton_mlp_compiled_h200.json"
+  ;;
+19) # big wheels (session 22): the CUDA tests of the fused radial kernels and of every fusion
+    # mode, and the radial micro-benchmark (no sweep)
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 200 cuda_tests_radial_fusion python3 -m pytest -q -m gpu tests/test_triton_mlp.py \
+      tests/test_edge_pairs.py -p no:cacheprovider -p no:logging -rA
+  step 150 triton_mlp python3 benchmarks/triton_mlp.py --device cuda --json "$OUT/triton_mlp_h200.json"
+  ;;
+19b) # big wheels (session 22): MACE at 10k against torch-sim, the CUDA-graph step once per
+    # combination of the fused convolution's weights (index, split) and the radial path (torch
+    # layers, 3xTF32 kernel), one run, one torch-sim reference
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 560 peers_mace_variants python3 benchmarks/peers.py --device cuda --dtype float32 \
+      --sizes 10000 --batched none --models mace --steps 9 --budget-s 100 \
+      --frameworks xnn,torch_sim --cueq --variants ${VARIANTS:-index+torch,split+torch,index+tf32x3,split+tf32x3} \
+      --json "$OUT/peers_mace_variants_h200.json"
   ;;
 esac

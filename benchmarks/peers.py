@@ -83,6 +83,36 @@ GOALS = (  # (measure, model, batched, peer, goal): xnn / peer atom-steps/s
 )
 
 
+def _base(fw: str) -> str:
+    """The framework of a name, without a ``@fusion+radial`` variant (``--variants``)."""
+    return fw.split("@")[0]
+
+
+class _Variant:
+    """Sets xnn's MACE fusion and radial switches for one ``name@fusion+radial`` framework
+    and restores them after (a name without ``@`` leaves them as they are)."""
+
+    def __init__(self, fw: str):
+        self.settings = fw.split("@")[1].split("+") if "@" in fw else None
+
+    def __enter__(self):
+        if self.settings:
+            from xnn.models import equivariant
+            from xnn.models.external import _mace_pairs
+
+            self.old = _mace_pairs.FUSION, _mace_pairs.RADIAL, equivariant.RADIAL_KERNEL
+            fusion, radial = self.settings
+            _mace_pairs.FUSION, _mace_pairs.RADIAL = fusion, radial
+            equivariant.RADIAL_KERNEL = radial
+
+    def __exit__(self, *exc):
+        if self.settings:
+            from xnn.models import equivariant
+            from xnn.models.external import _mace_pairs
+
+            _mace_pairs.FUSION, _mace_pairs.RADIAL, equivariant.RADIAL_KERNEL = self.old
+
+
 class OverBudget(Exception):
     """The per-framework time budget (``--budget-s``) ran out."""
 
@@ -159,7 +189,7 @@ def force_check(row: dict, forces: torch.Tensor, ref: torch.Tensor, dtype) -> No
 def ratios(frameworks: dict) -> dict:
     """``"x/p"``: atom-steps/s of each xnn variant over each peer (both measured)."""
     ok = {k: r["atom_steps_per_s"] for k, r in frameworks.items() if "atom_steps_per_s" in r}
-    return {f"{x}/{p}": ok[x] / ok[p] for x in XNN if x in ok for p in PEERS if p in ok}
+    return {f"{x}/{p}": ok[x] / ok[p] for x in ok if _base(x) in XNN for p in PEERS if p in ok}
 
 
 def goals(rows: list) -> list:
@@ -174,8 +204,8 @@ def goals(rows: list) -> list:
         entry = {"measure": measure_, "goal": goal, "ratio": None, "met": None}
         for r in cand:
             fw = r["frameworks"]
-            xs = {k: fw[k]["atom_steps_per_s"] for k in XNN if "atom_steps_per_s" in fw.get(k, {})
-                  and fw[k].get("forces_match", True)}
+            xs = {k: fw[k]["atom_steps_per_s"] for k in fw if _base(k) in XNN
+                  and "atom_steps_per_s" in fw[k] and fw[k].get("forces_match", True)}
             ps = {k: fw[k]["atom_steps_per_s"] for k in PEERS if k.startswith(peer)
                   and "atom_steps_per_s" in fw.get(k, {}) and fw[k].get("forces_match")}
             if xs and ps:
@@ -218,12 +248,14 @@ def run_case(model_name, base, n, b, args, device, dtype, on_update) -> dict:
     ref = None
     tag = "batched" if b > 1 else str(n)
     for fw in args.frameworks:
-        if model_name != "mace" and fw not in XNN:
+        if model_name != "mace" and _base(fw) not in XNN:
             continue  # no peer runs xnn's own model
-        if fw.endswith("compiled") and args.compile_cases and tag not in args.compile_cases:
+        if _base(fw).endswith("compiled") and args.compile_cases and tag not in args.compile_cases:
             continue
-        res, forces = guarded(lambda fw=fw: start(fw, model_name, base, atoms_list, v, device,
-                                                  dtype, args.cueq), n_atoms, args, device)
+        with _Variant(fw):
+            res, forces = guarded(lambda fw=fw: start(_base(fw), model_name, base, atoms_list, v,
+                                                      device, dtype, args.cueq),
+                                  n_atoms, args, device)
         if forces is not None:
             if ref is None and fw == "xnn":
                 ref = forces
@@ -261,6 +293,10 @@ def parse(argv):
                    help="xnn's radial MLPs on CUDA: their torch layers, or the fused Triton "
                         "kernel in fp32 / 3xTF32 (sets _mace_pairs.RADIAL: MACE with --cueq, "
                         "paired; and equivariant.RADIAL_KERNEL; default: as they are)")
+    p.add_argument("--variants", default="", help="FUSION+RADIAL,...: xnn_step_graph (CUDA) "
+                   "or xnn_step_compiled once per combination of _mace_pairs.FUSION (index, "
+                   "split, concat) and the radial path (torch, ieee, tf32x3), in one run "
+                   "against the same peers, e.g. index+torch,split+tf32x3")
     p.add_argument("--compile-cases", default="", help="cases where *_compiled run: atom "
                    "counts and/or 'batched' (default: all)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12; quick 2)")
@@ -283,7 +319,14 @@ def parse(argv):
         extra = ("xnn_compiled", "xnn_step_compiled") + (("xnn_step_graph",)
                                                         if a.device == "cuda" else ())
         a.frameworks += [f for f in extra if f not in a.frameworks]
-    unknown = sorted(set(a.frameworks) - set(XNN + PEERS)) + sorted(
+    step = "xnn_step_graph" if a.device == "cuda" else "xnn_step_compiled"
+    for v in (x for x in a.variants.split(",") if x):
+        fusion, _, radial = v.partition("+")
+        if fusion not in ("index", "split", "concat") or radial not in ("torch", "ieee",
+                                                                         "tf32x3"):
+            p.error(f"--variants: {v!r} is not FUSION+RADIAL")
+        a.frameworks.append(f"{step}@{fusion}+{radial}")
+    unknown = sorted({_base(f) for f in a.frameworks} - set(XNN + PEERS)) + sorted(
         set(a.models) - {"mace", "equivariant"})
     if unknown:
         p.error(f"unknown framework/model {unknown}")
@@ -315,7 +358,7 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "blocks": args.blocks, "budget_s": args.budget_s,
             "quick": args.quick, "small_models": args.small_models, "cueq": args.cueq,
             "mace_fusion": args.mace_fusion,
-            "radial": args.radial,
+            "radial": args.radial, "variants": args.variants,
             "versions": _versions(),
             "force_check": "max |F - F_xnn| at the start; forces_match: <= 1e-4 (fp32) / "
                            "1e-9 (fp64) of max |F_xnn|"}

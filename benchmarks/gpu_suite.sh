@@ -258,4 +258,28 @@ PY
       --frameworks xnn,torch_sim --cueq --variants ${VARIANTS:-index+torch,split+torch,index+tf32x3,split+tf32x3} \
       --json "$OUT/peers_mace_variants_h200.json"
   ;;
+19c) # big wheels (session 22): 19b showed eager MACE at 5k atom-steps/s with the indexed fusion
+    # (the eager list is filtered to the cutoff every step, so the number of pairs changes);
+    # eager with the split fusion, the graph step's best variants for MACE and the equivariant
+    # model
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 300 peers_mace_split_variants python3 benchmarks/peers.py --device cuda --dtype float32 \
+      --sizes 10000 --batched none --models mace --steps 9 --budget-s 90 \
+      --frameworks xnn,torch_sim --cueq --mace-fusion split \
+      --variants split+torch,split+tf32x3,split+tf32x3+int32 \
+      --json "$OUT/peers_mace_split_variants_h200.json"
+  step 250 peers_equivariant_radial python3 benchmarks/peers.py --device cuda --dtype float32 \
+      --sizes 10000 --batched none --models equivariant --steps 9 --budget-s 90 \
+      --frameworks xnn --cueq --variants split+torch,split+tf32x3 \
+      --json "$OUT/peers_equivariant_radial_h200.json"
+  ;;
+19d) # the tiling sweep of the fused radial kernels in 3xTF32 (with pipeline stages) on MACE's
+    # widest network, then the profile of the fastest MACE step (big wheels)
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 200 triton_mlp_sweep python3 benchmarks/triton_mlp.py --device cuda --blocks 1 --scale off \
+      --sweep --sweep-precisions tf32x3 --sweep-budget-s 170 --repeat 10 \
+      --json "$OUT/triton_mlp_sweep_h200.json"
+  step 150 profile_mace_split_tf32x3 python3 benchmarks/profile_compiled_step.py --model mace \
+      --kernel-backend cueq --atoms 10000 --device cuda --rows 30 --pairs split --radial tf32x3
+  ;;
 esac

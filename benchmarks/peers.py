@@ -89,8 +89,9 @@ def _base(fw: str) -> str:
 
 
 class _Variant:
-    """Sets xnn's MACE fusion and radial switches for one ``name@fusion+radial`` framework
-    and restores them after (a name without ``@`` leaves them as they are)."""
+    """Sets xnn's MACE fusion, radial and index-dtype switches for one
+    ``name@fusion+radial[+int32]`` framework and restores them after (a name without ``@``
+    leaves them as they are)."""
 
     def __init__(self, fw: str):
         self.settings = fw.split("@")[1].split("+") if "@" in fw else None
@@ -100,9 +101,11 @@ class _Variant:
             from xnn.models import equivariant
             from xnn.models.external import _mace_pairs
 
-            self.old = _mace_pairs.FUSION, _mace_pairs.RADIAL, equivariant.RADIAL_KERNEL
-            fusion, radial = self.settings
+            self.old = (_mace_pairs.FUSION, _mace_pairs.RADIAL, _mace_pairs.INDEX_DTYPE,
+                        equivariant.RADIAL_KERNEL)
+            fusion, radial, *index = self.settings
             _mace_pairs.FUSION, _mace_pairs.RADIAL = fusion, radial
+            _mace_pairs.INDEX_DTYPE = getattr(torch, index[0]) if index else torch.int64
             equivariant.RADIAL_KERNEL = radial
 
     def __exit__(self, *exc):
@@ -110,7 +113,8 @@ class _Variant:
             from xnn.models import equivariant
             from xnn.models.external import _mace_pairs
 
-            _mace_pairs.FUSION, _mace_pairs.RADIAL, equivariant.RADIAL_KERNEL = self.old
+            (_mace_pairs.FUSION, _mace_pairs.RADIAL, _mace_pairs.INDEX_DTYPE,
+             equivariant.RADIAL_KERNEL) = self.old
 
 
 class OverBudget(Exception):
@@ -293,10 +297,11 @@ def parse(argv):
                    help="xnn's radial MLPs on CUDA: their torch layers, or the fused Triton "
                         "kernel in fp32 / 3xTF32 (sets _mace_pairs.RADIAL: MACE with --cueq, "
                         "paired; and equivariant.RADIAL_KERNEL; default: as they are)")
-    p.add_argument("--variants", default="", help="FUSION+RADIAL,...: xnn_step_graph (CUDA) "
-                   "or xnn_step_compiled once per combination of _mace_pairs.FUSION (index, "
-                   "split, concat) and the radial path (torch, ieee, tf32x3), in one run "
-                   "against the same peers, e.g. index+torch,split+tf32x3")
+    p.add_argument("--variants", default="", help="FUSION+RADIAL[+INDEX],...: xnn_step_graph "
+                   "(CUDA) or xnn_step_compiled once per combination of _mace_pairs.FUSION "
+                   "(index, split, concat), the radial path (torch, ieee, tf32x3) and the "
+                   "edge-index dtype (int64 default, int32), in one run against the same "
+                   "peers, e.g. index+torch,split+tf32x3,split+tf32x3+int32")
     p.add_argument("--compile-cases", default="", help="cases where *_compiled run: atom "
                    "counts and/or 'batched' (default: all)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12; quick 2)")
@@ -321,11 +326,11 @@ def parse(argv):
         a.frameworks += [f for f in extra if f not in a.frameworks]
     step = "xnn_step_graph" if a.device == "cuda" else "xnn_step_compiled"
     for v in (x for x in a.variants.split(",") if x):
-        fusion, _, radial = v.partition("+")
-        if fusion not in ("index", "split", "concat") or radial not in ("torch", "ieee",
-                                                                         "tf32x3"):
-            p.error(f"--variants: {v!r} is not FUSION+RADIAL")
-        a.frameworks.append(f"{step}@{fusion}+{radial}")
+        fusion, radial, *index = v.split("+") + [""]
+        if (fusion not in ("index", "split", "concat") or radial not in ("torch", "ieee", "tf32x3")
+                or index not in ([""], ["int32", ""], ["int64", ""])):
+            p.error(f"--variants: {v!r} is not FUSION+RADIAL[+int32|int64]")
+        a.frameworks.append(f"{step}@{v}")
     unknown = sorted({_base(f) for f in a.frameworks} - set(XNN + PEERS)) + sorted(
         set(a.models) - {"mace", "equivariant"})
     if unknown:

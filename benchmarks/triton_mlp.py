@@ -33,8 +33,9 @@ path on the same (fp32) inputs and weights, relative to the largest magnitude of
 float64 against the same reference (errors of fp64's order: the formula is right).
 
 ``--sweep`` times the kernels alone (``triton_mlp.forward`` / ``backward``, no autograd) on
-the block with the largest N for (BLOCK_P, BLOCK_N, NUM_WARPS) in {32, 64, 128}² x {4, 8},
-forward (the first scale mode) and backward (each), tf32x3 first, by setting the module
+the block with the largest N for (BLOCK_P, BLOCK_N, NUM_WARPS, NUM_STAGES) in
+{64, 128, 32}² x {4, 8} x {3, 2, 4}, forward (the first scale mode) and backward (each), per
+``--sweep-precisions`` (tf32x3 first), by setting the module
 constants (restored after), under ``--sweep-budget-s`` (the configurations not reached are
 left out), and records the fastest and its gain over the defaults. ``--compile`` adds each variant's
 forward under ``torch.compile(fullgraph=True)`` (the backward through AOTAutograd).
@@ -75,9 +76,11 @@ from xnn.models.external import _mace_pairs  # noqa: E402
 
 CUTOFF = 6.0
 VARIANTS = ("torch", "ieee", "tf32x3")
-SWEEP = [(bp, bn, w) for bp in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)]
-QUICK_SWEEP = [(64, 32, 4), (64, 64, 4)]
-_CONSTANTS = ("BLOCK_P", "BLOCK_N", "NUM_WARPS", "BWD_BLOCK_P", "BWD_BLOCK_N", "BWD_NUM_WARPS")
+SWEEP = [(bp, bn, w, st) for bp in (64, 128, 32) for bn in (64, 128, 32) for w in (4, 8)
+         for st in (3, 2, 4)]
+QUICK_SWEEP = [(64, 32, 4, 3), (64, 64, 4, 2)]
+_CONSTANTS = ("BLOCK_P", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "BWD_BLOCK_P", "BWD_BLOCK_N",
+              "BWD_NUM_WARPS", "BWD_NUM_STAGES")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -302,10 +305,10 @@ def sweep(mlp32, x, s_col, device, args) -> dict:
     parts = [("forward", args.scales[0])] + [("backward", sc) for sc in args.scales]
     t0 = time.perf_counter()
     try:
-        for precision in ("tf32x3", "ieee"):
+        for precision in args.sweep_precisions:
             for part, scale in parts:
                 sp = s if scale == "on" else None
-                for bp, bn, w in configs:
+                for bp, bn, w, st in configs:
                     if time.perf_counter() - t0 > args.sweep_budget_s:
                         out["note_budget"] = f"cut short by --sweep-budget-s {args.sweep_budget_s}"
                         raise _OverBudget
@@ -313,18 +316,19 @@ def sweep(mlp32, x, s_col, device, args) -> dict:
                         setattr(triton_mlp, k, v)
                     if part == "forward":
                         triton_mlp.BLOCK_P, triton_mlp.BLOCK_N, triton_mlp.NUM_WARPS = bp, bn, w
+                        triton_mlp.NUM_STAGES = st
 
                         def call(sp=sp, precision=precision):
                             return triton_mlp.forward(x, wh, bh, wo, bo, sp, precision)
                     else:
                         triton_mlp.BWD_BLOCK_P, triton_mlp.BWD_BLOCK_N = bp, bn
-                        triton_mlp.BWD_NUM_WARPS = w
+                        triton_mlp.BWD_NUM_WARPS, triton_mlp.BWD_NUM_STAGES = w, st
 
                         def call(sp=sp, precision=precision):
                             return triton_mlp.backward(g, x, wh, bh, wo, bo, sp, precision,
                                                        sp is not None)
                     row = {"precision": precision, "part": part, "scale": scale,
-                           "block_p": bp, "block_n": bn, "num_warps": w}
+                           "block_p": bp, "block_n": bn, "num_warps": w, "num_stages": st}
                     try:
                         row["time_s"] = time_fn(call, repeat=args.repeat, warmup=args.warmup,
                                                 device=device)["median_s"]
@@ -343,7 +347,8 @@ def sweep(mlp32, x, s_col, device, args) -> dict:
         key = f"{row['precision']}_{row['part']}_scale_{row['scale']}"
         best = out["best"].get(key)
         if best is None or row["time_s"] < best["time_s"]:
-            out["best"][key] = {k: row[k] for k in ("block_p", "block_n", "num_warps", "time_s")}
+            out["best"][key] = {k: row[k] for k in ("block_p", "block_n", "num_warps",
+                                                     "num_stages", "time_s")}
     for key, best in out["best"].items():
         prec, part = key.split("_")[:2]
         default = next((r for r in out["configs"] if f"{r['precision']}_{r['part']}_scale_"
@@ -358,8 +363,9 @@ def sweep(mlp32, x, s_col, device, args) -> dict:
 
 def _is_default(row: dict, saved: dict) -> bool:
     p = "" if row["part"] == "forward" else "BWD_"
-    return (row["block_p"], row["block_n"], row["num_warps"]) == (
-        saved[f"{p}BLOCK_P"], saved[f"{p}BLOCK_N"], saved[f"{p}NUM_WARPS"])
+    return (row["block_p"], row["block_n"], row["num_warps"], row["num_stages"]) == (
+        saved[f"{p}BLOCK_P"], saved[f"{p}BLOCK_N"], saved[f"{p}NUM_WARPS"],
+        saved[f"{p}NUM_STAGES"])
 
 
 # --------------------------------------------------------------------------- driver
@@ -390,6 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls (default 3; quick 1)")
     p.add_argument("--sweep", action="store_true",
                    help="also time (BLOCK_P, BLOCK_N, NUM_WARPS) tilings of the kernels")
+    p.add_argument("--sweep-precisions", default="tf32x3,ieee",
+                   help="precisions the sweep times, in order")
     p.add_argument("--sweep-budget-s", type=float, default=90.0,
                    help="stop the sweep after this many seconds")
     p.add_argument("--compile", action="store_true",
@@ -397,6 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    args.sweep_precisions = [x for x in args.sweep_precisions.split(",") if x]
     device = torch.device(args.device)
     if args.quick:
         args.atoms = args.atoms or 108

@@ -47,10 +47,11 @@ from torch.library import wrap_triton
 from xnn.models.triton_tp import _interpreting
 
 PRECISIONS = ("ieee", "tf32x3")
-#: rows per program, output columns per inner step and warps (GPU; the interpreter takes
-#: whole small inputs): set from ``benchmarks/triton_mlp.py`` sweeps
-BLOCK_P, BLOCK_N, NUM_WARPS = 64, 64, 4
-BWD_BLOCK_P, BWD_BLOCK_N, BWD_NUM_WARPS = 64, 64, 4
+#: rows per program, output columns per inner step, warps and software-pipeline stages
+#: (GPU; the interpreter takes whole small inputs): set from ``benchmarks/triton_mlp.py``
+#: sweeps
+BLOCK_P, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 3
+BWD_BLOCK_P, BWD_BLOCK_N, BWD_NUM_WARPS, BWD_NUM_STAGES = 64, 64, 4, 3
 INTERPRETER_BLOCK_P = 64
 MAX_WIDTH = 128  # hidden widths (and D0) padded to a power of two up to this
 
@@ -237,7 +238,7 @@ def forward(x: Tensor, wh: Tensor, bh: Tensor | None, wo: Tensor, bo: Tensor | N
         x, wh, wh if bh is None else bh, wo, wo if bo is None else bo, x if s is None else s,
         y, p, x.stride(0), y.stride(0), n_out=n, D0=int(x.shape[1]), H=width, L=int(wh.shape[0]),
         HAS_BIAS=bh is not None, HAS_SCALE=s is not None, BLOCK_P=block_p, BLOCK_N=BLOCK_N,
-        PREC=_prec(x, precision), num_warps=NUM_WARPS)
+        PREC=_prec(x, precision), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return y
 
 
@@ -265,7 +266,7 @@ def backward(g: Tensor, x: Tensor, wh: Tensor, bh: Tensor | None, wo: Tensor,
         x if s is None else s, gx, gs, p, g.stride(0), x.stride(0), gx.stride(0), n_out=n,
         D0=int(x.shape[1]), H=width, L=int(wh.shape[0]), HAS_BIAS=bh is not None,
         HAS_SCALE=s is not None, NEED_S=need_s, BLOCK_P=block_p, BLOCK_N=BWD_BLOCK_N,
-        PREC=_prec(x, precision), num_warps=BWD_NUM_WARPS)
+        PREC=_prec(x, precision), num_warps=BWD_NUM_WARPS, num_stages=BWD_NUM_STAGES)
     return gx, gs
 
 

@@ -266,18 +266,20 @@ PY
   step 300 peers_mace_split_variants python3 benchmarks/peers.py --device cuda --dtype float32 \
       --sizes 10000 --batched none --models mace --steps 9 --budget-s 90 \
       --frameworks xnn,torch_sim --cueq --mace-fusion split \
-      --variants split+torch,split+tf32x3,split+tf32x3+int32 \
+      --variants split+tf32x3,split+tf32x3+int32 \
       --json "$OUT/peers_mace_split_variants_h200.json"
+  ;;
+19e) # xnn's equivariant model at 10k with and without the fused radial MLPs (small set)
   step 250 peers_equivariant_radial python3 benchmarks/peers.py --device cuda --dtype float32 \
       --sizes 10000 --batched none --models equivariant --steps 9 --budget-s 90 \
       --frameworks xnn --cueq --variants split+torch,split+tf32x3 \
       --json "$OUT/peers_equivariant_radial_h200.json"
   ;;
-19d) # the tiling sweep of the fused radial kernels in 3xTF32 (with pipeline stages) on MACE's
+19d) # (after 19c in the same call) the tiling sweep of the fused radial kernels in 3xTF32 (with pipeline stages) on MACE's
     # widest network, then the profile of the fastest MACE step (big wheels)
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   step 200 triton_mlp_sweep python3 benchmarks/triton_mlp.py --device cuda --blocks 1 --scale off \
-      --sweep --sweep-precisions tf32x3 --sweep-budget-s 170 --repeat 10 \
+      --sweep --sweep-precisions tf32x3 --sweep-budget-s 90 --repeat 10 \
       --json "$OUT/triton_mlp_sweep_h200.json"
   step 150 profile_mace_split_tf32x3 python3 benchmarks/profile_compiled_step.py --model mace \
       --kernel-backend cueq --atoms 10000 --device cuda --rows 30 --pairs split --radial tf32x3

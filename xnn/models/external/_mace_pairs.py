@@ -35,9 +35,10 @@ from xnn.models.base import edges_paired, triton_device
 #: compilation per call, 0.3 s), ``"concat"`` one call on the weights concatenated to full
 #: size (slowest: 41.7 ms per step against 33.9 for index, session 18)
 FUSION = "split"
-#: dtype of the edge indices given to the fused convolution on CUDA (int64: as measured;
-#: int32 halves the bytes of the sorts in cuEquivariance's backward, not yet measured)
-INDEX_DTYPE = torch.int64
+#: dtype of the edge indices given to the fused convolution on CUDA: int32 halves the bytes
+#: of the sorts in cuEquivariance's backward (H200, session 22, CUDA-graph step at 10,976
+#: atoms: 391,038 atom-steps/s against 359,164 with int64 in one run, forces equal)
+INDEX_DTYPE = torch.int32
 #: how the radial MLP and its cutoff product run on the pairs when their weights need no
 #: gradient (MD, relaxation; training keeps mace-torch's layers): ``"torch"`` (mace-torch's
 #: e3nn layers: cuBLAS fp32 GEMMs and a pointwise product), ``"ieee"`` or ``"tf32x3"``: one

@@ -275,8 +275,9 @@ PY
       --frameworks xnn --cueq --variants split+torch,split+tf32x3 \
       --json "$OUT/peers_equivariant_radial_h200.json"
   ;;
-19d) # (after 19c in the same call) the tiling sweep of the fused radial kernels in 3xTF32 (with pipeline stages) on MACE's
-    # widest network, then the profile of the fastest MACE step (big wheels)
+19d) # big wheels: the tiling sweep of the fused radial kernels in 3xTF32 (with pipeline
+    # stages) on MACE's widest network, then the profile of the fastest MACE step (session 22
+    # ran the sweep alone, right after 19c; the profile is not yet run)
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   step 200 triton_mlp_sweep python3 benchmarks/triton_mlp.py --device cuda --blocks 1 --scale off \
       --sweep --sweep-precisions tf32x3 --sweep-budget-s 90 --repeat 10 \

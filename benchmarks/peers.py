@@ -101,20 +101,20 @@ class _Variant:
             from xnn.models import equivariant
             from xnn.models.external import _mace_pairs
 
+            self.modules = _mace_pairs, equivariant
             self.old = (_mace_pairs.FUSION, _mace_pairs.RADIAL, _mace_pairs.INDEX_DTYPE,
                         equivariant.RADIAL_KERNEL)
             fusion, radial, *index = self.settings
-            _mace_pairs.FUSION, _mace_pairs.RADIAL = fusion, radial
-            _mace_pairs.INDEX_DTYPE = getattr(torch, index[0]) if index else torch.int64
-            equivariant.RADIAL_KERNEL = radial
+            self._set(fusion, radial, getattr(torch, index[0]) if index else torch.int64, radial)
 
     def __exit__(self, *exc):
         if self.settings:
-            from xnn.models import equivariant
-            from xnn.models.external import _mace_pairs
+            self._set(*self.old)
 
-            (_mace_pairs.FUSION, _mace_pairs.RADIAL, _mace_pairs.INDEX_DTYPE,
-             equivariant.RADIAL_KERNEL) = self.old
+    def _set(self, fusion, radial, index_dtype, radial_kernel):
+        mace, equivariant = self.modules
+        mace.FUSION, mace.RADIAL, mace.INDEX_DTYPE = fusion, radial, index_dtype
+        equivariant.RADIAL_KERNEL = radial_kernel
 
 
 class OverBudget(Exception):

@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeat", type=int, default=None, help="timed calls (default 20; quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls (default 3; quick 1)")
     p.add_argument("--sweep", action="store_true",
-                   help="also time (BLOCK_P, BLOCK_N, NUM_WARPS) tilings of the kernels")
+                   help="also time (BLOCK_P, BLOCK_N, NUM_WARPS, NUM_STAGES) tilings of the "
+                        "kernels")
     p.add_argument("--sweep-precisions", default="tf32x3,ieee",
                    help="precisions the sweep times, in order")
     p.add_argument("--sweep-budget-s", type=float, default=90.0,

@@ -161,6 +161,34 @@ def test_refuses_weights_with_gradients_and_bad_shapes():
         triton_mlp.pack(_layers([4, 200, 8], torch.float32))
 
 
+class _ReportsCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: :func:`triton_mlp.fused`'s choice of path
+    without a GPU (nothing here touches the device)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_fused_declines_what_the_kernels_cannot_take_or_would_not_speed(kernel_calls):
+    """``fused`` returns ``None`` (the caller runs its layers) for a network without a
+    hidden layer, one wider than ``MAX_WIDTH``, and float64 on CUDA (the ``ieee`` products
+    measured slower than cuBLAS on an H200); float64 on CPU (the interpreter) and float32
+    "on CUDA" go to the kernels."""
+    x64 = torch.randn(7, 4, dtype=torch.float64)
+    layers = _layers([4, 16, 8], torch.float64)
+    assert triton_mlp.fused(x64, layers[-1:], [], None, "tf32x3") is None
+    assert triton_mlp.fused(x64, _layers([4, 300, 8], torch.float64), [1.0], None,
+                            "tf32x3") is None
+    fake = torch.Tensor._make_subclass(_ReportsCuda, x64)
+    assert fake.is_cuda and not x64.is_cuda
+    assert triton_mlp.fused(fake, layers, [1.0], None, "tf32x3") is None
+    assert kernel_calls == {"forward": 0, "backward": 0}
+    y = triton_mlp.fused(x64, layers, [1.0], None, "tf32x3")
+    torch.testing.assert_close(y, _torch_mlp(x64, layers, [1.0], None), **TOL[torch.float64])
+    assert kernel_calls["forward"] == 1
+
+
 def test_e3nn_radial_network_folds_exactly():
     """MACE's radial network (e3nn ``FullyConnectedNet``, normalised SiLU, its layers'
     variance factors) packed: the same outputs (fp64); networks it cannot fold run as

@@ -285,4 +285,26 @@ PY
   step 150 profile_mace_split_tf32x3 python3 benchmarks/profile_compiled_step.py --model mace \
       --kernel-backend cueq --atoms 10000 --device cuda --rows 30 --pairs split --radial tf32x3
   ;;
+23a) # big wheels (session 23): 19c again on another machine (the 2.0x goal's repeat, with
+    # the new forward tiling), then the backward kernel's tiling sweep in 3xTF32
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 320 peers_mace_split_variants python3 benchmarks/peers.py --device cuda --dtype float32 \
+      --sizes 10000 --batched none --models mace --steps 9 --budget-s 90 \
+      --frameworks xnn,torch_sim --cueq --mace-fusion split \
+      --variants split+tf32x3,split+tf32x3+int32 \
+      --json "$OUT/peers_mace_split_variants_h200.json"
+  step 200 triton_mlp_sweep_backward python3 benchmarks/triton_mlp.py --device cuda --blocks 1 \
+      --scale off --sweep --sweep-parts backward --sweep-precisions tf32x3 --sweep-budget-s 150 \
+      --repeat 10 --json "$OUT/triton_mlp_sweep_backward_h200.json"
+  ;;
+23b) # xnn's equivariant model at 10k with and without the fused radial MLPs (19e), then the
+    # profile of the fastest MACE step (19d's second half)
+  export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  step 260 peers_equivariant_radial python3 benchmarks/peers.py --device cuda --dtype float32 \
+      --sizes 10000 --batched none --models equivariant --steps 9 --budget-s 90 \
+      --frameworks xnn --cueq --variants split+torch,split+tf32x3 \
+      --json "$OUT/peers_equivariant_radial_h200.json"
+  step 200 profile_mace_split_tf32x3 python3 benchmarks/profile_compiled_step.py --model mace \
+      --kernel-backend cueq --atoms 10000 --device cuda --rows 30 --pairs split --radial tf32x3
+  ;;
 esac

@@ -34,7 +34,8 @@ float64 against the same reference (errors of fp64's order: the formula is right
 
 ``--sweep`` times the kernels alone (``triton_mlp.forward`` / ``backward``, no autograd) on
 the block with the largest N for (BLOCK_P, BLOCK_N, NUM_WARPS, NUM_STAGES) in
-{64, 128, 32}² x {4, 8} x {3, 2, 4}, forward (the first scale mode) and backward (each), per
+{64, 128, 32}² x {4, 8} x {3, 2, 4}, forward (the first scale mode) and backward (each) as
+``--sweep-parts`` selects, per
 ``--sweep-precisions`` (tf32x3 first), by setting the module
 constants (restored after), under ``--sweep-budget-s`` (the configurations not reached are
 left out), and records the fastest and its gain over the defaults. ``--compile`` adds each variant's
@@ -302,7 +303,8 @@ def sweep(mlp32, x, s_col, device, args) -> dict:
     out = {"N": n_out, "rows": x.shape[0], "defaults": saved, "configs": [], "best": {}}
     if device.type != "cuda":
         out["note"] = "Triton's interpreter: BLOCK_P and warps are ignored, times meaningless"
-    parts = [("forward", args.scales[0])] + [("backward", sc) for sc in args.scales]
+    parts = [("forward", args.scales[0])] * ("forward" in args.sweep_parts)
+    parts += [("backward", sc) for sc in args.scales] * ("backward" in args.sweep_parts)
     t0 = time.perf_counter()
     try:
         for precision in args.sweep_precisions:
@@ -399,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "kernels")
     p.add_argument("--sweep-precisions", default="tf32x3,ieee",
                    help="precisions the sweep times, in order")
+    p.add_argument("--sweep-parts", default="forward,backward",
+                   help="kernels the sweep times, of forward,backward")
     p.add_argument("--sweep-budget-s", type=float, default=90.0,
                    help="stop the sweep after this many seconds")
     p.add_argument("--compile", action="store_true",
@@ -407,6 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.sweep_precisions = [x for x in args.sweep_precisions.split(",") if x]
+    args.sweep_parts = [x for x in args.sweep_parts.split(",") if x]
+    if not set(args.sweep_parts) <= {"forward", "backward"}:
+        p.error(f"--sweep-parts: forward and/or backward, not {args.sweep_parts}")
     device = torch.device(args.device)
     if args.quick:
         args.atoms = args.atoms or 108

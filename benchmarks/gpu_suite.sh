@@ -307,4 +307,8 @@ PY
   step 200 profile_mace_split_tf32x3 python3 benchmarks/profile_compiled_step.py --model mace \
       --kernel-backend cueq --atoms 10000 --device cuda --rows 30 --pairs split --radial tf32x3
   ;;
+23c) # the neighbor-list goal again (CUDA and the host's CPU, 10^5 and 10^6 atoms, paired)
+  step 150 neighbors python3 benchmarks/neighbors.py --json "$OUT/neighbors_paired_h200.json" --paired-only \
+      --phases --devices cuda cpu --sizes 100000 1000000
+  ;;
 esac

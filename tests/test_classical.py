@@ -99,6 +99,22 @@ def test_lj_mixed_species_lorentz_berthelot():
         LennardJones(sigma, epsilon, RC, species=["Ar", "Ne"])
 
 
+def test_one_type_path_equals_the_tables(ar_periodic):
+    """A model of one type (scalar parameters, no per-edge type gather, the shift as a
+    scalar) gives what a model of two types (per-edge parameter and shift tables) gives on
+    the same single-element system."""
+    one = LennardJones(SIGMA, EPS, RC)
+    two = LennardJones({"Ar": SIGMA, "Kr": 3.65}, {"Ar": EPS, "Kr": 0.0141}, RC)
+    morse_one = Morse(D=0.35, alpha=1.4, r0=2.9, cutoff=6.5)
+    morse_two = Morse(D=0.35, alpha=1.4, r0=2.9, cutoff=6.5, species=["Ar", "Kr"])
+    assert (one.n_types, two.n_types, morse_one.n_types, morse_two.n_types) == (1, 2, 1, 2)
+    for a, b in ((one, two), (morse_one, morse_two)):
+        out_a, out_b = xnn_results(a, ar_periodic), xnn_results(b, ar_periodic)
+        assert out_a[K.ENERGY].abs().max() > 1e-3
+        for key in (K.ENERGIES, K.FORCES, K.STRESS):
+            torch.testing.assert_close(out_a[key], out_b[key], rtol=0, atol=1e-14)
+
+
 MORSE = dict(D=0.35, alpha=1.4, r0=2.9)
 
 

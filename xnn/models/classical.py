@@ -75,7 +75,9 @@ class PairPotential(AtomisticModel):
     """Base of shifted, truncated pair potentials with per-species-pair parameter tables.
 
     Subclasses call :meth:`_setup_species` and register ``[n_types, n_types]`` parameter
-    buffers, then implement :meth:`pair_energy`.
+    buffers, then implement :meth:`pair_energy` with :meth:`_param`. The shift ``u(r_c)`` is
+    evaluated once per pair of types, not per edge; with one type no type is gathered per
+    edge (the parameters are scalars).
     """
 
     num_interactions = 1
@@ -95,10 +97,19 @@ class PairPotential(AtomisticModel):
         if zs is not None:
             type_of[torch.tensor(zs)] = torch.arange(len(zs))
         self.register_buffer("type_of", type_of)
+        self.n_types = len(zs or [0])
         return zs or [0]
 
-    def pair_energy(self, r2: Tensor, ti: Tensor, tj: Tensor) -> Tensor:  # pragma: no cover
-        """Unshifted pair energy ``[n_edges]`` (eV) for squared distances ``r2`` (Å²)."""
+    @staticmethod
+    def _param(table: Tensor, ti: Tensor | None, tj: Tensor | None, dtype) -> Tensor:
+        """``table[ti, tj]`` in ``dtype``; the one entry where ``ti`` is ``None`` (one type)."""
+        table = table.to(dtype)
+        return table[0, 0] if ti is None else table[ti, tj]
+
+    def pair_energy(self, r2: Tensor, ti: Tensor | None, tj: Tensor | None
+                    ) -> Tensor:  # pragma: no cover
+        """Unshifted pair energy (eV) for squared distances ``r2`` (Å²) between types ``ti``
+        and ``tj`` (broadcast with ``r2``; ``None``: the one type)."""
         raise NotImplementedError
 
     def forward(self, graph: AtomicGraph) -> Tensor:
@@ -109,11 +120,17 @@ class PairPotential(AtomisticModel):
         inside = r2 < rc2
         # outside the cutoff the distance is replaced by a constant: no value, no gradient
         r2_safe = torch.where(inside, r2, torch.full_like(r2, rc2))
-        types = self.type_of[graph.numbers]
         j, i = graph.edge_index[0], graph.edge_index[1]
-        ti, tj = types[i], types[j]
-        rc2_t = torch.full_like(r2, rc2)
-        e = self.pair_energy(r2_safe, ti, tj) - self.pair_energy(rc2_t, ti, tj)
+        if self.n_types == 1:
+            ti = tj = None
+            shift = self.pair_energy(r2.new_full((), rc2), None, None)
+        else:
+            types = self.type_of[graph.numbers]
+            ti, tj = types[i], types[j]
+            grid = torch.arange(self.n_types, device=r2.device)
+            table = r2.new_full((self.n_types, self.n_types), rc2)
+            shift = self.pair_energy(table, grid[:, None], grid[None, :])[ti, tj]
+        e = self.pair_energy(r2_safe, ti, tj) - shift
         e = torch.where(inside, e, torch.zeros_like(e))
         out = torch.zeros(graph.n_atoms, dtype=r2.dtype, device=r2.device)
         return out.index_add(0, i, 0.5 * e)
@@ -179,9 +196,9 @@ class LennardJones(PairPotential):
         self.register_buffer("sigma_ij", 0.5 * (s[:, None] + s[None, :]))
         self.register_buffer("epsilon_ij", torch.sqrt(e[:, None] * e[None, :]))
 
-    def pair_energy(self, r2: Tensor, ti: Tensor, tj: Tensor) -> Tensor:
-        s2 = self.sigma_ij.to(r2.dtype)[ti, tj] ** 2
-        eps = self.epsilon_ij.to(r2.dtype)[ti, tj]
+    def pair_energy(self, r2: Tensor, ti: Tensor | None, tj: Tensor | None) -> Tensor:
+        s2 = self._param(self.sigma_ij, ti, tj, r2.dtype) ** 2
+        eps = self._param(self.epsilon_ij, ti, tj, r2.dtype)
         c6 = (s2 / r2) ** 3
         return 4.0 * eps * (c6 * c6 - c6)
 
@@ -226,9 +243,9 @@ class Morse(PairPotential):
         self.register_buffer("alpha_ij", float(alpha) * ones)
         self.register_buffer("r0_ij", float(r0) * ones)
 
-    def pair_energy(self, r2: Tensor, ti: Tensor, tj: Tensor) -> Tensor:
-        d = self.D_ij.to(r2.dtype)[ti, tj]
-        a = self.alpha_ij.to(r2.dtype)[ti, tj]
-        r0 = self.r0_ij.to(r2.dtype)[ti, tj]
+    def pair_energy(self, r2: Tensor, ti: Tensor | None, tj: Tensor | None) -> Tensor:
+        d = self._param(self.D_ij, ti, tj, r2.dtype)
+        a = self._param(self.alpha_ij, ti, tj, r2.dtype)
+        r0 = self._param(self.r0_ij, ti, tj, r2.dtype)
         x = torch.exp(-a * (torch.sqrt(r2) - r0))
         return d * (x * x - 2.0 * x)

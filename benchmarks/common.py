@@ -95,7 +95,9 @@ def peak_memory(device: str | torch.device) -> int | None:
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Torch version, device name, CPU count, host, date (UTC, ISO 8601)."""
+    """Torch version, device name, the host's CPU model and count, host, date (UTC, ISO 8601).
+    (The CPU model tells machines of one GPU kind apart: a peer bound by the host's CPU runs
+    at different rates on them.)"""
     device = _as_device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
@@ -106,6 +108,7 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "cuda_version": torch.version.cuda,
         "device": str(device),
         "device_name": name,
+        "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -113,6 +116,18 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _cpu_model() -> str:
+    """The first ``model name`` of ``/proc/cpuinfo`` (else the platform's processor)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_json(path: str | os.PathLike, payload: dict[str, Any], device: str = "cpu") -> Path:

@@ -9,6 +9,9 @@ non-finite positions must still be seen, and the lists must equal fresh ones.
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -178,6 +181,46 @@ def test_torch_outputs_equal_ase_and_own_their_memory():
     assert ei.dtype == torch.long and ei.is_contiguous() and sh.dtype == torch.int32
     for ours, theirs in ((ei, pairs), (sh, shifts)):
         assert ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
+
+
+def test_numpy_outputs_in_chunks_equal_one_copy(monkeypatch):
+    """The CPU copies out of vesin's buffers split over threads (a low edge threshold
+    forces chunks on a small list) write exactly what one copy writes, and a forked
+    child (whose copy of the pool has no threads) makes its own pool and finishes."""
+    vesin = pytest.importorskip("vesin")
+    import xnn.neighbors.vesin_backend as vb
+
+    pos, cell, pbc = _system(8)
+    pairs, shifts = vesin.NeighborList(cutoff=CUTOFF, full_list=True).compute(
+        pos, cell, pbc, "PS", copy=True)
+    ei1, sh1 = vb._outputs(pairs, shifts, pos.device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        monkeypatch.setattr(vb, "PARALLEL_EDGES", pairs.shape[0] // 5)
+        ei3, sh3 = vb._outputs(pairs, shifts, pos.device)
+        assert vb._POOL is not None and vb._POOL[1] == 3
+        assert torch.equal(ei1, ei3) and torch.equal(sh1, sh3) and sh3.dtype == torch.int32
+        want = torch.from_numpy(pairs.numpy().view(np.int64).T.copy())
+        assert pairs.shape[0] > 100 and torch.equal(ei1, want)
+        assert torch.equal(sh1, -shifts.reshape(-1, 3))
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's result is its exit status
+            torch.set_num_threads(3)  # (torch starts a forked child with one thread)
+            ok = torch.equal(vb._outputs(pairs, shifts, pos.device)[0], ei1)
+            os._exit(0 if ok and vb._POOL[0] == os.getpid() else 1)
+        for _ in range(300):  # a child waiting on a pool without threads never returns
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child hung in the copies")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_whole_call_entry_follows_each_tensor(remember):

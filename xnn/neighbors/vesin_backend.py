@@ -14,7 +14,8 @@ Overhead against calling vesin directly (``benchmarks/neighbors.py``): one
 not reallocated, and on CUDA not freed with a device sync, on every build); results are
 read with ``copy=False`` and written once into the returned tensors (``edge_index`` the
 transpose of the ``[E, 2]`` pairs, one copy; ``shifts`` negated, in vesin's int32, 12 B per
-edge as in vesin's own output; by numpy on CPU, which copies these 2-4x faster than torch),
+edge as in vesin's own output; by numpy on CPU, which copies these 2-4x faster than torch,
+in chunks over ``torch.get_num_threads()`` threads for large lists: numpy releases the GIL),
 which replaces vesin's own copy. No dtype conversion of positions beyond what vesin itself
 needs. On CUDA the tensors stay on the device: besides vesin's own read of the pair count,
 one host sync of xnn's checks (:func:`xnn.neighbors.common.validate_lazy`: the positions'
@@ -26,7 +27,9 @@ around a stubbed vesin: ``benchmarks/neighbors.py --host-overhead 2000``.
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -144,14 +147,47 @@ def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tenso
     if pairs.is_cpu:
         # numpy's copies are 2-4x faster than torch's here
         p = pairs.numpy().view(np.int64)  # size_t: reinterpret, never negative below 2**63
+        s = shifts.numpy().reshape(-1, 3)
         edge_index = np.empty((2, p.shape[0]), dtype=np.int64)
-        edge_index[...] = p.T
-        sh = np.negative(shifts.numpy().reshape(-1, 3))
+        sh = np.empty(s.shape, dtype=s.dtype)
+
+        def copy(a: int, b: int) -> None:
+            edge_index[:, a:b] = p[a:b].T
+            np.negative(s[a:b], out=sh[a:b])
+
+        _in_chunks(copy, p.shape[0])
         edge_index, sh = torch.from_numpy(edge_index), torch.from_numpy(sh)
         if device.type != "cpu":
             edge_index, sh = edge_index.to(device), sh.to(device)
         return edge_index, sh
     return _outputs_torch(pairs, shifts, device)
+
+
+#: edges per thread below which :func:`_in_chunks` copies in the calling thread alone
+PARALLEL_EDGES = 250_000
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_POOL_LOCK = threading.Lock()
+
+
+def _in_chunks(work, n: int) -> None:
+    """``work(a, b)`` over ``[0, n)``: in one call, or for large ``n`` in contiguous chunks
+    on up to ``torch.get_num_threads()`` threads (numpy's copies release the GIL; on the
+    GPU machine's 16-core host the single-threaded copies were a quarter of a 10^5-atom
+    build). The pool is made again in a forked child, whose copy has no threads."""
+    workers = min(torch.get_num_threads(), n // PARALLEL_EDGES)
+    if workers < 2:
+        work(0, n)
+        return
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < workers:
+            if _POOL is not None and _POOL[0] == os.getpid():
+                _POOL[2].shutdown(wait=False)
+            _POOL = (os.getpid(), workers, ThreadPoolExecutor(workers, "xnn-vesin-copy"))
+        pool = _POOL[2]
+    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+    for f in [pool.submit(work, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]:
+        f.result()
 
 
 def _outputs_torch(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -290,9 +290,10 @@ class _OverBudget(Exception):
     """``--sweep-budget-s`` ran out."""
 
 
-def sweep(mlp32, x, s_col, device, args) -> dict:
+def sweep(mlp32, x, s_col, device, args, save=None) -> dict:
     """The kernels alone for each (BLOCK_P, BLOCK_N, NUM_WARPS): forward (the first scale
-    mode), backward (each scale mode), tf32x3 first, then ieee."""
+    mode), backward (each scale mode), tf32x3 first, then ieee. ``save(out)`` after each
+    configuration (a run cut short by a time limit keeps its rows)."""
     configs = QUICK_SWEEP if args.quick else SWEEP
     wh, bh, wo, bo = packed_weights(mlp32)
     n_out = int(wo.shape[1])
@@ -338,6 +339,8 @@ def sweep(mlp32, x, s_col, device, args) -> dict:
                         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
                     out["configs"].append(row)
                     print({k: v for k, v in row.items()}, flush=True)
+                    if save is not None:
+                        save(out)
     except _OverBudget:
         pass
     finally:
@@ -456,7 +459,13 @@ def main(argv: list[str] | None = None) -> dict:
             write_json(args.json, results, device=str(device))
     if args.sweep:
         widest = max(which, key=lambda i: int(mlps[i].hs[-1]))
-        results["sweep"] = {"block": widest, **sweep(mlps[widest], x, s_col, device, args)}
+
+        def save(part: dict) -> None:
+            results["sweep"] = {"block": widest, **part}
+            if args.json:
+                write_json(args.json, results, device=str(device))
+
+        save(sweep(mlps[widest], x, s_col, device, args, save))
     if args.json:
         write_json(args.json, results, device=str(device))
         print(f"wrote {args.json}")

@@ -24,6 +24,8 @@
 #         against torch-sim with tf32x3; 18c: the micro-benchmark under torch.compile (not yet run).
 # PART 19 (session 22): 18's CUDA tests with 16's, the micro-benchmark; 19b: MACE at 10k against
 #         torch-sim with each fusion x radial variant of the graph step in one run (VARIANTS=...).
+# PART 23 (session 23): 23a 19c's repeat and the backward sweep; 23b the equivariant model's
+#         fused radial kernel and the split step's profile; 23c the neighbor-list goal.
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -286,14 +288,11 @@ PY
       --kernel-backend cueq --atoms 10000 --device cuda --rows 30 --pairs split --radial tf32x3
   ;;
 23a) # big wheels (session 23): 19c again on another machine (the 2.0x goal's repeat, with
-    # the new forward tiling), then the backward kernel's tiling sweep in 3xTF32
+    # the new forward tiling), then the backward kernel's tiling sweep in 3xTF32 (its block
+    # table first takes about a minute; session 23 ran it with a 200 s limit, which cut it)
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-  step 320 peers_mace_split_variants python3 benchmarks/peers.py --device cuda --dtype float32 \
-      --sizes 10000 --batched none --models mace --steps 9 --budget-s 90 \
-      --frameworks xnn,torch_sim --cueq --mace-fusion split \
-      --variants split+tf32x3,split+tf32x3+int32 \
-      --json "$OUT/peers_mace_split_variants_h200.json"
-  step 200 triton_mlp_sweep_backward python3 benchmarks/triton_mlp.py --device cuda --blocks 1 \
+  bash "$0" 19c "$OUT"
+  step 260 triton_mlp_sweep_backward python3 benchmarks/triton_mlp.py --device cuda --blocks 1 \
       --scale off --sweep --sweep-parts backward --sweep-precisions tf32x3 --sweep-budget-s 150 \
       --repeat 10 --json "$OUT/triton_mlp_sweep_backward_h200.json"
   ;;

@@ -299,10 +299,7 @@ PY
 23b) # xnn's equivariant model at 10k with and without the fused radial MLPs (19e), then the
     # profile of the fastest MACE step (19d's second half)
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-  step 260 peers_equivariant_radial python3 benchmarks/peers.py --device cuda --dtype float32 \
-      --sizes 10000 --batched none --models equivariant --steps 9 --budget-s 90 \
-      --frameworks xnn --cueq --variants split+torch,split+tf32x3 \
-      --json "$OUT/peers_equivariant_radial_h200.json"
+  bash "$0" 19e "$OUT"
   step 200 profile_mace_split_tf32x3 python3 benchmarks/profile_compiled_step.py --model mace \
       --kernel-backend cueq --atoms 10000 --device cuda --rows 30 --pairs split --radial tf32x3
   ;;

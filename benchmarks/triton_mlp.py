@@ -460,12 +460,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep:
         widest = max(which, key=lambda i: int(mlps[i].hs[-1]))
 
-        def save(part: dict) -> None:
+        def save(part: dict) -> None:  # after each tiling: a run cut short keeps its rows
             results["sweep"] = {"block": widest, **part}
-            if args.json:
-                write_json(args.json, results, device=str(device))
+            write_json(args.json, results, device=str(device))
 
-        save(sweep(mlps[widest], x, s_col, device, args, save))
+        results["sweep"] = {"block": widest, **sweep(mlps[widest], x, s_col, device, args,
+                                                      save if args.json else None)}
     if args.json:
         write_json(args.json, results, device=str(device))
         print(f"wrote {args.json}")

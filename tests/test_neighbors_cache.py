@@ -256,3 +256,47 @@ def test_whole_call_entry_is_not_used_once_the_cell_requires_grad(remember):
     assert not common.validate_lazy(pos, cell, pbc, CUTOFF, None)[1].requires_grad
     cell.requires_grad_(True)
     assert common.validate_lazy(pos, cell, pbc, CUTOFF, None)[1].requires_grad
+
+
+def test_cpu_checks_run_no_torch_kernels_and_still_refuse_bad_input():
+    """On the CPU the input checks read positions, cell, pbc and batch by numpy: a torch
+    reduction would wake torch's OpenMP workers, which then spin on the cores vesin's
+    threads need (a 10,976-atom build took 27 ms after one, 20 ms without). No aten
+    operator may run on the positions or the batch; the checks must still refuse
+    non-finite positions and a bad batch, and accept a negated view and positions with
+    grad."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append((func, [a.shape for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    pos, cell, pbc = _system(11, n=200)
+    batch = torch.cat([torch.zeros(120, dtype=torch.long), torch.ones(80, dtype=torch.long)])
+    cells = torch.stack([cell, cell])
+    pbcs = torch.stack([pbc, pbc])
+    for args in ((pos, cell, pbc, None), (pos, cells, pbcs, batch)):
+        with Ops() as ops:
+            common.checked(args[0], args[1], args[2], CUTOFF, args[3])
+        big = [f for f, shapes in ops.seen if any(s[:1] == (200,) for s in shapes)
+               and f is not torch.ops.aten.detach.default]  # a view: no kernel
+        assert not big, big
+    grad = pos.clone().requires_grad_()
+    assert common.checked(grad, cell, pbc, CUTOFF, None)[0] is grad
+    neg = torch.neg(pos)._neg_view()  # pos's values, behind a negative bit numpy can't read
+    assert neg.is_neg()
+    common.checked(neg, cell, pbc, CUTOFF, None)
+    bad = pos.clone()
+    bad[7, 2] = float("inf")
+    with pytest.raises(InputError, match="non-finite"):
+        common.checked(bad, cell, pbc, CUTOFF, None)
+    huge = torch.full((200, 3), 3e38, dtype=torch.float32)  # float32 sum overflows; float64 not
+    common.checked(huge, cell.float(), pbc, CUTOFF, None)
+    for wrong in (batch.flip(0), batch + 1, batch - 1):
+        with pytest.raises(InputError, match="non-decreasing"):
+            common.checked(pos, cells, pbcs, CUTOFF, wrong)

@@ -391,12 +391,20 @@ def test_vesin_fallback_to_torch(monkeypatch):
     pytest.importorskip("vesin")
     import xnn.neighbors.vesin_backend as vb
 
-    def refuse(*args):
-        raise ValueError("unsupported")
+    class Refuses:
+        def compute(self, *args, **kwargs):
+            raise ValueError("unsupported")
 
-    monkeypatch.setattr(vb, "_with_vesin_numpy", refuse)
-    monkeypatch.setattr(vb, "_with_vesin_torch", refuse)
-    _check([ZOO["tri60"], ZOO["wire_zero_rows"], ZOO["small"]], "vesin", torch.float64)
+    monkeypatch.setattr(vb, "_calculator", lambda *a: Refuses())
+    fallbacks = []
+    real = vb._torch_fallback
+    monkeypatch.setattr(vb, "_torch_fallback", lambda *a: fallbacks.append(1) or real(*a))
+    systems = [ZOO["tri60"], ZOO["wire_zero_rows"], ZOO["small"]]
+    _check(systems, "vesin", torch.float64)  # batched
+    assert len(fallbacks) == 3
+    for one in systems:
+        _check([one], "vesin", torch.float64)
+    assert len(fallbacks) == 6
 
 
 @pytest.mark.parametrize("backend", BACKENDS[1:])

@@ -305,18 +305,19 @@ def _read_once(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor | Non
 
 def _read_once_numpy(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor | None):
     """:func:`_read_once` of CPU tensors, by numpy (see there)."""
-    pos = _np(positions)
+    pos = numpy_view(positions)
     parts = [np.add.reduce(pos, axis=None, dtype=np.float64).reshape(1),
-             _np(cell).reshape(-1).astype(np.float64), _np(pbc).reshape(-1).astype(np.float64)]
+             numpy_view(cell).reshape(-1).astype(np.float64),
+             numpy_view(pbc).reshape(-1).astype(np.float64)]
     if batch is not None:
-        b = _np(batch)
+        b = numpy_view(batch)
         parts.append(np.array([b.min(), b.max()], dtype=np.float64))
         if cell.shape[0] > 1:
             parts.append(np.array([float(bool((b[1:] < b[:-1]).any()))]))
     return torch.from_numpy(np.concatenate(parts))
 
 
-def _np(t: Tensor) -> np.ndarray:
+def numpy_view(t: Tensor) -> np.ndarray:
     """A numpy view of CPU tensor ``t`` (its data, without grad; a copy only for views
     numpy cannot express: negated or conjugated ones)."""
     return t.detach().resolve_neg().resolve_conj().numpy()

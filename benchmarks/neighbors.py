@@ -227,8 +227,17 @@ def run_paired_only(args: argparse.Namespace) -> dict:
                   f"{p['xnn_auto_median_s'] * 1e3:.2f} vs {p['reference_median_s'] * 1e3:.2f} ms"
                   f", edges match: {p['edges_match']}", flush=True)
             del case
+    batched = []
+    for device in devices if args.batched else ():
+        batched.append(bench_paired_batched(*args.batched, device, args.cutoff,
+                                            args.paired_rounds * 3))
+        b = batched[-1]
+        print(f"{b['n_systems']} x {b['atoms_per_system']} {device.type:<4} xnn:auto (one "
+              f"batched call) / {b['reference']}: {b['ratio_median']:.3f} (median) "
+              f"{b['ratio_min']:.3f} (min), edges match: {b['edges_match']}", flush=True)
     return {
         "benchmark": "neighbors (paired only)",
+        "batched": batched,
         "system": "FCC Cu, a = 3.61 Å, rattled 0.05 Å, periodic cubic supercell",
         "cutoff_angstrom": args.cutoff,
         "auto_backend": {d.type: _auto_name(d) for d in devices},
@@ -266,6 +275,44 @@ def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -
         "ratio_min": low["xnn:auto"] / low[ref_name],
         "edges_match": counts["xnn:auto"] == counts[ref_name], "n_edges": counts[ref_name],
     }
+
+
+def bench_paired_batched(n_systems: int, n_atoms: int, device: torch.device, cutoff: float,
+                         rounds: int) -> dict:
+    """``n_systems`` rattled FCC cells of ~``n_atoms``: one batched ``xnn:auto`` call against
+    a loop of vesin (vesin-torch on CUDA) calls over the systems, timed alternately."""
+    cases = [Case(n_atoms, device, seed=k) for k in range(n_systems)]
+    pos = torch.cat([c.pos for c in cases])
+    cell = torch.stack([c.cell for c in cases])
+    pbc = torch.stack([c.pbc for c in cases])
+    batch = torch.repeat_interleave(torch.arange(n_systems, device=device),
+                                    torch.tensor([c.n_atoms for c in cases], device=device))
+    ref_name = "vesin-torch" if device.type == "cuda" and _has_vesin_torch() else "vesin"
+    refs = [(_vesin_torch if ref_name == "vesin-torch" else _vesin)(c, cutoff) for c in cases]
+
+    def ours() -> int:
+        return neighbor_list(pos, cell, pbc, cutoff, batch, backend="auto")[0].shape[1]
+
+    def ref() -> int:
+        return sum(r() for r in refs)
+
+    counts = (ours(), ref())
+    times: dict[str, list[float]] = {"ours": [], "ref": []}
+    for k in range(rounds):
+        pair = [("ours", ours), ("ref", ref)]
+        for name, fn in pair if k % 2 == 0 else pair[::-1]:
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    return {"device": device.type, "n_systems": n_systems, "atoms_per_system": cases[0].n_atoms,
+            "reference": f"loop of {ref_name}", "rounds": rounds,
+            "xnn_auto_median_s": med["ours"], "reference_median_s": med["ref"],
+            "ratio_median": med["ours"] / med["ref"], "ratio_min": low["ours"] / low["ref"],
+            "edges_match": counts[0] == counts[1], "n_edges": counts[1]}
 
 
 def bench_phases(case: Case, device: torch.device, cutoff: float, rounds: int) -> dict:
@@ -450,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paired-rounds", type=int, default=9,
                    help="alternating xnn:auto / vesin builds per size (default 9; 3x "
                    "that on CUDA with --paired-only)")
+    p.add_argument("--batched", type=int, nargs=2, default=None, metavar=("B", "N"),
+                   help="with --paired-only: also B systems of ~N atoms in one batched call "
+                   "against a loop of vesin calls (e.g. 64 108)")
     p.add_argument("--phases", action="store_true",
                    help="with --paired-only: also time xnn:auto's phases (validate, vesin "
                    "compute, outputs, other), host-only and with a sync at each boundary")

@@ -295,6 +295,7 @@ def test_cpu_checks_run_no_torch_kernels_and_still_refuse_bad_input():
     bad[7, 2] = float("inf")
     with pytest.raises(InputError, match="non-finite"):
         common.checked(bad, cell, pbc, CUTOFF, None)
+    common.checked(pos.bfloat16(), cell.bfloat16(), pbc, CUTOFF, None)  # no numpy dtype
     huge = torch.full((200, 3), 3e38, dtype=torch.float32)  # float32 sum overflows; float64 not
     common.checked(huge, cell.float(), pbc, CUTOFF, None)
     for wrong in (batch.flip(0), batch + 1, batch - 1):

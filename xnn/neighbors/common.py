@@ -291,7 +291,7 @@ def _read_once(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor | Non
     ``torch``'s grain size (~11k atoms) wakes its OpenMP workers, which then spin for
     milliseconds on the cores vesin's own threads are about to use (a 10,976-atom vesin
     build took 27 ms after such a sum against 20 ms without, on 2 threads)."""
-    if positions.device.type == "cpu":
+    if positions.device.type == "cpu" and positions.dtype in NUMPY_FLOATS:
         return _read_once_numpy(positions, cell, pbc, batch)
     parts = [positions.sum().reshape(1).double(), cell.reshape(-1).double(),
              pbc.reshape(-1).double()]
@@ -315,6 +315,11 @@ def _read_once_numpy(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor
         if cell.shape[0] > 1:
             parts.append(np.array([float(bool((b[1:] < b[:-1]).any()))]))
     return torch.from_numpy(np.concatenate(parts))
+
+
+#: float dtypes numpy reads: CPU positions of these go through numpy (others, e.g. bfloat16,
+#: through torch)
+NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
 
 
 def numpy_view(t: Tensor) -> np.ndarray:

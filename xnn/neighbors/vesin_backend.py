@@ -19,12 +19,13 @@ in chunks over ``torch.get_num_threads()`` threads for large lists: numpy releas
 which replaces vesin's own copy. No dtype conversion of positions beyond what vesin itself
 needs. On the CPU no torch operator runs around vesin's call (numpy views in and out, the
 input checks by numpy too): a torch kernel over a large tensor wakes torch's OpenMP
-workers, which then spin for milliseconds on the cores vesin's threads need. On CUDA the tensors stay on the device: besides vesin's own read of the pair count,
-one host sync of xnn's checks (:func:`xnn.neighbors.common.validate_lazy`: the positions'
-sum only, when the cell, pbc and batch tensors are those of an earlier call). For one
-system such a repeated call goes straight to :func:`one_system` with the remembered
-``[3, 3]`` cell and ``[3]`` pbc views (``xnn.neighbors.api``); host time of the wrapper
-around a stubbed vesin: ``benchmarks/neighbors.py --host-overhead 2000``.
+workers, which then spin for milliseconds on the cores vesin's threads need. On CUDA the
+tensors stay on the device: besides vesin's own read of the pair count, one host sync of
+xnn's checks (:func:`xnn.neighbors.common.validate_lazy`: the positions' sum only, when
+the cell, pbc and batch tensors are those of an earlier call). For one system such a
+repeated call goes straight to :func:`one_system` with the remembered ``[3, 3]`` cell and
+``[3]`` pbc views (``xnn.neighbors.api``); host time of the wrapper around a stubbed
+vesin: ``benchmarks/neighbors.py --host-overhead 2000``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from xnn.neighbors.common import numpy_view
+from xnn.neighbors.common import NUMPY_FLOATS, numpy_view
 
 try:
     import vesin as _vesin
@@ -103,7 +104,7 @@ def vesin_neighbor_list(
     n_sys = cell.shape[0]
     if n_sys == 1:
         return one_system(positions, cell[0], pbc[0], cutoff)
-    if positions.is_cpu and _vesin is not None:
+    if positions.is_cpu and _vesin is not None and positions.dtype in NUMPY_FLOATS:
         return _batched_numpy(positions, cell, pbc, cutoff, batch)
     counts = torch.bincount(batch, minlength=n_sys).tolist()
     edges, shifts = [], []
@@ -281,7 +282,7 @@ def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
     nl = _calculator(_vesin, dev, cutoff)
     # copy=False: views into nl's buffers, copied out once by _outputs before nl is reused;
     # on the CPU numpy views in and out (vesin's torch route costs ~30 µs more per call)
-    if dev.type == "cpu":
+    if dev.type == "cpu" and pos.dtype in NUMPY_FLOATS:
         views = numpy_view(pos), numpy_view(cell), numpy_view(pbc)
         pairs, shifts = nl.compute(*views, "PS", copy=False)
     else:

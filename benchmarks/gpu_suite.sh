@@ -26,6 +26,7 @@
 #         torch-sim with each fusion x radial variant of the graph step in one run (VARIANTS=...).
 # PART 23 (session 23): 23a 19c's repeat and the backward sweep; 23b the equivariant model's
 #         fused radial kernel and the split step's profile; 23c the neighbor-list goal.
+# PART 24a: 23c with the batched case and vesin after a torch op on the host's CPU.
 # Wheels for the peers and cuEquivariance: benchmarks/gpu_wheels.sh.
 # PART 7: issue 20 on 1 GPU: CUDA tests, paired neighbor lists, compiled steps, kernel backends,
 #         peers (torch-sim 0.6.2, nvalchemi-toolkit 0.2.0: their wheels, warp-lang's 149 MB one
@@ -306,5 +307,11 @@ PY
 23c) # the neighbor-list goal again (CUDA and the host's CPU, 10^5 and 10^6 atoms, paired)
   step 150 neighbors python3 benchmarks/neighbors.py --json "$OUT/neighbors_paired_h200.json" --paired-only \
       --phases --devices cuda cpu --sizes 100000 1000000
+  ;;
+24a) # 23c, plus the batched case and vesin after a torch op on the host's CPU
+  step 170 neighbors python3 benchmarks/neighbors.py --json "$OUT/neighbors_paired_h200.json" --paired-only \
+      --phases --devices cuda cpu --sizes 100000 1000000 --batched 64 108
+  step 90 after_torch_op python3 benchmarks/neighbors.py --json "$OUT/neighbors_after_torch_op_host.json" \
+      --after-torch-op 30 --sizes 10000 100000
   ;;
 esac

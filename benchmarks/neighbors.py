@@ -315,6 +315,35 @@ def bench_paired_batched(n_systems: int, n_atoms: int, device: torch.device, cut
             "edges_match": counts[0] == counts[1], "n_edges": counts[1]}
 
 
+def bench_after_torch_op(n_atoms: int, cutoff: float, rounds: int) -> dict:
+    """vesin's CPU ``compute`` alone and right after a torch reduction over the positions
+    (which, above torch's grain size, runs on torch's OpenMP pool, whose workers then
+    spin-wait on the cores vesin's threads use): medians over ``rounds``, alternating."""
+    import vesin
+
+    case = Case(n_atoms, torch.device("cpu"))
+    nl = vesin.NeighborList(cutoff=cutoff, full_list=True)
+
+    def alone() -> None:
+        nl.compute(case.pos, case.cell, case.pbc, "PS", copy=False)
+
+    def after_sum() -> None:
+        case.pos.sum()
+        alone()
+
+    alone(), after_sum()
+    times: dict[str, list[float]] = {"alone": [], "after_torch_sum": []}
+    for _ in range(rounds):
+        for name, fn in (("alone", alone), ("after_torch_sum", after_sum)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"n_atoms": case.n_atoms, "rounds": rounds, "torch_threads": torch.get_num_threads(),
+            "alone_median_s": med["alone"], "after_torch_sum_median_s": med["after_torch_sum"],
+            "slowdown": med["after_torch_sum"] / med["alone"]}
+
+
 def bench_phases(case: Case, device: torch.device, cutoff: float, rounds: int) -> dict:
     """Per-phase time of ``xnn:auto`` on ``case``: input checks (``validate``), vesin's
     ``compute`` (with its own count read), our ``outputs`` (edge_index and shifts copies) and
@@ -506,6 +535,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-overhead", type=int, default=0, metavar="CALLS",
                    help="only the host time of xnn's wrapper around a stubbed vesin "
                    "(CALLS repeated calls per batch, e.g. 2000) on each of --devices")
+    p.add_argument("--after-torch-op", type=int, default=0, metavar="ROUNDS",
+                   help="only vesin's CPU compute alone and right after a torch sum over the "
+                   "positions (torch's OpenMP workers spin on vesin's cores), at --sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="with --host-overhead: also the N functions with most own time")
     p.add_argument("--threads", type=int, default=None,
@@ -518,7 +550,15 @@ def main(argv: list[str] | None = None) -> None:
         args.repeat = 3 if args.quick else 5
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.host_overhead:
+    if args.after_torch_op:
+        rows = [bench_after_torch_op(n, args.cutoff, args.after_torch_op)
+                for n in (args.sizes or [10_000])]
+        for r in rows:
+            print(f"{r['n_atoms']:>9} vesin alone {r['alone_median_s'] * 1e3:.2f} ms, after a "
+                  f"torch sum {r['after_torch_sum_median_s'] * 1e3:.2f} ms "
+                  f"({r['torch_threads']} torch threads)")
+        payload = {"benchmark": "vesin compute after a torch CPU reduction", "rows": rows}
+    elif args.host_overhead:
         rows = [bench_host_overhead(torch.device(d), args.host_overhead, profile=args.profile,
                                     torch_route=route)
                 for d in (args.devices or [args.device]) for route in (False, True)

@@ -254,19 +254,9 @@ def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -
     else:
         ref_name, ref = "vesin", _vesin(case, cutoff)
     ours = _xnn("auto", case, cutoff)
-    times: dict[str, list[float]] = {"xnn:auto": [], ref_name: []}
     counts = {"xnn:auto": ours(), ref_name: ref()}  # warm-up (and both edge counts)
     ours(), ref()
-    for k in range(rounds):
-        pair = [("xnn:auto", ours), (ref_name, ref)]
-        for name, fn in pair if k % 2 == 0 else pair[::-1]:
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    low = {k: min(v) for k, v in times.items()}
+    med, low = _alternate([("xnn:auto", ours), (ref_name, ref)], device, rounds)
     return {
         "n_atoms": case.n_atoms, "reference": ref_name, "rounds": rounds,
         "xnn_auto_median_s": med["xnn:auto"], "reference_median_s": med[ref_name],
@@ -275,6 +265,22 @@ def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -
         "ratio_min": low["xnn:auto"] / low[ref_name],
         "edges_match": counts["xnn:auto"] == counts[ref_name], "n_edges": counts[ref_name],
     }
+
+
+def _alternate(pair: list[tuple[str, Callable]], device: torch.device,
+               rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Medians and minima (s) of the two named calls of ``pair``, timed alternately (their
+    order swapped every round) for ``rounds`` rounds, the device synced around each."""
+    times: dict[str, list[float]] = {name: [] for name, _ in pair}
+    for k in range(rounds):
+        for name, fn in pair if k % 2 == 0 else pair[::-1]:
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return ({k: statistics.median(v) for k, v in times.items()},
+            {k: min(v) for k, v in times.items()})
 
 
 def bench_paired_batched(n_systems: int, n_atoms: int, device: torch.device, cutoff: float,
@@ -297,17 +303,7 @@ def bench_paired_batched(n_systems: int, n_atoms: int, device: torch.device, cut
         return sum(r() for r in refs)
 
     counts = (ours(), ref())
-    times: dict[str, list[float]] = {"ours": [], "ref": []}
-    for k in range(rounds):
-        pair = [("ours", ours), ("ref", ref)]
-        for name, fn in pair if k % 2 == 0 else pair[::-1]:
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    low = {k: min(v) for k, v in times.items()}
+    med, low = _alternate([("ours", ours), ("ref", ref)], device, rounds)
     return {"device": device.type, "n_systems": n_systems, "atoms_per_system": cases[0].n_atoms,
             "reference": f"loop of {ref_name}", "rounds": rounds,
             "xnn_auto_median_s": med["ours"], "reference_median_s": med["ref"],

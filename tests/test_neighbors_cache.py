@@ -204,6 +204,9 @@ def test_numpy_outputs_in_chunks_equal_one_copy(monkeypatch):
         want = torch.from_numpy(pairs.numpy().view(np.int64).T.copy())
         assert pairs.shape[0] > 100 and torch.equal(ei1, want)
         assert torch.equal(sh1, -shifts.reshape(-1, 3))
+        monkeypatch.setattr(vb, "_BLOCK", 7)  # blocks within each thread's chunk, and an offset
+        ei7, sh7 = vb._copies(pairs, shifts, 1000)
+        assert np.array_equal(ei7, want.numpy() + 1000) and np.array_equal(sh7, sh1.numpy())
         child = os.fork()
         if child == 0:  # pragma: no cover - the child's result is its exit status
             torch.set_num_threads(3)  # (torch starts a forked child with one thread)

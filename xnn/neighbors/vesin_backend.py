@@ -284,7 +284,8 @@ def _with_vesin_numpy(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
         pbc = pbc.to(dev)
     nl = _calculator(_vesin, dev, cutoff)
     # copy=False: views into nl's buffers, copied out once by _outputs before nl is reused;
-    # on the CPU numpy views in and out (vesin's torch route costs ~30 µs more per call)
+    # on the CPU numpy views in and out, as for several systems (vesin's numpy and torch
+    # routes measured equal: 0.204 vs 0.209 ms at 108 atoms, 143.7 vs 142.7 at 97,556)
     if dev.type == "cpu" and pos.dtype in NUMPY_FLOATS:
         views = numpy_view(pos), numpy_view(cell), numpy_view(pbc)
         pairs, shifts = nl.compute(*views, "PS", copy=False)

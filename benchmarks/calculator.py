@@ -92,11 +92,7 @@ def bench_mace(sizes, calls: int, device: str) -> list[dict]:
             calcs = {"xnn": Calculator(build("mace", model=model), device=device),
                      "mace": MACECalculator(model_paths=path, device=device,
                                             default_dtype="float64")}
-            r = per_call(calcs, atoms, calls)
-            row = {"case": "mace", "n_atoms": len(atoms), **r,
-                   "xnn_over_mace_time": r["s_per_call"]["xnn"] / r["s_per_call"]["mace"]}
-            print(_line(row), flush=True)
-            rows.append(row)
+            rows.append(_row("mace", atoms, calcs, calls))
     return rows
 
 
@@ -110,12 +106,19 @@ def bench_lj(sizes, calls: int, device: str) -> list[dict]:
         atoms = fcc_cu(n)
         calcs = {"xnn": Calculator(build("lj", **LJ), device=device),
                  "ase": LennardJones(sigma=LJ["sigma"], epsilon=LJ["epsilon"], rc=LJ["cutoff"])}
-        r = per_call(calcs, atoms, calls)
-        row = {"case": "lj", "n_atoms": len(atoms), **r,
-               "xnn_over_ase_time": r["s_per_call"]["xnn"] / r["s_per_call"]["ase"]}
-        print(_line(row), flush=True)
-        rows.append(row)
+        rows.append(_row("lj", atoms, calcs, calls))
     return rows
+
+
+def _row(case: str, atoms, calcs: dict, calls: int) -> dict:
+    """:func:`per_call` of ``calcs`` ("xnn" and one peer) on ``atoms`` as a printed row with
+    the ratio ``xnn_over_<peer>_time``."""
+    r = per_call(calcs, atoms, calls)
+    peer = next(name for name in calcs if name != "xnn")
+    row = {"case": case, "n_atoms": len(atoms), **r,
+           f"xnn_over_{peer}_time": r["s_per_call"]["xnn"] / r["s_per_call"][peer]}
+    print(_line(row), flush=True)
+    return row
 
 
 def _line(row: dict) -> str:

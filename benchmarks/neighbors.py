@@ -249,10 +249,8 @@ def run_paired_only(args: argparse.Namespace) -> dict:
 
 def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -> dict:
     """``xnn:auto`` and vesin (vesin-torch on CUDA) timed alternately on ``case``."""
-    if device.type == "cuda" and _has_vesin_torch():
-        ref_name, ref = "vesin-torch", _vesin_torch(case, cutoff)
-    else:
-        ref_name, ref = "vesin", _vesin(case, cutoff)
+    ref_name, factory = _reference(device)
+    ref = factory(case, cutoff)
     ours = _xnn("auto", case, cutoff)
     counts = {"xnn:auto": ours(), ref_name: ref()}  # warm-up (and both edge counts)
     ours(), ref()
@@ -265,6 +263,14 @@ def bench_paired(case: Case, device: torch.device, cutoff: float, rounds: int) -
         "ratio_min": low["xnn:auto"] / low[ref_name],
         "edges_match": counts["xnn:auto"] == counts[ref_name], "n_edges": counts[ref_name],
     }
+
+
+def _reference(device: torch.device) -> tuple[str, Callable]:
+    """The peer of ``xnn:auto`` on ``device`` and its factory: vesin-torch on CUDA when
+    installed, else vesin."""
+    if device.type == "cuda" and _has_vesin_torch():
+        return "vesin-torch", _vesin_torch
+    return "vesin", _vesin
 
 
 def _alternate(pair: list[tuple[str, Callable]], device: torch.device,
@@ -293,8 +299,8 @@ def bench_paired_batched(n_systems: int, n_atoms: int, device: torch.device, cut
     pbc = torch.stack([c.pbc for c in cases])
     batch = torch.repeat_interleave(torch.arange(n_systems, device=device),
                                     torch.tensor([c.n_atoms for c in cases], device=device))
-    ref_name = "vesin-torch" if device.type == "cuda" and _has_vesin_torch() else "vesin"
-    refs = [(_vesin_torch if ref_name == "vesin-torch" else _vesin)(c, cutoff) for c in cases]
+    ref_name, factory = _reference(device)
+    refs = [factory(c, cutoff) for c in cases]
 
     def ours() -> int:
         return neighbor_list(pos, cell, pbc, cutoff, batch, backend="auto")[0].shape[1]

@@ -112,7 +112,7 @@ def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) ->
 
 def _start(cfg: MDConfig, par, device, dtype):
     """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
-    integrator, potential = get_integrator(cfg.ensemble), par.potential
+    integrator = get_integrator(cfg.ensemble)
     if cfg.compile or cfg.cuda_graph:
         integrator = compiled_integrator(cfg, par)
     if cfg.resume:
@@ -121,13 +121,13 @@ def _start(cfg: MDConfig, par, device, dtype):
             if meta.get("ensemble") != cfg.ensemble:
                 raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} "
                                  f"run, not {cfg.ensemble!r}")
-            check_species(potential, state.graph)
+            check_species(par.model, state.graph)
         return integrator, state, meta
     graph, from_file = None, None
     with par.guarded("reading the structure"):
         if par.main:
             graph = load_structure(cfg.structure, cfg.index, device, dtype)
-            check_species(potential, graph)
+            check_species(par.model, graph)
             temps = target_temperatures(cfg, graph.n_systems, graph.positions)
             check_kinetic_dof(cfg, graph, temps)
             from_file = velocities_from_file(cfg, graph)
@@ -135,7 +135,7 @@ def _start(cfg: MDConfig, par, device, dtype):
     graph = par.scatter_graph(graph)
     temps = target_temperatures(cfg, graph.n_systems, graph.positions)
     graph = initial_velocities(cfg, graph, temps, par.reduce, from_file)
-    state = integrator.init(graph, potential, reduce=par.reduce,
+    state = integrator.init(graph, par.potential, reduce=par.reduce,  # chosen by the scatter
                             **integrator_args(cfg, temps))
     return integrator, state, None
 

@@ -123,7 +123,7 @@ def _relax_start(cfg: RelaxConfig, par, device, dtype) -> tuple[MDState, dict | 
     with par.guarded("reading the structure"):
         if par.main:
             graph = load_structure(cfg.structure, cfg.index, device, dtype)
-            check_species(par.potential, graph)
+            check_species(par.model, graph)
             if cfg.resume:
                 state, meta = ckpt.load_checkpoint(cfg.resume, device,
                                                    par.checkpoint_potential, kind="relax")

@@ -25,7 +25,7 @@ from xnn.config.loader import ConfigError, load_config
 from xnn.config.md import MDConfig, MDModelConfig, RelaxConfig
 from xnn.data.ase_io import from_ase, to_ase
 from xnn.dynamics import nve
-from xnn.dynamics.hooks import HookRunner
+from xnn.dynamics.hooks import HookError, HookRunner
 from xnn.dynamics.observers import (
     MSD,
     RDF,
@@ -61,13 +61,20 @@ def potential():
     return load_potential(cfg, torch.device("cpu"), torch.float64)
 
 
-def trajectory(atoms, steps, dt=5.0, temperature=300.0):
-    """NVE states of ``atoms`` (LJ) after each of ``steps`` steps, step 0 included."""
+def trajectory(atoms, steps, dt=5.0, temperature=300.0, runner=None):
+    """NVE states of ``atoms`` (LJ) after each of ``steps`` steps, step 0 included; with a
+    ``runner`` (a HookRunner factory of the potential), its hooks observe every state."""
     pot = potential()
     g = maxwell_boltzmann(from_ase([atoms], dtype=torch.float64), temperature, seed=1)
     states = [nve.init(g, pot)]
+    hooks = None if runner is None else runner(pot)
+    if hooks is not None:
+        states[0] = hooks.prepare(states[0])
+        hooks(states[0])
     for _ in range(steps):
         states.append(nve.step(states[-1], pot, dt))
+        if hooks is not None:
+            hooks(states[-1])
     return states, pot
 
 
@@ -135,11 +142,9 @@ def test_rdf_refuses_a_cluster():
 def test_msd_and_species_temperature_against_direct_computation():
     """A hot run: MSD from the first frame by atom id, and the kinetic temperature per
     species with the degrees of freedom shared by free atoms, computed directly."""
-    states, pot = trajectory(argon_krypton(), 8, temperature=900.0)
     msd, temp = MSD(every=2), SpeciesTemperature(every=4)
-    runner = HookRunner([msd, temp], SerialRun(pot), timestep=5.0)
-    for s in states:
-        runner(s)
+    states, pot = trajectory(argon_krypton(), 8, temperature=900.0,
+                             runner=lambda p: HookRunner([msd, temp], SerialRun(p), 5.0))
     z = states[0].graph.numbers.numpy()
     x0 = states[0].positions.numpy()
     rows = msd.result()
@@ -276,7 +281,8 @@ def test_bad_hooks_are_refused_clearly():
         HookRunner([MSD(), MSD()], SerialRun(None))
     owned = OwnedCallable(lambda g, s: torch.zeros(3), every=1, name="bad")
     states, pot = trajectory(argon_krypton(rep=2), 0)
-    with pytest.raises(InputError, match="3,.*32 owned atoms"):
+    with pytest.raises(HookError, match=r"hook 'bad' failed at step 0: .*\(3,\) values for 32 "
+                                        "owned atoms"):
         HookRunner([owned], SerialRun(pot))(states[0])
     for over, match in ((["hooks.0.name=callable"], "needs target"),
                         (["hooks.0.name=rdf", "hooks.0.target=a:b"], "only for name"),

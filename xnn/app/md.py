@@ -27,7 +27,7 @@ from xnn.app.md_common import (
     run_distributed,
     setup_run,
 )
-from xnn.app.md_hooks import RunHooks, hooks_from_config
+from xnn.app.md_hooks import RunHooks, hook_failed, hooks_from_config
 from xnn.app.md_setup import (
     check_kinetic_dof,
     check_species,
@@ -39,6 +39,7 @@ from xnn.app.md_setup import (
     velocities_from_file,
 )
 from xnn.config.md import MDConfig
+from xnn.dynamics.hooks import HookError
 from xnn.dynamics.registry import get_integrator
 from xnn.dynamics.safety import (
     DriftMonitor,
@@ -71,10 +72,20 @@ class _Outputs(RunOutputs):
         files = {"log_rows": self.log.rows, **self.file_sizes()} if self.enabled else {}
         out = {"kind": "md", "ensemble": ensemble, "files": files}
         if self.hooks:
-            out["hooks"] = self.hooks.state_dict()
+            out.update(self.hooks.meta())
         return out
 
     def record(self, state: MDState, integrator, force: bool = False) -> None:
+        """The thermo row, frame and hooks of ``state``'s step; when a hook fails, a
+        checkpoint (its resumed run calls that step's hooks again) and a one-line
+        :class:`~xnn.dynamics.hooks.HookError`."""
+        try:
+            self._record(state, integrator, force)
+        except HookError as err:
+            self.checkpoint(state)
+            raise hook_failed(err, self.dir / "checkpoint.pt") from err
+
+    def _record(self, state: MDState, integrator, force: bool) -> None:
         step = state.step
         if force or step % self.cfg.output.log_every == 0:
             values = observables(state, integrator.conserved, self.par.reduce)
@@ -170,6 +181,8 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     cfg, device, dtype, par, folder = setup_run(MDConfig, config, overrides, manager)
     hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]  # user targets imported first
     integrator, state, meta = _start(cfg, par, device, dtype)
+    run_hooks = RunHooks(hooks, par, cfg.timestep, meta)
+    state = run_hooks.prepare(state)  # checked before any file; per-atom fields added
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
                                                                  state.positions))
     max_t = (torch.full_like(targets, cfg.safety.max_temperature)
@@ -183,10 +196,11 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     out_dir = open_folder(cfg, folder, manager)
     counts = par.reduce.count_per_system(state.graph.batch, state.n_systems)
     outputs = _Outputs(cfg, par, counts, meta, out_dir)
-    outputs.hooks = RunHooks(hooks, par, out_dir, cfg.timestep, meta,
-                             None if meta is None else state.step)
+    outputs.hooks = run_hooks.open(out_dir, None if meta is None else state.step)
     if meta is None:
         outputs.record(state, integrator, force=True)
+    else:
+        outputs.hooks.resume(state)
     _loop(cfg, integrator, state, outputs, max_t)
     par.write_summary(out_dir / "summary.json")
     if cfg.output.plot and par.main:

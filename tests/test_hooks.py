@@ -173,6 +173,24 @@ def test_msd_and_species_temperature_against_direct_computation():
     assert got[(8, "Kr")] != pytest.approx(got[(8, "Ar")], rel=1e-3)
 
 
+def test_msd_resumes_a_checkpoint_with_the_reference_in_its_meta():
+    """Checkpoints of earlier xnn kept the MSD reference in the hook's meta, by atom id
+    ([n_ids, 3]); resumed, each atom's row becomes its state field (by id, not by order)."""
+    states, pot = trajectory(argon_krypton(rep=2), 2)
+    by_id = torch.randn(32, 3, dtype=torch.float64)
+    later = states[2]
+    ids = torch.arange(32).flip(0)  # atoms held in another order than their ids
+    later = later.replace(graph=later.graph.replace(atom_id=ids))
+    msd = MSD(every=1)
+    msd.load_state_dict({"reference": by_id})
+    runner = HookRunner([msd], SerialRun(pot))
+    prepared = runner.prepare(later)
+    torch.testing.assert_close(prepared.graph[K.MSD_REFERENCE], by_id[ids], rtol=0, atol=0)
+    runner(prepared)
+    want = ((later.positions - by_id[ids]) ** 2).sum(-1).mean()
+    assert msd.result()["msd_A2"][0] == pytest.approx(float(want), rel=1e-12)
+
+
 def test_species_temperature_with_fixed_atoms():
     """Fixed atoms have no kinetic degrees of freedom: a system's 3 N_free are shared by
     the species' free atoms, and the fixed atoms are counted in n_atoms only."""

@@ -1,7 +1,9 @@
 """Hooks (``xnn.dynamics.hooks`` / ``observers``): RDF against ASE and a brute-force sum
 over images, MSD and per-species temperature against direct computations, user callables
-in every scope, ``hooks:`` in ``xnn md`` / ``xnn relax`` (files, resume), and every scope
-under 4 gloo ranks equal to one process (one set of ranks for the module)."""
+in every scope, ``hooks:`` in ``xnn md`` / ``xnn relax`` (files, resume), labels and RDF
+sizes refused up front, a failing hook's checkpoint and exact resume, and every scope under
+4 gloo ranks equal to one process, with the MSD reference held per owned atom and a hook
+failing on one rank (one set of ranks for the module)."""
 
 from __future__ import annotations
 

@@ -138,11 +138,12 @@ class RunHooks:
             out["hooks_rerun"] = self.failed_step
         return out
 
+    def results(self) -> dict:
+        """Every hook's result by name (rank 0)."""
+        return self.runner.results()
+
 
 def hook_failed(err: HookError, path: Path) -> HookError:
     """The one-line error of a run a hook stopped, after its checkpoint ``path``."""
     return HookError(f"{err}; the run stopped after writing {path} at step {err.step}: fix "
                      f"the hook and continue with resume={path}", err.hook, err.step)
-
-    def results(self) -> dict:
-        return self.runner.results()

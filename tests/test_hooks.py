@@ -1,7 +1,9 @@
 """Hooks (``xnn.dynamics.hooks`` / ``observers``): RDF against ASE and a brute-force sum
 over images, MSD and per-species temperature against direct computations, user callables
-in every scope, ``hooks:`` in ``xnn md`` / ``xnn relax`` (files, resume), and every scope
-under 4 gloo ranks equal to one process (one set of ranks for the module)."""
+in every scope, ``hooks:`` in ``xnn md`` / ``xnn relax`` (files, resume), labels and RDF
+sizes refused up front, a failing hook's checkpoint and exact resume, and every scope under
+4 gloo ranks equal to one process, with the MSD reference held per owned atom and a hook
+failing on one rank (one set of ranks for the module)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 from ase.geometry.rdf import get_rdf
 from dist_helpers import spawn
+from error_helpers import raises_one_line
 from md_helpers import rattled_argon
 
 from xnn.app.md import run_md
@@ -23,9 +26,10 @@ from xnn.app.relax import run_relax
 from xnn.cli.main import main
 from xnn.config.loader import ConfigError, load_config
 from xnn.config.md import MDConfig, MDModelConfig, RelaxConfig
+from xnn.data import keys as K
 from xnn.data.ase_io import from_ase, to_ase
 from xnn.dynamics import nve
-from xnn.dynamics.hooks import HookRunner
+from xnn.dynamics.hooks import GlobalHook, HookError, HookRunner
 from xnn.dynamics.observers import (
     MSD,
     RDF,
@@ -61,13 +65,20 @@ def potential():
     return load_potential(cfg, torch.device("cpu"), torch.float64)
 
 
-def trajectory(atoms, steps, dt=5.0, temperature=300.0):
-    """NVE states of ``atoms`` (LJ) after each of ``steps`` steps, step 0 included."""
+def trajectory(atoms, steps, dt=5.0, temperature=300.0, runner=None):
+    """NVE states of ``atoms`` (LJ) after each of ``steps`` steps, step 0 included; with a
+    ``runner`` (a HookRunner factory of the potential), its hooks observe every state."""
     pot = potential()
     g = maxwell_boltzmann(from_ase([atoms], dtype=torch.float64), temperature, seed=1)
     states = [nve.init(g, pot)]
+    hooks = None if runner is None else runner(pot)
+    if hooks is not None:
+        states[0] = hooks.prepare(states[0])
+        hooks(states[0])
     for _ in range(steps):
         states.append(nve.step(states[-1], pot, dt))
+        if hooks is not None:
+            hooks(states[-1])
     return states, pot
 
 
@@ -135,11 +146,9 @@ def test_rdf_refuses_a_cluster():
 def test_msd_and_species_temperature_against_direct_computation():
     """A hot run: MSD from the first frame by atom id, and the kinetic temperature per
     species with the degrees of freedom shared by free atoms, computed directly."""
-    states, pot = trajectory(argon_krypton(), 8, temperature=900.0)
     msd, temp = MSD(every=2), SpeciesTemperature(every=4)
-    runner = HookRunner([msd, temp], SerialRun(pot), timestep=5.0)
-    for s in states:
-        runner(s)
+    states, pot = trajectory(argon_krypton(), 8, temperature=900.0,
+                             runner=lambda p: HookRunner([msd, temp], SerialRun(p), 5.0))
     z = states[0].graph.numbers.numpy()
     x0 = states[0].positions.numpy()
     rows = msd.result()
@@ -164,6 +173,24 @@ def test_msd_and_species_temperature_against_direct_computation():
         t_all = float(2 * ke.sum() / (float(degrees_of_freedom(s.graph)[0]) * KB))
         assert got[(s.step, "all")] == pytest.approx(t_all, rel=1e-12)
     assert got[(8, "Kr")] != pytest.approx(got[(8, "Ar")], rel=1e-3)
+
+
+def test_msd_resumes_a_checkpoint_with_the_reference_in_its_meta():
+    """Checkpoints of earlier xnn kept the MSD reference in the hook's meta, by atom id
+    ([n_ids, 3]); resumed, each atom's row becomes its state field (by id, not by order)."""
+    states, pot = trajectory(argon_krypton(rep=2), 2)
+    by_id = torch.randn(32, 3, dtype=torch.float64)
+    later = states[2]
+    ids = torch.arange(32).flip(0)  # atoms held in another order than their ids
+    later = later.replace(graph=later.graph.replace(atom_id=ids))
+    msd = MSD(every=1)
+    msd.load_state_dict({"reference": by_id})
+    runner = HookRunner([msd], SerialRun(pot))
+    prepared = runner.prepare(later)
+    torch.testing.assert_close(prepared.graph[K.MSD_REFERENCE], by_id[ids], rtol=0, atol=0)
+    runner(prepared)
+    want = ((later.positions - by_id[ids]) ** 2).sum(-1).mean()
+    assert msd.result()["msd_A2"][0] == pytest.approx(float(want), rel=1e-12)
 
 
 def test_species_temperature_with_fixed_atoms():
@@ -276,7 +303,8 @@ def test_bad_hooks_are_refused_clearly():
         HookRunner([MSD(), MSD()], SerialRun(None))
     owned = OwnedCallable(lambda g, s: torch.zeros(3), every=1, name="bad")
     states, pot = trajectory(argon_krypton(rep=2), 0)
-    with pytest.raises(InputError, match="3,.*32 owned atoms"):
+    with pytest.raises(HookError, match=r"hook 'bad' failed at step 0: .*\(3,\) values for 32 "
+                                        "owned atoms"):
         HookRunner([owned], SerialRun(pot))(states[0])
     for over, match in ((["hooks.0.name=callable"], "needs target"),
                         (["hooks.0.name=rdf", "hooks.0.target=a:b"], "only for name"),
@@ -286,6 +314,120 @@ def test_bad_hooks_are_refused_clearly():
                         (["hooks.0.name=nope"], "valid choice")):
         with pytest.raises(ConfigError, match=match):
             load_config(MDConfig, None, over)
+
+
+@pytest.mark.parametrize("label", ["../../escape", "/tmp/escape", "sub/x", "..", ".hidden",
+                                   "", "  ", "a\\b", "C:x", "x" * 201])
+def test_hook_labels_are_plain_file_names(label):
+    """A label names hooks/LABEL.csv inside output.dir: separators, '..', absolute paths,
+    hidden and empty names are refused with one line, from Python and from the config."""
+    msg = raises_one_line(InputError, build_hook, "msd", 5, label=label, match="label")
+    assert "plain file name" in msg
+    raises_one_line(InputError, MSD, every=5, name=label, match="plain file name")
+    raises_one_line(InputError, build_hook, "callable", 5, target=frame_energy, label=label,
+                    match="plain file name")
+
+
+def test_cli_refuses_a_label_outside_output_dir(tmp_path, capsys):
+    """``hooks.0.label=../../escape``: one line, exit 2, nothing written (today the CSV
+    went two folders above output.dir)."""
+    argon_krypton(rep=2).write(tmp_path / "s.xyz")
+    out = tmp_path / "a" / "b" / "run"
+    args = ["md", f"structure={tmp_path / 's.xyz'}", f"output.dir={out}", *LJ, "steps=2",
+            "hooks.0.name=msd", "hooks.0.every=1", "hooks.0.label=../../escape"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("xnn md: error: hook label '../../escape'") and "\n" not in err
+    assert not (tmp_path / "a").exists()
+
+
+def test_rdf_refuses_an_r_max_beyond_its_pair_budget(tmp_path, capsys):
+    """r_max=400 Å on a 32-atom cell would hold ~2e8 pairs per frame (tens of GB): refused
+    before the run with one line giving the largest r_max that fits; at that r_max the
+    frame holds at most about max_pairs pairs."""
+    atoms = argon_krypton(rep=2)
+    g = from_ase([atoms], dtype=torch.float64)
+    msg = raises_one_line(InputError, RDF(r_max=20.0, max_pairs=20_000).frame, g,
+                          match="max_pairs=2e[+]04")
+    fit = float(msg.split("use r_max <= ")[1].split()[0])
+    n, vol = len(atoms), atoms.get_volume()
+    assert n * n * 4 / 3 * np.pi * fit ** 3 / vol == pytest.approx(20_000, rel=0.01)
+    from xnn.neighbors import neighbor_list
+
+    pairs = neighbor_list(g.positions, g.cell, g.pbc, fit, g.batch)[0].shape[1]
+    assert pairs == pytest.approx(20_000, rel=0.05)
+    rdf = RDF(r_max=fit, bins=20, max_pairs=20_000)
+    rdf.observe(nve.init(g, potential()), 0.0)
+    assert rdf.result()["g"][0, -5:].mean() == pytest.approx(1.0, abs=0.1)  # g -> 1
+    atoms.write(tmp_path / "s.xyz")
+    args = ["md", f"structure={tmp_path / 's.xyz'}", f"output.dir={tmp_path / 'o'}", *LJ,
+            "model.params.cutoff=5.0", "steps=2", "hooks.0.name=rdf", "hooks.0.r_max=400"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "r_max=400 Å needs about 2.3e+08 atom pairs" in err
+    fit = (5e7 * vol / (n * n * 4 / 3 * np.pi)) ** (1 / 3)  # the default max_pairs
+    assert f"use r_max <= {np.floor(fit * 10) / 10:g} Å" in err
+    assert not (tmp_path / "o").exists()
+
+
+def boom_at_6(atoms, step):
+    """A rank0 callable with a bug that shows at step 6 (fixed: :func:`boom_fixed`)."""
+    if step == 6:
+        raise KeyError("charges")
+    return {"n": len(atoms), "e": atoms.get_potential_energy()}
+
+
+def boom_fixed(atoms, step):
+    return {"n": len(atoms), "e": atoms.get_potential_energy()}
+
+
+def test_failing_hook_stops_after_a_checkpoint_and_resumes_exactly(tmp_path, capsys):
+    """A hook raising at step 6 ends ``xnn md`` with one line naming it and the step, after
+    writing checkpoint.pt at step 6; resumed with the hook fixed, every file (thermo, the
+    hooks of step 6 and after) equals an uninterrupted run's."""
+    argon_krypton(rep=2, amp=0.1).write(tmp_path / "s.xyz")
+    base = ["md", f"structure={tmp_path / 's.xyz'}", *LJ, "model.params.cutoff=5.0",
+            "ensemble=langevin", "temperature=300", "steps=12", "timestep=4.0",
+            "output.trajectory_every=0", "output.checkpoint_every=0",
+            "hooks.0.name=msd", "hooks.0.every=3", "hooks.1.name=rdf", "hooks.1.every=3",
+            "hooks.1.r_max=5.0", "hooks.1.bins=10", "hooks.2.name=callable",
+            "hooks.2.every=3", "hooks.2.label=frames"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main([*base, f"output.dir={full}", "hooks.2.target=test_hooks:boom_fixed"]) == 0
+    capsys.readouterr()
+    assert main([*base, f"output.dir={part}", "hooks.2.target=test_hooks:boom_at_6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith("xnn md: error: hook 'frames' failed at step 6: KeyError: 'charges'")
+    assert f"resume={part / 'checkpoint.pt'}" in err
+    from xnn.dynamics.checkpoint import load_checkpoint
+
+    state, meta = load_checkpoint(part / "checkpoint.pt", torch.device("cpu"))
+    assert state.step == 6 and meta["hooks_rerun"] == 6
+    assert [r[0] for r in read_csv(part / "hooks" / "msd.csv")[1::3]] == ["0", "3"]
+    assert main([*base, f"output.dir={part}", "hooks.2.target=test_hooks:boom_fixed",
+                 f"resume={part / 'checkpoint.pt'}"]) == 0
+    for name in ("thermo.csv", "hooks/msd.csv", "hooks/rdf.csv", "hooks/frames.csv"):
+        assert (part / name).read_bytes() == (full / name).read_bytes(), name
+
+
+def test_failing_hook_in_relax_checkpoints_and_resumes(tmp_path, capsys):
+    """In relax, a failing hook ends the run with one line and a checkpoint at that step;
+    resumed with the hook fixed, relax.csv and the hook files equal an uninterrupted run's."""
+    argon_krypton(rep=2, amp=0.15).write(tmp_path / "s.xyz")
+    base = ["relax", f"structure={tmp_path / 's.xyz'}", *LJ, "model.params.cutoff=5.0",
+            "fmax=0.001", "max_steps=12", "output.trajectory_every=0",
+            "hooks.0.name=msd", "hooks.0.every=2", "hooks.1.name=callable",
+            "hooks.1.every=2", "hooks.1.label=frames"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main([*base, f"output.dir={full}", "hooks.1.target=test_hooks:boom_fixed"]) == 0
+    assert main([*base, f"output.dir={part}", "hooks.1.target=test_hooks:boom_at_6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("xnn relax: error: hook 'frames' failed at step 6: KeyError")
+    assert main([*base, f"output.dir={part}", "hooks.1.target=test_hooks:boom_fixed",
+                 f"resume={part / 'checkpoint.pt'}"]) == 0
+    for name in ("relax.csv", "hooks/msd.csv", "hooks/frames.csv"):
+        assert (part / name).read_bytes() == (full / name).read_bytes(), name
 
 
 # ----------------------------------------------------------------------------- runs
@@ -315,13 +457,60 @@ def relax_overrides(structure, out):
             "output.trajectory_every=0", "hooks.0.name=msd", "hooks.0.every=3"]
 
 
+def flaky_on_atom_0(graph, step):
+    """A global callable that fails at step 4 on the rank owning atom 0 only."""
+    if step == 4 and bool((graph.atom_id == 0).any()):
+        raise RuntimeError("atom 0 is here")
+    return {"n": torch.tensor(float(graph.n_atoms))}
+
+
+def flaky_fixed(graph, step):
+    return {"n": torch.tensor(float(graph.n_atoms))}
+
+
+def flaky_overrides(structure, out, target, *extra):
+    return md_overrides(structure, out, "steps=8", "hooks.6.name=callable",
+                        f"hooks.6.target=test_hooks:{target}", "hooks.6.scope=global",
+                        "hooks.6.every=2", "hooks.6.label=flaky", *extra)
+
+
+class ReferenceRows(GlobalHook):
+    """Records, per call, this rank's owned atoms and its rows of the MSD reference, and
+    how far the rows are from the atoms' start positions ``x0 [n, 3]`` (by id)."""
+
+    def __init__(self, x0, every=5):
+        super().__init__(every, "reference_rows")
+        self.x0, self.seen = x0, []
+
+    def partial(self, state):
+        g = state.graph
+        ref = g[K.MSD_REFERENCE]
+        err = float((ref - self.x0[g.atom_id]).abs().max()) if g.n_atoms else 0.0
+        self.seen.append((state.step, g.n_atoms, ref.shape[0], err))
+        return {}
+
+    def update(self, step, time_fs, sums):
+        return None
+
+
 def worker(rank, world, tmp):
     s = f"{tmp}/arkr.xyz"
-    run_md(load_config(MDConfig, None, md_overrides(s, f"{tmp}/dd")))
+    x0 = from_ase([ase.io.read(s)], dtype=torch.float64).positions
+    msd, rows = MSD(every=5, name="msd_by_id"), ReferenceRows(x0)
+    run_md(load_config(MDConfig, None, md_overrides(s, f"{tmp}/dd")), hooks=[msd, rows])
     run_md(load_config(MDConfig, None, md_overrides(s, f"{tmp}/dd_resumed", "steps=40",
                                                     f"resume={tmp}/dd_resumed/checkpoint.pt")))
     run_relax(load_config(RelaxConfig, None, relax_overrides(s, f"{tmp}/dd_relax")))
-    return rank
+    failed = None
+    try:  # the rank that owns atom 0 fails; every rank must stop (no hang), then resume
+        run_md(load_config(MDConfig, None, flaky_overrides(s, f"{tmp}/dd_flaky",
+                                                           "flaky_on_atom_0")))
+    except HookError as err:
+        failed = (err.hook, err.step, str(err))
+    run_md(load_config(MDConfig, None, flaky_overrides(
+        s, f"{tmp}/dd_flaky", "flaky_fixed", f"resume={tmp}/dd_flaky/checkpoint.pt")))
+    held = [tuple(v.shape) for v in vars(msd).values() if isinstance(v, torch.Tensor)]
+    return {"rank": rank, "held": held, "rows": rows.seen, "failed": failed}
 
 
 def read_csv(path):
@@ -353,7 +542,10 @@ def runs(tmp_path_factory):
     run_md(load_config(MDConfig, None, md_overrides(s, tmp / "single_20", "steps=20")))
     shutil.copytree(tmp / "single_20", tmp / "dd_resumed")  # 1 process -> 4 ranks
     run_relax(load_config(RelaxConfig, None, relax_overrides(s, tmp / "single_relax")))
-    assert spawn(worker, 4, args=(str(tmp),), timeout_s=400) == [0, 1, 2, 3]
+    run_md(load_config(MDConfig, None, flaky_overrides(s, tmp / "single_flaky", "flaky_fixed")))
+    ranks = spawn(worker, 4, args=(str(tmp),), timeout_s=400)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    torch.save(ranks, tmp / "ranks.pt")
     return tmp
 
 
@@ -448,3 +640,45 @@ def test_run_md_python_hooks(tmp_path):
                                        "output.trajectory_every=0"])
     run_md(cfg, hooks=[rdf])
     assert rdf.result()["frames"] == 4 and (tmp_path / "o" / "hooks" / "rdf.csv").is_file()
+
+
+@pytest.mark.distributed
+def test_msd_reference_is_held_per_owned_atom_and_migrates(runs):
+    """Under 4 ranks with atoms migrating, each rank holds the MSD reference of its owned
+    atoms only (the hook keeps no per-atom tensor), and the rows moved with their atoms
+    (each equals its atom's start position); the file equals one process."""
+    ranks = torch.load(runs / "ranks.pt", weights_only=False)
+    summary = __import__("json").loads((runs / "dd" / "summary.json").read_text())
+    assert summary["migrated_atoms"] > 0
+    for r in ranks:
+        assert r["held"] == []
+        assert [s for s, *_ in r["rows"]] == list(range(0, 41, 5))
+        for _, n_owned, n_rows, err in r["rows"]:
+            assert n_rows == n_owned < 108 and err == 0.0
+    assert sum(r["rows"][-1][1] for r in ranks) == 108
+    assert any(len({n for _, n, _, _ in r["rows"]}) > 1 for r in ranks)  # counts changed
+    a, b = read_csv(runs / "dd" / "hooks" / "msd_by_id.csv"), read_csv(
+        runs / "single" / "hooks" / "msd.csv")
+    assert a[0] == b[0] and len(a) == len(b)
+    assert_same_csv(runs / "dd" / "hooks" / "msd_by_id.csv",
+                    runs / "single" / "hooks" / "msd.csv", 1e-9)
+
+
+@pytest.mark.distributed
+def test_a_hook_failing_on_one_rank_stops_every_rank_after_a_checkpoint(runs):
+    """A global callable raising on the rank that owns atom 0 (step 4) stops all 4 ranks
+    with a HookError naming it and the step (no hang), after a checkpoint at step 4; the run
+    resumed on 4 ranks with the hook fixed equals one uninterrupted process."""
+    ranks = torch.load(runs / "ranks.pt", weights_only=False)
+    for r in ranks:
+        hook, step, msg = r["failed"]
+        assert (hook, step) == ("flaky", 4) and "\n" not in msg and "atom 0 is here" in msg
+    msgs = [r["failed"][2] for r in ranks]
+    own = [i for i, m in enumerate(msgs)
+           if m.startswith("hook 'flaky' failed at step 4: RuntimeError: atom 0 is here")]
+    assert len(own) == 1  # the others name the rank that failed
+    assert all(m.startswith(f"rank {own[0]} failed during the hooks: ") for i, m in
+               enumerate(msgs) if i != own[0])
+    for name in ("msd", "flaky", "virial_sum", "rdf"):
+        assert_same_csv(runs / "dd_flaky" / "hooks" / f"{name}.csv",
+                        runs / "single_flaky" / "hooks" / f"{name}.csv", 1e-9)

@@ -57,6 +57,23 @@ def md(*args, steps=None, resume=None):
     return run_md(load_config(MDConfig, None, overrides(*args, *extra)))
 
 
+def auto_runs(tmp):
+    """``dd.mode=auto`` for md and relax: graph mode for 108 atoms in a small periodic cell
+    (a halo would hold most of the system), spatial halos for the 500-atom cluster. Returns
+    the error of the first run that failed (``None``: all ran)."""
+    s = f"{tmp}/ar108.xyz"
+    try:
+        md(s, f"{tmp}/auto_nve", "nve", "dd.mode=auto")
+        run_relax(load_config(RelaxConfig, None, [*relax_overrides(s, f"{tmp}/auto_relax"),
+                                                  "dd.mode=auto"]))
+        run_md(load_config(MDConfig, None, [f"structure={tmp}/ar500.xyz", "ensemble=nve",
+                                            f"output.dir={tmp}/auto_big", "dd.mode=auto",
+                                            *LJ, *BIG]))
+    except Exception as err:  # noqa: BLE001 - reported by the test, the other cases go on
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def worker(rank, world, tmp):
     s = f"{tmp}/ar108.xyz"
     for ensemble in CASES:
@@ -68,7 +85,7 @@ def worker(rank, world, tmp):
     run_relax(load_config(RelaxConfig, None, relax_overrides(s, f"{tmp}/dd_relax")))
     run_md(load_config(MDConfig, None, [f"structure={tmp}/ar500.xyz", "ensemble=nve",
                                         f"output.dir={tmp}/dd_big", *LJ, *BIG]))
-    return rank
+    return rank, auto_runs(tmp)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +101,9 @@ def runs(tmp_path_factory):
     md(s, tmp / "single_langevin_60", "langevin", steps=60)
     shutil.copytree(tmp / "single_langevin", tmp / "from_single")  # 1 -> 2 ranks
     run_relax(load_config(RelaxConfig, None, relax_overrides(s, tmp / "single_relax")))
-    assert spawn(worker, 2, args=(str(tmp),), timeout_s=300) == [0, 1]
+    ranks = spawn(worker, 2, args=(str(tmp),), timeout_s=300)
+    assert [r for r, _ in ranks] == [0, 1]
+    (tmp / "auto_errors.json").write_text(json.dumps([err for _, err in ranks]))
     shutil.copytree(tmp / "dd_langevin", tmp / "from_dd")  # 2 ranks -> 1 process
     md(s, tmp / "from_dd", "langevin", steps=60, resume=tmp / "from_dd" / "checkpoint.pt")
     return tmp
@@ -162,3 +181,25 @@ def test_big_system_ranks_hold_less_than_the_whole(runs):
     assert summary["held"]["per_rank"] == held
     assert summary["held"]["max"] < 450  # owned + ghosts: the replicated state is gone
     assert summary["migrations"] > 0 and summary["peak_memory_MiB"]["min"] > 0
+
+
+def test_dd_mode_auto_md_and_relax_equal_one_process(runs):
+    """``dd.mode=auto`` under torchrun (2 ranks) runs md and relax, choosing graph mode for
+    the small dense cell and spatial halos for the cluster, and equals one process (the
+    cluster: the explicit halo run)."""
+    assert json.loads((runs / "auto_errors.json").read_text()) == [None, None]
+    auto, single = runs / "auto_nve", runs / "single_nve"
+    a, b = thermo(auto / "thermo.csv"), thermo(single / "thermo.csv")
+    assert a.shape == b.shape and len(a) == 9
+    for name in b.dtype.names:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-9, atol=1e-12, err_msg=name)
+    assert_same_state(state(auto)[0], state(single)[0], 1e-9)
+    assert json.loads((auto / "summary.json").read_text())["grid"] is None  # graph mode
+    relaxed, want = read(runs / "auto_relax" / "relaxed.xyz"), read(runs / "single_relax" /
+                                                                      "relaxed.xyz")
+    np.testing.assert_allclose(relaxed.positions, want.positions, atol=1e-9)
+    np.testing.assert_allclose(relaxed.cell.array, want.cell.array, atol=1e-9)
+    assert state(runs / "auto_relax")[0].step == state(runs / "single_relax")[0].step
+    big = json.loads((runs / "auto_big" / "summary.json").read_text())
+    assert big["grid"] == json.loads((runs / "dd_big" / "summary.json").read_text())["grid"]
+    assert_same_state(state(runs / "auto_big")[0], state(runs / "dd_big")[0], 0.0)

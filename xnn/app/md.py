@@ -27,7 +27,7 @@ from xnn.app.md_common import (
     run_distributed,
     setup_run,
 )
-from xnn.app.md_hooks import RunHooks, hooks_from_config
+from xnn.app.md_hooks import RunHooks, hook_failed, hooks_from_config
 from xnn.app.md_setup import (
     check_kinetic_dof,
     check_species,
@@ -39,6 +39,7 @@ from xnn.app.md_setup import (
     velocities_from_file,
 )
 from xnn.config.md import MDConfig
+from xnn.dynamics.hooks import HookError
 from xnn.dynamics.registry import get_integrator
 from xnn.dynamics.safety import (
     DriftMonitor,
@@ -71,10 +72,20 @@ class _Outputs(RunOutputs):
         files = {"log_rows": self.log.rows, **self.file_sizes()} if self.enabled else {}
         out = {"kind": "md", "ensemble": ensemble, "files": files}
         if self.hooks:
-            out["hooks"] = self.hooks.state_dict()
+            out.update(self.hooks.meta())
         return out
 
     def record(self, state: MDState, integrator, force: bool = False) -> None:
+        """The thermo row, frame and hooks of ``state``'s step; when a hook fails, a
+        checkpoint (its resumed run calls that step's hooks again) and a one-line
+        :class:`~xnn.dynamics.hooks.HookError`."""
+        try:
+            self._record(state, integrator, force)
+        except HookError as err:
+            self.checkpoint(state)
+            raise hook_failed(err, self.dir / "checkpoint.pt") from err
+
+    def _record(self, state: MDState, integrator, force: bool) -> None:
         step = state.step
         if force or step % self.cfg.output.log_every == 0:
             values = observables(state, integrator.conserved, self.par.reduce)
@@ -112,7 +123,7 @@ def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) ->
 
 def _start(cfg: MDConfig, par, device, dtype):
     """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
-    integrator, potential = get_integrator(cfg.ensemble), par.potential
+    integrator = get_integrator(cfg.ensemble)
     if cfg.compile or cfg.cuda_graph:
         integrator = compiled_integrator(cfg, par)
     if cfg.resume:
@@ -121,13 +132,13 @@ def _start(cfg: MDConfig, par, device, dtype):
             if meta.get("ensemble") != cfg.ensemble:
                 raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} "
                                  f"run, not {cfg.ensemble!r}")
-            check_species(potential, state.graph)
+            check_species(par.model, state.graph)
         return integrator, state, meta
     graph, from_file = None, None
     with par.guarded("reading the structure"):
         if par.main:
             graph = load_structure(cfg.structure, cfg.index, device, dtype)
-            check_species(potential, graph)
+            check_species(par.model, graph)
             temps = target_temperatures(cfg, graph.n_systems, graph.positions)
             check_kinetic_dof(cfg, graph, temps)
             from_file = velocities_from_file(cfg, graph)
@@ -135,7 +146,7 @@ def _start(cfg: MDConfig, par, device, dtype):
     graph = par.scatter_graph(graph)
     temps = target_temperatures(cfg, graph.n_systems, graph.positions)
     graph = initial_velocities(cfg, graph, temps, par.reduce, from_file)
-    state = integrator.init(graph, potential, reduce=par.reduce,
+    state = integrator.init(graph, par.potential, reduce=par.reduce,  # chosen by the scatter
                             **integrator_args(cfg, temps))
     return integrator, state, None
 
@@ -170,6 +181,8 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     cfg, device, dtype, par, folder = setup_run(MDConfig, config, overrides, manager)
     hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]  # user targets imported first
     integrator, state, meta = _start(cfg, par, device, dtype)
+    run_hooks = RunHooks(hooks, par, cfg.timestep, meta)
+    state = run_hooks.prepare(state)  # checked before any file; per-atom fields added
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
                                                                  state.positions))
     max_t = (torch.full_like(targets, cfg.safety.max_temperature)
@@ -183,10 +196,11 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     out_dir = open_folder(cfg, folder, manager)
     counts = par.reduce.count_per_system(state.graph.batch, state.n_systems)
     outputs = _Outputs(cfg, par, counts, meta, out_dir)
-    outputs.hooks = RunHooks(hooks, par, out_dir, cfg.timestep, meta,
-                             None if meta is None else state.step)
+    outputs.hooks = run_hooks.open(out_dir, None if meta is None else state.step)
     if meta is None:
         outputs.record(state, integrator, force=True)
+    else:
+        outputs.hooks.resume(state)
     _loop(cfg, integrator, state, outputs, max_t)
     par.write_summary(out_dir / "summary.json")
     if cfg.output.plot and par.main:

@@ -88,8 +88,9 @@ def fixed_mask(frames) -> np.ndarray:
     return np.concatenate(masks)
 
 
-def check_species(potential, graph: AtomicGraph) -> None:
-    check = getattr(potential.model, "check_species", None)
+def check_species(model, graph: AtomicGraph) -> None:
+    """Raise when ``graph`` holds elements ``model`` was not built for."""
+    check = getattr(model, "check_species", None)
     if check is not None:
         check(graph.numbers)
 

@@ -23,11 +23,12 @@ from xnn.app.md_common import (
     run_distributed,
     setup_run,
 )
-from xnn.app.md_hooks import RunHooks, hooks_from_config
+from xnn.app.md_hooks import RunHooks, hook_failed, hooks_from_config
 from xnn.app.md_setup import check_species, load_structure, pressure_to_internal
 from xnn.config.md import RelaxConfig
 from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics import fire
+from xnn.dynamics.hooks import HookError
 from xnn.dynamics.safety import check_forces
 from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError, InputError
@@ -85,7 +86,7 @@ class _RelaxOutputs(RunOutputs):
         out = {"kind": "relax", "settings": _relax_settings(self.cfg),
                "converged": done.tolist(), "files": files}
         if self.hooks:
-            out["hooks"] = self.hooks.state_dict()
+            out.update(self.hooks.meta())
         return out
 
     def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
@@ -123,7 +124,7 @@ def _relax_start(cfg: RelaxConfig, par, device, dtype) -> tuple[MDState, dict | 
     with par.guarded("reading the structure"):
         if par.main:
             graph = load_structure(cfg.structure, cfg.index, device, dtype)
-            check_species(par.potential, graph)
+            check_species(par.model, graph)
             if cfg.resume:
                 state, meta = ckpt.load_checkpoint(cfg.resume, device,
                                                    par.checkpoint_potential, kind="relax")
@@ -163,12 +164,13 @@ def _run_relax(config, overrides: Sequence[str], manager, extra_hooks: Sequence 
     cfg, device, dtype, par, folder = setup_run(RelaxConfig, config, overrides, manager)
     hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]
     state, meta = _relax_start(cfg, par, device, dtype)
+    run_hooks = RunHooks(hooks, par, None, meta)
+    state = run_hooks.prepare(state)  # checked before any file; per-atom fields added
     out_dir = open_folder(cfg, folder, manager)
     n_atoms = int(par.reduce.count_per_system(state.graph.batch, state.n_systems).sum())
     outputs = _RelaxOutputs(cfg, par, n_atoms, meta, out_dir)
     # a relaxation checkpoint is taken before its step's rows: keep the rows before it
-    outputs.hooks = RunHooks(hooks, par, out_dir, None, meta,
-                             None if meta is None else state.step - 1)
+    outputs.hooks = run_hooks.open(out_dir, None if meta is None else state.step - 1)
     state = _relax_loop(cfg, state, outputs)
     full = par.gather(state)
     if par.main:
@@ -197,7 +199,11 @@ def _relax_loop(cfg: RelaxConfig, state: MDState, outputs: _RelaxOutputs) -> MDS
             if every and state.step % every == 0 and state.step != start:
                 outputs.save(state, meta)
                 saved = state.step
-            outputs.record(state, fm, force=bool(done.all()))
+            try:
+                outputs.record(state, fm, force=bool(done.all()))
+            except HookError as err:  # checkpoint before the rows: resumed, they run again
+                outputs.save(state, meta)
+                raise hook_failed(err, outputs.dir / "checkpoint.pt") from err
             if bool(done.all()) or state.step >= cfg.max_steps:
                 break
             check_forces(state, float("inf"), par.reduce)

@@ -282,7 +282,7 @@ def read_systems(cfg: WorkflowConfig, potential, device, dtype) -> list:
     from xnn.data.graph import AtomicGraph
 
     graph = load_structure(cfg.structure, cfg.index, device, dtype)
-    check_species(potential, graph)
+    check_species(potential.model, graph)
     ptr = graph.ptr.tolist()
     out = []
     for s in range(graph.n_systems):  # slices: linear in the number of atoms

@@ -124,6 +124,9 @@ class HookConfig:
     r_max: float = field(6.0, "rdf: largest distance (Å)")
     bins: int = field(200, "rdf: number of bins")
     partials: bool = field(False, "rdf: also the partial g(r) of every species pair")
+    max_pairs: int = field(50_000_000, "rdf: refuse an r_max whose atom pairs per frame "
+                           "(expected from the density, periodic images included; about 180 "
+                           "bytes each in memory) exceed N")
     target: str | None = field(None, "callable: 'package.module:function'")
     format: str = field("ase", "callable in scope rank0: the frame as ase.Atoms (one call "
                         "per system) or as the xnn graph (graph)", choices=("ase", "graph"))
@@ -134,6 +137,7 @@ class HookConfig:
         check_range("hooks.every", self.every, 1)
         check_range("hooks.r_max", self.r_max, 0.0, low_inclusive=False)
         check_range("hooks.bins", self.bins, 1)
+        check_range("hooks.max_pairs", self.max_pairs, 1)
         if self.name not in HOOK_NAMES:
             return  # validate() names the valid choices
         scopes = HOOK_SCOPES[self.name]

@@ -22,6 +22,9 @@ CHARGES = "charges"  # [n_atoms] e, float (initial charges)
 FORCES = "forces"  # [n_atoms, 3] eV/Å, float (labels or results)
 ENERGIES = "energies"  # [n_atoms] per-atom energies eV (results)
 FIXED = "fixed"  # [n_atoms] bool, atoms held fixed in dynamics
+# [n_atoms, 3] Å, float: each atom's (unwrapped) position when the run started, kept by the
+# MSD hook (xnn.dynamics.observers.MSD); moves with the atom, checkpointed by id
+MSD_REFERENCE = "msd_reference"
 
 CELL = "cell"  # [n_systems, 3, 3] Å, rows are lattice vectors
 PBC = "pbc"  # [n_systems, 3] bool
@@ -58,6 +61,7 @@ FIELD_SCOPES: dict[str, str] = {
     FORCES: ATOM,
     ENERGIES: ATOM,
     FIXED: ATOM,
+    MSD_REFERENCE: ATOM,
     CELL: SYSTEM,
     PBC: SYSTEM,
     ENERGY: SYSTEM,

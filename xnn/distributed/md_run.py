@@ -50,29 +50,52 @@ class DomainRun(SerialRun):
     def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
                  order: str = "morton"):
         from xnn.distributed.graph import GraphPotential
+        from xnn.distributed.reducer import GroupReducer
 
         if mode not in ("halo", "graph", "auto"):
             raise InputError(f"dd.mode must be halo, graph or auto, got {mode!r}")
         self.mode, self._args = mode, (model, manager, skin, backend, order)
+        self._potential = None  # auto: chosen when the structure is scattered (_choose)
         if mode == "graph":
             self.potential = GraphPotential(model, manager, skin=skin, order=order,
                                             backend=backend)
-        else:  # auto: replaced when the structure is known (_choose)
+        elif mode == "halo":
             self.potential = DomainPotential(model, manager, skin=skin, mode="auto",
                                              backend=backend)
-        self.reduce = self.potential.reducer
+        self.reduce = GroupReducer(None)  # every rank of the run, whichever potential
         self.main = manager.is_main
         self.size, self.rank = manager.world_size, manager.rank
         self.checkpoint_potential = None  # the ghost plan is rebuilt on resume
         self._meta: dict = {}
         self._reported, self._reported_step = Counters(), 0  # as of the last report line
 
+    @property
+    def potential(self):
+        """What the integrators evaluate (a ``DomainPotential`` or ``GraphPotential``).
+
+        With ``mode="auto"`` it exists once the structure is scattered
+        (:meth:`scatter_graph`, :meth:`scatter_state`): take it after that, never keep one
+        from before."""
+        if self._potential is None:
+            raise RuntimeError("dd.mode=auto chooses the potential from the structure: read "
+                               "DomainRun.potential after scatter_graph or scatter_state")
+        return self._potential
+
+    @potential.setter
+    def potential(self, value) -> None:
+        self._potential = value
+
+    @property
+    def model(self):
+        """The model every rank evaluates (also before the potential is chosen)."""
+        return self._args[0]
+
     def guarded(self, phase: str):
         return C.guarded(None, phase)
 
     def _choose(self, graph) -> None:
         """``mode="auto"``: halo or graph from rank 0's ``graph`` (once; collective)."""
-        if self.mode != "auto":
+        if self._potential is not None:
             return
         from xnn.distributed.graph.auto import make_potential
 

@@ -14,25 +14,59 @@ three scopes:
   (every atom, in global-id order).
 
 So a hook's result does not depend on how many processes hold the atoms (up to the
-round-off of a sum in another order). Hooks hold their results (:meth:`Hook.result`, for
-Python) and give rows for a CSV file (:meth:`Hook.rows`); writing files is the
-application's (:mod:`xnn.app.md`: ``output.dir/hooks/<name>.csv``). This module writes no
-files and imports nothing from ``torch.distributed``: the decomposed run layer supplies the
-reducer and the gather (:class:`~xnn.dynamics.parallel.SerialRun` in one process).
+round-off of a sum in another order). Memory per process is of its owned atoms: what a hook
+keeps per atom lives in the state as a per-atom field (:meth:`Hook.prepare`), which moves
+with the atoms between processes and goes into checkpoints by atom id. Hooks hold their
+results (:meth:`Hook.result`, for Python) and give rows for a CSV file (:meth:`Hook.rows`);
+writing files is the application's (:mod:`xnn.app.md`: ``output.dir/hooks/<name>.csv``).
+This module writes no files and imports nothing from ``torch.distributed``: the decomposed
+run layer supplies the reducer and the gather (:class:`~xnn.dynamics.parallel.SerialRun`
+in one process).
+
+A hook that raises ends the run with a :class:`HookError` on every process (naming the hook
+and the step); the hooks of that step run all or nothing (:meth:`HookRunner.__call__`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from xnn.dynamics.reduce import Reducer
 from xnn.dynamics.state import MDState
-from xnn.errors import InputError
+from xnn.errors import InputError, XnnError
 
 SCOPES = ("owned", "global", "rank0")
+_UNSAFE = ("/", "\\", ":")  # path separators and Windows drives
+
+
+class HookError(XnnError):
+    """A hook failed during a run: it raised, or returned values the runner refuses.
+
+    Attributes:
+        hook: the hook's name. step: the step it failed at.
+    """
+
+    def __init__(self, message: str, hook: str, step: int):
+        super().__init__(message)
+        self.hook, self.step = hook, step
+
+
+def check_name(name) -> str:
+    """``name`` if it can name the hook's file ``hooks/<name>.csv`` inside the run's output
+    folder (not empty, no path separator, ``:``, control character or leading ``.``, at
+    most 200 bytes), else :class:`~xnn.errors.InputError`."""
+    text = str(name)
+    if (not text.strip() or text.startswith(".") or any(c in text for c in _UNSAFE)
+            or any(ord(c) < 32 for c in text) or len(text.encode()) > 200):
+        raise InputError(f"hook label {text!r} must be a plain file name, as it names "
+                         "hooks/LABEL.csv inside output.dir: not empty, no '/', '\\' or "
+                         "':', no leading '.', at most 200 bytes")
+    return text
 
 
 def reduce_sum(reduce: Reducer, value: Tensor) -> Tensor:
@@ -72,9 +106,10 @@ class Hook:
     accumulates = False
 
     def __init__(self, every: int, name: str):
+        name = check_name(name)
         if int(every) != every or every < 1:
             raise InputError(f"hook {name!r}: every must be a positive integer, got {every!r}")
-        self.every, self.name = int(every), str(name)
+        self.every, self.name = int(every), name
         self.columns: tuple[str, ...] | None = None
         self.history: list[tuple] = []  # every row so far (series hooks)
         self._rows: list[tuple] = []
@@ -106,6 +141,25 @@ class Hook:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (every process; a resumed run)."""
         return None
+
+    def prepare(self, state: MDState, reduce: Reducer) -> MDState:
+        """Called once on every process before the run writes anything: raise
+        :class:`~xnn.errors.InputError` if the hook cannot observe this run, and return
+        ``state`` with the per-atom fields the hook keeps (declared with
+        :func:`xnn.data.keys.register_field`; they move with the atoms). Collectives through
+        ``reduce`` are allowed. Default: ``state`` unchanged."""
+        return state
+
+    def snapshot(self) -> tuple:
+        """Everything a failed call may have changed (restored by :meth:`restore`)."""
+        return (copy.deepcopy(self.state_dict()), len(self.history), list(self._rows),
+                self.columns)
+
+    def restore(self, saved: tuple) -> None:
+        """Back to :meth:`snapshot` (the hooks of a failed step are undone)."""
+        state, n, self._rows, self.columns = saved
+        self.load_state_dict(state)
+        del self.history[n:]
 
 
 class GlobalHook(Hook):
@@ -165,12 +219,12 @@ class HookRunner:
             or the decomposed run.
         timestep: fs per step, for the ``time_fs`` column (``None``: NaN, e.g. relaxation).
 
-    Every process must call :meth:`__call__` at the same steps (the collectives inside are
-    taken by every process together).
+    Every process must call :meth:`prepare` once, then :meth:`__call__` at the same steps
+    (the collectives inside are taken by every process together).
     """
 
     def __init__(self, hooks: Sequence[Hook], run, timestep: float | None = None):
-        names = [h.name for h in hooks]
+        names = [check_name(h.name) for h in hooks]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise InputError(f"hook names must be unique, {dup} repeat: give each a name")
@@ -182,12 +236,35 @@ class HookRunner:
         self._ready: set[str] = set()
         self.last_step: int | None = None
 
+    def prepare(self, state: MDState) -> MDState:
+        """``state`` with every hook's per-atom fields (:meth:`Hook.prepare`), after checking
+        that each hook can observe it; call once before the first :meth:`__call__` and
+        continue from the returned state. Collective."""
+        for h in self.hooks:
+            state = h.prepare(state, self.run.reduce)
+        return state
+
     def __call__(self, state: MDState) -> list[Hook]:
-        """Run the hooks due at ``state.step`` (once per step); returns those that ran."""
+        """Run the hooks due at ``state.step`` (once per step); returns those that ran.
+
+        All or nothing: when a hook fails (on any process), every hook due at this step is
+        restored to before it, and :class:`HookError` (naming the hook and the step) is
+        raised on every process; a checkpoint written then resumes the hooks at this step.
+        """
         due = [h for h in self.hooks if h.due(state.step)]
         if not due or state.step == self.last_step:
             return []
+        saved = [h.snapshot() for h in due]
+        try:
+            self._run(due, state)
+        except HookError:
+            for h, s in zip(due, saved):
+                h.restore(s)
+            raise
         self.last_step = state.step
+        return due
+
+    def _run(self, due: list[Hook], state: MDState) -> None:
         reduce, step = self.run.reduce, state.step
         t = float("nan") if self.timestep is None else step * self.timestep
         for h in due:
@@ -196,55 +273,75 @@ class HookRunner:
                     h.setup(state, reduce)
                     self._ready.add(h.name)
                 part = {}
-                with self.run.guarded(f"hook {h.name!r} at step {step}"):
+                with self._running(h, step):
                     part = h.partial(state)
                 sums = {k: reduce_sum(reduce, torch.as_tensor(v, device=state.positions.device))
                         for k, v in sorted(part.items())}
-                h.update(step, t, sums)
+                with self._running(h, step):
+                    h.update(step, t, sums)
             elif h.scope == "owned":
                 self._owned(h, state, step, t)
         if any(h.scope == "rank0" for h in due):
             full = self.run.gather(state)
-            with self.run.guarded(f"running the rank0 hooks at step {step}"):
-                if self.run.main:
-                    for h in due:
-                        if h.scope == "rank0":
+            for h in due:
+                if h.scope == "rank0":
+                    with self._running(h, step):
+                        if self.run.main:
                             h.observe(full, t)
-        return due
+
+    @contextlib.contextmanager
+    def _running(self, hook: Hook, step: int) -> Iterator[None]:
+        """A block of ``hook``'s own work (no collective inside): its failure on any
+        process raises :class:`HookError` on every process."""
+        try:
+            with self.run.guarded("the hooks"):
+                try:
+                    yield
+                except Exception as err:  # noqa: BLE001 - the user's code: any error
+                    detail = str(err) if isinstance(err, XnnError) else \
+                        f"{type(err).__name__}: {err}"
+                    raise HookError(f"hook {hook.name!r} failed at step {step}: {detail}",
+                                    hook.name, step) from err
+        except HookError:
+            raise
+        except XnnError as err:  # another process's hook failed (the run layer's agreement)
+            raise HookError(str(err), hook.name, step) from err
 
     def _owned(self, hook: OwnedHook, state: MDState, step: int, t: float) -> None:
         reduce, g = self.run.reduce, state.graph
         values = g.positions.new_zeros((g.n_atoms, 0))
-        with self.run.guarded(f"hook {hook.name!r} at step {step}"):
+        with self._running(hook, step):
             values = torch.as_tensor(hook.per_atom(state), device=g.device)
             if values.shape[:1] != (g.n_atoms,):
-                raise InputError(f"hook {hook.name!r} returned {tuple(values.shape)} values "
-                                 f"for {g.n_atoms} owned atoms; return [n_atoms] or "
+                raise InputError(f"it returned {tuple(values.shape)} values for "
+                                 f"{g.n_atoms} owned atoms; return [n_atoms] or "
                                  "[n_atoms, k]")
         values = values.detach().to(g.positions.dtype)
         values = values[:, None] if values.ndim == 1 else values.reshape(g.n_atoms, -1)
         width = torch.tensor([float(values.shape[1])], dtype=torch.float64, device=g.device)
         zero = torch.zeros(1, dtype=torch.long, device=g.device)
         k = int(reduce.max_per_system(width, zero, 1)[0])  # processes without atoms agree
-        with self.run.guarded(f"hook {hook.name!r} at step {step}"):
+        with self._running(hook, step):
             if g.n_atoms and values.shape[1] != k:
-                raise InputError(f"hook {hook.name!r} returned {values.shape[1]} values per "
-                                 f"atom here and {k} on another process; return the same "
-                                 "number everywhere")
+                raise InputError(f"it returned {values.shape[1]} values per atom here and "
+                                 f"{k} on another process; return the same number "
+                                 "everywhere")
         if values.shape[1] != k:
             values = values.new_zeros((g.n_atoms, k))
         gather = getattr(self.run, "gather_atoms", None)
         if gather is not None:  # a decomposed run: gathered to the main process by id
             got = gather(g, values)
-            if self.run.main:
-                hook.update(step, t, *got)
+            with self._running(hook, step):
+                if self.run.main:
+                    hook.update(step, t, *got)
             return
         count = n_ids(g, reduce)  # else: placed by id with the reducer (one process: local)
         table = by_id(values, g.atom_id, count, reduce)
         held = by_id(torch.ones_like(g.atom_id, dtype=values.dtype), g.atom_id, count, reduce)
-        if self.run.main:
-            ids = torch.nonzero(held > 0).flatten()
-            hook.update(step, t, ids, table.index_select(0, ids))
+        with self._running(hook, step):
+            if self.run.main:
+                ids = torch.nonzero(held > 0).flatten()
+                hook.update(step, t, ids, table.index_select(0, ids))
 
     def results(self) -> dict[str, dict]:
         """Every hook's :meth:`Hook.result` by name (main process)."""

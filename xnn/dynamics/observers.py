@@ -14,13 +14,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from xnn.data import keys as K
 from xnn.dynamics.callable_hooks import (
     FrameCallable,
     GlobalCallable,
     OwnedCallable,
     load_target,
 )
-from xnn.dynamics.hooks import SCOPES, GlobalHook, Rank0Hook, by_id, n_ids
+from xnn.dynamics.hooks import SCOPES, GlobalHook, Rank0Hook
 from xnn.dynamics.reduce import Reducer
 from xnn.dynamics.state import MDState, free_mask
 from xnn.errors import InputError
@@ -30,6 +31,9 @@ __all__ = ["RDF", "MSD", "SpeciesTemperature", "FrameCallable", "OwnedCallable",
            "GlobalCallable", "build_hook", "HOOKS"]
 
 N_Z = 119  # atomic numbers 0..118: species groups are system * N_Z + Z
+#: the RDF refuses an ``r_max`` whose pairs per frame (estimated from the density, periodic
+#: images included) exceed this: about 180 bytes each while a frame's histogram is made
+RDF_MAX_PAIRS = 50_000_000
 
 
 def _symbol(z: int) -> str:
@@ -59,24 +63,34 @@ class RDF(Rank0Hook):
     ``get_rdf``), so ``g = sum_ab c_a c_b g_ab``. Rows: ``system, r_A, g[, g_A_B...]`` with
     ``r_A`` the bin centre (Å).
 
+    A frame's pairs are held in memory at once (about 180 bytes per pair): an ``r_max``
+    whose expected pairs per frame, ``sum_s N_s² (4π/3) r_max³ / V_s``, exceed
+    ``max_pairs`` is refused before the run (and at any frame, e.g. after NPT shrank the
+    cell), with the largest ``r_max`` that fits.
+
     Args:
         every: steps between frames. r_max: largest distance (Å). bins: number of bins.
         partials: also the partial RDF of every species pair.
         backend: neighbor-list backend.
+        max_pairs: the most pairs per frame (default :data:`RDF_MAX_PAIRS`).
     """
 
     accumulates = True
 
     def __init__(self, every: int = 10, r_max: float = 6.0, bins: int = 200,
-                 partials: bool = False, name: str = "rdf", backend: str = "auto"):
+                 partials: bool = False, name: str = "rdf", backend: str = "auto",
+                 max_pairs: int = RDF_MAX_PAIRS):
         super().__init__(every, name)
         if not (r_max > 0 and math.isfinite(r_max)):
             raise InputError(f"hook {name!r}: r_max must be a positive number of Å, "
                              f"got {r_max!r}")
         if int(bins) != bins or bins < 1:
             raise InputError(f"hook {name!r}: bins must be a positive integer, got {bins!r}")
+        if int(max_pairs) != max_pairs or max_pairs < 1:
+            raise InputError(f"hook {name!r}: max_pairs must be a positive integer, got "
+                             f"{max_pairs!r}")
         self.r_max, self.bins, self.partials = float(r_max), int(bins), bool(partials)
-        self.backend = backend
+        self.backend, self.max_pairs = backend, int(max_pairs)
         self.frames = 0
         self.sum_g: Tensor | None = None  # [n_systems, bins]
         self.sum_partial: Tensor | None = None  # [n_systems, n_species, n_species, bins]
@@ -88,14 +102,40 @@ class RDF(Rank0Hook):
         edges = np.linspace(0.0, self.r_max, self.bins + 1)
         return 0.5 * (edges[:-1] + edges[1:])
 
+    def prepare(self, state: MDState, reduce: Reducer) -> MDState:
+        """Refuse a run it cannot observe: a cell not periodic on all axes, or more pairs
+        per frame than ``max_pairs``. Collective (the atom counts)."""
+        g = state.graph
+        self.check(g.pbc, reduce.count_per_system(g.batch, g.n_systems), g.volume())
+        return state
+
+    def check(self, pbc: Tensor, n_atoms: Tensor, volume: Tensor) -> None:
+        """Raise :class:`~xnn.errors.InputError` unless every system is periodic on all axes
+        (``pbc [n_systems, 3]``) and the expected pairs of ``n_atoms [n_systems]`` in
+        ``volume [n_systems]`` (Å³) within ``r_max`` fit ``max_pairs``."""
+        if not bool(pbc.all()):
+            raise InputError(f"hook {self.name!r}: the RDF needs a periodic cell on all three "
+                             "axes (its normalization uses the cell volume)")
+        n, vol = n_atoms.detach().double().cpu(), volume.detach().double().cpu()
+        per_r3 = float((n * n / vol).sum()) * 4.0 / 3.0 * math.pi  # pairs / r_max³
+        pairs = per_r3 * self.r_max ** 3
+        if pairs > self.max_pairs:
+            fit = (self.max_pairs / per_r3) ** (1.0 / 3.0)
+            raise InputError(f"hook {self.name!r}: r_max={self.r_max:g} Å needs about "
+                             f"{pairs:.2g} atom pairs per frame in memory ({int(n.sum())} "
+                             f"atoms in {float(vol.sum()):.4g} Å³, periodic images "
+                             f"included, ~180 bytes each), more than max_pairs="
+                             f"{self.max_pairs:.3g}: use r_max <= {math.floor(fit * 10) / 10:g} "
+                             "Å or raise max_pairs")
+
     def frame(self, graph) -> tuple[Tensor, Tensor | None]:
         """``g [n_systems, bins]`` (and the partials) of one frame ``graph``."""
         from xnn.neighbors import neighbor_list
 
-        if not bool(graph.pbc.all()):
-            raise InputError(f"hook {self.name!r}: the RDF needs a periodic cell on all three "
-                             "axes (its normalization uses the cell volume)")
         pos, cell, batch = graph.positions.detach(), graph.cell.detach(), graph.batch
+        n = torch.zeros(graph.n_systems, dtype=pos.dtype, device=pos.device).index_add(
+            0, batch, torch.ones_like(pos[:, 0]))
+        self.check(graph.pbc, n, graph.volume())
         ei, sh = neighbor_list(pos, cell, graph.pbc, self.r_max, batch, self.backend)
         j, i = ei[0], ei[1]
         shift = torch.einsum("ek,ekl->el", sh.to(pos.dtype), cell[batch[i]])
@@ -110,8 +150,6 @@ class RDF(Rank0Hook):
         ones = torch.ones_like(d)
         hist = torch.zeros(n_sys * self.bins, dtype=pos.dtype, device=pos.device)
         hist = hist.index_add(0, batch[i] * self.bins + k, ones).reshape(n_sys, self.bins)
-        n = torch.zeros(n_sys, dtype=pos.dtype, device=pos.device).index_add(
-            0, batch, torch.ones_like(pos[:, 0]))
         g = hist * vol[:, None] / (n[:, None] ** 2 * shell)
         if not self.partials:
             return g, None
@@ -182,12 +220,15 @@ class RDF(Rank0Hook):
 
 # ----------------------------------------------------------------------------- MSD
 class MSD(GlobalHook):
-    """Mean squared displacement from the first frame it sees, per system and species.
+    """Mean squared displacement from the start of the run, per system and species.
 
-    Positions in xnn are never wrapped into the cell, so the displacement of an atom
-    (matched by global id) is its true displacement. The first frame's positions are kept
-    by id on every process (``[n_ids, 3]``). Rows: ``step, time_fs, system, species,
-    n_atoms, msd_A2`` (Å²), species ``all`` first.
+    Positions in xnn are never wrapped into the cell, so the displacement of an atom is its
+    true displacement. Each atom's position at the start is the per-atom field
+    ``msd_reference`` of the state (:meth:`prepare`): it moves with the atom between
+    processes (a process holds its owned atoms' rows only) and a checkpoint keeps it, so a
+    resumed run measures from the original start (from the resumed step when the
+    checkpoint has none). Rows: ``step, time_fs, system, species, n_atoms, msd_A2`` (Å²),
+    species ``all`` first.
     """
 
     columns = ("step", "time_fs", "system", "species", "n_atoms", "msd_A2")
@@ -195,18 +236,25 @@ class MSD(GlobalHook):
     def __init__(self, every: int = 10, name: str = "msd"):
         super().__init__(every, name)
         self.columns = MSD.columns
-        self.reference: Tensor | None = None  # [n_ids, 3] Å
-        self._saved: Tensor | None = None  # its CPU copy, for checkpoints
+        self._by_id: Tensor | None = None  # [n_ids, 3]: a checkpoint of xnn <= 2026-12
 
-    def setup(self, state: MDState, reduce: Reducer) -> None:
-        if self.reference is None:
-            g = state.graph
-            self.reference = by_id(g.positions.detach(), g.atom_id, n_ids(g, reduce), reduce)
+    def prepare(self, state: MDState, reduce: Reducer) -> MDState:
+        """``state`` with ``msd_reference`` (its positions, unless it has one)."""
+        g = state.graph
+        if K.MSD_REFERENCE in g:
+            return state
+        ref = g.positions.detach().clone()
+        if self._by_id is not None:  # an older checkpoint kept every atom's row by id
+            ref = self._by_id.to(ref).index_select(0, g.atom_id)
+            self._by_id = None
+        return state.replace(graph=g.replace({K.MSD_REFERENCE: ref}))
 
     def partial(self, state: MDState) -> dict[str, Tensor]:
         g = state.graph
-        ref = self.reference.to(g.positions)
-        disp = g.positions.detach() - ref.index_select(0, g.atom_id)
+        if K.MSD_REFERENCE not in g:
+            raise InputError(f"hook {self.name!r}: the state has no msd_reference; continue "
+                             "from the state HookRunner.prepare returned")
+        disp = g.positions.detach() - g[K.MSD_REFERENCE]
         return {"sq": _group_sum((disp * disp).sum(-1), g),
                 "n": _group_sum(torch.ones_like(disp[:, 0]), g)}
 
@@ -214,13 +262,8 @@ class MSD(GlobalHook):
         _species_rows(self, step, time_fs, sums["n"], [sums["sq"]],
                       lambda n, sq: [sq / n])
 
-    def state_dict(self) -> dict:
-        if self._saved is None and self.reference is not None:
-            self._saved = self.reference.cpu()  # once: the reference does not change
-        return {"reference": self._saved}
-
     def load_state_dict(self, state: dict) -> None:
-        self.reference = self._saved = state["reference"]
+        self._by_id = state.get("reference")  # absent since the reference is in the state
 
 
 def _species_rows(hook, step, time_fs, n: Tensor, values: list[Tensor], fn) -> None:
@@ -285,16 +328,18 @@ DEFAULT_SCOPE = {"rdf": "rank0", "msd": "global", "species_temperature": "global
 
 def build_hook(name: str, every: int, scope: str | None = None, r_max: float = 6.0,
                bins: int = 200, partials: bool = False, target: str | Callable | None = None,
-               frame_format: str = "ase", label: str | None = None):
+               frame_format: str = "ase", label: str | None = None,
+               max_pairs: int = RDF_MAX_PAIRS):
     """A built-in hook by ``name`` (one of :data:`HOOKS`).
 
     Args:
         every: steps between calls. scope: ``None`` (the hook's own) or one it supports
             (``callable``: any of ``owned``, ``global``, ``rank0``).
-        r_max, bins, partials: of ``rdf``. target: of ``callable``: a function or
+        r_max, bins, partials, max_pairs: of ``rdf``. target: of ``callable``: a function or
             ``"package.module:function"``. frame_format: ``callable`` in ``rank0``:
             ``ase`` or ``graph``. label: the file name (default: ``name``; for a callable
-            the function's name).
+            the function's name); a plain file name (:func:`~xnn.dynamics.hooks.
+            check_name`).
     """
     if name not in HOOKS:
         raise InputError(f"unknown hook {name!r}; choose one of {list(HOOKS)}")
@@ -306,11 +351,11 @@ def build_hook(name: str, every: int, scope: str | None = None, r_max: float = 6
         if target is None:
             raise InputError("hook 'callable' needs target: 'package.module:function'")
         fn = load_target(target) if isinstance(target, str) else target
-        label = label or getattr(fn, "__name__", "callable")
+        label = getattr(fn, "__name__", "callable") if label is None else label
         if scope == "rank0":
             return FrameCallable(fn, every, label, frame_format)
         return (OwnedCallable if scope == "owned" else GlobalCallable)(fn, every, label)
-    label = label or name
+    label = name if label is None else label
     if name == "rdf":
-        return RDF(every, r_max, bins, partials, label)
+        return RDF(every, r_max, bins, partials, label, max_pairs=max_pairs)
     return (MSD if name == "msd" else SpeciesTemperature)(every, label)

@@ -20,7 +20,9 @@ class SerialRun:
     """One process holding every atom: the potential as given, states unchanged.
 
     Attributes:
-        potential: what the integrators evaluate.
+        potential: what the integrators evaluate (read it after :meth:`scatter_graph` or
+            :meth:`scatter_state`: a decomposed run may choose it from the structure).
+        model: the potential's model (species checks before the structure is scattered).
         reduce: the global reductions (here, plain per-system sums).
         main: this process writes the files.
         checkpoint_potential: whose neighbor list a checkpoint stores (``None``: none).
@@ -33,6 +35,11 @@ class SerialRun:
     def __init__(self, potential):
         self.potential = potential
         self.checkpoint_potential = potential
+
+    @property
+    def model(self):
+        """The model the potential evaluates."""
+        return self.potential.model
 
     def guarded(self, phase: str):
         """A block of rank-local work whose failure every rank learns of (here: nothing)."""

@@ -28,6 +28,7 @@ from xnn.errors import InputError
 from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.models.cueq import set_kernel_backend
+from xnn.models.trust import granted
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
 from xnn.training.ema import EMA
@@ -98,8 +99,13 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
+    with granted(cfg.model.trust_file):  # the caller's trust in the files the config names
+        return _pretrained_or_new(cfg, splits, logger)
+
+
+def _pretrained_or_new(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
     if cfg.pretrained:
-        model = load_pretrained(cfg.pretrained)
+        model = load_pretrained(cfg.pretrained, trust=cfg.model.trust_file)
         if not isinstance(getattr(model, "hparams", None), dict):
             # checkpoints store native hyperparameters + weights; wrappers of external
             # models (mace, sevenn) have neither: refuse now rather than after an epoch

@@ -51,6 +51,7 @@ def _load_module(source: str | os.PathLike | bytes, trust: bool = False) -> nn.M
     """Unpickle a mace-torch module from a file path or bytes (only with ``trust=True``)."""
     from xnn.models.trust import require
 
+    import_extra("mace", "mace", "mace.modules")
     where = "<bytes>" if isinstance(source, bytes) else str(source)
     if not isinstance(source, bytes) and not Path(source).is_file():
         raise ModelFileError(f"MACE model file {where} does not exist")
@@ -61,7 +62,6 @@ def _load_module(source: str | os.PathLike | bytes, trust: bool = False) -> nn.M
                 reason="runs code from the file when unpickled")
     else:
         require(f"MACE model file {where}", trust, DIRECT_HINT)  # the caller's trust only
-    import_extra("mace", "mace", "mace.modules")
     f = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
         with preserved_environ():

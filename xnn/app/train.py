@@ -99,13 +99,15 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
-    with granted(cfg.model.trust_file):  # the caller's trust in the files the config names
+    # model.trust_file: the caller's trust in every file the config names (pretrained=,
+    # model_file terms), for every load below (xnn.models.trust.granted)
+    with granted(cfg.model.trust_file):
         return _pretrained_or_new(cfg, splits, logger)
 
 
 def _pretrained_or_new(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
     if cfg.pretrained:
-        model = load_pretrained(cfg.pretrained, trust=cfg.model.trust_file)
+        model = load_pretrained(cfg.pretrained)
         if not isinstance(getattr(model, "hparams", None), dict):
             # checkpoints store native hyperparameters + weights; wrappers of external
             # models (mace, sevenn) have neither: refuse now rather than after an epoch

@@ -76,6 +76,16 @@ def _header() -> dict:
     return {**header, "dtype": "float64"}
 
 
+def _has(extra: str) -> bool:
+    from xnn.models.external._optional import MissingExtraError, import_extra
+
+    try:
+        import_extra(extra, extra)
+    except MissingExtraError:
+        return False
+    return True
+
+
 def _tiny_mace():
     """A random-weight mace-torch ScaleShiftMACE for Si and Cu (float64), or None."""
     try:
@@ -160,7 +170,7 @@ class Workspace:
 
     def _variants(self) -> dict:
         evil = {}
-        for name in ("mace", "mace-untrusted", "sevenn"):
+        for name in ("mace", "mace-untrusted", "sevenn", "sevenn-untrusted"):
             evil[name] = self.d / f"ran-{name}"
             self._pickle(f"{name}.bin", Marker(evil[name]))
         legacy_marker = self.d / "ran-legacy"
@@ -171,7 +181,7 @@ class Workspace:
         by_terms.write_bytes(_torch_bytes({**self.header, "name": "sum", "kind": "xnn-sum-terms",
                                            "terms": [self._legacy_mace(terms_marker)],
                                            "trainable": [True]}))
-        return {
+        variants = {
             "mace model=PATH, trust": (self._sum_file(
                 "sum-mace", [self._mace_term(self.d / "mace.bin")]), evil["mace"]),
             "mace model=PATH": (self._sum_file(
@@ -183,9 +193,17 @@ class Workspace:
             "model_file of a pickled MACE, trust": (self._sum_file(
                 "sum-legacy", [{"model_file": str(legacy), "trust": True}]), legacy_marker),
             "pickled MACE term": (by_terms, terms_marker),
+            "sevenn checkpoint=PATH": (self._sum_file(
+                "sum-sevenn-untrusted", [{"name": "sevenn",
+                                          "checkpoint": str(self.d / "sevenn-untrusted.bin")}]),
+                evil["sevenn-untrusted"]),
             "model_file": (self._sum_file("sum-native", [{"model_file": str(self.schnet)}]),
                            None),
         }
+        # without `trust` the wrapper itself refuses, after importing its package
+        needs = {"mace model=PATH": "mace", "pickled MACE term": "mace",
+                 "sevenn checkpoint=PATH": "sevenn"}
+        return {k: v for k, v in variants.items() if k not in needs or _has(needs[k])}
 
     def checkpoint_of(self, model_file: Path) -> Path:
         """A training checkpoint whose ``model`` is the sum of ``model_file`` (as data)."""

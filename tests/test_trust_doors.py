@@ -435,3 +435,19 @@ def test_a_files_trust_counts_for_nothing_with_python_calls(ws):
     assert not marker.exists()
     model = load_pretrained(str(ws.checkpoint_of(ws.trusted_native)), trust=True)
     assert isinstance(model.terms[0], type(xnn.load_model(ws.schnet)))
+
+
+@pytest.mark.slow  # builds SevenNet-0 twice (~15 s here)
+def test_a_named_sevenn_checkpoint_needs_no_trust(tmp_path):
+    """Names of checkpoints that ``sevenn`` ships are not files: a file naming one loads
+    without trust, as a direct ``build("sevenn", checkpoint="7net-0")`` does."""
+    if not _has("sevenn"):
+        pytest.skip("sevenn is not installed")
+    state = Sum([build("sevenn", checkpoint="7net-0")]).state_dict()
+    path = tmp_path / "sum-7net.pt"
+    path.write_bytes(_torch_bytes({**_header(), "dtype": "float32", "name": "sum",
+                                   "hparams": {"terms": [{"name": "sevenn",
+                                                          "checkpoint": "7net-0"}]},
+                                   "state_dict": state}))
+    model = xnn.load_model(path)
+    assert model.terms[0].source == "7net-0"

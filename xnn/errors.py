@@ -19,3 +19,7 @@ class ModelFileError(XnnError):
 
 class UnknownSpeciesError(InputError):
     """A structure holds elements the model was not built for."""
+
+
+class TrustError(ModelFileError):
+    """A file that asks for trust the caller did not give (it would run code from a file)."""

@@ -19,8 +19,10 @@ from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
     """A :class:`~xnn.models.Potential` for ``model.file`` or ``model.name`` + ``model.params``
-    (summed with the ``model.add`` terms, if any)."""
+    (summed with the ``model.add`` terms, if any). ``model.trust_file`` is the caller's trust
+    in every model file the config names (:mod:`xnn.models.trust`)."""
     from xnn.models import Potential, build
+    from xnn.models.trust import granted
 
     cfg.check_source()
     if cfg.file is not None:
@@ -31,7 +33,8 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
         refuse_non_model_file(cfg.file)  # truncated, or a training/MD checkpoint
         model = load_model(cfg.file, map_location=device, trust=cfg.trust_file)
     else:
-        model = build(cfg.name, **dict(cfg.params))
+        with granted(cfg.trust_file):
+            model = build(cfg.name, **dict(cfg.params))
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):
         raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
     if cfg.kernel_backend != "saved":
@@ -44,7 +47,8 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
     if cfg.add:
         from xnn.models import Sum
 
-        model = Sum([model, *[dict(t) if isinstance(t, dict) else t for t in cfg.add]])
+        with granted(cfg.trust_file):
+            model = Sum([model, *[dict(t) if isinstance(t, dict) else t for t in cfg.add]])
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -28,6 +28,7 @@ from xnn.errors import InputError
 from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.models.cueq import set_kernel_backend
+from xnn.models.trust import granted
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
 from xnn.training.ema import EMA
@@ -98,6 +99,13 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
+    # model.trust_file: the caller's trust in every file the config names (pretrained=,
+    # model_file terms), for every load below (xnn.models.trust.granted)
+    with granted(cfg.model.trust_file):
+        return _pretrained_or_new(cfg, splits, logger)
+
+
+def _pretrained_or_new(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
     if cfg.pretrained:
         model = load_pretrained(cfg.pretrained)
         if not isinstance(getattr(model, "hparams", None), dict):

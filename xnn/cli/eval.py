@@ -23,8 +23,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--forces-key", default="forces", help="forces label key (default forces)")
     p.add_argument("--stress-key", default="stress", help="stress label key (default stress)")
     p.add_argument("--trust-file", action="store_true",
-                   help="also load a model file that holds pickled code (a MACE wrapper saved "
-                   "by an earlier xnn); it can run code: only for files you trust")
+                   help="trust MODEL: it may unpickle what it holds or names (MACE models "
+                   "saved by an earlier xnn, files named in its hyperparameters), which can "
+                   "run code; only for files you trust")
     p.set_defaults(func=run)
     return p
 

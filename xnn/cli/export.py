@@ -35,6 +35,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="output file (default: MODEL with suffix .<format>.pt2 / .pt)")
     p.add_argument("--dtype", default=None, choices=["float64", "float32"],
                    help="dtype of the artefact (default: the model's)")
+    p.add_argument("--trust-file", action="store_true",
+                   help="trust MODEL: it may unpickle what it holds or names (MACE models "
+                   "saved by an earlier xnn, files named in its hyperparameters), which can "
+                   "run code; only for files you trust")
     p.set_defaults(func=run)
     return p
 
@@ -46,7 +50,7 @@ def run(args) -> int:
 
     from xnn.models.serialization import export_model, load_model
 
-    model = load_model(args.model)
+    model = load_model(args.model, trust=args.trust_file)
     if args.dtype is not None:
         model = model.to(getattr(torch, args.dtype))
     src = Path(args.model)

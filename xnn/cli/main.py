@@ -1,10 +1,18 @@
 """The ``xnn`` command. Each subcommand lives in its own module under ``xnn.cli`` and
-provides ``add_parser(subparsers)`` and ``run(args) -> int``; heavy imports happen in ``run``."""
+provides ``add_parser(subparsers)`` and ``run(args) -> int``; heavy imports happen in ``run``.
+
+Import path. Hooks (``target: package.module:function``) import code by name. The ``xnn``
+command does not look for modules in the working directory; ``python -m xnn`` and
+``torchrun -m xnn`` would (Python puts the working directory first on ``sys.path`` for
+``-m``), so :func:`drop_working_directory` removes that entry and the three behave the same.
+A user who wants ``./mymod.py`` importable says so with ``PYTHONPATH=.``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -52,6 +60,15 @@ def one_line(message: str) -> str:
     return " ".join(_ANSI.sub("", message).split())
 
 
+def drop_working_directory() -> None:
+    """Remove the working directory that ``python -m`` put first on ``sys.path`` (entries the
+    user added with ``PYTHONPATH`` stay; nothing is removed under ``python -P``)."""
+    if sys.flags.safe_path or not sys.path:
+        return
+    if sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -69,4 +86,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    drop_working_directory()
     sys.exit(main())

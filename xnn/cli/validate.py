@@ -25,8 +25,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="model file (xnn save_model) or built-in spec, e.g. lj or "
                    "lj:sigma=2.3,epsilon=0.4,cutoff=5.0 or painn:cutoff=4.0 (random weights)")
     p.add_argument("--trust-file", action="store_true",
-                   help="also load a model file that holds pickled code (a MACE wrapper saved "
-                   "by an earlier xnn); it can run code: only for files you trust")
+                   help="trust the --model file (or the file a spec names): it may unpickle "
+                   "what it holds or names (MACE models saved by an earlier xnn, files named "
+                   "in its hyperparameters), which can run code; only for files you trust")
     p.add_argument("--structure", required=True, help="structure file (any ASE format)")
     p.add_argument("--index", default="-1", help="structure index in the file (default -1)")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"],

@@ -17,9 +17,11 @@ PRESSURE_UNITS = ("GPa", "bar")
 @dataclass
 class MDModelConfig:
     file: str | None = field(None, "model file written by xnn train / xnn.save_model")
-    trust_file: bool = field(False, "also load model files that hold pickled code (MACE "
-                             "wrappers saved by an earlier xnn): it can run code, only for files "
-                             "you trust")
+    trust_file: bool = field(False, "trust the model files this config names (model.file, "
+                             "model_file terms, a MACE .model or SevenNet checkpoint in "
+                             "model.params): they may unpickle what they hold or name, which "
+                             "can run code; only for files you trust (a file never grants "
+                             "trust by itself)")
     name: str | None = field(None, "built-in model by registry name instead of a file (e.g. lj)")
     params: dict[str, Any] = field({}, "hyperparameters of the built-in model (e.g. sigma, "
                                    "epsilon, cutoff for lj)")

@@ -44,6 +44,10 @@ class ModelConfig:
                                            "training; ~2x step time, several-fold less "
                                            "activation memory); saved with the model, no "
                                            "effect in evaluation or MD")
+    trust_file: bool = field(False, "trust the files this run loads a model from "
+                             "(pretrained=, model_file terms of a sum): they may unpickle what "
+                             "they hold or name, which can run code; only for files you trust "
+                             "(a file never grants trust by itself)")
     backend: str = field("reference", "kernels of the equivariant model's tensor products, "
                          "product basis and linear maps: reference (einsum), cueq "
                          "(cuEquivariance: pip install cuequivariance-torch) or triton (fused "

@@ -19,6 +19,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.errors import InputError, ModelFileError
+from xnn.models.trust import granted
 
 #: defaults of built-in specs for hyperparameters a model requires (``lj`` alone works)
 SPEC_DEFAULTS = {
@@ -68,14 +69,16 @@ def build_from_spec(spec: str, species: list[int], seed: int = 0):
 def load_model_everywhere(spec: str, species: list[int], group=None, trust: bool = False):
     """The model of ``spec`` on every rank: a file read on rank 0 and broadcast, or a spec.
 
-    A file is read as data; ``trust`` is passed to :func:`xnn.load_model`."""
+    A file is read as data; ``trust`` (the caller's ``--trust-file``) is passed to
+    :func:`xnn.load_model`, and holds for a file a spec names (``mace:model=x.model``)."""
     is_file = C.broadcast_object(Path(spec).is_file() if C.group_rank(group) == 0 else None,
                                  group)
     if not is_file:
         with C.guarded(group, "model build"):
             if os.sep in spec or spec.endswith((".pt", ".pth", ".model")):
                 raise InputError(f"model file {spec} does not exist (on rank 0)")
-            model = build_from_spec(spec, species)
+            with granted(trust):
+                model = build_from_spec(spec, species)
         return model
     data = None
     with C.guarded(group, "model file read"):
@@ -90,7 +93,7 @@ def load_model_everywhere(spec: str, species: list[int], group=None, trust: bool
         try:
             model = load_model(path, trust=trust)
         except ModelFileError as err:  # name the user's file, not the temporary copy
-            raise ModelFileError(str(err).replace(str(path), spec)) from None
+            raise type(err)(str(err).replace(str(path), spec)) from None
     return model
 
 

@@ -23,15 +23,20 @@ def _with_results(state: MDState):
 
 
 def load_target(target: str) -> Callable:
-    """The function named by ``"package.module:function"``."""
+    """The function named by ``"package.module:function"``, imported (its module's code runs)
+    from the installed packages and ``PYTHONPATH``; the ``xnn`` command, ``python -m xnn``
+    and ``torchrun -m xnn`` do not look in the working directory (:mod:`xnn.cli.main`)."""
     mod, sep, attr = str(target).partition(":")
     if not sep or not mod or not attr:
         raise InputError(f"callable target {target!r} must read 'package.module:function'")
     try:
         obj = importlib.import_module(mod)
     except ImportError as e:
-        raise InputError(f"callable target {target!r}: cannot import {mod!r} ({e}); put it "
-                         "on PYTHONPATH") from None
+        top = mod.split(".")[0]
+        raise InputError(f"callable target {target!r}: cannot import {mod!r} ({e}); xnn "
+                         "imports from installed packages and PYTHONPATH, not the working "
+                         "directory: install it or put its folder on PYTHONPATH (e.g. "
+                         f"PYTHONPATH=. for ./{top}.py)") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise InputError(f"callable target {target!r}: {mod!r} has no {attr!r}")

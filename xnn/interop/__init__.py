@@ -17,16 +17,21 @@ import torch
 from xnn.errors import InputError
 
 
-def load_xnn_model(model_or_path) -> torch.nn.Module:
+def load_xnn_model(model_or_path, trust: bool = False) -> torch.nn.Module:
     """An xnn model given as itself or as a model file path (``model.pt`` / ``.xnn``).
 
+    Args:
+        model_or_path: the model, or its file (read as data by :func:`xnn.load_model`).
+        trust: the caller trusts the file: it may unpickle what it holds or names, which can
+            run code (:mod:`xnn.models.trust`); a file never grants trust by itself.
     Raises:
         InputError: for anything else (a module without a ``cutoff`` is not an xnn model).
+        ModelFileError: the file is refused (among others: it asks for trust not given).
     """
     if isinstance(model_or_path, (str, os.PathLike)):
         from xnn.models.serialization import load_model
 
-        return load_model(Path(model_or_path))
+        return load_model(Path(model_or_path), trust=trust)
     if not isinstance(model_or_path, torch.nn.Module):
         raise InputError(f"expected an xnn model or a model file path, got "
                          f"{type(model_or_path).__name__}")

@@ -128,6 +128,8 @@ class XnnFixExternal:
         dtype: model precision (LAMMPS computes in float64).
         skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call).
         neighbor_backend: xnn neighbour-list backend.
+        trust: the caller trusts the model file: it may unpickle what it holds or names,
+            which can run code (:mod:`xnn.models.trust`); a file never grants trust itself.
     Raises:
         InputError: LAMMPS runs on several MPI ranks, units are not metal, or ``species``
             does not cover the atom types.
@@ -135,7 +137,7 @@ class XnnFixExternal:
 
     def __init__(self, lmp, model_or_path, species: Sequence[int | str], fix_id: str = "xnn",
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64,
-                 skin: float = 0.0, neighbor_backend: str = "auto"):
+                 skin: float = 0.0, neighbor_backend: str = "auto", trust: bool = False):
         from xnn.io.calculator import resolve_device
         from xnn.models.potential import Potential
 
@@ -152,7 +154,7 @@ class XnnFixExternal:
                              f"{n_types} atom types; give one element per type")
         self.lmp, self.fix_id = lmp, fix_id
         self.device, self.dtype = resolve_device(device), dtype
-        self.model = load_xnn_model(model_or_path).to(device=self.device, dtype=dtype)
+        self.model = load_xnn_model(model_or_path, trust).to(device=self.device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
         self.periodic = bool(lammps_cell(lmp)[2].all())
         self.energy: float = float("nan")

@@ -122,6 +122,7 @@ class _XnnTorchSimMixin:
         compute_stress: bool = True,
         neighbor_backend: str = "auto",
         skin: float = 0.0,
+        trust: bool = False,
     ):
         from xnn.io.calculator import resolve_device
         from xnn.models.potential import Potential
@@ -131,7 +132,7 @@ class _XnnTorchSimMixin:
         self._dtype = dtype
         self._compute_forces = bool(compute_forces)
         self._compute_stress = bool(compute_stress)
-        self.model = load_xnn_model(model_or_path).to(device=self._device, dtype=dtype)
+        self.model = load_xnn_model(model_or_path, trust).to(device=self._device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
 
     # torch-sim's ModelInterface makes these read-only; its validate_model_outputs and
@@ -209,6 +210,8 @@ _MODEL_DOC = """An xnn model as a torch-sim ``ModelInterface`` (batched ``SimSta
         compute_stress: return ``stress [n_systems, 3, 3]`` (eV/Å³, ASE sign).
         neighbor_backend: ``"auto"``, ``"torch"``, ``"vesin"`` or ``"brute"``.
         skin: Verlet skin (Å) of the neighbor list reused between calls.
+        trust: the caller trusts the model file: it may unpickle what it holds or names,
+            which can run code (:mod:`xnn.models.trust`); a file never grants trust itself.
 
     Example::
 

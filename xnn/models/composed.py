@@ -7,6 +7,11 @@ cutoff. A term is a model, or a spec (plain data, as in YAML)::
     {"name": "lj", "sigma": 3.4, "epsilon": 0.0104, "cutoff": 8.5}   # built by registry name
     {"name": "d3", "functional": "pbe", "trainable": False}
     {"model_file": "trained.pt"}                      # a file written by xnn.save_model
+    {"model_file": "old.pt", "trust": True}           # ... that may unpickle (your own spec)
+
+A spec is the caller's (a config the user wrote, a Python call). Specs read from a file (the
+hyperparameters of a saved sum) are data: a ``model_file`` or ``trust`` among them is refused
+unless the caller trusted that file (:mod:`xnn.models.trust`).
 
 ``trainable: false`` (or ``Sum(terms, trainable=[...])``) freezes a term: its parameters get
 ``requires_grad=False``, so training fits the other terms on top of it (delta learning).
@@ -65,12 +70,16 @@ def build_term(spec: Mapping[str, Any] | nn.Module) -> tuple[nn.Module, bool | N
                          "with its hyperparameters) or `model_file` (a saved model)")
     if "model_file" in hp:
         from xnn.models.serialization import load_model
+        from xnn.models.trust import require_reference
 
         path, trust = hp.pop("model_file"), hp.pop("trust", False)
         if hp:
             raise InputError(f"sum term model_file={path!r}: unknown keys {sorted(hp)} "
                              "(a model file takes only trust and trainable)")
-        return load_model(path, trust=bool(trust)), trainable
+        if not isinstance(trust, bool):
+            raise InputError(f"sum term model_file={path!r}: trust must be true or false")
+        require_reference(f"model file {path}")  # named by a file's data: the caller decides
+        return load_model(path, trust=trust is True), trainable
     from xnn.models.registry import build
 
     name = hp.pop("name")
@@ -82,10 +91,9 @@ def build_term(spec: Mapping[str, Any] | nn.Module) -> tuple[nn.Module, bool | N
 _TERMS_KIND = "xnn-sum-terms"
 
 
-def _term_from_payload(payload: Mapping[str, Any], trust: bool) -> nn.Module:
-    """One term of a sum saved term by term (as :func:`xnn.load_model` rebuilds a file)."""
-    import inspect
-
+def _term_from_payload(payload: Mapping[str, Any]) -> nn.Module:
+    """One term of a sum saved term by term (as :func:`xnn.load_model` rebuilds a file,
+    inside its :func:`~xnn.models.trust.reading`)."""
     from xnn.errors import ModelFileError
     from xnn.models.registry import model_class
     from xnn.models.serialization import _rebuild
@@ -96,8 +104,6 @@ def _term_from_payload(payload: Mapping[str, Any], trust: bool) -> nn.Module:
     from_payload = getattr(term_cls, "from_payload", None)
     if not callable(from_payload):
         return _rebuild(payload["name"], dict(payload))
-    if "trust" in inspect.signature(from_payload).parameters:
-        return from_payload(dict(payload), trust=trust)
     return from_payload(dict(payload))
 
 
@@ -181,8 +187,9 @@ class Sum(AtomisticModel):
                 "trainable": list(self.trainable)}
 
     @classmethod
-    def from_payload(cls, payload: dict, trust: bool = False) -> Sum:
-        """Rebuild from :meth:`to_payload` output (``trust``: passed to each term)."""
+    def from_payload(cls, payload: dict) -> Sum:
+        """Rebuild from :meth:`to_payload` output (data: the caller of
+        :func:`xnn.load_model` decides what its terms may load)."""
         from xnn.errors import ModelFileError
         from xnn.models.serialization import _rebuild
 
@@ -192,7 +199,7 @@ class Sum(AtomisticModel):
         if not isinstance(terms, list) or not isinstance(flags, list) or \
                 len(terms) != len(flags):
             raise ModelFileError("sum payload lacks its terms or their trainable flags")
-        return cls([_term_from_payload(t, trust) for t in terms], [bool(f) for f in flags])
+        return cls([_term_from_payload(t) for t in terms], [bool(f) for f in flags])
 
     @property
     def e0(self) -> dict[int, float] | None:

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import math
 import numbers
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -138,9 +139,28 @@ def saved_hyperparameters(name: str, hyperparameters: dict) -> dict:
     return hp
 
 
-def rebuild(name: str, hyperparameters: dict) -> nn.Module:
-    """Build a model from the hyperparameters stored in a model file or checkpoint."""
-    return build(name, **saved_hyperparameters(name, hyperparameters))
+def rebuild(name: str, hyperparameters: dict, source: str | os.PathLike | None = None,
+            trust: bool = False) -> nn.Module:
+    """Build a model from the hyperparameters stored in a model file or checkpoint.
+
+    They are data (:mod:`xnn.models.trust`): a ``trust`` among them is refused, and a file
+    they name (a ``model_file`` term, a MACE or SevenNet file) loads only with the caller's
+    ``trust``.
+
+    Args:
+        name: registry name.
+        hyperparameters: as read from the file.
+        source: the file (``None``: inside a load that named it, e.g. :func:`xnn.load_model`).
+        trust: whether the caller trusts ``source`` (ignored inside such a load: its caller's
+            trust holds).
+    Raises:
+        ModelFileError: the hyperparameters ask for trust or name a file, untrusted.
+    """
+    from xnn.models import trust as T
+
+    with T.reading(source, trust):
+        T.check_data(hyperparameters)
+        return build(name, **saved_hyperparameters(name, hyperparameters))
 
 
 def check_sizes(model: str, minimum: int = 1, **sizes) -> None:

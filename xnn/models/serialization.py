@@ -16,8 +16,10 @@ so the ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` variable set by some packages cannot
 it) and rebuilds the model with ``xnn.models.build(name, **hparams)``. A model class may
 define ``to_payload()`` / classmethod ``from_payload(payload)`` to store itself differently
 (external wrappers); the payload must still hold only tensors and primitives, and rebuilding
-it must run no code from the file. A ``from_payload`` that also reads an older format which
-needs unpickling takes ``trust`` (``load_model(..., trust=True)``) and refuses it without.
+it must run no code from the file. The payload and hyperparameters are data
+(:mod:`xnn.models.trust`): they cannot grant trust or name a file to load; only the caller's
+``load_model(..., trust=True)`` lets a nested load unpickle (a ``from_payload`` that reads an
+older pickled format asks :func:`xnn.models.trust.require`).
 
 ``export_model(model, path)`` writes a ``torch.export`` program mapping plain tensors to
 per-atom energies (differentiable, so forces follow by autograd); see :func:`load_exported`.
@@ -30,7 +32,6 @@ torch alone (:mod:`xnn.models.export`).
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import pickle
@@ -46,7 +47,7 @@ from xnn._files import atomic_write
 from xnn._torch_files import refuse_non_model_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.errors import InputError, ModelFileError
+from xnn.errors import InputError, ModelFileError, TrustError
 
 FORMAT = "xnn-model"
 FORMAT_VERSION = 1
@@ -233,13 +234,18 @@ def load_model(
     Args:
         path: model file.
         map_location: device of the returned model.
-        trust: also load older formats that hold pickled code (MACE wrappers saved by an
-            earlier xnn); only for files you trust. Without it they are refused.
+        trust: the caller trusts this file: it may unpickle what it holds or names (MACE
+            wrappers saved by an earlier xnn, a MACE ``.model`` or SevenNet checkpoint file
+            or another model file named in its hyperparameters), which can run code; only for
+            files you trust. Without it they are refused: nothing in a file grants trust
+            (:mod:`xnn.models.trust`).
     Returns:
         the model in eval mode, in the dtype it was saved with.
     Raises:
-        ModelFileError: missing, corrupt, truncated, not-a-model or incompatible file.
+        ModelFileError: missing, corrupt, truncated, not-a-model or incompatible file, or one
+            that asks for trust the caller did not give.
     """
+    from xnn.models import trust as T
     from xnn.models.registry import model_class
 
     path = Path(path)
@@ -252,12 +258,11 @@ def load_model(
     except ImportError as err:
         raise ModelFileError(f"{path}: model {name!r} needs a missing package ({err})") from None
     try:
-        from_payload = getattr(cls, "from_payload", None)
-        if callable(from_payload):
-            takes_trust = "trust" in inspect.signature(from_payload).parameters
-            model = from_payload(payload, trust=trust) if takes_trust else from_payload(payload)
-        else:
-            model = _rebuild(name, payload)
+        with T.reading(path, trust):
+            from_payload = getattr(cls, "from_payload", None)
+            model = from_payload(payload) if callable(from_payload) else _rebuild(name, payload)
+    except TrustError:
+        raise  # names the file the caller gave
     except ModelFileError as err:
         raise ModelFileError(f"{path}: {err}") from None
     except Exception as err:
@@ -417,10 +422,11 @@ def load_exported(path: str | os.PathLike, trust: bool = False) -> tuple[nn.Modu
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"exported model {path} does not exist")
-    if trust is not True:
-        raise ModelFileError(f"exported model {path}: torch.export.load unpickles parts of "
-                             "the file, which can run code from it; if you trust it, pass "
-                             "trust=True (or load the xnn model file with xnn.load_model)")
+    from xnn.models.trust import require
+
+    require(f"exported model {path}", trust, "pass trust=True (or load the xnn model file "
+            "with xnn.load_model)", reason="is read by torch.export.load, which unpickles "
+            "parts of the file and can run code from it")
     extra = {"xnn.json": ""}
     try:
         program = torch.export.load(path, extra_files=extra)

@@ -21,20 +21,23 @@ def configure_precision(precision: str) -> tuple[torch.dtype, torch.dtype | None
     return PRECISION_DTYPES[precision], autocast
 
 
-def load_pretrained(path: str) -> nn.Module:
+def load_pretrained(path: str, trust: bool = False) -> nn.Module:
     """The model (architecture and weights) of a model file or a training checkpoint.
 
-    Both are read as data (``weights_only=True``): no code from the file runs. A checkpoint
-    gives its EMA weights when it has them. The run fine-tunes this model; the ``model``
-    section of the config must agree with it (:func:`check_pretrained_config`).
+    Both are read as data (``weights_only=True``): no code from the file runs, and its
+    hyperparameters cannot ask for trust or name a file to load unless the caller passes
+    ``trust`` (:mod:`xnn.models.trust`). A checkpoint gives its EMA weights when it has them.
+    The run fine-tunes this model; the ``model`` section of the config must agree with it
+    (:func:`check_pretrained_config`).
 
     Raises:
         InputError: the file does not exist.
-        ModelFileError: it is neither an xnn model file nor a training checkpoint.
+        ModelFileError: it is neither an xnn model file nor a training checkpoint, or it asks
+            for trust the caller did not give.
     """
     from pathlib import Path
 
-    from xnn.errors import ModelFileError
+    from xnn.errors import ModelFileError, TrustError
     from xnn.models.serialization import load_model
     from xnn.training.checkpoint import load_checkpoint, require_fields
 
@@ -44,12 +47,14 @@ def load_pretrained(path: str) -> nn.Module:
         payload = load_checkpoint(path)
     except ModelFileError:
         try:
-            return load_model(path).train()
+            return load_model(path, trust=trust).train()
+        except TrustError:
+            raise
         except ModelFileError as err:
             raise ModelFileError(f"pretrained={path!r} is neither an xnn model file nor an "
                                  f"xnn training checkpoint ({err})") from None
     require_fields(payload, path, keys=("model",))
-    model = rebuild(payload["model"]["name"], payload["model"]["hparams"])
+    model = rebuild(payload["model"]["name"], payload["model"]["hparams"], path, trust)
     state = dict(payload["model"]["state_dict"])
     if payload.get("ema") is not None:
         state.update(payload["ema"]["shadow"])

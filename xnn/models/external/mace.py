@@ -14,11 +14,13 @@ domain decomposition. It calls the model with ``compute_force=False`` and return
 and stress. Edges at or beyond ``r_max`` (a Verlet skin) are dropped before the call.
 
 Files and trust. A MACE ``.model`` file is a pickle: loading one executes code from it, as
-mace-torch itself does, so ``model="file.model"`` needs ``trust=True``. xnn model files
-(:meth:`MACEWrapper.to_payload`) hold the MACE model as data: its constructor arguments and
-state dict (see :mod:`xnn.models.external._mace_data`), read with ``weights_only=True`` and
-rebuilt without unpickling. Files written by earlier xnn versions hold the module pickled
-(``kind`` ``mace-torch-pickle``); they load only with ``trust=True``.
+mace-torch itself does, so ``model="file.model"`` needs the caller's ``trust=True``. xnn model
+files (:meth:`MACEWrapper.to_payload`) hold the MACE model as data: its constructor arguments
+and state dict (see :mod:`xnn.models.external._mace_data`), read with ``weights_only=True``
+and rebuilt without unpickling. Files written by earlier xnn versions hold the module pickled
+(``kind`` ``mace-torch-pickle``); they load only with ``xnn.load_model(..., trust=True)``.
+A ``model=PATH`` or ``trust`` read from a file's hyperparameters counts for nothing: only the
+caller grants trust (:mod:`xnn.models.trust`).
 """
 
 from __future__ import annotations
@@ -40,24 +42,26 @@ from xnn.models.external._optional import import_extra, preserved_environ
 
 PAYLOAD_KIND = "mace-torch-config-state"  # constructor arguments + state dict (data only)
 PICKLE_KIND = "mace-torch-pickle"  # the module pickled (earlier xnn versions): trust only
-TRUST_HINT = ("if you trust it, load it with trust=True (xnn.load_model), --trust-file (xnn "
-              "eval, xnn validate) or model.trust_file=true (xnn md, xnn relax), then save it "
-              "again with xnn.save_model for a data-only file")
+DIRECT_HINT = ("pass trust=True (xnn.models.build('mace', model=PATH, trust=True); "
+               "model.params.trust=true or model.trust_file=true in xnn md/relax/run)")
 COMPILE_BACKEND = "inductor"  # torch.compile backend of compile_for_inference (tests: aot_eager)
 
 
 def _load_module(source: str | os.PathLike | bytes, trust: bool = False) -> nn.Module:
     """Unpickle a mace-torch module from a file path or bytes (only with ``trust=True``)."""
+    from xnn.models.trust import require
+
     import_extra("mace", "mace", "mace.modules")
     where = "<bytes>" if isinstance(source, bytes) else str(source)
     if not isinstance(source, bytes) and not Path(source).is_file():
         raise ModelFileError(f"MACE model file {where} does not exist")
-    if trust is not True:
-        raise ModelFileError(
-            f"MACE model file {where} is a pickle, and loading it runs code from the file: "
-            "if you trust it, pass trust=True (xnn.models.build('mace', model=PATH, "
-            "trust=True); model.params.trust=true in xnn md/relax)"
-        )
+    if isinstance(source, bytes):  # the payload of an earlier xnn's model file
+        require("the MACE module this model file holds pickled (an earlier xnn's format; save "
+                "it again with xnn.save_model for a data-only file)", trust,
+                "load the file with xnn.load_model(PATH, trust=True)",
+                reason="runs code from the file when unpickled")
+    else:
+        require(f"MACE model file {where}", trust, DIRECT_HINT)  # the caller's trust only
     f = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
         with preserved_environ():
@@ -275,17 +279,13 @@ class MACEWrapper(AtomisticModel):
         return out["node_energy"].to(graph.dtype)
 
     @classmethod
-    def from_payload(cls, payload: dict, trust: bool = False) -> MACEWrapper:
+    def from_payload(cls, payload: dict) -> MACEWrapper:
         """Rebuild from :meth:`to_payload` output. A payload of an earlier xnn version holds
-        the module pickled: refused unless ``trust=True``."""
+        the module pickled: refused unless the caller of :func:`xnn.load_model` passed
+        ``trust=True`` (:mod:`xnn.models.trust`)."""
         kind = payload.get("kind")
         if kind == PICKLE_KIND and isinstance(payload.get("module_bytes"), bytes):
-            if trust is not True:
-                raise ModelFileError(f"this model file holds its MACE model as a pickle (an "
-                                     f"earlier xnn's format), and loading it runs code from "
-                                     f"the file: {TRUST_HINT}")
-            return cls(_load_module(payload["module_bytes"], trust=True),
-                       head=payload.get("head"))
+            return cls(_load_module(payload["module_bytes"]), head=payload.get("head"))
         config = payload.get("config")
         if kind != PAYLOAD_KIND or not isinstance(config, dict):
             raise ModelFileError("not a MACE wrapper payload (missing kind/config)")

@@ -28,9 +28,11 @@ one cutoff (5 Å) plus skin instead of 5 x 5 Å.
 Checkpoint names ("7net-0", "7net-l3i5", ...) are resolved by
 ``sevenn.util.load_checkpoint`` to files shipped inside the ``sevenn`` wheel (no download
 for those). SevenNet checkpoint files are pickles, and loading one runs code from it: a path
-is loaded only with ``trust=True`` (names are resolved by ``sevenn`` to the files it ships or
-downloads itself, as trusted as the package). xnn model files written from this wrapper hold
-only the config (primitives) and the state dict, and load without unpickling.
+is loaded only with the caller's ``trust=True`` (names are resolved by ``sevenn`` to the files
+it ships or downloads itself, as trusted as the package; a ``checkpoint=PATH`` or ``trust``
+read from a file's hyperparameters counts for nothing, see :mod:`xnn.models.trust`). xnn
+model files written from this wrapper hold only the config (primitives) and the state dict,
+and load without unpickling.
 """
 
 from __future__ import annotations
@@ -95,13 +97,13 @@ def _float32_default():
 
 
 def _load(checkpoint: str | os.PathLike, trust: bool = False) -> tuple[nn.Module, dict]:
+    from xnn.models.trust import require
+
     util, _, _ = _sevenn()
-    if os.path.isfile(str(checkpoint)) and trust is not True:  # sevenn reads a file first
-        raise ModelFileError(
-            f"SevenNet checkpoint {str(checkpoint)!r} is a pickle, and loading it runs code "
-            "from the file: if you trust it, pass trust=True (xnn.models.build('sevenn', "
-            "checkpoint=PATH, trust=True); model.params.trust=true in xnn md/relax)"
-        )
+    if os.path.isfile(str(checkpoint)):  # sevenn reads a file first, else resolves a name
+        require(f"SevenNet checkpoint {str(checkpoint)!r}", trust,
+                "pass trust=True (xnn.models.build('sevenn', checkpoint=PATH, trust=True); "
+                "model.params.trust=true or model.trust_file=true in xnn md/relax/run)")
     try:
         with preserved_environ(), warnings.catch_warnings(), _float32_default():
             warnings.simplefilter("ignore")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import re
 import numbers
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence

@@ -286,3 +286,42 @@ def test_a_stage_the_systems_cannot_take_is_refused_before_running(tmp_path):
         run_workflow(None, [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
                             "stages.0.type=npt", f"output.dir={tmp_path / 'out'}"])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_system_without_kinetic_degrees_of_freedom_fails_its_thermostat_stage(tmp_path):
+    """A lone atom, and a pair whose atoms are all fixed, cannot be given a temperature:
+    ``xnn md`` refuses them (naming the system of a batch), and a workflow fails them, with
+    the same reason, in the first stage that asks a temperature > 0 (here nvt), after the
+    stages that ask none (relax, nve from rest); the other systems run every stage."""
+    from ase import Atoms
+    from ase.constraints import FixAtoms
+
+    from xnn.app.md import run_md
+
+    pair = Atoms("Ar2", positions=[[0, 0, 0], [3.8, 0, 0]])
+    pair.set_constraint(FixAtoms(indices=[0, 1]))
+    frames = [*_clusters(2, seed=1), Atoms("Ar", positions=[[0, 0, 0]]), pair]
+    structure = _write(tmp_path / "c.xyz", frames)
+    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}"]
+    with pytest.raises(InputError, match=r"system 2 has no kinetic degrees of freedom "
+                                         r"\(1 atom, whose total momentum is kept at zero\)"):
+        run_md(None, [*common, "index=:", "ensemble=langevin", "temperature=40", "steps=2",
+                      f"output.dir={tmp_path / 'md'}"])
+    out = run_workflow(None, [*common, "output.progress=false", f"output.dir={tmp_path / 'w'}",
+                              "stages.0.type=relax", "stages.0.max_steps=20",
+                              "stages.1.type=nve", "stages.1.steps=3",
+                              "stages.2.type=nvt", "stages.2.temperature=40",
+                              "stages.2.steps=3"])
+    rows = _rows(out)
+    for i in (0, 1):
+        assert [rows[(i, s)]["status"] for s in ("relax", "nve", "nvt")] == ["ok"] * 3
+    for i, why in ((2, "1 atom, whose total momentum is kept at zero"),
+                   (3, "all its atoms are fixed")):
+        assert rows[(i, "relax")]["status"] == rows[(i, "nve")]["status"] == "ok"
+        nvt = rows[(i, "nvt")]
+        assert (nvt["status"], nvt["steps"], nvt["converged"]) == ("failed", "0", "False")
+        assert nvt["reason"] == (f"no kinetic degrees of freedom ({why}): it cannot be given "
+                                 "a temperature of 40 K")
+    import json
+
+    assert json.loads((out / "summary.json").read_text())["failed_ids"] == [2, 3]

@@ -25,7 +25,7 @@ import torch
 
 from xnn.app import workflow_files as wf
 from xnn.app import workflow_stages as ws
-from xnn.app.md_setup import check_species, load_potential, load_structure
+from xnn.app.md_setup import check_species, load_potential, load_structure, no_kinetic_dof
 from xnn.config.loader import load_config
 from xnn.config.workflow import StageConfig, WorkflowConfig
 from xnn.dynamics import slots
@@ -36,7 +36,8 @@ from xnn.errors import InputError
 
 @dataclasses.dataclass
 class Pool:
-    """The systems in one stage: their batched state, ids (in batch order), wall times (s)."""
+    """The systems in one stage: their batched state, ids (in batch order), wall times (s),
+    and the systems refused at entry (id: why), which leave at once with that reason."""
 
     stage: StageConfig
     index: int
@@ -44,11 +45,14 @@ class Pool:
     state: MDState | None = None
     ids: list[int] = dataclasses.field(default_factory=list)
     wall: dict[int, float] = dataclasses.field(default_factory=dict)
+    refused: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    def add(self, state: MDState, system_id: int, wall: float = 0.0) -> None:
+    def add(self, state: MDState, system_id: int, wall: float = 0.0, refused: str = "") -> None:
         self.state = state if self.state is None else slots.concat([self.state, state])
         self.ids.append(system_id)
         self.wall[system_id] = wall
+        if refused:
+            self.refused[system_id] = refused
         self.potential.neighbors.reset()
 
     def keep(self, positions: list[int]) -> None:
@@ -120,13 +124,17 @@ class Campaign:
         return sum(len(p.ids) for p in self.pools)
 
     def enter(self, index: int, graph, system_id: int) -> None:
-        """Start stage ``index`` for one system (a single-system graph) and add it to its pool."""
+        """Start stage ``index`` for one system (a single-system graph) and add it to its pool
+        (refused, to fail at once, when the stage asks a temperature > 0 of a system without
+        kinetic degrees of freedom: the check of ``xnn md``)."""
         pool = self.pools[index]
         t0 = time.perf_counter()
+        asked = torch.tensor([ws.asked_temperature(pool.stage, graph)])
+        problem = no_kinetic_dof(graph, asked)
         state = ws.start(pool.stage, index, graph, pool.potential, system_id, self.cfg.seed,
                          self.cfg.pressure_unit)
         self._frames(pool, state, [0], [system_id], new=index == 0)
-        pool.add(state, system_id, time.perf_counter() - t0)
+        pool.add(state, system_id, time.perf_counter() - t0, problem[1] if problem else "")
 
     def admit(self) -> bool:
         """Refill free slots with the next systems of the queue (stage 0)."""
@@ -145,6 +153,9 @@ class Campaign:
             if pool.state is None:
                 continue
             done, conv, failed = ws.status(pool.stage, pool.state, self.cfg.max_force)
+            if pool.refused:
+                refused = torch.tensor([i in pool.refused for i in pool.ids], device=done.device)
+                done, conv, failed = done | refused, conv & ~refused, failed | refused
             if not bool(done.any()):
                 continue
             moved = True
@@ -169,7 +180,8 @@ class Campaign:
                          "status": "failed" if bool(failed[k]) else "ok",
                          "converged": bool(conv[k]),
                          "n_atoms": int((state.graph.batch == j).sum()),
-                         "wall_s": round(pool.wall[i], 6), "reason": _reason(state, j, failed[k]),
+                         "wall_s": round(pool.wall[i], 6),
+                         "reason": pool.refused.pop(i, "") or _reason(state, j, failed[k]),
                          **{c: v[j] for c, v in values.items()}})
         self.results.append(rows)
         self.stages_done += len(rows)

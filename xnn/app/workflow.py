@@ -16,6 +16,7 @@ campaign bitwise (CPU), without running any system's stage again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -24,10 +25,12 @@ from pathlib import Path
 import torch
 
 from xnn.app import workflow_files as wf
+from xnn.app import workflow_ranks as wr
 from xnn.app import workflow_stages as ws
 from xnn.app.md_setup import check_species, load_potential, load_structure, no_kinetic_dof
 from xnn.config.loader import load_config
 from xnn.config.workflow import StageConfig, WorkflowConfig
+from xnn.distributed import collectives as C
 from xnn.dynamics import slots
 from xnn.dynamics.checkpoint import restore_neighbor_state
 from xnn.dynamics.state import MDState
@@ -74,32 +77,42 @@ def fingerprint(cfg: WorkflowConfig, n_systems: int) -> dict:
 
 
 class Campaign:
-    """The systems, pools and files of one ``xnn run``; :meth:`run` is the loop."""
+    """The systems, pools and files of one ``xnn run`` (of one rank's share under torchrun:
+    :mod:`xnn.app.workflow_ranks`); :meth:`run` is the loop.
 
-    def __init__(self, cfg: WorkflowConfig, systems: list, potential, folder: Path):
-        self.cfg, self.systems, self.dir = cfg, systems, folder
+    Args:
+        systems: ``{id: single-system graph}`` of the systems this process runs.
+        n_systems: the number of systems of the whole campaign.
+        ranks: this process's rank, the number of ranks and the run folder.
+    """
+
+    def __init__(self, cfg: WorkflowConfig, systems: dict, n_systems: int, potential,
+                 ranks: wr.Ranks):
+        self.cfg, self.systems, self.n_systems, self.ranks = cfg, systems, n_systems, ranks
+        self.dir, self.queue = ranks.folder, sorted(systems)
         self.pools = [Pool(s, i, _copy_potential(potential, cfg)) for i, s in
                       enumerate(cfg.stages)]
         self.next_input, self.iteration, self.stages_done = 0, 0, 0
         self.results: wf.ResultsTable | None = None
-        self.total = len(systems) * len(cfg.stages)
 
     # ------------------------------------------------------------------ start / resume
     def fresh(self) -> None:
         (self.dir / "trajectories").mkdir(exist_ok=True)
         (self.dir / "final").mkdir(exist_ok=True)
-        self.results = wf.ResultsTable(self.dir / "results.csv", None)
+        self.results = wf.ResultsTable(self.ranks.results(), None)
 
     def resume(self, path: str, device) -> None:
+        """Continue from this rank's checkpoint (``path``: the campaign's checkpoint.pt)."""
+        path = str(self.ranks.checkpoint(path))
         pools, meta = wf.load_campaign(path, device)
-        want = fingerprint(self.cfg, len(self.systems))
+        want = fingerprint(self.cfg, self.n_systems)
         diff = [k for k in want if meta["settings"].get(k) != want[k]]
         if diff or len(pools) != len(self.pools):
             raise InputError(f"checkpoint {path} was written with other settings "
                              f"({', '.join(diff) or 'stages'}); resume with the same config")
         self.next_input, self.iteration = meta["next_input"], meta["iteration"]
         self.stages_done = meta["stages_done"]
-        self.results = wf.ResultsTable(self.dir / "results.csv", meta["results_bytes"])
+        self.results = wf.ResultsTable(self.ranks.results(), meta["results_bytes"])
         for pool, saved in zip(self.pools, pools):
             if saved is None:
                 continue
@@ -111,13 +124,13 @@ class Campaign:
 
     def save(self) -> None:
         in_flight = [i for p in self.pools for i in p.ids]
-        meta = {"settings": fingerprint(self.cfg, len(self.systems)),
+        meta = {"settings": fingerprint(self.cfg, self.n_systems),
                 "next_input": self.next_input, "iteration": self.iteration,
                 "stages_done": self.stages_done, "results_bytes": self.results.position(),
                 "wall": {str(i): p.wall[i] for p in self.pools for i in p.ids},
                 "trajectories": {str(i): self._traj(i).stat().st_size for i in in_flight
                                  if self._traj(i).is_file()}}
-        wf.save_campaign(self.dir / "checkpoint.pt", self.pools, meta)
+        wf.save_campaign(self.ranks.checkpoint(), self.pools, meta)
 
     # ------------------------------------------------------------------ refill
     def in_flight(self) -> int:
@@ -139,8 +152,8 @@ class Campaign:
     def admit(self) -> bool:
         """Refill free slots with the next systems of the queue (stage 0)."""
         added = False
-        while self.in_flight() < self.cfg.slots and self.next_input < len(self.systems):
-            i = self.next_input
+        while self.in_flight() < self.cfg.slots and self.next_input < len(self.queue):
+            i = self.queue[self.next_input]
             self.next_input += 1
             self.enter(0, self.systems[i], i)
             added = True
@@ -205,20 +218,47 @@ class Campaign:
             changed = True
 
     # ------------------------------------------------------------------ the loop
-    def run(self, bar) -> None:
+    def run(self, bar, device, started=None) -> None:
+        """Step, retire and refill until every system (of every rank) is done.
+
+        Under torchrun the ranks meet once per batch step (whether a rank failed, then the
+        counts of :meth:`counts`), so ``bar`` and the log lines (rank 0) follow the whole
+        campaign, and every rank leaves the loop at the same step.
+
+        Args:
+            started: called once every rank has written its first checkpoint.
+        """
         every, log_every = self.cfg.output.checkpoint_every, self.cfg.output.log_every
-        saved = None
+        step = wr.all_max(self.iteration, device)  # the campaign's batch step, on every rank
+        saved, stepped = None, False
         while True:
-            changed = self.settle()
-            if saved != self.iteration and (changed or (every and self.iteration % every == 0)):
-                self.save()
-                saved = self.iteration
-            bar.update(self.stages_done - bar.n)
-            if self.in_flight() == 0:
+            with C.guarded(None, f"batch step {step} of xnn run"):
+                if stepped and self.in_flight():
+                    self.step()
+                changed = self.settle()
+                if saved is None or saved != self.iteration and (
+                        changed or (every and self.iteration % every == 0)):
+                    self.save()
+                    saved = self.iteration
+            counts = self.counts(device)
+            if started is not None:
+                started()
+                started = None
+            bar.update(counts["done"] - bar.n)
+            if stepped and step % log_every == 0 and self.ranks.main:
+                bar.write(self.log_line(step, counts))
+            if counts["in_flight"] + counts["queued"] == 0:
                 break
-            self.step()
-            if self.iteration % log_every == 0:
-                bar.write(self.log_line())
+            stepped, step = True, step + 1
+
+    def counts(self, device) -> dict:
+        """Stages done, systems in flight (and per stage), queued and started, summed over
+        the ranks."""
+        pools = [len(p.ids) for p in self.pools]
+        values = wr.all_sum([self.stages_done, self.in_flight(),
+                             len(self.queue) - self.next_input, self.next_input, *pools], device)
+        return dict(zip(("done", "in_flight", "queued", "started"), values)) | {
+            "pools": values[4:]}
 
     def step(self) -> None:
         """One step of every non-empty pool, then the frames due."""
@@ -238,11 +278,11 @@ class Campaign:
                 if due:
                     self._frames(pool, pool.state, due, [pool.ids[k] for k in due])
 
-    def log_line(self) -> str:
-        pools = ", ".join(f"{p.stage.name} {len(p.ids)}" for p in self.pools)
-        return (f"xnn run: step {self.iteration}: {self.in_flight()} in flight ({pools}); "
-                f"{self.stages_done}/{self.total} stages done, {self.next_input}/"
-                f"{len(self.systems)} systems started")
+    def log_line(self, step: int, counts: dict) -> str:
+        pools = ", ".join(f"{p.stage.name} {n}" for p, n in zip(self.pools, counts["pools"]))
+        return (f"xnn run: step {step}: {counts['in_flight']} in flight ({pools}); "
+                f"{counts['done']}/{self.n_systems * len(self.pools)} stages done, "
+                f"{counts['started']}/{self.n_systems} systems started")
 
     # ------------------------------------------------------------------ frames
     def _every(self, stage: StageConfig) -> int:
@@ -348,16 +388,24 @@ def summary(cfg: WorkflowConfig, folder: Path, n_systems: int, wall: float) -> d
 def run_workflow(config: WorkflowConfig | str | Path, overrides: Sequence[str] = ()) -> Path:
     """Run every selected structure through the workflow's stages, batched with refill.
 
+    Launched on several ranks (torchrun, srun), the systems are shared among the ranks
+    (:mod:`xnn.app.workflow_ranks`): each runs its share in batches of ``slots``, and the
+    folder's files are those of one process.
+
     Args:
         config: a :class:`WorkflowConfig` or a YAML path (then ``overrides``: ``key=value``).
     Returns:
         the run folder (``results.csv``, ``summary.json``, ``final.xyz``, trajectories).
     """
-    from tqdm import tqdm
+    from xnn.app.md_common import launched_on_several_ranks, run_distributed
 
-    from xnn._files import atomic_write
+    if launched_on_several_ranks():
+        return run_distributed(WorkflowConfig, config, overrides, _run_workflow)
+    return _run_workflow(config, overrides, None)
+
+
+def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
     from xnn.app.md_common import DTYPES
-    from xnn.config.loader import save_config
     from xnn.io.calculator import resolve_device
     from xnn.io.run_folder import plan_run_folder
 
@@ -367,35 +415,87 @@ def run_workflow(config: WorkflowConfig | str | Path, overrides: Sequence[str] =
                              overwrite=cfg.output.overwrite, key="output.dir",
                              overwrite_key="output.overwrite",
                              resume_hint=f"resume={Path(cfg.output.dir) / 'checkpoint.pt'}")
-    device, dtype = resolve_device(cfg.model.device), DTYPES[cfg.model.dtype]
-    potential = load_potential(cfg.model, device, dtype)
-    systems = read_systems(cfg, potential, device, dtype)
-    campaign = Campaign(cfg, systems, potential, folder.work)
-    if cfg.resume:
-        campaign.resume(cfg.resume, device)
-    else:
-        folder.create()
-        atomic_write(folder.work / "config.yaml", lambda tmp: save_config(cfg, tmp))
-        campaign.fresh()
+    device = manager.device if manager is not None else resolve_device(cfg.model.device)
+    ranks = wr.Ranks(0 if manager is None else manager.rank,
+                     1 if manager is None else manager.world_size, folder.work)
+    with C.guarded(None, "reading the model, the structures and the checkpoint"):
+        if cfg.resume:
+            wr.check_resume(cfg.resume, ranks)
+        potential = load_potential(cfg.model, device, DTYPES[cfg.model.dtype])
+        systems = read_systems(cfg, potential, device, DTYPES[cfg.model.dtype])
+        mine = wr.share([g.n_atoms for g in systems], ranks.world_size, ranks.rank)
+        campaign = Campaign(cfg, {i: systems[i] for i in mine}, len(systems), potential, ranks)
+        del systems
+        if cfg.resume:
+            campaign.resume(cfg.resume, device)
+    with C.guarded(None, "creating the output folder"):
+        if not cfg.resume and ranks.main:
+            _create(cfg, folder, ranks.world_size)
+    with C.guarded(None, "creating this rank's files"):
+        if not cfg.resume:
+            campaign.fresh()
+    _log(ranks, f"xnn run: {campaign.n_systems} systems through "
+         f"{' -> '.join(s.name for s in cfg.stages)}, {cfg.slots} slots"
+         f"{'' if ranks.world_size == 1 else f' on each of {ranks.world_size} ranks'}, on "
+         f"{device}" + (f" (resumed at batch step {campaign.iteration})" if cfg.resume else ""))
     t0 = time.perf_counter()
-    print(f"xnn run: {len(systems)} systems through {' -> '.join(s.name for s in cfg.stages)}"
-          f", {cfg.slots} slots, on {device}" + (f" (resumed at batch step "
-                                                  f"{campaign.iteration})" if cfg.resume else ""),
-          flush=True)
-    bar = tqdm(total=campaign.total, initial=campaign.stages_done, desc="run", unit="stage",
-               dynamic_ncols=True, disable=None if cfg.output.progress else True,
-               mininterval=0.5)
+    _run_loop(cfg, campaign, device)
+    with C.guarded(None, "writing results.csv, final.xyz and summary.json"):
+        if ranks.main:
+            info = _finish(cfg, folder, ranks, campaign.n_systems, time.perf_counter() - t0)
+    if ranks.main and info["failed_ids"]:
+        print(f"xnn run: {len(info['failed_ids'])} of {campaign.n_systems} systems failed "
+              "(status=failed in results.csv)")
+    return folder.final
+
+
+def _create(cfg: WorkflowConfig, folder, world_size: int) -> None:
+    """The run folder (rank 0), its ``config.yaml`` and the shared subfolders."""
+    from xnn._files import atomic_write
+    from xnn.config.loader import save_config
+
+    folder.create()
+    atomic_write(folder.work / "config.yaml", lambda tmp: save_config(cfg, tmp))
+    for name in ("trajectories", "final", *(("ranks",) if world_size > 1 else ())):
+        (folder.work / name).mkdir(exist_ok=True)
+
+
+def _run_loop(cfg: WorkflowConfig, campaign: Campaign, device) -> None:
+    """The campaign's loop, with rank 0's progress bar; under torchrun rank 0 writes the
+    manifest ``checkpoint.pt`` once every rank has checkpointed."""
+    from tqdm import tqdm
+
+    ranks = campaign.ranks
+    started = None
+    if ranks.world_size > 1 and ranks.main and not cfg.resume:
+        settings = fingerprint(cfg, campaign.n_systems)
+        started = functools.partial(wf.save_manifest, ranks.folder / "checkpoint.pt",
+                                    ranks.world_size, settings)
+    first = campaign.counts(device)
+    bar = tqdm(total=campaign.n_systems * len(cfg.stages), initial=first["done"], desc="run",
+               unit="stage", dynamic_ncols=True, mininterval=0.5,
+               disable=None if cfg.output.progress and ranks.main else True)
     try:
-        campaign.run(bar)
+        campaign.run(bar, device, started)
     finally:
         bar.close()
-    wf.gather_final(folder.work, len(systems))
-    info = summary(cfg, folder.work, len(systems), time.perf_counter() - t0)
-    atomic_write(folder.work / "summary.json",
-                 lambda tmp: tmp.write_text(json.dumps(info, indent=2) + "\n"))
+
+
+def _finish(cfg: WorkflowConfig, folder, ranks: wr.Ranks, n_systems: int, wall: float) -> dict:
+    """Rank 0, every rank done: ``results.csv`` (every rank's rows, by id and stage),
+    ``final.xyz``, ``summary.json``; the folder committed."""
+    from xnn._files import atomic_write
+
+    work = folder.work
+    wf.merge_results([ranks.results(r) for r in range(ranks.world_size)], work / "results.csv")
+    wf.gather_final(work, n_systems)
+    info = summary(cfg, work, n_systems, wall)
+    atomic_write(work / "summary.json", lambda tmp: tmp.write_text(json.dumps(info, indent=2)
+                                                                    + "\n"))
     folder.commit()
-    n_failed = len(info["failed_ids"])
-    if n_failed:
-        print(f"xnn run: {n_failed} of {len(systems)} systems failed (status=failed in "
-              "results.csv)")
-    return folder.final
+    return info
+
+
+def _log(ranks: wr.Ranks, line: str) -> None:
+    if ranks.main:
+        print(line, flush=True)

@@ -85,12 +85,20 @@ def check_resume(path: str, ranks: Ranks) -> None:
 
 
 def all_sum(values: list[int], device) -> list[int]:
-    """``values`` summed over the ranks (itself in one process)."""
+    """``values`` summed over the ranks (themselves in one process: no tensor, no sync).
+
+    Args:
+        device: where the ranks' collectives run (``cuda:LOCAL_RANK`` under NCCL).
+    """
+    if not C.is_active():
+        return list(values)
     t = torch.tensor(values, dtype=torch.int64, device=device)
     return [int(v) for v in C.all_reduce_(t).tolist()]
 
 
 def all_max(value: int, device) -> int:
     """The largest ``value`` of any rank."""
+    if not C.is_active():
+        return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
     return int(C.all_reduce_max(t).item())

@@ -6,7 +6,8 @@ LJ clusters through relax -> NVT: every system is run by one rank, and the folde
 ``results.csv`` equal to one process's (same rows in the same order, numbers to 1e-10 in
 fp64: a system's numbers do not depend on its batch), the same trajectories and final
 structures. A campaign killed with SIGKILL on both ranks resumes on two ranks to the
-uninterrupted campaign's files; resuming it on another number of ranks is refused.
+uninterrupted campaign's files; resumed in one process, or a killed one-process campaign
+resumed on two ranks, it gives one process's results.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import csv
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,8 +28,8 @@ import ase.io
 import numpy as np
 import pytest
 
+from xnn.app import workflow_files as wf
 from xnn.app.workflow import run_workflow
-from xnn.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 LJ = {"sigma": 3.405, "epsilon": 0.0104, "cutoff": 8.0}
@@ -129,7 +131,7 @@ def test_two_ranks_share_the_systems_and_write_one_process_files(campaigns):
     """Each system is run by one rank (its rows in that rank's table, each stage once); the
     merged results.csv, trajectories and final.xyz equal one process's; rank 0 alone logs."""
     _, one, two, runs = campaigns
-    parts = [_table_rows(two / "ranks" / f"results_{r:05d}.csv") for r in range(2)]
+    parts = [_table_rows(two / "ranks" / f"g000_results_{r:05d}.csv") for r in range(2)]
     ids = [{int(r["id"]) for r in p} for p in parts]
     assert ids[0] and ids[1] and not ids[0] & ids[1] and ids[0] | ids[1] == set(range(N))
     rows = _table(two)
@@ -150,18 +152,11 @@ def _table_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
-@pytest.mark.slow  # three launches of two ranks
-def test_kill_9_on_both_ranks_and_resume(campaigns, tmp_path):
-    """SIGKILL both ranks once some stages are done, resume on two ranks: the uninterrupted
-    campaign's results.csv (bitwise but the timing), trajectories and final structures.
-    Resuming on one process instead is refused with one line, before anything is written."""
-    common, _, full, _ = campaigns
-    out = tmp_path / "killed"
-    procs = _launch([*common, f"output.dir={out}", "output.checkpoint_every=5"])
+def _kill_when(procs: list[subprocess.Popen], tables, rows: int) -> None:
+    """SIGKILL every process once the tables ``tables()`` hold ``rows`` rows."""
     try:
         while all(p.poll() is None for p in procs):
-            parts = list((out / "ranks").glob("results_*.csv")) if out.is_dir() else []
-            if sum(p.read_text().count("\n") - 1 for p in parts) >= 4:
+            if sum(t.read_text().count("\n") - 1 for t in tables() if t.is_file()) >= rows:
                 break
             time.sleep(0.02)
         assert all(p.poll() is None for p in procs), "the campaign ended before the kill"
@@ -172,14 +167,28 @@ def test_kill_9_on_both_ranks_and_resume(campaigns, tmp_path):
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+@pytest.mark.slow  # two launches of two ranks
+def test_kill_9_on_both_ranks_and_resume_on_two_ranks_or_one_process(campaigns, tmp_path):
+    """SIGKILL both ranks once some stages are done. Resumed on two ranks: the uninterrupted
+    campaign's results.csv (bitwise but the timing), trajectories and final structures.
+    A copy resumed in one process takes over both ranks' systems: one process's results
+    (to 1e-10: other batches), no stage run twice."""
+    common, one, full, _ = campaigns
+    out = tmp_path / "killed"
+    procs = _launch([*common, f"output.dir={out}", "output.checkpoint_every=5"])
+    _kill_when(procs, lambda: list((out / "ranks").glob("g000_results_*.csv")), 4)
     assert not (out / "results.csv").exists()  # merged only when the campaign completes
-    done = sum(len(_table_rows(out / "ranks" / f"results_{r:05d}.csv")) for r in range(2))
+    done = sum(len(_table_rows(out / "ranks" / f"g000_results_{r:05d}.csv")) for r in range(2))
     assert 4 <= done < 2 * N
-    resume = f"resume={out / 'checkpoint.pt'}"
-    with pytest.raises(InputError, match=r"written by a campaign on 2 ranks, not one process: "
-                                         r"resume it on 2 ranks \(torchrun --nproc-per-node 2"):
-        run_workflow(None, [*common, f"output.dir={out}", resume])
-    runs = _wait(_launch([*common, f"output.dir={out}", "output.checkpoint_every=5", resume]))
+    in_flight = [i for r in range(2) for pool in wf.load_campaign(
+        out / "ranks" / f"g000_checkpoint_{r:05d}.pt", "cpu")[0] if pool for i in pool[1]]
+    assert in_flight  # systems in the middle of a stage are taken over
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    runs = _wait(_launch([*common, f"output.dir={out}", "output.checkpoint_every=5",
+                          f"resume={out / 'checkpoint.pt'}"]))
     for code, _, err in runs:
         assert code == 0, err
     assert "resumed at batch step" in runs[0][1]
@@ -189,3 +198,36 @@ def test_kill_9_on_both_ranks_and_resume(campaigns, tmp_path):
         assert (out / "trajectories" / name).read_bytes() == \
             (full / "trajectories" / name).read_bytes()
     assert (out / "final.xyz").read_bytes() == (full / "final.xyz").read_bytes()
+    run_workflow(None, [*common, f"output.dir={copy}", f"resume={copy / 'checkpoint.pt'}"])
+    manifest = wf.read_checkpoint(copy / "checkpoint.pt")
+    assert (manifest["world_size"], manifest["generation"]) == (1, 1)
+    assert 0 < len(_table_rows(copy / "ranks" / "g001_done.csv")) <= done  # checkpointed
+    _same_rows(one, copy, 1e-10)
+    _same_frames(one / "final.xyz", copy / "final.xyz", 1e-10)
+    for i in range(N):
+        name = f"sys_{i:05d}.xyz"
+        _same_frames(one / "trajectories" / name, copy / "trajectories" / name, 1e-10)
+
+
+@pytest.mark.slow  # a launch of one process, then of two ranks
+def test_a_killed_one_process_campaign_resumes_on_two_ranks(campaigns, tmp_path):
+    """A one-process campaign killed with SIGKILL, resumed on two ranks: the ranks share its
+    in-flight and queued systems; one process's results to 1e-10, no stage run twice."""
+    common, one, _, _ = campaigns
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "xnn", "run", *common,
+                             f"output.dir={out}", "output.checkpoint_every=5"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _kill_when([proc], lambda: [out / "results.csv"], 4)
+    assert wf.load_campaign(out / "checkpoint.pt", "cpu")[0][0] is not None  # relaxing
+    runs = _wait(_launch([*common, f"output.dir={out}", f"resume={out / 'checkpoint.pt'}"]))
+    for code, _, err in runs:
+        assert code == 0, err
+    manifest = wf.read_checkpoint(out / "checkpoint.pt")
+    assert (manifest["world_size"], manifest["generation"]) == (2, 1)
+    _same_rows(one, out, 1e-10)
+    _same_frames(one / "final.xyz", out / "final.xyz", 1e-10)
+    for i in range(N):
+        name = f"sys_{i:05d}.xyz"
+        _same_frames(one / "trajectories" / name, out / "trajectories" / name, 1e-10)

@@ -27,6 +27,7 @@ import torch
 from xnn.app import workflow_files as wf
 from xnn.app import workflow_ranks as wr
 from xnn.app import workflow_stages as ws
+from xnn.app.md_common import DTYPES
 from xnn.app.md_setup import check_species, load_potential, load_structure, no_kinetic_dof
 from xnn.config.loader import load_config
 from xnn.config.workflow import StageConfig, WorkflowConfig
@@ -76,6 +77,15 @@ def fingerprint(cfg: WorkflowConfig, n_systems: int) -> dict:
             "trajectory_every": cfg.output.trajectory_every}
 
 
+def check_settings(cfg: WorkflowConfig, n_systems: int, path, meta: dict, n_pools: int) -> None:
+    """Refuse a checkpoint (``meta``, ``n_pools`` stages) written with other settings."""
+    want = fingerprint(cfg, n_systems)
+    diff = [k for k in want if meta["settings"].get(k) != want[k]]
+    if diff or n_pools != len(cfg.stages):
+        raise InputError(f"checkpoint {path} was written with other settings "
+                         f"({', '.join(diff) or 'stages'}); resume with the same config")
+
+
 class Campaign:
     """The systems, pools and files of one ``xnn run`` (of one rank's share under torchrun:
     :mod:`xnn.app.workflow_ranks`); :meth:`run` is the loop.
@@ -103,13 +113,9 @@ class Campaign:
 
     def resume(self, path: str, device) -> None:
         """Continue from this rank's checkpoint (``path``: the campaign's checkpoint.pt)."""
-        path = str(self.ranks.checkpoint(path))
+        path = str(self.ranks.checkpoint(resume=path))
         pools, meta = wf.load_campaign(path, device)
-        want = fingerprint(self.cfg, self.n_systems)
-        diff = [k for k in want if meta["settings"].get(k) != want[k]]
-        if diff or len(pools) != len(self.pools):
-            raise InputError(f"checkpoint {path} was written with other settings "
-                             f"({', '.join(diff) or 'stages'}); resume with the same config")
+        check_settings(self.cfg, self.n_systems, path, meta, len(pools))
         self.next_input, self.iteration = meta["next_input"], meta["iteration"]
         self.stages_done = meta["stages_done"]
         self.results = wf.ResultsTable(self.ranks.results(), meta["results_bytes"])
@@ -121,6 +127,23 @@ class Campaign:
             restore_neighbor_state(pool.potential, neighbors, device)
         for i, size in meta["trajectories"].items():
             wf.truncate(self._traj(int(i)), size)
+
+    def take_over(self, hand: wr.Handover) -> None:
+        """Continue the in-flight systems of ``hand`` (from a campaign on another number of
+        ranks) in new files; rank 0 copies the finished rows into the new generation."""
+        self.iteration = hand.iteration
+        for pool, saved in zip(self.pools, hand.pools):
+            if saved is not None:
+                pool.state, pool.ids, wall = saved
+                pool.wall = dict(zip(pool.ids, wall))
+        for i, size in hand.trajectories.items():
+            wf.truncate(self._traj(i), size)
+        self.ranks.results().parent.mkdir(exist_ok=True)  # ranks/: after one process's files
+        if self.ranks.main:
+            rows = [r for path, size in hand.tables for r in wf.read_rows(path, size)]
+            wf.write_rows(self.ranks.done(), rows)
+            self.stages_done = wf.stages_done(rows, len(self.pools))
+        self.results = wf.ResultsTable(self.ranks.results(), None)
 
     def save(self) -> None:
         in_flight = [i for p in self.pools for i in p.ids]
@@ -256,9 +279,9 @@ class Campaign:
         the ranks."""
         pools = [len(p.ids) for p in self.pools]
         values = wr.all_sum([self.stages_done, self.in_flight(),
-                             len(self.queue) - self.next_input, self.next_input, *pools], device)
-        return dict(zip(("done", "in_flight", "queued", "started"), values)) | {
-            "pools": values[4:]}
+                             len(self.queue) - self.next_input, *pools], device)
+        return dict(zip(("done", "in_flight", "queued"), values)) | {
+            "started": self.n_systems - values[2], "pools": values[3:]}
 
     def step(self) -> None:
         """One step of every non-empty pool, then the frames due."""
@@ -405,7 +428,6 @@ def run_workflow(config: WorkflowConfig | str | Path, overrides: Sequence[str] =
 
 
 def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
-    from xnn.app.md_common import DTYPES
     from xnn.io.calculator import resolve_device
     from xnn.io.run_folder import plan_run_folder
 
@@ -416,30 +438,27 @@ def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
                              overwrite_key="output.overwrite",
                              resume_hint=f"resume={Path(cfg.output.dir) / 'checkpoint.pt'}")
     device = manager.device if manager is not None else resolve_device(cfg.model.device)
-    ranks = wr.Ranks(0 if manager is None else manager.rank,
-                     1 if manager is None else manager.world_size, folder.work)
     with C.guarded(None, "reading the model, the structures and the checkpoint"):
-        if cfg.resume:
-            wr.check_resume(cfg.resume, ranks)
+        ranks, old = wr.plan(0 if manager is None else manager.rank,
+                             1 if manager is None else manager.world_size, folder.work,
+                             cfg.resume)
         potential = load_potential(cfg.model, device, DTYPES[cfg.model.dtype])
-        systems = read_systems(cfg, potential, device, DTYPES[cfg.model.dtype])
-        mine = wr.share([g.n_atoms for g in systems], ranks.world_size, ranks.rank)
-        campaign = Campaign(cfg, {i: systems[i] for i in mine}, len(systems), potential, ranks)
-        del systems
-        if cfg.resume:
-            campaign.resume(cfg.resume, device)
+        campaign, hand = _campaign(cfg, ranks, old, potential, device)
     with C.guarded(None, "creating the output folder"):
         if not cfg.resume and ranks.main:
-            _create(cfg, folder, ranks.world_size)
+            _create(cfg, folder, ranks.generation is not None)
     with C.guarded(None, "creating this rank's files"):
-        if not cfg.resume:
+        if hand is not None:
+            campaign.take_over(hand)
+        elif not cfg.resume:
             campaign.fresh()
     _log(ranks, f"xnn run: {campaign.n_systems} systems through "
          f"{' -> '.join(s.name for s in cfg.stages)}, {cfg.slots} slots"
          f"{'' if ranks.world_size == 1 else f' on each of {ranks.world_size} ranks'}, on "
          f"{device}" + (f" (resumed at batch step {campaign.iteration})" if cfg.resume else ""))
     t0 = time.perf_counter()
-    _run_loop(cfg, campaign, device)
+    _run_loop(cfg, campaign, device, ranks.generation is not None and (
+        hand is not None or not cfg.resume))
     with C.guarded(None, "writing results.csv, final.xyz and summary.json"):
         if ranks.main:
             info = _finish(cfg, folder, ranks, campaign.n_systems, time.perf_counter() - t0)
@@ -449,28 +468,48 @@ def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
     return folder.final
 
 
-def _create(cfg: WorkflowConfig, folder, world_size: int) -> None:
-    """The run folder (rank 0), its ``config.yaml`` and the shared subfolders."""
+def _campaign(cfg: WorkflowConfig, ranks: wr.Ranks, old: wr.Ranks | None, potential,
+              device) -> tuple[Campaign, wr.Handover | None]:
+    """This rank's campaign (resumed from its checkpoint when ``cfg.resume`` was written on
+    this number of ranks), and what it takes over from one written on another number."""
+    systems = read_systems(cfg, potential, device, DTYPES[cfg.model.dtype])
+    sizes = [g.n_atoms for g in systems]
+    mine = wr.share(sizes, ranks.world_size, ranks.rank)
+    if old is None:
+        campaign = Campaign(cfg, {i: systems[i] for i in mine}, len(systems), potential, ranks)
+        if cfg.resume:
+            campaign.resume(cfg.resume, device)
+        return campaign, None
+    check = functools.partial(check_settings, cfg, len(systems))
+    hand = wr.hand_over(old, cfg.resume, mine, sizes, device, check)
+    return Campaign(cfg, {i: systems[i] for i in hand.queue}, len(systems), potential,
+                    ranks), hand
+
+
+def _create(cfg: WorkflowConfig, folder, ranks: bool) -> None:
+    """The run folder (rank 0), its ``config.yaml`` and the shared subfolders (``ranks/``
+    for a campaign on ranks)."""
     from xnn._files import atomic_write
     from xnn.config.loader import save_config
 
     folder.create()
     atomic_write(folder.work / "config.yaml", lambda tmp: save_config(cfg, tmp))
-    for name in ("trajectories", "final", *(("ranks",) if world_size > 1 else ())):
+    for name in ("trajectories", "final", *(("ranks",) if ranks else ())):
         (folder.work / name).mkdir(exist_ok=True)
 
 
-def _run_loop(cfg: WorkflowConfig, campaign: Campaign, device) -> None:
-    """The campaign's loop, with rank 0's progress bar; under torchrun rank 0 writes the
-    manifest ``checkpoint.pt`` once every rank has checkpointed."""
+def _run_loop(cfg: WorkflowConfig, campaign: Campaign, device, new_files: bool) -> None:
+    """The campaign's loop, with rank 0's progress bar; rank 0 writes the manifest
+    ``checkpoint.pt`` of ``new_files`` (a new generation under ``ranks/``) once every rank
+    has checkpointed in them."""
     from tqdm import tqdm
 
     ranks = campaign.ranks
     started = None
-    if ranks.world_size > 1 and ranks.main and not cfg.resume:
-        settings = fingerprint(cfg, campaign.n_systems)
+    if new_files and ranks.main:
         started = functools.partial(wf.save_manifest, ranks.folder / "checkpoint.pt",
-                                    ranks.world_size, settings)
+                                    ranks.world_size, ranks.generation,
+                                    fingerprint(cfg, campaign.n_systems))
     first = campaign.counts(device)
     bar = tqdm(total=campaign.n_systems * len(cfg.stages), initial=first["done"], desc="run",
                unit="stage", dynamic_ncols=True, mininterval=0.5,
@@ -487,7 +526,7 @@ def _finish(cfg: WorkflowConfig, folder, ranks: wr.Ranks, n_systems: int, wall: 
     from xnn._files import atomic_write
 
     work = folder.work
-    wf.merge_results([ranks.results(r) for r in range(ranks.world_size)], work / "results.csv")
+    wf.merge_results(ranks.parts(), work / "results.csv")
     wf.gather_final(work, n_systems)
     info = summary(cfg, work, n_systems, wall)
     atomic_write(work / "summary.json", lambda tmp: tmp.write_text(json.dumps(info, indent=2)

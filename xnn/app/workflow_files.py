@@ -80,22 +80,42 @@ def read_results(path: str | os.PathLike) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
-def merge_results(parts: list[Path], path: Path) -> Path:
-    """Write the rows of ``parts`` (files of :class:`ResultsTable`) to ``path`` atomically,
-    ordered by system id and stage index (the order does not depend on slots or ranks)."""
-    rows = []
-    for part in parts:
-        with open(part, newline="") as fh:
-            reader = csv.reader(fh)
-            if next(reader, None) != list(COLUMNS):
-                raise DataFileError(f"{part} is not a results table of this xnn version")
-            rows.extend(reader)
-    rows.sort(key=lambda r: (int(r[0]), int(r[1])))
+def read_rows(path: Path, size: int | None = None) -> list[list[str]]:
+    """The rows (cells as strings) of a table of :class:`ResultsTable`, of its first ``size``
+    bytes if given (the size a checkpoint recorded)."""
+    data = path.read_bytes()
+    if size is not None:
+        if len(data) < size:
+            raise DataFileError(f"cannot resume: {path} is shorter than the checkpoint says")
+        data = data[:size]
+    reader = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
+    if next(reader, None) != list(COLUMNS):
+        raise DataFileError(f"{path} is not a results table of this xnn version")
+    return list(reader)
+
+
+def write_rows(path: Path, rows: list[list[str]]) -> Path:
+    """A table of :class:`ResultsTable` holding ``rows``, written atomically."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(COLUMNS)
     w.writerows(rows)
     return atomic_write(path, lambda tmp: tmp.write_text(buf.getvalue()))
+
+
+def merge_results(parts: list[Path], path: Path) -> Path:
+    """Write the rows of ``parts`` (tables of :class:`ResultsTable`) to ``path`` atomically,
+    ordered by system id and stage index (the order does not depend on slots or ranks)."""
+    rows = [r for part in parts for r in read_rows(part)]
+    rows.sort(key=lambda r: (int(r[0]), int(r[1])))
+    return write_rows(path, rows)
+
+
+def stages_done(rows: list[list[str]], n_stages: int) -> int:
+    """The stages the rows account for: one each, and the stages a failed system skips."""
+    stage, status = COLUMNS.index("stage_index"), COLUMNS.index("status")
+    return sum(1 + (n_stages - 1 - int(r[stage]) if r[status] == "failed" else 0)
+               for r in rows)
 
 
 def truncate(path: Path, size: int) -> None:
@@ -197,11 +217,11 @@ def checkpoint_ranks(payload: dict) -> int:
     return int(payload["world_size"]) if payload["format"] == MANIFEST else 1
 
 
-def save_manifest(path: Path, world_size: int, settings: dict) -> None:
+def save_manifest(path: Path, world_size: int, generation: int, settings: dict) -> None:
     """``checkpoint.pt`` of a campaign run on ``world_size`` ranks (each rank's state is in
-    its own checkpoint under ``ranks/``)."""
+    its own checkpoint under ``ranks/``, of file generation ``generation``)."""
     payload = {"format": MANIFEST, "version": 1, "world_size": int(world_size),
-               "settings": settings}
+               "generation": int(generation), "settings": settings}
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 

@@ -8,10 +8,11 @@ the campaign) gathered into ``final.xyz`` in id order at the end, ``summary.json
 sizes of the appended files, written atomically (a resumed campaign cuts the files back
 to those sizes and continues bitwise).
 
-Under torchrun each rank appends its rows to ``ranks/results_RRRRR.csv`` and checkpoints to
-``ranks/checkpoint_RRRRR.pt``; ``checkpoint.pt`` is then a manifest (the number of ranks and
-the settings), and the rows of every rank are merged into ``results.csv`` at the end. A
-completed campaign's ``results.csv`` is ordered by system id and stage, whatever the ranks.
+Under torchrun each rank appends its rows to ``ranks/gGGG_results_RRRRR.csv`` and checkpoints
+to ``ranks/gGGG_checkpoint_RRRRR.pt`` (:mod:`xnn.app.workflow_ranks`); ``checkpoint.pt`` is
+then a manifest (the number of ranks, the generation ``GGG`` of the files, the settings),
+and the rows of every rank are merged into ``results.csv`` at the end. A completed
+campaign's ``results.csv`` is ordered by system id and stage, whatever the ranks.
 """
 
 from __future__ import annotations

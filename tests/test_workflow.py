@@ -8,9 +8,12 @@ CSVR, NVE and NPT stages; the slot primitives keep each system's own trajectory.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
+import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,9 +68,11 @@ def campaign(tmp_path_factory):
     """The example workflow on 200 clusters, uninterrupted (16 slots)."""
     d = tmp_path_factory.mktemp("wf")
     structure = _write(d / "clusters.xyz", _clusters(200))
-    out = run_workflow(str(EXAMPLE), [f"structure={structure}", f"output.dir={d / 'full'}",
-                                      "output.progress=false"])
-    return structure, out
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        out = run_workflow(str(EXAMPLE), [f"structure={structure}", f"output.dir={d / 'full'}",
+                                          "output.progress=false", "output.log_every=10"])
+    return structure, out, log.getvalue()
 
 
 def test_200_structures_relax_then_nvt_with_refill(campaign):
@@ -76,12 +81,15 @@ def test_200_structures_relax_then_nvt_with_refill(campaign):
     stages interleave), and each system's trajectory holds both stages."""
     import ase.io
 
-    structure, out = campaign
+    structure, out, log = campaign
     rows = _rows(out)
     assert len(rows) == 400 and {i for i, _ in rows} == set(range(200))
-    order = [r["stage"] for r in csv.DictReader(open(out / "results.csv"))]
-    first_nvt, last_relax = order.index("nvt"), len(order) - 1 - order[::-1].index("relax")
-    assert first_nvt < 50 and last_relax > 350  # refill: nvt rows long before the last relax
+    order = [(int(r["id"]), r["stage"]) for r in csv.DictReader(open(out / "results.csv"))]
+    assert order == [(i, s) for i in range(200) for s in ("relax", "nvt")]  # id order at the end
+    # refill: 16 in flight, some in nvt, while fewer than 150 systems had started
+    lines = re.findall(r"step \d+: 16 in flight \(relax (\d+), nvt (\d+)\); \d+/400 stages "
+                       r"done, (\d+)/200 systems started", log)
+    assert any(int(nvt) > 0 and int(started) < 150 for _, nvt, started in lines), log
     start = ase.io.read(structure, index=":")
     e0 = []
     from xnn.data.ase_io import from_ase
@@ -111,7 +119,7 @@ def test_200_structures_relax_then_nvt_with_refill(campaign):
 def test_kill_9_and_resume_equals_uninterrupted(campaign, tmp_path):
     """SIGKILL mid-campaign (after some stages completed), resume: the same results table
     (bitwise), trajectories and final structures as the uninterrupted run, no stage twice."""
-    structure, full = campaign
+    structure, full, _ = campaign
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "xnn", "run", str(EXAMPLE), f"structure={structure}",
            f"output.dir={out}", "output.progress=false", "output.checkpoint_every=7"]
@@ -286,3 +294,42 @@ def test_a_stage_the_systems_cannot_take_is_refused_before_running(tmp_path):
         run_workflow(None, [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
                             "stages.0.type=npt", f"output.dir={tmp_path / 'out'}"])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_system_without_kinetic_degrees_of_freedom_fails_its_thermostat_stage(tmp_path):
+    """A lone atom, and a pair whose atoms are all fixed, cannot be given a temperature:
+    ``xnn md`` refuses them (naming the system of a batch), and a workflow fails them, with
+    the same reason, in the first stage that asks a temperature > 0 (here nvt), after the
+    stages that ask none (relax, nve from rest); the other systems run every stage."""
+    from ase import Atoms
+    from ase.constraints import FixAtoms
+
+    from xnn.app.md import run_md
+
+    pair = Atoms("Ar2", positions=[[0, 0, 0], [3.8, 0, 0]])
+    pair.set_constraint(FixAtoms(indices=[0, 1]))
+    frames = [*_clusters(2, seed=1), Atoms("Ar", positions=[[0, 0, 0]]), pair]
+    structure = _write(tmp_path / "c.xyz", frames)
+    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}"]
+    with pytest.raises(InputError, match=r"system 2 has no kinetic degrees of freedom "
+                                         r"\(1 atom, whose total momentum is kept at zero\)"):
+        run_md(None, [*common, "index=:", "ensemble=langevin", "temperature=40", "steps=2",
+                      f"output.dir={tmp_path / 'md'}"])
+    out = run_workflow(None, [*common, "output.progress=false", f"output.dir={tmp_path / 'w'}",
+                              "stages.0.type=relax", "stages.0.max_steps=20",
+                              "stages.1.type=nve", "stages.1.steps=3",
+                              "stages.2.type=nvt", "stages.2.temperature=40",
+                              "stages.2.steps=3"])
+    rows = _rows(out)
+    for i in (0, 1):
+        assert [rows[(i, s)]["status"] for s in ("relax", "nve", "nvt")] == ["ok"] * 3
+    for i, why in ((2, "1 atom, whose total momentum is kept at zero"),
+                   (3, "all its atoms are fixed")):
+        assert rows[(i, "relax")]["status"] == rows[(i, "nve")]["status"] == "ok"
+        nvt = rows[(i, "nvt")]
+        assert (nvt["status"], nvt["steps"], nvt["converged"]) == ("failed", "0", "False")
+        assert nvt["reason"] == (f"no kinetic degrees of freedom ({why}): it cannot be given "
+                                 "a temperature of 40 K")
+    import json
+
+    assert json.loads((out / "summary.json").read_text())["failed_ids"] == [2, 3]

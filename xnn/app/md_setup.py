@@ -127,38 +127,56 @@ def initial_velocities(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor,
 
 
 def check_kinetic_dof(cfg: MDConfig, graph: AtomicGraph, targets: torch.Tensor) -> None:
-    """Refuse a temperature > 0 for a system without kinetic degrees of freedom.
-
-    A system without fixed atoms keeps zero total momentum, so it has ``3 N - 3`` degrees
-    of freedom: none for one atom; one whose atoms are all fixed has none either. Its
-    temperature stays 0 K whatever is asked, so, as LAMMPS refuses to create or rescale
-    velocities of a zero temperature, a thermostat target > 0 or Maxwell–Boltzmann
-    velocities at T > 0 for such a system raise here instead of running silently at 0 K.
+    """Refuse a temperature > 0 for a system without kinetic degrees of freedom
+    (:func:`no_kinetic_dof`): a thermostat target > 0, or Maxwell–Boltzmann velocities at
+    T > 0 (not for velocities from the file).
 
     Args:
         targets: ``[n_systems]`` target temperatures (K).
     Raises:
         InputError: naming the first such system.
     """
-    free = free_mask(graph).to(torch.float64)
-    n_free = torch.zeros(graph.n_systems, dtype=torch.float64, device=free.device)
-    n_free = n_free.index_add(0, graph.batch, free)
-    dof = torch.where(has_fixed(graph), 3 * n_free, 3 * n_free - 3)
     mb = None if velocities_from_file(cfg, graph) else (
         targets if cfg.initial_temperature is None else torch.full_like(
             targets, float(cfg.initial_temperature)))
     asked = targets if cfg.ensemble != "nve" else torch.zeros_like(targets)
     if mb is not None:
         asked = torch.maximum(asked, mb)
-    bad = torch.nonzero((dof <= 0) & (asked > 0)).flatten()
-    if bad.numel():
-        s = int(bad[0])
-        n = int((graph.batch == s).sum())
-        why = ("all its atoms are fixed" if bool(has_fixed(graph)[s]) else
-               f"{n} atom{'s' if n != 1 else ''}, whose total momentum is kept at zero")
-        raise InputError(f"system {s} has no kinetic degrees of freedom ({why}): it cannot "
-                         f"be given a temperature of {float(asked[s]):g} K; simulate at least "
-                         "2 free atoms (e.g. a supercell), or set temperature=0")
+    problem = no_kinetic_dof(graph, asked)
+    if problem is not None:
+        s, why = problem
+        raise InputError(f"system {s} has {why}; simulate at least 2 free atoms (e.g. a "
+                         "supercell), or set temperature=0")
+
+
+def no_kinetic_dof(graph: AtomicGraph, asked: torch.Tensor) -> tuple[int, str] | None:
+    """The first system asked for a temperature > 0 that has no kinetic degrees of freedom,
+    and why: ``(system, "no kinetic degrees of freedom (...): it cannot be given a
+    temperature of T K")``; ``None`` when every system can take its temperature.
+
+    A system without fixed atoms keeps zero total momentum, so it has ``3 N - 3`` degrees
+    of freedom: none for one atom; one whose atoms are all fixed has none either. Its
+    temperature stays 0 K whatever is asked, so, as LAMMPS refuses to create or rescale
+    velocities of a zero temperature, ``xnn md`` refuses such a run and an ``xnn run``
+    stage fails such a system instead of running it silently at 0 K.
+
+    Args:
+        asked: ``[n_systems]`` temperatures (K) asked of each system (a thermostat's
+            target, or that of the Maxwell–Boltzmann velocities drawn).
+    """
+    free = free_mask(graph).to(torch.float64)
+    n_free = torch.zeros(graph.n_systems, dtype=torch.float64, device=free.device)
+    n_free = n_free.index_add(0, graph.batch, free)
+    dof = torch.where(has_fixed(graph), 3 * n_free, 3 * n_free - 3)
+    bad = torch.nonzero((dof <= 0) & (asked.to(dof.device) > 0)).flatten()
+    if not bad.numel():
+        return None
+    s = int(bad[0])
+    n = int((graph.batch == s).sum())
+    why = ("all its atoms are fixed" if bool(has_fixed(graph)[s]) else
+           f"{n} atom{'s' if n != 1 else ''}, whose total momentum is kept at zero")
+    return s, (f"no kinetic degrees of freedom ({why}): it cannot be given a temperature "
+               f"of {float(asked[s]):g} K")
 
 
 def pressure_to_internal(value: float, unit: str) -> float:

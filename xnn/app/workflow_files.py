@@ -7,6 +7,12 @@ the campaign) gathered into ``final.xyz`` in id order at the end, ``summary.json
 ``checkpoint.pt``: every slot's full state, the neighbor lists, the queue position and the
 sizes of the appended files, written atomically (a resumed campaign cuts the files back
 to those sizes and continues bitwise).
+
+Under torchrun each rank appends its rows to ``ranks/gGGG_results_RRRRR.csv`` and checkpoints
+to ``ranks/gGGG_checkpoint_RRRRR.pt`` (:mod:`xnn.app.workflow_ranks`); ``checkpoint.pt`` is
+then a manifest (the number of ranks, the generation ``GGG`` of the files, the settings),
+and the rows of every rank are merged into ``results.csv`` at the end. A completed
+campaign's ``results.csv`` is ordered by system id and stage, whatever the ranks.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from xnn.errors import DataFileError
 from xnn.models.serialization import load_failure, read_as_data
 
 FORMAT = "xnn-workflow-checkpoint"
+MANIFEST = "xnn-workflow-ranks"
 COLUMNS = ("id", "stage_index", "stage", "type", "status", "converged", "steps", "n_atoms",
            "energy_eV", "fmax_eV_A", "temperature_K", "volume_A3", "pressure_GPa", "wall_s",
            "reason")
 #: what a campaign writes into its folder (a previous campaign is recognised by these)
 RUN_FILES = ("config.yaml", "checkpoint.pt", "results.csv", "summary.json", "final.xyz",
-             "trajectories", "final")
+             "trajectories", "final", "ranks")
 
 
 def system_name(system_id: int) -> str:
@@ -72,6 +79,44 @@ def read_results(path: str | os.PathLike) -> list[dict]:
     """The rows of a ``results.csv`` (values as strings)."""
     with open(path, newline="") as fh:
         return list(csv.DictReader(fh))
+
+
+def read_rows(path: Path, size: int | None = None) -> list[list[str]]:
+    """The rows (cells as strings) of a table of :class:`ResultsTable`, of its first ``size``
+    bytes if given (the size a checkpoint recorded)."""
+    data = path.read_bytes()
+    if size is not None:
+        if len(data) < size:
+            raise DataFileError(f"cannot resume: {path} is shorter than the checkpoint says")
+        data = data[:size]
+    reader = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
+    if next(reader, None) != list(COLUMNS):
+        raise DataFileError(f"{path} is not a results table of this xnn version")
+    return list(reader)
+
+
+def write_rows(path: Path, rows: list[list[str]]) -> Path:
+    """A table of :class:`ResultsTable` holding ``rows``, written atomically."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(COLUMNS)
+    w.writerows(rows)
+    return atomic_write(path, lambda tmp: tmp.write_text(buf.getvalue()))
+
+
+def merge_results(parts: list[Path], path: Path) -> Path:
+    """Write the rows of ``parts`` (tables of :class:`ResultsTable`) to ``path`` atomically,
+    ordered by system id and stage index (the order does not depend on slots or ranks)."""
+    rows = [r for part in parts for r in read_rows(part)]
+    rows.sort(key=lambda r: (int(r[0]), int(r[1])))
+    return write_rows(path, rows)
+
+
+def stages_done(rows: list[list[str]], n_stages: int) -> int:
+    """The stages the rows account for: one each, and the stages a failed system skips."""
+    stage, status = COLUMNS.index("stage_index"), COLUMNS.index("status")
+    return sum(1 + (n_stages - 1 - int(r[stage]) if r[status] == "failed" else 0)
+               for r in rows)
 
 
 def truncate(path: Path, size: int) -> None:
@@ -153,8 +198,8 @@ def save_campaign(path: Path, pools: list, meta: dict) -> None:
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
-def load_campaign(path: str | os.PathLike, device) -> tuple[list, dict]:
-    """``(pools, meta)``: per stage ``None`` or ``(state, ids, neighbor state)``."""
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """The payload of a campaign checkpoint or of a manifest of ranks (read as data)."""
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"checkpoint not found: {path}")
@@ -163,8 +208,29 @@ def load_campaign(path: str | os.PathLike, device) -> tuple[list, dict]:
     except Exception as e:
         raise DataFileError(f"{path} is not a readable xnn run checkpoint: "
                             f"{load_failure(e)}") from None
-    if not isinstance(p, dict) or p.get("format") != FORMAT:
+    if not isinstance(p, dict) or p.get("format") not in (FORMAT, MANIFEST):
         raise DataFileError(f"{path} is not an xnn run (workflow) checkpoint")
+    return p
+
+
+def checkpoint_ranks(payload: dict) -> int:
+    """How many ranks wrote a campaign: 1 for a checkpoint, the manifest's count else."""
+    return int(payload["world_size"]) if payload["format"] == MANIFEST else 1
+
+
+def save_manifest(path: Path, world_size: int, generation: int, settings: dict) -> None:
+    """``checkpoint.pt`` of a campaign run on ``world_size`` ranks (each rank's state is in
+    its own checkpoint under ``ranks/``, of file generation ``generation``)."""
+    payload = {"format": MANIFEST, "version": 1, "world_size": int(world_size),
+               "generation": int(generation), "settings": settings}
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+
+
+def load_campaign(path: str | os.PathLike, device) -> tuple[list, dict]:
+    """``(pools, meta)``: per stage ``None`` or ``(state, ids, neighbor state)``."""
+    p = read_checkpoint(path)
+    if p["format"] != FORMAT:
+        raise DataFileError(f"{path} is not the checkpoint of one process or rank")
     pools = [None if d is None else (_state_from(d["state"], device), list(d["ids"]),
                                      d["neighbors"]) for d in p["pools"]]
     return pools, p["meta"]

@@ -48,16 +48,35 @@ def integrator_name(stage: StageConfig) -> str:
     return "fire" if stage.type == "relax" else stage.type
 
 
-def _velocities(stage: StageConfig, graph: AtomicGraph, seed: int, key: int) -> AtomicGraph:
+def draws_velocities(stage: StageConfig, graph: AtomicGraph) -> bool:
+    """Whether an MD stage gives a system entering it Maxwell–Boltzmann velocities (always
+    with ``velocities: maxwell``; with ``auto`` when the system is at rest)."""
     moving = K.VELOCITIES in graph and bool((graph.velocities != 0).any())
-    if stage.velocities == "keep" or (stage.velocities == "auto" and moving):
+    return stage.velocities == "maxwell" or (stage.velocities == "auto" and not moving)
+
+
+def initial_temperature(stage: StageConfig) -> float:
+    """The temperature (K) of the velocities an MD stage draws."""
+    if stage.initial_temperature is not None:
+        return float(stage.initial_temperature)
+    return float(stage.temperature) if stage.type != "nve" else 0.0
+
+
+def asked_temperature(stage: StageConfig, graph: AtomicGraph) -> float:
+    """The temperature (K) a stage asks of a system entering it: its thermostat's target,
+    or that of the velocities it draws, whichever is higher (0 for a relaxation)."""
+    if stage.type == "relax":
+        return 0.0
+    target = float(stage.temperature) if stage.type in ("nvt", "npt") else 0.0
+    return max(target, initial_temperature(stage) if draws_velocities(stage, graph) else 0.0)
+
+
+def _velocities(stage: StageConfig, graph: AtomicGraph, seed: int, key: int) -> AtomicGraph:
+    if not draws_velocities(stage, graph):
         return graph if K.VELOCITIES in graph else graph.replace(
             velocities=torch.zeros_like(graph.positions))
-    t0 = stage.initial_temperature
-    if t0 is None:
-        t0 = stage.temperature if stage.type != "nve" else 0.0
     mixed = random.as_int64(random.mix64_int(random.mix64_int(seed) + key))
-    return maxwell_boltzmann(graph, t0, seed=mixed)
+    return maxwell_boltzmann(graph, initial_temperature(stage), seed=mixed)
 
 
 def start(stage: StageConfig, index: int, graph: AtomicGraph, potential, system_id: int,

@@ -19,7 +19,9 @@ def add_parser(sub) -> None:
         "npt ...). Up to `slots` systems advance together; a system that finishes a stage "
         "moves on at once and its slot is refilled from the queue. Writes results.csv (one "
         "row per system and stage), trajectories/, final.xyz and summary.json to output.dir; "
-        "resume=output.dir/checkpoint.pt continues a killed campaign. Each stage is {type, name, "
+        "resume=output.dir/checkpoint.pt continues a killed campaign. Under torchrun the "
+        "systems are shared among the ranks (each system on one rank, `slots` per rank; one "
+        "results.csv, as one process writes it). Each stage is {type, name, "
         f"trajectory_every, ...}} with the options of its type (defaults) -- {options}.",
     )
     p.set_defaults(func=run)

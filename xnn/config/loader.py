@@ -7,18 +7,27 @@ raise :class:`ConfigError` naming the key and the valid choices.
 
 List entries are addressed by index (``data.datasets.0.path=x.xyz``); ``key.N=null`` removes
 entry N of a list.
+
+Values are read as YAML with one exception: YAML 1.1's base-60 numbers. ``1:3`` or ``1:30``
+stay the strings the user typed (an ASE index, a time), not 63 and 90, in files and in
+overrides; and an override whose YAML reading would be a block mapping or list (``index=-3:``,
+``output.dir=run:``, ``x=a: b``) keeps its text (flow collections ``{a: 1}`` and ``[1, 2]``
+are read as such).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import numbers
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -151,15 +160,77 @@ def _new_entry(lst: ListConfig, value):
     return value
 
 
+#: YAML 1.1's base-60 integers and floats (``1:3`` = 63, ``1:30.5`` = 90.5)
+_BASE60 = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+
+
+def _base60_spans(root) -> list[tuple[int, int]]:
+    """``(start, end)`` character offsets of the plain scalars of a composed YAML document
+    that YAML 1.1 reads as base-60 numbers."""
+    spans, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:  # an alias repeats a node: its text is once
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if node.style is None and _BASE60.fullmatch(node.value):  # after any &anchor
+                spans.append((node.end_mark.index - len(node.value), node.end_mark.index))
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(n for pair in node.value for n in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return spans
+
+
+def quote_base60(text: str) -> str:
+    """``text`` (YAML) with every plain scalar that YAML 1.1 reads as a base-60 number
+    (``1:3``, ``-1:30``) quoted, so that it stays the string written (text that is not
+    valid YAML is returned unchanged: the loader reports it)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return text
+    for start, end in sorted(_base60_spans(root), reverse=True):
+        if _BASE60.fullmatch(text[start:end]):  # the scalar's own text (one line)
+            text = f"{text[:start]}'{text[start:end]}'{text[end:]}"
+    return text
+
+
+def parse_value(raw: str):
+    """The value of a ``key=value`` override: YAML, except that base-60 numbers (``1:3``)
+    and text YAML would read as a block mapping or list (``-3:``, ``a: b``) stay strings."""
+    if raw == "":
+        return ""
+    try:
+        value = OmegaConf.from_dotlist([f"v={quote_base60(raw)}"])["v"]
+    except Exception:  # not valid YAML (e.g. index=:): keep the raw string
+        return raw
+    block = not raw.lstrip().startswith(("{", "["))
+    if isinstance(value, (DictConfig, ListConfig)) and block:
+        return raw
+    return value
+
+
+def _load_yaml_file(p: Path):
+    """A YAML config file as an OmegaConf node (base-60 numbers kept as strings)."""
+    try:
+        return OmegaConf.load(io.StringIO(quote_base60(p.read_text(encoding="utf-8"))))
+    except Exception as e:  # yaml errors
+        msg = " ".join(str(e).split())
+        hint = ""
+        if "mapping values are not allowed" in msg:
+            hint = ("; a value that ends in ':' or holds ': ' must be quoted, e.g. "
+                    "index: \"-3:\"")
+        raise ConfigError(f"cannot parse config file {str(p)!r}: {msg}{hint}") from None
+
+
 def _apply_override(cfg, item: str, deletions: list[tuple[str, int]]) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
     key, raw = item.split("=", 1)
     key = key.strip()
-    try:
-        value = OmegaConf.from_dotlist([f"v={raw}"])["v"] if raw != "" else ""
-    except Exception:  # not valid YAML (e.g. index=:): keep the raw string
-        value = raw
+    value = parse_value(raw)
     parent_key, _, last = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if isinstance(parent, ListConfig) and last.isdigit():
@@ -193,11 +264,7 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
             p = Path(path)
             if not p.is_file():
                 raise ConfigError(f"config file {str(p)!r} does not exist")
-            try:
-                loaded = OmegaConf.load(p)
-            except Exception as e:  # yaml errors
-                msg = " ".join(str(e).split())
-                raise ConfigError(f"cannot parse config file {str(p)!r}: {msg}") from None
+            loaded = _load_yaml_file(p)
             if not isinstance(loaded, DictConfig):
                 kind = "list" if isinstance(loaded, ListConfig) else type(loaded).__name__
                 raise ConfigError(f"config file {str(p)!r} holds a {kind}; "

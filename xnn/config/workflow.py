@@ -118,15 +118,16 @@ class WorkflowOutputConfig:
 class WorkflowConfig:
     structure: str = field("", "structure file (extxyz or any ASE format): each selected "
                            "frame is one system (its id: its position in the selection)")
-    index: str = field(":", "frames of the structure file: ASE index (: or all: every frame, "
-                       "-1: the last, 0:100)")
+    index: str = field(":", "frames of the structure file: ASE index, kept as typed (: or "
+                       "all: every frame, -1: the last, 0:100, ::2; quote '-3:' in YAML)")
     model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
                                  "and model.params (as in xnn md)")
     stages: list[StageConfig] = field([], "the stages every system goes through, in order, "
                                       "e.g. [{type: relax, fmax: 0.05}, {type: nvt, "
                                       "temperature: 300, steps: 1000}]")
-    slots: int = field(16, "systems advanced together (the batch size); a finished system's "
-                       "slot is refilled at once with the next system of the queue")
+    slots: int = field(16, "systems advanced together (the batch size; per rank under "
+                       "torchrun); a finished system's slot is refilled at once with the next "
+                       "system of the queue")
     seed: int = field(0, "seed of the velocities and thermostat noise (each system draws "
                       "its own numbers, keyed by its id: independent of its slot)")
     pressure_unit: str = field("GPa", "unit of the stages' pressures", choices=PRESSURE_UNITS)

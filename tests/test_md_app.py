@@ -232,7 +232,7 @@ def test_md_progress_lines_and_summary(tmp_path, argon_file, capsys, monkeypatch
     steps = [int(ln.split()[3].split("/")[0]) for ln in progress]
     assert steps == sorted(steps) and steps[-1] <= 20
     first = progress[0]
-    for part in ("/20 (", " ps, T ", " K, Epot ", " eV/atom, ", " ns/day, ", " steps/s"):
+    for part in ("/20 (", " ps, T ", " K, Epot ", " eV/atom, ", " steps/s, ", " ns/day"):
         assert part in first, first
     rows = list(csv.DictReader(open(out / "thermo.csv")))
     t = np.mean([float(r["temperature_K"]) for r in rows])

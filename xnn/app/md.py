@@ -239,7 +239,7 @@ def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -
     n_atoms, start = int(outputs.drift.n_atoms.sum()), state.step
     good, good_meta, t0 = state, outputs.meta(cfg.ensemble), time.perf_counter()
     progress = Progress(cfg.output, cfg.steps, start, "md", f"md {cfg.ensemble}",
-                        outputs.enabled)
+                        outputs.enabled, cfg.timestep)
     every = cfg.output.checkpoint_every
 
     def speed() -> dict:
@@ -248,12 +248,11 @@ def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -
                 "atom_steps_s": f"{n_atoms * done / el:.3g}"}
 
     def line() -> str:
-        latest, el = outputs.means.latest, max(time.perf_counter() - t0, 1e-9)
+        latest = outputs.means.latest
         temps = latest.get("T", [])
         thermo = (f", T {sum(temps) / len(temps):.1f} K, Epot "
                   f"{sum(latest['epot']) / n_atoms:.6g} eV/atom" if temps else "")
-        return (f"{state.step * cfg.timestep / 1000:.4g} ps{thermo}, "
-                f"{ns_per_day(state.step - start, cfg.timestep, el):.3g} ns/day")
+        return f"{state.step * cfg.timestep / 1000:.4g} ps{thermo}"
     try:
         while state.step < cfg.steps:
             new = integrator.step(state, par.potential, cfg.timestep, reduce=par.reduce)

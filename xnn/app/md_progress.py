@@ -62,12 +62,13 @@ class Progress:
         cfg_out: the run's ``output`` section (``progress``, ``progress_every_s``).
         total: the step the run ends at. initial: the step it starts from.
         command: ``"md"`` or ``"relax"`` (lines start with ``xnn COMMAND:``).
-        desc: the bar's label.
+        desc: the bar's label. timestep_fs: MD's time step (lines then give ns/day).
     """
 
     def __init__(self, cfg_out, total: int, initial: int, command: str, desc: str,
-                 enabled: bool = True):
+                 enabled: bool = True, timestep_fs: float | None = None):
         self.command, self.total, self.every = command, total, cfg_out.progress_every_s
+        self.timestep = timestep_fs
         show = bool(cfg_out.progress and enabled)
         self.bar, self.lines = None, show and not on_terminal()
         if show and not self.lines:
@@ -86,12 +87,15 @@ class Progress:
             self.bar.set_postfix(postfix(), refresh=False)
         elif self.lines and wall_clock() >= self.next:
             now = wall_clock()
-            rate = (step - self.last_step) / max(now - self.last, 1e-9)
+            seconds = max(now - self.last, 1e-9)
+            rate = (step - self.last_step) / seconds  # since the last line
             left = (self.total - step) / rate if rate > 0 else math.nan
             eta = f", {duration(left)} left" if math.isfinite(left) else ""
+            ns = ("" if self.timestep is None else
+                  f", {ns_per_day(step - self.last_step, self.timestep, seconds):.3g} ns/day")
             print(f"xnn {self.command}: step {step}/{self.total} "
                   f"({100.0 * step / max(self.total, 1):.0f}%), {line()}, "
-                  f"{rate:.3g} steps/s{eta}", flush=True)
+                  f"{rate:.3g} steps/s{ns}{eta}", flush=True)
             self.last, self.last_step, self.next = now, step, now + self.every
 
     def close(self) -> None:

@@ -172,8 +172,9 @@ def md_summary_line(s: dict) -> str:
         over = f" ({n} systems)" if n > 1 else ""
         pressure = ("" if s["mean_pressure_GPa"] is None
                     else f", mean P {s['mean_pressure_GPa']:.4g} GPa")
-        thermo = (f"; mean T {s['mean_temperature_K']:.4g} K{pressure} over "
-                  f"{s['thermo_rows']} thermo rows{over}")
+        rows = s["thermo_rows"]
+        thermo = (f"; mean T {s['mean_temperature_K']:.4g} K{pressure} over {rows} thermo "
+                  f"row{'s' if rows != 1 else ''}{over}")
     return (f"xnn md: steps {s['start_step']}-{s['step']} in {duration(s['loop_s'])}"
             f"{speed}{thermo}; wall time {duration(s['wall_s'])}")
 

@@ -159,11 +159,14 @@ def _complete(cfg: RelaxConfig, par, folder, state: MDState) -> Path | None:
 
 def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = (),
               hooks: Sequence = ()) -> Path:
-    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz``, ``relax.csv``
-    and ``checkpoint.pt`` (every ``output.checkpoint_every`` steps and at the end).
+    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz``, ``relax.csv``,
+    ``checkpoint.pt`` (every ``output.checkpoint_every`` steps and at the end) and
+    ``summary.json``, and prints a summary line.
 
-    With ``resume=checkpoint.pt`` (same output folder) the relaxation continues (up to the
-    new ``max_steps``) and its outputs are bitwise identical to an uninterrupted run on CPU.
+    With ``resume=checkpoint.pt`` (same output folder, model and settings) the relaxation
+    continues (up to the new ``max_steps``, or to a smaller ``fmax``) and its outputs are
+    bitwise identical to an uninterrupted run on CPU; a relaxation with nothing left to do
+    says so and writes nothing.
     Launched on several ranks (torchrun), the system (one) is decomposed as in ``xnn md``.
 
     Args:

@@ -92,6 +92,11 @@ def test_resume_refuses_another_model_or_physics(tmp_path, argon_file):
     refused([f"model.file={a}"], f"another model (model.file={a}, fingerprint", "now the "
             "same source with other weights or hyperparameters, fingerprint")
     save_model(build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.5), a)
+    # xnn relax checks its model too
+    rx = relax(argon_file, tmp_path / "rx", "max_steps=2")
+    msg = raises_one_line(InputError, relax, argon_file, rx, "max_steps=4",
+                          "model.params.epsilon=0.02", f"resume={rx / 'checkpoint.pt'}")
+    assert "written with another model (model.name=lj" in msg
     # what does not change the physics may change: the run continues
     # (and the same model from another source is the same model)
     md(argon_file, run, *resume, "model.name=lj", "model.skin=0.5", "output.log_every=1",
@@ -193,6 +198,23 @@ def test_compile_refuses_what_it_cannot_compile(tmp_path, nacl_file, extra, name
     assert msg.startswith("compile=true does not support ") and named in msg, msg
     assert "set compile: false" in msg
     assert not out.exists()
+
+
+def test_compile_refusals_on_several_ranks(nacl_file):
+    """Under torchrun the same check runs on every rank before the run layer is built (the
+    decomposed compiled step: dd.mode halo, no CUDA graphs, no long-range terms, D3 too)."""
+    from xnn.app.md_setup import check_compile
+
+    cfg = load_config(MDConfig, None, [f"structure={nacl_file}", *NACL, "dd.mode=graph",
+                                       "cuda_graph=true", "model.add=[{name: d3}]"])
+    model = build("sum", terms=[{"name": "lj", "sigma": 2.5, "epsilon": 0.01, "cutoff": 5.0},
+                                {"name": "d3"}])
+    msg = raises_one_line(InputError, check_compile, cfg, model, torch.device("cpu"), True)
+    for part in ("the long-range term(s) ['d3']", "cuda_graph=true on device cpu",
+                 "cuda_graph=true on several ranks", "dd.mode=graph (on several ranks"):
+        assert part in msg, (part, msg)
+    lj = build("lj", sigma=2.5, epsilon=0.01, cutoff=5.0)
+    check_compile(load_config(MDConfig, None, NACL), lj, torch.device("cpu"), True)  # compiles
 
 
 def test_compile_refuses_a_cluster_without_a_cell(tmp_path):

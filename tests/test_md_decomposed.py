@@ -142,6 +142,12 @@ def test_decomposed_md_matches_one_process(runs, ensemble):
     assert summary["ranks"] == 2 and summary["owned"]["per_rank"][0] > 0
     assert sum(summary["owned"]["per_rank"]) == 108
     assert summary["migrations"] > 0  # atoms moved beyond skin / 2: ownership re-assigned
+    # one process writes the same summary (one rank), with the same run figures
+    one = json.loads((single / "summary.json").read_text())
+    assert set(one) == set(summary) and one["ranks"] == 1 and one["ghost"]["max"] == 0
+    assert summary["steps_run"] == one["steps_run"] == 40 and summary["thermo_rows"] == 9
+    assert summary["mean_temperature_K"] == pytest.approx(one["mean_temperature_K"], rel=1e-9)
+    assert summary["mean_pressure_GPa"] == pytest.approx(one["mean_pressure_GPa"], rel=1e-9)
 
 
 def test_checkpoints_resume_on_another_rank_count(runs):
@@ -171,6 +177,9 @@ def test_decomposed_relax_matches_one_process(runs):
     assert rows_dd.splitlines()[-1].split(",")[0] == rows_1.splitlines()[-1].split(",")[0]
     assert len(rows_dd.splitlines()) == len(rows_1.splitlines()) > 5
     assert state(dd)[0].step == state(single)[0].step
+    s_dd, s_1 = (json.loads((d / "summary.json").read_text()) for d in (dd, single))
+    assert s_dd["converged"] == s_1["converged"] and s_dd["ranks"] == 2
+    assert s_dd["max_force_eV_A"] == pytest.approx(s_1["max_force_eV_A"], rel=1e-6)
 
 
 def test_big_system_ranks_hold_less_than_the_whole(runs):

@@ -71,6 +71,25 @@ def _timeout(port: int, rank: int, other: str) -> str | None:
     return None
 
 
+def _stalled_md(port: int, rank: int, structure: str, out: str) -> tuple[int, str]:
+    """``xnn md parallel.timeout_s=2`` in which rank 1 is busy for 6 s in step 1's safety
+    checks (rank-local work) while rank 0 waits in the step's next collective."""
+    import xnn.app.md as md_app
+
+    checks = md_app._check
+
+    def slow_check(state, *args):
+        if rank == 1 and state.step == 1:
+            time.sleep(6.0)
+        return checks(state, *args)
+
+    md_app._check = slow_check
+    try:
+        return _cli(port, _md_args(structure, out, "parallel.timeout_s=2"))
+    finally:
+        md_app._check = checks
+
+
 def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
     from xnn.app.train_data import data_files
     from xnn.config.loader import load_config
@@ -100,6 +119,8 @@ def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
     # 5. timeouts: rank 1 in another collective; then rank 1 busy (no answer)
     out["barrier"] = _timeout(ports[4], rank, "barrier")
     out["sleep"] = _timeout(ports[5], rank, "sleep")
+    # 6. xnn md with a stalled rank: the run's own parallel.timeout_s, named in the message
+    out["md_stall"] = _stalled_md(ports[6], rank, f"{tmp}/ar.xyz", f"{tmp}/stall")
     return out
 
 
@@ -114,7 +135,7 @@ def test_disagreeing_ranks_and_timeouts(tmp_path):
     copy.parent.mkdir()
     copy.write_bytes(data.read_bytes())
     write(tmp_path / "ar.xyz", bulk("Ar", "fcc", a=5.3, cubic=True))
-    ports = [free_port() for _ in range(6)]
+    ports = [free_port() for _ in range(7)]
     results = spawn(_rank_main, 2, args=(str(tmp_path), str(data), str(copy), str(other),
                                          ports), timeout_s=300)
     for r in results:
@@ -137,3 +158,10 @@ def test_disagreeing_ranks_and_timeouts(tmp_path):
     # rank 1 never came: named as not arrived
     assert "rank(s) [1] did not arrive" in results[0]["sleep"], results[0]["sleep"]
     assert results[1]["sleep"] is None
+    # xnn md: rank 0 stops after md's parallel.timeout_s (2 s, not 600) and names that key
+    code, err = results[0]["md_stall"]
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "timed out after 2 s on rank 0" in err and "rank(s) [1] did not arrive" in err, err
+    assert "raise parallel.timeout_s (e.g. parallel.timeout_s=4)" in err, err
+    assert "xnn train" not in err, err
+    assert results[1]["md_stall"][0] != 0

@@ -4,8 +4,11 @@ It reads a structure (every selected frame is a system of the batch), builds or 
 model, and integrates, writing under ``output.dir``: ``config.yaml``, ``thermo.csv``
 (+ ``thermo.png``), ``trajectory.xyz``/``.h5``, ``checkpoint.pt``. A run started with
 ``resume=checkpoint.pt`` continues bitwise identically on CPU (integrator, thermostat and
-RNG state, neighbor list and output files are restored). Safety checks stop a diverging run
-with a clear message after writing ``last_good.xyz`` and ``checkpoint_last_good.pt``.
+RNG state, neighbor list and output files are restored) when the model and the physics are
+the checkpoint's (:mod:`xnn.app.md_resume`). Safety checks stop a diverging run with a clear
+message after writing ``last_good.xyz`` and ``checkpoint_last_good.pt``. Progress shows as a
+bar on a terminal, else as a line every ``output.progress_every_s`` seconds; the run ends
+with a summary line and ``summary.json`` (:mod:`xnn.app.md_progress`).
 """
 
 from __future__ import annotations
@@ -19,16 +22,28 @@ import torch
 
 from xnn.app.md_common import (
     RunOutputs,
+    already_complete,
     launched_on_several_ranks,
     open_folder,
-    progress_bar,
     results,
     resume_state,
     run_distributed,
     setup_run,
 )
 from xnn.app.md_hooks import RunHooks, hook_failed, hooks_from_config
+from xnn.app.md_progress import (
+    Progress,
+    ThermoMeans,
+    md_summary,
+    md_summary_line,
+    ns_per_day,
+    wall_clock,
+    write_summary,
+)
+from xnn.app.md_resume import check_resume, md_settings, resume_identity
 from xnn.app.md_setup import (
+    check_compile,
+    check_compile_cells,
     check_kinetic_dof,
     check_species,
     compiled_integrator,
@@ -39,7 +54,6 @@ from xnn.app.md_setup import (
     velocities_from_file,
 )
 from xnn.config.md import MDConfig
-from xnn.dynamics.hooks import HookError
 from xnn.dynamics.registry import get_integrator
 from xnn.dynamics.safety import (
     DriftMonitor,
@@ -48,6 +62,7 @@ from xnn.dynamics.safety import (
     check_forces,
     check_temperature,
 )
+from xnn.dynamics.hooks import HookError
 from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import ThermoLog, observables, plot_log
 from xnn.errors import InputError
@@ -59,18 +74,21 @@ class _Outputs(RunOutputs):
     written by rank 0 only; the methods are collective under domain decomposition)."""
 
     def __init__(self, cfg: MDConfig, par, counts: torch.Tensor, meta: dict | None,
-                 directory: Path):
+                 directory: Path, identity: dict | None):
         super().__init__(cfg, par, int(counts.sum()), meta, directory, "md")
         self.log = None
         self.hooks: RunHooks | None = None  # set by _run_md
+        self.identity = identity  # the model and physics, checked on resume (rank 0)
         self.drift = DriftMonitor(cfg.safety.max_drift, counts)  # from this run's first row
+        self.means = ThermoMeans()  # this run's thermo rows, for the summary
         if self.enabled:
             self.log = ThermoLog(self.dir / "thermo.csv",
                                  self.files.get("log_rows") if meta else None)
 
     def meta(self, ensemble: str) -> dict:
         files = {"log_rows": self.log.rows, **self.file_sizes()} if self.enabled else {}
-        out = {"kind": "md", "ensemble": ensemble, "files": files}
+        out = {"kind": "md", "ensemble": ensemble, "files": files,
+               "resume_check": self.identity}
         if self.hooks:
             out.update(self.hooks.meta())
         return out
@@ -89,6 +107,7 @@ class _Outputs(RunOutputs):
         step = state.step
         if force or step % self.cfg.output.log_every == 0:
             values = observables(state, integrator.conserved, self.par.reduce)
+            self.means.add(values)
             if self.enabled:
                 self.log.write(step, self.cfg.timestep, values)
                 self.drift.update(step * self.cfg.timestep, values["conserved_eV"])
@@ -121,24 +140,32 @@ def _fail(err: SimulationError, good: MDState, meta: dict, outputs: _Outputs) ->
                            f"{d / 'last_good.xyz'} and {d / 'checkpoint_last_good.pt'}", err.step)
 
 
-def _start(cfg: MDConfig, par, device, dtype):
-    """The initial state (fresh or resumed) and the checkpoint meta (``None`` when fresh)."""
+def _start(cfg: MDConfig, par, device, dtype, model):
+    """The integrator, the initial state (fresh or resumed), the checkpoint meta (``None``
+    when fresh) and the run's identity (model fingerprint and physics; rank 0)."""
     integrator = get_integrator(cfg.ensemble)
     if cfg.compile or cfg.cuda_graph:
         integrator = compiled_integrator(cfg, par)
+    identity = None
     if cfg.resume:
         state, meta = resume_state(cfg, par, device, "md")
         with par.guarded("checking the checkpoint"):
+            if par.main:
+                identity = resume_identity(cfg, model, md_settings(cfg, state.n_systems))
+                check_resume(cfg, meta, identity, "md")
             if meta.get("ensemble") != cfg.ensemble:
                 raise InputError(f"checkpoint {cfg.resume} is a {meta.get('ensemble')!r} "
                                  f"run, not {cfg.ensemble!r}")
             check_species(par.model, state.graph)
-        return integrator, state, meta
+            check_compile_cells(cfg, state.graph)
+        return integrator, state, meta, identity
     graph, from_file = None, None
     with par.guarded("reading the structure"):
         if par.main:
             graph = load_structure(cfg.structure, cfg.index, device, dtype)
             check_species(par.model, graph)
+            check_compile_cells(cfg, graph)
+            identity = resume_identity(cfg, model, md_settings(cfg, graph.n_systems))
             temps = target_temperatures(cfg, graph.n_systems, graph.positions)
             check_kinetic_dof(cfg, graph, temps)
             from_file = velocities_from_file(cfg, graph)
@@ -148,7 +175,7 @@ def _start(cfg: MDConfig, par, device, dtype):
     graph = initial_velocities(cfg, graph, temps, par.reduce, from_file)
     state = integrator.init(graph, par.potential, reduce=par.reduce,  # chosen by the scatter
                             **integrator_args(cfg, temps))
-    return integrator, state, None
+    return integrator, state, None, identity
 
 
 def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = (),
@@ -178,9 +205,15 @@ def run_md(config: MDConfig | str | Path, overrides: Sequence[str] = (),
 
 
 def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = ()) -> Path:
-    cfg, device, dtype, par, folder = setup_run(MDConfig, config, overrides, manager)
+    began = wall_clock()
+    cfg, device, dtype, par, folder, model = setup_run(MDConfig, config, overrides, manager,
+                                                       check_compile)
     hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]  # user targets imported first
-    integrator, state, meta = _start(cfg, par, device, dtype)
+    integrator, state, meta, identity = _start(cfg, par, device, dtype, model)
+    if meta is not None and state.step >= cfg.steps:
+        return already_complete(cfg, par, folder, "md", f"it is at step {state.step} and "
+                                f"steps={cfg.steps}", f"a larger steps (e.g. "
+                                f"steps={state.step + max(cfg.steps, 1)})")
     run_hooks = RunHooks(hooks, par, cfg.timestep, meta)
     state = run_hooks.prepare(state)  # checked before any file; per-atom fields added
     targets = state.vars.get("temperature", target_temperatures(cfg, state.n_systems,
@@ -195,14 +228,19 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
             raise SimulationError(f"the initial structure is unsafe: {err}", 0) from None
     out_dir = open_folder(cfg, folder, manager)
     counts = par.reduce.count_per_system(state.graph.batch, state.n_systems)
-    outputs = _Outputs(cfg, par, counts, meta, out_dir)
+    outputs = _Outputs(cfg, par, counts, meta, out_dir, identity)
     outputs.hooks = run_hooks.open(out_dir, None if meta is None else state.step)
     if meta is None:
         outputs.record(state, integrator, force=True)
     else:
         outputs.hooks.resume(state)
-    _loop(cfg, integrator, state, outputs, max_t)
-    par.write_summary(out_dir / "summary.json")
+    start, t0 = state.step, wall_clock()
+    state = _loop(cfg, integrator, state, outputs, max_t)
+    loop_s = wall_clock() - t0
+    figures = md_summary(cfg, outputs.means, int(counts.sum()), start, state.step, loop_s,
+                         wall_clock() - began)
+    if write_summary(out_dir / "summary.json", par, figures) is not None:
+        print(md_summary_line(figures), flush=True)
     if cfg.output.plot and par.main:
         plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}")
     if par.main:
@@ -214,8 +252,21 @@ def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -
     par = outputs.par
     n_atoms, start = int(outputs.drift.n_atoms.sum()), state.step
     good, good_meta, t0 = state, outputs.meta(cfg.ensemble), time.perf_counter()
-    bar = progress_bar(cfg.output, cfg.steps, start, f"md {cfg.ensemble}", outputs.enabled)
+    progress = Progress(cfg.output, cfg.steps, start, "md", f"md {cfg.ensemble}",
+                        outputs.enabled, cfg.timestep)
     every = cfg.output.checkpoint_every
+
+    def speed() -> dict:
+        done, el = state.step - start, max(time.perf_counter() - t0, 1e-9)
+        return {"ns_day": f"{ns_per_day(done, cfg.timestep, el):.3g}",
+                "atom_steps_s": f"{n_atoms * done / el:.3g}"}
+
+    def line() -> str:
+        latest = outputs.means.latest
+        temps = latest.get("T", [])
+        thermo = (f", T {sum(temps) / len(temps):.1f} K, Epot "
+                  f"{sum(latest['epot']) / n_atoms:.6g} eV/atom" if temps else "")
+        return f"{state.step * cfg.timestep / 1000:.4g} ps{thermo}"
     try:
         while state.step < cfg.steps:
             new = integrator.step(state, par.potential, cfg.timestep, reduce=par.reduce)
@@ -229,13 +280,9 @@ def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -
                 good, good_meta = state, outputs.meta(cfg.ensemble)
             if every and state.step % every == 0:
                 outputs.checkpoint(state)
-            bar.update(1)
-            if state.step % cfg.output.log_every == 0:
-                done, el = state.step - start, time.perf_counter() - t0
-                bar.set_postfix(ns_day=f"{done * cfg.timestep * 1e-6 * 86400 / el:.3g}",
-                                atom_steps_s=f"{n_atoms * done / el:.3g}", refresh=False)
+            progress.update(state.step, speed, line)
     finally:
-        bar.close()
+        progress.close()
         outputs.close()
     if not (every and state.step % every == 0):
         outputs.checkpoint(state)

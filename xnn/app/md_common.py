@@ -1,7 +1,7 @@
 """What ``xnn md`` and ``xnn relax`` share: the config → device, dtype, potential → run
 layer (:func:`xnn.distributed.parallelize.parallelize_md`) → output folder set-up, the launch
-on several ranks, resuming from a checkpoint, the trajectory and checkpoint files
-(:class:`RunOutputs`), and the progress bar."""
+on several ranks, resuming from a checkpoint (and stopping when there is nothing left to
+run), and the trajectory and checkpoint files (:class:`RunOutputs`)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,6 @@ RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajec
              "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
              "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json",
              "hooks")
-
-
-def progress_bar(cfg_out, total: int, initial: int, desc: str, enabled: bool = True):
-    """A tqdm bar of ``total`` steps (off unless ``output.progress`` and ``enabled``)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
-                disable=None if cfg_out.progress and enabled else True, mininterval=0.5)
 
 
 def results(state: MDState) -> dict:
@@ -102,14 +94,19 @@ class RunOutputs:
             self.traj = None
 
 
-def setup_run(schema, config, overrides: Sequence[str], manager=None):
+def setup_run(schema, config, overrides: Sequence[str], manager=None, check=None):
     """The config (object or YAML path + dotlist overrides), device, dtype, the run's
-    parallel layer (holding the potential) and output folder plan (checked, nothing
-    written) of an ``xnn md`` / ``xnn relax`` run.
+    parallel layer (holding the potential), output folder plan (checked, nothing
+    written) and model of an ``xnn md`` / ``xnn relax`` run.
 
     With a multi-rank ``manager`` the system is decomposed over its ranks
     (:class:`~xnn.distributed.md_run.DomainRun`: each rank owns the atoms of its box) and
-    only rank 0 writes files."""
+    only rank 0 writes files.
+
+    Args:
+        check: ``check(cfg, model, device, several_ranks)``, run on the loaded model before
+            the run layer is built (``xnn md``: what ``compile=true`` supports).
+    """
     cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
     folder = plan_run_folder(cfg.output.dir, RUN_FILES, resume=cfg.resume,
                              overwrite=cfg.output.overwrite, key="output.dir",
@@ -121,12 +118,14 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None):
     if manager is not None:
         device = manager.device
     potential = load_potential(cfg.model, device, dtype)
+    if check is not None:
+        check(cfg, potential.model, device, manager is not None)
     par = parallelize_md(potential, manager, skin=cfg.model.skin,
                          backend=cfg.model.neighbor_backend, mode=cfg.dd.mode,
                          order=cfg.dd.order,
                          compile=bool(getattr(cfg, "compile", False)  # xnn md only
                                       or getattr(cfg, "cuda_graph", False)))
-    return cfg, device, dtype, par, folder
+    return cfg, device, dtype, par, folder, potential.model
 
 
 def open_folder(cfg, folder: RunFolder, manager=None) -> Path:
@@ -141,6 +140,21 @@ def open_folder(cfg, folder: RunFolder, manager=None) -> Path:
             print(f"output.overwrite=true: this run is written to {folder.work} and replaces "
                   f"the previous run in {folder.final} when it completes", flush=True)
     return folder.work
+
+
+def already_complete(cfg, par, folder: RunFolder, command: str, reason: str,
+                     extend: str) -> Path:
+    """A resumed run with nothing left to run: say so (rank 0, one line) and how to extend
+    it; nothing is written. Returns the run's folder.
+
+    Args:
+        command: ``"md"`` or ``"relax"``. reason: why it is complete (``"it is at step 1000
+            and steps=1000"``). extend: what extends it (``"a larger steps (e.g. ...)"``).
+    """
+    if par.main:
+        print(f"xnn {command}: checkpoint {cfg.resume}: {reason}: the run is already "
+              f"complete, nothing was run; to extend it, resume with {extend}", flush=True)
+    return folder.final
 
 
 def launched_on_several_ranks() -> bool:
@@ -163,11 +177,14 @@ def resume_state(cfg, par, device, kind: str):
 
 def run_distributed(schema, config, overrides, body) -> Path:
     """Run ``body(cfg, (), manager)`` on the ranks of a torchrun / srun launch."""
+    from xnn.config.parallel import TIMEOUT_KEY
     from xnn.distributed import DistributedManager
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
 
     cfg = config if isinstance(config, schema) else load_config(schema, config, overrides)
-    manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type)
+    manager = DistributedManager.initialize(device=resolve_device(cfg.model.device).type,
+                                            timeout_s=cfg.parallel.timeout_s,
+                                            timeout_key=TIMEOUT_KEY)
     try:
         with manager.watch():  # a collective that times out: one line naming the ranks
             files = {"structure": cfg.structure, "model.file": cfg.model.file,

@@ -214,6 +214,70 @@ def integrator_args(cfg: MDConfig, temperatures: torch.Tensor) -> dict:
     raise InputError(f"unknown ensemble {cfg.ensemble!r}")
 
 
+def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
+                  several_ranks: bool) -> None:
+    """Refuse, before anything is read or written, every part of the run that
+    ``compile=true`` (or ``cuda_graph=true``) does not support, all named in one line.
+
+    Args:
+        model: the run's model (a :class:`~xnn.models.Sum` is searched term by term).
+        device: the run's device. several_ranks: the run is decomposed (torchrun).
+    Raises:
+        InputError: naming the ensemble, model terms or options it cannot compile.
+    """
+    from xnn.dynamics.compiled_thermo import SCHEMES
+
+    if not (cfg.compile or cfg.cuda_graph):
+        return
+    problems = []
+    if cfg.ensemble not in SCHEMES:
+        problems.append(f"ensemble={cfg.ensemble} (it compiles ensembles "
+                        f"{', '.join(SCHEMES)}; npt moves the cell)")
+    terms = untraceable_terms(model)
+    if terms:
+        problems.append(f"the long-range term(s) {terms} of the model (their sums over the "
+                        "system have data-dependent shapes, which do not trace)")
+    if cfg.model.compile:
+        problems.append("model.compile=true (compile=true compiles the whole step, model "
+                        "included; set model.compile: false)")
+    if cfg.cuda_graph and device.type != "cuda":
+        problems.append(f"cuda_graph=true on device {device.type} (CUDA graphs need "
+                        "model.device=cuda; on a CPU use compile: true alone)")
+    if several_ranks and cfg.cuda_graph:
+        problems.append("cuda_graph=true on several ranks (it runs in one process)")
+    if several_ranks and cfg.dd.mode == "graph":
+        problems.append("dd.mode=graph (on several ranks it compiles dd.mode halo)")
+    if problems:
+        key = "compile=true" if cfg.compile else "cuda_graph=true"
+        raise InputError(f"{key} does not support {'; nor '.join(problems)}: change "
+                         f"{'it' if len(problems) == 1 else 'them'} or set compile: false "
+                         "and cuda_graph: false (the eager step runs every combination)")
+
+
+def untraceable_terms(model: torch.nn.Module) -> list[str]:
+    """Registry names of the model's terms (itself, a :class:`~xnn.models.Sum`'s terms, and
+    modules inside them) that declare ``traceable = False``."""
+    from xnn.models.base import AtomisticModel
+    from xnn.models.serialization import registry_name
+
+    names = [registry_name(m) for m in model.modules()
+             if isinstance(m, AtomisticModel) and not m.traceable]
+    return list(dict.fromkeys(names))
+
+
+def check_compile_cells(cfg: MDConfig, graph: AtomicGraph) -> None:
+    """``compile=true`` pads neighbor lists with edges shifted by a lattice vector: refuse a
+    system without one (a cluster without a box) before the first step."""
+    if not (cfg.compile or cfg.cuda_graph):
+        return
+    longest = graph.cell.detach().norm(dim=-1).max(dim=-1).values  # [n_systems]
+    empty = torch.nonzero(longest < 1e-6).flatten()
+    if empty.numel():
+        raise InputError(f"compile=true needs a cell with a non-zero lattice vector in every "
+                         f"system; system {int(empty[0])} has none: give it a box (a cell "
+                         "larger than the cluster, pbc false) or set compile: false")
+
+
 def compiled_integrator(cfg: MDConfig, par):
     """The integrator of ``md.compile=true`` (:class:`~xnn.dynamics.compiled_thermo.
     CompiledIntegrator`), after checking that the run is one it compiles."""

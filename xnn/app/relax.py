@@ -1,8 +1,10 @@
 """``run_relax(config)``: the application behind ``xnn relax``.
 
 FIRE (batched, optionally with the cell) writes ``relax.csv``, the relaxation trajectory,
-``relaxed.xyz`` and ``checkpoint.pt`` under ``output.dir``, and resumes from
-``resume=checkpoint.pt`` bitwise on CPU.
+``relaxed.xyz``, ``checkpoint.pt`` and ``summary.json`` under ``output.dir``, and resumes from
+``resume=checkpoint.pt`` bitwise on CPU (with the checkpoint's model and settings,
+:mod:`xnn.app.md_resume`). It ends with one line: systems converged, the largest force,
+speed.
 """
 
 from __future__ import annotations
@@ -16,14 +18,22 @@ import torch
 
 from xnn.app.md_common import (
     RunOutputs,
+    already_complete,
     launched_on_several_ranks,
     open_folder,
-    progress_bar,
     results,
     run_distributed,
     setup_run,
 )
 from xnn.app.md_hooks import RunHooks, hook_failed, hooks_from_config
+from xnn.app.md_progress import (
+    Progress,
+    relax_summary,
+    relax_summary_line,
+    wall_clock,
+    write_summary,
+)
+from xnn.app.md_resume import check_resume, relax_settings, resume_identity
 from xnn.app.md_setup import check_species, load_structure, pressure_to_internal
 from xnn.config.md import RelaxConfig
 from xnn.dynamics import checkpoint as ckpt
@@ -71,19 +81,20 @@ class _RelaxOutputs(RunOutputs):
     decomposition)."""
 
     def __init__(self, cfg: RelaxConfig, par, n_atoms: int, meta: dict | None,
-                 directory: Path):
+                 directory: Path, identity: dict | None):
         super().__init__(cfg, par, n_atoms, meta, directory, "relax", "relax_trajectory")
         self.log = None
         self.hooks: RunHooks | None = None  # set by _run_relax
+        self.identity = identity  # the model and settings, checked on resume (rank 0)
         if self.enabled:
             self.log = _RelaxLog(self.dir / "relax.csv", self.files.get("log_bytes"))
 
     def meta(self, done: torch.Tensor) -> dict:
-        """The checkpoint meta: settings, per-system convergence, output sizes (before this
-        step's rows and frame, which a resumed run writes again)."""
+        """The checkpoint meta: model and settings, per-system convergence, output sizes
+        (before this step's rows and frame, which a resumed run writes again)."""
         files = {"log_bytes": self.log.position(), **self.file_sizes()} if self.enabled \
             else {}
-        out = {"kind": "relax", "settings": _relax_settings(self.cfg),
+        out = {"kind": "relax", "resume_check": self.identity,
                "converged": done.tolist(), "files": files}
         if self.hooks:
             out.update(self.hooks.meta())
@@ -99,52 +110,64 @@ class _RelaxOutputs(RunOutputs):
             self.hooks(state)
 
 
-def _relax_settings(cfg: RelaxConfig) -> dict:
-    """The options a resumed relaxation must share with the run that wrote the checkpoint."""
-    return {"relax_cell": cfg.relax_cell, "maxstep": cfg.maxstep, "dtype": cfg.model.dtype,
-            "pressure_eV_A3": pressure_to_internal(cfg.pressure, cfg.pressure_unit)}
-
-
-def _check_relax_resume(cfg: RelaxConfig, state: MDState, meta: dict, graph) -> None:
+def _check_relax_resume(cfg: RelaxConfig, state: MDState, meta: dict, graph,
+                        identity: dict) -> None:
     if state.n_systems != graph.n_systems or not torch.equal(state.graph.numbers,
                                                              graph.numbers):
         raise InputError(f"checkpoint {cfg.resume} holds {state.n_systems} structures "
                          f"({state.graph.n_atoms} atoms), but structure={cfg.structure} "
                          f"index={cfg.index} selects {graph.n_systems} ({graph.n_atoms} atoms)")
-    want, got = _relax_settings(cfg), meta["settings"]
-    diff = [f"{k}={got[k]!r}" for k in want if want[k] != got[k]]
-    if diff:
-        raise InputError(f"checkpoint {cfg.resume} was written with {', '.join(diff)}; "
-                         "resume with the same settings")
+    check_resume(cfg, meta, identity, "relax")
 
 
-def _relax_start(cfg: RelaxConfig, par, device, dtype) -> tuple[MDState, dict | None]:
-    """The FIRE state (fresh, or from ``cfg.resume``) and the checkpoint meta (``None``: fresh)."""
-    graph = state = meta = None
+def _relax_start(cfg: RelaxConfig, par, device, dtype, model):
+    """The FIRE state (fresh, or from ``cfg.resume``), the checkpoint meta (``None``: fresh)
+    and the run's identity (model fingerprint and settings; rank 0)."""
+    graph = state = meta = identity = None
     with par.guarded("reading the structure"):
         if par.main:
             graph = load_structure(cfg.structure, cfg.index, device, dtype)
             check_species(par.model, graph)
+            identity = resume_identity(cfg, model, relax_settings(cfg))
             if cfg.resume:
                 state, meta = ckpt.load_checkpoint(cfg.resume, device,
                                                    par.checkpoint_potential, kind="relax")
-                _check_relax_resume(cfg, state, meta, graph)
+                _check_relax_resume(cfg, state, meta, graph, identity)
     if cfg.resume:
         meta = par.broadcast(meta)
-        return par.scatter_state(state, meta), meta
+        return par.scatter_state(state, meta), meta, identity
     graph = par.scatter_graph(graph)
     return fire.init(graph, par.potential, relax_cell=cfg.relax_cell, maxstep=cfg.maxstep,
                      pressure=pressure_to_internal(cfg.pressure, cfg.pressure_unit),
-                     reduce=par.reduce), None
+                     reduce=par.reduce), None, identity
+
+
+def _complete(cfg: RelaxConfig, par, folder, state: MDState) -> Path | None:
+    """A resumed relaxation with nothing left to do (every system below ``fmax``, or
+    ``max_steps`` reached): say so and return its folder; ``None``: there is. Collective."""
+    done = fire.fmax(state, par.reduce) < cfg.fmax
+    if bool(done.all()):
+        return already_complete(cfg, par, folder, "relax", f"every system is below "
+                                f"fmax={cfg.fmax} eV/Å at step {state.step}",
+                                "a smaller fmax")
+    if state.step >= cfg.max_steps:
+        return already_complete(cfg, par, folder, "relax", f"it is at step {state.step} "
+                                f"and max_steps={cfg.max_steps} ({int(done.sum())} of "
+                                f"{state.n_systems} systems converged)", "a larger max_steps "
+                                f"(e.g. max_steps={state.step + max(cfg.max_steps, 1)})")
+    return None
 
 
 def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = (),
               hooks: Sequence = ()) -> Path:
-    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz``, ``relax.csv``
-    and ``checkpoint.pt`` (every ``output.checkpoint_every`` steps and at the end).
+    """Relax every selected frame with FIRE (batched); writes ``relaxed.xyz``, ``relax.csv``,
+    ``checkpoint.pt`` (every ``output.checkpoint_every`` steps and at the end) and
+    ``summary.json``, and prints a summary line.
 
-    With ``resume=checkpoint.pt`` (same output folder) the relaxation continues (up to the
-    new ``max_steps``) and its outputs are bitwise identical to an uninterrupted run on CPU.
+    With ``resume=checkpoint.pt`` (same output folder, model and settings) the relaxation
+    continues (up to the new ``max_steps``, or to a smaller ``fmax``) and its outputs are
+    bitwise identical to an uninterrupted run on CPU; a relaxation with nothing left to do
+    says so and writes nothing.
     Launched on several ranks (torchrun), the system (one) is decomposed as in ``xnn md``.
 
     Args:
@@ -161,36 +184,51 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = (),
 
 
 def _run_relax(config, overrides: Sequence[str], manager, extra_hooks: Sequence = ()) -> Path:
-    cfg, device, dtype, par, folder = setup_run(RelaxConfig, config, overrides, manager)
+    began = wall_clock()
+    cfg, device, dtype, par, folder, model = setup_run(RelaxConfig, config, overrides, manager)
     hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]
-    state, meta = _relax_start(cfg, par, device, dtype)
+    state, meta, identity = _relax_start(cfg, par, device, dtype, model)
+    if meta is not None:
+        complete = _complete(cfg, par, folder, state)
+        if complete is not None:
+            return complete
     run_hooks = RunHooks(hooks, par, None, meta)
     state = run_hooks.prepare(state)  # checked before any file; per-atom fields added
     out_dir = open_folder(cfg, folder, manager)
     n_atoms = int(par.reduce.count_per_system(state.graph.batch, state.n_systems).sum())
-    outputs = _RelaxOutputs(cfg, par, n_atoms, meta, out_dir)
+    outputs = _RelaxOutputs(cfg, par, n_atoms, meta, out_dir, identity)
     # a relaxation checkpoint is taken before its step's rows: keep the rows before it
     outputs.hooks = run_hooks.open(out_dir, None if meta is None else state.step - 1)
+    start, t0 = state.step, wall_clock()
     state = _relax_loop(cfg, state, outputs)
+    loop_s = wall_clock() - t0
     full = par.gather(state)
     if par.main:
         write_extxyz(out_dir / "relaxed.xyz", full.graph.replace(velocities=None), state.step,
                      results(full))
-    par.write_summary(out_dir / "summary.json")
+    fm = fire.fmax(state, par.reduce).tolist()
+    figures = relax_summary(cfg, fm, n_atoms, start, state.step, loop_s, wall_clock() - began)
+    if write_summary(out_dir / "summary.json", par, figures) is not None:
+        print(relax_summary_line(figures), flush=True)
     if par.main:
         folder.commit()
-    n_bad = int((fire.fmax(state, par.reduce) >= cfg.fmax).sum())
-    if n_bad and par.main:
-        print(f"xnn relax: {n_bad} of {state.n_systems} systems did not reach fmax={cfg.fmax} "
-              f"eV/Å in {cfg.max_steps} steps")
     return folder.final
+
+
+def _postfix(fm: torch.Tensor) -> dict:
+    return {"fmax": f"{float(fm.max()):.3g}"}
+
+
+def _progress_line(fm: torch.Tensor, done: torch.Tensor, step: int) -> str:
+    return (f"{int(done.sum())} of {done.numel()} systems converged, largest force "
+            f"{float(fm.max()):.3g} eV/Å (step {step})")
 
 
 def _relax_loop(cfg: RelaxConfig, state: MDState, outputs: _RelaxOutputs) -> MDState:
     """FIRE steps until every system is below ``cfg.fmax`` or ``cfg.max_steps``; checkpoints
     are taken at the top of a step, before its rows are written."""
     every, start, saved, par = cfg.output.checkpoint_every, state.step, None, outputs.par
-    bar = progress_bar(cfg.output, cfg.max_steps, min(start, cfg.max_steps), "relax", par.main)
+    progress = Progress(cfg.output, cfg.max_steps, start, "relax", "relax", par.main)
     try:
         while True:
             fm = fire.fmax(state, par.reduce)
@@ -209,10 +247,10 @@ def _relax_loop(cfg: RelaxConfig, state: MDState, outputs: _RelaxOutputs) -> MDS
             check_forces(state, float("inf"), par.reduce)
             state = fire.step(state, par.potential, cfg.fmax, reduce=par.reduce)
             state = par.after_step(state)
-            bar.update(1)
-            bar.set_postfix(fmax=f"{float(fm.max()):.3g}", refresh=False)
+            progress.update(state.step, functools.partial(_postfix, fm),
+                            functools.partial(_progress_line, fm, done, state.step - 1))
     finally:
-        bar.close()
+        progress.close()
         outputs.close()
     if saved != state.step:
         outputs.save(state, meta)

@@ -264,12 +264,14 @@ def run_train(cfg: TrainConfig) -> dict:
     Returns:
         the run summary (as :func:`train`).
     """
+    from xnn.config.parallel import TIMEOUT_KEY
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
     from xnn.distributed.manager import DistributedManager
     from xnn.distributed.parallelize import parallelize_train
 
     device = resolve_device(cfg.device)
-    manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type)
+    manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type,
+                                            timeout_key=TIMEOUT_KEY)
     try:
         if manager.is_distributed:  # the first collective: every rank runs the same job
             files = {**data_files(cfg.data), "pretrained": cfg.pretrained,

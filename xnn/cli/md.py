@@ -18,7 +18,10 @@ def split_args(config: str | None, overrides: list[str]) -> tuple[str | None, li
     return config, list(overrides)
 
 
-def add_config_parser(sub, name: str, schema, summary: str, description: str):
+def add_config_parser(sub, name: str, schema, summary: str, description: str,
+                      example: str = "steps=1000"):
+    """The parser of a config command: an optional YAML file, ``key=value`` overrides
+    (``example``: the one the help shows), ``--print-config``; the epilog lists every key."""
     from xnn.config.loader import describe
 
     p = sub.add_parser(
@@ -27,7 +30,7 @@ def add_config_parser(sub, name: str, schema, summary: str, description: str):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=1000")
+    p.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return p
 

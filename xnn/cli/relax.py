@@ -13,6 +13,7 @@ def add_parser(sub) -> None:
         "Relax every frame of a structure file with FIRE until all forces are below fmax; "
         "relax_cell=true also relaxes the cell toward pressure. Writes relaxed.xyz and "
         "relax.csv to output.dir.",
+        example="max_steps=500 fmax=0.01",
     )
     p.set_defaults(func=run)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xnn.config.loader import ConfigError, check_range, field, validate
+from xnn.config.parallel import RunParallelConfig
 
 ENSEMBLES = ("nve", "langevin", "nhc", "csvr", "npt")
 PRESSURE_UNITS = ("GPa", "bar")
@@ -91,7 +92,13 @@ class OutputConfig:
     log_every: int = field(10, "thermo log row every N steps")
     checkpoint_every: int = field(1000, "checkpoint every N steps (0: only at the end)")
     plot: bool = field(True, "write thermo.png at the end")
-    progress: bool = field(True, "show a progress bar (on a terminal)")
+    progress: bool = field(True, "show progress: a bar on a terminal; in a batch job or a "
+                           "log file (not a terminal) one line every progress_every_s "
+                           "seconds (step, time, T, energy, speed); false: neither (the "
+                           "final summary line stays)")
+    progress_every_s: float = field(60.0, "seconds of wall clock between two progress lines "
+                                    "when not on a terminal (the first comes after at most "
+                                    "10 s)")
     log_rebuilds: bool = field(True, "under torchrun: with the next log row after ghost-plan "
                                "rebuilds, print one line on the decomposition (rebuilds and "
                                "migrations since the last line, owned/ghost atoms per rank, "
@@ -104,6 +111,7 @@ class OutputConfig:
         for k in ("trajectory_every", "checkpoint_every"):
             check_range(f"output.{k}", getattr(self, k), 0)
         check_range("output.log_every", self.log_every, 1)
+        check_range("output.progress_every_s", self.progress_every_s, 0.0, low_inclusive=False)
 
 
 HOOK_NAMES = ("rdf", "msd", "species_temperature", "callable")
@@ -168,10 +176,25 @@ def hooks_field():
                  "hooks.0.name=msd hooks.0.every=5; results in output.dir/hooks/NAME.csv")
 
 
-def resume_field():
-    """The ``resume`` option of ``xnn md`` and ``xnn relax`` (one definition for both)."""
+def resume_field(checks: str = ""):
+    """The ``resume`` option of ``xnn md`` and ``xnn relax`` (one definition for both);
+    ``checks``: what the command checks against the checkpoint, appended to the help."""
     return field(None, "checkpoint (output.dir/checkpoint.pt) to continue from, writing into "
-                 "the same output.dir; bitwise identical to an uninterrupted run on CPU")
+                 "the same output.dir; bitwise identical to an uninterrupted run on CPU"
+                 + checks)
+
+
+#: what ``xnn md`` / ``xnn relax`` check on resume (their ``resume`` help)
+RESUME_CHECKS = ("; the model and every setting that changes the physics must be those of "
+                 "the run that wrote it (refused otherwise, naming what differs), the length "
+                 "of the run (steps; max_steps, fmax) and the outputs may change; a run that "
+                 "is already complete says so and stops")
+
+
+def parallel_field():
+    """The ``parallel`` section of ``xnn md``, ``xnn relax`` and ``xnn run``."""
+    return field(RunParallelConfig(), "runs launched on several ranks (torchrun / srun): "
+                 "parallel.timeout_s, as in xnn train")
 
 
 @dataclass
@@ -237,9 +260,10 @@ class MDConfig:
                           "torchrun: the decomposed step, dd.mode halo; the first step compiles)")
     cuda_graph: bool = field(False, "replay the compiled step as a CUDA graph (implies compile; "
                              "CUDA devices only)")
-    resume: str | None = resume_field()
+    resume: str | None = resume_field(RESUME_CHECKS)
     dd: DecompositionConfig = field(DecompositionConfig(), "decomposition over the ranks "
                                     "of a torchrun launch")
+    parallel: RunParallelConfig = parallel_field()
 
     def __post_init__(self):
         validate(self)  # every number finite, every choice valid (also when built in Python)
@@ -277,9 +301,10 @@ class RelaxConfig:
                                  "files written (checkpoint.pt every checkpoint_every "
                                  "steps and at the end)")
     hooks: list[HookConfig] = hooks_field()
-    resume: str | None = resume_field()
+    resume: str | None = resume_field(RESUME_CHECKS)
     dd: DecompositionConfig = field(DecompositionConfig(), "decomposition over the ranks "
                                     "of a torchrun launch")
+    parallel: RunParallelConfig = parallel_field()
 
     def __post_init__(self):
         validate(self)

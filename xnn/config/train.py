@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xnn.config.loader import ConfigError, check_range, field, validate
+from xnn.config.parallel import check_timeout, timeout_field
 
 PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
 LOSS_TYPES = ("mse", "mae", "huber")
@@ -198,11 +199,10 @@ class ParallelConfig:
                       "sync-point exchanges where the model has them) or graph (atoms split "
                       "by index, positions replicated, features all-gathered per layer)",
                       choices=("halo", "graph"))
-    timeout_s: float = field(600.0, "timeout of every collective (s); a timeout names the "
-                             "collective and the ranks that did not arrive")
+    timeout_s: float = timeout_field()
 
     def __post_init__(self):
-        check_range("parallel.timeout_s", self.timeout_s, 0.0, low_inclusive=False)
+        check_timeout(self.timeout_s)
 
 
 @dataclass

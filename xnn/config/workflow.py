@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from xnn.config.loader import ConfigError, check_range, field, validate
-from xnn.config.md import PRESSURE_UNITS, MDModelConfig, resume_field
+from xnn.config.md import PRESSURE_UNITS, MDModelConfig, parallel_field, resume_field
+from xnn.config.parallel import RunParallelConfig
 
 STAGE_TYPES = ("relax", "nve", "nvt", "npt")
 THERMOSTATS = ("langevin", "csvr", "nhc")
@@ -135,6 +136,7 @@ class WorkflowConfig:
                              "whose energy is not finite, fails: its row says so and it "
                              "leaves the campaign")
     output: WorkflowOutputConfig = field(WorkflowOutputConfig(), "files written")
+    parallel: RunParallelConfig = parallel_field()
     resume: str | None = resume_field()
 
     def __post_init__(self):

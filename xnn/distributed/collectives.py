@@ -234,9 +234,11 @@ def _where_others_are(name: str, ranks: list[int], wait_s: float) -> dict[int, s
     return seen
 
 
-def explain_collective_error(error: BaseException, timeout_s: float) -> XnnError | None:
+def explain_collective_error(error: BaseException, timeout_s: float,
+                             timeout_key: str | None = None) -> XnnError | None:
     """A one-line error for a ``torch.distributed`` collective that failed (``None`` when
-    ``error`` is something else).
+    ``error`` is something else); a timeout's names ``timeout_key``, the option of the
+    running command that raises the timeout (e.g. ``"parallel.timeout_s"``).
 
     On a timeout this rank publishes which collective it waited in and waits up to
     ``min(timeout_s, 60)`` s for the other ranks of the group to do the same (they time out
@@ -263,10 +265,12 @@ def explain_collective_error(error: BaseException, timeout_s: float) -> XnnError
                          "or dead)")
         parts += elsewhere
         detail = "; ".join(parts) or "every rank arrived (a slow network?)"
+        raise_it = (f"raise {timeout_key} (e.g. {timeout_key}={2 * float(timeout_s):g})"
+                    if timeout_key else "raise the collective timeout")
         return CollectiveTimeout(
             f"collective {name} timed out after {timeout_s:g} s on rank {dist.get_rank()}: "
             f"{detail}; the ranks took different paths or one is far slower (if it is only "
-            "slow, raise the timeout: parallel.timeout_s of xnn train)")
+            f"slow, {raise_it})")
     if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe")):
         return RemoteRankError(f"lost the connection to another rank during collective {name}: "
                                "that rank stopped (its own message says why)")

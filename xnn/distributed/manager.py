@@ -183,24 +183,30 @@ class DistributedManager:
     """
 
     def __init__(self, launch: LaunchInfo, device: torch.device, backend: str | None,
-                 owns_group: bool, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 owns_group: bool, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 timeout_key: str | None = None):
         self.launch = launch
         self._device = device
         self.backend = backend
         self._owns_group = owns_group
         self.timeout_s = float(timeout_s)
+        self.timeout_key = timeout_key
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def initialize(cls, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                   device: str | torch.device | None = None) -> DistributedManager:
+                   device: str | torch.device | None = None,
+                   timeout_key: str | None = None) -> DistributedManager:
         """Detect the launcher and initialise ``torch.distributed`` if there are several ranks.
 
         Args:
             backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL on GPU, gloo on CPU).
-            timeout_s: timeout of every collective (seconds).
+            timeout_s: timeout of the rendezvous and of every collective (seconds).
             device: ``"cpu"``/``"cuda"`` or ``None`` (CUDA if available). On CUDA each rank
                 takes ``cuda:LOCAL_RANK``.
+            timeout_key: the option of the running command that sets ``timeout_s`` (e.g.
+                ``"parallel.timeout_s"``), named by the messages of a timeout; ``None``:
+                they name none.
         Returns:
             The manager. If ``torch.distributed`` is already initialised it is adopted.
         """
@@ -210,11 +216,12 @@ class DistributedManager:
             launch = LaunchInfo("ENV", dist.get_rank(), dist.get_world_size(),
                                 int(os.environ.get("LOCAL_RANK", "0")))
             dev = _pick_device(device, launch.local_rank, dist.get_backend())
-            return cls(launch, dev, dist.get_backend(), owns_group=False)
+            return cls(launch, dev, dist.get_backend(), owns_group=False,
+                       timeout_key=timeout_key)
         launch = detect_launch()
         dev = _pick_device(device, launch.local_rank, backend)
         if launch.method == "NONE" or launch.world_size == 1 and launch.master_addr is None:
-            return cls(launch, dev, None, owns_group=False)
+            return cls(launch, dev, None, owns_group=False, timeout_key=timeout_key)
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         if backend == "nccl" and dev.type != "cuda":
             raise InputError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
@@ -232,10 +239,13 @@ class DistributedManager:
             if "timed out" not in str(e).lower():
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            key = f" ({timeout_key})" if timeout_key else ""
             raise InputError(f"{launch.method} launch: not all {launch.world_size} ranks "
-                             f"joined within {timeout_s:g} s ({first}); check that every rank "
-                             "was started and reaches the same rendezvous address") from None
-        return cls(launch, dev, backend, owns_group=True, timeout_s=timeout_s)
+                             f"joined within {timeout_s:g} s{key} ({first}); check that "
+                             "every rank was started and reaches the same rendezvous "
+                             "address") from None
+        return cls(launch, dev, backend, owns_group=True, timeout_s=timeout_s,
+                   timeout_key=timeout_key)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -287,7 +297,7 @@ class DistributedManager:
             return error
         from xnn.distributed.collectives import explain_collective_error
 
-        clear = explain_collective_error(error, self.timeout_s)
+        clear = explain_collective_error(error, self.timeout_s, self.timeout_key)
         return error if clear is None else clear
 
     @contextmanager

@@ -11,13 +11,10 @@ applications (:mod:`xnn.app.md`, :mod:`xnn.app.relax`) call the same methods on
 from __future__ import annotations
 
 import dataclasses
-import json
 import resource
-from pathlib import Path
 
 import torch
 
-from xnn._files import atomic_write
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
@@ -271,10 +268,3 @@ class DomainRun(SerialRun):
                 f"peak memory {mem['min']:.0f}-{mem['max']:.0f} MiB per rank")
         print(line, flush=True)
         return line
-
-    def write_summary(self, path: Path) -> None:
-        """``summary.json`` (rank 0) of :meth:`decomposition`. Collective."""
-        out = self.decomposition()
-        if out is not None:
-            text = json.dumps(out, indent=1) + "\n"
-            atomic_write(path, lambda tmp: tmp.write_text(text))

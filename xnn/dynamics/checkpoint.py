@@ -33,11 +33,22 @@ def neighbor_state(potential) -> dict | None:
     return {k: v for k, v in vars(nl).items() if _storable(v)}
 
 
+#: the list's settings, which come from the run's potential, never from a checkpoint
+_SETTINGS = ("cutoff", "skin", "backend")
+
+
 def restore_neighbor_state(potential, saved: dict | None, device) -> None:
+    """Reuse the checkpoint's Verlet-list cache in ``potential``'s list when it was built
+    for the same cutoff and skin (else the list is built afresh at the first evaluation).
+    The list's cutoff, skin and backend stay the potential's own."""
     nl = getattr(potential, "neighbors", None)
     if nl is None or saved is None:
         return
+    if saved.get("cutoff", nl.cutoff) != nl.cutoff or saved.get("skin", nl.skin) != nl.skin:
+        return
     for k, v in saved.items():
+        if k in _SETTINGS:
+            continue
         if isinstance(v, torch.Tensor):
             v = v.to(device)
         elif isinstance(v, (tuple, list)):

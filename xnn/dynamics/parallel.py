@@ -10,7 +10,9 @@ nothing from there.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+import resource
+
+import torch
 
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState
@@ -35,6 +37,7 @@ class SerialRun:
     def __init__(self, potential):
         self.potential = potential
         self.checkpoint_potential = potential
+        self._held: tuple[int, torch.device] | None = None  # atoms and device of the run
 
     @property
     def model(self):
@@ -51,10 +54,12 @@ class SerialRun:
 
     def scatter_graph(self, graph):
         """This process's owned atoms of rank 0's graph."""
+        self._held = (graph.n_atoms, graph.positions.device)
         return graph
 
     def scatter_state(self, state: MDState, meta: dict | None) -> MDState:
         """This process's part of rank 0's global state (read from a checkpoint)."""
+        self._held = (state.graph.n_atoms, state.positions.device)
         return state
 
     def gather(self, state: MDState) -> MDState:
@@ -74,6 +79,23 @@ class SerialRun:
         none, one process has no decomposition)."""
         return None
 
-    def write_summary(self, path: Path) -> None:
-        """Write the run's decomposition summary (nothing in one process)."""
-        return None
+    def decomposition(self) -> dict | None:
+        """The run's split in the fields of the decomposed run's (one rank owning every
+        atom, no ghosts, no migrations), with the neighbor-list builds and the peak memory
+        (MiB: CUDA's max_memory_allocated, else the process's maxrss); ``None`` on ranks
+        other than 0."""
+        n, dev = self._held or (0, torch.device("cpu"))
+        nl = getattr(self.potential, "neighbors", None)
+        if dev.type == "cuda":
+            peak, kind = torch.cuda.max_memory_allocated(dev) / 2**20, "cuda max_memory_allocated"
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+            kind = "process maxrss"
+
+        def span(v):
+            return {"min": v, "max": v, "per_rank": [v]}
+
+        return {"ranks": 1, "grid": None, "n_atoms": n, "owned": span(n), "ghost": span(0),
+                "held": span(n), "migrations": 0,
+                "rebuilds": int(nl.n_builds) if nl is not None else 0, "migrated_atoms": 0,
+                "peak_memory_MiB": span(round(peak, 1)), "memory_kind": kind}

@@ -86,6 +86,10 @@ class AtomisticModel(nn.Module):
         num_interactions: message-passing hops; the receptive field is
             ``cutoff * num_interactions``.
         species: atomic numbers the model knows, or ``None`` for any element.
+        traceable: its forward traces into a graph of fixed shapes (``torch.fx`` /
+            ``make_fx`` under :func:`tracing_graph`), so the compiled MD steps
+            (``xnn md compile=true``) can compile it; long-range terms, whose sums over
+            the system have data-dependent shapes, declare ``False``.
 
     Forces, stress and virial are never computed inside a model: see
     :func:`xnn.models.derivatives.compute_properties`.
@@ -94,6 +98,7 @@ class AtomisticModel(nn.Module):
     cutoff: float
     num_interactions: int = 1
     species: list[int] | None = None
+    traceable: bool = True
 
     @property
     def receptive_field(self) -> float:

@@ -119,6 +119,7 @@ class _Coulomb(AtomisticModel):
 
     num_interactions = 1
     kspace = False
+    traceable = False  # per-system dispatch and charge sums with data-dependent shapes
 
     def __init__(self, cutoff: float, charges: str | ChargeTable = "data",
                  charge_model: nn.Module | None = None, neutral: bool = False):

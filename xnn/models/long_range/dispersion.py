@@ -131,6 +131,7 @@ class D3(AtomisticModel):
     """
 
     num_interactions = 2  # E_i depends on its neighbors' coordination numbers
+    traceable = False  # edge selections with data-dependent shapes
 
     def __init__(self, functional: str | None = "pbe", cutoff: float = 25.0,
                  cn_cutoff: float | None = None, s6: float | None = None,

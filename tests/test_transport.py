@@ -38,7 +38,7 @@ def mixed_fields(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
         "half": torch.randn(n, generator=g, dtype=torch.float32).to(torch.float16),  # 2 bytes [n]
         "masses": torch.rand(n, generator=g, dtype=torch.float64),  # float64 [n]
         "moments": torch.randn(n, 2, 3, generator=g, dtype=torch.float64),  # float64 [n, 2, 3]
-        "bytes": torch.randint(0, 255, (n, 5), generator=g, dtype=torch.uint8),  # uint8 [n, 5]
+        "bytes": torch.randint(0, 255, (n, 4), generator=g, dtype=torch.uint8),  # uint8 [n, 4]
     }
 
 

@@ -16,14 +16,14 @@
 
 ``XNN_DISTRIBUTED_INIT_METHOD=ENV|SLURM|NONE`` forces one of them. NCCL is used on GPUs and
 gloo on CPUs, every collective with ``timeout_s`` (10 minutes by default).
-
-A rank started by torchrun exits when torchrun dies (:func:`exit_with_launcher`): killed
-alone (``kill -9`` of the launcher, an OOM kill), torchrun cannot stop its ranks, which would
-otherwise run on and write. Under ``srun`` the step daemon stops the tasks itself.
 :meth:`DistributedManager.explain` (and :meth:`~DistributedManager.watch`) turn a collective
 that timed out (gloo) into a :class:`~xnn.distributed.collectives.CollectiveTimeout` naming
 the collective and the ranks that did not arrive (under NCCL, torch's watchdog reports
 timeouts itself).
+
+A rank started by torchrun exits when torchrun dies (:func:`exit_with_launcher`): killed
+alone (``kill -9`` of the launcher, an OOM kill), torchrun cannot stop its ranks, which would
+otherwise run on and write. Under ``srun`` the step daemon stops the tasks itself.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ DEFAULT_TIMEOUT_S = 600.0  # 10 minutes: long enough for a slow step, short for 
 LAUNCHER_DEATH_SIGNAL = signal.SIGTERM
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCH_EVERY_S = 0.5
-#: this process's parent when xnn's launcher code was imported (the launcher, for a rank)
-_PARENT = os.getppid()
+#: (this process, its parent) when this module was imported: a rank's launcher
+_IMPORTED_IN = (os.getpid(), os.getppid())
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,13 @@ def _parent_death_signal(sig: int) -> bool:
         return False
 
 
+def _launcher_pid() -> int:
+    """The parent this process had when this module was imported (a forked child of that
+    process, which inherits the record, gets its own parent)."""
+    pid, parent = _IMPORTED_IN
+    return parent if os.getpid() == pid else os.getppid()
+
+
 def _watch_parent(parent: int, sig: int) -> None:
     """Send ``sig`` to this process once its parent is no longer ``parent`` (polled)."""
     while os.getppid() == parent:
@@ -233,12 +240,12 @@ def exit_with_launcher(launch: LaunchInfo, env=None) -> str | None:
     """
     if not started_by_torchrun(launch, env):
         return None
-    sig = int(LAUNCHER_DEATH_SIGNAL)
+    sig, launcher = int(LAUNCHER_DEATH_SIGNAL), _launcher_pid()
     how = "prctl" if _parent_death_signal(sig) else "watchdog"
     if how == "watchdog":
-        threading.Thread(target=_watch_parent, args=(_PARENT, sig), daemon=True,
+        threading.Thread(target=_watch_parent, args=(launcher, sig), daemon=True,
                          name="xnn-launcher-watch").start()
-    if os.getppid() != _PARENT:  # the launcher died before the request
+    if os.getppid() != launcher:  # the launcher died before the request
         os.kill(os.getpid(), sig)
     return how
 

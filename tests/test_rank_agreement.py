@@ -1,5 +1,6 @@
-"""Ranks that disagree stop at once with one clear error on every rank; a collective that
-times out names itself and the ranks that did not arrive (2 gloo ranks, one spawn)."""
+"""Ranks that disagree (xnn train, md, validate) stop at once with one clear error on every
+rank; a collective that times out names itself and the ranks that did not arrive (2 gloo
+ranks, one spawn)."""
 
 from __future__ import annotations
 
@@ -119,8 +120,13 @@ def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
     # 5. timeouts: rank 1 in another collective; then rank 1 busy (no answer)
     out["barrier"] = _timeout(ports[4], rank, "barrier")
     out["sleep"] = _timeout(ports[5], rank, "sleep")
-    # 6. xnn md with a stalled rank: the run's own parallel.timeout_s, named in the message
-    out["md_stall"] = _stalled_md(ports[6], rank, f"{tmp}/ar.xyz", f"{tmp}/stall")
+    # 6. xnn validate: another tolerance on rank 1
+    tol = ["--tol", "1e-6"] if rank == 1 else []
+    out["validate"] = _cli(ports[6], ["validate", "--model", "lj:sigma=2.3,epsilon=0.4,cutoff=5.0",
+                                      "--structure", f"{tmp}/ar.xyz", "--device", "cpu",
+                                      "--timeout", "60", "--json", f"{tmp}/validate.json", *tol])
+    # 7. xnn md with a stalled rank: the run's own parallel.timeout_s, named in the message
+    out["md_stall"] = _stalled_md(ports[7], rank, f"{tmp}/ar.xyz", f"{tmp}/stall")
     return out
 
 
@@ -135,7 +141,7 @@ def test_disagreeing_ranks_and_timeouts(tmp_path):
     copy.parent.mkdir()
     copy.write_bytes(data.read_bytes())
     write(tmp_path / "ar.xyz", bulk("Ar", "fcc", a=5.3, cubic=True))
-    ports = [free_port() for _ in range(7)]
+    ports = [free_port() for _ in range(8)]
     results = spawn(_rank_main, 2, args=(str(tmp_path), str(data), str(copy), str(other),
                                          ports), timeout_s=300)
     for r in results:
@@ -148,8 +154,11 @@ def test_disagreeing_ranks_and_timeouts(tmp_path):
         code, err = r["md"]
         assert code == 2 and "rank 1 in temperature (300.0 on rank 0, 310.0 on rank 1)" in err
         assert r["copy"] == "agreed"
+        code, err = r["validate"]
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "rank 1 in tol (1e-10 on rank 0, 1e-06 on rank 1)" in err, err
     # nothing was written by the refused runs
-    assert not any((tmp_path / d).exists() for d in ("lr", "data", "md"))
+    assert not any((tmp_path / d).exists() for d in ("lr", "data", "md", "validate.json"))
     # rank 0 waited in all_reduce, rank 1 in a barrier: each names the other's collective
     a, b = results[0]["barrier"], results[1]["barrier"]
     assert "collective all_reduce in all_reduce_ (xnn/distributed/collectives.py:" in a, a

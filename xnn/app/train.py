@@ -98,14 +98,14 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         accumulate_grad_batches=cfg.accumulate_grad_batches)
 
 
-def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
+def _model_for_run(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Module:
     # model.trust_file: the caller's trust in every file the config names (pretrained=,
     # model_file terms), for every load below (xnn.models.trust.granted)
     with granted(cfg.model.trust_file):
-        return _pretrained_or_new(cfg, splits, logger)
+        return _pretrained_or_new(cfg, splits, logger, reducer)
 
 
-def _pretrained_or_new(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
+def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Module:
     if cfg.pretrained:
         model = load_pretrained(cfg.pretrained)
         if not isinstance(getattr(model, "hparams", None), dict):
@@ -123,7 +123,7 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
         logger.print(f"fine-tuning {describe_model(model)} from {cfg.pretrained}")
         return model
     stats = data_statistics(cfg.model, splits.species,
-                            structures_for_statistics(splits.raw_train))
+                            structures_for_statistics(splits.raw_train), reducer)
     model = build_model(cfg, splits.species, stats)
     logger.print(f"model: {describe_model(model)}; E0 "
                  f"{ {k: round(v, 4) for k, v in stats['e0'].items()} } eV, "
@@ -193,11 +193,12 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
         _deterministic()
     memory = _memory(cfg, device, reducer.rank)
     seed_everything(cfg.seed, reducer.rank)
-    splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species)
+    splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species,
+                          reducer)
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
                  f"{len(splits.test) if splits.test else 0} test structures")
-    model = _model_for_run(cfg, splits, logger)  # seeded with cfg.seed: same on every rank
+    model = _model_for_run(cfg, splits, logger, reducer)  # seeded: the same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, parallel, device, memory)
     loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding)

@@ -2,8 +2,11 @@
 
 Each training file is split on its own by a permutation seeded with ``(seed, file index)``
 (see :func:`xnn.data.datasets.split_indices`) unless explicit ``data.val``/``data.test`` files
-are given. Labels are checked against the loss weights, and species of validation/test
-structures against the training set.
+are given. Labels are checked against the loss weights, species of validation/test
+structures against the training set, and every structure for coincident atoms: the ranks of
+a job share that scan (each takes every ``world_size``-th structure of each file) and raise
+the same error. Neighbor lists of the model's cutoff are built later, at a structure's first
+use, by the rank that uses it (:class:`~xnn.data.datasets.WithEdges`).
 """
 
 from __future__ import annotations
@@ -17,18 +20,42 @@ from xnn.training.data import (
     DataSplits,
     check_labels,
     check_species,
-    refuse_coincident,
+    coincident_error,
+    first_coincident,
     symbols,
 )
+from xnn.training.reducer import LocalReducer
 
 
-def _open(entry: DatasetConfig):
+def _open(entry: DatasetConfig, opened: list):
+    """The dataset of ``entry``, appended with its path to ``opened``."""
     if not entry.path:
         raise DataFileError("a dataset entry has an empty path (set data.datasets.N.path)")
     ds = read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
                          entry.stress_key, entry.virial_key)
-    refuse_coincident(ds, entry.path)
+    opened.append((ds, entry.path))
     return ds
+
+
+def refuse_coincident_shared(opened: list, reducer) -> None:
+    """Raise the same :class:`DataFileError` on every rank for the first structure (first
+    file, then index in it) of ``opened`` (``(dataset, path)`` pairs) with coincident atoms.
+
+    Each rank scans every ``world_size``-th structure of each file, from its rank on, and
+    stops at the first file where it finds one; one gather of the findings follows
+    (collective over ``reducer``'s ranks).
+    """
+    rank, world = reducer.rank, reducer.world_size
+    mine = None
+    for k, (ds, _) in enumerate(opened):
+        found = first_coincident(ds, range(rank, len(ds), world))
+        if found is not None:
+            mine = (k, *found)
+            break
+    found = [f for f in (reducer.gather_objects(mine) if world > 1 else [mine]) if f]
+    if found:
+        k, index, pair = min(found, key=lambda f: f[:2])
+        raise coincident_error(opened[k][1], index, pair)
 
 
 def _concat(parts: list):
@@ -39,7 +66,7 @@ def _concat(parts: list):
 
 
 def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
-                 species: list[int] | None = None) -> DataSplits:
+                 species: list[int] | None = None, reducer=None) -> DataSplits:
     """Read, split, check and wrap the datasets of a run.
 
     Args:
@@ -48,13 +75,16 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         cutoff: neighbor-list cutoff (Å).
         seed: split seed.
         species: the model's species if fixed by the config (else those of the training set).
+        reducer: the ranks that share the scan for coincident atoms (``rank``,
+            ``world_size``, ``gather_objects``; default: one process). Every rank of it must
+            call this function.
     """
     if not data.datasets:
         raise InputError("no training data: set data.datasets (e.g. "
                          "data.datasets.0.path=train.xyz)")
-    train_parts, val_parts, test_parts = [], [], []
+    train_parts, val_parts, test_parts, opened = [], [], [], []
     for k, entry in enumerate(data.datasets):
-        ds = _open(entry)
+        ds = _open(entry, opened)
         if len(ds) == 0:
             raise DataFileError(f"dataset {entry.path!r} holds no structure")
         vf = 0.0 if data.val else data.val_fraction
@@ -63,8 +93,9 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         train_parts.append(Subset(ds, tr))
         val_parts.append(Subset(ds, va))
         test_parts.append(Subset(ds, te))
-    val_parts += [_open(e) for e in data.val]
-    test_parts += [_open(e) for e in data.test]
+    val_parts += [_open(e, opened) for e in data.val]
+    test_parts += [_open(e, opened) for e in data.test]
+    refuse_coincident_shared(opened, reducer or LocalReducer())
     train = _concat(train_parts)
     if data.overfit is not None:
         train = Subset(train, np.arange(min(data.overfit, len(train))))

@@ -79,21 +79,45 @@ def sum_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=None
     return hp
 
 
-def data_statistics(cfg: ModelConfig, species: list[int], structures: list) -> dict:
+def shared_average_neighbors(structures: list, cutoffs: list[float], reducer=None) -> list:
+    """The average number of neighbours within each of ``cutoffs`` over ``structures``, with
+    the neighbor lists shared by the ranks of ``reducer`` (each builds those of every
+    ``world_size``-th structure; one gather of the counts): the same numbers on every rank,
+    and as one process computes them. Collective over ``reducer``'s ranks."""
+    from xnn.models import statistics as S
+
+    rank, world = (0, 1) if reducer is None else (reducer.rank, reducer.world_size)
+    mine = [S.neighbor_counts(structures[rank::world], c) for c in cutoffs]
+    every = reducer.gather_objects(mine) if world > 1 else [mine]
+    out = []
+    for k in range(len(cutoffs)):
+        edges, atoms = (sum(r[k][i] for r in every) for i in (0, 1))
+        if atoms == 0:
+            raise InputError("average_num_neighbors needs at least one atom")
+        out.append(edges / atoms)
+    return out
+
+
+def data_statistics(cfg: ModelConfig, species: list[int], structures: list,
+                    reducer=None) -> dict:
     """E0s, shift, scale and average neighbours from training structures (see ModelConfig).
 
     For ``model.name=sum`` the energies and forces are those left by the fixed terms
     (``trainable: false``: delta learning fits the trainable terms' E0, shift and scale to
     the residual), plus a ``{cutoff: average number of neighbours}`` dict over the named
-    terms' cutoffs in ``term_avg_num_neighbors``."""
+    terms' cutoffs in ``term_avg_num_neighbors``. The neighbor lists of the averages are
+    shared by the ranks of ``reducer`` (see :func:`shared_average_neighbors`; every rank of
+    it must call this function), the rest needs none."""
     from xnn.models import statistics as S
 
-    out: dict = {"avg_num_neighbors": S.average_num_neighbors(structures, cfg.cutoff)}
+    cuts = []
     if cfg.name == "sum":
         cuts = sorted({_term_cutoff(cfg, t) for t in sum_terms(cfg)
                        if isinstance(t, dict) and "name" in t})
-        out["term_avg_num_neighbors"] = {c: S.average_num_neighbors(structures, c)
-                                         for c in cuts}
+    averages = shared_average_neighbors(structures, [float(cfg.cutoff), *cuts], reducer)
+    out: dict = {"avg_num_neighbors": averages[0]}
+    if cfg.name == "sum":
+        out["term_avg_num_neighbors"] = dict(zip(cuts, averages[1:]))
         structures = residual_structures(cfg, species, structures)
     e0 = S.fit_e0(structures, species) if cfg.e0 == "fit" else {z: 0.0 for z in species}
     out["e0"] = e0

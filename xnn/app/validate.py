@@ -97,6 +97,20 @@ def _report(opts: ValidateOptions, manager, dd, graph, out, ref, seconds: dict) 
     return failed
 
 
+def options_fingerprint(opts: ValidateOptions) -> dict[str, str]:
+    """Every option of a rank, the structure file (and a model file) by content: what the
+    ranks compare before their first other collective (see
+    :func:`~xnn.distributed.agreement.check_ranks_agree`)."""
+    from pathlib import Path
+
+    from xnn.distributed.agreement import run_fingerprint
+
+    files = {"structure": opts.structure}
+    if Path(opts.model).is_file():  # else a built-in spec, compared as written
+        files["model"] = opts.model
+    return run_fingerprint(opts, files)
+
+
 def run_validate(opts: ValidateOptions) -> int:
     """Evaluate ``opts.model`` on ``opts.structure`` in one process (rank 0) and decomposed
     over all ranks of the launch; print (and write) the comparison on rank 0.
@@ -104,6 +118,9 @@ def run_validate(opts: ValidateOptions) -> int:
     Returns:
         the exit status on every rank: 1 if the worst relative error exceeds ``opts.tol``,
         else 0.
+    Raises:
+        InputError: on every rank, before anything is read or written, when the ranks were
+            given different options, structure or model files (naming the options).
     """
     import time
 
@@ -112,6 +129,7 @@ def run_validate(opts: ValidateOptions) -> int:
     from xnn.distributed import DistributedManager
     from xnn.distributed import collectives as C
     from xnn.distributed import validate as V
+    from xnn.distributed.agreement import check_ranks_agree
     from xnn.distributed.domain.partition import parse_grid
     from xnn.distributed.graph.auto import decomposed
     from xnn.errors import InputError
@@ -120,8 +138,11 @@ def run_validate(opts: ValidateOptions) -> int:
     grid = parse_grid(opts.grid)
     if opts.tol <= 0:
         raise InputError(f"--tol must be > 0, got {opts.tol}")
-    manager = DistributedManager.initialize(timeout_s=opts.timeout, device=opts.device)
+    manager = DistributedManager.initialize(timeout_s=opts.timeout, device=opts.device,
+                                            timeout_key="--timeout")
     try:
+        if manager.is_distributed:  # the first collective: every rank runs the same job
+            check_ranks_agree(options_fingerprint(opts))
         graph = V.read_structure_rank0(opts.structure, opts.index)
         species = C.broadcast_object(
             None if graph is None else sorted(set(graph.numbers.tolist())))

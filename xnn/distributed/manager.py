@@ -20,12 +20,21 @@ gloo on CPUs, every collective with ``timeout_s`` (10 minutes by default).
 that timed out (gloo) into a :class:`~xnn.distributed.collectives.CollectiveTimeout` naming
 the collective and the ranks that did not arrive (under NCCL, torch's watchdog reports
 timeouts itself).
+
+A rank started by torchrun exits when torchrun dies (:func:`exit_with_launcher`): killed
+alone (``kill -9`` of the launcher, an OOM kill), torchrun cannot stop its ranks, which would
+otherwise run on and write. Under ``srun`` the step daemon stops the tasks itself.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
+import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +49,13 @@ from xnn.errors import InputError
 INIT_METHOD_ENV = "XNN_DISTRIBUTED_INIT_METHOD"
 _METHODS = ("ENV", "SLURM", "NONE")
 DEFAULT_TIMEOUT_S = 600.0  # 10 minutes: long enough for a slow step, short for a hang
+#: what a rank started by torchrun receives when the launcher dies: the default action of
+#: SIGTERM ends the process at once, even inside a collective; a handler of the user's runs
+LAUNCHER_DEATH_SIGNAL = signal.SIGTERM
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCH_EVERY_S = 0.5
+#: (this process, its parent) when this module was imported: a rank's launcher
+_IMPORTED_IN = (os.getpid(), os.getppid())
 
 
 @dataclass(frozen=True)
@@ -175,6 +191,65 @@ def detect_launch(env=None) -> LaunchInfo:
     return LaunchInfo(method, rank, world, local, addr, port)
 
 
+def started_by_torchrun(launch: LaunchInfo, env=None) -> bool:
+    """True for a rank that torchrun's agent started (its variables and
+    ``TORCHELASTIC_RUN_ID``), not one of a launcher that only sets ``RANK``/``WORLD_SIZE``."""
+    env = os.environ if env is None else env
+    return launch.method == "ENV" and bool(env.get("TORCHELASTIC_RUN_ID"))
+
+
+def _parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` (Linux): the kernel sends ``sig`` to this process when
+    the thread that started it ends. False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _launcher_pid() -> int:
+    """The parent this process had when this module was imported (a forked child of that
+    process, which inherits the record, gets its own parent)."""
+    pid, parent = _IMPORTED_IN
+    return parent if os.getpid() == pid else os.getppid()
+
+
+def _watch_parent(parent: int, sig: int) -> None:
+    """Send ``sig`` to this process once its parent is no longer ``parent`` (polled)."""
+    while os.getppid() == parent:
+        time.sleep(_WATCH_EVERY_S)
+    os.kill(os.getpid(), sig)
+
+
+def exit_with_launcher(launch: LaunchInfo, env=None) -> str | None:
+    """Make a rank that torchrun started exit when torchrun dies; nothing for other launches.
+
+    torchrun waits for its ranks before it exits and stops them when one fails, but killed
+    itself (``SIGKILL``, out of memory) it leaves them running. Each rank therefore asks the
+    kernel for :data:`LAUNCHER_DEATH_SIGNAL` at its parent's death (Linux), else watches its
+    parent from a daemon thread (polled every 0.5 s). A launcher already gone by then (the
+    rank's parent changed since this module was imported) sends the signal at once. Under
+    ``srun`` the step daemon is the parent and stops its tasks itself; a single process, or
+    ranks started by other means (``torch.multiprocessing``), are left alone.
+
+    Returns:
+        ``"prctl"``, ``"watchdog"``, or ``None`` when not launched by torchrun.
+    """
+    if not started_by_torchrun(launch, env):
+        return None
+    sig, launcher = int(LAUNCHER_DEATH_SIGNAL), _launcher_pid()
+    how = "prctl" if _parent_death_signal(sig) else "watchdog"
+    if how == "watchdog":
+        threading.Thread(target=_watch_parent, args=(launcher, sig), daemon=True,
+                         name="xnn-launcher-watch").start()
+    if os.getppid() != launcher:  # the launcher died before the request
+        os.kill(os.getpid(), sig)
+    return how
+
+
 class DistributedManager:
     """This process's rank, device and process group (or a single process).
 
@@ -222,6 +297,7 @@ class DistributedManager:
         dev = _pick_device(device, launch.local_rank, backend)
         if launch.method == "NONE" or launch.world_size == 1 and launch.master_addr is None:
             return cls(launch, dev, None, owns_group=False, timeout_key=timeout_key)
+        exit_with_launcher(launch)
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         if backend == "nccl" and dev.type != "cuda":
             raise InputError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")

@@ -37,13 +37,42 @@ def closest_pair(graph: AtomicGraph) -> ClosePair | None:
     return ClosePair(s, min(i, j) - first, max(i, j) - first, float(d[e]))
 
 
-def find_close_pair(graph: AtomicGraph, min_distance: float = MIN_DISTANCE) -> ClosePair | None:
-    """The closest pair of ``graph`` (without edges, batched) if closer than ``min_distance``
-    (Å), else ``None``. One neighbor list for ``min_distance`` (cell lists cap their bins
-    by the atom count, so a small radius costs nothing more)."""
-    if min_distance <= 0 or graph.n_atoms < 2 and not bool(graph.pbc.any()):
-        return None
+def _short_edges(graph: AtomicGraph, min_distance: float) -> AtomicGraph:
+    """``graph``'s positions and cell with the edges shorter than ``min_distance``, from the
+    torch cell list: it caps its bins by the atom count, so a small radius costs nothing
+    more (vesin's bins follow the radius: 22 ms per 32-atom, 8 Å EMT cell at 0.1 Å against
+    0.3 ms for the torch cell list over batches of such cells, one CPU thread)."""
     plain = AtomicGraph({k: graph[k] for k in ("positions", "numbers", "cell", "pbc", "batch")},
                         validate=False)
-    pair = closest_pair(with_edges(plain, float(min_distance)))
+    return with_edges(plain, float(min_distance), backend="torch")
+
+
+def find_close_pair(graph: AtomicGraph, min_distance: float = MIN_DISTANCE) -> ClosePair | None:
+    """The closest pair of ``graph`` (without edges, batched) if closer than ``min_distance``
+    (Å), else ``None``. One neighbor list for ``min_distance``."""
+    if min_distance <= 0 or graph.n_atoms < 2 and not bool(graph.pbc.any()):
+        return None
+    pair = closest_pair(_short_edges(graph, min_distance))
     return pair if pair is not None and pair.distance < min_distance else None
+
+
+def first_close_pair(graph: AtomicGraph, min_distance: float = MIN_DISTANCE
+                     ) -> ClosePair | None:
+    """The closest pair of the first system of ``graph`` (without edges, batched) that holds
+    two atoms closer than ``min_distance`` (Å); ``None`` when no system does. The answer for
+    a system does not depend on the other systems of the batch."""
+    if min_distance <= 0:
+        return None
+    g = _short_edges(graph, min_distance)
+    if g.edge_index.shape[1] == 0:
+        return None
+    d = g.edge_vectors().detach().norm(dim=-1)
+    system = g.batch.index_select(0, g.edge_index[1])
+    close = d < min_distance
+    if not bool(close.any()):
+        return None
+    s = int(system[close].min())
+    e = int(torch.where(system == s, d, torch.full_like(d, float("inf"))).argmin())
+    j, i = int(g.edge_index[0, e]), int(g.edge_index[1, e])
+    first = int(g.ptr[s])
+    return ClosePair(s, min(i, j) - first, max(i, j) - first, float(d[e]))

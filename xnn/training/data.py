@@ -7,7 +7,7 @@ Reading the ``data`` section of a config into splits is the application's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +16,7 @@ from ase.data import chemical_symbols
 from xnn.data import keys as K
 from xnn.data.datasets import WithEdges
 from xnn.errors import DataFileError, InputError
+from xnn.neighbors.coincident import ClosePair
 
 
 @dataclass
@@ -29,21 +30,40 @@ class DataSplits:
     species: list[int]
 
 
+def first_coincident(dataset, indices: Sequence[int], chunk: int = 64
+                     ) -> tuple[int, ClosePair] | None:
+    """The first of ``indices`` (in their order) whose structure holds two atoms closer than
+    :data:`~xnn.neighbors.coincident.MIN_DISTANCE`, with that pair; ``None`` if none does.
+    One short-radius neighbor list per ``chunk`` structures."""
+    from xnn.data.graph import AtomicGraph
+    from xnn.neighbors.coincident import first_close_pair
+
+    indices = [int(i) for i in indices]
+    for start in range(0, len(indices), chunk):
+        part = indices[start:start + chunk]
+        pair = first_close_pair(AtomicGraph.concat([dataset[i] for i in part]))
+        if pair is not None:
+            return part[pair.system], pair
+    return None
+
+
+def coincident_error(path: str, index: int, pair: ClosePair) -> DataFileError:
+    """The one-line refusal of structure ``index`` of file ``path`` for ``pair``."""
+    from xnn.neighbors.coincident import MIN_DISTANCE
+
+    return DataFileError(
+        f"structure {index} of {path!r}: atoms {pair.i} and {pair.j} are "
+        f"{pair.distance:.3g} Å apart, closer than {MIN_DISTANCE} Å (coincident atoms: "
+        "a duplicated atom?); remove or fix that structure")
+
+
 def refuse_coincident(dataset, path: str, chunk: int = 64) -> None:
     """Raise :class:`DataFileError` naming the first structure of a file (its index in the
     file) with two atoms closer than :data:`~xnn.neighbors.coincident.MIN_DISTANCE`: its
     labels would teach the model an energy for coincident atoms."""
-    from xnn.data.graph import AtomicGraph
-    from xnn.neighbors.coincident import MIN_DISTANCE, find_close_pair
-
-    for start in range(0, len(dataset), chunk):
-        stop = min(start + chunk, len(dataset))
-        pair = find_close_pair(AtomicGraph.concat([dataset[i] for i in range(start, stop)]))
-        if pair is not None:
-            raise DataFileError(
-                f"structure {start + pair.system} of {path!r}: atoms {pair.i} and {pair.j} are "
-                f"{pair.distance:.3g} Å apart, closer than {MIN_DISTANCE} Å (coincident atoms: "
-                "a duplicated atom?); remove or fix that structure")
+    found = first_coincident(dataset, range(len(dataset)), chunk)
+    if found is not None:
+        raise coincident_error(path, *found)
 
 
 def symbols(zs) -> list[str]:
@@ -89,5 +109,5 @@ def structures_for_statistics(dataset, limit: int = 2000) -> list:
     return [dataset[int(i)] for i in idx]
 
 
-__all__ = ["DataSplits", "check_labels", "check_species", "refuse_coincident",
-           "structures_for_statistics"]
+__all__ = ["DataSplits", "check_labels", "check_species", "coincident_error",
+           "first_coincident", "refuse_coincident", "structures_for_statistics"]

@@ -3,7 +3,10 @@
 Migration, the ghost push, the start-up scatter and the output gather all send rows of many
 per-atom fields (positions, ids, velocities, user fields...) of mixed dtypes. A
 :class:`Layout` names the fields with their dtype and per-row shape; :func:`pack` views each
-field's rows as bytes and concatenates them, so one message per peer carries every field.
+field's rows as bytes and concatenates them, so one message per peer carries every field;
+:func:`unpack` copies each field's bytes out to storage aligned for its dtype, so any mix of
+dtypes and per-row shapes (bool masks, int32, float32, float64...) arrives intact at any row
+count, one row included.
 Each message is preceded by its row count and the layout's checksum, so both sides know
 every size (no deadlock) and a rank holding other fields fails with a clear error instead of
 misreading bytes.
@@ -68,14 +71,19 @@ def pack(fields: Mapping[str, Tensor], layout: Layout, rows: Tensor | None = Non
 
 
 def unpack(buf: Tensor, layout: Layout) -> dict[str, Tensor]:
-    """The fields of a packed ``buf [n, row_bytes]`` (inverse of :func:`pack`)."""
+    """The fields of a packed ``buf [n, row_bytes]`` (inverse of :func:`pack`).
+
+    Each field's bytes are copied into storage of its own before they are viewed as its
+    dtype: a field's columns start at any byte of a row (a 1-byte mask before a float64,
+    float32 positions before an int64), and a view in place would need its start and the
+    row length to be multiples of the dtype's size, which one-row buffers do not give.
+    """
     out, offset, n = {}, 0, buf.shape[0]
     for name, dtype, shape in layout.entries:
         nb = _nbytes(dtype, shape)
-        if n:
-            out[name] = buf[:, offset:offset + nb].contiguous().view(dtype).reshape(n, *shape)
-        else:  # an empty slice keeps the buffer's strides, which a byte view rejects
-            out[name] = torch.empty((0, *shape), dtype=dtype, device=buf.device)
+        column = torch.empty((n, nb), dtype=torch.uint8, device=buf.device)
+        column.copy_(buf[:, offset:offset + nb])
+        out[name] = column.view(dtype).reshape(n, *shape)
         offset += nb
     return out
 

@@ -21,7 +21,12 @@ import torch
 
 from xnn._torch_files import check_complete
 from xnn.app.train_data import build_splits, data_files
-from xnn.app.train_model import build_model, check_pretrained_config, data_statistics
+from xnn.app.train_model import (
+    build_model,
+    check_pretrained_config,
+    check_trainable,
+    data_statistics,
+)
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
 from xnn.errors import InputError
@@ -131,6 +136,7 @@ def _memory(cfg: TrainConfig, device, rank: int) -> MemoryTools | None:
 
 
 def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:
+    check_trainable(cfg, model)
     reducer = parallel.reducer
     dtype, autocast = configure_precision(cfg.precision)
     set_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.name,

@@ -63,3 +63,80 @@ def test_training_a_model_without_trainable_parameters_is_refused(tmp_path, cu_d
              "num_interactions: 1, num_basis: 8}]}")
     summary = train(load_config(TrainConfig, None, base[1:] + ["model.name=sum", delta]))
     assert (out / "model.pt").is_file() and np.isfinite(summary["epochs"])
+
+
+# ------------------------------------------------------------ where files go and come from
+def test_export_under_a_file_is_refused_before_any_work(tmp_path, capsys):
+    from xnn.models import build
+    from xnn.models.serialization import export_model, save_model
+
+    model = save_model(build("lj", sigma=2.3, epsilon=0.4, cutoff=3.0), tmp_path / "lj.pt")
+    afile = tmp_path / "afile"
+    afile.write_text("keep\n")
+    cli_fails(capsys, ["export", model, "--out", afile / "b.pt2"], "--out",
+              f"{str(afile)!r} is a file, not a folder")
+    cli_fails(capsys, ["export", model, "--format", "torchscript", "--out", tmp_path],
+              "is a folder", "model.pt'")
+    for fmt in ("energies", "torchscript"):
+        msg = raises_one_line(InputError, export_model, build("lj", sigma=2.3, epsilon=0.4,
+                                                              cutoff=3.0),
+                              afile / "sub" / "x.pt2", format=fmt)
+        assert "is a file, not a folder" in msg
+    assert afile.read_text() == "keep\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "lj.pt"]
+
+
+def test_a_folder_given_as_a_file_is_called_a_directory(tmp_path, cu_data, capsys):
+    from xnn.config.loader import ConfigError, load_config
+    from xnn.config.train import TrainConfig
+    from xnn.data import read
+    from xnn.errors import DataFileError, ModelFileError
+    from xnn.models import build
+    from xnn.models.serialization import load_model, save_model
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    run = tmp_path / "run"  # a training run's folder, given where its model.pt was meant
+    run.mkdir()
+    lj = save_model(build("lj", sigma=2.3, epsilon=0.4, cutoff=3.0), run / "model.pt")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.pt").write_bytes(b"")
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(f"structure: {folder}\nmodel: {{file: {lj}}}\nstages: [{{type: relax}}]\n")
+    out = tmp_path / "out"
+    lj_md = ["model.name=lj", "model.params={sigma: 2.3, epsilon: 0.4, cutoff: 3.0}",
+             f"output.dir={out}"]
+    is_dir = f"{str(folder)!r} is a directory, not a file"
+    meant = f"did you mean {str(lj)!r}?"
+    cases = [
+        (["train", f"data.datasets.0.path={folder}", f"output_dir={out}"], is_dir),
+        (["train", folder], f"config file {is_dir}"),
+        (["train", f"data.datasets.0.path={cu_data}", f"pretrained={run}",
+          f"output_dir={out}"], f"pretrained={str(run)!r} is a directory", meant),
+        (["train", f"data.datasets.0.path={cu_data}", f"resume={run}", f"output_dir={out}"],
+         f"did you mean {str(run / 'checkpoints' / 'last.pt')!r}?"),
+        (["md", f"structure={folder}", *lj_md], f"structure file {is_dir}"),
+        (["md", f"structure={cu_data}", f"model.file={run}", f"output.dir={out}"],
+         f"model file {str(run)!r} is a directory", meant),
+        (["md", f"structure={cu_data}", *lj_md, f"resume={folder}"], f"checkpoint {is_dir}"),
+        (["relax", f"structure={folder}", *lj_md], is_dir),
+        (["eval", run, cu_data], meant),
+        (["eval", lj, folder], is_dir),
+        (["export", folder], is_dir),
+        (["validate", "--model", run, "--structure", cu_data, "--device", "cpu"], meant),
+        (["validate", "--model", lj, "--structure", folder, "--device", "cpu"], is_dir),
+        (["data", "convert", folder, tmp_path / "x.h5"], is_dir),
+        (["run", wf], is_dir),
+    ]
+    for args, *words in cases:
+        line = cli_fails(capsys, args, *words)
+        assert "not found" not in line and "does not exist" not in line, line
+    assert not out.exists()
+    # a folder holding files: the message names one
+    (folder / "cu.xyz").write_text("")
+    cli_fails(capsys, ["md", f"structure={folder}", *lj_md],
+              f"give a file in it, e.g. {str(folder / 'cu.xyz')!r}")
+    # the Python API says the same
+    raises_one_line(DataFileError, read, folder, match="is a directory, not a file")
+    raises_one_line(ModelFileError, load_model, run, match="did you mean")
+    raises_one_line(ConfigError, load_config, TrainConfig, folder, match="is a directory")

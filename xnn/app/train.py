@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from xnn._files import require_file
 from xnn._torch_files import check_complete
 from xnn.app.train_data import build_splits, data_files
 from xnn.app.train_model import (
@@ -45,6 +46,8 @@ from xnn.training.schedule import LRSchedule, build_optimizer
 from xnn.training.setup import configure_precision, load_pretrained
 from xnn.training.trainer import Trainer
 
+#: what a run folder given as ``resume=`` / ``pretrained=`` most likely meant
+SUGGEST = {"resume": ("checkpoints/last.pt",), "pretrained": ("model.pt",)}
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
              "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard")
 
@@ -77,8 +80,7 @@ def _check_inputs(cfg: TrainConfig, resume: str | None) -> None:
     """Checkpoint and pretrained files exist and are complete (before anything is built)."""
     for key, path in (("resume", resume), ("pretrained", cfg.pretrained)):
         if path:
-            if not Path(path).is_file():
-                raise InputError(f"{key}={path!r} does not exist")
+            require_file(path, f"{key}=", InputError, suggest=SUGGEST[key])
             check_complete(path, "checkpoint" if key == "resume" else "pretrained file")
 
 

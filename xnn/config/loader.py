@@ -22,6 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from xnn._files import require_file
 from xnn.errors import XnnError
 
 
@@ -190,9 +191,7 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
     base = OmegaConf.structured(schema)
     try:
         if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file {str(p)!r} does not exist")
+            p = require_file(path, "config file", ConfigError)
             try:
                 loaded = OmegaConf.load(p)
             except Exception as e:  # yaml errors

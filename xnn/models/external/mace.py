@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from xnn._files import require_file
 from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.errors import InputError, ModelFileError
 from xnn.models.base import AtomisticModel
@@ -50,8 +50,8 @@ def _load_module(source: str | os.PathLike | bytes, trust: bool = False) -> nn.M
     """Unpickle a mace-torch module from a file path or bytes (only with ``trust=True``)."""
     import_extra("mace", "mace", "mace.modules")
     where = "<bytes>" if isinstance(source, bytes) else str(source)
-    if not isinstance(source, bytes) and not Path(source).is_file():
-        raise ModelFileError(f"MACE model file {where} does not exist")
+    if not isinstance(source, bytes):
+        require_file(source, "MACE model file", ModelFileError)
     if trust is not True:
         raise ModelFileError(
             f"MACE model file {where} is a pickle, and loading it runs code from the file: "

@@ -65,6 +65,77 @@ def test_training_a_model_without_trainable_parameters_is_refused(tmp_path, cu_d
     assert (out / "model.pt").is_file() and np.isfinite(summary["epochs"])
 
 
+# ------------------------------------------------------------ xnn.Calculator("model.pt")
+class _OpensMarker:
+    """Unpickling this calls ``open(marker, "w")``: the marker file appears."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def pickled_mace_file(folder, model):
+    """A model file of the pickled MACE format of earlier xnn versions whose module, when
+    unpickled, creates a marker file; returns ``(path, marker)``."""
+    import io
+
+    import torch
+
+    from xnn.models.serialization import model_payload
+
+    def torch_bytes(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    marker = folder / "code-ran"
+    header = {k: v for k, v in model_payload(model).items() if k not in ("hparams",
+                                                                         "state_dict")}
+    path = folder / "pickled.pt"
+    path.write_bytes(torch_bytes({**header, "name": "mace", "kind": "mace-torch-pickle",
+                                  "head": None,
+                                  "module_bytes": torch_bytes(_OpensMarker(marker))}))
+    return path, marker
+
+
+def test_calculator_takes_a_model_file_path(tmp_path):
+    import torch
+    from ase.build import bulk
+
+    import xnn
+    from xnn.errors import ModelFileError, XnnError
+    from xnn.models import build
+
+    torch.manual_seed(0)
+    model = build("schnet", species=[29], cutoff=4.0, num_features=8, num_filters=8,
+                  num_interactions=1, num_basis=8)
+    path = xnn.save_model(model, tmp_path / "model.pt")
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.rattle(0.05, seed=0)
+    ref = atoms.copy()
+    ref.calc = xnn.Calculator(model, device="cpu")
+    for given in (str(path), path):
+        atoms.calc = xnn.Calculator(given, device="cpu")
+        assert atoms.get_potential_energy() == ref.get_potential_energy()
+        np.testing.assert_array_equal(atoms.get_forces(), ref.get_forces())
+        np.testing.assert_array_equal(atoms.get_stress(), ref.get_stress())
+    assert atoms.calc.model.training is False
+    raises_one_line(ModelFileError, xnn.Calculator, tmp_path / "none.pt", match="does not exist")
+    raises_one_line(ModelFileError, xnn.Calculator, tmp_path, match="did you mean")
+    msg = raises_one_line(InputError, xnn.Calculator, 42)
+    assert "an xnn model or a model file path, got int" in msg
+    # trust= reaches the loader: a file holding pickled code is unpickled only with it
+    f, marker = pickled_mace_file(tmp_path, model)
+    raises_one_line(XnnError, xnn.Calculator, f, device="cpu", match="trust=True")
+    assert not marker.exists()
+    pytest.importorskip("mace")
+    with pytest.raises(XnnError):
+        xnn.Calculator(f, device="cpu", trust=True)  # not a MACE model, but it was unpickled
+    assert marker.exists()
+
+
 # ------------------------------------------------------------ where files go and come from
 def test_export_under_a_file_is_refused_before_any_work(tmp_path, capsys):
     from xnn.models import build

@@ -136,6 +136,51 @@ def test_calculator_takes_a_model_file_path(tmp_path):
     assert marker.exists()
 
 
+# ------------------------------------------------------------ non-finite charges
+@pytest.mark.parametrize("name", ["pme", "ewald", "coulomb"])
+def test_non_finite_charges_are_named(name, tmp_path, capsys):
+    from ase.build import bulk
+    from ase.io import write
+
+    import xnn
+    from xnn.models import build
+
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True)
+    if name == "coulomb":
+        atoms.pbc, atoms.cell = False, np.zeros((3, 3))
+    q = np.where(atoms.numbers == 11, 1.0, -1.0)
+    atoms.set_initial_charges(q)
+    atoms.calc = xnn.Calculator(build(name, cutoff=5.0, charges="data"), device="cpu")
+    e = atoms.get_potential_energy()
+    assert np.isfinite(e) and e < 0
+    for value in (np.nan, np.inf):
+        bad = q.copy()
+        bad[[3, 6]] = value
+        atoms.set_initial_charges(bad)
+        msg = raises_one_line(InputError, atoms.get_potential_energy)
+        assert f"non-finite charges on system 0, atoms [3, 6] (values [{value}, {value}])" \
+            in msg and "initial_charges" in msg, msg
+    # in a batch: the system and the atom's index within it
+    from xnn.data.ase_io import from_ase
+    from xnn.models import Potential
+
+    good = atoms.copy()
+    good.set_initial_charges(q)
+    graph = from_ase([good, atoms], energy_key=None, forces_key=None, stress_key=None)
+    raises_one_line(InputError, Potential(build(name, cutoff=5.0, charges="data")), graph,
+                    match=r"system 1, atoms \[3, 6\]")
+    # a table by element, and the CLI (torch-pme's own message blamed the mesh spacing)
+    raises_one_line(InputError, type(build(name, charges="data")), charges={"Na": np.nan,
+                                                                           "Cl": -1.0},
+                    match="charges table has non-finite values {'Na': nan}")
+    if name == "pme":
+        write(tmp_path / "nacl.xyz", atoms)
+        cli_fails(capsys, ["md", f"structure={tmp_path / 'nacl.xyz'}", "model.name=pme",
+                           "model.params={cutoff: 5.0, charges: data}", "steps=2",
+                           f"output.dir={tmp_path / 'md'}"], "non-finite charges")
+        assert not (tmp_path / "md").exists()
+
+
 # ------------------------------------------------------------ where files go and come from
 def test_export_under_a_file_is_refused_before_any_work(tmp_path, capsys):
     from xnn.models import build

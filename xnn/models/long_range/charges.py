@@ -11,6 +11,47 @@ from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+
+DATA_HINT = ("the model's charges='data' reads the per-atom 'charges' field (extxyz "
+             "initial_charges): give every atom a finite charge (e)")
+
+
+def check_finite_charges(graph: AtomicGraph, q: Tensor) -> None:
+    """Refuse NaN or infinite charges ``q [n_atoms]`` read from the data, naming the first
+    atoms: by index within their system, or by atom id in a domain's local graph (one host
+    sync; skipped while compiling).
+
+    Raises:
+        InputError: one line naming the system, the atoms and their values.
+    """
+    if torch.compiler.is_compiling():
+        return
+    finite = torch.isfinite(q.detach())
+    if bool(finite.all()):
+        return
+    bad = torch.nonzero(~finite).flatten()
+    values = [float(v) for v in q.detach()[bad[:5]].tolist()]
+    if K.GLOBAL_CELL in graph:
+        where = f"atoms with ids {graph.atom_id[bad[:5]].tolist()}"
+    else:
+        s = int(graph.batch[bad[0]])
+        first = bad[graph.batch[bad] == s]
+        where = f"system {s}, atoms {(first[:5] - graph.ptr[s]).tolist()}"
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    raise InputError(f"non-finite charges on {where}{more} (values {values}); {DATA_HINT}")
+
+
+def check_charge_table(table: dict) -> None:
+    """Refuse a charge table by element with a non-finite value.
+
+    Raises:
+        InputError: one line naming the elements.
+    """
+    bad = {k: v for k, v in table.items() if not math.isfinite(v)}
+    if bad:
+        raise InputError(f"charges table has non-finite values {bad}: give each element a "
+                         "finite charge (e), e.g. {'Na': 1, 'Cl': -1}")
 
 
 def charge_fields(charge_model: nn.Module | None) -> tuple[float, float]:

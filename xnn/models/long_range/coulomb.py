@@ -69,7 +69,12 @@ from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel
 from xnn.models.classical import atomic_number
-from xnn.models.long_range.charges import charge_fields, neutralised
+from xnn.models.long_range.charges import (
+    charge_fields,
+    check_charge_table,
+    check_finite_charges,
+    neutralised,
+)
 from xnn.models.long_range.reciprocal import ewald_kspace, pme_kspace
 
 #: Coulomb constant ``Hartree * Bohr`` (eV Å / e^2), as ``ase.units``.
@@ -140,6 +145,7 @@ class _Coulomb(AtomisticModel):
         table = torch.zeros(119, dtype=torch.float64)
         if isinstance(charges, Mapping):
             zs = [atomic_number(k) for k in charges]
+            check_charge_table({k: float(v) for k, v in charges.items()})
             table[torch.tensor(zs)] = torch.tensor([float(v) for v in charges.values()],
                                                    dtype=torch.float64)
             self.species = sorted(zs) if charge_model is None else None
@@ -184,7 +190,9 @@ class _Coulomb(AtomisticModel):
             raise InputError("the structure has no per-atom charges: give them "
                              "(extxyz initial_charges / the 'charges' field) or set "
                              "charges={'Na': 1, ...} in the model")
-        return graph[K.CHARGES].reshape(-1).to(graph.dtype)
+        q = graph[K.CHARGES].reshape(-1).to(graph.dtype)
+        check_finite_charges(graph, q)
+        return q
 
     def _real_space(self, calc, q: Tensor, graph: AtomicGraph, periodic: Tensor) -> Tensor:
         """``phi [n_atoms]`` of the erfc-screened pairs on the edges (torch-pme's sum) of

@@ -14,7 +14,7 @@ from xnn.data import keys as K
 from xnn.data.ase_io import from_ase
 from xnn.errors import InputError
 from xnn.models.potential import Potential
-from xnn.neighbors.coincident import MIN_DISTANCE, closest_pair, find_close_pair
+from xnn.neighbors.coincident import MIN_DISTANCE, ClosePair, closest_pair, find_close_pair
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -135,15 +135,22 @@ class Calculator(_AseCalculator):
             self.results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(stress))
 
     def _refuse_coincident(self, graph) -> None:
-        """Raise when two atoms are closer than ``min_distance``, from the neighbor list the
-        model call then reuses (or a list of its own if the model's cutoff is shorter)."""
-        if self.min_distance <= 0:
-            return
-        nl = self.potential.neighbors
-        pair = (closest_pair(nl(graph)) if nl.cutoff >= self.min_distance
-                else find_close_pair(graph, self.min_distance))
-        if pair is not None and pair.distance < self.min_distance:
+        """Raise when two atoms are closer than ``min_distance``."""
+        pair = too_close(self.potential, graph, self.min_distance)
+        if pair is not None:
             raise InputError(f"atoms {pair.i} and {pair.j} are {pair.distance:.3g} Å apart, "
                              f"closer than min_distance={self.min_distance} Å (coincident "
                              "atoms: a duplicated atom?); fix the structure, or pass "
                              "min_distance=0 to evaluate it anyway")
+
+
+def too_close(potential: Potential, graph, min_distance: float) -> ClosePair | None:
+    """The closest pair of atoms of ``graph`` if closer than ``min_distance`` (Å; ``<= 0``:
+    never), from the neighbor list that ``potential``'s model call then reuses (or a list of
+    its own if the model's cutoff is shorter)."""
+    if min_distance <= 0:
+        return None
+    nl = potential.neighbors
+    pair = (closest_pair(nl(graph)) if nl.cutoff >= min_distance
+            else find_close_pair(graph, min_distance))
+    return pair if pair is not None and pair.distance < min_distance else None

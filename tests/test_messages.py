@@ -256,3 +256,18 @@ def test_a_folder_given_as_a_file_is_called_a_directory(tmp_path, cu_data, capsy
     raises_one_line(DataFileError, read, folder, match="is a directory, not a file")
     raises_one_line(ModelFileError, load_model, run, match="did you mean")
     raises_one_line(ConfigError, load_config, TrainConfig, folder, match="is a directory")
+
+
+def test_missing_model_hyperparameters_are_named(tmp_path, cu_data, capsys):
+    from xnn.models import build
+
+    msg = raises_one_line(InputError, build, "lj", sigma=2.3)
+    assert "model 'lj' needs hyperparameter(s) ['epsilon', 'cutoff']" in msg
+    out = tmp_path / "md"
+    cli_fails(capsys, ["md", f"structure={cu_data}", "model.name=lj", f"output.dir={out}"],
+              "['sigma', 'epsilon', 'cutoff']", "model.params")
+    cli_fails(capsys, ["md", f"structure={cu_data}", "model.name=lj",
+                       "model.params={sigma: 2.3, epsilon: 0.4, cutoff: 5.0}",
+                       "model.add=[{name: morse, D: 0.3}]", f"output.dir={out}"],
+              "model 'morse' needs hyperparameter(s) ['alpha', 'r0', 'cutoff']")
+    assert not out.exists()

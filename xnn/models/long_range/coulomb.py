@@ -67,11 +67,13 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import AtomisticModel
+from xnn.models.base import AtomisticModel, graph_tracing
 from xnn.models.classical import atomic_number
 from xnn.models.long_range.charges import (
+    DATA_HINT,
     charge_fields,
     check_charge_table,
+    check_finite_by_id,
     check_finite_charges,
     neutralised,
 )
@@ -191,7 +193,8 @@ class _Coulomb(AtomisticModel):
                              "(extxyz initial_charges / the 'charges' field) or set "
                              "charges={'Na': 1, ...} in the model")
         q = graph[K.CHARGES].reshape(-1).to(graph.dtype)
-        check_finite_charges(graph, q)
+        if K.GLOBAL_CELL not in graph:  # a domain checks them with every rank: _forward_domain
+            check_finite_charges(graph, q)
         return q
 
     def _real_space(self, calc, q: Tensor, graph: AtomicGraph, periodic: Tensor) -> Tensor:
@@ -217,6 +220,16 @@ class _Coulomb(AtomisticModel):
         i, j = torch.triu_indices(n, n, 1, device=pos.device)
         dist = torch.linalg.norm(pos[j] - pos[i], dim=-1)
         return 2.0 * calc._compute_rspace(q[:, None], torch.stack([i, j], 1), dist)[:, 0]
+
+    def _check_finite_total(self, total: Tensor, q: Tensor, ids: Tensor) -> None:
+        """Under domain decomposition: refuse non-finite data charges on every rank (the
+        all-reduced ``total`` of the owned charges is not finite), naming them by id on the
+        ranks that own them."""
+        if self.charge_source != "data" or bool(torch.isfinite(total).all()):
+            return
+        check_finite_by_id(q, ids)
+        raise InputError(f"non-finite charges on atoms of another rank (its message names "
+                         f"them); {DATA_HINT}")
 
     def _check_neutral(self, q: Tensor, s: int) -> None:
         total = float(q.detach().sum())  # q: the charges, or their sum
@@ -285,7 +298,9 @@ class _Coulomb(AtomisticModel):
             phi = self._direct_domain(q[:n], pos, graph.atom_id[:n])
             return 0.5 * q * torch.cat([phi, rest])
         if not torch.compiler.is_compiling():
-            self._check_neutral(self.global_sum(q[:n].detach().sum().reshape(1)), 0)
+            total = self.global_sum(q[:n].detach().sum().reshape(1))  # the same on every rank
+            self._check_finite_total(total, q[:n], graph.atom_id[:n])
+            self._check_neutral(total, 0)
         phi = self._kspace_system(q[:n], cell, pos, pbc, kind == "slab")
         periodic = torch.ones(1, dtype=torch.bool, device=q.device)
         return 0.5 * q * (torch.cat([phi, rest]) + self._real_space(self.calculator, q, graph,
@@ -295,6 +310,8 @@ class _Coulomb(AtomisticModel):
         """``phi [n_owned]``: the direct sum over all atoms of all ranks (gathered)."""
         rows = torch.cat([pos, q[:, None], ids.to(pos.dtype)[:, None]], dim=1)
         every = self.global_gather(rows)  # [n_total, 5]
+        if self.charge_source == "data" and not graph_tracing():
+            check_finite_by_id(every[:, 3], every[:, 4])  # every rank: the same verdict
         d = pos[:, None, :] - every[None, :, :3]
         d2 = (d * d).sum(-1)
         own = ids.to(pos.dtype)[:, None] == every[None, :, 4]

@@ -1,4 +1,5 @@
-"""Shared fixtures: small random ASE structures (triclinic periodic, molecule, mixed pbc)."""
+"""Shared fixtures: small random ASE structures (triclinic periodic, molecule, mixed pbc); the
+per-test time limit of :mod:`time_limit`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,20 @@ import torch
 from ase import Atoms
 
 from xnn.testing.systems import random_molecule, random_periodic_system
+
+pytest_plugins = ("pytester",)
+
+# a time limit for every test (300 s; slow, gpu, distributed and @pytest.mark.time_limit more)
+from time_limit import (  # noqa: F401, E402 - pytest hooks, found here by name
+    pytest_addoption,
+    pytest_configure,
+    pytest_enter_pdb,
+    pytest_exception_interact,
+    pytest_runtest_call,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    pytest_unconfigure,
+)
 
 
 def graph_to_atoms(graph) -> Atoms:

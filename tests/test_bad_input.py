@@ -25,7 +25,7 @@ SIGMA, EPS, RC = 3.4, 0.0104, 8.5
 
 def test_missing_and_unparseable_files(tmp_path):
     missing = tmp_path / "nope.xyz"
-    assert str(missing) in raises_one_line(DataFileError, read, missing, match="not found")
+    assert str(missing) in raises_one_line(DataFileError, read, missing, match="does not exist")
     raises_one_line(DataFileError, read, tmp_path, match="directory")
     garbage = tmp_path / "garbage.xyz"
     garbage.write_text("this is\nnot an xyz file\n at all\n")

@@ -13,10 +13,11 @@ import torch
 from ase import Atoms
 from ase.build import bulk
 from ase.stress import voigt_6_to_full_3x3_stress
+from error_helpers import raises_one_line
 
 import xnn
 from xnn.data.graph import AtomicGraph
-from xnn.errors import InputError
+from xnn.errors import InputError, UnknownSpeciesError
 from xnn.interop.lammps import VOIGT, XnnFixExternal, require_lammps
 from xnn.models import Potential, build
 from xnn.units import MVV2E
@@ -160,16 +161,46 @@ def test_refusals_and_callback_errors():
         XnnFixExternal(lmp, _lj(), species=[])
     with pytest.raises(InputError, match="unknown element"):
         XnnFixExternal(lmp, _lj(), species=["Qq"])
-    # an error inside the callback (Ag is not a SchNet species) is re-raised by run()
-    xfix = XnnFixExternal(lmp, _schnet(), species=["Ag"])
-    with pytest.raises(InputError):
-        xfix.run(0)
-    assert np.isnan(by_id(lmp, "f")).all()
+    # an element the model does not know is refused when the fix is made, not in a run
+    # (where it was reported as "non-finite positions" of the atoms its NaN forces moved)
+    msg = raises_one_line(UnknownSpeciesError, XnnFixExternal, lmp, _schnet(), species=["Ag"])
+    assert "LAMMPS atom type 1 to Ag: not an element of the model (it knows ['H', 'C', " \
+        "'Cu'])" in msg and "species=" in msg, msg
+    lmp.close()
+    two = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
+    two.commands_string("units metal\nregion b block 0 8 0 8 0 8\ncreate_box 2 b\n"
+                        "mass * 63.546")
+    raises_one_line(UnknownSpeciesError, XnnFixExternal, two, _schnet(), species=["Cu", "Ag"],
+                    match="type 2 to Ag")
+    XnnFixExternal(two, _schnet(), species=["Cu", "H", "Ag"])  # type 3 does not exist
+    two.close()
+
+
+def test_coincident_atoms_are_refused_by_lammps_id():
+    atoms = cu_prism()
+    atoms.positions[5] = atoms.positions[3] + [0.03, 0.0, 0.0]  # LAMMPS ids 4 and 6
+    lmp = lammps_of(atoms)
+    xfix = XnnFixExternal(lmp, _lj(), species=["Cu"])
+    lmp.command("fix nve all nve")
+    # the error of the first callback is the one run() raises, not what its NaN forces did
+    # to the positions in the next steps
+    with pytest.raises(InputError) as err:
+        xfix.run(3)
+    assert str(err.value).startswith("LAMMPS atoms 4 and 6 (ids) are 0.03 Å apart, closer "
+                                     "than min_distance=0.1 Å"), err.value
+    assert "\n" not in str(err.value) and "min_distance=0" in str(err.value)
+    lmp.close()
+    lmp = lammps_of(atoms)  # min_distance=0: evaluated, as xnn.Calculator(min_distance=0)
+    xfix = XnnFixExternal(lmp, _lj(), species=["Cu"], min_distance=0.0)
+    xfix.run(0)
+    ref = atoms.copy()
+    ref.calc = xnn.Calculator(_lj(), device="cpu", min_distance=0.0)
+    assert xfix.energy == pytest.approx(ref.get_potential_energy(), rel=1e-10)
     lmp.close()
 
 
 MULTI_RANK = """
-from xnn.errors import InputError
+from xnn.errors import InputError, UnknownSpeciesError
 from xnn.interop.lammps import XnnFixExternal, require_lammps
 from xnn.models import build
 lmp = require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"])

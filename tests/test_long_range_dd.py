@@ -251,7 +251,29 @@ def _worker(rank, world, with_md):
         results[name] = entry
     if with_md:
         results["md"] = _md_case(manager, rank)
+        results["nan"] = _nan_charge_case(manager, rank)
     return results
+
+
+def _nan_charge_case(manager, rank):
+    """A NaN data charge (atom id 7): every rank refuses with one line, none waits in a
+    collective; the owner (k-space) or every rank (direct sum, gathered) names the atom."""
+    from xnn.distributed import DomainDecomposed
+    from xnn.errors import InputError
+
+    out = {}
+    for name, struct in (("pme", bulk_nacl), ("coulomb", cluster_nacl)):
+        graph = struct()
+        q = graph["charges"].clone()
+        q[graph.atom_id == 7] = float("nan")
+        graph = graph.replace(charges=q)
+        dd = DomainDecomposed(MODELS[name](), manager)
+        try:
+            dd(graph if rank == 0 else None)
+            out[name] = "no error"
+        except InputError as err:
+            out[name] = str(err)
+    return out
 
 
 # ---------------------------------------------------------------------------- tests
@@ -286,6 +308,10 @@ def test_two_ranks_equal_one_process_and_md_with_migrating_charges():
     assert all(m["charges_ok"] for m in md)
     assert md[0]["charges"]
     assert md[0]["positions"] <= TOL and md[0]["energy"] <= TOL, md[0]
+    nan = [r["nan"] for r in results]
+    assert all(m["pme"].startswith("non-finite charges on ") for m in nan), nan
+    assert any("atoms with ids [7] (values [nan])" in m["pme"] for m in nan), nan
+    assert all("atoms with ids [7] (values [nan])" in m["coulomb"] for m in nan), nan
 
 
 @pytest.mark.distributed

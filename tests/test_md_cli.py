@@ -201,7 +201,7 @@ def test_model_file_that_is_not_a_model(tmp_path, argon_file):
     with pytest.raises(ModelFileError):
         run_md(load_config(MDConfig, None, [f"structure={argon_file}", f"model.file={bad}",
                                             f"output.dir={tmp_path / 'm'}"]))
-    with pytest.raises(ModelFileError, match="not found"):
+    with pytest.raises(ModelFileError, match="does not exist"):
         run_md(load_config(MDConfig, None, [f"structure={argon_file}",
                                             f"model.file={tmp_path / 'missing.pt'}"]))
 

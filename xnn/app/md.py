@@ -54,6 +54,7 @@ from xnn.app.md_setup import (
     velocities_from_file,
 )
 from xnn.config.md import MDConfig
+from xnn.dynamics.hooks import HookError
 from xnn.dynamics.registry import get_integrator
 from xnn.dynamics.safety import (
     DriftMonitor,
@@ -62,7 +63,6 @@ from xnn.dynamics.safety import (
     check_forces,
     check_temperature,
 )
-from xnn.dynamics.hooks import HookError
 from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import ThermoLog, observables, plot_log
 from xnn.errors import InputError

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
+from xnn._files import require_file
 from xnn._torch_files import refuse_non_model_file
 from xnn.config.md import MDConfig, MDModelConfig
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import check_graph, free_mask, has_fixed, maxwell_boltzmann
-from xnn.errors import DataFileError, InputError, ModelFileError
+from xnn.errors import InputError, ModelFileError
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 
@@ -28,8 +27,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
     if cfg.file is not None:
         from xnn.models.serialization import load_model
 
-        if not Path(cfg.file).is_file():
-            raise ModelFileError(f"model file not found: {cfg.file}")
+        require_file(cfg.file, "model file", ModelFileError, suggest=("model.pt",))
         refuse_non_model_file(cfg.file)  # truncated, or a training/MD checkpoint
         model = load_model(cfg.file, map_location=device, trust=cfg.trust_file)
     else:
@@ -61,8 +59,7 @@ def load_structure(path: str, index: str, device: torch.device, dtype: torch.dty
 
     if not path:
         raise InputError("no structure file given (structure=PATH)")
-    if not Path(path).is_file():
-        raise DataFileError(f"structure file not found: {path}")
+    require_file(path, "structure file")
     index = ":" if index == "all" else str(index)
     idx: str | int = int(index) if index.lstrip("-").isdigit() else index
     frames = read(path, index=idx)

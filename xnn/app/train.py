@@ -19,9 +19,15 @@ from pathlib import Path
 
 import torch
 
+from xnn._files import require_file
 from xnn._torch_files import check_complete
 from xnn.app.train_data import build_splits, data_files
-from xnn.app.train_model import build_model, check_pretrained_config, data_statistics
+from xnn.app.train_model import (
+    build_model,
+    check_pretrained_config,
+    check_trainable,
+    data_statistics,
+)
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
 from xnn.errors import InputError
@@ -41,6 +47,8 @@ from xnn.training.schedule import LRSchedule, build_optimizer
 from xnn.training.setup import configure_precision, load_pretrained
 from xnn.training.trainer import Trainer
 
+#: what a run folder given as ``resume=`` / ``pretrained=`` most likely meant
+SUGGEST = {"resume": ("checkpoints/last.pt",), "pretrained": ("model.pt",)}
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
              "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard")
 
@@ -73,8 +81,7 @@ def _check_inputs(cfg: TrainConfig, resume: str | None) -> None:
     """Checkpoint and pretrained files exist and are complete (before anything is built)."""
     for key, path in (("resume", resume), ("pretrained", cfg.pretrained)):
         if path:
-            if not Path(path).is_file():
-                raise InputError(f"{key}={path!r} does not exist")
+            require_file(path, f"{key}=", InputError, suggest=SUGGEST[key])
             check_complete(path, "checkpoint" if key == "resume" else "pretrained file")
 
 
@@ -139,6 +146,7 @@ def _memory(cfg: TrainConfig, device, rank: int) -> MemoryTools | None:
 
 
 def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:
+    check_trainable(cfg, model)
     reducer = parallel.reducer
     dtype, autocast = configure_precision(cfg.precision)
     set_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.name,

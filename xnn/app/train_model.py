@@ -178,6 +178,23 @@ def build_model(cfg: TrainConfig, species: list[int], statistics: dict | None) -
     return model
 
 
+def check_trainable(cfg: TrainConfig, model: nn.Module) -> None:
+    """Refuse a model without trainable parameters (``lj``, ``morse``, ``d3``, ``ewald``, a
+    sum whose terms are all ``trainable: false``) before anything is trained or written.
+
+    Raises:
+        InputError: one line naming the model and what to train instead.
+    """
+    if any(p.requires_grad for p in model.parameters()):
+        return
+    what = (f"pretrained={cfg.pretrained!r}" if cfg.pretrained
+            else f"model.name={cfg.model.name}")
+    raise InputError(f"{what} has no trainable parameters: there is nothing to train; choose a "
+                     "trainable model (model.name=schnet, painn or equivariant, or a sum with "
+                     "a trainable term) or pretrained=FILE of one; to evaluate a fixed model "
+                     "on labelled data use xnn eval MODEL DATA")
+
+
 def _canonical(value):
     """``value`` as JSON would give it back (tuples as lists, int keys as strings)."""
     return json.loads(json.dumps(value, sort_keys=True, default=str))

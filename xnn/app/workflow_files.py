@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from xnn._files import atomic_write
+from xnn._files import atomic_write, require_file
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics.state import MDState
@@ -200,9 +200,7 @@ def save_campaign(path: Path, pools: list, meta: dict) -> None:
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
     """The payload of a campaign checkpoint or of a manifest of ranks (read as data)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataFileError(f"checkpoint not found: {path}")
+    path = require_file(path, "checkpoint")
     try:
         p = read_as_data(path)
     except Exception as e:

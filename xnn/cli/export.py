@@ -48,14 +48,16 @@ def run(args) -> int:
 
     import torch
 
+    from xnn._files import check_output_file
     from xnn.models.serialization import export_model, load_model
 
-    model = load_model(args.model, trust=args.trust_file)
-    if args.dtype is not None:
-        model = model.to(getattr(torch, args.dtype))
     src = Path(args.model)
     out = Path(args.out) if args.out else src.with_name(
         f"{src.stem}.{args.format}{SUFFIX[args.format]}")
+    check_output_file(out, "--out", example=f"model{SUFFIX[args.format]}")  # before any work
+    model = load_model(args.model, trust=args.trust_file)
+    if args.dtype is not None:
+        model = model.to(getattr(torch, args.dtype))
     path = export_model(model, out, format=args.format)
     print(f"wrote {path} ({args.format}, cutoff {float(model.cutoff)} Å); load with "
           f"{LOADER[args.format].replace('FILE', repr(str(path)))}")

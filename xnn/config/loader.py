@@ -31,6 +31,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from xnn._files import require_file
 from xnn.errors import XnnError
 
 
@@ -261,9 +262,7 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
     base = OmegaConf.structured(schema)
     try:
         if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file {str(p)!r} does not exist")
+            p = require_file(path, "config file", ConfigError)
             loaded = _load_yaml_file(p)
             if not isinstance(loaded, DictConfig):
                 kind = "list" if isinstance(loaded, ListConfig) else type(loaded).__name__

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
@@ -259,11 +260,7 @@ def read(
     """
     import ase.io
 
-    p = Path(path)
-    if not p.exists():
-        raise DataFileError(f"data file not found: {p}")
-    if p.is_dir():
-        raise DataFileError(f"data file is a directory: {p}")
+    p = require_file(path, "data file")
     index = int(index) if isinstance(index, str) and index.strip().lstrip("-").isdigit() \
         else index
     if isinstance(index, int) and index < -1:  # ASE wraps -N-1 around to a wrong frame

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
@@ -276,9 +277,7 @@ def read_structures(
     Raises:
         DataFileError: the file does not exist or cannot be read.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise DataFileError(f"dataset file {str(p)!r} does not exist")
+    p = require_file(path, "dataset file")
     if p.suffix in HDF5_SUFFIXES:
         return HDF5Source(p, weight)
     from xnn.data import ase_io

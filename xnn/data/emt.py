@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from xnn._files import check_output_file
 from xnn.errors import InputError
 
 KINDS = ("strained", "rattled", "vacancy", "surface", "md")
@@ -152,22 +153,6 @@ def generate_emt(n: int = 200, elements: Sequence[str] = ("Cu",), seed: int = 0)
         atoms.wrap()
         out.append(_label(atoms, EMT, kind))
     return out
-
-
-def check_output_file(path, what: str = "output", example: str = "data.xyz"):
-    """``Path(path)`` after checking that a file can be written there: ``path`` is not a
-    folder and no file stands where one of its folders should be (one-line
-    :class:`InputError` otherwise, before any work is done)."""
-    from pathlib import Path
-
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"{what} {str(path)!r} is a folder; give a file name, e.g. "
-                         f"{str(path / example)!r}")
-    blocking = next((p for p in path.parents if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        raise InputError(f"{what} {str(path)!r}: {str(blocking)!r} is a file, not a folder")
-    return path
 
 
 def write_emt(path, n: int = 200, elements: Sequence[str] = ("Cu",), seed: int = 0) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError
@@ -134,8 +135,7 @@ class HDF5Dataset:
 
         self.path = Path(path)
         self.dtype = dtype
-        if not self.path.is_file():
-            raise DataFileError(f"HDF5 file {str(self.path)!r} does not exist")
+        require_file(self.path, "HDF5 file")
         try:
             with h5py.File(self.path, "r") as f:
                 if f.attrs.get("format") != FORMAT:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
@@ -75,8 +76,9 @@ def load_model_everywhere(spec: str, species: list[int], group=None, trust: bool
                                  group)
     if not is_file:
         with C.guarded(group, "model build"):
-            if os.sep in spec or spec.endswith((".pt", ".pth", ".model")):
-                raise InputError(f"model file {spec} does not exist (on rank 0)")
+            if os.sep in spec or spec.endswith((".pt", ".pth", ".model")) or Path(spec).is_dir():
+                require_file(spec, "model file", InputError, suggest=("model.pt",))
+                raise InputError(f"model file {spec!r} does not exist on rank 0")
             with granted(trust):
                 model = build_from_spec(spec, species)
         return model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from xnn._files import atomic_write
+from xnn._files import atomic_write, require_file
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError
@@ -100,8 +100,7 @@ def load_checkpoint(
         DataFileError: missing, unreadable, or not a checkpoint of ``kind``.
     """
     path, what = Path(path), f"xnn {kind or 'md/relax'} checkpoint"
-    if not path.is_file():
-        raise DataFileError(f"checkpoint not found: {path}")
+    require_file(path, "checkpoint", suggest=("checkpoint.pt",))
     try:  # as data: no code from the file runs
         p = read_as_data(path)
     except Exception as e:

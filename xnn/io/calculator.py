@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from ase.calculators.calculator import Calculator as _AseCalculator
@@ -12,7 +14,7 @@ from xnn.data import keys as K
 from xnn.data.ase_io import from_ase
 from xnn.errors import InputError
 from xnn.models.potential import Potential
-from xnn.neighbors.coincident import MIN_DISTANCE, closest_pair, find_close_pair
+from xnn.neighbors.coincident import MIN_DISTANCE, ClosePair, closest_pair, find_close_pair
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -35,6 +37,26 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def model_of(model: torch.nn.Module | str | os.PathLike, device: torch.device,
+             trust: bool = False) -> torch.nn.Module:
+    """``model`` itself, or the model of the file it names (read as data by
+    :func:`xnn.load_model`, which ``trust`` is passed to) on ``device``.
+
+    Raises:
+        InputError: ``model`` is neither a module nor a path.
+        ModelFileError: the file is missing, a folder, or not a model file.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        from xnn.models.serialization import load_model
+
+        return load_model(model, map_location=device, trust=trust)
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"xnn.Calculator takes an xnn model or a model file path, got "
+                         f"{type(model).__name__} {model!r:.60}; e.g. xnn.Calculator('model.pt') "
+                         "or xnn.Calculator(xnn.models.build('lj', ...))")
+    return model
+
+
 class Calculator(_AseCalculator):
     """An ``ase`` calculator wrapping an xnn model (through :class:`xnn.models.Potential`).
 
@@ -44,8 +66,9 @@ class Calculator(_AseCalculator):
     system raises ASE's ``PropertyNotImplementedError``.
 
     Args:
-        model: an :class:`~xnn.models.base.AtomisticModel`; moved in place to ``device`` and
-            ``dtype``.
+        model: an :class:`~xnn.models.base.AtomisticModel` (moved in place to ``device`` and
+            ``dtype``), or the path of a model file (``xnn.Calculator("model.pt")``: read as
+            data by :func:`xnn.load_model`).
         device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
         dtype: floating-point dtype of the evaluation.
         skin: Verlet skin (Å) of the neighbor list reused between calls.
@@ -56,6 +79,8 @@ class Calculator(_AseCalculator):
         min_distance: refuse (:class:`~xnn.errors.InputError`) structures with two atoms
             closer than this (Å; default 0.1: coincident atoms, on which a model's energy
             means nothing); 0 evaluates anything.
+        trust: passed to :func:`xnn.load_model` with a path: also load older formats that
+            hold pickled code (only for files you trust); unused with a model.
 
     Attributes:
         n_model_calls: how many times the model was evaluated.
@@ -66,19 +91,20 @@ class Calculator(_AseCalculator):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | str | os.PathLike,
         device: str | torch.device = "auto",
         dtype: torch.dtype = torch.float64,
         skin: float = 0.0,
         neighbor_backend: str = "auto",
         compile: bool = False,
         min_distance: float = MIN_DISTANCE,
+        trust: bool = False,
     ):
         super().__init__()
         self.min_distance = float(min_distance)
         self.device = resolve_device(device)
         self.dtype = dtype
-        self.model = model.to(device=self.device, dtype=dtype)
+        self.model = model_of(model, self.device, trust).to(device=self.device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend,
                                    compile=compile)
         self.n_model_calls = 0
@@ -109,15 +135,22 @@ class Calculator(_AseCalculator):
             self.results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(stress))
 
     def _refuse_coincident(self, graph) -> None:
-        """Raise when two atoms are closer than ``min_distance``, from the neighbor list the
-        model call then reuses (or a list of its own if the model's cutoff is shorter)."""
-        if self.min_distance <= 0:
-            return
-        nl = self.potential.neighbors
-        pair = (closest_pair(nl(graph)) if nl.cutoff >= self.min_distance
-                else find_close_pair(graph, self.min_distance))
-        if pair is not None and pair.distance < self.min_distance:
+        """Raise when two atoms are closer than ``min_distance``."""
+        pair = too_close(self.potential, graph, self.min_distance)
+        if pair is not None:
             raise InputError(f"atoms {pair.i} and {pair.j} are {pair.distance:.3g} Å apart, "
                              f"closer than min_distance={self.min_distance} Å (coincident "
                              "atoms: a duplicated atom?); fix the structure, or pass "
                              "min_distance=0 to evaluate it anyway")
+
+
+def too_close(potential: Potential, graph, min_distance: float) -> ClosePair | None:
+    """The closest pair of atoms of ``graph`` if closer than ``min_distance`` (Å; ``<= 0``:
+    never), from the neighbor list that ``potential``'s model call then reuses (or a list of
+    its own if the model's cutoff is shorter)."""
+    if min_distance <= 0:
+        return None
+    nl = potential.neighbors
+    pair = (closest_pair(nl(graph)) if nl.cutoff >= min_distance
+            else find_close_pair(graph, min_distance))
+    return pair if pair is not None and pair.distance < min_distance else None

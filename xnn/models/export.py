@@ -225,15 +225,15 @@ def export_forcefield(model: nn.Module, path: str | os.PathLike, fmt: str) -> Pa
     Returns:
         the path.
     Raises:
-        InputError: unknown format, an external model, or a model that cannot be traced.
+        InputError: unknown format, ``path`` a folder or under a file, an external model, or
+            a model that cannot be traced.
     """
-    from xnn._files import atomic_write
+    from xnn._files import atomic_write, check_output_file
 
     if fmt not in FORMATS:
         raise InputError(f"unknown export format {fmt!r}; choose one of {list(FORMATS)}")
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"cannot export to {path}: it is a folder; give a file name")
+    suffix = ".pt" if fmt == "torchscript" else ".pt2"
+    path = check_output_file(path, "export file", example=f"model{suffix}")
     refuse_unexportable(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = json.dumps(metadata(model, fmt))

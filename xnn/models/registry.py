@@ -60,6 +60,13 @@ def build(name: str, **hyperparameters) -> nn.Module:
         unknown = sorted(set(hyperparameters) - set(valid))
         if unknown:
             raise InputError(f"model {name!r} has no hyperparameter(s) {unknown}; valid: {valid}")
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name not in hyperparameters]
+    if missing:
+        raise InputError(f"model {name!r} needs hyperparameter(s) {missing}: give them "
+                         f"(build({name!r}, {missing[0]}=...); model.params in xnn md and "
+                         "relax, model.hyperparameters in xnn train)")
     check_types(name, cls, hyperparameters)
     return cls(**hyperparameters)
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from xnn._files import atomic_write
+from xnn._files import atomic_write, check_output_file, require_file
 from xnn._torch_files import refuse_non_model_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
@@ -170,13 +170,7 @@ def save_model(model: nn.Module, path: str | os.PathLike, precision: str | None 
         InputError: ``path`` is a folder, or its folder cannot be created (a file is in the
             way).
     """
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"cannot save the model to {path}: it is a folder; give a file "
-                         f"name, e.g. {path / 'model.pt'}")
-    blocking = next((p for p in path.parents if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        raise InputError(f"cannot save the model to {path}: {blocking} is a file, not a folder")
+    path = check_output_file(path, "model file", example="model.pt")
     payload = model_payload(model)
     payload["precision"] = None if precision is None else str(precision)
     _write_atomic(payload, path)
@@ -198,10 +192,7 @@ def model_metadata(path: str | os.PathLike) -> dict:
 
 
 def _read_payload(path: Path, map_location) -> dict:
-    if not path.exists():
-        raise ModelFileError(f"model file {path} does not exist")
-    if path.is_dir():
-        raise ModelFileError(f"model file {path} is a directory")
+    require_file(path, "model file", ModelFileError, suggest=("model.pt",))
     refuse_non_model_file(path)  # truncated, or a training/MD checkpoint: say what to use
     try:
         payload = read_as_data(path, map_location)
@@ -362,6 +353,7 @@ def export_model(
     """
     from torch.export import Dim
 
+    check_output_file(path, "export file", example="model.pt2")  # before tracing
     if format != "energies":
         from xnn.models.export import export_forcefield
 
@@ -419,9 +411,7 @@ def load_exported(path: str | os.PathLike, trust: bool = False) -> tuple[nn.Modu
         ``(module, metadata)``; ``module(positions, numbers, cell, pbc, batch, edge_index,
         shifts)`` returns per-atom energies ``[n_atoms]`` (eV) and is differentiable.
     """
-    path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"exported model {path} does not exist")
+    path = require_file(path, "exported model", ModelFileError)
     from xnn.models.trust import require
 
     require(f"exported model {path}", trust, "pass trust=True (or load the xnn model file "

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xnn._files import atomic_write
+from xnn._files import atomic_write, require_file
 from xnn.errors import InputError, ModelFileError
 from xnn.models.registry import saved_hyperparameters
 from xnn.models.serialization import load_failure, read_as_data, refused_global
@@ -88,9 +88,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         InputError: the file does not exist.
         ModelFileError: it is not an xnn checkpoint, is corrupt, or holds pickled objects.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"checkpoint {str(path)!r} does not exist")
+    path = require_file(path, "checkpoint", InputError, suggest=("checkpoints/last.pt",))
     try:
         payload = read_as_data(path, map_location, allow=_numpy_globals())
     except Exception as e:  # truncated, not a torch file, pickled objects

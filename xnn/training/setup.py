@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xnn._files import require_file
 from xnn.errors import InputError
 from xnn.models.registry import rebuild
 
@@ -35,14 +36,12 @@ def load_pretrained(path: str, trust: bool = False) -> nn.Module:
         ModelFileError: it is neither an xnn model file nor a training checkpoint, or it asks
             for trust the caller did not give.
     """
-    from pathlib import Path
 
     from xnn.errors import ModelFileError, TrustError
     from xnn.models.serialization import load_model
     from xnn.training.checkpoint import load_checkpoint, require_fields
 
-    if not Path(path).is_file():
-        raise InputError(f"pretrained={path!r} does not exist")
+    require_file(path, "pretrained=", InputError, suggest=("model.pt",))
     try:
         payload = load_checkpoint(path)
     except ModelFileError:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from xnn._files import require_file
 from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.errors import InputError, ModelFileError
 from xnn.models.base import AtomisticModel
@@ -53,8 +53,8 @@ def _load_module(source: str | os.PathLike | bytes, trust: bool = False) -> nn.M
 
     import_extra("mace", "mace", "mace.modules")
     where = "<bytes>" if isinstance(source, bytes) else str(source)
-    if not isinstance(source, bytes) and not Path(source).is_file():
-        raise ModelFileError(f"MACE model file {where} does not exist")
+    if not isinstance(source, bytes):
+        require_file(source, "MACE model file", ModelFileError)
     if isinstance(source, bytes):  # the payload of an earlier xnn's model file
         require("the MACE module this model file holds pickled (an earlier xnn's format; save "
                 "it again with xnn.save_model for a data-only file)", trust,

@@ -11,6 +11,61 @@ from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.models.base import graph_tracing
+
+DATA_HINT = ("the model's charges='data' reads the per-atom 'charges' field (extxyz "
+             "initial_charges): give every atom a finite charge (e)")
+
+
+def check_finite_charges(graph: AtomicGraph, q: Tensor) -> None:
+    """Refuse NaN or infinite charges ``q [n_atoms]`` read from the data of a (batched,
+    single-process) graph, naming the first atoms by their index within their system (one
+    host sync; skipped under a graph tracer).
+
+    Raises:
+        InputError: one line naming the system, the atoms and their values.
+    """
+    if graph_tracing():
+        return
+    finite = torch.isfinite(q.detach())
+    if bool(finite.all()):
+        return
+    bad = torch.nonzero(~finite).flatten()
+    s = int(graph.batch[bad[0]])
+    bad = bad[graph.batch[bad] == s]
+    _refuse(f"system {s}, atoms {(bad[:5] - graph.ptr[s]).tolist()}", q, bad)
+
+
+def check_finite_by_id(q: Tensor, ids: Tensor) -> None:
+    """:func:`check_finite_charges` for the charges ``q [n]`` of atoms with global ``ids
+    [n]`` (a domain's owned atoms, or every rank's gathered), naming the atoms by id.
+
+    Raises:
+        InputError: one line naming the atoms by id and their values.
+    """
+    finite = torch.isfinite(q.detach())
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite).flatten()
+        _refuse(f"atoms with ids {ids[bad[:5]].to(torch.int64).tolist()}", q, bad)
+
+
+def _refuse(where: str, q: Tensor, bad: Tensor) -> None:
+    values = [float(v) for v in q.detach()[bad[:5]].tolist()]
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    raise InputError(f"non-finite charges on {where}{more} (values {values}); {DATA_HINT}")
+
+
+def check_charge_table(table: dict) -> None:
+    """Refuse a charge table by element with a non-finite value.
+
+    Raises:
+        InputError: one line naming the elements.
+    """
+    bad = {k: v for k, v in table.items() if not math.isfinite(v)}
+    if bad:
+        raise InputError(f"charges table has non-finite values {bad}: give each element a "
+                         "finite charge (e), e.g. {'Na': 1, 'Cl': -1}")
 
 
 def charge_fields(charge_model: nn.Module | None) -> tuple[float, float]:

@@ -67,9 +67,16 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import AtomisticModel
+from xnn.models.base import AtomisticModel, graph_tracing
 from xnn.models.classical import atomic_number
-from xnn.models.long_range.charges import charge_fields, neutralised
+from xnn.models.long_range.charges import (
+    DATA_HINT,
+    charge_fields,
+    check_charge_table,
+    check_finite_by_id,
+    check_finite_charges,
+    neutralised,
+)
 from xnn.models.long_range.reciprocal import ewald_kspace, pme_kspace
 
 #: Coulomb constant ``Hartree * Bohr`` (eV Å / e^2), as ``ase.units``.
@@ -141,6 +148,7 @@ class _Coulomb(AtomisticModel):
         table = torch.zeros(119, dtype=torch.float64)
         if isinstance(charges, Mapping):
             zs = [atomic_number(k) for k in charges]
+            check_charge_table({k: float(v) for k, v in charges.items()})
             table[torch.tensor(zs)] = torch.tensor([float(v) for v in charges.values()],
                                                    dtype=torch.float64)
             self.species = sorted(zs) if charge_model is None else None
@@ -185,7 +193,10 @@ class _Coulomb(AtomisticModel):
             raise InputError("the structure has no per-atom charges: give them "
                              "(extxyz initial_charges / the 'charges' field) or set "
                              "charges={'Na': 1, ...} in the model")
-        return graph[K.CHARGES].reshape(-1).to(graph.dtype)
+        q = graph[K.CHARGES].reshape(-1).to(graph.dtype)
+        if K.GLOBAL_CELL not in graph:  # a domain checks them with every rank: _forward_domain
+            check_finite_charges(graph, q)
+        return q
 
     def _real_space(self, calc, q: Tensor, graph: AtomicGraph, periodic: Tensor) -> Tensor:
         """``phi [n_atoms]`` of the erfc-screened pairs on the edges (torch-pme's sum) of
@@ -210,6 +221,16 @@ class _Coulomb(AtomisticModel):
         i, j = torch.triu_indices(n, n, 1, device=pos.device)
         dist = torch.linalg.norm(pos[j] - pos[i], dim=-1)
         return 2.0 * calc._compute_rspace(q[:, None], torch.stack([i, j], 1), dist)[:, 0]
+
+    def _check_finite_total(self, total: Tensor, q: Tensor, ids: Tensor) -> None:
+        """Under domain decomposition: refuse non-finite data charges on every rank (the
+        all-reduced ``total`` of the owned charges is not finite), naming them by id on the
+        ranks that own them."""
+        if self.charge_source != "data" or bool(torch.isfinite(total).all()):
+            return
+        check_finite_by_id(q, ids)
+        raise InputError(f"non-finite charges on atoms of another rank (its message names "
+                         f"them); {DATA_HINT}")
 
     def _check_neutral(self, q: Tensor, s: int) -> None:
         total = float(q.detach().sum())  # q: the charges, or their sum
@@ -278,7 +299,9 @@ class _Coulomb(AtomisticModel):
             phi = self._direct_domain(q[:n], pos, graph.atom_id[:n])
             return 0.5 * q * torch.cat([phi, rest])
         if not torch.compiler.is_compiling():
-            self._check_neutral(self.global_sum(q[:n].detach().sum().reshape(1)), 0)
+            total = self.global_sum(q[:n].detach().sum().reshape(1))  # the same on every rank
+            self._check_finite_total(total, q[:n], graph.atom_id[:n])
+            self._check_neutral(total, 0)
         phi = self._kspace_system(q[:n], cell, pos, pbc, kind == "slab")
         periodic = torch.ones(1, dtype=torch.bool, device=q.device)
         return 0.5 * q * (torch.cat([phi, rest]) + self._real_space(self.calculator, q, graph,
@@ -288,6 +311,8 @@ class _Coulomb(AtomisticModel):
         """``phi [n_owned]``: the direct sum over all atoms of all ranks (gathered)."""
         rows = torch.cat([pos, q[:, None], ids.to(pos.dtype)[:, None]], dim=1)
         every = self.global_gather(rows)  # [n_total, 5]
+        if self.charge_source == "data" and not graph_tracing():
+            check_finite_by_id(every[:, 3], every[:, 4])  # every rank: the same verdict
         d = pos[:, None, :] - every[None, :, :3]
         d2 = (d * d).sum(-1)
         own = ids.to(pos.dtype)[:, None] == every[None, :, 4]

@@ -41,7 +41,8 @@ from xnn.training.setup import configure_precision, load_pretrained
 from xnn.training.trainer import Trainer
 
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
-             "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard")
+             "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard",
+             "split.json")
 
 
 def resolve_resume(cfg: TrainConfig) -> str | None:
@@ -117,10 +118,16 @@ def _model_for_run(cfg: TrainConfig, splits, logger) -> torch.nn.Module:
     stats = data_statistics(cfg.model, splits.species,
                             structures_for_statistics(splits.raw_train))
     model = build_model(cfg, splits.species, stats)
-    logger.print(f"model: {describe_model(model)}; E0 "
-                 f"{ {k: round(v, 4) for k, v in stats['e0'].items()} } eV, "
-                 f"avg neighbours {stats['avg_num_neighbors']:.1f}")
+    logger.print(f"model: {describe_model(model)}; E0 ({cfg.model.e0}) "
+                 f"{format_e0(stats['e0'])}, avg neighbours {stats['avg_num_neighbors']:.1f}")
     return model
+
+
+def format_e0(e0: dict) -> str:
+    """Reference energies by element symbol: ``"Cu -3.5123 eV, O -4.2 eV"``."""
+    from xnn.training.data import symbols
+
+    return ", ".join(f"{symbols([z])[0]} {v:.4f} eV" for z, v in sorted(e0.items()))
 
 
 def _memory(cfg: TrainConfig, device, rank: int) -> MemoryTools | None:

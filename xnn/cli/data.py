@@ -1,4 +1,5 @@
-"""``xnn data emt|convert``: built-in EMT reference data and extxyz → HDF5 conversion."""
+"""``xnn data emt|bulk|convert|inspect``: built-in EMT reference data, crystals, extxyz → HDF5
+conversion, and the keys a data file holds."""
 
 from __future__ import annotations
 
@@ -31,7 +32,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     conv.add_argument("--stress-key", default="stress", help="stress label key")
     conv.add_argument("--virial-key", default="virial", help="virial label key")
     conv.set_defaults(func=run_convert)
+    _add_inspect(dsub)
     return p
+
+
+def _add_inspect(dsub) -> None:
+    ins = dsub.add_parser(
+        "inspect", help="the keys (labels) a structure file holds",
+        description="List the info keys, per-atom arrays and calculator results of the "
+        "structures of FILE (extxyz, any ASE format, xnn HDF5) with the number of structures "
+        "holding each, and where xnn finds the energy, forces, stress and virial labels with "
+        "the given keys (xnn train: data.datasets.N.energy_key=KEY ...; xnn eval: "
+        "--energy-key KEY ...).",
+    )
+    ins.add_argument("file", help="structure file")
+    ins.add_argument("--limit", type=int, default=None,
+                     help="read only the first N structures (default: all)")
+    for prop in ("energy", "forces", "stress", "virial"):
+        ins.add_argument(f"--{prop}-key", default=prop, help=f"{prop} label key (default {prop})")
+    ins.set_defaults(func=run_inspect)
 
 
 def run_emt(args) -> int:
@@ -58,4 +77,16 @@ def run_convert(args) -> int:
                          args.virial_key)
     n = write_hdf5(args.output, (ds[i] for i in range(len(ds))))
     print(f"wrote {n} structures ({int(ds.n_atoms.sum())} atoms) to {args.output}")
+    return 0
+
+
+def run_inspect(args) -> int:
+    from xnn.data.inspect import inventory, report
+    from xnn.errors import InputError
+
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be >= 1, got {args.limit}")
+    inv = inventory(args.file, limit=args.limit)
+    keys = {p: getattr(args, f"{p}_key") for p in ("energy", "forces", "stress", "virial")}
+    print(report(inv, keys))
     return 0

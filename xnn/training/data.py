@@ -20,13 +20,16 @@ from xnn.errors import DataFileError, InputError
 
 @dataclass
 class DataSplits:
-    """Datasets (with neighbor lists) of one run; ``raw_train`` has no edges (for statistics)."""
+    """Datasets (with neighbor lists) of one run; ``raw_train`` has no edges (for statistics);
+    ``membership``: which structures of which file each split holds (the run's
+    ``split.json``), when the application recorded it."""
 
     train: WithEdges
     val: WithEdges | None
     test: WithEdges | None
     raw_train: object
     species: list[int]
+    membership: dict | None = None
 
 
 def refuse_coincident(dataset, path: str, chunk: int = 64) -> None:

@@ -59,7 +59,7 @@ def test_hyperparameters_null_switches_the_model_type(tmp_path):
                     "num_features: 16}\n")
     cfg = load_config(TrainConfig, yaml, ["model.name=painn", "model.hyperparameters=null"])
     assert cfg.model.name == "painn" and cfg.model.hyperparameters == {}
-    build(cfg.model.name, cutoff=cfg.model.cutoff, **cfg.model.hyperparameters)
+    build(cfg.model.name, species=[29], cutoff=cfg.model.cutoff, **cfg.model.hyperparameters)
     cfg = load_config(TrainConfig, yaml, ["model.hyperparameters=null",
                                           "model.hyperparameters.num_features=8"])
     assert cfg.model.hyperparameters == {"num_features": 8}
@@ -68,3 +68,72 @@ def test_hyperparameters_null_switches_the_model_type(tmp_path):
     cfg = load_config(RelaxConfig, relax, ["model.name=null", "model.params=null",
                                            "model.file=m.pt"])
     assert cfg.model.name is None and cfg.model.params == {} and cfg.model.file == "m.pt"
+
+
+@pytest.fixture(scope="module")
+def ref_file(tmp_path_factory):
+    """6 EMT structures whose labels live under the keys of another code: info REF_energy,
+    REF_stress, arrays REF_forces (no calculator results)."""
+    import ase.io
+
+    from xnn.data.emt import generate_emt
+
+    frames = generate_emt(6, ["Cu"], seed=1)
+    for a in frames:
+        a.info["REF_energy"] = a.get_potential_energy()
+        a.info["REF_stress"] = a.get_stress()
+        a.arrays["REF_forces"] = a.get_forces()
+        a.calc = None
+    path = tmp_path_factory.mktemp("ref") / "ref.xyz"
+    ase.io.write(path, frames, format="extxyz")
+    return path
+
+
+def one_line_error(capsys, args) -> str:
+    """``xnn ARGS`` exits 2 with a single line on stderr; returns it."""
+    capsys.readouterr()
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+TINY = ["model.cutoff=3.0", "data.batch_size=2", "data.val_fraction=0.2",
+        "model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
+        "num_basis: 8}", "logging.progress_bar=false", "loss.stress.weight=1"]
+
+
+def test_missing_labels_are_reported_at_once_with_the_keys_of_the_file(
+        ref_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    line = one_line_error(capsys, ["train", f"data.datasets.0.path={ref_file}",
+                                   f"output_dir={out}", "max_epochs=0", *TINY])
+    for word in ("no energy label under key 'energy'", "no forces label under key 'forces'",
+                 "no stress label", "'REF_energy'", "'REF_forces' [n, 3]", "'REF_stress' [6]",
+                 "calculator results none", "data.datasets.0.energy_key=REF_energy",
+                 "data.datasets.0.forces_key=REF_forces",
+                 "data.datasets.0.stress_key=REF_stress", "xnn data inspect"):
+        assert word in line, (word, line)
+    assert not out.exists()
+    # the keys it suggests train; E0s are printed by element symbol
+    keys = ["data.datasets.0.energy_key=REF_energy", "data.datasets.0.forces_key=REF_forces",
+            "data.datasets.0.stress_key=REF_stress"]
+    assert main(["train", f"data.datasets.0.path={ref_file}", f"output_dir={out}",
+                 "max_epochs=0", *TINY, *keys]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"E0 \(fit\) Cu -?\d+\.\d{4} eV", printed), printed
+    assert "{29:" not in printed
+    # xnn eval of the same file names the flags
+    line = one_line_error(capsys, ["eval", out / "model.pt", ref_file, "--device", "cpu"])
+    assert "--energy-key REF_energy" in line and "--forces-key REF_forces" in line
+
+
+def test_data_inspect_lists_keys_and_where_labels_are_found(ref_file, capsys):
+    assert main(["data", "inspect", str(ref_file)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"REF_forces\s+\[n, 3\]\s+in 6 of 6", out), out
+    assert re.search(r"REF_energy\s+\(number\)\s+in 6 of 6", out), out
+    assert "energy_key=energy: in 0 of 6; try energy_key=REF_energy" in out
+    assert main(["data", "inspect", str(ref_file), "--energy-key", "REF_energy"]) == 0
+    assert "energy_key=REF_energy: in 6 of 6" in capsys.readouterr().out

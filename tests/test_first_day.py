@@ -137,3 +137,35 @@ def test_data_inspect_lists_keys_and_where_labels_are_found(ref_file, capsys):
     assert "energy_key=energy: in 0 of 6; try energy_key=REF_energy" in out
     assert main(["data", "inspect", str(ref_file), "--energy-key", "REF_energy"]) == 0
     assert "energy_key=REF_energy: in 6 of 6" in capsys.readouterr().out
+
+
+def test_demo_trains_by_epochs_and_warns_when_the_time_cap_binds(tmp_path, capsys):
+    """The demo trains a fixed number of epochs; a wall-clock cap that stops it earlier is
+    reported on stderr (and in summary.json), since the result then depends on the load.
+    Its last lines tell how to get ``xnn`` on PATH when the environment is not active."""
+    import json
+    import os
+    import sys
+
+    from xnn.app.demo import time_cap_warning
+
+    out = tmp_path / "demo"
+    path = os.environ["PATH"]
+    os.environ["PATH"] = os.pathsep.join(p for p in path.split(os.pathsep)
+                                         if p != os.path.dirname(sys.executable))
+    try:
+        assert main(["demo", "--out", str(out), "--n-structures", "10", "--epochs", "3",
+                     "--max-minutes", "1e-6", "--md-steps", "2", "--repeat", "1",
+                     "--fmax", "1e-2"]) == 0
+    finally:
+        os.environ["PATH"] = path
+    captured = capsys.readouterr()
+    assert "WARNING: the training stopped at the --max-minutes 1e-06 cap" in captured.err
+    assert "of 3 epochs" in captured.err
+    train = json.loads((out / "summary.json").read_text())["train"]
+    assert train["stopped_by"] == "time_limit" and train["epochs"] < 3
+    assert train["epochs_planned"] == 3 and "WARNING" in train["warning"]
+    activate = os.path.join(os.path.dirname(sys.executable), "activate")
+    if os.path.isfile(activate):
+        assert f"source {activate}" in captured.out.strip().splitlines()[-1]
+    assert time_cap_warning({"stopped_by": "max_epochs", "epochs": 3}, 3, 15.0) is None

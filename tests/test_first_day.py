@@ -169,3 +169,23 @@ def test_demo_trains_by_epochs_and_warns_when_the_time_cap_binds(tmp_path, capsy
     if os.path.isfile(activate):
         assert f"source {activate}" in captured.out.strip().splitlines()[-1]
     assert time_cap_warning({"stopped_by": "max_epochs", "epochs": 3}, 3, 15.0) is None
+
+
+def test_data_bulk_writes_a_rattled_supercell(tmp_path, capsys):
+    import ase.io
+    import numpy as np
+
+    out = tmp_path / "big.xyz"
+    assert main(["data", "bulk", "--out", str(out), "--element", "Cu", "--repeat", "3"]) == 0
+    atoms = ase.io.read(out)
+    assert len(atoms) == 108 and atoms.pbc.all() and set(atoms.get_chemical_symbols()) == {"Cu"}
+    assert np.allclose(atoms.cell.lengths(), 3 * 3.61) and np.allclose(atoms.cell.angles(), 90)
+    from ase.build import bulk
+
+    ideal = bulk("Cu", cubic=True).repeat(3)
+    d = atoms.get_scaled_positions() - ideal.get_scaled_positions()
+    shift = (d - np.round(d)) @ atoms.cell.array  # displacement from each lattice site, Å
+    assert 0.03 < shift.std() < 0.07  # --rattle 0.05 by default
+    line = one_line_error(capsys, ["data", "bulk", "--out", str(tmp_path / "z.xyz"),
+                                   "--element", "Zn"])
+    assert "hcp, not cubic" in line

@@ -20,6 +20,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     emt.add_argument("--n", type=int, default=200, help="number of structures (default 200)")
     emt.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     emt.set_defaults(func=run_emt)
+    _add_bulk(dsub)
     conv = dsub.add_parser(
         "convert", help="extxyz (any ASE format) to xnn HDF5",
         description="Convert labelled structures to the xnn HDF5 layout (lazily read, for "
@@ -34,6 +35,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     conv.set_defaults(func=run_convert)
     _add_inspect(dsub)
     return p
+
+
+def _add_bulk(dsub) -> None:
+    bulk = dsub.add_parser(
+        "bulk", help="a cubic crystal supercell (a structure to simulate, no labels)",
+        description="The conventional cubic cell of an element's reference crystal (ASE: fcc "
+        "Cu, bcc Fe, diamond Si, ...) repeated --repeat times along each axis, every atom "
+        "displaced by Gaussian noise of --rattle Å (seeded).",
+    )
+    bulk.add_argument("--out", required=True, help="output file (.xyz extxyz)")
+    bulk.add_argument("--element", default="Cu", help="chemical symbol (default Cu)")
+    bulk.add_argument("--repeat", type=int, default=4,
+                      help="cubic cells along each axis (default 4: 256 fcc atoms)")
+    bulk.add_argument("--a", type=float, default=None,
+                      help="lattice constant in Å (default: ASE's reference value)")
+    bulk.add_argument("--rattle", type=float, default=0.05,
+                      help="displacement standard deviation in Å (default 0.05)")
+    bulk.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    bulk.set_defaults(func=run_bulk)
 
 
 def _add_inspect(dsub) -> None:
@@ -59,6 +79,20 @@ def run_emt(args) -> int:
     check_output_file(args.out, "--out")
     n = write_emt(args.out, args.n, args.elements.split(","), args.seed)
     print(f"wrote {n} EMT structures to {args.out}")
+    return 0
+
+
+def run_bulk(args) -> int:
+    from xnn.data.ase_io import write
+    from xnn.data.crystals import bulk_crystal
+    from xnn.data.emt import check_output_file
+
+    path = check_output_file(args.out, "--out", example="big.xyz")
+    atoms = bulk_crystal(args.element, args.repeat, args.a, args.rattle, args.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path, atoms, format="extxyz")
+    print(f"wrote {len(atoms)} {args.element} atoms ({args.repeat}x{args.repeat}x"
+          f"{args.repeat} cubic cells) to {path}")
     return 0
 
 

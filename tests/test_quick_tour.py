@@ -90,27 +90,22 @@ def _shims(folder: Path) -> Path:
 
 
 def run_page(page: str, section: str | None, folder: Path) -> None:
+    """Run the blocks of ``page`` in order in ``folder``; fail at the first that fails."""
     shutil.copytree(ROOT / "examples", folder / "examples")
     env = {**os.environ, "PATH": f"{_shims(folder)}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
-    done = []
     for k, (lang, body) in enumerate(blocks(page, section)):
         if lang == "python":
             script = folder / f".block{k}.py"
             script.write_text(body)
-            commands = [f'python "{script}"']
-        else:
-            commands = [shrink(line) for line in body.replace("\\\n", " ").splitlines()
-                        if line.strip() and not line.lstrip().startswith("#")]
-        for command in commands:
-            env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port
-            proc = subprocess.run(["bash", "-c", f"set -eo pipefail; {command}"], cwd=folder,
-                                  env=env, capture_output=True, text=True, timeout=900)
-            done.append(command)
-            assert proc.returncode == 0, (
-                f"{page}: `{command}` failed (exit {proc.returncode}) after:\n"
-                + "\n".join(done[:-1]) + f"\n--- stderr:\n{proc.stderr[-3000:]}"
-                + f"\n--- stdout:\n{proc.stdout[-2000:]}")
+            body = f'python "{script}"'
+        script = "\n".join(shrink(line) for line in body.splitlines())
+        env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port
+        proc = subprocess.run(["bash", "-c", f"set -euxo pipefail\n{script}"], cwd=folder,
+                              env=env, capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, (
+            f"{page}: block {k} failed (exit {proc.returncode}):\n{script}\n--- stderr "
+            f"(commands after +):\n{proc.stderr[-4000:]}\n--- stdout:\n{proc.stdout[-2000:]}")
 
 
 def test_blocks_are_found_and_have_no_placeholders():

@@ -189,3 +189,16 @@ def test_data_bulk_writes_a_rattled_supercell(tmp_path, capsys):
     line = one_line_error(capsys, ["data", "bulk", "--out", str(tmp_path / "z.xyz"),
                                    "--element", "Zn"])
     assert "hcp, not cubic" in line
+
+
+def test_another_model_with_the_yamls_hyperparameters_is_refused_with_the_fix(
+        tmp_path, capsys):
+    """Switching ``model.name`` alone keeps the YAML's SchNet settings: refused before the
+    data are read (the data file does not even exist), naming ``model.hyperparameters=null``."""
+    yaml = tmp_path / "cfg.yaml"
+    yaml.write_text("model:\n  name: schnet\n  hyperparameters: {num_filters: 16}\n")
+    line = one_line_error(capsys, ["train", str(yaml), "model.name=painn",
+                                   f"data.datasets.0.path={tmp_path / 'none.xyz'}",
+                                   f"output_dir={tmp_path / 'run'}"])
+    assert "['num_filters']" in line and "model.name=painn model.hyperparameters=null" in line
+    assert not (tmp_path / "run").exists()

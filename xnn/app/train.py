@@ -78,6 +78,31 @@ def _check_inputs(cfg: TrainConfig, resume: str | None) -> None:
             check_complete(path, "checkpoint" if key == "resume" else "pretrained file")
 
 
+def check_hyperparameter_names(cfg: TrainConfig) -> None:
+    """Refuse ``model.hyperparameters`` that ``model.name`` does not take, before the data
+    are read, saying how to drop a YAML's settings of another model.
+
+    Raises:
+        InputError: one line naming the unknown and the valid hyperparameters.
+    """
+    import inspect
+
+    from xnn.models.registry import model_class
+
+    if cfg.model.name == "sum" or cfg.pretrained:
+        return  # a sum's terms are checked when built; a pretrained model keeps its own
+    params = inspect.signature(model_class(cfg.model.name).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(cfg.model.hyperparameters) - set(params))
+    if unknown:
+        valid = [n for n in params if n not in ("self", "species", "cutoff")]
+        raise InputError(f"model {cfg.model.name!r} has no hyperparameter(s) {unknown} "
+                         f"(valid: {valid}); if they are another model's settings from the "
+                         f"YAML, clear them: model.name={cfg.model.name} "
+                         "model.hyperparameters=null")
+
+
 def loss_specs(cfg: TrainConfig) -> dict[str, TermSpec]:
     return {name: TermSpec(t.weight, t.type, t.delta)
             for name in ("energy", "forces", "stress")
@@ -185,6 +210,7 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     resume = resolve_resume(cfg)
     folder = plan_output(cfg, resume)  # checks only: nothing is created or removed yet
     _check_inputs(cfg, resume)
+    check_hyperparameter_names(cfg)
     out = folder.work
     logger = RunLogger(out, reducer.is_main, cfg.logging.csv, False, cfg.logging.progress_bar)
     device = resolve_device(cfg.device)

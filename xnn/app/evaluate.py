@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from xnn.data.datasets import ConcatDataset, Subset, read_structures
-from xnn.data.inspect import describe_keys, inventory, suggest_key
+from xnn.data.label_keys import describe_keys, inventory, suggest_key
 from xnn.errors import DataFileError, InputError, ModelFileError
 
 SPLITS = ("train", "val", "test")
@@ -89,9 +89,9 @@ def _open_recorded(entry: dict, run: Path):
     """The dataset of one file of a split record, after checking it is the file trained on."""
     from xnn.distributed.agreement import file_fingerprint
 
-    path = entry["path"]
+    path = entry["abs_path"]
     if not Path(path).is_file():
-        path = entry["abs_path"]  # a relative path given from another folder
+        path = entry["path"]  # the project folder moved: the path as given in the config
     now = file_fingerprint(path)
     if now != entry["fingerprint"]:
         raise DataFileError(

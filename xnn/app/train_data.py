@@ -4,7 +4,7 @@ Each training file is split on its own by a permutation seeded with ``(seed, fil
 (see :func:`xnn.data.datasets.split_indices`) unless explicit ``data.val``/``data.test`` files
 are given. Labels are checked against the loss weights, and species of validation/test
 structures against the training set. Missing labels are reported all at once, per file,
-with the keys each file holds (:mod:`xnn.data.inspect`) and the config keys to set.
+with the keys each file holds (:mod:`xnn.data.label_keys`) and the config keys to set.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from xnn.config.train import DataConfig, DatasetConfig, LossConfig
 from xnn.data import keys as K
 from xnn.data.datasets import ConcatDataset, Subset, WithEdges, read_structures, split_indices
-from xnn.data.inspect import describe_keys, inventory, suggest_key
+from xnn.data.label_keys import describe_keys, inventory, suggest_key
 from xnn.errors import DataFileError, InputError
 from xnn.training.data import DataSplits, check_species, refuse_coincident, symbols
 

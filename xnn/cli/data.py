@@ -115,7 +115,7 @@ def run_convert(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from xnn.data.inspect import inventory, report
+    from xnn.data.label_keys import inventory, report
     from xnn.errors import InputError
 
     if args.limit is not None and args.limit < 1:

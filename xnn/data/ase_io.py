@@ -118,7 +118,7 @@ def _collect_labels(
         if values and not missing:
             out[prop] = np.concatenate(values) if prop == "forces" else np.stack(values)
     if lacking:
-        from xnn.data.inspect import describe_keys, inventory_of
+        from xnn.data.label_keys import describe_keys, inventory_of
 
         raise DataFileError(f"{'; '.join(lacking)}; "
                             f"{describe_keys(inventory_of(atoms_list, 'the file'))}")

@@ -34,11 +34,14 @@ class KeyInventory:
 
     Attributes:
         path: the file.
-        n_frames: frames read. truncated: the file has more frames than were read.
+        n_frames: frames read.
+        truncated: the file has more frames than were read.
         info: ``atoms.info`` keys (one value per structure).
         arrays: ``atoms.arrays`` keys other than numbers and positions (one row per atom).
         calc: results of the frames' calculator (single-point energy, forces, stress, ...).
         shapes: ``{key: shape}`` of the first value seen (``[n]`` stands for the atom count).
+        n_atoms: atoms of each frame read.
+        species: atomic numbers seen.
         hdf5: the file is xnn HDF5, whose labels have fixed names.
     """
 
@@ -61,7 +64,7 @@ def _shape(value, n_atoms: int, per_atom: bool) -> str:
     shape: list = list(np.shape(value))
     if not shape:
         return "(number)"
-    if shape and (per_atom or (len(shape) == 2 and shape[0] == n_atoms and n_atoms != 3)):
+    if per_atom or (len(shape) == 2 and shape[0] == n_atoms and n_atoms != 3):
         shape[0] = "n"
     return "[" + ", ".join(map(str, shape)) + "]"
 

@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml scripts/install_extras.sh
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	bash scripts/install_extras.sh $(BIN)/python
 	@touch $(STAMP)
+	@echo "xnn is installed in $(VENV); to put the xnn command on your PATH: source $(VENV)/bin/activate"
 
 demo: setup
 	$(BIN)/xnn demo --out $(DEMO_OUT)

@@ -232,12 +232,12 @@ def test_examples_load_and_run(tmp_path, argon_file, name):
 
     path = Path(__file__).resolve().parents[1] / "examples" / name
     over = [f"structure={argon_file}", f"output.dir={tmp_path / 'ex'}", "output.progress=false"]
+    if name in ("md_nvt.yaml", "md_relax.yaml"):  # they name a model file: use LJ instead
+        over += ["model.file=null", *LJ[:4]]
     if name == "md_relax.yaml":
         out = run_relax(load_config(RelaxConfig, path, over + ["max_steps=3"]))
         assert (out / "relaxed.xyz").is_file()
         return
-    if name == "md_nvt.yaml":  # the example names a model file: use the built-in LJ instead
-        over += ["model.file=null", *LJ[:4]]
     out = run_md(load_config(MDConfig, path, over + ["steps=3", "output.plot=false"]))
     assert (out / "thermo.csv").is_file()
 

@@ -1,7 +1,8 @@
 """PNG plots of a training run (matplotlib, Agg backend: works without a display).
 
 * :func:`learning_curves`: training/validation loss and validation MAEs per epoch.
-* :func:`parity`: predicted vs reference energy per atom and force components.
+* :func:`parity`: predicted vs reference energy per atom, force components and (when
+  labelled) stress components.
 """
 
 from __future__ import annotations
@@ -77,27 +78,44 @@ def _parity_panel(ax, ref: np.ndarray, pred: np.ndarray, unit: str, title: str, 
     ax.grid(alpha=0.3)
 
 
-def parity(energy: np.ndarray | None, forces: np.ndarray | None, path: str | os.PathLike,
-           title: str = "") -> Path:
-    """Parity plot of energies per atom and force components.
+def parity_figure(energy: np.ndarray | None, forces: np.ndarray | None, title: str = "",
+                  stress: np.ndarray | None = None):
+    """The parity figure: energy per atom, force components and, when ``stress`` holds any
+    labelled component, stress components (a third panel).
 
     Args:
         energy: ``[n_structures, 2]`` (reference, predicted) eV/atom, or ``None``.
         forces: ``[n_components, 2]`` (reference, predicted) eV/Å, or ``None``.
-        path: PNG file.
         title: prefix of the panel titles (e.g. ``"test"``).
+        stress: ``[n_components, 2]`` (reference, predicted) eV/Å³ (the nine tensor
+            components of each structure with a stress label, as the stress metrics count
+            them), or ``None``.
+    Returns:
+        a matplotlib ``Figure`` (close it with ``plt.close(fig)``).
     """
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+    s = None if stress is None or np.asarray(stress).size == 0 else np.asarray(stress)
+    fig, axes = plt.subplots(1, 2 if s is None else 3, figsize=(9 if s is None else 13.5, 4.4))
     e = np.zeros((0, 2)) if energy is None else np.asarray(energy)
     f = np.zeros((0, 2)) if forces is None else np.asarray(forces)
-    _parity_panel(axes[0], e[:, 0], e[:, 1], "meV/atom", f"{title} energy".strip(), 1000.0)
-    axes[0].set_xlabel("reference energy (meV/atom)")
-    axes[0].set_ylabel("predicted energy (meV/atom)")
-    _parity_panel(axes[1], f[:, 0], f[:, 1], "meV/Å", f"{title} forces".strip(), 1000.0)
-    axes[1].set_xlabel("reference force (meV/Å)")
-    axes[1].set_ylabel("predicted force (meV/Å)")
+    panels = [(e, "meV/atom", "energy", "energy (meV/atom)"),
+              (f, "meV/Å", "forces", "force (meV/Å)")]
+    if s is not None:
+        panels.append((s, "meV/Å³", "stress", "stress component (meV/Å³)"))
+    for ax, (data, unit, name, axis) in zip(axes, panels):
+        _parity_panel(ax, data[:, 0], data[:, 1], unit, f"{title} {name}".strip(), 1000.0)
+        ax.set_xlabel(f"reference {axis}")
+        ax.set_ylabel(f"predicted {axis}")
     fig.tight_layout()
+    return fig
+
+
+def parity(energy: np.ndarray | None, forces: np.ndarray | None, path: str | os.PathLike,
+           title: str = "", stress: np.ndarray | None = None) -> Path:
+    """Write the parity plot of :func:`parity_figure` (energy, forces, and stress when there
+    are stress labels) to the PNG file ``path``."""
+    plt = _pyplot()
+    fig = parity_figure(energy, forces, title, stress)
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -242,10 +242,26 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     if write_summary(out_dir / "summary.json", par, figures) is not None:
         print(md_summary_line(figures), flush=True)
     if cfg.output.plot and par.main:
-        plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}")
+        plot_log(outputs.log.path, out_dir / "thermo.png", title=f"xnn md: {cfg.ensemble}",
+                 targets=plot_targets(cfg, targets))
     if par.main:
         folder.commit()
     return folder.final
+
+
+def plot_targets(cfg: MDConfig, temperatures: torch.Tensor) -> dict[str, list[float]]:
+    """The thermostat's target temperatures (K) and the barostat's target pressure (GPa) of a
+    run, for dashed lines on its thermo plot (none for NVE)."""
+    if cfg.ensemble == "nve":
+        return {}
+    out = {"temperature_K": temperatures.tolist()}
+    if cfg.ensemble == "npt":
+        from xnn.app.md_setup import pressure_to_internal
+        from xnn.units import EV_PER_A3_TO_GPA
+
+        gpa = pressure_to_internal(cfg.pressure, cfg.pressure_unit) * EV_PER_A3_TO_GPA
+        out["pressure_GPa"] = [float(gpa)]
+    return out
 
 
 def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -> MDState:

@@ -50,7 +50,8 @@ from xnn.training.trainer import Trainer
 #: what a run folder given as ``resume=`` / ``pretrained=`` most likely meant
 SUGGEST = {"resume": ("checkpoints/last.pt",), "pretrained": ("model.pt",)}
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
-             "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard")
+             "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard",
+             "split.json")
 
 
 def resolve_resume(cfg: TrainConfig) -> str | None:
@@ -83,6 +84,31 @@ def _check_inputs(cfg: TrainConfig, resume: str | None) -> None:
         if path:
             require_file(path, f"{key}=", InputError, suggest=SUGGEST[key])
             check_complete(path, "checkpoint" if key == "resume" else "pretrained file")
+
+
+def check_hyperparameter_names(cfg: TrainConfig) -> None:
+    """Refuse ``model.hyperparameters`` that ``model.name`` does not take, before the data
+    are read, saying how to drop a YAML's settings of another model.
+
+    Raises:
+        InputError: one line naming the unknown and the valid hyperparameters.
+    """
+    import inspect
+
+    from xnn.models.registry import model_class
+
+    if cfg.model.name == "sum" or cfg.pretrained:
+        return  # a sum's terms are checked when built; a pretrained model keeps its own
+    params = inspect.signature(model_class(cfg.model.name).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(cfg.model.hyperparameters) - set(params))
+    if unknown:
+        valid = [n for n in params if n not in ("self", "species", "cutoff")]
+        raise InputError(f"model {cfg.model.name!r} has no hyperparameter(s) {unknown} "
+                         f"(valid: {valid}); if they are another model's settings from the "
+                         f"YAML, clear them: model.name={cfg.model.name} "
+                         "model.hyperparameters=null")
 
 
 def loss_specs(cfg: TrainConfig) -> dict[str, TermSpec]:
@@ -132,10 +158,16 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
     stats = data_statistics(cfg.model, splits.species,
                             structures_for_statistics(splits.raw_train), reducer)
     model = build_model(cfg, splits.species, stats)
-    logger.print(f"model: {describe_model(model)}; E0 "
-                 f"{ {k: round(v, 4) for k, v in stats['e0'].items()} } eV, "
-                 f"avg neighbours {stats['avg_num_neighbors']:.1f}")
+    logger.print(f"model: {describe_model(model)}; E0 ({cfg.model.e0}) "
+                 f"{format_e0(stats['e0'])}, avg neighbours {stats['avg_num_neighbors']:.1f}")
     return model
+
+
+def format_e0(e0: dict) -> str:
+    """Reference energies by element symbol: ``"Cu -3.5123 eV, O -4.2 eV"``."""
+    from xnn.training.data import symbols
+
+    return ", ".join(f"{symbols([z])[0]} {v:.4f} eV" for z, v in sorted(e0.items()))
 
 
 def _memory(cfg: TrainConfig, device, rank: int) -> MemoryTools | None:
@@ -194,6 +226,7 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     resume = resolve_resume(cfg)
     folder = plan_output(cfg, resume)  # checks only: nothing is created or removed yet
     _check_inputs(cfg, resume)
+    check_hyperparameter_names(cfg)
     out = folder.work
     logger = RunLogger(out, reducer.is_main, cfg.logging.csv, False, cfg.logging.progress_bar)
     device = resolve_device(cfg.device)

@@ -2,29 +2,36 @@
 
 Each training file is split on its own by a permutation seeded with ``(seed, file index)``
 (see :func:`xnn.data.datasets.split_indices`) unless explicit ``data.val``/``data.test`` files
-are given. Labels are checked against the loss weights, species of validation/test
-structures against the training set, and every structure for coincident atoms: the ranks of
-a job share that scan (each takes every ``world_size``-th structure of each file) and raise
-the same error. Neighbor lists of the model's cutoff are built later, at a structure's first
-use, by the rank that uses it (:class:`~xnn.data.datasets.WithEdges`).
+are given. Labels are checked against the loss weights (missing labels are reported all at
+once, per file, with the keys each file holds (:mod:`xnn.data.label_keys`) and the config
+keys to set), species of validation/test structures against the training set, and every
+structure for coincident atoms: the ranks of a job share that scan (each takes every
+``world_size``-th structure of each file) and raise the same error. Neighbor lists of the
+model's cutoff are built later, at a structure's first use, by the rank that uses it
+(:class:`~xnn.data.datasets.WithEdges`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from xnn.config.train import DataConfig, DatasetConfig, LossConfig
+from xnn.data import keys as K
 from xnn.data.datasets import ConcatDataset, Subset, WithEdges, read_structures, split_indices
+from xnn.data.label_keys import describe_keys, inventory, suggest_key
 from xnn.errors import DataFileError, InputError
 from xnn.training.data import (
     DataSplits,
-    check_labels,
     check_species,
     coincident_error,
     first_coincident,
     symbols,
 )
 from xnn.training.reducer import LocalReducer
+
+LABELS = (("energy", K.ENERGY), ("forces", K.FORCES), ("stress", K.STRESS))
 
 
 def _open(entry: DatasetConfig, opened: list):
@@ -103,8 +110,7 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
     else:
         val = _concat(val_parts)
     test = _concat(test_parts)
-    check_labels(train, {name: getattr(loss, name).weight
-                         for name in ("energy", "forces", "stress")}, "training")
+    check_training_labels(data.datasets, [len(t) for t in train_parts], train, loss)
     train_species = train.species()
     if species is not None:
         missing = sorted(set(train_species) - set(species))
@@ -122,7 +128,108 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         test=WithEdges(test, cutoff, cache) if test is not None else None,
         raw_train=train,
         species=train_species,
+        membership=split_membership(data, train_parts, val_parts, test_parts),
     )
+
+
+def split_membership(data: DataConfig, train_parts: list, val_parts: list,
+                     test_parts: list) -> dict:
+    """Which structures of which file each split holds (saved as the run's ``split.json``).
+
+    Returns:
+        ``{"files": [{"config_key": "data.datasets.0", **entry}], "train"|"val"|"test":
+        [{"file": i, "indices": [...]}]}``: indices into file ``i`` (its frames in file
+        order), in the order the split concatenates them.
+    """
+    entries = [(f"data.{part}.{k}", e) for part in ("datasets", "val", "test")
+               for k, e in enumerate(getattr(data, part))]
+    files = [{"config_key": key, **dataclasses.asdict(e)} for key, e in entries]
+    n_train = len(data.datasets)
+    val_files = range(n_train, n_train + len(data.val))
+    test_files = range(n_train + len(data.val), len(entries))
+
+    def rows(parts, file_ids):
+        return [{"file": i, "indices": _indices(p)} for i, p in zip(file_ids, parts)
+                if len(p) > 0]
+
+    train = rows(train_parts, range(n_train))
+    val = rows(val_parts, [*range(n_train), *val_files])
+    if data.overfit is not None:
+        train = _first(train, data.overfit)
+        val = train
+    return {"files": files, "train": train, "val": val,
+            "test": rows(test_parts, [*range(n_train), *test_files])}
+
+
+def _indices(part) -> list[int]:
+    return part.indices.tolist() if isinstance(part, Subset) else list(range(len(part)))
+
+
+def _first(rows: list[dict], n: int) -> list[dict]:
+    """The first ``n`` structures of the concatenation of ``rows``."""
+    out = []
+    for row in rows:
+        if n <= 0:
+            break
+        out.append({"file": row["file"], "indices": row["indices"][:n]})
+        n -= len(out[-1]["indices"])
+    return out
+
+
+def check_training_labels(entries: list[DatasetConfig], sizes: list[int], train,
+                          loss: LossConfig) -> None:
+    """Refuse training structures without the labels the loss weighs, all at once.
+
+    Energy and forces (weight > 0) are needed by every training structure, stress by at least
+    one (the others are masked).
+
+    Args:
+        entries: the ``data.datasets`` entries; ``sizes``: training structures taken from
+            each, in order (``train`` is their concatenation, or its first ``data.overfit``).
+        train: the training dataset (``label_masks()``).
+        loss: the ``loss`` section (the weights).
+    Raises:
+        DataFileError: one line naming, per file, each missing label, the keys the file holds
+            and the config keys to set.
+    """
+    weights = {name: getattr(loss, name).weight for name, _ in LABELS}
+    masks = train.label_masks()
+    bounds = np.minimum(np.concatenate([[0], np.cumsum(sizes)]), len(train))
+    no_stress = weights["stress"] > 0 and not masks[K.STRESS].any()
+    problems = []
+    for k, entry in enumerate(entries):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        lacking = {name: int((~masks[key][lo:hi]).sum()) for name, key in LABELS[:2]
+                   if weights[name] > 0}
+        lacking = {name: n for name, n in lacking.items() if n}
+        if no_stress and hi > lo:
+            lacking["stress"] = hi - lo
+        if lacking:
+            problems.append(_label_problem(k, entry, lacking, hi - lo, weights))
+    if problems:
+        raise DataFileError("training data lack labels the loss needs: " + "; ".join(problems))
+
+
+def _label_problem(k: int, entry: DatasetConfig, lacking: dict[str, int], n: int,
+                   weights: dict[str, float]) -> str:
+    """What file ``k`` lacks, the keys it holds, and the overrides that would fix it."""
+    inv = inventory(entry.path, limit=1000)
+    missing, fixes = [], []
+    for name, bad in lacking.items():
+        key = getattr(entry, f"{name}_key")
+        where = f"key {key!r}" + (f" or {entry.virial_key!r}" if name == "stress" else "")
+        missing.append(f"no {name} label under {where} in {bad} of {n} training structures "
+                       f"(loss.{name}.weight={weights[name]})")
+        found = suggest_key(inv, name) or (suggest_key(inv, "virial") if name == "stress"
+                                           else None)
+        if found and found not in (key, entry.virial_key):
+            option = "virial" if name == "stress" and found == suggest_key(inv, "virial") \
+                else name
+            fixes.append(f"data.datasets.{k}.{option}_key={found}")
+        else:
+            fixes.append(f"loss.{name}.weight=0")
+    return (f"{entry.path} (data.datasets.{k}) has {', '.join(missing)}; {describe_keys(inv)}; "
+            f"set {' '.join(fixes)} (`xnn data inspect {entry.path}` lists its keys)")
 
 
 def data_files(data: DataConfig) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from xnn.config.train import TrainConfig
@@ -33,7 +34,8 @@ def _plots(loop, parities: dict) -> list[str]:
     for name, parity in parities.items():
         if parity is not None and parity.get("energy") is not None:
             written.append(str(plotting.parity(parity["energy"], parity["forces"],
-                                               out / f"parity_{name}.png", title=name)))
+                                               out / f"parity_{name}.png", title=name,
+                                               stress=parity.get("stress"))))
     return written
 
 
@@ -62,6 +64,26 @@ def _save_final(loop, save_model) -> Path:
     else:
         save_model(t.model, path, precision=precision)
     return path
+
+
+SPLIT_FORMAT = "xnn-split"
+
+
+def write_split(cfg: TrainConfig, membership: dict | None, path: Path) -> None:
+    """Save which structures of which file were trained on, validated and tested on
+    (``split.json``), with each file's identity (size and SHA-256), so that
+    ``xnn eval --split test RUN_DIR`` evaluates exactly the test set."""
+    from xnn.distributed.agreement import file_fingerprint
+
+    if membership is None:
+        return
+    files = [{**f, "abs_path": str(Path(f["path"]).resolve()),
+              "fingerprint": file_fingerprint(f["path"])} for f in membership["files"]]
+    record = {"format": SPLIT_FORMAT, "version": 1, "seed": cfg.seed,
+              **membership, "files": files}
+    text = json.dumps(record, indent=1)  # index lists on one line each:
+    text = re.sub(r"\[\n\s*([-\d,\s]*?)\n\s*\]", lambda m: f"[{' '.join(m[1].split())}]", text)
+    path.write_text(text + "\n")
 
 
 def _final_path(cfg: TrainConfig, loop, path) -> str:
@@ -101,6 +123,7 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
             path = Path(loop.out_dir) / "validation_summary.json"
         else:
             summary["model"] = _final_path(cfg, loop, _save_final(loop, save_model))
+            write_split(cfg, loop.splits.membership, Path(loop.out_dir) / "split.json")
             if cfg.logging.plots:
                 shown = {k: v for k, v in parities.items() if v is not None}
                 if "test" in shown:

@@ -1,4 +1,5 @@
-"""``xnn data emt|convert``: built-in EMT reference data and extxyz → HDF5 conversion."""
+"""``xnn data emt|bulk|convert|inspect``: built-in EMT reference data, crystals, extxyz → HDF5
+conversion, and the keys a data file holds."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     emt.add_argument("--n", type=int, default=200, help="number of structures (default 200)")
     emt.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     emt.set_defaults(func=run_emt)
+    _add_bulk(dsub)
     conv = dsub.add_parser(
         "convert", help="extxyz (any ASE format) to xnn HDF5",
         description="Convert labelled structures to the xnn HDF5 layout (lazily read, for "
@@ -31,7 +33,44 @@ def add_parser(sub) -> argparse.ArgumentParser:
     conv.add_argument("--stress-key", default="stress", help="stress label key")
     conv.add_argument("--virial-key", default="virial", help="virial label key")
     conv.set_defaults(func=run_convert)
+    _add_inspect(dsub)
     return p
+
+
+def _add_bulk(dsub) -> None:
+    bulk = dsub.add_parser(
+        "bulk", help="a cubic crystal supercell (a structure to simulate, no labels)",
+        description="The conventional cubic cell of an element's reference crystal (ASE: fcc "
+        "Cu, bcc Fe, diamond Si, ...) repeated --repeat times along each axis, every atom "
+        "displaced by Gaussian noise of --rattle Å (seeded).",
+    )
+    bulk.add_argument("--out", required=True, help="output file (.xyz extxyz)")
+    bulk.add_argument("--element", default="Cu", help="chemical symbol (default Cu)")
+    bulk.add_argument("--repeat", type=int, default=4,
+                      help="cubic cells along each axis (default 4: 256 fcc atoms)")
+    bulk.add_argument("--a", type=float, default=None,
+                      help="lattice constant in Å (default: ASE's reference value)")
+    bulk.add_argument("--rattle", type=float, default=0.05,
+                      help="displacement standard deviation in Å (default 0.05)")
+    bulk.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    bulk.set_defaults(func=run_bulk)
+
+
+def _add_inspect(dsub) -> None:
+    ins = dsub.add_parser(
+        "inspect", help="the keys (labels) a structure file holds",
+        description="List the info keys, per-atom arrays and calculator results of the "
+        "structures of FILE (extxyz, any ASE format, xnn HDF5) with the number of structures "
+        "holding each, and where xnn finds the energy, forces, stress and virial labels with "
+        "the given keys (xnn train: data.datasets.N.energy_key=KEY ...; xnn eval: "
+        "--energy-key KEY ...).",
+    )
+    ins.add_argument("file", help="structure file")
+    ins.add_argument("--limit", type=int, default=None,
+                     help="read only the first N structures (default: all)")
+    for prop in ("energy", "forces", "stress", "virial"):
+        ins.add_argument(f"--{prop}-key", default=prop, help=f"{prop} label key (default {prop})")
+    ins.set_defaults(func=run_inspect)
 
 
 def run_emt(args) -> int:
@@ -40,6 +79,20 @@ def run_emt(args) -> int:
     check_output_file(args.out, "--out")
     n = write_emt(args.out, args.n, args.elements.split(","), args.seed)
     print(f"wrote {n} EMT structures to {args.out}")
+    return 0
+
+
+def run_bulk(args) -> int:
+    from xnn.data.ase_io import write
+    from xnn.data.crystals import bulk_crystal
+    from xnn.data.emt import check_output_file
+
+    path = check_output_file(args.out, "--out", example="big.xyz")
+    atoms = bulk_crystal(args.element, args.repeat, args.a, args.rattle, args.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path, atoms, format="extxyz")
+    print(f"wrote {len(atoms)} {args.element} atoms ({args.repeat}x{args.repeat}x"
+          f"{args.repeat} cubic cells) to {path}")
     return 0
 
 
@@ -58,4 +111,16 @@ def run_convert(args) -> int:
                          args.virial_key)
     n = write_hdf5(args.output, (ds[i] for i in range(len(ds))))
     print(f"wrote {n} structures ({int(ds.n_atoms.sum())} atoms) to {args.output}")
+    return 0
+
+
+def run_inspect(args) -> int:
+    from xnn.data.label_keys import inventory, report
+    from xnn.errors import InputError
+
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be >= 1, got {args.limit}")
+    inv = inventory(args.file, limit=args.limit)
+    keys = {p: getattr(args, f"{p}_key") for p in ("energy", "forces", "stress", "virial")}
+    print(report(inv, keys))
     return 0

@@ -3,8 +3,9 @@
 1. ``step_lj_relax``: relax positions and cell of a rattled Lennard-Jones argon FCC crystal
    with ASE's FIRE (on a ``UnitCellFilter``: the Fréchet/Exp filters spend most of the time
    in scipy's matrix exponential for this tiny system) and our calculator.
-2. ``step_train``: label Cu structures with ASE's EMT, train the default model for a few
-   minutes, evaluate it on the test split (learning curves and parity plots).
+2. ``step_train``: label Cu structures with ASE's EMT, train the default model for a fixed
+   number of epochs (a wall-clock cap warns loudly when it stops the training early), evaluate
+   it on the test split (learning curves and parity plots).
 3. ``step_md``: NVT MD (CSVR thermostat) of an FCC Cu crystal with the trained model,
    thermo log and plot.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from xnn.errors import InputError
@@ -38,7 +40,12 @@ def add_parser(sub) -> None:
     p.add_argument("--fmax", type=float, default=1e-4, help="relaxation force threshold (eV/Å)")
     p.add_argument("--steps", type=int, default=500, help="maximum relaxation steps")
     p.add_argument("--repeat", type=int, default=2, help="LJ: FCC conventional cells per axis")
-    p.add_argument("--minutes", type=float, default=3.0, help="training time budget (minutes)")
+    p.add_argument("--epochs", type=int, default=40,
+                   help="training epochs (a fixed count: the result does not depend on the "
+                   "machine's speed)")
+    p.add_argument("--max-minutes", type=float, default=15.0,
+                   help="wall-clock cap of the training; if it stops the training before the "
+                   "last epoch, the demo warns that its result depends on the machine's load")
     p.add_argument("--n-structures", type=int, default=200, help="EMT structures to generate")
     p.add_argument("--md-steps", type=int, default=400, help="MD steps (1 fs each)")
     p.add_argument("--temperature", type=float, default=300.0, help="MD temperature (K)")
@@ -105,17 +112,23 @@ def step_lj_relax(out: Path, fmax: float = 1e-4, steps: int = 500, repeat: int =
     return summary
 
 
-def step_train(out: Path, minutes: float, n_structures: int) -> dict:
-    """EMT Cu data → train the default model within ``minutes`` → test-set errors and plots."""
+def step_train(out: Path, epochs: int, max_minutes: float, n_structures: int) -> dict:
+    """EMT Cu data → train the default model for ``epochs`` epochs (capped at
+    ``max_minutes``) → test-set errors and plots."""
     from xnn.app.demo import demo_train
 
-    summary = demo_train(out, minutes_budget=minutes, n_structures=n_structures)
+    summary = demo_train(out, epochs=epochs, max_minutes=max_minutes,
+                         n_structures=n_structures)
     metrics = summary.get("metrics", {})
     keep = {k: v for k, v in metrics.items() if k.startswith("test_") or k.startswith("val_")}
     return {
         "model": str(summary["model"]),
         "data": str(summary["data"]),
         "plots": [str(p) for p in summary.get("plots", [])],
+        "epochs": summary["epochs"],
+        "epochs_planned": epochs,
+        "stopped_by": summary["stopped_by"],
+        **({"warning": summary["warning"]} if "warning" in summary else {}),
         **{k: float(v) for k, v in keep.items() if isinstance(v, (int, float))},
     }
 
@@ -150,6 +163,8 @@ def step_md(out: Path, model_file: str, steps: int, temperature: float) -> dict:
 def print_summary(name: str, summary: dict) -> None:
     print(f"[{name}]")
     for k, v in summary.items():
+        if k == "warning":  # printed on stderr, where it is seen
+            continue
         if isinstance(v, float):
             v = f"{v:.6g}"
         elif isinstance(v, list):
@@ -165,8 +180,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--fmax must be > 0, got {args.fmax}")
     if args.steps < 1:
         raise InputError(f"--steps must be >= 1, got {args.steps}")
-    if not args.minutes > 0:
-        raise InputError(f"--minutes must be > 0, got {args.minutes}")
+    if args.epochs < 1:
+        raise InputError(f"--epochs must be >= 1, got {args.epochs}")
+    if not args.max_minutes > 0:
+        raise InputError(f"--max-minutes must be > 0, got {args.max_minutes}")
     if args.n_structures < 10:
         raise InputError(f"--n-structures must be >= 10, got {args.n_structures}")
     if args.md_steps < 1:
@@ -179,10 +196,27 @@ def run(args: argparse.Namespace) -> int:
     results = {"lj_relax": step_lj_relax(out, args.fmax, args.steps, args.repeat)}
     print_summary("lj_relax", results["lj_relax"])
     if not args.only_lj:
-        results["train"] = step_train(out, args.minutes, args.n_structures)
+        results["train"] = step_train(out, args.epochs, args.max_minutes, args.n_structures)
         print_summary("train", results["train"])
         results["md"] = step_md(out, results["train"]["model"], args.md_steps, args.temperature)
         print_summary("md", results["md"])
     write_json(out / "summary.json", results)
     print(f"demo output written to {out.resolve()}")
+    warning = results.get("train", {}).get("warning")
+    if warning:
+        print(warning, file=sys.stderr)
+    hint = path_hint()
+    if hint:
+        print(hint)
     return 0
+
+
+def path_hint() -> str | None:
+    """How to get the ``xnn`` command of this environment on PATH, when it is not: after
+    ``make demo`` the virtual environment is not activated in the user's shell."""
+    bin_dir = Path(sys.executable).parent
+    on_path = [Path(p).resolve() for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    if bin_dir.resolve() in on_path or not (bin_dir / "activate").is_file():
+        return None
+    return (f"to run xnn yourself: source {bin_dir / 'activate'} (then xnn --help; or run "
+            f"{bin_dir / 'xnn'} directly)")

@@ -1,8 +1,11 @@
-"""``xnn eval MODEL DATA``: MAE/RMSE of a trained model on labelled data, and a parity plot."""
+"""``xnn eval MODEL DATA`` or ``xnn eval --split test RUN_DIR``: MAE/RMSE of a trained model
+on labelled data, and a parity plot."""
 
 from __future__ import annotations
 
 import argparse
+
+KEYS = ("energy", "forces", "stress")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -10,18 +13,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "eval",
         help="errors of a model on labelled data (+ parity plot)",
         description="Print MAE/RMSE for energy (meV/atom), forces (meV/Å, also per element) "
-        "and stress (meV/Å³) of MODEL on DATA, and write a parity plot.",
+        "and stress (meV/Å³) of MODEL on DATA, and write a parity plot (energy, forces, and "
+        "stress when DATA has stress labels). With --split SPLIT, MODEL is a training run "
+        "folder: its model.pt is evaluated on exactly the structures of that split of its "
+        "training (the run's split.json; the data files must be unchanged). Exits with "
+        "status 2 and one line when the model's weights or errors are NaN or infinite.",
     )
-    p.add_argument("model", help="model file written by xnn train (model.pt)")
-    p.add_argument("data", help="labelled structures (extxyz or xnn HDF5)")
+    p.add_argument("model", help="model file written by xnn train (model.pt); with --split, "
+                   "the run folder (output_dir of xnn train)")
+    p.add_argument("data", nargs="?", default=None,
+                   help="labelled structures (extxyz or xnn HDF5); not with --split")
+    p.add_argument("--split", choices=("train", "val", "test"), default=None,
+                   help="evaluate the run folder MODEL on this split of its training data")
     p.add_argument("--batch-size", type=int, default=8, help="structures per batch (default 8)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default auto)")
     p.add_argument("--plot", default=None,
-                   help="parity plot PNG (default: parity_<DATA stem>.png next to the model)")
+                   help="parity plot PNG (default: parity_<DATA stem>.png next to the model; "
+                   "with --split, parity_<SPLIT>_eval.png in the run folder)")
     p.add_argument("--json", default=None, help="also write the metrics to this JSON file")
-    p.add_argument("--energy-key", default="energy", help="energy label key (default energy)")
-    p.add_argument("--forces-key", default="forces", help="forces label key (default forces)")
-    p.add_argument("--stress-key", default="stress", help="stress label key (default stress)")
+    for name in KEYS:
+        p.add_argument(f"--{name}-key", default=None,
+                       help=f"{name} label key (default {name}; with --split, the run's)")
     p.add_argument("--trust-file", action="store_true",
                    help="trust MODEL: it may unpickle what it holds or names (MACE models "
                    "saved by an earlier xnn, files named in its hyperparameters), which can "
@@ -30,11 +42,37 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _data(args):
+    """The model file and the structures to evaluate, from the arguments."""
+    from pathlib import Path
+
+    from xnn.app.evaluate import labelled_data, split_data
+    from xnn.errors import InputError
+
+    if args.split is not None:
+        if args.data is not None:
+            raise InputError(f"--split {args.split} evaluates the run folder's own data: give "
+                             f"only the run folder (xnn eval --split {args.split} RUN_DIR), "
+                             f"not {args.data!r}")
+        given = [f"--{k}-key" for k in KEYS if getattr(args, f"{k}_key") is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} cannot be used with --split: the run's "
+                             "split.json names the keys each file was trained with")
+        return str(Path(args.model) / "model.pt"), split_data(args.model, args.split)
+    if args.data is None:
+        raise InputError("give the labelled data to evaluate on (xnn eval MODEL DATA), or "
+                         "--split test with a training run folder (xnn eval --split test "
+                         "RUN_DIR)")
+    keys = {k: getattr(args, f"{k}_key") or k for k in KEYS}
+    return args.model, labelled_data(args.data, {**keys, "virial": "virial"})
+
+
 def run(args) -> int:
     import json
     from pathlib import Path
 
     from xnn import plotting
+    from xnn.app.evaluate import check_finite_metrics, check_finite_weights
     from xnn.errors import InputError
     from xnn.io.calculator import resolve_device
     from xnn.models.serialization import load_model
@@ -42,19 +80,22 @@ def run(args) -> int:
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if Path(args.model).is_file():
+    model_file, data = _data(args)
+    if Path(model_file).is_file():
         from xnn._torch_files import refuse_non_model_file
 
-        refuse_non_model_file(args.model)  # truncated, or a training/MD checkpoint
-    model = load_model(args.model, trust=args.trust_file)
-    metrics, parity = evaluate_model(
-        model, args.data, args.batch_size, resolve_device(args.device),
-        energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
-    )
+        refuse_non_model_file(model_file)  # truncated, or a training/MD checkpoint
+    model = load_model(model_file, trust=args.trust_file)
+    check_finite_weights(model, model_file)
+    metrics, parity = evaluate_model(model, data.dataset, args.batch_size,
+                                     resolve_device(args.device))
+    check_finite_metrics(metrics, model_file, data)
+    print(f"{model_file} on {data.description}")
     print(format_metrics(metrics))
     plot = Path(args.plot) if args.plot else \
-        Path(args.model).resolve().parent / f"parity_{Path(args.data).stem}.png"
-    plotting.parity(parity["energy"], parity["forces"], plot, title=Path(args.data).name)
+        Path(model_file).resolve().parent / f"parity_{data.name}.png"
+    plotting.parity(parity["energy"], parity["forces"], plot, title=data.name,
+                    stress=parity.get("stress"))
     print(f"parity plot: {plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2))

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-EPILOG_HEAD = """configuration keys (set in the YAML file or as key=value overrides; list entries by
+EPILOG_HEAD = """your own data: name the labels of each file by its keys (extxyz info/arrays keys or
+a single-point calculator's results), e.g.
+  xnn train cfg.yaml data.datasets.0.path=dft.xyz data.datasets.0.energy_key=REF_energy \\
+      data.datasets.0.forces_key=REF_forces data.datasets.0.stress_key=REF_stress
+`xnn data inspect FILE` lists the keys a file holds; docs/train-your-data.md has the units,
+the stress convention, E0s, splits and every model's hyperparameters.
+
+switch the model type: model.name=painn model.hyperparameters=null (key=null empties a
+mapping such as model.hyperparameters; the YAML's settings of another model are dropped).
+
+configuration keys (set in the YAML file or as key=value overrides; list entries by
 index, e.g. data.datasets.0.path=train.xyz; data.datasets.1=null removes entry 1):
 """
 

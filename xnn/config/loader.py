@@ -6,7 +6,8 @@ dataclasses (whose ``__post_init__`` check choices and ranges). Unknown keys and
 raise :class:`ConfigError` naming the key and the valid choices.
 
 List entries are addressed by index (``data.datasets.0.path=x.xyz``); ``key.N=null`` removes
-entry N of a list.
+entry N of a list, and ``key=null`` on a mapping such as ``model.hyperparameters`` empties it
+(so ``model.name=painn model.hyperparameters=null`` drops the YAML's SchNet settings).
 
 Values are read as YAML with one exception: YAML 1.1's base-60 numbers. ``1:3`` or ``1:30``
 stay the strings the user typed (an ASE index, a time), not 63 and 90, in files and in
@@ -254,7 +255,19 @@ def _apply_override(cfg, item: str, deletions: list[tuple[str, int]]) -> None:
         raise ConfigError(f"unknown config key {key!r}; valid keys here: {_valid_keys(cfg, key)}")
     if isinstance(parent, DictConfig) and last not in parent and OmegaConf.is_struct(parent):
         raise ConfigError(f"unknown config key {key!r}; valid keys here: {list(parent.keys())}")
+    if value is None and _is_mapping_field(parent, last):
+        parent[last] = {}  # key=null clears a mapping (model.hyperparameters=null)
+        return
     OmegaConf.update(cfg, key, value, merge=True)
+
+
+def _is_mapping_field(parent, last: str) -> bool:
+    """Whether ``parent.last`` is a mapping that cannot be null (a ``dict`` field such as
+    ``model.hyperparameters``): ``key=null`` then empties it instead of failing."""
+    if not isinstance(parent, DictConfig) or last not in parent:
+        return False
+    node = parent._get_node(last)
+    return isinstance(node, DictConfig) and not node._is_optional()
 
 
 def load_config(schema: type, path: str | Path | None = None, overrides: Sequence[str] = ()):
@@ -307,30 +320,43 @@ def _type_name(tp) -> str:
 
 
 def describe(schema: type, prefix: str = "") -> str:
-    """One line per option: ``key (type, default=...): help [choices]``, recursing into sections."""
-    lines = []
+    """One line per option: ``key (type, default=...): help [choices]``, grouped by section.
+
+    Each section's own options come right under its heading (``model:``), before its
+    subsections; at the top level, options that belong to no section are listed first under
+    ``top-level keys:``, so that every key is printed under the heading of its own section.
+    """
     hints = typing.get_type_hints(schema)
-    for f in dataclasses.fields(schema):
-        tp = hints[f.name]
+    fields = dataclasses.fields(schema)
+    options = [_describe_option(f, hints[f.name], prefix) for f in fields
+               if not dataclasses.is_dataclass(hints[f.name])]
+    sections = [f for f in fields if dataclasses.is_dataclass(hints[f.name])]
+    lines = []
+    if not prefix and options and sections:
+        lines.append("top-level keys:")
+    lines += options
+    for f in sections:
         key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(tp):
-            lines.append(f"{key}:  {f.metadata.get('help', '')}".rstrip())
-            lines.append(describe(tp, prefix=key + "."))
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-            if dataclasses.is_dataclass(default):
-                default = dataclasses.asdict(default)
-        else:
-            default = "<required>"
-        text = f"  {key} ({_type_name(tp)}, default={default!r})"
-        h = f.metadata.get("help") if f.metadata else None
-        if h:
-            text += f": {h}"
-        ch = f.metadata.get("choices") if f.metadata else None
-        if ch:
-            text += f" [choices: {', '.join(map(str, ch))}]"
-        lines.append(text)
+        lines.append(f"{key}:  {f.metadata.get('help', '')}".rstrip())
+        lines.append(describe(hints[f.name], prefix=key + "."))
     return "\n".join(lines)
+
+
+def _describe_option(f: dataclasses.Field, tp, prefix: str) -> str:
+    """``  key (type, default=...): help [choices]`` of one option."""
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            default = dataclasses.asdict(default)
+    else:
+        default = "<required>"
+    text = f"  {prefix}{f.name} ({_type_name(tp)}, default={default!r})"
+    h = f.metadata.get("help") if f.metadata else None
+    if h:
+        text += f": {h}"
+    ch = f.metadata.get("choices") if f.metadata else None
+    if ch:
+        text += f" [choices: {', '.join(map(str, ch))}]"
+    return text

@@ -105,7 +105,7 @@ def _collect_labels(
     unknown = sorted(set(require) - set(LABELS))
     if unknown:
         raise InputError(f"unknown required label(s) {unknown}; choose from {list(LABELS)}")
-    out = {}
+    out, lacking = {}, []
     for prop in LABELS:
         if keys[prop] is None:
             if prop in require:
@@ -114,12 +114,15 @@ def _collect_labels(
         values = [_label(a, keys[prop], prop, i) for i, a in enumerate(atoms_list)]
         missing = [i for i, v in enumerate(values) if v is None]
         if missing and prop in require:
-            raise DataFileError(
-                f"structure {missing[0]} has no {prop} under key {keys[prop]!r} "
-                f"({len(missing)} of {len(values)} structures lack it)"
-            )
+            lacking.append(f"structure {missing[0]} has no {prop} under key {keys[prop]!r} "
+                           f"({len(missing)} of {len(values)} structures lack it)")
         if values and not missing:
             out[prop] = np.concatenate(values) if prop == "forces" else np.stack(values)
+    if lacking:
+        from xnn.data.label_keys import describe_keys, inventory_of
+
+        raise DataFileError(f"{'; '.join(lacking)}; "
+                            f"{describe_keys(inventory_of(atoms_list, 'the file'))}")
     return out
 
 

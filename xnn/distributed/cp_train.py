@@ -35,7 +35,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed.domain.potential import DomainPotential, resolve_mode
 from xnn.training.losses import labelled, take
-from xnn.training.prediction import Evaluated
+from xnn.training.prediction import Evaluated, stress_parity
 from xnn.training.sharding import BatchSharding  # noqa: F401 - re-exported
 
 
@@ -152,5 +152,7 @@ class DomainPredictor:
         energy = torch.stack([owned.energy / n_total, out[K.ENERGY].detach() / n_total], -1)
         energy = take(energy, ie) if self.rank == 0 else energy[:0]
         f = torch.stack([take(owned.forces, i_f), take(out[K.FORCES].detach(), i_f)], -1)
+        stress = stress_parity(out, owned, index.get("stress"))  # replicated: rank 0's
         return {"energy": energy, "forces": f.reshape(-1, 2),
-                "numbers": take(owned.numbers, i_f)}
+                "numbers": take(owned.numbers, i_f),
+                "stress": stress if self.rank == 0 else stress[:0]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -82,8 +83,19 @@ def read_log(path: str | os.PathLike) -> dict[str, list[float]]:
     return {c: [float(r[c]) for r in rows] for c in (rows[0].keys() if rows else COLUMNS)}
 
 
-def plot_log(csv_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> Path:
-    """Plot temperature, energies, pressure and volume against time; one line per system."""
+def thermo_figure(csv_path: str | os.PathLike, title: str = "",
+                  targets: Mapping[str, Sequence[float]] | None = None):
+    """Temperature, energies, pressure and volume against time; one line per system.
+
+    Args:
+        csv_path: a thermo CSV (:class:`ThermoLog`).
+        title: the figure's title.
+        targets: ``{column: values}``: dashed horizontal lines at each value on the panel of
+            that column, e.g. ``{"temperature_K": [300.0], "pressure_GPa": [0.1]}`` (the
+            thermostat's and barostat's targets).
+    Returns:
+        a matplotlib ``Figure`` (2 × 2 axes; close it with ``plt.close(fig)``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,13 +113,24 @@ def plot_log(csv_path: str | os.PathLike, png_path: str | os.PathLike, title: st
             idx = [i for i, x in enumerate(d["system"]) if int(x) == s]
             ax.plot([d["time_fs"][i] / 1000 for i in idx], [d[col][i] for i in idx],
                     lw=0.8, label=f"system {s}" if len(systems) > 1 else None)
+        for k, value in enumerate(sorted(set((targets or {}).get(col, ())))):
+            ax.axhline(value, ls="--", lw=1.0, color="k", label="target" if k == 0 else None)
         ax.set_ylabel(label)
+        if col in (targets or {}) or len(systems) > 1 and col == "temperature_K":
+            ax.legend(fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("time (ps)")
-    if len(systems) > 1:
-        axes[0, 0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_log(csv_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "",
+             targets: Mapping[str, Sequence[float]] | None = None) -> Path:
+    """Write :func:`thermo_figure` (with the ``targets`` as dashed lines) to ``png_path``."""
+    import matplotlib.pyplot as plt
+
+    fig = thermo_figure(csv_path, title, targets)
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return Path(png_path)

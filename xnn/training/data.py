@@ -21,13 +21,16 @@ from xnn.neighbors.coincident import ClosePair
 
 @dataclass
 class DataSplits:
-    """Datasets (with neighbor lists) of one run; ``raw_train`` has no edges (for statistics)."""
+    """Datasets (with neighbor lists) of one run; ``raw_train`` has no edges (for statistics);
+    ``membership``: which structures of which file each split holds (the run's
+    ``split.json``), when the application recorded it."""
 
     train: WithEdges
     val: WithEdges | None
     test: WithEdges | None
     raw_train: object
     species: list[int]
+    membership: dict | None = None
 
 
 def first_coincident(dataset, indices: Sequence[int], chunk: int = 64

@@ -41,7 +41,8 @@ class Evaluated:
             terms carry weights divided by the number of ranks that hold them).
         metric_res: the residuals this rank counts in the metrics (each item once over ranks).
         numbers: ``[n_f]`` atomic numbers of ``metric_res["forces"]`` rows (or ``None``).
-        parity: ``{"energy": [n, 2] eV/atom, "forces": [m, 2] eV/Å, "numbers": [k]}``
+        parity: ``{"energy": [n, 2] eV/atom, "forces": [m, 2] eV/Å, "numbers": [k],
+            "stress": [9 s, 2] eV/Å³ (tensor components)}``
             (reference, prediction) rows of this rank, when asked for.
         anchor: an exact zero that depends on every collective of the evaluation (added to
             the loss so that every rank's backward joins every collective), or ``None``.
@@ -127,7 +128,20 @@ def _parity(pred: dict[str, Tensor], batch: AtomicGraph, index) -> dict[str, Ten
                                    take(pred[K.ENERGY].detach() / n, ie)], -1),
             "forces": torch.stack([take(batch.forces, i_f),
                                    take(pred[K.FORCES].detach(), i_f)], -1).reshape(-1, 2),
-            "numbers": take(batch.numbers, i_f)}
+            "numbers": take(batch.numbers, i_f),
+            "stress": stress_parity(pred, batch, index.get("stress"))}
+
+
+def stress_parity(pred: dict[str, Tensor], batch: AtomicGraph, idx) -> Tensor:
+    """``[9 n_s, 2]`` (reference, predicted) stress tensor components (eV/Å³) of the
+    structures with a stress label (``idx``, all for ``None``), the components the stress
+    metrics average over; empty without stress predictions."""
+    if K.STRESS not in pred or K.STRESS not in batch:
+        return torch.zeros(0, 2, dtype=batch.dtype, device=batch.device)
+    ref = take(batch.stress, idx).reshape(-1, 9)
+    got = take(pred[K.STRESS].detach(), idx).reshape(-1, 9)
+    ok = torch.isfinite(ref).all(-1)
+    return torch.stack([ref[ok], got[ok]], -1).reshape(-1, 2)
 
 
 def make_local_predictor(model: nn.Module, device, dtype: torch.dtype,

@@ -191,7 +191,8 @@ class Trainer:
             batches: global batches of indices (identical on every rank).
             shard: ``shard(batch) -> this rank's indices``.
             collect: also return this rank's parity data ``{"energy": (ref, pred) per atom,
-                "forces": (ref, pred)}`` as numpy arrays.
+                "forces": (ref, pred), "stress": (ref, pred) tensor components}`` as numpy
+                arrays.
             load: ``load(dataset, indices) -> graphs`` (default: ``dataset[i]`` each).
         Returns:
             ``(metrics, parity)``: metric sums reduced over ranks; parity or ``None``.
@@ -199,7 +200,7 @@ class Trainer:
         self.model.eval()
         ctx = self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext()
         sums = MetricSums(self.device)
-        parity: dict[str, list] = {"energy": [], "forces": [], "numbers": []}
+        parity: dict[str, list] = {"energy": [], "forces": [], "numbers": [], "stress": []}
         with ctx:
             for global_batch in batches:
                 mine = shard(global_batch)

@@ -1,0 +1,156 @@
+"""The application behind ``xnn eval``: errors of a model file on labelled data, or of a
+training run on one split of its own data.
+
+``xnn eval MODEL DATA`` reads DATA with the given label keys; ``xnn eval --split test RUN``
+reads the run's ``split.json`` (written by ``xnn train``: which structures of which file
+each split holds, and each file's size and SHA-256) and evaluates ``RUN/model.pt`` on exactly
+those structures, refusing a data file that changed since. A model with non-finite weights,
+or metrics that come out NaN or infinite, end the command with one line (exit status 2):
+a NaN table is not a result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from xnn.data.datasets import ConcatDataset, Subset, read_structures
+from xnn.data.label_keys import describe_keys, inventory, suggest_key
+from xnn.errors import DataFileError, InputError, ModelFileError
+
+SPLITS = ("train", "val", "test")
+LABEL_FLAGS = {"energy": "--energy-key", "forces": "--forces-key", "stress": "--stress-key",
+               "virial": "--stress-key"}
+
+
+@dataclass
+class EvalData:
+    """Structures to evaluate: ``dataset``, a ``name`` for titles and file names, and a
+    one-line ``description`` of where they come from."""
+
+    dataset: object
+    name: str
+    description: str
+
+
+def labelled_data(path: str, keys: dict[str, str]) -> EvalData:
+    """The structures of ``path`` with labels under ``keys`` (``{energy, forces, stress,
+    virial}: key``).
+
+    Raises:
+        DataFileError: no structure carries any of the labels; the message lists the keys
+            the file holds and the flags to name them.
+    """
+    ds = read_structures(path, 1.0, keys["energy"], keys["forces"], keys["stress"],
+                         keys["virial"])
+    if len(ds) and not ds.label_counts().any():
+        inv = inventory(path, limit=1000)
+        hints = [f"{LABEL_FLAGS[p]} {k}" for p in ("energy", "forces", "stress")
+                 for k in [suggest_key(inv, p)] if k and k != keys[p]]
+        fix = ("; name them with " + " ".join(hints)) if hints else \
+            "; name the file's labels with --energy-key/--forces-key/--stress-key"
+        raise DataFileError(
+            f"{path!r} holds no energy, forces or stress label (keys {keys['energy']!r}, "
+            f"{keys['forces']!r}, {keys['stress']!r}/{keys['virial']!r}): there is nothing to "
+            f"compare the model with; {describe_keys(inv)}{fix}, or get predictions with "
+            "xnn.Calculator or xnn md")
+    return EvalData(ds, Path(path).stem, f"{len(ds)} structures of {path}")
+
+
+def read_split_record(run_dir: str | Path) -> dict:
+    """The ``split.json`` of a training run folder.
+
+    Raises:
+        InputError: ``run_dir`` is not a run folder, or has no (readable) ``split.json``.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise InputError(f"--split needs a training run folder (output_dir of xnn train), "
+                         f"got {str(run)!r}")
+    path = run / "split.json"
+    if not path.is_file():
+        raise InputError(f"{run} has no split.json (written by xnn train when a run "
+                         "completes; runs of earlier xnn versions have none): evaluate a "
+                         "file instead, xnn eval MODEL DATA")
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not a split record ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != "xnn-split":
+        raise InputError(f"{path} is not a split record written by xnn train")
+    return record
+
+
+def _open_recorded(entry: dict, run: Path):
+    """The dataset of one file of a split record, after checking it is the file trained on."""
+    from xnn.distributed.agreement import file_fingerprint
+
+    path = entry["abs_path"]
+    if not Path(path).is_file():
+        path = entry["path"]  # the project folder moved: the path as given in the config
+    now = file_fingerprint(path)
+    if now != entry["fingerprint"]:
+        raise DataFileError(
+            f"{entry['path']} ({entry['config_key']} of the run in {run}) is not the file the "
+            f"run was trained on: it is {now}, the run recorded {entry['fingerprint']}; "
+            "restore that file, or evaluate another file with xnn eval MODEL DATA")
+    return read_structures(path, entry["weight"], entry["energy_key"], entry["forces_key"],
+                           entry["stress_key"], entry["virial_key"])
+
+
+def split_data(run_dir: str | Path, split: str) -> EvalData:
+    """The structures of ``split`` (``train``, ``val`` or ``test``) of a training run.
+
+    Raises:
+        InputError: no split record, or the split is empty.
+        DataFileError: a data file is missing or changed since the run.
+    """
+    if split not in SPLITS:
+        raise InputError(f"--split {split!r} is not one of {list(SPLITS)}")
+    run = Path(run_dir)
+    record = read_split_record(run)
+    rows = record.get(split) or []
+    if not rows:
+        raise InputError(f"the run in {run} has no {split} structures (see its "
+                         f"data.{split}_fraction / data.{split} in config.yaml)")
+    opened: dict[int, object] = {}
+    parts = []
+    for row in rows:
+        i = row["file"]
+        if i not in opened:
+            opened[i] = _open_recorded(record["files"][i], run)
+        parts.append(Subset(opened[i], row["indices"]))
+    ds = parts[0] if len(parts) == 1 else ConcatDataset(parts)
+    where = ", ".join(f"{len(row['indices'])} of {record['files'][row['file']]['path']}"
+                      for row in rows)
+    return EvalData(ds, f"{split}_eval", f"{len(ds)} structures, the {split} split of the "
+                    f"run in {run} ({where})")
+
+
+def check_finite_weights(model: torch.nn.Module, path: str) -> None:
+    """Raise :class:`ModelFileError` when a parameter or buffer of the model is NaN or inf."""
+    bad = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        n = len(list(model.parameters())) + len(list(model.buffers()))
+        raise ModelFileError(f"{path} holds non-finite weights ({len(bad)} of {n} tensors, "
+                             f"first {bad[0]!r}): its predictions would be NaN; use another "
+                             "checkpoint (checkpoints/best.pt) or retrain")
+
+
+def check_finite_metrics(metrics: dict, path: str, data: EvalData) -> None:
+    """Raise :class:`ModelFileError` when a metric is NaN or infinite (the model predicts
+    non-finite values on these structures)."""
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise ModelFileError(f"the errors of {path} on {data.description} are not finite "
+                             f"({', '.join(bad)}): the model predicts NaN or inf for some "
+                             "structures; no metrics or plot written")
+
+
+__all__ = ["EvalData", "labelled_data", "split_data", "read_split_record",
+           "check_finite_weights", "check_finite_metrics"]

@@ -139,7 +139,7 @@ def run_validate(opts: ValidateOptions) -> int:
     if opts.tol <= 0:
         raise InputError(f"--tol must be > 0, got {opts.tol}")
     manager = DistributedManager.initialize(timeout_s=opts.timeout, device=opts.device,
-                                            timeout_key="--timeout")
+                                            timeout_key="--parallel.timeout_s")
     try:
         if manager.is_distributed:  # the first collective: every rank runs the same job
             check_ranks_agree(options_fingerprint(opts))

@@ -69,9 +69,23 @@ def drop_working_directory() -> None:
         del sys.path[0]
 
 
+#: options whose value may start with "-" (an ASE index such as -3: or -1)
+DASH_VALUE_OPTIONS = ("--index",)
+
+
+def attach_dash_values(argv: list[str]) -> list[str]:
+    """``--index -3:`` as ``--index=-3:``: argparse takes a value that starts with ``-`` and
+    is not a plain negative number (``-3:``, ``-5::2``) for an option and refuses it."""
+    out = list(argv)
+    for k in range(len(out) - 2, -1, -1):
+        if out[k] in DASH_VALUE_OPTIONS and out[k + 1].startswith("-"):
+            out[k:k + 2] = [f"{out[k]}={out[k + 1]}"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv))
     if args.command is None:
         parser.print_help()
         return 0

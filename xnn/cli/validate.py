@@ -51,17 +51,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output", default=None,
                    help="write the structure with decomposed energy/forces/stress (rank 0)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="collective timeout in seconds (default 600)")
+    p.add_argument("--parallel.timeout_s", "--timeout", dest="timeout", type=float,
+                   default=None, metavar="S",
+                   help="under torchrun/srun: timeout of the rendezvous and of every collective "
+                   "(s, default 600 as the parallel.timeout_s of xnn train, md, relax and run; "
+                   "--timeout is the older spelling)")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
     from xnn.app.validate import ValidateOptions, run_validate
+    from xnn.distributed.manager import DEFAULT_TIMEOUT_S
 
     return run_validate(ValidateOptions(
         model=args.model, structure=args.structure, index=args.index, dtype=args.dtype,
         grid=args.grid, mode=args.mode, skin=args.skin, tol=args.tol, json=args.json,
         skip_reference=args.skip_reference, output=args.output, device=args.device,
-        timeout=args.timeout, trust_file=args.trust_file, order=args.order))
+        timeout=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+        trust_file=args.trust_file, order=args.order))

@@ -145,3 +145,20 @@ def test_parity_plots_have_a_stress_panel_when_stress_is_labelled(run):
     # the run's test parity plot (stress labelled): three panels side by side, 13.5 x 4.4 in
     height, width = mpimg.imread(folder / "parity_test.png").shape[:2]
     assert (width, height) == (int(13.5 * 110), int(4.4 * 110))
+
+
+def test_eval_output_folders_are_made_and_files_in_the_way_refused(run, capsys, tmp_path):
+    """``--plot``/``--json`` in a folder that does not exist yet are written there (was a
+    FileNotFoundError traceback after the evaluation); under a file: one line, before any
+    evaluation."""
+    _, data, _ = run
+    model = _saved_schnet(tmp_path / "m.pt")
+    plot, out = tmp_path / "new" / "p.png", tmp_path / "new2" / "m.json"
+    assert main(["eval", str(model), str(data), "--device", "cpu", "--plot", str(plot),
+                 "--json", str(out)]) == 0
+    assert plot.is_file() and "energy_mae" in json.loads(out.read_text())
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    line = one_line_error(capsys, ["eval", model, data, "--device", "cpu", "--plot",
+                                   blocker / "p.png"])
+    assert "'afile' is a file, not a folder" in line.replace(str(tmp_path) + "/", "")

@@ -79,3 +79,18 @@ def test_pretrained_refuses_another_cutoff_or_hyperparameters(run, tmp_path, sou
     summary = train(_cfg(tmp_path / "ok", data, "model.cutoff=3.0",
                          "model.hyperparameters={num_basis: 8}", pretrained, "max_epochs=0"))
     assert summary is not None
+
+
+def test_pretrained_checkpoint_whose_weights_do_not_fit_is_one_line(run, tmp_path):
+    """A checkpoint whose hyperparameters describe another architecture than its weights (an
+    edited or mixed-up file): one line, not torch's multi-line load_state_dict traceback."""
+    from error_helpers import raises_one_line
+
+    from xnn.errors import ModelFileError
+    from xnn.training.setup import load_pretrained
+
+    payload = torch.load(run / "run" / "checkpoints" / "last.pt", weights_only=True)
+    payload["model"]["hparams"] = dict(payload["model"]["hparams"], num_features=16)
+    torch.save(payload, tmp_path / "mixed.pt")
+    msg = raises_one_line(ModelFileError, load_pretrained, str(tmp_path / "mixed.pt"))
+    assert "weights do not fit" in msg and "mixed.pt" in msg

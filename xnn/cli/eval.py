@@ -72,6 +72,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from xnn import plotting
+    from xnn._files import check_output_file
     from xnn.app.evaluate import check_finite_metrics, check_finite_weights
     from xnn.errors import InputError
     from xnn.io.calculator import resolve_device
@@ -81,6 +82,9 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     model_file, data = _data(args)
+    plot = check_output_file(args.plot, "--plot", "parity.png") if args.plot else \
+        Path(model_file).resolve().parent / f"parity_{data.name}.png"
+    out_json = check_output_file(args.json, "--json", "metrics.json") if args.json else None
     if Path(model_file).is_file():
         from xnn._torch_files import refuse_non_model_file
 
@@ -92,11 +96,11 @@ def run(args) -> int:
     check_finite_metrics(metrics, model_file, data)
     print(f"{model_file} on {data.description}")
     print(format_metrics(metrics))
-    plot = Path(args.plot) if args.plot else \
-        Path(model_file).resolve().parent / f"parity_{data.name}.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
     plotting.parity(parity["energy"], parity["forces"], plot, title=data.name,
                     stress=parity.get("stress"))
     print(f"parity plot: {plot}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(metrics, indent=2))
+    if out_json is not None:
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(metrics, indent=2))
     return 0

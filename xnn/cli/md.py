@@ -57,7 +57,10 @@ def run_config(args, command: str, schema, runner) -> int:
         print(to_yaml(cfg))
         return 0
     out = runner(cfg)
-    print(f"xnn {command}: done; results in {out}")
+    from xnn.distributed.manager import detect_launch
+
+    if detect_launch().rank == 0:  # one line for the job, not one per rank
+        print(f"xnn {command}: done; results in {out}")
     return 0
 
 

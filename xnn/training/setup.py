@@ -57,5 +57,12 @@ def load_pretrained(path: str, trust: bool = False) -> nn.Module:
     state = dict(payload["model"]["state_dict"])
     if payload.get("ema") is not None:
         state.update(payload["ema"]["shadow"])
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # weights of another architecture than its hyperparameters'
+        first = " ".join(str(err).split())[:300]
+        raise ModelFileError(f"pretrained={path!r}: its weights do not fit the model its "
+                             f"hyperparameters describe ({first}); the checkpoint is "
+                             "inconsistent: use the run's model.pt or another checkpoint"
+                             ) from None
     return model

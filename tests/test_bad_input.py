@@ -11,7 +11,7 @@ import pytest
 import torch
 from ase.calculators.lj import LennardJones as AseLJ
 from ase.calculators.singlepoint import SinglePointCalculator
-from error_helpers import raises_one_line
+from error_helpers import cli_fails, raises_one_line
 
 import xnn
 from xnn.cli.main import main
@@ -199,18 +199,6 @@ def tree(folder):
     folder = Path(folder)
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def cli_fails(capsys, args, *words):
-    """``xnn ARGS`` (in process) exits 2 with one line of error holding every word."""
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err and "\x1b" not in err, err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

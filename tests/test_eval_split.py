@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from error_helpers import cli_fails
 
 from xnn.cli.main import main
 from xnn.config.loader import load_config
@@ -33,16 +34,6 @@ def run(tmp_path_factory):
         "max_epochs=2", "logging.progress_bar=false", "loss.stress.weight=1.0", "seed=5"])
     summary = train(cfg)
     return d / "run", d / "cu.xyz", summary
-
-
-def one_line_error(capsys, args) -> str:
-    """``xnn ARGS`` exits 2 with a single line on stderr; returns it."""
-    capsys.readouterr()
-    assert main([str(a) for a in args]) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def eval_json(capsys, tmp_path, *args) -> dict:
@@ -81,13 +72,13 @@ def test_eval_split_refuses_a_changed_data_file(run, capsys):
     original = data.read_bytes()
     try:
         data.write_bytes(original.replace(b"Cu ", b"Cu  ", 1))  # same structures, other bytes
-        line = one_line_error(capsys, ["eval", "--split", "test", folder])
+        line = cli_fails(capsys, ["eval", "--split", "test", folder])
         assert "not the file the run was trained on" in line and str(data) in line
     finally:
         data.write_bytes(original)
-    line = one_line_error(capsys, ["eval", "--split", "test", folder, data])
+    line = cli_fails(capsys, ["eval", "--split", "test", folder, data])
     assert "only the run folder" in line
-    line = one_line_error(capsys, ["eval", "--split", "test", data.parent])
+    line = cli_fails(capsys, ["eval", "--split", "test", data.parent])
     assert "no split.json" in line
 
 
@@ -112,7 +103,7 @@ def test_eval_with_nan_weights_exits_2_in_one_line(run, capsys, tmp_path):
     _, data, _ = run
     model = _saved_schnet(tmp_path / "nan.pt", nan=True)
     plot = tmp_path / "p.png"
-    line = one_line_error(capsys, ["eval", model, data, "--device", "cpu", "--plot", plot])
+    line = cli_fails(capsys, ["eval", model, data, "--device", "cpu", "--plot", plot])
     assert "non-finite weights" in line and "nan.pt" in line
     assert not plot.exists()
 
@@ -122,8 +113,8 @@ def test_eval_with_non_finite_errors_exits_2_in_one_line(run, capsys, tmp_path):
     _, data, _ = run
     model = _saved_schnet(tmp_path / "huge.pt", scale=1e30)
     plot, out = tmp_path / "p.png", tmp_path / "m.json"
-    line = one_line_error(capsys, ["eval", model, data, "--device", "cpu", "--plot", plot,
-                                   "--json", out])
+    line = cli_fails(capsys, ["eval", model, data, "--device", "cpu", "--plot", plot,
+                              "--json", out])
     assert "are not finite" in line and "energy_mae" in line
     assert not plot.exists() and not out.exists()
 
@@ -159,6 +150,6 @@ def test_eval_output_folders_are_made_and_files_in_the_way_refused(run, capsys, 
     assert plot.is_file() and "energy_mae" in json.loads(out.read_text())
     blocker = tmp_path / "afile"
     blocker.write_text("")
-    line = one_line_error(capsys, ["eval", model, data, "--device", "cpu", "--plot",
-                                   blocker / "p.png"])
+    line = cli_fails(capsys, ["eval", model, data, "--device", "cpu", "--plot",
+                              blocker / "p.png"])
     assert "'afile' is a file, not a folder" in line.replace(str(tmp_path) + "/", "")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from error_helpers import cli_fails
 
 from xnn.cli.main import main
 from xnn.config.loader import describe, load_config
@@ -89,16 +90,6 @@ def ref_file(tmp_path_factory):
     return path
 
 
-def one_line_error(capsys, args) -> str:
-    """``xnn ARGS`` exits 2 with a single line on stderr; returns it."""
-    capsys.readouterr()
-    assert main([str(a) for a in args]) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 TINY = ["model.cutoff=3.0", "data.batch_size=2", "data.val_fraction=0.2",
         "model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
         "num_basis: 8}", "logging.progress_bar=false", "loss.stress.weight=1"]
@@ -107,8 +98,8 @@ TINY = ["model.cutoff=3.0", "data.batch_size=2", "data.val_fraction=0.2",
 def test_missing_labels_are_reported_at_once_with_the_keys_of_the_file(
         ref_file, tmp_path, capsys):
     out = tmp_path / "run"
-    line = one_line_error(capsys, ["train", f"data.datasets.0.path={ref_file}",
-                                   f"output_dir={out}", "max_epochs=0", *TINY])
+    line = cli_fails(capsys, ["train", f"data.datasets.0.path={ref_file}",
+                              f"output_dir={out}", "max_epochs=0", *TINY])
     for word in ("no energy label under key 'energy'", "no forces label under key 'forces'",
                  "no stress label", "'REF_energy'", "'REF_forces' [n, 3]", "'REF_stress' [6]",
                  "calculator results none", "data.datasets.0.energy_key=REF_energy",
@@ -125,7 +116,7 @@ def test_missing_labels_are_reported_at_once_with_the_keys_of_the_file(
     assert re.search(r"E0 \(fit\) Cu -?\d+\.\d{4} eV", printed), printed
     assert "{29:" not in printed
     # xnn eval of the same file names the flags
-    line = one_line_error(capsys, ["eval", out / "model.pt", ref_file, "--device", "cpu"])
+    line = cli_fails(capsys, ["eval", out / "model.pt", ref_file, "--device", "cpu"])
     assert "--energy-key REF_energy" in line and "--forces-key REF_forces" in line
 
 
@@ -186,8 +177,8 @@ def test_data_bulk_writes_a_rattled_supercell(tmp_path, capsys):
     d = atoms.get_scaled_positions() - ideal.get_scaled_positions()
     shift = (d - np.round(d)) @ atoms.cell.array  # displacement from each lattice site, Å
     assert 0.03 < shift.std() < 0.07  # --rattle 0.05 by default
-    line = one_line_error(capsys, ["data", "bulk", "--out", str(tmp_path / "z.xyz"),
-                                   "--element", "Zn"])
+    line = cli_fails(capsys, ["data", "bulk", "--out", str(tmp_path / "z.xyz"),
+                              "--element", "Zn"])
     assert "hcp, not cubic" in line
 
 
@@ -197,8 +188,8 @@ def test_another_model_with_the_yamls_hyperparameters_is_refused_with_the_fix(
     data are read (the data file does not even exist), naming ``model.hyperparameters=null``."""
     yaml = tmp_path / "cfg.yaml"
     yaml.write_text("model:\n  name: schnet\n  hyperparameters: {num_filters: 16}\n")
-    line = one_line_error(capsys, ["train", str(yaml), "model.name=painn",
-                                   f"data.datasets.0.path={tmp_path / 'none.xyz'}",
-                                   f"output_dir={tmp_path / 'run'}"])
+    line = cli_fails(capsys, ["train", str(yaml), "model.name=painn",
+                              f"data.datasets.0.path={tmp_path / 'none.xyz'}",
+                              f"output_dir={tmp_path / 'run'}"])
     assert "['num_filters']" in line and "model.name=painn model.hyperparameters=null" in line
     assert not (tmp_path / "run").exists()

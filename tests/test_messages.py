@@ -7,26 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from error_helpers import raises_one_line
+from error_helpers import cli_fails, raises_one_line
 
-from xnn.cli.main import main
 from xnn.errors import InputError
 
 LJ_HP = "model.hyperparameters={sigma: 2.3, epsilon: 0.4}"
 TINY = ["model.cutoff=3.0", "data.batch_size=3", "data.val_fraction=0.25", "max_epochs=1",
         "logging.plots=false", "logging.progress_bar=false", "device=cpu"]
-
-
-def cli_fails(capsys, args, *words) -> str:
-    """``xnn ARGS`` (in process) exits 2 with one line of error holding every word."""
-    capsys.readouterr()
-    assert main([str(a) for a in args]) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 
 import numpy as np
 import pytest
@@ -321,3 +322,51 @@ def test_one_process_builds_model_lists_for_the_sample_and_the_batch_only(files,
     assert sorted(rec.structures(CUTOFF, "batch")) == sorted(keys[:BATCH])
     every = [k for _, _, ks in rec.snapshot for k in ks]
     assert len(every) == len(sample) + BATCH
+
+
+def test_fine_tuning_refuses_coincident_atoms_before_anything_is_written(files, tmp_path,
+                                                                        monkeypatch):
+    """A fine-tuned model has no statistics, whose lists would check the training sample:
+    the sample is scanned on its own, before the run folder exists."""
+    _, data, bad, _ = files
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    code, err = _cli(free_port(), _args(data, tmp_path / "base"))
+    assert code == 0, err
+    out = tmp_path / "tuned"
+    code, err = _cli(free_port(), _args(bad, out, f"pretrained={tmp_path / 'base/model.pt'}"))
+    assert code == 2 and _line(bad, BAD) in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_structure_is_refused_where_its_edges_are_built_naming_its_file(files, tmp_path):
+    """``WithEdges`` refuses a structure with coincident atoms at its first read (its edges,
+    or without edges for context parallelism), naming the file and the index IN THAT FILE
+    through ``Subset`` and ``ConcatDataset``, for extxyz and HDF5; so does ``xnn eval``."""
+    from error_helpers import raises_one_line
+
+    from xnn.data.datasets import ConcatDataset, HDF5Source, Subset, WithEdges, read_structures
+    from xnn.data.hdf5 import write_hdf5
+    from xnn.errors import DataFileError
+    from xnn.models import build
+    from xnn.training.evaluate import evaluate_model
+
+    _, data, bad, _ = files
+    good = read_structures(data)
+    graphs = [good[i] for i in range(4)]
+    pos = graphs[2].positions.clone()
+    pos[0] = pos[2] + torch.tensor([0.05, 0.0, 0.0], dtype=pos.dtype)
+    graphs[2] = graphs[2].replace(positions=pos)
+    h5 = tmp_path / "part.h5"
+    write_hdf5(h5, graphs)
+    ds = WithEdges(ConcatDataset([Subset(read_structures(bad), [7, BAD, 1]), HDF5Source(h5)]),
+                   CUTOFF)
+    assert ds.origin(1) == (str(bad), BAD) and ds.origin(5) == (str(h5), 2)
+    assert ds[0].n_edges > 0 and ds[4].n_edges > 0
+    for index, line in ((1, _line(bad, BAD)),
+                        (5, f"structure 2 of {str(h5)!r}: atoms 0 and 2 are 0.05 Å apart")):
+        for read in (ds.__getitem__, ds.without_edges):
+            raises_one_line(DataFileError, read, index, match=re.escape(line))
+    assert ds.without_edges(4).n_edges == 0
+    lj = build("lj", sigma=2.3, epsilon=0.4, cutoff=CUTOFF)
+    raises_one_line(DataFileError, evaluate_model, lj, bad, match=re.escape(_line(bad, BAD)))

@@ -6,7 +6,7 @@ are given. Labels are checked against the loss weights (missing labels are repor
 once, per file, with the keys each file holds (:mod:`xnn.data.label_keys`) and the config
 keys to set), species of validation/test structures against the training set.
 
-No structure is read twice at start-up for coincident atoms: neighbor lists of the model's
+Start-up makes no pass over the data for coincident atoms: neighbor lists of the model's
 cutoff are built at a structure's first use, by the rank that uses it, and refuse it there
 (:class:`~xnn.data.datasets.WithEdges`). Before anything is written, a bounded sample of each
 split is checked (:func:`refuse_coincident_sample`, up to

@@ -94,7 +94,6 @@ class Trainer:
         self.need_forces = specs.get("forces", TermSpec(0.0)).weight > 0
         self.need_stress = specs.get("stress", TermSpec(0.0)).weight > 0
         self.stop_votes = 0  # sum over ranks of train_step's stop_vote, at the last step
-        self.refusals = 0  # ranks that met bad data at the last step or evaluation
         if predictor is not None and compile:
             raise ValueError("pass compile to the predictor's factory, not with a predictor")
         if predictor is None:
@@ -123,8 +122,8 @@ class Trainer:
         return loss if ev.anchor is None else loss + ev.anchor
 
     def _refusal(self, refused: DataFileError | None) -> DataFileError:
-        """The error every rank raises when ``self.refusals`` ranks met bad data: the first
-        such rank's (one gather: the text crosses ranks only in this failure case)."""
+        """The error every rank raises when some rank met bad data: the first such rank's
+        (one gather: the text crosses ranks only in this failure case)."""
         texts = self.reducer.gather_objects(None if refused is None else str(refused))
         return DataFileError(next(t for t in texts if t is not None))
 
@@ -183,8 +182,8 @@ class Trainer:
         summed = self.reducer.all_reduce_grads(params, torch.cat([loss.reshape(1), votes]))
         # the step's one wait for the device: global loss, votes, counts and the local loss
         total, stops, refusals, *host = torch.cat([summed, counts, loss.reshape(1)]).tolist()
-        self.stop_votes, self.refusals = int(stops), int(refusals)
-        if self.refusals:
+        self.stop_votes = int(stops)
+        if refusals:
             self.optimizer.zero_grad(set_to_none=True)
             raise self._refusal(refused)
         if not math.isfinite(total) or not has_labels(self.specs, host[:3]):
@@ -254,9 +253,9 @@ class Trainer:
         vote = torch.full((1,), float(refused is not None), dtype=sums.values.dtype,
                           device=sums.values.device)
         summed = self.reducer.all_reduce_sum(torch.cat([sums.values, vote]))
-        sums.values, self.refusals = summed[:-1], int(summed[-1])
+        sums.values, refusals = summed[:-1], int(summed[-1])
         self.model.train()
-        if self.refusals:
+        if refusals:
             raise self._refusal(refused)
         if not collect:
             return sums, None

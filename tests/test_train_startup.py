@@ -1,21 +1,25 @@
-"""Training start-up builds no neighbor list a rank does not need.
+"""Training start-up builds no neighbor list a rank does not need, and makes no pass over the
+data: coincident atoms are found in the lists built anyway (issue 42, item 3).
 
 A counting hook on the neighbor-list builder (:func:`xnn.neighbors.api._build`) records, per
 call, its cutoff and an identity of each structure in it; a second hook tells the lists that
 :class:`~xnn.data.datasets.WithEdges` builds for the batches (at their first use) from the
 start-up's. Runs ``xnn train`` to its first step: on 2 gloo ranks (data parallel, through the
-CLI) each rank scans its own half of the file for coincident atoms and builds its own half of
-the statistics' neighbor lists, so no structure's list is built on both ranks, and the
-average number of neighbours is that of one process; in one process no model-cutoff list is
-built beyond the statistics sample and the first batch.
+CLI) each rank builds its own half of the statistics' neighbor lists and nothing else, so no
+structure's list is built on both ranks, and the average number of neighbours is that of one
+process; in one process no list is built beyond the statistics sample and the first batch.
+A structure with coincident atoms is refused where its model-cutoff list is first built: at
+start-up when it is in the statistics sample (before anything is written), else by the rank
+that meets it mid-epoch, in data-parallel training, in validation and in context-parallel
+training; both ranks then stop with the same line and the bad step changes no weight.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
+import re
 
 import numpy as np
 import pytest
@@ -32,6 +36,8 @@ N_STRUCTURES = 40
 BATCH = 8
 CUTOFF = 4.0
 BAD = 5  # the structure given coincident atoms in the refused case
+SAMPLE = 12  # the statistics sample of the mid-epoch cases (xnn.training.data)
+LATE = 22  # a structure outside that sample (of the third batch) given coincident atoms
 
 
 def _args(data, out, *extra):
@@ -134,13 +140,90 @@ def _cli(port: int, argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def _rank_main(rank, world, tmp, data, bad, ports):
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class StepWatch:
+    """Hooks the training step: the weights before the first step, after each step that
+    returned, and the trainer (whose model a failed step must leave unchanged)."""
+
+    def __init__(self):
+        self.first: dict | None = None
+        self.after: dict | None = None
+        self.steps = 0
+        self.trainer = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        from xnn.training.trainer import Trainer
+
+        step = Trainer.train_step
+
+        def watched(trainer, *a, **kw):
+            self.trainer = trainer
+            if self.first is None:
+                self.first = weights(trainer.model)
+            loss = step(trainer, *a, **kw)
+            self.steps += 1
+            self.after = weights(trainer.model)
+            return loss
+
+        Trainer.train_step = watched
+        try:
+            yield self
+        finally:
+            Trainer.train_step = step
+
+
+def _refused_mid_run(port: int, argv: list[str], out) -> dict:
+    """Run ``argv`` with a statistics sample of :data:`SAMPLE` structures; what the rank
+    saw: exit code, stderr, steps made, whether the failed step left the weights as the
+    last good step did, and (rank 0) whether ``last.pt`` holds the initial weights."""
+    from xnn.training import data as training_data
+    from xnn.training.checkpoint import load_checkpoint
+
+    watch, saved = StepWatch(), training_data.STATISTICS_SAMPLE
+    training_data.STATISTICS_SAMPLE = SAMPLE
+    try:
+        with watch.installed():
+            code, err = _cli(port, argv)
+    finally:
+        training_data.STATISTICS_SAMPLE = saved
+    res = {"code": code, "err": err, "steps": watch.steps,
+           "unchanged": watch.trainer is not None
+           and same(weights(watch.trainer.model), watch.after or watch.first)}
+    last = out / "checkpoints" / "last.pt"
+    if last.is_file():
+        payload = load_checkpoint(last)
+        res["last"] = (payload["progress"]["step"],
+                       same(payload["model"]["state_dict"], watch.first))
+    return res
+
+
+def _rank_main(rank, world, tmp, data, bad, late, ports):
+    from pathlib import Path
+
+    tmp = Path(tmp)
     rec = Recorder()
     with rec.installed():
-        code, err = _cli(ports[0], _args(data, f"{tmp}/run"))
-    refused = _cli(ports[1], _args(bad, f"{tmp}/bad"))
+        code, err = _cli(ports[0], _args(data, tmp / "run"))
+    refused = _cli(ports[1], _args(bad, tmp / "bad"))
+    short = ("parallel.timeout_s=60", "max_epochs=1", "max_steps=null")
+    cases = {
+        "train": (late, data, ()),  # data parallel: one rank meets LATE at step 3
+        "val": (data, data, (f"data.val.0.path={late}",)),  # at the first validation
+        "cp": (late, data, ("parallel.dd=2",)),  # context parallel: both ranks of the group
+    }
+    mid = {name: _refused_mid_run(ports[2 + k], _args(train, tmp / name, *short, *extra),
+                                  tmp / name)
+           for k, (name, (train, _, extra)) in enumerate(cases.items())}
     return {"code": code, "err": err, "builds": rec.snapshot, "averages": rec.averages,
-            "refused": refused}
+            "refused": refused, "bad_dir": (tmp / "bad").exists(), "mid": mid}
 
 
 @pytest.fixture(scope="module")
@@ -148,31 +231,35 @@ def files(tmp_path_factory):
     from ase.io import read, write
 
     tmp = tmp_path_factory.mktemp("startup")
-    data, bad = tmp / "emt.xyz", tmp / "bad.xyz"
+    data, bad, late = tmp / "emt.xyz", tmp / "bad.xyz", tmp / "late.xyz"
     write_emt(data, N_STRUCTURES, ["Cu"], seed=4)
-    frames = read(data, ":")
-    frames[BAD].positions[3] = frames[BAD].positions[1]
-    write(bad, frames)
-    return tmp, data, bad
+    for path, k in ((bad, BAD), (late, LATE)):
+        frames = read(data, ":")  # with their labels (a copy would drop them)
+        frames[k].positions[3] = frames[k].positions[1]
+        write(path, frames)
+    return tmp, data, bad, late
+
+
+def _line(path, index: int) -> str:
+    return f"structure {index} of {str(path)!r}: atoms 1 and 3 are 0 Å apart"
 
 
 @pytest.mark.distributed
-def test_two_ranks_share_the_startup_neighbor_lists(files):
+def test_two_ranks_share_the_startup_neighbor_lists_and_stop_together(files):
     from xnn.data.datasets import read_structures, shard_batch
     from xnn.models.statistics import average_num_neighbors
-    from xnn.neighbors.coincident import MIN_DISTANCE
+    from xnn.training.data import sample_indices
 
-    tmp, data, bad = files
-    res = spawn(_rank_main, 2, args=(str(tmp), str(data), str(bad),
-                                     [free_port(), free_port()]), timeout_s=300)
+    tmp, data, bad, late = files
+    res = spawn(_rank_main, 2, args=(str(tmp), str(data), str(bad), str(late),
+                                     [free_port() for _ in range(5)]), timeout_s=400)
     keys = keys_of(data)
     for r in res:
         assert r["code"] == 0, r["err"]
-    scan = [built(r["builds"], MIN_DISTANCE, "startup") for r in res]
+    # before step 1 every list is of the model's cutoff: no scan of the data
+    for r in res:
+        assert {c for c, _, _ in r["builds"]} == {CUTOFF}
     stats = [built(r["builds"], CUTOFF, "startup") for r in res]
-    # the coincident-atom scan: every other structure of the file on each rank
-    for rank in range(2):
-        assert sorted(scan[rank]) == sorted(keys[rank::2]), rank
     # the statistics' lists: disjoint halves of the sample (here every structure)
     assert not set(stats[0]) & set(stats[1])
     assert sorted(stats[0] + stats[1]) == sorted(keys)
@@ -185,24 +272,44 @@ def test_two_ranks_share_the_startup_neighbor_lists(files):
     # the same average on both ranks as in one process
     one = average_num_neighbors([ds[i] for i in range(len(ds))], CUTOFF)
     assert [r["averages"] for r in res] == [[one], [one]]
-    # a coincident pair in rank 1's half only: both ranks refuse with the same line
+    # a coincident pair in the statistics sample (rank 1's half of it): both ranks refuse
+    # with the same line before anything is written
+    assert BAD % 2 == 1
     for r in res:
         code, err = r["refused"]
-        assert code == 2 and f"structure {BAD} of {str(bad)!r}: atoms 1 and 3 are 0 Å" in err
+        assert code == 2 and _line(bad, BAD) in err, err
         assert len(err.strip().splitlines()) == 1, err
+        assert not r["bad_dir"]
     assert res[0]["refused"] == res[1]["refused"]
+    # outside the sample: met mid-epoch by the rank whose share holds it (data parallel),
+    # in validation, and by both ranks of a dd group (context parallel)
+    assert LATE not in sample_indices(N_STRUCTURES, SAMPLE)
+    holder = [rank for rank in range(2) if LATE in shard_batch(
+        list(range(2 * BATCH, 3 * BATCH)), ds.n_atoms, rank, 2)]
+    assert len(holder) == 1
+    for name, steps in (("train", 2), ("val", N_STRUCTURES // BATCH), ("cp", 2)):
+        mid = [r["mid"][name] for r in res]
+        for m in mid:
+            assert m["code"] == 2 and _line(late, LATE) in m["err"], (name, m["err"])
+            assert len(m["err"].strip().splitlines()) == 1, m["err"]
+            assert m["steps"] == steps, (name, m)
+            # the bad step (or validation) changed no weight
+            assert m["unchanged"], name
+        assert mid[0]["err"] == mid[1]["err"], name
+        # the last checkpoint is the intact one of the run's start
+        assert mid[0]["last"] == (0, True), name
+    for name in ("train", "cp"):
+        assert "met at step 3, epoch 1" in res[0]["mid"][name]["err"]
 
 
 def test_one_process_builds_model_lists_for_the_sample_and_the_batch_only(files, tmp_path,
                                                                           monkeypatch):
     """One process, a statistics sample of 12 of the 40 structures: before step 1 the
-    model-cutoff lists are those of the sample and of the first batch, no full pass."""
-    from xnn.app import train as app_train
-    from xnn.training.data import structures_for_statistics
+    neighbor lists are those of the sample and of the first batch, no pass over the data."""
+    from xnn.training import data as training_data
 
-    _, data, _ = files
-    monkeypatch.setattr(app_train, "structures_for_statistics",
-                        functools.partial(structures_for_statistics, limit=12))
+    _, data, _, _ = files
+    monkeypatch.setattr(training_data, "STATISTICS_SAMPLE", SAMPLE)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     rec = Recorder()
@@ -210,8 +317,56 @@ def test_one_process_builds_model_lists_for_the_sample_and_the_batch_only(files,
         code, err = _cli(free_port(), _args(data, tmp_path / "run"))
     assert code == 0, err
     keys = keys_of(data)
-    sample = np.unique(np.linspace(0, N_STRUCTURES - 1, 12).round().astype(int))
+    sample = np.unique(np.linspace(0, N_STRUCTURES - 1, SAMPLE).round().astype(int))
     assert sorted(rec.structures(CUTOFF, "startup")) == sorted(keys[i] for i in sample)
     assert sorted(rec.structures(CUTOFF, "batch")) == sorted(keys[:BATCH])
-    built = set(rec.structures(CUTOFF, "startup")) | set(rec.structures(CUTOFF, "batch"))
-    assert len(built) < N_STRUCTURES
+    every = [k for _, _, ks in rec.snapshot for k in ks]
+    assert len(every) == len(sample) + BATCH
+
+
+def test_fine_tuning_refuses_coincident_atoms_before_anything_is_written(files, tmp_path,
+                                                                        monkeypatch):
+    """A fine-tuned model has no statistics, whose lists would check the training sample:
+    the sample is scanned on its own, before the run folder exists."""
+    _, data, bad, _ = files
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    code, err = _cli(free_port(), _args(data, tmp_path / "base"))
+    assert code == 0, err
+    out = tmp_path / "tuned"
+    code, err = _cli(free_port(), _args(bad, out, f"pretrained={tmp_path / 'base/model.pt'}"))
+    assert code == 2 and _line(bad, BAD) in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_structure_is_refused_where_its_edges_are_built_naming_its_file(files, tmp_path):
+    """``WithEdges`` refuses a structure with coincident atoms at its first read (its edges,
+    or without edges for context parallelism), naming the file and the index IN THAT FILE
+    through ``Subset`` and ``ConcatDataset``, for extxyz and HDF5; so does ``xnn eval``."""
+    from error_helpers import raises_one_line
+
+    from xnn.data.datasets import ConcatDataset, HDF5Source, Subset, WithEdges, read_structures
+    from xnn.data.hdf5 import write_hdf5
+    from xnn.errors import DataFileError
+    from xnn.models import build
+    from xnn.training.evaluate import evaluate_model
+
+    _, data, bad, _ = files
+    good = read_structures(data)
+    graphs = [good[i] for i in range(4)]
+    pos = graphs[2].positions.clone()
+    pos[0] = pos[2] + torch.tensor([0.05, 0.0, 0.0], dtype=pos.dtype)
+    graphs[2] = graphs[2].replace(positions=pos)
+    h5 = tmp_path / "part.h5"
+    write_hdf5(h5, graphs)
+    ds = WithEdges(ConcatDataset([Subset(read_structures(bad), [7, BAD, 1]), HDF5Source(h5)]),
+                   CUTOFF)
+    assert ds.origin(1) == (str(bad), BAD) and ds.origin(5) == (str(h5), 2)
+    assert ds[0].n_edges > 0 and ds[4].n_edges > 0
+    for index, line in ((1, _line(bad, BAD)),
+                        (5, f"structure 2 of {str(h5)!r}: atoms 0 and 2 are 0.05 Å apart")):
+        for read in (ds.__getitem__, ds.without_edges):
+            raises_one_line(DataFileError, read, index, match=re.escape(line))
+    assert ds.without_edges(4).n_edges == 0
+    lj = build("lj", sigma=2.3, epsilon=0.4, cutoff=CUTOFF)
+    raises_one_line(DataFileError, evaluate_model, lj, bad, match=re.escape(_line(bad, BAD)))

@@ -155,8 +155,9 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
                              f"pretrained model {cfg.pretrained!r}")
         logger.print(f"fine-tuning {describe_model(model)} from {cfg.pretrained}")
         return model
-    stats = data_statistics(cfg.model, splits.species,
-                            structures_for_statistics(splits.raw_train), reducer)
+    sample = structures_for_statistics(splits.raw_train)  # coincident atoms refused there
+    stats = data_statistics(cfg.model, splits.species, [sample[i] for i in range(len(sample))],
+                            reducer, sample.origin)
     model = build_model(cfg, splits.species, stats)
     logger.print(f"model: {describe_model(model)}; E0 ({cfg.model.e0}) "
                  f"{format_e0(stats['e0'])}, avg neighbours {stats['avg_num_neighbors']:.1f}")
@@ -234,8 +235,10 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
         _deterministic()
     memory = _memory(cfg, device, reducer.rank)
     seed_everything(cfg.seed, reducer.rank)
+    # the statistics' neighbor lists check their training sample for coincident atoms; a
+    # fine-tuned model has no statistics: build_splits checks that sample then
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species,
-                          reducer)
+                          reducer, check_train=bool(cfg.pretrained))
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
                  f"{len(splits.test) if splits.test else 0} test structures")

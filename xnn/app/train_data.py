@@ -4,11 +4,15 @@ Each training file is split on its own by a permutation seeded with ``(seed, fil
 (see :func:`xnn.data.datasets.split_indices`) unless explicit ``data.val``/``data.test`` files
 are given. Labels are checked against the loss weights (missing labels are reported all at
 once, per file, with the keys each file holds (:mod:`xnn.data.label_keys`) and the config
-keys to set), species of validation/test structures against the training set, and every
-structure for coincident atoms: the ranks of a job share that scan (each takes every
-``world_size``-th structure of each file) and raise the same error. Neighbor lists of the
-model's cutoff are built later, at a structure's first use, by the rank that uses it
-(:class:`~xnn.data.datasets.WithEdges`).
+keys to set), species of validation/test structures against the training set.
+
+Start-up makes no pass over the data for coincident atoms: neighbor lists of the model's
+cutoff are built at a structure's first use, by the rank that uses it, and refuse it there
+(:class:`~xnn.data.datasets.WithEdges`). Before anything is written, a bounded sample of each
+split is checked (:func:`refuse_coincident_sample`, up to
+:data:`~xnn.training.data.STATISTICS_SAMPLE` structures spread over each: every structure of
+a small data set) — the training sample by the statistics' own neighbor lists
+(:func:`xnn.app.train_model.data_statistics`) unless the run has no statistics.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from xnn.training.data import (
     check_species,
     coincident_error,
     first_coincident,
+    sample_indices,
     symbols,
 )
 from xnn.training.reducer import LocalReducer
@@ -34,35 +39,36 @@ from xnn.training.reducer import LocalReducer
 LABELS = (("energy", K.ENERGY), ("forces", K.FORCES), ("stress", K.STRESS))
 
 
-def _open(entry: DatasetConfig, opened: list):
-    """The dataset of ``entry``, appended with its path to ``opened``."""
+def _open(entry: DatasetConfig):
+    """The dataset of ``entry`` (its ``origin`` names ``entry.path``)."""
     if not entry.path:
         raise DataFileError("a dataset entry has an empty path (set data.datasets.N.path)")
-    ds = read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
-                         entry.stress_key, entry.virial_key)
-    opened.append((ds, entry.path))
-    return ds
+    return read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
+                           entry.stress_key, entry.virial_key)
 
 
-def refuse_coincident_shared(opened: list, reducer) -> None:
-    """Raise the same :class:`DataFileError` on every rank for the first structure (first
-    file, then index in it) of ``opened`` (``(dataset, path)`` pairs) with coincident atoms.
+def refuse_coincident_sample(parts: list, reducer, limit: int | None = None) -> None:
+    """Raise the same :class:`DataFileError` on every rank for the first structure with
+    coincident atoms among up to ``limit`` structures spread over each dataset of ``parts``
+    (:func:`~xnn.training.data.sample_indices`; the first part first), named by the
+    dataset's ``origin``.
 
-    Each rank scans every ``world_size``-th structure of each file, from its rank on, and
-    stops at the first file where it finds one; one gather of the findings follows
-    (collective over ``reducer``'s ranks).
+    Each rank scans every ``world_size``-th structure of each sample with a short-radius
+    neighbor list and stops at the first part where it finds one; one gather of the
+    findings follows (collective over ``reducer``'s ranks).
     """
     rank, world = reducer.rank, reducer.world_size
     mine = None
-    for k, (ds, _) in enumerate(opened):
-        found = first_coincident(ds, range(rank, len(ds), world))
+    for k, ds in enumerate(parts):
+        sample = sample_indices(len(ds), limit)
+        found = first_coincident(ds, sample[rank::world])
         if found is not None:
-            mine = (k, *found)
+            mine = (k, int(np.searchsorted(sample, found[0])), found[0], found[1])
             break
     found = [f for f in (reducer.gather_objects(mine) if world > 1 else [mine]) if f]
     if found:
-        k, index, pair = min(found, key=lambda f: f[:2])
-        raise coincident_error(opened[k][1], index, pair)
+        k, _, index, pair = min(found, key=lambda f: f[:2])
+        raise coincident_error(*parts[k].origin(index), pair)
 
 
 def _concat(parts: list):
@@ -73,7 +79,8 @@ def _concat(parts: list):
 
 
 def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
-                 species: list[int] | None = None, reducer=None) -> DataSplits:
+                 species: list[int] | None = None, reducer=None,
+                 check_train: bool = True) -> DataSplits:
     """Read, split, check and wrap the datasets of a run.
 
     Args:
@@ -85,13 +92,18 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         reducer: the ranks that share the scan for coincident atoms (``rank``,
             ``world_size``, ``gather_objects``; default: one process). Every rank of it must
             call this function.
+        check_train: scan the training sample too (``False`` where the statistics' neighbor
+            lists check it: :func:`xnn.app.train_model.data_statistics`); the validation and
+            test samples are always scanned (:func:`refuse_coincident_sample`).
+    Raises:
+        DataFileError: a sampled structure has coincident atoms (among others).
     """
     if not data.datasets:
         raise InputError("no training data: set data.datasets (e.g. "
                          "data.datasets.0.path=train.xyz)")
-    train_parts, val_parts, test_parts, opened = [], [], [], []
+    train_parts, val_parts, test_parts = [], [], []
     for k, entry in enumerate(data.datasets):
-        ds = _open(entry, opened)
+        ds = _open(entry)
         if len(ds) == 0:
             raise DataFileError(f"dataset {entry.path!r} holds no structure")
         vf = 0.0 if data.val else data.val_fraction
@@ -100,9 +112,8 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         train_parts.append(Subset(ds, tr))
         val_parts.append(Subset(ds, va))
         test_parts.append(Subset(ds, te))
-    val_parts += [_open(e, opened) for e in data.val]
-    test_parts += [_open(e, opened) for e in data.test]
-    refuse_coincident_shared(opened, reducer or LocalReducer())
+    val_parts += [_open(e) for e in data.val]
+    test_parts += [_open(e) for e in data.test]
     train = _concat(train_parts)
     if data.overfit is not None:
         train = Subset(train, np.arange(min(data.overfit, len(train))))
@@ -121,6 +132,9 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
     for ds, what in ((val, "validation"), (test, "test")):
         if ds is not None:
             check_species(ds, train_species, what)
+    sampled = [train] if check_train else []
+    refuse_coincident_sample([*sampled, *(d for d in (val, test) if d is not None)],
+                             reducer or LocalReducer())
     cache = data.cache_edges
     return DataSplits(
         train=WithEdges(train, cutoff, cache),

@@ -79,16 +79,23 @@ def sum_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=None
     return hp
 
 
-def shared_average_neighbors(structures: list, cutoffs: list[float], reducer=None) -> list:
+def shared_average_neighbors(structures: list, cutoffs: list[float], reducer=None,
+                             origin=None) -> list:
     """The average number of neighbours within each of ``cutoffs`` over ``structures``, with
     the neighbor lists shared by the ranks of ``reducer`` (each builds those of every
     ``world_size``-th structure; one gather of the counts): the same numbers on every rank,
-    and as one process computes them. Collective over ``reducer``'s ranks."""
+    and as one process computes them. Collective over ``reducer``'s ranks.
+
+    The same lists refuse a structure with coincident atoms: every rank raises the
+    :func:`~xnn.data.datasets.coincident_error` of the first such structure, named by
+    ``origin(k) -> (file, index in file)`` of ``structures[k]`` (default: the sample's
+    ``("statistics sample", k)``)."""
     from xnn.models import statistics as S
 
     rank, world = (0, 1) if reducer is None else (reducer.rank, reducer.world_size)
     mine = [S.neighbor_counts(structures[rank::world], c) for c in cutoffs]
     every = reducer.gather_objects(mine) if world > 1 else [mine]
+    _refuse_coincident(every, world, origin or (lambda k: ("statistics sample", k)))
     out = []
     for k in range(len(cutoffs)):
         edges, atoms = (sum(r[k][i] for r in every) for i in (0, 1))
@@ -98,8 +105,21 @@ def shared_average_neighbors(structures: list, cutoffs: list[float], reducer=Non
     return out
 
 
+def _refuse_coincident(every: list, world: int, origin) -> None:
+    """Raise for the first structure (by sample position) in which a rank's lists
+    (``every[rank][cutoff]``, :class:`~xnn.models.statistics.NeighborCounts` of the sample's
+    structures ``rank::world``) found coincident atoms."""
+    from xnn.data.datasets import coincident_error
+
+    found = [(rank + world * c.close.system, c.close) for rank, counts in enumerate(every)
+             for c in counts[:1] if c.close is not None]
+    if found:
+        k, pair = min(found, key=lambda f: f[0])
+        raise coincident_error(*origin(k), pair)
+
+
 def data_statistics(cfg: ModelConfig, species: list[int], structures: list,
-                    reducer=None) -> dict:
+                    reducer=None, origin=None) -> dict:
     """E0s, shift, scale and average neighbours from training structures (see ModelConfig).
 
     For ``model.name=sum`` the energies and forces are those left by the fixed terms
@@ -107,14 +127,16 @@ def data_statistics(cfg: ModelConfig, species: list[int], structures: list,
     the residual), plus a ``{cutoff: average number of neighbours}`` dict over the named
     terms' cutoffs in ``term_avg_num_neighbors``. The neighbor lists of the averages are
     shared by the ranks of ``reducer`` (see :func:`shared_average_neighbors`; every rank of
-    it must call this function), the rest needs none."""
+    it must call this function), the rest needs none. They refuse a structure with
+    coincident atoms, named by ``origin(k) -> (file, index in file)`` of ``structures[k]``."""
     from xnn.models import statistics as S
 
     cuts = []
     if cfg.name == "sum":
         cuts = sorted({_term_cutoff(cfg, t) for t in sum_terms(cfg)
                        if isinstance(t, dict) and "name" in t})
-    averages = shared_average_neighbors(structures, [float(cfg.cutoff), *cuts], reducer)
+    averages = shared_average_neighbors(structures, [float(cfg.cutoff), *cuts], reducer,
+                                        origin)
     out: dict = {"avg_num_neighbors": averages[0]}
     if cfg.name == "sum":
         out["term_avg_num_neighbors"] = dict(zip(cuts, averages[1:]))

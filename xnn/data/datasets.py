@@ -7,7 +7,13 @@ here also give ``label_counts()`` (``[len(ds), 3]`` labelled items per structure
 :class:`WithEdges` counts any other dataset by reading it once. Every structure
 carries the label fields ``energy [1]`` (eV), ``forces [n, 3]`` (eV/Å) and ``stress [1, 3, 3]``
 (eV/Å³, ASE sign) with NaN where the source has no label (so batches concatenate), and a
-``weight [1]`` (the dataset's loss weight).
+``weight [1]`` (the dataset's loss weight). ``origin(i)`` names the file structure ``i``
+comes from and its index in that file, through :class:`Subset` and :class:`ConcatDataset`.
+
+:class:`WithEdges` builds a structure's neighbor list at its first use and refuses it there
+if two of its atoms are closer than :data:`~xnn.neighbors.coincident.MIN_DISTANCE` (every
+such pair is an edge of the model's cutoff, so the check costs no neighbor list): no pass
+over the whole data set is needed before training starts.
 
 Batches are lists of structure indices, made once per epoch from a seeded permutation
 (``make_batches``): a fixed number of structures, or as many as fit in ``max_atoms`` atoms.
@@ -30,6 +36,17 @@ from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
+
+
+def coincident_error(path: str, index: int, pair) -> DataFileError:
+    """The one-line refusal of structure ``index`` of file ``path`` whose atoms ``pair.i``
+    and ``pair.j`` (a :class:`~xnn.neighbors.coincident.ClosePair`) are too close."""
+    from xnn.neighbors.coincident import MIN_DISTANCE
+
+    return DataFileError(
+        f"structure {index} of {path!r}: atoms {pair.i} and {pair.j} are "
+        f"{pair.distance:.3g} Å apart, closer than {MIN_DISTANCE} Å (coincident atoms: "
+        "a duplicated atom?); remove or fix that structure")
 
 
 # --------------------------------------------------------------------------- labels
@@ -68,17 +85,30 @@ def label_counts_of(graph: AtomicGraph) -> np.ndarray:
                        -1).cpu().numpy()
 
 
+def origin_of(dataset, index: int) -> tuple[str, int]:
+    """:meth:`_Labels.origin` of a dataset here; ``(its name, index)`` for any other."""
+    if isinstance(dataset, _Labels):
+        return dataset.origin(index)
+    return getattr(dataset, "name", "dataset"), int(index)
+
+
 def _count_by_reading(dataset) -> np.ndarray:
     rows = [label_counts_of(dataset[i]) for i in range(len(dataset))]
     return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
 
 
 class _Labels:
-    """Label metadata of a dataset from its ``_count_labels()`` (``[len, 3]``, see
-    :func:`label_counts_of`), computed once: :meth:`label_counts`, :meth:`label_masks`,
-    :meth:`batch_label_counts`."""
+    """The base of the datasets here: label metadata from ``_count_labels()`` (``[len, 3]``,
+    see :func:`label_counts_of`), computed once (:meth:`label_counts`, :meth:`label_masks`,
+    :meth:`batch_label_counts`), and :meth:`origin`."""
 
     _label_counts: np.ndarray | None = None
+    name = "dataset"
+
+    def origin(self, index: int) -> tuple[str, int]:
+        """``(file, index in that file)`` of structure ``index``, for messages: the file as
+        the user named it (here: the dataset's name and ``index``)."""
+        return self.name, int(index)
 
     def _count_labels(self) -> np.ndarray:
         return _count_by_reading(self)
@@ -109,12 +139,19 @@ class InMemoryDataset(_Labels):
     Args:
         graphs: one-system graphs (labels as in :func:`normalize_labels`).
         name: shown in error messages (usually the file name).
+        source: the file the graphs were read from, in file order, as the user named it
+            (:meth:`origin`; ``None``: ``name``).
     """
 
-    def __init__(self, graphs: Sequence[AtomicGraph], name: str = "dataset"):
+    def __init__(self, graphs: Sequence[AtomicGraph], name: str = "dataset",
+                 source: str | None = None):
         self.graphs = list(graphs)
         self.name = name
+        self.source = source
         self.n_atoms = np.asarray([g.n_atoms for g in self.graphs], dtype=np.int64)
+
+    def origin(self, index: int) -> tuple[str, int]:
+        return (self.source or self.name), int(index)
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -137,7 +174,11 @@ class HDF5Source(_Labels):
         self.inner = HDF5Dataset(path)
         self.weight = float(weight)
         self.name = Path(path).name
+        self.source = os.fspath(path)
         self.n_atoms = self.inner.n_atoms
+
+    def origin(self, index: int) -> tuple[str, int]:
+        return self.source, int(index)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -185,6 +226,9 @@ class Subset(_Labels):
     def __getitem__(self, index: int) -> AtomicGraph:
         return self.dataset[int(self.indices[index])]
 
+    def origin(self, index: int) -> tuple[str, int]:
+        return origin_of(self.dataset, int(self.indices[index]))
+
     def _count_labels(self) -> np.ndarray:
         return self.dataset.label_counts()[self.indices]
 
@@ -210,11 +254,20 @@ class ConcatDataset(_Labels):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def __getitem__(self, index: int) -> AtomicGraph:
+    def _part(self, index: int) -> tuple[int, int]:
+        """``(dataset, index in it)`` of structure ``index``."""
         if not 0 <= index < len(self):
             raise IndexError(f"structure {index} out of range [0, {len(self)})")
         d = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        return self.datasets[d][index - int(self.offsets[d])]
+        return d, index - int(self.offsets[d])
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        d, i = self._part(index)
+        return self.datasets[d][i]
+
+    def origin(self, index: int) -> tuple[str, int]:
+        d, i = self._part(int(index))
+        return origin_of(self.datasets[d], i)
 
     def _count_labels(self) -> np.ndarray:
         parts = [d.label_counts() for d in self.datasets]
@@ -225,12 +278,18 @@ class ConcatDataset(_Labels):
 
 
 class WithEdges(_Labels):
-    """Attach a neighbor list for ``cutoff`` to every structure, cached after the first read.
+    """Attach a neighbor list for ``cutoff`` to every structure, cached after the first read,
+    and refuse a structure with coincident atoms there.
 
     Args:
         dataset: the structures.
         cutoff: Å (the model's cutoff).
         cache: keep the graphs with edges in memory (turn off for datasets larger than memory).
+
+    Raises (on reading a structure):
+        DataFileError: two of its atoms are closer than
+            :data:`~xnn.neighbors.coincident.MIN_DISTANCE` (:func:`coincident_error`: its
+            file and index in it, the atoms and their distance).
     """
 
     def __init__(self, dataset, cutoff: float, cache: bool = True):
@@ -239,6 +298,7 @@ class WithEdges(_Labels):
         self.n_atoms = np.asarray(dataset.n_atoms)
         self.name = getattr(dataset, "name", "dataset")
         self._cache: dict[int, AtomicGraph] | None = {} if cache else None
+        self._checked: set[int] = set()  # read by without_edges and found sound
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -247,11 +307,33 @@ class WithEdges(_Labels):
         if self._cache is not None and index in self._cache:
             return self._cache[index]
         from xnn.neighbors import with_edges
+        from xnn.neighbors.coincident import MIN_DISTANCE, first_close_edge, first_close_pair
 
         g = with_edges(self.dataset[index], self.cutoff)
+        # every pair closer than MIN_DISTANCE is an edge: the check needs no neighbor list
+        pair = first_close_edge(g) if self.cutoff >= MIN_DISTANCE else first_close_pair(g)
+        if pair is not None:
+            raise coincident_error(*self.origin(index), pair)
         if self._cache is not None:
             self._cache[index] = g
         return g
+
+    def without_edges(self, index: int) -> AtomicGraph:
+        """Structure ``index`` without its neighbor list (domain-decomposed training builds
+        each rank's own), refused as :meth:`__getitem__` does at its first read here: one
+        short-radius neighbor list, the same verdict on every rank that reads it."""
+        g = self.dataset[index]
+        if index not in self._checked:
+            from xnn.neighbors.coincident import find_close_pair
+
+            pair = find_close_pair(g)
+            if pair is not None:
+                raise coincident_error(*self.origin(index), pair)
+            self._checked.add(index)
+        return g
+
+    def origin(self, index: int) -> tuple[str, int]:
+        return origin_of(self.dataset, index)
 
     def _count_labels(self) -> np.ndarray:
         inner = getattr(self.dataset, "label_counts", None)  # else any dataset, read once
@@ -279,7 +361,7 @@ def read_structures(
     """
     p = require_file(path, "dataset file")
     if p.suffix in HDF5_SUFFIXES:
-        return HDF5Source(p, weight)
+        return HDF5Source(path, weight)
     from xnn.data import ase_io
 
     frames = ase_io.read(str(p))
@@ -299,7 +381,7 @@ def read_structures(
         })
         out.append(g)
         offset += g.n_atoms
-    return InMemoryDataset(out, name=p.name)
+    return InMemoryDataset(out, name=p.name, source=os.fspath(path))
 
 
 def split_indices(

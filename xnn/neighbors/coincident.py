@@ -63,16 +63,22 @@ def first_close_pair(graph: AtomicGraph, min_distance: float = MIN_DISTANCE
     a system does not depend on the other systems of the batch."""
     if min_distance <= 0:
         return None
-    g = _short_edges(graph, min_distance)
-    if g.edge_index.shape[1] == 0:
+    return first_close_edge(_short_edges(graph, min_distance), min_distance)
+
+
+def first_close_edge(graph: AtomicGraph, min_distance: float = MIN_DISTANCE
+                     ) -> ClosePair | None:
+    """As :func:`first_close_pair` for a graph that has edges already, for a cutoff of at
+    least ``min_distance`` (every closer pair is one of its edges): no neighbor list."""
+    if graph.edge_index.shape[1] == 0:
         return None
-    d = g.edge_vectors().detach().norm(dim=-1)
-    system = g.batch.index_select(0, g.edge_index[1])
+    d = graph.edge_vectors().detach().norm(dim=-1)
+    system = graph.batch.index_select(0, graph.edge_index[1])
     close = d < min_distance
     if not bool(close.any()):
         return None
     s = int(system[close].min())
     e = int(torch.where(system == s, d, torch.full_like(d, float("inf"))).argmin())
-    j, i = int(g.edge_index[0, e]), int(g.edge_index[1, e])
-    first = int(g.ptr[s])
+    j, i = int(graph.edge_index[0, e]), int(graph.edge_index[1, e])
+    first = int(graph.ptr[s])
     return ClosePair(s, min(i, j) - first, max(i, j) - first, float(d[e]))

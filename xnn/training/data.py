@@ -1,5 +1,6 @@
 """Datasets of a training run as library functions: the split container, label and
-species checks, and the structures used for statistics.
+species checks, coincident atoms in a sample of structures, and the structures used for
+statistics (a bounded sample: nothing here reads a whole data set).
 
 Reading the ``data`` section of a config into splits is the application's
 (:func:`xnn.app.train_data.build_splits`).
@@ -14,9 +15,12 @@ import numpy as np
 from ase.data import chemical_symbols
 
 from xnn.data import keys as K
-from xnn.data.datasets import WithEdges
+from xnn.data.datasets import Subset, WithEdges, coincident_error
 from xnn.errors import DataFileError, InputError
 from xnn.neighbors.coincident import ClosePair
+
+#: structures of the statistics sample (E0, shift, scale, average number of neighbours)
+STATISTICS_SAMPLE = 2000
 
 
 @dataclass
@@ -48,16 +52,6 @@ def first_coincident(dataset, indices: Sequence[int], chunk: int = 64
         if pair is not None:
             return part[pair.system], pair
     return None
-
-
-def coincident_error(path: str, index: int, pair: ClosePair) -> DataFileError:
-    """The one-line refusal of structure ``index`` of file ``path`` for ``pair``."""
-    from xnn.neighbors.coincident import MIN_DISTANCE
-
-    return DataFileError(
-        f"structure {index} of {path!r}: atoms {pair.i} and {pair.j} are "
-        f"{pair.distance:.3g} Å apart, closer than {MIN_DISTANCE} Å (coincident atoms: "
-        "a duplicated atom?); remove or fix that structure")
 
 
 def refuse_coincident(dataset, path: str, chunk: int = 64) -> None:
@@ -105,12 +99,22 @@ def check_species(dataset, train_species: list[int], what: str) -> None:
                          f"training set ({symbols(train_species)})")
 
 
-def structures_for_statistics(dataset, limit: int = 2000) -> list:
-    """Up to ``limit`` structures spread evenly over ``dataset`` (for E0/scale/shift)."""
-    n = len(dataset)
-    idx = np.unique(np.linspace(0, n - 1, min(n, limit)).round().astype(int)) if n else []
-    return [dataset[int(i)] for i in idx]
+def sample_indices(n: int, limit: int | None = None) -> np.ndarray:
+    """Up to ``limit`` (default :data:`STATISTICS_SAMPLE`) indices spread evenly over
+    ``range(n)``, ascending."""
+    limit = STATISTICS_SAMPLE if limit is None else limit
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(np.linspace(0, n - 1, min(n, limit)).round().astype(np.int64))
 
 
-__all__ = ["DataSplits", "check_labels", "check_species", "coincident_error",
-           "first_coincident", "refuse_coincident", "structures_for_statistics"]
+def structures_for_statistics(dataset, limit: int | None = None) -> Subset:
+    """Up to ``limit`` (default :data:`STATISTICS_SAMPLE`) structures spread evenly over
+    ``dataset`` (for E0/scale/shift and the average number of neighbours), as a
+    :class:`~xnn.data.datasets.Subset`: its ``origin`` names each one's file and index."""
+    return Subset(dataset, sample_indices(len(dataset), limit))
+
+
+__all__ = ["STATISTICS_SAMPLE", "DataSplits", "check_labels", "check_species",
+           "coincident_error", "first_coincident", "refuse_coincident", "sample_indices",
+           "structures_for_statistics"]

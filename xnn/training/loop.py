@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from xnn.data.datasets import make_batches
-from xnn.errors import InputError
+from xnn.errors import DataFileError, InputError
 from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
 from xnn.training.metrics import MetricSums
 from xnn.training.seeding import seed_everything, seed_streams, stream_seed  # noqa: F401
@@ -284,6 +284,16 @@ class TrainingLoop:
             return True
         return False
 
+    def _load(self, dataset, shares: list[list[int]]) -> tuple[list, DataFileError | None]:
+        """This rank's structures of ``shares`` (one list of indices per global batch), or
+        empty shares and the error when a structure cannot be used (coincident atoms, found
+        when its neighbor list is first built): the step then stops every rank (see
+        :meth:`Trainer.train_step`) instead of leaving the others in its collective."""
+        try:
+            return [self.sharding.load(dataset, share) for share in shares], None
+        except DataFileError as e:
+            return [[] for _ in shares], e
+
     def _late(self) -> bool:
         """Rank 0's vote to stop for the time limit: every rank must take the same branch, so
         the vote travels with the step's loss all-reduce and every rank reads the sum."""
@@ -308,10 +318,10 @@ class TrainingLoop:
                 if self._stop_for_steps():
                     return False
                 step_batches = batches[p.batch_in_epoch : p.batch_in_epoch + k]
-                graphs = [self.sharding.load(data, shard(b)) for b in step_batches]
+                graphs, refused = self._load(data, [shard(b) for b in step_batches])
                 counts = data.batch_label_counts([i for b in step_batches for i in b])
                 loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late(),
-                                               counts=counts)
+                                               counts=counts, refused=refused)
                 p.step += 1
                 p.batch_in_epoch += len(step_batches)
                 self._step_done(loss, metrics)
@@ -392,6 +402,8 @@ class TrainingLoop:
             ``"early_stopping"``.
         Raises:
             NonFiniteLossError: NaN/inf loss; the last checkpoint is the last good state.
+            DataFileError: a rank met a structure it cannot use (coincident atoms), on every
+                rank; the bad step changed nothing, the last checkpoint is intact.
         """
         self.t_start = time.perf_counter()
         if self.cfg.precision == "tf32" and self.trainer.device.type != "cuda":
@@ -411,6 +423,10 @@ class TrainingLoop:
                     f"{e} (epoch {p.epoch + 1}); training stopped, the last good checkpoint is "
                     f"{self.ckpt_dir / 'last.pt'}"
                 ) from None
+            except DataFileError as e:
+                raise DataFileError(
+                    f"{e} (met at step {p.step + 1}, epoch {p.epoch + 1}; training stopped, "
+                    f"the last checkpoint is {self.ckpt_dir / 'last.pt'})") from None
             if not finished:  # mid-epoch: the checkpoint keeps the epoch's metric sums
                 self._partial = self.reducer.all_reduce_sum(metrics.values)
                 self.save("last")

@@ -39,7 +39,8 @@ class BatchSharding:
         from xnn.data.datasets import WithEdges
 
         if self.without_edges and isinstance(dataset, WithEdges):
-            dataset = dataset.dataset  # the same structures and labels, no edges
+            # the same structures and labels, no edges (checked for coincident atoms)
+            return [dataset.without_edges(i) for i in indices]
         return [dataset[i] for i in indices]
 
     def __call__(self, batch: Sequence[int], n_atoms: np.ndarray,

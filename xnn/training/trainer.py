@@ -9,6 +9,12 @@ are all-reduced during the forward pass); gradients are summed after the double 
 metrics are summed. Every rank therefore takes the same branch (the NaN check reads the
 reduced loss).
 
+Bad data met by one rank (a structure refused when its share is read, e.g. coincident atoms,
+:class:`~xnn.errors.DataFileError`) stops every rank the same way: that rank passes an empty
+share and the error, its vote rides in the step's gradient all-reduce (or the evaluation's
+metric all-reduce), no parameter changes, and every rank raises the same error, whose text
+one gather shares in that case only.
+
 A step may hold several micro-batches (gradient accumulation): one forward/backward per
 piece of each, then ONE gradient reduction and optimizer step; the losses are additive, so
 the update is exactly that of one batch of the summed size.
@@ -24,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
-from xnn.errors import XnnError
+from xnn.errors import DataFileError, XnnError
 from xnn.training.losses import NO_LABELS, TermSpec, has_labels, loss_terms
 from xnn.training.metrics import MetricSums
 from xnn.training.prediction import Evaluated, make_local_predictor, stress_labelled
@@ -115,15 +121,22 @@ class Trainer:
             return ev.anchor  # nothing labelled here: still join every collective's backward
         return loss if ev.anchor is None else loss + ev.anchor
 
+    def _refusal(self, refused: DataFileError | None) -> DataFileError:
+        """The error every rank raises when some rank met bad data: the first such rank's
+        (one gather: the text crosses ranks only in this failure case)."""
+        texts = self.reducer.gather_objects(None if refused is None else str(refused))
+        return DataFileError(next(t for t in texts if t is not None))
+
     # ------------------------------------------------------------------ training
     def train_step(self, graphs, step: int, metrics: MetricSums | None = None,
-                   stop_vote: bool = False, counts: Sequence[float] | None = None) -> float:
+                   stop_vote: bool = False, counts: Sequence[float] | None = None,
+                   refused: DataFileError | None = None) -> float:
         """One optimizer step on this rank's share ``graphs`` of a global batch.
 
-        Cross-rank cost: one collective sums the gradients, the loss and the stop votes (and
-        without ``counts``, one more sums the label counts while the forward pass runs); the
-        host waits for the device once per step (to check the loss before the optimizer
-        changes anything).
+        Cross-rank cost: one collective sums the gradients, the loss, the stop votes and the
+        refusals (and without ``counts``, one more sums the label counts while the forward
+        pass runs); the host waits for the device once per step (to check the loss and the
+        refusals before the optimizer changes anything).
 
         Args:
             graphs: one-system graphs with edges (may be empty on some ranks), or a list of
@@ -136,10 +149,14 @@ class Trainer:
             counts: labelled energies, force components and stress components of the whole
                 step (all its global batches: the dataset's ``batch_label_counts``);
                 ``None``: summed over the ranks' shares.
+            refused: why this rank could not read its share (then ``graphs`` is empty): a
+                vote that stops every rank (summed with the loss: no extra collective).
         Returns:
             the loss of the step's global batches (identical on every rank).
         Raises:
-            NonFiniteLossError: NaN/inf loss (no parameter was changed).
+            DataFileError: some rank passed ``refused``: the same error on every rank, that
+                of the first such rank (no parameter was changed).
+            NonFiniteLossError: NaN/inf loss (idem).
             ValueError: no weighted property has labels in the global batch (idem).
         """
         self.model.train()
@@ -159,12 +176,16 @@ class Trainer:
                         metrics.add(ev.metric_res, ev.numbers)
         counts = pending.wait()
         params = ensure_grads(p for p in self.model.parameters() if p.requires_grad)
-        vote = torch.full((1,), float(bool(stop_vote)), dtype=torch.float64, device=self.device)
-        # loss and stop votes ride in the gradients' collective
-        summed = self.reducer.all_reduce_grads(params, torch.cat([loss.reshape(1), vote]))
+        votes = torch.tensor([float(bool(stop_vote)), float(refused is not None)],
+                             dtype=torch.float64, device=self.device)
+        # loss, stop votes and refusals ride in the gradients' collective
+        summed = self.reducer.all_reduce_grads(params, torch.cat([loss.reshape(1), votes]))
         # the step's one wait for the device: global loss, votes, counts and the local loss
-        total, votes, *host = torch.cat([summed, counts, loss.reshape(1)]).tolist()
-        self.stop_votes = int(votes)
+        total, stops, refusals, *host = torch.cat([summed, counts, loss.reshape(1)]).tolist()
+        self.stop_votes = int(stops)
+        if refusals:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise self._refusal(refused)
         if not math.isfinite(total) or not has_labels(self.specs, host[:3]):
             self.optimizer.zero_grad(set_to_none=True)
             if not math.isfinite(total):
@@ -196,15 +217,24 @@ class Trainer:
             load: ``load(dataset, indices) -> graphs`` (default: ``dataset[i]`` each).
         Returns:
             ``(metrics, parity)``: metric sums reduced over ranks; parity or ``None``.
+        Raises:
+            DataFileError: a rank could not read its share of a batch (e.g. coincident
+                atoms): it evaluates no more, votes in the metrics' all-reduce, and every
+                rank raises the first such rank's error.
         """
         self.model.eval()
         ctx = self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext()
         sums = MetricSums(self.device)
         parity: dict[str, list] = {"energy": [], "forces": [], "numbers": [], "stress": []}
+        refused = None
         with ctx:
             for global_batch in batches:
                 mine = shard(global_batch)
-                graphs = load(dataset, mine) if load else [dataset[i] for i in mine]
+                try:
+                    graphs = load(dataset, mine) if load else [dataset[i] for i in mine]
+                except DataFileError as e:  # the vote joins the metrics' all-reduce below
+                    refused = e
+                    break
                 if not graphs:  # the counts come from metadata: no collective to join
                     continue
                 counts = self._global_counts([graphs],
@@ -220,8 +250,13 @@ class Trainer:
                         for k in parity:
                             parity[k].append(ev.parity[k])
                 sums.add_loss(partial, 1 if self.reducer.rank == 0 else 0)
-        sums.values = self.reducer.all_reduce_sum(sums.values)
+        vote = torch.full((1,), float(refused is not None), dtype=sums.values.dtype,
+                          device=sums.values.device)
+        summed = self.reducer.all_reduce_sum(torch.cat([sums.values, vote]))
+        sums.values, refusals = summed[:-1], int(summed[-1])
         self.model.train()
+        if refusals:
+            raise self._refusal(refused)
         if not collect:
             return sums, None
         return sums, {k: _cat(v) for k, v in parity.items()}

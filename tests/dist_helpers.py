@@ -126,3 +126,18 @@ class FreshPorts:
 
     def next(self) -> None:
         os.environ["MASTER_PORT"] = str(self._ports.pop(0))
+
+
+def cli_on_port(port: int, argv: list[str]) -> tuple[int, str]:
+    """``xnn ARGV`` in this rank on a fresh process group (rendezvous port ``port``): its
+    exit code and what it wrote to stderr."""
+    import contextlib
+    import io
+
+    from xnn.cli.main import main
+
+    os.environ["MASTER_PORT"] = str(port)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()

@@ -4,8 +4,6 @@ ranks, one spawn)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import time
 
@@ -13,8 +11,10 @@ import pytest
 import torch
 
 try:
+    from dist_helpers import cli_on_port as _cli
     from dist_helpers import free_port, spawn
 except ImportError:  # tests/ is a package
+    from tests.dist_helpers import cli_on_port as _cli
     from tests.dist_helpers import free_port, spawn
 
 from xnn.data.emt import write_emt
@@ -23,17 +23,6 @@ pytestmark = pytest.mark.distributed
 
 TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
         "num_basis: 8}")
-
-
-def _cli(port: int, argv: list[str]) -> tuple[int, str]:
-    """``xnn ARGV`` on a fresh process group (port ``port``): exit code and stderr."""
-    from xnn.cli.main import main
-
-    os.environ["MASTER_PORT"] = str(port)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, err.getvalue()
 
 
 def _train_args(data: str, out: str, *extra: str) -> list[str]:

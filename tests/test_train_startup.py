@@ -17,8 +17,6 @@ training; both ranks then stop with the same line and the bad step changes no we
 from __future__ import annotations
 
 import contextlib
-import io
-import os
 import re
 
 import numpy as np
@@ -26,8 +24,10 @@ import pytest
 import torch
 
 try:
+    from dist_helpers import cli_on_port as _cli
     from dist_helpers import free_port, spawn
 except ImportError:  # tests/ is a package
+    from tests.dist_helpers import cli_on_port as _cli
     from tests.dist_helpers import free_port, spawn
 
 from xnn.data.emt import write_emt
@@ -128,16 +128,6 @@ class Recorder:
 def built(snapshot: list, cutoff: float, phase: str) -> list[tuple]:
     """Identities of the structures of ``snapshot`` built with ``cutoff`` in ``phase``."""
     return [k for c, p, keys in snapshot if c == cutoff and p == phase for k in keys]
-
-
-def _cli(port: int, argv: list[str]) -> tuple[int, str]:
-    from xnn.cli.main import main
-
-    os.environ["MASTER_PORT"] = str(port)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, err.getvalue()
 
 
 def weights(model) -> dict[str, torch.Tensor]:

@@ -424,13 +424,32 @@ def _limit_memory(gb: float | None):
     return apply
 
 
+def descendants(pid: int) -> list[int]:
+    """Process ids of every descendant of ``pid`` (from ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str, bool]:
-    """Wait for ``proc``; on timeout kill its whole process group. Returns (out, err, timed
-    out)."""
+    """Wait for ``proc``; on timeout kill it and every process it started (torchrun puts its
+    ranks in sessions of their own: killing the launcher alone leaves them running).
+    Returns (out, err, timed out)."""
     try:
         out, err = proc.communicate(timeout=timeout)
         return out, err, False
     except subprocess.TimeoutExpired:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()

@@ -58,6 +58,31 @@ def test_commands_are_classified_by_their_streams(sweep, tmp_path):
     assert kind == sweep.HANG and "1 s" in detail
 
 
+def test_a_hang_stops_the_processes_it_started(sweep, tmp_path):
+    """torchrun's ranks live in sessions of their own: a hung case must not leave them."""
+    import os
+    import time
+
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "start_new_session=True)\n"
+            "open('child.pid', 'w').write(str(child.pid))\n"
+            "time.sleep(60)\n")
+    start = time.monotonic()
+    kind, _ = _outcome(sweep, tmp_path, id="orphan", run=_python(code, sweep), timeout=2.0)
+    # a child left alive holds the case's pipes: the case would wait for its 60 s sleep
+    assert kind == sweep.HANG and time.monotonic() - start < 30
+    pid = int((tmp_path / "cases" / "orphan" / "child.pid").read_text())
+    for _ in range(50):  # reaped by init once its parent is gone
+        stat = Path(f"/proc/{pid}/stat")
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError(f"the case's child {pid} outlived it")
+
+
 def test_a_marker_file_means_code_ran(sweep, tmp_path):
     """A payload's marker in the case folder is "silent" even when the run then failed."""
     code = "import sys; open('MARKER-x', 'w').close(); print('e: error: no', " \

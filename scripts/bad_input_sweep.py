@@ -2339,15 +2339,17 @@ def data_cases() -> list[Case]:
 
 
 def demo_cases() -> list[Case]:
-    base = ["demo", "--out", "{tmp}/demo", "--minutes", "0.05", "--n-structures", "12",
-            "--md-steps", "5", "--steps", "5"]
+    base = ["demo", "--out", "{tmp}/demo", "--epochs", "1", "--max-minutes", "0.05",
+            "--n-structures", "12", "--md-steps", "5", "--steps", "5"]
     d = lambda *x: Cli([*base, *x])  # noqa: E731
     return [
         C("demo-out-file", "demo", "--out names an existing file",
           Cli(["demo", "--out", "{tmp}/f", "--only-lj"]), setup=[_run_file("f")],
           match="file|folder"),
-        C("demo-minutes-negative", "demo", "--minutes -1", d("--minutes", "-1"),
+        C("demo-minutes-negative", "demo", "--max-minutes -1", d("--max-minutes", "-1"),
           match="minutes", timeout=180),
+        C("demo-epochs-zero", "demo", "--epochs 0", d("--epochs", "0"),
+          match="epochs", timeout=180),
         C("demo-md-steps-negative", "demo", "--md-steps -5", d("--md-steps", "-5"),
           match="md-steps|steps", timeout=180),
         C("demo-temperature-negative", "demo", "--temperature -1", d("--temperature", "-1"),

@@ -193,3 +193,12 @@ def test_another_model_with_the_yamls_hyperparameters_is_refused_with_the_fix(
                               f"output_dir={tmp_path / 'run'}"])
     assert "['num_filters']" in line and "model.name=painn model.hyperparameters=null" in line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("temperature", ["-1", "nan", "inf"])
+def test_demo_refuses_a_bad_temperature_before_writing(tmp_path, capsys, temperature):
+    """Was refused by the MD config after the data, the LJ relaxation and the training had
+    been written (12 files)."""
+    out = tmp_path / "demo"
+    cli_fails(capsys, ["demo", "--out", out, "--temperature", temperature], "--temperature")
+    assert not out.exists()

@@ -333,3 +333,18 @@ def test_a_system_without_kinetic_degrees_of_freedom_fails_its_thermostat_stage(
     import json
 
     assert json.loads((out / "summary.json").read_text())["failed_ids"] == [2, 3]
+
+
+def test_resuming_a_complete_campaign_says_so_and_keeps_its_files(tmp_path, capsys):
+    """Was: the resumed campaign printed its usual start line and said nothing more."""
+    structure = _write(tmp_path / "c.xyz", _clusters(3, seed=1))
+    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
+              "output.progress=false", "stages.0.type=relax", "stages.0.max_steps=5",
+              "stages.1.type=nve", "stages.1.steps=3", f"output.dir={tmp_path / 'out'}"]
+    out = run_workflow(None, common)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert run_workflow(None, [*common, f"resume={out / 'checkpoint.pt'}"]) == out
+    printed = capsys.readouterr().out
+    assert "the campaign is already complete, nothing was run" in printed
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

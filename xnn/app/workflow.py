@@ -134,6 +134,11 @@ def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
             campaign.take_over(hand)
         elif not cfg.resume:
             campaign.fresh()
+    if cfg.resume and _complete(campaign, device):
+        _log(ranks, f"xnn run: checkpoint {cfg.resume}: every one of the {campaign.n_systems} "
+             "systems has finished its stages: the campaign is already complete, nothing was "
+             "run (results.csv, final.xyz and summary.json are in place)")
+        return folder.final
     _log(ranks, f"xnn run: {campaign.n_systems} systems through "
          f"{' -> '.join(s.name for s in cfg.stages)}, {cfg.slots} slots"
          f"{'' if ranks.world_size == 1 else f' on each of {ranks.world_size} ranks'}, on "
@@ -166,6 +171,12 @@ def _campaign(cfg: WorkflowConfig, ranks: wr.Ranks, old: wr.Ranks | None, potent
     hand = wr.hand_over(old, cfg.resume, mine, sizes, device, check)
     return Campaign(cfg, {i: systems[i] for i in hand.queue}, len(systems), potential,
                     ranks), hand
+
+
+def _complete(campaign: Campaign, device) -> bool:
+    """Whether no system of the campaign is in flight or queued on any rank (collective)."""
+    counts = campaign.counts(device)
+    return counts["in_flight"] + counts["queued"] == 0
 
 
 def _create(cfg: WorkflowConfig, folder, ranks: bool) -> None:

@@ -188,6 +188,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--n-structures must be >= 10, got {args.n_structures}")
     if args.md_steps < 1:
         raise InputError(f"--md-steps must be >= 1, got {args.md_steps}")
+    if not 0 < args.temperature < float("inf"):  # NaN fails too
+        raise InputError(f"--temperature must be a finite number > 0 (K), got "
+                         f"{args.temperature}")
 
 
 def run(args: argparse.Namespace) -> int:

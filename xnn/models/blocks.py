@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from xnn.models.base import AtomisticModel, SyncPoints, graph_tracing
+from xnn.models.registry import check_cutoff, species_numbers
 
 N_ELEMENTS = 119  # lookup tables are indexed by atomic number 0..118
 
@@ -326,8 +327,9 @@ class NativeModel(SyncPoints, AtomisticModel):
         hp = _jsonable(dict(hparams))
         json.dumps(hp)
         self.hparams: dict = hp
-        self.species = [int(z) for z in species]
-        self.cutoff = float(cutoff)
+        # as xnn.models.build checks them, for a class constructed directly
+        self.species = species_numbers(species, f"{type(self).__name__}: species")
+        self.cutoff = check_cutoff(cutoff, f"{type(self).__name__}: cutoff")
         self.num_interactions = int(num_interactions)
         self.init_sync_points(self.num_interactions - 1)
 

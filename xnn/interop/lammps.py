@@ -166,7 +166,8 @@ class XnnFixExternal:
             ``pair_coeff * * Cu O``).
         fix_id: ID of the ``fix external`` that is added.
         device: ``"auto"``, ``"cpu"``, ``"cuda"``...
-        dtype: model precision (LAMMPS computes in float64).
+        dtype: model precision, ``torch.float64`` or ``torch.float32`` (LAMMPS computes in
+            float64).
         skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call).
         neighbor_backend: xnn neighbour-list backend.
         trust: the caller trusts the model file: it may unpickle what it holds or names,
@@ -175,8 +176,9 @@ class XnnFixExternal:
             closer than this (Å; default 0.1, as :class:`xnn.Calculator`: coincident atoms,
             a duplicated atom of the data file); 0 evaluates anything.
     Raises:
-        InputError: LAMMPS runs on several MPI ranks, units are not metal, or ``species``
-            does not cover the atom types.
+        InputError: LAMMPS runs on several MPI ranks, units are not metal, ``species`` does
+            not cover the atom types or names no element (``200``, ``"Xx"``), or ``dtype``
+            or ``min_distance`` is not one xnn takes.
         UnknownSpeciesError: ``species`` maps an atom type to an element the model does
             not know.
     """

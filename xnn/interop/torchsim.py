@@ -214,7 +214,8 @@ _MODEL_DOC = """An xnn model as a torch-sim ``ModelInterface`` (batched ``SimSta
             or the path of a model file written by ``xnn.save_model``. A model is moved in
             place to ``device`` and ``dtype``.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
-        dtype: floating-point dtype of the evaluation (torch-sim states are cast to it).
+        dtype: dtype of the evaluation, ``torch.float64`` or ``torch.float32`` (torch-sim
+            states are cast to it).
         compute_forces: return ``forces [n_atoms, 3]`` (eV/Å).
         compute_stress: return ``stress [n_systems, 3, 3]`` (eV/Å³, ASE sign).
         neighbor_backend: ``"auto"``, ``"torch"``, ``"vesin"`` or ``"brute"``.

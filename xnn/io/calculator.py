@@ -107,7 +107,7 @@ class Calculator(_AseCalculator):
             ``dtype``), or the path of a model file (``xnn.Calculator("model.pt")``: read as
             data by :func:`xnn.load_model`).
         device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
-        dtype: floating-point dtype of the evaluation.
+        dtype: dtype of the evaluation, ``torch.float64`` or ``torch.float32``.
         skin: Verlet skin (Å) of the neighbor list reused between calls.
         neighbor_backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
         compile: ``torch.compile`` the model's hot path (equivariant model: ~1.5x faster on a

@@ -176,6 +176,28 @@ def test_refusals_and_callback_errors():
     two.close()
 
 
+def test_species_dtype_and_min_distance_are_checked_when_the_fix_is_made():
+    """Was: species=[200] accepted, then an IndexError in the first run ([0]: the dummy
+    element 'X'), species='Cu' read as ['C', 'u'], torch's TypeError for an integer dtype, a
+    negative min_distance accepted; nothing is added to LAMMPS before the refusal."""
+    lmp = lammps_of(cu_prism())
+    for species, words in (([200], "species (LAMMPS atom type 1): unknown element 200: "
+                                   "atomic numbers are 1-118"),
+                           ([0], "unknown element 0"),
+                           (["Cu", 1.5], "type 2): 1.5 is not an element"),
+                           ("Cu", "species='Cu' is not a list")):
+        msg = raises_one_line(InputError, XnnFixExternal, lmp, _lj(), species=species)
+        assert words in msg, msg
+    raises_one_line(InputError, XnnFixExternal, lmp, _lj(), species=["Cu"],
+                    dtype=torch.int64, match="XnnFixExternal: dtype=torch.int64")
+    raises_one_line(InputError, XnnFixExternal, lmp, _lj(), species=["Cu"],
+                    min_distance=-1.0, match="XnnFixExternal: min_distance=-1.0")
+    assert not lmp.has_id("fix", "xnn")
+    # two atom types of one element are legal (types 1 and 2 both copper)
+    XnnFixExternal(lmp, _lj(), species=[29, "Cu"])
+    lmp.close()
+
+
 def test_coincident_atoms_are_refused_by_lammps_id():
     atoms = cu_prism()
     atoms.positions[5] = atoms.positions[3] + [0.03, 0.0, 0.0]  # LAMMPS ids 4 and 6

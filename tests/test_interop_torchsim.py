@@ -148,6 +148,35 @@ def test_unknown_species_and_bad_inputs():
         XnnTorchSimModel(torch.nn.Linear(3, 3), device="cpu")
 
 
+def test_coincident_atoms_are_refused_as_xnn_calculator_refuses_them():
+    """Was: evaluated (LJ: an energy of 8.6e24 eV from two atoms 0.02 Å apart) where
+    ``xnn.Calculator`` refuses the structure; ``min_distance=0`` evaluates it, as there."""
+    close = cu_cubic()
+    close.positions[3] = close.positions[1] + [0.02, 0.0, 0.0]
+    state = ts.io.atoms_to_state([cu_triclinic(), close], CPU, F64)
+    with pytest.raises(InputError) as err:
+        XnnTorchSimModel(_lj(), device="cpu", dtype=F64)(state)
+    msg = str(err.value)
+    assert msg.startswith("system 1: atoms 1 and 3 are 0.02 Å apart, closer than "
+                          "min_distance=0.1 Å") and "\n" not in msg, msg
+    assert "pass min_distance=0 to XnnTorchSimModel" in msg
+    out = XnnTorchSimModel(_lj(), device="cpu", dtype=F64, min_distance=0.0)(state)
+    ref = close.copy()
+    ref.calc = xnn.Calculator(_lj(), device="cpu", min_distance=0.0)
+    assert float(out["energy"][1]) == pytest.approx(ref.get_potential_energy(), rel=TOL)
+
+
+def test_dtype_and_min_distance_are_checked():
+    """Was: torch's TypeError for an integer dtype, a negative min_distance accepted."""
+    with pytest.raises(InputError, match=r"XnnTorchSimModel: dtype=torch.int32 is not "
+                       r"supported; use torch.float64 or torch.float32"):
+        XnnTorchSimModel(_lj(), device="cpu", dtype=torch.int32)
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(InputError, match=r"XnnTorchSimModel: min_distance=.* must be a "
+                           "finite distance >= 0"):
+            XnnTorchSimModel(_lj(), device="cpu", min_distance=bad)
+
+
 def test_missing_torch_sim_gives_pip_command(monkeypatch):
     from xnn.interop import torchsim as mod
 

@@ -51,6 +51,22 @@ def require_file(path: str | os.PathLike, what: str, error: type[Exception] = Da
     return path
 
 
+def check_path_argument(path: object, call: str, what: str) -> None:
+    """Refuse an argument of a Python call that should name a file but is no path at all
+    (``None``, a number, an open file, ...), before anything reads it.
+
+    Args:
+        path: the argument.
+        call: the call, for the message (``"xnn.load_model"``).
+        what: the file it expects (``"model file"``).
+    Raises:
+        InputError: one line naming the call, the file it expects and the type given.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"{call}: expected the path of a {what} (a str or pathlib.Path), "
+                         f"got {type(path).__name__} {path!r:.60}")
+
+
 def _file_in(folder: Path, suggest: Sequence[str]) -> str:
     """What to give instead of ``folder``: the first of ``suggest`` in it, else a file in it."""
     found = next((folder / n for n in suggest if (folder / n).is_file()), None)

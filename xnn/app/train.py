@@ -91,12 +91,16 @@ def check_hyperparameter_names(cfg: TrainConfig) -> None:
     are read, saying how to drop a YAML's settings of another model.
 
     Raises:
-        InputError: one line naming the unknown and the valid hyperparameters.
+        InputError: one line naming the unknown and the valid hyperparameters, or a
+            ``model.species`` that is not a list of distinct elements (as
+            :func:`xnn.models.build` checks a model's ``species``).
     """
     import inspect
 
-    from xnn.models.registry import model_class
+    from xnn.models.registry import model_class, species_numbers
 
+    if cfg.model.species is not None:
+        species_numbers(cfg.model.species, "model.species")
     if cfg.model.name == "sum" or cfg.pretrained:
         return  # a sum's terms are checked when built; a pretrained model keeps its own
     params = inspect.signature(model_class(cfg.model.name).__init__).parameters

@@ -3,7 +3,7 @@ ranks, compared by atom id (see :mod:`xnn.distributed.validate`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,35 @@ def _report_lines(report: dict, tol: float) -> list[str]:
     return lines
 
 
+def check_options(opts: ValidateOptions) -> ValidateOptions:
+    """``opts`` with ``device`` resolved, after checking every option that needs no file and
+    no other rank: before any rank starts, so a wrong option is one line on every rank.
+
+    Raises:
+        InputError: one line naming the option: ``--tol`` not a finite number > 0, an
+            unknown or absent ``--device``, ``--output`` or ``--json`` a folder (or under a
+            file).
+    """
+    import math
+
+    from xnn._files import check_output_file
+    from xnn.errors import InputError
+    from xnn.io.calculator import resolve_device
+
+    if not (math.isfinite(opts.tol) and opts.tol > 0):
+        raise InputError(f"--tol must be a finite number > 0, got {opts.tol}")
+    if opts.output is not None:
+        check_output_file(opts.output, "--output", example="validated.xyz")
+    if opts.json is not None:
+        check_output_file(opts.json, "--json", example="report.json")
+    if opts.device is None:
+        return opts
+    return replace(opts, device=str(resolve_device(opts.device)))
+
+
 def _write_output(path: str, graph, out) -> None:
+    from pathlib import Path
+
     import numpy as np
     from ase.calculators.singlepoint import SinglePointCalculator
     from ase.io import write
@@ -64,6 +92,7 @@ def _write_output(path: str, graph, out) -> None:
     if bool(graph.pbc.all()):
         results["stress"] = out["stress"][0].cpu().numpy()
     atoms.calc = SinglePointCalculator(atoms, **results)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write(path, atoms)
 
 
@@ -91,6 +120,7 @@ def _report(opts: ValidateOptions, manager, dd, graph, out, ref, seconds: dict) 
         print("\n".join(_report_lines(report, opts.tol)))
         failed = max(r["max_rel"] for r in report.values()) > opts.tol
     if opts.json:
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.json).write_text(json.dumps(info, indent=2))
     if opts.output:
         _write_output(opts.output, graph, out)
@@ -119,8 +149,9 @@ def run_validate(opts: ValidateOptions) -> int:
         the exit status on every rank: 1 if the worst relative error exceeds ``opts.tol``,
         else 0.
     Raises:
-        InputError: on every rank, before anything is read or written, when the ranks were
-            given different options, structure or model files (naming the options).
+        InputError: on every rank, before anything is read or written: a wrong option
+            (:func:`check_options`), or ranks given different options, structure or model
+            files (naming the options).
     """
     import time
 
@@ -132,12 +163,10 @@ def run_validate(opts: ValidateOptions) -> int:
     from xnn.distributed.agreement import check_ranks_agree
     from xnn.distributed.domain.partition import parse_grid
     from xnn.distributed.graph.auto import decomposed
-    from xnn.errors import InputError
 
     dtype = getattr(torch, opts.dtype)
     grid = parse_grid(opts.grid)
-    if opts.tol <= 0:
-        raise InputError(f"--tol must be > 0, got {opts.tol}")
+    opts = check_options(opts)
     manager = DistributedManager.initialize(timeout_s=opts.timeout, device=opts.device,
                                             timeout_key="--parallel.timeout_s")
     try:

@@ -263,6 +263,9 @@ def read(
     """
     import ase.io
 
+    from xnn._files import check_path_argument
+
+    check_path_argument(path, "xnn.data.read", "data file")
     p = require_file(path, "data file")
     index = int(index) if isinstance(index, str) and index.strip().lstrip("-").isdigit() \
         else index

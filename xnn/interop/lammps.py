@@ -91,19 +91,25 @@ def lammps_cell(lmp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _species_numbers(species: Sequence[int | str]) -> np.ndarray:
-    from ase.data import atomic_numbers
+    """``[n_types]`` atomic numbers of the elements of LAMMPS types 1, 2, ... (an element may
+    come twice: two types of one element).
 
+    Raises:
+        InputError: one line: not a list, empty, or an entry that is not an element.
+    """
+    from xnn.models.registry import atomic_number
+
+    hint = "give one element per LAMMPS atom type, e.g. ['Cu', 'O']"
+    if isinstance(species, (str, bytes)) or not isinstance(species, Sequence):
+        raise InputError(f"species={species!r} is not a list; {hint}")
+    if not species:
+        raise InputError(f"species is empty; {hint}")
     out = []
-    for s in species:
-        if isinstance(s, str):
-            if s not in atomic_numbers:
-                raise InputError(f"unknown element {s!r} in species; give symbols like 'Cu' "
-                                 f"or atomic numbers, one per LAMMPS atom type")
-            out.append(atomic_numbers[s])
-        else:
-            out.append(int(s))
-    if not out:
-        raise InputError("species is empty; give one element per LAMMPS atom type, e.g. ['Cu']")
+    for t, s in enumerate(species, start=1):
+        try:
+            out.append(atomic_number(s))
+        except InputError as err:
+            raise InputError(f"species (LAMMPS atom type {t}): {err}") from None
     return np.asarray(out, dtype=np.int64)
 
 
@@ -160,7 +166,8 @@ class XnnFixExternal:
             ``pair_coeff * * Cu O``).
         fix_id: ID of the ``fix external`` that is added.
         device: ``"auto"``, ``"cpu"``, ``"cuda"``...
-        dtype: model precision (LAMMPS computes in float64).
+        dtype: model precision, ``torch.float64`` or ``torch.float32`` (LAMMPS computes in
+            float64).
         skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call).
         neighbor_backend: xnn neighbour-list backend.
         trust: the caller trusts the model file: it may unpickle what it holds or names,
@@ -169,8 +176,9 @@ class XnnFixExternal:
             closer than this (Å; default 0.1, as :class:`xnn.Calculator`: coincident atoms,
             a duplicated atom of the data file); 0 evaluates anything.
     Raises:
-        InputError: LAMMPS runs on several MPI ranks, units are not metal, or ``species``
-            does not cover the atom types.
+        InputError: LAMMPS runs on several MPI ranks, units are not metal, ``species`` does
+            not cover the atom types or names no element (``200``, ``"Xx"``), or ``dtype``
+            or ``min_distance`` is not one xnn takes.
         UnknownSpeciesError: ``species`` maps an atom type to an element the model does
             not know.
     """
@@ -179,7 +187,7 @@ class XnnFixExternal:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64,
                  skin: float = 0.0, neighbor_backend: str = "auto", trust: bool = False,
                  min_distance: float = MIN_DISTANCE):
-        from xnn.io.calculator import resolve_device
+        from xnn.io.calculator import check_dtype, check_min_distance, resolve_device
         from xnn.models.potential import Potential
 
         if int(lmp.extract_setting("world_size")) != 1:
@@ -194,11 +202,12 @@ class XnnFixExternal:
             raise InputError(f"species has {len(self.numbers_of_type)} entries but LAMMPS has "
                              f"{n_types} atom types; give one element per type")
         self.lmp, self.fix_id = lmp, fix_id
-        self.device, self.dtype = resolve_device(device), dtype
+        self.device = resolve_device(device)
+        self.dtype = check_dtype(dtype, "XnnFixExternal")
+        self.min_distance = check_min_distance(min_distance, "XnnFixExternal")
         self.model = load_xnn_model(model_or_path, trust).to(device=self.device, dtype=dtype)
         check_type_species(self.model, self.numbers_of_type[:n_types])
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
-        self.min_distance = float(min_distance)
         self.periodic = bool(lammps_cell(lmp)[2].all())
         self.energy: float = float("nan")
         self.error: BaseException | None = None

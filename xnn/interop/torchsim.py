@@ -36,6 +36,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.interop import load_xnn_model
+from xnn.neighbors.coincident import MIN_DISTANCE
 
 # XnnTorchSimModel subclasses torch-sim's ModelInterface: built on first access (__getattr__)
 __all__ = ["XnnTorchSimModel", "TorchSimPotential", "require_torch_sim"]  # noqa: F822
@@ -123,13 +124,15 @@ class _XnnTorchSimMixin:
         neighbor_backend: str = "auto",
         skin: float = 0.0,
         trust: bool = False,
+        min_distance: float = MIN_DISTANCE,
     ):
-        from xnn.io.calculator import resolve_device
+        from xnn.io.calculator import check_dtype, check_min_distance, resolve_device
         from xnn.models.potential import Potential
 
         super().__init__()
         self._device = resolve_device(device)
-        self._dtype = dtype
+        self._dtype = check_dtype(dtype, "XnnTorchSimModel")
+        self.min_distance = check_min_distance(min_distance, "XnnTorchSimModel")
         self._compute_forces = bool(compute_forces)
         self._compute_stress = bool(compute_stress)
         self.model = load_xnn_model(model_or_path, trust).to(device=self._device, dtype=dtype)
@@ -167,8 +170,14 @@ class _XnnTorchSimMixin:
             ``energy [n_systems]`` eV, ``energies [n_atoms]`` eV, ``forces [n_atoms, 3]``
             eV/Å (when ``compute_forces``), ``stress [n_systems, 3, 3]`` eV/Å³ ASE sign,
             zero for systems not periodic along x, y and z (when ``compute_stress``).
+        Raises:
+            InputError: two atoms of a system closer than ``min_distance`` (named by their
+                indices in that system), or a malformed state.
         """
+        from xnn.io.calculator import refuse_close_atoms
+
         graph = state_to_graph(state, self._dtype, self._device)
+        refuse_close_atoms(self.potential, graph, self.min_distance, "XnnTorchSimModel")
         out = self.potential(graph, forces=self._compute_forces, stress=self._compute_stress)
         res = {"energy": out[K.ENERGY], "energies": out[K.ENERGIES]}
         if self._compute_forces:
@@ -205,13 +214,17 @@ _MODEL_DOC = """An xnn model as a torch-sim ``ModelInterface`` (batched ``SimSta
             or the path of a model file written by ``xnn.save_model``. A model is moved in
             place to ``device`` and ``dtype``.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
-        dtype: floating-point dtype of the evaluation (torch-sim states are cast to it).
+        dtype: dtype of the evaluation, ``torch.float64`` or ``torch.float32`` (torch-sim
+            states are cast to it).
         compute_forces: return ``forces [n_atoms, 3]`` (eV/Å).
         compute_stress: return ``stress [n_systems, 3, 3]`` (eV/Å³, ASE sign).
         neighbor_backend: ``"auto"``, ``"torch"``, ``"vesin"`` or ``"brute"``.
         skin: Verlet skin (Å) of the neighbor list reused between calls.
         trust: the caller trusts the model file: it may unpickle what it holds or names,
             which can run code (:mod:`xnn.models.trust`); a file never grants trust itself.
+        min_distance: refuse (:class:`~xnn.errors.InputError`) a state with two atoms of a
+            system closer than this (Å; default 0.1, as :class:`xnn.Calculator`: coincident
+            atoms, on which a model's energy means nothing); 0 evaluates anything.
 
     Example::
 

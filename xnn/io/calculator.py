@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import numpy as np
@@ -16,6 +18,9 @@ from xnn.errors import InputError
 from xnn.models.potential import Potential
 from xnn.neighbors.coincident import MIN_DISTANCE, ClosePair, closest_pair, find_close_pair
 
+#: the dtypes xnn evaluates models in (half precision has no ``linalg.inv`` for the cell)
+DTYPES = (torch.float64, torch.float32)
+
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"`` → CUDA when available, else CPU; anything else is passed to ``torch.device``
@@ -24,8 +29,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InputError(f"invalid device {device!r}: {e}; use cpu, cuda, cuda:N or auto") from None
+    except (RuntimeError, TypeError):  # torch's message lists devices xnn does not run on
+        raise InputError(f"invalid device {device!r}: use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
@@ -35,6 +40,38 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise InputError(f"device {str(device)!r} requested but this machine has {n} CUDA "
                              f"GPU(s) (cuda:0 to cuda:{n - 1})")
     return dev
+
+
+def check_dtype(dtype: torch.dtype, who: str) -> torch.dtype:
+    """``dtype`` after checking that xnn evaluates models in it (:data:`DTYPES`).
+
+    Args:
+        dtype: the dtype a caller gave.
+        who: what it was given to, in the message (``"xnn.Calculator"``).
+    Raises:
+        InputError: one line (an integer, half-precision or complex dtype, a string ...).
+    """
+    if not (isinstance(dtype, torch.dtype) and dtype in DTYPES):
+        raise InputError(f"{who}: dtype={dtype!r} is not supported; use torch.float64 or "
+                         "torch.float32")
+    return dtype
+
+
+def check_min_distance(min_distance: float, who: str) -> float:
+    """``min_distance`` as a float after checking that it is a finite distance >= 0 (Å).
+
+    Args:
+        min_distance: closest distance allowed between two atoms (0: no check).
+        who: what it was given to, in the message (``"xnn.Calculator"``).
+    Raises:
+        InputError: one line.
+    """
+    ok = (isinstance(min_distance, numbers.Real) and not isinstance(min_distance, bool)
+          and math.isfinite(min_distance) and min_distance >= 0)
+    if not ok:
+        raise InputError(f"{who}: min_distance={min_distance!r} must be a finite distance "
+                         ">= 0 (Å; 0 turns the check for coincident atoms off)")
+    return float(min_distance)
 
 
 def model_of(model: torch.nn.Module | str | os.PathLike, device: torch.device,
@@ -70,7 +107,7 @@ class Calculator(_AseCalculator):
             ``dtype``), or the path of a model file (``xnn.Calculator("model.pt")``: read as
             data by :func:`xnn.load_model`).
         device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...
-        dtype: floating-point dtype of the evaluation.
+        dtype: dtype of the evaluation, ``torch.float64`` or ``torch.float32``.
         skin: Verlet skin (Å) of the neighbor list reused between calls.
         neighbor_backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
         compile: ``torch.compile`` the model's hot path (equivariant model: ~1.5x faster on a
@@ -101,9 +138,9 @@ class Calculator(_AseCalculator):
         trust: bool = False,
     ):
         super().__init__()
-        self.min_distance = float(min_distance)
+        self.min_distance = check_min_distance(min_distance, "xnn.Calculator")
         self.device = resolve_device(device)
-        self.dtype = dtype
+        self.dtype = check_dtype(dtype, "xnn.Calculator")
         self.model = model_of(model, self.device, trust).to(device=self.device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend,
                                    compile=compile)
@@ -120,7 +157,7 @@ class Calculator(_AseCalculator):
         # labels the atoms may carry are not read: results come from the model only
         no_labels = dict(energy_key=None, forces_key=None, stress_key=None, virial_key=None)
         graph = from_ase(self.atoms, **no_labels, dtype=self.dtype, device=self.device)
-        self._refuse_coincident(graph)
+        refuse_close_atoms(self.potential, graph, self.min_distance)
         out = self.potential(graph, forces=True, stress=periodic)
         self.n_model_calls += 1
         energy = float(out[K.ENERGY].sum())
@@ -134,14 +171,32 @@ class Calculator(_AseCalculator):
             stress = out[K.STRESS][0].detach().cpu().double().numpy()
             self.results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(stress))
 
-    def _refuse_coincident(self, graph) -> None:
-        """Raise when two atoms are closer than ``min_distance``."""
-        pair = too_close(self.potential, graph, self.min_distance)
-        if pair is not None:
-            raise InputError(f"atoms {pair.i} and {pair.j} are {pair.distance:.3g} Å apart, "
-                             f"closer than min_distance={self.min_distance} Å (coincident "
-                             "atoms: a duplicated atom?); fix the structure, or pass "
-                             "min_distance=0 to evaluate it anyway")
+
+
+def refuse_close_atoms(potential: Potential, graph, min_distance: float, who: str = "") -> None:
+    """Raise when two atoms of ``graph`` are closer than ``min_distance`` (Å; ``<= 0``:
+    never), found as :func:`too_close` finds them: the check of :class:`Calculator` and of
+    the bridges that evaluate structures from elsewhere (torch-sim states).
+
+    Args:
+        potential: the potential that evaluates ``graph`` next (its neighbor list is reused).
+        graph: one or more systems without edges.
+        min_distance: Å.
+        who: what takes ``min_distance``, named in the hint (``"XnnTorchSimModel"``); empty
+            for the caller's own call.
+    Raises:
+        InputError: one line naming the two atoms (indices within their system, and the
+            system in a batch of several) and their distance.
+    """
+    pair = too_close(potential, graph, min_distance)
+    if pair is None:
+        return
+    where = f"system {pair.system}: " if graph.n_systems > 1 else ""
+    to = f" to {who}" if who else ""
+    raise InputError(f"{where}atoms {pair.i} and {pair.j} are {pair.distance:.3g} Å apart, "
+                     f"closer than min_distance={min_distance} Å (coincident atoms: a "
+                     f"duplicated atom?); fix the structure, or pass min_distance=0{to} to "
+                     "evaluate it anyway")
 
 
 def too_close(potential: Potential, graph, min_distance: float) -> ClosePair | None:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from xnn.models.base import AtomisticModel, SyncPoints, graph_tracing
+from xnn.models.registry import check_cutoff, species_numbers
 
 N_ELEMENTS = 119  # lookup tables are indexed by atomic number 0..118
 
@@ -323,11 +324,13 @@ class NativeModel(SyncPoints, AtomisticModel):
         num_interactions: int,
     ):
         super().__init__()
-        hp = _jsonable(dict(hparams))
+        # as xnn.models.build checks them, for a class constructed directly
+        self.species = species_numbers(species, f"{type(self).__name__}: species")
+        self.cutoff = check_cutoff(cutoff, f"{type(self).__name__}: cutoff")
+        checked = {"species": self.species, "cutoff": self.cutoff}  # plain ints and float
+        hp = _jsonable({k: checked.get(k, v) for k, v in hparams.items()})
         json.dumps(hp)
         self.hparams: dict = hp
-        self.species = [int(z) for z in species]
-        self.cutoff = float(cutoff)
         self.num_interactions = int(num_interactions)
         self.init_sync_points(self.num_interactions - 1)
 

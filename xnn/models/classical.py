@@ -17,23 +17,10 @@ from torch import Tensor
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel, squared_lengths
+from xnn.models.registry import atomic_number, check_cutoff, species_numbers
 
 ElementKey = int | str
 PerElement = float | Mapping[ElementKey, float]
-
-
-def atomic_number(element: ElementKey) -> int:
-    """Atomic number of an element given by symbol (``"Ar"``) or number (``18``)."""
-    from ase.data import atomic_numbers, chemical_symbols
-
-    if isinstance(element, str):
-        if element not in atomic_numbers:
-            raise InputError(f"unknown element symbol {element!r}")
-        return atomic_numbers[element]
-    z = int(element)
-    if not 0 < z < len(chemical_symbols):
-        raise InputError(f"atomic number must be in [1, {len(chemical_symbols) - 1}], got {z}")
-    return z
 
 
 def _per_element(
@@ -48,13 +35,6 @@ def _per_element(
         if missing:
             raise InputError(f"{name} has no value for species {missing}")
     return table
-
-
-def _check_cutoff(cutoff: float) -> float:
-    cutoff = float(cutoff)
-    if not cutoff > 0 or cutoff == float("inf"):
-        raise InputError(f"cutoff must be a positive finite number (Å), got {cutoff}")
-    return cutoff
 
 
 def _hparams(**values) -> dict:
@@ -87,7 +67,7 @@ class PairPotential(AtomisticModel):
     ) -> list[int]:
         """Set ``self.species`` and the ``type_of [119]`` lookup buffer; return the type list."""
         if species is not None:
-            zs = sorted({atomic_number(s) for s in species})
+            zs = sorted(species_numbers(species, f"{type(self).__name__}: species"))
         elif keys:
             zs = sorted(set(keys))
         else:
@@ -165,8 +145,8 @@ class LennardJones(PairPotential):
     ):
         super().__init__()
         self.hparams = _hparams(sigma=sigma, epsilon=epsilon, cutoff=cutoff, species=species)
-        self.cutoff = _check_cutoff(cutoff)
-        zs = None if species is None else [atomic_number(s) for s in species]
+        self.cutoff = check_cutoff(cutoff, "LennardJones: cutoff")
+        zs = None if species is None else species_numbers(species, "LennardJones: species")
         sig = _per_element("sigma", sigma, zs)
         eps = _per_element("epsilon", epsilon, zs)
         for v in sig.values() if isinstance(sig, dict) else [sig]:
@@ -227,7 +207,7 @@ class Morse(PairPotential):
     ):
         super().__init__()
         self.hparams = _hparams(D=D, alpha=alpha, r0=r0, cutoff=cutoff, species=species)
-        self.cutoff = _check_cutoff(cutoff)
+        self.cutoff = check_cutoff(cutoff, "Morse: cutoff")
         if not (D > 0 and alpha > 0 and r0 > 0):
             raise InputError(f"Morse needs D, alpha, r0 > 0, got D={D}, alpha={alpha}, r0={r0}")
         types = self._setup_species(species, [])

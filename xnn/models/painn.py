@@ -153,8 +153,8 @@ class PaiNN(NativeModel):
         e0: Mapping[int, float] | None = None,
         activation_checkpointing: bool = False,
     ):
-        check_sizes("painn", num_features=num_features, num_interactions=num_interactions,
-                    num_basis=num_basis)
+        check_sizes("painn", num_interactions=num_interactions, num_basis=num_basis)
+        check_sizes("painn", 2, num_features=num_features)  # the readout is F // 2 wide
         hparams = dict(
             species=list(species), cutoff=cutoff, num_features=num_features,
             num_interactions=num_interactions, num_basis=num_basis, radial_basis=radial_basis,

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import math
 import numbers
+import operator
 import os
 import types
 import typing
@@ -68,6 +69,7 @@ def build(name: str, **hyperparameters) -> nn.Module:
                          f"(build({name!r}, {missing[0]}=...); model.params in xnn md and "
                          "relax, model.hyperparameters in xnn train)")
     check_types(name, cls, hyperparameters)
+    check_common(name, hyperparameters)
     return cls(**hyperparameters)
 
 
@@ -170,10 +172,16 @@ def rebuild(name: str, hyperparameters: dict, source: str | os.PathLike | None =
         return build(name, **saved_hyperparameters(name, hyperparameters))
 
 
-def check_sizes(model: str, minimum: int = 1, **sizes) -> None:
+def check_sizes(model: str, minimum: int = 1, what: str = "a size of the network",
+                **sizes) -> None:
     """Refuse a layer width, basis size or layer count that is not an integer >= ``minimum``
     (a zero width builds a model that predicts a constant); lists are checked entry-wise.
 
+    Args:
+        model: the model's name in messages.
+        minimum: the smallest value allowed.
+        what: what the sizes are, in the message.
+        sizes: ``hyperparameter=value``.
     Raises:
         InputError: naming the hyperparameter, e.g. ``schnet: num_features=0 must be an
             integer >= 1``.
@@ -182,6 +190,100 @@ def check_sizes(model: str, minimum: int = 1, **sizes) -> None:
         for v in value if isinstance(value, (list, tuple)) else [value]:
             ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= minimum
             if not ok:
-                what = "integers" if isinstance(value, (list, tuple)) else "an integer"
-                raise InputError(f"{model}: {name}={value!r} must be {what} >= {minimum} "
-                                 "(a size of the network)")
+                kind = "integers" if isinstance(value, (list, tuple)) else "an integer"
+                raise InputError(f"{model}: {name}={value!r} must be {kind} >= {minimum} "
+                                 f"({what})")
+
+
+# --------------------------------------------------------------------------- common values
+LAST_ELEMENT = 118  # oganesson
+
+
+def atomic_number(element: int | str) -> int:
+    """Atomic number of an element given by symbol (``"Ar"``) or number (``18``).
+
+    Raises:
+        InputError: one line: an unknown symbol, a number outside 1..118, or neither (a
+            float, a bool, ...).
+    """
+    from ase.data import atomic_numbers
+
+    if isinstance(element, str):
+        z = atomic_numbers.get(element, 0)  # ASE's "X" (dummy atom) is 0: not an element
+        if z == 0:
+            raise InputError(f"unknown element symbol {element!r}")
+        return z
+    try:
+        z = None if isinstance(element, bool) else operator.index(element)
+    except TypeError:  # 29.5, None, ...; int, numpy and 0-d torch integers pass
+        z = None
+    if z is None:
+        raise InputError(f"{element!r} is not an element: give an atomic number "
+                         f"(1-{LAST_ELEMENT}) or a symbol")
+    if not 1 <= z <= LAST_ELEMENT:
+        raise InputError(f"unknown element {z}: atomic numbers are 1-{LAST_ELEMENT}")
+    return z
+
+
+def species_numbers(species, name: str) -> list[int]:
+    """The atomic numbers of a model's ``species``, in their order.
+
+    Args:
+        species: a non-empty list of distinct elements, symbols or atomic numbers.
+        name: how messages name it (``"model 'schnet': hyperparameter species"``,
+            ``"model.species"``).
+    Raises:
+        InputError: one line naming it: not a list, empty, an unknown element, or an element
+            given twice.
+    """
+    from ase.data import chemical_symbols
+
+    what = f"{name}={species!r}"
+    if isinstance(species, (str, bytes)) or not isinstance(species, Sequence) or not species:
+        raise InputError(f"{what} must be a non-empty list of elements, e.g. [29, 79]")
+    try:
+        zs = [atomic_number(s) for s in species]
+    except InputError as err:
+        raise InputError(f"{what}: {err}") from None
+    twice = sorted({z for z in zs if zs.count(z) > 1})
+    if twice:
+        raise InputError(f"{what} names {[chemical_symbols[z] for z in twice]} more than "
+                         "once: give each element once")
+    return zs
+
+
+def check_cutoff(value, name: str) -> float:
+    """``value`` as a float after checking that it is a finite distance > 0 (Å).
+
+    Args:
+        value: a cutoff radius.
+        name: how the message names it (``"model 'painn': hyperparameter cutoff"``).
+    Raises:
+        InputError: one line naming it.
+    """
+    try:  # a number, numpy or 0-d torch float; not a bool or a string
+        x = math.nan if isinstance(value, (bool, str)) else float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise InputError(f"{name}={value!r} must be a finite distance > 0 (Å)")
+    return x
+
+
+def check_common(name: str, hyperparameters: Mapping) -> None:
+    """Check the hyperparameters that every model names alike, the same way for every model
+    (:func:`build` calls it, so a Python call, ``xnn train``'s ``model.hyperparameters``,
+    ``xnn md``'s ``model.params`` and ``xnn validate --model`` give the same line):
+
+    * ``cutoff``: a finite distance > 0 (Å);
+    * ``species``: a non-empty list of distinct elements (atomic numbers 1-118 or symbols).
+
+    ``None`` (where a model allows it: ``species=None`` for any element) is not checked.
+
+    Raises:
+        InputError: one line naming the model and the hyperparameter.
+    """
+    if hyperparameters.get("cutoff") is not None:
+        check_cutoff(hyperparameters["cutoff"], f"model {name!r}: hyperparameter cutoff")
+    if hyperparameters.get("species") is not None:
+        species_numbers(hyperparameters["species"], f"model {name!r}: hyperparameter species")

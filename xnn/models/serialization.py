@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from xnn._files import atomic_write, check_output_file, require_file
+from xnn._files import atomic_write, check_output_file, check_path_argument, require_file
 from xnn._torch_files import refuse_non_model_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
@@ -233,12 +233,14 @@ def load_model(
     Returns:
         the model in eval mode, in the dtype it was saved with.
     Raises:
+        InputError: ``path`` is not a path (``None``, a number ...).
         ModelFileError: missing, corrupt, truncated, not-a-model or incompatible file, or one
             that asks for trust the caller did not give.
     """
     from xnn.models import trust as T
     from xnn.models.registry import model_class
 
+    check_path_argument(path, "xnn.load_model", "model file")
     path = Path(path)
     payload = _read_payload(path, map_location)
     name = payload.get("name")

@@ -68,7 +68,6 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel, graph_tracing
-from xnn.models.classical import atomic_number
 from xnn.models.long_range.charges import (
     DATA_HINT,
     charge_fields,
@@ -78,6 +77,7 @@ from xnn.models.long_range.charges import (
     neutralised,
 )
 from xnn.models.long_range.reciprocal import ewald_kspace, pme_kspace
+from xnn.models.registry import atomic_number, check_cutoff
 
 #: Coulomb constant ``Hartree * Bohr`` (eV Å / e^2), as ``ase.units``.
 COULOMB_CONSTANT = 14.399645351950548
@@ -131,9 +131,7 @@ class _Coulomb(AtomisticModel):
     def __init__(self, cutoff: float, charges: str | ChargeTable = "data",
                  charge_model: nn.Module | None = None, neutral: bool = False):
         super().__init__()
-        if not (isinstance(cutoff, (int, float)) and 0 < cutoff < math.inf):
-            raise InputError(f"cutoff must be a positive finite number (Å), got {cutoff!r}")
-        self.cutoff = float(cutoff)
+        self.cutoff = check_cutoff(cutoff, f"{type(self).__name__}: cutoff")
         q_cut = getattr(charge_model, "cutoff", None)
         if q_cut is not None and float(q_cut) > self.cutoff * (1 + 1e-12):
             raise InputError(f"charge_model cutoff {float(q_cut)} Å exceeds the real-space "

@@ -54,6 +54,7 @@ from torch import Tensor
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, UnknownSpeciesError
 from xnn.models.base import AtomisticModel, graph_tracing
+from xnn.models.registry import check_cutoff, check_sizes
 
 MAX_Z = 103  # the last element with D3 reference data (tad_dftd3.defaults.MAX_ELEMENT - 1)
 
@@ -140,13 +141,12 @@ class D3(AtomisticModel):
                  max_triples: int = 20_000_000):
         super().__init__()
         aa2au, _ = _units()
-        cn_cutoff = min(float(cutoff), 25.0 / aa2au) if cn_cutoff is None else cn_cutoff
-        atm_cutoff = min(float(cutoff), 40.0 / aa2au) if atm_cutoff is None else atm_cutoff
-        for name, value in (("cutoff", cutoff), ("cn_cutoff", cn_cutoff),
-                            ("atm_cutoff", atm_cutoff)):
-            if not 0 < float(value) < float("inf"):
-                raise InputError(f"d3: {name} must be a positive finite number (Å), got "
-                                 f"{value}")
+        cutoff = check_cutoff(cutoff, "model 'd3': hyperparameter cutoff")
+        cn_cutoff = min(cutoff, 25.0 / aa2au) if cn_cutoff is None else cn_cutoff
+        atm_cutoff = min(cutoff, 40.0 / aa2au) if atm_cutoff is None else atm_cutoff
+        for name, value in (("cn_cutoff", cn_cutoff), ("atm_cutoff", atm_cutoff)):
+            check_cutoff(value, f"model 'd3': hyperparameter {name}")
+        check_sizes("d3", 0, "a count of triples", max_triples=max_triples)
         self.params = damping_parameters(functional, s6, s8, a1, a2, s9)
         self.disp_cutoff = float(cutoff)
         self.cn_cutoff = float(cn_cutoff)

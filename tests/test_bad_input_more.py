@@ -8,7 +8,6 @@ import ase.io
 import h5py
 import numpy as np
 import pytest
-import torch
 from ase import Atoms
 from ase.build import bulk
 from ase.calculators.singlepoint import SinglePointCalculator

@@ -260,6 +260,7 @@ def read(
         ``list[Atoms]`` or an ``AtomicGraph``.
     Raises:
         DataFileError: missing, unreadable or empty file, or a required label is missing.
+        InputError: ``index`` is not a frame selection (:func:`parse_index`).
     """
     import ase.io
 

@@ -254,10 +254,10 @@ class HDF5Source(_Labels):
         nan = np.isnan(rows)
         broken = np.isinf(rows).any(-1) | (nan.any(-1) & ~nan.all(-1))
         if broken.any():
+            row = start + int(np.flatnonzero(broken)[0])
             raise DataFileError(f"{self.source}: the /{name} array holds a non-finite label "
-                                f"(row {start + int(np.flatnonzero(broken)[0])}: infinite, or partly "
-                                "NaN); a missing label is a whole row of NaN; rewrite the file "
-                                "(xnn data convert)")
+                                f"(row {row}: infinite, or partly NaN); a missing label is a "
+                                "whole row of NaN; rewrite the file (xnn data convert)")
         return ~nan.any(-1)
 
     def species(self) -> list[int]:

@@ -37,16 +37,21 @@ class EvalData:
     description: str
 
 
-def labelled_data(path: str, keys: dict[str, str]) -> EvalData:
+def labelled_data(path: str, keys: dict[str, str], named: tuple[str, ...] = ()) -> EvalData:
     """The structures of ``path`` with labels under ``keys`` (``{energy, forces, stress,
     virial}: key``).
 
+    Args:
+        named: the labels whose key the user named (``--energy-key`` ...): each must be
+            found in at least one structure.
     Raises:
-        DataFileError: no structure carries any of the labels; the message lists the keys
-            the file holds and the flags to name them.
+        DataFileError: no structure carries any of the labels, or none carries a label whose
+            key was named; the message lists the keys the file holds and the flags to name
+            them.
     """
     ds = read_structures(path, 1.0, keys["energy"], keys["forces"], keys["stress"],
                          keys["virial"])
+    _refuse_absent_named_keys(path, ds, keys, named)
     if len(ds) and not ds.label_counts().any():
         inv = inventory(path, limit=1000)
         hints = [f"{LABEL_FLAGS[p]} {k}" for p in ("energy", "forces", "stress")
@@ -59,6 +64,19 @@ def labelled_data(path: str, keys: dict[str, str]) -> EvalData:
             f"compare the model with; {describe_keys(inv)}{fix}, or get predictions with "
             "xnn.Calculator or xnn md")
     return EvalData(ds, Path(path).stem, f"{len(ds)} structures of {path}")
+
+
+def _refuse_absent_named_keys(path: str, ds, keys: dict[str, str], named) -> None:
+    """Raise when no structure of ``ds`` holds a label whose key the user named."""
+    counts = ds.label_counts().sum(0) if len(ds) else [0, 0, 0]
+    absent = [p for p in named if counts[("energy", "forces", "stress").index(p)] == 0]
+    if not absent:
+        return
+    inv = inventory(path, limit=1000)
+    flags = ", ".join(f"{LABEL_FLAGS[p]} {keys[p]!r}" for p in absent)
+    raise DataFileError(f"{flags}: no structure of {path!r} holds "
+                        f"{' or '.join(absent)} under that key; {describe_keys(inv)} "
+                        f"(`xnn data inspect {path}` lists them)")
 
 
 def read_split_record(run_dir: str | Path) -> dict:

@@ -12,6 +12,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import check_graph, free_mask, has_fixed, maxwell_boltzmann
+from xnn.dynamics.structure_checks import check_start_structures
 from xnn.errors import InputError, ModelFileError
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
@@ -54,7 +55,10 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
 
 
 def load_structure(path: str, index: str, device: torch.device, dtype: torch.dtype) -> AtomicGraph:
-    """All selected frames of ``path`` as one batch (``system`` = frame)."""
+    """All selected frames of ``path`` as one batch (``system`` = frame), refused when a
+    simulation cannot start from them (:func:`~xnn.dynamics.structure_checks.
+    check_start_structures`: a frame without atoms, non-finite velocities, coincident
+    atoms)."""
     from xnn.data.ase_io import from_ase, read
 
     if not path:
@@ -64,6 +68,7 @@ def load_structure(path: str, index: str, device: torch.device, dtype: torch.dty
     idx: str | int = int(index) if index.lstrip("-").isdigit() else index
     frames = read(path, index=idx)
     graph = from_ase(frames, dtype=dtype, device=device)
+    check_start_structures(graph, path)
     keep = [k for k in graph.keys() if k not in K.LABEL_FIELDS]
     graph = AtomicGraph({k: graph[k] for k in keep}, validate=False)
     fixed = fixed_mask(frames)

@@ -24,6 +24,7 @@ from xnn._torch_files import check_complete
 from xnn.app.train_data import build_splits, data_files
 from xnn.app.train_model import (
     build_model,
+    check_native,
     check_pretrained_config,
     check_trainable,
     data_statistics,
@@ -145,12 +146,9 @@ def _model_for_run(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Module
 def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Module:
     if cfg.pretrained:
         model = load_pretrained(cfg.pretrained)
-        if not isinstance(getattr(model, "hparams", None), dict):
-            # checkpoints store native hyperparameters + weights; wrappers of external
-            # models (mace, sevenn) have neither: refuse now rather than after an epoch
-            raise InputError(f"pretrained={cfg.pretrained!r} holds a {type(model).__name__}; "
-                             "xnn train fine-tunes native xnn models only (for a mace-torch "
-                             "model use mace_run_train's fine-tuning)")
+        # checkpoints store native hyperparameters + weights; wrappers of external models
+        # (mace, sevenn) have neither: refuse now rather than after an epoch
+        check_native(model, f"pretrained={cfg.pretrained!r}")
         check_pretrained_config(cfg.model, model, cfg.pretrained)
         known = set(getattr(model, "species", None) or splits.species)
         missing = sorted(set(splits.species) - known)

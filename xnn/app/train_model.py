@@ -31,8 +31,11 @@ def model_hyperparameters(cfg: ModelConfig, species: list[int], avg_neighbors=No
             raise InputError(f"set model.{key} rather than model.hyperparameters.{key}")
     if cfg.name == "sum":
         return sum_hyperparameters(cfg, species, avg_neighbors)
-    hp["species"] = list(species)
-    hp["cutoff"] = float(cfg.cutoff)
+    # as for a sum's terms: only to the classes that take them (d3 and ewald have no
+    # species, so that check_trainable can say what is wrong with training them)
+    for key, value in (("species", list(species)), ("cutoff", float(cfg.cutoff))):
+        if _accepts(cfg.name, key):
+            hp[key] = value
     if avg_neighbors is not None and "avg_num_neighbors" not in hp \
             and _accepts(cfg.name, "avg_num_neighbors"):
         hp["avg_num_neighbors"] = float(avg_neighbors)
@@ -200,17 +203,35 @@ def build_model(cfg: TrainConfig, species: list[int], statistics: dict | None) -
     return model
 
 
+def check_native(model: nn.Module, what: str) -> None:
+    """Refuse a wrapper of an external model (``mace``, ``sevenn``): xnn saves and resumes a
+    model by its ``hparams`` and weights, which such a wrapper does not have (its training
+    would fail at the first checkpoint).
+
+    Args:
+        what: names the model in the message (``model.name=sevenn``, ``pretrained='f.pt'``).
+    Raises:
+        InputError: one line naming the model and where to train it.
+    """
+    if not isinstance(getattr(model, "hparams", None), dict):
+        raise InputError(f"{what} is a {type(model).__name__}; xnn train trains and "
+                         "fine-tunes native xnn models only (for a mace-torch model use "
+                         "mace_run_train, for SevenNet its own trainer)")
+
+
 def check_trainable(cfg: TrainConfig, model: nn.Module) -> None:
-    """Refuse a model without trainable parameters (``lj``, ``morse``, ``d3``, ``ewald``, a
-    sum whose terms are all ``trainable: false``) before anything is trained or written.
+    """Refuse a model xnn cannot train, before anything is trained or written: a wrapper of
+    an external model (:func:`check_native`), or a model without trainable parameters
+    (``lj``, ``morse``, ``d3``, ``ewald``, a sum whose terms are all ``trainable: false``).
 
     Raises:
         InputError: one line naming the model and what to train instead.
     """
-    if any(p.requires_grad for p in model.parameters()):
-        return
     what = (f"pretrained={cfg.pretrained!r}" if cfg.pretrained
             else f"model.name={cfg.model.name}")
+    check_native(model, what)
+    if any(p.requires_grad for p in model.parameters()):
+        return
     raise InputError(f"{what} has no trainable parameters: there is nothing to train; choose a "
                      "trainable model (model.name=schnet, painn or equivariant, or a sum with "
                      "a trainable term) or pretrained=FILE of one; to evaluate a fixed model "

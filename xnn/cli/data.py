@@ -15,7 +15,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Strained, rattled, vacancy, surface and MD structures labelled with "
         "ASE's EMT; identical output for the same --n, --elements and --seed.",
     )
-    emt.add_argument("--out", required=True, help="output file (.xyz extxyz, .h5 HDF5)")
+    emt.add_argument("--out", required=True, help="output file (.xyz or .extxyz: extxyz; .h5 "
+                     "or .hdf5: xnn HDF5)")
     emt.add_argument("--elements", default="Cu", help="comma-separated symbols (default Cu)")
     emt.add_argument("--n", type=int, default=200, help="number of structures (default 200)")
     emt.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -44,7 +45,7 @@ def _add_bulk(dsub) -> None:
         "Cu, bcc Fe, diamond Si, ...) repeated --repeat times along each axis, every atom "
         "displaced by Gaussian noise of --rattle Å (seeded).",
     )
-    bulk.add_argument("--out", required=True, help="output file (.xyz extxyz)")
+    bulk.add_argument("--out", required=True, help="output file (.xyz or .extxyz: extxyz)")
     bulk.add_argument("--element", default="Cu", help="chemical symbol (default Cu)")
     bulk.add_argument("--repeat", type=int, default=4,
                       help="cubic cells along each axis (default 4: 256 fcc atoms)")
@@ -74,9 +75,10 @@ def _add_inspect(dsub) -> None:
 
 
 def run_emt(args) -> int:
-    from xnn.data.emt import check_output_file, write_emt
+    from xnn.data.emt import check_output_file, check_suffix, write_emt
 
     check_output_file(args.out, "--out")
+    check_suffix(args.out, "--out")
     n = write_emt(args.out, args.n, args.elements.split(","), args.seed)
     print(f"wrote {n} EMT structures to {args.out}")
     return 0
@@ -85,9 +87,10 @@ def run_emt(args) -> int:
 def run_bulk(args) -> int:
     from xnn.data.ase_io import write
     from xnn.data.crystals import bulk_crystal
-    from xnn.data.emt import check_output_file
+    from xnn.data.emt import EXTXYZ_SUFFIXES, check_output_file, check_suffix
 
     path = check_output_file(args.out, "--out", example="big.xyz")
+    check_suffix(path, "--out", EXTXYZ_SUFFIXES)
     atoms = bulk_crystal(args.element, args.repeat, args.a, args.rattle, args.seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     write(path, atoms, format="extxyz")

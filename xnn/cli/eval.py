@@ -64,7 +64,8 @@ def _data(args):
                          "--split test with a training run folder (xnn eval --split test "
                          "RUN_DIR)")
     keys = {k: getattr(args, f"{k}_key") or k for k in KEYS}
-    return args.model, labelled_data(args.data, {**keys, "virial": "virial"})
+    named = tuple(k for k in KEYS if getattr(args, f"{k}_key") is not None)
+    return args.model, labelled_data(args.data, {**keys, "virial": "virial"}, named)
 
 
 def run(args) -> int:

@@ -75,6 +75,14 @@ def check_range(name: str, value, low=None, high=None, low_inclusive=True) -> No
         raise ConfigError(f"{name}={value!r} must be <= {high}")
 
 
+def check_seed(name: str, value: int) -> None:
+    """Raise a :class:`ConfigError` for a negative seed: every command's runs are
+    reproducible from a seed >= 0 (none takes -1 to mean "random")."""
+    if value < 0:
+        raise ConfigError(f"{name}={value} must be >= 0 (a seed repeats a run exactly; no "
+                          "value means a random one: pick any integer >= 0)")
+
+
 def check_finite(name: str, value) -> None:
     """Raise a :class:`ConfigError` when ``value`` is a NaN or infinite number, or a list or
     dict holding one (``name.key`` names the entry)."""

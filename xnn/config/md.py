@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xnn.config.loader import ConfigError, check_range, field, validate
+from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
 from xnn.config.parallel import RunParallelConfig
 
 ENSEMBLES = ("nve", "langevin", "nhc", "csvr", "npt")
@@ -213,6 +213,7 @@ class SafetyConfig:
         check_range("safety.max_drift", self.max_drift, 0.0, low_inclusive=False)
         check_range("safety.max_force", self.max_force, 0.0, low_inclusive=False)
         check_range("safety.check_every", self.check_every, 1)
+        check_range("safety.max_temperature", self.max_temperature, 0.0, low_inclusive=False)
 
 
 @dataclass
@@ -274,6 +275,7 @@ class MDConfig:
         check_range("initial_temperature", self.initial_temperature, 0.0)
         check_range("timestep", self.timestep, 0.0, low_inclusive=False)
         check_range("steps", self.steps, 0)
+        check_seed("seed", self.seed)
         if self.ensemble == "npt" and self.pressure is None:
             raise ConfigError("ensemble=npt needs a target pressure (pressure=..., in "
                               "pressure_unit)")

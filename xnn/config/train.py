@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xnn.config.loader import ConfigError, check_range, field, validate
+from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
 from xnn.config.parallel import check_timeout, timeout_field
 
 PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
@@ -108,6 +108,7 @@ class DataConfig:
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.99)
         check_range("data.test_fraction", self.test_fraction, 0.0, 0.99)
         check_range("data.batch_size", self.batch_size, 1)
+        check_range("data.val_batch_size", self.val_batch_size, 1)
         check_range("data.max_atoms_per_batch", self.max_atoms_per_batch, 1)
         check_range("data.overfit", self.overfit, 1)
         check_range("data.samples_per_epoch", self.samples_per_epoch, 1)
@@ -187,6 +188,9 @@ class EarlyStoppingConfig:
     patience: int | None = field(None, "stop after this many epochs without improving the "
                                  "checkpoint metric (null: never)")
     min_delta: float = field(0.0, "smallest improvement that counts")
+
+    def __post_init__(self):
+        check_range("early_stopping.patience", self.patience, 0)
 
 
 @dataclass
@@ -271,7 +275,8 @@ class TrainConfig:
                                 "(torch.use_deterministic_algorithms): on a GPU, a resumed or "
                                 "repeated run is then bitwise equal to the uninterrupted one "
                                 "(CPU runs always are); somewhat slower")
-    seed: int = field(0, "seed of the split, the initial weights and the batch order")
+    seed: int = field(0, "seed of the split, the initial weights and the batch order "
+                      "(an integer >= 0)")
     output_dir: str = field("runs/xnn", "folder of checkpoints, logs, plots and the final model")
     overwrite: bool = field(False, "replace a previous run in output_dir: it is kept until "
                             "the new run completes (written meanwhile to "
@@ -290,6 +295,7 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self)  # every number finite, every choice valid (also when built in Python)
+        check_seed("seed", self.seed)
         check_range("max_epochs", self.max_epochs, 0)
         check_range("max_steps", self.max_steps, 0)
         check_range("time_limit_min", self.time_limit_min, 0.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from xnn.config.loader import ConfigError, check_range, field, validate
+from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
 from xnn.config.md import PRESSURE_UNITS, MDModelConfig, parallel_field, resume_field
 from xnn.config.parallel import RunParallelConfig
 
@@ -152,4 +152,5 @@ class WorkflowConfig:
             raise ConfigError(f"two stages are named {dup!r}; give each a unique name "
                               "(stages.N.name)")
         check_range("slots", self.slots, 1)
+        check_seed("seed", self.seed)
         check_range("max_force", self.max_force, 0.0, low_inclusive=False)

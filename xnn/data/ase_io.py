@@ -260,6 +260,7 @@ def read(
         ``list[Atoms]`` or an ``AtomicGraph``.
     Raises:
         DataFileError: missing, unreadable or empty file, or a required label is missing.
+        InputError: ``index`` is not a frame selection (:func:`parse_index`).
     """
     import ase.io
 
@@ -267,8 +268,7 @@ def read(
 
     check_path_argument(path, "xnn.data.read", "data file")
     p = require_file(path, "data file")
-    index = int(index) if isinstance(index, str) and index.strip().lstrip("-").isdigit() \
-        else index
+    index = parse_index(index)
     if isinstance(index, int) and index < -1:  # ASE wraps -N-1 around to a wrong frame
         _check_index(p, index, format)
     try:
@@ -280,11 +280,11 @@ def read(
         raise DataFileError(f"cannot parse {p}: {msg}") from None
     frames = frames if isinstance(frames, list) else [frames]
     if not frames:
-        if index in (":", slice(None)):
+        if index == slice(None):
             raise DataFileError(f"no structures in {p}")
         n = _count_frames(p, format)
-        raise DataFileError(f"index {index!r} selects no frame of {p}, which has {n} "
-                            f"frame(s)" if n is not None else f"no structures in {p}")
+        raise DataFileError(f"index {_index_text(index)!r} selects no frame of {p}, which has "
+                            f"{n} frame(s)" if n is not None else f"no structures in {p}")
     kw = dict(
         energy_key=energy_key,
         forces_key=forces_key,
@@ -307,6 +307,41 @@ def read(
     except (DataFileError, InputError) as e:
         raise type(e)(f"{p}: {e}") from None
     return frames
+
+
+def parse_index(index: str | int | slice) -> int | slice:
+    """An ASE frame selection as an ``int`` or a ``slice``: ``"-1"`` (the last frame),
+    ``"0"``, ``":"`` (every frame), ``"1:3"``, ``"::2"``, ``"-3:"``.
+
+    Raises:
+        InputError: ``index`` is neither a frame number nor a ``start:stop:step`` slice of
+            integers, or its step is 0.
+    """
+    if isinstance(index, slice) or (isinstance(index, int) and not isinstance(index, bool)):
+        parsed = index
+    else:
+        parts = str(index).strip().split(":")
+        try:
+            if len(parts) > 3 or not parts[0].strip() and len(parts) == 1:
+                raise ValueError(index)
+            values = [int(v) if v.strip() else None for v in parts]
+        except ValueError:
+            raise InputError(f"index {index!r} is not a frame selection: give a frame number "
+                             "(0 the first, -1 the last) or a slice start:stop:step (':' "
+                             "every frame, '1:3', '::2')") from None
+        parsed = values[0] if len(values) == 1 else slice(*values)
+    if isinstance(parsed, slice) and parsed.step == 0:
+        raise InputError(f"index {_index_text(index)!r} has a slice step of 0; give a "
+                         "non-zero step ('::2', '::-1') or leave the step out ('1:3')")
+    return parsed
+
+
+def _index_text(index) -> str:
+    """``index`` as the user would type it (``1:3`` rather than ``slice(1, 3, None)``)."""
+    if not isinstance(index, slice):
+        return str(index)
+    text = ":".join("" if v is None else str(v) for v in (index.start, index.stop))
+    return text if index.step is None else f"{text}:{index.step}"
 
 
 def _count_frames(path: Path, format: str | None) -> int | None:

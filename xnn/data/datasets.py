@@ -50,6 +50,43 @@ def coincident_error(path: str, index: int, pair) -> DataFileError:
 
 
 # --------------------------------------------------------------------------- labels
+_LABEL_KEYS = {K.ENERGY: "energy_key", K.FORCES: "forces_key", K.STRESS: "stress_key",
+               K.VIRIAL: "virial_key"}
+
+
+def refuse_non_finite_labels(graph: AtomicGraph, keys: dict[str, str], where: str) -> None:
+    """Refuse a label of a one-system graph read from a file that is NaN or infinite.
+
+    A structure without some label is left out of that loss term and metric (the label is
+    stored as NaN there, see :func:`normalize_labels`), but a NaN or infinite number written
+    in the file is a broken label, not a missing one: it would be left out silently.
+
+    Args:
+        graph: one structure with the labels found in the file (before normalisation).
+        keys: ``{energy_key, forces_key, stress_key, virial_key}: key`` the labels were
+            read under (named in the message).
+        where: names the structure, e.g. ``"data.xyz: structure 2"``.
+    Raises:
+        DataFileError: one line naming ``where``, the label, its key and, for forces, the
+            first atoms with a non-finite component.
+    """
+    for field, key_name in _LABEL_KEYS.items():
+        if field not in graph:
+            continue
+        value = graph[field].detach()
+        if bool(torch.isfinite(value).all()):
+            continue
+        label = f"{field} label {keys[key_name]!r}"
+        if field == K.FORCES:
+            atoms = torch.nonzero(~torch.isfinite(value).all(-1)).flatten().tolist()
+            label += f" of atom{'s' if len(atoms) > 1 else ''} {atoms[:5]}" + (
+                f" ({len(atoms)} atoms)" if len(atoms) > 5 else "")
+        bad = value[~torch.isfinite(value)].flatten()[0].item()
+        raise DataFileError(f"{where}: the {label} is {bad}, not a finite number; fix or "
+                            "remove that structure (a structure without this label leaves "
+                            "its key out)")
+
+
 def normalize_labels(graph: AtomicGraph, weight: float = 1.0) -> AtomicGraph:
     """Give a one-system graph the fields ``energy``, ``forces``, ``stress`` (NaN if missing)
     and ``weight``; a ``virial`` label becomes ``stress = -virial / V``."""
@@ -176,6 +213,10 @@ class HDF5Source(_Labels):
         self.name = Path(path).name
         self.source = os.fspath(path)
         self.n_atoms = self.inner.n_atoms
+        empty = np.flatnonzero(np.asarray(self.n_atoms) == 0)
+        if len(empty):
+            raise DataFileError(f"{self.source}: structure {int(empty[0])} has no atoms "
+                                f"({len(empty)} such structures); remove them")
 
     def origin(self, index: int) -> tuple[str, int]:
         return self.source, int(index)
@@ -194,15 +235,30 @@ class HDF5Source(_Labels):
 
     def _count_labels(self) -> np.ndarray:
         f = self.inner._handle()
-        ok_atoms = np.concatenate(
-            [np.isfinite(c).all(-1) for c in self._read("forces")] or [np.zeros(0, bool)]
-        )
+        ok, start = [np.zeros(0, bool)], 0
+        for c in self._read("forces"):
+            ok.append(self._finite_rows(c, "forces", start))
+            start += len(c)
+        ok_atoms = np.concatenate(ok)
         ptr = self.inner.atom_ptr
         n_ok = np.add.reduceat(ok_atoms.astype(np.int64), ptr[:-1]) if len(ok_atoms) else ptr[:-1]
         n_ok = np.where(self.n_atoms > 0, n_ok, 0)
-        return np.stack([
-            np.isfinite(f["energy"][:]).astype(np.int64), 3 * n_ok,
-            9 * np.isfinite(f["stress"][:]).reshape(-1, 9).all(-1).astype(np.int64)], -1)
+        energy = self._finite_rows(f["energy"][:].reshape(-1, 1), "energy")
+        stress = self._finite_rows(f["stress"][:].reshape(-1, 9), "stress")
+        return np.stack([energy.astype(np.int64), 3 * n_ok, 9 * stress.astype(np.int64)], -1)
+
+    def _finite_rows(self, rows: np.ndarray, name: str, start: int = 0) -> np.ndarray:
+        """``[len(rows)]`` bool: the rows (an atom's force, a structure's energy or stress)
+        that hold a label. A missing label is a row of NaN (the format's convention); an
+        infinite value, or a row only partly NaN, is a broken label: refused."""
+        nan = np.isnan(rows)
+        broken = np.isinf(rows).any(-1) | (nan.any(-1) & ~nan.all(-1))
+        if broken.any():
+            row = start + int(np.flatnonzero(broken)[0])
+            raise DataFileError(f"{self.source}: the /{name} array holds a non-finite label "
+                                f"(row {row}: infinite, or partly NaN); a missing label is a "
+                                "whole row of NaN; rewrite the file (xnn data convert)")
+        return ~nan.any(-1)
 
     def species(self) -> list[int]:
         found: set[int] = set()
@@ -370,10 +426,13 @@ def read_structures(
     out = []
     offset = 0
     for k, atoms in enumerate(frames):
+        if len(atoms) == 0:
+            raise DataFileError(f"{p}: structure {k} has no atoms; remove it from the file")
         try:
             g = ase_io.from_ase([atoms], **keys)
         except (DataFileError, InputError) as e:
             raise type(e)(f"{p}: structure {k}: {e}") from None
+        refuse_non_finite_labels(g, keys, f"{p}: structure {k}")
         g = normalize_labels(g, weight).replace({
             K.ATOM_ID: torch.arange(offset, offset + g.n_atoms),
             K.SYSTEM_ID: torch.tensor([k]),

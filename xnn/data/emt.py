@@ -19,6 +19,7 @@ a given ``(n, elements, seed)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -155,13 +156,36 @@ def generate_emt(n: int = 200, elements: Sequence[str] = ("Cu",), seed: int = 0)
     return out
 
 
+#: the suffixes of the data files ``write_emt`` writes (extxyz, xnn HDF5): the ones xnn
+#: reads back as such
+EXTXYZ_SUFFIXES = (".xyz", ".extxyz")
+DATA_SUFFIXES = (*EXTXYZ_SUFFIXES, ".h5", ".hdf5")
+
+
+def check_suffix(path, what: str, suffixes: Sequence[str] = DATA_SUFFIXES) -> None:
+    """Refuse an output file whose suffix is not one of ``suffixes`` (a file named
+    ``data.txt`` would hold extxyz that neither xnn nor ASE reads back by its name).
+
+    Raises:
+        InputError: one line naming ``what``, the file and the accepted suffixes.
+    """
+    if Path(path).suffix not in suffixes:
+        raise InputError(f"{what} {str(path)!r} must end in {', '.join(suffixes)} (the file "
+                         "is read back by its suffix), e.g. "
+                         f"{str(Path(path).with_suffix(suffixes[0]))!r}")
+
+
 def write_emt(path, n: int = 200, elements: Sequence[str] = ("Cu",), seed: int = 0) -> int:
-    """Generate EMT data and write it to ``path`` (extxyz, or HDF5 for ``.h5``/``.hdf5``).
+    """Generate EMT data and write it to ``path`` (extxyz for ``.xyz``/``.extxyz``, HDF5 for
+    ``.h5``/``.hdf5``).
 
     Returns:
         the number of structures written.
+    Raises:
+        InputError: another suffix (before anything is generated), a bad ``n`` or element.
     """
     path = check_output_file(path, "output file")
+    check_suffix(path, "output file")
     atoms = generate_emt(n, elements, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix in (".h5", ".hdf5"):

@@ -19,6 +19,7 @@ from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
+from xnn.dynamics.structure_checks import check_start_structures
 from xnn.errors import InputError, ModelFileError
 from xnn.models.trust import granted
 
@@ -110,6 +111,7 @@ def read_structure_rank0(path: str, index: str = "-1", group=None) -> AtomicGrap
             if graph.n_systems != 1:
                 raise InputError(f"{path}: index {index!r} selects {graph.n_systems} structures; "
                                  "give one (e.g. --index -1)")
+            check_start_structures(graph, path)
             graph = graph.replace({k: None for k in K.LABEL_FIELDS if k in graph})
     return graph
 

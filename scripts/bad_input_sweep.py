@@ -2,7 +2,7 @@
 """Bad-input sweep (issue 42): a catalogue of wrong inputs, each run through a real door of
 xnn (a command, a python call, a bridge, torchrun ranks) and its outcome classified.
 
-    python scripts/bad_input_sweep.py --json benchmarks/results/bad_inputs_before.json
+    python scripts/bad_input_sweep.py --json benchmarks/results/bad_inputs_cpu.json
     python scripts/bad_input_sweep.py --only trust,index      # categories or case ids
     python scripts/bad_input_sweep.py --list
 

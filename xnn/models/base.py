@@ -86,6 +86,10 @@ class AtomisticModel(nn.Module):
         num_interactions: message-passing hops; the receptive field is
             ``cutoff * num_interactions``.
         species: atomic numbers the model knows, or ``None`` for any element.
+        receiver_field: distance (Å) beyond the receptive field at which ghost atoms still
+            receive something that counts (a Coulomb term's predicted charges); 0 for most.
+        pairs_edges: the model may evaluate length-only edge work once per reverse pair
+            when the graph says its edges are paired (:func:`edges_paired`).
         traceable: its forward traces into a graph of fixed shapes (``torch.fx`` /
             ``make_fx`` under :func:`tracing_graph`), so the compiled MD steps
             (``xnn md compile=true``) can compile it; long-range terms, whose sums over
@@ -98,7 +102,15 @@ class AtomisticModel(nn.Module):
     cutoff: float
     num_interactions: int = 1
     species: list[int] | None = None
+    receiver_field: float = 0.0
+    pairs_edges: bool = False
     traceable: bool = True
+
+    @property
+    def sync_points(self) -> list[tuple[str, nn.Module]]:
+        """``[(name, module)]`` of the sync points between interaction layers (none here;
+        :class:`SyncPoints` models have them): domain decomposition's per-layer exchanges."""
+        return []
 
     @property
     def receptive_field(self) -> float:

@@ -420,9 +420,13 @@ def _accuracy(name: str, data: dict) -> list[list[str]]:
 
 
 def _activation_memory(name: str, data: dict) -> list[list[str]]:
-    return [[model, mib(m["plain"]["peak_saved"]), mib(m["checkpointing"]["peak_saved"]),
-             ratio(m["ratio_plain_over_ckpt"]["peak_saved"]),
-             ratio(m["ratio_plain_over_ckpt"]["step_time"])] for model, m in data["models"].items()]
+    rows = []
+    for model, m in data["models"].items():
+        r = m["ratio_plain_over_ckpt"]
+        rows.append([model, mib(m["plain"]["kept_after_forces"]), ratio(r["kept_after_forces"]),
+                     mib(m["plain"]["peak_saved"]), ratio(r["peak_saved"]),
+                     ratio(r["peak_allocated"]), ratio(r["step_time"])])
+    return rows
 
 
 # domain decomposition ------------------------------------------------------------------
@@ -497,6 +501,15 @@ def _cp_training(name: str, data: dict) -> list[list[str]]:
     return rows
 
 
+def _cp_largest(name: str, data: dict) -> list[list[str]]:
+    big = data["largest_trainable"]
+    one = big["dd1"]["largest_atoms"]
+    return [[data["args"]["model"], key.removeprefix("dd"), f"{v['gb_per_1k_atoms']:.3g} GB",
+             count(v["largest_atoms"]), ratio(v["largest_atoms"] / one)]
+            for key, v in big.items()
+            if key.startswith("dd") and isinstance(v, dict) and "_" not in key]  # no ckpt fit
+
+
 def _long_range(name: str, data: dict) -> list[list[str]]:
     return [[count(r["n_atoms"]), f"{r['mesh'][0]}³", ms(r["xnn_s"]), ms(r["torchpme_s"]),
              ratio(r["ratio"]), sci(r["forces_max_abs_diff"])] for r in data["results"]]
@@ -530,6 +543,13 @@ def _nccl_device(name: str, data: dict) -> str:
 SPECS = {"lj": "lj:sigma=2.3,epsilon=0.4,cutoff=5.0", "painn": "painn", "equivariant":
          "equivariant", "sevenn": "sevenn:checkpoint=7net-0"}
 
+#: commands shared by two tables
+CP_SCHNET = ("python benchmarks/cp_training.py --model schnet --atoms 20000,60000 --dd 1,2,4 "
+             "--cutoff 4 --threads 4 --json benchmarks/results/cp_training_cpu16.json")
+CP_EQUIVARIANT = ("python benchmarks/cp_training.py --model equivariant --hparams "
+                  "'{\"channels\": 32}' --atoms 2000,4000 --dd 1,4 --checkpointing --cutoff 4 "
+                  "--threads 4 --json benchmarks/results/cp_training_equivariant_cpu16.json")
+
 TABLES = [
     Table("bad_inputs", ("clear", "ok-accepted", "traceback", "silent", "hang", "misleading",
                          "refused-valid", "all"),
@@ -546,9 +566,9 @@ TABLES = [
                                  "benchmarks/results/neighbors_cpu.json"}, _neighbors),
     Table("neighbors_paired", ("device", "atoms", "rounds", "xnn auto", "peer", "peer time",
                                "ratio median (min)"),
-          {"neighbors_paired_h100.json": "python benchmarks/neighbors.py --paired-only --devices "
-                                         "cuda cpu --sizes 100000 1000000 --batched 64 108 "
-                                         "--json benchmarks/results/neighbors_paired_h100.json "
+          {"neighbors_paired_h100.json": "python benchmarks/neighbors.py --paired-only --phases "
+                                         "--devices cuda cpu --sizes 100000 1000000 --batched 64 "
+                                         "108 --json benchmarks/results/neighbors_paired_h100.json "
                                          "(gpu_suite.sh 24a)",
            "neighbors_paired_h200.json": "python benchmarks/neighbors.py --paired-only --devices "
                                          "cuda cpu --sizes 100000 1000000 --phases --json "
@@ -563,7 +583,8 @@ TABLES = [
     Table("neighbors_after_torch_op", ("atoms", "torch threads", "vesin alone",
                                        "after positions.sum()", "slowdown"),
           {"neighbors_after_torch_op_h100.json": "python benchmarks/neighbors.py --after-torch-op "
-                                                 "30 --json benchmarks/results/"
+                                                 "30 --sizes 10000 100000 --json "
+                                                 "benchmarks/results/"
                                                  "neighbors_after_torch_op_h100.json",
            "neighbors_after_torch_op_cpu.json": "python benchmarks/neighbors.py "
                                                 "--after-torch-op 60 "
@@ -597,18 +618,26 @@ TABLES = [
     Table("md_compiled", ("case", "atoms", "kernels", "eager step", "compiled step",
                           "compiled / eager", "recompiles", "first step"),
           {"md_compiled_h200.json": "python benchmarks/md_compiled.py --device cuda --dtype "
-                                    "float32 --kernel-backends triton --n-atoms 10000 --steps 20 "
-                                    "--json benchmarks/results/md_compiled_h200.json "
+                                    "float32 --models equivariant --ensembles nve "
+                                    "--kernel-backends triton --n-atoms 10000 --steps 20 "
+                                    "--unfiltered --json benchmarks/results/md_compiled_h200.json "
                                     "(gpu_suite.sh 11, KB=triton)",
            "md_compiled_cpu.json": "python benchmarks/md_compiled.py --models equivariant --dtype "
                                    "float32 --json benchmarks/results/md_compiled_cpu.json"},
           _md_compiled),
     Table("peers", ("model", "atoms", "xnn", "xnn atom-steps/s", "peer", "peer atom-steps/s",
                     "xnn / peer"),
-          {"peers_h200.json": "python benchmarks/peers.py --device cuda --models mace --sizes "
-                              "10000 --frameworks xnn,torch_sim --cueq --mace-fusion split "
-                              "--variants split+tf32x3,split+tf32x3+int32 --json "
-                              "benchmarks/results/peers_h200.json (gpu_suite.sh 23a)"}, _peers),
+          {"peers_h200.json": "python benchmarks/peers.py --device cuda --dtype float32 --sizes "
+                              "10000 --batched none --models mace --steps 9 --budget-s 90 "
+                              "--frameworks xnn,torch_sim --cueq --mace-fusion split --variants "
+                              "split+tf32x3,split+tf32x3+int32 --json "
+                              "benchmarks/results/peers_h200.json (gpu_suite.sh 23a)",
+           "peers_nvalchemi_h200.json": "python benchmarks/peers.py --device cuda --dtype float32 "
+                                        "--sizes 10000 --batched none --models mace --steps 9 "
+                                        "--budget-s 100 --frameworks "
+                                        "xnn_step_graph,torch_sim,nvalchemi --cueq --json "
+                                        "benchmarks/results/peers_nvalchemi_h200.json "
+                                        "(gpu_suite.sh 13)"}, _peers),
     Table("calculator", ("model", "atoms", "xnn per call", "peer", "peer per call", "xnn / peer"),
           {"calculator_cpu.json": "python benchmarks/calculator.py --json "
                                   "benchmarks/results/calculator_cpu.json"}, _calculator),
@@ -619,8 +648,9 @@ TABLES = [
                                         "benchmarks/results/kernel_backends_h200.json"},
           _kernel_backends),
     Table("triton_tp", ("dtype", "forward kernel", "2D tiles", "3D tile", "2D / 3D"),
-          {"triton_tp_h200.json": "python benchmarks/triton_tp.py --device cuda --json "
-                                  "benchmarks/results/triton_tp_h200.json"}, _triton_tp,
+          {"triton_tp_h200.json": "the old and new forward kernels timed in one "
+                                  "process (commit 80007cf; benchmarks/triton_tp.py times the "
+                                  "current kernels)"}, _triton_tp,
           lambda name, data: "one NVIDIA H200, torch 2.11"),
     Table("triton_mlp", ("N", "rows", "scale", "precision", "fused forward", "torch forward",
                          "speed-up", "fused fwd+bwd", "torch fwd+bwd", "speed-up"),
@@ -628,8 +658,9 @@ TABLES = [
                                    "benchmarks/results/triton_mlp_h200.json"}, _triton_mlp),
     Table("triton_mlp_sweep", ("N", "rows", "precision", "part", "tilings", "fastest",
                                "time", "default then", "time", "default / fastest"),
-          {"triton_mlp_sweep_h200.json": "python benchmarks/triton_mlp.py --device cuda --sweep "
-                                         "--sweep-precisions tf32x3 --json "
+          {"triton_mlp_sweep_h200.json": "python benchmarks/triton_mlp.py --device cuda --blocks 1 "
+                                         "--scale off --sweep --sweep-precisions tf32x3 "
+                                         "--sweep-budget-s 90 --repeat 10 --json "
                                          "benchmarks/results/triton_mlp_sweep_h200.json"},
           _triton_mlp_sweep),
     Table("training", ("model", "parameters", "GPUs", "step", "structures/s"),
@@ -644,7 +675,7 @@ TABLES = [
                                          "(two runs: eager, compiled)"}, _training_compile),
     Table("training_vs_mace", ("xnn per epoch", "xnn structures/s", "mace_run_train per epoch",
                                "MACE structures/s", "xnn / MACE"),
-          {"training_vs_mace_h200.json": "python benchmarks/training.py --device cuda --only "
+          {"training_vs_mace_h200.json": "python benchmarks/training.py --device cuda --models "
                                          "equivariant --epochs 8 --json "
                                          "benchmarks/results/training_vs_mace_h200.json"},
           _training_vs_mace),
@@ -661,8 +692,9 @@ TABLES = [
            "accuracy_vs_mace_cpu.json": "python benchmarks/accuracy_vs_mace.py --seed 1 --json "
                                         "benchmarks/results/accuracy_vs_mace_cpu.json"},
           _accuracy),
-    Table("activation_memory", ("model", "saved tensors, plain", "with checkpointing",
-                                "plain / checkpointing", "step time ratio"),
+    Table("activation_memory", ("model", "kept for 2nd backward", "plain / ckpt",
+                                "peak saved tensors", "plain / ckpt", "allocator peak plain / ckpt",
+                                "step time ckpt / plain"),
           {"activation_memory_cpu.json": "python benchmarks/activation_memory.py --json "
                                          "benchmarks/results/activation_memory_cpu.json"},
           _activation_memory, lambda name, data: "CPU, fp64, 500 atoms"),
@@ -706,10 +738,14 @@ TABLES = [
                     "peak over baseline", "vs 1 rank", "step", "atom-steps/s", "speed-up"),
           {"dd_md_cpu16.json": "python benchmarks/dd_md.py --sizes 1000000 --ranks 1,2,4,8 "
                                "--steps 3 --warmup 1 --json benchmarks/results/dd_md_cpu16.json",
+           "dd_md_replicated_cpu16.json": "python benchmarks/dd_md.py --sizes 1000000 --ranks 8 "
+                                          "--layouts replicated --replicated-max-atoms 2000000 "
+                                          "--steps 1 --warmup 0 --json "
+                                          "benchmarks/results/dd_md_replicated_cpu16.json",
            "dd_md_cpu.json": "python benchmarks/dd_md.py --sizes 256000 --ranks 1,2,4,8 --steps 4 "
                              "--json benchmarks/results/dd_md_cpu.json",
            "dd_md_compiled_cpu.json": "python benchmarks/dd_md.py --sizes 2000 --ranks 2 "
-                                      "--layouts domain,compiled --steps 30 --json "
+                                      "--compile --steps 30 --json "
                                       "benchmarks/results/dd_md_compiled_cpu.json",
            "dd_md_h200.json": "python benchmarks/dd_md.py --device cuda --dtype float32 --sizes "
                               "32000,256000,1000000 --ranks 1 --steps 20 --json "
@@ -721,19 +757,20 @@ TABLES = [
           _dd_md),
     Table("cp_training", ("model", "checkpointing", "atoms", "dd", "peak per rank", "x dd = 1",
                           "step", "atoms held per rank"),
-          {"cp_training_cpu16.json": "python benchmarks/cp_training.py --model schnet --atoms "
-                                     "20000,60000 --dd 1,2,4 --threads 4 --json "
-                                     "benchmarks/results/cp_training_cpu16.json",
-           "cp_training_equivariant_cpu16.json": "python benchmarks/cp_training.py --model "
-                                                 "equivariant --atoms 2000,4000 --dd 1,4 "
-                                                 "--checkpointing both --threads 4 --json "
-                                                 "benchmarks/results/"
-                                                 "cp_training_equivariant_cpu16.json"},
+          {"cp_training_cpu16.json": CP_SCHNET,
+           "cp_training_equivariant_cpu16.json": CP_EQUIVARIANT},
           _cp_training),
+    Table("cp_training_largest", ("model", "dd", "peak per 1k atoms (fit)",
+                                  "largest in 80 GB per rank", "x dd = 1"),
+          {"cp_training_cpu16.json": CP_SCHNET,
+           "cp_training_equivariant_cpu16.json": CP_EQUIVARIANT},
+          _cp_largest),
     Table("long_range", ("ions", "mesh", "xnn pme", "torch-pme", "xnn / torch-pme",
                          "max force diff (eV/Å)"),
           {"long_range_h200.json": "python benchmarks/long_range.py --device cuda --json "
-                                   "benchmarks/results/long_range_h200.json"}, _long_range),
+                                   "benchmarks/results/long_range_h200.json",
+           "long_range_cpu.json": "python benchmarks/long_range.py --quick --json "
+                                  "benchmarks/results/long_range_cpu.json"}, _long_range),
     Table("long_range_dd", ("ions", "ranks", "mesh (replicated)", "slowest rank",
                             "speed-up vs 1 rank", "peak RSS per rank"),
           {"long_range_dd_cpu16.json": "python benchmarks/long_range.py --dd 1,2,4 --dtype "

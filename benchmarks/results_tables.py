@@ -582,15 +582,15 @@ TABLES = [
           _neighbors_paired),
     Table("neighbors_after_torch_op", ("atoms", "torch threads", "vesin alone",
                                        "after positions.sum()", "slowdown"),
-          {"neighbors_after_torch_op_h100.json": "python benchmarks/neighbors.py --after-torch-op "
+          {"neighbors_after_torch_op_cpu16.json": "python benchmarks/neighbors.py --after-torch-op "
                                                  "30 --sizes 10000 100000 --json "
                                                  "benchmarks/results/"
-                                                 "neighbors_after_torch_op_h100.json",
+                                                 "neighbors_after_torch_op_cpu16.json",
            "neighbors_after_torch_op_cpu.json": "python benchmarks/neighbors.py "
                                                 "--after-torch-op 60 "
                                                 "--json benchmarks/results/"
                                                 "neighbors_after_torch_op_cpu.json"},
-          _after_torch_op, lambda name, data: ("CPU of the H100 host (16 cores)" if "h100" in name
+          _after_torch_op, lambda name, data: ("CPU of the H100 host (16 cores)" if "cpu16" in name
                                                else "CPU (2 cores)")),
     Table("models", ("model", "parameters", "atoms", "atom-steps/s", "peak per atom",
                      "speed / MACE"),
@@ -744,8 +744,8 @@ TABLES = [
                                           "benchmarks/results/dd_md_replicated_cpu16.json",
            "dd_md_cpu.json": "python benchmarks/dd_md.py --sizes 256000 --ranks 1,2,4,8 --steps 4 "
                              "--json benchmarks/results/dd_md_cpu.json",
-           "dd_md_compiled_cpu.json": "python benchmarks/dd_md.py --sizes 2000 --ranks 2 "
-                                      "--compile --steps 30 --json "
+           "dd_md_compiled_cpu.json": "python benchmarks/dd_md.py --compile --ranks 2 --sizes "
+                                      "2000 --layouts domain --steps 30 --json "
                                       "benchmarks/results/dd_md_compiled_cpu.json",
            "dd_md_h200.json": "python benchmarks/dd_md.py --device cuda --dtype float32 --sizes "
                               "32000,256000,1000000 --ranks 1 --steps 20 --json "
@@ -773,8 +773,8 @@ TABLES = [
                                   "benchmarks/results/long_range_cpu.json"}, _long_range),
     Table("long_range_dd", ("ions", "ranks", "mesh (replicated)", "slowest rank",
                             "speed-up vs 1 rank", "peak RSS per rank"),
-          {"long_range_dd_cpu16.json": "python benchmarks/long_range.py --dd 1,2,4 --dtype "
-                                       "float64 --json "
+          {"long_range_dd_cpu16.json": "python benchmarks/long_range.py --sizes 10000 100000 "
+                                       "--dd 1,2,4 --no-direct --json "
                                        "benchmarks/results/long_range_dd_cpu16.json"},
           _long_range_dd),
     Table("validate", ("model", "ranks", "atoms", "mode", "worst relative error", "tolerance",

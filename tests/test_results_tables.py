@@ -63,3 +63,13 @@ def test_check_fails_when_a_file_is_missing(copied_results):
     (copied_results / "validate_lj_h200x2.json").unlink()
     with pytest.raises(FileNotFoundError):
         rt.main(["--check"])
+
+
+def test_a_rerun_writes_the_current_file_by_default():
+    from benchmarks import common, dd_md
+
+    args = dd_md.parse_args(["--compile", "--ranks", "2", "--sizes", "2000", "--layouts", "domain"])
+    assert Path(args.json) == rt.RESULTS / f"dd_md_compiled_{common.device_tag('cpu', 1)}.json"
+    assert common.device_tag("cpu", 2) == "gloo2"
+    if (common.os.cpu_count() or 1) <= 4:  # the project's CPU machine: the file in the table
+        assert Path(args.json).name in rt.files_named()

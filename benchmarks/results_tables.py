@@ -163,7 +163,7 @@ def render(table: Table) -> str:
         if commit:
             where += f", commit {commit}"
         notes.append(f"- {code(name)}: {code(command)} ({where})")
-    return "\n".join([*lines, "", *notes])
+    return "\n".join([*lines, *notes])
 
 
 def _pct(value: float) -> str:
@@ -403,8 +403,13 @@ def _training_ddp(name: str, data: dict) -> list[list[str]]:
     rows = []
     for run, eff in data["ddp_efficiency"].items():
         what = data["runs"][run]["what"].split(";")[0].split("(")[0].strip()
+        if not what.startswith("final code"):
+            continue  # the runs of the code before the change the file measured
         for model, value in eff.items():
-            rows.append([run, what, model, _pct(value)])
+            mode = "compiled" if "compiled" in run else "eager"
+            if "ddp_first" in run:
+                mode += ", data-parallel step always first"
+            rows.append([run, mode, model, _pct(value)])
     return rows
 
 
@@ -679,7 +684,7 @@ TABLES = [
                                          "equivariant --epochs 8 --json "
                                          "benchmarks/results/training_vs_mace_h200.json"},
           _training_vs_mace),
-    Table("training_ddp", ("run", "code", "model", "DDP efficiency"),
+    Table("training_ddp", ("run (final code)", "step", "model", "DDP efficiency"),
           {"training_ddp_h200x2.json": "torchrun --nproc-per-node 2 benchmarks/training.py "
                                        "--device cuda --no-mace --steps 60 [--compile] --json "
                                        "benchmarks/results/training_ddp_h200x2.json "

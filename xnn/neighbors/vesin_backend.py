@@ -14,7 +14,7 @@ Overhead against calling vesin directly (``benchmarks/neighbors.py``): one
 not reallocated, and on CUDA not freed with a device sync, on every build); results are
 read with ``copy=False`` and written once into the returned tensors (``edge_index`` the
 transpose of the ``[E, 2]`` pairs, one copy; ``shifts`` negated, in vesin's int32, 12 B per
-edge as in vesin's own output; by numpy on CPU, which copies these 2-4x faster than torch,
+edge as in vesin's own output; by numpy on CPU, which copies these several times faster than torch,
 in chunks over ``torch.get_num_threads()`` threads for large lists: numpy releases the GIL),
 which replaces vesin's own copy. No dtype conversion of positions beyond what vesin itself
 needs. On the CPU no torch operator runs around vesin's call (numpy views in and out, the
@@ -201,7 +201,7 @@ def _outputs(pairs: Tensor, shifts: Tensor, device: torch.device) -> tuple[Tenso
 
 
 def _copies(pairs, shifts, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_outputs` by numpy (2-4x faster than torch's copies here) from vesin's CPU
+    """:func:`_outputs` by numpy (faster than torch's copies here) from vesin's CPU
     ``pairs`` and ``shifts`` (numpy arrays or CPU tensors), with ``offset`` added to the
     atom indices in the same pass; in chunks over threads for large lists (:func:`_in_chunks`)."""
     if isinstance(pairs, Tensor):

@@ -78,8 +78,11 @@ def mib(n_bytes: float | None) -> str:
 
 
 def kib(n_bytes: float | None) -> str:
-    """Bytes as KiB (3 significant digits)."""
-    return "-" if n_bytes is None else f"{n_bytes / 2**10:.3g} KiB"
+    """Bytes as KiB (3 significant digits, whole KiB above 1000)."""
+    if n_bytes is None:
+        return "-"
+    value = n_bytes / 2**10
+    return f"{value:,.0f} KiB" if value >= 1000 else f"{value:.3g} KiB"
 
 
 def sci(value: float | None) -> str:
@@ -103,6 +106,9 @@ def device_of(data: dict) -> str:
     machine = data.get("machine") or {}
     if not machine and isinstance(data.get("eager"), dict):
         machine = data["eager"].get("machine", {})
+    meta = data.get("meta") or {}
+    if not machine and meta.get("cpus"):
+        return f"CPU ({meta['cpus']} cores), torch {meta.get('torch', '?')}"
     if not machine:
         return "-"
     name = machine.get("device_name", "-")
@@ -135,14 +141,14 @@ class Table:
     Attributes:
         name: the marker name in the README.
         header: column titles; the last column is always ``file``.
-        files: ``{file: command}`` for every file the table reads, in order.
+        files: the files the table reads, in order (their commands: :data:`COMMANDS`).
         rows: ``rows(file, data)`` -> the table rows of that file (without the file column).
         device: the device of a file, when the file does not record it.
     """
 
     name: str
     header: tuple[str, ...]
-    files: dict[str, str]
+    files: tuple[str, ...]
     rows: Callable[[str, dict], list[list[str]]]
     device: Callable[[str, dict], str] = lambda name, data: device_of(data)
 
@@ -154,7 +160,8 @@ def render(table: Table) -> str:
         "|" + "---|" * (len(table.header) + 1),
     ]
     notes = []
-    for name, command in table.files.items():
+    for name in table.files:
+        command = COMMANDS[name]
         data = load(name) if name.endswith(".json") else {}
         for row in table.rows(name, data):
             lines.append("| " + " | ".join((*row, code(name))) + " |")
@@ -266,8 +273,8 @@ def _md(name: str, data: dict) -> list[list[str]]:
                          "torch-sim", rate(r["torch_sim"]["atom_steps_per_s"]),
                          ratio(r["speedup_compiled_vs_torch_sim"])])
         elif "torch_sim" in r:
-            version = r["torch_sim"].get("version", "")
-            rows.append([r["case"], size, rate(xnn), f"torch-sim {version}",
+            version = r["torch_sim"].get("version", "").strip("?")
+            rows.append([r["case"], size, rate(xnn), f"torch-sim {version}".strip(),
                          rate(r["torch_sim"]["atom_steps_per_s"]),
                          ratio(r["speedup_vs_torch_sim"])])
         elif "ase_loop" in r:
@@ -543,253 +550,291 @@ def _nccl_device(name: str, data: dict) -> str:
 
 
 # --------------------------------------------------------------------------- the tables
-#: model specs of the ``xnn validate`` runs (benchmarks/gpu_suite.sh; cu_tri.xyz: 4,000 atoms
-#: of FCC Cu, 10x10x10 cubic cells rattled 0.05 Å and sheared; cu256_tri.xyz for SevenNet)
-SPECS = {"lj": "lj:sigma=2.3,epsilon=0.4,cutoff=5.0", "painn": "painn", "equivariant":
-         "equivariant", "sevenn": "sevenn:checkpoint=7net-0"}
-
-#: commands shared by two tables
-CP_SCHNET = ("python benchmarks/cp_training.py --model schnet --atoms 20000,60000 --dd 1,2,4 "
-             "--cutoff 4 --threads 4 --json benchmarks/results/cp_training_cpu16.json")
-CP_EQUIVARIANT = ("python benchmarks/cp_training.py --model equivariant --hparams "
-                  "'{\"channels\": 32}' --atoms 2000,4000 --dd 1,4 --checkpointing --cutoff 4 "
-                  "--threads 4 --json benchmarks/results/cp_training_equivariant_cpu16.json")
+#: the command that made each file (the file records the device and date; output paths
+#: are the scripts' defaults, written out)
+COMMANDS = {
+    "bad_inputs_cpu.json": ("python scripts/bad_input_sweep.py --json "
+                            "benchmarks/results/bad_inputs_cpu.json"),
+    "gpu_suite_h100.txt": "python3 -m pytest -m gpu (benchmarks/gpu_suite.sh, one H100)",
+    "neighbors_h200.json": ("python benchmarks/neighbors.py --device cuda --json "
+                            "benchmarks/results/neighbors_h200.json"),
+    "neighbors_cpu.json": ("python benchmarks/neighbors.py --repeat 3 --json "
+                           "benchmarks/results/neighbors_cpu.json"),
+    "neighbors_paired_h100.json": ("python benchmarks/neighbors.py --paired-only --phases "
+                                   "--devices cuda cpu --sizes 100000 1000000 --batched 64 108 "
+                                   "--json benchmarks/results/neighbors_paired_h100.json "
+                                   "(gpu_suite.sh 24a)"),
+    "neighbors_paired_h200.json": ("python benchmarks/neighbors.py --paired-only --devices cuda "
+                                   "cpu --sizes 100000 1000000 --phases --json "
+                                   "benchmarks/results/neighbors_paired_h200.json (gpu_suite.sh "
+                                   "23c)"),
+    "neighbors_paired_cpu.json": ("python benchmarks/neighbors.py --paired-only --devices cpu "
+                                  "--sizes 10000 100000 1000000 --paired-rounds 15 --phases "
+                                  "--batched 64 108 --json "
+                                  "benchmarks/results/neighbors_paired_cpu.json"),
+    "neighbors_after_torch_op_cpu16.json": ("python benchmarks/neighbors.py --after-torch-op 30 "
+                                            "--sizes 10000 100000 --json "
+                                            "benchmarks/results/neighbors_after_torch_op_cpu16.json"),
+    "neighbors_after_torch_op_cpu.json": ("python benchmarks/neighbors.py --after-torch-op 60 "
+                                          "--json "
+                                          "benchmarks/results/neighbors_after_torch_op_cpu.json"),
+    "models_h200.json": ("python benchmarks/models.py --device cuda --dtype float32 --json "
+                         "benchmarks/results/models_h200.json"),
+    "bench_equivariant_h200.json": ("python benchmarks/bench_equivariant.py --device cuda "
+                                    "--channels 128 --cutoff 6 --sizes 10976 --chunks auto "
+                                    "--compile --json "
+                                    "benchmarks/results/bench_equivariant_h200.json"),
+    "md_h200.json": ("python benchmarks/md.py --device cuda --dtype float32 --json "
+                     "benchmarks/results/md_h200.json"),
+    "md_mace_compiled_h200.json": ("python benchmarks/md.py --device cuda --dtype float32 --only "
+                                   "mace --compile --sizes 1000,10000 --json "
+                                   "benchmarks/results/md_mace_compiled_h200.json"),
+    "md_cpu.json": ("python benchmarks/md.py --steps 10 --eq-sizes 1000,10000 --mace-sizes 1000 "
+                    "--json benchmarks/results/md_cpu.json"),
+    "md_batched_cpu.json": ("python benchmarks/md_batched.py --blocks 5 --n-small 108 --json "
+                            "benchmarks/results/md_batched_cpu.json"),
+    "md_compiled_h200.json": ("python benchmarks/md_compiled.py --device cuda --dtype float32 "
+                              "--models equivariant --ensembles nve --kernel-backends triton "
+                              "--n-atoms 10000 --steps 20 --unfiltered --json "
+                              "benchmarks/results/md_compiled_h200.json (gpu_suite.sh 11, "
+                              "KB=triton)"),
+    "md_compiled_cpu.json": ("python benchmarks/md_compiled.py --models equivariant --dtype "
+                             "float32 --json benchmarks/results/md_compiled_cpu.json"),
+    "peers_h200.json": ("python benchmarks/peers.py --device cuda --dtype float32 --sizes 10000 "
+                        "--batched none --models mace --steps 9 --budget-s 90 --frameworks "
+                        "xnn,torch_sim --cueq --mace-fusion split --variants "
+                        "split+tf32x3,split+tf32x3+int32 --json "
+                        "benchmarks/results/peers_h200.json (gpu_suite.sh 23a)"),
+    "peers_nvalchemi_h200.json": ("python benchmarks/peers.py --device cuda --dtype float32 "
+                                  "--sizes 10000 --batched none --models mace --steps 9 "
+                                  "--budget-s 100 --frameworks xnn_step_graph,torch_sim,nvalchemi "
+                                  "--cueq --json benchmarks/results/peers_nvalchemi_h200.json "
+                                  "(gpu_suite.sh 13)"),
+    "calculator_cpu.json": ("python benchmarks/calculator.py --json "
+                            "benchmarks/results/calculator_cpu.json"),
+    "kernel_backends_h200.json": ("python benchmarks/kernel_backends.py --device cuda --backends "
+                                  "reference,triton --json "
+                                  "benchmarks/results/kernel_backends_h200.json"),
+    "triton_tp_h200.json": ("the old and new forward kernels timed in one process (commit "
+                            "80007cf; benchmarks/triton_tp.py times the current kernels)"),
+    "triton_mlp_h200.json": ("python benchmarks/triton_mlp.py --device cuda --json "
+                             "benchmarks/results/triton_mlp_h200.json"),
+    "triton_mlp_sweep_h200.json": ("python benchmarks/triton_mlp.py --device cuda --blocks 1 "
+                                   "--scale off --sweep --sweep-precisions tf32x3 "
+                                   "--sweep-budget-s 90 --repeat 10 --json "
+                                   "benchmarks/results/triton_mlp_sweep_h200.json"),
+    "training_h200.json": ("python benchmarks/training.py --device cuda --json "
+                           "benchmarks/results/training_h200.json"),
+    "training_compile_h200.json": ("python benchmarks/training.py --device cuda --no-mace --steps "
+                                   "60 [--compile] --json "
+                                   "benchmarks/results/training_compile_h200.json (two runs: "
+                                   "eager, compiled)"),
+    "training_vs_mace_h200.json": ("python benchmarks/training.py --device cuda --models "
+                                   "equivariant --epochs 8 --json "
+                                   "benchmarks/results/training_vs_mace_h200.json"),
+    "training_ddp_h200x2.json": ("torchrun --nproc-per-node 2 benchmarks/training.py --device "
+                                 "cuda --no-mace --steps 60 [--compile] --json "
+                                 "benchmarks/results/training_ddp_h200x2.json (one run per row)"),
+    "accuracy_vs_mace_h200.json": ("python benchmarks/accuracy_vs_mace.py --device cuda --epochs "
+                                   "20 --json benchmarks/results/accuracy_vs_mace_h200.json"),
+    "accuracy_vs_mace_cpu.json": ("python benchmarks/accuracy_vs_mace.py --seed 1 --json "
+                                  "benchmarks/results/accuracy_vs_mace_cpu.json"),
+    "activation_memory_cpu.json": ("python benchmarks/activation_memory.py --json "
+                                   "benchmarks/results/activation_memory_cpu.json"),
+    "dd_equivariant_h200x2.json": ("torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda "
+                                   "--models equivariant --sizes 1000000 --atoms-per-rank 250000 "
+                                   "--scaling both --repeat 3 --timeout 190 --json "
+                                   "benchmarks/results/dd_equivariant_h200x2.json"),
+    "dd_equivariant_h200x4.json": ("torchrun --nproc-per-node 4 benchmarks/dd.py --device cuda "
+                                   "--models equivariant --sizes 1000000 --atoms-per-rank 250000 "
+                                   "--scaling both --repeat 3 --timeout 380 --json "
+                                   "benchmarks/results/dd_equivariant_h200x4.json"),
+    "dd_painn_h200x4.json": ("torchrun --nproc-per-node 4 benchmarks/dd.py --device cuda --models "
+                             "painn --sizes 100000 --atoms-per-rank 100000 --scaling both "
+                             "--repeat 3 --timeout 190 --json "
+                             "benchmarks/results/dd_painn_h200x4.json"),
+    "dd_sevenn_h200x2.json": ("torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda "
+                              "--models sevenn --sizes 20000,40000 --scaling strong --repeat 2 "
+                              "--timeout 120 --json benchmarks/results/dd_sevenn_h200x2.json"),
+    "dd_find_max_h200x2.json": ("torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda "
+                                "--models equivariant --scaling none --find-max 250000 --timeout "
+                                "120 --json benchmarks/results/dd_find_max_h200x2.json"),
+    "dd_halo_graph_gloo2.json": ("torchrun --nproc-per-node 2 benchmarks/dd.py --quick --models "
+                                 "painn --modes halo,graph --sizes 108,500,2048,4000,8000 "
+                                 "--scaling none --dtype float64 --device cpu --repeat 3 --json "
+                                 "benchmarks/results/dd_halo_graph_gloo2.json"),
+    "dd_halo_graph_gloo4.json": ("torchrun --nproc-per-node 4 benchmarks/dd.py --quick --models "
+                                 "painn --modes halo,graph --sizes 108,500,2048 --scaling none "
+                                 "--dtype float64 --device cpu --repeat 3 --json "
+                                 "benchmarks/results/dd_halo_graph_gloo4.json"),
+    "dd_md_cpu16.json": ("python benchmarks/dd_md.py --sizes 1000000 --ranks 1,2,4,8 --layouts "
+                         "domain --steps 3 --warmup 1 --timeout 400 --json "
+                         "benchmarks/results/dd_md_cpu16.json"),
+    "dd_md_replicated_cpu16.json": ("python benchmarks/dd_md.py --sizes 1000000 --ranks 8 "
+                                    "--layouts replicated --replicated-max-atoms 2000000 --steps "
+                                    "1 --warmup 0 --timeout 140 --json "
+                                    "benchmarks/results/dd_md_replicated_cpu16.json"),
+    "dd_md_cpu.json": ("python benchmarks/dd_md.py --sizes 256000 --ranks 1,2,4,8 --layouts "
+                       "domain --steps 4 --warmup 1 --json benchmarks/results/dd_md_cpu.json"),
+    "dd_md_compiled_cpu.json": ("python benchmarks/dd_md.py --compile --ranks 2 --sizes 2000 "
+                                "--layouts domain --steps 30 --json "
+                                "benchmarks/results/dd_md_compiled_cpu.json"),
+    "dd_md_h200.json": ("python benchmarks/dd_md.py --device cuda --dtype float32 --sizes "
+                        "32000,256000,1000000 --ranks 1 --layouts domain --steps 20 --warmup 5 "
+                        "--json benchmarks/results/dd_md_h200.json"),
+    "dd_md_equivariant_h200.json": ("python benchmarks/dd_md.py --device cuda --dtype float32 "
+                                    "--model equivariant --sizes 32000,108000 --ranks 1 --layouts "
+                                    "domain --steps 10 --json "
+                                    "benchmarks/results/dd_md_equivariant_h200.json"),
+    "cp_training_cpu16.json": ("python benchmarks/cp_training.py --model schnet --hparams "
+                               "'{\"num_features\": 32, \"num_filters\": 32}' --atoms 20000,60000 "
+                               "--dd 1,2,4 --cutoff 4 --steps 1 --threads 4 --json "
+                               "benchmarks/results/cp_training_cpu16.json"),
+    "cp_training_equivariant_cpu16.json": ("python benchmarks/cp_training.py --model equivariant "
+                                           "--hparams '{\"channels\": 32}' --atoms 2000,4000 --dd "
+                                           "1,4 --checkpointing --cutoff 4 --steps 1 --threads 4 "
+                                           "--json "
+                                           "benchmarks/results/cp_training_equivariant_cpu16.json"),
+    "long_range_h200.json": ("python benchmarks/long_range.py --device cuda --json "
+                             "benchmarks/results/long_range_h200.json"),
+    "long_range_cpu.json": ("python benchmarks/long_range.py --quick --json "
+                            "benchmarks/results/long_range_cpu.json"),
+    "long_range_dd_cpu16.json": ("python benchmarks/long_range.py --sizes 10000 100000 --dd 1,2,4 "
+                                 "--no-direct --json benchmarks/results/long_range_dd_cpu16.json"),
+    "validate_lj_h200x2.json": ("torchrun --nproc-per-node 2 -m xnn validate --model "
+                                "lj:sigma=2.3,epsilon=0.4,cutoff=5.0 --structure cu_tri.xyz "
+                                "--dtype float64 --device cuda --json "
+                                "benchmarks/results/validate_lj_h200x2.json"),
+    "validate_painn_h200x2.json": ("torchrun --nproc-per-node 2 -m xnn validate --model painn "
+                                   "--structure cu_tri.xyz --dtype float64 --device cuda --json "
+                                   "benchmarks/results/validate_painn_h200x2.json"),
+    "validate_equivariant_h200x2.json": ("torchrun --nproc-per-node 2 -m xnn validate --model "
+                                         "equivariant --structure cu_tri.xyz --dtype float64 "
+                                         "--device cuda --json "
+                                         "benchmarks/results/validate_equivariant_h200x2.json"),
+    "validate_sevenn_h200x2.json": ("torchrun --nproc-per-node 2 -m xnn validate --model "
+                                    "sevenn:checkpoint=7net-0 --structure cu_tri.xyz --dtype "
+                                    "float64 --device cuda --json "
+                                    "benchmarks/results/validate_sevenn_h200x2.json"),
+    "validate_equivariant_h200x4.json": ("torchrun --nproc-per-node 4 -m xnn validate --model "
+                                         "equivariant --structure cu_tri.xyz --dtype float64 "
+                                         "--device cuda --json "
+                                         "benchmarks/results/validate_equivariant_h200x4.json"),
+}
 
 TABLES = [
     Table("bad_inputs", ("clear", "ok-accepted", "traceback", "silent", "hang", "misleading",
                          "refused-valid", "all"),
-          {"bad_inputs_cpu.json": "python scripts/bad_input_sweep.py --json "
-                                  "benchmarks/results/bad_inputs_cpu.json"}, _bad_inputs),
+          ("bad_inputs_cpu.json",), _bad_inputs),
     Table("gpu_suite", ("passed", "skipped", "wall"),
-          {"gpu_suite_h100.txt": "python3 -m pytest -m gpu (benchmarks/gpu_suite.sh, one H100)"},
+          ("gpu_suite_h100.txt",),
           _gpu_suite, lambda name, data: "one NVIDIA H100, cold Triton cache"),
     Table("neighbors", ("atoms", "xnn auto", "xnn torch", "peer", "peer time", "auto / peer",
                         "ASE"),
-          {"neighbors_h200.json": "python benchmarks/neighbors.py --device cuda --json "
-                                  "benchmarks/results/neighbors_h200.json",
-           "neighbors_cpu.json": "python benchmarks/neighbors.py --repeat 3 --json "
-                                 "benchmarks/results/neighbors_cpu.json"}, _neighbors),
+          ("neighbors_h200.json", "neighbors_cpu.json"), _neighbors),
     Table("neighbors_paired", ("device", "atoms", "rounds", "xnn auto", "peer", "peer time",
                                "ratio median (min)"),
-          {"neighbors_paired_h100.json": "python benchmarks/neighbors.py --paired-only --phases "
-                                         "--devices cuda cpu --sizes 100000 1000000 --batched 64 "
-                                         "108 --json benchmarks/results/neighbors_paired_h100.json "
-                                         "(gpu_suite.sh 24a)",
-           "neighbors_paired_h200.json": "python benchmarks/neighbors.py --paired-only --devices "
-                                         "cuda cpu --sizes 100000 1000000 --phases --json "
-                                         "benchmarks/results/neighbors_paired_h200.json "
-                                         "(gpu_suite.sh 23c)",
-           "neighbors_paired_cpu.json": "python benchmarks/neighbors.py --paired-only --devices "
-                                        "cpu "
-                                        "--sizes 10000 100000 1000000 --paired-rounds 15 --phases "
-                                        "--batched 64 108 --json "
-                                        "benchmarks/results/neighbors_paired_cpu.json"},
+          ("neighbors_paired_h100.json", "neighbors_paired_h200.json",
+           "neighbors_paired_cpu.json"),
           _neighbors_paired),
     Table("neighbors_after_torch_op", ("atoms", "torch threads", "vesin alone",
                                        "after positions.sum()", "slowdown"),
-          {"neighbors_after_torch_op_cpu16.json": "python benchmarks/neighbors.py --after-torch-op "
-                                                 "30 --sizes 10000 100000 --json "
-                                                 "benchmarks/results/"
-                                                 "neighbors_after_torch_op_cpu16.json",
-           "neighbors_after_torch_op_cpu.json": "python benchmarks/neighbors.py "
-                                                "--after-torch-op 60 "
-                                                "--json benchmarks/results/"
-                                                "neighbors_after_torch_op_cpu.json"},
+          ("neighbors_after_torch_op_cpu16.json", "neighbors_after_torch_op_cpu.json"),
           _after_torch_op, lambda name, data: ("CPU of the H100 host (16 cores)" if "cpu16" in name
                                                else "CPU (2 cores)")),
     Table("models", ("model", "parameters", "atoms", "atom-steps/s", "peak per atom",
                      "speed / MACE"),
-          {"models_h200.json": "python benchmarks/models.py --device cuda --dtype float32 --json "
-                               "benchmarks/results/models_h200.json"}, _models),
+          ("models_h200.json",), _models),
     Table("bench_equivariant", ("model", "parameters", "atoms", "energy + forces", "atom-steps/s",
                                 "peak per atom", "speed / MACE"),
-          {"bench_equivariant_h200.json": "python benchmarks/bench_equivariant.py --device cuda "
-                                          "--channels 128 --cutoff 6 --sizes 10976 --chunks auto "
-                                          "--compile --json "
-                                          "benchmarks/results/bench_equivariant_h200.json"},
+          ("bench_equivariant_h200.json",),
           _bench_equivariant),
     Table("md", ("case", "atoms", "xnn atom-steps/s", "peer", "peer atom-steps/s", "xnn / peer"),
-          {"md_h200.json": "python benchmarks/md.py --device cuda --dtype float32 --json "
-                           "benchmarks/results/md_h200.json",
-           "md_mace_compiled_h200.json": "python benchmarks/md.py --device cuda --dtype float32 "
-                                         "--only mace --compile --sizes 1000,10000 --json "
-                                         "benchmarks/results/md_mace_compiled_h200.json",
-           "md_cpu.json": "python benchmarks/md.py --steps 10 --eq-sizes 1000,10000 --mace-sizes "
-                          "1000 --json benchmarks/results/md_cpu.json"}, _md),
+          ("md_h200.json", "md_mace_compiled_h200.json", "md_cpu.json"), _md),
     Table("md_batched", ("model", "batched", "single cell", "batched per atom-step",
                          "single per atom-step", "batched / single"),
-          {"md_batched_cpu.json": "python benchmarks/md_batched.py --blocks 5 --n-small 108 --json "
-                                  "benchmarks/results/md_batched_cpu.json"}, _md_batched),
+          ("md_batched_cpu.json",), _md_batched),
     Table("md_compiled", ("case", "atoms", "kernels", "eager step", "compiled step",
                           "compiled / eager", "recompiles", "first step"),
-          {"md_compiled_h200.json": "python benchmarks/md_compiled.py --device cuda --dtype "
-                                    "float32 --models equivariant --ensembles nve "
-                                    "--kernel-backends triton --n-atoms 10000 --steps 20 "
-                                    "--unfiltered --json benchmarks/results/md_compiled_h200.json "
-                                    "(gpu_suite.sh 11, KB=triton)",
-           "md_compiled_cpu.json": "python benchmarks/md_compiled.py --models equivariant --dtype "
-                                   "float32 --json benchmarks/results/md_compiled_cpu.json"},
+          ("md_compiled_h200.json", "md_compiled_cpu.json"),
           _md_compiled),
     Table("peers", ("model", "atoms", "xnn", "xnn atom-steps/s", "peer", "peer atom-steps/s",
                     "xnn / peer"),
-          {"peers_h200.json": "python benchmarks/peers.py --device cuda --dtype float32 --sizes "
-                              "10000 --batched none --models mace --steps 9 --budget-s 90 "
-                              "--frameworks xnn,torch_sim --cueq --mace-fusion split --variants "
-                              "split+tf32x3,split+tf32x3+int32 --json "
-                              "benchmarks/results/peers_h200.json (gpu_suite.sh 23a)",
-           "peers_nvalchemi_h200.json": "python benchmarks/peers.py --device cuda --dtype float32 "
-                                        "--sizes 10000 --batched none --models mace --steps 9 "
-                                        "--budget-s 100 --frameworks "
-                                        "xnn_step_graph,torch_sim,nvalchemi --cueq --json "
-                                        "benchmarks/results/peers_nvalchemi_h200.json "
-                                        "(gpu_suite.sh 13)"}, _peers),
+          ("peers_h200.json", "peers_nvalchemi_h200.json"), _peers),
     Table("calculator", ("model", "atoms", "xnn per call", "peer", "peer per call", "xnn / peer"),
-          {"calculator_cpu.json": "python benchmarks/calculator.py --json "
-                                  "benchmarks/results/calculator_cpu.json"}, _calculator),
+          ("calculator_cpu.json",), _calculator),
     Table("kernel_backends", ("model", "atoms", "reference", "backend", "backend time",
                               "backend / reference", "max force diff (eV/Å)"),
-          {"kernel_backends_h200.json": "python benchmarks/kernel_backends.py --device cuda "
-                                        "--backends reference,triton --json "
-                                        "benchmarks/results/kernel_backends_h200.json"},
+          ("kernel_backends_h200.json",),
           _kernel_backends),
     Table("triton_tp", ("dtype", "forward kernel", "2D tiles", "3D tile", "2D / 3D"),
-          {"triton_tp_h200.json": "the old and new forward kernels timed in one "
-                                  "process (commit 80007cf; benchmarks/triton_tp.py times the "
-                                  "current kernels)"}, _triton_tp,
+          ("triton_tp_h200.json",), _triton_tp,
           lambda name, data: "one NVIDIA H200, torch 2.11"),
     Table("triton_mlp", ("N", "rows", "scale", "precision", "fused forward", "torch forward",
                          "speed-up", "fused fwd+bwd", "torch fwd+bwd", "speed-up"),
-          {"triton_mlp_h200.json": "python benchmarks/triton_mlp.py --device cuda --json "
-                                   "benchmarks/results/triton_mlp_h200.json"}, _triton_mlp),
+          ("triton_mlp_h200.json",), _triton_mlp),
     Table("triton_mlp_sweep", ("N", "rows", "precision", "part", "tilings", "fastest",
                                "time", "default then", "time", "default / fastest"),
-          {"triton_mlp_sweep_h200.json": "python benchmarks/triton_mlp.py --device cuda --blocks 1 "
-                                         "--scale off --sweep --sweep-precisions tf32x3 "
-                                         "--sweep-budget-s 90 --repeat 10 --json "
-                                         "benchmarks/results/triton_mlp_sweep_h200.json"},
+          ("triton_mlp_sweep_h200.json",),
           _triton_mlp_sweep),
     Table("training", ("model", "parameters", "GPUs", "step", "structures/s"),
-          {"training_h200.json": "python benchmarks/training.py --device cuda --json "
-                                 "benchmarks/results/training_h200.json"}, _training),
+          ("training_h200.json",), _training),
     Table("training_compile", ("model", "eager structures/s", "compiled structures/s",
                                "compiled / eager", "first compiled call",
                                "gradient diff compiled vs eager", "eager vs eager"),
-          {"training_compile_h200.json": "python benchmarks/training.py --device cuda --no-mace "
-                                         "--steps 60 [--compile] --json "
-                                         "benchmarks/results/training_compile_h200.json "
-                                         "(two runs: eager, compiled)"}, _training_compile),
+          ("training_compile_h200.json",), _training_compile),
     Table("training_vs_mace", ("xnn per epoch", "xnn structures/s", "mace_run_train per epoch",
                                "MACE structures/s", "xnn / MACE"),
-          {"training_vs_mace_h200.json": "python benchmarks/training.py --device cuda --models "
-                                         "equivariant --epochs 8 --json "
-                                         "benchmarks/results/training_vs_mace_h200.json"},
+          ("training_vs_mace_h200.json",),
           _training_vs_mace),
     Table("training_ddp", ("run (final code)", "step", "model", "DDP efficiency"),
-          {"training_ddp_h200x2.json": "torchrun --nproc-per-node 2 benchmarks/training.py "
-                                       "--device cuda --no-mace --steps 60 [--compile] --json "
-                                       "benchmarks/results/training_ddp_h200x2.json "
-                                       "(one run per row)"}, _training_ddp,
+          ("training_ddp_h200x2.json",), _training_ddp,
           lambda name, data: "2 NVIDIA H200, NCCL, torch 2.11"),
     Table("accuracy_vs_mace", ("test error", "epochs", "seed", "xnn", "MACE", "xnn / MACE"),
-          {"accuracy_vs_mace_h200.json": "python benchmarks/accuracy_vs_mace.py --device cuda "
-                                         "--epochs 20 --json "
-                                         "benchmarks/results/accuracy_vs_mace_h200.json",
-           "accuracy_vs_mace_cpu.json": "python benchmarks/accuracy_vs_mace.py --seed 1 --json "
-                                        "benchmarks/results/accuracy_vs_mace_cpu.json"},
+          ("accuracy_vs_mace_h200.json", "accuracy_vs_mace_cpu.json"),
           _accuracy),
     Table("activation_memory", ("model", "kept for 2nd backward", "plain / ckpt",
                                 "peak saved tensors", "plain / ckpt", "allocator peak plain / ckpt",
                                 "step time ckpt / plain"),
-          {"activation_memory_cpu.json": "python benchmarks/activation_memory.py --json "
-                                         "benchmarks/results/activation_memory_cpu.json"},
+          ("activation_memory_cpu.json",),
           _activation_memory, lambda name, data: "CPU, fp64, 500 atoms"),
     Table("dd", ("model (mode)", "scaling", "atoms", "GPUs", "1 GPU", "N GPUs", "speed-up",
                  "efficiency", "halo fraction", "peak per GPU"),
-          {"dd_equivariant_h200x2.json": "torchrun --nproc-per-node 2 benchmarks/dd.py --device "
-                                         "cuda --models equivariant --sizes 1000000 "
-                                         "--atoms-per-rank 250000 --scaling both --repeat 3 "
-                                         "--json benchmarks/results/dd_equivariant_h200x2.json",
-           "dd_equivariant_h200x4.json": "torchrun --nproc-per-node 4 benchmarks/dd.py --device "
-                                         "cuda --models equivariant --sizes 1000000 "
-                                         "--atoms-per-rank 250000 --scaling both --repeat 3 "
-                                         "--json benchmarks/results/dd_equivariant_h200x4.json",
-           "dd_painn_h200x4.json": "torchrun --nproc-per-node 4 benchmarks/dd.py --device cuda "
-                                   "--models painn --sizes 100000 --atoms-per-rank 100000 "
-                                   "--scaling both --repeat 3 --json "
-                                   "benchmarks/results/dd_painn_h200x4.json",
-           "dd_sevenn_h200x2.json": "torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda "
-                                    "--models sevenn --sizes 10000,40000 --atoms-per-rank 10000 "
-                                    "--repeat 3 --scaling both --json "
-                                    "benchmarks/results/dd_sevenn_h200x2.json"}, _dd),
+          ("dd_equivariant_h200x2.json", "dd_equivariant_h200x4.json", "dd_painn_h200x4.json",
+           "dd_sevenn_h200x2.json"), _dd),
     Table("dd_find_max", ("model", "GPUs", "bytes per atom", "predicted largest", "checked: fits",
                           "2 GPUs / 1 GPU"),
-          {"dd_find_max_h200x2.json": "torchrun --nproc-per-node 2 benchmarks/dd.py --device cuda "
-                                      "--models equivariant --find-max 250000 --json "
-                                      "benchmarks/results/dd_find_max_h200x2.json"},
+          ("dd_find_max_h200x2.json",),
           _dd_find_max),
     Table("dd_halo_graph", ("model", "atoms", "ranks", "1 rank", "halo", "graph", "halo / graph",
                             "halo fraction", "auto picks"),
-          {"dd_halo_graph_gloo2.json": "torchrun --nproc-per-node 2 benchmarks/dd.py --quick "
-                                       "--models painn --modes halo,graph --sizes "
-                                       "108,500,2048,4000,8000 --scaling none --dtype float64 "
-                                       "--device cpu --repeat 3 --json "
-                                       "benchmarks/results/dd_halo_graph_gloo2.json",
-           "dd_halo_graph_gloo4.json": "torchrun --nproc-per-node 4 benchmarks/dd.py --quick "
-                                       "--models painn --modes halo,graph --sizes 108,500,2048 "
-                                       "--scaling none --dtype float64 --device cpu --repeat 3 "
-                                       "--json benchmarks/results/dd_halo_graph_gloo4.json"},
+          ("dd_halo_graph_gloo2.json", "dd_halo_graph_gloo4.json"),
           _dd_halo_graph),
     Table("dd_md", ("model", "layout", "ranks", "atoms", "held per rank (x N/P)",
                     "peak over baseline", "vs 1 rank", "step", "atom-steps/s", "speed-up"),
-          {"dd_md_cpu16.json": "python benchmarks/dd_md.py --sizes 1000000 --ranks 1,2,4,8 "
-                               "--steps 3 --warmup 1 --json benchmarks/results/dd_md_cpu16.json",
-           "dd_md_replicated_cpu16.json": "python benchmarks/dd_md.py --sizes 1000000 --ranks 8 "
-                                          "--layouts replicated --replicated-max-atoms 2000000 "
-                                          "--steps 1 --warmup 0 --json "
-                                          "benchmarks/results/dd_md_replicated_cpu16.json",
-           "dd_md_cpu.json": "python benchmarks/dd_md.py --sizes 256000 --ranks 1,2,4,8 --steps 4 "
-                             "--json benchmarks/results/dd_md_cpu.json",
-           "dd_md_compiled_cpu.json": "python benchmarks/dd_md.py --compile --ranks 2 --sizes "
-                                      "2000 --layouts domain --steps 30 --json "
-                                      "benchmarks/results/dd_md_compiled_cpu.json",
-           "dd_md_h200.json": "python benchmarks/dd_md.py --device cuda --dtype float32 --sizes "
-                              "32000,256000,1000000 --ranks 1 --steps 20 --json "
-                              "benchmarks/results/dd_md_h200.json",
-           "dd_md_equivariant_h200.json": "python benchmarks/dd_md.py --device cuda --dtype "
-                                          "float32 --model equivariant --sizes 32000,108000 "
-                                          "--ranks 1 --steps 10 --json "
-                                          "benchmarks/results/dd_md_equivariant_h200.json"},
+          ("dd_md_cpu16.json", "dd_md_replicated_cpu16.json", "dd_md_cpu.json",
+           "dd_md_compiled_cpu.json", "dd_md_h200.json", "dd_md_equivariant_h200.json"),
           _dd_md),
     Table("cp_training", ("model", "checkpointing", "atoms", "dd", "peak per rank", "x dd = 1",
                           "step", "atoms held per rank"),
-          {"cp_training_cpu16.json": CP_SCHNET,
-           "cp_training_equivariant_cpu16.json": CP_EQUIVARIANT},
+          ("cp_training_cpu16.json", "cp_training_equivariant_cpu16.json"),
           _cp_training),
     Table("cp_training_largest", ("model", "dd", "peak per 1k atoms (fit)",
                                   "largest in 80 GB per rank", "x dd = 1"),
-          {"cp_training_cpu16.json": CP_SCHNET,
-           "cp_training_equivariant_cpu16.json": CP_EQUIVARIANT},
+          ("cp_training_cpu16.json", "cp_training_equivariant_cpu16.json"),
           _cp_largest),
     Table("long_range", ("ions", "mesh", "xnn pme", "torch-pme", "xnn / torch-pme",
                          "max force diff (eV/Å)"),
-          {"long_range_h200.json": "python benchmarks/long_range.py --device cuda --json "
-                                   "benchmarks/results/long_range_h200.json",
-           "long_range_cpu.json": "python benchmarks/long_range.py --quick --json "
-                                  "benchmarks/results/long_range_cpu.json"}, _long_range),
+          ("long_range_h200.json", "long_range_cpu.json"), _long_range),
     Table("long_range_dd", ("ions", "ranks", "mesh (replicated)", "slowest rank",
                             "speed-up vs 1 rank", "peak RSS per rank"),
-          {"long_range_dd_cpu16.json": "python benchmarks/long_range.py --sizes 10000 100000 "
-                                       "--dd 1,2,4 --no-direct --json "
-                                       "benchmarks/results/long_range_dd_cpu16.json"},
+          ("long_range_dd_cpu16.json",),
           _long_range_dd),
     Table("validate", ("model", "ranks", "atoms", "mode", "worst relative error", "tolerance",
                        "one process", "decomposed"),
-          {f"validate_{m}.json": f"torchrun --nproc-per-node {m[-1]} -m xnn validate "
-                                 f"--model {SPECS[m.split('_')[0]]} --structure cu_tri.xyz "
-                                 f"--dtype float64 --device cuda --json "
-                                 f"benchmarks/results/validate_{m}.json"
-           for m in ("lj_h200x2", "painn_h200x2", "equivariant_h200x2", "sevenn_h200x2",
-                     "equivariant_h200x4")}, _validate, _nccl_device),
+          ("validate_lj_h200x2.json", "validate_painn_h200x2.json",
+           "validate_equivariant_h200x2.json", "validate_sevenn_h200x2.json",
+           "validate_equivariant_h200x4.json"), _validate, _nccl_device),
 ]
 
 

@@ -159,15 +159,17 @@ COMMANDS = {
                                    "--structure cu_tri.xyz --dtype float64 --device cuda --json "
                                    "benchmarks/results/validate_painn_h200x2.json"),
     "validate_equivariant_h200x2.json": ("torchrun --nproc-per-node 2 -m xnn validate --model "
-                                         "equivariant --structure cu_tri.xyz --dtype float64 "
+                                         "equivariant --mode sync --structure cu_tri.xyz --dtype "
+                                         "float64 "
                                          "--device cuda --json "
                                          "benchmarks/results/validate_equivariant_h200x2.json"),
     "validate_sevenn_h200x2.json": ("torchrun --nproc-per-node 2 -m xnn validate --model "
-                                    "sevenn:checkpoint=7net-0 --structure cu_tri.xyz --dtype "
+                                    "sevenn:checkpoint=7net-0 --structure cu256_tri.xyz --dtype "
                                     "float64 --device cuda --json "
                                     "benchmarks/results/validate_sevenn_h200x2.json"),
     "validate_equivariant_h200x4.json": ("torchrun --nproc-per-node 4 -m xnn validate --model "
-                                         "equivariant --structure cu_tri.xyz --dtype float64 "
+                                         "equivariant --mode sync --structure cu_tri.xyz --dtype "
+                                         "float64 "
                                          "--device cuda --json "
                                          "benchmarks/results/validate_equivariant_h200x4.json"),
 }

@@ -52,8 +52,11 @@ def gib(n_bytes: float | None) -> str:
 
 
 def mib(n_bytes: float | None) -> str:
-    """Bytes as MiB (4 significant digits)."""
-    return "-" if n_bytes is None else f"{n_bytes / 2**20:.4g} MiB"
+    """Bytes as MiB (4 significant digits, whole MiB above 1000)."""
+    if n_bytes is None:
+        return "-"
+    value = n_bytes / 2**20
+    return f"{value:,.0f} MiB" if value >= 1000 else f"{value:.4g} MiB"
 
 
 def kib(n_bytes: float | None) -> str:

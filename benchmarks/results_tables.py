@@ -37,8 +37,15 @@ BLOCK = re.compile(r"<!-- table: (?P<name>[a-z0-9_]+) -->\n.*?<!-- /table -->", 
 
 # --------------------------------------------------------------------------- loading
 def load(name: str) -> dict:
-    """The JSON file ``name`` of the results folder."""
-    return json.loads((RESULTS / name).read_text())
+    """The JSON file ``name`` of the results folder.
+
+    Raises:
+        FileNotFoundError: a table names a file the folder does not have.
+    """
+    path = RESULTS / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is named by a table of {README.name} but missing")
+    return json.loads(path.read_text())
 
 
 def device_of(data: dict) -> str:

@@ -61,7 +61,7 @@ def test_check_fails_when_a_figure_changes(copied_results):
 
 def test_check_fails_when_a_file_is_missing(copied_results):
     (copied_results / "validate_lj_h200x2.json").unlink()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="validate_lj_h200x2.json is named by a table"):
         rt.main(["--check"])
 
 

@@ -298,27 +298,29 @@ def triton_mlp_sweep(name: str, data: dict) -> list[list[str]]:
 
 # training ------------------------------------------------------------------------------
 def training(name: str, data: dict) -> list[list[str]]:
-    """Rows of ``training.py`` files: plain, compiled against eager, or against MACE."""
+    """Rows of ``training.py`` files: per step, compiled against eager, or against MACE."""
     if "mace_s_per_epoch" in data.get("epoch_time", {}):
         t = data["epoch_time"]
-        return [["equivariant", "epochs", f"{num(t['xnn_equivariant_s_per_epoch'])} s per epoch",
-                 rate(t["xnn_equivariant_structures_per_s"]),
-                 f"mace_run_train, {num(t['mace_s_per_epoch'])} s per epoch",
-                 rate(t["mace_structures_per_s"]), ratio(t["speedup_xnn_vs_mace"])]]
+        return [["equivariant", count(data["models"]["equivariant"]["parameters"]),
+                 "eager, per epoch", sec(t["xnn_equivariant_s_per_epoch"]),
+                 rate(t["xnn_equivariant_structures_per_s"]), "mace_run_train",
+                 sec(t["mace_s_per_epoch"]), rate(t["mace_structures_per_s"]),
+                 ratio(t["speedup_xnn_vs_mace"])]]
     if "compiled" in data:
         rows = []
         for model, c in data["compiled"]["models"].items():
             e = data["eager"]["models"][model]
-            rows.append([model, f"compiled; first call {sec(c['first_compiled_call_s'])}, "
-                         f"gradient diff {sci(c['compiled_vs_eager_grad_rel_diff'])} "
-                         f"(eager vs eager {sci(c['eager_vs_eager_grad_rel_diff'])})",
-                         "-", rate(c["structures_per_s"]), "eager",
+            rows.append([model, count(c["parameters"]),
+                         f"compiled, per step (first call {sec(c['first_compiled_call_s'])}; "
+                         f"gradient diff {sci(c['compiled_vs_eager_grad_rel_diff'])}, eager vs "
+                         f"eager {sci(c['eager_vs_eager_grad_rel_diff'])})",
+                         ms(c["step_s"]), rate(c["structures_per_s"]), "eager", ms(e["step_s"]),
                          rate(e["structures_per_s"]),
                          ratio(c["structures_per_s"] / e["structures_per_s"])])
         return rows
     gpus = f"{data['world_size']} GPU" + ("s" if data["world_size"] > 1 else "")
-    return [[model, f"{count(m['parameters'])} parameters, {gpus}",
-             f"{ms(m['step_s'])} per step", rate(m["structures_per_s"]), "-", "-", "-"]
+    return [[model, count(m["parameters"]), f"eager, {gpus}, per step", ms(m["step_s"]),
+             rate(m["structures_per_s"]), "-", "-", "-", "-"]
             for model, m in data["models"].items()]
 
 
@@ -337,14 +339,12 @@ def training_ddp(name: str, data: dict) -> list[list[str]]:
 
 
 def accuracy(name: str, data: dict) -> list[list[str]]:
+    """Test errors as ``xnn vs MACE (xnn / MACE)``, one column per quantity."""
     x, m = data["xnn"]["test"], data["mace"]["test"]
-    rows = []
-    for label, key in (("energy MAE (meV/atom)", "energy_mae_meV_per_atom"),
-                       ("forces MAE (meV/Å)", "forces_mae_meV_per_A"),
-                       ("stress MAE (meV/Å³)", "stress_mae_meV_per_A3")):
-        rows.append([label, str(data["settings"]["epochs"]), str(data["data"]["seed"]), num(x[key]),
-                     num(m[key]), ratio(x[key] / m[key])])
-    return rows
+    cells = [f"{num(x[key])} vs {num(m[key])} ({ratio(x[key] / m[key])})"
+             for key in ("energy_mae_meV_per_atom", "forces_mae_meV_per_A",
+                         "stress_mae_meV_per_A3")]
+    return [[str(data["settings"]["epochs"]), str(data["data"]["seed"]), *cells]]
 
 
 def activation_memory(name: str, data: dict) -> list[list[str]]:

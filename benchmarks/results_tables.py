@@ -1,13 +1,15 @@
 """Render the tables of ``benchmarks/results/README.md`` from the JSON files beside it.
 
-Every table in that README follows a line ending in ``<!-- table: NAME -->`` and is written
-by this script, so a figure in the README is the figure in its file. Each row names its
+Every table in that README is the block of ``|`` lines under a line ending in
+``<!-- table: NAME -->`` and is written by this script, so a figure in the README is the
+figure in its file. Each row names its
 file; the last table (``files``) gives each file's device, date (and commit, where the file
 records one) and the command that made it. Rows of one file that share their key columns
 are folded into one row whose other cells list the values in order, ``a / b / c``.
 
     python benchmarks/results_tables.py          # rewrite the README's tables
     python benchmarks/results_tables.py --check  # exit 1 if the README differs from the JSONs
+                                                 # or has grown past MAX_LINES
 
 ``tests/test_results_tables.py`` runs the check.
 """
@@ -214,15 +216,15 @@ TABLES = [
                                "time", "default then", "time", "default / fastest"),
           ("triton_mlp_sweep_h200.json",),
           rows.triton_mlp_sweep),
-    Table("training", ("model", "run", "time", "structures/s", "against", "its structures/s",
-                       "xnn / it"),
+    Table("training", ("model", "parameters", "run", "time", "structures/s", "against",
+                       "its time", "its structures/s", "xnn / it"),
           ("training_h200.json", "training_compile_h200.json", "training_vs_mace_h200.json"),
-          rows.training, fold=()),
+          rows.training, fold=(2,)),
     Table("training_ddp", ("runs (final code)", "step", "model", "DDP efficiency"),
           ("training_ddp_h200x2.json",), rows.training_ddp, fold=(1, 2)),
-    Table("accuracy_vs_mace", ("test error", "epochs", "seed", "xnn", "MACE", "xnn / MACE"),
-          ("accuracy_vs_mace_h200.json", "accuracy_vs_mace_cpu.json"),
-          rows.accuracy, fold=(1, 2)),
+    Table("accuracy_vs_mace", ("epochs", "seed", "energy MAE (meV/atom)", "forces MAE (meV/Å)",
+                               "stress MAE (meV/Å³)"),
+          ("accuracy_vs_mace_h200.json", "accuracy_vs_mace_cpu.json"), rows.accuracy),
     Table("activation_memory", ("model", "kept for 2nd backward", "plain / ckpt",
                                 "peak saved tensors", "plain / ckpt", "allocator peak plain / ckpt",
                                 "step time ckpt / plain"),
@@ -305,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             print("benchmarks/results/README.md differs from its JSON files; run "
                   "python benchmarks/results_tables.py")
+            return 1
+        if len(text.splitlines()) >= MAX_LINES:
+            print(f"benchmarks/results/README.md has {len(text.splitlines())} lines; keep it "
+                  f"under {MAX_LINES} (fold rows, merge tables, shorten the prose)")
             return 1
         return 0
     README.write_text(new)

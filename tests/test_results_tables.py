@@ -127,6 +127,14 @@ def test_check_fails_when_a_files_date_changes(copied_results):
     assert next(r for r in rows if r[0] == "`calculator_cpu.json`")[2] == "2031-01-02"
 
 
+def test_check_fails_when_the_readme_grows_too_long(copied_results):
+    readme = copied_results / "README.md"
+    text = readme.read_text()
+    padding = max(rt.MAX_LINES - len(text.splitlines()), 0)
+    readme.write_text(text + "prose\n" * padding)
+    assert rt.main(["--check"]) == 1
+
+
 def test_check_fails_when_a_file_is_missing(copied_results):
     (copied_results / "validate_lj_h200x2.json").unlink()
     with pytest.raises(FileNotFoundError, match="validate_lj_h200x2.json is named by a table"):

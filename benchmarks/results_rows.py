@@ -81,18 +81,20 @@ def pct(value: float) -> str:
     return f"{100 * value:.1f}%"
 
 
-# bad inputs -----------------------------------------------------------------------------
-def bad_inputs(name: str, data: dict) -> list[list[str]]:
+# tests --------------------------------------------------------------------------------
+BAD_INPUT_OUTCOMES = ("clear", "ok-accepted", "traceback", "silent", "hang", "misleading",
+                      "refused-valid")
+
+
+def tests(name: str, data: dict) -> list[list[str]]:
+    """The bad-input sweep's outcomes, or the GPU suite's pytest summary (a text file)."""
+    if "text" in data:
+        last = re.findall(r"=+ (\d+) passed, (\d+) skipped.* in ([\d.]+)s", data["text"])[-1]
+        return [["`pytest -m gpu`",
+                 f"{last[0]} passed, {last[1]} skipped, {float(last[2]):.0f} s"]]
     out = data["total"]
-    return [[*(str(out[k]) for k in ("clear", "ok-accepted", "traceback", "silent", "hang",
-                                      "misleading", "refused-valid")), str(data["good"])]]
-
-
-# GPU suite ------------------------------------------------------------------------------
-def gpu_suite(name: str, data: dict) -> list[list[str]]:
-    text = data["text"]
-    last = re.findall(r"=+ (\d+) passed, (\d+) skipped.* in ([\d.]+)s", text)[-1]
-    return [[last[0], last[1], f"{float(last[2]):.0f} s"]]
+    counts = ", ".join(f"{out[k]} {k}" for k in BAD_INPUT_OUTCOMES)
+    return [["bad-input sweep (issue 42)", f"{counts}, of {data['good']}"]]
 
 
 # neighbor lists -------------------------------------------------------------------------
@@ -129,13 +131,16 @@ def after_torch_op(name: str, data: dict) -> list[list[str]]:
              ms(r["after_torch_sum_median_s"]), ratio(r["slowdown"])] for r in data["rows"]]
 
 
-# models -------------------------------------------------------------------------------
 def after_torch_op_device(name: str, data: dict) -> str:
     """The machine of an ``--after-torch-op`` file (its JSON records none)."""
     return "CPU of the H100 host (16 cores)" if "cpu16" in name else "CPU (2 cores)"
 
 
+# models -------------------------------------------------------------------------------
 def models(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``models.py`` files, or of ``bench_equivariant.py`` files (matched size)."""
+    if "runs" in next(iter(data["models"].values())):
+        return bench_equivariant(name, data)
     rows = []
     for model, m in data["models"].items():
         for n, s in m["sizes"].items():
@@ -158,8 +163,9 @@ def bench_equivariant(name: str, data: dict) -> list[list[str]]:
             peer = mace.get(r["n_atoms"])
             speed = None if model == "mace" or peer is None else (
                 r["atom_steps_per_s"] / peer["atom_steps_per_s"])
-            rows.append([model, count(m["parameters"]), count(r["n_atoms"]), ms(r["median_s"]),
-                         rate(r["atom_steps_per_s"]), kib(r["peak_bytes_per_atom"]), ratio(speed)])
+            rows.append([model, count(m["parameters"]), count(r["n_atoms"]),
+                         rate(r["atom_steps_per_s"]), kib(r["peak_bytes_per_atom"]),
+                         ratio(speed)])
     return rows
 
 
@@ -292,27 +298,30 @@ def triton_mlp_sweep(name: str, data: dict) -> list[list[str]]:
 
 # training ------------------------------------------------------------------------------
 def training(name: str, data: dict) -> list[list[str]]:
-    return [[model, count(m["parameters"]), str(data["world_size"]), ms(m["step_s"]),
-             rate(m["structures_per_s"])] for model, m in data["models"].items()]
-
-
-def training_compile(name: str, data: dict) -> list[list[str]]:
-    rows = []
-    for model, c in data["compiled"]["models"].items():
-        e = data["eager"]["models"][model]
-        rows.append([model, rate(e["structures_per_s"]), rate(c["structures_per_s"]),
-                     ratio(c["structures_per_s"] / e["structures_per_s"]),
-                     sec(c["first_compiled_call_s"]), sci(c["compiled_vs_eager_grad_rel_diff"]),
-                     sci(c["eager_vs_eager_grad_rel_diff"])])
-    return rows
-
-
-def training_vs_mace(name: str, data: dict) -> list[list[str]]:
-    t = data["epoch_time"]
-    return [[num(t["xnn_equivariant_s_per_epoch"]) + " s",
-             rate(t["xnn_equivariant_structures_per_s"]),
-             num(t["mace_s_per_epoch"]) + " s", rate(t["mace_structures_per_s"]),
-             ratio(t["speedup_xnn_vs_mace"])]]
+    """Rows of ``training.py`` files: per step, compiled against eager, or against MACE."""
+    if "mace_s_per_epoch" in data.get("epoch_time", {}):
+        t = data["epoch_time"]
+        return [["equivariant", count(data["models"]["equivariant"]["parameters"]),
+                 "eager, per epoch", sec(t["xnn_equivariant_s_per_epoch"]),
+                 rate(t["xnn_equivariant_structures_per_s"]), "mace_run_train",
+                 sec(t["mace_s_per_epoch"]), rate(t["mace_structures_per_s"]),
+                 ratio(t["speedup_xnn_vs_mace"])]]
+    if "compiled" in data:
+        rows = []
+        for model, c in data["compiled"]["models"].items():
+            e = data["eager"]["models"][model]
+            rows.append([model, count(c["parameters"]),
+                         f"compiled, per step (first call {sec(c['first_compiled_call_s'])}; "
+                         f"gradient diff {sci(c['compiled_vs_eager_grad_rel_diff'])}, eager vs "
+                         f"eager {sci(c['eager_vs_eager_grad_rel_diff'])})",
+                         ms(c["step_s"]), rate(c["structures_per_s"]), "eager", ms(e["step_s"]),
+                         rate(e["structures_per_s"]),
+                         ratio(c["structures_per_s"] / e["structures_per_s"])])
+        return rows
+    gpus = f"{data['world_size']} GPU" + ("s" if data["world_size"] > 1 else "")
+    return [[model, count(m["parameters"]), f"eager, {gpus}, per step", ms(m["step_s"]),
+             rate(m["structures_per_s"]), "-", "-", "-", "-"]
+            for model, m in data["models"].items()]
 
 
 def training_ddp(name: str, data: dict) -> list[list[str]]:
@@ -330,14 +339,12 @@ def training_ddp(name: str, data: dict) -> list[list[str]]:
 
 
 def accuracy(name: str, data: dict) -> list[list[str]]:
+    """Test errors as ``xnn vs MACE (xnn / MACE)``, one column per quantity."""
     x, m = data["xnn"]["test"], data["mace"]["test"]
-    rows = []
-    for label, key in (("energy MAE (meV/atom)", "energy_mae_meV_per_atom"),
-                       ("forces MAE (meV/Å)", "forces_mae_meV_per_A"),
-                       ("stress MAE (meV/Å³)", "stress_mae_meV_per_A3")):
-        rows.append([label, str(data["settings"]["epochs"]), str(data["data"]["seed"]), num(x[key]),
-                     num(m[key]), ratio(x[key] / m[key])])
-    return rows
+    cells = [f"{num(x[key])} vs {num(m[key])} ({ratio(x[key] / m[key])})"
+             for key in ("energy_mae_meV_per_atom", "forces_mae_meV_per_A",
+                         "stress_mae_meV_per_A3")]
+    return [[str(data["settings"]["epochs"]), str(data["data"]["seed"]), *cells]]
 
 
 def activation_memory(name: str, data: dict) -> list[list[str]]:

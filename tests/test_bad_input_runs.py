@@ -234,7 +234,7 @@ def _md_state():
 
 
 def _writers(tmp_path):
-    from xnn.dynamics.checkpoint import save_checkpoint as save_md
+    from xnn.io.md_checkpoint import save_checkpoint as save_md
     from xnn.training.checkpoint import save_checkpoint as save_train
 
     state, pot = _md_state()
@@ -286,7 +286,7 @@ def _disk_full(monkeypatch):
 
 
 def test_thermo_log_rewrite_on_resume_is_atomic(tmp_path, monkeypatch):
-    from xnn.dynamics.thermo import ThermoLog
+    from xnn.io.thermo import ThermoLog
 
     path = tmp_path / "thermo.csv"
     log = ThermoLog(path)
@@ -305,7 +305,7 @@ def test_thermo_log_rewrite_on_resume_is_atomic(tmp_path, monkeypatch):
 
 
 def test_metrics_csv_rewrite_on_resume_is_atomic(tmp_path, monkeypatch):
-    from xnn.training.loggers import RunLogger
+    from xnn.io.train_log import RunLogger
 
     logger = RunLogger(tmp_path, True, progress_bar=False, stream=io.StringIO())
     rows = [{"epoch": e, "step": 3 * e, "train_loss": 1.0 / e} for e in (1, 2, 3)]

@@ -34,12 +34,12 @@ from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
+from xnn.io.train_log import RunLogger
 from xnn.models.cueq import set_kernel_backend
 from xnn.models.trust import granted
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
 from xnn.training.ema import EMA
-from xnn.training.loggers import RunLogger
 from xnn.training.loop import LoopSettings, TrainingLoop, describe_model, seed_everything
 from xnn.training.losses import TermSpec
 from xnn.training.memory import MemoryTools, build_memory_tools, set_activation_checkpointing

@@ -106,7 +106,7 @@ class TrainingLoop:
         trainer: a :class:`~xnn.training.trainer.Trainer`.
         splits: a :class:`~xnn.training.data.DataSplits`.
         out_dir: run folder (checkpoints in ``out_dir/checkpoints``).
-        logger: a :class:`~xnn.training.loggers.RunLogger`.
+        logger: a :class:`~xnn.io.train_log.RunLogger`.
         sharding: ``sharding(batch, n_atoms, max_atoms) -> this rank's indices`` with a
             ``groups`` attribute (the ``groups`` of ``make_batches``) and
             ``load(dataset, indices) -> graphs``, from

@@ -36,22 +36,12 @@ def image_ranges(cell: Tensor, pbc: Tensor, cutoff: float) -> Tensor:
     return n.to(torch.long)
 
 
-def validate_inputs(
-    positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-    """Validate and normalise neighbor-list inputs with one host sync; returns
-    ``(positions, cell, pbc, batch, has_zero_vectors)``."""
-    positions, cell, pbc, batch, has_zero = validate_lazy(positions, cell, pbc, cutoff, batch)
-    if batch is None:
-        batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
-    return positions, cell, pbc, batch, has_zero
-
-
 def validate_lazy(
     positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
-    """:func:`validate_inputs`, with ``batch`` left ``None`` for one system without one (no
-    zeros allocated when the backend does not need them).
+    """Validate and normalise neighbor-list inputs: ``(positions, cell [n_systems, 3, 3],
+    pbc [n_systems, 3], batch, has_zero_vectors)``, with ``batch`` left ``None`` for one
+    system without one (no zeros allocated when the backend does not need them).
 
     The host values of the cell, pbc and batch are remembered per tensor on devices where
     reading costs a host sync (:data:`REMEMBER_ON`): a later call with the very same tensor,

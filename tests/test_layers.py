@@ -10,6 +10,7 @@ known exceptions, each with its reason, to be removed as they are fixed.
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +77,16 @@ NO_WRITE_DIRS = ("xnn.dynamics", "xnn.training")
 
 
 # ----------------------------------------------------------------------------- the walk
+def parse(path: Path) -> ast.Module:
+    """The syntax tree of ``path`` (parsed once per content)."""
+    return _parse(str(path), path.read_text())
+
+
+@functools.cache
+def _parse(name: str, text: str) -> ast.Module:
+    return ast.parse(text, name)
+
+
 def modules(root: Path) -> dict[str, Path]:
     """``{dotted name: file}`` of every module under ``root/xnn``."""
     out = {}
@@ -111,7 +122,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[int
     """``(line, module)`` for every xnn module ``name`` imports, at module level or in a
     function (``from pkg import sub`` counts ``pkg.sub`` when it is a module)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -206,7 +217,7 @@ def file_writes(root: Path) -> list[str]:
     for name, path in modules(root).items():
         if not name.startswith(NO_WRITE_DIRS):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path)):
             if not isinstance(node, ast.Call):
                 continue
             dotted = _dotted(node.func)

@@ -51,12 +51,8 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
 
 #: ``(module, call)`` -> reason, for file writing in ``dynamics/``/``training/`` not yet moved.
 ALLOWED_WRITES: dict[tuple[str, str], str] = {
-    ("xnn.training.checkpoint", "mkdir"): "training checkpoints: TrainingLoop.save writes them; "
-        "moving the writer to xnn.io needs it passed in by app/train.py",
-    ("xnn.training.checkpoint", "atomic_write"): "as above",
-    ("xnn.training.checkpoint", "torch.save"): "as above",
-    ("xnn.training.memory", "mkdir"): "the CUDA allocator snapshot of MemoryProfile "
-        "(a profiling tool the trainer drives); to move with the writer above",
+    ("xnn.training.memory", "mkdir"): "the CUDA allocator snapshot of MemoryProfile (a "
+        "profiling tool the trainer drives, built by build_memory_tools): to be passed in",
     ("xnn.training.memory", "torch.cuda.memory._dump_snapshot"): "as above",
 }
 

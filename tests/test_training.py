@@ -387,19 +387,20 @@ def test_early_stopping_and_tensorboard(tmp_path, data):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     from xnn.errors import ModelFileError
+    from xnn.io import train_checkpoint as W
     from xnn.training import checkpoint as C
 
     path = tmp_path / "last.pt"
-    C.save_checkpoint({"progress": {"step": 1}, "w": torch.ones(3)}, path)
+    W.save_checkpoint({"progress": {"step": 1}, "w": torch.ones(3)}, path)
 
     def crash(obj, f):  # a write that dies half way
         with open(f, "wb") as fh:
             fh.write(b"PK\x03\x04 partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(C.torch, "save", crash)
+    monkeypatch.setattr(W.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        C.save_checkpoint({"progress": {"step": 2}}, path)
+        W.save_checkpoint({"progress": {"step": 2}}, path)
     monkeypatch.undo()
     back = C.load_checkpoint(path)
     assert back["progress"]["step"] == 1 and torch.equal(back["w"], torch.ones(3))

@@ -34,6 +34,7 @@ from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
+from xnn.io.train_checkpoint import save_checkpoint
 from xnn.io.train_log import RunLogger
 from xnn.models.cueq import set_kernel_backend
 from xnn.models.trust import granted
@@ -247,7 +248,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     model = _model_for_run(cfg, splits, logger, reducer)  # seeded: the same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, parallel, device, memory)
-    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding)
+    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding,
+                        save_checkpoint)
     loop.check_batches()  # a structure over a dd group's budget is refused now
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)

@@ -234,8 +234,8 @@ def _md_state():
 
 
 def _writers(tmp_path):
-    from xnn.dynamics.checkpoint import save_checkpoint as save_md
-    from xnn.training.checkpoint import save_checkpoint as save_train
+    from xnn.io.md_checkpoint import save_checkpoint as save_md
+    from xnn.io.train_checkpoint import save_checkpoint as save_train
 
     state, pot = _md_state()
     return {
@@ -286,7 +286,7 @@ def _disk_full(monkeypatch):
 
 
 def test_thermo_log_rewrite_on_resume_is_atomic(tmp_path, monkeypatch):
-    from xnn.dynamics.thermo import ThermoLog
+    from xnn.io.thermo import ThermoLog
 
     path = tmp_path / "thermo.csv"
     log = ThermoLog(path)
@@ -305,7 +305,7 @@ def test_thermo_log_rewrite_on_resume_is_atomic(tmp_path, monkeypatch):
 
 
 def test_metrics_csv_rewrite_on_resume_is_atomic(tmp_path, monkeypatch):
-    from xnn.training.loggers import RunLogger
+    from xnn.io.train_log import RunLogger
 
     logger = RunLogger(tmp_path, True, progress_bar=False, stream=io.StringIO())
     rows = [{"epoch": e, "step": 3 * e, "train_loss": 1.0 / e} for e in (1, 2, 3)]
@@ -332,18 +332,18 @@ def test_metrics_row_comes_after_its_checkpoint(tmp_path, data, monkeypatch):
     """A run killed while writing the checkpoint of epoch 2, then resumed: metrics.csv holds
     each epoch once, as in an uninterrupted run (the row was written before the checkpoint,
     so the resumed run wrote epoch 2 again)."""
-    import xnn.training.loop as loop_module
+    import xnn.app.train as app_train
     from xnn.app.train import train
 
     train(tiny(tmp_path / "full", data))
-    real = loop_module.save_checkpoint
+    real = app_train.save_checkpoint
 
     def killed_at_epoch_2(payload, path):
         if payload["progress"]["epoch"] == 2 and Path(path).name == "last.pt":
             raise KeyboardInterrupt  # SIGKILL during the write: the old checkpoint stays
         return real(payload, path)
 
-    monkeypatch.setattr(loop_module, "save_checkpoint", killed_at_epoch_2)
+    monkeypatch.setattr(app_train, "save_checkpoint", killed_at_epoch_2)
     with pytest.raises(KeyboardInterrupt):
         train(tiny(tmp_path / "part", data))
     monkeypatch.undo()

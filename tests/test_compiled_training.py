@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from xnn.data import keys as K
-from xnn.data.datasets import WithEdges, collate, read_structures
+from xnn.data.datasets import collate, read_structures
 from xnn.data.emt import write_emt
 from xnn.models import build
 from xnn.models.base import AtomisticModel
 from xnn.models.compiled_training import CompiledProperties, CompileError, verify
 from xnn.models.derivatives import compute_properties
+from xnn.neighbors.datasets import WithEdges
 
 TINY = {
     "schnet": dict(num_features=8, num_filters=8, num_interactions=2, num_basis=8),

@@ -546,8 +546,9 @@ def test_max_atoms_budget_per_group_refuses_large_structures():
 
 
 def test_dd_ranks_read_structures_without_the_whole_neighbor_list():
-    from xnn.data.datasets import InMemoryDataset, WithEdges
+    from xnn.data.datasets import InMemoryDataset
     from xnn.distributed.cp_train import BatchSharding
+    from xnn.neighbors.datasets import WithEdges
 
     ds = WithEdges(InMemoryDataset([molecule(2).without_edges()]), CUTOFF)
     (raw,) = BatchSharding(0, 2, 2, without_edges=True).load(ds, [0])

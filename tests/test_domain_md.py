@@ -377,7 +377,7 @@ def _thermo(path):
 
 
 def _state(path):
-    from xnn.dynamics import checkpoint as ckpt
+    from xnn.io import md_checkpoint as ckpt
 
     return ckpt.load_checkpoint(Path(path) / "checkpoint.pt", torch.device("cpu"))[0]
 

@@ -13,6 +13,7 @@ from md_helpers import rattled_argon
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import degrees_of_freedom, maxwell_boltzmann, nhc, nve, temperature
+from xnn.errors import InputError
 from xnn.models import Potential, build
 from xnn.models.derivatives import compute_properties
 
@@ -176,3 +177,33 @@ def test_potential_gives_the_model_the_edges_within_the_cutoff():
     for key, value in skin(g).items():
         torch.testing.assert_close(value, everything[key], rtol=0, atol=1e-13)
         torch.testing.assert_close(value, exact(g)[key], rtol=0, atol=1e-12)
+
+
+def test_registered_integrator_is_found_by_name(tmp_path, monkeypatch):
+    """``register_integrator`` (the extension point for integrators of library users): a
+    module of the user's, registered by its import path, is what ``get_integrator`` returns
+    and ``available_integrators`` lists; here a step of two half-length Verlet steps, which
+    gives bitwise the trajectory of ``nve`` at half the timestep."""
+    from xnn.dynamics import registry
+
+    (tmp_path / "half_nve.py").write_text(
+        "from xnn.dynamics import nve\n"
+        "init, conserved = nve.init, nve.conserved\n\n"
+        "def step(state, model, dt, reduce=nve.LOCAL):\n"
+        "    return nve.step(nve.step(state, model, dt / 2, reduce), model, dt / 2, reduce)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_INTEGRATORS", dict(registry._INTEGRATORS))
+    with pytest.raises(InputError, match="unknown ensemble/integrator 'half_nve'"):
+        registry.get_integrator("half_nve")
+    registry.register_integrator("half_nve", "half_nve")
+    assert "half_nve" in registry.available_integrators()
+    custom = registry.get_integrator("half_nve")
+    g = maxwell_boltzmann(graph_of(argon()), 40.0, seed=3)
+    pot_a, pot_b = lj(), lj()
+    a, b = custom.init(g, pot_a), nve.init(g, pot_b)
+    for _ in range(5):
+        a = custom.step(a, pot_a, 4.0)
+        b = nve.step(nve.step(b, pot_b, 2.0), pot_b, 2.0)
+    assert a.step == b.step == 10
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.velocities, b.velocities)
+    assert torch.equal(custom.conserved(a), nve.conserved(b))

@@ -450,7 +450,7 @@ def test_validate_cli_graph_and_auto():
 
 @pytest.mark.distributed
 def test_md_cli_graph_mode_matches_one_process():
-    from xnn.dynamics import checkpoint as ckpt
+    from xnn.io import md_checkpoint as ckpt
 
     results(4)
     one = Path(_TMP, "md_one")

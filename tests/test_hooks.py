@@ -400,7 +400,7 @@ def test_failing_hook_stops_after_a_checkpoint_and_resumes_exactly(tmp_path, cap
     assert "\n" not in err
     assert err.startswith("xnn md: error: hook 'frames' failed at step 6: KeyError: 'charges'")
     assert f"resume={part / 'checkpoint.pt'}" in err
-    from xnn.dynamics.checkpoint import load_checkpoint
+    from xnn.io.md_checkpoint import load_checkpoint
 
     state, meta = load_checkpoint(part / "checkpoint.pt", torch.device("cpu"))
     assert state.step == 6 and meta["hooks_rerun"] == 6

@@ -26,8 +26,8 @@ from xnn.config.loader import ConfigError, load_config
 from xnn.config.md import MDConfig, RelaxConfig
 from xnn.config.train import TrainConfig
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import checkpoint as ckpt
 from xnn.errors import InputError
+from xnn.io import md_checkpoint as ckpt
 from xnn.models import Potential, build
 from xnn.models.serialization import read_as_data, save_model
 

@@ -16,9 +16,9 @@ from xnn.app.relax import run_relax
 from xnn.cli.main import main
 from xnn.config.loader import ConfigError, load_config
 from xnn.config.md import MDConfig
-from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics.safety import SimulationError
 from xnn.errors import InputError, ModelFileError, UnknownSpeciesError
+from xnn.io import md_checkpoint as ckpt
 from xnn.io.trajectory import read_hdf5_trajectory
 
 LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",

@@ -20,7 +20,7 @@ from xnn.app.md import run_md
 from xnn.app.relax import run_relax
 from xnn.config.loader import load_config
 from xnn.config.md import MDConfig, RelaxConfig
-from xnn.dynamics import checkpoint as ckpt
+from xnn.io import md_checkpoint as ckpt
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 

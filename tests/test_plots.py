@@ -11,7 +11,7 @@ from md_helpers import rattled_argon
 from xnn.app.md import run_md
 from xnn.config.loader import load_config
 from xnn.config.md import MDConfig
-from xnn.dynamics import thermo
+from xnn.io import thermo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

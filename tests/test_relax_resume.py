@@ -18,9 +18,9 @@ from xnn.app.relax import run_relax
 from xnn.cli.main import main
 from xnn.config.loader import load_config
 from xnn.config.md import MDConfig, RelaxConfig
-from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics import fire
 from xnn.errors import DataFileError, InputError
+from xnn.io import md_checkpoint as ckpt
 
 LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
       "model.params.cutoff=6.5", "model.skin=0.3", "output.progress=false"]

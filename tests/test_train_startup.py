@@ -3,7 +3,7 @@ data: coincident atoms are found in the lists built anyway (issue 42, item 3).
 
 A counting hook on the neighbor-list builder (:func:`xnn.neighbors.api._build`) records, per
 call, its cutoff and an identity of each structure in it; a second hook tells the lists that
-:class:`~xnn.data.datasets.WithEdges` builds for the batches (at their first use) from the
+:class:`~xnn.neighbors.datasets.WithEdges` builds for the batches (at their first use) from the
 start-up's. Runs ``xnn train`` to its first step: on 2 gloo ranks (data parallel, through the
 CLI) each rank builds its own half of the statistics' neighbor lists and nothing else, so no
 structure's list is built on both ranks, and the average number of neighbours is that of one
@@ -78,8 +78,8 @@ class Recorder:
     @contextlib.contextmanager
     def installed(self):
         from xnn.app import train as app_train
-        from xnn.data.datasets import WithEdges
         from xnn.neighbors import api
+        from xnn.neighbors.datasets import WithEdges
         from xnn.training.trainer import Trainer
 
         build, getitem = api._build, WithEdges.__getitem__
@@ -335,10 +335,11 @@ def test_a_structure_is_refused_where_its_edges_are_built_naming_its_file(files,
     through ``Subset`` and ``ConcatDataset``, for extxyz and HDF5; so does ``xnn eval``."""
     from error_helpers import raises_one_line
 
-    from xnn.data.datasets import ConcatDataset, HDF5Source, Subset, WithEdges, read_structures
+    from xnn.data.datasets import ConcatDataset, HDF5Source, Subset, read_structures
     from xnn.data.hdf5 import write_hdf5
     from xnn.errors import DataFileError
     from xnn.models import build
+    from xnn.neighbors.datasets import WithEdges
     from xnn.training.evaluate import evaluate_model
 
     _, data, bad, _ = files

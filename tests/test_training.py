@@ -336,11 +336,11 @@ def test_dataset_label_counts_are_the_loss_normalisers(tmp_path, data):
         HDF5Source,
         InMemoryDataset,
         Subset,
-        WithEdges,
         collate,
         read_structures,
     )
     from xnn.data.hdf5 import write_hdf5
+    from xnn.neighbors.datasets import WithEdges
 
     graphs = [read_structures(data)[i] for i in range(8)]
     nan = float("nan")
@@ -387,19 +387,20 @@ def test_early_stopping_and_tensorboard(tmp_path, data):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     from xnn.errors import ModelFileError
+    from xnn.io import train_checkpoint as W
     from xnn.training import checkpoint as C
 
     path = tmp_path / "last.pt"
-    C.save_checkpoint({"progress": {"step": 1}, "w": torch.ones(3)}, path)
+    W.save_checkpoint({"progress": {"step": 1}, "w": torch.ones(3)}, path)
 
     def crash(obj, f):  # a write that dies half way
         with open(f, "wb") as fh:
             fh.write(b"PK\x03\x04 partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(C.torch, "save", crash)
+    monkeypatch.setattr(W.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        C.save_checkpoint({"progress": {"step": 2}}, path)
+        W.save_checkpoint({"progress": {"step": 2}}, path)
     monkeypatch.undo()
     back = C.load_checkpoint(path)
     assert back["progress"]["step"] == 1 and torch.equal(back["w"], torch.ones(3))
@@ -472,8 +473,9 @@ def test_pretrained_external_wrapper_is_refused_before_training(tmp_path, data, 
 def test_step_without_labels_is_refused_and_changes_nothing(data):
     """A global batch where no weighted property has a label raises (counts are read after the
     backward, with the loss: one device wait per step) and leaves the weights untouched."""
-    from xnn.data.datasets import WithEdges, read_structures
+    from xnn.data.datasets import read_structures
     from xnn.models import build
+    from xnn.neighbors.datasets import WithEdges
     from xnn.training.trainer import Trainer
 
     ds = WithEdges(read_structures(data), 3.0)

@@ -38,8 +38,9 @@ def _gradients(reducer, data, device="cpu", compile=False, steps=1):
     the training loop does, and must give the same."""
     from xnn.app.train import loss_specs
     from xnn.config.train import LossConfig
-    from xnn.data.datasets import WithEdges, read_structures, shard_batch
+    from xnn.data.datasets import read_structures, shard_batch
     from xnn.models import build
+    from xnn.neighbors.datasets import WithEdges
     from xnn.training.trainer import Trainer
 
     cfg = _cfg(data, "unused")

@@ -13,6 +13,7 @@ from xnn.config.loader import load_config
 from xnn.config.train import TrainConfig
 from xnn.data.emt import write_emt
 from xnn.errors import InputError
+from xnn.io.train_checkpoint import save_checkpoint
 from xnn.training import checkpoint as C
 
 HP = "model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, num_basis: 8}"
@@ -40,7 +41,7 @@ def test_checkpoint_is_data_and_restores_every_rng(run, tmp_path):
     assert isinstance(payload["rng"]["numpy"][1], torch.Tensor)
     # the stored states give back the same random numbers (exact resume)
     torch.manual_seed(3), np.random.seed(3), random.seed(3)
-    C.save_checkpoint({"rng": C.rng_state()}, tmp_path / "rng.pt")
+    save_checkpoint({"rng": C.rng_state()}, tmp_path / "rng.pt")
     expected = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])
     C.set_rng_state(C.load_checkpoint(tmp_path / "rng.pt")["rng"])
     got = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])

@@ -3,9 +3,8 @@
 Units everywhere: energy eV, length Å, mass amu, time fs, temperature K, stress eV/Å³ (ASE sign).
 """
 
-__version__ = "0.1.0"
-
-from xnn.data import AtomicGraph  # noqa: E402
+from xnn._version import __version__
+from xnn.data import AtomicGraph
 
 __all__ = ["AtomicGraph", "Calculator", "save_model", "load_model", "__version__"]
 

@@ -8,8 +8,6 @@ from ase import units as _u
 
 #: Boltzmann constant [eV/K]
 KB = _u.kB
-#: one femtosecond in ASE time units
-FS = _u.fs
 #: 1 amu·(Å/fs)² in eV
 MVV2E = _u._amu * (1e-10 / 1e-15) ** 2 / _u._e
 #: 1 eV/Å³ in GPa

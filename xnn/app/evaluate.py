@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from xnn.data.datasets import ConcatDataset, Subset, read_structures
-from xnn.data.label_keys import describe_keys, inventory, suggest_key
+from xnn.data.inventory import inventory
+from xnn.data.label_keys import describe_keys, suggest_key
 from xnn.errors import DataFileError, InputError, ModelFileError
 
 SPLITS = ("train", "val", "test")

@@ -64,8 +64,9 @@ from xnn.dynamics.safety import (
     check_temperature,
 )
 from xnn.dynamics.state import MDState
-from xnn.dynamics.thermo import ThermoLog, observables, plot_log
+from xnn.dynamics.thermo import observables
 from xnn.errors import InputError
+from xnn.io.thermo import ThermoLog, plot_log
 from xnn.io.trajectory import write_extxyz
 
 

@@ -36,12 +36,12 @@ from xnn.app.md_progress import (
 from xnn.app.md_resume import check_resume, relax_settings, resume_identity
 from xnn.app.md_setup import check_species, load_structure, pressure_to_internal
 from xnn.config.md import RelaxConfig
-from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics import fire
 from xnn.dynamics.hooks import HookError
 from xnn.dynamics.safety import check_forces
 from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError, InputError
+from xnn.io import md_checkpoint as ckpt
 from xnn.io.trajectory import write_extxyz
 
 

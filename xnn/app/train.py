@@ -34,12 +34,13 @@ from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
+from xnn.io.train_checkpoint import save_checkpoint
+from xnn.io.train_log import RunLogger
 from xnn.models.cueq import set_kernel_backend
 from xnn.models.trust import granted
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
 from xnn.training.ema import EMA
-from xnn.training.loggers import RunLogger
 from xnn.training.loop import LoopSettings, TrainingLoop, describe_model, seed_everything
 from xnn.training.losses import TermSpec
 from xnn.training.memory import MemoryTools, build_memory_tools, set_activation_checkpointing
@@ -247,7 +248,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     model = _model_for_run(cfg, splits, logger, reducer)  # seeded: the same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, parallel, device, memory)
-    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding)
+    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding,
+                        save_checkpoint)
     loop.check_batches()  # a structure over a dd group's budget is refused now
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)

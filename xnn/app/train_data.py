@@ -8,7 +8,7 @@ keys to set), species of validation/test structures against the training set.
 
 Start-up makes no pass over the data for coincident atoms: neighbor lists of the model's
 cutoff are built at a structure's first use, by the rank that uses it, and refuse it there
-(:class:`~xnn.data.datasets.WithEdges`). Before anything is written, a bounded sample of each
+(:class:`~xnn.neighbors.datasets.WithEdges`). Before anything is written, a bounded sample of each
 split is checked (:func:`refuse_coincident_sample`, up to
 :data:`~xnn.training.data.STATISTICS_SAMPLE` structures spread over each: every structure of
 a small data set) — the training sample by the statistics' own neighbor lists
@@ -23,9 +23,11 @@ import numpy as np
 
 from xnn.config.train import DataConfig, DatasetConfig, LossConfig
 from xnn.data import keys as K
-from xnn.data.datasets import ConcatDataset, Subset, WithEdges, read_structures, split_indices
-from xnn.data.label_keys import describe_keys, inventory, suggest_key
+from xnn.data.datasets import ConcatDataset, Subset, read_structures, split_indices
+from xnn.data.inventory import inventory
+from xnn.data.label_keys import describe_keys, suggest_key
 from xnn.errors import DataFileError, InputError
+from xnn.neighbors.datasets import WithEdges
 from xnn.training.data import (
     DataSplits,
     check_species,

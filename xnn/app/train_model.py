@@ -90,7 +90,7 @@ def shared_average_neighbors(structures: list, cutoffs: list[float], reducer=Non
     and as one process computes them. Collective over ``reducer``'s ranks.
 
     The same lists refuse a structure with coincident atoms: every rank raises the
-    :func:`~xnn.data.datasets.coincident_error` of the first such structure, named by
+    :func:`~xnn.neighbors.datasets.coincident_error` of the first such structure, named by
     ``origin(k) -> (file, index in file)`` of ``structures[k]`` (default: the sample's
     ``("statistics sample", k)``)."""
     from xnn.models import statistics as S
@@ -112,7 +112,7 @@ def _refuse_coincident(every: list, world: int, origin) -> None:
     """Raise for the first structure (by sample position) in which a rank's lists
     (``every[rank][cutoff]``, :class:`~xnn.models.statistics.NeighborCounts` of the sample's
     structures ``rank::world``) found coincident atoms."""
-    from xnn.data.datasets import coincident_error
+    from xnn.neighbors.datasets import coincident_error
 
     found = [(rank + world * c.close.system, c.close) for rank, counts in enumerate(every)
              for c in counts[:1] if c.close is not None]

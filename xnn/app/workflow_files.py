@@ -25,9 +25,7 @@ from pathlib import Path
 import torch
 
 from xnn._files import atomic_write, require_file
-from xnn.data.graph import AtomicGraph
 from xnn.dynamics import checkpoint as ckpt
-from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError
 from xnn.models.serialization import load_failure, read_as_data
 
@@ -159,41 +157,12 @@ def gather_final(folder: Path, n_systems: int) -> Path:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _state_dict(state: MDState) -> dict:
-    return {
-        "step": state.step,
-        "graph": {k: v.detach().cpu() for k, v in state.graph.fields.items()},
-        "forces": state.forces.cpu(), "energy": state.energy.cpu(),
-        "stress": state.stress.cpu(),
-        "vars": {k: v.cpu() for k, v in state.vars.items()},
-        "rng": None if state.rng is None else state.rng.cpu(),
-        "compute_stress": state.compute_stress,
-    }
-
-
-def _state_from(d: dict, device) -> MDState:
-    graph = AtomicGraph({k: v.to(device) for k, v in d["graph"].items()}, validate=False)
-    return MDState(graph, d["forces"].to(device), d["energy"].to(device),
-                   d["stress"].to(device), int(d["step"]),
-                   {k: v.to(device) for k, v in d["vars"].items()}, d["rng"],
-                   bool(d["compute_stress"]))
-
-
-def _cpu(d: dict | None) -> dict | None:
-    """A neighbor-list state (tensors, tuples of tensors, numbers) on the CPU."""
-    if d is None:
-        return None
-    return {k: v.cpu() if isinstance(v, torch.Tensor) else
-            tuple(t.cpu() for t in v) if isinstance(v, (tuple, list)) else v
-            for k, v in d.items()}
-
-
 def save_campaign(path: Path, pools: list, meta: dict) -> None:
     """Write every pool's state (``None`` when empty), neighbor list and ids with ``meta``."""
     payload = {"format": FORMAT, "version": 1, "meta": meta, "pools": [
         None if p.state is None else {
-            "state": _state_dict(p.state), "ids": list(p.ids),
-            "neighbors": _cpu(ckpt.neighbor_state(p.potential)),
+            "state": ckpt.state_to_payload(p.state), "ids": list(p.ids),
+            "neighbors": ckpt.neighbor_payload(p.potential),
         } for p in pools]}
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
@@ -229,6 +198,6 @@ def load_campaign(path: str | os.PathLike, device) -> tuple[list, dict]:
     p = read_checkpoint(path)
     if p["format"] != FORMAT:
         raise DataFileError(f"{path} is not the checkpoint of one process or rank")
-    pools = [None if d is None else (_state_from(d["state"], device), list(d["ids"]),
+    pools = [None if d is None else (ckpt.state_from_payload(d["state"], device), list(d["ids"]),
                                      d["neighbors"]) for d in p["pools"]]
     return pools, p["meta"]

@@ -118,7 +118,8 @@ def run_convert(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from xnn.data.label_keys import inventory, report
+    from xnn.data.inventory import inventory
+    from xnn.data.label_keys import report
     from xnn.errors import InputError
 
     if args.limit is not None and args.limit < 1:

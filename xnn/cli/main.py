@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-import xnn
+from xnn._version import __version__
 from xnn.errors import XnnError
 
 # subcommand name -> module; modules that do not exist yet are skipped
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="xnn: train machine-learned interatomic potentials, run MD with them, "
         "and scale across GPUs by domain decomposition.",
     )
-    parser.add_argument("--version", action="version", version=f"xnn {xnn.__version__}")
+    parser.add_argument("--version", action="version", version=f"xnn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS.values():
         try:

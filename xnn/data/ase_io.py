@@ -19,6 +19,7 @@ import torch
 from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
+from xnn.data.label_keys import describe_keys, inventory_of
 from xnn.errors import DataFileError, InputError
 
 LABELS = ("energy", "forces", "stress", "virial")
@@ -119,8 +120,6 @@ def _collect_labels(
         if values and not missing:
             out[prop] = np.concatenate(values) if prop == "forces" else np.stack(values)
     if lacking:
-        from xnn.data.label_keys import describe_keys, inventory_of
-
         raise DataFileError(f"{'; '.join(lacking)}; "
                             f"{describe_keys(inventory_of(atoms_list, 'the file'))}")
     return out

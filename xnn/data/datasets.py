@@ -4,16 +4,15 @@ A dataset is any object with ``len(ds)``, ``ds[i] -> AtomicGraph`` (one system) 
 ``n_atoms`` integer array ``[len(ds)]`` readable without loading structures. The datasets
 here also give ``label_counts()`` (``[len(ds), 3]`` labelled items per structure, see
 :func:`label_counts_of`), counted once, from their files' arrays where they can;
-:class:`WithEdges` counts any other dataset by reading it once. Every structure
-carries the label fields ``energy [1]`` (eV), ``forces [n, 3]`` (eV/Å) and ``stress [1, 3, 3]``
-(eV/Å³, ASE sign) with NaN where the source has no label (so batches concatenate), and a
-``weight [1]`` (the dataset's loss weight). ``origin(i)`` names the file structure ``i``
-comes from and its index in that file, through :class:`Subset` and :class:`ConcatDataset`.
+:class:`~xnn.neighbors.datasets.WithEdges` counts any other dataset by reading it once.
+Every structure carries the label fields ``energy [1]`` (eV), ``forces [n, 3]`` (eV/Å)
+and ``stress [1, 3, 3]`` (eV/Å³, ASE sign) with NaN where the source has no label (so
+batches concatenate), and a ``weight [1]`` (the dataset's loss weight). ``origin(i)``
+names the file structure ``i`` comes from and its index in that file, through
+:class:`Subset` and :class:`ConcatDataset`.
 
-:class:`WithEdges` builds a structure's neighbor list at its first use and refuses it there
-if two of its atoms are closer than :data:`~xnn.neighbors.coincident.MIN_DISTANCE` (every
-such pair is an edge of the model's cutoff, so the check costs no neighbor list): no pass
-over the whole data set is needed before training starts.
+The neighbor lists are attached by :class:`~xnn.neighbors.datasets.WithEdges` (a layer
+above this one).
 
 Batches are lists of structure indices, made once per epoch from a seeded permutation
 (``make_batches``): a fixed number of structures, or as many as fit in ``max_atoms`` atoms.
@@ -36,17 +35,6 @@ from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
-
-
-def coincident_error(path: str, index: int, pair) -> DataFileError:
-    """The one-line refusal of structure ``index`` of file ``path`` whose atoms ``pair.i``
-    and ``pair.j`` (a :class:`~xnn.neighbors.coincident.ClosePair`) are too close."""
-    from xnn.neighbors.coincident import MIN_DISTANCE
-
-    return DataFileError(
-        f"structure {index} of {path!r}: atoms {pair.i} and {pair.j} are "
-        f"{pair.distance:.3g} Å apart, closer than {MIN_DISTANCE} Å (coincident atoms: "
-        "a duplicated atom?); remove or fix that structure")
 
 
 # --------------------------------------------------------------------------- labels
@@ -123,18 +111,18 @@ def label_counts_of(graph: AtomicGraph) -> np.ndarray:
 
 
 def origin_of(dataset, index: int) -> tuple[str, int]:
-    """:meth:`_Labels.origin` of a dataset here; ``(its name, index)`` for any other."""
-    if isinstance(dataset, _Labels):
+    """:meth:`LabelledDataset.origin` of a dataset here; ``(its name, index)`` for any other."""
+    if isinstance(dataset, LabelledDataset):
         return dataset.origin(index)
     return getattr(dataset, "name", "dataset"), int(index)
 
 
-def _count_by_reading(dataset) -> np.ndarray:
+def count_labels_by_reading(dataset) -> np.ndarray:
     rows = [label_counts_of(dataset[i]) for i in range(len(dataset))]
     return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
 
 
-class _Labels:
+class LabelledDataset:
     """The base of the datasets here: label metadata from ``_count_labels()`` (``[len, 3]``,
     see :func:`label_counts_of`), computed once (:meth:`label_counts`, :meth:`label_masks`,
     :meth:`batch_label_counts`), and :meth:`origin`."""
@@ -148,7 +136,7 @@ class _Labels:
         return self.name, int(index)
 
     def _count_labels(self) -> np.ndarray:
-        return _count_by_reading(self)
+        return count_labels_by_reading(self)
 
     def label_counts(self) -> np.ndarray:
         """``[len, 3]`` int64 labelled items per structure (see :func:`label_counts_of`)."""
@@ -170,7 +158,7 @@ class _Labels:
 
 
 # --------------------------------------------------------------------------- datasets
-class InMemoryDataset(_Labels):
+class InMemoryDataset(LabelledDataset):
     """Structures held in memory as one-system graphs with normalised labels.
 
     Args:
@@ -202,7 +190,7 @@ class InMemoryDataset(_Labels):
         return sorted(set(torch.cat([g.numbers for g in self.graphs]).unique().tolist()))
 
 
-class HDF5Source(_Labels):
+class HDF5Source(LabelledDataset):
     """An :class:`~xnn.data.hdf5.HDF5Dataset` with a loss weight and the dataset interface."""
 
     def __init__(self, path: str | os.PathLike, weight: float = 1.0):
@@ -267,7 +255,7 @@ class HDF5Source(_Labels):
         return sorted(found)
 
 
-class Subset(_Labels):
+class Subset(LabelledDataset):
     """The structures ``indices`` of ``dataset``, in that order."""
 
     def __init__(self, dataset, indices: Sequence[int]):
@@ -294,7 +282,7 @@ class Subset(_Labels):
         return self.dataset.species()
 
 
-class ConcatDataset(_Labels):
+class ConcatDataset(LabelledDataset):
     """Several datasets one after the other."""
 
     def __init__(self, datasets: Sequence):
@@ -331,72 +319,6 @@ class ConcatDataset(_Labels):
 
     def species(self) -> list[int]:
         return sorted(set().union(*[set(d.species()) for d in self.datasets]))
-
-
-class WithEdges(_Labels):
-    """Attach a neighbor list for ``cutoff`` to every structure, cached after the first read,
-    and refuse a structure with coincident atoms there.
-
-    Args:
-        dataset: the structures.
-        cutoff: Å (the model's cutoff).
-        cache: keep the graphs with edges in memory (turn off for datasets larger than memory).
-
-    Raises (on reading a structure):
-        DataFileError: two of its atoms are closer than
-            :data:`~xnn.neighbors.coincident.MIN_DISTANCE` (:func:`coincident_error`: its
-            file and index in it, the atoms and their distance).
-    """
-
-    def __init__(self, dataset, cutoff: float, cache: bool = True):
-        self.dataset = dataset
-        self.cutoff = float(cutoff)
-        self.n_atoms = np.asarray(dataset.n_atoms)
-        self.name = getattr(dataset, "name", "dataset")
-        self._cache: dict[int, AtomicGraph] | None = {} if cache else None
-        self._checked: set[int] = set()  # read by without_edges and found sound
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> AtomicGraph:
-        if self._cache is not None and index in self._cache:
-            return self._cache[index]
-        from xnn.neighbors import with_edges
-        from xnn.neighbors.coincident import MIN_DISTANCE, first_close_edge, first_close_pair
-
-        g = with_edges(self.dataset[index], self.cutoff)
-        # every pair closer than MIN_DISTANCE is an edge: the check needs no neighbor list
-        pair = first_close_edge(g) if self.cutoff >= MIN_DISTANCE else first_close_pair(g)
-        if pair is not None:
-            raise coincident_error(*self.origin(index), pair)
-        if self._cache is not None:
-            self._cache[index] = g
-        return g
-
-    def without_edges(self, index: int) -> AtomicGraph:
-        """Structure ``index`` without its neighbor list (domain-decomposed training builds
-        each rank's own), refused as :meth:`__getitem__` does at its first read here: one
-        short-radius neighbor list, the same verdict on every rank that reads it."""
-        g = self.dataset[index]
-        if index not in self._checked:
-            from xnn.neighbors.coincident import find_close_pair
-
-            pair = find_close_pair(g)
-            if pair is not None:
-                raise coincident_error(*self.origin(index), pair)
-            self._checked.add(index)
-        return g
-
-    def origin(self, index: int) -> tuple[str, int]:
-        return origin_of(self.dataset, index)
-
-    def _count_labels(self) -> np.ndarray:
-        inner = getattr(self.dataset, "label_counts", None)  # else any dataset, read once
-        return inner() if inner is not None else _count_by_reading(self.dataset)
-
-    def species(self) -> list[int]:
-        return self.dataset.species()
 
 
 # --------------------------------------------------------------------------- loading

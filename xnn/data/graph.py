@@ -18,7 +18,6 @@ from xnn.data import keys as K
 from xnn.errors import InputError
 
 _REQUIRED = (K.POSITIONS, K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID)
-_INDEX_FIELDS = (K.NUMBERS, K.BATCH, K.ATOM_ID, K.EDGE_INDEX, K.SYSTEM_ID)
 
 
 def _tensor(value, dtype: torch.dtype | None, device) -> Tensor:

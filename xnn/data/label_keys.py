@@ -1,25 +1,23 @@
 """What a structure file holds, to name its labels: ``xnn data inspect FILE`` and the label
 errors of ``xnn train`` / ``xnn eval``.
 
-:func:`inventory` reads a file (every frame, or the first ``limit``) and counts, for every key,
-how many frames hold it: ``atoms.info`` keys (per structure: ``REF_energy``, ``config_type``),
-``atoms.arrays`` keys (per atom: ``REF_forces``) and the results of a single-point calculator
-(ASE's extxyz reader moves ``energy=``, ``forces``, ``stress=`` there). :func:`describe_keys`
-says it in one line; :func:`suggest_key` picks the key most likely to hold a label (the
-property's name in the key, e.g. ``DFT_energy`` for energy, with the right shape).
+:func:`~xnn.data.inventory.inventory` reads a file (every frame, or the first ``limit``)
+and counts, for every key, how many frames hold it: ``atoms.info`` keys (per structure:
+``REF_energy``, ``config_type``), ``atoms.arrays`` keys (per atom: ``REF_forces``) and the
+results of a single-point calculator (ASE's extxyz reader moves ``energy=``, ``forces``,
+``stress=`` there). :func:`describe_keys` says it in one line; :func:`suggest_key` picks the
+key most likely to hold a label (the property's name in the key, e.g. ``DFT_energy`` for
+energy, with the right shape).
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from xnn.errors import DataFileError
 
 #: per-atom arrays every ASE structure has: not labels
 STRUCTURE_ARRAYS = ("numbers", "positions")
@@ -83,27 +81,6 @@ def _add(inv: KeyInventory, atoms) -> None:
             inv.shapes.setdefault(key, _shape(value, n, per_atom))
 
 
-def inventory(path: str | os.PathLike, limit: int | None = None) -> KeyInventory:
-    """Count the keys of the frames of ``path`` (all, or the first ``limit``).
-
-    Raises:
-        DataFileError: the file is missing or cannot be read.
-    """
-    import ase.io
-
-    p = Path(path)
-    if not p.is_file():
-        raise DataFileError(f"{p} is a directory, not a structure file" if p.is_dir()
-                            else f"data file not found: {p}")
-    if p.suffix in (".h5", ".hdf5"):
-        return _hdf5_inventory(p)
-    try:
-        return inventory_of(ase.io.iread(str(p), index=":"), str(p), limit)
-    except Exception as e:  # ASE raises many types for malformed files
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataFileError(f"cannot parse {p}: {msg}") from None
-
-
 def inventory_of(frames: Iterable, name: str, limit: int | None = None) -> KeyInventory:
     """Count the keys of ASE ``frames`` (all, or the first ``limit``) read from ``name``."""
     inv = KeyInventory(name)
@@ -112,19 +89,6 @@ def inventory_of(frames: Iterable, name: str, limit: int | None = None) -> KeyIn
             inv.truncated = True
             break
         _add(inv, atoms)
-    return inv
-
-
-def _hdf5_inventory(path: Path) -> KeyInventory:
-    from xnn.data.datasets import HDF5Source
-
-    ds = HDF5Source(path)
-    inv = KeyInventory(str(path), n_frames=len(ds), hdf5=True)
-    inv.n_atoms = [int(n) for n in ds.n_atoms]
-    inv.species = set(ds.species())
-    for key, labelled in ds.label_masks().items():
-        if labelled.any():
-            inv.calc[key] = int(labelled.sum())
     return inv
 
 
@@ -207,5 +171,5 @@ def report(inv: KeyInventory, keys: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["KeyInventory", "inventory", "inventory_of", "describe_keys", "suggest_key",
+__all__ = ["KeyInventory", "inventory_of", "describe_keys", "suggest_key",
            "label_count", "report"]

@@ -20,7 +20,7 @@ owned atoms and their ghosts (:class:`DomainPredictor`). Then
 * each structure is backpropagated on its own (losses are additive): the activations of one
   structure's owned atoms are alive at a time;
 * a structure with coincident atoms is refused when the group's ranks read it
-  (:meth:`~xnn.data.datasets.WithEdges.without_edges`: every rank of the group reads the
+  (:meth:`~xnn.neighbors.datasets.WithEdges.without_edges`: every rank of the group reads the
   same share and reaches the same verdict), so the whole group passes an empty share and the
   refusal to the step, whose vote in the gradients' all-reduce stops every rank of the mesh
   with the same error (:meth:`~xnn.training.trainer.Trainer.train_step`).

@@ -1,19 +1,13 @@
-"""Checkpoints of ``xnn md`` and ``xnn relax``: the full integrator state (graph, forces,
-thermostat or FIRE variables, RNG state), the neighbor list, and the sizes of the output
-files, written atomically. ``meta["kind"]`` (``"md"`` or ``"relax"``) names the writer."""
+"""The MD/relaxation state as a checkpoint payload and back: plain dicts of CPU tensors
+(graph fields, forces, thermostat or FIRE variables, RNG state) and the Verlet list's
+cache. No files: :mod:`xnn.io.md_checkpoint` writes and reads these payloads."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
-from xnn._files import atomic_write, require_file
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.state import MDState
-from xnn.errors import DataFileError
-from xnn.models.serialization import load_failure, read_as_data, refused_global
 
 FORMAT = "xnn-md-checkpoint"
 
@@ -56,13 +50,15 @@ def restore_neighbor_state(potential, saved: dict | None, device) -> None:
         setattr(nl, k, v)
 
 
-def save_checkpoint(path: str | os.PathLike, state: MDState, meta: dict, potential=None) -> None:
-    """Write ``state`` and ``meta`` (ensemble, file sizes, ...) to ``path`` atomically
-    (:func:`xnn._files.atomic_write`: the user's umask, file and folder fsynced)."""
-    payload = {
-        "format": FORMAT,
-        "version": 1,
-        "meta": meta,
+def neighbor_payload(potential) -> dict | None:
+    """:func:`neighbor_state` of ``potential`` on the CPU (``None``: it keeps no list)."""
+    return _to_cpu(neighbor_state(potential))
+
+
+def state_to_payload(state: MDState) -> dict:
+    """``state`` as a dict of CPU tensors (step, graph fields, forces, energy, stress,
+    integrator variables, RNG state, whether stress is computed)."""
+    return {
         "step": state.step,
         "graph": {k: v.detach().cpu() for k, v in state.graph.fields.items()},
         "forces": state.forces.cpu(),
@@ -71,9 +67,44 @@ def save_checkpoint(path: str | os.PathLike, state: MDState, meta: dict, potenti
         "vars": {k: v.cpu() for k, v in state.vars.items()},
         "rng": None if state.rng is None else state.rng.cpu(),
         "compute_stress": state.compute_stress,
-        "neighbors": _to_cpu(neighbor_state(potential)) if potential is not None else None,
     }
-    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+
+
+def state_from_payload(p: dict, device=None) -> MDState:
+    """The :class:`MDState` of a :func:`state_to_payload` dict, on ``device``."""
+    graph = AtomicGraph({k: v.to(device) for k, v in p["graph"].items()}, validate=False)
+    return MDState(
+        graph=graph,
+        forces=p["forces"].to(device),
+        energy=p["energy"].to(device),
+        stress=p["stress"].to(device),
+        step=int(p["step"]),
+        vars={k: v.to(device) for k, v in p["vars"].items()},
+        rng=p["rng"],
+        compute_stress=bool(p.get("compute_stress", True)),
+    )
+
+
+def checkpoint_payload(state: MDState, meta: dict, potential=None) -> dict:
+    """The payload of an ``xnn md`` / ``xnn relax`` checkpoint: ``state``, ``meta``
+    (ensemble, file sizes, ``meta["kind"]`` naming the run) and, with ``potential``, its
+    Verlet list's cache."""
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "meta": meta,
+        **state_to_payload(state),
+        "neighbors": neighbor_payload(potential) if potential is not None else None,
+    }
+
+
+def state_from_checkpoint(p: dict, device=None, potential=None) -> tuple[MDState, dict]:
+    """``(state, meta)`` of a :func:`checkpoint_payload` dict; with ``potential``, its
+    Verlet list takes the payload's cache (:func:`restore_neighbor_state`)."""
+    state = state_from_payload(p, device)
+    if potential is not None:
+        restore_neighbor_state(potential, p.get("neighbors"), device)
+    return state, p["meta"]
 
 
 def _to_cpu(d):
@@ -87,43 +118,3 @@ def _to_cpu(d):
             v = tuple(t.cpu() for t in v)
         out[k] = v
     return out
-
-
-def load_checkpoint(
-    path: str | os.PathLike, device=None, potential=None, kind: str | None = None
-) -> tuple[MDState, dict]:
-    """Read a checkpoint; returns the state (on ``device``) and its ``meta`` dict.
-
-    Args:
-        kind: the run that must have written it (``"md"``, ``"relax"``); ``None``: any.
-    Raises:
-        DataFileError: missing, unreadable, or not a checkpoint of ``kind``.
-    """
-    path, what = Path(path), f"xnn {kind or 'md/relax'} checkpoint"
-    require_file(path, "checkpoint", suggest=("checkpoint.pt",))
-    try:  # as data: no code from the file runs
-        p = read_as_data(path)
-    except Exception as e:
-        if refused_global(e):
-            raise DataFileError(f"{path} is not an {what}: {load_failure(e)} (xnn reads "
-                                "checkpoints as data only)") from None
-        raise DataFileError(f"{path} is not a readable {what} ({type(e).__name__})") from None
-    if not isinstance(p, dict) or p.get("format") != FORMAT:
-        raise DataFileError(f"{path} is not an {what}")
-    got = p["meta"].get("kind")
-    if kind is not None and got != kind:
-        raise DataFileError(f"{path} is an xnn {got} checkpoint, not an {what}")
-    graph = AtomicGraph({k: v.to(device) for k, v in p["graph"].items()}, validate=False)
-    state = MDState(
-        graph=graph,
-        forces=p["forces"].to(device),
-        energy=p["energy"].to(device),
-        stress=p["stress"].to(device),
-        step=int(p["step"]),
-        vars={k: v.to(device) for k, v in p["vars"].items()},
-        rng=p["rng"],
-        compute_stress=bool(p.get("compute_stress", True)),
-    )
-    if potential is not None:
-        restore_neighbor_state(potential, p.get("neighbors"), device)
-    return state, p["meta"]

@@ -277,10 +277,6 @@ class EnergyScaleShift(nn.Module):
         return out.to(e.dtype)
 
 
-#: alias: the per-atom energy output of native models
-AtomicEnergyOutput = EnergyScaleShift
-
-
 # --------------------------------------------------------------------------- base class
 def _jsonable(value, path: str = "hparams"):
     """Return ``value`` with tuples as lists and int keys kept; raise if not JSON-serialisable."""

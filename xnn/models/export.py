@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models.model_info import UNITS, dtype_name, first_line, model_dtype, safe_name
 
 FORMATS = ("export", "aoti", "torchscript")
 INPUTS = ["positions", "numbers", "cell", "pbc", "batch", "edge_index", "shifts"]
@@ -93,7 +94,6 @@ def example_inputs(model: nn.Module) -> tuple[Tensor, ...]:
     Four systems, so that no input dimension equals another or the 2 and 3 of
     ``edge_index`` and the coordinates.
     """
-    from xnn.models.serialization import _model_dtype
     from xnn.neighbors import with_edges
 
     gen = torch.Generator().manual_seed(0)
@@ -105,7 +105,7 @@ def example_inputs(model: nn.Module) -> tuple[Tensor, ...]:
     numbers = torch.tensor(species, dtype=torch.long)[torch.arange(n) % len(species)]
     batch = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
     cell = torch.eye(3, dtype=torch.float64).expand(len(sizes), 3, 3) * side
-    graph = AtomicGraph.from_arrays(pos, numbers, cell, True, batch, dtype=_model_dtype(model))
+    graph = AtomicGraph.from_arrays(pos, numbers, cell, True, batch, dtype=model_dtype(model))
     g = with_edges(graph, float(model.cutoff), backend="brute")
     return (g.positions, g.numbers, g.cell, g.pbc, g.batch, g.edge_index, g.shifts)
 
@@ -141,7 +141,7 @@ def trace_forcefield(model: nn.Module) -> torch.fx.GraphModule:
                            _allow_non_fake_inputs=True)(*inputs)
     except Exception as err:
         raise InputError(f"{type(model).__name__} cannot be traced for export: "
-                         f"{_first_line(err)}") from None
+                         f"{first_line(err)}") from None
 
 
 def _without_triton(model: nn.Module) -> nn.Module:
@@ -157,12 +157,6 @@ def _without_triton(model: nn.Module) -> nn.Module:
     return model
 
 
-def _first_line(err: BaseException) -> str:
-    from xnn.models.serialization import _first_line as first_line
-
-    return first_line(err)
-
-
 def export_program(model: nn.Module) -> torch.export.ExportedProgram:
     """The ``torch.export`` program of the traced force field (dynamic atoms/edges/systems)."""
     from torch.export import Dim
@@ -174,7 +168,7 @@ def export_program(model: nn.Module) -> torch.export.ExportedProgram:
     try:
         return torch.export.export(graph, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as err:
-        raise InputError(f"{type(model).__name__} cannot be exported: {_first_line(err)}") from None
+        raise InputError(f"{type(model).__name__} cannot be exported: {first_line(err)}") from None
 
 
 def scripted(graph: torch.fx.GraphModule) -> torch.jit.ScriptModule:
@@ -195,15 +189,13 @@ def scripted(graph: torch.fx.GraphModule) -> torch.jit.ScriptModule:
 
 def metadata(model: nn.Module, fmt: str) -> dict:
     """What the artefact carries besides its graph (JSON-able)."""
-    from xnn.models.serialization import UNITS, _dtype_name, _model_dtype, _safe_name
-
     return {
         "format": f"xnn-forcefield-{fmt}",
-        "name": _safe_name(model),
+        "name": safe_name(model),
         "hparams": getattr(model, "hparams", None),
         "cutoff": float(model.cutoff),
         "species": getattr(model, "species", None),
-        "dtype": _dtype_name(_model_dtype(model)),
+        "dtype": dtype_name(model_dtype(model)),
         "units": dict(UNITS, stress="eV/Å^3"),
         "inputs": INPUTS,
         "outputs": OUTPUTS,
@@ -262,7 +254,7 @@ def _aoti(program: torch.export.ExportedProgram, path: Path, meta: str) -> None:
         )
         os.replace(package, path)
     except Exception as err:
-        raise InputError(f"AOTInductor compilation failed ({_first_line(err)}); it needs a "
+        raise InputError(f"AOTInductor compilation failed ({first_line(err)}); it needs a "
                          "working C++ compiler (g++ or clang on PATH)") from None
     finally:
         package.unlink(missing_ok=True)

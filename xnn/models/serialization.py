@@ -45,53 +45,28 @@ from torch import Tensor, nn
 
 from xnn._files import atomic_write, check_output_file, check_path_argument, require_file
 from xnn._torch_files import refuse_non_model_file
+from xnn._version import __version__
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, ModelFileError, TrustError
+from xnn.models.model_info import (
+    UNITS,
+    dtype_name,
+    first_line,
+    model_dtype,
+    registry_name,
+    safe_name,
+)
 
 FORMAT = "xnn-model"
 FORMAT_VERSION = 1
-UNITS = {"energy": "eV", "length": "Å"}
 
 
 # --------------------------------------------------------------------------- helpers
-def registry_name(model: nn.Module) -> str:
-    """The registry name under which ``model``'s class is registered."""
-    from xnn.models import registry
-
-    explicit = getattr(model, "registry_name", None)
-    if isinstance(explicit, str):
-        return explicit
-    target = f"{type(model).__module__}:{type(model).__qualname__}"
-    for name, value in registry._REGISTRY.items():
-        if value == target or value is type(model):
-            return name
-    raise InputError(
-        f"{type(model).__name__} is not in the model registry; register it with "
-        "xnn.models.register_model(name, cls) before saving"
-    )
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_floating_point():
-            return t.dtype
-    return torch.get_default_dtype()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _write_atomic(payload: object, path: Path) -> None:
     """``torch.save`` through :func:`xnn._files.atomic_write` (user's umask, fsynced)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def read_as_data(path: str | os.PathLike, map_location="cpu", allow: tuple = ()) -> object:
@@ -117,7 +92,7 @@ def load_failure(err: BaseException) -> str:
         return f"it holds pickled objects ({name}), not only tensors and numbers"
     if isinstance(err, pickle.UnpicklingError) and "WeightsUnpickler" in str(err):
         return "not a torch file of tensors and numbers (a plain pickle, or another format)"
-    return _first_line(err)
+    return first_line(err)
 
 
 # --------------------------------------------------------------------------- save / load
@@ -141,20 +116,14 @@ def model_payload(model: nn.Module) -> dict:
     payload.update(
         format=FORMAT,
         format_version=FORMAT_VERSION,
-        xnn_version=_xnn_version(),
+        xnn_version=__version__,
         name=name,
         species=None if species is None else [int(z) for z in species],
         e0=None if not isinstance(e0, Mapping) else {int(z): float(v) for z, v in e0.items()},
         units=dict(UNITS),
-        dtype=_dtype_name(_model_dtype(model)),
+        dtype=dtype_name(model_dtype(model)),
     )
     return payload
-
-
-def _xnn_version() -> str:
-    import xnn
-
-    return str(xnn.__version__)
 
 
 def save_model(model: nn.Module, path: str | os.PathLike, precision: str | None = None) -> Path:
@@ -209,7 +178,7 @@ def _read_payload(path: Path, map_location) -> dict:
     version = payload.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ModelFileError(
-            f"{path} has format_version {version!r}; this xnn ({_xnn_version()}) reads "
+            f"{path} has format_version {version!r}; this xnn ({__version__}) reads "
             f"versions <= {FORMAT_VERSION}: upgrade xnn"
         )
     return payload
@@ -259,7 +228,7 @@ def load_model(
     except ModelFileError as err:
         raise ModelFileError(f"{path}: {err}") from None
     except Exception as err:
-        reason = _first_line(err)
+        reason = first_line(err)
         raise ModelFileError(f"{path}: cannot rebuild model {name!r} ({reason})") from None
     return model.to(map_location).eval()
 
@@ -324,7 +293,7 @@ def default_example(model: nn.Module) -> AtomicGraph:
     numbers = torch.tensor(species, dtype=torch.long)[torch.arange(n) % len(species)]
     batch = torch.repeat_interleave(torch.arange(2), torch.tensor(sizes))
     cell = torch.eye(3, dtype=torch.float64).expand(2, 3, 3) * side
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     graph = AtomicGraph.from_arrays(pos, numbers, cell, True, batch, dtype=dtype)
     return with_edges(graph, float(model.cutoff), backend="brute")
 
@@ -379,13 +348,13 @@ def export_model(
             wrapper, _export_inputs(example), dynamic_shapes=shapes, strict=False
         )
     except Exception as err:
-        raise InputError(f"{type(model).__name__} cannot be exported: {_first_line(err)}") from None
+        raise InputError(f"{type(model).__name__} cannot be exported: {first_line(err)}") from None
     meta = {
-        "name": getattr(model, "registry_name", None) or _safe_name(model),
+        "name": getattr(model, "registry_name", None) or safe_name(model),
         "hparams": getattr(model, "hparams", None),
         "cutoff": float(model.cutoff),
         "species": getattr(model, "species", None),
-        "dtype": _dtype_name(_model_dtype(model)),
+        "dtype": dtype_name(model_dtype(model)),
         "units": UNITS,
         "inputs": ["positions", "numbers", "cell", "pbc", "batch", "edge_index", "shifts"],
     }
@@ -393,13 +362,6 @@ def export_model(
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = {"xnn.json": json.dumps(meta)}
     return atomic_write(path, lambda tmp: torch.export.save(program, tmp, extra_files=extra))
-
-
-def _safe_name(model: nn.Module) -> str | None:
-    try:
-        return registry_name(model)
-    except InputError:
-        return None
 
 
 def load_exported(path: str | os.PathLike, trust: bool = False) -> tuple[nn.Module, dict]:
@@ -423,5 +385,5 @@ def load_exported(path: str | os.PathLike, trust: bool = False) -> tuple[nn.Modu
     try:
         program = torch.export.load(path, extra_files=extra)
     except Exception as err:
-        raise ModelFileError(f"cannot read exported model {path} ({_first_line(err)})") from None
+        raise ModelFileError(f"cannot read exported model {path} ({first_line(err)})") from None
     return program.module(), json.loads(extra["xnn.json"] or "{}")

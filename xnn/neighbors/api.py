@@ -11,7 +11,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, complete_cell, rowvec_matmul
 from xnn.errors import InputError
 from xnn.neighbors.brute import brute_neighbor_list
-from xnn.neighbors.common import checked, spectral_norm_3x3
+from xnn.neighbors.common import call_backend, checked, spectral_norm_3x3
 from xnn.neighbors.torch_cells import torch_neighbor_list
 from xnn.neighbors.vesin_backend import (
     one_system,
@@ -120,20 +120,8 @@ def _build(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: T
         if batch is None and not (fn is vesin_neighbor_list and cell.shape[0] == 1):
             batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
         full = complete_cell(cell) if has_zero else cell
-        n_wrap = None
-        if name not in _TAKES_UNWRAPPED and bool(pbc.any()):
-            # whole lattice vectors that bring each atom into the cell along periodic axes
-            frac = rowvec_matmul(pos, torch.linalg.inv(full), batch)
-            n = torch.where(pbc[batch], torch.floor(frac), torch.zeros_like(frac))
-            if bool(n.any()):
-                n_wrap = n.to(torch.long)
-                pos = pos - rowvec_matmul(n, full, batch)
-        edge_index, shifts = fn(pos, full, pbc, float(cutoff), batch)
-        if n_wrap is not None and edge_index.shape[1] > 0:
-            # pos_w = pos - n @ cell, so
-            # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
-            shifts = shifts - n_wrap.index_select(0, edge_index[0])
-            shifts = shifts + n_wrap.index_select(0, edge_index[1])
+        edge_index, shifts = call_backend(fn, pos, full, pbc, float(cutoff), batch,
+                                          wrap=name not in _TAKES_UNWRAPPED)
     finally:
         torch._C._set_grad_enabled(grad)
     return edge_index, shifts, has_zero

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from xnn.data.graph import rowvec_matmul
 from xnn.errors import InputError
 
 
@@ -35,27 +36,12 @@ def image_ranges(cell: Tensor, pbc: Tensor, cutoff: float) -> Tensor:
     return n.to(torch.long)
 
 
-def check_inputs(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None):
-    """Validate and normalise neighbor-list inputs; returns (positions, cell, pbc, batch)."""
-    return validate_inputs(positions, cell, pbc, cutoff, batch)[:4]
-
-
-def validate_inputs(
-    positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-    """Validate and normalise neighbor-list inputs with one host sync; returns
-    ``(positions, cell, pbc, batch, has_zero_vectors)``."""
-    positions, cell, pbc, batch, has_zero = validate_lazy(positions, cell, pbc, cutoff, batch)
-    if batch is None:
-        batch = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
-    return positions, cell, pbc, batch, has_zero
-
-
 def validate_lazy(
     positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
-    """:func:`validate_inputs`, with ``batch`` left ``None`` for one system without one (no
-    zeros allocated when the backend does not need them).
+    """Validate and normalise neighbor-list inputs: ``(positions, cell [n_systems, 3, 3],
+    pbc [n_systems, 3], batch, has_zero_vectors)``, with ``batch`` left ``None`` for one
+    system without one (no zeros allocated when the backend does not need them).
 
     The host values of the cell, pbc and batch are remembered per tensor on devices where
     reading costs a host sync (:data:`REMEMBER_ON`): a later call with the very same tensor,
@@ -345,3 +331,25 @@ def spectral_norm_3x3(m: Tensor) -> Tensor:
     phi = torch.acos((det / 2).clamp(-1.0, 1.0)) / 3
     top = torch.where(p > 0, q + 2 * p * torch.cos(phi), q)
     return torch.sqrt(top.clamp_min(0.0))
+
+
+def call_backend(fn, pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float, batch: Tensor,
+                 wrap: bool) -> tuple[Tensor, Tensor]:
+    """``fn(pos, cell, pbc, cutoff, batch) -> (edge_index, shifts)`` of a neighbor-list
+    backend; with ``wrap``, on positions brought into the (complete) ``cell [n_systems, 3,
+    3]`` along periodic axes, the shifts corrected back to the positions as given."""
+    n_wrap = None
+    if wrap and bool(pbc.any()):
+        # whole lattice vectors that bring each atom into the cell along periodic axes
+        frac = rowvec_matmul(pos, torch.linalg.inv(cell), batch)
+        n = torch.where(pbc[batch], torch.floor(frac), torch.zeros_like(frac))
+        if bool(n.any()):
+            n_wrap = n.to(torch.long)
+            pos = pos - rowvec_matmul(n, cell, batch)
+    edge_index, shifts = fn(pos, cell, pbc, cutoff, batch)
+    if n_wrap is not None and edge_index.shape[1] > 0:
+        # pos_w = pos - n @ cell, so
+        # r = pos_w[j] - pos_w[i] + s_w @ cell = pos[j] - pos[i] + (s_w - n_j + n_i) @ cell
+        shifts = shifts - n_wrap.index_select(0, edge_index[0])
+        shifts = shifts + n_wrap.index_select(0, edge_index[1])
+    return edge_index, shifts

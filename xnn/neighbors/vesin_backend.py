@@ -38,7 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from xnn.neighbors.common import NUMPY_FLOATS, numpy_view
+from xnn.data.graph import complete_cell
+from xnn.neighbors.common import NUMPY_FLOATS, call_backend, checked, numpy_view
+from xnn.neighbors.torch_cells import torch_neighbor_list
 
 try:
     import vesin as _vesin
@@ -139,10 +141,14 @@ def one_system(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float) -> tuple[T
 
 
 def _torch_fallback(pos: Tensor, cell: Tensor, pbc: Tensor, cutoff: float):
-    """The torch cell list's list of one system vesin refused (int64 shifts)."""
-    from xnn.neighbors.api import neighbor_list  # wraps positions for the torch backend
-
-    return neighbor_list(pos, cell, pbc, cutoff, backend="torch")
+    """The torch cell list's list of one system vesin refused (int64 shifts), as
+    :func:`xnn.neighbors.api.neighbor_list` with ``backend="torch"`` gives it."""
+    pos, cell, pbc, _, has_zero, _ = checked(pos, cell, pbc, cutoff, None)
+    batch = torch.zeros(pos.shape[0], dtype=torch.long, device=pos.device)
+    full = complete_cell(cell) if has_zero else cell
+    with torch.no_grad():
+        return call_backend(torch_neighbor_list, pos.detach(), full, pbc, float(cutoff), batch,
+                            wrap=True)
 
 
 def _batched_numpy(positions: Tensor, cell: Tensor, pbc: Tensor, cutoff: float,

@@ -1,4 +1,5 @@
-"""Training checkpoints: everything needed to continue a run bitwise, written atomically.
+"""Training checkpoints: everything needed to continue a run bitwise, and reading them
+(:func:`xnn.io.train_checkpoint.save_checkpoint` writes them, atomically).
 
 A checkpoint is a ``torch.save`` dict::
 
@@ -16,22 +17,17 @@ A checkpoint is a ``torch.save`` dict::
 It holds tensors and primitives only (the numpy and python RNG states as a tensor and
 tuples of ints, see :func:`rng_state`), and :func:`load_checkpoint` reads it with
 ``weights_only=True``: resuming from, or fine-tuning on, any file runs no code from it.
-
-It is written to ``.NAME.tmp``, fsynced and moved over ``path`` with ``os.replace``
-(:func:`xnn._files.atomic_write`), so a crash during a write never destroys the previous
-checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from xnn._files import atomic_write, require_file
+from xnn._files import require_file
 from xnn.errors import InputError, ModelFileError
 from xnn.models.registry import saved_hyperparameters
 from xnn.models.serialization import load_failure, read_as_data, refused_global
@@ -62,14 +58,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss_next))
 
 
-def save_checkpoint(payload: dict, path: str | os.PathLike) -> Path:
-    """Write ``payload`` (with format fields added) atomically to ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    full = {"format": FORMAT, "format_version": FORMAT_VERSION, **payload}
-    return atomic_write(path, lambda tmp: torch.save(full, tmp))
-
-
 def _numpy_globals() -> list:
     """What the numpy RNG key of a checkpoint of an earlier xnn (a uint32 ndarray) unpickles from:
     an ndarray rebuilt from its dtype and bytes, nothing that runs code."""
@@ -81,8 +69,8 @@ def _numpy_globals() -> list:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`save_checkpoint`, as data (``weights_only=True``:
-    no code from the file runs, whatever it holds).
+    """Read a checkpoint written by :func:`xnn.io.train_checkpoint.save_checkpoint`, as data
+    (``weights_only=True``: no code from the file runs, whatever it holds).
 
     Raises:
         InputError: the file does not exist.

@@ -8,16 +8,16 @@ Reading the ``data`` section of a config into splits is the application's
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from ase.data import chemical_symbols
 
-from xnn.data import keys as K
-from xnn.data.datasets import Subset, WithEdges, coincident_error
-from xnn.errors import DataFileError, InputError
+from xnn.data.datasets import Subset
+from xnn.errors import InputError
 from xnn.neighbors.coincident import ClosePair
+from xnn.neighbors.datasets import WithEdges, coincident_error
 
 #: structures of the statistics sample (E0, shift, scale, average number of neighbours)
 STATISTICS_SAMPLE = 2000
@@ -54,41 +54,9 @@ def first_coincident(dataset, indices: Sequence[int], chunk: int = 64
     return None
 
 
-def refuse_coincident(dataset, path: str, chunk: int = 64) -> None:
-    """Raise :class:`DataFileError` naming the first structure of a file (its index in the
-    file) with two atoms closer than :data:`~xnn.neighbors.coincident.MIN_DISTANCE`: its
-    labels would teach the model an energy for coincident atoms."""
-    found = first_coincident(dataset, range(len(dataset)), chunk)
-    if found is not None:
-        raise coincident_error(path, *found)
-
-
 def symbols(zs) -> list[str]:
     """Chemical symbols of atomic numbers ``zs``."""
     return [chemical_symbols[int(z)] for z in zs]
-
-
-def check_labels(dataset, weights: Mapping[str, float], what: str) -> None:
-    """Raise when weighted properties lack labels (energy/forces: every structure; stress:
-    at least one structure, the others are masked).
-
-    Args:
-        dataset: a dataset with ``label_masks()``.
-        weights: the loss weight of ``"energy"``, ``"forces"`` and ``"stress"``.
-        what: the split's name in the message (``"training"``).
-    """
-    masks = dataset.label_masks()
-    for name, key in (("energy", K.ENERGY), ("forces", K.FORCES)):
-        if weights[name] > 0 and not masks[key].all():
-            bad = np.flatnonzero(~masks[key])
-            raise DataFileError(
-                f"{len(bad)} {what} structure(s) of {getattr(dataset, 'name', 'the data')!r} "
-                f"have no {name} label (first: index {int(bad[0])}) but loss.{name}.weight="
-                f"{weights[name]}; fix the {name}_key or set the weight to 0"
-            )
-    if weights["stress"] > 0 and not masks[K.STRESS].any():
-        raise DataFileError(f"no {what} structure has a stress (or virial) label but "
-                            f"loss.stress.weight={weights['stress']}; check stress_key/virial_key")
 
 
 def check_species(dataset, train_species: list[int], what: str) -> None:
@@ -115,6 +83,6 @@ def structures_for_statistics(dataset, limit: int | None = None) -> Subset:
     return Subset(dataset, sample_indices(len(dataset), limit))
 
 
-__all__ = ["STATISTICS_SAMPLE", "DataSplits", "check_labels", "check_species",
-           "coincident_error", "first_coincident", "refuse_coincident", "sample_indices",
+__all__ = ["STATISTICS_SAMPLE", "DataSplits", "check_species",
+           "coincident_error", "first_coincident", "sample_indices",
            "structures_for_statistics"]

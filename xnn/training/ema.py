@@ -52,12 +52,6 @@ class EMA:
                 for k, v in saved.items():
                     params[k].copy_(v)
 
-    def copy_to(self, model: nn.Module) -> None:
-        """Load the averaged weights into ``model`` permanently."""
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for k, v in self.shadow.items():
-                params[k].copy_(v)
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "updates": self.updates,

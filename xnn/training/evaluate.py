@@ -6,8 +6,9 @@ import os
 
 import torch
 
-from xnn.data.datasets import WithEdges, make_batches, read_structures
+from xnn.data.datasets import make_batches, read_structures
 from xnn.errors import DataFileError, InputError
+from xnn.neighbors.datasets import WithEdges
 from xnn.training.losses import TermSpec
 from xnn.training.trainer import Trainer
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from xnn.data.datasets import make_batches
 from xnn.errors import DataFileError, InputError
-from xnn.training.checkpoint import model_identity, rng_state, save_checkpoint, set_rng_state
+from xnn.training.checkpoint import model_identity, rng_state, set_rng_state
 from xnn.training.metrics import MetricSums
 from xnn.training.seeding import seed_everything, seed_streams, stream_seed  # noqa: F401
 from xnn.training.trainer import NonFiniteLossError, Trainer
@@ -106,16 +106,19 @@ class TrainingLoop:
         trainer: a :class:`~xnn.training.trainer.Trainer`.
         splits: a :class:`~xnn.training.data.DataSplits`.
         out_dir: run folder (checkpoints in ``out_dir/checkpoints``).
-        logger: a :class:`~xnn.training.loggers.RunLogger`.
+        logger: a :class:`~xnn.io.train_log.RunLogger`.
         sharding: ``sharding(batch, n_atoms, max_atoms) -> this rank's indices`` with a
             ``groups`` attribute (the ``groups`` of ``make_batches``) and
             ``load(dataset, indices) -> graphs``, from
             :func:`~xnn.distributed.parallelize.parallelize_train`; ``None``: by the
             reducer's rank among its ranks.
+        write_checkpoint: ``write_checkpoint(payload, path) -> path``, what writes a
+            checkpoint (:func:`xnn.io.train_checkpoint.save_checkpoint`); ``None``: the loop
+            writes none.
     """
 
     def __init__(self, cfg: LoopSettings, trainer: Trainer, splits, out_dir: Path, logger,
-                 sharding=None):
+                 sharding=None, write_checkpoint=None):
         self.cfg = cfg
         self.trainer = trainer
         self.splits = splits
@@ -123,6 +126,7 @@ class TrainingLoop:
         self.out_dir = Path(out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.logger = logger
+        self.write_checkpoint = write_checkpoint
         self.progress = Progress(best_value=_worst(cfg.checkpoint_mode),
                                  best_metric=cfg.checkpoint_metric, best_mode=cfg.checkpoint_mode)
         self.config_yaml = ""
@@ -203,9 +207,9 @@ class TrainingLoop:
         }
 
     def save(self, name: str) -> Path | None:
-        if not self.reducer.is_main:
+        if not self.reducer.is_main or self.write_checkpoint is None:
             return None
-        return save_checkpoint(self.payload(), self.ckpt_dir / f"{name}.pt")
+        return self.write_checkpoint(self.payload(), self.ckpt_dir / f"{name}.pt")
 
     def check_resumable(self, payload: dict, path) -> None:
         """Raise a one-line :class:`InputError` when the config changes what an exact

@@ -24,10 +24,11 @@ def structure_weights(dataset) -> np.ndarray:
 
     Read from the wrappers' metadata where they carry it (:class:`~xnn.data.datasets.
     HDF5Source`'s ``weight``, :class:`~xnn.data.datasets.Subset` indices,
-    :class:`~xnn.data.datasets.ConcatDataset` parts, :class:`~xnn.data.datasets.WithEdges`);
+    :class:`~xnn.data.datasets.ConcatDataset` parts, :class:`~xnn.neighbors.datasets.WithEdges`);
     any other dataset is read once (each structure's ``weight [1]`` field).
     """
-    from xnn.data.datasets import ConcatDataset, HDF5Source, InMemoryDataset, Subset, WithEdges
+    from xnn.data.datasets import ConcatDataset, HDF5Source, InMemoryDataset, Subset
+    from xnn.neighbors.datasets import WithEdges
 
     if isinstance(dataset, WithEdges):
         return structure_weights(dataset.dataset)

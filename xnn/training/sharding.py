@@ -36,7 +36,7 @@ class BatchSharding:
 
     def load(self, dataset, indices: Sequence[int]) -> list[AtomicGraph]:
         """The structures ``indices`` of ``dataset`` as this rank's predictor takes them."""
-        from xnn.data.datasets import WithEdges
+        from xnn.neighbors.datasets import WithEdges
 
         if self.without_edges and isinstance(dataset, WithEdges):
             # the same structures and labels, no edges (checked for coincident atoms)

@@ -242,7 +242,7 @@ def _validate_cli(rank, tmp):
     torch.distributed.barrier()
     spec = "painn:cutoff=3.0,num_features=8,num_basis=8,num_interactions=3"
     out = {}
-    for mode in ("graph", "auto"):
+    for mode in ("graph", "auto", "spatial"):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             out[f"rc_{mode}"] = main(["validate", "--model", spec, "--structure", path,
@@ -483,12 +483,17 @@ def test_md_auto_mode_chooses_by_halo_fraction():
 
 @pytest.mark.distributed
 def test_validate_cli_graph_and_auto():
+    """``xnn validate --mode graph|auto|spatial`` equal one process (1e-10); one meaning per
+    word: spatial is sync for a model with sync points."""
     v = results(2)[0]["validate"]
-    assert v["rc_graph"] == 0 and v["rc_auto"] == 0, v
-    report = json.loads(Path(_TMP, "v_graph.json").read_text())
-    assert report["mode"] == "graph"
-    assert max(r["max_rel"] for r in report["report"].values()) <= TOL
-    auto = json.loads(Path(_TMP, "v_auto.json").read_text())
+    assert v["rc_graph"] == 0 and v["rc_auto"] == 0 and v["rc_spatial"] == 0, v
+    reports = {m: json.loads(Path(_TMP, f"v_{m}.json").read_text())
+               for m in ("graph", "auto", "spatial")}
+    for report in reports.values():
+        assert max(r["max_rel"] for r in report["report"].values()) <= TOL
+    assert reports["graph"]["mode"] == "graph"
+    assert reports["spatial"]["mode"] == "sync"
+    auto = reports["auto"]
     # 4 atoms, 3 Å cutoff, 2 ranks: each half-cell box's halo holds many periodic images
     assert auto["mode"] == "graph" and "halo fraction" in auto["mode_reason"]
     assert "auto: graph" in v["stdout_auto"]
@@ -561,3 +566,25 @@ def test_owners_are_near_equal_blocks():
     owner = assign_owners(g, 5, "index")
     ids_by_rank = [g.atom_id[owner == r] for r in range(5)]
     assert all(int(a.max()) < int(b.min()) for a, b in zip(ids_by_rank, ids_by_rank[1:]))
+
+
+def test_one_list_of_modes_with_one_meaning():
+    """``parallelize`` resolves every word of ``MODES`` in one place: spatial is sync for a
+    model with sync points and halo for one without; halo and sync are what they say; the
+    configs' ``halo`` means spatial; an unknown word names the list."""
+    from xnn.distributed import parallelize
+    from xnn.distributed.modes import MODES, config_mode
+
+    painn = MODELS["painn"]()
+    assert parallelize(lj(), None, "spatial").mode == "halo"
+    assert parallelize(painn, None, "spatial").mode == "sync"
+    assert parallelize(painn, None, "halo").mode == "halo"
+    assert parallelize(painn, None, "graph").mode == "graph"
+    assert parallelize(painn, None, "spatial").halo_width < parallelize(painn, None,
+                                                                        "halo").halo_width
+    assert (config_mode("halo"), config_mode("graph"), config_mode("auto")) == (
+        "spatial", "graph", "auto")
+    with pytest.raises(InputError, match=str(list(MODES)).replace("[", r"\[")):
+        parallelize(lj(), None, "boxes")
+    with pytest.raises(InputError, match="finite positive `cutoff`"):
+        parallelize(torch.nn.Linear(1, 1), None, "graph")

@@ -125,7 +125,7 @@ class DomainRun(SerialRun):
         dom = ((meta or {}).get("domain") or {}) if self.main else {}
         same = self.broadcast(dom.get("ranks") == self.size and dom.get("owner") is not None)
         with_ref = same and self.broadcast(dom.get("ref_positions") is not None)
-        with_ref = with_ref and self.potential.mode != "graph"  # graph mode: no ghost plan
+        with_ref = with_ref and self.potential.layout.migrates  # graph: no rebuild reference
         if self.main:
             fields = {K.FORCES: state.forces}
             if same:

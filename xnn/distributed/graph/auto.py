@@ -74,7 +74,9 @@ def choose_mode(model, graph: AtomicGraph, n_ranks: int, grid=None,
                 skin: float = 0.0) -> tuple[str, str]:
     """``(mode, reason)``: ``"graph"`` or the spatial mode (``"sync"``/``"halo"``) of the
     smaller estimated cost (see the module docstring), and one line saying why."""
-    spatial = "sync" if model.sync_points else "halo"
+    from xnn.distributed.modes import resolve_mode
+
+    spatial, _ = resolve_mode(model, "spatial")
     cutoff, layers = model_cutoff(model)
     try:
         check_graph_model(model, cutoff, layers)

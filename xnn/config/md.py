@@ -45,8 +45,8 @@ class MDModelConfig:
                                 "model)", choices=("saved", "reference", "cueq", "triton"))
     device: str = field("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     compile: bool = field(False, "torch.compile the model's hot path where it has one (the "
-                          "equivariant model: ~1.5x faster on a GPU, after a first step that "
-                          "compiles for tens of seconds)")
+                          "equivariant model on a GPU, after a first step that compiles; "
+                          "figures: benchmarks/results/README.md, Models)")
 
     def __post_init__(self):
         check_range("model.skin", self.skin, 0.0)

@@ -14,7 +14,7 @@ For every model:
   ``t_1 / t_N``.
 
 Timed: one decomposed energy + forces evaluation of the already partitioned system
-(:meth:`DomainDecomposed.evaluate_local`: model on owned + ghost atoms, halo exchanges,
+(:meth:`DecomposedPotential.__call__`: model on owned + ghost atoms, halo exchanges,
 energy all-reduce, backward through the exchange), as in an MD step between neighbor-list
 rebuilds. The single-rank baseline is the same model with a prebuilt periodic neighbor list
 (:func:`compute_properties`). Reported per point: median time per step, efficiency, halo
@@ -50,9 +50,9 @@ except ImportError:  # run as `python benchmarks/dd.py` / `torchrun benchmarks/d
     from benchmarks.common import fcc_cu, peak_memory, reset_peak_memory, time_fn, write_json
 
 from xnn.data.graph import AtomicGraph
-from xnn.distributed import DistributedManager, DomainDecomposed
+from xnn.distributed import DistributedManager, parallelize
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.decomposed import resolve_mode
+from xnn.distributed.modes import resolve_mode
 
 
 def parse_args(argv=None):
@@ -66,8 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--atoms-per-rank", type=int, default=None, help="weak-scaling atoms per rank")
     p.add_argument("--scaling", default="both", choices=["strong", "weak", "both", "none"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync"],
-                   help="auto: sync for models with sync points, else halo")
+    p.add_argument("--mode", default="spatial", choices=["spatial", "halo", "sync"],
+                   help="spatial: sync for models with sync points, else halo "
+                   "(xnn.distributed.modes.MODES)")
     p.add_argument("--modes", default=None,
                    help="comma list of halo, sync, graph: time each on every --sizes point and "
                    "record the crossover (halo: sync for models with sync points)")
@@ -142,20 +143,15 @@ def single_rank(model, graph, device, repeat):
 def decomposed(model, graph, manager, args, mode):
     """Time of a decomposed step on all ranks, with halo and memory statistics."""
     device = manager.device
-    if mode == "graph":
-        from xnn.distributed.graph import GraphDecomposed
-
-        dd = GraphDecomposed(model, manager, skin=args.skin, order=args.order)
-    else:
-        dd = DomainDecomposed(model, manager, skin=args.skin, mode=mode)
+    dd = parallelize(model, manager, mode, skin=args.skin, order=args.order)
     t0 = time.perf_counter()
     g = dd.scatter(graph)  # this rank's owned atoms; the ghost plan is built
     setup_s = time.perf_counter() - t0
     reset_peak_memory(device)
-    t = time_fn(lambda: dd.evaluate_local(g, forces=True, stress=False), repeat=args.repeat,
+    t = time_fn(lambda: dd(g, forces=True, stress=False), repeat=args.repeat,
                 device=device)
     t0 = time.perf_counter()
-    dd(graph, stress=False)
+    dd.single_point(graph, stress=False)
     call_s = time.perf_counter() - t0
     st = dd.stats()
     row = torch.tensor([[st["n_owned"], st["n_ghost"], st["n_recv"], st["n_peers"],
@@ -308,7 +304,7 @@ def crossover(name, model, manager, args) -> dict:
         pt = {"n_atoms": graph.n_atoms if graph is not None else None,
               "ranks": manager.world_size, "single": base, "by_mode": {}}
         for m in modes:
-            mode = resolve_mode(model, "auto") if m == "halo" else m
+            mode = "spatial" if m == "halo" else m  # the library's spatial choice
             pt["by_mode"][m] = decomposed(model, graph, manager, args, mode)
         if manager.is_main:
             times = {m: d["time_s"] for m, d in pt["by_mode"].items()}
@@ -325,7 +321,7 @@ def crossover(name, model, manager, args) -> dict:
 def run_model(name, model, manager, args):
     if args.modes:
         return crossover(name, model, manager, args)
-    mode = resolve_mode(model, args.mode)
+    mode = resolve_mode(model, args.mode)[0]
     res = {"mode": mode, "cutoff": float(model.cutoff),
            "num_interactions": int(getattr(model, "num_interactions", 1)),
            "strong": [], "weak": []}

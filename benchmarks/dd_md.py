@@ -24,7 +24,7 @@ with ``domain`` (speed-up, conserved-energy difference)::
 
 Layouts, both measured in the same run:
 
-* ``domain``: :class:`xnn.distributed.DomainPotential`. Rank 0 builds the crystal and scatters
+* ``domain``: :class:`xnn.distributed.DecomposedPotential`. Rank 0 builds the crystal and scatters
   it; each rank then holds its owned atoms and ghosts only, integrates its owned atoms
   (``nve.step(..., reduce=pot.reducer)``) and migrates atoms between steps
   (``pot.maybe_migrate``).
@@ -77,9 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None,
                    help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--mode", default="auto", choices=("auto", "halo", "sync"),
-                   help="DomainPotential mode of the eager domain layouts (auto: sync for "
-                        "models with sync points)")
+    p.add_argument("--mode", default="spatial", choices=("spatial", "halo", "sync"),
+                   help="mode of the eager domain layouts (spatial: sync for models with "
+                        "sync points, else halo)")
     p.add_argument("--model", default="lj", choices=("lj", "equivariant", "schnet", "mace"))
     p.add_argument("--sizes", default="4000", help="comma list of target atom counts")
     p.add_argument("--ranks", default="1,2,4,8", help="comma list of rank counts")
@@ -183,10 +183,10 @@ class Replicated:
     all-gathered per step (what ``DecomposedPotential`` of commit c3cbffd held)."""
 
     def __init__(self, model, manager, skin: float):
-        from xnn.distributed import DomainPotential
+        from xnn.distributed import parallelize
         from xnn.neighbors import VerletList
 
-        self.pot = DomainPotential(model, manager, skin=skin)
+        self.pot = parallelize(model, manager, "halo", skin=skin)
         self.neighbors = VerletList(float(model.cutoff), skin)  # whole-system safety list
         self.rows = None
 
@@ -246,7 +246,7 @@ def _md(state, pot, reduce, args, device, migrate, stats, step=None, done: int =
 
 def run_point(manager, args, n_atoms: int, layout: str) -> dict:
     """One (size, layout) point on this rank; every rank returns its own figures."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.dynamics import nve
     from xnn.dynamics.reduce import LOCAL
     from xnn.dynamics.state import maxwell_boltzmann
@@ -261,10 +261,10 @@ def run_point(manager, args, n_atoms: int, layout: str) -> dict:
     model = build_model(args, device, dtype)
     t0 = time.perf_counter()
     if layout in ("domain", "compiled", "domain_whole", "domain_unpaired"):
-        pot = DomainPotential(model, manager, skin=args.skin,
-                              mode="halo" if layout == "compiled" else args.mode)
-        pot.filters = pot.filters and layout != "domain_whole"
-        pot.paired = pot.paired and layout != "domain_unpaired"
+        pot = parallelize(model, manager, "halo" if layout == "compiled" else args.mode,
+                          skin=args.skin)
+        pot.layout.filters = pot.filters and layout != "domain_whole"
+        pot.layout.paired = pot.layout.paired and layout != "domain_unpaired"
         graph = crystal(n_atoms, args.model, dtype).to(device) if manager.is_main else None
         owned = pot.scatter(graph)
         del graph

@@ -14,7 +14,7 @@ forces include the real-space part) and one backward for the forces; no stress. 
 median wall time per evaluation and the ratio xnn / torch-pme (goal <= 1.1).
 
 ``--dd 1,2,4``: the same system decomposed over that many gloo ranks on this host (one
-thread each; :class:`~xnn.distributed.DomainPotential`: real space through the halo, the
+thread each; :class:`~xnn.distributed.DecomposedPotential`: real space through the halo, the
 PME mesh all-reduced, replicated FFT): per-rank median time of one evaluation (energy,
 forces, stress), owned / ghost atoms, the mesh's size and peak resident memory per rank::
 
@@ -106,13 +106,13 @@ def _dd_rank(rank: int, world: int, n: int, repeat: int) -> dict:
     import resource
     import time
 
-    from xnn.distributed import DistributedManager, DomainPotential
+    from xnn.distributed import DistributedManager, parallelize
 
     manager = DistributedManager.initialize(backend="gloo", timeout_s=600)
     g = nacl(n, "cpu", torch.float64).without_edges()
     model = registry.build("pme", cutoff=CUTOFF, accuracy=ACCURACY, interpolation_nodes=NODES,
                            charges={"Na": 1.0, "Cl": -1.0})
-    pot = DomainPotential(model, manager)
+    pot = parallelize(model, manager, "halo")
     owned = pot.scatter(g if rank == 0 else None)
     times = []
     for _ in range(repeat + 1):

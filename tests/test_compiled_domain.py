@@ -94,10 +94,10 @@ def _final(pot, state, rank, extra=None):
 
 
 def _eager(manager, name, steps, rank):
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.dynamics import nve
 
-    pot = DomainPotential(_model(name), manager, grid=_grid(name), skin=SKIN, mode="halo")
+    pot = parallelize(_model(name), manager, "halo", grid=_grid(name), skin=SKIN)
     state = nve.init(pot.scatter(_graph(name) if rank == 0 else None), pot,
                      reduce=pot.reducer)
     for _ in range(steps):
@@ -107,11 +107,11 @@ def _eager(manager, name, steps, rank):
 
 
 def _compiled(manager, name, steps, rank):
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled import CompiledDomainVerlet, steps_summary
     from xnn.dynamics import nve
 
-    pot = DomainPotential(_model(name), manager, grid=_grid(name), skin=SKIN, mode="halo")
+    pot = parallelize(_model(name), manager, "halo", grid=_grid(name), skin=SKIN)
     stepper = CompiledDomainVerlet(pot, backend="aot_eager")
     state = nve.init(pot.scatter(_graph(name) if rank == 0 else None), pot,
                      reduce=pot.reducer)
@@ -302,16 +302,16 @@ def test_xnn_md_compile_on_two_ranks_logs_the_eager_rows(tmp):
 def test_refuses_sync_mode_long_range_and_graph_mode():
     """Exchanges inside the model (sync points, long-range sums) would sit inside the compiled
     model region: refused with what to set instead."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled import CompiledDomainVerlet
     from xnn.errors import InputError
     from xnn.models import build
 
     with pytest.raises(InputError, match="dd.mode halo"):
-        CompiledDomainVerlet(DomainPotential(_model("schnet"), None, mode="sync"))
+        CompiledDomainVerlet(parallelize(_model("schnet"), None, "sync"))
     coulomb = build("ewald", cutoff=6.0)
     with pytest.raises(InputError, match="long-range"):
-        CompiledDomainVerlet(DomainPotential(coulomb, None, mode="halo"))
+        CompiledDomainVerlet(parallelize(coulomb, None, "halo"))
     from xnn.distributed.domain.compiled_run import CompiledDomainRun
 
     with pytest.raises(InputError, match="dd.mode halo, not graph"):
@@ -322,13 +322,13 @@ def test_one_process_domain_follows_eager_with_a_grown_capacity():
     """Without a process group (one domain, its own periodic images as ghosts): the compiled
     step follows the eager one, and an overflowing rebuild grows the capacities once (the
     only recompile) while the trajectory stays the eager one."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled import CompiledDomainVerlet
     from xnn.dynamics import nve
 
     graph = _crystal()
-    eager_pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
-    pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    eager_pot = parallelize(lj(), None, "halo", skin=SKIN)
+    pot = parallelize(lj(), None, "halo", skin=SKIN)
     stepper = CompiledDomainVerlet(pot, backend="aot_eager", headroom=1.0, slack=0)
     eager = nve.init(eager_pot.scatter(graph), eager_pot)
     compiled = nve.init(pot.scatter(graph), pot)
@@ -349,13 +349,13 @@ def test_active_edges_overflow_grows_and_repeats_the_step():
     """The model region sees only the local edges within the cutoff (compacted into the
     active capacity); a step that finds more than the capacity holds is repeated at a grown
     one, so the trajectory stays the eager one (which filters the same edges eagerly)."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled import CompiledDomainVerlet
     from xnn.dynamics import nve
 
     graph = _crystal()
-    eager_pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
-    pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    eager_pot = parallelize(lj(), None, "halo", skin=SKIN)
+    pot = parallelize(lj(), None, "halo", skin=SKIN)
     stepper = CompiledDomainVerlet(pot, backend="aot_eager")
     assert stepper.filters
     eager = nve.init(eager_pot.scatter(graph), eager_pot)
@@ -384,12 +384,12 @@ def test_local_graph_keeps_the_edges_within_the_cutoff():
     """With a skin the eager decomposed potential gives the model the local edges shorter
     than the cutoff (those of a list built at the cutoff), and its results equal those of
     the whole Verlet list."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.local import local_graph
     from xnn.neighbors import neighbor_list
 
     graph = _crystal()
-    pot = DomainPotential(lj(), None, skin=SKIN, mode="halo")
+    pot = parallelize(lj(), None, "halo", skin=SKIN)
     owned = pot.scatter(graph)
     out = pot(owned)
     dom = pot.state.local

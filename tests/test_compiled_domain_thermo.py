@@ -49,11 +49,11 @@ def _module(name):
 
 
 def _compiled(manager, name, rank):
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled import steps_summary
     from xnn.distributed.domain.compiled_thermo import CompiledDomainIntegrator
 
-    pot = DomainPotential(lj(), manager, skin=SKIN, mode="halo")
+    pot = parallelize(lj(), manager, "halo", skin=SKIN)
     integ = CompiledDomainIntegrator(name, pot, backend="aot_eager")
     stepper = integ.stepper
     state = integ.init(pot.scatter(_crystal() if rank == 0 else None), pot,
@@ -239,14 +239,14 @@ def test_inductor_one_domain_on_cuda_matches_eager(name):
     """On a GPU, inductor (Triton) compiles the scheme regions of one domain (no process
     group: its own periodic images as ghosts) — the hashed noise, the sums over real rows —
     to the one-process eager trajectory, with no recompile after the first step."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled_thermo import CompiledDomainIntegrator
     from xnn.models import Potential
 
     dev = torch.device("cuda")
     mod, graph = _module(name), _crystal().to(dev)
     pot = Potential(lj().to(dev), skin=SKIN)
-    dom = DomainPotential(lj().to(dev), None, skin=SKIN, mode="halo")
+    dom = parallelize(lj().to(dev), None, "halo", skin=SKIN)
     integ = CompiledDomainIntegrator(name, dom, backend="inductor")
     eager = mod.init(graph, pot, **PARAMS[name])
     compiled = integ.init(dom.scatter(graph), dom, reduce=dom.reducer, **PARAMS[name])

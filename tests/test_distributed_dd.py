@@ -18,6 +18,7 @@ import torch
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models.base import AtomisticModel
 
 try:
     from dist_helpers import spawn
@@ -206,7 +207,7 @@ def _compare(out, ref, graph):
 
 
 def _run_cases(rank, cases):
-    from xnn.distributed import DistributedManager, DomainDecomposed
+    from xnn.distributed import DistributedManager, parallelize
     from xnn.distributed.domain import local
 
     manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
@@ -219,8 +220,8 @@ def _run_cases(rank, cases):
         local.PAIR_EXTRA_EDGES = default if model_name == "schnet_guarded" else float("inf")
         model = MODELS[model_name]()
         graph = STRUCTURES[struct]()
-        dd = DomainDecomposed(model, manager, grid=grid, mode=mode)
-        out = dd(graph if rank == 0 else None)
+        dd = parallelize(model, manager, grid=grid, mode=mode)
+        out = dd.single_point(graph if rank == 0 else None)
         entry = {"stats": dd.stats()}
         if rank == 0:
             entry["errors"] = _compare(out, _reference(model, graph), graph)
@@ -231,21 +232,22 @@ def _run_cases(rank, cases):
 
 def _skin_case(manager, rank):
     """Two calls with atoms moved less than skin / 2: the domain is reused, results exact."""
-    from xnn.distributed import DomainDecomposed
+    from xnn.distributed import parallelize
 
     model, graph = lj(), triclinic()
-    dd = DomainDecomposed(model, manager, skin=0.6)
-    dd(graph if rank == 0 else None)
+    dd = parallelize(model, manager, "halo", skin=0.6)
+    dd.single_point(graph if rank == 0 else None)
     torch.manual_seed(7)
     moved = graph.replace(positions=graph.positions + 0.04 * torch.randn_like(graph.positions))
-    out = dd(moved if rank == 0 else None)  # atoms stay on their ranks, ghosts are reused
+    # atoms stay on their ranks, ghosts are reused
+    out = dd.single_point(moved if rank == 0 else None)
     errors = _compare(out, _reference(model, moved), moved) if rank == 0 else None
-    return {"n_builds": dd.n_builds, "errors": errors}
+    return {"n_builds": dd.state.counters.rebuilds, "errors": errors}
 
 
 def _md_case(manager, rank):
     """20 NVE steps on the ranks' owned atoms (decomposed integrator) vs one process."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.dynamics import nve
     from xnn.models import Potential
 
@@ -261,7 +263,7 @@ def _md_case(manager, rank):
         kwargs = {} if reduce is None else {"reduce": reduce}
         return state, nve.conserved(state, **kwargs)
 
-    dec = DomainPotential(model, manager, skin=0.5)
+    dec = parallelize(model, manager, "halo", skin=0.5)
     state, energy = run(dec, dec.scatter(graph if rank == 0 else None), dec.reducer)
     full, _ = dec.gather(state.graph)
     out = {"n_builds": dec.state.counters.rebuilds}
@@ -277,7 +279,7 @@ def _md_case(manager, rank):
 def _md_pairs_case(manager, rank):
     """20 NVE steps of SchNet (evaluation mode) on paired local edges, with rebuilds and
     migrations, vs one process on the list as built; the model sees paired lists only."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain import local
     from xnn.dynamics import maxwell_boltzmann, nve
     from xnn.models import Potential
@@ -299,7 +301,7 @@ def _md_pairs_case(manager, rank):
                 state = potential.maybe_migrate(state)
         return state
 
-    dec = DomainPotential(model, manager, skin=0.5)
+    dec = parallelize(model, manager, "halo", skin=0.5)
     state = run(dec, dec.scatter(graph if rank == 0 else None), dec.reducer)
     full, extra = dec.gather(state.graph, {"forces": state.forces})
     c = dec.state.counters
@@ -318,14 +320,14 @@ def _md_pairs_case(manager, rank):
 
 def _grad_case(manager, rank, world, name="painn"):
     """Loss on energy, forces and stress; double backward through the exchange."""
-    from xnn.distributed import DomainDecomposed
     from xnn.distributed import collectives as C
+    from xnn.distributed import parallelize
     from xnn.models import compute_properties
     from xnn.neighbors import with_edges
 
     model, graph = _native(name), triclinic((2, 2, 2))
-    dd = DomainDecomposed(model, manager, mode="sync")
-    local = dd.evaluate_local(dd.scatter(graph if rank == 0 else None), training=True)
+    dd = parallelize(model, manager, "sync")
+    local = dd(dd.scatter(graph if rank == 0 else None), training=True)
     loss = ((local["energy"] - 1.0) ** 2).sum() / world + (local["forces"] ** 2).sum() \
         + (local["stress"] ** 2).sum() / world
     model.zero_grad()
@@ -343,7 +345,7 @@ def _grad_case(manager, rank, world, name="painn"):
     return {"grad": _rel(grads, ref_grads), "norm": float(ref_grads.norm())}
 
 
-class _FailOnRank1(torch.nn.Module):
+class _FailOnRank1(AtomisticModel):
     cutoff, num_interactions = 3.0, 1
 
     def forward(self, graph):
@@ -353,38 +355,38 @@ class _FailOnRank1(torch.nn.Module):
 
 
 def _error_cases(manager):
-    from xnn.distributed import DomainDecomposed
+    from xnn.distributed import parallelize
 
     out = {}
     t0 = time.perf_counter()
     try:
-        DomainDecomposed(lj(), manager, grid=(3, 1, 1))(cubic())
+        parallelize(lj(), manager, "halo", grid=(3, 1, 1)).single_point(cubic())
     except InputError as e:
         out["bad_grid"] = str(e)
     try:
-        DomainDecomposed(_FailOnRank1(), manager)(cubic())
+        parallelize(_FailOnRank1(), manager, "halo").single_point(cubic())
     except Exception as e:  # noqa: BLE001
         out["remote"] = f"{type(e).__name__}: {e}"
     try:
-        DomainDecomposed(torch.nn.Linear(1, 1), manager)
+        parallelize(torch.nn.Linear(1, 1), manager, "halo")
     except InputError as e:
         out["no_cutoff"] = str(e)
     out["seconds"] = time.perf_counter() - t0
     # the group is still usable after the errors
-    out["after"] = float(DomainDecomposed(lj(), manager)(cubic())["energy"].item())
+    out["after"] = float(parallelize(lj(), manager, "halo").single_point(cubic())["energy"].item())
     return out
 
 
 def _mesh_case(manager, rank):
     """dp=2 x dd=2: two replicas, each decomposing its own structure over its dd group."""
-    from xnn.distributed import DomainDecomposed
+    from xnn.distributed import parallelize
 
     dims = manager.mesh(dp=2, dd=2)
     t = torch.tensor([float(rank)])
     torch.distributed.all_reduce(t, group=dims.dd_group)
     model, graph = lj(), (cubic() if dims.dp_rank == 0 else triclinic())
-    dd = DomainDecomposed(model, dims)
-    out = dd(graph if dims.dd_rank == 0 else None)
+    dd = parallelize(model, dims, "halo")
+    out = dd.single_point(graph if dims.dd_rank == 0 else None)
     errors = _compare(out, _reference(model, graph), graph) if dims.dd_rank == 0 else None
     return {"dp_rank": dims.dp_rank, "dd_rank": dims.dd_rank, "dd_sum": t.item(),
             "n_atoms": int(out["forces"].shape[0]), "errors": errors}
@@ -614,13 +616,13 @@ def test_external_wrappers_two_ranks():
 
 def test_single_process_matches_periodic_list():
     """One rank: every ghost is a periodic image; compares with the periodic neighbor list."""
-    from xnn.distributed import DomainDecomposed
+    from xnn.distributed import parallelize
 
     torch.set_default_dtype(torch.float64)
     try:
         for struct in ("triclinic", "slab", "tiny"):
             model, graph = lj(), STRUCTURES[struct]()
-            out = DomainDecomposed(model, None)(graph)
+            out = parallelize(model, None, "halo").single_point(graph)
             errors = _compare(out, _reference(model, graph), graph)
             assert errors.pop("ids")
             assert max(errors.values()) <= TOL, (struct, errors)

@@ -1,6 +1,6 @@
 """Decomposed MD beyond NVE: thermostats, barostats, FIRE, geometry cases, CLI restarts.
 
-gloo ranks on CPU, fp64. Library level: :class:`~xnn.distributed.DomainPotential` with the
+gloo ranks on CPU, fp64. Library level: :class:`~xnn.distributed.DecomposedPotential` with the
 integrators of :mod:`xnn.dynamics` (``reduce=pot.reducer``, migration after every step),
 compared by global atom id with one process (computed here, once per system). App level:
 ``xnn md`` through :func:`xnn.cli.main.main`, checkpointed on 4 ranks and continued on 4, 3
@@ -142,11 +142,11 @@ GEOMETRY_STEPS = 25
 
 def _geometry(manager, name, rank):
     """A short NVE of a geometry case; at every step: each rank holds owned + ghosts only."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.dynamics import nve
 
     make, grid, cutoff = GEOMETRY[name]
-    pot = DomainPotential(lj(cutoff), manager, grid=grid, skin=0.3)
+    pot = parallelize(lj(cutoff), manager, "halo", grid=grid, skin=0.3)
     graph = hot(make(), 1500.0)
     state = nve.init(pot.scatter(graph if rank == 0 else None), pot, reduce=pot.reducer)
     held = []
@@ -217,14 +217,14 @@ CLI_HALF, CLI_FULL = 12, 24
 
 
 def worker(rank, world, tmp, ensembles, with_app):
-    from xnn.distributed import DistributedManager, DomainPotential
+    from xnn.distributed import DistributedManager, parallelize
 
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
     results, reps = {}, REPS[world]
     for ensemble in ensembles:
         t0 = time.perf_counter()
-        pot = DomainPotential(lj(), manager, skin=SKIN)
+        pot = parallelize(lj(), manager, "halo", skin=SKIN)
         graph = _fire_graph(reps) if ensemble == "fire" else hot(primitive(reps), 2000.0)
         results[ensemble] = _decomposed(pot, graph, ensemble, rank)
         results[ensemble]["seconds"] = time.perf_counter() - t0

@@ -83,11 +83,11 @@ def safety_message(name, pot, graph, reduce):
 
 
 def run_cases(rank, manager):
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
 
     out = {}
     for name, model, graph in cases():
-        pot = DomainPotential(model.double(), manager, skin=0.5)
+        pot = parallelize(model.double(), manager, "halo", skin=0.5)
         owned = pot.scatter(graph if rank == 0 else None)
         out[name] = (safety_message(name, pot, owned, pot.reducer), owned.atom_id.tolist())
     return out

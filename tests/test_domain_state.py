@@ -245,23 +245,24 @@ MD_TEMPERATURE = 2000.0  # K: a hot solid; atoms on the box faces cross them bac
 
 
 def worker(rank, world, md_steps):
-    from xnn.distributed import DistributedManager, DomainPotential
+    from xnn.distributed import DistributedManager, parallelize
 
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
     results = {}
     for name, grid in CASES[world]:
-        results[name] = _single_point(DomainPotential(lj(), manager, grid=grid), name, grid, rank)
+        pot = parallelize(lj(), manager, "halo", grid=grid)
+        results[name] = _single_point(pot, name, grid, rank)
     if world == 2:
-        results["unknown"] = _unknown_ownership(DomainPotential(lj(), manager, skin=SKIN),
-                                                triclinic(), rank, world)
-        results["strain"] = _strain_and_errors(DomainPotential(lj(), manager, skin=SKIN), rank)
+        pot = parallelize(lj(), manager, "halo", skin=SKIN)
+        results["unknown"] = _unknown_ownership(pot, triclinic(), rank, world)
+        results["strain"] = _strain_and_errors(parallelize(lj(), manager, "halo", skin=SKIN), rank)
         cluster = hot(molecule((6, 2, 2)), 1000.0)  # 96 atoms, 21 Å long: nobody holds all
-        results["held"] = _held(DomainPotential(lj(3.0), manager, grid=(2, 1, 1), skin=0.3),
+        results["held"] = _held(parallelize(lj(3.0), manager, "halo", grid=(2, 1, 1), skin=0.3),
                                 cluster, 5, rank)
     if md_steps.get(world):
         t0 = time.perf_counter()
-        pot = DomainPotential(lj(), manager, skin=SKIN)
+        pot = parallelize(lj(), manager, "halo", skin=SKIN)
         graph = hot(primitive(MD_REPS.get(world, (4, 4, 4))), MD_TEMPERATURE)
         results["md"] = _nve(pot, graph, md_steps[world], 1.0, rank)
         results["md"]["seconds"] = time.perf_counter() - t0

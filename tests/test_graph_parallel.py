@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from xnn.errors import InputError
+from xnn.models.base import AtomisticModel
 
 try:
     from dist_helpers import FreshPorts, spawn
@@ -143,7 +144,7 @@ def _errors(out, ref, graph):
 
 
 def _run_cases(manager, rank, cases):
-    from xnn.distributed.graph import GraphDecomposed
+    from xnn.distributed import parallelize
     from xnn.models import Potential
 
     results = {}
@@ -152,8 +153,8 @@ def _run_cases(manager, rank, cases):
         if model is None:
             continue
         graph = STRUCTURES[struct]()
-        dd = GraphDecomposed(model, manager, order=order)
-        out = dd(graph if rank == 0 else None)
+        dd = parallelize(model, manager, "graph", order=order)
+        out = dd.single_point(graph if rank == 0 else None)
         entry = {"stats": dd.stats(), "sync": [type(m).__name__ for _, m in
                                                 getattr(model, "sync_points", [])]}
         if rank == 0:
@@ -166,12 +167,12 @@ def _grad_case(manager, rank, world, name):
     """Loss on energy, forces and stress; its parameter gradient (a double backward
     through the all-gathers) summed over the ranks vs one process."""
     from xnn.distributed import collectives as C
-    from xnn.distributed.graph import GraphPotential
+    from xnn.distributed import parallelize
     from xnn.models import compute_properties
     from xnn.neighbors import with_edges
 
     model, graph = native(name), triclinic((2, 2, 2))
-    pot = GraphPotential(model, manager)
+    pot = parallelize(model, manager, "graph")
     local = pot(pot.scatter(graph if rank == 0 else None), training=True)
     loss = ((local["energy"] - 1.0) ** 2).sum() / world + (local["forces"] ** 2).sum() \
         + (local["stress"] ** 2).sum() / world
@@ -218,9 +219,9 @@ def _md(pot, graph, rank=0, reduce=None):
 
 
 def _md_case(manager, rank):
-    from xnn.distributed.graph import GraphPotential
+    from xnn.distributed import parallelize
 
-    pot = GraphPotential(lj(), manager, skin=MD_SKIN)
+    pot = parallelize(lj(), manager, "graph", skin=MD_SKIN)
     state = _md(pot, _hot(primitive_lj()), rank, pot.reducer)
     full, _ = pot.gather(state.graph)
     out = {"rebuilds": pot.stats()["rebuilds"], "n_owned": pot.stats()["n_owned"]}
@@ -241,7 +242,7 @@ def _validate_cli(rank, tmp):
     torch.distributed.barrier()
     spec = "painn:cutoff=3.0,num_features=8,num_basis=8,num_interactions=3"
     out = {}
-    for mode in ("graph", "auto"):
+    for mode in ("graph", "auto", "spatial"):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             out[f"rc_{mode}"] = main(["validate", "--model", spec, "--structure", path,
@@ -305,13 +306,40 @@ def _md_auto_case(manager, rank):
     short = build("lj", sigma=2.3, epsilon=0.4, cutoff=3.0)
     for name, model, graph in (("tiny", lj(), tiny()),
                                ("large", short, _graph(_fcc((12, 12, 12), rattle=0.05)))):
-        par = parallelize_md(Potential(model), manager, skin=0.3, mode="auto")
+        par = parallelize_md(model, manager, skin=0.3, mode="auto")
         owned = par.scatter_graph(graph if rank == 0 else None)
         res = par.potential(owned)
-        out[name] = {"mode": par.mode, "type": type(par.potential).__name__,
+        out[name] = {"mode": par.potential.mode,
+                     "type": type(par.potential.layout).__name__,
                      "energy": float(res["energy"])}
         if rank == 0:
             out[name]["ref"] = float(Potential(model)(graph)["energy"])
+    return out
+
+
+def _calculator_case(manager, rank):
+    """``DistributedCalculator`` in modes graph and auto vs one process, in the Atoms' order
+    (energy, per-atom energies, forces, stress), with the layout each mode took."""
+    from xnn.data.ase_io import from_ase, to_ase
+    from xnn.distributed import DistributedCalculator
+    from xnn.models import Potential
+
+    out = {}
+    for struct in ("triclinic", "tiny"):
+        atoms = to_ase(STRUCTURES[struct]())[0]
+        graph = from_ase(atoms, dtype=torch.float64)
+        model = MODELS["painn"]()
+        ref = Potential(model)(graph)
+        for mode in ("graph", "auto"):
+            calc = DistributedCalculator(model, manager, mode=mode)
+            atoms.calc = calc
+            got = {"energy": torch.tensor([atoms.get_potential_energy()]),
+                   "energies": torch.as_tensor(atoms.get_potential_energies()),
+                   "forces": torch.as_tensor(atoms.get_forces()),
+                   "stress": torch.as_tensor(atoms.get_stress(voigt=False))}
+            errors = {k: _rel(v, ref[k].reshape(v.shape)) for k, v in got.items()}
+            out[f"{struct}-{mode}"] = {"errors": errors, "mode": calc.dd.mode,
+                                       "n_owned": calc.stats()["n_owned"]}
     return out
 
 
@@ -329,6 +357,7 @@ def worker(rank, world, tmp):
         results["validate"] = _validate_cli(rank, tmp)
         results["training"] = _training_case(manager, rank)
         results["md_auto"] = _md_auto_case(manager, rank)
+        results["calculator"] = _calculator_case(manager, rank)
     if world == 4:
         results["validate"] = None
         if rank == 0:
@@ -387,6 +416,23 @@ def test_sync_points_are_restored_and_tiny_cell_has_no_image_copies(world):
 
 
 @pytest.mark.distributed
+def test_distributed_calculator_in_graph_and_auto_mode_matches_single_process():
+    """The ASE calculator runs graph mode and auto mode (through ``parallelize``): equal to
+    one process to 1e-10 on 2 ranks; auto takes graph for the tiny dense cell."""
+    res = results(2)
+    for case, entry in res[0]["calculator"].items():
+        for key, err in entry["errors"].items():
+            assert err <= TOL, f"{case} {key}: relative error {err:.2e}"
+    modes = {case: entry["mode"] for case, entry in res[0]["calculator"].items()}
+    assert modes["triclinic-graph"] == modes["tiny-graph"] == modes["tiny-auto"] == "graph"
+    assert modes["triclinic-auto"] in ("graph", "sync")
+    for case in res[0]["calculator"]:  # every atom evaluated once over the ranks
+        n = STRUCTURES[case.split("-")[0]]().n_atoms
+        assert sum(r["calculator"][case]["n_owned"] for r in res) == n
+        assert [r["calculator"][case]["mode"] for r in res] == [modes[case]] * 2
+
+
+@pytest.mark.distributed
 def test_morton_order_needs_fewer_ghosts_than_id_order():
     res = results(4)
     ghosts = {name: sum(r["cases"][name]["stats"]["n_ghost"] for r in res)
@@ -429,20 +475,25 @@ def test_context_parallel_training_in_graph_mode_matches_one_process():
 @pytest.mark.distributed
 def test_md_auto_mode_chooses_by_halo_fraction():
     auto = results(2)[0]["md_auto"]
-    assert (auto["tiny"]["mode"], auto["tiny"]["type"]) == ("graph", "GraphPotential")
-    assert (auto["large"]["mode"], auto["large"]["type"]) == ("halo", "DomainPotential")
+    assert (auto["tiny"]["mode"], auto["tiny"]["type"]) == ("graph", "GraphLayout")
+    assert (auto["large"]["mode"], auto["large"]["type"]) == ("halo", "SpatialLayout")
     for case in auto.values():
         assert abs(case["energy"] - case["ref"]) <= TOL * abs(case["ref"]), case
 
 
 @pytest.mark.distributed
 def test_validate_cli_graph_and_auto():
+    """``xnn validate --mode graph|auto|spatial`` equal one process (1e-10); one meaning per
+    word: spatial is sync for a model with sync points."""
     v = results(2)[0]["validate"]
-    assert v["rc_graph"] == 0 and v["rc_auto"] == 0, v
-    report = json.loads(Path(_TMP, "v_graph.json").read_text())
-    assert report["mode"] == "graph"
-    assert max(r["max_rel"] for r in report["report"].values()) <= TOL
-    auto = json.loads(Path(_TMP, "v_auto.json").read_text())
+    assert v["rc_graph"] == 0 and v["rc_auto"] == 0 and v["rc_spatial"] == 0, v
+    reports = {m: json.loads(Path(_TMP, f"v_{m}.json").read_text())
+               for m in ("graph", "auto", "spatial")}
+    for report in reports.values():
+        assert max(r["max_rel"] for r in report["report"].values()) <= TOL
+    assert reports["graph"]["mode"] == "graph"
+    assert reports["spatial"]["mode"] == "sync"
+    auto = reports["auto"]
     # 4 atoms, 3 Å cutoff, 2 ranks: each half-cell box's halo holds many periodic images
     assert auto["mode"] == "graph" and "halo fraction" in auto["mode_reason"]
     assert "auto: graph" in v["stdout_auto"]
@@ -486,7 +537,7 @@ def test_auto_prefers_graph_for_small_dense_cells_and_halo_for_large_ones():
     assert mode == "halo" and "sync point" in reason
 
 
-class _NoSync(torch.nn.Module):
+class _NoSync(AtomisticModel):
     cutoff, num_interactions = 3.0, 2
 
     def forward(self, graph):
@@ -494,13 +545,13 @@ class _NoSync(torch.nn.Module):
 
 
 def test_graph_mode_refuses_models_it_cannot_split():
-    from xnn.distributed.graph import GraphPotential
+    from xnn.distributed import parallelize
     from xnn.models import build
 
     with pytest.raises(InputError, match="sync point"):
-        GraphPotential(_NoSync())
+        parallelize(_NoSync(), None, "graph")
     with pytest.raises(InputError, match="long-range"):
-        GraphPotential(build("ewald", cutoff=4.0))
+        parallelize(build("ewald", cutoff=4.0), None, "graph")
 
 
 def test_owners_are_near_equal_blocks():
@@ -515,3 +566,25 @@ def test_owners_are_near_equal_blocks():
     owner = assign_owners(g, 5, "index")
     ids_by_rank = [g.atom_id[owner == r] for r in range(5)]
     assert all(int(a.max()) < int(b.min()) for a, b in zip(ids_by_rank, ids_by_rank[1:]))
+
+
+def test_one_list_of_modes_with_one_meaning():
+    """``parallelize`` resolves every word of ``MODES`` in one place: spatial is sync for a
+    model with sync points and halo for one without; halo and sync are what they say; the
+    configs' ``halo`` means spatial; an unknown word names the list."""
+    from xnn.distributed import parallelize
+    from xnn.distributed.modes import MODES, config_mode
+
+    painn = MODELS["painn"]()
+    assert parallelize(lj(), None, "spatial").mode == "halo"
+    assert parallelize(painn, None, "spatial").mode == "sync"
+    assert parallelize(painn, None, "halo").mode == "halo"
+    assert parallelize(painn, None, "graph").mode == "graph"
+    assert parallelize(painn, None, "spatial").halo_width < parallelize(painn, None,
+                                                                        "halo").halo_width
+    assert (config_mode("halo"), config_mode("graph"), config_mode("auto")) == (
+        "spatial", "graph", "auto")
+    with pytest.raises(InputError, match=str(list(MODES)).replace("[", r"\[")):
+        parallelize(lj(), None, "boxes")
+    with pytest.raises(InputError, match="finite positive `cutoff`"):
+        parallelize(torch.nn.Linear(1, 1), None, "graph")

@@ -329,17 +329,17 @@ def test_predicted_charges_under_domain_decomposition_need_a_declared_cutoff():
     """A charge model without a cutoff cannot size the halo: refused with one line (one
     process: group of one rank); with a cutoff the halo is the real-space cutoff plus the
     charge model's receptive field (equality with one process: test_long_range_dd.py)."""
-    from xnn.distributed.domain.potential import DomainPotential
+    from xnn.distributed import parallelize
 
     model = registry.model_class("ewald")(charge_model=ScaledCharges(0.7))
     with pytest.raises(InputError, match="predicted charges"):
-        DomainPotential(model)
-    DomainPotential(registry.model_class("ewald")(charges={"Na": 1.0, "Cl": -1.0}))
+        parallelize(model, None, "halo")
+    parallelize(registry.model_class("ewald")(charges={"Na": 1.0, "Cl": -1.0}), None, "halo")
     q = registry.build("schnet", species=[11, 17], cutoff=3.0, num_interactions=2)
     pme = registry.build("pme", cutoff=5.0, charge_model=q)
     assert pme.receptive_field == 11.0 and pme.receiver_field == 8.0
-    dd = DomainPotential(pme, skin=0.5)
-    assert dd.halo_width == 11.5 and dd.receiver_width == 8.5
+    dd = parallelize(pme, None, "halo", skin=0.5)
+    assert dd.halo_width == 11.5 and dd.layout.receiver_width == 8.5
 
 
 def test_neutral_predicted_charges():

@@ -209,12 +209,12 @@ def md_model():
 
 def _md_case(manager, rank):
     """50 NVE steps decomposed over the ranks, atoms (and their charges) migrating."""
-    from xnn.distributed import DomainPotential
     from xnn.distributed import collectives as C
+    from xnn.distributed import parallelize
     from xnn.models import Potential
 
     model, graph = md_model(), molten_nacl()
-    dec = DomainPotential(model, manager, skin=0.5)
+    dec = parallelize(model, manager, "halo", skin=0.5)
     state, energy = _md_run(dec, dec.scatter(graph if rank == 0 else None), 50, dec.reducer)
     c = dec.state.counters
     sent = C.all_reduce_sum(torch.tensor([float(c.sent)]), dec.group)
@@ -234,7 +234,7 @@ def _md_case(manager, rank):
 
 
 def _worker(rank, world, with_md):
-    from xnn.distributed import DistributedManager, DomainDecomposed
+    from xnn.distributed import DistributedManager, parallelize
     from xnn.models import Potential
 
     torch.set_default_dtype(torch.float64)
@@ -243,8 +243,8 @@ def _worker(rank, world, with_md):
     for name, model_name, struct, grid in CASES[world]:
         graph = STRUCTURES[struct]()
         model = MODELS[model_name](slab=struct == "slab")
-        dd = DomainDecomposed(model, manager, grid=grid)
-        out = dd(graph if rank == 0 else None)
+        dd = parallelize(model, manager, "halo", grid=grid)
+        out = dd.single_point(graph if rank == 0 else None)
         entry = {"n_owned": dd.stats()["n_owned"], "halo": dd.halo_width}
         if rank == 0:
             entry["errors"] = _compare(out, Potential(model)(graph), graph)
@@ -258,7 +258,7 @@ def _worker(rank, world, with_md):
 def _nan_charge_case(manager, rank):
     """A NaN data charge (atom id 7): every rank refuses with one line, none waits in a
     collective; the owner (k-space) or every rank (direct sum, gathered) names the atom."""
-    from xnn.distributed import DomainDecomposed
+    from xnn.distributed import parallelize
     from xnn.errors import InputError
 
     out = {}
@@ -267,9 +267,9 @@ def _nan_charge_case(manager, rank):
         q = graph["charges"].clone()
         q[graph.atom_id == 7] = float("nan")
         graph = graph.replace(charges=q)
-        dd = DomainDecomposed(MODELS[name](), manager)
+        dd = parallelize(MODELS[name](), manager, "halo")
         try:
-            dd(graph if rank == 0 else None)
+            dd.single_point(graph if rank == 0 else None)
             out[name] = "no error"
         except InputError as err:
             out[name] = str(err)

@@ -63,14 +63,14 @@ def _rel(a, b) -> float:
 
 
 def worker(rank, world):
-    from xnn.distributed import DistributedManager, DomainDecomposed
+    from xnn.distributed import DistributedManager, parallelize
     from xnn.models import Potential
 
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
     model, graph = sevenn_fp64(), triclinic_cu()
-    dd = DomainDecomposed(model, manager, skin=SKIN, mode="sync")
-    out = dd(graph if rank == 0 else None)
+    dd = parallelize(model, manager, "sync", skin=SKIN)
+    out = dd.single_point(graph if rank == 0 else None)
     result = {"stats": dd.stats(), "sync": [type(m).__name__ for _, m in model.sync_points]}
     if rank == 0:
         ref = Potential(model, skin=SKIN)(graph)

@@ -88,10 +88,10 @@ def fixed_solid():
 
 def _fixed_md(manager, rank):
     """Velocity Verlet on the owned atoms with fixed atoms, migrating after every step."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.dynamics import nve
 
-    pot = DomainPotential(lj(), manager, skin=0.5)
+    pot = parallelize(lj(), manager, "halo", skin=0.5)
     graph = fixed_solid()
     state = nve.init(pot.scatter(graph if rank == 0 else None), pot, reduce=pot.reducer)
     for _ in range(STEPS):
@@ -118,9 +118,9 @@ def chain(dtype):
 
 def _one_ghost(manager, rank):
     """A float32 single point on the chain: energy, forces by id, ghost counts."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
 
-    pot = DomainPotential(lj(3.0, torch.float32), manager, grid=(2, 1, 1))
+    pot = parallelize(lj(3.0, torch.float32), manager, "halo", grid=(2, 1, 1))
     graph = chain(torch.float32)
     owned = pot.scatter(graph if rank == 0 else None)
     res = pot(owned)

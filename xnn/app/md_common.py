@@ -12,9 +12,10 @@ import torch
 
 from xnn._files import atomic_write
 from xnn._torch_files import check_complete
-from xnn.app.md_setup import load_potential
+from xnn.app.md_setup import load_model
 from xnn.config.loader import load_config, save_config
 from xnn.data import keys as K
+from xnn.distributed.modes import config_mode
 from xnn.distributed.parallelize import parallelize_md
 from xnn.dynamics.state import MDState
 from xnn.io import md_checkpoint as ckpt
@@ -117,15 +118,16 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None, check=None
     device, dtype = resolve_device(cfg.model.device), DTYPES[cfg.model.dtype]
     if manager is not None:
         device = manager.device
-    potential = load_potential(cfg.model, device, dtype)
+    model = load_model(cfg.model, device, dtype)
     if check is not None:
-        check(cfg, potential.model, device, manager is not None)
-    par = parallelize_md(potential, manager, skin=cfg.model.skin,
-                         backend=cfg.model.neighbor_backend, mode=cfg.dd.mode,
+        check(cfg, model, device, manager is not None)
+    par = parallelize_md(model, manager, skin=cfg.model.skin,
+                         backend=cfg.model.neighbor_backend, mode=config_mode(cfg.dd.mode),
                          order=cfg.dd.order,
                          compile=bool(getattr(cfg, "compile", False)  # xnn md only
-                                      or getattr(cfg, "cuda_graph", False)))
-    return cfg, device, dtype, par, folder, potential.model
+                                      or getattr(cfg, "cuda_graph", False)),
+                         model_compile=cfg.model.compile)
+    return cfg, device, dtype, par, folder, model
 
 
 def open_folder(cfg, folder: RunFolder, manager=None) -> Path:

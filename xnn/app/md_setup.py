@@ -18,10 +18,19 @@ from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 
 def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
-    """A :class:`~xnn.models.Potential` for ``model.file`` or ``model.name`` + ``model.params``
-    (summed with the ``model.add`` terms, if any). ``model.trust_file`` is the caller's trust
-    in every model file the config names (:mod:`xnn.models.trust`)."""
-    from xnn.models import Potential, build
+    """A one-process :class:`~xnn.models.Potential` of :func:`load_model` (``model.skin``,
+    ``model.neighbor_backend``, ``model.compile``)."""
+    from xnn.models import Potential
+
+    return Potential(load_model(cfg, device, dtype), skin=cfg.skin,
+                     backend=cfg.neighbor_backend, compile=cfg.compile)
+
+
+def load_model(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
+    """The model of ``model.file`` or ``model.name`` + ``model.params`` (summed with the
+    ``model.add`` terms, if any), in eval mode without gradients. ``model.trust_file`` is the
+    caller's trust in every model file the config names (:mod:`xnn.models.trust`)."""
+    from xnn.models import build
     from xnn.models.trust import granted
 
     cfg.check_source()
@@ -51,7 +60,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return Potential(model, skin=cfg.skin, backend=cfg.neighbor_backend, compile=cfg.compile)
+    return model
 
 
 def load_structure(path: str, index: str, device: torch.device, dtype: torch.dtype) -> AtomicGraph:
@@ -283,13 +292,9 @@ def check_compile_cells(cfg: MDConfig, graph: AtomicGraph) -> None:
 def compiled_integrator(cfg: MDConfig, par):
     """The integrator of ``md.compile=true`` (:class:`~xnn.dynamics.compiled_thermo.
     CompiledIntegrator`), after checking that the run is one it compiles."""
-    from xnn.dynamics.compiled_thermo import CompiledIntegrator, compiled_ensemble
-    from xnn.models.potential import Potential
+    from xnn.dynamics.compiled_thermo import compiled_ensemble
 
     compiled_ensemble(cfg.ensemble)  # refused before the decomposed or one-process choice
-    if hasattr(par, "compiled_integrator"):  # several ranks: the compiled decomposed step
-        return par.compiled_integrator(cfg.ensemble, cuda_graph=cfg.cuda_graph)
-    if type(par.potential) is not Potential:
-        raise InputError("compile=true runs in one process: launch without torchrun or set "
-                         "compile: false")
-    return CompiledIntegrator(cfg.ensemble, par.potential, cuda_graph=cfg.cuda_graph)
+    # the run layer of parallelize_md declares its compiled integrator: the one-process
+    # step, the compiled decomposed step, or a refusal (an eager decomposed run)
+    return par.compiled_integrator(cfg.ensemble, cuda_graph=cfg.cuda_graph)

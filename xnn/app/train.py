@@ -316,6 +316,7 @@ def run_train(cfg: TrainConfig) -> dict:
     from xnn.config.parallel import TIMEOUT_KEY
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
     from xnn.distributed.manager import DistributedManager
+    from xnn.distributed.modes import config_mode
     from xnn.distributed.parallelize import parallelize_train
 
     device = resolve_device(cfg.device)
@@ -329,7 +330,7 @@ def run_train(cfg: TrainConfig) -> dict:
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
         parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile,
-                                     mode="graph" if cfg.parallel.mode == "graph" else "auto")
+                                     mode=config_mode(cfg.parallel.mode))
         if manager.is_distributed and manager.is_main:
             print(manager.describe(), flush=True)
         return train(cfg, parallel=parallel)

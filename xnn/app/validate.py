@@ -13,8 +13,9 @@ class ValidateOptions:
     Attributes:
         model: model file or built-in spec (``lj:sigma=2.3``). structure: structure file.
         index: frame of ``structure``. dtype: ``float64`` or ``float32``.
-        grid: boxes ``"px,py,pz"`` (``None``: automatic). mode: ``auto``, ``halo``, ``sync`` or
-        ``graph``. order: atom order of mode ``graph`` (``morton`` or ``index``).
+        grid: boxes ``"px,py,pz"`` (``None``: automatic). mode: a key of
+        :data:`~xnn.distributed.modes.MODES` (``auto``, ``spatial``, ``halo``, ``sync``,
+        ``graph``). order: atom order of mode ``graph`` (``morton`` or ``index``).
         skin: Verlet skin (Å). tol: largest relative error that passes.
         json: report file (rank 0). skip_reference: decomposed single point only.
         output: structure file with the decomposed results (rank 0).
@@ -106,7 +107,7 @@ def _report(opts: ValidateOptions, manager, dd, graph, out, ref, seconds: dict) 
     info = {"world_size": manager.world_size, "n_atoms": graph.n_atoms,
             "grid": dd.stats()["grid"], "halo_width": dd.halo_width, "mode": dd.mode,
             "energy": float(out["energy"].sum()), **seconds}
-    if getattr(dd, "reason", None):
+    if dd.reason:
         info["mode_reason"] = dd.reason
     layout = (f"grid {'x'.join(map(str, info['grid']))}" if info["grid"]
               else f"{dd.stats().get('order', 'index')} order")
@@ -162,7 +163,7 @@ def run_validate(opts: ValidateOptions) -> int:
     from xnn.distributed import validate as V
     from xnn.distributed.agreement import check_ranks_agree
     from xnn.distributed.domain.partition import parse_grid
-    from xnn.distributed.graph.auto import decomposed
+    from xnn.distributed.parallelize import parallelize
 
     dtype = getattr(torch, opts.dtype)
     grid = parse_grid(opts.grid)
@@ -178,8 +179,8 @@ def run_validate(opts: ValidateOptions) -> int:
         model = V.load_model_everywhere(opts.model, species, trust=opts.trust_file)
         model = model.to(manager.device, dtype)
         graph = None if graph is None else graph.to(manager.device, dtype)  # rank 0 only
-        dd = decomposed(model, manager, opts.mode, graph, grid=grid, skin=opts.skin,
-                        order=opts.order)
+        dd = parallelize(model, manager, opts.mode, graph=graph, grid=grid, skin=opts.skin,
+                         order=opts.order)
         ref, seconds = None, {}
         with C.guarded(None, "single-process reference"):
             if manager.is_main and not opts.skip_reference:
@@ -187,7 +188,7 @@ def run_validate(opts: ValidateOptions) -> int:
                 ref = V.single_process(model, graph)
                 seconds["seconds_single"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = dd(graph)
+        out = dd.single_point(graph)
         seconds["seconds_decomposed"] = time.perf_counter() - t0
         status = torch.zeros(1, device=manager.device)
         with C.guarded(None, "report on rank 0"):

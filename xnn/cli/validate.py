@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from xnn.distributed.modes import MODES
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -33,8 +35,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
                    help="evaluation dtype (default float64)")
     p.add_argument("--grid", default=None, help="boxes px,py,pz (default: automatic)")
-    p.add_argument("--mode", default="auto", choices=["auto", "halo", "sync", "graph"],
-                   help="halo: ghosts within the receptive field (any model); sync: per-layer "
+    p.add_argument("--mode", default="auto", choices=list(MODES),
+                   help="spatial: sync for models with sync points, else halo; "
+                   "halo: ghosts within the receptive field (any model); sync: per-layer "
                    "feature exchange at the model's sync points (halo of one cutoff); graph: "
                    "atoms split by index, positions replicated, features all-gathered at the "
                    "sync points; auto: graph or the spatial mode (sync for models with sync "

@@ -1,8 +1,9 @@
 """``DistributedCalculator``: an ASE calculator whose evaluation is spread over all ranks.
 
 In a torchrun/srun job every rank builds the same calculator and calls it on the same
-structure (rank 0's atoms are used); the system is decomposed over the ranks and every rank
-gets the full results::
+structure (rank 0's atoms are used); the system is decomposed over the ranks
+(:func:`~xnn.distributed.parallelize.parallelize`, any mode of
+:data:`~xnn.distributed.modes.MODES`) and every rank gets the full results::
 
     manager = DistributedManager.initialize()
     atoms.calc = DistributedCalculator(model, manager)
@@ -18,7 +19,7 @@ from ase.stress import full_3x3_to_voigt_6_stress
 from xnn.data import keys as K
 from xnn.data.ase_io import from_ase
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.decomposed import DomainDecomposed
+from xnn.distributed.parallelize import parallelize
 
 
 class DistributedCalculator(Calculator):
@@ -29,30 +30,46 @@ class DistributedCalculator(Calculator):
 
     Args:
         model: per-atom-energy model with a ``cutoff``; moved to the manager's device/dtype.
-        manager_or_group: see :class:`~xnn.distributed.DomainDecomposed`.
-        grid: ``(px, py, pz)`` or ``None`` (automatic).
+        manager_or_group: see :func:`~xnn.distributed.parallelize.parallelize`.
+        grid: ``(px, py, pz)`` or ``None`` (automatic) of a spatial layout.
         skin: Verlet skin (Å).
-        mode: ``"halo"`` or ``"sync"``.
+        mode: a key of :data:`~xnn.distributed.modes.MODES`: ``"halo"``, ``"sync"``,
+            ``"spatial"``, ``"graph"`` or ``"auto"`` (chosen on the first structure, by the
+            cost model of :func:`~xnn.distributed.graph.auto.choose_mode`, and kept).
+        order: atom order of mode ``"graph"`` (``"morton"`` or ``"index"``).
         dtype: floating-point dtype of the evaluation.
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
 
     def __init__(self, model, manager_or_group=None, grid=None, skin: float = 0.0,
-                 mode: str = "halo", dtype: torch.dtype = torch.float64):
+                 mode: str = "halo", dtype: torch.dtype = torch.float64,
+                 order: str = "morton"):
+        from xnn.distributed.potential import resolve_group
+
         super().__init__()
-        self.dtype = dtype
-        self.dd = DomainDecomposed(model.to(dtype=dtype), manager_or_group, grid, skin, mode)
-        if self.dd.device is not None:
-            model.to(self.dd.device)
+        self.dtype, self.mode, self.order = dtype, mode, order
+        self.grid, self.skin, self.manager_or_group = grid, skin, manager_or_group
+        self.model = model.to(dtype=dtype)
+        self.group, device = resolve_group(manager_or_group)
+        if device is not None:
+            self.model.to(device)
+        self.dd = None  # mode auto: the decomposed potential of the first structure
+        if mode != "auto":
+            self.dd = parallelize(self.model, manager_or_group, mode, grid=grid, skin=skin,
+                                  order=order)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
         graph = None
-        with C.guarded(self.dd.group, "structure conversion"):  # a bad rank stops them all
+        with C.guarded(self.group, "structure conversion"):  # a bad rank stops them all
             graph = from_ase(self.atoms, dtype=self.dtype)
             graph = graph.replace({k: None for k in K.LABEL_FIELDS if k in graph})
-        out = self.dd(graph)
+        if self.dd is None:
+            self.dd = parallelize(self.model, self.manager_or_group, self.mode,
+                                  graph=graph if C.group_rank(self.group) == 0 else None,
+                                  grid=self.grid, skin=self.skin, order=self.order)
+        out = self.dd.single_point(graph)
         # results are sorted by atom id; put them back in this Atoms' order
         rows = torch.searchsorted(out[K.ATOM_ID], graph.atom_id.to(out[K.ATOM_ID].device))
         energy = float(out[K.ENERGY].sum())
@@ -69,8 +86,9 @@ class DistributedCalculator(Calculator):
             raise PropertyNotImplementedError("stress needs a cell periodic along all axes")
 
     def stats(self) -> dict:
-        """This rank's domain sizes (owned, ghost atoms, peers, grid)."""
-        return self.dd.stats()
+        """This rank's domain sizes (owned, ghost atoms, peers, grid); empty before the
+        first calculation."""
+        return {} if self.dd is None else self.dd.stats()
 
 
 __all__ = ["DistributedCalculator"]

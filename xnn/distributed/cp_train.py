@@ -4,8 +4,8 @@ Each ``dd`` group (the ``dd`` consecutive ranks of one data-parallel replica, se
 :class:`~xnn.distributed.mesh.ParallelDims`) takes one share of the global batch; every rank
 of the group takes the same share (:class:`~xnn.training.sharding.BatchSharding`). Each
 structure of the share is decomposed spatially over the group with the MD domain code
-(:class:`~xnn.distributed.domain.potential.DomainPotential`, mode ``"auto"``: sync for models
-with sync points): the group's first rank scatters it and every rank evaluates only its
+(:func:`~xnn.distributed.parallelize.parallelize`, mode ``"spatial"``: sync for models with
+sync points, else halo): the group's first rank scatters it and every rank evaluates only its
 owned atoms and their ghosts (:class:`DomainPredictor`). Then
 
 * forces are per owned atom, compared with the labels the scattered atoms carry (the
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.distributed.domain.potential import DomainPotential, resolve_mode
+from xnn.errors import InputError
 from xnn.training.losses import labelled, take
 from xnn.training.prediction import Evaluated, stress_parity
 from xnn.training.sharding import BatchSharding  # noqa: F401 - re-exported
@@ -53,31 +53,35 @@ class DomainPredictor:
         device: where the owned atoms go.
         dtype: floating dtype of the structures.
         autocast: ``torch.bfloat16`` for bf16 mixed precision, else ``None``.
-        mode: ``"auto"`` (sync where the model has sync points), ``"halo"``, ``"sync"`` or
-            ``"graph"`` (graph parallelism: :class:`~xnn.distributed.graph.GraphPotential`).
+        mode: ``"spatial"`` (sync where the model has sync points, else halo), ``"halo"``,
+            ``"sync"`` or ``"graph"`` (graph parallelism: atoms split by index).
         backend: neighbor-list backend of the local graphs.
 
     Attributes:
-        last_stats: :meth:`DomainPotential.stats` of the last evaluation plus ``n_total``.
+        last_stats: :meth:`DecomposedPotential.stats` of the last evaluation plus ``n_total``.
     """
 
     def __init__(self, model: nn.Module, group, device, dtype: torch.dtype,
-                 autocast: torch.dtype | None = None, mode: str = "auto",
+                 autocast: torch.dtype | None = None, mode: str = "spatial",
                  backend: str = "auto"):
         from xnn.distributed import collectives as C
+        from xnn.distributed.modes import resolve_mode
+        from xnn.distributed.potential import model_cutoff
 
         self.model = model
         self.group = group
         self.device = torch.device(device)
         self.dtype = dtype
         self.autocast = autocast
-        if mode == "graph":  # graph parallelism: atoms split by index (xnn.distributed.graph)
-            from xnn.distributed.graph import check_graph_model
+        cutoff, hops = model_cutoff(model)
+        if mode == "auto":
+            raise InputError("training decomposes with mode spatial, halo, sync or graph, not "
+                             "auto (the cost model weighs one structure, not a dataset)")
+        self.mode, _ = resolve_mode(model, mode)
+        if self.mode == "graph":  # refuse a model graph parallelism cannot split, up front
+            from xnn.distributed.graph.layout import check_graph_model
 
-            check_graph_model(model)
-            self.mode = mode
-        else:
-            self.mode = resolve_mode(model, mode)
+            check_graph_model(model, cutoff, hops)
         self.backend = backend
         self.size, self.rank = C.group_size(group), C.group_rank(group)
         self.last_stats: dict = {}
@@ -104,13 +108,10 @@ class DomainPredictor:
                  training: bool, parity: bool = False) -> Evaluated:
         """Residuals of this rank's owned atoms of the one structure in ``piece``
         (collective over the group: every rank passes the same structure)."""
-        (graph,) = piece
-        if self.mode == "graph":
-            from xnn.distributed.graph import GraphPotential
+        from xnn.distributed.parallelize import parallelize
 
-            pot = GraphPotential(self.model, self.group, backend=self.backend)
-        else:
-            pot = DomainPotential(self.model, self.group, mode=self.mode, backend=self.backend)
+        (graph,) = piece
+        pot = parallelize(self.model, self.group, self.mode, backend=self.backend)
         root = graph.without_edges().to(self.device, self.dtype) if self.rank == 0 else None
         owned = pot.scatter(root)  # each rank receives only the atoms of its box
         with self._context():

@@ -1,6 +1,7 @@
 """Domain decomposition applied from outside to an ``xnn md`` / ``xnn relax`` run.
 
-:class:`DomainRun` wraps a :class:`~xnn.distributed.domain.DomainPotential`: rank 0 reads the
+:class:`DomainRun` wraps a :class:`~xnn.distributed.potential.DecomposedPotential` (built by
+:func:`~xnn.distributed.parallelize.parallelize`): rank 0 reads the
 structure (or the checkpoint, which holds the global state by atom id) and scatters it, each
 rank integrates its owned atoms with the cross-rank reducer, atoms migrate after every step,
 and states are gathered on rank 0 (in global-id order) for output and checkpoints. The
@@ -18,8 +19,8 @@ import torch
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.potential import DomainPotential
 from xnn.distributed.domain.state import Counters
+from xnn.distributed.modes import MODES
 from xnn.dynamics.parallel import SerialRun
 from xnn.dynamics.state import MDState
 from xnn.errors import InputError
@@ -37,28 +38,22 @@ class DomainRun(SerialRun):
         model: the model of the loaded potential (with ``cutoff``).
         manager: the run's :class:`~xnn.distributed.DistributedManager`.
         skin: Verlet skin (Å). backend: neighbor-list backend.
-        mode: ``"halo"`` (spatial boxes; sync-point exchanges where the model has them),
-            ``"graph"`` (:class:`~xnn.distributed.graph.GraphPotential`: atoms split by
-            index, positions replicated) or ``"auto"`` (chosen on the structure when it is
-            scattered, :mod:`xnn.distributed.graph.auto`; the reason is printed).
+        mode: a key of :data:`~xnn.distributed.modes.MODES`; ``"auto"`` is chosen on the
+            structure when it is scattered (:func:`~xnn.distributed.modes.resolve_mode`;
+            the reason is printed).
         order: atom order of mode ``"graph"`` (``"morton"`` or ``"index"``).
     """
 
-    def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
+    def __init__(self, model, manager, skin: float, backend: str, mode: str = "spatial",
                  order: str = "morton"):
-        from xnn.distributed.graph import GraphPotential
         from xnn.distributed.reducer import GroupReducer
 
-        if mode not in ("halo", "graph", "auto"):
-            raise InputError(f"dd.mode must be halo, graph or auto, got {mode!r}")
+        if mode not in MODES:
+            raise InputError(f"dd.mode must be one of {list(MODES)}, got {mode!r}")
         self.mode, self._args = mode, (model, manager, skin, backend, order)
         self._potential = None  # auto: chosen when the structure is scattered (_choose)
-        if mode == "graph":
-            self.potential = GraphPotential(model, manager, skin=skin, order=order,
-                                            backend=backend)
-        elif mode == "halo":
-            self.potential = DomainPotential(model, manager, skin=skin, mode="auto",
-                                             backend=backend)
+        if mode != "auto":
+            self._choose(None)
         self.reduce = GroupReducer(None)  # every rank of the run, whichever potential
         self.main = manager.is_main
         self.size, self.rank = manager.world_size, manager.rank
@@ -68,7 +63,8 @@ class DomainRun(SerialRun):
 
     @property
     def potential(self):
-        """What the integrators evaluate (a ``DomainPotential`` or ``GraphPotential``).
+        """What the integrators evaluate (a
+        :class:`~xnn.distributed.potential.DecomposedPotential`).
 
         With ``mode="auto"`` it exists once the structure is scattered
         (:meth:`scatter_graph`, :meth:`scatter_state`): take it after that, never keep one
@@ -90,17 +86,22 @@ class DomainRun(SerialRun):
     def guarded(self, phase: str):
         return C.guarded(None, phase)
 
+    def compiled_integrator(self, ensemble: str = "nve", cuda_graph: bool = False):
+        """Refused: this run layer is eager (``parallelize_md(compile=True)`` gives the
+        compiled decomposed one, :class:`~.domain.compiled_run.CompiledDomainRun`)."""
+        raise InputError("compile=true runs in one process: launch without torchrun or set "
+                         "compile: false")
+
     def _choose(self, graph) -> None:
-        """``mode="auto"``: halo or graph from rank 0's ``graph`` (once; collective)."""
+        """The potential of the run's mode (``auto``: from rank 0's ``graph``, once;
+        collective)."""
         if self._potential is not None:
             return
-        from xnn.distributed.graph.auto import make_potential
+        from xnn.distributed.parallelize import parallelize
 
         model, manager, skin, backend, order = self._args
-        # the spatial choice is today's (sync where the model has sync points, else halo)
-        self.potential, _ = make_potential(model, manager, "auto", graph, skin, order,
-                                           backend)
-        self.mode = "graph" if self.potential.mode == "graph" else "halo"
+        self.potential = parallelize(model, manager, self.mode, graph=graph, skin=skin,
+                                     order=order, backend=backend)
 
     def broadcast(self, obj):
         return C.broadcast_object(obj)
@@ -124,7 +125,7 @@ class DomainRun(SerialRun):
         dom = ((meta or {}).get("domain") or {}) if self.main else {}
         same = self.broadcast(dom.get("ranks") == self.size and dom.get("owner") is not None)
         with_ref = same and self.broadcast(dom.get("ref_positions") is not None)
-        with_ref = with_ref and self.potential.mode != "graph"  # graph mode: no ghost plan
+        with_ref = with_ref and self.potential.layout.migrates  # graph: no rebuild reference
         if self.main:
             fields = {K.FORCES: state.forces}
             if same:

@@ -105,14 +105,6 @@ class ParallelDims:
     def dd_rank(self) -> int:
         return self._rank("dd")
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def dd_enabled(self) -> bool:
-        return self.dd > 1
-
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()

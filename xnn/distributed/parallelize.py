@@ -1,5 +1,12 @@
 """The one entry that applies parallelism from outside to a run written for one process.
 
+:func:`parallelize` is the only constructor of a decomposition: it resolves the mode (one
+word of :data:`~xnn.distributed.modes.MODES`, :func:`~xnn.distributed.modes.resolve_mode`)
+and returns the one :class:`~xnn.distributed.potential.DecomposedPotential` with its layout.
+Every decomposed entry goes through it: MD and relaxation (:func:`parallelize_md`), training
+(:func:`parallelize_train`), ``xnn validate`` and the
+:class:`~xnn.distributed.DistributedCalculator`.
+
 As torchtitan's ``parallelize_*`` functions do for a model, :func:`parallelize_md` takes the
 single-process objects of an MD or relaxation run (the potential) and the run's
 :class:`~xnn.distributed.DistributedManager`, and returns the run layer the application
@@ -17,42 +24,84 @@ over its ``dd`` group by the same domain code as MD (:mod:`xnn.distributed.cp_tr
 
 from __future__ import annotations
 
+from xnn.distributed.modes import resolve_mode
 from xnn.dynamics.parallel import SerialRun
 
 
-def parallelize_md(potential, manager=None, skin: float = 0.0,
-                   backend: str = "auto", mode: str = "halo",
-                   order: str = "morton", compile: bool = False) -> SerialRun:
+def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=None,
+                grid=None, skin: float = 0.0, order: str = "morton", backend: str = "auto"):
+    """``model`` decomposed over the ranks of a group: the one constructor.
+
+    Args:
+        model: per-atom-energy model (:class:`~xnn.models.base.AtomisticModel`) with a
+            finite cutoff, the same on every rank.
+        manager_or_group: a :class:`~xnn.distributed.DistributedManager` (all ranks), a
+            :class:`~xnn.distributed.ParallelDims` (its ``dd`` axis), a process group, or
+            ``None`` (all ranks if ``torch.distributed`` is initialised, else one process).
+        mode: a key of :data:`~xnn.distributed.modes.MODES` (``spatial``, ``halo``,
+            ``sync``, ``graph`` or ``auto``).
+        graph: mode ``auto`` only: the structure on group rank 0, which the cost model
+            weighs (collective: every rank calls with its own, ``None`` off rank 0).
+        grid: boxes of a spatial layout, ``(px, py, pz)`` or ``"2,1,1"`` (``None``: the
+            smallest halo surface).
+        skin: Verlet skin (Å).
+        order: atom order of mode ``graph`` (``morton`` or ``index``).
+        backend: neighbor-list backend.
+    Returns:
+        a :class:`~xnn.distributed.potential.DecomposedPotential` (its ``reason`` says why
+        ``auto`` chose its layout).
+    """
+    from xnn.distributed.domain.layout import SpatialLayout
+    from xnn.distributed.graph.layout import GraphLayout
+    from xnn.distributed.potential import DecomposedPotential, model_cutoff, resolve_group
+
+    model_cutoff(model)  # the one check of a decomposable model, before any collective
+    group, _ = resolve_group(manager_or_group)
+    mode, reason = resolve_mode(model, mode, graph, group, grid, skin)
+    layout = GraphLayout(order) if mode == "graph" else SpatialLayout(mode, grid)
+    potential = DecomposedPotential(model, manager_or_group, layout, skin, backend)
+    potential.reason = reason
+    return potential
+
+
+def parallelize_md(model, manager=None, skin: float = 0.0,
+                   backend: str = "auto", mode: str = "spatial",
+                   order: str = "morton", compile: bool = False,
+                   model_compile: bool = False) -> SerialRun:
     """The run layer of an ``xnn md`` / ``xnn relax`` run.
 
     Args:
-        potential: the single-process :class:`~xnn.models.Potential` (its model is reused
-            by the decomposed potential).
+        model: the run's model (the same on every rank).
         manager: the :class:`~xnn.distributed.DistributedManager` of a run launched on
-            several ranks; ``None``: one process.
-        skin: Verlet skin (Å) of the decomposed neighbor lists.
-        backend: neighbor-list backend of the decomposed potential.
-        mode: ``"halo"`` (spatial boxes), ``"graph"`` (graph parallelism) or ``"auto"``
-            (chosen on the structure); ``order``: atom order of mode graph. See
+            several ranks; ``None``: one process (the potential is a
+            :class:`~xnn.models.Potential`).
+        skin: Verlet skin (Å) of the neighbor lists.
+        backend: neighbor-list backend.
+        mode: a key of :data:`~xnn.distributed.modes.MODES` (``auto``: chosen on the
+            structure when it is scattered); ``order``: atom order of mode graph. See
             :class:`~xnn.distributed.md_run.DomainRun`.
         compile: ``md.compile``: on several ranks the run layer is a
             :class:`~xnn.distributed.domain.compiled_run.CompiledDomainRun` (mode halo,
-            migration inside the compiled step); ignored in one process.
+            migration inside the compiled step); ignored in one process. The run layer
+            says which through its ``compiled_integrator`` method.
+        model_compile: ``model.compile``: the one-process potential compiles the model
+            (:class:`~xnn.models.Potential`).
     Returns:
         a :class:`~xnn.dynamics.parallel.SerialRun` (one process) or a
         :class:`~xnn.distributed.md_run.DomainRun` (its subclass, several ranks).
     """
     if manager is None:
-        return SerialRun(potential)
+        from xnn.models import Potential
+
+        return SerialRun(Potential(model, skin=skin, backend=backend, compile=model_compile))
     from xnn.distributed.md_run import DomainRun
 
     if compile:
         from xnn.distributed.domain.compiled_run import CompiledDomainRun
 
-        return CompiledDomainRun(potential.model, manager, skin=skin, backend=backend,
-                                 mode=mode, order=order)
-    return DomainRun(potential.model, manager, skin=skin, backend=backend, mode=mode,
-                     order=order)
+        return CompiledDomainRun(model, manager, skin=skin, backend=backend, mode=mode,
+                                 order=order)
+    return DomainRun(model, manager, skin=skin, backend=backend, mode=mode, order=order)
 
 
 class TrainParallel:
@@ -68,7 +117,7 @@ class TrainParallel:
             ``groups`` argument of ``make_batches``.
     """
 
-    def __init__(self, reducer, sharding, dims=None, mode: str = "auto",
+    def __init__(self, reducer, sharding, dims=None, mode: str = "spatial",
                  backend: str = "auto"):
         self.reducer, self.sharding, self.dims = reducer, sharding, dims
         self.mode, self.backend = mode, backend
@@ -104,7 +153,7 @@ def local_train_parallel(reducer=None) -> TrainParallel:
 
 
 def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | str = False,
-                      mode: str = "auto", backend: str = "auto") -> TrainParallel:
+                      mode: str = "spatial", backend: str = "auto") -> TrainParallel:
     """The parallel layer of an ``xnn train`` run on a ``dp × dd`` mesh (built once, here).
 
     Args:
@@ -113,8 +162,9 @@ def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | s
         dp, dd: data-parallel and domain-decomposition degrees (``-1``: inferred);
             ``dp × dd`` must equal the world size.
         compile: the run's ``compile`` setting (refused with ``dd > 1``).
-        mode: decomposition mode of ``dd > 1`` (``"auto"``: sync where the model has sync
-            points; ``"graph"``: graph parallelism, atoms split by index).
+        mode: decomposition mode of ``dd > 1``, a key of
+            :data:`~xnn.distributed.modes.MODES` (``"spatial"``: sync where the model has
+            sync points, else halo; ``"graph"``: graph parallelism, atoms split by index).
         backend: neighbor-list backend of the decomposed local graphs.
     Returns:
         a :class:`TrainParallel`: the reducer (whole mesh), the sharding (by dp rank) and

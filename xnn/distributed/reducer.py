@@ -3,7 +3,7 @@
 For dynamics where each rank integrates only its own atoms, every global quantity
 (kinetic energy, degrees of freedom, pressure, FIRE power, convergence) must include the
 other ranks' atoms; this subclass of :class:`xnn.dynamics.reduce.Reducer` adds the all-reduce
-(:attr:`xnn.distributed.DomainPotential.reducer` gives one for its group).
+(:attr:`xnn.distributed.DecomposedPotential.reducer` gives one for its group).
 """
 
 from __future__ import annotations

@@ -154,29 +154,31 @@ def _scale_floors(ref: dict[str, Tensor], graph: AtomicGraph) -> dict[str, float
 
 
 def validate_decomposition(model, graph: AtomicGraph | None, manager_or_group=None, grid=None,
-                           mode: str = "halo", skin: float = 0.0) -> dict | None:
+                           mode: str = "halo", skin: float = 0.0,
+                           order: str = "morton") -> dict | None:
     """Run ``model`` in one process (group rank 0) and decomposed; compare (collective).
 
     Args:
         model: the same model on every rank.
         graph: one system on group rank 0 (others may pass ``None``).
-        manager_or_group, grid, mode, skin: see :class:`~xnn.distributed.DomainDecomposed`;
-            ``mode`` may also be ``"graph"`` (graph parallelism) or ``"auto"`` (halo or graph
-            by the cost model of :mod:`xnn.distributed.graph.auto`).
+        manager_or_group, grid, mode, skin, order: see
+            :func:`~xnn.distributed.parallelize.parallelize` (``mode`` any key of
+            :data:`~xnn.distributed.modes.MODES`).
     Returns:
         On group rank 0 the report of :func:`compare` (worst absolute and relative errors of
         energy, per-atom energies, forces by atom id, stress or virial); ``None`` elsewhere.
     """
-    from xnn.distributed.domain.potential import model_device
-    from xnn.distributed.graph.auto import decomposed
+    from xnn.distributed.parallelize import parallelize
+    from xnn.distributed.potential import model_device
 
-    dd = decomposed(model, manager_or_group, mode, graph, grid=grid, skin=skin)
+    dd = parallelize(model, manager_or_group, mode, graph=graph, grid=grid, skin=skin,
+                     order=order)
     ref = None
     with C.guarded(dd.group, "single-process reference"):
         if dd.rank == 0:
             graph = graph.to(dd.device or model_device(model) or graph.device)
             ref = single_process(model, graph)
-    out = dd(graph if dd.rank == 0 else None)
+    out = dd.single_point(graph if dd.rank == 0 else None)
     return compare(out, ref, graph) if dd.rank == 0 else None
 
 

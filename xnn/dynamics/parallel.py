@@ -44,6 +44,14 @@ class SerialRun:
         """The model the potential evaluates."""
         return self.potential.model
 
+    def compiled_integrator(self, ensemble: str = "nve", cuda_graph: bool = False):
+        """The integrator of ``md.compile=true`` for this run layer: here the one-process
+        :class:`~xnn.dynamics.compiled_thermo.CompiledIntegrator` (the decomposed run
+        layers of :func:`~xnn.distributed.parallelize.parallelize_md` declare theirs)."""
+        from xnn.dynamics.compiled_thermo import CompiledIntegrator
+
+        return CompiledIntegrator(ensemble, self.potential, cuda_graph=cuda_graph)
+
     def guarded(self, phase: str):
         """A block of rank-local work whose failure every rank learns of (here: nothing)."""
         return contextlib.nullcontext()

@@ -155,7 +155,7 @@ class Sum(AtomisticModel):
     @property
     def receiver_field(self) -> float:
         """The largest ``receiver_field`` the terms declare (0 if none does): see
-        :class:`~xnn.distributed.DomainPotential`."""
+        :class:`~xnn.distributed.DecomposedPotential`."""
         return max(float(getattr(m, "receiver_field", 0.0)) for m in self.terms)
 
     @property

@@ -1,4 +1,4 @@
 """Spatial domain decomposition: each rank owns the atoms of its box (``state``), receives
-ghosts pushed by their owners (``local``, ``halo``), migrates atoms between steps
-(``migrate``) and evaluates through ``DomainPotential`` (``potential``); ``DomainDecomposed``
-(``decomposed``) is the single-point wrapper."""
+ghosts pushed by their owners (``local``, ``halo``) and migrates atoms between steps
+(``migrate``): the :class:`~xnn.distributed.domain.layout.SpatialLayout` of the one
+decomposed potential (:mod:`xnn.distributed.potential`)."""

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from xnn.distributed.domain.potential import DomainPotential
 from xnn.distributed.md_run import DomainRun
+from xnn.distributed.parallelize import parallelize
 from xnn.errors import InputError
 
 
@@ -25,8 +25,7 @@ class CompiledDomainRun(DomainRun):
             raise InputError("compile=true on several ranks runs dd.mode halo, not graph: set "
                              "dd.mode: halo or compile: false")
         super().__init__(model, manager, skin, backend, "halo", order)
-        self.potential = DomainPotential(model, manager, skin=skin, mode="halo",
-                                         backend=backend)
+        self.potential = parallelize(model, manager, "halo", skin=skin, backend=backend)
         self.reduce = self.potential.reducer
 
     def after_step(self, state):

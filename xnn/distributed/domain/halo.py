@@ -83,27 +83,3 @@ def halo_exchange(x: Tensor, plan: HaloPlan) -> Tensor:
     """
     return _Exchange.apply(x, plan, False)
 
-
-def build_plan(owner: Tensor, local_index: Tensor, n_owned: int, group=None) -> HaloPlan:
-    """Agree with the other ranks on the exchange for the remote ghosts of this rank.
-
-    Args:
-        owner: ``[n_recv]`` group rank owning each remote ghost, non-decreasing.
-        local_index: ``[n_recv]`` the ghost's row in its owner's owned atoms.
-        n_owned: number of atoms this rank owns.
-        group: process group (collective: every rank of it calls this).
-    Returns:
-        The plan: peers are the ranks with a ghost in either direction.
-    """
-    n, me = C.group_size(group), C.group_rank(group)
-    if n == 1:
-        return HaloPlan(n_owned, group=group)
-    counts = torch.zeros(n, n, dtype=torch.long, device=owner.device)
-    counts[me] = torch.bincount(owner, minlength=n)
-    C.all_reduce_(counts, group)  # counts[r, q] = rows rank r receives from rank q
-    recv, send = counts[me].tolist(), counts[:, me].tolist()
-    peers = [q for q in range(n) if q != me and (recv[q] or send[q])]
-    requests = torch.split(local_index, recv)
-    incoming = [torch.empty(send[q], dtype=torch.long, device=owner.device) for q in peers]
-    C.exchange([(q, requests[q]) for q in peers], list(zip(peers, incoming)), group)
-    return HaloPlan(n_owned, peers, incoming, [recv[q] for q in peers], group)

@@ -241,17 +241,7 @@ def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
     :meth:`~xnn.models.Potential.model_graph` does.
     """
     fields = {name: dom.local_field(name, graph[name]) for name in dom.ghost_fields}
-    for name, value in graph.fields.items():
-        if K.scope_of(name) == K.SYSTEM and name not in _SYSTEM_RESULTS:
-            fields[name] = value
     device = positions.device
-    fields[K.POSITIONS] = positions
-    fields[K.BATCH] = torch.zeros(dom.n_local, dtype=torch.long, device=device)
-    fields[K.CELL] = torch.zeros(1, 3, 3, dtype=positions.dtype, device=device)
-    fields[K.PBC] = torch.zeros(1, 3, dtype=torch.bool, device=device)
-    if owned_only:
-        fields[K.N_UPDATE] = torch.tensor([dom.n_owned], device=device)
-    fields.update(extra or {})
     edge_index = dom.edge_index
     if cutoff is not None and edge_index.shape[1]:
         if dom.paired:  # a pair's two edges have the same length: one mask for both halves
@@ -259,9 +249,46 @@ def local_graph(graph: AtomicGraph, dom: LocalDomain, positions: Tensor,
             edge_index = edge_index[:, torch.cat([keep, keep])]
         else:
             edge_index = edge_index[:, edges_within(edge_index, positions, cutoff)]
-    fields[K.EDGE_INDEX] = edge_index
-    fields[K.SHIFTS] = torch.zeros(edge_index.shape[1], 3, dtype=torch.long, device=device)
-    return AtomicGraph(fields, validate=False)
+    return assemble_local_graph(
+        graph, fields, positions, torch.zeros(1, 3, 3, dtype=positions.dtype, device=device),
+        torch.zeros(1, 3, dtype=torch.bool, device=device), edge_index,
+        torch.zeros(edge_index.shape[1], 3, dtype=torch.long, device=device),
+        dom.n_owned if owned_only else None, extra)
 
 
 _SYSTEM_RESULTS = (K.ENERGY, K.STRESS, K.VIRIAL, K.CELL, K.PBC)
+
+
+def assemble_local_graph(graph: AtomicGraph, atom_fields: dict[str, Tensor],
+                         positions: Tensor, cell: Tensor, pbc: Tensor, edge_index: Tensor,
+                         shifts: Tensor, n_update: int | None = None,
+                         extra: dict[str, Tensor] | None = None) -> AtomicGraph:
+    """The one system graph of a rank's local atoms, in every layout.
+
+    Args:
+        graph: the owned atoms (its system fields other than results, cell and pbc are
+            copied).
+        atom_fields: per-atom fields of the local atoms, each ``[n_local, ...]``.
+        positions: ``[n_local, 3]`` (Å; may be strained, differentiable).
+        cell, pbc: ``[1, 3, 3]`` and ``[1, 3]`` of the local graph (zeros for explicit
+            positions).
+        edge_index, shifts: ``[2, n_edges]`` local rows and ``[n_edges, 3]`` image shifts.
+        n_update: mark the graph so that models update only the first ``n_update`` atoms'
+            features (``K.N_UPDATE``); the others' come from the sync points' exchanges.
+        extra: further system fields (long-range fields).
+    """
+    fields = dict(atom_fields)
+    for name, value in graph.fields.items():
+        if K.scope_of(name) == K.SYSTEM and name not in _SYSTEM_RESULTS:
+            fields[name] = value
+    device = positions.device
+    fields[K.POSITIONS] = positions
+    fields[K.BATCH] = torch.zeros(positions.shape[0], dtype=torch.long, device=device)
+    fields[K.CELL] = cell
+    fields[K.PBC] = pbc
+    if n_update is not None:
+        fields[K.N_UPDATE] = torch.tensor([n_update], device=device)
+    fields.update(extra or {})
+    fields[K.EDGE_INDEX] = edge_index
+    fields[K.SHIFTS] = shifts
+    return AtomicGraph(fields, validate=False)

@@ -101,10 +101,6 @@ class Partition:
     width: Tensor
     heights: Tensor
 
-    @property
-    def n_boxes(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
-
     def box_index(self, rank: int) -> Grid:
         px, py, pz = self.grid
         return rank // (py * pz), (rank // pz) % py, rank % pz

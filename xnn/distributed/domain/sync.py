@@ -36,7 +36,7 @@ class HaloSync(nn.Module):
 @contextmanager
 def swapped_sync_points(model, domain, tape: list[Tensor], enabled: bool = True):
     """Within the block, ``model``'s sync points are :class:`HaloSync` exchanges."""
-    points = list(getattr(model, "sync_points", [])) if enabled else []
+    points = list(model.sync_points) if enabled else []
     originals = [(name, module) for name, module in points]
     try:
         for name, _ in originals:

@@ -1,7 +1,7 @@
 """Graph parallelism: atoms split by index over the ranks, positions replicated, node
-features all-gathered at the model's sync points (the complement of spatial halos)."""
+features all-gathered at the model's sync points (the complement of spatial halos): the
+:class:`~xnn.distributed.graph.layout.GraphLayout` of the one decomposed potential."""
 
-from xnn.distributed.graph.decomposed import GraphDecomposed
-from xnn.distributed.graph.potential import GraphPotential, check_graph_model
+from xnn.distributed.graph.layout import GraphLayout, check_graph_model
 
-__all__ = ["GraphDecomposed", "GraphPotential", "check_graph_model"]
+__all__ = ["GraphLayout", "check_graph_model"]

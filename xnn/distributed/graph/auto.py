@@ -4,7 +4,7 @@ Both strategies give every rank ``N / P`` owned atoms to compute; they differ in
 rank holds and receives per evaluation. Rank 0 measures, on the actual structure:
 
 * halo fraction ``h = n_ghost / n_owned`` of the spatial partition (the grid and halo
-  ``DomainPotential`` would use; the slowest rank's ghosts, periodic images included: a
+  a spatial layout would use; the slowest rank's ghosts, periodic images included: a
   halo wider than a box holds several images of the same atoms), and the peers per rank;
 * the model's layers ``L`` and the width ``F`` of the features passed at a sync point.
 
@@ -34,16 +34,16 @@ import torch
 
 from xnn.data.graph import AtomicGraph
 from xnn.distributed.domain.partition import image_shifts, make_partition
-from xnn.distributed.domain.potential import model_cutoff, resolve_mode
+from xnn.distributed.graph.layout import check_graph_model
+from xnn.distributed.potential import model_cutoff
 from xnn.errors import InputError
 
 GAMMA, LATENCY = 0.01, 20.0
-MODES = ("auto", "halo", "sync", "graph")
 
 
 def feature_size(model) -> int:
     """Numbers per atom passed at one sync point (from the model's hyperparameters)."""
-    hp = getattr(model, "hparams", None) or {}
+    hp = getattr(model, "hparams", None) or {}  # native models' hyperparameters, if any
     name = type(model).__name__.lower()
     if "channels" in hp:  # equivariant: channels x (l_max + 1)^2
         return int(hp["channels"]) * (int(hp.get("hidden_l_max", hp.get("l_max", 1))) + 1) ** 2
@@ -74,16 +74,16 @@ def choose_mode(model, graph: AtomicGraph, n_ranks: int, grid=None,
                 skin: float = 0.0) -> tuple[str, str]:
     """``(mode, reason)``: ``"graph"`` or the spatial mode (``"sync"``/``"halo"``) of the
     smaller estimated cost (see the module docstring), and one line saying why."""
-    from xnn.distributed.graph.potential import check_graph_model
+    from xnn.distributed.modes import resolve_mode
 
-    spatial = resolve_mode(model, "auto")
+    spatial, _ = resolve_mode(model, "spatial")
+    cutoff, layers = model_cutoff(model)
     try:
-        check_graph_model(model)
+        check_graph_model(model, cutoff, layers)
     except InputError as err:
         return spatial, f"auto: {spatial} ({err})"
     if n_ranks == 1:
         return spatial, f"auto: {spatial} (one rank)"
-    cutoff, layers = model_cutoff(model)
     width = cutoff * (1 if spatial == "sync" else layers) + skin
     c = halo_counts(graph, n_ranks, width, grid)
     worst = max(range(n_ranks), key=lambda r: c["owned"][r] + c["ghost"][r])
@@ -104,59 +104,3 @@ def choose_mode(model, graph: AtomicGraph, n_ranks: int, grid=None,
               f"{f} features, {n} atoms on {n_ranks} ranks: estimated cost halo {halo:.4g} "
               f"vs graph {graph_cost:.4g} atom-layers)")
     return mode, reason
-
-
-def decomposed(model, manager_or_group=None, mode: str = "auto", graph=None, grid=None,
-               skin: float = 0.0, order: str = "morton", backend: str = "auto"):
-    """A single-point evaluator (``DomainDecomposed`` or ``GraphDecomposed``) of ``mode``.
-
-    ``mode="auto"`` is decided on group rank 0 from its ``graph`` (:func:`choose_mode`),
-    broadcast, and its reason printed there; the evaluator's ``reason`` keeps it. Collective.
-    """
-    from xnn.distributed.domain.decomposed import DomainDecomposed
-    from xnn.distributed.graph.decomposed import GraphDecomposed
-
-    mode, reason = resolve(model, manager_or_group, mode, graph, grid, skin)
-    if mode == "graph":
-        out = GraphDecomposed(model, manager_or_group, skin=skin, order=order, backend=backend)
-    else:
-        out = DomainDecomposed(model, manager_or_group, grid=grid, skin=skin, mode=mode,
-                               backend=backend)
-    out.reason = reason
-    return out
-
-
-def resolve(model, manager_or_group, mode: str, graph=None, grid=None,
-            skin: float = 0.0) -> tuple[str, str | None]:
-    """``(mode, reason)`` with ``"auto"`` decided on group rank 0 from its ``graph`` and
-    broadcast (the reason printed there); other modes pass through. Collective for auto."""
-    from xnn.distributed import collectives as C
-    from xnn.distributed.domain.potential import resolve_group
-
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    if mode != "auto":
-        return mode, None
-    group, _ = resolve_group(manager_or_group)
-    choice = None
-    with C.guarded(group, "choosing the decomposition mode"):
-        if C.group_rank(group) == 0:
-            choice = choose_mode(model, graph, C.group_size(group), grid, skin)
-    mode, reason = C.broadcast_object(choice, group)
-    if C.group_rank(group) == 0:
-        print(f"xnn: {reason}", flush=True)
-    return mode, reason
-
-
-def make_potential(model, manager_or_group=None, mode: str = "auto", graph=None,
-                   skin: float = 0.0, order: str = "morton", backend: str = "auto",
-                   grid=None):
-    """``(potential, reason)``: a ``GraphPotential`` or ``DomainPotential`` of ``mode``
-    (``auto``: :func:`resolve` on rank 0's ``graph``). Collective for auto."""
-    from xnn.distributed.domain.potential import DomainPotential
-    from xnn.distributed.graph.potential import GraphPotential
-
-    mode, reason = resolve(model, manager_or_group, mode, graph, grid, skin)
-    if mode == "graph":
-        return GraphPotential(model, manager_or_group, skin, order, backend), reason
-    return DomainPotential(model, manager_or_group, grid, skin, mode, backend), reason

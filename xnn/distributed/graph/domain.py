@@ -20,12 +20,12 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
+from xnn.distributed.domain.local import assemble_local_graph
 from xnn.distributed.graph.exchange import all_gather_rows
 from xnn.neighbors import neighbor_list
 
 #: fields that are not gathered with the static per-atom fields at a rebuild
 _NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
-_SYSTEM_RESULTS = (K.ENERGY, K.STRESS, K.VIRIAL, K.CELL, K.PBC)
 
 
 @dataclass
@@ -48,6 +48,7 @@ class GraphDomain:
     fields: dict[str, Tensor]
     edge_index: Tensor
     shifts: Tensor
+    paired: bool = False  # edges are never arranged as reverse pairs here
 
     @property
     def n_owned(self) -> int:
@@ -126,16 +127,5 @@ def local_graph(graph: AtomicGraph, dom: GraphDomain, positions: Tensor,
     Marked ``K.N_UPDATE = n_owned``: models update only the owned atoms' features; the
     ghosts' come from the sync points' all-gathers.
     """
-    fields = dict(dom.fields)
-    for name, value in graph.fields.items():
-        if K.scope_of(name) == K.SYSTEM and name not in _SYSTEM_RESULTS:
-            fields[name] = value
-    device = positions.device
-    fields[K.POSITIONS] = positions
-    fields[K.BATCH] = torch.zeros(dom.n_local, dtype=torch.long, device=device)
-    fields[K.CELL] = cell
-    fields[K.PBC] = graph.pbc
-    fields[K.N_UPDATE] = torch.tensor([dom.n_owned], device=device)
-    fields[K.EDGE_INDEX] = dom.edge_index
-    fields[K.SHIFTS] = dom.shifts
-    return AtomicGraph(fields, validate=False)
+    return assemble_local_graph(graph, dom.fields, positions, cell, graph.pbc, dom.edge_index,
+                                dom.shifts, dom.n_owned)

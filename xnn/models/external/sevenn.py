@@ -22,7 +22,7 @@ quantities (spherical harmonics, radial embedding) depend only on ``r_ij``, and 
 embedding only on the atom. So before the convolution of each layer ``t >= 1`` the wrapper
 passes exactly the tensor that convolution gathers through ``self.sync[t - 1]`` (a
 :class:`~xnn.models.base.SyncPoint`, the identity in one process). Under
-``DomainDecomposed(model, mode="sync")`` these become halo feature exchanges, so the halo is
+``parallelize(model, mode="sync")`` these become halo feature exchanges, so the halo is
 one cutoff (5 Å) plus skin instead of 5 x 5 Å.
 
 Checkpoint names ("7net-0", "7net-l3i5", ...) are resolved by

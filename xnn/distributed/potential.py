@@ -1,29 +1,32 @@
-"""``DomainPotential``: a :class:`~xnn.models.Potential` for a system whose atoms are owned
-by the ranks of a group, and the migration of an MD state between steps.
+"""``DecomposedPotential``: one system whose atoms are owned by the ranks of a group.
 
-Each rank holds only the atoms of its box (an ``AtomicGraph`` sorted by atom id) and its
-ghosts. The call ``pot(owned_graph, forces=True, stress=True)`` returns the total energy and
-stress (all-reduced) and the owned atoms' energies and forces, so an integrator written for
-one process runs unchanged on the owned atoms::
+The one implementation of the decomposed-potential protocol (what the MD runner, the safety
+checks, relaxation, training, ``xnn validate`` and the ASE calculator call). What differs
+between spatial boxes (mode ``halo`` or ``sync``) and index blocks (mode ``graph``) lives in
+its layout (:class:`~xnn.distributed.domain.layout.SpatialLayout`,
+:class:`~xnn.distributed.graph.layout.GraphLayout`): who owns an atom, the ghost plan, the
+local graph, whether sync points exchange, the migration rule and the stats fields. Build
+it with :func:`xnn.distributed.parallelize.parallelize`::
 
-    pot = DomainPotential(model, manager, skin=1.0)
+    pot = parallelize(model, manager, mode="spatial", skin=1.0)
     state = nve.init(pot.scatter(graph if manager.is_main else None), pot)
     for _ in range(steps):
         state = nve.step(state, pot, dt, reduce=pot.reducer)
         state = pot.maybe_migrate(state)        # atoms that left their box change rank
     full, extra = pot.gather(state.graph, {"forces": state.forces})   # rank 0, by id
 
-Forces and stress come from :mod:`xnn.models.derivatives`: owned positions and a symmetric
-strain ``ε`` are the leaves; ghosts are built from the strained owners and strained cell
-through the differentiable halo exchange, ``x_ghost = exchange(x_owner (1 + ε)) + shift @
-cell (1 + ε)``; ``F_owned = -∂E_r/∂x_owned`` (the exchange's backward sums ghost gradients
-into owners) and the strain gradients of the ranks' energy shares are summed.
+Each rank holds only its owned atoms (an ``AtomicGraph`` sorted by atom id) and its ghosts.
+``pot(owned_graph, forces=True, stress=True)`` returns the total energy and stress
+(all-reduced) and the owned atoms' energies and forces, so an integrator written for one
+process runs unchanged on the owned atoms. Forces and stress come from
+:mod:`xnn.models.derivatives`: owned positions and a symmetric strain ``ε`` are the leaves;
+local atoms are built from the strained owners and cell through the layout's differentiable
+exchange; ``F_owned = -∂E_r/∂x_owned`` (the exchange's backward sums the ghosts' gradients
+into their owners) and the strain gradients of the ranks' energy shares are summed.
 
 The ghost plan is rebuilt when an atom moved more than ``skin / 2`` since the last rebuild,
-counting the move of its periodic images by a changed cell (all-reduced: every rank takes the
-same branch; see :meth:`DomainPotential._deformation`). Ghost regions follow the
-atoms each rank actually owns, so results are exact whatever the ownership; migration (in
-:meth:`DomainPotential.maybe_migrate`) keeps ownership equal to the boxes.
+counting the move of its periodic images by a changed cell (all-reduced: every rank takes
+the same branch; see :meth:`DecomposedPotential._deformation`).
 """
 
 from __future__ import annotations
@@ -38,36 +41,33 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.local import build_local_domain, local_graph, min_pair_distance
-from xnn.distributed.domain.longrange import (
-    domain_fields,
-    long_range_modules,
-    swapped_global_sums,
-)
-from xnn.distributed.domain.migrate import migrate
-from xnn.distributed.domain.partition import (
-    Partition,
-    check_grid,
-    fractional_bounds,
-    parse_grid,
-    partition_from_bounds,
-)
+from xnn.distributed.domain.longrange import swapped_global_sums
 from xnn.distributed.domain.state import Counters, DomainState, gather, scatter
 from xnn.distributed.domain.sync import swapped_sync_points
 from xnn.errors import InputError
-from xnn.models.base import pairing_edges
+from xnn.models.base import AtomisticModel, pairing_edges
 from xnn.models.derivatives import apply_strain, derive
 
-_MODES = ("auto", "halo", "sync")
+
+def model_cutoff(model) -> tuple[float, int]:
+    """``(cutoff, num_interactions)`` of an xnn model with a finite positive cutoff: the
+    one check of every decomposition (``InputError`` otherwise)."""
+    declared = model.cutoff if isinstance(model, AtomisticModel) else None
+    try:
+        cutoff = float(declared)
+    except (TypeError, ValueError):
+        cutoff = float("nan")
+    if not (cutoff > 0 and cutoff != float("inf")):
+        raise InputError(f"domain decomposition needs an xnn model (AtomisticModel) with a "
+                         f"finite positive `cutoff`; {type(model).__name__} declares "
+                         f"cutoff={declared!r}")
+    return cutoff, int(model.num_interactions)
 
 
-def resolve_mode(model, mode: str) -> str:
-    """``"halo"`` or ``"sync"``: ``"auto"`` picks ``"sync"`` for models with sync points."""
-    if mode not in _MODES:
-        raise InputError(f"mode must be one of {list(_MODES)}, got {mode!r}")
-    if mode == "auto":
-        return "sync" if getattr(model, "sync_points", None) else "halo"
-    return mode
+def model_device(model) -> torch.device | None:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return None
 
 
 def resolve_group(manager_or_group):
@@ -82,32 +82,11 @@ def resolve_group(manager_or_group):
     return manager_or_group, None
 
 
-def model_cutoff(model) -> tuple[float, int]:
-    """``(cutoff, num_interactions)`` of a model; ``InputError`` if it declares no cutoff."""
-    cutoff = getattr(model, "cutoff", None)
-    try:
-        cutoff = float(cutoff)
-    except (TypeError, ValueError):
-        cutoff = None
-    if cutoff is None or not cutoff > 0 or cutoff == float("inf"):
-        declared = getattr(model, "cutoff", None)
-        raise InputError(f"domain decomposition needs a model with a finite positive `cutoff`; "
-                         f"{type(model).__name__} declares cutoff={declared!r}")
-    return cutoff, int(getattr(model, "num_interactions", 1))
-
-
-def model_device(model) -> torch.device | None:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return None
-
-
 def decomposed_results(energies: Tensor, tape: list[Tensor], strained, graph: AtomicGraph,
                        forces: bool, stress: bool, training: bool, group
                        ) -> dict[str, Tensor]:
     """The results of one decomposed evaluation from the owned atoms' ``energies``.
 
-    Shared by the spatial (:class:`DomainPotential`) and graph-parallel evaluations.
     ``tape`` holds every exchanged tensor (the local positions first); ``strained`` is
     :func:`~xnn.models.derivatives.apply_strain`'s result (``None`` without forces/stress).
 
@@ -126,96 +105,71 @@ def decomposed_results(energies: Tensor, tape: list[Tensor], strained, graph: At
     return out
 
 
-class DomainPotential:
+class DecomposedPotential:
     """Evaluate ``model`` on a system whose atoms are owned by the ranks of a group.
 
     Args:
-        model: per-atom-energy model with ``cutoff`` (Å) and ``num_interactions``.
+        model: per-atom-energy model (:class:`~xnn.models.base.AtomisticModel`) with a
+            finite ``cutoff`` (Å).
         manager_or_group: a :class:`~xnn.distributed.DistributedManager` (all ranks), a
             :class:`~xnn.distributed.ParallelDims` (its ``dd`` axis), a process group, or
             ``None`` (all ranks if ``torch.distributed`` is initialised, else one process).
-        grid: ``(px, py, pz)`` boxes, ``"2,1,1"``, or ``None`` (smallest halo surface).
+        layout: a :class:`~xnn.distributed.domain.layout.SpatialLayout` (boxes, mode halo or
+            sync) or a :class:`~xnn.distributed.graph.layout.GraphLayout` (index blocks).
         skin: Verlet skin (Å): ghosts and local edges are reused until an atom moved more
             than ``skin / 2``.
-        mode: ``"halo"`` (any local model), ``"sync"`` (models with sync points: ghost
-            features exchanged per layer, halo of one cutoff) or ``"auto"``.
-        backend: neighbor-list backend for the local (non-periodic) graphs.
+        backend: neighbor-list backend.
 
     Attributes:
-        state: the :class:`DomainState` of the last rebuild (``None`` before the first).
+        state: the :class:`~xnn.distributed.domain.state.DomainState` of the last rebuild
+            (``None`` before the first).
+        reason: why mode ``auto`` chose this layout (``None`` for a mode given by name).
     """
 
-    def __init__(self, model, manager_or_group=None, grid=None, skin: float = 0.0,
-                 mode: str = "halo", backend: str = "auto"):
+    def __init__(self, model, manager_or_group, layout, skin: float = 0.0,
+                 backend: str = "auto"):
         cutoff, hops = model_cutoff(model)
-        mode = resolve_mode(model, mode)
-        if mode == "sync" and hops > 1 and not hasattr(model, "sync_points"):
-            raise InputError(f"mode 'sync' needs a model with sync points; "
-                             f"{type(model).__name__} has none (use mode 'halo')")
         if skin < 0:
             raise InputError(f"skin must be >= 0, got {skin}")
-        self.model = model
+        self.model, self.layout, self.backend = model, layout, backend
+        self.skin, self.cutoff = float(skin), cutoff
         self.group, self.device = resolve_group(manager_or_group)
-        self.grid = parse_grid(grid)
-        self.skin, self.mode, self.backend, self.cutoff = float(skin), mode, backend, cutoff
-        #: with a skin the model sees the local edges within the cutoff only (the others it
-        #: weighs zero): less edge work for the same result (False: the whole list)
-        self.filters = self.skin > 0
-        depth = 1 if mode == "sync" else hops
-        reach = cutoff * depth
-        if mode == "halo":  # a declared receptive field (e.g. D3's cutoff + cn_cutoff,
-            # or a Coulomb term's cutoff + its charge model's receptive field)
-            reach = float(getattr(model, "receptive_field", reach))
-        # receivers farther than (depth - 1) hops + skin from the box never reach an owned
-        # energy: their edges are dropped (all ghosts when depth is 1), unless the model
-        # declares a wider ``receiver_field`` (ghosts whose predicted charges count)
-        self.receiver_width = (min(cutoff * (depth - 1), reach) + self.skin if depth > 1
-                               else 0.0)
-        if mode == "halo" and getattr(model, "receiver_field", 0.0) > 0.0:
-            self.receiver_width = max(self.receiver_width,
-                                      float(model.receiver_field) + self.skin)
-        self.halo_width = reach + self.skin
-        # long-range terms: k-space over owned atoms, their global sums all-reduced
-        self.long_range = long_range_modules(model)
-        #: arrange the local edges as reverse pairs (radial work once per pair) for a model
-        #: that declares ``pairs_edges``, in mode halo, without long-range terms, while the
-        #: model is not training (as the one-process :class:`~xnn.models.Potential`)
-        self.paired = (bool(getattr(model, "pairs_edges", False)) and mode == "halo"
-                       and not self.long_range)
-        if any(getattr(m, "charge_model", None) is not None for m in self.long_range) and (
-                mode != "halo" or reach == float("inf")):
-            raise InputError("domain decomposition of predicted charges (charge_model) needs "
-                             "mode 'halo' and a charge model that declares its cutoff (and "
-                             "num_interactions or receptive_field)")
         self.size, self.rank = C.group_size(self.group), C.group_rank(self.group)
-        if self.grid is not None:
-            self.grid = check_grid(self.grid, self.size)
+        layout.configure(model, cutoff, hops, self.skin, self.size)
         self.state: DomainState | None = None
         self.n_total: int | None = None
-        self.root_owner: Tensor | None = None  # rank 0, after scatter: each atom's rank
+        self.reason: str | None = None
         self._last_positions: Tensor | None = None
-        self._last_eval = None
+        self._last_eval = None  # (local positions, domain, owned ids) of the last call
+        self._last_cell: Tensor | None = None
+        self._root = None  # rank 0, single points: the last fresh scatter and the owners
 
-    # ------------------------------------------------------------------ start-up, output
-    def scatter(self, graph: AtomicGraph | None, owner: Tensor | None = None) -> AtomicGraph:
-        """This rank's owned atoms of rank 0's ``graph`` (collective; see :func:`scatter`).
+    # ------------------------------------------------------------------ the layout's words
+    @property
+    def mode(self) -> str:
+        """``"halo"``, ``"sync"`` or ``"graph"`` (resolved; see :data:`~.modes.MODES`)."""
+        return self.layout.mode
 
-        With ``owner`` (rank 0: each atom's rank) atoms go where told, and the ghost plan is
-        rebuilt when first needed; otherwise each atom goes to its box and the plan is built.
-        """
-        device = self.device or model_device(self.model)
-        owned, grid, n_total, self.root_owner = scatter(graph, self.group, self.halo_width,
-                                                        self.grid, device, owner)
-        self.n_total = n_total
-        if grid is not None:  # every rank knows: atoms went to their boxes
-            self.grid = grid
-            self._rebuild(owned, migrated=owned.positions)
-        return owned
+    @property
+    def grid(self):
+        """The box grid ``(px, py, pz)`` (``None`` before the first partition, and in mode
+        graph)."""
+        return self.layout.grid
 
-    def gather(self, graph: AtomicGraph, extra: Mapping[str, Tensor] | None = None,
-               dst: int = 0):
-        """The whole system on rank ``dst`` by atom id: see :func:`state.gather`."""
-        return gather(graph, self.group, extra, dst)
+    @property
+    def halo_width(self) -> float:
+        """Å: the ghost shell (spatial) or the edges' reach (graph)."""
+        return self.layout.halo_width
+
+    @property
+    def long_range(self) -> list:
+        """The model's long-range modules whose global sums are all-reduced."""
+        return self.layout.long_range
+
+    @property
+    def filters(self) -> bool:
+        """With a skin the model sees the local edges within the cutoff only."""
+        return self.layout.filters
 
     @property
     def reducer(self):
@@ -224,52 +178,53 @@ class DomainPotential:
 
         return GroupReducer(self.group)
 
-    # ------------------------------------------------------------------ rebuilds
-    def _partition(self, graph: AtomicGraph) -> Partition:
-        """The partition at ``graph``'s cell; non-periodic axes split the global bounding box."""
-        cell, pbc, pos = graph.cell[0].detach(), graph.pbc[0], graph.positions.detach()
-        bounds = torch.zeros(6, dtype=pos.dtype, device=pos.device)
-        if not bool(pbc.all()):
-            bounds = C.all_reduce_max(fractional_bounds(pos, cell), self.group)
-        part = partition_from_bounds(-bounds[3:], bounds[:3], cell, pbc, self.size,
-                                     self.halo_width, self.grid)
-        self.grid = part.grid
-        return part
+    # ------------------------------------------------------------------ start-up, output
+    def scatter(self, graph: AtomicGraph | None, owner: Tensor | None = None) -> AtomicGraph:
+        """This rank's owned atoms of rank 0's ``graph`` (collective; see :func:`scatter`).
 
-    def _extents(self, part: Partition, graph: AtomicGraph) -> Tensor:
-        """``[n_ranks, 2, 3]`` every rank's owned region; checks the total atom count."""
-        home, _ = part.home(graph.positions.detach(), self.rank)
-        mine = torch.cat([part.extent(self.rank, home).flatten().double(),
-                          home.new_tensor([graph.n_atoms], dtype=torch.float64)])
-        every = C.all_gather_tensor(mine, self.group)
-        n_total = int(every[:, 6].sum())
+        With ``owner`` (rank 0: each atom's rank) atoms go where told, and the ghost plan is
+        rebuilt when first needed; otherwise the layout places them (spatial: each atom to
+        its box, and the plan is built; graph: blocks of the atom order).
+        """
+        device = self.device or model_device(self.model)
+        if owner is None:
+            owner = self.layout.owners(graph, self.group, self.rank, self.size)
+        owned, grid, n_total, _ = scatter(graph, self.group, self.halo_width,
+                                          self.layout.grid, device, owner)
+        self.n_total = n_total
+        if grid is not None:  # every rank knows: atoms went to their boxes
+            self.layout.grid = grid
+            self._rebuild(owned, migrated=owned.positions)
+        return owned
+
+    def gather(self, graph: AtomicGraph, extra: Mapping[str, Tensor] | None = None,
+               dst: int = 0):
+        """The whole system on rank ``dst`` by atom id: see :func:`state.gather`."""
+        return gather(graph, self.group, extra, dst)
+
+    # ------------------------------------------------------------------ rebuilds
+    def _rebuild(self, graph: AtomicGraph, part=None, migrated: Tensor | None = None,
+                 counters: Counters | None = None) -> None:
+        with C.guarded(self.group, "species check"):
+            if graph.n_systems != 1:
+                raise InputError(f"domain decomposition takes one system, got {graph.n_systems}")
+            self.model.check_species(graph.numbers)
+        local = self.layout.build(graph, self, part)
+        counters = counters or (self.state.counters if self.state else Counters())
+        ref = graph.without_edges().replace(positions=graph.positions.detach().clone(),
+                                            cell=graph.cell.detach().clone())
+        self.state = DomainState(ref, local, self.n_total, migrated,
+                                 dataclasses.replace(counters, rebuilds=counters.rebuilds + 1))
+
+    def check_total(self, n_total: int) -> None:
+        """Refuse owned graphs that do not add up to the scattered atoms (all ranks agree:
+        ``n_total`` is a sum over the group)."""
         if self.n_total is None:
             self.n_total = n_total
         elif n_total != self.n_total:
             raise InputError(f"the ranks hold {n_total} atoms, but {self.n_total} were "
                              "scattered; pass each rank its owned graph (from scatter or "
                              "maybe_migrate)")
-        return every[:, :6].reshape(-1, 2, 3).to(home.dtype)
-
-    def _rebuild(self, graph: AtomicGraph, part: Partition | None = None,
-                 migrated: Tensor | None = None, counters: Counters | None = None) -> None:
-        check = getattr(self.model, "check_species", None)
-        with C.guarded(self.group, "species check"):
-            if graph.n_systems != 1:
-                raise InputError(f"domain decomposition takes one system, got {graph.n_systems}")
-            if check is not None:
-                check(graph.numbers)
-        part = part or self._partition(graph)
-        extents = self._extents(part, graph)
-        local = build_local_domain(graph, part, extents, self.halo_width,
-                                   self.cutoff + self.skin, self.group, self.backend,
-                                   self.receiver_width, self.cutoff if self.filters else None,
-                                   self.paired and not getattr(self.model, "training", False))
-        counters = counters or (self.state.counters if self.state else Counters())
-        ref = graph.without_edges().replace(positions=graph.positions.detach().clone(),
-                                            cell=graph.cell.detach().clone())
-        self.state = DomainState(ref, local, self.n_total, migrated,
-                                 dataclasses.replace(counters, rebuilds=counters.rebuilds + 1))
 
     def _changed(self, graph: AtomicGraph) -> bool:
         """Rank-local: the graph is not of the atoms of the last rebuild (ids or pbc); a
@@ -281,11 +236,10 @@ class DomainPotential:
 
     def _deformation(self, cell: Tensor) -> float:
         """How much a cell change since the last rebuild moved the local images (Å):
-        ``max |shift @ (cell - cell_ref)|`` over this rank's local atoms.
+        ``max |shift @ (cell - cell_ref)|`` over this rank's image shifts.
 
         A pair's separation changes by the two atoms' displacements plus the change of
-        their image offsets, so the plan (ghosts with a halo of ``cutoff * hops + skin``,
-        edges within ``cutoff + skin``) stays complete while ``max displacement +
+        their image offsets, so the plan stays complete while ``max displacement +
         deformation < skin / 2`` over all ranks (a deformation budget: NPT and cell
         relaxations rebuild only when the cell has moved enough, not at every step).
         """
@@ -327,14 +281,15 @@ class DomainPotential:
         return True
 
     def maybe_rebuild(self, graph: AtomicGraph, extra: Mapping[str, Tensor] | None = None):
-        """Between steps: migrate atoms to their boxes and rebuild, when needed. Collective.
+        """Between steps: migrate atoms to their owners and rebuild, when needed. Collective.
 
-        Migrates when the displacement since the last rebuild (with the images' move by a
+        Nothing migrates in a layout whose ownership has no geometry (graph). Otherwise
+        migrates when the displacement since the last rebuild (with the images' move by a
         changed cell, :meth:`_deformation`) plus that of the last step exceeds ``skin / 2``
         (so that the next step's evaluation rarely has to rebuild the ghosts itself), when
         atoms moved more than ``skin / 2`` since the last migration, or when ownership is
-        unknown (a graph not made by
-        :meth:`scatter` or a migration, e.g. read from a checkpoint shard).
+        unknown (a graph not made by :meth:`scatter` or a migration, e.g. read from a
+        checkpoint shard).
 
         Args:
             graph: this rank's owned atoms.
@@ -343,6 +298,8 @@ class DomainPotential:
             ``(graph, extra)``: the same objects when nothing moved; else the new owned
             atoms sorted by atom id, with every atom-scope field and the extras.
         """
+        if not self.layout.migrates:
+            return graph, extra
         st, pos = self.state, graph.positions.detach()
         changed = self._changed(graph) or st.migrated is None
         last = self._last_positions
@@ -356,15 +313,21 @@ class DomainPotential:
         self._last_positions = pos
         if not (flags[0] > 0 or flags[1] + flags[3] > half or flags[2] > half):
             return graph, extra
-        part = self._partition(graph)
-        peers = part.peers(self._extents(part, graph), self.halo_width, self.rank)
-        graph, extra, sent, received = migrate(graph, extra, part, peers, self.group)
+        graph, extra, sent, received, part = self.layout.migrate(graph, extra, self)
         c = self.state.counters if self.state else Counters()
         c = dataclasses.replace(c, migrations=c.migrations + 1, sent=c.sent + sent,
                                 received=c.received + received)
         self._rebuild(graph, part, migrated=graph.positions.detach().clone(), counters=c)
         self._last_positions = graph.positions.detach()
         return graph, extra
+
+    def maybe_migrate(self, state):
+        """An :class:`~xnn.dynamics.MDState` with atoms (and forces) moved to their owners
+        when :meth:`maybe_rebuild` decides so; the same state otherwise. Collective."""
+        graph, extra = self.maybe_rebuild(state.graph, {K.FORCES: state.forces})
+        if graph is state.graph:
+            return state
+        return state.replace(graph=graph, forces=extra[K.FORCES])
 
     # ------------------------------------------------------------------ checkpoints
     def reference(self, graph: AtomicGraph) -> dict | None:
@@ -374,9 +337,9 @@ class DomainPotential:
             graph: this rank's owned atoms, as last passed to :meth:`maybe_rebuild`.
         Returns:
             ``None`` unless the last rebuild is of these atoms and knows where they were at
-            the last migration; else ``ref_positions [n_owned, 3]`` (Å, at the rebuild),
-            ``migrated [n_owned, 3]`` (Å, at the migration), ``ref_cell [3, 3]`` (Å) and
-            ``counters`` (:class:`Counters`).
+            the last migration (never in mode graph: a resumed run rebuilds at its first
+            step); else ``ref_positions [n_owned, 3]`` (Å, at the rebuild), ``migrated
+            [n_owned, 3]`` (Å, at the migration), ``ref_cell [3, 3]`` (Å) and ``counters``.
         """
         st, last = self.state, self._last_positions
         if (st is None or st.migrated is None or last is None
@@ -399,19 +362,11 @@ class DomainPotential:
             grid: the checkpoint's ``(px, py, pz)`` (``None``: keep this one's).
         """
         if grid:
-            self.grid = tuple(grid)
+            self.layout.grid = tuple(grid)
         cell = ref_cell.to(graph.cell).reshape(graph.cell.shape)
         self._rebuild(graph.replace(positions=ref_positions, cell=cell), migrated=migrated,
                       counters=dataclasses.replace(counters, rebuilds=counters.rebuilds - 1))
         self._last_positions = graph.positions.detach()
-
-    def maybe_migrate(self, state):
-        """An :class:`~xnn.dynamics.MDState` with atoms (and forces) moved to their owners
-        when :meth:`maybe_rebuild` decides so; the same state otherwise. Collective."""
-        graph, extra = self.maybe_rebuild(state.graph, {K.FORCES: state.forces})
-        if graph is state.graph:
-            return state
-        return state.replace(graph=graph, forces=extra[K.FORCES])
 
     # ------------------------------------------------------------------ evaluation
     def __call__(self, graph: AtomicGraph, forces: bool = True, stress: bool = True,
@@ -419,7 +374,7 @@ class DomainPotential:
         """Energy and stress of the whole system; energies and forces of the owned atoms.
 
         Collective: every rank calls it with its owned ``graph``. With ``training=True`` the
-        results stay differentiable (double backward through the exchange); backpropagate
+        results stay differentiable (double backward through the exchanges); backpropagate
         ``loss_r`` on every rank, where the total loss is ``sum_r loss_r`` (so divide
         replicated terms such as the energy loss by the group size), then sum parameter
         gradients over the group.
@@ -430,29 +385,83 @@ class DomainPotential:
             ``atom_id [n_owned]``.
         """
         self.update(graph)
-        dom = self.state.local
+        dom, lay = self.state.local, self.layout
         need_grad = forces or stress
         with torch.enable_grad() if (need_grad or training) else torch.no_grad():
             strained = apply_strain(graph.without_edges(), with_strain=stress) if need_grad \
                 else None
             g = strained.graph if strained is not None else graph
-            tape: list[Tensor] = []
-            x = dom.local_positions(g.positions, g.cell[0])
-            tape.append(x)
-            extra = (domain_fields(g.cell[0], graph.pbc[0], dom.n_owned)
-                     if self.long_range else None)
+            x = lay.local_positions(dom, g.positions, g.cell)
+            tape: list[Tensor] = [x]
             with C.guarded(self.group, "model evaluation"), \
-                    swapped_sync_points(self.model, dom, tape, enabled=self.mode == "sync"), \
-                    swapped_global_sums(self.long_range, self.group, tape), \
+                    swapped_sync_points(self.model, dom, tape, enabled=lay.syncs), \
+                    swapped_global_sums(lay.long_range, self.group, tape), \
                     pairing_edges(dom.paired and not training):
-                energies = self.model(local_graph(graph, dom, x, self.mode == "sync", extra,
-                                                  self.cutoff if self.filters else None))
-                energies = energies[: dom.n_owned]
+                energies = self.model(lay.local_graph(graph, dom, x, g.cell))[: dom.n_owned]
             out = decomposed_results(energies, tape, strained, graph, forces, stress,
                                      training, self.group)
         self._last_eval = (x.detach(), dom, graph.atom_id)
+        self._last_cell = g.cell.detach()
         if not training:
             out = {k: v.detach() for k, v in out.items()}
+        return out
+
+    # ------------------------------------------------------------------ single points
+    def _owners(self, graph: AtomicGraph | None) -> Tensor | None:
+        """Rank 0: the current rank of each atom, when ``graph`` is the last structure moved
+        by less than ``skin / 2`` (then the ghosts stay valid); else ``None``."""
+        r = self._root
+        if self.rank != 0 or r is None or graph is None or "ids" not in r:
+            return None
+        pos = graph.positions.detach()
+        if (pos.shape != r["positions"].shape or not torch.equal(graph.atom_id, r["atom_id"])
+                or not torch.equal(graph.cell, r["cell"]) or not torch.equal(graph.pbc, r["pbc"])):
+            return None
+        if self.skin == 0:
+            if not torch.equal(pos, r["positions"]):
+                return None
+        elif pos.shape[0] and float((pos - r["positions"]).norm(dim=-1).max()) > 0.5 * self.skin:
+            return None
+        rows = torch.searchsorted(r["ids"], graph.atom_id.to(r["ids"].device))
+        return r["owner"][rows].to(graph.device)
+
+    def single_point(self, graph: AtomicGraph | None = None, forces: bool = True,
+                     stress: bool = True) -> dict[str, Tensor]:
+        """Rank 0's ``graph`` scattered, evaluated (:meth:`__call__`) and its per-atom
+        results gathered on every rank, sorted by atom id. Collective.
+
+        Repeated calls on a structure whose atoms moved less than ``skin / 2`` since the
+        last fresh scatter keep each atom on its rank, so the ghosts are reused.
+
+        Args:
+            graph: one system (rank 0's copy is used; other ranks may pass ``None``).
+        Returns:
+            ``energy [1]`` eV, ``energies [n_atoms]`` eV, ``forces [n_atoms, 3]`` eV/Å,
+            ``stress [1, 3, 3]`` eV/Å³ and ``virial [1, 3, 3]`` eV, and ``atom_id
+            [n_atoms]``: per-atom rows sorted by global atom id.
+        """
+        owner = self._owners(graph)
+        owned = self.scatter(graph, owner=owner)
+        if self.rank == 0 and owner is None:
+            g = graph.detach()
+            self._root = {"atom_id": g.atom_id.clone(), "positions": g.positions.clone(),
+                          "cell": g.cell.clone(), "pbc": g.pbc.clone()}
+        local = self(owned, forces, stress, training=False)
+        ids = C.gather_rows(local[K.ATOM_ID], self.group)
+        counts = C.all_gather_tensor(torch.tensor([owned.n_atoms], device=ids.device),
+                                     self.group)
+        order = torch.argsort(ids)
+        if self.rank == 0 and self._root is not None:
+            owners = torch.repeat_interleave(torch.arange(self.size, device=ids.device),
+                                             counts.flatten())
+            self._root.update(ids=ids[order], owner=owners[order])
+        out = {K.ENERGY: local[K.ENERGY], K.ATOM_ID: ids[order]}
+        for name in (K.ENERGIES, K.FORCES):
+            if name in local:
+                out[name] = C.gather_rows(local[name], self.group)[order]
+        for name in (K.STRESS, K.VIRIAL):
+            if name in local:
+                out[name] = local[name]
         return out
 
     # ------------------------------------------------------------------ diagnostics
@@ -466,7 +475,7 @@ class DomainPotential:
         if self._last_eval is None:
             raise InputError("min_pair_distance needs an evaluation first")
         x, dom, ids = self._last_eval
-        return min_pair_distance(x, dom, dom.local_field(K.ATOM_ID, ids))
+        return self.layout.min_pair_distance(x, dom, ids, self._last_cell)
 
     def stats(self) -> dict[str, object]:
         """This rank's decomposition: owned, ghost and exchanged atoms, peers, grid, counts."""
@@ -474,10 +483,7 @@ class DomainPotential:
         if st is None:
             return {}
         d, c = st.local, st.counters
-        return {"grid": list(d.partition.grid), "n_owned": st.n_owned, "n_ghost": d.n_ghost,
-                "n_held": st.n_owned + d.n_ghost, "n_recv": d.plan.n_recv,
-                "n_send": d.plan.n_send, "n_peers": len(d.plan.peers),
-                "n_edges": int(d.edge_index.shape[1]), "paired": d.paired,
-                "halo_width": self.halo_width,
+        return {**self.layout.stats(st), "n_owned": st.n_owned, "n_ghost": d.n_ghost,
+                "n_edges": int(d.edge_index.shape[1]), "halo_width": self.halo_width,
                 "rebuilds": c.rebuilds, "migrations": c.migrations, "migrated_out": c.sent,
                 "migrated_in": c.received}

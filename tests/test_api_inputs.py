@@ -107,8 +107,8 @@ def test_the_same_line_from_every_door(tmp_path, argon_file, capsys):
     assert line == f"xnn validate: error: {want}", line
     out = tmp_path / "md"
     line = cli_fails(capsys, ["md", f"structure={argon_file}", f"output.dir={out}",
-                              "model.name=painn", "model.params.species=[18]",
-                              "model.params.cutoff=-1", "steps=1"])
+                              "model.name=painn", "model.species=[18]",
+                              "model.cutoff=-1", "steps=1"])
     assert line == f"xnn md: error: {want}", line
     assert not out.exists()
     out = tmp_path / "train"

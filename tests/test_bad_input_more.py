@@ -22,7 +22,7 @@ from xnn.data.datasets import read_structures
 from xnn.data.emt import write_emt
 from xnn.errors import DataFileError, InputError
 
-LJ = ["model.name=lj", "model.params={sigma: 3.405, epsilon: 0.0104, cutoff: 6.0}"]
+LJ = ["model.name=lj", "model.hyperparameters={sigma: 3.405, epsilon: 0.0104}", "model.cutoff=6.0"]
 TINY = ["model.cutoff=4.0", "model.hyperparameters={num_features: 8, num_filters: 8, "
         "num_interactions: 1, num_basis: 8}", "max_epochs=1", "data.batch_size=4",
         "logging.plots=false", "logging.progress_bar=false", "device=cpu"]

@@ -13,6 +13,7 @@ import torch
 from xnn._files import atomic_write
 from xnn._torch_files import check_complete
 from xnn.app.md_setup import load_potential
+from xnn.app.modes import check_md_degrees, library_mode
 from xnn.config.loader import load_config, save_config
 from xnn.data import keys as K
 from xnn.distributed.parallelize import parallelize_md
@@ -120,9 +121,11 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None, check=None
     potential = load_potential(cfg.model, device, dtype)
     if check is not None:
         check(cfg, potential.model, device, manager is not None)
+    if manager is not None:
+        check_md_degrees(cfg.parallel.dd, manager.world_size)
     par = parallelize_md(potential, manager, skin=cfg.model.skin,
-                         backend=cfg.model.neighbor_backend, mode=cfg.dd.mode,
-                         order=cfg.dd.order,
+                         backend=cfg.model.neighbor_backend,
+                         mode=library_mode(cfg.parallel.mode, "md"), order=cfg.parallel.order,
                          compile=bool(getattr(cfg, "compile", False)  # xnn md only
                                       or getattr(cfg, "cuda_graph", False)))
     return cfg, device, dtype, par, folder, potential.model

@@ -186,7 +186,8 @@ def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:
     dtype, autocast = configure_precision(cfg.precision)
     set_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.name,
                                  cfg.compile)
-    set_kernel_backend(model, cfg.model.backend, cfg.model.name)
+    if cfg.model.kernel_backend != "saved":  # saved: as the pretrained file (new: reference)
+        set_kernel_backend(model, cfg.model.kernel_backend, cfg.model.name)
     model = model.to(device=device, dtype=dtype)
     reducer.broadcast_module(model)
     optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
@@ -311,6 +312,7 @@ def run_train(cfg: TrainConfig) -> dict:
     Returns:
         the run summary (as :func:`train`).
     """
+    from xnn.app.modes import library_mode
     from xnn.config.parallel import TIMEOUT_KEY
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
     from xnn.distributed.manager import DistributedManager
@@ -327,7 +329,7 @@ def run_train(cfg: TrainConfig) -> dict:
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
         parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile,
-                                     mode="graph" if cfg.parallel.mode == "graph" else "auto")
+                                     mode=library_mode(cfg.parallel.mode, "train"))
         if manager.is_distributed and manager.is_main:
             print(manager.describe(), flush=True)
         return train(cfg, parallel=parallel)

@@ -13,8 +13,9 @@ class ValidateOptions:
     Attributes:
         model: model file or built-in spec (``lj:sigma=2.3``). structure: structure file.
         index: frame of ``structure``. dtype: ``float64`` or ``float32``.
-        grid: boxes ``"px,py,pz"`` (``None``: automatic). mode: ``auto``, ``halo``, ``sync`` or
-        ``graph``. order: atom order of mode ``graph`` (``morton`` or ``index``).
+        grid: boxes ``"px,py,pz"`` (``None``: automatic). mode: a word of
+        :data:`xnn.distributed.modes.MODES` (``auto``, ``spatial``, ``halo``, ``sync``,
+        ``graph``). order: atom order of mode ``graph`` (``morton`` or ``index``).
         skin: Verlet skin (Å). tol: largest relative error that passes.
         json: report file (rank 0). skip_reference: decomposed single point only.
         output: structure file with the decomposed results (rank 0).
@@ -157,6 +158,8 @@ def run_validate(opts: ValidateOptions) -> int:
 
     import torch
 
+    from xnn.app.model_spec import load_model_everywhere
+    from xnn.app.modes import library_mode
     from xnn.distributed import DistributedManager
     from xnn.distributed import collectives as C
     from xnn.distributed import validate as V
@@ -175,10 +178,11 @@ def run_validate(opts: ValidateOptions) -> int:
         graph = V.read_structure_rank0(opts.structure, opts.index)
         species = C.broadcast_object(
             None if graph is None else sorted(set(graph.numbers.tolist())))
-        model = V.load_model_everywhere(opts.model, species, trust=opts.trust_file)
+        model = load_model_everywhere(opts.model, species, trust=opts.trust_file)
         model = model.to(manager.device, dtype)
         graph = None if graph is None else graph.to(manager.device, dtype)  # rank 0 only
-        dd = decomposed(model, manager, opts.mode, graph, grid=grid, skin=opts.skin,
+        mode = library_mode(opts.mode, "validate", "--mode", model)
+        dd = decomposed(model, manager, mode, graph, grid=grid, skin=opts.skin,
                         order=opts.order)
         ref, seconds = None, {}
         with C.guarded(None, "single-process reference"):

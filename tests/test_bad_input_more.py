@@ -294,10 +294,10 @@ def test_model_hyperparameters_only_what_the_class_takes():
     from xnn.app.train_model import model_hyperparameters
     from xnn.config.train import ModelConfig
 
-    hp = model_hyperparameters(ModelConfig(name="d3", hyperparameters={"functional": "pbe"}),
-                               [29])
+    hp = model_hyperparameters(ModelConfig(name="d3", cutoff=5.0,
+                                           hyperparameters={"functional": "pbe"}), [29])
     assert "species" not in hp and hp["cutoff"] == 5.0
-    hp = model_hyperparameters(ModelConfig(name="schnet"), [29])
+    hp = model_hyperparameters(ModelConfig(name="schnet", cutoff=5.0), [29])
     assert hp["species"] == [29]
 
 

@@ -34,7 +34,8 @@ from xnn.models.serialization import read_as_data, save_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405",
-      "model.hyperparameters.epsilon=0.0104", "model.cutoff=6.5", "output.progress=false", "output.plot=false"]
+      "model.hyperparameters.epsilon=0.0104", "model.cutoff=6.5", "output.progress=false",
+      "output.plot=false"]
 
 
 @pytest.fixture

@@ -295,7 +295,8 @@ def split_config_args(config: str | None, overrides: Sequence[str]) -> tuple[str
     """
     if config is not None and "=" in config and not Path(config).is_file():
         return None, [config, *overrides]
-    if config is not None and Path(config).suffix.lower() not in (".yaml", ".yml"):
+    if config is not None and Path(config).suffix.lower() not in (".yaml", ".yml") \
+            and not Path(config).is_dir():  # a folder: load_config says it is one
         raise ConfigError(f"{config} is not a YAML config (.yaml/.yml); give settings as "
                           "key=value (e.g. structure=PATH)")
     return config, list(overrides)

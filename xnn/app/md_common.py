@@ -16,10 +16,10 @@ from xnn.app.md_setup import load_potential
 from xnn.app.modes import check_md_degrees, library_mode
 from xnn.config.loader import load_config, save_config
 from xnn.data import keys as K
+from xnn.devices import resolve_device
 from xnn.distributed.parallelize import parallelize_md
 from xnn.dynamics import checkpoint as ckpt
 from xnn.dynamics.state import MDState
-from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder
 from xnn.io.trajectory import open_trajectory
 

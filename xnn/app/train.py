@@ -31,8 +31,8 @@ from xnn.app.train_model import (
 )
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
+from xnn.devices import resolve_device
 from xnn.errors import InputError
-from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.models.cueq import set_kernel_backend
 from xnn.models.trust import granted

@@ -62,8 +62,8 @@ def check_options(opts: ValidateOptions) -> ValidateOptions:
     import math
 
     from xnn._files import check_output_file
+    from xnn.devices import resolve_device
     from xnn.errors import InputError
-    from xnn.io.calculator import resolve_device
 
     if not (math.isfinite(opts.tol) and opts.tol > 0):
         raise InputError(f"--tol must be a finite number > 0, got {opts.tol}")

@@ -75,8 +75,8 @@ def run(args) -> int:
     from xnn import plotting
     from xnn._files import check_output_file
     from xnn.app.evaluate import check_finite_metrics, check_finite_weights
+    from xnn.devices import resolve_device
     from xnn.errors import InputError
-    from xnn.io.calculator import resolve_device
     from xnn.models.serialization import load_model
     from xnn.training.evaluate import evaluate_model, format_metrics
 

@@ -95,8 +95,9 @@ def run_bulk(args) -> int:
 def run_convert(args) -> int:
     from xnn.app.data import PROPERTIES, convert_file
 
-    n, atoms = convert_file(args.input, args.output,
-                            {p: getattr(args, f"{p}_key") for p in PROPERTIES})
+    keys = dict(zip(PROPERTIES, (args.energy_key, args.forces_key, args.stress_key,
+                                 args.virial_key)))
+    n, atoms = convert_file(args.input, args.output, keys)
     print(f"wrote {n} structures ({atoms} atoms) to {args.output}")
     return 0
 
@@ -104,5 +105,7 @@ def run_convert(args) -> int:
 def run_inspect(args) -> int:
     from xnn.app.data import PROPERTIES, inspect_file
 
-    print(inspect_file(args.file, args.limit, {p: getattr(args, f"{p}_key") for p in PROPERTIES}))
+    keys = dict(zip(PROPERTIES, (args.energy_key, args.forces_key, args.stress_key,
+                                 args.virial_key)))
+    print(inspect_file(args.file, args.limit, keys))
     return 0

@@ -48,7 +48,8 @@ def run(args) -> int:
 
     result = run_eval(EvalOptions(
         model=args.model, data=args.data, split=args.split,
-        keys=tuple((k, getattr(args, f"{k}_key")) for k in KEYS), batch_size=args.batch_size,
+        keys=tuple(zip(KEYS, (args.energy_key, args.forces_key, args.stress_key))),
+        batch_size=args.batch_size,
         device=args.device, plot=args.plot, json=args.json, trust_file=args.trust_file))
     print(f"{result.model_file} on {result.description}")
     print(format_metrics(result.metrics))

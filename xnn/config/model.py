@@ -19,6 +19,7 @@ Some keys belong to one kind of command and are refused by the other with one li
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,8 +119,8 @@ class ModelConfig:
             raise ConfigError("set exactly one of model.file (a model file) or model.name "
                               "(a built-in model with model.hyperparameters)")
         if self.file is not None:
-            for key in ("cutoff", "species"):
-                if getattr(self, key) is not None:
+            for key, value in (("cutoff", self.cutoff), ("species", self.species)):
+                if value is not None:
                     raise ConfigError(f"model.{key} is a setting of a model built from "
                                       f"model.name; the model file {self.file!r} keeps its own")
             if self.hyperparameters:
@@ -148,8 +149,9 @@ class ModelConfig:
 
 
 def _refuse_set(cfg: ModelConfig, keys: dict, why: str) -> None:
+    values = dataclasses.asdict(cfg)
     for key, default in keys.items():
-        if getattr(cfg, key) != default:
+        if values[key] != default:
             raise ConfigError(f"model.{key} is {why}; remove it")
 
 

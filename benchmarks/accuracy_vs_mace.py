@@ -216,7 +216,8 @@ def evaluate_mace(model_path: Path, test: Path) -> tuple[dict, int]:
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu", help="cpu or cuda (training device)")
     p.add_argument("--quick", action="store_true", help="small data, model and run (< 2 min)")
     p.add_argument("--n", type=int, default=None, help="EMT structures (default 300; quick 30)")
@@ -228,6 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="data, split and training seed")
     p.add_argument("--keep", default=None, help="keep the run folders here (default: temp)")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("accuracy_vs_mace", args.device)
     args.n = args.n or (30 if args.quick else 300)
     args.epochs = args.epochs or (1 if args.quick else 5)
     args.channels = args.channels or (8 if args.quick else 32)

@@ -150,8 +150,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--repeats", type=int, default=3, help="timed steps (the fastest counts)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None,
+                    help="default: benchmarks/results/<benchmark>_<device>.json")
     args = ap.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("activation_memory", args.device)
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     device = torch.device(args.device)
     dtype = torch.float64 if device.type == "cpu" else torch.float32

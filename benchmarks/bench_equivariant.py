@@ -223,8 +223,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rss", action="store_true",
                    help="CPU: peak resident KiB/atom from subprocesses at the first and last size")
     p.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     a = p.parse_args(argv)
+    if a.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        a.json = results_path("bench_equivariant", a.device)
     dtype = getattr(torch, a.dtype)
     sizes = a.sizes or ([108, 256] if a.quick else [2048, 16384, 65536])
     if a.rss_child:

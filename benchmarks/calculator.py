@@ -129,7 +129,8 @@ def _line(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--sizes", type=int, nargs="*", default=[4, 32, 108, 256],
                    help="atom counts (FCC supercells near these)")
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", nargs="*", default=["mace", "lj"], choices=["mace", "lj"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("calculator", args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []

@@ -11,7 +11,9 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,7 +97,8 @@ def peak_memory(device: str | torch.device) -> int | None:
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Torch version, device name, the host's CPU model and count, host, date (UTC, ISO 8601).
+    """Torch version, device name, the host's CPU model and count, host, date (UTC, ISO 8601),
+    the repository's commit.
     (The CPU model tells machines of one GPU kind apart: a peer bound by the host's CPU runs
     at different rates on them.)"""
     device = _as_device(device)
@@ -115,7 +118,62 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "host": platform.node(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
     }
+
+
+def _commit() -> str | None:
+    """The repository's ``HEAD`` commit (with ``+dirty`` for uncommitted changes), or ``None``."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=9", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "xnn"],
+                               cwd=root, text=True, capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty.strip() else "") if head else None
+
+
+#: the folder of the current results: one file per benchmark and device
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_tag(device: str | torch.device | None = None, world_size: int = 1) -> str:
+    """The device part of a results file name: ``h100``, ``h200x2`` (GPU model, GPUs),
+    ``gloo4`` (CPU ranks), ``cpu`` (up to 4 cores) or ``cpu16`` (cores of a larger host).
+
+    Args:
+        device: the benchmark's device (``None`` or ``"auto"``: CUDA when available).
+        world_size: ranks of the run (``torchrun``'s ``WORLD_SIZE``).
+    """
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _as_device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        found = re.search(r"\b([A-Z]+[0-9]+[A-Z]?)\b", torch.cuda.get_device_name(device))
+        tag = found.group(1).lower() if found else "cuda"
+        return tag if world_size == 1 else f"{tag}x{world_size}"
+    if world_size > 1:
+        return f"gloo{world_size}"
+    cores = os.cpu_count() or 1
+    return "cpu" if cores <= 4 else f"cpu{cores}"
+
+
+def results_path(benchmark: str, device: str | torch.device | None = None,
+                 world_size: int | None = None) -> Path:
+    """``benchmarks/results/<benchmark>_<device tag>.json``: the default ``--json`` of a
+    benchmark script, so that a rerun replaces the current file of that benchmark and device
+    (then ``python benchmarks/results_tables.py`` rewrites the README's tables).
+
+    Args:
+        benchmark: the benchmark's name (script, and model or mode where they differ).
+        device: see :func:`device_tag`.
+        world_size: ranks (default: ``WORLD_SIZE`` of the environment, else 1).
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return RESULTS / f"{benchmark}_{device_tag(device, world_size)}.json"
 
 
 def _cpu_model() -> str:

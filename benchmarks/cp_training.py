@@ -245,7 +245,8 @@ def ratios(rows: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", required=True, help="output file")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--atoms", default="20000",
                    help="atoms of the structure (about); comma-separated for several sizes "
                         "(then the largest trainable structure under --budget-gb is fitted)")
@@ -262,6 +263,10 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=1800.0, help="s per point")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        name = "cp_training" + ("" if args.model == "schnet" else f"_{args.model}")
+        args.json = results_path(name, args.device, 1)
     rows = []
     for n in [int(x) for x in str(args.atoms).split(",")]:
         args.point_atoms = n

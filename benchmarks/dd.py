@@ -2,7 +2,7 @@
 
 Launch with torchrun (the same command at 1, 2, 4 or 8 ranks)::
 
-    torchrun --nproc-per-node 8 benchmarks/dd.py --json benchmarks/results/dd_8gpu.json \
+    torchrun --nproc-per-node 8 benchmarks/dd.py \
         --device cuda --models painn,equivariant,sevenn --scaling both
     torchrun --nproc-per-node 2 benchmarks/dd.py --json /tmp/dd.json --quick   # CPU, gloo
 
@@ -57,7 +57,8 @@ from xnn.distributed.domain.decomposed import resolve_mode
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", required=True, help="output JSON (written by rank 0)")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--models", default="painn,equivariant",
                    help="comma list of painn, equivariant, schnet, sevenn, lj")
@@ -85,6 +86,11 @@ def parse_args(argv=None):
     p.add_argument("--capacity-gb", type=float, default=None,
                    help="find-max: memory to fill (default: the CUDA device's, less 3 GiB)")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        name = ("dd_find_max" if args.find_max else "dd_halo_graph" if args.modes
+                else "dd_" + args.models.replace(",", "_"))
+        args.json = results_path(name, args.device)
     quick = args.quick
     args.sizes = [int(s) for s in (args.sizes or ("500" if quick else "100000,400000")).split(",")]
     args.atoms_per_rank = args.atoms_per_rank or (256 if quick else 100_000)

@@ -20,7 +20,7 @@ and compiled regions / communication points (graph breaks) per step; the ratios 
 with ``domain`` (speed-up, conserved-energy difference)::
 
     python benchmarks/dd_md.py --compile --ranks 2 --sizes 2000 --layouts domain \
-        --json benchmarks/results/dd_md_compiled_gloo2.json
+        --json benchmarks/results/dd_md_compiled_cpu.json
 
 Layouts, both measured in the same run:
 
@@ -74,7 +74,8 @@ CU = {"symbol": "Cu", "a": 3.61, "mass": 63.546}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", required=True, help="output JSON (written after every point)")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--mode", default="auto", choices=("auto", "halo", "sync"),
                    help="DomainPotential mode of the eager domain layouts (auto: sync for "
@@ -102,6 +103,12 @@ def parse_args(argv=None):
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile (inductor, aot_eager)")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        name = ("dd_md" + ("" if args.model == "lj" else f"_{args.model}")
+                + ("_compiled" if args.compile else "")
+                + ("_replicated" if args.layouts == "replicated" else ""))
+        args.json = results_path(name, args.device, 1)
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     args.ranks = [int(s) for s in args.ranks.split(",") if s.strip()]
     args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU benchmark suite as run on the device machine (H200s): `bash benchmarks/gpu_suite.sh PART OUTDIR`.
 # Each step has its own time limit so that one slow step cannot take the whole run.
+# Files land in OUTDIR under the names of the runs below; a result that becomes current is
+# copied to benchmarks/results/<benchmark>_<device>.json (each script's --json default) with
+# its command in benchmarks/results_commands.py, then `python benchmarks/results_tables.py`.
 # PART 1: CUDA tests, neighbor lists, models, MD (1 GPU).
 # PART 2: NCCL decomposed-vs-single validation and domain-decomposition scaling (2 GPUs).
 # PART 3: training throughput, DDP efficiency (2 GPUs), equivariant memory ceiling (1 GPU).

@@ -101,8 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--backends", default="reference,cueq",
                    help="comma-separated model.backend values (reference is always measured)")
     p.add_argument("--mace", action="store_true", help="also the mace-torch wrapper (cueq)")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("kernel_backends", args.device)
     dtype = getattr(torch, args.dtype)
     backends = ["reference", *[b for b in args.backends.split(",") if b != "reference"]]
     results = {"device": args.device, "dtype": args.dtype, "channels": args.channels,

@@ -3,7 +3,7 @@
 
 Usage (from the repository root)::
 
-    python benchmarks/long_range.py --json benchmarks/results/long_range_cpu_quick.json --quick
+    python benchmarks/long_range.py --quick   # writes benchmarks/results/long_range_cpu.json
     python benchmarks/long_range.py --json long_range_cuda.json --device cuda
 
 Systems: rattled rock-salt NaCl (a = 5.64 Å, charges +-1) of about 10k, 100k (and 1M on
@@ -18,7 +18,7 @@ thread each; :class:`~xnn.distributed.DomainPotential`: real space through the h
 PME mesh all-reduced, replicated FFT): per-rank median time of one evaluation (energy,
 forces, stress), owned / ghost atoms, the mesh's size and peak resident memory per rank::
 
-    python benchmarks/long_range.py --json benchmarks/results/long_range_dd_cpu.json \
+    python benchmarks/long_range.py --json /tmp/long_range_dd.json \
         --sizes 10000 --dd 1,2 --no-direct
 """
 
@@ -147,7 +147,8 @@ def bench_dd(n: int, worlds: list[int], repeat: int) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="10k only (CPU smoke run)")
     p.add_argument("--sizes", type=int, nargs="*", help="override the system sizes")
@@ -157,6 +158,9 @@ def main() -> None:
                    "e.g. 1,2,4 (CPU)")
     p.add_argument("--no-direct", action="store_true", help="skip the xnn vs torch-pme part")
     args = p.parse_args()
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("long_range_dd" if args.dd else "long_range", args.device, 1)
     sizes = args.sizes or ([10_000] if args.quick else
                            [10_000, 100_000] + ([1_000_000] if args.device == "cuda" else []))
     dtype = getattr(torch, args.dtype)

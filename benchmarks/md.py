@@ -242,7 +242,8 @@ def bench_mace(sizes, steps, device, dtype, compile: bool = False, on_row=None) 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="output JSON file")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
@@ -261,6 +262,10 @@ def main(argv=None) -> int:
                    "vs eager step; cells: benchmarks/md_batched.py's 64 small cells vs one; "
                    "both only when asked for)")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        name = "md_mace_compiled" if args.compile and args.only == "mace" else "md"
+        args.json = results_path(name, args.device)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     def counts(text):
         return tuple(int(x) for x in text.split(","))

@@ -129,7 +129,8 @@ def bench(name: str, n_systems: int, n_small: int, steps: int, blocks: int) -> d
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--models", default="lj,schnet")
     p.add_argument("--n-systems", type=int, default=64)
     p.add_argument("--n-small", type=int, default=100)
@@ -137,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("md_batched", "cpu")
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.models.split(","):

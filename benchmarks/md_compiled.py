@@ -252,7 +252,8 @@ def bench_compiled(name: str, n_atoms: int, steps: int, device, dtype, blocks: i
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     p.add_argument("--models", default="schnet", help="comma-separated: schnet,painn,equivariant")
@@ -269,6 +270,9 @@ def main(argv=None) -> int:
     p.add_argument("--unpaired", action="store_true",
                    help="also time the compiled step without the reverse-pair layout")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("md_compiled", args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

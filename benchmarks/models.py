@@ -12,7 +12,7 @@ mace-torch's ``ScaleShiftMACE`` (hidden irreps 128x0e+128x1o, l_max 3, correlati
 
 Usage::
 
-    python benchmarks/models.py --json benchmarks/results/models_cpu.json --quick
+    python benchmarks/models.py --json /tmp/models_cpu.json --quick
     python benchmarks/models.py --json out.json --device cuda --dtype float32
 """
 
@@ -193,7 +193,8 @@ def _summary(res: dict) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="output JSON file")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--quick", action="store_true", help=f"small sizes {QUICK_SIZES}")
@@ -201,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sizes", nargs="+", type=int, help=f"atom counts (default {SIZES})")
     p.add_argument("--repeat", type=int, default=None, help="timed calls per size")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("models", args.device)
     dtype = getattr(torch, args.dtype)
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     repeat = args.repeat or (2 if args.quick else 5)

@@ -513,7 +513,8 @@ def _print(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--devices", nargs="*", default=None, choices=["cpu", "cuda"],
                    help="with --paired-only: each of these devices in turn")
@@ -548,6 +549,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="skip a method at a size where its (linearly extrapolated) time per "
                    "build exceeds this")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        name = ("neighbors_after_torch_op" if args.after_torch_op
+                else "neighbors_paired" if args.paired_only else "neighbors")
+        device = "cuda" if "cuda" in (args.devices or [args.device]) else "cpu"
+        args.json = results_path(name, device)
     if args.repeat is None:
         args.repeat = 3 if args.quick else 5
     if args.threads:

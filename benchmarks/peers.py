@@ -37,7 +37,7 @@ torch-sim 0.6).
 
 Usage::
 
-    python benchmarks/peers.py --json benchmarks/results/peers_cpu_quick.json --quick
+    python benchmarks/peers.py --json /tmp/peers_cpu.json --quick
     python benchmarks/peers.py --json out.json --device cuda --dtype float32 \\
         --sizes 1000,10000,100000 --batched 64x100 --steps 9 --budget-s 150 \\
         --frameworks xnn,xnn_compiled,torch_sim,nvalchemi --compile-cases 10000
@@ -275,7 +275,8 @@ def run_case(model_name, base, n, b, args, device, dtype, on_update) -> dict:
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="output JSON file")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--sizes", default=None, help="atom counts of one-system cases "
@@ -314,6 +315,9 @@ def parse(argv):
     p.add_argument("--small-models", action="store_true", help="8-channel MACE and "
                    "equivariant models instead of the reference size (tests)")
     a = p.parse_args(argv)
+    if a.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        a.json = results_path("peers", a.device)
     a.sizes = tuple(int(x) for x in (a.sizes if a.sizes is not None else ",".join(
         map(str, QUICK_SIZES if a.quick else SIZES))).split(",") if x)
     a.batched = None if (a.batched or "").lower() == "none" else \

@@ -403,7 +403,8 @@ def bench_epochs(ds, data: Path, args) -> dict:
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quick", action="store_true", help="small data and models (CPU check)")
     p.add_argument("--models", default="schnet,painn,equivariant")
@@ -432,6 +433,11 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=10,
                    help="epochs of the xnn train / mace_run_train runs (epoch comparison)")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        name = ("training_ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1
+                else "training_compile" if args.compile else "training")
+        args.json = results_path(name, args.device)
     args.batch_size = args.batch_size or (4 if args.quick else 8)
     args.steps = args.steps or (3 if args.quick else 40)
     n = args.n or (24 if args.quick else 200)

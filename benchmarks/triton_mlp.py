@@ -411,8 +411,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", action="store_true",
                    help="also each variant's forward under torch.compile(fullgraph=True)")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("triton_mlp_sweep" if args.sweep else "triton_mlp", args.device)
     args.sweep_precisions = [x for x in args.sweep_precisions.split(",") if x]
     args.sweep_parts = [x for x in args.sweep_parts.split(",") if x]
     if not set(args.sweep_parts) <= {"forward", "backward"}:

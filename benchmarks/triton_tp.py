@@ -196,8 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hidden-l-max", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time BLOCK_E x num_warps")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/<benchmark>_<device>.json")
     args = p.parse_args(argv)
+    if args.json is None:  # the current file of this benchmark and device
+        from benchmarks.common import results_path
+        args.json = results_path("triton_tp", args.device)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shapes = sorted({(p1 - p0, 2 * l1 + 1, 9) for l_in in range(args.hidden_l_max + 1)
                      for l1, p0, p1 in EdgeTensorProduct(l_in, 2, 2).groups})

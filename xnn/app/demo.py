@@ -42,7 +42,7 @@ optim: {name: adam, lr: 0.005, grad_clip: 10.0}
 schedule: {name: cosine, warmup_steps: 20, min_lr_factor: 0.02}
 ema: {enabled: true, decay: 0.99}
 max_epochs: 60
-# compile: true   # on a GPU: compiled training steps (1.4x on an H200; first steps compile)
+# compile: true   # on a GPU: compiled training steps (benchmarks/results/README.md, Training)
 output_dir: runs/emt_cu
 """
 

@@ -86,8 +86,8 @@ class ModelConfig:
     device: str = field("auto", "md/relax/run only: cpu, cuda, cuda:N, or auto (cuda when "
                         "available)")
     compile: bool = field(False, "md/relax/run only: torch.compile the model's hot path where "
-                          "it has one (the equivariant model: ~1.5x faster on a GPU, after a "
-                          "first step that compiles for tens of seconds)")
+                          "it has one (the equivariant model on a GPU, after a first step that "
+                          "compiles; figures: benchmarks/results/README.md, Models)")
     skin: float = field(1.0, "md/relax/run only: Verlet skin (Å): neighbor lists are rebuilt "
                         "after a move of skin/2")
     neighbor_backend: str = field("auto", "md/relax/run only: neighbor-list backend",

@@ -400,7 +400,7 @@ def rowvec_matmul(x: Tensor, mats: Tensor, batch: Tensor, rows: Tensor | None = 
     With one system this is one matrix product, whose backward is a GEMM reduction. The
     gathered form is kept for batches only: its backward (a scatter-add of ``[M, 3, 3]``
     onto ``S`` matrices) serializes on GPU atomics when all rows hit the same matrix,
-    which made a 10k-atom stress evaluation ~100x slower than the model itself.
+    which made a 10k-atom stress evaluation far slower than the model itself.
 
     ``key``: a tensor that determines ``rows`` (the edge index of which ``rows`` is a row;
     without ``rows``, ``batch`` is its own key): on the CPU the rows' system counts are kept

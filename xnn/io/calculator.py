@@ -91,9 +91,9 @@ class Calculator(_AseCalculator):
         dtype: dtype of the evaluation, ``torch.float64`` or ``torch.float32``.
         skin: Verlet skin (Å) of the neighbor list reused between calls.
         neighbor_backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
-        compile: ``torch.compile`` the model's hot path (equivariant model: ~1.5x faster on a
-            GPU after a first call that compiles for tens of seconds; mace-torch wrapper: ~2x
-            faster at 864 atoms on an H200 after a first call that compiles for minutes).
+        compile: ``torch.compile`` the model's hot path (equivariant model and mace-torch
+            wrapper, faster on a GPU after a first call that compiles for seconds to minutes:
+            benchmarks/results/README.md, sections Models and MD).
         min_distance: refuse (:class:`~xnn.errors.InputError`) structures with two atoms
             closer than this (Å; default 0.1: coincident atoms, on which a model's energy
             means nothing); 0 evaluates anything.

@@ -25,14 +25,12 @@ index; the product basis is recomputed too (this "lean" mode is used above 2^17 
 graphs, such as training batches, keep these intermediates and run fewer kernels). When
 chunking (see ``edge_chunk_size``), the whole edge part runs per chunk of receivers under
 activation checkpointing, so no per-edge tensor outlives its chunk and the memory per atom is
-that of the node features. Measured on CPU (fp32, FCC Cu, 43 edges/atom, C = 64, ``hidden_l_max
-= 1``, energy + forces, ``benchmarks/bench_equivariant.py``): kept for backward ~250 KiB/atom
-without chunks and ~48 KiB/atom with chunks vs 597 KiB/atom for mace-torch's MACE of the same
-size; peak resident memory ~790 and ~110 KiB/atom vs ~1000 KiB/atom for MACE. With
+that of the node features. Memory per atom against mace-torch's MACE of the same size
+(``benchmarks/bench_equivariant.py``): benchmarks/results/README.md, section Models. With
 ``activation_checkpointing`` (training), each interaction is checkpointed in pieces (one per
 chunk of about ``4 * n_atoms`` edges, see :class:`Equivariant`) for both derivatives of
-force training: on 500-atom Cu (fp64, C = 32, ``benchmarks/activation_memory.py``) the peak
-of the tensors saved over a force-training step falls ~9x, the allocator's peak ~6x.
+force training: the peak of the tensors saved over a force-training step falls several-fold
+(``benchmarks/activation_memory.py``; benchmarks/results/README.md, Activation checkpointing).
 """
 
 from __future__ import annotations
@@ -98,8 +96,8 @@ def checkpoint_chunk(n_edges: int, n_atoms: int) -> int:
     ``max(CKPT_EDGES_PER_ATOM * n_atoms, CKPT_MIN_EDGES)``, balanced over the pieces.
 
     A piece's recomputation (with the derivative's graph, inside the second backward) is then
-    of the order of the node-sized tensors kept for all layers, whatever the system size
-    (500-atom Cu, C = 32: ~80 MB vs ~35 MB in fp64), the node-sized work per piece (the
+    of the order of the node-sized tensors kept for all layers, whatever the system size,
+    the node-sized work per piece (the
     gradient of the gathered sender features) stays a fixed fraction of the edge work, and a
     piece is never so small that kernel launches dominate on a GPU.
     """
@@ -205,7 +203,7 @@ class _NormalizedSiLU(nn.Module):
 #: application freezes them) runs on CUDA: ``"torch"`` (its layers: cuBLAS GEMMs), or one
 #: fused Triton kernel each way, ``"ieee"`` (fp32 products) or ``"tf32x3"`` (three TF32
 #: tensor-core products, errors of fp32's order; :mod:`xnn.models.triton_mlp`). A switch
-#: for benchmarks until measured on a GPU.
+#: for benchmarks: on a GPU this model's step gained no more than run-to-run noise.
 RADIAL_KERNEL = "torch"
 
 
@@ -444,7 +442,7 @@ class Equivariant(NativeModel):
         edge_chunk_size: when a graph has more edges than this, process the edges in chunks
             of receivers under activation checkpointing: per-edge tensors are then never
             kept for backward (memory per atom drops several-fold, at the cost of recomputing
-            the edge part in backward, ~25% of the time; 2^17 edges is ~3000 atoms at 43
+            the edge part in backward; 2^17 edges is ~3000 atoms at 43
             neighbours, and the transient memory of one chunk ~2.6 GB in fp32 at C = 64).
             ``"auto"``: chunks of 2^17 edges only when the unchunked per-edge tensors would
             not fit comfortably (estimated above 40% of the free device memory), so small
@@ -579,8 +577,8 @@ class Equivariant(NativeModel):
         return self.hparams.get("backend", "reference") == "reference"
 
     def compile_for_inference(self, enabled: bool = True) -> bool:
-        """Compile the edge part of every interaction (see the base class): about 1.5x faster
-        energy + forces on an H200 at 10k atoms (``benchmarks/bench_equivariant.py``). Only
+        """Compile the edge part of every interaction (see the base class): faster energy +
+        forces on a GPU (benchmarks/results/README.md, Models, matched size). Only
         unchunked evaluations use it; chunked ones (very large systems) stay eager."""
         for layer in self.interactions:
             layer.compiled = bool(enabled)

@@ -182,8 +182,8 @@ def neighbor_counts(graphs: Graphs, cutoff: float, chunk: int = 64) -> NeighborC
     """Neighbour pairs within ``cutoff`` (Å, full list, images counted) and atoms of
     ``graphs`` (sums over parts give :func:`average_num_neighbors` of the whole, exactly),
     and, read from the same lists (for ``cutoff`` >= 0.1 Å), the first system with
-    coincident atoms. One neighbor list per ``chunk`` systems (2.5x faster than one per
-    structure for 30-atom cells on one CPU thread)."""
+    coincident atoms. One neighbor list per ``chunk`` systems (faster than one per
+    structure for small cells)."""
     from xnn.neighbors import with_edges
     from xnn.neighbors.coincident import MIN_DISTANCE, first_close_edge
 

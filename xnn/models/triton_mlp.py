@@ -5,8 +5,8 @@ A radial network maps a few basis values of each edge's length (``x [P, D0]``, `
 (``y [P, N]``, ``N`` in the thousands for MACE), then (MACE) multiplies them by the smooth
 cutoff ``s [P]``. Through cuBLAS and torch that is four GEMMs, a pointwise product and, in
 the backward, a product with a reduction: the ``[P, N]`` weights and their gradient cross
-memory five or six times per evaluation, and the GEMMs run in fp32 on the CUDA cores (on
-an H200 a seventh of the tensor cores' TF32 rate).
+memory five or six times per evaluation, and the GEMMs run in fp32 on the CUDA cores (a
+fraction of the tensor cores' TF32 rate).
 
 Here one kernel computes a tile of rows through every layer in registers and writes ``y``
 once; one backward kernel reads ``dL/dy`` once, computes ``t = dL/dy A_o^T`` (the only product
@@ -49,10 +49,9 @@ from xnn.models.triton_tp import _interpreting
 PRECISIONS = ("ieee", "tf32x3")
 #: rows per program, output columns per inner step, warps and software-pipeline stages
 #: (GPU; the interpreter takes whole small inputs): set from ``benchmarks/triton_mlp.py``
-#: sweeps. Forward: the fastest of 36 tilings on an H200 in 3xTF32 (MACE's N = 1280 network,
-#: 428,070 rows: 2.13 ms against 2.60 for (64, 32, 4, 3); session 22); backward: the
-#: fastest of the 37 of 54 tilings timed (1.89 ms against 2.17 for the earlier (64, 64, 4,
-#: 3); session 23; the CUDA-graph MACE step was 404.5k against 404.9k atom-steps/s, equal)
+#: sweeps in 3xTF32 on MACE's N = 1280 network: the fastest forward tiling
+#: (benchmarks/results/README.md, Kernels) and the fastest backward one (its sweep log:
+#: triton_mlp_sweep_backward_h200_s23.txt at commit a742891; no change in the MD step)
 BLOCK_P, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 32, 4, 3
 BWD_BLOCK_P, BWD_BLOCK_N, BWD_NUM_WARPS, BWD_NUM_STAGES = 128, 64, 8, 3
 INTERPRETER_BLOCK_P = 64
@@ -347,8 +346,8 @@ def fused(x: Tensor, layers: list[tuple[Tensor, Tensor | None]], post_scales: li
           s: Tensor | None, precision: str) -> Tensor | None:
     """:func:`radial_mlp` of the network ``layers`` (see :func:`pack`), or ``None`` when the
     kernels cannot take it (no hidden layer, or one wider than :data:`MAX_WIDTH`) or would
-    not gain (float64 on CUDA: it runs the ``"ieee"`` products, which an H200 measured at
-    0.3-0.7x cuBLAS in fp32): the caller then runs its own layers."""
+    not gain (float64 on CUDA: it runs the ``"ieee"`` products, slower than cuBLAS even in
+    fp32, benchmarks/results/README.md, Kernels): the caller then runs its own layers."""
     widths = [a.shape[0] for a, _ in layers]  # inputs of every layer: D0 and hidden widths
     if len(layers) < 2 or max(widths) > MAX_WIDTH or (x.is_cuda and x.dtype == torch.float64):
         return None

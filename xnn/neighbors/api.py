@@ -60,9 +60,9 @@ VESIN_CUDA_MAX_SYSTEMS = 4
 def _auto_backend(device: torch.device, n_systems: int) -> str:
     """The fastest correct backend for ``device`` (see ``benchmarks/neighbors.py``).
 
-    CPU: vesin (compiled, multithreaded; 4-7x faster than the torch cell list), else torch.
-    CUDA: vesin-torch for a few systems (H200, 1M atoms at 5 Å: 37 ms through xnn vs 40 ms for
-    the torch cell list; 5 vs 10 ms at 100k); the torch cell list, vectorised over the whole
+    CPU: vesin (compiled, multithreaded; several times faster than the torch cell list), else
+    torch. CUDA: vesin-torch for a few systems (benchmarks/results/README.md, Neighbor lists);
+    the torch cell list, vectorised over the whole
     batch, for batches of many systems (vesin loops over systems) or without vesin-torch.
     """
     if "vesin" in _BACKENDS:

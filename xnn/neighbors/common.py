@@ -289,8 +289,8 @@ def _read_once(positions: Tensor, cell: Tensor, pbc: Tensor, batch: Tensor | Non
 
     On the CPU the reads are numpy's (one thread): a torch reduction over more than
     ``torch``'s grain size (~11k atoms) wakes its OpenMP workers, which then spin for
-    milliseconds on the cores vesin's own threads are about to use (a 10,976-atom vesin
-    build took 27 ms after such a sum against 20 ms without, on 2 threads)."""
+    milliseconds on the cores vesin's own threads are about to use (benchmarks/results/
+    README.md, Neighbor lists: vesin right after a torch reduction)."""
     if positions.device.type == "cpu" and positions.dtype in NUMPY_FLOATS:
         return _read_once_numpy(positions, cell, pbc, batch)
     parts = [positions.sum().reshape(1).double(), cell.reshape(-1).double(),

@@ -28,10 +28,9 @@ from xnn.neighbors.pairs import pair_order
 
 #: a paired local list keeps the reverses of the edges into far ghosts (see
 #: :func:`build_local_domain`); it is used only when they add at most this fraction of the
-#: edges (thin halos against the domain: large domains), else the list stays per edge. On 2
-#: CPU ranks, 2,048 Cu atoms in two slabs, mode halo: the equivariant model (2 interactions,
-#: 4 Å) had 17 % more edges paired and a step as fast as per edge; SchNet (3, 5 Å) 12 %
-#: more and a 1.44x faster step. At 32k atoms the equivariant model's list has 9 % more.
+#: edges (thin halos against the domain: large domains), else the list stays per edge
+#: (the trade of extra edges against a faster step was measured with benchmarks/dd_md.py:
+#: dd_md_pairs_*_halo_gloo2_s21.json at commit 1fdbda9 in benchmarks/results/).
 PAIR_EXTRA_EDGES = 0.15
 
 #: per-step or recomputed fields that do not travel with ghosts (positions travel per call)

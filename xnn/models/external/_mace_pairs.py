@@ -28,26 +28,26 @@ from xnn.models.base import edges_paired, triton_device
 
 #: how cuEquivariance's fused convolution gets the half-size weights: ``"split"`` one call
 #: per half of the edges, each reading them directly (the kernels of the per-edge call;
-#: measured on an H200 at 10,976 atoms, CUDA-graph step: 352,566 atom-steps/s against
-#: 332,031 for ``"index"``; session 22), ``"index"`` one call reading them through an input
+#: the fastest CUDA-graph step: peers_mace_variants_h200_s22.json at commit 41692e7 in
+#: benchmarks/results/), ``"index"`` one call reading them through an input
 #: index (cuEquivariance sizes that index by the weights' rows and compiles its kernel per
 #: size: in eager MD, whose list is filtered to the cutoff every step, that was a new
-#: compilation per call, 0.3 s), ``"concat"`` one call on the weights concatenated to full
-#: size (slowest: 41.7 ms per step against 33.9 for index, session 18)
+#: compilation per call), ``"concat"`` one call on the weights concatenated to full
+#: size (slowest: peers_mace_pairs_h200_s18.json at commit 34285fa)
 FUSION = "split"
 #: dtype of the edge indices given to the fused convolution on CUDA: int32 halves the bytes
-#: of the sorts in cuEquivariance's backward (H200, session 22, CUDA-graph step at 10,976
-#: atoms: 391,038 atom-steps/s against 359,164 with int64 in one run, forces equal)
+#: of the sorts in cuEquivariance's backward (a faster CUDA-graph step, forces equal:
+#: peers_mace_split_variants_h200_s22.json at commit 3d7b42e; the current table: Peers)
 INDEX_DTYPE = torch.int32
 #: how the radial MLP and its cutoff product run on the pairs when their weights need no
 #: gradient (MD, relaxation; training keeps mace-torch's layers): ``"torch"`` (mace-torch's
 #: e3nn layers: cuBLAS fp32 GEMMs and a pointwise product), ``"ieee"`` or ``"tf32x3"``: one
 #: fused Triton kernel each way (:mod:`xnn.models.triton_mlp`: the weights written once,
 #: their gradient read once; fp32 products, or three TF32 tensor-core products with errors
-#: of fp32's order). CUDA only. Measured on an H200 (session 22, 428,070 pairs of 10,976
-#: atoms): tf32x3 1.23-1.45x faster than torch forward + backward, errors against fp64
-#: equal to torch's fp32 ones (6e-7 against 5e-7); ieee 0.3-0.4x (slower); the CUDA-graph
-#: MACE step 364,315 atom-steps/s with split + tf32x3 against 352,566 with split + torch.
+#: of fp32's order). CUDA only. tf32x3 is faster than torch forward + backward with errors
+#: against fp64 of torch's fp32 order, ieee slower (benchmarks/results/README.md, Kernels),
+#: and the CUDA-graph MACE step is faster with split + tf32x3 than with split + torch
+#: (peers_mace_variants_h200_s22.json at commit 41692e7).
 RADIAL = "tf32x3"
 
 

@@ -10,7 +10,7 @@
 # PART 5: matched-size equivariant vs MACE: auto chunking, compiled inference, memory ceiling (1 GPU).
 # PART 6: NCCL check of the owned-only sync mode, largest system on 1 vs 2 GPUs, SevenNet-0 (2 GPUs).
 # PART 8: issue 20 leftovers of session 11 (neighbor-list host overhead, peers' compiled steps).
-# PART 9: model.backend=triton on 1 GPU: its CUDA tests, the fused operator against the
+# PART 9: model.kernel_backend=triton on 1 GPU: its CUDA tests, the fused operator against the
 #         reference, kernel backends, compiled MD steps with it.
 # PARTS 10-12: one device call each (1 GPU): the GPU tests of compiled training through the
 #         fused convolution (10), the steps with the Verlet list filtered to the cutoff
@@ -124,7 +124,7 @@ PY
       --batched 64x100 --steps 9 --budget-s 120 --frameworks xnn,xnn_step_graph,torch_sim,torch_sim_compiled \
       --cueq --json "$OUT/peers_compiled_h200.json"
   ;;
-9)  # model.backend=triton (xnn.models.triton_tp): GPU tests, the operator against the
+9)  # model.kernel_backend=triton (xnn.models.triton_tp): GPU tests, the operator against the
     # reference at 479k edges (with the tiling sweep), kernel backends and the compiled step
   step 300 triton_tests python3 -m pytest -q -m gpu tests/test_triton_tp.py -p no:cacheprovider -rA
   step 300 triton_tp python3 benchmarks/triton_tp.py --device cuda --dtype float32 --sweep \

@@ -1,4 +1,4 @@
-"""The fused weighted batched matmul of the edge tensor product (``model.backend=triton``,
+"""The fused weighted batched matmul of the edge tensor product (``model.kernel_backend=triton``,
 :mod:`xnn.models.triton_tp`) against the reference ``_weighted_bmm`` (``Z = w ⊗ x``, then
 ``torch.bmm``), in one run.
 

@@ -2264,7 +2264,7 @@ def validate_cases() -> list[Case]:
         C("validate-tol-negative", "validate", "--tol -1", v("--tol", "-1"), match="tol"),
         C("validate-tol-nan", "validate", "--tol nan", v("--tol", "nan"), match="tol"),
         C("validate-skin-negative", "validate", "--skin -1", v("--skin", "-1"), match="skin"),
-        C("validate-timeout-zero", "validate", "--timeout 0", v("--timeout", "0"),
+        C("validate-timeout-zero", "validate", "--timeout 0", v("--parallel.timeout_s", "0"),
           match="timeout"),
         C("validate-dtype", "validate", "--dtype float16", v("--dtype", "float16")),
         C("validate-mode", "validate", "--mode foo", v("--mode", "foo")),

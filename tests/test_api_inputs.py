@@ -98,18 +98,24 @@ def argon_file(tmp_path_factory):
 
 
 def test_the_same_line_from_every_door(tmp_path, argon_file, capsys):
-    """``build``, ``xnn validate --model``, ``xnn md`` give one line, the same (was: 'math
-    domain error' from validate and md); ``xnn train``'s ``model.species`` is checked as a
-    model's species (was: an IndexError in the statistics of the data)."""
+    """``build`` and ``xnn validate --model`` give one line, the same (was: 'math domain
+    error' from validate and md); ``xnn md`` and ``xnn train`` refuse the typed
+    ``model.cutoff`` of their one model section with the same line; ``xnn train``'s
+    ``model.species`` is checked as a model's species (was: an IndexError in the statistics
+    of the data)."""
     want = str(raises_one_line(InputError, build, "painn", species=[18], cutoff=-1))
     line = cli_fails(capsys, ["validate", "--model", "painn:cutoff=-1", "--structure",
                               argon_file])
     assert line == f"xnn validate: error: {want}", line
     out = tmp_path / "md"
     line = cli_fails(capsys, ["md", f"structure={argon_file}", f"output.dir={out}",
-                              "model.name=painn", "model.params.species=[18]",
-                              "model.params.cutoff=-1", "steps=1"])
-    assert line == f"xnn md: error: {want}", line
+                              "model.name=painn", "model.species=[18]",
+                              "model.cutoff=-1", "steps=1"])
+    assert line == "xnn md: error: model.cutoff=-1.0 must be > 0.0", line
+    assert not out.exists()
+    line = cli_fails(capsys, ["train", f"data.datasets.0.path={argon_file}",
+                              f"output_dir={out}", "model.cutoff=-1", "device=cpu"])
+    assert line == "xnn train: error: model.cutoff=-1.0 must be > 0.0", line
     assert not out.exists()
     out = tmp_path / "train"
     line = cli_fails(capsys, ["train", f"data.datasets.0.path={argon_file}",

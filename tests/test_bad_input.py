@@ -186,9 +186,9 @@ def test_cli_errors_are_one_line_and_overwrite_nothing(tmp_path, capsys):
 TINY_TRAIN = ["model.cutoff=3.0", "model.hyperparameters={num_features: 8, num_filters: 8, "
               "num_interactions: 1, num_basis: 8}", "data.batch_size=3", "data.val_fraction=0.25",
               "max_epochs=1", "logging.plots=false", "logging.progress_bar=false", "device=cpu"]
-LJ_MD = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-         "model.params.cutoff=6.5", "output.progress=false", "output.plot=false",
-         "ensemble=nve", "temperature=20", "steps=3"]
+LJ_MD = ["model.name=lj", "model.hyperparameters.sigma=3.405",
+         "model.hyperparameters.epsilon=0.0104", "model.cutoff=6.5", "output.progress=false",
+         "output.plot=false", "ensemble=nve", "temperature=20", "steps=3"]
 
 
 def tree(folder):
@@ -345,8 +345,9 @@ def test_config_numbers_must_be_finite(tmp_path, capsys):
     yaml.write_text("model:\n  hyperparameters:\n    scale: .nan\n")
     msg = raises_one_line(ConfigError, load_config, TrainConfig, yaml)
     assert "model.hyperparameters.scale" in msg
-    yaml.write_text("model:\n  name: lj\n  params: {sigma: {Ar: .inf}}\n")
-    assert "model.params.sigma.Ar" in raises_one_line(ConfigError, load_config, MDConfig, yaml)
+    yaml.write_text("model:\n  name: lj\n  hyperparameters: {sigma: {Ar: .inf}}\n")
+    msg = raises_one_line(ConfigError, load_config, MDConfig, yaml)
+    assert "model.hyperparameters.sigma.Ar" in msg
     # configs built in Python are checked too, also fields without a range
     raises_one_line(ConfigError, ThermostatConfig, tau=float("nan"), match="thermostat.tau")
     raises_one_line(ConfigError, MDConfig, ensemble="npt", pressure=float("nan"),

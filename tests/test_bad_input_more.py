@@ -22,7 +22,7 @@ from xnn.data.datasets import read_structures
 from xnn.data.emt import write_emt
 from xnn.errors import DataFileError, InputError
 
-LJ = ["model.name=lj", "model.params={sigma: 3.405, epsilon: 0.0104, cutoff: 6.0}"]
+LJ = ["model.name=lj", "model.hyperparameters={sigma: 3.405, epsilon: 0.0104}", "model.cutoff=6.0"]
 TINY = ["model.cutoff=4.0", "model.hyperparameters={num_features: 8, num_filters: 8, "
         "num_interactions: 1, num_basis: 8}", "max_epochs=1", "data.batch_size=4",
         "logging.plots=false", "logging.progress_bar=false", "device=cpu"]
@@ -294,10 +294,10 @@ def test_model_hyperparameters_only_what_the_class_takes():
     from xnn.app.train_model import model_hyperparameters
     from xnn.config.train import ModelConfig
 
-    hp = model_hyperparameters(ModelConfig(name="d3", hyperparameters={"functional": "pbe"}),
-                               [29])
+    hp = model_hyperparameters(ModelConfig(name="d3", cutoff=5.0,
+                                           hyperparameters={"functional": "pbe"}), [29])
     assert "species" not in hp and hp["cutoff"] == 5.0
-    hp = model_hyperparameters(ModelConfig(name="schnet"), [29])
+    hp = model_hyperparameters(ModelConfig(name="schnet", cutoff=5.0), [29])
     assert hp["species"] == [29]
 
 

@@ -32,7 +32,7 @@ from xnn.models import build
 from xnn.models.serialization import save_model
 
 LJ = {"sigma": 3.405, "epsilon": 0.0104, "cutoff": 8.5}
-LJ_PARAMS = "model.params={sigma: 3.405, epsilon: 0.0104, cutoff: 8.5}"
+LJ_PARAMS = ["model.hyperparameters={sigma: 3.405, epsilon: 0.0104}", "model.cutoff=8.5"]
 TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
         "num_basis: 8}")
 
@@ -49,7 +49,7 @@ def run_cli(argv) -> tuple[int, str]:
 
 
 def md_args(structure, out, *extra) -> list[str]:
-    return [f"structure={structure}", "model.name=lj", LJ_PARAMS, "model.device=cpu",
+    return [f"structure={structure}", "model.name=lj", *LJ_PARAMS, "model.device=cpu",
             f"output.dir={out}", "output.progress=false", "output.plot=false", *extra]
 
 

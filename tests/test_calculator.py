@@ -103,7 +103,7 @@ def test_demo_relaxes_lj_argon(tmp_path, capsys):
     assert str(out.resolve()) in capsys.readouterr().out
     # independent check of the relaxed crystal with ASE's own LJ (same shifted cutoff)
     relaxed = read(out / "lj_relaxed.xyz")
-    from xnn.cli.demo import AR_CUTOFF, AR_EPSILON, AR_SIGMA
+    from xnn.app.demo import AR_CUTOFF, AR_EPSILON, AR_SIGMA
 
     relaxed.calc = AseLJ(sigma=AR_SIGMA, epsilon=AR_EPSILON, rc=AR_CUTOFF, smooth=False)
     assert np.abs(relaxed.get_forces()).max() < 1e-3

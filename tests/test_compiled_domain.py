@@ -155,8 +155,8 @@ def reference(name, steps):
 
 # ---------------------------------------------------------------------------- app
 
-ARGS = ["md", "model.device=cpu", "model.name=lj", "model.params.sigma=3.405",
-        "model.params.epsilon=0.0104", "model.params.cutoff=6.0", "model.skin=0.3",
+ARGS = ["md", "model.device=cpu", "model.name=lj", "model.hyperparameters.sigma=3.405",
+        "model.hyperparameters.epsilon=0.0104", "model.cutoff=6.0", "model.skin=0.3",
         "output.progress=false", "output.plot=false", "ensemble=nve", "steps=30",
         "timestep=5.0", "initial_temperature=300", "output.log_every=5",
         "output.trajectory_every=0", "output.checkpoint_every=0", "seed=7"]

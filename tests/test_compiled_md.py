@@ -191,7 +191,8 @@ def _md(tmp_path, out, *extra):
         ase.io.write(path, [rattled_argon(seed=0), rattled_argon(seed=1)])
     cfg = load_config(MDConfig, None, [
         f"structure={path}", "index=:", f"output.dir={tmp_path / out}", "model.name=lj",
-        "model.params.sigma=3.405", "model.params.epsilon=0.0104", "model.params.cutoff=6.5",
+        "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",
+        "model.cutoff=6.5",
         "output.progress=false", "output.plot=false", "ensemble=nve", "steps=30",
         "output.log_every=10", "initial_temperature=300", *extra])
     run_md(cfg)

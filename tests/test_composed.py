@@ -162,8 +162,9 @@ def test_xnn_md_with_a_model_file_plus_d3(tmp_path):
     save_model(build(**TERMS["lj"]), tmp_path / "lj.pt")
     out = tmp_path / "md"
     rc = main(["md", f"structure={tmp_path / 'cu.xyz'}", f"output.dir={out}",
-               f"model.file={tmp_path / 'lj.pt'}",
-               "model.add=[{name: d3, functional: pbe, cutoff: 7.5, cn_cutoff: 5.0}]",
+               "model.name=sum",
+               f"model.hyperparameters={{terms: [{{model_file: {tmp_path / 'lj.pt'}}}, "
+               "{name: d3, functional: pbe, cutoff: 7.5, cn_cutoff: 5.0}]}",
                "ensemble=nve", "steps=3", "temperature=50", "output.plot=false",
                "output.progress=false", "output.log_every=1"])
     assert rc == 0

@@ -138,7 +138,9 @@ def test_key_check_catches_a_stale_key():
     assert _known("model.hyperparameters.num_features", [TrainConfig])
     assert not _known("optim.learning_rate", [TrainConfig])
     assert not _known("data.train", [TrainConfig])
-    assert not _known("parallel.dd", [MDConfig])
+    assert _known("parallel.dd", [MDConfig])  # one parallel section for md and train
+    assert not _known("dd.mode", [MDConfig])  # the former spelling
+    assert not _known("model.backend", [TrainConfig])
 
 
 def test_named_commands_exist():

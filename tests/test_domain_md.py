@@ -184,9 +184,9 @@ def geometry_reference(name):
 
 # ---------------------------------------------------------------------------- CLI runs
 
-LJ = ["model.device=cpu", "model.name=lj", "model.params.sigma=3.405",
-      "model.params.epsilon=0.0104",
-      "model.params.cutoff=6.0", "model.skin=0.3", "output.progress=false",
+LJ = ["model.device=cpu", "model.name=lj", "model.hyperparameters.sigma=3.405",
+      "model.hyperparameters.epsilon=0.0104",
+      "model.cutoff=6.0", "model.skin=0.3", "output.progress=false",
       "output.plot=false"]
 
 

@@ -65,10 +65,11 @@ def test_hyperparameters_null_switches_the_model_type(tmp_path):
                                           "model.hyperparameters.num_features=8"])
     assert cfg.model.hyperparameters == {"num_features": 8}
     relax = tmp_path / "relax.yaml"
-    relax.write_text("model:\n  name: lj\n  params: {sigma: 3.4}\n")
-    cfg = load_config(RelaxConfig, relax, ["model.name=null", "model.params=null",
+    relax.write_text("model:\n  name: lj\n  hyperparameters: {sigma: 3.4}\n")
+    cfg = load_config(RelaxConfig, relax, ["model.name=null", "model.hyperparameters=null",
                                            "model.file=m.pt"])
-    assert cfg.model.name is None and cfg.model.params == {} and cfg.model.file == "m.pt"
+    assert cfg.model.name is None and cfg.model.hyperparameters == {}
+    assert cfg.model.file == "m.pt"
 
 
 @pytest.fixture(scope="module")

@@ -256,13 +256,13 @@ def _cli_md(structure, out_dir, mode=None):
     from xnn.cli.main import main
 
     args = ["md", f"structure={structure}", f"output.dir={out_dir}", "ensemble=langevin",
-            "model.device=cpu", "model.name=lj", "model.params.sigma=2.3",
-            "model.params.epsilon=0.4", "model.params.cutoff=5.0", "model.skin=0.3",
+            "model.device=cpu", "model.name=lj", "model.hyperparameters.sigma=2.3",
+            "model.hyperparameters.epsilon=0.4", "model.cutoff=5.0", "model.skin=0.3",
             "output.progress=false", "output.plot=false", "steps=12", "timestep=2.0",
             "temperature=300", "thermostat.friction=0.02", "output.log_every=4",
             "output.trajectory_every=0", "output.checkpoint_every=0", "seed=7"]
     if mode is not None:
-        args.append(f"dd.mode={mode}")
+        args.append(f"parallel.mode={mode}")
     assert main(args) == 0, f"xnn md {' '.join(args)} failed"
 
 
@@ -573,7 +573,7 @@ def test_one_list_of_modes_with_one_meaning():
     model with sync points and halo for one without; halo and sync are what they say; the
     configs' ``halo`` means spatial; an unknown word names the list."""
     from xnn.distributed import parallelize
-    from xnn.distributed.modes import MODES, config_mode
+    from xnn.distributed.modes import MODES
 
     painn = MODELS["painn"]()
     assert parallelize(lj(), None, "spatial").mode == "halo"
@@ -582,8 +582,6 @@ def test_one_list_of_modes_with_one_meaning():
     assert parallelize(painn, None, "graph").mode == "graph"
     assert parallelize(painn, None, "spatial").halo_width < parallelize(painn, None,
                                                                         "halo").halo_width
-    assert (config_mode("halo"), config_mode("graph"), config_mode("auto")) == (
-        "spatial", "graph", "auto")
     with pytest.raises(InputError, match=str(list(MODES)).replace("[", r"\[")):
         parallelize(lj(), None, "boxes")
     with pytest.raises(InputError, match="finite positive `cutoff`"):

@@ -25,7 +25,8 @@ from xnn.app.md_setup import load_potential
 from xnn.app.relax import run_relax
 from xnn.cli.main import main
 from xnn.config.loader import ConfigError, load_config
-from xnn.config.md import MDConfig, MDModelConfig, RelaxConfig
+from xnn.config.md import MDConfig, RelaxConfig
+from xnn.config.model import ModelConfig
 from xnn.data import keys as K
 from xnn.data.ase_io import from_ase, to_ase
 from xnn.dynamics import nve
@@ -46,8 +47,8 @@ from xnn.units import KB, MVV2E
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LJ = ["model.device=cpu", "model.name=lj", "model.params.sigma=3.405",
-      "model.params.epsilon=0.0104", "model.params.cutoff=6.5", "model.skin=0.3",
+LJ = ["model.device=cpu", "model.name=lj", "model.hyperparameters.sigma=3.405",
+      "model.hyperparameters.epsilon=0.0104", "model.cutoff=6.5", "model.skin=0.3",
       "output.progress=false", "output.plot=false"]
 
 
@@ -60,8 +61,8 @@ def argon_krypton(rep=3, amp=0.05, seed=0, a=5.3):
 
 
 def potential():
-    cfg = MDModelConfig(name="lj", params={"sigma": 3.405, "epsilon": 0.0104, "cutoff": 6.5},
-                        skin=0.3, device="cpu")
+    cfg = ModelConfig(name="lj", hyperparameters={"sigma": 3.405, "epsilon": 0.0104},
+                      cutoff=6.5, skin=0.3, device="cpu")
     return load_potential(cfg, torch.device("cpu"), torch.float64)
 
 
@@ -361,7 +362,7 @@ def test_rdf_refuses_an_r_max_beyond_its_pair_budget(tmp_path, capsys):
     assert rdf.result()["g"][0, -5:].mean() == pytest.approx(1.0, abs=0.1)  # g -> 1
     atoms.write(tmp_path / "s.xyz")
     args = ["md", f"structure={tmp_path / 's.xyz'}", f"output.dir={tmp_path / 'o'}", *LJ,
-            "model.params.cutoff=5.0", "steps=2", "hooks.0.name=rdf", "hooks.0.r_max=400"]
+            "model.cutoff=5.0", "steps=2", "hooks.0.name=rdf", "hooks.0.r_max=400"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "r_max=400 Å needs about 2.3e+08 atom pairs" in err
@@ -386,7 +387,7 @@ def test_failing_hook_stops_after_a_checkpoint_and_resumes_exactly(tmp_path, cap
     writing checkpoint.pt at step 6; resumed with the hook fixed, every file (thermo, the
     hooks of step 6 and after) equals an uninterrupted run's."""
     argon_krypton(rep=2, amp=0.1).write(tmp_path / "s.xyz")
-    base = ["md", f"structure={tmp_path / 's.xyz'}", *LJ, "model.params.cutoff=5.0",
+    base = ["md", f"structure={tmp_path / 's.xyz'}", *LJ, "model.cutoff=5.0",
             "ensemble=langevin", "temperature=300", "steps=12", "timestep=4.0",
             "output.trajectory_every=0", "output.checkpoint_every=0",
             "hooks.0.name=msd", "hooks.0.every=3", "hooks.1.name=rdf", "hooks.1.every=3",
@@ -415,7 +416,7 @@ def test_failing_hook_in_relax_checkpoints_and_resumes(tmp_path, capsys):
     """In relax, a failing hook ends the run with one line and a checkpoint at that step;
     resumed with the hook fixed, relax.csv and the hook files equal an uninterrupted run's."""
     argon_krypton(rep=2, amp=0.15).write(tmp_path / "s.xyz")
-    base = ["relax", f"structure={tmp_path / 's.xyz'}", *LJ, "model.params.cutoff=5.0",
+    base = ["relax", f"structure={tmp_path / 's.xyz'}", *LJ, "model.cutoff=5.0",
             "fmax=0.001", "max_steps=12", "output.trajectory_every=0",
             "hooks.0.name=msd", "hooks.0.every=2", "hooks.1.name=callable",
             "hooks.1.every=2", "hooks.1.label=frames"]
@@ -613,8 +614,8 @@ def test_cli_md_with_hooks_writes_files_and_resumes(tmp_path):
     yaml.write_text(
         f"structure: {tmp_path / 's.xyz'}\nensemble: langevin\ntemperature: 600\n"
         "steps: 30\ntimestep: 4.0\n"
-        "model: {name: lj, device: cpu, skin: 0.3, params: {sigma: 3.405, epsilon: 0.0104,"
-        " cutoff: 5.0}}\n"
+        "model: {name: lj, device: cpu, skin: 0.3, cutoff: 5.0, hyperparameters: {sigma: 3.405,"
+        " epsilon: 0.0104}}\n"
         "output: {progress: false, plot: false, trajectory_every: 0, checkpoint_every: 10}\n"
         "hooks:\n  - {name: rdf, every: 5, r_max: 5.0, bins: 25}\n"
         "  - {name: msd, every: 5}\n  - {name: species_temperature, every: 10}\n")
@@ -636,7 +637,7 @@ def test_run_md_python_hooks(tmp_path):
     rdf = RDF(every=2, r_max=5.0, bins=20)
     cfg = load_config(MDConfig, None, [f"structure={tmp_path / 's.xyz'}", *LJ, "steps=6",
                                        f"output.dir={tmp_path / 'o'}",
-                                       "model.params.cutoff=5.0",
+                                       "model.cutoff=5.0",
                                        "output.trajectory_every=0"])
     run_md(cfg, hooks=[rdf])
     assert rdf.result()["frames"] == 4 and (tmp_path / "o" / "hooks" / "rdf.csv").is_file()

@@ -21,7 +21,7 @@ from xnn.config.md import MDConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LJ = ["model.name=lj", "model.params={sigma: 3.405, epsilon: 0.0104, cutoff: 6.0}"]
+LJ = ["model.name=lj", "model.hyperparameters={sigma: 3.405, epsilon: 0.0104}", "model.cutoff=6.0"]
 #: index string -> frames ASE selects from 6 frames
 CASES = {"1:3": [1, 2], "-3:": [3, 4, 5], "::2": [0, 2, 4]}
 #: each command: its overrides (no steps) and how its output says which frames it used
@@ -84,10 +84,10 @@ def test_base60_and_colon_values_stay_strings(tmp_path):
     override and in a YAML file; flow mappings and lists are still read as YAML; an
     unquoted ``index: -3:`` in a file is refused with one line saying to quote it."""
     cfg = load_config(MDConfig, None, ["index=1:30", "output.dir=run:1", "structure=a:",
-                                       "model.params={a: 1:3, b: [2:10, 3], c: 1e-3}",
+                                       "model.hyperparameters={a: 1:3, b: [2:10, 3], c: 1e-3}",
                                        "timestep=5e-1"])
     assert (cfg.index, cfg.output.dir, cfg.structure) == ("1:30", "run:1", "a:")
-    assert cfg.model.params == {"a": "1:3", "b": ["2:10", 3], "c": 1e-3}
+    assert cfg.model.hyperparameters == {"a": "1:3", "b": ["2:10", 3], "c": 1e-3}
     assert cfg.timestep == 0.5
     path = tmp_path / "cfg.yaml"
     path.write_text("index: &i 1:3\noutput: {dir: 10:20}\nstructure: x.xyz\n")

@@ -146,7 +146,7 @@ def test_saved_model_switches_backend(tmp_path):
 
 
 def test_unknown_backend_refused():
-    with pytest.raises(InputError, match="model.backend must be one of.*triton"):
+    with pytest.raises(InputError, match="model.kernel_backend must be one of.*triton"):
         small_model("warp")
 
 
@@ -229,10 +229,10 @@ def test_mace_wrapper_cueq_equals_reference():
 
 @requires_cue
 def test_set_kernel_backend_from_config():
-    """``model.backend`` reaches the equivariant model (hparams too) and is refused for a
+    """``model.kernel_backend`` reaches the equivariant model (hparams too) and is refused for a
     model without kernel backends and as a hyperparameter."""
     from xnn.config.loader import ConfigError
-    from xnn.config.train import ModelConfig
+    from xnn.config.model import ModelConfig
     from xnn.models.cueq import set_kernel_backend
 
     model = small_model("reference")
@@ -240,11 +240,11 @@ def test_set_kernel_backend_from_config():
     assert model.hparams["backend"] == "cueq" and model.interactions[0].tp.backend == "cueq"
     schnet = build("schnet", species=SPECIES, cutoff=3.0)
     set_kernel_backend(schnet, "reference")
-    with pytest.raises(InputError, match="model.backend=reference"):
+    with pytest.raises(InputError, match="model.kernel_backend=reference"):
         set_kernel_backend(schnet, "cueq", "schnet")
-    assert ModelConfig(backend="cueq").backend == "cueq"
-    with pytest.raises(ConfigError, match="model.backend"):
-        ModelConfig(hyperparameters={"backend": "cueq"})
+    assert ModelConfig(kernel_backend="cueq").kernel_backend == "cueq"
+    with pytest.raises(ConfigError, match="model.kernel_backend"):
+        ModelConfig(name="schnet", cutoff=5.0, hyperparameters={"backend": "cueq"}).check_train()
 
 
 @pytest.mark.gpu
@@ -262,7 +262,7 @@ def test_mace_wrapper_cueq_equals_reference_cuda_fp32():
 
 @requires_cue
 def test_train_with_model_backend_cueq(tmp_path):
-    """``xnn train model.backend=cueq`` trains the equivariant model through cuEquivariance
+    """``xnn train model.kernel_backend=cueq`` trains the equivariant model through cuEquivariance
     and saves the backend in the model file; the file runs with the reference backend."""
     from xnn.app.train import train
     from xnn.config.loader import load_config
@@ -276,7 +276,8 @@ def test_train_with_model_backend_cueq(tmp_path):
     cfg = load_config(TrainConfig, None, [
         f"data.datasets.0.path={tmp_path / 'cu.xyz'}", f"output_dir={tmp_path / 'run'}",
         "data.batch_size=3", "logging.plots=false", "logging.progress_bar=false", "device=cpu",
-        "model.name=equivariant", "model.cutoff=3.0", hp, "model.backend=cueq", "max_steps=2"])
+        "model.name=equivariant", "model.cutoff=3.0", hp, "model.kernel_backend=cueq",
+        "max_steps=2"])
     train(cfg)
     model = load_model(tmp_path / "run" / "model.pt")
     assert model.hparams["backend"] == "cueq" and model.interactions[0].tp._cue is not None
@@ -295,7 +296,7 @@ def test_md_model_kernel_backend_switches_the_loaded_model():
     from xnn.config.md import MDConfig
 
     def model_of(*extra):
-        cfg = load_config(MDConfig, None, ["model.name=equivariant", "model.params.species=[29]",
+        cfg = load_config(MDConfig, None, ["model.name=equivariant", "model.species=[29]",
                                            *extra])
         model = load_potential(cfg.model, torch.device("cpu"), torch.float64).model
         ops = {m.backend for m in model.modules() if isinstance(m, EdgeTensorProduct)}
@@ -308,6 +309,7 @@ def test_md_model_kernel_backend_switches_the_loaded_model():
         assert model_of("model.kernel_backend=cueq").hparams["backend"] == "cueq"
     with pytest.raises(InputError, match="set model.kernel_backend: saved"):
         lj_cfg = load_config(MDConfig, None, [
-            "model.name=lj", "model.params.sigma=2.3", "model.params.epsilon=0.4",
-            "model.params.cutoff=5.0", "model.kernel_backend=reference"])
+            "model.name=lj", "model.hyperparameters.sigma=2.3",
+            "model.hyperparameters.epsilon=0.4", "model.cutoff=5.0",
+            "model.kernel_backend=reference"])
         load_potential(lj_cfg.model, torch.device("cpu"), torch.float64)

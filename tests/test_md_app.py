@@ -33,8 +33,9 @@ from xnn.models.serialization import read_as_data, save_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-      "model.params.cutoff=6.5", "output.progress=false", "output.plot=false"]
+LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405",
+      "model.hyperparameters.epsilon=0.0104", "model.cutoff=6.5", "output.progress=false",
+      "output.plot=false"]
 
 
 @pytest.fixture
@@ -66,7 +67,8 @@ def test_resume_refuses_another_model_or_physics(tmp_path, argon_file):
     save_model(build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.5), a)
     save_model(build("lj", sigma=3.3, epsilon=0.0104, cutoff=6.5), b)
     common = ["ensemble=langevin", "temperature=40", "timestep=5", "steps=4",
-              "output.log_every=2", "output.trajectory_every=2", "model.name=null"]
+              "output.log_every=2", "output.trajectory_every=2", "model.name=null",
+              "model.hyperparameters=null", "model.cutoff=null"]
     run = md(argon_file, tmp_path / "run", *common, f"model.file={a}")
     before = files(run)
     resume = [*common, f"resume={run / 'checkpoint.pt'}", "steps=6"]
@@ -80,7 +82,8 @@ def test_resume_refuses_another_model_or_physics(tmp_path, argon_file):
 
     refused([f"model.file={b}"], f"another model (model.file={a}, fingerprint",
             f"now model.file={b}, fingerprint")
-    refused(["model.name=lj", "model.params.sigma=3.3"], "now model.name=lj, fingerprint")
+    refused(["model.name=lj", "model.hyperparameters={sigma: 3.3, epsilon: 0.0104}",
+             "model.cutoff=6.5"], "now model.name=lj, fingerprint")
     refused([f"model.file={a}", "temperatures=[40,60]"],
             "temperature=[40.0, 40.0] (now [40.0, 60.0])")
     refused([f"model.file={a}", "thermostat.friction=0.1"], "thermostat.friction=0.01 (now 0.1)")
@@ -95,11 +98,11 @@ def test_resume_refuses_another_model_or_physics(tmp_path, argon_file):
     # xnn relax checks its model too
     rx = relax(argon_file, tmp_path / "rx", "max_steps=2")
     msg = raises_one_line(InputError, relax, argon_file, rx, "max_steps=4",
-                          "model.params.epsilon=0.02", f"resume={rx / 'checkpoint.pt'}")
+                          "model.hyperparameters.epsilon=0.02", f"resume={rx / 'checkpoint.pt'}")
     assert "written with another model (model.name=lj" in msg
     # what does not change the physics may change: the run continues
     # (and the same model from another source is the same model)
-    md(argon_file, run, *resume, "model.name=lj", "model.skin=0.5", "output.log_every=1",
+    md(argon_file, run, *resume, *LJ[:4], "model.skin=0.5", "output.log_every=1",
        "safety.max_force=50")
     assert ckpt.load_checkpoint(run / "checkpoint.pt")[0].step == 6
 
@@ -110,7 +113,7 @@ def test_old_checkpoint_resumes_with_a_warning_and_the_models_own_cutoff(tmp_pat
     warning, and the run goes on with the new model's cutoff, not the checkpoint's list's
     (which missed the pairs between 5.3 and 6.5 Å: the energy was off by a tenth)."""
     common = ["ensemble=nve", "temperature=20", "model.skin=0.3", "index=0"]
-    run = md(argon_file, tmp_path / "run", *common, "steps=2", "model.params.cutoff=5.0")
+    run = md(argon_file, tmp_path / "run", *common, "steps=2", "model.cutoff=5.0")
     path = run / "checkpoint.pt"
     payload = read_as_data(path)
     payload["meta"].pop("resume_check", None)  # as written before fingerprints existed
@@ -155,7 +158,8 @@ def test_resuming_a_complete_run_says_so(tmp_path, argon_file, capsys):
 
 
 # ----------------------------------------------------------------------- compile=true
-NACL = ["model.name=lj", "model.params={sigma: 2.5, epsilon: 0.01, cutoff: 5.0}",
+LJ_TERM = "{name: lj, sigma: 2.5, epsilon: 0.01, cutoff: 5.0}"
+NACL = ["model.name=lj", "model.hyperparameters={sigma: 2.5, epsilon: 0.01}", "model.cutoff=5.0",
         "output.progress=false", "ensemble=nve", "steps=2", "compile=true"]
 
 
@@ -171,15 +175,16 @@ def nacl_file(tmp_path):
 
 
 @pytest.mark.parametrize("extra,named", [
-    (["model.add=[{name: pme, cutoff: 5.0}]"], "the long-range term(s) ['pme']"),
-    (["model.add=[{name: pme, cutoff: 5.0, charges: {Na: 1, Cl: -1}}]"],
-     "the long-range term(s) ['pme']"),
-    (["model.name=sum", "model.params={terms: [{name: lj, sigma: 2.5, epsilon: 0.01, "
-      "cutoff: 5.0}, {name: ewald, cutoff: 5.0}, {name: d3, s9: 0.0}]}"],
-     "the long-range term(s) ['ewald', 'd3']"),
-    (["model.name=ewald", "model.params={cutoff: 5.0, charges: {Na: 1, Cl: -1}}"],
-     "the long-range term(s) ['ewald']"),
-    (["ensemble=npt", "pressure=0", "model.add=[{name: d3}]"],
+    (["model.name=sum", f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: pme, "
+      "cutoff: 5.0}]}"], "the long-range term(s) ['pme']"),
+    (["model.name=sum", f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: pme, "
+      "cutoff: 5.0, charges: {Na: 1, Cl: -1}}]}"], "the long-range term(s) ['pme']"),
+    (["model.name=sum", f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: ewald, "
+      "cutoff: 5.0}, {name: d3, s9: 0.0}]}"], "the long-range term(s) ['ewald', 'd3']"),
+    (["model.name=ewald", "model.hyperparameters={charges: {Na: 1, Cl: -1}}",
+      "model.cutoff=5.0"], "the long-range term(s) ['ewald']"),
+    (["ensemble=npt", "pressure=0", "model.name=sum",
+      f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: d3}}]}}"],
      "ensemble=npt (it compiles ensembles nve, langevin, csvr, nhc; npt moves the cell); nor "
      "the long-range term(s) ['d3']"),
     (["model.compile=true"], "model.compile=true (compile=true compiles the whole step"),
@@ -202,16 +207,17 @@ def test_compile_refuses_what_it_cannot_compile(tmp_path, nacl_file, extra, name
 
 def test_compile_refusals_on_several_ranks(nacl_file):
     """Under torchrun the same check runs on every rank before the run layer is built (the
-    decomposed compiled step: dd.mode halo, no CUDA graphs, no long-range terms, D3 too)."""
+    decomposed compiled step: parallel.mode spatial, no CUDA graphs, no long-range terms, D3
+    too)."""
     from xnn.app.md_setup import check_compile
 
-    cfg = load_config(MDConfig, None, [f"structure={nacl_file}", *NACL, "dd.mode=graph",
-                                       "cuda_graph=true", "model.add=[{name: d3}]"])
+    cfg = load_config(MDConfig, None, [f"structure={nacl_file}", *NACL, "parallel.mode=graph",
+                                       "cuda_graph=true"])
     model = build("sum", terms=[{"name": "lj", "sigma": 2.5, "epsilon": 0.01, "cutoff": 5.0},
                                 {"name": "d3"}])
     msg = raises_one_line(InputError, check_compile, cfg, model, torch.device("cpu"), True)
     for part in ("the long-range term(s) ['d3']", "cuda_graph=true on device cpu",
-                 "cuda_graph=true on several ranks", "dd.mode=graph (on several ranks"):
+                 "cuda_graph=true on several ranks", "parallel.mode=graph (on several ranks"):
         assert part in msg, (part, msg)
     lj = build("lj", sigma=2.5, epsilon=0.01, cutoff=5.0)
     check_compile(load_config(MDConfig, None, NACL), lj, torch.device("cpu"), True)  # compiles

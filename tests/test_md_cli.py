@@ -21,8 +21,8 @@ from xnn.errors import InputError, ModelFileError, UnknownSpeciesError
 from xnn.io import md_checkpoint as ckpt
 from xnn.io.trajectory import read_hdf5_trajectory
 
-LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-      "model.params.cutoff=6.5", "output.progress=false"]
+LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",
+      "model.cutoff=6.5", "output.progress=false"]
 
 
 # small MD systems: one thread avoids thread overhead on small CPU tensors
@@ -139,7 +139,7 @@ def test_safety_atoms_too_close(tmp_path):
     path = tmp_path / "close.xyz"
     ase.io.write(path, a)
     cfg = load_config(MDConfig, None, [f"structure={path}", f"output.dir={tmp_path / 's'}", *LJ,
-                                       "model.params.epsilon=1e-6", "ensemble=nve",
+                                       "model.hyperparameters.epsilon=1e-6", "ensemble=nve",
                                        "temperature=10", "steps=50", "timestep=2",
                                        "safety.min_distance=1.0", "safety.max_temperature=1e9",
                                        "output.checkpoint_every=0"])
@@ -211,7 +211,7 @@ def test_unknown_species(tmp_path):
     ase.io.write(path, bulk("Cu", "fcc", a=3.6, cubic=True))
     with pytest.raises(UnknownSpeciesError, match="Cu"):
         run_md(load_config(MDConfig, None, [f"structure={path}", f"output.dir={tmp_path / 'u'}",
-                                            *LJ, "model.params.species=[Ar]"]))
+                                            *LJ, "model.species=[Ar]"]))
 
 
 def test_missing_masses():

@@ -30,23 +30,23 @@ CASES = {  # ensemble -> extra overrides (Langevin/CSVR: random numbers by atom 
     "csvr": ["temperature=150", "thermostat.tau=40"],
     "npt": ["temperature=150", "pressure=0.1", "barostat.tau_p=200", "thermostat.tau=50"],
 }
-LJ = ["model.device=cpu", "model.name=lj", "model.params.sigma=3.405",
-      "model.params.epsilon=0.0104",
+LJ = ["model.device=cpu", "model.name=lj", "model.hyperparameters.sigma=3.405",
+      "model.hyperparameters.epsilon=0.0104",
       "output.progress=false"]
-BIG = ["model.params.cutoff=5.0", "model.skin=0.3", "steps=12", "timestep=5.0",
+BIG = ["model.cutoff=5.0", "model.skin=0.3", "steps=12", "timestep=5.0",
        "initial_temperature=400", "output.log_every=6", "output.trajectory_every=0"]
 
 
 def overrides(structure, out_dir, ensemble, *extra):
     return [f"structure={structure}", f"output.dir={out_dir}", f"ensemble={ensemble}", *LJ,
-            "model.params.cutoff=6.5", "model.skin=0.3", "steps=40", "timestep=4.0",
+            "model.cutoff=6.5", "model.skin=0.3", "steps=40", "timestep=4.0",
             "initial_temperature=150", "output.log_every=5", "output.trajectory_every=20",
             "output.checkpoint_every=20", "output.plot=false", "seed=3", *CASES[ensemble],
             *extra]
 
 
 def relax_overrides(structure, out_dir):
-    return [f"structure={structure}", f"output.dir={out_dir}", *LJ, "model.params.cutoff=6.5",
+    return [f"structure={structure}", f"output.dir={out_dir}", *LJ, "model.cutoff=6.5",
             "model.skin=0.3", "relax_cell=true", "fmax=0.005", "max_steps=60",
             "output.trajectory_every=10"]
 
@@ -63,11 +63,11 @@ def auto_runs(tmp):
     the error of the first run that failed (``None``: all ran)."""
     s = f"{tmp}/ar108.xyz"
     try:
-        md(s, f"{tmp}/auto_nve", "nve", "dd.mode=auto")
+        md(s, f"{tmp}/auto_nve", "nve", "parallel.mode=auto")
         run_relax(load_config(RelaxConfig, None, [*relax_overrides(s, f"{tmp}/auto_relax"),
-                                                  "dd.mode=auto"]))
+                                                  "parallel.mode=auto"]))
         run_md(load_config(MDConfig, None, [f"structure={tmp}/ar500.xyz", "ensemble=nve",
-                                            f"output.dir={tmp}/auto_big", "dd.mode=auto",
+                                            f"output.dir={tmp}/auto_big", "parallel.mode=auto",
                                             *LJ, *BIG]))
     except Exception as err:  # noqa: BLE001 - reported by the test, the other cases go on
         return f"{type(err).__name__}: {err}"

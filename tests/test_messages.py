@@ -163,7 +163,8 @@ def test_non_finite_charges_are_named(name, tmp_path, capsys):
     if name == "pme":
         write(tmp_path / "nacl.xyz", atoms)
         cli_fails(capsys, ["md", f"structure={tmp_path / 'nacl.xyz'}", "model.name=pme",
-                           "model.params={cutoff: 5.0, charges: data}", "steps=2",
+                           "model.hyperparameters={charges: data}", "model.cutoff=5.0",
+                           "steps=2",
                            f"output.dir={tmp_path / 'md'}"], "non-finite charges")
         assert not (tmp_path / "md").exists()
 
@@ -207,8 +208,8 @@ def test_a_folder_given_as_a_file_is_called_a_directory(tmp_path, cu_data, capsy
     wf = tmp_path / "wf.yaml"
     wf.write_text(f"structure: {folder}\nmodel: {{file: {lj}}}\nstages: [{{type: relax}}]\n")
     out = tmp_path / "out"
-    lj_md = ["model.name=lj", "model.params={sigma: 2.3, epsilon: 0.4, cutoff: 3.0}",
-             f"output.dir={out}"]
+    lj_md = ["model.name=lj", "model.hyperparameters={sigma: 2.3, epsilon: 0.4}",
+             "model.cutoff=3.0", f"output.dir={out}"]
     is_dir = f"{str(folder)!r} is a directory, not a file"
     meant = f"did you mean {str(lj)!r}?"
     cases = [
@@ -252,9 +253,10 @@ def test_missing_model_hyperparameters_are_named(tmp_path, cu_data, capsys):
     assert "model 'lj' needs hyperparameter(s) ['epsilon', 'cutoff']" in msg
     out = tmp_path / "md"
     cli_fails(capsys, ["md", f"structure={cu_data}", "model.name=lj", f"output.dir={out}"],
-              "['sigma', 'epsilon', 'cutoff']", "model.params")
-    cli_fails(capsys, ["md", f"structure={cu_data}", "model.name=lj",
-                       "model.params={sigma: 2.3, epsilon: 0.4, cutoff: 5.0}",
-                       "model.add=[{name: morse, D: 0.3}]", f"output.dir={out}"],
+              "['sigma', 'epsilon', 'cutoff']", "model.hyperparameters")
+    cli_fails(capsys, ["md", f"structure={cu_data}",
+                       "model.name=sum", "model.hyperparameters={terms: [{name: lj, sigma: 2.3, "
+                       "epsilon: 0.4, cutoff: 5.0}, {name: morse, D: 0.3}]}",
+                       f"output.dir={out}"],
               "model 'morse' needs hyperparameter(s) ['alpha', 'r0', 'cutoff']")
     assert not out.exists()

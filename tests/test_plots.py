@@ -15,8 +15,8 @@ from xnn.io import thermo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-      "model.params.cutoff=6.5", "output.progress=false", "model.device=cpu"]
+LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",
+      "model.cutoff=6.5", "output.progress=false", "model.device=cpu"]
 
 
 @pytest.fixture

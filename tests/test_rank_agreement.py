@@ -33,7 +33,8 @@ def _train_args(data: str, out: str, *extra: str) -> list[str]:
 
 def _md_args(structure: str, out: str, *extra: str) -> list[str]:
     return ["md", f"structure={structure}", "model.name=lj",
-            "model.params={sigma: 2.3, epsilon: 0.4, cutoff: 5.0}", "model.device=cpu",
+            "model.hyperparameters={sigma: 2.3, epsilon: 0.4}", "model.cutoff=5.0",
+            "model.device=cpu",
             "steps=2", f"output.dir={out}", "output.progress=false", "output.plot=false",
             *extra]
 
@@ -113,7 +114,8 @@ def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
     tol = ["--tol", "1e-6"] if rank == 1 else []
     out["validate"] = _cli(ports[6], ["validate", "--model", "lj:sigma=2.3,epsilon=0.4,cutoff=5.0",
                                       "--structure", f"{tmp}/ar.xyz", "--device", "cpu",
-                                      "--timeout", "60", "--json", f"{tmp}/validate.json", *tol])
+                                      "--parallel.timeout_s", "60", "--json",
+                                      f"{tmp}/validate.json", *tol])
     # 7. xnn md with a stalled rank: the run's own parallel.timeout_s, named in the message
     out["md_stall"] = _stalled_md(ports[7], rank, f"{tmp}/ar.xyz", f"{tmp}/stall")
     return out

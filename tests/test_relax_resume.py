@@ -22,8 +22,8 @@ from xnn.dynamics import fire
 from xnn.errors import DataFileError, InputError
 from xnn.io import md_checkpoint as ckpt
 
-LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-      "model.params.cutoff=6.5", "model.skin=0.3", "output.progress=false"]
+LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",
+      "model.cutoff=6.5", "model.skin=0.3", "output.progress=false"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

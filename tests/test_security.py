@@ -32,8 +32,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["model.cutoff=3.0", "model.hyperparameters={num_features: 8, num_filters: 8, "
         "num_interactions: 1, num_basis: 8}", "logging.plots=false",
         "logging.progress_bar=false", "device=cpu", "max_steps=1", "data.batch_size=3"]
-LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-      "model.params.cutoff=6.5", "output.progress=false", "output.plot=false"]
+LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",
+      "model.cutoff=6.5", "output.progress=false", "output.plot=false"]
 
 
 class Payload:

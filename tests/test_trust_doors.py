@@ -7,7 +7,8 @@ of an earlier xnn's pickled MACE format), or its term-by-term payload holds that
 format; a training checkpoint's ``model.hparams`` do the same. Unpickling the named file
 creates a marker file; in one variant it then returns a real MACE model, so that a run would
 finish normally. Every door (``xnn.load_model``, ``xnn md`` with ``model.file``,
-``model.add`` and ``model.params.terms``, the ranks' loader of decomposed ``xnn md``,
+a sum's ``model.hyperparameters.terms`` (alone and after a built-in term), the ranks'
+loader of decomposed ``xnn md``,
 ``xnn relax``, ``xnn eval``, ``xnn validate``, ``xnn export``, ``xnn train pretrained=``
 with a model file and with a checkpoint, ``xnn run``, the torch-sim and LAMMPS bridges) must
 refuse each file with one line naming it and saying how the caller grants trust, and no
@@ -235,10 +236,11 @@ def _md(ws, f, trust, out, how):
     flag = ["model.trust_file=true"] if trust else []
     if how == "file":
         return _cli(base + [f"model.file={f}", *flag])
-    lj = ["model.name=lj", *[f"model.params.{k}={v}" for k, v in LJ_CU.items()]]
-    if how == "add":
-        return _cli(base + lj + [f"model.add=[{{model_file: {f}}}]", *flag])
-    return _cli(base + ["model.name=sum", f"model.params.terms=[{{model_file: {f}}}]", *flag])
+    terms = [f"{{model_file: {f}}}"]
+    if how == "add":  # the file as a term added to a built-in model
+        terms.insert(0, "{name: lj, " + ", ".join(f"{k}: {v}" for k, v in LJ_CU.items()) + "}")
+    return _cli(base + ["model.name=sum", f"model.hyperparameters.terms=[{', '.join(terms)}]",
+                        *flag])
 
 
 def _relax(ws, f, trust, out):
@@ -328,8 +330,8 @@ def _lammps(ws, f, trust, out):
 DOORS = {
     "xnn.load_model": _load_model,
     "md model.file": lambda ws, f, t, o: _md(ws, f, t, o, "file"),
-    "md model.add": lambda ws, f, t, o: _md(ws, f, t, o, "add"),
-    "md model.params.terms": lambda ws, f, t, o: _md(ws, f, t, o, "terms"),
+    "md sum of lj and the file": lambda ws, f, t, o: _md(ws, f, t, o, "add"),
+    "md model.hyperparameters.terms": lambda ws, f, t, o: _md(ws, f, t, o, "terms"),
     "md on the ranks": _ranks_md,
     "relax": _relax,
     "eval": _eval,

@@ -17,8 +17,8 @@ import ase.io
 from md_helpers import rattled_argon
 
 ROOT = Path(__file__).resolve().parents[1]
-LJ = ["model.name=lj", "model.params.sigma=3.405", "model.params.epsilon=0.0104",
-      "model.params.cutoff=6.5", "model.device=cpu", "output.progress=false",
+LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",
+      "model.cutoff=6.5", "model.device=cpu", "output.progress=false",
       "output.plot=false"]
 
 MODULE = '''

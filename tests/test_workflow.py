@@ -32,6 +32,8 @@ from xnn.errors import InputError
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "workflow" / "workflow.yaml"
 LJ = {"sigma": 3.405, "epsilon": 0.0104, "cutoff": 8.0}
+LJ_HP = {k: v for k, v in LJ.items() if k != "cutoff"}  # model.hyperparameters
+LJ_MODEL = ["model.name=lj", f"model.hyperparameters={LJ_HP}", f"model.cutoff={LJ['cutoff']}"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -193,7 +195,7 @@ def test_batched_equals_each_system_alone(tmp_path):
               "stages.3.timestep=4", "stages.4.type=nvt", "stages.4.name=nhc",
               "stages.4.thermostat=nhc", "stages.4.temperature=30", "stages.4.steps=10",
               "stages.4.timestep=4"]
-    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
+    common = [f"structure={structure}", *LJ_MODEL,
               "output.progress=false", "output.trajectory_every=0", *stages]
     a = run_workflow(None, common + ["slots=4", f"output.dir={tmp_path / 'a'}"])
     b = run_workflow(None, common + ["slots=1", f"output.dir={tmp_path / 'b'}"])
@@ -217,7 +219,7 @@ def test_npt_batched_equals_alone(tmp_path):
         atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
         frames.append(atoms)
     structure = _write(tmp_path / "cells.xyz", frames)
-    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
+    common = [f"structure={structure}", *LJ_MODEL,
               "output.progress=false", "output.trajectory_every=5",
               "stages.0.type=relax", "stages.0.relax_cell=true", "stages.0.fmax=0.005",
               "stages.0.max_steps=60", "stages.1.type=npt", "stages.1.temperature=50",
@@ -235,7 +237,7 @@ def test_npt_batched_equals_alone(tmp_path):
 def test_cuda_campaign_equals_cpu(tmp_path):
     """The same campaign on the GPU and on the CPU (fp64): the same rows to 1e-10."""
     structure = _write(tmp_path / "c.xyz", _clusters(6, seed=2))
-    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}", "slots=4",
+    common = [f"structure={structure}", *LJ_MODEL, "slots=4",
               "output.progress=false", "stages.0.type=relax", "stages.0.fmax=0.005",
               "stages.1.type=nvt", "stages.1.temperature=40", "stages.1.steps=10"]
     a = run_workflow(None, common + ["model.device=cuda", f"output.dir={tmp_path / 'a'}"])
@@ -291,7 +293,7 @@ def test_a_stage_the_systems_cannot_take_is_refused_before_running(tmp_path):
     """An npt stage on non-periodic clusters: one clear error, no run folder written."""
     structure = _write(tmp_path / "c.xyz", _clusters(3))
     with pytest.raises(InputError, match="system 0 .* not periodic"):
-        run_workflow(None, [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
+        run_workflow(None, [f"structure={structure}", *LJ_MODEL,
                             "stages.0.type=npt", f"output.dir={tmp_path / 'out'}"])
     assert not (tmp_path / "out").exists()
 
@@ -310,7 +312,7 @@ def test_a_system_without_kinetic_degrees_of_freedom_fails_its_thermostat_stage(
     pair.set_constraint(FixAtoms(indices=[0, 1]))
     frames = [*_clusters(2, seed=1), Atoms("Ar", positions=[[0, 0, 0]]), pair]
     structure = _write(tmp_path / "c.xyz", frames)
-    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}"]
+    common = [f"structure={structure}", *LJ_MODEL]
     with pytest.raises(InputError, match=r"system 2 has no kinetic degrees of freedom "
                                          r"\(1 atom, whose total momentum is kept at zero\)"):
         run_md(None, [*common, "index=:", "ensemble=langevin", "temperature=40", "steps=2",
@@ -338,7 +340,7 @@ def test_a_system_without_kinetic_degrees_of_freedom_fails_its_thermostat_stage(
 def test_resuming_a_complete_campaign_says_so_and_keeps_its_files(tmp_path, capsys):
     """Was: the resumed campaign printed its usual start line and said nothing more."""
     structure = _write(tmp_path / "c.xyz", _clusters(3, seed=1))
-    common = [f"structure={structure}", "model.name=lj", f"model.params={LJ}",
+    common = [f"structure={structure}", *LJ_MODEL,
               "output.progress=false", "stages.0.type=relax", "stages.0.max_steps=5",
               "stages.1.type=nve", "stages.1.steps=3", f"output.dir={tmp_path / 'out'}"]
     out = run_workflow(None, common)

@@ -33,6 +33,8 @@ from xnn.app.workflow import run_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 LJ = {"sigma": 3.405, "epsilon": 0.0104, "cutoff": 8.0}
+LJ_HP = {k: v for k, v in LJ.items() if k != "cutoff"}  # model.hyperparameters
+LJ_MODEL = ["model.name=lj", f"model.hyperparameters={LJ_HP}", f"model.cutoff={LJ['cutoff']}"]
 N = 9  # clusters of 5-12 atoms
 STAGES = ["stages.0.type=relax", "stages.0.fmax=0.01", "stages.0.max_steps=150",
           "stages.1.type=nvt", "stages.1.temperature=40", "stages.1.steps=20",
@@ -118,7 +120,7 @@ def campaigns(tmp_path_factory):
     d = tmp_path_factory.mktemp("ranks")
     frames = _clusters(N, seed=4)
     ase.io.write(d / "c.xyz", frames, format="extxyz")
-    common = [f"structure={d / 'c.xyz'}", "model.name=lj", f"model.params={LJ}", "slots=2",
+    common = [f"structure={d / 'c.xyz'}", *LJ_MODEL, "slots=2",
               "output.progress=false", "output.trajectory_every=10", *STAGES]
     one = run_workflow(None, [*common, f"output.dir={d / 'one'}"])
     runs = _wait(_launch([*common, f"output.dir={d / 'two'}"]))

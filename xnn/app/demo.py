@@ -6,14 +6,18 @@ to ``examples/train_emt.yaml`` apart from the data path and the epoch count). Th
 cap only guards against a machine far slower than expected: when it stops the training
 before the last epoch, the results depend on the machine's speed and load, and the demo
 says so loudly (:func:`time_cap_warning`). ``demo_md(model_file, ...)``: a short NVT run
-with the trained model.
+with the trained model. :func:`run_demo`: every step of ``xnn demo`` (the Lennard-Jones
+relaxation of argon through :class:`xnn.Calculator`, training, MD) into one folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+
+from xnn.errors import InputError
 
 DEMO_YAML = """\
 # A small SchNet on ASE-EMT copper (xnn data emt --out emt_cu.xyz --n 200).
@@ -142,3 +146,128 @@ def demo_md(
         f"output.checkpoint_every={steps}",
     ])
     return run_md(cfg)
+
+
+#: Lennard-Jones argon (Rowley et al. style parameters): σ (Å), ε (eV), cutoff 2.5σ (Å)
+AR_SIGMA, AR_EPSILON, AR_CUTOFF = 3.405, 0.010323, 8.5125
+AR_LATTICE = 5.26  # Å, a slightly off-equilibrium start
+
+
+def prepare_output(out: str | os.PathLike) -> Path:
+    """Create the output folder; refuse a path that is an existing file."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--out {path} exists and is not a folder")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def step_lj_relax(out: Path, fmax: float = 1e-4, steps: int = 500, repeat: int = 2) -> dict:
+    """Relax a rattled ``repeat``³ argon FCC supercell (4 repeat³ atoms), positions and cell.
+
+    Returns:
+        a summary dict: energy per atom (eV), max force (eV/Å), stress (Voigt, GPa),
+        lattice constant (Å), number of optimizer steps.
+    """
+    from ase.build import bulk
+    from ase.filters import UnitCellFilter
+    from ase.optimize import FIRE
+
+    from xnn.io.calculator import Calculator
+    from xnn.models.classical import LennardJones
+    from xnn.units import EV_PER_A3_TO_GPA
+
+    if repeat < 1:
+        raise InputError(f"--repeat must be >= 1, got {repeat}")
+    atoms = bulk("Ar", "fcc", a=AR_LATTICE, cubic=True) * (repeat, repeat, repeat)
+    atoms.rattle(0.02, seed=0)
+    atoms.calc = Calculator(LennardJones(AR_SIGMA, AR_EPSILON, AR_CUTOFF), device="cpu")
+    e_start = atoms.get_potential_energy() / len(atoms)
+    opt = FIRE(UnitCellFilter(atoms), logfile=str(out / "lj_relax.log"))
+    converged = bool(opt.run(fmax=fmax, steps=steps))
+    forces = atoms.get_forces()
+    stress = atoms.get_stress()
+    summary = {
+        "system": f"Ar fcc {repeat}x{repeat}x{repeat}, Lennard-Jones",
+        "n_atoms": len(atoms),
+        "converged": converged,
+        "optimizer_steps": int(opt.nsteps),
+        "energy_per_atom_start_eV": float(e_start),
+        "energy_per_atom_eV": float(atoms.get_potential_energy() / len(atoms)),
+        "max_force_eV_per_A": float(abs(forces).max()),
+        "stress_voigt_GPa": [float(s) * EV_PER_A3_TO_GPA for s in stress],
+        "lattice_constant_A": float(atoms.get_volume() / repeat**3) ** (1.0 / 3.0),
+        "model_calls": atoms.calc.n_model_calls,
+    }
+    atoms.write(out / "lj_relaxed.xyz")
+    return summary
+
+
+def step_train(out: Path, epochs: int, max_minutes: float, n_structures: int) -> dict:
+    """EMT Cu data → train the default model for ``epochs`` epochs (capped at
+    ``max_minutes``) → test-set errors and plots."""
+    summary = demo_train(out, epochs=epochs, max_minutes=max_minutes,
+                         n_structures=n_structures)
+    metrics = summary.get("metrics", {})
+    keep = {k: v for k, v in metrics.items() if k.startswith("test_") or k.startswith("val_")}
+    return {
+        "model": str(summary["model"]),
+        "data": str(summary["data"]),
+        "plots": [str(p) for p in summary.get("plots", [])],
+        "epochs": summary["epochs"],
+        "epochs_planned": epochs,
+        "stopped_by": summary["stopped_by"],
+        **({"warning": summary["warning"]} if "warning" in summary else {}),
+        **{k: float(v) for k, v in keep.items() if isinstance(v, (int, float))},
+    }
+
+
+def step_md(out: Path, model_file: str, steps: int, temperature: float) -> dict:
+    """NVT MD (CSVR) of a 3×3×3 FCC Cu crystal (108 atoms) with the trained model."""
+    import csv
+
+    from ase.build import bulk
+
+    md_dir = out / "md"
+    md_dir.mkdir(parents=True, exist_ok=True)
+    start = md_dir / "start.xyz"
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True) * (3, 3, 3)
+    atoms.rattle(0.02, seed=1)
+    atoms.write(start)
+    demo_md(model_file, start, md_dir, temperature=temperature, steps=steps, ensemble="csvr")
+    with open(md_dir / "thermo.csv") as f:
+        rows = list(csv.DictReader(f))
+    temps = [float(r["temperature_K"]) for r in rows[len(rows) // 2 :] if "temperature_K" in r]
+    return {
+        "folder": str(md_dir),
+        "steps": steps,
+        "target_temperature_K": temperature,
+        "mean_temperature_second_half_K": sum(temps) / len(temps) if temps else float("nan"),
+        "thermo_plot": str(md_dir / "thermo.png"),
+    }
+
+
+def run_demo(out: str | os.PathLike, fmax: float = 1e-4, steps: int = 500, repeat: int = 2,
+             only_lj: bool = False, epochs: int = 40, max_minutes: float = 15.0,
+             n_structures: int = 200, md_steps: int = 400,
+             temperature: float = 300.0) -> tuple[Path, dict]:
+    """The whole demo into ``out``: the LJ relaxation, then (unless ``only_lj``) EMT data,
+    training and NVT MD; ``summary.json`` holds every step's summary.
+
+    Returns:
+        the output folder and ``{step: summary}`` (``lj_relax``, ``train``, ``md``).
+    """
+    folder = prepare_output(out)
+    results = {"lj_relax": step_lj_relax(folder, fmax, steps, repeat)}
+    if not only_lj:
+        results["train"] = step_train(folder, epochs, max_minutes, n_structures)
+        results["md"] = step_md(folder, results["train"]["model"], md_steps, temperature)
+    write_json(folder / "summary.json", results)
+    return folder, results

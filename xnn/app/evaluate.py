@@ -173,3 +173,95 @@ def check_finite_metrics(metrics: dict, path: str, data: EvalData) -> None:
 
 __all__ = ["EvalData", "labelled_data", "split_data", "read_split_record",
            "check_finite_weights", "check_finite_metrics"]
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What ``xnn eval`` evaluates (see ``xnn eval --help``).
+
+    Attributes:
+        model: model file, or with ``split`` a training run folder.
+        data: labelled structures (not with ``split``). split: ``train``, ``val`` or ``test``.
+        keys: label key by property (``energy``, ``forces``, ``stress``) where given
+            (``None``: the property's name; not with ``split``).
+        batch_size: structures per batch. device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
+        plot: parity plot PNG (``None``: next to the model). json: metrics file (``None``:
+        none). trust_file: load a model file that may unpickle code.
+    """
+
+    model: str
+    data: str | None = None
+    split: str | None = None
+    keys: tuple[tuple[str, str | None], ...] = ()
+    batch_size: int = 8
+    device: str = "auto"
+    plot: str | None = None
+    json: str | None = None
+    trust_file: bool = False
+
+
+@dataclass
+class EvalResult:
+    """The metrics of one ``xnn eval`` and where they were written."""
+
+    model_file: str
+    description: str
+    metrics: dict
+    plot: Path
+    json: Path | None
+
+
+def eval_inputs(opts: EvalOptions) -> tuple[str, EvalData]:
+    """The model file and the structures to evaluate (one line for a wrong combination)."""
+    given = {k: v for k, v in opts.keys if v is not None}
+    if opts.split is not None:
+        if opts.data is not None:
+            raise InputError(f"--split {opts.split} evaluates the run folder's own data: give "
+                             f"only the run folder (xnn eval --split {opts.split} RUN_DIR), "
+                             f"not {opts.data!r}")
+        if given:
+            raise InputError(f"{', '.join(LABEL_FLAGS[k] for k in given)} cannot be used with "
+                             "--split: the run's split.json names the keys each file was "
+                             "trained with")
+        return str(Path(opts.model) / "model.pt"), split_data(opts.model, opts.split)
+    if opts.data is None:
+        raise InputError("give the labelled data to evaluate on (xnn eval MODEL DATA), or "
+                         "--split test with a training run folder (xnn eval --split test "
+                         "RUN_DIR)")
+    keys = {k: given.get(k, k) for k in ("energy", "forces", "stress")}
+    return opts.model, labelled_data(opts.data, {**keys, "virial": "virial"}, tuple(given))
+
+
+def run_eval(opts: EvalOptions) -> EvalResult:
+    """Evaluate ``opts.model``; write the parity plot (and the metrics JSON).
+
+    Raises:
+        InputError, DataFileError, ModelFileError: one line, before anything is written.
+    """
+    from xnn import plotting
+    from xnn._files import check_output_file
+    from xnn._torch_files import refuse_non_model_file
+    from xnn.devices import resolve_device
+    from xnn.models.serialization import load_model
+    from xnn.training.evaluate import evaluate_model
+
+    if opts.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {opts.batch_size}")
+    model_file, data = eval_inputs(opts)
+    plot = check_output_file(opts.plot, "--plot", "parity.png") if opts.plot else \
+        Path(model_file).resolve().parent / f"parity_{data.name}.png"
+    out_json = check_output_file(opts.json, "--json", "metrics.json") if opts.json else None
+    if Path(model_file).is_file():
+        refuse_non_model_file(model_file)  # truncated, or a training/MD checkpoint
+    model = load_model(model_file, trust=opts.trust_file)
+    check_finite_weights(model, model_file)
+    metrics, parity = evaluate_model(model, data.dataset, opts.batch_size,
+                                     resolve_device(opts.device))
+    check_finite_metrics(metrics, model_file, data)
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    plotting.parity(parity["energy"], parity["forces"], plot, title=data.name,
+                    stress=parity.get("stress"))
+    if out_json is not None:
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(metrics, indent=2))
+    return EvalResult(model_file, data.description, metrics, plot, out_json)

@@ -13,13 +13,13 @@ import torch
 from xnn._files import atomic_write
 from xnn._torch_files import check_complete
 from xnn.app.md_setup import load_model
+from xnn.app.modes import check_md_degrees
 from xnn.config.loader import load_config, save_config
 from xnn.data import keys as K
-from xnn.distributed.modes import config_mode
+from xnn.devices import resolve_device
 from xnn.distributed.parallelize import parallelize_md
 from xnn.dynamics.state import MDState
 from xnn.io import md_checkpoint as ckpt
-from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder
 from xnn.io.trajectory import open_trajectory
 
@@ -121,9 +121,11 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None, check=None
     model = load_model(cfg.model, device, dtype)
     if check is not None:
         check(cfg, model, device, manager is not None)
+    if manager is not None:
+        check_md_degrees(cfg.parallel.dd, manager.world_size)
     par = parallelize_md(model, manager, skin=cfg.model.skin,
-                         backend=cfg.model.neighbor_backend, mode=config_mode(cfg.dd.mode),
-                         order=cfg.dd.order,
+                         backend=cfg.model.neighbor_backend, mode=cfg.parallel.mode,
+                         order=cfg.parallel.order,
                          compile=bool(getattr(cfg, "compile", False)  # xnn md only
                                       or getattr(cfg, "cuda_graph", False)),
                          model_compile=cfg.model.compile)

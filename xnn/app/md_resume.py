@@ -85,13 +85,14 @@ def _feed(h, value) -> None:
 
 def model_source(cfg) -> str:
     """Where the run's model comes from, for messages (``model.file=...`` or
-    ``model.name=...``, with the names of the ``model.add`` terms)."""
+    ``model.name=...``, a sum with the names of its terms)."""
     m = cfg.model
     src = f"model.file={m.file}" if m.file is not None else f"model.name={m.name}"
-    if m.add:
-        terms = [t.get("name", t.get("model_file", "?")) if isinstance(t, Mapping) else "?"
-                 for t in m.add]
-        src += f" + model.add {terms}"
+    terms = m.hyperparameters.get("terms") if m.name == "sum" else None
+    if isinstance(terms, (list, tuple)):
+        names = [t.get("name", t.get("model_file", "?")) if isinstance(t, Mapping) else "?"
+                 for t in terms]
+        src += f" of terms {names}"
     return src
 
 

@@ -7,7 +7,8 @@ import torch
 
 from xnn._files import require_file
 from xnn._torch_files import refuse_non_model_file
-from xnn.config.md import MDConfig, MDModelConfig
+from xnn.config.md import MDConfig
+from xnn.config.model import ModelConfig
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.reduce import LOCAL, Reducer
@@ -17,7 +18,7 @@ from xnn.errors import InputError, ModelFileError
 from xnn.units import BAR_TO_EV_PER_A3, GPA_TO_EV_PER_A3
 
 
-def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
+def load_potential(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     """A one-process :class:`~xnn.models.Potential` of :func:`load_model` (``model.skin``,
     ``model.neighbor_backend``, ``model.compile``)."""
     from xnn.models import Potential
@@ -26,9 +27,10 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
                      backend=cfg.neighbor_backend, compile=cfg.compile)
 
 
-def load_model(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
-    """The model of ``model.file`` or ``model.name`` + ``model.params`` (summed with the
-    ``model.add`` terms, if any), in eval mode without gradients. ``model.trust_file`` is the
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """The model of ``model.file`` or ``model.name`` built with ``model.cutoff``,
+    ``model.species`` and ``model.hyperparameters`` (a sum: ``model.name=sum`` with
+    ``hyperparameters.terms``), in eval mode without gradients. ``model.trust_file`` is the
     caller's trust in every model file the config names (:mod:`xnn.models.trust`)."""
     from xnn.models import build
     from xnn.models.trust import granted
@@ -42,7 +44,7 @@ def load_model(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
         model = load_model(cfg.file, map_location=device, trust=cfg.trust_file)
     else:
         with granted(cfg.trust_file):
-            model = build(cfg.name, **dict(cfg.params))
+            model = build(cfg.name, **cfg.build_kwargs())
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):
         raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
     if cfg.kernel_backend != "saved":
@@ -52,11 +54,6 @@ def load_model(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype):
                              f"equivariant model has; a MACE wrapper takes backend= when "
                              f"built): set model.kernel_backend: saved")
         model.set_backend(cfg.kernel_backend)
-    if cfg.add:
-        from xnn.models import Sum
-
-        with granted(cfg.trust_file):
-            model = Sum([model, *[dict(t) if isinstance(t, dict) else t for t in cfg.add]])
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -256,8 +253,9 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
                         "model.device=cuda; on a CPU use compile: true alone)")
     if several_ranks and cfg.cuda_graph:
         problems.append("cuda_graph=true on several ranks (it runs in one process)")
-    if several_ranks and cfg.dd.mode == "graph":
-        problems.append("dd.mode=graph (on several ranks it compiles dd.mode halo)")
+    if several_ranks and cfg.parallel.mode == "graph":
+        problems.append("parallel.mode=graph (on several ranks it compiles parallel.mode "
+                        "spatial)")
     if problems:
         key = "compile=true" if cfg.compile else "cuda_graph=true"
         raise InputError(f"{key} does not support {'; nor '.join(problems)}: change "

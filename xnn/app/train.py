@@ -31,8 +31,8 @@ from xnn.app.train_model import (
 )
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
+from xnn.devices import resolve_device
 from xnn.errors import InputError
-from xnn.io.calculator import resolve_device
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.io.train_checkpoint import save_checkpoint
 from xnn.io.train_log import RunLogger
@@ -187,7 +187,8 @@ def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:
     dtype, autocast = configure_precision(cfg.precision)
     set_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.name,
                                  cfg.compile)
-    set_kernel_backend(model, cfg.model.backend, cfg.model.name)
+    if cfg.model.kernel_backend != "saved":  # saved: as the pretrained file (new: reference)
+        set_kernel_backend(model, cfg.model.kernel_backend, cfg.model.name)
     model = model.to(device=device, dtype=dtype)
     reducer.broadcast_module(model)
     optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
@@ -316,7 +317,6 @@ def run_train(cfg: TrainConfig) -> dict:
     from xnn.config.parallel import TIMEOUT_KEY
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
     from xnn.distributed.manager import DistributedManager
-    from xnn.distributed.modes import config_mode
     from xnn.distributed.parallelize import parallelize_train
 
     device = resolve_device(cfg.device)
@@ -330,7 +330,7 @@ def run_train(cfg: TrainConfig) -> dict:
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
         parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile,
-                                     mode=config_mode(cfg.parallel.mode))
+                                     mode=cfg.parallel.mode)
         if manager.is_distributed and manager.is_main:
             print(manager.describe(), flush=True)
         return train(cfg, parallel=parallel)

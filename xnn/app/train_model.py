@@ -10,7 +10,8 @@ import math
 import torch
 from torch import nn
 
-from xnn.config.train import ModelConfig, TrainConfig
+from xnn.config.model import ModelConfig, train_model_default
+from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.models.registry import build, model_class
 
@@ -266,4 +267,4 @@ def check_pretrained_config(cfg: ModelConfig, model: nn.Module, path: str) -> No
                          f"pretrained model (config vs pretrained: {'; '.join(diffs)}); "
                          "fine-tuning keeps the pretrained architecture: set these to the "
                          f"pretrained values or remove them (model.cutoff defaults to "
-                         f"{ModelConfig().cutoff:g})")
+                         f"{train_model_default().cutoff:g})")

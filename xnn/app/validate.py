@@ -62,8 +62,8 @@ def check_options(opts: ValidateOptions) -> ValidateOptions:
     import math
 
     from xnn._files import check_output_file
+    from xnn.devices import resolve_device
     from xnn.errors import InputError
-    from xnn.io.calculator import resolve_device
 
     if not (math.isfinite(opts.tol) and opts.tol > 0):
         raise InputError(f"--tol must be a finite number > 0, got {opts.tol}")
@@ -158,6 +158,7 @@ def run_validate(opts: ValidateOptions) -> int:
 
     import torch
 
+    from xnn.app.model_spec import load_model_everywhere
     from xnn.distributed import DistributedManager
     from xnn.distributed import collectives as C
     from xnn.distributed import validate as V
@@ -176,7 +177,7 @@ def run_validate(opts: ValidateOptions) -> int:
         graph = V.read_structure_rank0(opts.structure, opts.index)
         species = C.broadcast_object(
             None if graph is None else sorted(set(graph.numbers.tolist())))
-        model = V.load_model_everywhere(opts.model, species, trust=opts.trust_file)
+        model = load_model_everywhere(opts.model, species, trust=opts.trust_file)
         model = model.to(manager.device, dtype)
         graph = None if graph is None else graph.to(manager.device, dtype)  # rank 0 only
         dd = parallelize(model, manager, opts.mode, graph=graph, grid=grid, skin=opts.skin,

@@ -110,7 +110,7 @@ def run_workflow(config: WorkflowConfig | str | Path, overrides: Sequence[str] =
 
 
 def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
-    from xnn.io.calculator import resolve_device
+    from xnn.devices import resolve_device
     from xnn.io.run_folder import plan_run_folder
 
     cfg = config if isinstance(config, WorkflowConfig) else load_config(

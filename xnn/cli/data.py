@@ -75,56 +75,37 @@ def _add_inspect(dsub) -> None:
 
 
 def run_emt(args) -> int:
-    from xnn.data.emt import check_output_file, check_suffix, write_emt
+    from xnn.app.data import write_emt_file
 
-    check_output_file(args.out, "--out")
-    check_suffix(args.out, "--out")
-    n = write_emt(args.out, args.n, args.elements.split(","), args.seed)
+    n = write_emt_file(args.out, args.n, args.elements.split(","), args.seed)
     print(f"wrote {n} EMT structures to {args.out}")
     return 0
 
 
 def run_bulk(args) -> int:
-    from xnn.data.ase_io import write
-    from xnn.data.crystals import bulk_crystal
-    from xnn.data.emt import EXTXYZ_SUFFIXES, check_output_file, check_suffix
+    from xnn.app.data import write_bulk_file
 
-    path = check_output_file(args.out, "--out", example="big.xyz")
-    check_suffix(path, "--out", EXTXYZ_SUFFIXES)
-    atoms = bulk_crystal(args.element, args.repeat, args.a, args.rattle, args.seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write(path, atoms, format="extxyz")
-    print(f"wrote {len(atoms)} {args.element} atoms ({args.repeat}x{args.repeat}x"
+    path, n = write_bulk_file(args.out, args.element, args.repeat, args.a, args.rattle,
+                              args.seed)
+    print(f"wrote {n} {args.element} atoms ({args.repeat}x{args.repeat}x"
           f"{args.repeat} cubic cells) to {path}")
     return 0
 
 
 def run_convert(args) -> int:
-    from pathlib import Path
+    from xnn.app.data import PROPERTIES, convert_file
 
-    from xnn.data.datasets import read_structures
-    from xnn.data.emt import check_output_file
-    from xnn.data.hdf5 import write_hdf5
-    from xnn.errors import InputError
-
-    check_output_file(args.output, "output", example="data.h5")
-    if Path(args.output).suffix not in (".h5", ".hdf5"):
-        raise InputError(f"output {args.output!r} must end in .h5 or .hdf5")
-    ds = read_structures(args.input, 1.0, args.energy_key, args.forces_key, args.stress_key,
-                         args.virial_key)
-    n = write_hdf5(args.output, (ds[i] for i in range(len(ds))))
-    print(f"wrote {n} structures ({int(ds.n_atoms.sum())} atoms) to {args.output}")
+    keys = dict(zip(PROPERTIES, (args.energy_key, args.forces_key, args.stress_key,
+                                 args.virial_key)))
+    n, atoms = convert_file(args.input, args.output, keys)
+    print(f"wrote {n} structures ({atoms} atoms) to {args.output}")
     return 0
 
 
 def run_inspect(args) -> int:
-    from xnn.data.inventory import inventory
-    from xnn.data.label_keys import report
-    from xnn.errors import InputError
+    from xnn.app.data import PROPERTIES, inspect_file
 
-    if args.limit is not None and args.limit < 1:
-        raise InputError(f"--limit must be >= 1, got {args.limit}")
-    inv = inventory(args.file, limit=args.limit)
-    keys = {p: getattr(args, f"{p}_key") for p in ("energy", "forces", "stress", "virial")}
-    print(report(inv, keys))
+    keys = dict(zip(PROPERTIES, (args.energy_key, args.forces_key, args.stress_key,
+                                 args.virial_key)))
+    print(inspect_file(args.file, args.limit, keys))
     return 0

@@ -42,66 +42,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _data(args):
-    """The model file and the structures to evaluate, from the arguments."""
-    from pathlib import Path
-
-    from xnn.app.evaluate import labelled_data, split_data
-    from xnn.errors import InputError
-
-    if args.split is not None:
-        if args.data is not None:
-            raise InputError(f"--split {args.split} evaluates the run folder's own data: give "
-                             f"only the run folder (xnn eval --split {args.split} RUN_DIR), "
-                             f"not {args.data!r}")
-        given = [f"--{k}-key" for k in KEYS if getattr(args, f"{k}_key") is not None]
-        if given:
-            raise InputError(f"{', '.join(given)} cannot be used with --split: the run's "
-                             "split.json names the keys each file was trained with")
-        return str(Path(args.model) / "model.pt"), split_data(args.model, args.split)
-    if args.data is None:
-        raise InputError("give the labelled data to evaluate on (xnn eval MODEL DATA), or "
-                         "--split test with a training run folder (xnn eval --split test "
-                         "RUN_DIR)")
-    keys = {k: getattr(args, f"{k}_key") or k for k in KEYS}
-    named = tuple(k for k in KEYS if getattr(args, f"{k}_key") is not None)
-    return args.model, labelled_data(args.data, {**keys, "virial": "virial"}, named)
-
-
 def run(args) -> int:
-    import json
-    from pathlib import Path
+    from xnn.app.evaluate import EvalOptions, run_eval
+    from xnn.training.evaluate import format_metrics
 
-    from xnn import plotting
-    from xnn._files import check_output_file
-    from xnn.app.evaluate import check_finite_metrics, check_finite_weights
-    from xnn.errors import InputError
-    from xnn.io.calculator import resolve_device
-    from xnn.models.serialization import load_model
-    from xnn.training.evaluate import evaluate_model, format_metrics
-
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    model_file, data = _data(args)
-    plot = check_output_file(args.plot, "--plot", "parity.png") if args.plot else \
-        Path(model_file).resolve().parent / f"parity_{data.name}.png"
-    out_json = check_output_file(args.json, "--json", "metrics.json") if args.json else None
-    if Path(model_file).is_file():
-        from xnn._torch_files import refuse_non_model_file
-
-        refuse_non_model_file(model_file)  # truncated, or a training/MD checkpoint
-    model = load_model(model_file, trust=args.trust_file)
-    check_finite_weights(model, model_file)
-    metrics, parity = evaluate_model(model, data.dataset, args.batch_size,
-                                     resolve_device(args.device))
-    check_finite_metrics(metrics, model_file, data)
-    print(f"{model_file} on {data.description}")
-    print(format_metrics(metrics))
-    plot.parent.mkdir(parents=True, exist_ok=True)
-    plotting.parity(parity["energy"], parity["forces"], plot, title=data.name,
-                    stress=parity.get("stress"))
-    print(f"parity plot: {plot}")
-    if out_json is not None:
-        out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(metrics, indent=2))
+    result = run_eval(EvalOptions(
+        model=args.model, data=args.data, split=args.split,
+        keys=tuple(zip(KEYS, (args.energy_key, args.forces_key, args.stress_key))),
+        batch_size=args.batch_size,
+        device=args.device, plot=args.plot, json=args.json, trust_file=args.trust_file))
+    print(f"{result.model_file} on {result.description}")
+    print(format_metrics(result.metrics))
+    print(f"parity plot: {result.plot}")
     return 0

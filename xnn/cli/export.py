@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-SUFFIX = {"export": ".pt2", "aoti": ".pt2", "torchscript": ".pt"}
-LOADER = {
-    "export": "torch.export.load(FILE).module()",
-    "aoti": "torch._inductor.aoti_load_package(FILE)",
-    "torchscript": "torch.jit.load(FILE)",
-}
+from xnn.app.export import SUFFIX
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -44,21 +39,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from pathlib import Path
+    from xnn.app.export import export_file
 
-    import torch
-
-    from xnn._files import check_output_file
-    from xnn.models.serialization import export_model, load_model
-
-    src = Path(args.model)
-    out = Path(args.out) if args.out else src.with_name(
-        f"{src.stem}.{args.format}{SUFFIX[args.format]}")
-    check_output_file(out, "--out", example=f"model{SUFFIX[args.format]}")  # before any work
-    model = load_model(args.model, trust=args.trust_file)
-    if args.dtype is not None:
-        model = model.to(getattr(torch, args.dtype))
-    path = export_model(model, out, format=args.format)
-    print(f"wrote {path} ({args.format}, cutoff {float(model.cutoff)} Å); load with "
-          f"{LOADER[args.format].replace('FILE', repr(str(path)))}")
+    done = export_file(args.model, args.out, args.format, args.dtype, args.trust_file)
+    print(f"wrote {done.path} ({done.format}, cutoff {done.cutoff} Å); load with "
+          f"{done.loader()}")
     return 0

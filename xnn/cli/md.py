@@ -3,19 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-
-def split_args(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
-    """Allow ``xnn md key=value ...`` without a YAML file."""
-    from xnn.config.loader import ConfigError
-
-    if config is not None and "=" in config and not Path(config).is_file():
-        return None, [config, *overrides]
-    if config is not None and Path(config).suffix.lower() not in (".yaml", ".yml"):
-        raise ConfigError(f"{config} is not a YAML config (.yaml/.yml); give a structure file "
-                          "as structure=PATH")
-    return config, list(overrides)
 
 
 def add_config_parser(sub, name: str, schema, summary: str, description: str,
@@ -49,9 +36,9 @@ def add_parser(sub) -> None:
 
 def run_config(args, command: str, schema, runner) -> int:
     """Load ``schema`` from the command's config and overrides; print it or run ``runner``."""
-    from xnn.config.loader import load_config, to_yaml
+    from xnn.config.loader import load_config, split_config_args, to_yaml
 
-    config, overrides = split_args(args.config, args.overrides)
+    config, overrides = split_config_args(args.config, args.overrides)
     cfg = load_config(schema, config, overrides)
     if args.print_config:
         print(to_yaml(cfg))

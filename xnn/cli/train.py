@@ -43,19 +43,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _split_args(args) -> tuple[str | None, list[str]]:
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # no file, only overrides
-        overrides.insert(0, config)
-        config = None
-    return config, overrides
-
-
 def run(args) -> int:
-    from xnn.config.loader import load_config, to_yaml
+    from xnn.config.loader import load_config, split_config_args, to_yaml
     from xnn.config.train import TrainConfig
 
-    config, overrides = _split_args(args)
+    config, overrides = split_config_args(args.config, args.overrides)
     cfg = load_config(TrainConfig, config, overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")

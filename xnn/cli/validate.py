@@ -36,12 +36,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="evaluation dtype (default float64)")
     p.add_argument("--grid", default=None, help="boxes px,py,pz (default: automatic)")
     p.add_argument("--mode", default="auto", choices=list(MODES),
-                   help="spatial: sync for models with sync points, else halo; "
-                   "halo: ghosts within the receptive field (any model); sync: per-layer "
-                   "feature exchange at the model's sync points (halo of one cutoff); graph: "
-                   "atoms split by index, positions replicated, features all-gathered at the "
-                   "sync points; auto: graph or the spatial mode (sync for models with sync "
-                   "points, else halo) by a cost model, reason printed (default auto)")
+                   help="how the ranks split the structure, as parallel.mode of xnn md, "
+                   "relax and train -- " + "; ".join(f"{k}: {v}" for k, v in MODES.items())
+                   + " (default auto; the chosen mode and its reason are printed)")
     p.add_argument("--order", default="morton", choices=["morton", "index"],
                    help="atom order split into blocks by --mode graph: morton (space-filling "
                    "curve, fewer cross-rank edges) or index (by atom id); default morton")
@@ -54,11 +51,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output", default=None,
                    help="write the structure with decomposed energy/forces/stress (rank 0)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--parallel.timeout_s", "--timeout", dest="timeout", type=float,
+    p.add_argument("--parallel.timeout_s", dest="timeout", type=float,
                    default=None, metavar="S",
                    help="under torchrun/srun: timeout of the rendezvous and of every collective "
-                   "(s, default 600 as the parallel.timeout_s of xnn train, md, relax and run; "
-                   "--timeout is the older spelling)")
+                   "(s, default 600 as the parallel.timeout_s of xnn train, md, relax and run)")
+    p.add_argument("--timeout", dest="old_timeout", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
     return p
 
@@ -66,6 +63,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from xnn.app.validate import ValidateOptions, run_validate
     from xnn.distributed.manager import DEFAULT_TIMEOUT_S
+    from xnn.errors import InputError
+
+    if args.old_timeout is not None:
+        raise InputError("--timeout was renamed: write --parallel.timeout_s "
+                         f"{args.old_timeout}")
 
     return run_validate(ValidateOptions(
         model=args.model, structure=args.structure, index=args.index, dtype=args.dtype,

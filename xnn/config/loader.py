@@ -33,6 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from xnn._files import require_file
+from xnn.config.renamed import renamed_in, renamed_message
 from xnn.errors import XnnError
 
 
@@ -241,6 +242,10 @@ def _apply_override(cfg, item: str, deletions: list[tuple[str, int]]) -> None:
     key, raw = item.split("=", 1)
     key = key.strip()
     value = parse_value(raw)
+    renamed = (renamed_in(value, key + ".") if isinstance(value, Mapping) else None) \
+        or renamed_message(key, value)
+    if renamed:
+        raise ConfigError(renamed)
     parent_key, _, last = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if isinstance(parent, ListConfig) and last.isdigit():
@@ -278,6 +283,25 @@ def _is_mapping_field(parent, last: str) -> bool:
     return isinstance(node, DictConfig) and not node._is_optional()
 
 
+def split_config_args(config: str | None, overrides: Sequence[str]) -> tuple[str | None,
+                                                                            list[str]]:
+    """The YAML file and the ``key=value`` overrides of a command line whose first argument
+    may be either (``xnn md key=value ...`` without a file): the one splitter of every
+    config command (train, md, relax, run).
+
+    Raises:
+        ConfigError: a first argument that is neither an override nor a ``.yaml``/``.yml``
+            file.
+    """
+    if config is not None and "=" in config and not Path(config).is_file():
+        return None, [config, *overrides]
+    if config is not None and Path(config).suffix.lower() not in (".yaml", ".yml") \
+            and not Path(config).is_dir():  # a folder: load_config says it is one
+        raise ConfigError(f"{config} is not a YAML config (.yaml/.yml); give settings as "
+                          "key=value (e.g. structure=PATH)")
+    return config, list(overrides)
+
+
 def load_config(schema: type, path: str | Path | None = None, overrides: Sequence[str] = ()):
     """Merge defaults ← YAML file ← dotlist overrides; return an instance of ``schema``."""
     base = OmegaConf.structured(schema)
@@ -290,6 +314,9 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
                 raise ConfigError(f"config file {str(p)!r} holds a {kind}; "
                                   "its top level must be a mapping of keys to values "
                                   "(key: value lines, e.g. 'max_epochs: 10')")
+            renamed = renamed_in(OmegaConf.to_container(loaded))
+            if renamed:
+                raise ConfigError(renamed)
             base = OmegaConf.merge(base, loaded)
         deletions: list[tuple[str, int]] = []
         for item in overrides:
@@ -327,16 +354,18 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def describe(schema: type, prefix: str = "") -> str:
+def describe(schema: type, prefix: str = "", defaults=None) -> str:
     """One line per option: ``key (type, default=...): help [choices]``, grouped by section.
 
     Each section's own options come right under its heading (``model:``), before its
     subsections; at the top level, options that belong to no section are listed first under
     ``top-level keys:``, so that every key is printed under the heading of its own section.
+    A section's defaults are those of the command (``defaults``: the section's default
+    instance, e.g. ``model.name=schnet`` in ``xnn train``, none in ``xnn md``).
     """
     hints = typing.get_type_hints(schema)
     fields = dataclasses.fields(schema)
-    options = [_describe_option(f, hints[f.name], prefix) for f in fields
+    options = [_describe_option(f, hints[f.name], prefix, defaults) for f in fields
                if not dataclasses.is_dataclass(hints[f.name])]
     sections = [f for f in fields if dataclasses.is_dataclass(hints[f.name])]
     lines = []
@@ -346,13 +375,26 @@ def describe(schema: type, prefix: str = "") -> str:
     for f in sections:
         key = f"{prefix}{f.name}"
         lines.append(f"{key}:  {f.metadata.get('help', '')}".rstrip())
-        lines.append(describe(hints[f.name], prefix=key + "."))
+        lines.append(describe(hints[f.name], key + ".", _default(f, defaults)))
     return "\n".join(lines)
 
 
-def _describe_option(f: dataclasses.Field, tp, prefix: str) -> str:
-    """``  key (type, default=...): help [choices]`` of one option."""
+def _default(f: dataclasses.Field, defaults):
+    """The default of field ``f``: in the instance ``defaults`` when given, else declared."""
+    if defaults is not None:
+        return getattr(defaults, f.name)
     if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _describe_option(f: dataclasses.Field, tp, prefix: str, defaults=None) -> str:
+    """``  key (type, default=...): help [choices]`` of one option."""
+    if defaults is not None:
+        default = getattr(defaults, f.name)
+    elif f.default is not dataclasses.MISSING:
         default = f.default
     elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         default = f.default_factory()  # type: ignore[misc]

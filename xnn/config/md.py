@@ -6,56 +6,13 @@ Units: temperature K, time fs, pressure in ``pressure_unit`` (GPa or bar), lengt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
-from xnn.config.parallel import RunParallelConfig
+from xnn.config.model import ModelConfig, model_field
+from xnn.config.parallel import ParallelConfig, md_parallel, parallel_field
 
 ENSEMBLES = ("nve", "langevin", "nhc", "csvr", "npt")
 PRESSURE_UNITS = ("GPa", "bar")
-
-
-@dataclass
-class MDModelConfig:
-    file: str | None = field(None, "model file written by xnn train / xnn.save_model")
-    trust_file: bool = field(False, "trust the model files this config names (model.file, "
-                             "model_file terms, a MACE .model or SevenNet checkpoint in "
-                             "model.params): they may unpickle what they hold or name, which "
-                             "can run code; only for files you trust (a file never grants "
-                             "trust by itself)")
-    name: str | None = field(None, "built-in model by registry name instead of a file (e.g. lj)")
-    params: dict[str, Any] = field({}, "hyperparameters of the built-in model (e.g. sigma, "
-                                   "epsilon, cutoff for lj)")
-    add: list[Any] = field([], "terms added to the model (model.file or model.name), each "
-                           "{name: REGISTRY_NAME, ...hyperparameters} or {model_file: PATH}: "
-                           "the potential is then their sum (xnn.models.Sum), one neighbor "
-                           "list at the largest cutoff, filtered per term; e.g. a trained "
-                           "MLIP plus dispersion: model: {file: model.pt, add: [{name: d3, "
-                           "functional: pbe}]}")
-    skin: float = field(1.0, "Verlet skin (Å): neighbor lists are rebuilt after a move of skin/2")
-    neighbor_backend: str = field("auto", "neighbor-list backend",
-                                  choices=("auto", "torch", "vesin", "brute"))
-    dtype: str = field("float64", "floating-point precision of the simulation",
-                       choices=("float64", "float32"))
-    kernel_backend: str = field("saved", "kernels of the model's tensor products for this run: "
-                                "saved (as in the model file), reference, cueq "
-                                "(cuEquivariance) or triton (fused Triton kernels of the edge "
-                                "tensor product, CUDA); same parameters, same results to "
-                                "rounding; models with kernel backends only (the equivariant "
-                                "model)", choices=("saved", "reference", "cueq", "triton"))
-    device: str = field("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    compile: bool = field(False, "torch.compile the model's hot path where it has one (the "
-                          "equivariant model on a GPU, after a first step that compiles; "
-                          "figures: benchmarks/results/README.md, Models)")
-
-    def __post_init__(self):
-        check_range("model.skin", self.skin, 0.0)
-
-    def check_source(self) -> None:
-        """Exactly one of ``file`` and ``name`` must be set (checked when the model is loaded)."""
-        if (self.file is None) == (self.name is None):
-            raise ConfigError("set exactly one of model.file (a model file) or model.name "
-                              "(a built-in model with model.params)")
 
 
 @dataclass
@@ -191,12 +148,6 @@ RESUME_CHECKS = ("; the model and every setting that changes the physics must be
                  "is already complete says so and stops")
 
 
-def parallel_field():
-    """The ``parallel`` section of ``xnn md``, ``xnn relax`` and ``xnn run``."""
-    return field(RunParallelConfig(), "runs launched on several ranks (torchrun / srun): "
-                 "parallel.timeout_s, as in xnn train")
-
-
 @dataclass
 class SafetyConfig:
     min_distance: float = field(0.5, "stop when two atoms come closer than this (Å)")
@@ -217,26 +168,12 @@ class SafetyConfig:
 
 
 @dataclass
-class DecompositionConfig:
-    mode: str = field("halo", "how a run launched on several ranks (torchrun) splits the "
-                      "system: halo (spatial boxes with ghosts; per-layer exchanges at the "
-                      "model's sync points), graph (atoms split by index, positions "
-                      "replicated, node features all-gathered per layer: for small dense "
-                      "systems on many ranks) or auto (chosen from the measured halo "
-                      "fraction, layers and feature size; the reason is printed)",
-                      choices=("halo", "graph", "auto"))
-    order: str = field("morton", "atom order split into blocks by mode graph: morton "
-                       "(space-filling curve) or index (atom id)", choices=("morton", "index"))
-
-
-@dataclass
 class MDConfig:
     structure: str = field("", "structure file (extxyz or any ASE format); every selected "
                            "frame is an independent system, all advanced together")
     index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: "
                        "every frame, 0:4)")
-    model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
-                                 "and model.params")
+    model: ModelConfig = model_field()
     ensemble: str = field("langevin", "integrator", choices=ENSEMBLES)
     temperature: float = field(300.0, "target temperature (K)")
     temperatures: list[float] | None = field(None, "per-system target temperatures (K), one "
@@ -258,16 +195,17 @@ class MDConfig:
     compile: bool = field(False, "compile each MD step (kick, drift, model, forces, stress, "
                           "kick) into one torch.compile graph with fixed-capacity neighbor "
                           "lists (ensembles nve, langevin, csvr, nhc in one process; nve under "
-                          "torchrun: the decomposed step, dd.mode halo; the first step compiles)")
+                          "torchrun: the decomposed step, parallel.mode spatial; the first "
+                          "step compiles)")
     cuda_graph: bool = field(False, "replay the compiled step as a CUDA graph (implies compile; "
                              "CUDA devices only)")
     resume: str | None = resume_field(RESUME_CHECKS)
-    dd: DecompositionConfig = field(DecompositionConfig(), "decomposition over the ranks "
-                                    "of a torchrun launch")
-    parallel: RunParallelConfig = parallel_field()
+    parallel: ParallelConfig = parallel_field(md_parallel())
 
     def __post_init__(self):
         validate(self)  # every number finite, every choice valid (also when built in Python)
+        self.model.check_run()
+        self.parallel.check_md()
         _check_hooks(self.hooks)
         check_range("temperature", self.temperature, 0.0)
         for t in self.temperatures or []:
@@ -290,8 +228,7 @@ class RelaxConfig:
     structure: str = field("", "structure file; every selected frame is relaxed (batched)")
     index: str = field("-1", "frames of the structure file: ASE index (-1: last, : or all: "
                        "every frame, 0:4)")
-    model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
-                                 "and model.params")
+    model: ModelConfig = model_field()
     fmax: float = field(0.05, "converged when every force (and cell force) is below (eV/Å)")
     max_steps: int = field(1000, "stop after this many FIRE steps")
     relax_cell: bool = field(False, "also relax the cell toward pressure")
@@ -304,12 +241,12 @@ class RelaxConfig:
                                  "steps and at the end)")
     hooks: list[HookConfig] = hooks_field()
     resume: str | None = resume_field(RESUME_CHECKS)
-    dd: DecompositionConfig = field(DecompositionConfig(), "decomposition over the ranks "
-                                    "of a torchrun launch")
-    parallel: RunParallelConfig = parallel_field()
+    parallel: ParallelConfig = parallel_field(md_parallel())
 
     def __post_init__(self):
         validate(self)
+        self.model.check_run()
+        self.parallel.check_md()
         _check_hooks(self.hooks)
         check_range("fmax", self.fmax, 0.0, low_inclusive=False)
         check_range("max_steps", self.max_steps, 0)

@@ -9,10 +9,10 @@ cross-field rules in ``__post_init__``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
-from xnn.config.parallel import check_timeout, timeout_field
+from xnn.config.model import ModelConfig, model_field, train_model_default
+from xnn.config.parallel import ParallelConfig, parallel_field
 
 PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
 LOSS_TYPES = ("mse", "mae", "huber")
@@ -20,46 +20,6 @@ METRICS = (
     "val_loss", "val_energy_mae", "val_energy_rmse", "val_forces_mae", "val_forces_rmse",
     "val_stress_mae", "val_stress_rmse",
 )
-
-
-@dataclass
-class ModelConfig:
-    name: str = field("schnet", "registry name of the model (xnn.models.available_models()); "
-                      "sum: the sum of hyperparameters.terms, e.g. [{name: d3, functional: pbe, "
-                      "trainable: false}, {name: schnet}] (delta learning on top of D3; a "
-                      "term may be {model_file: PATH}; trainable: false freezes a term)")
-    cutoff: float = field(5.0, "interaction cutoff (Å); the neighbor lists of the data use it "
-                          "(sum: the largest term cutoff allowed, and the cutoff of the terms "
-                          "that set none)")
-    species: list[int] | None = field(None, "atomic numbers the model knows; null: those of "
-                                      "the training data")
-    hyperparameters: dict[str, Any] = field({}, "other keyword arguments of the model "
-                                            "(validated by xnn.models.build)")
-    e0: str = field("fit", "reference energies: least-squares fit on the training set, or zero",
-                    choices=("fit", "zero"))
-    scale_shift: bool = field(True, "set the output scale to the force RMS and the shift to the "
-                              "mean per-atom residual energy of the training set")
-    activation_checkpointing: bool = field(False, "recompute each interaction block in backward "
-                                           "instead of keeping its intermediates (schnet, "
-                                           "painn, equivariant; exact, also for force "
-                                           "training; ~2x step time, several-fold less "
-                                           "activation memory); saved with the model, no "
-                                           "effect in evaluation or MD")
-    trust_file: bool = field(False, "trust the files this run loads a model from "
-                             "(pretrained=, model_file terms of a sum): they may unpickle what "
-                             "they hold or name, which can run code; only for files you trust "
-                             "(a file never grants trust by itself)")
-    backend: str = field("reference", "kernels of the equivariant model's tensor products, "
-                         "product basis and linear maps: reference (einsum), cueq "
-                         "(cuEquivariance: pip install cuequivariance-torch) or triton (fused "
-                         "Triton kernels of the edge tensor product on CUDA: pip install "
-                         "triton); same parameters and results, saved with the model",
-                         choices=("reference", "cueq", "triton"))
-
-    def __post_init__(self):
-        check_range("model.cutoff", self.cutoff, 0.0, low_inclusive=False)
-        if self.hyperparameters.get("backend", self.backend) != self.backend:
-            raise ConfigError("set model.backend, not model.hyperparameters.backend")
 
 
 @dataclass
@@ -194,22 +154,6 @@ class EarlyStoppingConfig:
 
 
 @dataclass
-class ParallelConfig:
-    dp: int = field(-1, "data-parallel degree (-1: world size / dd)")
-    dd: int = field(1, "domain-decomposition degree: ranks that split each structure "
-                    "spatially (training: context parallel, every structure of a dd group's "
-                    "share decomposed over its dd ranks; not with compile=true)")
-    mode: str = field("halo", "how a dd group splits a structure: halo (spatial boxes; "
-                      "sync-point exchanges where the model has them) or graph (atoms split "
-                      "by index, positions replicated, features all-gathered per layer)",
-                      choices=("halo", "graph"))
-    timeout_s: float = timeout_field()
-
-    def __post_init__(self):
-        check_timeout(self.timeout_s)
-
-
-@dataclass
 class MemoryConfig:
     offload_activations: bool = field(False, "keep the tensors saved for backward in host "
                                       "memory (pinned on CUDA) instead of on the device; with "
@@ -246,14 +190,15 @@ class LoggingConfig:
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(ModelConfig(), "the model")
+    model: ModelConfig = model_field(train_model_default(), "the model built and trained "
+                                     "(model.name with its cutoff and hyperparameters)")
     data: DataConfig = field(DataConfig(), "datasets, splits and batching")
     loss: LossConfig = field(LossConfig(), "loss terms")
     optim: OptimConfig = field(OptimConfig(), "optimizer")
     schedule: ScheduleConfig = field(ScheduleConfig(), "learning-rate schedule")
     ema: EMAConfig = field(EMAConfig(), "moving average of weights")
     early_stopping: EarlyStoppingConfig = field(EarlyStoppingConfig(), "early stopping")
-    parallel: ParallelConfig = field(ParallelConfig(), "multi-GPU / multi-node layout")
+    parallel: ParallelConfig = parallel_field()
     logging: LoggingConfig = field(LoggingConfig(), "what the run writes and shows")
     memory: MemoryConfig = field(MemoryConfig(), "activation offload and CUDA memory profile")
     max_epochs: int = field(100, "epochs to train")
@@ -295,6 +240,7 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self)  # every number finite, every choice valid (also when built in Python)
+        self.model.check_train()
         check_seed("seed", self.seed)
         check_range("max_epochs", self.max_epochs, 0)
         check_range("max_steps", self.max_steps, 0)

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
-from xnn.config.md import PRESSURE_UNITS, MDModelConfig, parallel_field, resume_field
-from xnn.config.parallel import RunParallelConfig
+from xnn.config.md import PRESSURE_UNITS, resume_field
+from xnn.config.model import ModelConfig, model_field
+from xnn.config.parallel import ParallelConfig, parallel_field
 
 STAGE_TYPES = ("relax", "nve", "nvt", "npt")
 THERMOSTATS = ("langevin", "csvr", "nhc")
@@ -121,8 +122,7 @@ class WorkflowConfig:
                            "frame is one system (its id: its position in the selection)")
     index: str = field(":", "frames of the structure file: ASE index, kept as typed (: or "
                        "all: every frame, -1: the last, 0:100, ::2; quote '-3:' in YAML)")
-    model: MDModelConfig = field(MDModelConfig(), "the potential: model.file, or model.name "
-                                 "and model.params (as in xnn md)")
+    model: ModelConfig = model_field()
     stages: list[StageConfig] = field([], "the stages every system goes through, in order, "
                                       "e.g. [{type: relax, fmax: 0.05}, {type: nvt, "
                                       "temperature: 300, steps: 1000}]")
@@ -136,11 +136,13 @@ class WorkflowConfig:
                              "whose energy is not finite, fails: its row says so and it "
                              "leaves the campaign")
     output: WorkflowOutputConfig = field(WorkflowOutputConfig(), "files written")
-    parallel: RunParallelConfig = parallel_field()
+    parallel: ParallelConfig = parallel_field()
     resume: str | None = resume_field()
 
     def __post_init__(self):
         validate(self)
+        self.model.check_run()
+        self.parallel.check_workflow()
         if not self.stages:
             raise ConfigError("a workflow needs at least one stage (stages=[{type: relax}, "
                               "...])")

@@ -59,11 +59,4 @@ def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
     return mode, reason
 
 
-def config_mode(word: str) -> str:
-    """A mode word of the ``xnn md``/``relax`` (``dd.mode``) and ``xnn train``
-    (``parallel.mode``) configs as a key of :data:`MODES`: their ``halo`` has always meant
-    ``spatial`` (sync where the model has sync points, else halo); the other words pass."""
-    return "spatial" if word == "halo" else word
-
-
-__all__ = ["MODES", "ORDERS", "config_mode", "resolve_mode"]
+__all__ = ["MODES", "ORDERS", "resolve_mode"]

@@ -187,7 +187,8 @@ class XnnFixExternal:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64,
                  skin: float = 0.0, neighbor_backend: str = "auto", trust: bool = False,
                  min_distance: float = MIN_DISTANCE):
-        from xnn.io.calculator import check_dtype, check_min_distance, resolve_device
+        from xnn.devices import resolve_device
+        from xnn.io.calculator import check_dtype, check_min_distance
         from xnn.models.potential import Potential
 
         if int(lmp.extract_setting("world_size")) != 1:

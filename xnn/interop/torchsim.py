@@ -126,7 +126,8 @@ class _XnnTorchSimMixin:
         trust: bool = False,
         min_distance: float = MIN_DISTANCE,
     ):
-        from xnn.io.calculator import check_dtype, check_min_distance, resolve_device
+        from xnn.devices import resolve_device
+        from xnn.io.calculator import check_dtype, check_min_distance
         from xnn.models.potential import Potential
 
         super().__init__()

@@ -14,32 +14,13 @@ from ase.stress import full_3x3_to_voigt_6_stress
 
 from xnn.data import keys as K
 from xnn.data.ase_io import from_ase
+from xnn.devices import resolve_device
 from xnn.errors import InputError
 from xnn.models.potential import Potential
 from xnn.neighbors.coincident import MIN_DISTANCE, ClosePair, closest_pair, find_close_pair
 
 #: the dtypes xnn evaluates models in (half precision has no ``linalg.inv`` for the cell)
 DTYPES = (torch.float64, torch.float32)
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` → CUDA when available, else CPU; anything else is passed to ``torch.device``
-    and must exist on this machine (one-line :class:`InputError` otherwise)."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):  # torch's message lists devices xnn does not run on
-        raise InputError(f"invalid device {device!r}: use cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise InputError(f"device {str(device)!r} requested but no CUDA GPU is available; "
-                             "use device='cpu' or 'auto'")
-        if dev.index is not None and dev.index >= n:
-            raise InputError(f"device {str(device)!r} requested but this machine has {n} CUDA "
-                             f"GPU(s) (cuda:0 to cuda:{n - 1})")
-    return dev
 
 
 def check_dtype(dtype: torch.dtype, who: str) -> torch.dtype:

@@ -43,23 +43,23 @@ def check_backend(backend: str) -> str:
             ``triton`` without triton.
     """
     if backend not in BACKENDS:
-        raise InputError(f"model.backend must be one of {list(BACKENDS)}, got {backend!r}")
+        raise InputError(f"model.kernel_backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == "cueq":
         try:
             import cuequivariance  # noqa: F401
             import cuequivariance_torch  # noqa: F401
         except ImportError:
-            raise InputError(f"model.backend=cueq needs cuEquivariance: pip install "
-                             f"{PIP_PACKAGE} (or set model.backend=reference)") from None
+            raise InputError(f"model.kernel_backend=cueq needs cuEquivariance: pip install "
+                             f"{PIP_PACKAGE} (or set model.kernel_backend=reference)") from None
     if backend == "triton":
         try:
             import triton  # noqa: F401
         except ImportError:
-            raise InputError("model.backend=triton needs Triton: pip install triton (CUDA "
-                             "builds of torch include it; or set model.backend=reference)"
+            raise InputError("model.kernel_backend=triton needs Triton: pip install triton (CUDA "
+                             "builds of torch include it; or set model.kernel_backend=reference)"
                              ) from None
         if not hasattr(torch.library, "triton_op"):
-            raise InputError(f"model.backend=triton needs torch >= 2.6 "
+            raise InputError(f"model.kernel_backend=triton needs torch >= 2.6 "
                              f"(torch.library.triton_op), this is {torch.__version__}")
     return backend
 
@@ -184,6 +184,6 @@ def set_kernel_backend(model: torch.nn.Module, backend: str, name: str = "") -> 
     if not targets and backend != "reference":
         raise InputError(f"model {name or type(model).__name__!r} has no kernel backends "
                          f"(only equivariant has; mace: build('mace', ..., backend=...)); "
-                         f"set model.backend=reference")
+                         f"set model.kernel_backend=reference")
     for m in targets:
         m.set_backend(backend)

@@ -66,8 +66,8 @@ def build(name: str, **hyperparameters) -> nn.Module:
                and p.name not in hyperparameters]
     if missing:
         raise InputError(f"model {name!r} needs hyperparameter(s) {missing}: give them "
-                         f"(build({name!r}, {missing[0]}=...); model.params in xnn md and "
-                         "relax, model.hyperparameters in xnn train)")
+                         f"(build({name!r}, {missing[0]}=...); in a config: "
+                         "model.hyperparameters, or the typed model.cutoff / model.species)")
     check_types(name, cls, hyperparameters)
     check_common(name, hyperparameters)
     return cls(**hyperparameters)
@@ -273,7 +273,7 @@ def check_cutoff(value, name: str) -> float:
 def check_common(name: str, hyperparameters: Mapping) -> None:
     """Check the hyperparameters that every model names alike, the same way for every model
     (:func:`build` calls it, so a Python call, ``xnn train``'s ``model.hyperparameters``,
-    ``xnn md``'s ``model.params`` and ``xnn validate --model`` give the same line):
+    ``xnn md``'s ``model.hyperparameters`` and ``xnn validate --model`` give the same line):
 
     * ``cutoff``: a finite distance > 0 (Å);
     * ``species``: a non-empty list of distinct elements (atomic numbers 1-118 or symbols).

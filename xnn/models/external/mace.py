@@ -43,7 +43,7 @@ from xnn.models.external._optional import import_extra, preserved_environ
 PAYLOAD_KIND = "mace-torch-config-state"  # constructor arguments + state dict (data only)
 PICKLE_KIND = "mace-torch-pickle"  # the module pickled (earlier xnn versions): trust only
 DIRECT_HINT = ("pass trust=True (xnn.models.build('mace', model=PATH, trust=True); "
-               "model.params.trust=true or model.trust_file=true in xnn md/relax/run)")
+               "model.hyperparameters.trust=true or model.trust_file=true in xnn md/relax/run)")
 COMPILE_BACKEND = "inductor"  # torch.compile backend of compile_for_inference (tests: aot_eager)
 
 

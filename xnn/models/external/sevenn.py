@@ -103,7 +103,7 @@ def _load(checkpoint: str | os.PathLike, trust: bool = False) -> tuple[nn.Module
     if os.path.isfile(str(checkpoint)):  # sevenn reads a file first, else resolves a name
         require(f"SevenNet checkpoint {str(checkpoint)!r}", trust,
                 "pass trust=True (xnn.models.build('sevenn', checkpoint=PATH, trust=True); "
-                "model.params.trust=true or model.trust_file=true in xnn md/relax/run)")
+                "model.hyperparameters.trust=true or model.trust_file=true in xnn md/relax/run)")
     try:
         with preserved_environ(), warnings.catch_warnings(), _float32_default():
             warnings.simplefilter("ignore")

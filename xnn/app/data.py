@@ -1,0 +1,59 @@
+"""The application behind ``xnn data``: reference structures (EMT-labelled, bulk crystals),
+format conversion to xnn HDF5 and the label keys a file holds. Each function checks its
+output path before any work and raises one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from xnn.errors import InputError
+
+PROPERTIES = ("energy", "forces", "stress", "virial")
+
+
+def write_emt_file(out: str, n: int, elements: list[str], seed: int) -> int:
+    """``n`` EMT-labelled structures of ``elements`` to ``out``; returns how many."""
+    from xnn.data.emt import check_output_file, check_suffix, write_emt
+
+    check_output_file(out, "--out")
+    check_suffix(out, "--out")
+    return write_emt(out, n, elements, seed)
+
+
+def write_bulk_file(out: str, element: str, repeat: int, a: float | None, rattle: float,
+                    seed: int) -> tuple[Path, int]:
+    """A ``repeat``³ cubic crystal of ``element`` (extxyz); returns the path and atom count."""
+    from xnn.data.ase_io import write
+    from xnn.data.crystals import bulk_crystal
+    from xnn.data.emt import EXTXYZ_SUFFIXES, check_output_file, check_suffix
+
+    path = check_output_file(out, "--out", example="big.xyz")
+    check_suffix(path, "--out", EXTXYZ_SUFFIXES)
+    atoms = bulk_crystal(element, repeat, a, rattle, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path, atoms, format="extxyz")
+    return path, len(atoms)
+
+
+def convert_file(source: str, output: str, keys: dict[str, str]) -> tuple[int, int]:
+    """``source`` (any format, labels by ``keys``: energy, forces, stress, virial) as xnn
+    HDF5 ``output``; returns the structure and atom counts."""
+    from xnn.data.datasets import read_structures
+    from xnn.data.emt import check_output_file
+    from xnn.data.hdf5 import write_hdf5
+
+    check_output_file(output, "output", example="data.h5")
+    if Path(output).suffix not in (".h5", ".hdf5"):
+        raise InputError(f"output {output!r} must end in .h5 or .hdf5")
+    ds = read_structures(source, 1.0, *(keys[p] for p in PROPERTIES))
+    n = write_hdf5(output, (ds[i] for i in range(len(ds))))
+    return n, int(ds.n_atoms.sum())
+
+
+def inspect_file(path: str, limit: int | None, keys: dict[str, str]) -> str:
+    """The report of the keys ``path`` holds and where the labels of ``keys`` are found."""
+    from xnn.data.label_keys import inventory, report
+
+    if limit is not None and limit < 1:
+        raise InputError(f"--limit must be >= 1, got {limit}")
+    return report(inventory(path, limit=limit), keys)

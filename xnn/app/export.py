@@ -1,0 +1,59 @@
+"""The application behind ``xnn export``: a model file written as a torch-only artefact
+(:func:`xnn.models.serialization.export_model`; the contract of its inputs is
+:mod:`xnn.models.export`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: file suffix of each format
+SUFFIX = {"export": ".pt2", "aoti": ".pt2", "torchscript": ".pt"}
+#: how each format loads with torch alone (``FILE``: the artefact's path)
+LOADER = {
+    "export": "torch.export.load(FILE).module()",
+    "aoti": "torch._inductor.aoti_load_package(FILE)",
+    "torchscript": "torch.jit.load(FILE)",
+}
+
+
+@dataclass
+class Exported:
+    """An artefact written by :func:`export_file`."""
+
+    path: Path
+    format: str
+    cutoff: float
+
+    def loader(self) -> str:
+        """The torch call that loads it."""
+        return LOADER[self.format].replace("FILE", repr(str(self.path)))
+
+
+def default_out(model: str, format: str) -> Path:  # noqa: A002
+    """``MODEL`` with the suffix ``.<format><SUFFIX>`` (``model.export.pt2``)."""
+    src = Path(model)
+    return src.with_name(f"{src.stem}.{format}{SUFFIX[format]}")
+
+
+def export_file(model: str, out: str | None = None, format: str = "export",  # noqa: A002
+                dtype: str | None = None, trust_file: bool = False) -> Exported:
+    """Write the model file ``model`` as ``format`` to ``out`` (``None``:
+    :func:`default_out`), in ``dtype`` (``None``: the model's); the output path is checked
+    before any work.
+
+    Raises:
+        InputError, ModelFileError: one line.
+    """
+    import torch
+
+    from xnn._files import check_output_file
+    from xnn.models.serialization import export_model, load_model
+
+    path = Path(out) if out else default_out(model, format)
+    check_output_file(path, "--out", example=f"model{SUFFIX[format]}")
+    loaded = load_model(model, trust=trust_file)
+    if dtype is not None:
+        loaded = loaded.to(getattr(torch, dtype))
+    written = export_model(loaded, path, format=format)
+    return Exported(Path(written), format, float(loaded.cutoff))

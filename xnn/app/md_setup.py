@@ -22,6 +22,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
     (summed with the ``model.add`` terms, if any). ``model.trust_file`` is the caller's trust
     in every model file the config names (:mod:`xnn.models.trust`)."""
     from xnn.models import Potential, build
+    from xnn.models.base import AtomisticModel
     from xnn.models.trust import granted
 
     cfg.check_source()
@@ -34,7 +35,7 @@ def load_potential(cfg: MDModelConfig, device: torch.device, dtype: torch.dtype)
     else:
         with granted(cfg.trust_file):
             model = build(cfg.name, **dict(cfg.params))
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):
+    if not isinstance(model, AtomisticModel):
         raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
     if cfg.kernel_backend != "saved":
         if not hasattr(model, "set_backend"):
@@ -96,9 +97,7 @@ def fixed_mask(frames) -> np.ndarray:
 
 def check_species(model, graph: AtomicGraph) -> None:
     """Raise when ``graph`` holds elements ``model`` was not built for."""
-    check = getattr(model, "check_species", None)
-    if check is not None:
-        check(graph.numbers)
+    model.check_species(graph.numbers)
 
 
 def velocities_from_file(cfg: MDConfig, graph: AtomicGraph) -> bool:

@@ -25,7 +25,8 @@ def load_xnn_model(model_or_path, trust: bool = False) -> torch.nn.Module:
         trust: the caller trusts the file: it may unpickle what it holds or names, which can
             run code (:mod:`xnn.models.trust`); a file never grants trust by itself.
     Raises:
-        InputError: for anything else (a module without a ``cutoff`` is not an xnn model).
+        InputError: for anything else (a module that is no
+            :class:`~xnn.models.base.AtomisticModel` is not an xnn model).
         ModelFileError: the file is refused (among others: it asks for trust not given).
     """
     if isinstance(model_or_path, (str, os.PathLike)):
@@ -35,6 +36,6 @@ def load_xnn_model(model_or_path, trust: bool = False) -> torch.nn.Module:
     if not isinstance(model_or_path, torch.nn.Module):
         raise InputError(f"expected an xnn model or a model file path, got "
                          f"{type(model_or_path).__name__}")
-    if not hasattr(model_or_path, "cutoff"):
-        raise InputError(f"{type(model_or_path).__name__} has no 'cutoff': not an xnn model")
-    return model_or_path
+    from xnn.models.base import as_model
+
+    return as_model(model_or_path, "the model given")

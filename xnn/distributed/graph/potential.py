@@ -225,7 +225,7 @@ class GraphPotential:
         return out
 
     # ------------------------------------------------------------------ diagnostics
-    def min_pair_distance(self) -> tuple[Tensor, Tensor]:
+    def min_pair_distance(self, graph: AtomicGraph | None = None) -> tuple[Tensor, Tensor]:
         """Shortest edge with an owned receiver at the last evaluation (rank-local).
 
         Returns:

@@ -50,7 +50,7 @@ def check_potential(potential, graph: AtomicGraph, reduce: Reducer = LOCAL,
     """
     assert isinstance(potential, PotentialInterface), (
         f"{type(potential).__name__} does not declare the potential protocol: it lacks "
-        f"{[m for m in ('model', '__call__', 'min_pair_distance') if not hasattr(potential, m)]}")
+        f"{sorted({'model', '__call__', 'min_pair_distance'} - set(dir(potential)))}")
     assert isinstance(potential.model, AtomisticModel), (
         f"{type(potential).__name__}.model is a {type(potential.model).__name__}, not an "
         "AtomisticModel")

@@ -33,6 +33,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     ``hyperparameters.terms``), in eval mode without gradients. ``model.trust_file`` is the
     caller's trust in every model file the config names (:mod:`xnn.models.trust`)."""
     from xnn.models import build
+    from xnn.models.base import AtomisticModel
     from xnn.models.trust import granted
 
     cfg.check_source()
@@ -45,7 +46,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     else:
         with granted(cfg.trust_file):
             model = build(cfg.name, **cfg.build_kwargs())
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "cutoff"):
+    if not isinstance(model, AtomisticModel):
         raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
     if cfg.kernel_backend != "saved":
         if not hasattr(model, "set_backend"):
@@ -102,9 +103,7 @@ def fixed_mask(frames) -> np.ndarray:
 
 def check_species(model, graph: AtomicGraph) -> None:
     """Raise when ``graph`` holds elements ``model`` was not built for."""
-    check = getattr(model, "check_species", None)
-    if check is not None:
-        check(graph.numbers)
+    model.check_species(graph.numbers)
 
 
 def velocities_from_file(cfg: MDConfig, graph: AtomicGraph) -> bool:

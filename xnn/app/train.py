@@ -36,6 +36,7 @@ from xnn.errors import InputError
 from xnn.io.run_folder import RunFolder, plan_run_folder, staging_dir
 from xnn.io.train_checkpoint import save_checkpoint
 from xnn.io.train_log import RunLogger
+from xnn.models.base import as_model
 from xnn.models.cueq import set_kernel_backend
 from xnn.models.trust import granted
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
@@ -151,7 +152,8 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
         # (mace, sevenn) have neither: refuse now rather than after an epoch
         check_native(model, f"pretrained={cfg.pretrained!r}")
         check_pretrained_config(cfg.model, model, cfg.pretrained)
-        known = set(getattr(model, "species", None) or splits.species)
+        known = set(as_model(model, f"pretrained={cfg.pretrained!r}").species
+                    or splits.species)
         missing = sorted(set(splits.species) - known)
         if missing:
             raise InputError(f"the training data hold species {missing} unknown to the "

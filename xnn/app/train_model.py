@@ -13,6 +13,7 @@ from torch import nn
 from xnn.config.model import ModelConfig, train_model_default
 from xnn.config.train import TrainConfig
 from xnn.errors import InputError
+from xnn.models.base import as_model
 from xnn.models.registry import build, model_class
 
 
@@ -193,14 +194,14 @@ def build_model(cfg: TrainConfig, species: list[int], statistics: dict | None) -
     stats = statistics or {}
     key = "term_avg_num_neighbors" if cfg.model.name == "sum" else "avg_num_neighbors"
     hp = model_hyperparameters(cfg.model, species, stats.get(key))
-    model = build(cfg.model.name, **hp)
+    model = as_model(build(cfg.model.name, **hp), f"model.name={cfg.model.name}")
     if float(model.cutoff) > float(cfg.model.cutoff) * (1 + 1e-12):
         raise InputError(f"the model's cutoff {float(model.cutoff):g} Å (a sum term's) exceeds "
                          f"model.cutoff {float(cfg.model.cutoff):g}, the cutoff of the data's "
                          f"neighbor lists: set model.cutoff to at least {float(model.cutoff):g}")
-    setter = getattr(model, "set_statistics", None)
-    if statistics and callable(setter):
-        setter(e0=stats.get("e0"), scale=stats.get("scale"), shift=stats.get("shift"))
+    if statistics:
+        model.set_statistics(e0=stats.get("e0"), scale=stats.get("scale"),
+                             shift=stats.get("shift"))
     return model
 
 

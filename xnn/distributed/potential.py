@@ -465,7 +465,7 @@ class DecomposedPotential:
         return out
 
     # ------------------------------------------------------------------ diagnostics
-    def min_pair_distance(self) -> tuple[Tensor, Tensor]:
+    def min_pair_distance(self, graph: AtomicGraph | None = None) -> tuple[Tensor, Tensor]:
         """Shortest pair with an owned atom at the last evaluation (rank-local).
 
         Returns:

@@ -213,10 +213,9 @@ class HookRunner:
         run: the run layer: ``reduce`` (a :class:`Reducer`), ``main`` (this process holds
             the results), ``guarded(phase)`` (a block whose failure every process learns
             of), ``gather(state)`` (the state with every atom in id order on the main
-            process, ``None`` elsewhere; collective) and optionally ``gather_atoms(graph,
-            values)`` (per-atom values by id on the main process; without it they are
-            placed by id with ``reduce``), e.g. :class:`~xnn.dynamics.parallel.SerialRun`
-            or the decomposed run.
+            process, ``None`` elsewhere; collective) and ``gather_atoms(graph, values)``
+            (per-atom values by id on the main process): a
+            :class:`~xnn.dynamics.parallel.SerialRun` or the decomposed run (a subclass).
         timestep: fs per step, for the ``time_fs`` column (``None``: NaN, e.g. relaxation).
 
     Every process must call :meth:`prepare` once, then :meth:`__call__` at the same steps
@@ -328,20 +327,10 @@ class HookRunner:
                                  "everywhere")
         if values.shape[1] != k:
             values = values.new_zeros((g.n_atoms, k))
-        gather = getattr(self.run, "gather_atoms", None)
-        if gather is not None:  # a decomposed run: gathered to the main process by id
-            got = gather(g, values)
-            with self._running(hook, step):
-                if self.run.main:
-                    hook.update(step, t, *got)
-            return
-        count = n_ids(g, reduce)  # else: placed by id with the reducer (one process: local)
-        table = by_id(values, g.atom_id, count, reduce)
-        held = by_id(torch.ones_like(g.atom_id, dtype=values.dtype), g.atom_id, count, reduce)
+        got = self.run.gather_atoms(g, values)  # by id on the main process
         with self._running(hook, step):
             if self.run.main:
-                ids = torch.nonzero(held > 0).flatten()
-                hook.update(step, t, ids, table.index_select(0, ids))
+                hook.update(step, t, *got)
 
     def results(self) -> dict[str, dict]:
         """Every hook's :meth:`Hook.result` by name (main process)."""

@@ -14,8 +14,10 @@ import resource
 
 import torch
 
+from xnn.dynamics.hooks import by_id, n_ids
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState
+from xnn.models.potential import Potential
 
 
 class SerialRun:
@@ -34,7 +36,7 @@ class SerialRun:
     size = 1
     reduce: Reducer = LOCAL
 
-    def __init__(self, potential):
+    def __init__(self, potential: Potential):
         self.potential = potential
         self.checkpoint_potential = potential
         self._held: tuple[int, torch.device] | None = None  # atoms and device of the run
@@ -74,6 +76,17 @@ class SerialRun:
         """The global state (atoms by id) on rank 0, ``None`` elsewhere. Collective."""
         return state
 
+    def gather_atoms(self, graph, values: torch.Tensor):
+        """``(atom_id [n], values [n, k])`` of per-atom ``values [n_atoms, k]`` of
+        ``graph``'s atoms in id order on the main process (``None`` elsewhere): the values
+        of an ``owned`` hook (:class:`~xnn.dynamics.hooks.HookRunner`). Collective."""
+        count = n_ids(graph, self.reduce)
+        table = by_id(values, graph.atom_id, count, self.reduce)
+        held = by_id(torch.ones_like(graph.atom_id, dtype=values.dtype), graph.atom_id, count,
+                     self.reduce)
+        ids = torch.nonzero(held > 0).flatten()
+        return ids, table.index_select(0, ids)
+
     def meta(self, state: MDState) -> dict:
         """Extra checkpoint meta of the last :meth:`gather`."""
         return {}
@@ -93,7 +106,7 @@ class SerialRun:
         (MiB: CUDA's max_memory_allocated, else the process's maxrss); ``None`` on ranks
         other than 0."""
         n, dev = self._held or (0, torch.device("cpu"))
-        nl = getattr(self.potential, "neighbors", None)
+        nl = self.potential.neighbors
         if dev.type == "cuda":
             peak, kind = torch.cuda.max_memory_allocated(dev) / 2**20, "cuda max_memory_allocated"
         else:
@@ -105,5 +118,5 @@ class SerialRun:
 
         return {"ranks": 1, "grid": None, "n_atoms": n, "owned": span(n), "ghost": span(0),
                 "held": span(n), "migrations": 0,
-                "rebuilds": int(nl.n_builds) if nl is not None else 0, "migrated_atoms": 0,
+                "rebuilds": int(nl.n_builds), "migrated_atoms": 0,
                 "peak_memory_MiB": span(round(peak, 1)), "memory_kind": kind}

@@ -11,6 +11,7 @@ from torch import Tensor
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState, temperature
 from xnn.errors import XnnError
+from xnn.models.potential import PotentialInterface
 
 
 class SimulationError(XnnError):
@@ -79,22 +80,15 @@ def check_forces(state: MDState, max_force: float, reduce: Reducer = LOCAL) -> N
                           f"{_on_ranks(ranks)}", state.step)
 
 
-def _min_pair(state: MDState, potential) -> tuple[float, list[int]]:
-    """This process's shortest pair (Å) and its atom ids, from the potential's neighbors."""
-    if hasattr(potential, "min_pair_distance"):  # a decomposed potential (last evaluation)
-        d, ids = potential.min_pair_distance()
-        return float(d), sorted(int(i) for i in ids.tolist())
-    g = potential.neighbors(state.graph)
-    d = g.edge_vectors().norm(dim=-1)
-    if not d.numel():
-        return float("inf"), [-1, -1]
-    e = int(torch.argmin(d))
-    j, i = g.edge_index[0, e], g.edge_index[1, e]
-    return float(d[e]), sorted([int(g.atom_id[i]), int(g.atom_id[j])])
+def _min_pair(state: MDState, potential: PotentialInterface) -> tuple[float, list[int]]:
+    """This process's shortest pair (Å) and its atom ids (sorted)."""
+    d, ids = potential.min_pair_distance(state.graph)
+    return float(d), sorted(int(i) for i in ids.tolist())
 
 
 def check_distances(
-    state: MDState, potential, min_distance: float, reduce: Reducer = LOCAL
+    state: MDState, potential: PotentialInterface, min_distance: float,
+    reduce: Reducer = LOCAL,
 ) -> None:
     """Raise when two atoms are closer than ``min_distance`` (Å), from the Verlet list (or,
     for a decomposed potential, its last evaluation's pairs, minimum over the ranks); the

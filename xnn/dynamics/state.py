@@ -23,6 +23,7 @@ from xnn.data.graph import AtomicGraph
 from xnn.dynamics import random
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.errors import DataFileError, InputError
+from xnn.models.potential import Evaluator
 from xnn.units import KB, MVV2E
 
 
@@ -239,11 +240,13 @@ def system_words(
 
 
 # ----------------------------------------------------------------------------- model calls
-def evaluate(model, graph: AtomicGraph, stress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def evaluate(model: Evaluator, graph: AtomicGraph, stress: bool = True
+             ) -> tuple[Tensor, Tensor, Tensor]:
     """Energy ``[n_systems]``, forces ``[n_atoms, 3]`` and stress ``[n_systems, 3, 3]``.
 
     Args:
-        model: a :class:`~xnn.models.Potential` (or any callable with its signature).
+        model: a potential (:class:`~xnn.models.potential.Evaluator`: a
+            :class:`~xnn.models.Potential`, or any callable with its signature).
         stress: compute the stress (else it is returned as zeros).
     """
     out = model(graph.without_edges(), forces=True, stress=stress)

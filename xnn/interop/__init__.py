@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from xnn.errors import InputError
 
+if TYPE_CHECKING:
+    from xnn.models.base import AtomisticModel
 
-def load_xnn_model(model_or_path, trust: bool = False) -> torch.nn.Module:
+
+def load_xnn_model(model_or_path, trust: bool = False) -> AtomisticModel:
     """An xnn model given as itself or as a model file path (``model.pt`` / ``.xnn``).
 
     Args:
@@ -25,16 +29,17 @@ def load_xnn_model(model_or_path, trust: bool = False) -> torch.nn.Module:
         trust: the caller trusts the file: it may unpickle what it holds or names, which can
             run code (:mod:`xnn.models.trust`); a file never grants trust by itself.
     Raises:
-        InputError: for anything else (a module without a ``cutoff`` is not an xnn model).
+        InputError: for anything else (a module that is no
+            :class:`~xnn.models.base.AtomisticModel` is not an xnn model).
         ModelFileError: the file is refused (among others: it asks for trust not given).
     """
+    from xnn.models.base import as_model
+
     if isinstance(model_or_path, (str, os.PathLike)):
         from xnn.models.serialization import load_model
 
-        return load_model(Path(model_or_path), trust=trust)
+        return as_model(load_model(Path(model_or_path), trust=trust), f"{model_or_path}")
     if not isinstance(model_or_path, torch.nn.Module):
         raise InputError(f"expected an xnn model or a model file path, got "
                          f"{type(model_or_path).__name__}")
-    if not hasattr(model_or_path, "cutoff"):
-        raise InputError(f"{type(model_or_path).__name__} has no 'cutoff': not an xnn model")
-    return model_or_path
+    return as_model(model_or_path, "the model given")

@@ -32,6 +32,7 @@ import ctypes
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, UnknownSpeciesError
 from xnn.interop import load_xnn_model
 from xnn.neighbors.coincident import MIN_DISTANCE
+
+if TYPE_CHECKING:
+    from xnn.models.base import AtomisticModel
 
 __all__ = ["XnnFixExternal", "require_lammps", "lammps_cell", "check_type_species"]
 
@@ -113,13 +117,12 @@ def _species_numbers(species: Sequence[int | str]) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def check_type_species(model: torch.nn.Module, numbers: np.ndarray) -> None:
+def check_type_species(model: AtomisticModel, numbers: np.ndarray) -> None:
     """Refuse LAMMPS atom types mapped to elements the model does not know (as ``pair_coeff
     * * Cu O`` of a LAMMPS pair style would), with the model's declared species check.
 
     Args:
-        model: the model; one that is not an :class:`~xnn.models.base.AtomisticModel`
-            declares no species and is not checked.
+        model: the model (``species=None``: any element).
         numbers: ``[n_types]`` atomic numbers of LAMMPS atom types 1, 2, ...
     Raises:
         UnknownSpeciesError: one line naming the types, their elements and what the model
@@ -127,10 +130,6 @@ def check_type_species(model: torch.nn.Module, numbers: np.ndarray) -> None:
     """
     from ase.data import chemical_symbols
 
-    from xnn.models.base import AtomisticModel
-
-    if not isinstance(model, AtomisticModel):
-        return
     unknown, reason = [], ""
     for t, z in enumerate(numbers.tolist(), start=1):
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from collections.abc import Iterator
 
@@ -10,16 +11,22 @@ import torch
 from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
-from xnn.errors import UnknownSpeciesError
+from xnn.errors import InputError, UnknownSpeciesError
 
-_TRACING = [False]
+#: Execution policy, carried by context variables (each thread and task sees its own; the
+#: context managers below restore the previous value on exit, so they nest): whether model
+#: code runs under a graph tracer torch does not announce, and whether the graph a model
+#: sees holds its edges as reverse pairs.
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("xnn_tracing", default=False)
+_PAIRED: contextvars.ContextVar[bool] = contextvars.ContextVar("xnn_edges_paired",
+                                                               default=False)
 
 
 def graph_tracing() -> bool:
     """Whether model code runs under a graph tracer (``torch.compile``, ``torch.export``, or
     the trace of compiled training, :mod:`xnn.models.compiled_training`): models then avoid
     data-dependent shapes and Python branches on tensor values."""
-    return _TRACING[0] or torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() or _TRACING.get()
 
 
 def squared_lengths(vec: Tensor) -> Tensor:
@@ -36,16 +43,19 @@ def squared_lengths(vec: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def tracing_graph() -> Iterator[None]:
-    """Make :func:`graph_tracing` true inside (for tracers that torch does not announce)."""
-    _TRACING[0] = True
+def _setting(var: contextvars.ContextVar[bool], value: bool) -> Iterator[None]:
+    token = var.set(bool(value))
     try:
         yield
     finally:
-        _TRACING[0] = False
+        var.reset(token)  # the value before, whatever happened inside
 
 
-_PAIRED = [False]
+def tracing_graph(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Make :func:`graph_tracing` ``enabled`` inside (for tracers that torch does not
+    announce: ``make_fx``, compiled training); the previous value returns on exit, so
+    the blocks nest."""
+    return _setting(_TRACING, enabled)
 
 
 def triton_device(x: Tensor) -> bool:
@@ -60,19 +70,16 @@ def edges_paired() -> bool:
     ``h = n_edges // 2``, edge ``h + k`` is edge ``k`` reversed (receiver and sender
     swapped, shift negated: the same length bitwise; :func:`xnn.neighbors.pairs.pair_order`).
     Set by the compiled MD step (:func:`pairing_edges`) for models whose ``pairs_edges``
-    attribute is true; such a model may evaluate length-only edge work once per pair."""
-    return _PAIRED[0]
+    attribute is true; such a model may evaluate length-only edge work once per pair.
+
+    Read it outside ``torch.compile``d regions (model code that dynamo traces sees a graph
+    break here: dynamo does not trace context variables); ``make_fx`` traces read it."""
+    return _PAIRED.get()
 
 
-@contextlib.contextmanager
-def pairing_edges(enabled: bool = True) -> Iterator[None]:
-    """Make :func:`edges_paired` ``enabled`` inside."""
-    before = _PAIRED[0]
-    _PAIRED[0] = bool(enabled)
-    try:
-        yield
-    finally:
-        _PAIRED[0] = before
+def pairing_edges(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Make :func:`edges_paired` ``enabled`` inside; the previous value returns on exit."""
+    return _setting(_PAIRED, enabled)
 
 
 class AtomisticModel(nn.Module):
@@ -94,6 +101,10 @@ class AtomisticModel(nn.Module):
             ``make_fx`` under :func:`tracing_graph`), so the compiled MD steps
             (``xnn md compile=true``) can compile it; long-range terms, whose sums over
             the system have data-dependent shapes, declare ``False``.
+        hparams: the registry hyperparameters that rebuild the model
+            (``xnn.models.build(name, **hparams)``); ``None`` for a model that is not
+            rebuilt from them (the MACE and SevenNet wrappers store a payload).
+        e0: ``{atomic number: eV}`` reference energies, or ``None`` without a table.
 
     Forces, stress and virial are never computed inside a model: see
     :func:`xnn.models.derivatives.compute_properties`.
@@ -105,6 +116,8 @@ class AtomisticModel(nn.Module):
     receiver_field: float = 0.0
     pairs_edges: bool = False
     traceable: bool = True
+    hparams: dict | None = None
+    e0: dict[int, float] | None = None
 
     @property
     def sync_points(self) -> list[tuple[str, nn.Module]]:
@@ -131,6 +144,13 @@ class AtomisticModel(nn.Module):
                 f"the model (it knows {[chemical_symbols[z] for z in self.species]})"
             )
 
+    def set_statistics(self, e0: dict[int, float] | None = None, scale: float | None = None,
+                       shift: float | None = None) -> bool:
+        """Take data statistics (reference energies ``{Z: eV}``, ``scale``, ``shift`` of the
+        energy output) as ``xnn train`` computes them; returns whether the model took them
+        (the base class takes none)."""
+        return False
+
     def compile_for_inference(self, enabled: bool = True) -> bool:
         """Run the model's hot path through ``torch.compile`` (energy, forces, stress only).
 
@@ -143,6 +163,23 @@ class AtomisticModel(nn.Module):
 
     def forward(self, graph: AtomicGraph) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def as_model(obj: object, what: str = "model") -> AtomisticModel:
+    """``obj`` itself when it is an xnn model (:class:`AtomisticModel`: it declares its
+    cutoff, interactions, species and the other capabilities), else one error.
+
+    Args:
+        what: how the message names ``obj`` (e.g. ``"Sum term 2"``).
+
+    Raises:
+        InputError: ``obj`` is not an :class:`AtomisticModel`.
+    """
+    if isinstance(obj, AtomisticModel):
+        return obj
+    raise InputError(f"{what} is not an xnn model: {type(obj).__name__} does not subclass "
+                     "xnn.models.AtomisticModel, which declares the cutoff, interactions and "
+                     "species (MACE and SevenNet models: wrap them with xnn.models.external)")
 
 
 class SyncPoints:
@@ -165,8 +202,6 @@ class SyncPoints:
         """Replace the sync point ``name`` (e.g. ``"sync.0"``) by ``module``."""
         names = [n for n, _ in self.sync_points]
         if name not in names:
-            from xnn.errors import InputError
-
             raise InputError(f"model has no sync point {name!r}; it has {names}")
         self.sync[names.index(name)] = module
 

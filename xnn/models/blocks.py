@@ -355,9 +355,11 @@ class NativeModel(SyncPoints, AtomisticModel):
         e0: Mapping[int, float] | None = None,
         scale: float | None = None,
         shift: float | None = None,
-    ) -> None:
-        """Set reference energies ``{Z: eV}``, ``scale`` and ``shift`` of the energy output."""
+    ) -> bool:
+        """Set reference energies ``{Z: eV}``, ``scale`` and ``shift`` of the energy output
+        (returns true: taken)."""
         self.output.set_statistics(e0=e0, scale=scale, shift=shift)
+        return True
 
     @property
     def e0(self) -> dict[int, float]:

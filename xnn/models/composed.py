@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import AtomisticModel, graph_tracing, squared_lengths
+from xnn.models.base import AtomisticModel, as_model, graph_tracing, squared_lengths
 
 # an edge up to this relative distance beyond a term's cutoff is still handed to the term,
 # which ignores it itself (models contribute nothing at or beyond their cutoff): rounding
@@ -129,10 +129,8 @@ class Sum(AtomisticModel):
         if trainable is not None and len(trainable) != len(built):
             raise InputError(f"sum: trainable has {len(trainable)} flags for {len(built)} "
                              "terms")
-        self.terms = nn.ModuleList([m for m, _ in built])
-        for m in self.terms:
-            if not hasattr(m, "cutoff"):
-                raise InputError(f"sum term {type(m).__name__} declares no cutoff")
+        self.terms = nn.ModuleList([as_model(m, f"sum term {k}")
+                                    for k, (m, _) in enumerate(built)])
         self.trainable = [bool(trainable[k]) if trainable is not None else
                           (True if flag is None else flag) for k, (_, flag) in enumerate(built)]
         for m, flag in zip(self.terms, self.trainable):
@@ -140,23 +138,20 @@ class Sum(AtomisticModel):
                 for p in m.parameters():
                     p.requires_grad_(False)
         self.cutoff = max(float(m.cutoff) for m in self.terms)
-        self.num_interactions = max(int(getattr(m, "num_interactions", 1)) for m in self.terms)
-        known = [set(m.species) for m in self.terms if getattr(m, "species", None) is not None]
+        self.num_interactions = max(int(m.num_interactions) for m in self.terms)
+        known = [set(m.species) for m in self.terms if m.species is not None]
         self.species = sorted(set.intersection(*known)) if known else None
 
     @property
     def receptive_field(self) -> float:
-        """The largest receptive field of the terms (Å), as each declares it (else
-        ``cutoff * num_interactions``)."""
-        return max(float(getattr(m, "receptive_field", float(m.cutoff)
-                                 * int(getattr(m, "num_interactions", 1))))
-                   for m in self.terms)
+        """The largest receptive field of the terms (Å), as each declares it."""
+        return max(float(m.receptive_field) for m in self.terms)
 
     @property
     def receiver_field(self) -> float:
-        """The largest ``receiver_field`` the terms declare (0 if none does): see
+        """The largest ``receiver_field`` of the terms: see
         :class:`~xnn.distributed.DecomposedPotential`."""
-        return max(float(getattr(m, "receiver_field", 0.0)) for m in self.terms)
+        return max(float(m.receiver_field) for m in self.terms)
 
     @property
     def hparams(self) -> dict:
@@ -166,7 +161,7 @@ class Sum(AtomisticModel):
 
         specs = []
         for m, flag in zip(self.terms, self.trainable):
-            hp = getattr(m, "hparams", None)
+            hp = m.hparams
             if not isinstance(hp, Mapping):
                 raise InputError(f"sum term {type(m).__name__} has no hparams, so this sum "
                                  "has none (it cannot be checkpointed); save it with "
@@ -180,7 +175,7 @@ class Sum(AtomisticModel):
         ``to_payload``) and the trainable flags."""
         from xnn.models.serialization import model_payload
 
-        if all(isinstance(getattr(m, "hparams", None), Mapping) for m in self.terms):
+        if all(isinstance(m.hparams, Mapping) for m in self.terms):
             state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
             return {"hparams": self.hparams, "state_dict": state}
         return {"kind": _TERMS_KIND, "terms": [model_payload(m) for m in self.terms],
@@ -204,7 +199,7 @@ class Sum(AtomisticModel):
     @property
     def e0(self) -> dict[int, float] | None:
         """Reference energies of the terms that have them, added (``None``: none has)."""
-        tables = [m.e0 for m in self.terms if isinstance(getattr(m, "e0", None), Mapping)]
+        tables = [m.e0 for m in self.terms if isinstance(m.e0, Mapping)]
         if not tables:
             return None
         out: dict[int, float] = {}
@@ -213,23 +208,18 @@ class Sum(AtomisticModel):
                 out[int(z)] = out.get(int(z), 0.0) + float(v)
         return out
 
-    def set_statistics(self, e0=None, scale=None, shift=None) -> None:
-        """Data statistics go to the first trainable term that takes them (the MLIP)."""
-        for m, flag in zip(self.terms, self.trainable):
-            setter = getattr(m, "set_statistics", None)
-            if flag and callable(setter):
-                setter(e0=e0, scale=scale, shift=shift)
-                return
+    def set_statistics(self, e0=None, scale=None, shift=None) -> bool:
+        """Data statistics go to the first trainable term that takes them (the MLIP);
+        returns whether one did."""
+        return any(flag and m.set_statistics(e0=e0, scale=scale, shift=shift)
+                   for m, flag in zip(self.terms, self.trainable))
 
     def check_species(self, numbers: Tensor) -> None:
         for m in self.terms:
-            check = getattr(m, "check_species", None)
-            if check is not None:
-                check(numbers)
+            m.check_species(numbers)
 
     def compile_for_inference(self, enabled: bool = True) -> bool:
-        done = [bool(getattr(m, "compile_for_inference", lambda e: False)(enabled))
-                for m in self.terms]
+        done = [bool(m.compile_for_inference(enabled)) for m in self.terms]
         return any(done)
 
     def edges_within(self, graph: AtomicGraph, cutoff: float) -> AtomicGraph:

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
+from xnn.models.base import as_model
 from xnn.models.model_info import UNITS, dtype_name, first_line, model_dtype, safe_name
 
 FORMATS = ("export", "aoti", "torchscript")
@@ -97,7 +98,7 @@ def example_inputs(model: nn.Module) -> tuple[Tensor, ...]:
     from xnn.neighbors import with_edges
 
     gen = torch.Generator().manual_seed(0)
-    species = getattr(model, "species", None) or [1]
+    species = as_model(model, "the exported model").species or [1]
     sizes = torch.tensor([5, 6, 7, 9])
     side = max(2.0 * float(model.cutoff), 4.0)
     n = int(sizes.sum())
@@ -120,8 +121,7 @@ def refuse_unexportable(model: nn.Module) -> None:
             "exports native models only (schnet, painn, equivariant, lj, morse): export it "
             "with its own package's tools, or run it through xnn.Calculator"
         )
-    if not hasattr(model, "cutoff"):
-        raise InputError(f"{type(model).__name__} has no `cutoff`; it cannot be exported")
+    as_model(model, "the exported model")
 
 
 def trace_forcefield(model: nn.Module) -> torch.fx.GraphModule:
@@ -192,9 +192,9 @@ def metadata(model: nn.Module, fmt: str) -> dict:
     return {
         "format": f"xnn-forcefield-{fmt}",
         "name": safe_name(model),
-        "hparams": getattr(model, "hparams", None),
+        "hparams": model.hparams,
         "cutoff": float(model.cutoff),
-        "species": getattr(model, "species", None),
+        "species": model.species,
         "dtype": dtype_name(model_dtype(model)),
         "units": dict(UNITS, stress="eV/Å^3"),
         "inputs": INPUTS,

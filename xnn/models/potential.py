@@ -1,6 +1,10 @@
-"""``Potential``: a model plus its (Verlet) neighbor list, evaluated on plain graphs."""
+"""``Potential``: a model plus its (Verlet) neighbor list, evaluated on plain graphs; and
+:class:`PotentialInterface`, what integrators, relaxation, safety checks and the MD runs
+call on any potential (this one, or the decomposed one :mod:`xnn.distributed` builds)."""
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -8,17 +12,59 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import pairing_edges, squared_lengths
+from xnn.models.base import AtomisticModel, as_model, pairing_edges, squared_lengths
 from xnn.models.derivatives import compute_properties
 from xnn.neighbors import VerletList
 from xnn.neighbors.pairs import pair_order
+
+
+class Evaluator(Protocol):
+    """What the integrators (``init``/``step`` of :mod:`xnn.dynamics`) and FIRE evaluate:
+    energy, forces and stress of a graph without edges.
+
+    ``__call__(graph, forces=True, stress=True, training=False)`` returns ``energy
+    [n_systems]`` (eV) and, as asked, ``forces [n_atoms, 3]`` (eV/Å), ``stress`` and
+    ``virial [n_systems, 3, 3]``; ``training=True`` keeps the results differentiable.
+    """
+
+    def __call__(self, graph: AtomicGraph, forces: bool = True, stress: bool = True,
+                 training: bool = False) -> dict[str, Tensor]: ...
+
+
+@runtime_checkable
+class PotentialInterface(Evaluator, Protocol):
+    """The potential protocol: what the MD and relaxation runs (:mod:`xnn.app.md`,
+    :mod:`xnn.app.relax`), their safety checks (:mod:`xnn.dynamics.safety`) and the
+    integrators call on a potential, whether it holds every atom (:class:`Potential`) or
+    this process's share of them (the decomposed potential of :mod:`xnn.distributed`,
+    collective in every call). ``isinstance(p, PotentialInterface)`` checks the members;
+    :func:`xnn.testing.check_potential` checks that they behave.
+
+    Attributes:
+        model: the :class:`~xnn.models.base.AtomisticModel` evaluated (species checks, the
+            compiled steps).
+    """
+
+    model: AtomisticModel
+
+    def min_pair_distance(self, graph: AtomicGraph) -> tuple[Tensor, Tensor]:
+        """The shortest distance between two atoms that this process evaluates, in
+        ``graph`` (the graph last given to ``__call__``: a decomposed potential answers from
+        that evaluation, an atom of each pair owned here).
+
+        Returns:
+            ``(distance [] Å, global atom ids [2])``; ``inf`` and ``-1`` without pairs
+            within the neighbor list's reach.
+        """
+        ...
 
 
 class Potential:
     """Evaluate a per-atom-energy model on graphs without edges.
 
     Args:
-        model: an :class:`~xnn.models.base.AtomisticModel` (declares ``cutoff``).
+        model: an :class:`~xnn.models.base.AtomisticModel` (declares ``cutoff``); anything
+            else is refused (:class:`~xnn.errors.InputError`).
         skin: Verlet skin (Å); the list is rebuilt when an atom moved more than ``skin / 2``.
         backend: neighbor-list backend (``"auto"``, ``"torch"``, ``"vesin"``, ``"brute"``).
         compile: run the model's hot path through ``torch.compile`` where it has one (see
@@ -33,14 +79,13 @@ class Potential:
             Set it to false for the list's own order.
     """
 
-    def __init__(self, model: torch.nn.Module, skin: float = 0.0, backend: str = "auto",
+    def __init__(self, model: AtomisticModel, skin: float = 0.0, backend: str = "auto",
                  compile: bool = False):
-        self.model = model
-        self.compiled = bool(compile) and bool(
-            getattr(model, "compile_for_inference", lambda enabled: False)(True))
+        self.model = as_model(model, "the Potential's model")
+        self.compiled = bool(compile) and bool(model.compile_for_inference(True))
         self.neighbors = VerletList(float(model.cutoff), skin, backend)
         self._checked: tuple[Tensor, int] | None = None  # numbers last checked, its version
-        self.paired = bool(getattr(model, "pairs_edges", False))
+        self.paired = bool(model.pairs_edges)
         self._pairs: tuple | None = None  # (an edge_index seen, the paired list or None)
 
     def __call__(
@@ -101,14 +146,22 @@ class Potential:
                                     arranged)
         return cached[1]
 
+    def min_pair_distance(self, graph: AtomicGraph) -> tuple[Tensor, Tensor]:
+        """The shortest pair of ``graph``'s neighbor list at its positions (see
+        :class:`PotentialInterface`): ``(distance [] Å, atom ids [2])``, ``inf`` and ``-1``
+        without pairs."""
+        g = self.neighbors(graph)
+        d = g.edge_vectors().norm(dim=-1)
+        if not d.numel():
+            return d.new_tensor(float("inf")), g.atom_id.new_full((2,), -1)
+        e = int(torch.argmin(d))
+        return d[e], g.atom_id[g.edge_index[:, e].flip(0)]
+
     def _check_species(self, numbers: Tensor) -> None:
         """The model's species check, skipped for the tensor checked last if unchanged (an
         MD run passes the same ``numbers`` every step; the check costs a host sync)."""
-        check = getattr(self.model, "check_species", None)
-        if check is None:
-            return
         last = self._checked
         if last is not None and last[0] is numbers and last[1] == numbers._version:
             return
-        check(numbers)
+        self.model.check_species(numbers)
         self._checked = (numbers, numbers._version)

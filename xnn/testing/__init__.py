@@ -13,6 +13,7 @@ from xnn.testing.batching import (
 from xnn.testing.common import assert_close, evaluate
 from xnn.testing.cutoff import check_cutoff_smoothness, check_isolated_atom_e0
 from xnn.testing.derivatives import check_forces_finite_difference, check_stress_finite_difference
+from xnn.testing.potential import check_potential, shortest_pair
 from xnn.testing.suite import CONTRACTS, default_systems, run_all_contracts
 from xnn.testing.symmetry import (
     check_permutation_equivariance,
@@ -39,6 +40,7 @@ __all__ = [
     "check_forces_finite_difference",
     "check_isolated_atom_e0",
     "check_permutation_equivariance",
+    "check_potential",
     "check_rotation_equivariance",
     "check_stress_finite_difference",
     "check_supercell_consistency",
@@ -50,6 +52,7 @@ __all__ = [
     "random_orthogonal",
     "random_periodic_system",
     "run_all_contracts",
+    "shortest_pair",
     "single_atom",
     "supercell",
 ]

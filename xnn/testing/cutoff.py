@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from xnn.data import keys as K
+from xnn.models.base import as_model
 from xnn.testing.common import as_fp64, assert_close, evaluate
 from xnn.testing.systems import dimer, single_atom
 
 
 def _default_pair(model: torch.nn.Module) -> tuple[int, int]:
-    species = getattr(model, "species", None)
+    species = as_model(model, "the model under test").species
     if species:
         return int(species[0]), int(species[-1])
     return 18, 18

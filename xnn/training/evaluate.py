@@ -8,6 +8,7 @@ import torch
 
 from xnn.data.datasets import make_batches, read_structures
 from xnn.errors import DataFileError, InputError
+from xnn.models.base import as_model
 from xnn.neighbors.datasets import WithEdges
 from xnn.training.losses import TermSpec
 from xnn.training.trainer import Trainer
@@ -44,9 +45,8 @@ def evaluate_model(model, data, batch_size: int = 8, device: str | torch.device 
             f"(keys {energy_key!r}, {forces_key!r}, {stress_key!r}/{virial_key!r}): there is "
             "nothing to compare the model with; name the file's labels with --energy-key/"
             "--forces-key/--stress-key, or get predictions with xnn.Calculator or xnn md")
-    check = getattr(model, "check_species", None)
-    if check is not None:
-        check(torch.tensor(data.species(), dtype=torch.long))
+    as_model(model, "the evaluated model").check_species(
+        torch.tensor(data.species(), dtype=torch.long))
     device = torch.device(device)
     floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
     dtype = floats[0].dtype if floats else torch.get_default_dtype()  # LJ: buffers only

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models.base import graph_tracing
+from xnn.models.base import AtomisticModel, graph_tracing
 
 DATA_HINT = ("the model's charges='data' reads the per-atom 'charges' field (extxyz "
              "initial_charges): give every atom a finite charge (e)")
@@ -69,16 +69,14 @@ def check_charge_table(table: dict) -> None:
 
 
 def charge_fields(charge_model: nn.Module | None) -> tuple[float, float]:
-    """``(R_q, c_q)`` (Å): the charge model's receptive field (its ``receptive_field``, else
-    ``cutoff * num_interactions``) and cutoff; ``(0, 0)`` without a charge model, ``(inf,
-    0)`` for one that declares no ``cutoff``."""
+    """``(R_q, c_q)`` (Å): the charge model's receptive field and cutoff when it is an
+    :class:`~xnn.models.base.AtomisticModel` (which declares them); ``(0, 0)`` without a
+    charge model, ``(inf, 0)`` for any other module (it declares no reach)."""
     if charge_model is None:
         return 0.0, 0.0
-    if getattr(charge_model, "cutoff", None) is None:
+    if not isinstance(charge_model, AtomisticModel):
         return math.inf, 0.0
-    c_q = float(charge_model.cutoff)
-    hops = int(getattr(charge_model, "num_interactions", 1))
-    return float(getattr(charge_model, "receptive_field", c_q * hops)), c_q
+    return float(charge_model.receptive_field), float(charge_model.cutoff)
 
 
 def neutralised(graph: AtomicGraph, q: Tensor, global_sum: Callable[[Tensor], Tensor]) -> Tensor:

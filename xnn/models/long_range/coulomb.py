@@ -119,7 +119,8 @@ class _Coulomb(AtomisticModel):
         charge_model: a module mapping an ``AtomicGraph`` to per-atom charges ``[n_atoms]``
             (e); when given it replaces ``charges`` (e.g. a charge-predicting network,
             trained jointly or fixed). It sees the edges up to ``cutoff``, so its own
-            ``cutoff`` (if declared) must not exceed it.
+            ``cutoff`` (an :class:`~xnn.models.base.AtomisticModel` declares one; any other
+            module counts as reaching everywhere) must not exceed it.
         neutral: subtract each system's mean charge from the predicted charges (a neutral
             system; through ``global_sum`` under domain decomposition).
     """
@@ -132,9 +133,9 @@ class _Coulomb(AtomisticModel):
                  charge_model: nn.Module | None = None, neutral: bool = False):
         super().__init__()
         self.cutoff = check_cutoff(cutoff, f"{type(self).__name__}: cutoff")
-        q_cut = getattr(charge_model, "cutoff", None)
-        if q_cut is not None and float(q_cut) > self.cutoff * (1 + 1e-12):
-            raise InputError(f"charge_model cutoff {float(q_cut)} Å exceeds the real-space "
+        q_cut = charge_fields(charge_model)[1]  # 0: no cutoff declared
+        if q_cut > self.cutoff * (1 + 1e-12):
+            raise InputError(f"charge_model cutoff {q_cut} Å exceeds the real-space "
                              f"cutoff {self.cutoff} Å (it would miss edges): raise cutoff")
         if neutral and charge_model is None:
             raise InputError("neutral=true corrects predicted charges: give a charge_model")

@@ -4,6 +4,7 @@ SevenNet's own ASE calculator, plus float64 finite differences and save/load."""
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import numpy as np
@@ -11,12 +12,11 @@ import pytest
 import torch
 from ase import Atoms
 from ase.build import bulk
+from helpers import atoms_graph
 
-from xnn import AtomicGraph
 from xnn.errors import InputError
 from xnn.models import build, compute_properties
 from xnn.models.external._optional import MissingExtraError, import_extra
-from xnn.neighbors import with_edges
 
 try:
     (sevenn_calculator,) = import_extra("sevenn", "sevenn.calculator")
@@ -40,12 +40,7 @@ def _silicon() -> Atoms:  # 2 atoms in a small triclinic cell: many periodic ima
     return atoms
 
 
-def _graph(structures: list[Atoms], cutoff: float, dtype=torch.float32) -> AtomicGraph:
-    graphs = [
-        AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc, dtype=dtype)
-        for a in structures
-    ]
-    return with_edges(AtomicGraph.concat(graphs), cutoff, backend="brute")
+_graph = functools.partial(atoms_graph, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ float64, with no compilation after the first step.
 
 from __future__ import annotations
 
+import unittest
+
 import torch
 
 from xnn.data.graph import AtomicGraph
@@ -22,7 +24,8 @@ COMPILED_ATOL = {"positions": 1e-10, "velocities": 1e-12, "forces": 1e-10, "ener
                  "stress": 1e-12}
 
 
-def _unique_graphs() -> int:
+def unique_graphs() -> int:
+    """Graphs torch.compile (dynamo) has made in this process so far."""
     import torch._dynamo
 
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -52,13 +55,20 @@ def check_compiled_step(model: torch.nn.Module, graph: AtomicGraph | None = None
             ``"inductor"`` also generates code).
         atol: largest absolute differences per quantity (default :data:`COMPILED_ATOL`).
     Returns:
-        ``{quantity: largest absolute difference, "n_compiles", "n_rebuilds"}``.
+        ``{quantity: largest absolute difference, "n_compiles", "n_rebuilds", "eager",
+        "compiled"}`` (the last two: the final :class:`~xnn.dynamics.state.MDState` s).
     Raises:
         AssertionError: the trajectories differ beyond ``atol``, or the step compiled again
             after the first step.
+        unittest.SkipTest: the model declares ``traceable = False`` (long-range terms): the
+            compiled step refuses it, nothing is promised.
     """
     from xnn.dynamics import maxwell_boltzmann, nve
     from xnn.models import Potential
+
+    if not model.traceable:
+        raise unittest.SkipTest(f"{type(model).__name__} declares traceable=False: the "
+                                "compiled MD step does not run it")
 
     atol = {**COMPILED_ATOL, **(atol or {})}
     model, _ = as_fp64(model)
@@ -71,14 +81,15 @@ def check_compiled_step(model: torch.nn.Module, graph: AtomicGraph | None = None
     stepper = compiled_stepper(compiled_pot, backend)
     eager = compiled = nve.init(graph, eager_pot)
     eager, compiled = nve.step(eager, eager_pot, dt), stepper.step(compiled, dt)
-    compiles, graphs = stepper.n_compiles, _unique_graphs()
+    compiles, graphs = stepper.n_compiles, unique_graphs()
     if compiles != 1:
         raise AssertionError(f"the first compiled step compiled {compiles} graphs, expected 1")
     for _ in range(steps):
         eager, compiled = nve.step(eager, eager_pot, dt), stepper.step(compiled, dt)
-    if stepper.n_compiles != compiles or _unique_graphs() != graphs:
+    if stepper.n_compiles != compiles or unique_graphs() != graphs:
         raise AssertionError(f"the compiled step recompiled: {stepper.n_compiles - compiles} "
                              f"graphs after the first step (capacity {stepper.capacity})")
     out = {name: assert_close(f"compiled {name}", getattr(compiled, name), getattr(eager, name),
                               atol=tol, rtol=0.0) for name, tol in atol.items()}
-    return {**out, "n_compiles": stepper.n_compiles, "n_rebuilds": stepper.n_rebuilds}
+    return {**out, "n_compiles": stepper.n_compiles, "n_rebuilds": stepper.n_rebuilds,
+            "eager": eager, "compiled": compiled}

@@ -344,3 +344,18 @@ def test_compiled_md_step_with_mace_follows_eager(mace_model, n_systems, one_thr
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
     torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-9)
     torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_mace_wrapper_contracts(mace_model, one_thread):
+    """xnn.testing's execution-mode contracts on the MACE wrapper: ASE, torch-sim and LAMMPS
+    give Potential's numbers; the compiled step traces it and equals eager; decomposed on two
+    gloo ranks (mode halo: MACE has no sync points) equals one process."""
+    from xnn.testing import check_adapters, check_compiled_step, check_decomposition
+
+    wrapper = build("mace", model=mace_model)
+    out = check_adapters(wrapper)
+    assert out["ase"] <= 1e-10, out
+    assert check_compiled_step(wrapper, steps=4)["n_compiles"] == 1
+    errors = check_decomposition(wrapper, world_size=2)
+    assert {e["mode"] for e in errors.values()} == {"halo"}

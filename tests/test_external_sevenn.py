@@ -181,3 +181,20 @@ def test_checkpoint_file_needs_trust(wrapper, tmp_path):
     trusted = build("sevenn", checkpoint=str(shipped), trust=True)
     for (k, a), (_, b) in zip(wrapper.state_dict().items(), trusted.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.slow
+def test_sevenn_wrapper_contracts(wrapper, one_thread):
+    """xnn.testing's execution-mode contracts on SevenNet-0 (fp64): ASE, torch-sim and
+    LAMMPS give Potential's numbers; the compiled step traces it and equals eager;
+    decomposed on two gloo ranks in modes halo, sync and graph equals one process."""
+    from xnn.testing import check_adapters, check_compiled_step, check_decomposition
+
+    model = copy.deepcopy(wrapper).double()
+    systems = [atoms_graph([a], model.cutoff) for a in (_nacl(), _silicon())]
+    out = check_adapters(model, systems)
+    assert out["ase"] <= 1e-10, out
+    assert check_compiled_step(model, systems[0], steps=3)["n_compiles"] == 1
+    errors = check_decomposition(model, {"nacl": systems[0], "silicon": systems[1]},
+                                 world_size=2)
+    assert {e["mode"] for e in errors.values()} == {"halo", "sync", "graph"}

@@ -153,7 +153,8 @@ def run_decomposition_cases(cases: Sequence[DecompositionCase], world_size: int 
     if len(set(names)) != len(names):
         raise ValueError(f"case names must be unique, got {names}")
     # graphs travel as their fields (an AtomicGraph does not pickle)
-    sent = [(c.name, c.model, c.graph.fields, c.mode, c.grid, c.skin) for c in cases]
+    sent = [(c.name, c.model, c.graph.without_edges().fields, c.mode, c.grid, c.skin)
+            for c in cases]
     return spawn(_run_cases, world_size, (sent,), timeout_s=timeout_s)[0]
 
 

@@ -70,6 +70,9 @@ def check_compiled_step(model: torch.nn.Module, graph: AtomicGraph | None = None
         raise unittest.SkipTest(f"{type(model).__name__} declares traceable=False: the "
                                 "compiled MD step does not run it")
 
+    unknown = sorted(set(atol or {}) - set(COMPILED_ATOL))
+    if unknown:
+        raise ValueError(f"atol: unknown quantities {unknown}; valid: {list(COMPILED_ATOL)}")
     atol = {**COMPILED_ATOL, **(atol or {})}
     model, _ = as_fp64(model)
     if graph is None:
@@ -89,7 +92,11 @@ def check_compiled_step(model: torch.nn.Module, graph: AtomicGraph | None = None
     if stepper.n_compiles != compiles or unique_graphs() != graphs:
         raise AssertionError(f"the compiled step recompiled: {stepper.n_compiles - compiles} "
                              f"graphs after the first step (capacity {stepper.capacity})")
-    out = {name: assert_close(f"compiled {name}", getattr(compiled, name), getattr(eager, name),
-                              atol=tol, rtol=0.0) for name, tol in atol.items()}
+    pairs = {"positions": (compiled.positions, eager.positions),
+             "velocities": (compiled.velocities, eager.velocities),
+             "forces": (compiled.forces, eager.forces), "energy": (compiled.energy, eager.energy),
+             "stress": (compiled.stress, eager.stress)}
+    out = {name: assert_close(f"compiled {name}", *pairs[name], atol=tol, rtol=0.0)
+           for name, tol in atol.items()}
     return {**out, "n_compiles": stepper.n_compiles, "n_rebuilds": stepper.n_rebuilds,
             "eager": eager, "compiled": compiled}

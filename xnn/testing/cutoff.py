@@ -13,7 +13,7 @@ from xnn.testing.systems import dimer, single_atom
 
 
 def _default_pair(model: torch.nn.Module) -> tuple[int, int]:
-    species = getattr(model, "species", None)
+    species = model.species  # declared by AtomisticModel (None: any element)
     if species:
         return int(species[0]), int(species[-1])
     return 18, 18

@@ -12,8 +12,11 @@ import importlib.util
 
 import pytest
 import torch
-from structures import fcc
-from test_compiled_md import SKIN, _model, _system, _unique_graphs
+from helpers.compiled import MD_SKIN as SKIN
+from helpers.compiled import argon_system as _system
+from helpers.compiled import md_model as _model
+from helpers.compiled import replay_follows_eager
+from helpers.compiled import unique_graphs as _unique_graphs
 
 from xnn.dynamics import csvr, langevin, nve
 from xnn.dynamics.compiled_thermo import CompiledIntegrator
@@ -160,30 +163,3 @@ def test_cuda_graph_replay_of_a_cueq_model_follows_eager():
     model = build("equivariant", species=[29], cutoff=4.5).to(device="cuda", dtype=torch.float32)
     model.set_backend("cueq")
     replay_follows_eager(model, model)
-
-
-def replay_follows_eager(eager_model, model) -> None:
-    """The CUDA-graph replay of the compiled NVE step with ``model`` follows the eager step
-    with ``eager_model`` (fp32, 108 Cu atoms at 600 K) over 30 steps with a forced rebuild,
-    compiling and capturing once (shared with tests/test_triton_tp.py)."""
-    from xnn.data import AtomicGraph
-    from xnn.dynamics import maxwell_boltzmann
-
-    dev = torch.device("cuda")
-    atoms = fcc((3, 3, 3), a=3.61, rattle=0.05, seed=0)
-    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True,
-                                dtype=torch.float32, device=dev)
-    g = maxwell_boltzmann(g, 600.0, seed=3)
-    eager_pot, compiled_pot = Potential(eager_model, skin=0.5), Potential(model, skin=0.5)
-    integ = CompiledIntegrator("nve", compiled_pot, backend="inductor", cuda_graph=True)
-    stepper = integ.stepper
-    eager = compiled = nve.init(g, eager_pot)
-    for i in range(30):
-        if i == 15:
-            stepper._next_disp = torch.tensor(float("inf"), device=dev)
-        eager, compiled = nve.step(eager, eager_pot, 2.0), integ.step(compiled, compiled_pot, 2.0)
-    assert stepper.n_compiles == 1 and stepper._replay.n_captures == 1
-    assert stepper.n_rebuilds >= 2
-    scale = float(eager.forces.abs().max())
-    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-4)
-    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-4 * scale)

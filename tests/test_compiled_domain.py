@@ -9,7 +9,6 @@ gloo ranks on CPU; one spawn per world size runs every case (library LJ, SchNet,
 from __future__ import annotations
 
 import csv
-import functools
 import time
 from pathlib import Path
 
@@ -18,19 +17,24 @@ import torch
 
 try:
     from dist_helpers import FreshPorts, spawn
-    from md_helpers import rattled_argon
-    from test_domain_state import corner, hot, lj, primitive
+    from helpers import corner, hot, lj, rattled_argon
+    from helpers import rel as _rel
+    from helpers.compiled import MD_ARGS as ARGS
+    from helpers.compiled import hot_crystal as _crystal
+    from helpers.compiled import unique_graphs as _unique_graphs
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import FreshPorts, spawn
-    from tests.md_helpers import rattled_argon
-    from tests.test_domain_state import corner, hot, lj, primitive
+    from tests.helpers import corner, hot, lj, rattled_argon
+    from tests.helpers import rel as _rel
+    from tests.helpers.compiled import MD_ARGS as ARGS
+    from tests.helpers.compiled import hot_crystal as _crystal
+    from tests.helpers.compiled import unique_graphs as _unique_graphs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
 TOL = 1e-10
 SKIN = 0.5
 DT = 1.0
-REPS = (4, 4, 4)  # 64 atoms of a hot (2000 K) primitive FCC crystal
 CASES = {"lj": 200, "schnet": 40, "corner": 60}  # steps
 SLOW = ("schnet",)  # its own spawn, under -m slow
 WORLD4 = ("lj", "corner")  # on 4 ranks (under -m slow); corner: 32 atoms, 4 slabs, empty boxes
@@ -52,36 +56,12 @@ def _model(name):
     return model.double().eval()  # evaluation: its local edges as reverse pairs
 
 
-WARMUP = 100
-
-
 def _graph(name):
     return hot(corner(), 1500.0) if name == "corner" else _crystal()
 
 
 def _grid(name):
     return (1, 1, 4) if name == "corner" else None
-
-
-@functools.cache
-def _crystal():
-    """The hot crystal after ``WARMUP`` one-process steps: past the first steps, in which the
-    pair count within the cutoff rises (the capacities' warm-up), so that the runs below
-    exercise rebuilds and migrations, not growth."""
-    from xnn.dynamics import nve
-    from xnn.models import Potential
-
-    pot = Potential(lj(), skin=SKIN)
-    state = nve.init(hot(primitive(REPS), 2000.0), pot)
-    for _ in range(WARMUP):
-        state = nve.step(state, pot, DT)
-    return state.graph.without_edges()
-
-
-def _unique_graphs() -> int:
-    import torch._dynamo
-
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _final(pot, state, rank, extra=None):
@@ -155,13 +135,6 @@ def reference(name, steps):
 
 # ---------------------------------------------------------------------------- app
 
-ARGS = ["md", "model.device=cpu", "model.name=lj", "model.hyperparameters.sigma=3.405",
-        "model.hyperparameters.epsilon=0.0104", "model.cutoff=6.0", "model.skin=0.3",
-        "output.progress=false", "output.plot=false", "ensemble=nve", "steps=30",
-        "timestep=5.0", "initial_temperature=300", "output.log_every=5",
-        "output.trajectory_every=0", "output.checkpoint_every=0", "seed=7"]
-
-
 def _cli(structure, out_dir, compile_):
     from xnn.cli.main import main
 
@@ -234,10 +207,6 @@ def _params(corner_case=True):
                                                       if corner_case or n != "corner"]
     return [pytest.param(w, n, marks=pytest.mark.slow) if w == 4 or n in SLOW else (w, n)
             for w, n in out]
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 @pytest.mark.parametrize("world,name", _params())

@@ -19,16 +19,18 @@ import torch
 
 try:
     from dist_helpers import FreshPorts, spawn
-    from md_helpers import rattled_argon
-    from test_compiled_domain import ARGS as NVE_ARGS
-    from test_compiled_domain import _crystal, _rel, _unique_graphs
-    from test_domain_state import lj
+    from helpers import lj, rattled_argon
+    from helpers import rel as _rel
+    from helpers.compiled import MD_ARGS as NVE_ARGS
+    from helpers.compiled import hot_crystal as _crystal
+    from helpers.compiled import unique_graphs as _unique_graphs
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import FreshPorts, spawn
-    from tests.md_helpers import rattled_argon
-    from tests.test_compiled_domain import ARGS as NVE_ARGS
-    from tests.test_compiled_domain import _crystal, _rel, _unique_graphs
-    from tests.test_domain_state import lj
+    from tests.helpers import lj, rattled_argon
+    from tests.helpers import rel as _rel
+    from tests.helpers.compiled import MD_ARGS as NVE_ARGS
+    from tests.helpers.compiled import hot_crystal as _crystal
+    from tests.helpers.compiled import unique_graphs as _unique_graphs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 

@@ -4,68 +4,36 @@ velocity-Verlet step (fp64), for LJ and SchNet."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import pytest
 import torch
 import torch._dynamo
-from md_helpers import rattled_argon
+from helpers.compiled import MD_SKIN as SKIN
+from helpers.compiled import argon_system as _system
+from helpers.compiled import md_model as _model
+from helpers.compiled import md_thermo_rows as _md
+from helpers.compiled import unique_graphs as _unique_graphs
 
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import maxwell_boltzmann, nve
+from xnn.dynamics import nve
 from xnn.dynamics.compiled import CompiledVerlet
 from xnn.errors import InputError
-from xnn.models import Potential, build
-
-SKIN = 0.4
-
-
-@functools.cache
-def _system(temperature: float = 600.0) -> AtomicGraph:
-    """32 argon atoms after 60 eager LJ steps from a rattled FCC lattice at ``temperature``:
-    past the first steps, in which the pair count within the cutoff rises by half (the
-    capacity's warm-up), so that the runs below exercise rebuilds, not growth."""
-    atoms = rattled_argon(rep=2)
-    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, True)
-    pot = Potential(_model("lj"), skin=SKIN)
-    state = nve.init(maxwell_boltzmann(g, temperature, seed=3), pot)
-    for _ in range(60):
-        state = nve.step(state, pot, 2.0)
-    return state.graph
-
-
-def _model(name: str):
-    if name == "lj":
-        return build("lj", sigma=3.4, epsilon=0.0104, cutoff=6.0).double()
-    torch.manual_seed(0)
-    return build("schnet", species=[18], cutoff=5.0).double()
-
-
-def _unique_graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+from xnn.models import Potential
+from xnn.testing import check_compiled_step
 
 
 @pytest.mark.parametrize("name,steps", [("lj", 200), ("schnet", 60)])
 def test_compiled_steps_follow_eager_without_recompiles(name, steps, one_thread):
-    model = _model(name)
-    eager_pot, compiled_pot = Potential(model, skin=SKIN), Potential(model, skin=SKIN)
-    stepper = CompiledVerlet(compiled_pot, backend="aot_eager")
-    eager = compiled = nve.init(_system(), eager_pot)
-    eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)  # warm-up
-    graphs, compiles = _unique_graphs(), stepper.n_compiles
-    assert compiles == 1
-    for _ in range(steps - 1):
-        eager, compiled = nve.step(eager, eager_pot, 2.0), stepper.step(compiled, 2.0)
-    assert stepper.n_rebuilds >= 3  # the atoms moved through the skin several times
-    assert stepper.n_compiles == compiles and _unique_graphs() == graphs  # 0 recompiles
+    # the contract: one compile in the first step, none after it (the stepper's count and
+    # dynamo's graphs), and the eager trajectory to 1e-10 Å / 1e-12 Å/fs / 1e-10 eV/Å /
+    # 1e-10 eV / 1e-12 eV/Å³
+    out = check_compiled_step(_model(name), _system(), steps=steps - 1, dt=2.0, skin=SKIN)
+    assert out["n_compiles"] == 1
+    assert out["n_rebuilds"] >= 3  # the atoms moved through the skin several times
+    compiled, eager = out["compiled"], out["eager"]
     assert compiled.step == eager.step == steps
-    torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
-    torch.testing.assert_close(compiled.velocities, eager.velocities, rtol=0, atol=1e-12)
-    torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-10)
-    torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
-    torch.testing.assert_close(compiled.stress, eager.stress, rtol=0, atol=1e-12)
     # and it conserves energy like the eager step (a check of the integrator itself)
     assert abs(float(nve.conserved(compiled) - nve.conserved(eager))) < 1e-9
 
@@ -177,26 +145,6 @@ def test_batch_of_two_cells_follows_eager(one_thread):
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
     torch.testing.assert_close(compiled.stress, eager.stress, rtol=0, atol=1e-12)
     torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-10)
-
-
-def _md(tmp_path, out, *extra):
-    import ase.io
-
-    from xnn.app.md import run_md
-    from xnn.config.loader import load_config
-    from xnn.config.md import MDConfig
-
-    path = tmp_path / "ar.xyz"
-    if not path.exists():
-        ase.io.write(path, [rattled_argon(seed=0), rattled_argon(seed=1)])
-    cfg = load_config(MDConfig, None, [
-        f"structure={path}", "index=:", f"output.dir={tmp_path / out}", "model.name=lj",
-        "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",
-        "model.cutoff=6.5",
-        "output.progress=false", "output.plot=false", "ensemble=nve", "steps=30",
-        "output.log_every=10", "initial_temperature=300", *extra])
-    run_md(cfg)
-    return (tmp_path / out / "thermo.csv").read_text().splitlines()
 
 
 def test_md_compile_runs_the_compiled_step(tmp_path, monkeypatch, one_thread):

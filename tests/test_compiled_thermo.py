@@ -8,7 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_compiled_md import SKIN, _md, _model, _system, _unique_graphs
+from helpers.compiled import MD_SKIN as SKIN
+from helpers.compiled import argon_system as _system
+from helpers.compiled import md_model as _model
+from helpers.compiled import md_thermo_rows as _md
+from helpers.compiled import unique_graphs as _unique_graphs
 
 from xnn.dynamics import csvr, langevin, nhc
 from xnn.dynamics.compiled_random import csvr_draws, normal_keyed, stream_key_of

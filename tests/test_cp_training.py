@@ -16,133 +16,35 @@ import torch
 
 try:
     from dist_helpers import spawn
+    from helpers import rel as _rel
+    from helpers.training import CUTOFF
+    from helpers.training import counts as _counts
+    from helpers.training import grads as _grads
+    from helpers.training import labelled as _labelled
+    from helpers.training import labelled_molecule as molecule
+    from helpers.training import labelled_structures as structures
+    from helpers.training import steps as _steps
+    from helpers.training import train_model as _model
+    from helpers.training import trainer as _trainer
+    from helpers.training import weights as _weights
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import spawn
+    from tests.helpers import rel as _rel
+    from tests.helpers.training import CUTOFF
+    from tests.helpers.training import counts as _counts
+    from tests.helpers.training import grads as _grads
+    from tests.helpers.training import labelled as _labelled
+    from tests.helpers.training import labelled_molecule as molecule
+    from tests.helpers.training import labelled_structures as structures
+    from tests.helpers.training import steps as _steps
+    from tests.helpers.training import train_model as _model
+    from tests.helpers.training import trainer as _trainer
+    from tests.helpers.training import weights as _weights
 
-from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models import Potential
 
 pytestmark = pytest.mark.distributed
-
-CUTOFF = 3.0
-
-
-# ---------------------------------------------------------------------------- data, models
-def _fcc(reps, rattle=0.08, seed=0):
-    from ase.build import bulk
-
-    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(reps)
-    atoms.rattle(rattle, seed=seed)
-    return atoms
-
-
-def _labelled(atoms, seed, weight=1.0):
-    """A graph with permuted atom ids and random labels (energy, forces, stress, weight)."""
-    rng = np.random.default_rng(seed)
-    n = len(atoms)
-    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
-                                atom_id=rng.permutation(n))
-    from xnn.neighbors import with_edges
-
-    g = with_edges(g, CUTOFF)
-    t = torch.float64
-    stress = torch.tensor(rng.normal(0, 0.01, (3, 3)), dtype=t)
-    return g.replace(energy=torch.tensor([rng.normal(-3.0 * n, 1.0)], dtype=t),
-                     forces=torch.tensor(rng.normal(0, 0.3, (n, 3)), dtype=t),
-                     stress=(0.5 * (stress + stress.T)).reshape(1, 3, 3),
-                     weight=torch.tensor([weight], dtype=t))
-
-
-def periodic(seed=0):
-    atoms = _fcc((2, 2, 2), seed=seed)  # 32 atoms, triclinic cell
-    cell = atoms.cell.array.copy()
-    cell[1] += 0.3 * cell[0]
-    atoms.set_cell(cell, scale_atoms=True)
-    return _labelled(atoms, seed, weight=1.5)
-
-
-def slab(seed=1):
-    atoms = _fcc((3, 2, 2), seed=seed)  # 48 atoms, vacuum along z
-    atoms.cell[2] *= 2.5
-    atoms.pbc = (True, True, False)
-    return _labelled(atoms, seed)
-
-
-def molecule(seed=2, reps=(2, 2, 2)):
-    atoms = _fcc(reps, rattle=0.12, seed=seed)
-    atoms.pbc = False
-    atoms.cell[:] = 0.0
-    return _labelled(atoms, seed, weight=0.7)
-
-
-def structures():
-    return [periodic(0), slab(1), molecule(2), periodic(3)]
-
-
-def _model(name):
-    """A small model; ``"NAME+ckpt"``: with activation checkpointing (same weights)."""
-    from xnn.models import build
-
-    name, _, ckpt = name.partition("+")
-    torch.manual_seed(0)
-    small = {
-        "schnet": dict(num_features=8, num_filters=8, num_basis=8),
-        "painn": dict(num_features=8, num_basis=8),
-        "equivariant": dict(channels=4, l_max=1, hidden_l_max=1, correlation=2,
-                            radial_mlp=(8,), readout_hidden=4, num_bessel=4),
-    }[name]
-    if ckpt:
-        small["activation_checkpointing"] = True
-    model = build(name, species=[29], cutoff=CUTOFF, num_interactions=2, **small).double()
-    with torch.no_grad():  # non-trivial outputs
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def _specs():
-    from xnn.training.losses import TermSpec
-
-    return {"energy": TermSpec(1.0), "forces": TermSpec(10.0, "huber", 0.05),
-            "stress": TermSpec(5.0)}
-
-
-def _counts(graphs):
-    from xnn.data.datasets import collate
-    from xnn.training.losses import local_counts
-
-    return local_counts(collate(graphs)).tolist()
-
-
-def _trainer(model, reducer=None, predictor=None):
-    from xnn.training.trainer import Trainer
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
-    return Trainer(model, _specs(), opt, reducer=reducer, dtype=torch.float64,
-                   predictor=predictor)
-
-
-def _grads(model):
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
-def _weights(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def _steps(trainer, batches, counts, metrics=None):
-    """Three optimizer steps; ``(first loss, first gradients, last loss, weights)``."""
-    losses, first = [], None
-    for k, (graphs, c) in enumerate(zip(batches, counts)):
-        losses.append(trainer.train_step(graphs, k, metrics, counts=c))
-        if first is None:
-            first = _grads(trainer.model).clone()
-    return losses, first, _weights(trainer.model)
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def _recording(base):

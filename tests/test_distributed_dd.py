@@ -16,108 +16,53 @@ import numpy as np
 import pytest
 import torch
 
-from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel
+from xnn.testing import compare_by_id
 
 try:
     from dist_helpers import spawn
+    from helpers import (
+        cluster,
+        corner,
+        cubic,
+        lj,
+        molecule,
+        native,
+        rel,
+        sevenn_0,
+        slab,
+        small_mace,
+        tiny,
+        triclinic,
+    )
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import spawn
+    from tests.helpers import (
+        cluster,
+        corner,
+        cubic,
+        lj,
+        molecule,
+        native,
+        rel,
+        sevenn_0,
+        slab,
+        small_mace,
+        tiny,
+        triclinic,
+    )
 
 TOL = 1e-10
 
-# ---------------------------------------------------------------------------- structures
-
-
-def _fcc(reps, a=3.6, rattle=0.08, seed=0):
-    from ase.build import bulk
-
-    atoms = bulk("Cu", "fcc", a=a, cubic=True).repeat(reps)
-    atoms.rattle(rattle, seed=seed)
-    return atoms
-
-
-def _graph(atoms, permute_ids=True, seed=0):
-    ids = np.random.default_rng(seed).permutation(len(atoms)) if permute_ids else None
-    return AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
-                                   atom_id=ids)
-
-
-def cubic():
-    return _graph(_fcc((3, 3, 3)))  # 108 atoms, 10.8 Å
-
-
-def triclinic(reps=(3, 3, 2)):
-    atoms = _fcc(reps, seed=1)
-    cell = atoms.cell.array.copy()
-    cell[1] += 0.6 * cell[0]
-    cell[2] += -0.45 * cell[0] + 0.35 * cell[1]
-    atoms.set_cell(cell, scale_atoms=True)
-    atoms.positions += np.array([-7.0, 3.0, 12.0])  # unwrapped input positions
-    return _graph(atoms, seed=1)
-
-
-def slab():
-    atoms = _fcc((3, 3, 2), seed=2)
-    atoms.cell[2] *= 3.0
-    atoms.pbc = (True, True, False)
-    return _graph(atoms, seed=2)
-
-
-def molecule():
-    atoms = _fcc((2, 2, 2), rattle=0.15, seed=3)
-    atoms.pbc = False
-    atoms.cell[:] = 0.0
-    return _graph(atoms, seed=3)
-
-
-def corner():
-    """A small cluster in one corner of a large periodic cell: most boxes are empty."""
-    atoms = _fcc((2, 2, 2), seed=4)
-    atoms.set_cell(atoms.cell.array * 3.0, scale_atoms=False)
-    atoms.pbc = True
-    return _graph(atoms, seed=4)
-
-
-def tiny():
-    return _graph(_fcc((1, 1, 1), seed=5))  # 4 atoms, 3.6 Å cell: halo wider than the cell
-
-
-# ---------------------------------------------------------------------------- models
-
-
-def lj():
-    from xnn.models import build
-
-    return build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0)
-
-
-def _native(name):
-    from xnn.models import build
-
-    torch.manual_seed(0)
-    small = {
-        "schnet": dict(num_features=8, num_filters=8, num_basis=8),
-        "painn": dict(num_features=8, num_basis=8),
-        "equivariant": dict(channels=4, l_max=1, hidden_l_max=1, correlation=2,
-                            radial_mlp=(8,), readout_hidden=4, num_bessel=4),
-    }[name]
-    model = build(name, species=[29], cutoff=3.0, num_interactions=2, **small).double()
-    with torch.no_grad():  # non-trivial outputs
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-MODELS = {"lj": lj, "schnet": lambda: _native("schnet"), "painn": lambda: _native("painn"),
-          "equivariant": lambda: _native("equivariant")}
+MODELS = {"lj": lj, "schnet": lambda: native("schnet"), "painn": lambda: native("painn"),
+          "equivariant": lambda: native("equivariant")}
 # evaluation mode: the local edges arranged as reverse pairs (radial work once per pair)
-MODELS.update({f"{m}_eval": (lambda m=m: _native(m).eval())
+MODELS.update({f"{m}_eval": (lambda m=m: native(m).eval())
                for m in ("schnet", "painn", "equivariant")})
 MODELS["schnet_guarded"] = MODELS["schnet_eval"]
 STRUCTURES = {"cubic": cubic, "triclinic": triclinic, "slab": slab, "molecule": molecule,
-              "corner": corner, "tiny": tiny}
+              "corner": corner, "tiny": lambda: tiny(ids_seed=0)}
 
 # world size -> [(case name, model, structure, grid, mode)]
 LJ_CASES = [("lj-" + s, "lj", s, None, "halo") for s in STRUCTURES]
@@ -138,69 +83,16 @@ CASES = {
 }
 
 
-def _mace():
-    import numpy as np
-    from e3nn import o3
-
-    from xnn.models.external._optional import import_extra
-    from xnn.models.external.mace import MACEWrapper
-
-    (mace_modules,) = import_extra("mace", "mace.modules")
-    torch.manual_seed(0)
-    block = mace_modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
-    model = mace_modules.ScaleShiftMACE(
-        atomic_inter_scale=1.3, atomic_inter_shift=0.2, r_max=3.0, num_bessel=4,
-        num_polynomial_cutoff=5, max_ell=1, interaction_cls=block, interaction_cls_first=block,
-        num_interactions=2, num_elements=1, hidden_irreps=o3.Irreps("4x0e + 4x1o"),
-        MLP_irreps=o3.Irreps("4x0e"), gate=torch.nn.functional.silu,
-        atomic_energies=np.array([-1.5]), avg_num_neighbors=8.0, atomic_numbers=[29],
-        correlation=2)
-    return MACEWrapper(model.double())
-
-
-def _sevenn():
-    """Pretrained SevenNet-0 (5 layers, 25 Å receptive field) in float64."""
-    import warnings
-
-    from xnn.models import build
-
-    with warnings.catch_warnings():  # workers run under torch.set_default_dtype(float64)
-        warnings.simplefilter("ignore")
-        return build("sevenn", checkpoint="7net-0").double()
-
-
-def cluster():
-    atoms = _fcc((1, 1, 2), rattle=0.1, seed=6)
-    atoms.pbc = False
-    return _graph(atoms, seed=6)
-
-
-MODELS.update(mace=_mace, sevenn=_sevenn)
+MODELS.update(mace=small_mace, sevenn=sevenn_0)
 STRUCTURES["cluster"] = cluster
 EXTERNAL = [("mace-triclinic", "mace", "triclinic", None, "halo"),
             ("sevenn-cluster", "sevenn", "cluster", (2, 1, 1), "halo")]
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def _reference(model, graph):
     from xnn.models import Potential
 
     return Potential(model)(graph)
-
-
-def _compare(out, ref, graph):
-    order = torch.argsort(graph.atom_id)
-    errors = {"energy": _rel(out["energy"], ref["energy"]),
-              "forces": _rel(out["forces"], ref["forces"][order]),
-              "ids": bool(torch.equal(out["atom_id"], graph.atom_id[order]))}
-    if bool(graph.pbc.all()):
-        errors["stress"] = _rel(out["stress"], ref["stress"])
-    else:
-        errors["virial"] = _rel(out["virial"], ref["virial"])
-    return errors
 
 
 # ---------------------------------------------------------------------------- worker
@@ -224,7 +116,7 @@ def _run_cases(rank, cases):
         out = dd.single_point(graph if rank == 0 else None)
         entry = {"stats": dd.stats()}
         if rank == 0:
-            entry["errors"] = _compare(out, _reference(model, graph), graph)
+            entry["errors"] = compare_by_id(out, _reference(model, graph), graph)
         entry["seconds"] = time.perf_counter() - t0
         results[name] = entry
     return manager, results
@@ -241,7 +133,7 @@ def _skin_case(manager, rank):
     moved = graph.replace(positions=graph.positions + 0.04 * torch.randn_like(graph.positions))
     # atoms stay on their ranks, ghosts are reused
     out = dd.single_point(moved if rank == 0 else None)
-    errors = _compare(out, _reference(model, moved), moved) if rank == 0 else None
+    errors = compare_by_id(out, _reference(model, moved), moved) if rank == 0 else None
     return {"n_builds": dd.state.counters.rebuilds, "errors": errors}
 
 
@@ -270,9 +162,9 @@ def _md_case(manager, rank):
     if rank == 0:
         ref, ref_energy = run(Potential(model, skin=0.5), graph)
         order = torch.argsort(graph.atom_id)
-        out["positions"] = _rel(full.positions - graph.positions[order],
+        out["positions"] = rel(full.positions - graph.positions[order],
                                 ref.graph.positions[order] - graph.positions[order])
-        out["energy"] = _rel(energy, ref_energy)
+        out["energy"] = rel(energy, ref_energy)
     return out
 
 
@@ -286,7 +178,7 @@ def _md_pairs_case(manager, rank):
     from xnn.models.base import edges_paired
 
     local.PAIR_EXTRA_EDGES = float("inf")  # (a small domain: many extra edges)
-    model, graph = _native("schnet").eval(), triclinic()
+    model, graph = native("schnet").eval(), triclinic()
     graph = maxwell_boltzmann(graph, 3000.0, seed=3)
     seen = []
     model.register_forward_pre_hook(lambda m, a: seen.append(
@@ -312,9 +204,9 @@ def _md_pairs_case(manager, rank):
         plain.paired = False
         ref = run(plain, graph)
         order = torch.argsort(graph.atom_id)
-        out["positions"] = _rel(full.positions - graph.positions[order],
+        out["positions"] = rel(full.positions - graph.positions[order],
                                 ref.graph.positions[order] - graph.positions[order])
-        out["forces"] = _rel(extra["forces"], ref.forces[order])
+        out["forces"] = rel(extra["forces"], ref.forces[order])
     return out
 
 
@@ -325,7 +217,7 @@ def _grad_case(manager, rank, world, name="painn"):
     from xnn.models import compute_properties
     from xnn.neighbors import with_edges
 
-    model, graph = _native(name), triclinic((2, 2, 2))
+    model, graph = native(name), triclinic((2, 2, 2))
     dd = parallelize(model, manager, "sync")
     local = dd(dd.scatter(graph if rank == 0 else None), training=True)
     loss = ((local["energy"] - 1.0) ** 2).sum() / world + (local["forces"] ** 2).sum() \
@@ -342,7 +234,7 @@ def _grad_case(manager, rank, world, name="painn"):
         + (ref["stress"] ** 2).sum()
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    return {"grad": _rel(grads, ref_grads), "norm": float(ref_grads.norm())}
+    return {"grad": rel(grads, ref_grads), "norm": float(ref_grads.norm())}
 
 
 class _FailOnRank1(AtomisticModel):
@@ -387,7 +279,7 @@ def _mesh_case(manager, rank):
     model, graph = lj(), (cubic() if dims.dp_rank == 0 else triclinic())
     dd = parallelize(model, dims, "halo")
     out = dd.single_point(graph if dims.dd_rank == 0 else None)
-    errors = _compare(out, _reference(model, graph), graph) if dims.dd_rank == 0 else None
+    errors = compare_by_id(out, _reference(model, graph), graph) if dims.dd_rank == 0 else None
     return {"dp_rank": dims.dp_rank, "dd_rank": dims.dd_rank, "dd_sum": t.item(),
             "n_atoms": int(out["forces"].shape[0]), "errors": errors}
 
@@ -623,12 +515,12 @@ def test_single_process_matches_periodic_list():
         for struct in ("triclinic", "slab", "tiny"):
             model, graph = lj(), STRUCTURES[struct]()
             out = parallelize(model, None, "halo").single_point(graph)
-            errors = _compare(out, _reference(model, graph), graph)
+            errors = compare_by_id(out, _reference(model, graph), graph)
             assert errors.pop("ids")
             assert max(errors.values()) <= TOL, (struct, errors)
         from xnn.distributed import validate_decomposition
 
-        report = validate_decomposition(_native("schnet"), triclinic(), mode="sync")
+        report = validate_decomposition(native("schnet"), triclinic(), mode="sync")
         assert max(r["max_rel"] for r in report.values()) <= TOL, report
     finally:
         torch.set_default_dtype(torch.float32)

@@ -19,12 +19,12 @@ import torch
 
 try:
     from dist_helpers import FreshPorts, spawn
-    from md_helpers import rattled_argon
-    from test_domain_state import corner, hot, lj, molecule, primitive, slab
+    from helpers import corner, hot, lj, molecule, primitive, rattled_argon, slab
+    from helpers import rel as _rel
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import FreshPorts, spawn
-    from tests.md_helpers import rattled_argon
-    from tests.test_domain_state import corner, hot, lj, molecule, primitive, slab
+    from tests.helpers import corner, hot, lj, molecule, primitive, rattled_argon, slab
+    from tests.helpers import rel as _rel
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
@@ -293,10 +293,6 @@ def results(world, tmp, slow=False):
 
 
 # ---------------------------------------------------------------------------- tests
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def _check_ensemble(res, world, ensemble):

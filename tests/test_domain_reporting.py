@@ -16,12 +16,10 @@ import torch
 
 try:
     from dist_helpers import FreshPorts, spawn
-    from md_helpers import rattled_argon
-    from test_domain_state import hot, primitive
+    from helpers import hot, primitive, rattled_argon
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import FreshPorts, spawn
-    from tests.md_helpers import rattled_argon
-    from tests.test_domain_state import hot, primitive
+    from tests.helpers import hot, primitive, rattled_argon
 
 from xnn.dynamics.safety import SimulationError
 from xnn.models.classical import LennardJones

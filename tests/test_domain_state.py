@@ -20,13 +20,11 @@ except ImportError:  # tests/ is a package
     from tests.dist_helpers import spawn
 
 try:
-    from structures import fcc as _fcc
-    from structures import graph as _graph
-    from structures import molecule, triclinic
+    from helpers import corner, hot, lj, molecule, primitive, slab, tiny, triclinic
+    from helpers import rel as _rel
 except ImportError:  # tests/ is a package
-    from tests.structures import fcc as _fcc
-    from tests.structures import graph as _graph
-    from tests.structures import molecule, triclinic
+    from tests.helpers import corner, hot, lj, molecule, primitive, slab, tiny, triclinic
+    from tests.helpers import rel as _rel
 
 pytestmark = pytest.mark.distributed
 
@@ -38,57 +36,8 @@ K.register_field("test_tag", K.ATOM)  # a user field: [n_atoms, 2] float, moves 
 # ---------------------------------------------------------------------------- systems
 
 
-def primitive(reps=(4, 4, 4), seed=6):
-    """Rattled FCC in its primitive (60°, triclinic) cell near the LJ minimum: 64 atoms."""
-    from ase.build import bulk
-
-    atoms = bulk("Cu", "fcc", a=3.65).repeat(reps)  # lattice planes on the box faces
-    atoms.rattle(0.05, seed=seed)
-    return _graph(atoms, seed)
-
-
-def slab():
-    atoms = _fcc((3, 3, 2), seed=2)
-    atoms.cell[2] *= 3.0
-    atoms.pbc = (True, True, False)
-    return _graph(atoms, 2)
-
-
-def corner():
-    """A cluster in one corner of a large periodic cell: most boxes are empty."""
-    atoms = _fcc((2, 2, 2), seed=4)
-    atoms.set_cell(atoms.cell.array * 3.0, scale_atoms=False)
-    atoms.pbc = True
-    return _graph(atoms, 4)
-
-
-def tiny():
-    return _graph(_fcc((1, 1, 1), seed=5), 5)  # 4 atoms, 3.6 Å cell: halo wider than a box
-
-
 STRUCTURES = {"triclinic": triclinic, "slab": slab, "molecule": molecule, "corner": corner,
               "tiny": tiny}
-
-
-def lj(cutoff=5.0):
-    from xnn.models import build
-
-    return build("lj", sigma=2.3, epsilon=0.4, cutoff=cutoff)
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def hot(graph, temperature=4000.0, seed=11):
-    """Maxwell-Boltzmann velocities by atom id (independent of how atoms are split)."""
-    from xnn.dynamics.state import maxwell_boltzmann
-
-    order = torch.argsort(graph.atom_id)
-    g = maxwell_boltzmann(graph.select_atoms(order), temperature, seed=seed)
-    v = torch.empty_like(g.velocities)
-    v[order] = g.velocities
-    return graph.replace(velocities=v)
 
 
 # ---------------------------------------------------------------------------- cases

@@ -8,11 +8,10 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from md_helpers import rattled_argon
+from helpers import argon_lj, rattled_argon
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import fire
-from xnn.models import Potential, build
 from xnn.units import EV_PER_A3_TO_GPA, GPA_TO_EV_PER_A3
 
 SIGMA, EPS, RC = 3.405, 0.0104, 7.0
@@ -30,8 +29,7 @@ def graph_of(atoms):
                                    atoms.pbc)
 
 
-def lj():
-    return Potential(build("lj", sigma=SIGMA, epsilon=EPS, cutoff=RC).double(), skin=0.5)
+lj = partial(argon_lj, rc=RC, skin=0.5)
 
 
 def relax(g, pot, fmax, steps=2000, **kw):

@@ -7,21 +7,20 @@ import numpy as np
 import pytest
 import torch
 from ase.build import bulk
+from helpers import argon_lj
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import maxwell_boltzmann, npt
 from xnn.dynamics.npt import pressure_tensor
 from xnn.dynamics.state import degrees_of_freedom
 from xnn.errors import InputError
-from xnn.models import Potential, build
 from xnn.units import EV_PER_A3_TO_GPA, GPA_TO_EV_PER_A3, KB
 
 # small MD systems: one thread avoids thread overhead on small CPU tensors
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def lj(rc=6.5, eps=0.0104):
-    return Potential(build("lj", sigma=3.405, epsilon=eps, cutoff=rc).double(), skin=1.0)
+lj = argon_lj
 
 
 def crystal(a=5.3, rep=2, seed=0, strain=None):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from ase import units
-from md_helpers import rattled_argon
+from helpers import argon_lj, rattled_argon
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import degrees_of_freedom, maxwell_boltzmann, nhc, nve, temperature
@@ -33,8 +33,7 @@ def graph_of(atoms) -> AtomicGraph:
                                    masses=atoms.get_masses())
 
 
-def lj(rc=RC, skin=1.0):
-    return Potential(build("lj", sigma=SIGMA, epsilon=EPS, cutoff=rc).double(), skin=skin)
+lj = partial(argon_lj, rc=RC)
 
 
 def test_nve_matches_ase_velocity_verlet_1000_steps():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 from scipy import stats
 
 from xnn.data import AtomicGraph

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 from fake_ranks import SplitPotential, ThreadReducer, World, merge, split_atoms
-from md_helpers import rattled_argon
+from helpers import argon_lj, rattled_argon
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import fire, maxwell_boltzmann
 from xnn.dynamics.fire import FIRE_VELOCITIES
 from xnn.dynamics.reduce import LOCAL
 from xnn.dynamics.registry import get_integrator
-from xnn.models import Potential, build
 from xnn.units import GPA_TO_EV_PER_A3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,8 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 N_RANKS, STEPS, DT, TEMP = 4, 50, 5.0, 40.0
 
 
-def lj():
-    return Potential(build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.5).double(), skin=1.0)
+lj = argon_lj
 
 
 def argon(fixed=False, triclinic=False, strain=0.0):

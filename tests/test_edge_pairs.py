@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compiled_md import SKIN, _system
-from test_kernel_backends import SPECIES, _tiny_mace, requires_cue
+from helpers.compiled import MD_SKIN as SKIN
+from helpers.compiled import argon_system as _system
+from helpers.kernels import SPECIES, requires_cue
+from helpers.kernels import pair_equivariant as _equivariant
+from helpers.kernels import paired as _paired
+from helpers.kernels import tiny_mace as _tiny_mace
 
 from xnn.data import keys as K
 from xnn.dynamics import maxwell_boltzmann, nve
@@ -20,12 +24,6 @@ from xnn.models.base import AtomisticModel, edges_paired, pairing_edges
 from xnn.neighbors import with_edges
 from xnn.neighbors.pairs import pair_order
 from xnn.testing import random_periodic_system
-
-
-def _paired(graph):
-    order = pair_order(graph.edge_index, graph.shifts)
-    assert order is not None
-    return graph.replace(edge_index=graph.edge_index[:, order], shifts=graph.shifts[order])
 
 
 @pytest.mark.parametrize("volume,cutoff", [(11.0, 3.5), (6.0, 4.0)])  # (6, 4): self-images
@@ -239,13 +237,6 @@ def test_mace_pairs_cuda_fused_kernels_equal_per_edge(fusion, monkeypatch):
     for key in (K.ENERGIES, K.FORCES, K.STRESS):
         assert ref[key].abs().max() > 1e-4
         torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5)
-
-
-def _equivariant(backend: str = "reference"):
-    torch.manual_seed(0)
-    return build("equivariant", species=SPECIES, cutoff=3.5, channels=4, l_max=2,
-                 hidden_l_max=1, correlation=2, num_bessel=4, radial_mlp=[8, 8],
-                 avg_num_neighbors=8.0, backend=backend).double()
 
 
 def test_equivariant_radial_networks_once_per_pair():

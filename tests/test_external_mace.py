@@ -14,13 +14,11 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms
-from ase.build import bulk
 
 from xnn import AtomicGraph
 from xnn.errors import InputError, ModelFileError, UnknownSpeciesError
 from xnn.models import Potential, build, compute_properties
 from xnn.models.external._optional import MissingExtraError, import_extra
-from xnn.neighbors import with_edges
 
 _WATCHED = ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCHINDUCTOR_CACHE_DIR")
 _ENV_AT_START = {k: os.environ[k] for k in _WATCHED if k in os.environ}
@@ -30,28 +28,12 @@ try:
 except MissingExtraError as _err:
     pytest.skip(str(_err), allow_module_level=True)
 
-from e3nn import o3  # noqa: E402  (after the skip: e3nn comes with the extra's setup)
 
-SPECIES = [14, 29]
-
-
-def _mace_model(seed: int = 0, cls: str = "ScaleShiftMACE") -> torch.nn.Module:
-    torch.manual_seed(seed)
-    block = mace_modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
-    cfg = dict(
-        r_max=3.2, num_bessel=6, num_polynomial_cutoff=5, max_ell=2,
-        interaction_cls=block, interaction_cls_first=block, num_interactions=2,
-        num_elements=len(SPECIES), hidden_irreps=o3.Irreps("8x0e + 8x1o"),
-        MLP_irreps=o3.Irreps("8x0e"), gate=torch.nn.functional.silu,
-        atomic_energies=np.array([-1.5, -3.25]), avg_num_neighbors=8.0,
-        atomic_numbers=SPECIES, correlation=2,
-    )
-    if cls == "ScaleShiftMACE":
-        model = mace_modules.ScaleShiftMACE(atomic_inter_scale=1.3, atomic_inter_shift=0.2, **cfg)
-    else:  # SO(3)-only: not invariant under inversion, so edge directions matter
-        cfg["hidden_irreps"] = o3.Irreps("8x0e + 8x1o + 8x1e")
-        model = mace_modules.MACE(use_so3=True, **cfg)
-    return model.double().eval()
+from helpers import MACE_SPECIES as SPECIES  # noqa: E402
+from helpers import atoms_graph as _graph  # noqa: E402
+from helpers import mace_model as _mace_model  # noqa: E402
+from helpers import si_cu_molecule as _molecule  # noqa: E402
+from helpers import si_cu_periodic as _periodic  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +48,6 @@ def model_path(mace_model, tmp_path_factory):
     return path
 
 
-def _periodic() -> Atoms:
-    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
-    atoms.numbers[[1, 2]] = 14
-    atoms.set_cell(atoms.cell.array + [[0.0, 0.3, -0.2], [0.25, 0.0, 0.1], [0.0, -0.15, 0.0]],
-                   scale_atoms=True)
-    atoms.rattle(0.08, seed=1)
-    return atoms
-
-
-def _molecule() -> Atoms:
-    rng = np.random.default_rng(3)
-    pos = rng.uniform(0.0, 4.0, size=(6, 3))
-    return Atoms(numbers=[14, 29, 29, 14, 29, 14], positions=pos)
-
-
 def _reference(atoms: Atoms, calc) -> dict:
     atoms = atoms.copy()
     atoms.calc = calc
@@ -89,13 +56,6 @@ def _reference(atoms: Atoms, calc) -> dict:
     if atoms.pbc.all():
         out["stress"] = atoms.get_stress(voigt=False)
     return out
-
-
-def _graph(structures: list[Atoms], cutoff: float) -> AtomicGraph:
-    graphs = [
-        AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc) for a in structures
-    ]
-    return with_edges(AtomicGraph.concat(graphs), cutoff, backend="brute")
 
 
 def _close(actual, expected, rtol=1e-8):
@@ -384,3 +344,18 @@ def test_compiled_md_step_with_mace_follows_eager(mace_model, n_systems, one_thr
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-10)
     torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-9)
     torch.testing.assert_close(compiled.energy, eager.energy, rtol=0, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_mace_wrapper_contracts(mace_model, one_thread):
+    """xnn.testing's execution-mode contracts on the MACE wrapper: ASE, torch-sim and LAMMPS
+    give Potential's numbers; the compiled step traces it and equals eager; decomposed on two
+    gloo ranks (mode halo: MACE has no sync points) equals one process."""
+    from xnn.testing import check_adapters, check_compiled_step, check_decomposition
+
+    wrapper = build("mace", model=mace_model)
+    out = check_adapters(wrapper)
+    assert out["ase"] <= 1e-10, out
+    assert check_compiled_step(wrapper, steps=4)["n_compiles"] == 1
+    errors = check_decomposition(wrapper, world_size=2)
+    assert {e["mode"] for e in errors.values()} == {"halo"}

@@ -4,6 +4,7 @@ SevenNet's own ASE calculator, plus float64 finite differences and save/load."""
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import numpy as np
@@ -11,12 +12,11 @@ import pytest
 import torch
 from ase import Atoms
 from ase.build import bulk
+from helpers import atoms_graph, cluster
 
-from xnn import AtomicGraph
 from xnn.errors import InputError
 from xnn.models import build, compute_properties
 from xnn.models.external._optional import MissingExtraError, import_extra
-from xnn.neighbors import with_edges
 
 try:
     (sevenn_calculator,) = import_extra("sevenn", "sevenn.calculator")
@@ -40,12 +40,7 @@ def _silicon() -> Atoms:  # 2 atoms in a small triclinic cell: many periodic ima
     return atoms
 
 
-def _graph(structures: list[Atoms], cutoff: float, dtype=torch.float32) -> AtomicGraph:
-    graphs = [
-        AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc, dtype=dtype)
-        for a in structures
-    ]
-    return with_edges(AtomicGraph.concat(graphs), cutoff, backend="brute")
+_graph = functools.partial(atoms_graph, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +181,32 @@ def test_checkpoint_file_needs_trust(wrapper, tmp_path):
     trusted = build("sevenn", checkpoint=str(shipped), trust=True)
     for (k, a), (_, b) in zip(wrapper.state_dict().items(), trusted.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.slow
+def test_sevenn_wrapper_contracts(wrapper):
+    """xnn.testing's execution-mode contracts on SevenNet-0 (fp64): ASE, torch-sim and
+    LAMMPS give Potential's numbers; decomposed on two gloo ranks in modes halo, sync and
+    graph equals one process (on a Cu cluster: its 25 Å receptive field over a small
+    periodic cell would hold thousands of ghost images)."""
+    from xnn.testing import check_adapters, check_decomposition
+
+    model = copy.deepcopy(wrapper).double()
+    systems = [atoms_graph([a], model.cutoff) for a in (_nacl(), _silicon())]
+    out = check_adapters(model, systems)
+    assert out["ase"] <= 1e-10, out
+    errors = check_decomposition(model, {"cluster": cluster()}, world_size=2)
+    assert {e["mode"] for e in errors.values()} == {"halo", "sync", "graph"}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=torch.fx.experimental.symbolic_shapes.
+                   GuardOnDataDependentSymNode,
+                   reason="the SevenNet wrapper keeps the edges within its cutoff by a "
+                   "data-dependent selection (edges_within without zero_beyond), which the "
+                   "compiled MD step cannot trace, although it declares traceable=True")
+def test_sevenn_wrapper_compiled_step_contract(wrapper, one_thread):
+    from xnn.testing import check_compiled_step
+
+    model = copy.deepcopy(wrapper).double()
+    check_compiled_step(model, atoms_graph([_nacl()], model.cutoff), steps=3)

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,37 +31,29 @@ except ImportError:  # tests/ is a package
     from tests.dist_helpers import FreshPorts, spawn
 
 try:
-    from structures import fcc as _fcc
-    from structures import graph as _graph
-    from structures import molecule, triclinic
+    from helpers import cluster, lj, molecule, native, primitive, rel, sevenn_0, tiny, triclinic
+    from helpers import fcc as _fcc
+    from helpers import graph as _graph
 except ImportError:  # tests/ is a package
-    from tests.structures import fcc as _fcc
-    from tests.structures import graph as _graph
-    from tests.structures import molecule, triclinic
+    from tests.helpers import (
+        cluster,
+        lj,
+        molecule,
+        native,
+        primitive,
+        rel,
+        sevenn_0,
+        tiny,
+        triclinic,
+    )
+    from tests.helpers import fcc as _fcc
+    from tests.helpers import graph as _graph
+
+from xnn.testing import compare_by_id
 
 TOL = 1e-10
 
 # ---------------------------------------------------------------------------- structures
-
-
-def tiny():
-    """4 atoms in a 3.6 Å cell: every cutoff sphere holds many images of every atom."""
-    return _graph(_fcc((1, 1, 1), seed=5), seed=5)
-
-
-def cluster():
-    atoms = _fcc((1, 1, 2), rattle=0.1, seed=6)
-    atoms.pbc = False
-    return _graph(atoms, seed=6)
-
-
-def primitive_lj(reps=(4, 4, 4), seed=6):
-    """64 rattled Cu atoms in the primitive (60°) FCC cell near the LJ minimum."""
-    from ase.build import bulk
-
-    atoms = bulk("Cu", "fcc", a=3.65).repeat(reps)
-    atoms.rattle(0.05, seed=seed)
-    return _graph(atoms, seed)
 
 
 STRUCTURES = {"triclinic": triclinic, "molecule": molecule, "tiny": tiny, "cluster": cluster,
@@ -71,41 +62,15 @@ STRUCTURES = {"triclinic": triclinic, "molecule": molecule, "tiny": tiny, "clust
 # ---------------------------------------------------------------------------- models
 
 
-def lj():
-    from xnn.models import build
-
-    return build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0)
-
-
-def native(name, layers=2):
-    from xnn.models import build
-
-    torch.manual_seed(0)
-    small = {
-        "schnet": dict(num_features=8, num_filters=8, num_basis=8),
-        "painn": dict(num_features=8, num_basis=8),
-        "equivariant": dict(channels=4, l_max=1, hidden_l_max=1, correlation=2,
-                            radial_mlp=(8,), readout_hidden=4, num_bessel=4),
-    }[name]
-    model = build(name, species=[29], cutoff=3.0, num_interactions=layers, **small).double()
-    with torch.no_grad():  # non-trivial outputs
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
 def sevenn():
     """Pretrained SevenNet-0 (5 layers, 4 sync points) in float64; None without sevenn."""
-    from xnn.models import build
     from xnn.models.external._optional import MissingExtraError, import_extra
 
     try:
         import_extra("sevenn", "sevenn.util")
     except MissingExtraError:
         return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build("sevenn", checkpoint="7net-0").double()
+    return sevenn_0()
 
 
 MODELS = {"lj": lj, "schnet": lambda: native("schnet", 3), "painn": lambda: native("painn", 3),
@@ -125,18 +90,9 @@ CASES = {2: _NN + _EXTRA + _SEVENN, 4: _NN + _EXTRA + _SEVENN,
 FAST, SLOW = (2, 4), (3, 8)
 
 
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
 def _errors(out, ref, graph):
-    order = torch.argsort(graph.atom_id)
-    errors = {"energy": _rel(out["energy"], ref["energy"]),
-              "forces": _rel(out["forces"], ref["forces"][order]),
-              "energies": _rel(out["energies"], ref["energies"][order])}
-    key = "stress" if bool(graph.pbc.all()) else "virial"
-    errors[key] = _rel(out[key], ref[key])
-    assert torch.equal(out["atom_id"], graph.atom_id[order])
+    errors = compare_by_id(out, ref, graph)
+    assert errors.pop("ids")
     return errors
 
 
@@ -188,7 +144,7 @@ def _grad_case(manager, rank, world, name):
         + (ref["stress"] ** 2).sum()
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    return {"grad": _rel(grads, ref_grads), "norm": float(ref_grads.norm())}
+    return {"grad": rel(grads, ref_grads), "norm": float(ref_grads.norm())}
 
 
 def _hot(graph, temperature=2000.0, seed=11):
@@ -222,7 +178,7 @@ def _md_case(manager, rank):
     from xnn.distributed import parallelize
 
     pot = parallelize(lj(), manager, "graph", skin=MD_SKIN)
-    state = _md(pot, _hot(primitive_lj()), rank, pot.reducer)
+    state = _md(pot, _hot(primitive()), rank, pot.reducer)
     full, _ = pot.gather(state.graph)
     out = {"rebuilds": pot.stats()["rebuilds"], "n_owned": pot.stats()["n_owned"]}
     if rank == 0:
@@ -270,28 +226,28 @@ def _training_case(manager, rank, name="painn"):
     """Context-parallel training steps (dp=1, dd=2, parallel.mode=graph) vs one process:
     the loss, first gradients and weights after three SGD steps."""
     try:
-        import test_cp_training as CP
+        from helpers import training as CP
     except ImportError:  # tests/ is a package
-        from tests import test_cp_training as CP
+        from tests.helpers import training as CP
     from xnn.distributed.parallelize import parallelize_train
 
-    data, batches = CP.structures(), ((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1))
+    data, batches = CP.labelled_structures(), ((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1))
     plan = parallelize_train(manager, 1, 2, mode="graph")
-    model = CP._model(name)
+    model = CP.train_model(name)
     predictor = plan.predictor(model, "cpu", torch.float64)
-    trainer = CP._trainer(model, plan.reducer, predictor)
+    trainer = CP.trainer(model, plan.reducer, predictor)
     n_atoms = np.array([g.n_atoms for g in data])
     shares = [[data[i] for i in plan.sharding(b, n_atoms)] for b in batches]
-    counts = [CP._counts([data[i] for i in b]) for b in batches]
-    losses, first, weights = CP._steps(trainer, shares, counts)
+    counts = [CP.counts([data[i] for i in b]) for b in batches]
+    losses, first, weights = CP.steps(trainer, shares, counts)
     out = {"mode": predictor.mode, "stats": predictor.last_stats}
     if rank == 0:
-        ref = CP._trainer(CP._model(name))
-        ref_losses, ref_first, ref_weights = CP._steps(
+        ref = CP.trainer(CP.train_model(name))
+        ref_losses, ref_first, ref_weights = CP.steps(
             ref, [[data[i] for i in b] for b in batches], counts)
         out.update(loss=abs(losses[0] - ref_losses[0]) / abs(ref_losses[0]),
-                   grad=CP._rel(first, ref_first), weights=CP._rel(weights, ref_weights),
-                   moved=CP._rel(weights, CP._weights(CP._model(name))))
+                   grad=rel(first, ref_first), weights=rel(weights, ref_weights),
+                   moved=rel(weights, CP.weights(CP.train_model(name))))
     return out
 
 
@@ -337,7 +293,7 @@ def _calculator_case(manager, rank):
                    "energies": torch.as_tensor(atoms.get_potential_energies()),
                    "forces": torch.as_tensor(atoms.get_forces()),
                    "stress": torch.as_tensor(atoms.get_stress(voigt=False))}
-            errors = {k: _rel(v, ref[k].reshape(v.shape)) for k, v in got.items()}
+            errors = {k: rel(v, ref[k].reshape(v.shape)) for k, v in got.items()}
             out[f"{struct}-{mode}"] = {"errors": errors, "mode": calc.dd.mode,
                                        "n_owned": calc.stats()["n_owned"]}
     return out
@@ -363,7 +319,7 @@ def worker(rank, world, tmp):
         if rank == 0:
             from xnn.data.ase_io import to_ase
 
-            to_ase(primitive_lj((3, 3, 3)))[0].write(os.path.join(tmp, "lj27.xyz"))
+            to_ase(primitive((3, 3, 3)))[0].write(os.path.join(tmp, "lj27.xyz"))
     # the CLI starts its own process group: on a fresh port (a re-rendezvous on the old one
     # raced with rank 0's teardown of its store)
     FreshPorts(manager, 1).next()
@@ -453,11 +409,11 @@ def test_md_matches_single_process():
 
     res = results(2)
     out = res[0]["md"]
-    state = _md(Potential(lj(), skin=MD_SKIN), _hot(primitive_lj()))
+    state = _md(Potential(lj(), skin=MD_SKIN), _hot(primitive()))
     order = torch.argsort(state.graph.atom_id)
-    assert _rel(out["positions"], state.graph.positions[order]) <= TOL
-    assert _rel(out["velocities"], state.graph.velocities[order]) <= TOL
-    assert _rel(out["energy"], state.energy) <= TOL
+    assert rel(out["positions"], state.graph.positions[order]) <= TOL
+    assert rel(out["velocities"], state.graph.velocities[order]) <= TOL
+    assert rel(out["energy"], state.energy) <= TOL
     # the skin's neighbor list was reused and rebuilt; ownership never changed
     assert 1 < res[0]["md"]["rebuilds"] < MD_STEPS + 1
     assert [r["md"]["n_owned"] for r in res] == [32, 32]
@@ -510,8 +466,8 @@ def test_md_cli_graph_mode_matches_one_process():
               for p in (Path(_TMP, "md_graph4"), one)]
     a, b = (s.graph.select_atoms(torch.argsort(s.graph.atom_id)) for s in states)
     assert states[0].step == states[1].step == 12 and torch.equal(a.atom_id, b.atom_id)
-    assert _rel(a.positions, b.positions) <= TOL
-    assert _rel(a.velocities, b.velocities) <= TOL
+    assert rel(a.positions, b.positions) <= TOL
+    assert rel(a.velocities, b.velocities) <= TOL
     thermo = [Path(p, "thermo.csv").read_text().splitlines() for p in (Path(_TMP, "md_graph4"),
                                                                        one)]
     assert len(thermo[0]) == len(thermo[1]) > 2

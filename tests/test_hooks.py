@@ -18,7 +18,7 @@ import torch
 from ase.geometry.rdf import get_rdf
 from dist_helpers import spawn
 from error_helpers import raises_one_line
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 
 from xnn.app.md import run_md
 from xnn.app.md_setup import load_potential

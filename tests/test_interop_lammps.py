@@ -14,12 +14,14 @@ from ase import Atoms
 from ase.build import bulk
 from ase.stress import voigt_6_to_full_3x3_stress
 from error_helpers import raises_one_line
+from helpers import lj as _lj
+from helpers import schnet_hccu as _schnet
 
 import xnn
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, UnknownSpeciesError
 from xnn.interop.lammps import VOIGT, XnnFixExternal, require_lammps
-from xnn.models import Potential, build
+from xnn.models import Potential
 from xnn.units import MVV2E
 
 try:
@@ -31,16 +33,6 @@ except (InputError, OSError) as err:  # not installed, or its library does not l
 F64 = torch.float64
 TOL = 1e-8
 CU_MASS = 63.546
-
-
-def _lj():
-    return build("lj", sigma=2.3, epsilon=0.4, cutoff=5.0)
-
-
-def _schnet():
-    torch.manual_seed(0)
-    return build("schnet", species=[1, 6, 29], cutoff=4.0, num_features=16, num_filters=16,
-                 num_interactions=2, num_basis=8).double()
 
 
 def cu_prism(seed=1) -> Atoms:

@@ -15,12 +15,14 @@ import pytest
 import torch
 from ase.build import bulk, fcc111, molecule
 from ase.stress import voigt_6_to_full_3x3_stress
+from helpers import lj as _lj
+from helpers import schnet_hccu as _schnet
 
 import xnn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
-from xnn.models import Potential, build
+from xnn.models import Potential
 
 ts = pytest.importorskip("torch_sim")
 from torch_sim.integrators.md import calculate_momenta  # noqa: E402
@@ -32,16 +34,6 @@ from xnn.interop.torchsim import TorchSimPotential, XnnTorchSimModel  # noqa: E4
 CPU, F64 = torch.device("cpu"), torch.float64
 LJ = dict(sigma=2.3, epsilon=0.4, cutoff=5.0)
 TOL = 1e-10
-
-
-def _lj():
-    return build("lj", **LJ)
-
-
-def _schnet():
-    torch.manual_seed(0)
-    return build("schnet", species=[1, 6, 29], cutoff=4.0, num_features=16, num_filters=16,
-                 num_interactions=2, num_basis=8).double()
 
 
 def cu_triclinic(seed=1):

@@ -8,36 +8,22 @@ import importlib.util
 
 import pytest
 import torch
+from helpers.kernels import (
+    SPECIES,
+    assert_same_force_loss_grads,
+    assert_same_properties,
+    requires_cue,
+    small_model,
+)
+from helpers.kernels import kernel_system as _system
+from helpers.kernels import props as _props
+from helpers.kernels import tiny_mace as _tiny_mace
 
 from xnn.data import keys as K
 from xnn.errors import InputError
-from xnn.models import build, compute_properties
+from xnn.models import build
 from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis
 from xnn.neighbors import with_edges
-from xnn.testing import random_periodic_system
-
-requires_cue = pytest.mark.skipif(importlib.util.find_spec("cuequivariance_torch") is None,
-                                  reason="needs cuEquivariance (pip install cuequivariance-torch)")
-
-SPECIES = [1, 8]
-
-
-def small_model(backend: str = "reference", **hp) -> torch.nn.Module:
-    torch.manual_seed(hp.pop("seed", 0))
-    base = dict(species=SPECIES, cutoff=3.0, channels=4, l_max=2, hidden_l_max=1,
-                correlation=3, num_bessel=4, radial_mlp=[8], avg_num_neighbors=4.0,
-                backend=backend)
-    base.update(hp)
-    return build("equivariant", **base).double()
-
-
-def _system(dtype=torch.float64, device="cpu"):
-    g = random_periodic_system(SPECIES, 8, volume_per_atom=11.0, min_distance=1.0, seed=3)
-    return with_edges(g, 3.0).to(dtype=dtype, device=device)
-
-
-def _props(model, graph, training=False):
-    return compute_properties(model, graph, forces=True, stress=True, training=training)
 
 
 @requires_cue
@@ -90,14 +76,6 @@ def test_model_cueq_equals_reference_fp64():
     assert_same_properties(cq, ref, _system())
 
 
-def assert_same_properties(model, ref, g, atol=1e-10):
-    """Energy, forces and stress of ``model`` equal those of ``ref`` on ``g`` (none zero)."""
-    o_ref, o = _props(ref, g), _props(model, g)
-    for key in (K.ENERGY, K.FORCES, K.STRESS):
-        assert o_ref[key].abs().max() > 1e-6  # not trivially zero
-        torch.testing.assert_close(o[key], o_ref[key], atol=atol, rtol=0)
-
-
 @pytest.mark.parametrize("lean", [False, True])
 @requires_cue
 def test_force_training_gradients_equal(lean):
@@ -106,21 +84,6 @@ def test_force_training_gradients_equal(lean):
     hp = dict(edge_chunk_size=7, activation_checkpointing=True) if lean else {}
     model, g = small_model("reference", **hp).train(), _system()
     assert_same_force_loss_grads([model, model], g, ["reference", "cueq"])
-
-
-def assert_same_force_loss_grads(models, g, backends=(None, None)):
-    """The gradients of a force loss with respect to the parameters (double backward) are
-    the same for both ``models`` (each first switched to its entry of ``backends``)."""
-    grads = []
-    for model, backend in zip(models, backends):
-        if backend is not None:
-            model.set_backend(backend)
-        model.zero_grad()
-        _props(model, g, training=True)[K.FORCES].square().sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    assert len(grads[0]) == len(grads[1]) > 0
-    for a, b in zip(*grads):
-        torch.testing.assert_close(b, a, atol=1e-10, rtol=0)
 
 
 @requires_cue
@@ -177,28 +140,6 @@ def test_model_cueq_equals_reference_cuda_fp32():
     o_ref, o_cq = _props(ref, g), _props(cq, g)
     for key in (K.ENERGY, K.FORCES, K.STRESS):
         torch.testing.assert_close(o_cq[key], o_ref[key], atol=1e-5, rtol=1e-5)
-
-
-def _tiny_mace():
-    from xnn.models.external._optional import MissingExtraError, import_extra
-
-    try:
-        (modules,) = import_extra("mace", "mace.modules")
-    except MissingExtraError as err:
-        pytest.skip(str(err))
-    import numpy as np
-    from e3nn import o3
-
-    torch.manual_seed(0)
-    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
-    model = modules.ScaleShiftMACE(
-        r_max=3.0, num_bessel=4, num_polynomial_cutoff=5, max_ell=2, interaction_cls=block,
-        interaction_cls_first=block, num_interactions=2, num_elements=2,
-        hidden_irreps=o3.Irreps("4x0e + 4x1o"), MLP_irreps=o3.Irreps("4x0e"),
-        gate=torch.nn.functional.silu, atomic_energies=np.array([-1.5, -3.25]),
-        avg_num_neighbors=6.0, atomic_numbers=SPECIES, correlation=3,
-        atomic_inter_scale=1.3, atomic_inter_shift=0.2)
-    return model.double().eval()
 
 
 @requires_cue

@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from xnn.data.graph import AtomicGraph
+from xnn.testing import compare_by_id
 
 try:
     from dist_helpers import spawn
+    from helpers import rel as _rel
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import spawn
+    from tests.helpers import rel as _rel
 
 TOL = 1e-10
 A = 5.64  # NaCl lattice constant (Å)
@@ -160,21 +163,6 @@ CASES = {
 }
 
 
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def _compare(out, ref, graph):
-    order = torch.argsort(graph.atom_id)
-    errors = {"energy": _rel(out["energy"], ref["energy"]),
-              "energies": _rel(out["energies"], ref["energies"][order]),
-              "forces": _rel(out["forces"], ref["forces"][order]),
-              "ids": bool(torch.equal(out["atom_id"], graph.atom_id[order]))}
-    key = "stress" if bool(graph.pbc.all()) else "virial"
-    errors[key] = _rel(out[key], ref[key])
-    return errors
-
-
 # ---------------------------------------------------------------------------- workers
 
 
@@ -247,7 +235,7 @@ def _worker(rank, world, with_md):
         out = dd.single_point(graph if rank == 0 else None)
         entry = {"n_owned": dd.stats()["n_owned"], "halo": dd.halo_width}
         if rank == 0:
-            entry["errors"] = _compare(out, Potential(model)(graph), graph)
+            entry["errors"] = compare_by_id(out, Potential(model)(graph), graph)
         results[name] = entry
     if with_md:
         results["md"] = _md_case(manager, rank)

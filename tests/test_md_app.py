@@ -16,7 +16,7 @@ import pytest
 import torch
 from ase.build import molecule
 from error_helpers import raises_one_line
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 
 from xnn.app import md_progress
 from xnn.app.md import run_md

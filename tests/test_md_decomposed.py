@@ -14,7 +14,7 @@ import pytest
 import torch
 from ase.io import read
 from dist_helpers import spawn
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 
 from xnn.app.md import run_md
 from xnn.app.relax import run_relax

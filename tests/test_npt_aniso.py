@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 from ase.build import bulk
+from helpers import argon_lj
 
 from xnn.data import AtomicGraph
 from xnn.dynamics import maxwell_boltzmann, npt
 from xnn.dynamics.npt import pressure_tensor
-from xnn.models import Potential, build
 from xnn.units import GPA_TO_EV_PER_A3, KB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,8 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TEMP, P0 = 40.0, 0.05 * GPA_TO_EV_PER_A3
 
 
-def lj():
-    return Potential(build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.5).double(), skin=1.0)
+lj = argon_lj
 
 
 def rotated_crystals(n_rep: int) -> AtomicGraph:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ase.io
 import matplotlib.pyplot as plt
 import pytest
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 
 from xnn.app.md import run_md
 from xnn.config.loader import load_config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from ase.build import bulk
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 
 from xnn.app.md import run_md
 from xnn.app.relax import run_relax

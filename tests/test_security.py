@@ -18,7 +18,7 @@ import warnings
 import ase.io
 import pytest
 import torch
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 
 import xnn
 from xnn.cli.main import main

@@ -8,8 +8,6 @@ energy, forces (by global atom id) and stress, on a rattled triclinic Cu cell.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -19,8 +17,12 @@ from xnn.models.external._optional import MissingExtraError, import_extra
 
 try:
     from dist_helpers import spawn
+    from helpers import rel as _rel
+    from helpers import sevenn_0 as sevenn_fp64
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import spawn
+    from tests.helpers import rel as _rel
+    from tests.helpers import sevenn_0 as sevenn_fp64
 
 try:
     import_extra("sevenn", "sevenn.util")
@@ -31,15 +33,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserW
 
 TOL = 1e-10
 SKIN = 0.4
-
-
-def sevenn_fp64():
-    """Pretrained SevenNet-0 (an fp32 checkpoint) in float64."""
-    from xnn.models import build
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build("sevenn", checkpoint="7net-0").double()
 
 
 def triclinic_cu() -> AtomicGraph:
@@ -56,10 +49,6 @@ def triclinic_cu() -> AtomicGraph:
     ids = np.random.default_rng(7).permutation(len(atoms))
     return AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
                                    atom_id=ids, dtype=torch.float64)
-
-
-def _rel(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def worker(rank, world):

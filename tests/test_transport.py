@@ -17,10 +17,12 @@ from xnn.distributed.domain.transport import layout_of, pack, unpack
 
 try:
     from dist_helpers import spawn
-    from test_domain_state import hot, primitive
+    from helpers import hot, lj, primitive
+    from helpers import rel as _rel
 except ImportError:  # tests/ is a package
     from tests.dist_helpers import spawn
-    from tests.test_domain_state import hot, primitive
+    from tests.helpers import hot, lj, primitive
+    from tests.helpers import rel as _rel
 
 TOL = 1e-10
 ROWS = (0, 1, 2, 3, 7)
@@ -71,12 +73,6 @@ def test_pack_unpack_any_dtype_mix_and_row_count(n):
 
 STEPS = 120
 DT = 1.0
-
-
-def lj(cutoff=5.0, dtype=torch.float64):
-    from xnn.models import build
-
-    return build("lj", sigma=2.3, epsilon=0.4, cutoff=cutoff).to(dtype)
 
 
 def fixed_solid():
@@ -175,10 +171,6 @@ def _case(name):
     for r in res:
         assert not isinstance(r, str), f"{name}: {r}"
     return res
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 @pytest.mark.distributed

@@ -20,8 +20,10 @@ triton = pytest.importorskip("triton")
 if not hasattr(torch.library, "triton_op"):
     pytest.skip("needs torch >= 2.6 (torch.library.triton_op)", allow_module_level=True)
 
-from test_edge_pairs import _equivariant, _paired  # noqa: E402
-from test_kernel_backends import SPECIES, _tiny_mace, requires_cue  # noqa: E402
+from helpers.kernels import SPECIES, requires_cue  # noqa: E402
+from helpers.kernels import pair_equivariant as _equivariant  # noqa: E402
+from helpers.kernels import paired as _paired  # noqa: E402
+from helpers.kernels import tiny_mace as _tiny_mace  # noqa: E402
 
 from xnn.data import keys as K  # noqa: E402
 from xnn.models import build, triton_mlp  # noqa: E402

@@ -22,13 +22,13 @@ pytest.importorskip("triton")
 if not hasattr(torch.library, "triton_op"):
     pytest.skip("needs torch >= 2.6 (torch.library.triton_op)", allow_module_level=True)
 
-from test_kernel_backends import (  # noqa: E402
-    _props,
-    _system,
+from helpers.kernels import (  # noqa: E402
     assert_same_force_loss_grads,
     assert_same_properties,
     small_model,
 )
+from helpers.kernels import kernel_system as _system  # noqa: E402
+from helpers.kernels import props as _props  # noqa: E402
 
 from xnn.data import keys as K  # noqa: E402
 from xnn.models import triton_tp  # noqa: E402
@@ -565,7 +565,7 @@ def test_cuda_graph_replay_of_a_triton_model_follows_eager():
     """``model.backend=triton`` under ``md.cuda_graph=true`` (fp32, the default equivariant
     model on 108 Cu atoms): the replayed compiled step follows the eager reference step over
     30 steps with a rebuild, compiling and capturing once."""
-    from test_compiled_cuda import replay_follows_eager
+    from helpers.compiled import replay_follows_eager
 
     from xnn.models import build
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import ase.io
-from md_helpers import rattled_argon
+from helpers import rattled_argon
 
 ROOT = Path(__file__).resolve().parents[1]
 LJ = ["model.name=lj", "model.hyperparameters.sigma=3.405", "model.hyperparameters.epsilon=0.0104",

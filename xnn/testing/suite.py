@@ -71,7 +71,7 @@ def run_all_contracts(
     unknown = sorted(set(skip) - set(CONTRACTS))
     if unknown:
         raise ValueError(f"unknown contracts {unknown}; valid: {list(CONTRACTS)}")
-    species = list(species or getattr(model, "species", None) or [18])
+    species = list(species or model.species or [18])
     if periodic is None or molecule is None:
         p, m = default_systems(species, min_distance)
         periodic = p if periodic is None else periodic

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_json  # noqa: E402
 from xnn.data.datasets import collate, read_structures  # noqa: E402
 from xnn.data.emt import write_emt  # noqa: E402
-from xnn.distributed.ddp import build_reducer  # noqa: E402
 from xnn.distributed.manager import DistributedManager  # noqa: E402
+from xnn.distributed.parallelize import parallelize_train  # noqa: E402
 from xnn.models import build  # noqa: E402
 from xnn.models.derivatives import compute_properties  # noqa: E402
 from xnn.neighbors.datasets import WithEdges  # noqa: E402
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     manager = DistributedManager.initialize(device=args.device)
     dev = manager.device if manager.is_distributed else torch.device(args.device)
-    red = build_reducer(manager)
+    red = parallelize_train(manager).reducer
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
         write_emt(Path(tmp) / "cu.xyz", 16, ["Cu"], seed=0)

@@ -443,8 +443,8 @@ def main(argv=None) -> int:
     args.steps = args.steps or (3 if args.quick else 40)
     n = args.n or (24 if args.quick else 200)
 
-    from xnn.distributed.ddp import build_reducer
     from xnn.distributed.manager import DistributedManager
+    from xnn.distributed.parallelize import parallelize_train
 
     cores = None
     if args.bind_cores and "LOCAL_RANK" in os.environ:  # before any thread starts
@@ -455,7 +455,7 @@ def main(argv=None) -> int:
         os.sched_setaffinity(0, cores)
     manager = DistributedManager.initialize(device=args.device)
     device = manager.device if manager.is_distributed else torch.device(args.device)
-    reducer = build_reducer(manager)
+    reducer = parallelize_train(manager).reducer
     if args.pin_main and "LOCAL_RANK" in os.environ:  # this thread only (Linux: pid 0)
         avail = sorted(os.sched_getaffinity(0))
         lws, lr = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])

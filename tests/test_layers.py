@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Components of one layer (``training`` and ``dynamics``) do not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("xnn.units", "xnn.errors", "xnn._version"),  # constants, error types: used everywhere
-    ("xnn._files", "xnn._torch_files"),           # atomic writes, model-file checks
+    ("xnn._files", "xnn._torch_files", "xnn.devices"),  # atomic writes, model-file checks,
+                                                        # the device of "auto"
     ("xnn.data",),                      # AtomicGraph, keys, ASE/HDF5 reading, datasets
     ("xnn.neighbors",),                 # neighbor lists, datasets with edges
     ("xnn.models",),                    # per-atom energies, derivatives, model files
@@ -45,8 +46,6 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
     frozenset({"xnn.dynamics.compiled", "xnn.dynamics.compiled_thermo"}):
         "the compiled MD core (issue 43 item 2) breaks it through a public interface",
-    frozenset({"xnn.distributed.ddp", "xnn.distributed.parallelize"}):
-        "inside xnn/distributed: its engineer's (issue 43 item 1, one parallelize entry)",
 }
 
 #: ``(module, call)`` -> reason, for file writing in ``dynamics/``/``training/`` not yet moved.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import lj
 
 from xnn.data import keys as K
 from xnn.dynamics import nve
@@ -14,10 +15,6 @@ from xnn.errors import InputError
 from xnn.models import Potential, build
 from xnn.models.potential import PotentialInterface
 from xnn.testing import check_potential, random_molecule, random_periodic_system, shortest_pair
-
-
-def _lj(cutoff=5.0):
-    return build("lj", sigma=2.5, epsilon=0.01, cutoff=cutoff).double()
 
 
 def _systems():
@@ -32,7 +29,7 @@ def test_potential_satisfies_the_protocol(skin):
     """``Potential`` declares every member; its shortest pair is the brute-force one (skin
     or not), on a periodic system and a molecule."""
     for graph in _systems():
-        model = _lj() if graph.pbc.all() else build(
+        model = lj(dtype=torch.float64) if graph.pbc.all() else build(
             "schnet", species=[1, 6, 8], cutoff=3.0).double()
         pot = Potential(model, skin=skin)
         assert isinstance(pot, PotentialInterface)
@@ -48,7 +45,7 @@ def test_the_contract_catches_an_incomplete_potential():
     """A callable without ``model`` / ``min_pair_distance`` (an integrator's bare evaluator)
     is not a potential for the runs, and a wrong shortest pair is caught."""
     graph = _systems()[0]
-    pot = Potential(_lj())
+    pot = Potential(lj(dtype=torch.float64))
 
     def bare(g, forces=True, stress=True, training=False):
         return pot(g, forces, stress, training)
@@ -63,7 +60,7 @@ def test_the_contract_catches_an_incomplete_potential():
             return d + 0.1, ids
 
     with pytest.raises(AssertionError, match="shortest pair"):
-        check_potential(Misreporting(_lj()), graph)
+        check_potential(Misreporting(lj(dtype=torch.float64)), graph)
 
 
 def test_no_pair_within_reach():
@@ -72,7 +69,7 @@ def test_no_pair_within_reach():
 
     g = AtomicGraph.from_arrays(torch.tensor([[0.0, 0, 0], [0, 0, 9.0]], dtype=torch.float64),
                                 torch.tensor([18, 18]), None, False)
-    d, ids = Potential(_lj(), skin=0.5).min_pair_distance(g)
+    d, ids = Potential(lj(dtype=torch.float64), skin=0.5).min_pair_distance(g)
     assert float(d) == float("inf") and ids.tolist() == [-1, -1]
 
 
@@ -84,7 +81,7 @@ def test_safety_check_reads_the_shortest_pair_through_the_protocol():
     ids = torch.arange(graph.n_atoms) + 100
     g = graph.replace({K.POSITIONS: pos, K.ATOM_ID: ids,
                        K.VELOCITIES: torch.zeros_like(pos)})
-    pot = Potential(_lj(), skin=1.0)
+    pot = Potential(lj(dtype=torch.float64), skin=1.0)
     state = nve.init(g, pot)
     check_distances(state, pot, 0.4)  # 0.5 Å apart: allowed
     with pytest.raises(SimulationError, match=r"atoms \(atom_id\) \[103, 107\] are 0.500 Å"):
@@ -111,7 +108,7 @@ def test_decomposed_potential_satisfies_the_protocol(kind):
     from xnn.distributed import parallelize
 
     graph = _systems()[0]
-    model = _lj()
+    model = lj(dtype=torch.float64)
     pot = parallelize(model, None, kind, skin=0.5)
     owned = pot.scatter(graph)
     assert isinstance(pot, PotentialInterface)

@@ -68,11 +68,11 @@ def _gradients(reducer, data, device="cpu", compile=False, steps=1):
 
 def _rank_main(rank, world, data, out):
     from xnn.app.train import train
-    from xnn.distributed.ddp import build_reducer
     from xnn.distributed.manager import DistributedManager
+    from xnn.distributed.parallelize import parallelize_train
 
     manager = DistributedManager.initialize(device="cpu")
-    reducer = build_reducer(manager)
+    reducer = parallelize_train(manager).reducer
     # nothing to sum: no gradients, and an extra without gradients is still summed
     assert reducer.all_reduce_grads([]) is None
     assert reducer.all_reduce_grads([], torch.ones(2)).tolist() == [2.0, 2.0]
@@ -135,11 +135,11 @@ def test_two_ranks_match_one_process(tmp_path):
 
 
 def _nccl_rank_main(rank, world, data):
-    from xnn.distributed.ddp import build_reducer
     from xnn.distributed.manager import DistributedManager
+    from xnn.distributed.parallelize import parallelize_train
 
     manager = DistributedManager.initialize(device="cuda")
-    return _gradients(build_reducer(manager), data, manager.device, steps=3)
+    return _gradients(parallelize_train(manager).reducer, data, manager.device, steps=3)
 
 
 @pytest.mark.gpu

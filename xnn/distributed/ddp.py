@@ -108,19 +108,3 @@ class _Bucket:
         pieces = self.flat.split(sizes + [n_extra])
         self.views = [v.view_as(p.grad) for v, p in zip(pieces, params)]
         self.extra = pieces[-1] if n_extra else None
-
-
-def build_reducer(manager, dp: int = -1, dd: int = 1):
-    """The reducer for a job: :class:`LocalReducer` in a single process, else the reducer of
-    :func:`~xnn.distributed.parallelize.parallelize_train` (over the ``dp`` group when
-    ``dd == 1``, over the whole ``dp × dd`` mesh otherwise).
-
-    Args:
-        manager: a :class:`~xnn.distributed.manager.DistributedManager`.
-        dp, dd: requested degrees (checked against the world size by ``ParallelDims``).
-    Raises:
-        InputError: inconsistent degrees.
-    """
-    from xnn.distributed.parallelize import parallelize_train
-
-    return parallelize_train(manager, dp, dd).reducer

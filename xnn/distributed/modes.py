@@ -22,41 +22,18 @@ MODES: dict[str, str] = {
 
 
 
-def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
-                 skin: float = 0.0) -> tuple[str, str | None]:
-    """The one place a word of :data:`MODES` becomes a layout's mode.
-
-    Args:
-        model: the model to decompose (its ``sync_points`` decide ``spatial``).
-        mode: a key of :data:`MODES`.
-        graph: ``auto`` only: the structure on group rank 0 (``None`` elsewhere).
-        group: ``auto`` only: the process group whose rank 0 decides.
-        grid, skin: ``auto`` only: the spatial layout the cost model weighs.
-    Returns:
-        ``(mode, reason)``: ``"halo"``, ``"sync"`` or ``"graph"``, and for ``auto`` one line
-        saying why (printed on group rank 0), else ``None``. ``auto`` is decided on group
-        rank 0 by the cost model of :func:`xnn.distributed.graph.auto.choose_mode` and
-        broadcast: collective.
-    """
+def check_mode(mode: str) -> None:
+    """``InputError`` naming the list when ``mode`` is not a key of :data:`MODES`."""
     from xnn.errors import InputError
 
     if mode not in MODES:
         raise InputError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    if mode == "spatial":
-        return ("sync" if model.sync_points else "halo"), None
-    if mode != "auto":
-        return mode, None
-    from xnn.distributed import collectives as C
-    from xnn.distributed.graph.auto import choose_mode
-
-    choice = None
-    with C.guarded(group, "choosing the decomposition mode"):
-        if C.group_rank(group) == 0:
-            choice = choose_mode(model, graph, C.group_size(group), grid, skin)
-    mode, reason = C.broadcast_object(choice, group)
-    if C.group_rank(group) == 0:
-        print(f"xnn: {reason}", flush=True)
-    return mode, reason
 
 
-__all__ = ["MODES", "ORDERS", "resolve_mode"]
+def spatial_mode(model) -> str:
+    """What ``spatial`` means for ``model``: ``"sync"`` where it has sync points, else
+    ``"halo"``."""
+    return "sync" if model.sync_points else "halo"
+
+
+__all__ = ["MODES", "ORDERS", "check_mode", "spatial_mode"]

@@ -1,8 +1,9 @@
 """The one entry that applies parallelism from outside to a run written for one process.
 
-:func:`parallelize` is the only constructor of a decomposition: it resolves the mode (one
-word of :data:`~xnn.distributed.modes.MODES`, :func:`~xnn.distributed.modes.resolve_mode`)
-and returns the one :class:`~xnn.distributed.potential.DecomposedPotential` with its layout.
+:func:`parallelize` (:mod:`xnn.distributed.decompose`, re-exported here) is the only
+constructor of a decomposition: it resolves the mode (one word of
+:data:`~xnn.distributed.modes.MODES`, :func:`~xnn.distributed.decompose.resolve_mode`) and
+returns the one :class:`~xnn.distributed.potential.DecomposedPotential` with its layout.
 Every decomposed entry goes through it: MD and relaxation (:func:`parallelize_md`), training
 (:func:`parallelize_train`), ``xnn validate`` and the
 :class:`~xnn.distributed.DistributedCalculator`.
@@ -24,44 +25,10 @@ over its ``dd`` group by the same domain code as MD (:mod:`xnn.distributed.cp_tr
 
 from __future__ import annotations
 
-from xnn.distributed.modes import resolve_mode
+from xnn.distributed.decompose import parallelize
 from xnn.dynamics.parallel import SerialRun
 
-
-def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=None,
-                grid=None, skin: float = 0.0, order: str = "morton", backend: str = "auto"):
-    """``model`` decomposed over the ranks of a group: the one constructor.
-
-    Args:
-        model: per-atom-energy model (:class:`~xnn.models.base.AtomisticModel`) with a
-            finite cutoff, the same on every rank.
-        manager_or_group: a :class:`~xnn.distributed.DistributedManager` (all ranks), a
-            :class:`~xnn.distributed.ParallelDims` (its ``dd`` axis), a process group, or
-            ``None`` (all ranks if ``torch.distributed`` is initialised, else one process).
-        mode: a key of :data:`~xnn.distributed.modes.MODES` (``spatial``, ``halo``,
-            ``sync``, ``graph`` or ``auto``).
-        graph: mode ``auto`` only: the structure on group rank 0, which the cost model
-            weighs (collective: every rank calls with its own, ``None`` off rank 0).
-        grid: boxes of a spatial layout, ``(px, py, pz)`` or ``"2,1,1"`` (``None``: the
-            smallest halo surface).
-        skin: Verlet skin (Å).
-        order: atom order of mode ``graph`` (``morton`` or ``index``).
-        backend: neighbor-list backend.
-    Returns:
-        a :class:`~xnn.distributed.potential.DecomposedPotential` (its ``reason`` says why
-        ``auto`` chose its layout).
-    """
-    from xnn.distributed.domain.layout import SpatialLayout
-    from xnn.distributed.graph.layout import GraphLayout
-    from xnn.distributed.potential import DecomposedPotential, model_cutoff, resolve_group
-
-    model_cutoff(model)  # the one check of a decomposable model, before any collective
-    group, _ = resolve_group(manager_or_group)
-    mode, reason = resolve_mode(model, mode, graph, group, grid, skin)
-    layout = GraphLayout(order) if mode == "graph" else SpatialLayout(mode, grid)
-    potential = DecomposedPotential(model, manager_or_group, layout, skin, backend)
-    potential.reason = reason
-    return potential
+__all__ = ["parallelize", "parallelize_md", "parallelize_train"]
 
 
 def parallelize_md(model, manager=None, skin: float = 0.0,

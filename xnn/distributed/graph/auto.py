@@ -35,6 +35,7 @@ import torch
 from xnn.data.graph import AtomicGraph
 from xnn.distributed.domain.partition import image_shifts, make_partition
 from xnn.distributed.graph.layout import check_graph_model
+from xnn.distributed.modes import spatial_mode
 from xnn.distributed.potential import model_cutoff
 from xnn.errors import InputError
 
@@ -74,9 +75,7 @@ def choose_mode(model, graph: AtomicGraph, n_ranks: int, grid=None,
                 skin: float = 0.0) -> tuple[str, str]:
     """``(mode, reason)``: ``"graph"`` or the spatial mode (``"sync"``/``"halo"``) of the
     smaller estimated cost (see the module docstring), and one line saying why."""
-    from xnn.distributed.modes import resolve_mode
-
-    spatial, _ = resolve_mode(model, "spatial")
+    spatial = spatial_mode(model)
     cutoff, layers = model_cutoff(model)
     try:
         check_graph_model(model, cutoff, layers)

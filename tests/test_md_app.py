@@ -176,17 +176,17 @@ def nacl_file(tmp_path):
 
 @pytest.mark.parametrize("extra,named", [
     (["model.name=sum", f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: pme, "
-      "cutoff: 5.0}]}"], "the long-range term(s) ['pme']"),
+      "cutoff: 5.0}]}"], "the term(s) ['pme']"),
     (["model.name=sum", f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: pme, "
-      "cutoff: 5.0, charges: {Na: 1, Cl: -1}}]}"], "the long-range term(s) ['pme']"),
+      "cutoff: 5.0, charges: {Na: 1, Cl: -1}}]}"], "the term(s) ['pme']"),
     (["model.name=sum", f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: ewald, "
-      "cutoff: 5.0}, {name: d3, s9: 0.0}]}"], "the long-range term(s) ['ewald', 'd3']"),
+      "cutoff: 5.0}, {name: d3, s9: 0.0}]}"], "the term(s) ['ewald', 'd3']"),
     (["model.name=ewald", "model.hyperparameters={charges: {Na: 1, Cl: -1}}",
-      "model.cutoff=5.0"], "the long-range term(s) ['ewald']"),
+      "model.cutoff=5.0"], "the term(s) ['ewald']"),
     (["ensemble=npt", "pressure=0", "model.name=sum",
       f"model.hyperparameters={{terms: [{LJ_TERM}, {{name: d3}}]}}"],
      "ensemble=npt (it compiles ensembles nve, langevin, csvr, nhc; npt moves the cell); nor "
-     "the long-range term(s) ['d3']"),
+     "the term(s) ['d3']"),
     (["model.compile=true"], "model.compile=true (compile=true compiles the whole step"),
     (["cuda_graph=true", "model.device=cpu"], "cuda_graph=true on device cpu"),
 ])
@@ -216,7 +216,7 @@ def test_compile_refusals_on_several_ranks(nacl_file):
     model = build("sum", terms=[{"name": "lj", "sigma": 2.5, "epsilon": 0.01, "cutoff": 5.0},
                                 {"name": "d3"}])
     msg = raises_one_line(InputError, check_compile, cfg, model, torch.device("cpu"), True)
-    for part in ("the long-range term(s) ['d3']", "cuda_graph=true on device cpu",
+    for part in ("the term(s) ['d3']", "cuda_graph=true on device cpu",
                  "cuda_graph=true on several ranks", "parallel.mode=graph (on several ranks"):
         assert part in msg, (part, msg)
     lj = build("lj", sigma=2.5, epsilon=0.01, cutoff=5.0)

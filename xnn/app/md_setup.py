@@ -242,8 +242,9 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
                         f"{', '.join(SCHEMES)}; npt moves the cell)")
     terms = untraceable_terms(model)
     if terms:
-        problems.append(f"the long-range term(s) {terms} of the model (their sums over the "
-                        "system have data-dependent shapes, which do not trace)")
+        problems.append(f"the term(s) {terms} of the model, which declare traceable=False "
+                        "(data-dependent shapes, which do not trace: long-range sums over "
+                        "the system, SevenNet's selection of the edges within its cutoff)")
     if cfg.model.compile:
         problems.append("model.compile=true (compile=true compiles the whole step, model "
                         "included; set model.compile: false)")

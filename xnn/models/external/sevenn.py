@@ -145,7 +145,13 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
         species: atomic numbers of the checkpoint's type map.
 
     The pretrained models are float32; ``wrapper.double()`` gives a float64 model.
+
+    It declares ``traceable = False``: SevenNet's polynomial cutoff is not zero beyond the
+    cutoff, so the wrapper must select the edges within it (a data-dependent shape), which
+    the compiled MD step cannot trace (``compile=true`` refuses it up front).
     """
+
+    traceable = False
 
     def __init__(self, checkpoint: str | os.PathLike = "7net-0", modal: str | None = None,
                  trust: bool = False):

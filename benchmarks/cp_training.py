@@ -2,7 +2,7 @@
 
 One training step (energy + forces + stress loss, double backward, SGD) of one FCC copper
 cell of about ``--atoms`` atoms, decomposed over ``dd`` ranks of one dd group
-(:func:`xnn.distributed.parallelize.parallelize_train` with ``dp=1``; ``dd=1`` is the
+(:func:`xnn.distributed.entries.parallelize_train` with ``dp=1``; ``dd=1`` is the
 one-process path). Every point runs on freshly spawned ranks (gloo on CPU; one GPU per rank
 with ``--device cuda``), with and without activation checkpointing (``--checkpointing``:
 ``activation_checkpointing=True`` passed to the model if its builder accepts it), the same
@@ -125,8 +125,8 @@ def build_model(args, checkpointing: bool):
 
 
 def run_point(rank: int, world: int, args, checkpointing: bool) -> dict:
+    from xnn.distributed.entries import parallelize_train
     from xnn.distributed.manager import DistributedManager
-    from xnn.distributed.parallelize import parallelize_train
     from xnn.neighbors import with_edges
     from xnn.training.losses import TermSpec
     from xnn.training.trainer import Trainer

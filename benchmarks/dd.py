@@ -52,7 +52,7 @@ except ImportError:  # run as `python benchmarks/dd.py` / `torchrun benchmarks/d
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import DistributedManager, parallelize
 from xnn.distributed import collectives as C
-from xnn.distributed.decompose import resolve_mode
+from xnn.distributed.parallelize import resolve_mode
 
 
 def parse_args(argv=None):

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_json  # noqa: E402
 from xnn.data.datasets import collate, read_structures  # noqa: E402
 from xnn.data.emt import write_emt  # noqa: E402
+from xnn.distributed.entries import parallelize_train  # noqa: E402
 from xnn.distributed.manager import DistributedManager  # noqa: E402
-from xnn.distributed.parallelize import parallelize_train  # noqa: E402
 from xnn.models import build  # noqa: E402
 from xnn.models.derivatives import compute_properties  # noqa: E402
 from xnn.neighbors.datasets import WithEdges  # noqa: E402

@@ -443,8 +443,8 @@ def main(argv=None) -> int:
     args.steps = args.steps or (3 if args.quick else 40)
     n = args.n or (24 if args.quick else 200)
 
+    from xnn.distributed.entries import parallelize_train
     from xnn.distributed.manager import DistributedManager
-    from xnn.distributed.parallelize import parallelize_train
 
     cores = None
     if args.bind_cores and "LOCAL_RANK" in os.environ:  # before any thread starts

@@ -70,7 +70,7 @@ def _recording(base):
 def _cp_case(manager, dims, name, batches_idx=((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1))):
     """dp × dd training steps vs one process (computed on world rank 0)."""
     from xnn.distributed.cp_train import DomainPredictor
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
 
     data = structures()
     plan = parallelize_train(manager, dims[0], dims[1])
@@ -96,7 +96,7 @@ def _cp_case(manager, dims, name, batches_idx=((0, 1, 2, 3), (3, 1, 0, 2), (2, 0
 
 def _accumulation_case(manager):
     """dp=2 dd=2, two micro-batches in one step == one batch of both (and one process)."""
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
 
     data = structures()
     plan = parallelize_train(manager, 2, 2)
@@ -116,7 +116,7 @@ def _accumulation_case(manager):
 
 def _whole_structure_case(manager):
     """dp=1 dd=4 on a 256-atom cluster: no rank's model sees the whole structure."""
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
 
     big = molecule(5, reps=(4, 4, 4))
     plan = parallelize_train(manager, 1, 4)
@@ -177,7 +177,7 @@ def ionic_model(predicted=False):
 
 def _ionic_case(manager, predicted=False):
     """dp=2 dd=2 training of SchNet + PME (decomposed mesh) vs one process."""
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
 
     data = [nacl(7), nacl(8), nacl(9), nacl(10)]
     plan = parallelize_train(manager, 2, 2)
@@ -207,7 +207,7 @@ def _ionic_case(manager, predicted=False):
 
 
 def _compile_refused(manager):
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
 
     try:
         parallelize_train(manager, 2, 2, compile=True)
@@ -232,7 +232,7 @@ def _app_case(manager, tmp):
     """``xnn train`` on dp=2 dd=2: outputs, rank-0 checkpoints, exact resume, and the same
     weights as one process."""
     from xnn.app.train import train
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
     from xnn.training.checkpoint import load_checkpoint
 
     rank = torch.distributed.get_rank()
@@ -462,7 +462,7 @@ def test_dd_ranks_read_structures_without_the_whole_neighbor_list():
 def test_parallel_config_checks():
     from xnn.config.loader import ConfigError, load_config
     from xnn.config.train import TrainConfig
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
 
     with pytest.raises(ConfigError, match="compile=true does not support parallel.dd=2"):
         load_config(TrainConfig, None, ["compile=true", "parallel.dd=2"])

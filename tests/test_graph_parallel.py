@@ -229,7 +229,7 @@ def _training_case(manager, rank, name="painn"):
         from helpers import training as CP
     except ImportError:  # tests/ is a package
         from tests.helpers import training as CP
-    from xnn.distributed.parallelize import parallelize_train
+    from xnn.distributed.entries import parallelize_train
 
     data, batches = CP.labelled_structures(), ((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1))
     plan = parallelize_train(manager, 1, 2, mode="graph")
@@ -254,7 +254,7 @@ def _training_case(manager, rank, name="painn"):
 def _md_auto_case(manager, rank):
     """``parallelize_md(mode="auto")`` (dd.mode=auto) picks graph for a tiny dense cell and
     halo for a large one, and the chosen potential evaluates the system exactly."""
-    from xnn.distributed.parallelize import parallelize_md
+    from xnn.distributed.entries import parallelize_md
     from xnn.models import Potential, build
 
     out = {}

@@ -68,8 +68,8 @@ def _gradients(reducer, data, device="cpu", compile=False, steps=1):
 
 def _rank_main(rank, world, data, out):
     from xnn.app.train import train
+    from xnn.distributed.entries import parallelize_train
     from xnn.distributed.manager import DistributedManager
-    from xnn.distributed.parallelize import parallelize_train
 
     manager = DistributedManager.initialize(device="cpu")
     reducer = parallelize_train(manager).reducer
@@ -135,8 +135,8 @@ def test_two_ranks_match_one_process(tmp_path):
 
 
 def _nccl_rank_main(rank, world, data):
+    from xnn.distributed.entries import parallelize_train
     from xnn.distributed.manager import DistributedManager
-    from xnn.distributed.parallelize import parallelize_train
 
     manager = DistributedManager.initialize(device="cuda")
     return _gradients(parallelize_train(manager).reducer, data, manager.device, steps=3)

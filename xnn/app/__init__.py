@@ -6,7 +6,7 @@
   test metrics, plots, ``summary.json``).
 * :mod:`xnn.app.md` — ``run_md(config)`` (``xnn md``); :mod:`xnn.app.relax` —
   ``run_relax(config)`` (``xnn relax``); both share :mod:`~xnn.app.md_common` (set-up, the
-  launch on several ranks through :func:`xnn.distributed.parallelize.parallelize_md`) and
+  launch on several ranks through :func:`xnn.distributed.entries.parallelize_md`) and
   :mod:`~xnn.app.md_setup` (potential, structure, velocities and integrator arguments from
   the config).
 * :mod:`xnn.app.validate` — ``run_validate(options)`` (``xnn validate``), with

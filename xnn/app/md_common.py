@@ -1,5 +1,5 @@
 """What ``xnn md`` and ``xnn relax`` share: the config → device, dtype, potential → run
-layer (:func:`xnn.distributed.parallelize.parallelize_md`) → output folder set-up, the launch
+layer (:func:`xnn.distributed.entries.parallelize_md`) → output folder set-up, the launch
 on several ranks, resuming from a checkpoint (and stopping when there is nothing left to
 run), and the trajectory and checkpoint files (:class:`RunOutputs`)."""
 
@@ -17,7 +17,7 @@ from xnn.app.modes import check_md_degrees
 from xnn.config.loader import load_config, save_config
 from xnn.data import keys as K
 from xnn.devices import resolve_device
-from xnn.distributed.parallelize import parallelize_md
+from xnn.distributed.entries import parallelize_md
 from xnn.dynamics.state import MDState
 from xnn.io import md_checkpoint as ckpt
 from xnn.io.run_folder import RunFolder, plan_run_folder

@@ -1,7 +1,7 @@
 """The application behind ``xnn train``: ``train(cfg, reducer, parallel)`` runs one training
 from a resolved config, single process, data parallel or context parallel (``dp × dd``);
 ``run_train(cfg)`` launches it (one process, torchrun or srun) with the parallel layer of
-:func:`~xnn.distributed.parallelize.parallelize_train`.
+:func:`~xnn.distributed.entries.parallelize_train`.
 
 Steps: plan the output folder → read and split the data → statistics → build the model
 (or load ``pretrained``) → optimizer, schedule, EMA → resume → create the output folder →
@@ -221,11 +221,11 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
         cfg: a resolved :class:`~xnn.config.train.TrainConfig`.
         reducer: cross-rank operations of plain data parallelism (default: one process);
             ignored with ``parallel``.
-        parallel: the :class:`~xnn.distributed.parallelize.TrainParallel` of the run (from
-            :func:`~xnn.distributed.parallelize.parallelize_train`): reducer, sharding and
+        parallel: the :class:`~xnn.distributed.entries.TrainParallel` of the run (from
+            :func:`~xnn.distributed.entries.parallelize_train`): reducer, sharding and
             prediction function; ``None``: data parallel by ``reducer``.
     """
-    from xnn.distributed.parallelize import local_train_parallel
+    from xnn.distributed.entries import local_train_parallel
 
     parallel = parallel or local_train_parallel(reducer or LocalReducer())
     reducer = parallel.reducer
@@ -318,8 +318,8 @@ def run_train(cfg: TrainConfig) -> dict:
     """
     from xnn.config.parallel import TIMEOUT_KEY
     from xnn.distributed.agreement import check_ranks_agree, run_fingerprint
+    from xnn.distributed.entries import parallelize_train
     from xnn.distributed.manager import DistributedManager
-    from xnn.distributed.parallelize import parallelize_train
 
     device = resolve_device(cfg.device)
     manager = DistributedManager.initialize(timeout_s=cfg.parallel.timeout_s, device=device.type,

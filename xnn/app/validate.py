@@ -163,8 +163,8 @@ def run_validate(opts: ValidateOptions) -> int:
     from xnn.distributed import collectives as C
     from xnn.distributed import validate as V
     from xnn.distributed.agreement import check_ranks_agree
-    from xnn.distributed.decompose import parallelize
     from xnn.distributed.domain.partition import parse_grid
+    from xnn.distributed.parallelize import parallelize
 
     dtype = getattr(torch, opts.dtype)
     grid = parse_grid(opts.grid)

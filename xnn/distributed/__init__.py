@@ -20,9 +20,9 @@ Example (``torchrun --nproc-per-node 4 script.py``)::
     out = pot.single_point(graph if manager.is_main else None)   # sorted by atom id
 """
 
-from xnn.distributed.decompose import parallelize
 from xnn.distributed.manager import DistributedManager, LaunchInfo, detect_launch
 from xnn.distributed.mesh import ParallelDims
+from xnn.distributed.parallelize import parallelize
 
 __all__ = ["DistributedManager", "LaunchInfo", "ParallelDims", "detect_launch",
            "parallelize", "DecomposedPotential", "DomainState", "DistributedCalculator",

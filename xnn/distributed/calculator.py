@@ -19,7 +19,7 @@ from ase.stress import full_3x3_to_voigt_6_stress
 from xnn.data import keys as K
 from xnn.data.ase_io import from_ase
 from xnn.distributed import collectives as C
-from xnn.distributed.decompose import parallelize
+from xnn.distributed.parallelize import parallelize
 
 
 class DistributedCalculator(Calculator):

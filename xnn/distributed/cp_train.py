@@ -25,7 +25,7 @@ owned atoms and their ghosts (:class:`DomainPredictor`). Then
   refusal to the step, whose vote in the gradients' all-reduce stops every rank of the mesh
   with the same error (:meth:`~xnn.training.trainer.Trainer.train_step`).
 
-:func:`xnn.distributed.parallelize.parallelize_train` builds these from the run's manager.
+:func:`xnn.distributed.entries.parallelize_train` builds these from the run's manager.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class DomainPredictor:
                  autocast: torch.dtype | None = None, mode: str = "spatial",
                  backend: str = "auto"):
         from xnn.distributed import collectives as C
-        from xnn.distributed.decompose import resolve_mode
+        from xnn.distributed.parallelize import resolve_mode
         from xnn.distributed.potential import model_cutoff
 
         self.model = model
@@ -108,7 +108,7 @@ class DomainPredictor:
                  training: bool, parity: bool = False) -> Evaluated:
         """Residuals of this rank's owned atoms of the one structure in ``piece``
         (collective over the group: every rank passes the same structure)."""
-        from xnn.distributed.decompose import parallelize
+        from xnn.distributed.parallelize import parallelize
 
         (graph,) = piece
         pot = parallelize(self.model, self.group, self.mode, backend=self.backend)

@@ -39,7 +39,7 @@ class DomainRun(SerialRun):
         manager: the run's :class:`~xnn.distributed.DistributedManager`.
         skin: Verlet skin (Å). backend: neighbor-list backend.
         mode: a key of :data:`~xnn.distributed.modes.MODES`; ``"auto"`` is chosen on the
-            structure when it is scattered (:func:`~xnn.distributed.decompose.resolve_mode`;
+            structure when it is scattered (:func:`~xnn.distributed.parallelize.resolve_mode`;
             the reason is printed).
         order: atom order of mode ``"graph"`` (``"morton"`` or ``"index"``).
     """
@@ -97,7 +97,7 @@ class DomainRun(SerialRun):
         collective)."""
         if self._potential is not None:
             return
-        from xnn.distributed.decompose import parallelize
+        from xnn.distributed.parallelize import parallelize
 
         model, manager, skin, backend, order = self._args
         self.potential = parallelize(model, manager, self.mode, graph=graph, skin=skin,

@@ -85,7 +85,7 @@ def validate_decomposition(model, graph: AtomicGraph | None, manager_or_group=No
         On group rank 0 the report of :func:`compare` (worst absolute and relative errors of
         energy, per-atom energies, forces by atom id, stress or virial); ``None`` elsewhere.
     """
-    from xnn.distributed.decompose import parallelize
+    from xnn.distributed.parallelize import parallelize
     from xnn.distributed.potential import model_device
 
     dd = parallelize(model, manager_or_group, mode, graph=graph, grid=grid, skin=skin,

@@ -2,7 +2,7 @@
 a registry, FIRE, safety checks, the MD state and its checkpoints. No config and no
 ``torch.distributed``: the runs behind ``xnn md`` / ``xnn relax`` are the application's
 (:mod:`xnn.app.md`, :mod:`xnn.app.relax`), and decomposition is applied from outside
-(:func:`xnn.distributed.parallelize.parallelize_md`).
+(:func:`xnn.distributed.entries.parallelize_md`).
 
 Every integrator module (:mod:`~xnn.dynamics.nve`, :mod:`~xnn.dynamics.langevin`,
 :mod:`~xnn.dynamics.nhc`, :mod:`~xnn.dynamics.csvr`, :mod:`~xnn.dynamics.npt`,

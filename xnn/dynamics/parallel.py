@@ -3,7 +3,7 @@
 :class:`SerialRun` (which does nothing).
 
 The decomposed implementation, :class:`xnn.distributed.md_run.DomainRun`, is chosen by
-:func:`xnn.distributed.parallelize.parallelize_md` from outside; this module imports
+:func:`xnn.distributed.entries.parallelize_md` from outside; this module imports
 nothing from there.
 """
 
@@ -49,7 +49,7 @@ class SerialRun:
     def compiled_integrator(self, ensemble: str = "nve", cuda_graph: bool = False):
         """The integrator of ``md.compile=true`` for this run layer: here the one-process
         :class:`~xnn.dynamics.compiled_thermo.CompiledIntegrator` (the decomposed run
-        layers of :func:`~xnn.distributed.parallelize.parallelize_md` declare theirs)."""
+        layers of :func:`~xnn.distributed.entries.parallelize_md` declare theirs)."""
         from xnn.dynamics.compiled_thermo import CompiledIntegrator
 
         return CompiledIntegrator(ensemble, self.potential, cuda_graph=cuda_graph)

@@ -110,7 +110,7 @@ class TrainingLoop:
         sharding: ``sharding(batch, n_atoms, max_atoms) -> this rank's indices`` with a
             ``groups`` attribute (the ``groups`` of ``make_batches``) and
             ``load(dataset, indices) -> graphs``, from
-            :func:`~xnn.distributed.parallelize.parallelize_train`; ``None``: by the
+            :func:`~xnn.distributed.entries.parallelize_train`; ``None``: by the
             reducer's rank among its ranks.
         write_checkpoint: ``write_checkpoint(payload, path) -> path``, what writes a
             checkpoint (:func:`xnn.io.train_checkpoint.save_checkpoint`); ``None``: the loop

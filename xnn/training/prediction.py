@@ -6,7 +6,7 @@ and to evaluate a piece into :class:`Evaluated` residuals. :class:`LocalPredicto
 one-process (and data-parallel) version: the share collated into one batch and evaluated by
 :func:`~xnn.models.derivatives.compute_properties`. The domain-decomposed version
 (:class:`xnn.distributed.cp_train.DomainPredictor`) evaluates each structure spread over the
-ranks of a ``dd`` group; :func:`xnn.distributed.parallelize.parallelize_train` picks one.
+ranks of a ``dd`` group; :func:`xnn.distributed.entries.parallelize_train` picks one.
 
 A predictor has:
 

@@ -1,7 +1,7 @@
 """Which structures of a global batch a rank's data-parallel replica takes.
 
 Pure index arithmetic (no collective): the parallelization layer
-(:func:`xnn.distributed.parallelize.parallelize_train`) builds the :class:`BatchSharding` of
+(:func:`xnn.distributed.entries.parallelize_train`) builds the :class:`BatchSharding` of
 each rank; a single process takes every structure.
 """
 

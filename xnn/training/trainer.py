@@ -2,7 +2,7 @@
 
 Cross-rank operations go through a reducer (:mod:`xnn.training.reducer`) and the model is
 called through a predictor (:mod:`xnn.training.prediction`), both given by the
-parallelization layer (:func:`xnn.distributed.parallelize.parallelize_train`): the
+parallelization layer (:func:`xnn.distributed.entries.parallelize_train`): the
 labelled-item counts of the global batch normalise the loss, so that each rank's loss is its
 share of the global loss (the loop reads them from the dataset's metadata; without them they
 are all-reduced during the forward pass); gradients are summed after the double backward;

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from xnn.distributed.decompose import parallelize
 from xnn.distributed.md_run import DomainRun
+from xnn.distributed.parallelize import parallelize
 from xnn.errors import InputError
 
 

@@ -121,7 +121,7 @@ def _finish(dt: float):
         f = add_returned(f_base, send_index, back)
         a = f / inv_m
         v = kick(v, a, dt)
-        x_next = drift_positions(x, kick(v, a, dt), dt)  # where region 1 of the next step drifts to
+        x_next = drift_positions(x, kick(v, a, dt), dt)  # where the next region 1 drifts to
         d = torch.stack([(x_next - ref).norm(dim=-1).max(),
                          (x_next - migrated).norm(dim=-1).max()])
         head = torch.cat([e.reshape(1), virial.reshape(9), d])
@@ -233,7 +233,7 @@ class CompiledDomainVerlet:
         step, weights = self._models[stress, paired]
         key = (tuple(sorted(self._plan.caps.items())), stress, paired)
         fn = self.compiled("model", key, lambda: lambda w, *a: functional_call(step, w, a),
-                            (weights, *inputs))
+                           (weights, *inputs))
         return fn(weights, *inputs)
 
     # ------------------------------------------------------------------ padding
@@ -303,7 +303,7 @@ class CompiledDomainVerlet:
         p = self._plan
         args = (x, v, f, p.inv_m, p.send_index)
         return self.compiled("kick", (p.caps["owned"], p.caps["send"], dt),
-                              lambda: _kick_drift(dt), args)(*args)
+                             lambda: _kick_drift(dt), args)(*args)
 
     def last(self, state: MDState, x: Tensor, v: Tensor, f_base: Tensor, e: Tensor,
              virial: Tensor, dt: float):
@@ -315,7 +315,7 @@ class CompiledDomainVerlet:
         args = (x, v, f_base[: p.caps["owned"]], p.back_buf, p.send_index, p.inv_m, p.ref,
                 p.migrated, e, virial)
         v, f, head = self.compiled("finish", (p.caps["owned"], p.caps["send"], dt),
-                                    lambda: _finish(dt), args)(*args)
+                                   lambda: _finish(dt), args)(*args)
         return v, f, head, {}
 
     # ------------------------------------------------------------------ the step

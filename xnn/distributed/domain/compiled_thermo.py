@@ -162,7 +162,7 @@ class CompiledDomainScheme(CompiledDomainVerlet):
         args = (x, v, f, p.send_index, fields, real, vars_, self._counter[1], draws)
         full = (p.caps["owned"], p.caps["send"], dt, type(sch), *key, tuple(vars_))
         x, v, send, *written = self.compiled("pre", full, lambda: _pre(sch, dt, self._reducer),
-                                              args)(*args)
+                                             args)(*args)
         self._mid = {"key": full, "vars": {**vars_, **dict(zip(sch.writes, written))},
                      "draws": draws, "fields": fields, "real": real}
         return x, v, send

@@ -440,3 +440,42 @@ def test_local_graph_keeps_the_edges_within_the_cutoff():
     assert dom.n_within == kept.n_edges  # counted at the build (same positions here)
     e_whole = pot.model(whole)[: dom.n_owned].sum()
     assert torch.allclose(out["energy"].sum(), e_whole, rtol=1e-12, atol=0)
+
+
+@pytest.mark.slow
+def test_inductor_domain_step_follows_eager():
+    """The default backend (inductor's C++) compiles the model region's forces, virial and
+    the force sum into owners to the eager decomposed step's numbers (one domain, 256-atom
+    argon at its lattice sites: the forces come from the slight disorder of the velocities'
+    first steps). A form of the strain that inductor miscompiled gave wrong forces."""
+    from ase.build import bulk
+
+    from xnn.data.graph import AtomicGraph
+    from xnn.distributed import DomainPotential
+    from xnn.distributed.domain.compiled import CompiledDomainVerlet
+    from xnn.dynamics import nve
+    from xnn.models import build
+
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((4, 4, 4))
+    graph = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
+                                    dtype=torch.float64)
+    v = 0.002 * torch.randn(graph.n_atoms, 3, generator=torch.Generator().manual_seed(0),
+                            dtype=torch.float64)
+    graph = graph.replace(velocities=v - v.mean(0))
+
+    def pot():
+        model = build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.0).double().eval()
+        return DomainPotential(model, None, skin=1.0, mode="halo")
+
+    eager_pot, compiled_pot = pot(), pot()
+    stepper = CompiledDomainVerlet(compiled_pot, backend="inductor")
+    eager = nve.init(eager_pot.scatter(graph), eager_pot)
+    compiled = nve.init(compiled_pot.scatter(graph), compiled_pot)
+    for _ in range(4):
+        eager = eager_pot.maybe_migrate(nve.step(eager, eager_pot, 5.0))
+        compiled = stepper.step(compiled, 5.0)
+        assert torch.equal(compiled.graph.atom_id, eager.graph.atom_id)
+        for key in ("forces", "stress", "energy", "velocities"):
+            a, b = getattr(compiled, key), getattr(eager, key)
+            assert _rel(a, b) <= TOL, (key, _rel(a, b))
+    assert stepper.n_compiles == 3

@@ -32,9 +32,10 @@ step in which some rank found more than the capacity holds is repeated by all ra
 grown capacity (a recompile of region 2), so no result comes from a truncated list.
 
 Forces, virial and stress are those of the eager decomposed step, by the same code: region 2
-strains the exchange base (owned rows, then received ghost rows) and the cell with
-:func:`~xnn.models.derivatives.apply_strain` and takes the rank's share ``E_r`` (its owned
-atoms' energies) through :func:`~xnn.models.derivatives.derive`; the ghost rows' forces go
+strains the local positions, ``x_local (1 + ε)`` (equal to the eager step's strained owners
+and cell), and takes the rank's share ``E_r`` (its owned atoms' energies) with respect to
+the exchange base (owned rows, then received ghost rows) and ``ε`` through
+:func:`~xnn.models.derivatives.derive`; the ghost rows' forces go
 back to their owners through the halo exchange's own adjoint
 (:func:`~xnn.distributed.domain.halo.exchange_rows`, then
 :func:`~xnn.distributed.domain.halo.add_returned` in region 3), so ``F_owned = -(∂E_r/∂x_owned
@@ -65,7 +66,7 @@ from xnn.distributed.domain.halo import add_returned, exchange_rows
 from xnn.dynamics.nve import drift_positions, kick
 from xnn.dynamics.state import MDState, accelerations, check_timestep
 from xnn.errors import InputError
-from xnn.models.derivatives import apply_strain, derive, virial_results
+from xnn.models.derivatives import StrainedGraph, derive, virial_results
 
 #: compiled regions and communication points (graph breaks) of a step without rebuild
 REGIONS_PER_STEP = 3
@@ -91,19 +92,24 @@ class _Model(nn.Module):
         from xnn.dynamics.compiled import model_graph
         from xnn.models.base import pairing_edges
 
-        base = torch.cat([x_owned, recv])
-        rows = AtomicGraph({K.POSITIONS: base, K.CELL: cell, K.PBC: pbc,
-                            K.BATCH: torch.zeros(base.shape[0], dtype=torch.long,
-                                                 device=base.device)}, validate=False)
-        strained = apply_strain(rows, with_strain=self.stress)
-        g = strained.graph
-        x = g.positions.index_select(0, src) + shifts @ g.cell[0]
+        # the leaves of derive: the exchange base's rows and the strain ε, applied to the
+        # local positions, x_local (1 + ε), which equals apply_strain's strained owners and
+        # cell (apply_strain's own form, base (1 + ε) gathered plus shifts @ cell (1 + ε),
+        # is miscompiled by inductor on the CPU in torch 2.13: wrong forces)
+        base = torch.cat([x_owned, recv]).detach().requires_grad_(True)
+        eps = torch.zeros_like(cell)
+        if self.stress:
+            eps.requires_grad_(True)
+        x = base.index_select(0, src) + shifts @ cell[0]
+        x = x + x @ (0.5 * (eps[0] + eps[0].T))
         # (a paired filter keeps both edges of a pair or neither: their lengths are equal)
         graph, n_active, _ = model_graph(fields, x, self.cutoff, active, self.paired)
         with pairing_edges(self.paired):
             energies = self.model(graph)
         e = torch.where(owned, energies, torch.zeros_like(energies)).sum()
-        out = derive(e, strained, rows.volume(), pbc, True, self.stress, False)
+        strained = StrainedGraph(graph, base, eps)
+        volume = torch.linalg.det(cell).abs()
+        out = derive(e, strained, volume, pbc, True, self.stress, False)
         virial = out[K.VIRIAL][0] if self.stress else torch.zeros_like(cell[0])
         return e.detach(), out[K.FORCES], virial, x.detach(), n_active
 

@@ -156,17 +156,22 @@ def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeyp
     """``xnn md compile=true ensemble=langevin`` (two systems) writes the eager thermo rows,
     conserved quantity included."""
     import xnn.dynamics.compiled as compiled
+    from xnn.dynamics.compiled_thermo import SCHEMES
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     made = []
-    real = compiled.CompiledVerlet.step
-    monkeypatch.setattr(compiled.CompiledVerlet, "step",
-                        lambda self, *a: made.append(self) or real(self, *a))
+    real = compiled.CompiledVerlet.run
+    monkeypatch.setattr(compiled.CompiledVerlet, "run",
+                        lambda self, state, key, *a: made.append((self, key))
+                        or real(self, state, key, *a))
     extra = (f"ensemble={ensemble}", "temperature=400", "thermostat.tau=20")
     eager = _md(tmp_path, "eager", *extra)
     assert not made
     fast = _md(tmp_path, "compiled", "compile=true", *extra)
-    assert len(made) == 30 and made[0].n_compiles == 1 and made[0].scheme is not None
+    # every step ran the ensemble's scheme through the compiled graph, compiled once
+    assert len(made) == 30 and {key[0] for _, key in made} == {SCHEMES[ensemble]}
+    made = [stepper for stepper, _ in made]
+    assert made[0].n_compiles == 1 and made[0].hashed_rng
     assert made[0].n_rebuilds < 10  # the loop hands back the states it gets: no rebuild each step
     assert len(fast) == len(eager) > 3
     for a, b in zip(eager[1:], fast[1:]):
@@ -204,7 +209,10 @@ def test_hashed_schemes_declare_it_and_inductor_drops_index_propagation():
     hashed = {name for name, cls in SCHEMES.items() if cls.uses_hashed_rng}
     assert hashed == {"langevin", "csvr"}
     off = {"constant_and_index_propagation": False}
-    for name, cls in SCHEMES.items():
-        assert compile_options("inductor", cls()) == (off if name in hashed else None)
-        assert compile_options("aot_eager", cls()) is None
-    assert compile_options("inductor", None) is None
+    for name in SCHEMES:
+        integ = CompiledIntegrator(name, Potential(_model("lj"), skin=SKIN), backend="inductor")
+        assert integ.stepper.hashed_rng == (name in hashed)
+        assert compile_options("inductor", integ.stepper.hashed_rng) == (
+            off if name in hashed else None)
+        assert compile_options("aot_eager", integ.stepper.hashed_rng) is None
+    assert compile_options("inductor", False) is None

@@ -1,11 +1,12 @@
 """Data-parallel training: the reducer of :mod:`xnn.training.reducer` over ``torch.distributed``.
 
 Gradients are summed with ONE explicit flat all-reduce after the backward pass. Force
-training differentiates through ``autograd.grad(create_graph=True)`` (a double backward),
-which DDP's gradient hooks do not see reliably; a flat all-reduce after ``backward()`` is
-simple and exactly right. The loss on each rank is already normalised by the global counts
-(:mod:`xnn.training.losses`), so the SUM of the ranks' gradients is the gradient of the
-global batch's loss; no division by the world size.
+training differentiates through the forces of :func:`~xnn.models.derivatives.derive` (made
+with ``create_graph=True``: a double backward), which DDP's gradient hooks do not see
+reliably; a flat all-reduce after ``backward()`` is simple and exactly right. The loss on
+each rank is already normalised by the global counts (:mod:`xnn.training.losses`), so the
+SUM of the ranks' gradients is the gradient of the global batch's loss; no division by the
+world size.
 """
 
 from __future__ import annotations

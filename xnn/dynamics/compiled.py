@@ -27,10 +27,12 @@ rebuilds the list at those positions before the next step. The list is thus vali
 force evaluation, and a step costs one compiled call plus one host read.
 
 This module compiles NVE; :mod:`xnn.dynamics.compiled_thermo` adds Langevin, CSVR and
-Nosé–Hoover chains (``scheme``) and :mod:`xnn.dynamics.compiled_graphs` the CUDA-graph
-replay (``cuda_graph``). The cell stays fixed (NPT runs eagerly; domain decomposition
-has its own compiled step, :mod:`xnn.distributed.domain.compiled`);
-the model must be traceable (data-independent shapes under
+Nosé–Hoover chains through the public :meth:`CompiledVerlet.run` (the traced module and its
+extra inputs are the caller's) and :mod:`xnn.dynamics.compiled_graphs` the CUDA-graph
+replay (``cuda_graph``). Kicks and drifts are :func:`xnn.dynamics.nve.kick` and
+:func:`xnn.dynamics.nve.drift_positions`, those of the eager step. The cell stays fixed
+(NPT runs eagerly; domain decomposition has its own compiled step,
+:mod:`xnn.distributed.domain.compiled`); the model must be traceable (data-independent shapes under
 :func:`~xnn.models.base.tracing_graph`). The result equals the eager step up to rounding.
 """
 
@@ -43,14 +45,14 @@ from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics.reduce import LOCAL, Reducer
+from xnn.dynamics.nve import drift_positions, kick
 from xnn.dynamics.state import MDState, check_timestep, free_mask
 from xnn.errors import InputError
 from xnn.models.base import pairing_edges, squared_lengths
 from xnn.neighbors.pairs import pair_order
 from xnn.units import MVV2E
 
-#: ``torch.compile`` backend of :class:`CompiledNVE` (the one ``md.compile`` uses)
+#: ``torch.compile`` backend of :class:`CompiledVerlet` (the one ``md.compile`` uses)
 DEFAULT_BACKEND = "inductor"
 
 #: graph fields the traced step takes besides positions and edges
@@ -69,20 +71,20 @@ class _Step(nn.Module):
         self.cutoff = cutoff
         self.paired = paired
 
-    def forward(self, x: Tensor, v: Tensor, f: Tensor, inv_m: Tensor, ref: Tensor,
-                fields: dict[str, Tensor], active: tuple) -> tuple[Tensor, ...]:
+    def forward(self, x: Tensor, v: Tensor, f: Tensor, ref: Tensor, fields: dict[str, Tensor],
+                inv_m: Tensor, active: tuple) -> tuple[Tensor, ...]:
         from xnn.models.derivatives import compute_properties
 
         dt = self.dt
-        v = v + (0.5 * dt) * _acc(f, inv_m)
-        x = x + dt * v
+        v = kick(v, _acc(f, inv_m), dt)
+        x = drift_positions(x, v, dt)
         graph, n_active, broken = model_graph(fields, x, self.cutoff, active, self.paired)
         with pairing_edges(self.paired):
             out = compute_properties(self.model, graph, True, self.stress)
         f = out[K.FORCES]
-        v = v + (0.5 * dt) * _acc(f, inv_m)
+        v = kick(v, _acc(f, inv_m), dt)
         # where the next call will drift to, measured from the last build
-        x_next = x + dt * (v + (0.5 * dt) * _acc(f, inv_m))
+        x_next = drift_positions(x, kick(v, _acc(f, inv_m), dt), dt)
         d_next = (x_next - ref).norm(dim=-1).max()
         stress = out[K.STRESS] if self.stress else torch.zeros_like(fields[K.CELL])
         return x, v, f, out[K.ENERGY], stress, status(d_next, n_active, broken)
@@ -180,13 +182,19 @@ class CompiledVerlet:
         backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` for tests).
         growth: capacity factor applied when a rebuild overflows the capacity (> 1).
         headroom: capacity of the first build relative to its edge count (>= 1).
+        cuda_graph: replay each compiled call as a CUDA graph.
+        hashed_rng: the traced steps hash random numbers (:func:`compile_options`).
+
+    :meth:`step` runs NVE; :meth:`run` runs any traced step module on the padded list
+    (:class:`xnn.dynamics.compiled_thermo.CompiledSchemeStep` runs the thermostats with it).
+
     Attributes:
         n_compiles: graphs compiled so far (one per capacity, dt and stress setting).
         n_rebuilds: neighbor-list builds so far.
     """
 
     def __init__(self, potential, backend: str = "inductor", growth: float = 1.25,
-                 headroom: float = 1.1, cuda_graph: bool = False):
+                 headroom: float = 1.1, cuda_graph: bool = False, hashed_rng: bool = False):
         if cuda_graph and potential_device(potential).type != "cuda":
             raise InputError("md.cuda_graph needs a CUDA device (model.device=cuda); on the "
                              "CPU use md.compile alone")
@@ -205,7 +213,7 @@ class CompiledVerlet:
         #: lists arranged as reverse pairs for a model that evaluates length-only edge
         #: work once per pair (its ``pairs_edges``; :func:`~xnn.models.base.edges_paired`);
         #: false from the first list that is not full
-        self.paired = bool(getattr(self.model, "pairs_edges", False))
+        self.paired = bool(self.model.pairs_edges)
         self.active_capacity = 0
         self.n_active = 0  # edges within the cutoff at the last force call
         self._active: tuple = ()  # inert edges of the active capacity
@@ -217,10 +225,8 @@ class CompiledVerlet:
         self._edges: tuple[Tensor, Tensor] | None = None
         self._ref: Tensor | None = None
         self._next_disp: float | Tensor | None = None
-        #: the ensemble's :class:`~xnn.dynamics.compiled_thermo.Scheme` (None: NVE)
-        self.scheme = None
-        self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
-        self._draws: tuple | None = None  # (step, its host-made random inputs)
+        #: the traced steps hash random numbers (compile options, :func:`compile_options`)
+        self.hashed_rng = bool(hashed_rng)
         self._mass: tuple | None = None  # (ids of masses and fixed, mass_mvv, masses)
         self._replay = None  # the CudaGraphStep of the current function (cuda_graph)
         self._returned: Tensor | None = None  # positions of the state the last step returned
@@ -325,44 +331,55 @@ class CompiledVerlet:
             # descriptors) are kept as graph constants
             gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(weights, *inputs)
         compiled = torch.compile(gm, backend=self.backend, dynamic=False, fullgraph=True,
-                                 options=compile_options(self.backend, self.scheme))
+                                 options=compile_options(self.backend, self.hashed_rng))
         self.n_compiles += 1
         return lambda *args: compiled(weights, *args)
 
-    def step(self, state: MDState, dt: float) -> MDState:
-        """Advance ``state`` by ``dt`` (fs); the returned state's step count is +1."""
-        dt = check_timestep(dt)
-        if self.scheme is not None:
-            from xnn.dynamics import compiled_thermo
+    def run(self, state: MDState, key: tuple, make_step, next_positions, names: tuple[str, ...],
+            extra: tuple) -> tuple:
+        """The outputs of one compiled step from ``state``.
 
-            return compiled_thermo.step(self, state, dt)
+        The list is rebuilt at ``next_positions()`` (the force call's positions) where it
+        is stale; the function traced from the module ``make_step()`` (compiled once per
+        ``key``, capacities, pairing) is called on ``(x, v, F, ref, fields, *extra,
+        active)``, where ``fields`` holds the graph's fields ``names`` and the padded edges.
+        Its outputs start with the new positions and have the status
+        (:func:`status`) sixth; an overflow of the active capacity grows it and runs again.
+        The next call must start from the positions returned (else the list is rebuilt).
+        """
+        g = state.graph
+        self._ensure_list(g, next_positions)
+        fields = {k: g[k] for k in names if k in g}
+        fields[K.EDGE_INDEX], fields[K.SHIFTS] = self._edges
+        inputs = (g.positions.detach(), g.velocities, state.forces, self._ref, fields, *extra,
+                  self._active)
+        out = self._run(key, make_step, inputs, g)
+        self._returned = out[0]
+        return out
+
+    def step(self, state: MDState, dt: float) -> MDState:
+        """Advance ``state`` by ``dt`` (fs) in NVE; the returned state's step count is +1."""
+        dt = check_timestep(dt)
         g = state.graph
         if self._mass is None or self._mass[:2] != (id(g.masses), id(g.get(K.FIXED))):
             self._mass = (id(g.masses), id(g.get(K.FIXED)), mass_mvv(g), g.masses)
         inv_m = self._mass[2]
-        self._ensure_list(g, lambda: _drifted(g, state.forces, inv_m, dt))
-        ei, sh = self._edges
-        fields = {k: g[k] for k in _FIELDS if k in g}
-        fields[K.EDGE_INDEX], fields[K.SHIFTS] = ei, sh
-        inputs = (g.positions.detach(), g.velocities, state.forces, inv_m, self._ref, fields,
-                  self._active)
-        key = (dt, state.compute_stress, g.n_atoms)
-        x, v, f, energy, stress, _ = self._run(
-            key, lambda: _Step(self.model, dt, state.compute_stress, self.neighbors.cutoff,
-                               self.paired),
-            inputs, g)
-        self._returned = x
+        x, v, f, energy, stress, _ = self.run(
+            state, (dt, state.compute_stress, g.n_atoms),
+            lambda: _Step(self.model, dt, state.compute_stress, self.neighbors.cutoff,
+                          self.paired),
+            lambda: _drifted(g, state.forces, inv_m, dt), _FIELDS, (inv_m,))
         return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
                              energy=energy, stress=stress, step=state.step + 1)
 
 
-def compile_options(backend: str, scheme) -> dict | None:
-    """``torch.compile`` options of a step graph of ``scheme`` (a
-    :class:`~xnn.dynamics.compiled_thermo.Scheme` or None for NVE): with inductor, graphs
-    whose scheme ``uses_hashed_rng`` run without constant and index propagation (hashed
-    draws multiply index-derived words by 64-bit constants; the propagation folds them into
-    int32 index arithmetic that Triton refuses: "Scalar ... out of range for type int32")."""
-    if backend == "inductor" and scheme is not None and scheme.uses_hashed_rng:
+def compile_options(backend: str, hashed_rng: bool) -> dict | None:
+    """``torch.compile`` options of a step graph: with inductor, graphs that hash random
+    numbers (``hashed_rng``: a :class:`~xnn.dynamics.compiled_thermo.Scheme` whose
+    ``uses_hashed_rng``) run without constant and index propagation (hashed draws multiply
+    index-derived words by 64-bit constants; the propagation folds them into int32 index
+    arithmetic that Triton refuses: "Scalar ... out of range for type int32")."""
+    if backend == "inductor" and hashed_rng:
         return {"constant_and_index_propagation": False}
     return None
 
@@ -376,8 +393,7 @@ def mass_mvv(g: AtomicGraph) -> Tensor:
 
 def _drifted(g: AtomicGraph, forces: Tensor, inv_m: Tensor, dt: float) -> Tensor:
     """The positions the compiled step drifts to (same arithmetic as :class:`_Step`)."""
-    v = g.velocities + (0.5 * dt) * _acc(forces, inv_m)
-    return g.positions.detach() + dt * v
+    return drift_positions(g.positions.detach(), kick(g.velocities, _acc(forces, inv_m), dt), dt)
 
 
 def _acc(forces: Tensor, m_mvv: Tensor) -> Tensor:
@@ -414,25 +430,3 @@ def potential_device(potential) -> torch.device:
         return t.device
     return torch.device("cpu")
 
-
-class CompiledNVE:
-    """The integrator interface of :mod:`xnn.dynamics.nve` (``init``, ``step``,
-    ``conserved``) with steps through :class:`CompiledVerlet`, made for one potential."""
-
-    def __init__(self, potential, backend: str | None = None, cuda_graph: bool = False):
-        from xnn.dynamics import nve
-
-        self._nve = nve
-        self.stepper = CompiledVerlet(potential, backend=backend or DEFAULT_BACKEND,
-                                      cuda_graph=cuda_graph)
-
-    def init(self, state: AtomicGraph, model, reduce: Reducer = LOCAL) -> MDState:
-        return self._nve.init(state, model, reduce=reduce)
-
-    def step(self, state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
-        if model is not self.stepper.potential or reduce is not LOCAL:
-            raise InputError("this compiled integrator runs its own potential in one process")
-        return self.stepper.step(state, dt)
-
-    def conserved(self, state: MDState, reduce: Reducer = LOCAL) -> Tensor:
-        return self._nve.conserved(state, reduce)

@@ -1,10 +1,11 @@
 """Compiled thermostatted steps: Langevin (BAOAB), CSVR and Nosé–Hoover chain through the
-graph of :class:`~xnn.dynamics.compiled.CompiledVerlet` (``md.compile=true``).
+padded list and compiled graphs of :class:`~xnn.dynamics.compiled.CompiledVerlet`
+(``md.compile=true``), by its public :meth:`~xnn.dynamics.compiled.CompiledVerlet.run`.
 
 A :class:`Scheme` splits an eager step into the part before the force call (``pre``, up to
 the positions the model is evaluated at) and the part after it (``post``), written with the
 eager modules' own functions (:func:`~xnn.dynamics.nve.half_kick`, :func:`~xnn.dynamics.nhc.
-_chain_half`, :func:`~xnn.dynamics.state.kinetic_energy`, ... through the step's
+chain_half`, :func:`~xnn.dynamics.state.kinetic_energy`, ... through the step's
 :class:`~xnn.dynamics.reduce.Reducer`), so the compiled step does the eager step's
 arithmetic. The traced function is ``pre``, model, forces (and stress), ``post``, and then
 ``pre`` of the *next* step once more, whose positions give the look-ahead displacement that
@@ -27,13 +28,15 @@ from torch import Tensor, nn
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
-from xnn.dynamics import csvr, langevin, nhc, nve, random
+from xnn.dynamics import compiled, csvr, langevin, nhc, nve, random
+from xnn.dynamics.compiled import CompiledVerlet, model_graph, status
 from xnn.dynamics.compiled_random import csvr_draws, normal_keyed, system_keys
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
     RNG_KEY,
     RNG_STEP0,
     MDState,
+    check_timestep,
     degrees_of_freedom,
     seed_of,
 )
@@ -156,12 +159,12 @@ class NHCScheme(Scheme):
         return s.replace(vars={"n_yoshida": (self.n_yoshida,)})
 
     def pre(self, s, dt, reduce, draws, step):
-        s = nhc._chain_half(self._order(s), dt, reduce)
+        s = nhc.chain_half(self._order(s), dt, reduce)
         return super().pre(s, dt, reduce, draws, step)
 
     def post(self, s, dt, reduce, draws, step):
         # the order also here: under domain decomposition post starts from a new state
-        return nhc._chain_half(self._order(nve.half_kick(s, dt)), dt, reduce)
+        return nhc.chain_half(self._order(nve.half_kick(s, dt)), dt, reduce)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -189,7 +192,6 @@ class _ThermoStep(nn.Module):
     def forward(self, x: Tensor, v: Tensor, f: Tensor, ref: Tensor, fields: dict[str, Tensor],
                 vars: dict[str, Tensor], step: Tensor, draws: tuple, next_draws: tuple,
                 active: tuple):
-        from xnn.dynamics.compiled import model_graph, status
         from xnn.models.base import pairing_edges
         from xnn.models.derivatives import compute_properties
 
@@ -213,33 +215,40 @@ class _ThermoStep(nn.Module):
                 *(s.vars[k] for k in sch.writes))
 
 
-def step(stepper, state: MDState, dt: float) -> MDState:
-    """One compiled step of ``stepper`` (a :class:`~xnn.dynamics.compiled.CompiledVerlet`
-    whose ``scheme`` is set) from ``state``; the eager step's result up to rounding."""
-    sch, g = stepper.scheme, state.graph
-    key = sch.key(state)
-    counter = stepper._counter
-    if counter is None or counter[0] != state.step:
-        counter = (state.step, torch.tensor(state.step, dtype=torch.int64, device=g.device))
-    cached = stepper._draws
-    draws = cached[1] if cached and cached[0] == state.step else sch.draws(state, state.step)
-    next_draws = sch.draws(state, state.step + 1)
-    vars_ = {k: state.vars[k] for k in sch.reads if k in state.vars}
-    x, v, f = g.positions.detach(), g.velocities, state.forces
-    stepper._ensure_list(g, lambda: sch.pre(state, dt, LOCAL, draws, counter[1]).positions)
-    fields = {k: g[k] for k in _FIELDS if k in g}
-    fields[K.EDGE_INDEX], fields[K.SHIFTS] = stepper._edges
-    inputs = (x, v, f, stepper._ref, fields, vars_, counter[1], draws, next_draws,
-              stepper._active)
-    x, v, f, energy, stress, _, step_t, *written = stepper._run(
-        (type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
-        lambda: _ThermoStep(stepper.model, dt, state.compute_stress, sch, LOCAL,
-                            stepper.neighbors.cutoff, stepper.paired), inputs, g)
-    stepper._returned = x
-    stepper._counter = (state.step + 1, step_t)
-    stepper._draws = (state.step + 1, next_draws)
-    return state.replace(graph=g.replace(positions=x, velocities=v), forces=f, energy=energy,
-                         stress=stress, step=state.step + 1, vars=dict(zip(sch.writes, written)))
+class CompiledSchemeStep:
+    """Compiled steps of ``scheme`` through the list and graphs of ``verlet`` (its
+    :meth:`~xnn.dynamics.compiled.CompiledVerlet.run`); each is the eager step's result up
+    to rounding. Holds the device step counter and the draws of the next step between
+    calls."""
+
+    def __init__(self, scheme: Scheme, verlet: CompiledVerlet):
+        self.scheme, self.verlet = scheme, verlet
+        self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
+        self._draws: tuple | None = None  # (step, its host-made random inputs)
+
+    def step(self, state: MDState, dt: float) -> MDState:
+        """Advance ``state`` by ``dt`` (fs); the returned state's step count is +1."""
+        dt = check_timestep(dt)
+        sch, verlet, g = self.scheme, self.verlet, state.graph
+        key = sch.key(state)
+        counter = self._counter
+        if counter is None or counter[0] != state.step:
+            counter = (state.step, torch.tensor(state.step, dtype=torch.int64, device=g.device))
+        cached = self._draws
+        draws = cached[1] if cached and cached[0] == state.step else sch.draws(state, state.step)
+        next_draws = sch.draws(state, state.step + 1)
+        vars_ = {k: state.vars[k] for k in sch.reads if k in state.vars}
+        x, v, f, energy, stress, _, step_t, *written = verlet.run(
+            state, (type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
+            lambda: _ThermoStep(verlet.model, dt, state.compute_stress, sch, LOCAL,
+                                verlet.neighbors.cutoff, verlet.paired),
+            lambda: sch.pre(state, dt, LOCAL, draws, counter[1]).positions, _FIELDS,
+            (vars_, counter[1], draws, next_draws))
+        self._counter = (state.step + 1, step_t)
+        self._draws = (state.step + 1, next_draws)
+        return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
+                             energy=energy, stress=stress, step=state.step + 1,
+                             vars=dict(zip(sch.writes, written)))
 
 
 #: the ensembles that compile, by ``md.ensemble`` name
@@ -271,16 +280,19 @@ class CompiledIntegrator:
 
     def __init__(self, name: str, potential, backend: str | None = None,
                  cuda_graph: bool = False):
-        from xnn.dynamics import compiled
-
         module = compiled_ensemble(name)
         self.init, self.conserved = module.init, module.conserved
-        self.stepper = compiled.CompiledVerlet(
-            potential, backend=backend or compiled.DEFAULT_BACKEND, cuda_graph=cuda_graph)
-        if name != "nve":  # NVE keeps the leaner step of CompiledVerlet
-            self.stepper.scheme = SCHEMES[name]()
+        scheme = None if name == "nve" else SCHEMES[name]()  # NVE: the leaner step
+        #: the :class:`~xnn.dynamics.compiled.CompiledVerlet` (list, graphs, counters)
+        self.stepper = CompiledVerlet(
+            potential, backend=backend or compiled.DEFAULT_BACKEND, cuda_graph=cuda_graph,
+            hashed_rng=scheme is not None and scheme.uses_hashed_rng)
+        #: the thermostat's steps through :attr:`stepper` (None: NVE)
+        self.scheme_step = None if scheme is None else CompiledSchemeStep(scheme, self.stepper)
 
     def step(self, state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
         if model is not self.stepper.potential or reduce is not LOCAL:
             raise InputError("this compiled integrator runs its own potential in one process")
-        return self.stepper.step(state, dt)
+        if self.scheme_step is None:
+            return self.stepper.step(state, dt)
+        return self.scheme_step.step(state, dt)

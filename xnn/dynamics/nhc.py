@@ -74,7 +74,7 @@ def _masses(state: MDState, nf: Tensor) -> Tensor:
     return q
 
 
-def _chain_half(state: MDState, dt: float, reduce: Reducer) -> MDState:
+def chain_half(state: MDState, dt: float, reduce: Reducer) -> MDState:
     """Propagate the chain and scale velocities over ``dt / 2``."""
     g = state.graph
     nf = degrees_of_freedom(g, reduce)
@@ -113,9 +113,9 @@ def _chain_half(state: MDState, dt: float, reduce: Reducer) -> MDState:
 def step(state: MDState, model, dt: float, reduce: Reducer = LOCAL) -> MDState:
     """Advance by ``dt`` (fs)."""
     dt = check_timestep(dt)
-    s = _chain_half(state, dt, reduce)
+    s = chain_half(state, dt, reduce)
     s = nve.verlet(s, model, dt)
-    return _chain_half(s, dt, reduce)
+    return chain_half(s, dt, reduce)
 
 
 def conserved(state: MDState, reduce: Reducer = LOCAL) -> Tensor:

@@ -86,14 +86,29 @@ def derive(
         out[K.FORCES] = -grads[0]
     if stress:
         g = grads[-1] if reduce_strain is None else reduce_strain(grads[-1])
-        periodic = pbc.all(-1)
-        vol = torch.where(periodic, volume, torch.ones_like(volume))
-        virial = -g
-        out[K.VIRIAL] = virial
-        out[K.STRESS] = torch.where(
-            periodic[:, None, None], g / vol[:, None, None], torch.zeros_like(g)
-        )
+        out.update(virial_results(-g, volume, pbc))
     return out
+
+
+def virial_results(virial: Tensor, volume: Tensor, pbc: Tensor) -> dict[str, Tensor]:
+    """``virial`` and ``stress`` from a virial ``W = -∂E/∂ε [n_systems, 3, 3]`` (eV).
+
+    :func:`derive` forms both with it; a step that sums the ranks' virial shares itself
+    (the compiled decomposed step, whose sum travels in its one all-gather) forms them
+    from the sum with it too.
+
+    Args:
+        volume: ``[n_systems]`` Å³.
+        pbc: ``[n_systems, 3]``; stress is zero for systems not periodic along all axes.
+    Returns:
+        ``virial [n_systems, 3, 3]`` (eV) and ``stress = -W / V [n_systems, 3, 3]`` (eV/Å³).
+    """
+    g = -virial
+    periodic = pbc.all(-1)
+    vol = torch.where(periodic, volume, torch.ones_like(volume))
+    return {K.VIRIAL: virial,
+            K.STRESS: torch.where(periodic[:, None, None], g / vol[:, None, None],
+                                  torch.zeros_like(g))}
 
 
 def compute_properties(

@@ -33,6 +33,7 @@ from xnn.data import keys as K
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.compiled import CompiledDomainVerlet
 from xnn.distributed.domain.compiled_plan import pad_rows
+from xnn.distributed.domain.halo import add_returned
 from xnn.dynamics.compiled_thermo import state_of
 from xnn.dynamics.reduce import Reducer
 from xnn.dynamics.state import MDState
@@ -95,15 +96,15 @@ def _pre(scheme, dt: float, reducer):
 def _post(scheme, dt: float, reducer):
     """Region 3: forces, the scheme's ``post``, the look-ahead (the next ``pre``'s
     positions against the plan's reference and the last migration) and the head."""
-    def region(x, v, g_base, back, send_index, fields, real, ref, migrated, e, g_eps, vars,
+    def region(x, v, f_base, back, send_index, fields, real, ref, migrated, e, virial, vars,
                step, draws, next_draws):
         red = reducer(real)
-        f = -g_base.index_add(0, send_index, back)
+        f = add_returned(f_base, send_index, back)
         s = scheme.post(state_of(x, v, f, fields, vars), dt, red, draws, step)
         ahead = scheme.pre(s, dt, red, next_draws, step + 1).positions
         d = torch.stack([(ahead - ref).norm(dim=-1).max(),
                          (ahead - migrated).norm(dim=-1).max()])
-        head = torch.cat([e.reshape(1), g_eps.reshape(9), d])
+        head = torch.cat([e.reshape(1), virial.reshape(9), d])
         return (s.velocities, f, head, step + 1, *(s.vars[k] for k in scheme.writes))
     return region
 
@@ -118,19 +119,17 @@ class CompiledDomainScheme(CompiledDomainVerlet):
                  headroom: float = 1.25, slack: int = 16):
         super().__init__(potential, backend, growth, headroom, slack)
         self.scheme = scheme
+        self.hashed_rng = scheme.uses_hashed_rng
         group = potential.group
         self._group = (group or torch.distributed.group.WORLD) if C.is_active(group) else None
         self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
         self._rows: tuple | None = None  # (plan, padded owned fields, real-row mask)
         self._mid: dict = {}  # this step: key, vars, draws between regions 1 and 3
 
-    def _count(self) -> None:
-        self._traced_collectives += 1
-
     def _reducer(self, real: Tensor) -> GraphReducer:
-        return GraphReducer(real, self._group, self._count)
+        return GraphReducer(real, self._group, self.count_traced_collective)
 
-    def _next_positions(self, state: MDState, dt: float) -> Tensor:
+    def next_positions(self, state: MDState, dt: float) -> Tensor:
         counter = torch.tensor(state.step, dtype=torch.int64, device=state.graph.device)
         self.scheme.key(state)  # the seed of the hashed draws
         s = self.scheme.pre(state, dt, self.potential.reducer,
@@ -140,7 +139,7 @@ class CompiledDomainScheme(CompiledDomainVerlet):
     def _fields(self, state: MDState) -> tuple[dict, Tensor]:
         """The owned graph's fields the scheme reads, padded to the owned capacity (padding:
         fixed atoms of mass 1, system 0, atom id -1), and the real-row mask."""
-        p, g = self._plan, state.graph
+        p, g = self.plan, state.graph
         if self._rows is None or self._rows[0] is not p:
             co = p.caps["owned"]
             fixed = g[K.FIXED].to(torch.bool) if K.FIXED in g else torch.zeros(
@@ -151,8 +150,8 @@ class CompiledDomainScheme(CompiledDomainVerlet):
         fields = {**self._rows[1], K.CELL: g.cell.detach(), K.PBC: g.pbc}
         return fields, self._rows[2]
 
-    def _first(self, state, x, v, f, dt):
-        sch, p = self.scheme, self._plan
+    def first(self, state, x, v, f, dt):
+        sch, p = self.scheme, self.plan
         key = sch.key(state)
         if self._counter is None or self._counter[0] != state.step:
             self._counter = (state.step, torch.tensor(state.step, dtype=torch.int64,
@@ -162,19 +161,19 @@ class CompiledDomainScheme(CompiledDomainVerlet):
         fields, real = self._fields(state)
         args = (x, v, f, p.send_index, fields, real, vars_, self._counter[1], draws)
         full = (p.caps["owned"], p.caps["send"], dt, type(sch), *key, tuple(vars_))
-        x, v, send, *written = self._compiled("pre", full, lambda: _pre(sch, dt, self._reducer),
-                                              args)(*args)
+        x, v, send, *written = self.compiled("pre", full, lambda: _pre(sch, dt, self._reducer),
+                                             args)(*args)
         self._mid = {"key": full, "vars": {**vars_, **dict(zip(sch.writes, written))},
                      "draws": draws, "fields": fields, "real": real}
         return x, v, send
 
-    def _last(self, state, x, v, g_base, e, g_eps, dt):
-        sch, p, mid = self.scheme, self._plan, self._mid
+    def last(self, state, x, v, f_base, e, virial, dt):
+        sch, p, mid = self.scheme, self.plan, self._mid
         co = p.caps["owned"]
-        args = (x, v, g_base[:co], p.back_buf, p.send_index, mid["fields"], mid["real"],
-                p.ref, p.migrated, e, g_eps, mid["vars"], self._counter[1], mid["draws"],
+        args = (x, v, f_base[:co], p.back_buf, p.send_index, mid["fields"], mid["real"],
+                p.ref, p.migrated, e, virial, mid["vars"], self._counter[1], mid["draws"],
                 sch.draws(state, state.step + 1))
-        v, f, head, step, *written = self._compiled(
+        v, f, head, step, *written = self.compiled(
             "post", mid["key"], lambda: _post(sch, dt, self._reducer), args)(*args)
         self._counter = (state.step + 1, step)
         return v, f, head, dict(zip(sch.writes, written))

@@ -5,8 +5,11 @@ within the halo of its box. Ghosts owned by other ranks arrive through :func:`ha
 the owner sends rows ``x[send_index[q]]`` to each peer ``q`` and receives its ghost rows in
 peer order. The backward pass sums ghost gradients into the owners' rows (the reverse
 exchange), and the reverse exchange's backward is the forward exchange, so gradients of any
-order flow through it. Only ranks that share ghosts talk to each other; both sides know every
-message size from the plan, so the exchange cannot deadlock.
+order flow through it. The reverse exchange is one named adjoint, :func:`exchange_rows` back
+to the owners then :func:`add_returned`, which the compiled decomposed step
+(:mod:`xnn.distributed.domain.compiled`) runs too, on either side of a graph break. Only
+ranks that share ghosts talk to each other; both sides know every message size from the
+plan, so the exchange cannot deadlock.
 """
 
 from __future__ import annotations
@@ -45,23 +48,56 @@ class HaloPlan:
     def n_send(self) -> int:
         return sum(int(s.numel()) for s in self.send_index)
 
+    @property
+    def send_counts(self) -> list[int]:
+        return [int(s.numel()) for s in self.send_index]
+
+    def send_rows(self) -> Tensor:
+        """``[n_send]`` the owned rows every peer needs, concatenated in peer order."""
+        if not self.send_index:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat(self.send_index)
+
     def forward_comm(self, x: Tensor) -> Tensor:
         """``[n_recv, ...]`` ghost rows from their owners, given owned rows ``x [n_owned, ...]``."""
         out = x.new_empty((self.n_recv, *x.shape[1:]))
-        recvs = list(zip(self.peers, torch.split(out, self.recv_counts)))
-        sends = [(q, x.index_select(0, idx)) for q, idx in zip(self.peers, self.send_index)]
-        C.exchange(sends, recvs, self.group)
+        send = x.index_select(0, self.send_rows().to(x.device))
+        exchange_rows(send, self.send_counts, out, self.recv_counts, self.peers, self.group)
         return out
 
     def reverse_comm(self, g: Tensor) -> Tensor:
-        """``[n_owned, ...]`` sums of ghost rows ``g [n_recv, ...]`` sent back to their owners."""
-        bufs = [g.new_empty((int(idx.numel()), *g.shape[1:])) for idx in self.send_index]
-        sends = list(zip(self.peers, torch.split(g.contiguous(), self.recv_counts)))
-        C.exchange(sends, list(zip(self.peers, bufs)), self.group)
-        out = g.new_zeros((self.n_owned, *g.shape[1:]))
-        for idx, buf in zip(self.send_index, bufs):
-            out.index_add_(0, idx, buf)
-        return out
+        """``[n_owned, ...]`` sums of ghost rows ``g [n_recv, ...]`` sent back to their owners:
+        :func:`exchange_rows` back to the owners, then :func:`add_returned`."""
+        returned = g.new_empty((self.n_send, *g.shape[1:]))
+        exchange_rows(g.contiguous(), self.recv_counts, returned, self.send_counts, self.peers,
+                      self.group)
+        return add_returned(g.new_zeros((self.n_owned, *g.shape[1:])),
+                            self.send_rows().to(g.device), returned)
+
+
+def exchange_rows(send: Tensor, send_counts: list[int], recv: Tensor, recv_counts: list[int],
+                  peers: list[int], group) -> None:
+    """Point-to-point rows between peers, both exchange directions: the first
+    ``sum(send_counts)`` rows of ``send`` go, split by ``send_counts``, to ``peers`` (in
+    order); the first ``sum(recv_counts)`` rows of ``recv`` receive, split by
+    ``recv_counts``. The forward exchange sends owned rows (``send_index`` order) and
+    receives ghost rows; the reverse exchange sends ghost rows back with the counts
+    swapped. Rows beyond the counts (padding) are neither sent nor written.
+
+    Collective among the peers: every rank of the plan's group calls it together.
+    """
+    sends = list(zip(peers, torch.split(send[: sum(send_counts)], send_counts)))
+    recvs = list(zip(peers, torch.split(recv[: sum(recv_counts)], recv_counts)))
+    C.exchange(sends, recvs, group)
+
+
+def add_returned(owned: Tensor, send_index: Tensor, returned: Tensor) -> Tensor:
+    """The reverse exchange's sum into the owners, the adjoint of
+    ``owned.index_select(0, send_index)``: ``owned [n_owned, ...]`` plus each row of
+    ``returned [n_send, ...]`` (what the peers sent back, in send order) added to the owned
+    row it was sent from. The backward of :func:`halo_exchange` runs it (from zeros); the
+    compiled decomposed step runs it on its padded rows (from the rank's own forces)."""
+    return owned.index_add(0, send_index, returned)
 
 
 class _Exchange(torch.autograd.Function):

@@ -311,14 +311,14 @@ def test_refuses_sync_mode_long_range_and_graph_mode():
     from xnn.errors import InputError
     from xnn.models import build
 
-    with pytest.raises(InputError, match="dd.mode halo"):
+    with pytest.raises(InputError, match="parallel.mode: halo"):
         CompiledDomainVerlet(parallelize(_model("schnet"), None, "sync"))
     coulomb = build("ewald", cutoff=6.0)
     with pytest.raises(InputError, match="long-range"):
         CompiledDomainVerlet(parallelize(coulomb, None, "halo"))
     from xnn.distributed.domain.compiled_run import CompiledDomainRun
 
-    with pytest.raises(InputError, match="dd.mode halo, not graph"):
+    with pytest.raises(InputError, match="parallel.mode halo, not graph"):
         CompiledDomainRun(lj(), None, 0.3, "auto", mode="graph")
 
 

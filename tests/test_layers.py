@@ -44,8 +44,6 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 #: import cycles not yet broken (the modules of each), with the reason.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"xnn.dynamics.compiled", "xnn.dynamics.compiled_thermo"}):
-        "the compiled MD core (issue 43 item 2) breaks it through a public interface",
 }
 
 #: ``(module, call)`` -> reason, for file writing in ``dynamics/``/``training/`` not yet moved.

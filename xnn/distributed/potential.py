@@ -400,8 +400,7 @@ class DecomposedPotential:
                 energies = self.model(lay.local_graph(graph, dom, x, g.cell))[: dom.n_owned]
             out = decomposed_results(energies, tape, strained, graph, forces, stress,
                                      training, self.group)
-        self._last_eval = (x.detach(), dom, graph.atom_id)
-        self._last_cell = g.cell.detach()
+        self.record_evaluation(x, dom, graph.atom_id, g.cell)
         if not training:
             out = {k: v.detach() for k, v in out.items()}
         return out
@@ -465,6 +464,13 @@ class DecomposedPotential:
         return out
 
     # ------------------------------------------------------------------ diagnostics
+    def record_evaluation(self, x_local: Tensor, dom, ids: Tensor, cell: Tensor) -> None:
+        """Remember an evaluation made outside :meth:`__call__` (the compiled decomposed
+        step): local positions, the local domain, the owned atoms' ids and the cell, which
+        :meth:`min_pair_distance` reads."""
+        self._last_eval = (x_local.detach(), dom, ids)
+        self._last_cell = cell.detach()
+
     def min_pair_distance(self, graph: AtomicGraph | None = None) -> tuple[Tensor, Tensor]:
         """Shortest pair with an owned atom at the last evaluation (rank-local).
 

@@ -1,7 +1,7 @@
 """The compiled velocity-Verlet step under domain decomposition (``md.compile=true`` on
 several ranks, mode ``halo``).
 
-A step of the eager decomposed NVE (:class:`~xnn.distributed.DomainPotential` with
+A step of the eager decomposed NVE (:class:`~xnn.distributed.DecomposedPotential` with
 :func:`xnn.dynamics.nve.step`) runs as three compiled regions with fixed shapes and three
 communication points between them (the *graph breaks*, eager on purpose)::
 
@@ -20,8 +20,8 @@ Shapes survive rebuilds and migrations through the padding of
 geometrically on overflow: the only recompile). Region 3 returns the largest distance of
 the *next* drift's positions from the ghost plan's reference and from the last migration;
 when either exceeds ``skin / 2`` on some rank, all ranks migrate
-(:meth:`~xnn.distributed.DomainPotential.maybe_migrate`) and rebuild the plan at the next
-positions (:meth:`~xnn.distributed.DomainPotential.update`) eagerly, outside the graphs, so
+(:meth:`~xnn.distributed.DecomposedPotential.maybe_migrate`) and rebuild the plan at the next
+positions (:meth:`~xnn.distributed.DecomposedPotential.update`) eagerly, outside the graphs, so
 the plan is valid at every force evaluation. A steady step thus costs 3 compiled calls, 2
 point-to-point exchanges and 1 all-gather (the eager step: 2 exchanges and 4 all-reduces).
 
@@ -136,7 +136,7 @@ def _finish(dt: float):
 
 
 class CompiledDomainVerlet:
-    """Velocity-Verlet (NVE) steps of a :class:`~xnn.distributed.DomainPotential` through
+    """Velocity-Verlet (NVE) steps of a :class:`~xnn.distributed.DecomposedPotential` through
     three compiled regions per capacity (see the module docstring).
 
     Args:
@@ -164,9 +164,9 @@ class CompiledDomainVerlet:
     def __init__(self, potential, backend: str = "inductor", growth: float = 1.25,
                  headroom: float = 1.25, slack: int = 16):
         if potential.mode != "halo":
-            raise InputError(f"the compiled decomposed step needs dd.mode halo, not "
+            raise InputError(f"the compiled decomposed step needs mode halo, not "
                              f"{potential.mode!r} (sync points exchange inside the model); "
-                             "set dd.mode: halo or compile: false")
+                             "set parallel.mode: halo or compile: false")
         if potential.long_range:
             raise InputError("the compiled decomposed step does not run long-range models "
                              "(their global sums are collectives inside the model); set "
@@ -364,7 +364,8 @@ class CompiledDomainVerlet:
         stress = torch.zeros_like(g.cell)
         if state.compute_stress:  # the virial shares summed: the eager step's strain reducer
             stress = virial_results(virial, g.volume(), g.pbc)[K.STRESS]
-        pot._last_eval = (self._x_local[: p.state.local.n_local], p.state.local, g.atom_id)
+        pot.record_evaluation(self._x_local[: p.state.local.n_local], p.state.local, g.atom_id,
+                              g.cell)
         out = state.replace(graph=g.replace(positions=x[:n], velocities=v[:n]), forces=f[:n],
                             energy=energy, stress=stress, step=state.step + 1, vars=written)
         if d_max > 0.5 * pot.skin:

@@ -10,11 +10,11 @@ from xnn.errors import InputError
 
 
 class CompiledDomainRun(DomainRun):
-    """:class:`~xnn.distributed.md_run.DomainRun` in mode ``halo`` (``auto`` means halo
-    here; ``graph`` is refused) for the compiled decomposed steps of NVE, Langevin, CSVR and
-    NHC (:class:`~xnn.distributed.domain.compiled_thermo.CompiledDomainIntegrator`).
+    """:class:`~xnn.distributed.md_run.DomainRun` in mode ``halo`` (``spatial``, ``halo``,
+    ``sync`` and ``auto`` run halo here; ``graph`` is refused) for the compiled decomposed
+    steps of NVE, Langevin, CSVR and NHC (:class:`~xnn.distributed.domain.compiled_thermo.CompiledDomainIntegrator`).
 
-    The potential is a :class:`~xnn.distributed.DomainPotential` in mode ``halo`` also for
+    The potential is a :class:`~xnn.distributed.DecomposedPotential` in mode ``halo`` also for
     models with sync points (their exchanges would break the compiled model region), and
     :meth:`after_step` leaves the state as it is: the compiled step migrates itself.
     """
@@ -22,8 +22,8 @@ class CompiledDomainRun(DomainRun):
     def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
                  order: str = "morton"):
         if mode == "graph":
-            raise InputError("compile=true on several ranks runs dd.mode halo, not graph: set "
-                             "dd.mode: halo or compile: false")
+            raise InputError("compile=true on several ranks runs parallel.mode halo, not graph: "
+                             "set parallel.mode: spatial (or halo) or compile: false")
         super().__init__(model, manager, skin, backend, "halo", order)
         self.potential = parallelize(model, manager, "halo", skin=skin, backend=backend)
         self.reduce = self.potential.reducer

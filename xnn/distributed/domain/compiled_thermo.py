@@ -111,7 +111,7 @@ def _post(scheme, dt: float, reducer):
 
 class CompiledDomainScheme(CompiledDomainVerlet):
     """Steps of ``scheme`` (a :class:`~xnn.dynamics.compiled_thermo.Scheme`: Langevin, CSVR,
-    NHC) on a :class:`~xnn.distributed.DomainPotential` through three compiled regions per
+    NHC) on a :class:`~xnn.distributed.DecomposedPotential` through three compiled regions per
     capacity (see the module docstring); arguments and counters of
     :class:`~xnn.distributed.domain.compiled.CompiledDomainVerlet`."""
 
@@ -182,7 +182,7 @@ class CompiledDomainScheme(CompiledDomainVerlet):
 class CompiledDomainIntegrator:
     """The integrator interface (``init``, ``step``, ``conserved``) of ensemble ``name``
     (``nve``, ``langevin``, ``csvr``, ``nhc``) with compiled decomposed steps, for one
-    :class:`~xnn.distributed.DomainPotential`; ``init`` and ``conserved`` are the eager
+    :class:`~xnn.distributed.DecomposedPotential`; ``init`` and ``conserved`` are the eager
     module's (called with the run's decomposed reducer). Migration happens inside the
     steps (the run layer must not migrate again)."""
 

@@ -12,7 +12,8 @@ from xnn.errors import InputError
 class CompiledDomainRun(DomainRun):
     """:class:`~xnn.distributed.md_run.DomainRun` in mode ``halo`` (``spatial``, ``halo``,
     ``sync`` and ``auto`` run halo here; ``graph`` is refused) for the compiled decomposed
-    steps of NVE, Langevin, CSVR and NHC (:class:`~xnn.distributed.domain.compiled_thermo.CompiledDomainIntegrator`).
+    steps of NVE, Langevin, CSVR and NHC
+    (:class:`~xnn.distributed.domain.compiled_thermo.CompiledDomainIntegrator`).
 
     The potential is a :class:`~xnn.distributed.DecomposedPotential` in mode ``halo`` also for
     models with sync points (their exchanges would break the compiled model region), and

@@ -122,10 +122,10 @@ def _adjoint(manager, rank):
     forward on this rank's real plan: ``<forward(x), y>`` and ``<x, reverse(y)>`` for random
     owned rows ``x`` and ghost rows ``y`` (their sums over the ranks must agree), and
     whether the exchange's autograd backward gives ``reverse(y)`` bit for bit."""
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.halo import halo_exchange
 
-    pot = DomainPotential(lj(), manager, skin=SKIN, mode="halo")
+    pot = parallelize(lj(), manager, "halo", skin=SKIN)
     pot.update(pot.scatter(_crystal() if rank == 0 else None))
     plan = pot.state.local.plan
     gen = torch.Generator().manual_seed(rank + 1)
@@ -420,7 +420,7 @@ def test_inductor_domain_step_follows_eager():
     from ase.build import bulk
 
     from xnn.data.graph import AtomicGraph
-    from xnn.distributed import DomainPotential
+    from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled import CompiledDomainVerlet
     from xnn.dynamics import nve
     from xnn.models import build
@@ -434,7 +434,7 @@ def test_inductor_domain_step_follows_eager():
 
     def pot():
         model = build("lj", sigma=3.405, epsilon=0.0104, cutoff=6.0).double().eval()
-        return DomainPotential(model, None, skin=1.0, mode="halo")
+        return parallelize(model, None, "halo", skin=1.0)
 
     eager_pot, compiled_pot = pot(), pot()
     stepper = CompiledDomainVerlet(compiled_pot, backend="inductor")

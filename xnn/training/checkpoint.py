@@ -108,7 +108,7 @@ def model_identity(model) -> tuple[str, dict]:
     """``(registry name, hparams)`` of a native model."""
     from xnn.models.serialization import registry_name
 
-    return registry_name(model), dict(getattr(model, "hparams", {}))
+    return registry_name(model), dict(model.hparams or {})  # None: an external wrapper
 
 
 def _architecture(hp: dict) -> dict:

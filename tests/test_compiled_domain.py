@@ -14,21 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-try:
-    from dist_helpers import FreshPorts, spawn
-    from helpers import corner, hot, lj, rattled_argon
-    from helpers import rel as _rel
-    from helpers.compiled import MD_ARGS as ARGS
-    from helpers.compiled import hot_crystal as _crystal
-    from helpers.compiled import unique_graphs as _unique_graphs
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import FreshPorts, spawn
-    from tests.helpers import corner, hot, lj, rattled_argon
-    from tests.helpers import rel as _rel
-    from tests.helpers.compiled import MD_ARGS as ARGS
-    from tests.helpers.compiled import hot_crystal as _crystal
-    from tests.helpers.compiled import unique_graphs as _unique_graphs
+from dist_helpers import FreshPorts, spawn
+from helpers import corner, hot, lj, rattled_argon
+from helpers import rel as _rel
+from helpers.compiled import MD_ARGS as ARGS
+from helpers.compiled import hot_crystal as _crystal
+from helpers.compiled import unique_graphs as _unique_graphs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 

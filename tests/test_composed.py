@@ -234,14 +234,9 @@ def test_sum_with_an_external_wrapper_saves_and_loads(tmp_path):
         import_extra("mace", "mace.modules")
     except MissingExtraError as err:
         pytest.skip(str(err))
-    try:
-        from helpers import mace_model as _mace_model
-        from helpers import si_cu_molecule as _molecule
-        from helpers import si_cu_periodic as _periodic
-    except ImportError:  # tests/ is a package
-        from tests.helpers import mace_model as _mace_model
-        from tests.helpers import si_cu_molecule as _molecule
-        from tests.helpers import si_cu_periodic as _periodic
+    from helpers import mace_model as _mace_model
+    from helpers import si_cu_molecule as _molecule
+    from helpers import si_cu_periodic as _periodic
     model = Sum([build("mace", model=_mace_model(4)),
                  {"name": "d3", "functional": "pbe", "cutoff": 5.0, "cn_cutoff": 3.0,
                   "trainable": False}])

@@ -13,33 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-try:
-    from dist_helpers import spawn
-    from helpers import rel as _rel
-    from helpers.training import CUTOFF
-    from helpers.training import counts as _counts
-    from helpers.training import grads as _grads
-    from helpers.training import labelled as _labelled
-    from helpers.training import labelled_molecule as molecule
-    from helpers.training import labelled_structures as structures
-    from helpers.training import steps as _steps
-    from helpers.training import train_model as _model
-    from helpers.training import trainer as _trainer
-    from helpers.training import weights as _weights
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
-    from tests.helpers import rel as _rel
-    from tests.helpers.training import CUTOFF
-    from tests.helpers.training import counts as _counts
-    from tests.helpers.training import grads as _grads
-    from tests.helpers.training import labelled as _labelled
-    from tests.helpers.training import labelled_molecule as molecule
-    from tests.helpers.training import labelled_structures as structures
-    from tests.helpers.training import steps as _steps
-    from tests.helpers.training import train_model as _model
-    from tests.helpers.training import trainer as _trainer
-    from tests.helpers.training import weights as _weights
+from dist_helpers import spawn
+from helpers import rel as _rel
+from helpers.training import CUTOFF
+from helpers.training import counts as _counts
+from helpers.training import grads as _grads
+from helpers.training import labelled as _labelled
+from helpers.training import labelled_molecule as molecule
+from helpers.training import labelled_structures as structures
+from helpers.training import steps as _steps
+from helpers.training import train_model as _model
+from helpers.training import trainer as _trainer
+from helpers.training import weights as _weights
 
 from xnn.errors import InputError
 from xnn.models import Potential

@@ -15,43 +15,25 @@ import time
 import numpy as np
 import pytest
 import torch
+from dist_helpers import spawn
+from helpers import (
+    cluster,
+    corner,
+    cubic,
+    lj,
+    molecule,
+    native,
+    rel,
+    sevenn_0,
+    slab,
+    small_mace,
+    tiny,
+    triclinic,
+)
 
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel
 from xnn.testing import compare_by_id
-
-try:
-    from dist_helpers import spawn
-    from helpers import (
-        cluster,
-        corner,
-        cubic,
-        lj,
-        molecule,
-        native,
-        rel,
-        sevenn_0,
-        slab,
-        small_mace,
-        tiny,
-        triclinic,
-    )
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
-    from tests.helpers import (
-        cluster,
-        corner,
-        cubic,
-        lj,
-        molecule,
-        native,
-        rel,
-        sevenn_0,
-        slab,
-        small_mace,
-        tiny,
-        triclinic,
-    )
 
 TOL = 1e-10
 

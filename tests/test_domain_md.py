@@ -16,15 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-try:
-    from dist_helpers import FreshPorts, spawn
-    from helpers import corner, hot, lj, molecule, primitive, rattled_argon, slab
-    from helpers import rel as _rel
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import FreshPorts, spawn
-    from tests.helpers import corner, hot, lj, molecule, primitive, rattled_argon, slab
-    from tests.helpers import rel as _rel
+from dist_helpers import FreshPorts, spawn
+from helpers import corner, hot, lj, molecule, primitive, rattled_argon, slab
+from helpers import rel as _rel
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 

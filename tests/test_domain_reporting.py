@@ -13,13 +13,8 @@ import re
 
 import pytest
 import torch
-
-try:
-    from dist_helpers import FreshPorts, spawn
-    from helpers import hot, primitive, rattled_argon
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import FreshPorts, spawn
-    from tests.helpers import hot, primitive, rattled_argon
+from dist_helpers import FreshPorts, spawn
+from helpers import hot, primitive, rattled_argon
 
 from xnn.dynamics.safety import SimulationError
 from xnn.models.classical import LennardJones

@@ -11,20 +11,11 @@ import time
 
 import pytest
 import torch
+from dist_helpers import spawn
+from helpers import corner, hot, lj, molecule, primitive, slab, tiny, triclinic
+from helpers import rel as _rel
 
 from xnn.data import keys as K
-
-try:
-    from dist_helpers import spawn
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
-
-try:
-    from helpers import corner, hot, lj, molecule, primitive, slab, tiny, triclinic
-    from helpers import rel as _rel
-except ImportError:  # tests/ is a package
-    from tests.helpers import corner, hot, lj, molecule, primitive, slab, tiny, triclinic
-    from tests.helpers import rel as _rel
 
 pytestmark = pytest.mark.distributed
 

@@ -21,34 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dist_helpers import FreshPorts, spawn
+from helpers import cluster, lj, molecule, native, primitive, rel, sevenn_0, tiny, triclinic
+from helpers import fcc as _fcc
+from helpers import graph as _graph
 
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel
-
-try:
-    from dist_helpers import FreshPorts, spawn
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import FreshPorts, spawn
-
-try:
-    from helpers import cluster, lj, molecule, native, primitive, rel, sevenn_0, tiny, triclinic
-    from helpers import fcc as _fcc
-    from helpers import graph as _graph
-except ImportError:  # tests/ is a package
-    from tests.helpers import (
-        cluster,
-        lj,
-        molecule,
-        native,
-        primitive,
-        rel,
-        sevenn_0,
-        tiny,
-        triclinic,
-    )
-    from tests.helpers import fcc as _fcc
-    from tests.helpers import graph as _graph
-
 from xnn.testing import compare_by_id
 
 TOL = 1e-10
@@ -225,10 +204,8 @@ def _cli_md(structure, out_dir, mode=None):
 def _training_case(manager, rank, name="painn"):
     """Context-parallel training steps (dp=1, dd=2, parallel.mode=graph) vs one process:
     the loss, first gradients and weights after three SGD steps."""
-    try:
-        from helpers import training as CP
-    except ImportError:  # tests/ is a package
-        from tests.helpers import training as CP
+    from helpers import training as CP
+
     from xnn.distributed.entries import parallelize_train
 
     data, batches = CP.labelled_structures(), ((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1))

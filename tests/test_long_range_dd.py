@@ -12,16 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dist_helpers import spawn
+from helpers import rel as _rel
 
 from xnn.data.graph import AtomicGraph
 from xnn.testing import compare_by_id
-
-try:
-    from dist_helpers import spawn
-    from helpers import rel as _rel
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
-    from tests.helpers import rel as _rel
 
 TOL = 1e-10
 A = 5.64  # NaCl lattice constant (Å)

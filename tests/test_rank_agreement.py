@@ -9,13 +9,8 @@ import time
 
 import pytest
 import torch
-
-try:
-    from dist_helpers import cli_on_port as _cli
-    from dist_helpers import free_port, spawn
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import cli_on_port as _cli
-    from tests.dist_helpers import free_port, spawn
+from dist_helpers import cli_on_port as _cli
+from dist_helpers import free_port, spawn
 
 from xnn.data.emt import write_emt
 

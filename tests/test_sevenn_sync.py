@@ -11,18 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dist_helpers import spawn
+from helpers import rel as _rel
+from helpers import sevenn_0 as sevenn_fp64
 
 from xnn.data.graph import AtomicGraph
 from xnn.models.external._optional import MissingExtraError, import_extra
-
-try:
-    from dist_helpers import spawn
-    from helpers import rel as _rel
-    from helpers import sevenn_0 as sevenn_fp64
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
-    from tests.helpers import rel as _rel
-    from tests.helpers import sevenn_0 as sevenn_fp64
 
 try:
     import_extra("sevenn", "sevenn.util")

@@ -5,11 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-try:
-    from dist_helpers import spawn
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
+from dist_helpers import spawn
 
 from xnn.config.loader import load_config
 from xnn.config.train import TrainConfig

@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_helpers import spawn
+from helpers import hot, lj, primitive
+from helpers import rel as _rel
 
 from xnn.distributed.domain.transport import layout_of, pack, unpack
-
-try:
-    from dist_helpers import spawn
-    from helpers import hot, lj, primitive
-    from helpers import rel as _rel
-except ImportError:  # tests/ is a package
-    from tests.dist_helpers import spawn
-    from tests.helpers import hot, lj, primitive
-    from tests.helpers import rel as _rel
 
 TOL = 1e-10
 ROWS = (0, 1, 2, 3, 7)

@@ -2274,8 +2274,8 @@ def validate_cases() -> list[Case]:
         C("validate-tol-negative", "validate", "--tol -1", v("--tol", "-1"), match="tol"),
         C("validate-tol-nan", "validate", "--tol nan", v("--tol", "nan"), match="tol"),
         C("validate-skin-negative", "validate", "--skin -1", v("--skin", "-1"), match="skin"),
-        C("validate-timeout-zero", "validate", "--parallel.timeout_s 0", v("--parallel.timeout_s", "0"),
-          match="timeout"),
+        C("validate-timeout-zero", "validate", "--parallel.timeout_s 0",
+          v("--parallel.timeout_s", "0"), match="timeout"),
         C("validate-dtype", "validate", "--dtype float16", v("--dtype", "float16")),
         C("validate-mode", "validate", "--mode foo", v("--mode", "foo")),
         C("validate-device-tpu", "validate", "--device tpu", v("--device", "tpu"),
@@ -2674,11 +2674,13 @@ def long_range_cases() -> list[Case]:
           match="Cl|charge"),
         C("lr-ewald-slab-no-correction", "long-range", "ewald on a slab (pbc T T F) without "
           "slab_correction", Cli(lr(s="{tmp}/s.xyz", model=[
-              "model.name=ewald", "model.cutoff=5.0", "model.hyperparameters={charges: data}"])),
+              "model.name=ewald", "model.cutoff=5.0",
+              "model.hyperparameters={charges: data}"])),
           setup=[structures("s.xyz", _nacl_slab)], match="slab"),
         C("lr-ewald-net-charge", "long-range", "a periodic system with a net charge (valid: "
           "neutralising background and a warning)", Cli(lr(s="{tmp}/s.xyz", model=[
-              "model.name=ewald", "model.cutoff=5.0", "model.hyperparameters={charges: data}"])),
+              "model.name=ewald", "model.cutoff=5.0",
+              "model.hyperparameters={charges: data}"])),
           setup=[structures("s.xyz", _cations)], expect=ACCEPT, check=ran("out/thermo.csv")),
         C("lr-compile-pme-data", "long-range", "compile=true with PME (data charges)",
           Proc(lr(*compiled)), match="compile", timeout=400, issue=True),

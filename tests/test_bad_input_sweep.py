@@ -148,8 +148,9 @@ def test_every_former_spelling_is_swept(sweep):
         for old in sweep.OLD_SPELLINGS:
             assert {f"vocab-{door}-{old}-yaml", f"vocab-{door}-{old}-dotlist"} <= ids
     assert {"vocab-validate-timeout-space", "vocab-validate-timeout-equals"} <= ids
+    commands = (sweep.Cli, sweep.Proc, sweep.Torchrun)
     for case in sweep.catalogue():
-        if case.category != "vocabulary" and isinstance(case.run, (sweep.Cli, sweep.Proc, sweep.Torchrun)):
+        if case.category != "vocabulary" and isinstance(case.run, commands):
             for arg in case.run.argv:
                 key = arg.split("=")[0]
                 assert old_key(key) is None and key != "--timeout", (case.id, arg)

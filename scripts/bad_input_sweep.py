@@ -173,6 +173,7 @@ class Result:
     ranks: list[dict] = dataclasses.field(default_factory=list)  # torchrun / Ranks cases
     wall_s: float = 0.0
     written: list[str] = dataclasses.field(default_factory=list)  # new files in the folder
+    leaked: str | None = None  # process state an in-process case changed and left changed
 
     @property
     def failed(self) -> bool:
@@ -296,6 +297,8 @@ def classify(case: Case, res: Result) -> tuple[str, str]:
     """The outcome of ``case`` (one of :data:`OUTCOMES`) and a short detail."""
     if res.markers:
         return SILENT, f"code ran from a file (marker {', '.join(res.markers)})"
+    if res.leaked:
+        return SILENT, res.leaked
     if res.timed_out:
         if case.long_ok and res.check_error is None:
             return OK, f"running correctly when stopped after {case.timeout:g} s"
@@ -353,10 +356,13 @@ def _isolated(ctx: Ctx):
 
 def _in_process(ctx: Ctx, case: Case, call: Callable[[], Any]) -> Result:
     """Run ``call`` here with stdout/stderr/warnings captured and a SIGALRM time limit."""
+    import torch
+
     from xnn.errors import XnnError
 
     res = Result()
     out, err = io.StringIO(), io.StringIO()
+    grad = torch.is_grad_enabled()
     old = signal.signal(signal.SIGALRM, _alarm)
     with _isolated(ctx), warnings.catch_warnings(record=True) as caught, \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -378,6 +384,13 @@ def _in_process(ctx: Ctx, case: Case, call: Callable[[], Any]) -> Result:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+    if torch.is_grad_enabled() != grad:
+        # restored, so that later cases run as in a fresh process (training needs it on); a
+        # case stopped by the timer may have been interrupted inside torch.no_grad().__enter__
+        # (the harness's doing, not the code's), any other case left it changed itself
+        torch.set_grad_enabled(grad)
+        if not res.timed_out:
+            res.leaked = f"left torch's grad mode {'on' if not grad else 'off'} for the caller"
     res.stdout, res.stderr = out.getvalue(), err.getvalue()
     res.warnings = sorted({f"{w.category.__name__}: {str(w.message)[:160]}" for w in caught})
     return res

@@ -116,6 +116,17 @@ def test_python_calls_and_checks(sweep, tmp_path):
     assert _outcome(sweep, tmp_path, run=slow, timeout=0.5)[0] == sweep.HANG
 
 
+def test_grad_mode_left_off_is_found_and_restored(sweep, tmp_path):
+    """A call that switches autograd off for its caller is "silent", and the next case runs
+    with it on again (a later training would fail: its loss would have no grad_fn)."""
+    import torch
+
+    off = sweep.Py(lambda ctx: torch.set_grad_enabled(False))
+    kind, detail = _outcome(sweep, tmp_path, run=off, expect=sweep.ACCEPT)
+    assert (kind, detail) == (sweep.SILENT, "left torch's grad mode off for the caller")
+    assert torch.is_grad_enabled()
+
+
 def test_in_process_cli_and_argparse_refusals(sweep, tmp_path):
     """``xnn frobnicate`` through ``xnn.cli.main.main``: argparse's usage and error line."""
     kind, detail = _outcome(sweep, tmp_path, run=sweep.Cli(["frobnicate"]))

@@ -94,7 +94,7 @@ def tests(name: str, data: dict) -> list[list[str]]:
                  f"{last[0]} passed, {last[1]} skipped, {float(last[2]):.0f} s"]]
     out = data["total"]
     counts = ", ".join(f"{out[k]} {k}" for k in BAD_INPUT_OUTCOMES)
-    return [["bad-input sweep (issue 42)", f"{counts}, of {data['good']}"]]
+    return [["bad-input sweep (issue 42)", f"{counts}, of {data['cases']}"]]
 
 
 # neighbor lists -------------------------------------------------------------------------

@@ -173,6 +173,7 @@ class Result:
     ranks: list[dict] = dataclasses.field(default_factory=list)  # torchrun / Ranks cases
     wall_s: float = 0.0
     written: list[str] = dataclasses.field(default_factory=list)  # new files in the folder
+    leaked: str | None = None  # process state an in-process case changed and left changed
 
     @property
     def failed(self) -> bool:
@@ -296,6 +297,8 @@ def classify(case: Case, res: Result) -> tuple[str, str]:
     """The outcome of ``case`` (one of :data:`OUTCOMES`) and a short detail."""
     if res.markers:
         return SILENT, f"code ran from a file (marker {', '.join(res.markers)})"
+    if res.leaked:
+        return SILENT, res.leaked
     if res.timed_out:
         if case.long_ok and res.check_error is None:
             return OK, f"running correctly when stopped after {case.timeout:g} s"
@@ -353,10 +356,13 @@ def _isolated(ctx: Ctx):
 
 def _in_process(ctx: Ctx, case: Case, call: Callable[[], Any]) -> Result:
     """Run ``call`` here with stdout/stderr/warnings captured and a SIGALRM time limit."""
+    import torch
+
     from xnn.errors import XnnError
 
     res = Result()
     out, err = io.StringIO(), io.StringIO()
+    grad = torch.is_grad_enabled()
     old = signal.signal(signal.SIGALRM, _alarm)
     with _isolated(ctx), warnings.catch_warnings(record=True) as caught, \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -378,6 +384,13 @@ def _in_process(ctx: Ctx, case: Case, call: Callable[[], Any]) -> Result:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+    if torch.is_grad_enabled() != grad:
+        # restored, so that later cases run as in a fresh process (training needs it on); a
+        # case stopped by the timer may have been interrupted inside torch.no_grad().__enter__
+        # (the harness's doing, not the code's), any other case left it changed itself
+        torch.set_grad_enabled(grad)
+        if not res.timed_out:
+            res.leaked = f"left torch's grad mode {'on' if not grad else 'off'} for the caller"
     res.stdout, res.stderr = out.getvalue(), err.getvalue()
     res.warnings = sorted({f"{w.category.__name__}: {str(w.message)[:160]}" for w in caught})
     return res
@@ -568,8 +581,15 @@ def run_case(case: Case, fx: Fixtures, root: Path) -> tuple[Result, Ctx]:
 
 
 # =========================================================================== shared inputs
-LJ_PARAMS = "model.params={sigma: 3.405, epsilon: 0.0104, cutoff: 6.0}"
-LJ = ["model.name=lj", LJ_PARAMS]
+LJ = ["model.name=lj", "model.cutoff=6.0", "model.hyperparameters={sigma: 3.405, epsilon: 0.0104}"]
+LJ_TERM = "{name: lj, sigma: 3.405, epsilon: 0.0104, cutoff: 6.0}"  # LJ as a term of a sum
+
+
+def lj_plus(*terms: str) -> list[str]:
+    """The model options of LJ plus ``terms`` (YAML flow mappings): ``model.name=sum``."""
+    return ["model.name=sum", f"model.hyperparameters.terms=[{', '.join((LJ_TERM, *terms))}]"]
+
+
 QUIET_MD = ["output.progress=false", "output.plot=false", "model.device=cpu"]
 TINY_SCHNET = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
                "num_basis: 8}")
@@ -1404,8 +1424,9 @@ def model_file_cases() -> list[Case]:
         "validate": (Cli(validate(model="{tmp}/m.pt", structure=cu)), CORE_VARIANTS),
         "export": (Cli(export("{tmp}/m.pt")), CORE_VARIANTS),
         "pretrained": (Cli(train("pretrained={tmp}/m.pt")), CORE_VARIANTS),
-        "md-add": (Cli(md(structure=cu, model=["model.file={model}",
-                                              "model.add=[{model_file: {tmp}/m.pt}]"])),
+        "md-add": (Cli(md(structure=cu, model=[
+            "model.name=sum",
+            "model.hyperparameters.terms=[{model_file: {model}}, {model_file: {tmp}/m.pt}]"])),
                    ("missing", "dir", "garbage")),
         "load_model": (Py(_load_model), CORE_VARIANTS + ("future-version", "unknown-name",
                                                          "missing-weight", "structure")),
@@ -1596,9 +1617,10 @@ TRUST_DOORS = {  # door -> run of {tmp}/evil.pt (a model file) / {tmp}/evil_ckpt
     "load_model": Py(lambda ctx: __import__("xnn").load_model(ctx.p("evil.pt"))),
     "md-model-file": Cli(md(structure="{cu1}", model=["model.file={tmp}/evil.pt"])),
     "md-model-add": Cli(md(structure="{cu1}", model=[
-        "model.file={model}", "model.add=[{model_file: {tmp}/evil.pt}]"])),
+        "model.name=sum",
+        "model.hyperparameters.terms=[{model_file: {model}}, {model_file: {tmp}/evil.pt}]"])),
     "md-params-terms": Cli(md(structure="{cu1}", model=[
-        "model.name=sum", "model.params.terms=[{model_file: {tmp}/evil.pt}]"])),
+        "model.name=sum", "model.hyperparameters.terms=[{model_file: {tmp}/evil.pt}]"])),
     "relax": Cli(relax(structure="{cu1}", model=["model.file={tmp}/evil.pt"])),
     "run": Cli(workflow(structure="{cu1}", model=["model.file={tmp}/evil.pt"])),
     "eval": Cli(evaluate("{tmp}/evil.pt")),
@@ -1814,13 +1836,13 @@ MD_BAD = [  # (id, description, extra overrides, match, expect, issue)
     ("model-both", "model.file and model.name both set", ["model.file={lj}"], "model", ERROR,
      False),
     ("model-name-unknown", "model.name=nosuch", ["model.name=nosuch"], "nosuch", ERROR, False),
-    ("params-sigma-negative", "model.params.sigma=-1", ["model.params.sigma=-1"], "sigma",
-     ERROR, False),
-    ("params-unknown", "model.params.bogus=1", ["model.params.bogus=1"], "bogus", ERROR, False),
-    ("params-cutoff-zero", "model.params.cutoff=0", ["model.params.cutoff=0"], "cutoff", ERROR,
-     False),
-    ("params-nan", "model.params.epsilon=.nan", ["model.params.epsilon=.nan"], "epsilon",
-     ERROR, False),
+    ("params-sigma-negative", "model.hyperparameters.sigma=-1",
+     ["model.hyperparameters.sigma=-1"], "sigma", ERROR, False),
+    ("params-unknown", "model.hyperparameters.bogus=1", ["model.hyperparameters.bogus=1"],
+     "bogus", ERROR, False),
+    ("params-cutoff-zero", "model.cutoff=0", ["model.cutoff=0"], "cutoff", ERROR, False),
+    ("params-nan", "model.hyperparameters.epsilon=.nan",
+     ["model.hyperparameters.epsilon=.nan"], "epsilon", ERROR, False),
     ("skin-negative", "model.skin=-1", ["model.skin=-1"], "skin", ERROR, False),
     ("neighbor-backend", "model.neighbor_backend=foo", ["model.neighbor_backend=foo"],
      "neighbor_backend", ERROR, False),
@@ -1830,16 +1852,11 @@ MD_BAD = [  # (id, description, extra overrides, match, expect, issue)
     ("device-tpu", "model.device=tpu", ["model.device=tpu"], "device|tpu", ERROR, False),
     ("device-cuda-absent", "model.device=cuda on a machine without CUDA",
      ["model.device=cuda"], "cuda", ERROR, False),
-    ("add-unknown", "model.add=[{name: nosuch}]", ["model.add=[{name: nosuch}]"], "nosuch",
-     ERROR, False),
-    ("add-d3-functional", "model.add=[{name: d3, functional: nosuch}]",
-     ["model.add=[{name: d3, functional: nosuch}]"], "nosuch|functional", ERROR, False),
-    ("add-empty-term", "model.add=[{}]", ["model.add=[{}]"], "term|name", ERROR, False),
     ("compile-npt", "compile=true with ensemble=npt", ["compile=true", "ensemble=npt",
                                                       "pressure=0"], "npt", ERROR, False),
-    ("dd-mode", "dd.mode=foo", ["dd.mode=foo"], "mode", ERROR, False),
-    ("dd-mode-graph-one-process", "dd.mode=graph in one process (valid: nothing to split)",
-     ["dd.mode=graph"], None, ACCEPT, False),
+    ("dd-mode", "parallel.mode=foo", ["parallel.mode=foo"], "mode", ERROR, False),
+    ("dd-mode-graph-one-process", "parallel.mode=graph in one process (valid: nothing to "
+     "split)", ["parallel.mode=graph"], None, ACCEPT, False),
     ("steps-zero", "steps=0 (valid: the initial frame only)", ["steps=0"], None, ACCEPT, False),
 ]
 
@@ -1847,6 +1864,11 @@ MD_BAD = [  # (id, description, extra overrides, match, expect, issue)
 def md_cases() -> list[Case]:
     out = [C(f"md-{i}", "md", d, Cli(md(*x)), match=m, expect=e, issue=iss)
            for i, d, x, m, e, iss in MD_BAD]
+    out += [C(f"md-{i}", "md", f"LJ plus the term {t}", Cli(md(model=lj_plus(t))), match=m)
+            for i, t, m in (("add-unknown", "{name: nosuch}", "nosuch"),
+                            ("add-d3-functional", "{name: d3, functional: nosuch}",
+                             "nosuch|functional"),
+                            ("add-empty-term", "{}", "term|name"))]
     out += [
         C("md-output-dir-is-file", "md", "output.dir is an existing file",
           Cli(md("output.dir={tmp}/f")), setup=[_run_file("f")], match="file|folder|director"),
@@ -2085,7 +2107,8 @@ TRAIN_BAD = [  # (id, description, extra overrides, match, issue)
      ["model.hyperparameters.num_features=.nan"], "num_features", False),
     ("species-empty", "model.species=[]", ["model.species=[]"], "species", False),
     ("e0-choice", "model.e0=foo", ["model.e0=foo"], "e0", False),
-    ("backend-choice", "model.backend=foo", ["model.backend=foo"], "backend", False),
+    ("backend-choice", "model.kernel_backend=foo", ["model.kernel_backend=foo"], "backend",
+     False),
     ("batch-size-zero", "data.batch_size=0", ["data.batch_size=0"], "batch_size", False),
     ("batch-size-negative", "data.batch_size=-1", ["data.batch_size=-1"], "batch_size", False),
     ("val-batch-size-zero", "data.val_batch_size=0", ["data.val_batch_size=0"],
@@ -2264,8 +2287,8 @@ def validate_cases() -> list[Case]:
         C("validate-tol-negative", "validate", "--tol -1", v("--tol", "-1"), match="tol"),
         C("validate-tol-nan", "validate", "--tol nan", v("--tol", "nan"), match="tol"),
         C("validate-skin-negative", "validate", "--skin -1", v("--skin", "-1"), match="skin"),
-        C("validate-timeout-zero", "validate", "--timeout 0", v("--parallel.timeout_s", "0"),
-          match="timeout"),
+        C("validate-timeout-zero", "validate", "--parallel.timeout_s 0",
+          v("--parallel.timeout_s", "0"), match="timeout"),
         C("validate-dtype", "validate", "--dtype float16", v("--dtype", "float16")),
         C("validate-mode", "validate", "--mode foo", v("--mode", "foo")),
         C("validate-device-tpu", "validate", "--device tpu", v("--device", "tpu"),
@@ -2636,8 +2659,9 @@ def _cations(ctx: Ctx):
     return atoms
 
 
-PME = ["model.name=pme", "model.params={charges: data, cutoff: 5.0}"]
-PME_TABLE = ["model.name=pme", "model.params={charges: {Na: 1.0, Cl: -1.0}, cutoff: 5.0}"]
+PME = ["model.name=pme", "model.cutoff=5.0", "model.hyperparameters={charges: data}"]
+PME_TABLE = ["model.name=pme", "model.cutoff=5.0",
+             "model.hyperparameters={charges: {Na: 1.0, Cl: -1.0}}"]
 
 
 def long_range_cases() -> list[Case]:
@@ -2651,28 +2675,32 @@ def long_range_cases() -> list[Case]:
           Cli(lr(s="{tmp}/s.xyz")), setup=[structures("s.xyz", _nacl_nan_charge)],
           match="charge|nan", issue=True),
         C("lr-pme-nan-charge-table", "long-range", "pme charge table {Na: .nan}",
-          Cli(lr(model=["model.name=pme", "model.params={charges: {Na: .nan, Cl: -1.0}, "
-                                          "cutoff: 5.0}"])), match="charge|Na|nan", issue=True),
+          Cli(lr(model=["model.name=pme", "model.cutoff=5.0",
+                        "model.hyperparameters={charges: {Na: .nan, Cl: -1.0}}"])),
+          match="charge|Na|nan", issue=True),
         C("lr-pme-nan-charge-build", "long-range", "build('pme', charges={'Na': nan, 'Cl': -1})",
           _build("pme", charges={"Na": float("nan"), "Cl": -1.0}), match="charge|Na|nan",
           issue=True),
         C("lr-pme-table-missing-element", "long-range", "pme charge table without Cl",
-          Cli(lr(model=["model.name=pme", "model.params={charges: {Na: 1.0}, cutoff: 5.0}"])),
+          Cli(lr(model=["model.name=pme", "model.cutoff=5.0",
+                        "model.hyperparameters={charges: {Na: 1.0}}"])),
           match="Cl|charge"),
         C("lr-ewald-slab-no-correction", "long-range", "ewald on a slab (pbc T T F) without "
           "slab_correction", Cli(lr(s="{tmp}/s.xyz", model=[
-              "model.name=ewald", "model.params={charges: data, cutoff: 5.0}"])),
+              "model.name=ewald", "model.cutoff=5.0",
+              "model.hyperparameters={charges: data}"])),
           setup=[structures("s.xyz", _nacl_slab)], match="slab"),
         C("lr-ewald-net-charge", "long-range", "a periodic system with a net charge (valid: "
           "neutralising background and a warning)", Cli(lr(s="{tmp}/s.xyz", model=[
-              "model.name=ewald", "model.params={charges: data, cutoff: 5.0}"])),
+              "model.name=ewald", "model.cutoff=5.0",
+              "model.hyperparameters={charges: data}"])),
           setup=[structures("s.xyz", _cations)], expect=ACCEPT, check=ran("out/thermo.csv")),
         C("lr-compile-pme-data", "long-range", "compile=true with PME (data charges)",
           Proc(lr(*compiled)), match="compile", timeout=400, issue=True),
         C("lr-compile-pme-table", "long-range", "compile=true with PME (table charges)",
           Proc(lr(*compiled, model=PME_TABLE)), match="compile", timeout=400, issue=True),
         C("lr-compile-d3", "long-range", "compile=true with LJ + D3",
-          Proc(md(*compiled, model=[*LJ, "model.add=[{name: d3, functional: pbe, cutoff: 8.0}]"])),
+          Proc(md(*compiled, model=lj_plus("{name: d3, functional: pbe, cutoff: 8.0}"))),
           match="compile", timeout=400, issue=True),
     ]
 def _campaign(folder: Path) -> tuple[list[tuple], dict[str, int]]:
@@ -2768,11 +2796,11 @@ def distributed_cases() -> list[Case]:
           Torchrun(WF_SHARED), expect=EITHER,
           check=all_of(every_rank_ran_all(8), like_one_process(WF_SHARED)),
           match="rank|torchrun|process|launch", timeout=240, issue=True),
-        C("dist-md-dd-auto", "distributed", "torchrun md dd.mode=auto on 2 ranks",
-          Torchrun(md("dd.mode=auto", "ensemble=nve")), expect=ACCEPT,
+        C("dist-md-dd-auto", "distributed", "torchrun md parallel.mode=auto on 2 ranks",
+          Torchrun(md("parallel.mode=auto", "ensemble=nve")), expect=ACCEPT,
           check=ran("out/thermo.csv"), timeout=240, issue=True),
-        C("dist-relax-dd-auto", "distributed", "torchrun relax dd.mode=auto on 2 ranks",
-          Torchrun(relax("dd.mode=auto")), expect=ACCEPT, check=ran("out/relaxed.xyz"),
+        C("dist-relax-dd-auto", "distributed", "torchrun relax parallel.mode=auto on 2 ranks",
+          Torchrun(relax("parallel.mode=auto")), expect=ACCEPT, check=ran("out/relaxed.xyz"),
           timeout=240),
         C("dist-md-fixed-migration", "distributed", "decomposed md with FixAtoms through "
           "migrations (2 ranks)", Torchrun(md(*dd_md, structure="{tmp}/s.xyz")),
@@ -2874,6 +2902,49 @@ def entry_cases() -> list[Case]:
     ]
 
 # =========================================================================== driver
+#: old spelling -> (its YAML text, its dotlist override, a regex the refusal must hold: the
+#: old key and the new one, ``xnn/config/renamed.py``)
+OLD_SPELLINGS = {
+    "model.params": ("model:\n  params: {sigma: 3.405, epsilon: 0.0104}\n",
+                     "model.params={sigma: 3.405, epsilon: 0.0104}",
+                     r"model\.params.*model\.hyperparameters"),
+    "model.backend": ("model:\n  backend: cueq\n", "model.backend=cueq",
+                      r"model\.backend.*model\.kernel_backend"),
+    "model.add": ("model:\n  add: [{name: d3, functional: pbe}]\n",
+                  "model.add=[{name: d3, functional: pbe}]",
+                  r"model\.add.*model\.name: sum.*model\.hyperparameters\.terms"),
+    "dd.mode-halo": ("dd:\n  mode: halo\n", "dd.mode=halo",
+                     r"dd\.mode.*parallel\.mode=spatial"),
+    "dd.mode-graph": ("dd:\n  mode: graph\n", "dd.mode=graph",
+                      r"dd\.mode.*parallel\.mode=graph"),
+    "dd.order": ("dd:\n  order: morton\n", "dd.order=morton",
+                 r"dd\.order.*parallel\.order"),
+    "dd": ("dd: {}\n", "dd={}", r"'dd'.*parallel"),
+}
+
+
+def vocabulary_cases() -> list[Case]:
+    """The former spellings (before issue 43's one model section and one parallel section),
+    from a YAML file and from an override, in every command that reads a config, and
+    ``xnn validate --timeout``: each refused with one line naming the new key."""
+    doors = {"md": md(), "relax": relax(), "run": workflow(), "train": train()}
+    out = []
+    for door, argv in doors.items():
+        for old, (yaml, override, match) in OLD_SPELLINGS.items():
+            out += [
+                C(f"vocab-{door}-{old}-yaml", "vocabulary", f"xnn {door}: {old} in the YAML "
+                  "file", Cli([argv[0], "{tmp}/c.yaml", *argv[1:]]),
+                  setup=[text("c.yaml", yaml)], match=match),
+                C(f"vocab-{door}-{old}-dotlist", "vocabulary", f"xnn {door} {override}",
+                  Cli([*argv, override]), match=match),
+            ]
+    out += [C(f"vocab-validate-timeout-{name}", "vocabulary",
+              f"xnn validate --timeout{sep}5", Cli(validate(*(f"--timeout{sep}5".split()))),
+              match=r"--timeout.*--parallel\.timeout_s")
+            for name, sep in (("space", " "), ("equals", "="))]
+    return out
+
+
 CATEGORIES: list[Callable[[], list[Case]]] = [
     config_cases,
     data_file_cases,
@@ -2887,6 +2958,7 @@ CATEGORIES: list[Callable[[], list[Case]]] = [
     relax_cases,
     workflow_cases,
     train_cases,
+    vocabulary_cases,
     eval_cases,
     validate_cases,
     export_cases,

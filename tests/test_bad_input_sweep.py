@@ -116,6 +116,17 @@ def test_python_calls_and_checks(sweep, tmp_path):
     assert _outcome(sweep, tmp_path, run=slow, timeout=0.5)[0] == sweep.HANG
 
 
+def test_grad_mode_left_off_is_found_and_restored(sweep, tmp_path):
+    """A call that switches autograd off for its caller is "silent", and the next case runs
+    with it on again (a later training would fail: its loss would have no grad_fn)."""
+    import torch
+
+    off = sweep.Py(lambda ctx: torch.set_grad_enabled(False))
+    kind, detail = _outcome(sweep, tmp_path, run=off, expect=sweep.ACCEPT)
+    assert (kind, detail) == (sweep.SILENT, "left torch's grad mode off for the caller")
+    assert torch.is_grad_enabled()
+
+
 def test_in_process_cli_and_argparse_refusals(sweep, tmp_path):
     """``xnn frobnicate`` through ``xnn.cli.main.main``: argparse's usage and error line."""
     kind, detail = _outcome(sweep, tmp_path, run=sweep.Cli(["frobnicate"]))
@@ -128,7 +139,42 @@ def test_catalogue_covers_the_issue(sweep):
     categories = {c.category for c in cases}
     for needed in ("config", "files-data", "files-structure", "files-model", "files-checkpoint",
                    "trust", "index", "md", "hooks", "relax", "run", "train", "eval", "validate",
-                   "export", "data", "demo", "api", "long-range", "distributed", "entry"):
+                   "export", "data", "demo", "api", "long-range", "distributed", "entry",
+                   "vocabulary"):
         assert needed in categories, needed
     assert all(c.expect in (sweep.ERROR, sweep.ACCEPT, sweep.EITHER) for c in cases)
     assert sum(c.issue for c in cases) >= 40
+
+
+def test_every_former_spelling_is_swept(sweep):
+    """Each renamed key of ``xnn/config/renamed.py`` is given to md, relax, run and train from
+    a YAML file and from an override, and the catalogue uses none of them elsewhere (a case
+    of a bad value must reach that value, not the rename refusal)."""
+    from xnn.config.renamed import RENAMED, old_key
+
+    swept = {old_key(override.split("=")[0]) for _, override, _ in sweep.OLD_SPELLINGS.values()}
+    assert swept == set(RENAMED)
+    ids = {c.id for c in sweep.catalogue()}
+    for door in ("md", "relax", "run", "train"):
+        for old in sweep.OLD_SPELLINGS:
+            assert {f"vocab-{door}-{old}-yaml", f"vocab-{door}-{old}-dotlist"} <= ids
+    assert {"vocab-validate-timeout-space", "vocab-validate-timeout-equals"} <= ids
+    commands = (sweep.Cli, sweep.Proc, sweep.Torchrun)
+    for case in sweep.catalogue():
+        if case.category != "vocabulary" and isinstance(case.run, commands):
+            for arg in case.run.argv:
+                key = arg.split("=")[0]
+                assert old_key(key) is None and key != "--timeout", (case.id, arg)
+
+
+@pytest.mark.parametrize("case_id", ["vocab-md-dd.mode-halo-yaml", "vocab-train-model.add-dotlist",
+                                     "vocab-validate-timeout-equals"])
+def test_former_spellings_are_refused_in_one_line(sweep, tmp_path, case_id):
+    """Real refusals through ``xnn.cli.main.main``: the config is read before any input, so
+    the inputs' paths need not exist."""
+    case = next(c for c in sweep.catalogue() if c.id == case_id)
+    fx = sweep.Fixtures(tmp_path / "fx")
+    fx.paths.update({name: str(tmp_path / f"{name}.xyz") for name in ("cu", "ar", "ar2", "lj")})
+    res, _ = sweep.run_case(case, fx, tmp_path / "cases")
+    kind, detail = sweep.classify(case, res)
+    assert kind == sweep.CLEAR, detail

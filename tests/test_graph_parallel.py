@@ -22,7 +22,18 @@ import numpy as np
 import pytest
 import torch
 from dist_helpers import FreshPorts, spawn
-from helpers import cluster, lj, molecule, native, primitive, rel, sevenn_0, tiny, triclinic
+from helpers import (
+    cluster,
+    hot,
+    lj,
+    molecule,
+    native,
+    primitive,
+    rel,
+    sevenn_0,
+    tiny,
+    triclinic,
+)
 from helpers import fcc as _fcc
 from helpers import graph as _graph
 
@@ -126,16 +137,6 @@ def _grad_case(manager, rank, world, name):
     return {"grad": rel(grads, ref_grads), "norm": float(ref_grads.norm())}
 
 
-def _hot(graph, temperature=2000.0, seed=11):
-    from xnn.dynamics.state import maxwell_boltzmann
-
-    order = torch.argsort(graph.atom_id)
-    g = maxwell_boltzmann(graph.select_atoms(order), temperature, seed=seed)
-    v = torch.empty_like(g.velocities)
-    v[order] = g.velocities
-    return graph.replace(velocities=v)
-
-
 MD_STEPS, MD_SKIN = 40, 0.5
 
 
@@ -157,7 +158,7 @@ def _md_case(manager, rank):
     from xnn.distributed import parallelize
 
     pot = parallelize(lj(), manager, "graph", skin=MD_SKIN)
-    state = _md(pot, _hot(primitive()), rank, pot.reducer)
+    state = _md(pot, hot(primitive(), 2000.0), rank, pot.reducer)
     full, _ = pot.gather(state.graph)
     out = {"rebuilds": pot.stats()["rebuilds"], "n_owned": pot.stats()["n_owned"]}
     if rank == 0:
@@ -386,7 +387,7 @@ def test_md_matches_single_process():
 
     res = results(2)
     out = res[0]["md"]
-    state = _md(Potential(lj(), skin=MD_SKIN), _hot(primitive()))
+    state = _md(Potential(lj(), skin=MD_SKIN), hot(primitive(), 2000.0))
     order = torch.argsort(state.graph.atom_id)
     assert rel(out["positions"], state.graph.positions[order]) <= TOL
     assert rel(out["velocities"], state.graph.velocities[order]) <= TOL

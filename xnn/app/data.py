@@ -52,7 +52,8 @@ def convert_file(source: str, output: str, keys: dict[str, str]) -> tuple[int, i
 
 def inspect_file(path: str, limit: int | None, keys: dict[str, str]) -> str:
     """The report of the keys ``path`` holds and where the labels of ``keys`` are found."""
-    from xnn.data.label_keys import inventory, report
+    from xnn.data.inventory import inventory
+    from xnn.data.label_keys import report
 
     if limit is not None and limit < 1:
         raise InputError(f"--limit must be >= 1, got {limit}")

@@ -42,7 +42,8 @@ class ModelConfig:
     """The ``model`` section (see the module docstring for which command uses which key)."""
 
     file: str | None = field(None, "model file written by xnn train / xnn.save_model (md, "
-                             "relax, run; xnn train starts from a file with pretrained=PATH)")
+                             "relax, run; xnn train starts from a file through its own "
+                             "top-level key, pretrained)")
     name: str | None = field(None, "registry name of a built-in model "
                              "(xnn.models.available_models()); sum: the sum of "
                              "hyperparameters.terms, e.g. [{name: d3, functional: pbe, "
@@ -66,7 +67,7 @@ class ModelConfig:
                                 "rounding, saved with a trained model",
                                 choices=KERNEL_BACKENDS)
     trust_file: bool = field(False, "trust the model files this config names (model.file, "
-                             "pretrained=, model_file terms of a sum, a MACE .model or "
+                             "xnn train's pretrained, model_file terms of a sum, a MACE .model or "
                              "SevenNet checkpoint in model.hyperparameters): they may "
                              "unpickle what they hold or name, which can run code; only for "
                              "files you trust (a file never grants trust by itself)")

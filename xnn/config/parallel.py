@@ -58,7 +58,8 @@ class ParallelConfig:
                     "structures (-1: world size / dd)")
     dd: int = field(1, "domain-decomposition degree: ranks that split each structure "
                     "(-1: world size / dp); xnn train: context parallel, every structure of a "
-                    "dd group's share decomposed over its dd ranks (not with compile=true)")
+                    "dd group's share decomposed over its dd ranks (eager: not with "
+                    "xnn train's compile)")
     mode: str = mode_field()
     order: str = field("morton", "atom order split into blocks by mode graph: morton "
                        "(space-filling curve, fewer cross-rank edges) or index (atom id)",

@@ -47,11 +47,7 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
 }
 
 #: ``(module, call)`` -> reason, for file writing in ``dynamics/``/``training/`` not yet moved.
-ALLOWED_WRITES: dict[tuple[str, str], str] = {
-    ("xnn.training.memory", "mkdir"): "the CUDA allocator snapshot of MemoryProfile (a "
-        "profiling tool the trainer drives, built by build_memory_tools): to be passed in",
-    ("xnn.training.memory", "torch.cuda.memory._dump_snapshot"): "as above",
-}
+ALLOWED_WRITES: dict[tuple[str, str], str] = {}
 
 #: calls that write, create, move or remove files, by their dotted name...
 WRITE_CALLS = frozenset({

@@ -11,16 +11,17 @@ import pickle
 import pytest
 import torch
 
-from xnn.config.loader import load_config
+from xnn.config.loader import ConfigError, load_config
 from xnn.config.train import TrainConfig
 from xnn.data import keys as K
 from xnn.data.emt import write_emt
 from xnn.errors import InputError
+from xnn.io.memory_profile import MemoryProfile
 from xnn.models import build
 from xnn.models.derivatives import compute_properties
 from xnn.neighbors import with_edges
 from xnn.testing.systems import random_periodic_system
-from xnn.training.memory import MemoryProfile, MemoryTools, set_activation_checkpointing
+from xnn.training.memory import MemoryTools, set_activation_checkpointing
 
 SPECIES = [29, 79]
 HP = {
@@ -238,7 +239,8 @@ def test_training_run_with_memory_options(tmp_path, data):
     with pytest.raises(InputError, match="needs a CUDA device"):
         train(_cfg(tmp_path / "p", data, "device=cpu", f"memory.profile_prefix={tmp_path}/x"))
     assert not (tmp_path / "p").exists()  # refused before anything was written
-    with pytest.raises(InputError, match="rather than model.hyperparameters"):
+    with pytest.raises(ConfigError, match="set model.activation_checkpointing, not "
+                                          "model.hyperparameters"):
         train(_cfg(tmp_path / "h", data, "model.hyperparameters.activation_checkpointing=true"))
     train(_cfg(tmp_path / "a", data, "device=cpu"))
     train(_cfg(tmp_path / "b", data, "device=cpu", "model.activation_checkpointing=true",

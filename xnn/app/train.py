@@ -178,9 +178,14 @@ def format_e0(e0: dict) -> str:
 
 def _memory(cfg: TrainConfig, device, rank: int) -> MemoryTools | None:
     """Offload and CUDA profile of ``cfg.memory`` (checked before anything is read)."""
+    from xnn.io.memory_profile import MemoryProfile
+
     m = cfg.memory
-    return build_memory_tools(m.offload_activations, m.profile_prefix, m.profile_steps,
-                              m.profile_max_entries, device, rank, cfg.compile)
+    profile = None
+    if m.profile_prefix is not None:
+        profile = MemoryProfile(m.profile_prefix, rank, device, m.profile_steps,
+                                m.profile_max_entries)
+    return build_memory_tools(m.offload_activations, profile, device, cfg.compile)
 
 
 def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:

@@ -8,7 +8,8 @@ autograd keeps for backward, and a CUDA allocator profile of the first steps.
   forward and backward in ``torch.autograd.graph.save_on_cpu``: every tensor saved for
   backward outside checkpointed blocks (with checkpointing: the blocks' inputs) is copied
   to host memory (pinned on CUDA) and back when backward needs it.
-* ``memory.profile_prefix``: :class:`MemoryProfile` records the CUDA caching allocator's
+* ``memory.profile_prefix``: a :class:`StepProfile` (:class:`xnn.io.memory_profile.
+  MemoryProfile`, in the I/O layer: it writes the file) records the CUDA caching allocator's
   history during the first steps and writes ``PREFIX_rank{r}.pickle``, to be opened at
   https://pytorch.org/memory_viz.
 """
@@ -16,7 +17,7 @@ autograd keeps for backward, and a CUDA allocator profile of the first steps.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -50,75 +51,31 @@ def set_activation_checkpointing(model: nn.Module, enabled: bool, name: str = ""
     hparams["activation_checkpointing"] = bool(enabled)
 
 
-def build_memory_tools(offload_activations: bool, profile_prefix: str | None,
-                       profile_steps: int, profile_max_entries: int, device, rank: int,
+def build_memory_tools(offload_activations: bool, profile: StepProfile | None, device,
                        compile: bool | str = False) -> MemoryTools | None:
     """The :class:`MemoryTools` of a run (``None`` when neither offload nor a profile is set).
 
     Raises:
-        InputError: a profile on a non-CUDA device, or offload with compiled training.
+        InputError: offload with compiled training.
     """
     if compile and offload_activations:
         raise InputError("memory.offload_activations=true does not work with compile=true "
                          "(compiled kernels keep their own saved tensors); set one of them "
                          "to false")
-    profile = None
-    if profile_prefix is not None:
-        profile = MemoryProfile(profile_prefix, rank, device, profile_steps, profile_max_entries)
     if not offload_activations and profile is None:
         return None
     return MemoryTools(offload_activations, device, profile)
 
 
-class MemoryProfile:
-    """CUDA allocator history of the first ``steps`` training steps, written per rank.
+class StepProfile(Protocol):
+    """A profile of the first training steps that :class:`MemoryTools` drives
+    (:class:`xnn.io.memory_profile.MemoryProfile`, which writes the file)."""
 
-    Args:
-        prefix: output path prefix; rank ``r`` writes ``{prefix}_rank{r}.pickle``.
-        rank: this process's rank.
-        device: the training device (must be CUDA).
-        steps: training steps to record.
-        max_entries: allocation events kept (the oldest are dropped beyond this).
-    Raises:
-        InputError: ``device`` is not CUDA.
-    """
+    def start(self) -> None: ...
 
-    def __init__(self, prefix: str, rank: int, device: torch.device, steps: int = 3,
-                 max_entries: int = 100000):
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise InputError(f"memory.profile_prefix needs a CUDA device (it records the CUDA "
-                             f"allocator), but training runs on {device.type}; unset "
-                             "memory.profile_prefix or train with device=cuda")
-        self.path = Path(f"{prefix}_rank{rank}.pickle")
-        self.steps, self.max_entries = int(steps), int(max_entries)
-        self.done = 0
-        self.recording = False
+    def step_done(self) -> None: ...
 
-    def start(self) -> None:
-        """Begin recording (once; later calls do nothing)."""
-        if self.recording or self.done >= self.steps:
-            return
-        torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
-        self.recording = True
-
-    def step_done(self) -> None:
-        """Count a training step; after the last one to record, write the snapshot."""
-        if not self.recording:
-            return
-        self.done += 1
-        if self.done >= self.steps:
-            self.stop()
-
-    def stop(self) -> None:
-        """Write the snapshot (if recording) and stop recording."""
-        if not self.recording:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(self.path))
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.recording = False
-        self.done = self.steps
+    def stop(self) -> None: ...
 
 
 class MemoryTools:
@@ -128,11 +85,12 @@ class MemoryTools:
     Args:
         offload_activations: keep tensors saved for backward in host memory.
         device: the training device (pinned host memory on CUDA).
-        profile: a :class:`MemoryProfile`, or ``None``.
+        profile: a :class:`StepProfile` (:class:`xnn.io.memory_profile.MemoryProfile`), or
+            ``None``.
     """
 
     def __init__(self, offload_activations: bool = False,
-                 device: torch.device | str = "cpu", profile: MemoryProfile | None = None):
+                 device: torch.device | str = "cpu", profile: StepProfile | None = None):
         self.offload_activations = bool(offload_activations)
         self.device = torch.device(device)
         self.profile = profile

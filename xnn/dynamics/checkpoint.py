@@ -8,6 +8,7 @@ import torch
 
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.state import MDState
+from xnn.models.potential import Potential
 
 FORMAT = "xnn-md-checkpoint"
 
@@ -18,10 +19,11 @@ def _storable(v) -> bool:
     return isinstance(v, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in v)
 
 
-def neighbor_state(potential) -> dict | None:
+def neighbor_state(potential: Potential | None) -> dict | None:
     """The Verlet list's cache (edges, reference positions/cell/ids...), so that a resumed
-    run reuses exactly the list an uninterrupted run would (same edge order, same sums)."""
-    nl = getattr(potential, "neighbors", None)
+    run reuses exactly the list an uninterrupted run would (same edge order, same sums);
+    ``None`` without a one-process potential (a decomposed run rebuilds its plan)."""
+    nl = None if potential is None else potential.neighbors
     if nl is None:
         return None
     return {k: v for k, v in vars(nl).items() if _storable(v)}
@@ -31,11 +33,11 @@ def neighbor_state(potential) -> dict | None:
 _SETTINGS = ("cutoff", "skin", "backend")
 
 
-def restore_neighbor_state(potential, saved: dict | None, device) -> None:
+def restore_neighbor_state(potential: Potential | None, saved: dict | None, device) -> None:
     """Reuse the checkpoint's Verlet-list cache in ``potential``'s list when it was built
     for the same cutoff and skin (else the list is built afresh at the first evaluation).
     The list's cutoff, skin and backend stay the potential's own."""
-    nl = getattr(potential, "neighbors", None)
+    nl = None if potential is None else potential.neighbors
     if nl is None or saved is None:
         return
     if saved.get("cutoff", nl.cutoff) != nl.cutoff or saved.get("skin", nl.skin) != nl.skin:
@@ -50,7 +52,7 @@ def restore_neighbor_state(potential, saved: dict | None, device) -> None:
         setattr(nl, k, v)
 
 
-def neighbor_payload(potential) -> dict | None:
+def neighbor_payload(potential: Potential | None) -> dict | None:
     """:func:`neighbor_state` of ``potential`` on the CPU (``None``: it keeps no list)."""
     return _to_cpu(neighbor_state(potential))
 

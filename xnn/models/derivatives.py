@@ -34,13 +34,28 @@ class StrainedGraph:
     strain: Tensor  # [n_systems, 3, 3] leaf
 
 
+def symmetrized(strain: Tensor) -> Tensor:
+    """``(ε + εᵀ) / 2`` of ``strain [..., 3, 3]``: the deformation every derivative path
+    applies (rows ``x`` become ``x + x @ sym``)."""
+    return 0.5 * (strain + strain.transpose(-1, -2))
+
+
+def strain_rows(rows: Tensor, strain: Tensor) -> Tensor:
+    """``rows [n, 3]`` of one system deformed by ``strain [3, 3]``: ``x (1 + sym(ε))``.
+
+    The compiled decomposed MD step deforms its local positions (owned rows, ghost rows
+    gathered and shifted) with it; :func:`apply_strain` deforms owned positions and the cell
+    by the same map, equal by linearity."""
+    return rows + rows @ symmetrized(strain)
+
+
 def apply_strain(graph: AtomicGraph, with_strain: bool = True) -> StrainedGraph:
     """Make positions (and a zero strain) leaves of the autograd graph and deform the graph."""
     pos = graph.positions.detach().requires_grad_(True)
     strain = torch.zeros_like(graph.cell)
     if with_strain:
         strain.requires_grad_(True)
-    sym = 0.5 * (strain + strain.transpose(-1, -2))
+    sym = symmetrized(strain)
     new_pos = pos + rowvec_matmul(pos, sym, graph.batch)
     new_cell = graph.cell + torch.einsum("sij,sjk->sik", graph.cell, sym)
     return StrainedGraph(graph.replace({K.POSITIONS: new_pos, K.CELL: new_cell}), pos, strain)

@@ -66,7 +66,7 @@ from xnn.distributed.domain.halo import add_returned, exchange_rows
 from xnn.dynamics.nve import drift_positions, kick
 from xnn.dynamics.state import MDState, accelerations, check_timestep
 from xnn.errors import InputError
-from xnn.models.derivatives import StrainedGraph, derive, virial_results
+from xnn.models.derivatives import StrainedGraph, derive, strain_rows, virial_results
 
 #: compiled regions and communication points (graph breaks) of a step without rebuild
 REGIONS_PER_STEP = 3
@@ -93,15 +93,15 @@ class _Model(nn.Module):
         from xnn.models.base import pairing_edges
 
         # the leaves of derive: the exchange base's rows and the strain ε, applied to the
-        # local positions, x_local (1 + ε), which equals apply_strain's strained owners and
-        # cell (apply_strain's own form, base (1 + ε) gathered plus shifts @ cell (1 + ε),
-        # is miscompiled by inductor on the CPU in torch 2.13: wrong forces)
+        # local positions by derivatives.strain_rows, x_local (1 + ε), which equals
+        # apply_strain's strained owners and cell by linearity (apply_strain's own order,
+        # base (1 + ε) gathered plus shifts @ cell (1 + ε), is miscompiled by inductor on
+        # the CPU in torch 2.13: wrong forces; tests/test_compiled_domain.py's inductor test)
         base = torch.cat([x_owned, recv]).detach().requires_grad_(True)
         eps = torch.zeros_like(cell)
         if self.stress:
             eps.requires_grad_(True)
-        x = base.index_select(0, src) + shifts @ cell[0]
-        x = x + x @ (0.5 * (eps[0] + eps[0].T))
+        x = strain_rows(base.index_select(0, src) + shifts @ cell[0], eps[0])
         # (a paired filter keeps both edges of a pair or neither: their lengths are equal)
         graph, n_active, _ = model_graph(fields, x, self.cutoff, active, self.paired)
         with pairing_edges(self.paired):

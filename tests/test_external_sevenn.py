@@ -191,8 +191,6 @@ def test_sevenn_wrapper_contracts():
     periodic cell would hold thousands of ghost images)."""
     from xnn.testing import check_adapters, check_decomposition
 
-    # a fresh fp64 wrapper (after the multi-modal test, sevenn's loaded modules hold
-    # TorchScript functions, which deepcopy cannot copy)
     model = build("sevenn", checkpoint="7net-0").double()
     systems = [atoms_graph([a], model.cutoff) for a in (_nacl(), _silicon())]
     out = check_adapters(model, systems)
@@ -213,3 +211,26 @@ def test_sevenn_wrapper_declares_it_cannot_be_traced(wrapper):
     assert wrapper.traceable is False
     with pytest.raises(unittest.SkipTest, match="traceable=False"):  # before any step
         check_compiled_step(wrapper, atoms_graph([_nacl()], wrapper.cutoff), steps=3)
+
+
+def test_wrapper_pickles_after_another_package_enabled_e3nn_scripting():
+    """Another package (sevenn's multi-modal loader, MACE's tools) may switch e3nn's global
+    jit_mode to "script"; a SphericalHarmonics built then holds a TorchScript function, which
+    pickle (sending the model to spawned ranks: CI's failure in stop 49) and deepcopy refuse.
+    The wrapper swaps in the plain function: it pickles, copies and gives the same energy."""
+    import pickle
+
+    import e3nn
+
+    before = e3nn.get_optimization_defaults()
+    e3nn.set_optimization_defaults(jit_script_fx=True)
+    try:
+        model = build("sevenn", checkpoint="7net-0").double()
+    finally:
+        e3nn.set_optimization_defaults(**before)
+    graph = atoms_graph([_nacl()], model.cutoff)
+    copied = pickle.loads(pickle.dumps(model))
+    twin = copy.deepcopy(model)
+    e = compute_properties(model, graph)["energy"]
+    assert torch.equal(compute_properties(copied, graph)["energy"], e)
+    assert torch.equal(compute_properties(twin, graph)["energy"], e)

@@ -39,7 +39,6 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
-from e3nn.o3._spherical_harmonics import _spherical_harmonics  # noqa: E402
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -55,7 +54,13 @@ from xnn.models.blocks import (
 )
 from xnn.models.checkpointing import checkpoint_block
 from xnn.models.cueq import check_backend
-from xnn.models.equivariant_ops import EdgeTensorProduct, IrrepsLinear, ProductBasis, o3
+from xnn.models.equivariant_ops import (
+    EdgeTensorProduct,
+    IrrepsLinear,
+    ProductBasis,
+    o3,
+    plain_harmonics,
+)
 from xnn.models.registry import check_sizes
 
 
@@ -536,9 +541,7 @@ class Equivariant(NativeModel):
         self.sh = o3.SphericalHarmonics(
             o3.Irreps.spherical_harmonics(l_max), normalize=True, normalization="component"
         )
-        # the plain function whatever e3nn's global jit_mode is (other packages set it to
-        # "script"): a ScriptFunction here breaks copies and the traces of compiled training
-        self.sh.sph_func = _spherical_harmonics
+        plain_harmonics(self.sh)
         self.interactions = nn.ModuleList()
         self.readouts = nn.ModuleList()
         for t in range(num_interactions):

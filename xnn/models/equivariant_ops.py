@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 # weights_only=True, which rejects the ``slice`` objects in that file. ``slice`` is inert.
 torch.serialization.add_safe_globals([slice])
 from e3nn import o3  # noqa: E402
+from e3nn.o3._spherical_harmonics import _spherical_harmonics  # noqa: E402
 
 from xnn.errors import InputError  # noqa: E402
 from xnn.models import cueq  # noqa: E402
@@ -368,3 +369,16 @@ class IrrepsLinear(nn.Module):
         if self.bias is not None:
             out = torch.cat([out[:, :, :1] + self.bias[:, None], out[:, :, 1:]], dim=-1)
         return out
+
+
+def plain_harmonics(module: nn.Module) -> nn.Module:
+    """Give every e3nn ``SphericalHarmonics`` inside ``module`` the plain Python function,
+    whatever e3nn's global ``jit_mode`` was when it was built (other packages set it to
+    ``"script"``): a ``ScriptFunction`` attribute cannot be pickled (sending a model to
+    spawned ranks), deep-copied, or traced by compiled training. The same numbers.
+    Returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, o3.SphericalHarmonics):
+            m.sph_func = _spherical_harmonics
+    return module
+

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, ModelFileError
 from xnn.models.base import AtomisticModel, SyncPoints
+from xnn.models.equivariant_ops import plain_harmonics
 from xnn.models.external._common import check_dtype, edges_within
 from xnn.models.external._optional import import_extra, preserved_environ
 
@@ -161,7 +162,8 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
 
     def _setup(self, model: nn.Module, config: dict, modal: str | None, source: str) -> None:
         _, keys, _ = _sevenn()
-        self.model = model
+        # picklable (sent to spawned ranks) and copyable whatever e3nn's jit_mode was
+        self.model = plain_harmonics(model)
         self.config = _primitive(config)
         self.source = source
         self.cutoff = float(model.cutoff)

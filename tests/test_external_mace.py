@@ -350,7 +350,8 @@ def test_compiled_md_step_with_mace_follows_eager(mace_model, n_systems, one_thr
 def test_mace_wrapper_contracts(mace_model, one_thread):
     """xnn.testing's execution-mode contracts on the MACE wrapper: ASE, torch-sim and LAMMPS
     give Potential's numbers; the compiled step traces it and equals eager; decomposed on two
-    gloo ranks (mode halo: MACE has no sync points) equals one process."""
+    gloo ranks equals one process in every mode (halo; sync and graph through the wrapper's
+    sync point between its two interactions)."""
     from xnn.testing import check_adapters, check_compiled_step, check_decomposition
 
     wrapper = build("mace", model=mace_model)
@@ -358,4 +359,4 @@ def test_mace_wrapper_contracts(mace_model, one_thread):
     assert out["ase"] <= 1e-10, out
     assert check_compiled_step(wrapper, steps=4)["n_compiles"] == 1
     errors = check_decomposition(wrapper, world_size=2)
-    assert {e["mode"] for e in errors.values()} == {"halo"}
+    assert {e["mode"] for e in errors.values()} == {"halo", "sync", "graph"}

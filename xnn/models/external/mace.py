@@ -13,6 +13,24 @@ domain decomposition. It calls the model with ``compute_force=False`` and return
 ``node_energy`` (which includes the per-element reference energies E0); xnn derives forces
 and stress. Edges at or beyond ``r_max`` (a Verlet skin) are dropped before the call.
 
+Sync points. mace-torch's ``forward`` runs, per layer ``t``, ``interaction[t]`` (which reads
+the node features of every atom: its skip connection and ``linear_up`` per node, then the
+messages gathered from the senders ``node_feats[edge_index[0]]``) and ``product[t]`` (per
+node). Everything else an interaction reads is exact on a ghost atom: its species
+(``node_attrs``) and the edge features of edges whose receiver is owned (geometry only);
+messages, densities and products summed over an incomplete ghost neighbourhood are wrong
+only on ghosts, whose features layer ``t + 1`` must not read. So for ``t >= 1`` the node
+features ``interaction[t]`` is called with pass through ``self.sync[t - 1]`` (a
+:class:`~xnn.models.base.SyncPoint`, the identity in one process), through a forward
+pre-hook held on the block for the call only (mace-torch's own ``forward`` runs unchanged,
+every variant of it). mace's LAMMPS ML-IAP code exchanges at the same place (after
+``linear_up``, inside the block; before it here, so one tensor serves every block class).
+Under ``parallelize(model, mode="sync")`` the sync points become halo feature exchanges and
+a rank holds ghosts of one cutoff (plus skin) instead of ``num_interactions`` cutoffs. The
+``torch.compile`` copy (:meth:`MACEWrapper.compile_for_inference`) is one compiled region,
+which cannot hold an exchange: while a sync point is anything but the identity, the eager
+model runs instead.
+
 Files and trust. A MACE ``.model`` file is a pickle: loading one executes code from it, as
 mace-torch itself does, so ``model="file.model"`` needs the caller's ``trust=True``. xnn model
 files (:meth:`MACEWrapper.to_payload`) hold the MACE model as data: its constructor arguments
@@ -25,8 +43,11 @@ caller grants trust (:mod:`xnn.models.trust`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +55,7 @@ from torch import Tensor, nn
 from xnn._files import require_file
 from xnn.data.graph import AtomicGraph, rowvec_matmul
 from xnn.errors import InputError, ModelFileError
-from xnn.models.base import AtomisticModel
+from xnn.models.base import AtomisticModel, SyncPoint, SyncPoints
 from xnn.models.cueq import check_backend
 from xnn.models.external import _mace_data, _mace_pairs
 from xnn.models.external._common import check_dtype, edges_within, leaf_safe
@@ -89,7 +110,17 @@ def _head_index(model: nn.Module, head: str | None) -> int:
     return heads.index(head)
 
 
-class MACEWrapper(AtomisticModel):
+def _read_through(sync: nn.Module, graph: AtomicGraph, block: nn.Module, args: tuple,
+                  kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of an interaction block: its ``node_feats`` through ``sync``."""
+    if "node_feats" not in kwargs:  # mace-torch (0.3.x) calls its blocks with keywords
+        raise InputError(f"the MACE wrapper's sync points need interaction blocks called with "
+                         f"node_feats=...; {type(block).__name__} was called positionally")
+    kwargs["node_feats"] = sync(kwargs["node_feats"], graph)
+    return args, kwargs
+
+
+class MACEWrapper(SyncPoints, AtomisticModel):
     """A mace-torch model returning per-atom energies ``[n_atoms]`` (eV) from xnn graphs.
 
     Args:
@@ -110,6 +141,9 @@ class MACEWrapper(AtomisticModel):
         cutoff: ``model.r_max`` (Å).
         num_interactions: ``model.num_interactions``.
         species: ``model.atomic_numbers``, in the model's one-hot order.
+        sync: ``nn.ModuleList`` of ``num_interactions - 1`` :class:`SyncPoint` identities,
+            applied to the node features that interactions ``1 .. num_interactions - 1``
+            read (see the module doc).
     """
 
     def __init__(self, model: nn.Module | str | os.PathLike, head: str | None = None,
@@ -131,6 +165,7 @@ class MACEWrapper(AtomisticModel):
         self.cutoff = float(model.r_max)
         self.num_interactions = int(model.num_interactions)
         self.species = [int(z) for z in model.atomic_numbers]
+        self.init_sync_points(self.num_interactions - 1)
         table = torch.full((119,), -1, dtype=torch.long)
         table[torch.tensor(self.species)] = torch.arange(len(self.species))
         # on the wrapped module's device: a wrapper built around a CUDA model runs there
@@ -227,16 +262,37 @@ class MACEWrapper(AtomisticModel):
         object.__setattr__(self, "_cueq", (key, copy))  # not a registered submodule
         return copy
 
+    def _exchanges(self) -> bool:
+        """Whether a sync point is anything but the identity (an exchange under DD)."""
+        return any(type(m) is not SyncPoint for _, m in self.sync_points)
+
+    @contextlib.contextmanager
+    def _synced(self, model: nn.Module, graph: AtomicGraph) -> Iterator[None]:
+        """Within the block, interaction ``t >= 1`` of the mace-torch ``model`` reads its
+        node features through ``self.sync[t - 1]`` (forward pre-hooks, removed on exit)."""
+        blocks = list(model.interactions)[1:]
+        handles = [block.register_forward_pre_hook(partial(_read_through, sync, graph),
+                                                   with_kwargs=True)
+                   for sync, block in zip(self.sync, blocks)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV), including E0; ``graph`` must carry edges."""
         check_dtype(graph, self.model)
         model, compiled = self.model, getattr(self, "_compile", False) and not self.training
         if self.backend == "cueq" and not self.training:
             model, compiled = self._cueq_model(graph.positions.device, graph.dtype), False
-        if compiled:
+        if compiled and not self._exchanges():  # one compiled region: no exchange inside
             model = self._compiled_model(graph.positions.device, graph.dtype)
-        out = model(self.mace_inputs(graph, cell_grad=compiled), training=False,
-                    compute_force=False)
+        else:
+            compiled = False
+        with self._synced(model, graph) if not compiled else contextlib.nullcontext():
+            out = model(self.mace_inputs(graph, cell_grad=compiled), training=False,
+                        compute_force=False)
         return out["node_energy"].to(graph.dtype)
 
     # ------------------------------------------------------------------ serialization

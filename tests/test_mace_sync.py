@@ -3,8 +3,8 @@ domain decomposition (mode "sync": a ghost shell of one cutoff + skin instead of
 
 Random-weight mace-torch models (2 interactions, 8 channels, fp64) built here; gloo ranks on
 CPU; decomposed energy, per-atom energies, forces (by global atom id) and stress (virial for
-the cluster) equal one process to 1e-10 relative. One set of ranks per world size runs every
-case of this module.
+the cluster) equal one process to 1e-10 relative. One set of ranks per world size (2, 3) runs
+every case of this module for it (3 ranks: the ScaleShiftMACE cases).
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ def _si_cu(graph: AtomicGraph) -> AtomicGraph:
     return graph.replace(numbers=numbers)
 
 
-def wrapper(cls: str = "ScaleShiftMACE", block: str | None = None):
-    """The xnn wrapper of a random-weight Si/Cu MACE (``block``: both interactions' class)."""
+def wrapper(cls: str = "ScaleShiftMACE", block: str | None = None, backend: str = "reference"):
+    """The xnn wrapper of a random-weight Si/Cu MACE (``block``: both interactions' class;
+    ``backend="cueq"``: evaluated through mace-torch's cuEquivariance copy)."""
     from xnn.models import build
 
     if block is None:
-        return build("mace", model=mace_model(cls=cls))
+        return build("mace", model=mace_model(cls=cls), backend=backend).eval()
     import numpy as np
     from e3nn import o3
 
@@ -52,16 +53,23 @@ def wrapper(cls: str = "ScaleShiftMACE", block: str | None = None):
         MLP_irreps=o3.Irreps("8x0e"), gate=torch.nn.functional.silu,
         atomic_energies=np.array([-1.5, -3.25]), avg_num_neighbors=8.0,
         atomic_numbers=[14, 29], correlation=2)
-    return build("mace", model=model.double().eval())
+    return build("mace", model=model.double().eval()).eval()
 
 
-#: (case, model, structure): a triclinic periodic cell (72 atoms) and a cluster (32 atoms)
+#: models, and structures: a triclinic periodic cell (72 atoms) and a cluster (32 atoms)
 MODELS = {"scaleshift": lambda: wrapper(),
+          "cueq": lambda: wrapper(backend="cueq"),
           "so3": lambda: wrapper("MACE"),
           "density": lambda: wrapper(block="RealAgnosticDensityResidualInteractionBlock")}
 STRUCTURES = {"triclinic": lambda: _si_cu(triclinic()), "cluster": lambda: _si_cu(molecule())}
-CASES = [("scaleshift", "triclinic"), ("so3", "cluster"), ("density", "triclinic"),
-         ("scaleshift", "cluster")]
+ALL = ("halo", "sync", "graph")
+#: (model, structure, modes); 3 ranks run the first two (the variants cost a spawn's time)
+CASES = [("scaleshift", "triclinic", ALL), ("scaleshift", "cluster", ALL),
+         ("so3", "cluster", ALL), ("density", "triclinic", ALL), ("cueq", "triclinic", ("sync",))]
+
+
+def cases(world: int) -> list[tuple]:
+    return CASES if world == 2 else CASES[:2]
 
 
 def worker(rank, world):
@@ -72,10 +80,10 @@ def worker(rank, world):
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
     results = {}
-    for model_name, struct in CASES:
+    for model_name, struct, modes in cases(world):
         model, graph = MODELS[model_name](), STRUCTURES[struct]()
         ref = Potential(model, skin=SKIN)(graph) if rank == 0 else None
-        for mode in ("halo", "sync", "graph"):
+        for mode in modes:
             dd = parallelize(model, manager, mode, skin=SKIN)
             out = dd.single_point(graph if rank == 0 else None)
             entry = {"stats": dd.stats(), "mode": dd.mode,
@@ -129,7 +137,8 @@ def test_sync_points_declared_and_identities_in_one_process():
 def test_sync_mode_equals_one_process(ranks):
     """Modes sync and graph (now that the wrapper has sync points) and halo, on a triclinic
     periodic cell and a cluster, ScaleShiftMACE and MACE, residual and density-normalised
-    interaction blocks: decomposed = one process to 1e-10."""
+    interaction blocks, the e3nn model and its cuEquivariance copy (mode sync): decomposed
+    = one process to 1e-10."""
     world, res = ranks
     for case, entry in res[0].items():
         errors = dict(entry["errors"])
@@ -145,7 +154,10 @@ def test_sync_mode_holds_one_cutoff_of_ghosts(ranks):
     """In mode sync every rank holds a ghost shell of cutoff + skin (halo: 2 x cutoff + skin)
     and fewer ghosts than in mode halo; the periodic cell is genuinely split."""
     world, res = ranks
-    for model_name, struct in CASES:
+    assert len(res[0]) == sum(len(modes) for *_, modes in cases(world))
+    for model_name, struct, modes in cases(world):
+        if "halo" not in modes:
+            continue
         for r in res:
             sync = r[f"{model_name}-{struct}-sync"]["stats"]
             halo = r[f"{model_name}-{struct}-halo"]["stats"]
@@ -179,3 +191,18 @@ def test_compiled_copy_gives_way_to_exchanges():
     assert torch.equal(compiled(graph), eager(graph))
     assert compiled._compiled is None
 
+
+
+def test_auto_may_choose_sync():
+    """Mode auto's cost model (rank 0, no ranks needed) weighs sync for MACE now (before:
+    halo, the wrapper had no sync points): a 2048-atom cell on 4 ranks takes sync with a
+    halo of one cutoff + skin, and no case falls back to halo."""
+    from helpers import fcc, graph
+
+    from xnn.distributed.graph.auto import choose_mode
+
+    model = wrapper()
+    small = choose_mode(model, STRUCTURES["triclinic"](), 4, skin=SKIN)
+    large = choose_mode(model, _si_cu(graph(fcc((8, 8, 8)))), 4, skin=SKIN)
+    assert small[0] in ("sync", "graph"), small
+    assert large[0] == "sync" and f"{CUTOFF + SKIN:.3g} Å halo" in large[1], large

@@ -217,3 +217,20 @@ def test_auto_may_choose_sync():
     large = choose_mode(model, _si_cu(graph(fcc((8, 8, 8)))), 4, skin=SKIN)
     assert small[0] in ("sync", "graph"), small
     assert large[0] == "sync" and f"{CUTOFF + SKIN:.3g} Å halo" in large[1], large
+
+
+def test_torchscript_module_has_no_sync_points():
+    """A TorchScript-compiled mace-torch module runs no Python hooks: wrapped, it declares
+    no sync points (decomposed: mode halo, as before) and gives the eager module's numbers."""
+    from e3nn.util import jit
+
+    from xnn.distributed.modes import spatial_mode
+    from xnn.models import Potential, build
+
+    module = mace_model()
+    scripted = build("mace", model=jit.compile(mace_model()))
+    assert scripted.sync_points == [] and spatial_mode(scripted) == "halo"
+    graph = STRUCTURES["cluster"]()
+    ref, out = Potential(build("mace", model=module))(graph), Potential(scripted)(graph)
+    for key in ("energy", "forces"):
+        torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-10)

@@ -29,7 +29,8 @@ Under ``parallelize(model, mode="sync")`` the sync points become halo feature ex
 a rank holds ghosts of one cutoff (plus skin) instead of ``num_interactions`` cutoffs. The
 ``torch.compile`` copy (:meth:`MACEWrapper.compile_for_inference`) is one compiled region,
 which cannot hold an exchange: while a sync point is anything but the identity, the eager
-model runs instead.
+model runs instead. A TorchScript-compiled MACE module runs no Python hooks: wrapped, it has
+no sync points (and runs decomposed in mode halo).
 
 Files and trust. A MACE ``.model`` file is a pickle: loading one executes code from it, as
 mace-torch itself does, so ``model="file.model"`` needs the caller's ``trust=True``. xnn model
@@ -143,7 +144,8 @@ class MACEWrapper(SyncPoints, AtomisticModel):
         species: ``model.atomic_numbers``, in the model's one-hot order.
         sync: ``nn.ModuleList`` of ``num_interactions - 1`` :class:`SyncPoint` identities,
             applied to the node features that interactions ``1 .. num_interactions - 1``
-            read (see the module doc).
+            read (see the module doc); none for a TorchScript module (``torch.jit``), which
+            runs no Python hooks: decomposed, it runs in mode halo.
     """
 
     def __init__(self, model: nn.Module | str | os.PathLike, head: str | None = None,
@@ -165,7 +167,9 @@ class MACEWrapper(SyncPoints, AtomisticModel):
         self.cutoff = float(model.r_max)
         self.num_interactions = int(model.num_interactions)
         self.species = [int(z) for z in model.atomic_numbers]
-        self.init_sync_points(self.num_interactions - 1)
+        # a TorchScript module runs no Python hooks: no sync points (decomposed: mode halo)
+        scripted = isinstance(model, torch.jit.ScriptModule)
+        self.init_sync_points(0 if scripted else self.num_interactions - 1)
         table = torch.full((119,), -1, dtype=torch.long)
         table[torch.tensor(self.species)] = torch.arange(len(self.species))
         # on the wrapped module's device: a wrapper built around a CUDA model runs there
@@ -270,7 +274,7 @@ class MACEWrapper(SyncPoints, AtomisticModel):
     def _synced(self, model: nn.Module, graph: AtomicGraph) -> Iterator[None]:
         """Within the block, interaction ``t >= 1`` of the mace-torch ``model`` reads its
         node features through ``self.sync[t - 1]`` (forward pre-hooks, removed on exit)."""
-        blocks = list(model.interactions)[1:]
+        blocks = list(model.interactions)[1:] if len(self.sync) else []
         handles = [block.register_forward_pre_hook(partial(_read_through, sync, graph),
                                                    with_kwargs=True)
                    for sync, block in zip(self.sync, blocks)]

@@ -296,6 +296,11 @@ class XnnFixExternal:
         lmp.set_fix_external_callback(fix_id, self._callback)
 
     @property
+    def mode(self) -> str:
+        """``"one process"`` on one rank, else the decomposition's mode (``halo``/``sync``)."""
+        return "one process" if self.manager is None else self.potential.mode
+
+    @property
     def ghost_cutoff(self) -> float:
         """How far (Å) LAMMPS's ghosts reach (``comm_modify cutoff``; 0 on one rank)."""
         return 0.0 if self.manager is None else float(self.potential.halo_width)

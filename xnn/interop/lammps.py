@@ -353,9 +353,10 @@ class XnnFixExternal:
             g = AtomicGraph.from_arrays(
                 positions=xa[:nlocal], numbers=self.numbers_of_type[types - 1], cell=cell,
                 pbc=pbc, atom_id=ids[:nlocal], dtype=self.dtype, device=self.device)
-            pot.layout.ghosts = HostGhosts(
-                torch.as_tensor(ids[nlocal:], device=self.device),
-                torch.as_tensor(xa[nlocal:], dtype=self.dtype, device=self.device))
+            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list,
+            # their positions are read only then (per step, owned positions travel alone)
+            pot.layout.ghosts = HostGhosts(torch.from_numpy(ids[nlocal:]),
+                                           torch.from_numpy(xa[nlocal:]))
         out = pot(g, forces=True, stress=True)
         self._refuse_close_ranks()
         # fix external's global energy and virial are global quantities: every rank hands

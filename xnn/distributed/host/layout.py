@@ -45,9 +45,11 @@ class HostGhosts:
     """A rank's ghost atoms as the host holds them, before one evaluation.
 
     Attributes:
-        ids: ``[n_ghost]`` global atom ids (the owned graph's ``atom_id`` numbering).
-        positions: ``[n_ghost, 3]`` Å, in the frame of the owned positions: each an image
-            ``x_owner + n @ cell`` of its owner (integer ``n``, zero along open axes).
+        ids: ``[n_ghost]`` global atom ids (the owned graph's ``atom_id`` numbering), on
+            the CPU: compared at every evaluation to see whether the host rebuilt them.
+        positions: ``[n_ghost, 3]`` Å (CPU), in the frame of the owned positions: each an
+            image ``x_owner + n @ cell`` of its owner (integer ``n``, zero along open
+            axes); read only at a rebuild (then copied to the model's device).
     """
 
     ids: Tensor
@@ -111,8 +113,10 @@ class HostLayout:
         with C.guarded(pot.group, "host ghosts"):
             if self.ghosts is None:
                 raise InputError("the host gave no ghost atoms before the evaluation")
-            ghosts = self.ghosts
+            host = self.ghosts
             ids = graph.atom_id
+            ghosts = HostGhosts(host.ids.to(ids.device),
+                                host.positions.to(graph.positions))
             if ghosts.ids.numel() and int(ghosts.ids.min()) < 0:
                 raise InputError("host ghost ids must be >= 0")
         every = C.gather_rows(ids, pot.group)
@@ -139,7 +143,7 @@ class HostLayout:
                 self.cutoff + self.skin, None, pot.backend)
             if self.mode == "sync":  # ghost features come from their owners
                 edge_index = edge_index[:, edge_index[1] < graph.n_atoms]
-        self._built_ids = ghosts.ids.clone()
+        self._built_ids = host.ids.clone()
         return LocalDomain(None, torch.zeros(0), self_src, shifts, plan, fields, edge_index)
 
     def migrate(self, graph, extra, pot):  # pragma: no cover - never called (migrates False)

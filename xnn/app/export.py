@@ -1,6 +1,7 @@
 """The application behind ``xnn export``: a model file written as a torch-only artefact
 (:func:`xnn.models.serialization.export_model`; the contract of its inputs is
-:mod:`xnn.models.export`)."""
+:mod:`xnn.models.export`), or as the object LAMMPS's ``pair_style mliap unified FILE 0``
+loads (format ``lammps-mliap``, :func:`xnn.interop.mliap.export_mliap`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: file suffix of each format
-SUFFIX = {"export": ".pt2", "aoti": ".pt2", "torchscript": ".pt"}
+SUFFIX = {"export": ".pt2", "aoti": ".pt2", "torchscript": ".pt", "lammps-mliap": ".pt"}
 #: how each format loads with torch alone (``FILE``: the artefact's path)
 LOADER = {
     "export": "torch.export.load(FILE).module()",
     "aoti": "torch._inductor.aoti_load_package(FILE)",
     "torchscript": "torch.jit.load(FILE)",
+    "lammps-mliap": "pair_style mliap unified FILE 0 (LAMMPS built with ML-IAP, PYTHON and "
+                    "KOKKOS; see docs/lammps-mliap.md)",
 }
 
 
@@ -27,7 +30,8 @@ class Exported:
 
     def loader(self) -> str:
         """The torch call that loads it."""
-        return LOADER[self.format].replace("FILE", repr(str(self.path)))
+        path = str(self.path) if self.format == "lammps-mliap" else repr(str(self.path))
+        return LOADER[self.format].replace("FILE", path)
 
 
 def default_out(model: str, format: str) -> Path:  # noqa: A002
@@ -37,10 +41,16 @@ def default_out(model: str, format: str) -> Path:  # noqa: A002
 
 
 def export_file(model: str, out: str | None = None, format: str = "export",  # noqa: A002
-                dtype: str | None = None, trust_file: bool = False) -> Exported:
+                dtype: str | None = None, trust_file: bool = False,
+                elements: list[str] | None = None, mode: str = "auto",
+                device: str | None = None) -> Exported:
     """Write the model file ``model`` as ``format`` to ``out`` (``None``:
     :func:`default_out`), in ``dtype`` (``None``: the model's); the output path is checked
     before any work.
+
+    ``elements`` (LAMMPS type names, default the model's species in order), ``mode`` and
+    ``device`` are the ``lammps-mliap`` format's (:class:`xnn.interop.mliap.XnnMLIAPUnified`);
+    other formats refuse them.
 
     Raises:
         InputError, ModelFileError: one line.
@@ -50,10 +60,21 @@ def export_file(model: str, out: str | None = None, format: str = "export",  # n
     from xnn._files import check_output_file
     from xnn.models.serialization import export_model, load_model
 
+    from xnn.errors import InputError
+
+    mliap = format == "lammps-mliap"
+    if not mliap and (elements or device is not None or mode != "auto"):
+        raise InputError(f"--elements, --mode and --device are options of --format "
+                         f"lammps-mliap, not of --format {format}")
     path = Path(out) if out else default_out(model, format)
     check_output_file(path, "--out", example=f"model{SUFFIX[format]}")
     loaded = load_model(model, trust=trust_file)
     if dtype is not None:
         loaded = loaded.to(getattr(torch, dtype))
-    written = export_model(loaded, path, format=format)
+    if mliap:
+        from xnn.interop.mliap import export_mliap
+
+        written = export_mliap(loaded, path, elements, mode, device)
+    else:
+        written = export_model(loaded, path, format=format)
     return Exported(Path(written), format, float(loaded.cutoff))

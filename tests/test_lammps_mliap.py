@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import structures as S
 from helpers.models import SMALL, lj
+
 from xnn.cli.main import main as cli
 from xnn.data import keys as K
 from xnn.errors import InputError
@@ -110,13 +110,34 @@ def test_emulated_ranks_exchange_across_ranks_and_the_exchange_matters():
 
 @pytest.mark.parametrize("system", list(SYSTEMS))
 def test_halo_mode_one_hop_models_equal_one_process(system):
+    """Models without sync points, one hop: LAMMPS's own list (owned receivers, FILE 0)."""
     graph = SYSTEMS[system]()
     one_layer = two_species("schnet", layers=1)
-    for model in (lj(cutoff=4.0).double(), build("morse", D=0.3, alpha=1.3, r0=2.5, cutoff=4.0).double(), one_layer):
+    morse = build("morse", D=0.3, alpha=1.3, r0=2.5, cutoff=4.0).double()
+    for model in (lj(cutoff=4.0).double(), morse, one_layer):
         unified = XnnMLIAPUnified(model, ELEMENTS)
-        assert unified.mode == "halo"
+        assert unified.mode == "halo" and not unified.ghost_neighbors
+        assert unified.ghost_cutoff == float(model.cutoff)
         for n_ranks in (1, 2, 3):
             check_mliap(unified, graph, n_ranks, tol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["schnet", "painn"])
+def test_halo_mode_multi_hop_with_ghost_neighbours_equals_one_process(name):
+    """A two-layer model without exchanges: ghosts of the whole receptive field, each a
+    receiver too (``pair_style mliap unified FILE 1``); with LAMMPS's owned receivers only
+    (FILE 0) it is refused at the first evaluation, not silently wrong."""
+    unified = XnnMLIAPUnified(MODELS[name], ELEMENTS, mode="halo")
+    assert unified.ghost_neighbors and unified.ghost_cutoff == 6.0
+    assert unified.lammps_lines("m.pt")[0] == "pair_style mliap unified m.pt 1"
+    assert unified.lammps_lines("m.pt")[2].startswith("comm_modify cutoff 8")
+    graph = SYSTEMS["triclinic"]()
+    for n_ranks in (1, 3):
+        check_mliap(unified, graph, n_ranks, tol=1e-10)
+    parts = emulate_ranks(graph, 2, 6.0, 3.0)  # owned receivers only
+    datas = fake_data(parts, graph.numbers.numpy(), ELEMENTS)
+    with pytest.raises(InputError, match="pair_style mliap unified FILE 1"):
+        run_ranks(unified, datas)
 
 
 def test_exported_file_round_trips(tmp_path, capsys):
@@ -127,7 +148,8 @@ def test_exported_file_round_trips(tmp_path, capsys):
     out = tmp_path / "cuo.pt"
     assert cli(["export", str(tmp_path / "model.pt"), "--format", "lammps-mliap",
                 "--elements", *ELEMENTS, "--out", str(out)]) == 0
-    assert f"pair_style mliap unified {out} 0" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"pair_style mliap unified {out} 0; pair_coeff * * Cu O" in printed
     loaded = torch.load(out, weights_only=False)
     assert isinstance(loaded, XnnMLIAPUnified)
     assert loaded.element_types == ELEMENTS and loaded.rcutfac == 0.5 * float(model.cutoff)
@@ -156,7 +178,6 @@ def _one_line(call) -> str:
 
 def test_refusals_are_one_line(tmp_path, capsys):
     deep = MODELS["schnet"]
-    assert "receptive field" in _one_line(lambda: XnnMLIAPUnified(deep, ELEMENTS, "halo"))
     assert "no sync points" in _one_line(lambda: XnnMLIAPUnified(lj().double(), ["Cu"], "sync"))
     assert "does not apply" in _one_line(lambda: XnnMLIAPUnified(deep, ELEMENTS, "graph"))
     assert "mode must be one of" in _one_line(lambda: XnnMLIAPUnified(deep, ELEMENTS, "x"))

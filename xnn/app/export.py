@@ -15,8 +15,7 @@ LOADER = {
     "export": "torch.export.load(FILE).module()",
     "aoti": "torch._inductor.aoti_load_package(FILE)",
     "torchscript": "torch.jit.load(FILE)",
-    "lammps-mliap": "pair_style mliap unified FILE 0 (LAMMPS built with ML-IAP, PYTHON and "
-                    "KOKKOS; see docs/lammps-mliap.md)",
+    "lammps-mliap": "LAMMPS (ML-IAP, PYTHON and KOKKOS; docs/lammps-mliap.md)",
 }
 
 
@@ -27,11 +26,14 @@ class Exported:
     path: Path
     format: str
     cutoff: float
+    #: input lines of a LAMMPS host (format ``lammps-mliap``)
+    lines: tuple[str, ...] = ()
 
     def loader(self) -> str:
-        """The torch call that loads it."""
-        path = str(self.path) if self.format == "lammps-mliap" else repr(str(self.path))
-        return LOADER[self.format].replace("FILE", path)
+        """The torch call that loads it (``lammps-mliap``: LAMMPS's input lines)."""
+        if self.lines:
+            return f"{LOADER[self.format]}: {'; '.join(self.lines)}"
+        return LOADER[self.format].replace("FILE", repr(str(self.path)))
 
 
 def default_out(model: str, format: str) -> Path:  # noqa: A002
@@ -58,9 +60,8 @@ def export_file(model: str, out: str | None = None, format: str = "export",  # n
     import torch
 
     from xnn._files import check_output_file
-    from xnn.models.serialization import export_model, load_model
-
     from xnn.errors import InputError
+    from xnn.models.serialization import export_model, load_model
 
     mliap = format == "lammps-mliap"
     if not mliap and (elements or device is not None or mode != "auto"):
@@ -74,7 +75,8 @@ def export_file(model: str, out: str | None = None, format: str = "export",  # n
     if mliap:
         from xnn.interop.mliap import export_mliap
 
-        written = export_mliap(loaded, path, elements, mode, device)
-    else:
-        written = export_model(loaded, path, format=format)
+        unified = export_mliap(loaded, path, elements, mode, device)
+        return Exported(path, format, float(loaded.cutoff),
+                        tuple(unified.lammps_lines(str(path))))
+    written = export_model(loaded, path, format=format)
     return Exported(Path(written), format, float(loaded.cutoff))

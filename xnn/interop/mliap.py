@@ -31,10 +31,14 @@ Two modes (``mode``):
   owners). Every rank must call ``compute_forces`` (LAMMPS does so on every rank at every
   step, with or without atoms): the exchanges are collective.
 * ``"halo"`` (a model without sync points): no exchange; the energies of the owned atoms
-  are exact only if every atom within the receptive field of an owned atom has its whole
-  neighbourhood in the pair list. LAMMPS's ML-IAP pair list holds owned receivers only, so
-  this mode takes one-hop models only (``receptive_field <= cutoff``: Lennard-Jones, Morse,
-  a one-layer network); a multi-hop model without sync points is refused.
+  are exact when every atom within ``receptive_field - cutoff`` of an owned atom receives
+  its messages too, i.e. has its neighbours in the pair list. For a one-hop model
+  (``receptive_field <= cutoff``: Lennard-Jones, Morse, a one-layer network) LAMMPS's usual
+  list of owned receivers is enough (``pair_style mliap unified FILE 0``). A multi-hop model
+  needs the ghosts' neighbours as well: ``pair_style mliap unified FILE 1`` (ML-IAP's
+  ``ghostneigh_flag``) and a ghost shell of the whole receptive field (``comm_modify cutoff``
+  at least :attr:`XnnMLIAPUnified.ghost_cutoff` plus the skin); a rank handed no ghost
+  receivers is refused at the first evaluation.
 
 The pickled object holds the xnn model: LAMMPS's embedded Python must import ``xnn`` (the
 same environment: ``pip install 'xnn[lammps]'`` there). See docs/lammps-mliap.md for the
@@ -47,7 +51,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -154,13 +157,7 @@ def resolve_mode(model: AtomisticModel, mode: str) -> str:
         mode = spatial_mode(model)
     if mode == "sync" and not has_sync:
         raise InputError(f"{type(model).__name__} has no sync points: ML-IAP mode 'sync' "
-                         "needs them; use mode 'halo' (one-hop models only)")
-    if mode == "halo" and float(model.receptive_field) > float(model.cutoff):
-        raise InputError(
-            f"{type(model).__name__} sees {float(model.receptive_field):g} Å (receptive field) "
-            f"but LAMMPS's ML-IAP pair list holds owned atoms' neighbours within "
-            f"{float(model.cutoff):g} Å only: without sync points a multi-hop model cannot "
-            "run through pair_style mliap (use xnn's fix external route)")
+                         "needs them; use mode 'halo'")
     return mode
 
 
@@ -213,6 +210,30 @@ class XnnMLIAPUnified(MLIAPUnified):
                           torch.float64)
         self.device = None if device is None else _device(device)
 
+    @property
+    def ghost_cutoff(self) -> float:
+        """The ghost shell (Å, without LAMMPS's skin) this mode needs: one cutoff in mode
+        ``sync`` (LAMMPS's default, ``2 * rcutfac``), the receptive field in mode ``halo``
+        (``comm_modify cutoff`` where it exceeds the cutoff)."""
+        if self.mode == "sync":
+            return 2.0 * float(self.rcutfac)
+        return max(float(self.model.receptive_field), 2.0 * float(self.rcutfac))
+
+    @property
+    def ghost_neighbors(self) -> bool:
+        """Whether ghosts must receive (``pair_style mliap unified FILE 1``): mode ``halo``
+        with a multi-hop model."""
+        return self.ghost_cutoff > 2.0 * float(self.rcutfac)
+
+    def lammps_lines(self, path: str) -> list[str]:
+        """The LAMMPS input lines for this object written to ``path``."""
+        lines = [f"pair_style mliap unified {path} {int(self.ghost_neighbors)}",
+                 f"pair_coeff * * {' '.join(self.element_types)}"]
+        if self.ghost_neighbors:
+            lines.append(f"comm_modify cutoff {self.ghost_cutoff + 2.0:g}  # receptive "
+                         "field + skin (2 Å here: use your neighbor skin)")
+        return lines
+
     def compute_descriptors(self, data) -> None:
         """Not used by the unified route (the model computes its own features)."""
 
@@ -228,7 +249,9 @@ class XnnMLIAPUnified(MLIAPUnified):
         energies, pair_forces = self.evaluate(data)
         nlocal = int(data.nlocal)
         owned = energies[:nlocal].detach()
-        torch.as_tensor(data.eatoms)[:nlocal].copy_(owned.to(torch.float64))
+        eatoms = torch.as_tensor(data.eatoms)  # [nlistatoms]: ghosts too with ghost neighbours
+        eatoms.zero_()
+        eatoms[:nlocal].copy_(owned.to(device=eatoms.device, dtype=eatoms.dtype))
         data.energy = float(owned.sum())
         data.update_pair_forces_gpu(pair_forces.to(torch.float64).contiguous())
 
@@ -241,6 +264,12 @@ class XnnMLIAPUnified(MLIAPUnified):
         rij = rij.to(device=device, dtype=self.dtype).detach().requires_grad_(True)
         nlocal, ntotal = int(data.nlocal), int(data.ntotal)
         graph = self.pair_graph(data, rij, nlocal, ntotal)
+        if self.ghost_neighbors and ntotal > nlocal and graph.edge_index.shape[1]:
+            if int(graph.edge_index[1].max()) < nlocal:
+                raise InputError(
+                    f"mode 'halo' of a model that sees {self.ghost_cutoff:g} Å needs ghost "
+                    "atoms with neighbours: write pair_style mliap unified FILE 1 and "
+                    f"comm_modify cutoff {self.ghost_cutoff:g} plus the skin")
         points = [name for name, _ in self.model.sync_points] if self.mode == "sync" else []
         originals = dict(self.model.sync_points)
         try:
@@ -303,7 +332,7 @@ def _device(name: str) -> torch.device:
 
 def export_mliap(model: nn.Module, path: str | os.PathLike,
                  elements: Sequence[str] | None = None, mode: str = "auto",
-                 device: str | None = None) -> Path:
+                 device: str | None = None) -> XnnMLIAPUnified:
     """Write the file ``pair_style mliap unified FILE 0`` loads: ``torch.save`` of
     :class:`XnnMLIAPUnified` (LAMMPS reads ``.pt`` files with ``torch.load``).
 
@@ -312,7 +341,7 @@ def export_mliap(model: nn.Module, path: str | os.PathLike,
         path: output file; ``.pt`` (LAMMPS picks ``torch.load`` by the suffix).
         elements, mode, device: as :class:`XnnMLIAPUnified`.
     Returns:
-        the path.
+        the object written (its :meth:`~XnnMLIAPUnified.lammps_lines` are the input lines).
     Raises:
         InputError: a path without ``.pt``/``.pth``, or a model or option the route refuses.
     """
@@ -324,4 +353,5 @@ def export_mliap(model: nn.Module, path: str | os.PathLike,
                          "torch.load; name the file *.pt")
     unified = XnnMLIAPUnified(model, elements, mode, device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(path, lambda tmp: torch.save(unified, tmp))
+    atomic_write(path, lambda tmp: torch.save(unified, tmp))
+    return unified

@@ -21,6 +21,7 @@ virial ``-Σ rij ⊗ fij``. :func:`check_mliap` compares it all with one process
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -277,20 +278,24 @@ def assemble(datas: list[FakeMLIAPData], n_atoms: int) -> dict[str, Tensor]:
             "virial": torch.as_tensor(virial)}
 
 
-def check_mliap(unified, graph: AtomicGraph, n_ranks: int, ghost_width: float | None = None,
-                tol: float = 1e-10) -> dict[str, float]:
+def check_mliap(unified, graph: AtomicGraph, n_ranks: int, tol: float = 1e-10
+                ) -> dict[str, float]:
     """Assert that ``unified`` (an :class:`xnn.interop.mliap.XnnMLIAPUnified`) on
     ``n_ranks`` emulated LAMMPS ranks gives the one-process energy, per-atom energies, forces
     and virial of its model (in float64) on ``graph`` (one fp64 system) to ``tol`` relative;
     returns the errors.
 
-    ``ghost_width``: default one cutoff (``2 * rcutfac``), LAMMPS's ghost cutoff.
+    The ranks hold the ghosts ``unified`` asks for (``ghost_cutoff``), every ghost a
+    receiver too when it needs ghost neighbours (``ghost_neighbors``; those at the shell's
+    edge miss some neighbours, as under LAMMPS).
     """
     from xnn.models.derivatives import compute_properties
     from xnn.neighbors import with_edges
 
     cutoff = 2.0 * float(unified.rcutfac)
-    parts = emulate_ranks(graph, n_ranks, ghost_width or cutoff, cutoff)
+    width = float(unified.ghost_cutoff)
+    receivers = math.inf if unified.ghost_neighbors else 0.0  # LAMMPS: every ghost, or none
+    parts = emulate_ranks(graph, n_ranks, width, cutoff, receivers)
     datas = fake_data(parts, graph.numbers.numpy(), list(unified.element_types))
     run_ranks(unified, datas)
     got = assemble(datas, graph.n_atoms)

@@ -194,3 +194,18 @@ def test_refusals_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "options of --format lammps-mliap" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]  # nothing written
+
+
+def test_mace_wrapper_runs_the_route():
+    """The mace-torch wrapper through the same object: with sync points (mode sync) where
+    it has them, else with ghost neighbours (mode halo); equal to one process either way."""
+    pytest.importorskip("mace")
+    from helpers.models import small_mace
+
+    model = small_mace()
+    unified = XnnMLIAPUnified(model, ["Cu"])
+    assert unified.mode == ("sync" if model.sync_points else "halo")
+    for system in ("triclinic", "cluster"):
+        graph = SYSTEMS[system]()
+        graph = graph.replace({K.NUMBERS: torch.full_like(graph.numbers, 29)})
+        check_mliap(unified, graph, 2, tol=1e-10)

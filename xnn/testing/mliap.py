@@ -240,15 +240,17 @@ def run_ranks(unified, datas: list[FakeMLIAPData]) -> None:
     """``compute_forces`` of a copy of ``unified`` on every emulated rank, in lock-step (one
     thread per rank); the first error of any rank is raised."""
     errors: list[BaseException] = []
+    copies = [copy.deepcopy(unified) for _ in datas]  # one process each (copying is serial:
+    # torch.fx, which e3nn modules hold, copies thread-unsafely)
 
-    def one(data):
+    def one(rank_copy, data):
         try:
-            copy.deepcopy(unified).compute_forces(data)
+            rank_copy.compute_forces(data)
         except BaseException as err:  # noqa: BLE001 - reraised below
             errors.append(err)
             data.world.barrier.abort()
 
-    threads = [threading.Thread(target=one, args=(d,)) for d in datas]
+    threads = [threading.Thread(target=one, args=(c, d)) for c, d in zip(copies, datas)]
     for t in threads:
         t.start()
     for t in threads:

@@ -80,23 +80,24 @@ class LammpsExchange(torch.autograd.Function):
     ``data.forward_exchange`` fills each ghost row with its owner's row; backward is
     ``data.reverse_exchange`` (each ghost row's gradient added to its owner's row), of
     which the owned rows are the gradient of ``owned`` (ghost rows of the input are padding,
-    whatever the reverse exchange leaves there)."""
+    whatever the reverse exchange leaves there). LAMMPS reads the buffers by address, so they
+    live on ``device``, where LAMMPS's arrays are (the model may run elsewhere)."""
 
     @staticmethod
-    def forward(ctx, owned: Tensor, data, ntotal: int) -> Tensor:
-        ctx.data, ctx.nlocal = data, owned.shape[0]
-        rows = owned.new_zeros((ntotal, owned.shape[1]))
-        rows[: owned.shape[0]] = owned
+    def forward(ctx, owned: Tensor, data, ntotal: int, device: torch.device) -> Tensor:
+        ctx.data, ctx.nlocal, ctx.device = data, owned.shape[0], device
+        rows = torch.zeros((ntotal, owned.shape[1]), dtype=owned.dtype, device=device)
+        rows[: owned.shape[0]] = owned.to(device)
         out = torch.empty_like(rows)
         data.forward_exchange(rows, out, rows.shape[1])
-        return out
+        return out.to(owned.device)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        ctx.data.reverse_exchange(grad, out, grad.shape[1])
-        return out[: ctx.nlocal], None, None
+        rows = grad.to(ctx.device).contiguous()
+        out = torch.empty_like(rows)
+        ctx.data.reverse_exchange(rows, out, rows.shape[1])
+        return out[: ctx.nlocal].to(grad.device), None, None, None
 
 
 class _ExchangePoint(nn.Module):
@@ -104,15 +105,15 @@ class _ExchangePoint(nn.Module):
     is ``nlocal`` or ``ntotal``) -> ``[ntotal, ...]``, owned rows through, ghost rows from
     their owners (:class:`LammpsExchange`)."""
 
-    def __init__(self, data, nlocal: int, ntotal: int):
+    def __init__(self, data, nlocal: int, ntotal: int, device: torch.device):
         super().__init__()
-        self.data, self.nlocal, self.ntotal = data, nlocal, ntotal
+        self.data, self.nlocal, self.ntotal, self.device = data, nlocal, ntotal, device
 
     def forward(self, features: Tensor, graph: AtomicGraph) -> Tensor:
         owned = features[: self.nlocal]
         width = math.prod(features.shape[1:])
         flat = owned.reshape(self.nlocal, width).contiguous()
-        out = LammpsExchange.apply(flat, self.data, self.ntotal)
+        out = LammpsExchange.apply(flat, self.data, self.ntotal, self.device)
         return out.reshape(self.ntotal, *features.shape[1:])
 
 
@@ -253,14 +254,17 @@ class XnnMLIAPUnified(MLIAPUnified):
         eatoms.zero_()
         eatoms[:nlocal].copy_(owned.to(device=eatoms.device, dtype=eatoms.dtype))
         data.energy = float(owned.sum())
-        data.update_pair_forces_gpu(pair_forces.to(torch.float64).contiguous())
+        # LAMMPS reads the pair forces by address: float64, contiguous, on its arrays' device
+        fij = pair_forces.to(device=_lammps_device(data), dtype=torch.float64).contiguous()
+        data.update_pair_forces_gpu(fij)
 
     def evaluate(self, data) -> tuple[Tensor, Tensor]:
         """``(energies [ntotal], pair forces ∂E/∂rij [npairs, 3])`` on this rank, where ``E``
         is the sum of the first ``nlocal`` energies (rows of ghosts are not meaningful)."""
-        rij = torch.as_tensor(data.rij)
-        device = rij.device if self.device is None else self.device
+        lammps = _lammps_device(data)
+        device = lammps if self.device is None else self.device
         self._move(device)
+        rij = _lammps_array(data.rij, (0, 3), torch.float64)
         rij = rij.to(device=device, dtype=self.dtype).detach().requires_grad_(True)
         nlocal, ntotal = int(data.nlocal), int(data.ntotal)
         graph = self.pair_graph(data, rij, nlocal, ntotal)
@@ -274,7 +278,7 @@ class XnnMLIAPUnified(MLIAPUnified):
         originals = dict(self.model.sync_points)
         try:
             for name in points:
-                self.model.set_sync_point(name, _ExchangePoint(data, nlocal, ntotal))
+                self.model.set_sync_point(name, _ExchangePoint(data, nlocal, ntotal, lammps))
             with torch.enable_grad():
                 energies = self.model(graph)
                 total = energies[:nlocal].sum()
@@ -299,9 +303,11 @@ class XnnMLIAPUnified(MLIAPUnified):
         ``pair_j`` to receiver ``pair_i``. In mode ``sync`` the graph sets ``n_update =
         nlocal`` (models may update the owned atoms only; the exchanges supply the ghosts)."""
         device = rij.device
-        elems = torch.as_tensor(data.elems).to(device=device, dtype=torch.long)
-        pair_i = torch.as_tensor(data.pair_i).to(device=device, dtype=torch.long)
-        pair_j = torch.as_tensor(data.pair_j).to(device=device, dtype=torch.long)
+        elems = _lammps_array(data.elems, (0,), torch.int32)
+        pair_i = _lammps_array(data.pair_i, (0,), torch.int32)
+        pair_j = _lammps_array(data.pair_j, (0,), torch.int32)
+        elems, pair_i, pair_j = (t.to(device=device, dtype=torch.long)
+                                 for t in (elems, pair_i, pair_j))
         fields = {
             K.POSITIONS: rij.new_zeros((ntotal, 3)),
             K.NUMBERS: self.numbers.to(device).index_select(0, elems[:ntotal]),
@@ -321,6 +327,19 @@ class XnnMLIAPUnified(MLIAPUnified):
         first = next(iter(self.model.parameters()), None)
         if first is not None and first.device != device:
             self.model.to(device)
+
+
+def _lammps_array(value, empty: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A LAMMPS array (numpy, or CuPy under Kokkos-CUDA) as a tensor sharing its memory; an
+    empty one of shape ``empty`` where LAMMPS hands over ``None`` (a NULL array: no pairs)."""
+    if value is None:
+        return torch.zeros(empty, dtype=dtype)
+    return torch.as_tensor(value)
+
+
+def _lammps_device(data) -> torch.device:
+    """Where LAMMPS's arrays are (the GPU under Kokkos-CUDA): the device of ``data.elems``."""
+    return _lammps_array(data.elems, (0,), torch.int32).device
 
 
 def _device(name: str) -> torch.device:

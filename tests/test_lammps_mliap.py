@@ -209,3 +209,86 @@ def test_mace_wrapper_runs_the_route():
         graph = SYSTEMS[system]()
         graph = graph.replace({K.NUMBERS: torch.full_like(graph.numbers, 29)})
         check_mliap(unified, graph, 2, tol=1e-10)
+
+
+class NullWhenEmpty(FakeMLIAPData):
+    """LAMMPS hands over ``None`` for the pair arrays of a rank without pairs."""
+
+    @property
+    def rij(self):
+        return self.part.rij if self.npairs else None
+
+    @property
+    def pair_i(self):
+        return self.part.pair_i if self.npairs else None
+
+    @property
+    def pair_j(self):
+        return self.part.pair_j if self.npairs else None
+
+
+def test_ranks_without_pairs_still_exchange():
+    """Two far atoms on two ranks: no pairs, no ghosts, every exchange still called on both
+    ranks (collective), energies are the isolated atoms' (the model's e0 table)."""
+    from xnn.data import AtomicGraph
+    from xnn.models.derivatives import compute_properties
+    from xnn.neighbors import with_edges
+
+    graph = AtomicGraph.from_arrays(torch.tensor([[0.0, 0.0, 0.0], [9.0, 0.0, 0.0]]),
+                                    torch.tensor([29, 8]), dtype=torch.float64)
+    model = MODELS["painn"]
+    unified = XnnMLIAPUnified(model, ELEMENTS)
+    parts, datas, got = _run(unified, graph, 2, NullWhenEmpty)
+    assert [(p.nlocal, p.ntotal, len(p.pair_i)) for p in parts] == [(1, 1, 0), (1, 1, 0)]
+    assert [d.exchanges for d in datas] == [2 * len(model.sync_points)] * 2
+    ref = compute_properties(model, with_edges(graph, 3.0, backend="brute"))
+    torch.testing.assert_close(got["energies"], ref["energies"], rtol=1e-12, atol=1e-12)
+    assert got["forces"].abs().max() == 0 and got["virial"].abs().max() == 0
+
+
+def _decomposed_worker(rank, world_size, cases):
+    """xnn's own decomposition (mode sync, gloo) of every case; results sorted by atom id."""
+    from xnn.data import AtomicGraph
+    from xnn.distributed import DistributedManager
+    from xnn.testing.decomposition import decomposed
+
+    torch.set_default_dtype(torch.float64)
+    manager = DistributedManager.initialize(backend="gloo", timeout_s=60)
+    out = {}
+    for name, model, fields in cases:
+        graph = AtomicGraph(fields) if rank == 0 else None
+        result = decomposed(model, manager, "sync", graph).single_point(graph)
+        out[name] = {k: v.detach().cpu() for k, v in result.items()}
+    return out
+
+
+def test_equals_xnns_own_decomposition():
+    """The emulated LAMMPS ranks (3) against xnn's decomposed evaluation in mode sync on 2
+    gloo ranks, by atom id: energy, per-atom energies, forces and virial to 1e-10."""
+    from dist_helpers import spawn
+
+    graph = SYSTEMS["triclinic"]()
+    cases = [(name, MODELS[name], graph.without_edges().fields) for name in SYNC_MODELS]
+    reference = spawn(_decomposed_worker, 2, args=(cases,), timeout_s=300)[0]
+    order = torch.argsort(graph.atom_id)
+    for name in SYNC_MODELS:
+        _, _, got = _run(XnnMLIAPUnified(MODELS[name], ELEMENTS), graph, 3)
+        ref = reference[name]
+        assert torch.equal(ref[K.ATOM_ID], graph.atom_id[order])
+        for key, mine in (("energy", got["energy"]), ("energies", got["energies"][order]),
+                          ("forces", got["forces"][order]), ("virial", got["virial"])):
+            want = ref[key].reshape(mine.shape)
+            err = float((mine - want).abs().max() / want.abs().max())
+            assert err <= 1e-10, (name, key, err)
+
+
+def test_cli_modes_are_the_routes_modes():
+    """``xnn export --mode`` offers exactly the modes the route takes (one vocabulary)."""
+    from xnn.cli.main import build_parser
+    from xnn.distributed.modes import MODES
+    from xnn.interop.mliap import MLIAP_MODES
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    export = sub.choices["export"]
+    mode = next(a for a in export._actions if a.dest == "mode")
+    assert list(mode.choices) == list(MLIAP_MODES) and set(MLIAP_MODES) <= set(MODES)

@@ -180,6 +180,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
     deep = MODELS["schnet"]
     assert "no sync points" in _one_line(lambda: XnnMLIAPUnified(lj().double(), ["Cu"], "sync"))
     assert "does not apply" in _one_line(lambda: XnnMLIAPUnified(deep, ELEMENTS, "graph"))
+    assert "does not apply" in _one_line(lambda: XnnMLIAPUnified(deep, ELEMENTS, "auto"))
     assert "mode must be one of" in _one_line(lambda: XnnMLIAPUnified(deep, ELEMENTS, "x"))
     ewald = build("ewald", cutoff=5.0)
     assert "long-range" in _one_line(lambda: XnnMLIAPUnified(ewald, ["Cu"]))

@@ -44,7 +44,7 @@ def default_out(model: str, format: str) -> Path:  # noqa: A002
 
 def export_file(model: str, out: str | None = None, format: str = "export",  # noqa: A002
                 dtype: str | None = None, trust_file: bool = False,
-                elements: list[str] | None = None, mode: str = "auto",
+                elements: list[str] | None = None, mode: str = "spatial",
                 device: str | None = None) -> Exported:
     """Write the model file ``model`` as ``format`` to ``out`` (``None``:
     :func:`default_out`), in ``dtype`` (``None``: the model's); the output path is checked
@@ -64,7 +64,7 @@ def export_file(model: str, out: str | None = None, format: str = "export",  # n
     from xnn.models.serialization import export_model, load_model
 
     mliap = format == "lammps-mliap"
-    if not mliap and (elements or device is not None or mode != "auto"):
+    if not mliap and (elements or device is not None or mode != "spatial"):
         raise InputError(f"--elements, --mode and --device are options of --format "
                          f"lammps-mliap, not of --format {format}")
     path = Path(out) if out else default_out(model, format)

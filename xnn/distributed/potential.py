@@ -227,12 +227,13 @@ class DecomposedPotential:
                              "maybe_migrate)")
 
     def _changed(self, graph: AtomicGraph) -> bool:
-        """Rank-local: the graph is not of the atoms of the last rebuild (ids or pbc); a
-        changed cell counts through :meth:`_deformation`."""
+        """Rank-local: the graph is not of the atoms of the last rebuild (ids or pbc), or the
+        layout says its ghosts changed (a host engine's new ghost list); a changed cell
+        counts through :meth:`_deformation`."""
         st = self.state
         return (st is None or graph.n_atoms != st.n_owned
                 or not torch.equal(graph.atom_id, st.graph.atom_id)
-                or not torch.equal(graph.pbc, st.graph.pbc))
+                or not torch.equal(graph.pbc, st.graph.pbc) or self.layout.stale(st))
 
     def _deformation(self, cell: Tensor) -> float:
         """How much a cell change since the last rebuild moved the local images (Å):

@@ -3,8 +3,11 @@
 * :mod:`xnn.interop.torchsim`: an xnn model as a torch-sim ``ModelInterface``
   (:class:`~xnn.interop.torchsim.XnnTorchSimModel`) and a torch-sim model as an xnn
   potential (:class:`~xnn.interop.torchsim.TorchSimPotential`).
-* :mod:`xnn.interop.lammps`: an xnn model as the force field of a serial LAMMPS run through
-  ``fix external`` (:class:`~xnn.interop.lammps.XnnFixExternal`).
+* :mod:`xnn.interop.lammps`: an xnn model as the force field of a LAMMPS run, on one or
+  many MPI ranks, through ``fix external`` (:class:`~xnn.interop.lammps.XnnFixExternal`,
+  the ``xnn lammps`` command).
+* :mod:`xnn.interop.mliap`: an xnn model as LAMMPS's ``pair_style mliap unified`` (Kokkos
+  builds with ML-IAP + Python; written by ``xnn export --format lammps-mliap``).
 """
 
 from __future__ import annotations

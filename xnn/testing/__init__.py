@@ -34,6 +34,7 @@ from xnn.testing.decomposition import (
     run_decomposition_cases,
 )
 from xnn.testing.derivatives import check_forces_finite_difference, check_stress_finite_difference
+from xnn.testing.mliap import check_mliap
 from xnn.testing.potential import check_potential, shortest_pair
 from xnn.testing.suite import CONTRACTS, default_systems, run_all_contracts
 from xnn.testing.symmetry import (
@@ -57,6 +58,7 @@ __all__ = [
     "assert_close",
     "assert_decomposition_errors",
     "check_adapters",
+    "check_mliap",
     "check_ase_calculator",
     "check_batch_consistency",
     "check_compiled_step",

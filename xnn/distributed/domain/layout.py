@@ -89,6 +89,10 @@ class SpatialLayout:
         if self.grid is not None:
             self.grid = check_grid(self.grid, size)
 
+    def stale(self, state) -> bool:
+        """Rank-local: ghosts changed outside the potential (never: it builds them)."""
+        return False
+
     # ------------------------------------------------------------------ ownership
     def owners(self, graph, group, rank: int, size: int) -> None:
         """Atoms go to their box at the scatter (no owners given)."""

@@ -71,6 +71,10 @@ class GraphLayout:
         self.cutoff, self.skin = cutoff, skin
         self.halo_width = cutoff + skin  # the edges' reach (no halo of ghosts)
 
+    def stale(self, state) -> bool:
+        """Rank-local: ghosts changed outside the potential (never: it builds them)."""
+        return False
+
     def owners(self, graph, group, rank: int, size: int) -> Tensor | None:
         """Rank 0: each atom's rank, blocks of the atom order (collective)."""
         owner = None

@@ -1,0 +1,1 @@
+"""Decomposition by a host MD engine (LAMMPS): :class:`~.layout.HostLayout`."""

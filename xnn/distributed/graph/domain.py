@@ -17,15 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.local import assemble_local_graph
+from xnn.distributed.domain.local import assemble_local_graph, ghost_fields_of
 from xnn.distributed.graph.exchange import all_gather_rows
 from xnn.neighbors import neighbor_list
-
-#: fields that are not gathered with the static per-atom fields at a rebuild
-_NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
 
 
 @dataclass
@@ -73,11 +69,6 @@ class GraphDomain:
         return torch.cat([owned_values, every.index_select(0, self.ghost_rows)])
 
 
-def _static_fields(graph: AtomicGraph) -> dict[str, Tensor]:
-    return {k: v for k, v in graph.fields.items()
-            if K.scope_of(k) == K.ATOM and k not in _NOT_SENT}
-
-
 def _gather_field(t: Tensor, group) -> Tensor:
     if t.dtype == torch.bool:  # gloo reduces and gathers numbers, not bools
         return C.gather_rows(t.to(torch.uint8), group).bool()
@@ -99,7 +90,7 @@ def build_graph_domain(graph: AtomicGraph, edge_cutoff: float, group,
     rank = C.group_rank(group)
     counts = [int(c) for c in C.all_gather_tensor(
         torch.tensor([graph.n_atoms], device=graph.device), group).flatten().tolist()]
-    static = _static_fields(graph)
+    static = ghost_fields_of(graph)
     every = {k: _gather_field(v, group) for k, v in sorted(static.items())}
     pos = C.gather_rows(graph.positions.detach(), group)
     start = sum(counts[:rank])

@@ -27,7 +27,12 @@ from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.halo import HaloPlan
-from xnn.distributed.domain.local import LocalDomain, local_graph, min_pair_distance
+from xnn.distributed.domain.local import (
+    LocalDomain,
+    ghost_fields_of,
+    local_graph,
+    min_pair_distance,
+)
 from xnn.distributed.domain.longrange import long_range_modules
 from xnn.distributed.domain.transport import exchange_packed, layout_of, pack, unpack
 from xnn.errors import InputError
@@ -36,8 +41,6 @@ from xnn.neighbors import neighbor_list
 #: how far (Å) a host ghost may sit from its owner's position plus a whole image shift
 IMAGE_TOLERANCE = 1e-6
 
-#: per-atom fields that do not travel to ghosts (positions travel per call)
-_NOT_SENT = (K.POSITIONS, K.VELOCITIES, K.FORCES, K.ENERGIES, K.BATCH)
 
 
 @dataclass
@@ -220,8 +223,7 @@ def _plan(owner_rank: Tensor, owner_row: Tensor, pot, n_owned: int):
 def _ghost_fields(graph: AtomicGraph, plan: HaloPlan, group) -> dict[str, Tensor]:
     """The remote ghosts' per-atom fields (and owner positions as ``__pos``), received
     once per build from their owners."""
-    static = {k: v for k, v in graph.fields.items()
-              if K.scope_of(k) == K.ATOM and k not in _NOT_SENT}
+    static = ghost_fields_of(graph)
     static["__pos"] = graph.positions.detach()
     return {k: plan.forward_comm(v) for k, v in static.items()}
 

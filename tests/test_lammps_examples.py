@@ -10,6 +10,7 @@ Skipped (with the reason) without LAMMPS's Python module, mpi4py or ``mpirun``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -152,3 +153,30 @@ def test_npt_example_on_two_ranks_prints_the_one_rank_rows(tmp_path, model_file,
     for two, one in zip(rows, npt_one_rank):
         for key, value in one.items():
             assert two[key] == pytest.approx(value, rel=1e-9, abs=1e-9), (key, two, one)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun (MPICH: pip install mpich) not found")
+def test_benchmark_script_times_lammps_and_xnn_md(tmp_path):
+    """``benchmarks/lammps.py`` on 32 atoms: LAMMPS's loop time on 1 and 2 ranks, atoms and
+    peak memory per rank, and ``xnn md`` on the same crystal."""
+    out = tmp_path / "lammps.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lammps.py"), "--models",
+                          "lj", "--sizes", "32", "--ranks", "1,2", "--steps", "3", "--warmup",
+                          "1", "--json", str(out)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["ranks"], r["n_atoms"]) for r in rows] == [(1, 32), (2, 32)]
+    for r in rows:
+        lmp = r["lammps"]
+        assert "error" not in lmp and lmp["steps"] == 3 and lmp["s_per_step"] > 0
+        assert lmp["owned_per_rank"]["ave"] * r["ranks"] == pytest.approx(32)
+        assert len(lmp["peak_rss_bytes_per_rank"]) == r["ranks"]
+        assert min(lmp["peak_rss_bytes_per_rank"]) > 50 * 2**20  # python + torch + LAMMPS
+    assert rows[1]["lammps"]["mode"] == "halo" and rows[1]["lammps"]["ghost_cutoff_A"] == 6.8
+    md = rows[0]["xnn_md"]
+    assert md["n_atoms"] == 32 and md["s_per_step"] > 0
+    assert rows[0]["lammps_over_xnn_md"] == pytest.approx(
+        rows[0]["lammps"]["s_per_step"] / md["s_per_step"])

@@ -419,18 +419,17 @@ def dd_md(name: str, data: dict) -> list[list[str]]:
 
 def lammps(name: str, data: dict) -> list[list[str]]:
     """Rows of ``lammps.py`` files: ``xnn lammps`` on N ranks against ``xnn md``."""
-    modes = {r["model"]: r["lammps"].get("mode") for r in data["rows"]
-             if r["ranks"] > 1 and r["lammps"].get("mode")}
     rows = []
     for r in data["rows"]:
         lmp, md = r["lammps"], r.get("xnn_md") or {}
-        label = r["model"] + (f" ({modes[r['model']]})" if r["model"] in modes else "")
+        ranks = str(r["ranks"]) + (f" ({lmp['mode']})" if r["ranks"] > 1 and lmp.get("mode")
+                                   else "")
         if "error" in lmp:
-            rows.append([label, count(r["n_atoms"]), str(r["ranks"]), "-", lmp["error"][:40],
+            rows.append([r["model"], count(r["n_atoms"]), ranks, "-", lmp["error"][:40],
                          "-", "-", "-", "-"])
             continue
         peak = max(lmp["peak_rss_bytes_per_rank"] or [0]) or None
-        rows.append([label, count(lmp["n_atoms"]), str(r["ranks"]),
+        rows.append([r["model"], count(lmp["n_atoms"]), ranks,
                      f"{count(int(lmp['owned_per_rank']['max']))} + "
                      f"{count(int(lmp['ghost_per_rank']['max']))}",
                      ms(lmp["s_per_step"]), ms(md.get("s_per_step")),

@@ -245,7 +245,7 @@ TABLES = [
           ("dd_md_cpu16.json", "dd_md_replicated_cpu16.json", "dd_md_cpu.json",
            "dd_md_compiled_cpu.json", "dd_md_h200.json", "dd_md_equivariant_h200.json"),
           rows.dd_md, fold=(0, 1)),
-    Table("lammps", ("model (mode on N ranks)", "atoms", "ranks", "owned + ghosts per rank",
+    Table("lammps", ("model", "atoms", "ranks (mode)", "owned + ghosts per rank",
                      "LAMMPS step", "xnn md step", "LAMMPS / xnn md (CPU time)",
                      "speed-up (CPU time)",
                      "peak RSS per rank"),

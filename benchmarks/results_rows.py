@@ -416,6 +416,31 @@ def dd_md(name: str, data: dict) -> list[list[str]]:
     return rows
 
 
+
+def lammps(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``lammps.py`` files: ``xnn lammps`` on N ranks against ``xnn md``."""
+    rows = []
+    for r in data["rows"]:
+        lmp, md = r["lammps"], r.get("xnn_md") or {}
+        ranks = str(r["ranks"]) + (f" ({lmp['mode']})" if r["ranks"] > 1 and lmp.get("mode")
+                                   else "")
+        if "error" in lmp:
+            rows.append([r["model"], count(r["n_atoms"]), ranks, "-", lmp["error"][:40],
+                         "-", "-", "-", "-"])
+            continue
+        peak = max(lmp["peak_rss_bytes_per_rank"] or [0]) or None
+        rows.append([r["model"], count(lmp["n_atoms"]), ranks,
+                     f"{count(int(lmp['owned_per_rank']['max']))} + "
+                     f"{count(int(lmp['ghost_per_rank']['max']))}",
+                     ms(lmp["s_per_step"]), ms(md.get("s_per_step")),
+                     "-" if "lammps_over_xnn_md" not in r else
+                     f"{ratio(r['lammps_over_xnn_md'])} "
+                     f"({ratio(r.get('lammps_over_xnn_md_cpu_time'))})",
+                     f"{ratio(r.get('speedup_vs_1_rank'))} "
+                     f"({ratio(r.get('cpu_time_speedup_vs_1_rank'))})",
+                     mib(peak)])
+    return rows
+
 def cp_training(name: str, data: dict) -> list[list[str]]:
     base = {(r["n_atoms"], r["checkpointing"]): r for r in data["rows"] if r["dd"] == 1}
     rows = []

@@ -243,3 +243,22 @@ def test_train_isolated_end_to_end_records_convention(cuau, tmp_path, capsys):
     meta = model_metadata(tmp_path / "map" / "model.pt")
     assert meta["e0_convention"] == "given"
     assert meta["e0"] == {29: -0.25, 79: 0.5}
+
+
+def test_isolated_resume_is_bitwise(cuau, tmp_path):
+    """A run with ``model.e0=isolated`` resumed mid-way ends where the uninterrupted run
+    ends (the same splits without the isolated atoms, the same E0s)."""
+    import torch
+
+    from xnn.app.train import train
+    from xnn.training.checkpoint import load_checkpoint
+
+    common = ("model.e0=isolated", "precision=fp64", "max_epochs=5")
+    train(_cfg(cuau, *common, f"output_dir={tmp_path / 'full'}", "max_steps=5"))
+    train(_cfg(cuau, *common, f"output_dir={tmp_path / 'part'}", "max_steps=2"))
+    train(_cfg(cuau, *common, f"output_dir={tmp_path / 'part'}", "max_steps=5", "resume=auto"))
+    a, b = (load_checkpoint(tmp_path / run / "checkpoints" / "last.pt")["model"]["state_dict"]
+            for run in ("full", "part"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

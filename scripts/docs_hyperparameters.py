@@ -32,7 +32,8 @@ SET_BY_TRAIN = {
     "scale": "`xnn train` sets it from the data (force RMS) with `model.scale_shift=true`",
     "shift": "`xnn train` sets it from the data (mean per-atom energy after E0s) with "
              "`model.scale_shift=true`",
-    "e0": "`xnn train` sets it from the data (`model.e0=fit`) or to zero (`model.e0=zero`)",
+    "e0": "`xnn train` sets it from `model.e0`: fitted to the data (`fit`, `average`), zero, "
+          "the isolated-atom labels (`isolated`) or a given `{element: eV}` map",
 }
 
 

@@ -94,6 +94,7 @@ def test_defaults_per_command():
 @pytest.mark.parametrize("command,override,named", [
     ("md", "model.scale_shift=false", "model.scale_shift is a setting of xnn train"),
     ("relax", "model.e0=zero", "model.e0 is a setting of xnn train"),
+    ("md", "model.e0={Cu: -0.0052}", "model.e0 is a setting of xnn train"),
     ("run", "model.activation_checkpointing=true", "model.activation_checkpointing"),
     ("train", "model.device=cpu", "model.device is a setting of xnn md"),
     ("train", "model.skin=0.3", "model.skin is a setting of xnn md"),

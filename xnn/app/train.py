@@ -162,11 +162,27 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
         return model
     sample = structures_for_statistics(splits.raw_train)  # coincident atoms refused there
     stats = data_statistics(cfg.model, splits.species, [sample[i] for i in range(len(sample))],
-                            reducer, sample.origin)
+                            reducer, sample.origin, splits.isolated_e0)
     model = build_model(cfg, splits.species, stats)
-    logger.print(f"model: {describe_model(model)}; E0 ({cfg.model.e0}) "
+    logger.print(f"model: {describe_model(model)}; E0 ({describe_e0_convention(cfg, splits)}) "
                  f"{format_e0(stats['e0'])}, avg neighbours {stats['avg_num_neighbors']:.1f}")
     return model
+
+
+def uses_isolated_atoms(cfg: TrainConfig) -> bool:
+    """Whether the run takes its E0s from isolated-atom entries (``model.e0=isolated`` for
+    a new model; a fine-tuned model keeps its own E0s): they then leave the training data."""
+    return cfg.model.e0_convention() == "isolated" and not cfg.pretrained
+
+
+def describe_e0_convention(cfg: TrainConfig, splits) -> str:
+    """How the E0s were chosen, for the log: ``isolated: IsolatedAtom entries of 2
+    elements, left out of training``, ``fit``, ``given`` (a map)..."""
+    convention = cfg.model.e0_convention()
+    if splits.isolated_e0 is not None:
+        return (f"{convention}: IsolatedAtom entries of {len(splits.isolated_e0)} elements, "
+                "left out of training")
+    return convention
 
 
 def format_e0(e0: dict) -> str:
@@ -249,7 +265,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     # the statistics' neighbor lists check their training sample for coincident atoms; a
     # fine-tuned model has no statistics: build_splits checks that sample then
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species,
-                          reducer, check_train=bool(cfg.pretrained))
+                          reducer, check_train=bool(cfg.pretrained),
+                          isolated_atoms=uses_isolated_atoms(cfg))
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
                  f"{len(splits.test) if splits.test else 0} test structures")

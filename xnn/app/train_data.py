@@ -82,7 +82,7 @@ def _concat(parts: list):
 
 def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
                  species: list[int] | None = None, reducer=None,
-                 check_train: bool = True) -> DataSplits:
+                 check_train: bool = True, isolated_atoms: bool = False) -> DataSplits:
     """Read, split, check and wrap the datasets of a run.
 
     Args:
@@ -97,6 +97,13 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         check_train: scan the training sample too (``False`` where the statistics' neighbor
             lists check it: :func:`xnn.app.train_model.data_statistics`); the validation and
             test samples are always scanned (:func:`refuse_coincident_sample`).
+        isolated_atoms: take the isolated-atom entries of the ``data.datasets`` files
+            (one-atom structures with ``config_type=IsolatedAtom``,
+            :func:`~xnn.data.datasets.is_isolated_atom`) out of the files before they are
+            split, and return their energy labels as ``isolated_e0`` (``model.e0=isolated``,
+            as mace-torch does with its default ``keep_isolated_atoms=False``); the other
+            structures are split as a file without them. Explicit ``data.val``/``data.test``
+            files are used as they are.
     Raises:
         DataFileError: a sampled structure has coincident atoms (among others).
     """
@@ -104,13 +111,19 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         raise InputError("no training data: set data.datasets (e.g. "
                          "data.datasets.0.path=train.xyz)")
     train_parts, val_parts, test_parts = [], [], []
+    isolated: dict[int, float] | None = {} if isolated_atoms else None
     for k, entry in enumerate(data.datasets):
         ds = _open(entry)
         if len(ds) == 0:
             raise DataFileError(f"dataset {entry.path!r} holds no structure")
         vf = 0.0 if data.val else data.val_fraction
         tf = 0.0 if data.test else data.test_fraction
-        tr, va, te = split_indices(len(ds), vf, tf, seed=seed + 7919 * k)
+        if isolated is None:
+            tr, va, te = split_indices(len(ds), vf, tf, seed=seed + 7919 * k)
+        else:
+            rest = _take_isolated(ds, entry.path, isolated)
+            tr, va, te = (rest[i] for i in split_indices(len(rest), vf, tf,
+                                                         seed=seed + 7919 * k))
         train_parts.append(Subset(ds, tr))
         val_parts.append(Subset(ds, va))
         test_parts.append(Subset(ds, te))
@@ -145,7 +158,34 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         raw_train=train,
         species=train_species,
         membership=split_membership(data, train_parts, val_parts, test_parts),
+        isolated_e0=isolated,
     )
+
+
+def _take_isolated(ds, path: str, table: dict[int, float]) -> np.ndarray:
+    """Add the isolated-atom entries of ``ds`` to ``table`` (``{Z: eV}``); return the
+    indices of its other structures.
+
+    Raises:
+        DataFileError: an isolated-atom entry without an energy label, two of one element
+            with different energies, or a file of isolated atoms only.
+    """
+    found = ds.isolated_atoms()
+    for index, (z, energy) in sorted(found.items()):
+        where = f"{path!r} structure {index}"
+        if not np.isfinite(energy):
+            raise DataFileError(f"{where} is an isolated atom (config_type=IsolatedAtom) "
+                                "without an energy label: model.e0=isolated takes its E0 "
+                                "from it; label it or give model.e0 as a map {element: eV}")
+        if z in table and table[z] != energy:
+            raise DataFileError(f"{where}: a second isolated atom of {symbols([z])[0]} with "
+                                f"energy {energy!r} eV, not {table[z]!r} eV; keep one")
+        table[z] = energy
+    rest = np.setdiff1d(np.arange(len(ds), dtype=np.int64),
+                        np.fromiter(found, dtype=np.int64, count=len(found)))
+    if len(rest) == 0:
+        raise DataFileError(f"dataset {path!r} holds isolated atoms only; nothing to train on")
+    return rest
 
 
 def split_membership(data: DataConfig, train_parts: list, val_parts: list,

@@ -52,18 +52,34 @@ def _gather_parity(reducer, parity):
     return merged
 
 
-def _save_final(loop, save_model) -> Path:
+def _save_final(loop, save_model, convention: str | None) -> Path:
     """Save the model (EMA weights if any) as ``model.pt`` in the run folder, with the run's
-    training precision recorded."""
+    training precision and E0 convention (:func:`e0_convention`) recorded."""
     t = loop.trainer
     path = Path(loop.out_dir) / "model.pt"
     precision = loop.cfg.precision
     if t.ema is not None:
         with t.ema.applied(t.model):
-            save_model(t.model, path, precision=precision)
+            save_model(t.model, path, precision=precision, e0_convention=convention)
     else:
-        save_model(t.model, path, precision=precision)
+        save_model(t.model, path, precision=precision, e0_convention=convention)
     return path
+
+
+def e0_convention(cfg: TrainConfig) -> str | None:
+    """How the run's model got its reference energies: ``model.e0``'s convention (``given``
+    for a map), or ``None`` for a fine-tuned model (it keeps the pretrained E0s)."""
+    return None if cfg.pretrained else cfg.model.e0_convention()
+
+
+def e0_record(cfg: TrainConfig, model) -> dict:
+    """``{"convention": ..., "values": {symbol: eV}}`` of the run's model, for the summary."""
+    from xnn.models.base import as_model
+    from xnn.training.data import symbols
+
+    e0 = as_model(model).e0 or {}
+    return {"convention": e0_convention(cfg),
+            "values": {symbols([z])[0]: float(v) for z, v in sorted(e0.items())}}
 
 
 SPLIT_FORMAT = "xnn-split"
@@ -122,7 +138,9 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
             summary["model"] = cfg.pretrained or cfg.resume
             path = Path(loop.out_dir) / "validation_summary.json"
         else:
-            summary["model"] = _final_path(cfg, loop, _save_final(loop, save_model))
+            summary["model"] = _final_path(cfg, loop, _save_final(loop, save_model,
+                                                                   e0_convention(cfg)))
+            summary["e0"] = e0_record(cfg, loop.trainer.model)
             write_split(cfg, loop.splits.membership, Path(loop.out_dir) / "split.json")
             if cfg.logging.plots:
                 shown = {k: v for k, v in parities.items() if v is not None}

@@ -15,6 +15,7 @@ from xnn.config.train import TrainConfig
 from xnn.errors import InputError
 from xnn.models.base import as_model
 from xnn.models.registry import build, model_class
+from xnn.training.data import symbols
 
 
 def _accepts(name: str, arg: str) -> bool:
@@ -124,7 +125,8 @@ def _refuse_coincident(every: list, world: int, origin) -> None:
 
 
 def data_statistics(cfg: ModelConfig, species: list[int], structures: list,
-                    reducer=None, origin=None) -> dict:
+                    reducer=None, origin=None,
+                    isolated: dict[int, float] | None = None) -> dict:
     """E0s, shift, scale and average neighbours from training structures (see ModelConfig).
 
     For ``model.name=sum`` the energies and forces are those left by the fixed terms
@@ -133,7 +135,9 @@ def data_statistics(cfg: ModelConfig, species: list[int], structures: list,
     terms' cutoffs in ``term_avg_num_neighbors``. The neighbor lists of the averages are
     shared by the ranks of ``reducer`` (see :func:`shared_average_neighbors`; every rank of
     it must call this function), the rest needs none. They refuse a structure with
-    coincident atoms, named by ``origin(k) -> (file, index in file)`` of ``structures[k]``."""
+    coincident atoms, named by ``origin(k) -> (file, index in file)`` of ``structures[k]``.
+    The E0s follow ``cfg.e0`` (:func:`reference_energies`; ``isolated``: the isolated-atom
+    energies of the training files, :attr:`~xnn.training.data.DataSplits.isolated_e0`)."""
     from xnn.models import statistics as S
 
     cuts = []
@@ -146,13 +150,52 @@ def data_statistics(cfg: ModelConfig, species: list[int], structures: list,
     if cfg.name == "sum":
         out["term_avg_num_neighbors"] = dict(zip(cuts, averages[1:]))
         structures = residual_structures(cfg, species, structures)
-    e0 = S.fit_e0(structures, species) if cfg.e0 == "fit" else {z: 0.0 for z in species}
+    e0 = reference_energies(cfg, species, structures, isolated)
     out["e0"] = e0
     if cfg.scale_shift:
         out["shift"] = S.energy_per_atom_stats(structures, e0)["mean"]
         rms = S.force_rms(structures)
         out["scale"] = rms if rms > 1e-8 else 1.0
     return out
+
+
+def reference_energies(cfg: ModelConfig, species: list[int], structures: list,
+                       isolated: dict[int, float] | None = None) -> dict[int, float]:
+    """Per-element reference energies ``{Z: eV}`` of ``species`` by ``cfg.e0``.
+
+    ``fit`` and ``average`` (mace-torch's name, whose ``compute_average_E0s`` solves the same
+    least squares): :func:`xnn.models.statistics.fit_e0` of ``structures``; ``zero``: 0;
+    ``isolated``: the energy labels of the isolated-atom entries (``isolated``, as
+    mace-torch's ``load_from_xyz`` takes them), unchanged; a map: its values.
+
+    Raises:
+        InputError: ``isolated`` or the map lacks an element of ``species`` (one line naming
+            the elements and the alternatives).
+    """
+    from xnn.models import statistics as S
+
+    convention = cfg.e0_convention()
+    if convention in ("fit", "average"):
+        return S.fit_e0(structures, species)
+    if convention == "zero":
+        return {z: 0.0 for z in species}
+    if convention == "isolated":
+        table = dict(isolated or {})
+        missing = sorted(set(species) - set(table))
+        if missing:
+            raise InputError(f"model.e0=isolated: the training files hold no isolated atom "
+                             f"(a one-atom structure with config_type=IsolatedAtom and an "
+                             f"energy) of {symbols(missing)}; add one per element, give "
+                             "model.e0 as a map {element: eV}, or use model.e0=fit (least "
+                             "squares; MACE's average) or zero")
+    else:
+        table = cfg.e0_table()
+        missing = sorted(set(species) - set(table))
+        if missing:
+            raise InputError(f"model.e0 gives no reference energy of {symbols(missing)}, "
+                             f"species of the model ({symbols(species)}); add them to the "
+                             "map, or use model.e0=isolated, fit, average or zero")
+    return {z: float(table[z]) for z in species}
 
 
 def residual_structures(cfg: ModelConfig, species: list[int], structures: list) -> list:

@@ -20,6 +20,9 @@ Some keys belong to one kind of command and are refused by the other with one li
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,9 @@ TRAIN_ONLY = {"e0": "fit", "scale_shift": True, "activation_checkpointing": Fals
 #: keys that only the runs (md, relax, run) use -> their default
 RUN_ONLY = {"dtype": "float64", "device": "auto", "compile": False, "skin": 1.0,
             "neighbor_backend": "auto"}
+#: named conventions of ``model.e0`` (or a ``{element: eV}`` map); ``average`` is MACE's name
+#: of ``fit`` (the same least squares, the same numbers)
+E0_CHOICES = ("fit", "average", "zero", "isolated")
 #: typed keys that must not be repeated in ``model.hyperparameters``
 TYPED = ("cutoff", "species", "kernel_backend", "activation_checkpointing")
 
@@ -71,11 +77,19 @@ class ModelConfig:
                              "SevenNet checkpoint in model.hyperparameters): they may "
                              "unpickle what they hold or name, which can run code; only for "
                              "files you trust (a file never grants trust by itself)")
-    e0: str = field("fit", "xnn train only: reference energies, least-squares fit on the "
-                    "training set, or zero", choices=("fit", "zero"))
+    e0: Any = field("fit", "xnn train only: per-element reference energies E0: fit "
+                    "(least squares of the training energies on composition), average "
+                    "(MACE's name of fit: the same numbers), zero, isolated (the energy labels "
+                    "of the training files' one-atom entries with config_type=IsolatedAtom, "
+                    "as MACE; those entries are then left out of training) or a map "
+                    "{element: eV}, e.g. {Cu: -0.0052, Au: -0.0031} (symbols or atomic "
+                    "numbers, covering every species of the model); recorded in the model "
+                    "file (e0, e0_convention)")
     scale_shift: bool = field(True, "xnn train only: set the output scale to the force RMS "
-                              "and the shift to the mean per-atom residual energy of the "
-                              "training set")
+                              "and the shift to the mean per-atom residual energy (energy "
+                              "minus E0s, per atom) of the training set, as MACE's "
+                              "rms_forces_scaling (its default); false: scale 1, shift 0 "
+                              "(MACE's no_scaling)")
     activation_checkpointing: bool = field(False, "xnn train only: recompute each interaction "
                                            "block in backward instead of keeping its "
                                            "intermediates (schnet, painn, equivariant; exact, "
@@ -95,11 +109,48 @@ class ModelConfig:
                                   choices=("auto", "torch", "vesin", "brute"))
 
     def __post_init__(self):
+        self.e0_table()  # refuses an invalid model.e0 with one line
         check_range("model.cutoff", self.cutoff, 0.0, low_inclusive=False)
         check_range("model.skin", self.skin, 0.0)
         for key in TYPED:
             if key in self.hyperparameters:
                 raise ConfigError(f"set model.{key}, not model.hyperparameters.{key}")
+
+    def e0_table(self) -> dict[int, float] | None:
+        """The ``{atomic number: eV}`` map of ``model.e0`` given as a map, ``None`` for a
+        named convention (:data:`E0_CHOICES`).
+
+        Raises:
+            ConfigError: an unknown name, an unknown element, a repeated element or a value
+                that is not a finite number (one line naming the entry).
+        """
+        e0 = self.e0
+        if isinstance(e0, str):
+            if e0 not in E0_CHOICES:
+                raise ConfigError(f"model.e0={e0!r} is not a valid choice; choose one of "
+                                  f"{list(E0_CHOICES)} or give a map {{element: eV}}, e.g. "
+                                  "model.e0='{Cu: -0.0052, Au: -0.0031}'")
+            return None
+        if not isinstance(e0, Mapping) or not e0:
+            raise ConfigError(f"model.e0={e0!r}: give one of {list(E0_CHOICES)} or a "
+                              "non-empty map {element: eV}, e.g. {Cu: -0.0052, Au: -0.0031}")
+        table: dict[int, float] = {}
+        for key, value in e0.items():
+            z = _atomic_number(key)
+            if z is None:
+                raise ConfigError(f"model.e0.{key}: not an element (give a chemical symbol "
+                                  "such as Cu or an atomic number such as 29)")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value):
+                raise ConfigError(f"model.e0.{key}={value!r} is not a finite number (eV)")
+            if z in table:
+                raise ConfigError(f"model.e0 gives element {key!r} (Z={z}) twice")
+            table[z] = float(value)
+        return table
+
+    def e0_convention(self) -> str:
+        """The name ``model.e0`` is recorded under: its convention, or ``given`` for a map."""
+        return self.e0 if isinstance(self.e0, str) else "given"
 
     def build_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``xnn.models.build(name, ...)`` for a run: the
@@ -147,6 +198,19 @@ class ModelConfig:
         """Refuse, with one line each, the keys the runs (md, relax, run) do not use."""
         _refuse_set(self, TRAIN_ONLY, "a setting of xnn train (fitting a new model); a run "
                     "evaluates the model as it is")
+
+
+def _atomic_number(key) -> int | None:
+    """The atomic number of a symbol (``"Cu"``) or number (``29``, ``"29"``), else None."""
+    from ase.data import atomic_numbers
+
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
+        z = int(key)
+        return z if 1 <= z <= 118 else None
+    z = atomic_numbers.get(key) if isinstance(key, str) else None
+    return z if z else None
 
 
 def _refuse_set(cfg: ModelConfig, keys: dict, why: str) -> None:

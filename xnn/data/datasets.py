@@ -138,6 +138,13 @@ class LabelledDataset:
     def _count_labels(self) -> np.ndarray:
         return count_labels_by_reading(self)
 
+    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
+        """``{index: (atomic number, energy label in eV)}`` of the dataset's isolated-atom
+        entries: one-atom structures marked ``config_type=IsolatedAtom`` (MACE's convention,
+        :func:`is_isolated_atom`; the energy is NaN where the entry has no energy label).
+        None here: only files read through ASE carry ``config_type``."""
+        return {}
+
     def label_counts(self) -> np.ndarray:
         """``[len, 3]`` int64 labelled items per structure (see :func:`label_counts_of`)."""
         if self._label_counts is None:
@@ -166,13 +173,16 @@ class InMemoryDataset(LabelledDataset):
         name: shown in error messages (usually the file name).
         source: the file the graphs were read from, in file order, as the user named it
             (:meth:`origin`; ``None``: ``name``).
+        isolated: which entries are isolated atoms (:meth:`isolated_atoms`; ``None``: none).
     """
 
     def __init__(self, graphs: Sequence[AtomicGraph], name: str = "dataset",
-                 source: str | None = None):
+                 source: str | None = None,
+                 isolated: dict[int, tuple[int, float]] | None = None):
         self.graphs = list(graphs)
         self.name = name
         self.source = source
+        self._isolated = dict(isolated or {})
         self.n_atoms = np.asarray([g.n_atoms for g in self.graphs], dtype=np.int64)
 
     def origin(self, index: int) -> tuple[str, int]:
@@ -180,6 +190,9 @@ class InMemoryDataset(LabelledDataset):
 
     def __len__(self) -> int:
         return len(self.graphs)
+
+    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
+        return dict(self._isolated)
 
     def __getitem__(self, index: int) -> AtomicGraph:
         return self.graphs[index]
@@ -346,6 +359,7 @@ def read_structures(
     keys = dict(energy_key=energy_key, forces_key=forces_key, stress_key=stress_key,
                 virial_key=virial_key)
     out = []
+    isolated = {}
     offset = 0
     for k, atoms in enumerate(frames):
         if len(atoms) == 0:
@@ -361,8 +375,22 @@ def read_structures(
             K.VELOCITIES: None,
         })
         out.append(g)
+        if is_isolated_atom(atoms):
+            isolated[k] = (int(atoms.numbers[0]), float(g[K.ENERGY].reshape(-1)[0]))
         offset += g.n_atoms
-    return InMemoryDataset(out, name=p.name, source=os.fspath(path))
+    return InMemoryDataset(out, name=p.name, source=os.fspath(path), isolated=isolated)
+
+
+#: ``atoms.info["config_type"]`` of an isolated-atom entry (MACE's convention)
+ISOLATED_ATOM = "IsolatedAtom"
+
+
+def is_isolated_atom(atoms) -> bool:
+    """Whether an ``ase.Atoms`` is an isolated-atom entry as mace-torch reads one
+    (``mace.data.utils.load_from_xyz``): exactly one atom and
+    ``info["config_type"] == "IsolatedAtom"``; a one-atom structure without that mark is an
+    ordinary training structure."""
+    return len(atoms) == 1 and atoms.info.get("config_type") == ISOLATED_ATOM
 
 
 def split_indices(

@@ -5,10 +5,13 @@
     {"format": "xnn-model", "format_version": 1, "xnn_version": "...",
      "name": <registry name>, "hparams": {...}, "state_dict": {...},
      "species": [...], "e0": {Z: eV}, "units": {"energy": "eV", "length": "Å"},
-     "dtype": "float64", "precision": "fp32" | None}
+     "dtype": "float64", "precision": "fp32" | None, "e0_convention": "isolated" | None}
 
 ``precision`` is the training precision of the run that wrote the file (``xnn train``'s
-``precision``; ``None`` for models saved outside a run). :func:`model_metadata` reads every
+``precision``; ``None`` for models saved outside a run); ``e0_convention`` how that run chose
+the reference energies ``e0`` (``model.e0``: ``fit``, ``average``, ``zero``, ``isolated``, or
+``given`` for a map; ``None`` for a model saved outside a run or fine-tuned, whose E0s are
+the pretrained model's). :func:`model_metadata` reads every
 entry but the weights, as data.
 
 ``load_model`` reads it back with ``torch.load(..., weights_only=True)`` (always: explicit,
@@ -126,7 +129,8 @@ def model_payload(model: nn.Module) -> dict:
     return payload
 
 
-def save_model(model: nn.Module, path: str | os.PathLike, precision: str | None = None) -> Path:
+def save_model(model: nn.Module, path: str | os.PathLike, precision: str | None = None,
+               e0_convention: str | None = None) -> Path:
     """Write ``model`` to one self-describing file (atomically); returns the path.
 
     Args:
@@ -134,6 +138,9 @@ def save_model(model: nn.Module, path: str | os.PathLike, precision: str | None 
         path: the file.
         precision: the training precision to record (``fp32``, ``tf32``, ``bf16_mixed``,
             ``fp64``), or ``None``.
+        e0_convention: how the reference energies ``e0`` were chosen, to record
+            (``xnn train``'s ``model.e0``: ``fit``, ``average``, ``zero``, ``isolated`` or
+            ``given`` for a map), or ``None``.
 
     Raises:
         InputError: ``path`` is a folder, or its folder cannot be created (a file is in the
@@ -142,14 +149,16 @@ def save_model(model: nn.Module, path: str | os.PathLike, precision: str | None 
     path = check_output_file(path, "model file", example="model.pt")
     payload = model_payload(model)
     payload["precision"] = None if precision is None else str(precision)
+    payload["e0_convention"] = None if e0_convention is None else str(e0_convention)
     _write_atomic(payload, path)
     return path
 
 
 def model_metadata(path: str | os.PathLike) -> dict:
     """Every entry of a model file except its weights (``state_dict``), read as data
-    (``weights_only=True``): name, hparams, species, e0, units, dtype, xnn_version and the
-    training ``precision`` (``None`` when unknown, also for files of earlier versions).
+    (``weights_only=True``): name, hparams, species, e0, units, dtype, xnn_version, the
+    training ``precision`` and the ``e0_convention`` (each ``None`` when unknown, also for
+    files of earlier versions).
 
     Raises:
         ModelFileError: as :func:`load_model`.
@@ -157,6 +166,7 @@ def model_metadata(path: str | os.PathLike) -> dict:
     payload = _read_payload(Path(path), "cpu")
     meta = {k: v for k, v in payload.items() if k != "state_dict"}
     meta.setdefault("precision", None)
+    meta.setdefault("e0_convention", None)
     return meta
 
 

@@ -27,7 +27,9 @@ STATISTICS_SAMPLE = 2000
 class DataSplits:
     """Datasets (with neighbor lists) of one run; ``raw_train`` has no edges (for statistics);
     ``membership``: which structures of which file each split holds (the run's
-    ``split.json``), when the application recorded it."""
+    ``split.json``), when the application recorded it; ``isolated_e0``: ``{Z: eV}`` energy
+    labels of the training files' isolated-atom entries, left out of every split, where they
+    were asked for (``model.e0=isolated``; ``None`` otherwise)."""
 
     train: WithEdges
     val: WithEdges | None
@@ -35,6 +37,7 @@ class DataSplits:
     raw_train: object
     species: list[int]
     membership: dict | None = None
+    isolated_e0: dict[int, float] | None = None
 
 
 def first_coincident(dataset, indices: Sequence[int], chunk: int = 64

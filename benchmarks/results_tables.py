@@ -249,7 +249,7 @@ TABLES = [
                      "LAMMPS step", "xnn md step", "LAMMPS / xnn md (CPU time)",
                      "speed-up (CPU time)",
                      "peak RSS per rank"),
-          ("lammps_cpu.json",), rows.lammps, fold=(0, 1)),
+          ("lammps_cpu.json", "lammps_h100.json"), rows.lammps, fold=(0, 1)),
     Table("cp_training", ("model", "checkpointing", "atoms", "dd", "peak per rank", "x dd = 1",
                           "step", "atoms held per rank"),
           ("cp_training_cpu16.json", "cp_training_equivariant_cpu16.json"),

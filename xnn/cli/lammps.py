@@ -36,7 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "model with sync points, else halo")
     p.add_argument("--skin", type=float, default=None,
                    help="Verlet skin (Å), also LAMMPS's neighbor skin on several ranks "
-                   "(default 1.0 there, 0 on one rank)")
+                   "(default 1.0)")
     p.add_argument("-var", "--var", dest="variables", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="LAMMPS index variable (as lmp -var)")
     p.add_argument("--log", default="log.lammps", help="LAMMPS log file (default log.lammps)")

@@ -36,6 +36,7 @@ Scope (see docs/lammps.md):
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -225,10 +226,12 @@ class XnnFixExternal:
         device: ``"auto"``, ``"cpu"``, ``"cuda"``...
         dtype: model precision, ``torch.float64`` or ``torch.float32`` (LAMMPS computes in
             float64).
-        skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call). ``None``:
-            0 on one rank; :data:`DEFAULT_SKIN` on several, where it is also LAMMPS's
-            ``neighbor`` skin (the fix sets ``neighbor SKIN bin``, ``neigh_modify every 1
-            delay 0 check yes`` and ``comm_modify cutoff`` to the ghost reach).
+        skin: Verlet skin (Å) of xnn's neighbour list (0: rebuilt at every call; ``None``:
+            :data:`DEFAULT_SKIN`). On several ranks it is also LAMMPS's ``neighbor`` skin
+            (the fix sets ``neighbor SKIN bin``, ``neigh_modify every 1 delay 0 check yes``
+            and ``comm_modify cutoff`` to the ghost reach); on one rank LAMMPS keeps a ghost
+            shell of ``cutoff + skin`` as for a pair style (xnn does not read it), which
+            spares the "Communication cutoff is 0.0" warning.
         neighbor_backend: xnn neighbour-list backend.
         trust: the caller trusts the model file: it may unpickle what it holds or names,
             which can run code (:mod:`xnn.models.trust`); a file never grants trust itself.
@@ -278,17 +281,21 @@ class XnnFixExternal:
         self.model = load_xnn_model(model_or_path, trust).to(device=self.device, dtype=dtype)
         check_type_species(self.model, self.numbers_of_type[:n_types])
         self.periodic = bool(lammps_cell(lmp)[2].all())
+        skin = DEFAULT_SKIN if skin is None else float(skin)
         if self.manager is None:
-            self.potential = Potential(self.model, skin=skin or 0.0, backend=neighbor_backend)
+            self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
+            self._ghost_cutoff = float(self.model.cutoff) + skin
+            if math.isfinite(self._ghost_cutoff):
+                lmp.command(f"comm_modify cutoff {self._ghost_cutoff!r}")
         else:
             from xnn.distributed import parallelize
 
-            skin = DEFAULT_SKIN if skin is None else float(skin)
             self.potential = parallelize(self.model, self.manager, mode, skin=skin,
                                          backend=neighbor_backend, host=True)
             lmp.command(f"neighbor {skin!r} bin")
             lmp.command("neigh_modify every 1 delay 0 check yes")
-            lmp.command(f"comm_modify cutoff {self.potential.halo_width!r}")
+            self._ghost_cutoff = float(self.potential.halo_width)
+            lmp.command(f"comm_modify cutoff {self._ghost_cutoff!r}")
         self.energy: float = float("nan")
         self.error: BaseException | None = None
         self._checked = None  # (ids, positions, closest distance) of the last pair search
@@ -304,8 +311,8 @@ class XnnFixExternal:
 
     @property
     def ghost_cutoff(self) -> float:
-        """How far (Å) LAMMPS's ghosts reach (``comm_modify cutoff``; 0 on one rank)."""
-        return 0.0 if self.manager is None else float(self.potential.halo_width)
+        """How far (Å) LAMMPS's ghosts reach (``comm_modify cutoff``)."""
+        return self._ghost_cutoff
 
     def graph(self, x: np.ndarray, tag: np.ndarray) -> AtomicGraph:
         """The xnn graph of LAMMPS's atoms (local order; ``atom_id`` = LAMMPS id - 1).

@@ -42,6 +42,10 @@ def _timeout(port: int, rank: int, other: str) -> str | None:
 
     os.environ["MASTER_PORT"] = str(port)
     manager = DistributedManager.initialize(timeout_s=2.0, device="cpu")
+    # start the timed collectives together: a rank that started > 2 s after the other (a
+    # loaded CI machine) found it already torn down after its wait for answers (the test
+    # then saw "lost the connection" instead of the timeout it checks)
+    manager.barrier()
     try:
         with manager.watch():
             if rank == 0:

@@ -138,14 +138,12 @@ class HostLayout:
         with C.guarded(pot.group, "ghost owners"):
             owner_rank, owner_row = _owners(every, counts, ghosts.ids)
         plan, self_src, remote = _plan(owner_rank, owner_row, pot, graph.n_atoms)
-        with C.guarded(pot.group, "ghost images"):
-            pos, cell = graph.positions.detach(), graph.cell[0].detach()
-            ghost_pos = ghosts.positions.to(pos)
         fields = _ghost_fields(graph, plan, pot.group)
         with C.guarded(pot.group, "ghost images"):
+            pos, cell = graph.positions.detach(), graph.cell[0].detach()
             owner_pos = torch.cat([pos.index_select(0, self_src), fields.pop("__pos")])
             order = torch.cat([torch.nonzero(owner_rank == pot.rank).flatten(), remote])
-            shifts = _image_shifts(ghost_pos[order] - owner_pos, cell, graph.pbc[0],
+            shifts = _image_shifts(ghosts.positions[order] - owner_pos, cell, graph.pbc[0],
                                    ghosts.ids[order])
             shifts = torch.cat([shifts.new_zeros(graph.n_atoms, 3), shifts])
             x = torch.cat([pos, owner_pos]) + shifts.to(pos.dtype) @ cell

@@ -42,6 +42,8 @@ from xnn.models.trust import granted
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
 from xnn.training.ema import EMA
+from xnn.training.finetune import describe as describe_finetune
+from xnn.training.finetune import freeze, param_groups
 from xnn.training.loop import LoopSettings, TrainingLoop, describe_model, seed_everything
 from xnn.training.losses import TermSpec
 from xnn.training.memory import MemoryTools, build_memory_tools, set_activation_checkpointing
@@ -159,6 +161,11 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
             raise InputError(f"the training data hold species {missing} unknown to the "
                              f"pretrained model {cfg.pretrained!r}")
         logger.print(f"fine-tuning {describe_model(model)} from {cfg.pretrained}")
+        ft = cfg.finetune
+        frozen = freeze(model, ft.freeze)
+        param_groups(model, ft.lr)  # unknown part names are refused before anything runs
+        if ft.freeze or ft.lr:
+            logger.print(describe_finetune(model, frozen, ft.lr))
         return model
     sample = structures_for_statistics(splits.raw_train)  # coincident atoms refused there
     stats = data_statistics(cfg.model, splits.species, [sample[i] for i in range(len(sample))],
@@ -214,8 +221,9 @@ def _trainer(cfg: TrainConfig, model, parallel, device, memory=None) -> Trainer:
         set_kernel_backend(model, cfg.model.kernel_backend, cfg.model.name)
     model = model.to(device=device, dtype=dtype)
     reducer.broadcast_module(model)
+    groups = param_groups(model, cfg.finetune.lr) if cfg.finetune.lr else None
     optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
-                                cfg.optim.amsgrad)
+                                cfg.optim.amsgrad, groups)
     s = cfg.schedule
     schedule = LRSchedule(optimizer, s.name, cfg.optim.lr, s.warmup_steps, s.total_steps,
                           s.min_lr_factor, s.factor, s.patience)

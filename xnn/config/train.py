@@ -63,6 +63,10 @@ class DataConfig:
                                           "with probability proportional to their dataset's "
                                           "weight, seeded by (seed, epoch) (null: every "
                                           "training structure once per epoch)")
+    replay: list[DatasetConfig] = field([], "fine-tuning: replay files from the pretraining "
+                                        "distribution (same entries as data.datasets), trained "
+                                        "with finetune.replay_weight and validated on their "
+                                        "own (val_replay_* metrics)")
 
     def __post_init__(self):
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.99)
@@ -76,6 +80,30 @@ class DataConfig:
             self.batch_size = None
         if self.batch_size is None and self.max_atoms_per_batch is None:
             raise ConfigError("set data.batch_size or data.max_atoms_per_batch")
+
+
+@dataclass
+class FinetuneConfig:
+    freeze: list[str] = field([], "named parts of the pretrained model kept fixed "
+                              "(requires_grad=false), e.g. [embedding, interactions.0]; the "
+                              "model's part names are listed when one is unknown")
+    lr: dict[str, float] = field({}, "learning-rate factor per named part, e.g. "
+                                 "{interactions: 0.1, readout: 1.0}: optimizer param groups, "
+                                 "all scaled by the schedule")
+    replay_weight: float = field(1.0, "loss weight of every data.replay structure")
+    replay_fraction: float | None = field(None, "share of the training structures of an "
+                                          "epoch taken from data.replay (a seeded selection, "
+                                          "repeated when replay has fewer; null: every "
+                                          "replay training structure once)")
+
+    def __post_init__(self):
+        check_range("finetune.replay_weight", self.replay_weight, 0.0)
+        check_range("finetune.replay_fraction", self.replay_fraction, 0.0, 0.95,
+                    low_inclusive=False)
+        for part, factor in self.lr.items():
+            check_range(f"finetune.lr.{part}", factor, 0.0)
+        if len(set(self.freeze)) != len(self.freeze):
+            raise ConfigError(f"finetune.freeze lists a part twice: {self.freeze}")
 
 
 @dataclass
@@ -201,6 +229,8 @@ class TrainConfig:
     parallel: ParallelConfig = parallel_field()
     logging: LoggingConfig = field(LoggingConfig(), "what the run writes and shows")
     memory: MemoryConfig = field(MemoryConfig(), "activation offload and CUDA memory profile")
+    finetune: FinetuneConfig = field(FinetuneConfig(), "fine-tuning a pretrained model: "
+                                     "frozen parts, per-part learning rates, replay")
     max_epochs: int = field(100, "epochs to train")
     max_steps: int | None = field(None, "stop after this many optimizer steps (null: no limit)")
     time_limit_min: float | None = field(None, "stop training after this many minutes of wall "
@@ -259,3 +289,9 @@ class TrainConfig:
                               "parallel.dd=1")
         if self.validation_only and not (self.pretrained or self.resume):
             raise ConfigError("validation_only=true needs pretrained=PATH or resume=PATH")
+        ft = self.finetune
+        if (ft.freeze or ft.lr or self.data.replay) and not self.pretrained:
+            raise ConfigError("finetune.freeze, finetune.lr and data.replay fine-tune a "
+                              "pretrained model: set pretrained=PATH (or a name: 7net-0)")
+        if ft.replay_fraction is not None and not self.data.replay:
+            raise ConfigError("finetune.replay_fraction needs data.replay files")

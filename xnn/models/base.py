@@ -130,6 +130,26 @@ class AtomisticModel(nn.Module):
         """Distance (Å) beyond which atoms cannot influence an atom's energy."""
         return float(self.cutoff) * int(self.num_interactions)
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        """Named parts of the model for fine-tuning (``finetune.freeze``, ``finetune.lr``):
+        ``{part: parameter-name prefixes}``.
+
+        The default names every top-level submodule that holds parameters (``embedding``,
+        ``interactions``, ``readout``...) and each entry of a module list among them
+        (``interactions.0``); models whose submodules are named otherwise declare the common
+        names ``embedding``, ``interactions``, ``interactions.K`` and ``readout``.
+        """
+        out: dict[str, tuple[str, ...]] = {}
+        for name, child in self.named_children():
+            if not any(True for _ in child.parameters()):
+                continue
+            out[name] = (name,)
+            if isinstance(child, nn.ModuleList):
+                for k, sub in enumerate(child):
+                    if any(True for _ in sub.parameters()):
+                        out[f"{name}.{k}"] = (f"{name}.{k}",)
+        return out
+
     def check_species(self, numbers: Tensor) -> None:
         """Raise :class:`UnknownSpeciesError` if ``numbers`` has elements the model lacks."""
         if self.species is None:

@@ -557,6 +557,14 @@ class Equivariant(NativeModel):
         self.output = EnergyScaleShift(self.species, scale, shift, e0)
         self.set_backend(backend)
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        """Fine-tuning parts: ``embedding``, ``interactions``, ``interactions.K``,
+        ``readout`` (the readouts of every layer) and ``readout.K``."""
+        n = len(self.interactions)
+        return {"embedding": ("embedding",), "interactions": ("interactions",),
+                **{f"interactions.{k}": (f"interactions.{k}",) for k in range(n)},
+                "readout": ("readouts",), **{f"readout.{k}": (f"readouts.{k}",) for k in range(n)}}
+
     def set_backend(self, backend: str) -> None:
         """Switch the kernel backend (``"reference"``, ``"cueq"`` or ``"triton"``: the edge
         tensor products only) of every equivariant operation, also in ``hparams``;

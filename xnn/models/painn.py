@@ -175,6 +175,14 @@ class PaiNN(NativeModel):
         self.readout = mlp([num_features, num_features // 2, 1], nn.SiLU)
         self.output = EnergyScaleShift(self.species, scale, shift, e0)
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        """Fine-tuning parts: ``embedding``, ``interactions`` (message and update blocks),
+        ``interactions.K`` and ``readout``."""
+        n = len(self.messages)
+        return {"embedding": ("embedding",), "interactions": ("messages", "updates"),
+                **{f"interactions.{k}": (f"messages.{k}", f"updates.{k}") for k in range(n)},
+                "readout": ("readout",)}
+
     def _sync(self, k: int, s: Tensor, v: Tensor, graph: AtomicGraph) -> tuple[Tensor, Tensor]:
         """Pass ``s`` and ``v`` through sync point ``k`` as one ``[n_atoms, 4F]`` tensor."""
         n, f = s.shape

@@ -23,9 +23,11 @@ from xnn.errors import InputError
 
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
-                    amsgrad: bool = False):
-    """Adam or AdamW (optionally AMSGrad) over the trainable parameters of ``model``."""
-    params = [p for p in model.parameters() if p.requires_grad]
+                    amsgrad: bool = False, groups: list[dict] | None = None):
+    """Adam or AdamW (optionally AMSGrad) over the trainable parameters of ``model``, or
+    over parameter ``groups`` (each with an ``lr_factor``: :func:`xnn.training.finetune.
+    param_groups`)."""
+    params = groups if groups else [p for p in model.parameters() if p.requires_grad]
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=amsgrad)
     if name == "adamw":
@@ -37,7 +39,8 @@ class LRSchedule:
     """Warm-up + cosine/plateau/none learning-rate schedule.
 
     Args:
-        optimizer: its param groups' ``lr`` are set by :meth:`apply`.
+        optimizer: its param groups' ``lr`` are set by :meth:`apply` (times a group's
+            ``lr_factor`` where it has one).
         name: ``"none"``, ``"cosine"`` or ``"plateau"``.
         base_lr: peak learning rate.
         warmup_steps: linear warm-up length.
@@ -80,8 +83,8 @@ class LRSchedule:
 
     def apply(self, step: int) -> float:
         lr = self.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # lr_factor: fine-tuning's per-part factor
+            group["lr"] = lr * group.get("lr_factor", 1.0)
         return lr
 
     def epoch_end(self, metric: float | None) -> None:

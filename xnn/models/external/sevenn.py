@@ -189,6 +189,23 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
         device = next(iter(model.parameters()), table).device
         self.register_buffer("z_to_type", table.to(device), persistent=False)
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        """Fine-tuning parts of the SevenNet network: ``embedding`` (edge and species
+        embedding), ``interactions`` and ``interactions.K`` (the K-th convolution with its
+        self-interactions and self-connection), ``readout`` (reduction to atomic energies
+        and their scale/shift)."""
+        names = [n for n, m in self.model.named_children() if any(True for _ in m.parameters())]
+        layers = sorted({int(n.split("_")[0]) for n in names if n.split("_")[0].isdigit()})
+        out = {"embedding": tuple(f"model.{n}" for n in names if not n[0].isdigit()
+                                  and not n.startswith(("reduce", "rescale"))),
+               "interactions": tuple(f"model.{n}" for n in names if n[0].isdigit())}
+        for k in layers:
+            out[f"interactions.{k}"] = tuple(f"model.{n}" for n in names
+                                             if n.startswith(f"{k}_"))
+        out["readout"] = tuple(f"model.{n}" for n in names
+                               if n.startswith(("reduce", "rescale")))
+        return out
+
     def sevenn_inputs(self, graph: AtomicGraph) -> dict:
         """SevenNet's input dict for ``graph`` (edges within the cutoff, flipped)."""
         key = self.keys

@@ -1,0 +1,157 @@
+"""Fine-tuning a pretrained model: named parts, frozen parts (bitwise unchanged), per-part
+learning rates as optimizer groups, and replay data with its own metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xnn.config.loader import ConfigError, load_config
+from xnn.config.train import TrainConfig
+from xnn.data.emt import write_emt
+from xnn.errors import InputError
+from xnn.models import build
+from xnn.models.serialization import load_model
+from xnn.training.finetune import freeze, param_groups, part_parameters
+from xnn.training.schedule import LRSchedule, build_optimizer
+
+TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 2, "
+        "num_basis: 8}")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ft")
+    write_emt(d / "cu.xyz", 12, ["Cu"], seed=0)
+    write_emt(d / "cu_new.xyz", 9, ["Cu"], seed=5)
+    return d
+
+
+def cfg_for(out, train, *extra) -> TrainConfig:
+    return load_config(TrainConfig, None, [
+        f"data.datasets.0.path={train}", f"output_dir={out}", "model.cutoff=3.0", TINY,
+        "data.batch_size=3", "data.val_fraction=0.25", "max_epochs=2", "logging.plots=false",
+        "logging.progress_bar=false", "ema.enabled=false", *extra,
+    ])
+
+
+@pytest.fixture(scope="module")
+def pretrained(data, tmp_path_factory):
+    from xnn.app.train import train
+
+    out = tmp_path_factory.mktemp("pre") / "run"
+    train(cfg_for(out, data / "cu.xyz", "max_epochs=1"))
+    return out / "model.pt"
+
+
+def _finetuned_config(out, data, pretrained, *extra) -> TrainConfig:
+    # model.hyperparameters comes from the pretrained file: the config leaves it unset
+    return load_config(TrainConfig, None, [
+        f"data.datasets.0.path={data / 'cu_new.xyz'}", f"output_dir={out}", "model.cutoff=3.0",
+        f"pretrained={pretrained}", "data.batch_size=3", "data.val_fraction=0.25",
+        "max_epochs=2", "logging.plots=false", "logging.progress_bar=false",
+        "ema.enabled=false", *extra])
+
+
+# --------------------------------------------------------------------------- parts
+@pytest.mark.parametrize("name,expected", [
+    ("schnet", {"embedding", "interactions", "interactions.0", "interactions.1", "readout"}),
+    ("painn", {"embedding", "interactions", "interactions.0", "interactions.1", "readout"}),
+    ("equivariant", {"embedding", "interactions", "interactions.0", "interactions.1",
+                     "readout", "readout.0", "readout.1"}),
+])
+def test_models_declare_common_part_names(name, expected):
+    """Every native model names embedding, interactions (each block) and readout; the parts
+    together cover every parameter, and a block's parameters are inside ``interactions``."""
+    model = build(name, species=[29, 79], cutoff=3.0, num_interactions=2)
+    parts = model.parts()
+    assert set(parts) == expected
+    covered = {n for p in ("embedding", "interactions", "readout")
+               for n in part_parameters(model, p)}
+    assert covered == {n for n, _ in model.named_parameters()}
+    assert set(part_parameters(model, "interactions.1")) < set(
+        part_parameters(model, "interactions"))
+    assert not set(part_parameters(model, "embedding")) & set(
+        part_parameters(model, "readout"))
+
+
+def test_sevenn_parts_cover_the_network():
+    pytest.importorskip("sevenn")
+    from xnn.models.external.sevenn import SevenNetWrapper
+
+    model = SevenNetWrapper("7net-0")
+    parts = model.parts()
+    assert {"embedding", "interactions", "readout"} <= set(parts)
+    assert {f"interactions.{k}" for k in range(5)} <= set(parts)
+    covered = {n for p in ("embedding", "interactions", "readout")
+               for n in part_parameters(model, p)}
+    assert covered == {n for n, _ in model.named_parameters()}
+
+
+def test_unknown_part_lists_the_models_parts():
+    model = build("schnet", species=[29], cutoff=3.0, num_interactions=2)
+    with pytest.raises(InputError, match=r"no part 'blocks'; its parts are \['embedding', "
+                                         r"'interactions', 'interactions.0'"):
+        freeze(model, ["blocks"])
+    with pytest.raises(InputError, match="finetune.lr: the model has no part 'x'"):
+        param_groups(model, {"x": 0.1})
+    with pytest.raises(InputError, match="nothing is left to train"):
+        freeze(model, ["embedding", "interactions", "readout"])
+
+
+def test_param_groups_scale_the_schedule_per_part():
+    """Each listed part is one optimizer group whose lr is the schedule's lr times its
+    factor (the most specific part wins); frozen parameters are in no group."""
+    model = build("schnet", species=[29], cutoff=3.0, num_interactions=2)
+    freeze(model, ["embedding"])
+    groups = param_groups(model, {"interactions": 0.1, "interactions.1": 0.5, "embedding": 3})
+    opt = build_optimizer(model, "adam", 1e-3, 0.0, groups=groups)
+    schedule = LRSchedule(opt, "cosine", 1e-3, warmup_steps=2, total_steps=10)
+    for step in (0, 5):
+        base = schedule.apply(step)
+        lrs = {g["part"]: g["lr"] for g in opt.param_groups}
+        assert lrs == {"rest": base, "interactions": 0.1 * base, "interactions.1": 0.5 * base}
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert ids == {id(p) for p in named.values() if p.requires_grad}
+    inter1 = {id(named[n]) for n in part_parameters(model, "interactions.1")}
+    group = next(g for g in opt.param_groups if g["part"] == "interactions.1")
+    assert {id(p) for p in group["params"]} == inter1
+
+
+# --------------------------------------------------------------------------- training
+def test_frozen_parts_are_bitwise_unchanged_after_training(tmp_path, data, pretrained):
+    """Frozen parts and a part with lr factor 0 leave training bitwise as loaded (EMA on);
+    every other parameter moves."""
+    from xnn.app.train import train
+
+    out = tmp_path / "ft"
+    train(_finetuned_config(out, data, pretrained, "finetune.freeze=[embedding, "
+                                                   "interactions.0]",
+                            "finetune.lr={readout: 0.0}", "ema.enabled=true"))
+    before = load_model(pretrained).state_dict()
+    after = load_model(out / "model.pt")
+    frozen = {*part_parameters(after, "embedding"), *part_parameters(after, "interactions.0")}
+    zero_lr = set(part_parameters(after, "readout"))
+    state = after.state_dict()
+    for name, _ in after.named_parameters():
+        same = torch.equal(before[name], state[name])
+        assert same == (name in frozen or name in zero_lr), name
+    # (every other parameter moved: the loop checks `same` is False for them)
+
+
+def test_finetune_options_need_a_pretrained_model(tmp_path, data):
+    with pytest.raises(ConfigError, match="set pretrained=PATH"):
+        cfg_for(tmp_path, data / "cu.xyz", "finetune.freeze=[embedding]")
+    with pytest.raises(ConfigError, match="finetune.replay_fraction needs data.replay"):
+        _finetuned_config(tmp_path, data, "x.pt", "finetune.replay_fraction=0.3")
+
+
+def test_unknown_freeze_part_is_refused_before_training(tmp_path, data, pretrained):
+    from xnn.app.train import train
+
+    out = tmp_path / "bad"
+    with pytest.raises(InputError, match=r"finetune.freeze: the model has no part 'body'; "
+                                         r"its parts are \["):
+        train(_finetuned_config(out, data, pretrained, "finetune.freeze=[body]"))
+    assert not out.exists()

@@ -155,3 +155,66 @@ def test_unknown_freeze_part_is_refused_before_training(tmp_path, data, pretrain
                                          r"its parts are \["):
         train(_finetuned_config(out, data, pretrained, "finetune.freeze=[body]"))
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- replay
+def _errors(model, dataset, indices) -> dict[str, float]:
+    """Energy MAE (meV/atom) and force MAE (meV/Å, per component) of ``model``."""
+    from xnn.data.graph import AtomicGraph
+    from xnn.models.derivatives import compute_properties
+
+    e, f, n_comp = 0.0, 0.0, 0
+    for i in indices:
+        g = dataset[int(i)]
+        out = compute_properties(model, AtomicGraph.concat([g]), True, False)
+        e += float((out["energy"] - g.energy).abs().sum()) / g.n_atoms
+        f += float((out["forces"] - g.forces).abs().sum())
+        n_comp += g.forces.numel()
+    return {"energy_mae": 1000 * e / len(indices), "forces_mae": 1000 * f / n_comp}
+
+
+def test_replay_is_trained_and_validated_on_its_own(tmp_path, data, pretrained, capsys):
+    """data.replay joins training with its share (finetune.replay_fraction) and its
+    validation part gives val_replay_* columns equal to an independent evaluation of the
+    final model on those structures."""
+    import csv
+    import json
+
+    from xnn.app.train import train
+    from xnn.app.train_replay import REPLAY_SEED
+    from xnn.data.datasets import read_structures, split_indices
+    from xnn.neighbors.datasets import WithEdges
+
+    out = tmp_path / "replay"
+    summary = train(_finetuned_config(
+        out, data, pretrained, f"data.replay.0.path={data / 'cu.xyz'}",
+        "finetune.replay_weight=0.5", "finetune.replay_fraction=0.5", "precision=fp64",
+        "data.val_fraction=0.25"))
+    log = capsys.readouterr().out
+    # 9 new structures, 25% validation: 7 training + 7 replay (f = 0.5), 3 replay validation
+    assert "data: 14 training, 2 validation, 0 test structures (replay: 3 validation)" in log
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(rows) == 2 and float(rows[-1]["val_replay_forces_mae"]) > 0
+    replay = WithEdges(read_structures(str(data / "cu.xyz")), 3.0)
+    _, val, _ = split_indices(len(replay), 0.25, 0.0, seed=0 + REPLAY_SEED)
+    expected = _errors(load_model(out / "model.pt"), replay, val)
+    got = json.loads((out / "summary.json").read_text())["metrics"]
+    for key in ("energy_mae", "forces_mae"):
+        assert got[f"val_replay_{key}"] == pytest.approx(expected[key], rel=1e-9)
+    assert summary["metrics"]["val_replay_forces_mae"] == got["val_replay_forces_mae"]
+
+
+def test_replay_structures_carry_the_replay_weight(data):
+    """The replay share of the training set comes after the new data, with
+    finetune.replay_weight × the entry's weight as every structure's loss weight."""
+    from xnn.app.train_data import build_splits
+
+    cfg = _finetuned_config("unused", data, "x.pt", f"data.replay.0.path={data / 'cu.xyz'}",
+                            "data.replay.0.weight=2.0", "finetune.replay_weight=0.25",
+                            "finetune.replay_fraction=0.25")
+    splits = build_splits(cfg.data, cfg.loss, 3.0, 0, replay=(0.25, 0.25))
+    train = splits.train
+    assert len(train) == 7 + 2  # round(0.25 / 0.75 × 7) replay structures
+    weights = [float(train[i].weight) for i in range(len(train))]
+    assert weights == [1.0] * 7 + [0.5] * 2
+    assert len(splits.val_replay) == 3

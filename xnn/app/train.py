@@ -274,10 +274,13 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     # fine-tuned model has no statistics: build_splits checks that sample then
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species,
                           reducer, check_train=bool(cfg.pretrained),
-                          isolated_atoms=uses_isolated_atoms(cfg))
+                          isolated_atoms=uses_isolated_atoms(cfg),
+                          replay=(cfg.finetune.replay_weight, cfg.finetune.replay_fraction))
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
-                 f"{len(splits.test) if splits.test else 0} test structures")
+                 f"{len(splits.test) if splits.test else 0} test structures"
+                 + (f" (replay: {len(splits.val_replay)} validation)" if splits.val_replay
+                    else ""))
     model = _model_for_run(cfg, splits, logger, reducer)  # seeded: the same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, parallel, device, memory)

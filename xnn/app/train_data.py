@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from xnn.app.train_replay import replay_parts
 from xnn.config.train import DataConfig, DatasetConfig, LossConfig
 from xnn.data import keys as K
 from xnn.data.datasets import ConcatDataset, Subset, read_structures, split_indices
@@ -82,7 +83,8 @@ def _concat(parts: list):
 
 def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
                  species: list[int] | None = None, reducer=None,
-                 check_train: bool = True, isolated_atoms: bool = False) -> DataSplits:
+                 check_train: bool = True, isolated_atoms: bool = False,
+                 replay: tuple[float, float | None] = (1.0, None)) -> DataSplits:
     """Read, split, check and wrap the datasets of a run.
 
     Args:
@@ -104,6 +106,9 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
             as mace-torch does with its default ``keep_isolated_atoms=False``); the other
             structures are split as a file without them. Explicit ``data.val``/``data.test``
             files are used as they are.
+        replay: ``(finetune.replay_weight, finetune.replay_fraction)`` of the
+            ``data.replay`` files (:mod:`xnn.app.train_replay`): their training part joins
+            ``train`` after the new data, their validation part is ``val_replay``.
     Raises:
         DataFileError: a sampled structure has coincident atoms (among others).
     """
@@ -129,7 +134,11 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         test_parts.append(Subset(ds, te))
     val_parts += [_open(e) for e in data.val]
     test_parts += [_open(e) for e in data.test]
-    train = _concat(train_parts)
+    n_new = sum(len(t) for t in train_parts)
+    extra = replay_parts(data, _open, seed, replay[0], replay[1], n_new)
+    if extra.pool is not None:
+        check_training_labels(extra.entries, extra.sizes, extra.pool, loss)
+    train = _concat([*train_parts, extra.train])
     if data.overfit is not None:
         train = Subset(train, np.arange(min(data.overfit, len(train))))
         val = train
@@ -137,6 +146,7 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         val = _concat(val_parts)
     test = _concat(test_parts)
     check_training_labels(data.datasets, [len(t) for t in train_parts], train, loss)
+    val_replay = extra.val
     train_species = train.species()
     if species is not None:
         missing = sorted(set(train_species) - set(species))
@@ -144,11 +154,11 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
             raise InputError(f"training structures hold species {symbols(missing)} absent from "
                              f"model.species ({symbols(species)})")
         train_species = sorted(species)
-    for ds, what in ((val, "validation"), (test, "test")):
+    for ds, what in ((val, "validation"), (test, "test"), (val_replay, "replay validation")):
         if ds is not None:
             check_species(ds, train_species, what)
     sampled = [train] if check_train else []
-    refuse_coincident_sample([*sampled, *(d for d in (val, test) if d is not None)],
+    refuse_coincident_sample([*sampled, *(d for d in (val, test, val_replay) if d is not None)],
                              reducer or LocalReducer())
     cache = data.cache_edges
     return DataSplits(
@@ -159,6 +169,7 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         species=train_species,
         membership=split_membership(data, train_parts, val_parts, test_parts),
         isolated_e0=isolated,
+        val_replay=WithEdges(val_replay, cutoff, cache) if val_replay is not None else None,
     )
 
 

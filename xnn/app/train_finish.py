@@ -120,6 +120,7 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
         m, parity = loop.validate(ds, f"{name}_", collect=True)
         metrics.update(m)
         parities[name] = _gather_parity(loop.reducer, parity)
+    metrics.update(loop.validate(loop.splits.val_replay, "val_replay_")[0])  # fine-tuning
     summary = {
         "stopped_by": reason,
         "epochs": loop.progress.epoch,

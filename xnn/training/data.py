@@ -29,7 +29,8 @@ class DataSplits:
     ``membership``: which structures of which file each split holds (the run's
     ``split.json``), when the application recorded it; ``isolated_e0``: ``{Z: eV}`` energy
     labels of the training files' isolated-atom entries, left out of every split, where they
-    were asked for (``model.e0=isolated``; ``None`` otherwise)."""
+    were asked for (``model.e0=isolated``; ``None`` otherwise); ``val_replay``: the
+    validation part of the fine-tuning replay data (validated on its own), if any."""
 
     train: WithEdges
     val: WithEdges | None
@@ -38,6 +39,7 @@ class DataSplits:
     species: list[int]
     membership: dict | None = None
     isolated_e0: dict[int, float] | None = None
+    val_replay: WithEdges | None = None
 
 
 def first_coincident(dataset, indices: Sequence[int], chunk: int = 64

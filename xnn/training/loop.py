@@ -380,6 +380,7 @@ class TrainingLoop:
         if p.epoch % cfg.eval_every == 0 and self.splits.val is not None:
             val, _ = self.validate(self.splits.val, "val_")
             row.update(val)
+            row.update(self.validate(self.splits.val_replay, "val_replay_")[0])
             value = val.get(cfg.checkpoint_metric)
             if self.trainer.schedule is not None:  # the plateau schedule minimises
                 sign = -1.0 if cfg.checkpoint_mode == "max" else 1.0

@@ -466,7 +466,7 @@ def test_pretrained_external_wrapper_is_refused_before_training(tmp_path, data, 
 
     monkeypatch.setattr(run_module, "load_pretrained", lambda path: Wrapper())
     cfg = tiny(tmp_path / "w", data, f"pretrained={data}")
-    with pytest.raises(InputError, match="fine-tunes native xnn models only"):
+    with pytest.raises(InputError, match="fine-tunes native xnn models and the SevenNet"):
         run_train(cfg)
 
 

@@ -49,7 +49,7 @@ from xnn.training.losses import TermSpec
 from xnn.training.memory import MemoryTools, build_memory_tools, set_activation_checkpointing
 from xnn.training.reducer import LocalReducer
 from xnn.training.schedule import LRSchedule, build_optimizer
-from xnn.training.setup import configure_precision, load_pretrained
+from xnn.training.setup import configure_precision, is_pretrained_name, load_pretrained
 from xnn.training.trainer import Trainer
 
 #: what a run folder given as ``resume=`` / ``pretrained=`` most likely meant
@@ -86,7 +86,7 @@ def plan_output(cfg: TrainConfig, resume: str | None) -> RunFolder:
 def _check_inputs(cfg: TrainConfig, resume: str | None) -> None:
     """Checkpoint and pretrained files exist and are complete (before anything is built)."""
     for key, path in (("resume", resume), ("pretrained", cfg.pretrained)):
-        if path:
+        if path and not (key == "pretrained" and is_pretrained_name(path)):
             require_file(path, f"{key}=", InputError, suggest=SUGGEST[key])
             check_complete(path, "checkpoint" if key == "resume" else "pretrained file")
 

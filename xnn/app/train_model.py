@@ -249,19 +249,24 @@ def build_model(cfg: TrainConfig, species: list[int], statistics: dict | None) -
 
 
 def check_native(model: nn.Module, what: str) -> None:
-    """Refuse a wrapper of an external model (``mace``, ``sevenn``): xnn saves and resumes a
-    model by its ``hparams`` and weights, which such a wrapper does not have (its training
-    would fail at the first checkpoint).
+    """Refuse a model xnn cannot save and resume: one with neither registry ``hparams``
+    nor a payload of its own (the SevenNet and MACE wrappers store their network as data:
+    they are fine-tuned like native models).
 
     Args:
         what: names the model in the message (``model.name=sevenn``, ``pretrained='f.pt'``).
     Raises:
         InputError: one line naming the model and where to train it.
     """
+    from xnn.models.external.mace import MACEWrapper
+    from xnn.models.external.sevenn import SevenNetWrapper
+
+    if isinstance(model, (SevenNetWrapper, MACEWrapper)):
+        return
     if not isinstance(getattr(model, "hparams", None), dict):
         raise InputError(f"{what} is a {type(model).__name__}; xnn train trains and "
-                         "fine-tunes native xnn models only (for a mace-torch model use "
-                         "mace_run_train, for SevenNet its own trainer)")
+                         "fine-tunes native xnn models and the SevenNet and MACE wrappers "
+                         "(pretrained=7net-0 or a mace-torch .model file) only")
 
 
 def check_trainable(cfg: TrainConfig, model: nn.Module) -> None:

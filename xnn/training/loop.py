@@ -192,9 +192,11 @@ class TrainingLoop:
 
         t = self.trainer
         model = model_payload(t.model)
+        # the module's own state dict: an external wrapper's payload holds its network's
+        state = {k: v.detach().cpu() for k, v in t.model.state_dict().items()}
         return {
-            "model": {"name": model["name"], "hparams": model["hparams"],
-                      "state_dict": model["state_dict"]},
+            "model": {"name": model["name"], "hparams": model.get("hparams") or {},
+                      "state_dict": state},
             "ema": t.ema.state_dict() if t.ema is not None else None,
             "optimizer": t.optimizer.state_dict(),
             "schedule": t.schedule.state_dict() if t.schedule is not None else None,

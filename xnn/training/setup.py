@@ -22,14 +22,30 @@ def configure_precision(precision: str) -> tuple[torch.dtype, torch.dtype | None
     return PRECISION_DTYPES[precision], autocast
 
 
+#: ``pretrained=`` values starting so are SevenNet checkpoint names (``7net-0``): models
+#: shipped in the ``sevenn`` wheel, loaded offline and without trust
+SEVENN_NAME_PREFIX = "7net"
+
+
+def is_pretrained_name(path: str) -> bool:
+    """Whether ``pretrained=path`` names a shipped SevenNet model rather than a file."""
+    import os
+
+    return str(path).startswith(SEVENN_NAME_PREFIX) and not os.path.exists(path)
+
+
 def load_pretrained(path: str, trust: bool = False) -> nn.Module:
-    """The model (architecture and weights) of a model file or a training checkpoint.
+    """The model (architecture and weights) of a model file, a training checkpoint, a
+    SevenNet model shipped in the ``sevenn`` wheel by name (``7net-0``), or a mace-torch
+    ``.model`` file.
 
     Both are read as data (``weights_only=True``): no code from the file runs, and its
     hyperparameters cannot ask for trust or name a file to load unless the caller passes
     ``trust`` (:mod:`xnn.models.trust`). A checkpoint gives its EMA weights when it has them.
     The run fine-tunes this model; the ``model`` section of the config must agree with it
-    (:func:`check_pretrained_config`).
+    (:func:`check_pretrained_config`). A mace-torch ``.model`` file is a pickle: it loads
+    only with the caller's trust (``trust``, or ``model.trust_file=true`` around the call:
+    :mod:`xnn.models.trust`); SevenNet names need none.
 
     Raises:
         InputError: the file does not exist.
@@ -41,7 +57,15 @@ def load_pretrained(path: str, trust: bool = False) -> nn.Module:
     from xnn.models.serialization import load_model
     from xnn.training.checkpoint import load_checkpoint, require_fields
 
+    if is_pretrained_name(path):
+        from xnn.models.external.sevenn import SevenNetWrapper
+
+        return SevenNetWrapper(path).train()
     require_file(path, "pretrained=", InputError, suggest=("model.pt",))
+    if str(path).endswith(".model"):
+        from xnn.models.external.mace import MACEWrapper
+
+        return MACEWrapper(path, trust=trust).train()
     try:
         payload = load_checkpoint(path)
     except ModelFileError:

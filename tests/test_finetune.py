@@ -218,3 +218,54 @@ def test_replay_structures_carry_the_replay_weight(data):
     weights = [float(train[i].weight) for i in range(len(train))]
     assert weights == [1.0] * 7 + [0.5] * 2
     assert len(splits.val_replay) == 3
+
+
+# --------------------------------------------------------------------------- external
+def test_mace_model_file_is_finetuned_under_the_trust_rules(tmp_path, data):
+    """A mace-torch .model file (a pickle) is refused without trust, and with
+    model.trust_file=true it is fine-tuned with frozen parts (bitwise unchanged) and saved
+    as an xnn model file that loads as data."""
+    pytest.importorskip("mace")
+    from helpers.models import small_mace
+    from xnn.app.train import train
+    from xnn.errors import TrustError
+
+    wrapper = small_mace()
+    src = tmp_path / "cu.model"
+    torch.save(wrapper.model, src)
+    args = ["model.cutoff=3.0", "precision=fp64", "max_epochs=1"]
+    out = tmp_path / "mace"
+    with pytest.raises(TrustError, match="model.trust_file=true"):
+        train(_finetuned_config(out, data, src, *args))
+    train(_finetuned_config(out, data, src, *args, "model.trust_file=true",
+                            "finetune.freeze=[embedding, interactions.0]"))
+    tuned = load_model(out / "model.pt")
+    before, after = wrapper.state_dict(), tuned.state_dict()
+    frozen = {*part_parameters(tuned, "embedding"), *part_parameters(tuned, "interactions.0")}
+    for name, _ in tuned.named_parameters():
+        assert torch.equal(before[name], after[name]) == (name in frozen), name
+    covered = {n for p in ("embedding", "interactions", "readout")
+               for n in part_parameters(tuned, p)}
+    assert covered == {n for n, _ in tuned.named_parameters()}
+
+
+@pytest.mark.slow
+def test_sevenn_0_by_name_is_finetuned(tmp_path, data):
+    """pretrained=7net-0 loads SevenNet-0 from the sevenn wheel (no file, no trust) and
+    fine-tunes it: one step with all but the readout frozen moves the readout only."""
+    pytest.importorskip("sevenn")
+    from xnn.app.train import train
+    from xnn.models.external.sevenn import SevenNetWrapper
+
+    out = tmp_path / "7net"
+    train(load_config(TrainConfig, None, [
+        f"data.datasets.0.path={data / 'cu_new.xyz'}", f"output_dir={out}",
+        "pretrained=7net-0", "data.batch_size=1", "data.val_fraction=0.12", "max_steps=1",
+        "max_epochs=1", "logging.plots=false", "logging.progress_bar=false",
+        "ema.enabled=false", "finetune.freeze=[embedding, interactions]"]))
+    tuned = load_model(out / "model.pt")
+    assert isinstance(tuned, SevenNetWrapper)
+    before, after = SevenNetWrapper("7net-0").state_dict(), tuned.state_dict()
+    readout = set(part_parameters(tuned, "readout"))
+    moved = {n for n, _ in tuned.named_parameters() if not torch.equal(before[n], after[n])}
+    assert moved and moved <= readout

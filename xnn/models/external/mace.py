@@ -176,6 +176,19 @@ class MACEWrapper(SyncPoints, AtomisticModel):
         device = next(iter(model.parameters()), table).device
         self.register_buffer("z_to_index", table.to(device), persistent=False)
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        """Fine-tuning parts of the MACE network: ``embedding`` (node and radial
+        embeddings), ``interactions`` and ``interactions.K`` (the K-th interaction block with
+        its product basis), ``readout`` (the readouts)."""
+        children = dict(self.model.named_children())
+        n = len(children.get("interactions", []))
+        embed = tuple(f"model.{c}" for c in ("node_embedding", "radial_embedding")
+                      if c in children)
+        return {"embedding": embed, "interactions": ("model.interactions", "model.products"),
+                **{f"interactions.{k}": (f"model.interactions.{k}", f"model.products.{k}")
+                   for k in range(n)},
+                "readout": ("model.readouts",)}
+
     def mace_inputs(self, graph: AtomicGraph, cell_grad: bool = False) -> dict[str, Tensor]:
         """MACE's input dict for ``graph`` (edges within ``r_max``; see the module doc).
 

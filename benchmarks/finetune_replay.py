@@ -153,6 +153,8 @@ def main() -> None:
     p.add_argument("--n-replay", type=int, default=40)
     p.add_argument("--n-held", type=int, default=20)
     p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--pretrain-n", type=int, default=120, help="stand-in: pretraining set")
+    p.add_argument("--pretrain-epochs", type=int, default=60, help="stand-in: its epochs")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--freeze", default="", help="finetune.freeze parts, comma-separated")
     p.add_argument("--json", default=None)
@@ -174,11 +176,11 @@ def main() -> None:
     else:
         old_ref = lambda x: _emt(x, False)  # noqa: E731
         new = _label(new_atoms, lambda x: _emt(x, True))
-        pre_file = _write(work / "pretrain.xyz", _label(_pure(120, seed=100), old_ref))
+        pre_file = _write(work / "pretrain.xyz", _label(_pure(a.pretrain_n, seed=100), old_ref))
         timings["pretrain_s"] = _train([
             f"data.datasets.0.path={pre_file}", f"output_dir={work / 'pretrained'}",
-            f"model.cutoff={CUTOFF}", *STANDIN, "max_epochs=60", "data.batch_size=8",
-            "optim.lr=3e-3", "schedule.name=cosine", "precision=fp64"])
+            f"model.cutoff={CUTOFF}", *STANDIN, f"max_epochs={a.pretrain_epochs}",
+            "data.batch_size=8", "optim.lr=3e-3", "schedule.name=cosine", "precision=fp64"])
         pretrained = str(work / "pretrained" / "model.pt")
         from xnn.models.serialization import load_model
 
@@ -215,7 +217,8 @@ def main() -> None:
     check["replay_within_1.2x"] = check["held_back_forces_ratio_replay"] <= 1.2
     result = {"pretrained": a.pretrained, "n_new_train": a.n_new, "n_new_test": a.n_held,
               "n_replay": a.n_replay, "n_held_back": a.n_held, "epochs": a.epochs,
-              "lr": a.lr, "freeze": a.freeze, "units": {"energy_mae": "meV/atom", "forces_mae": "meV/Å"},
+              "lr": a.lr, "freeze": a.freeze,
+              "units": {"energy_mae": "meV/atom", "forces_mae": "meV/Å"},
               "errors": report, "check": check, "timings_s": timings,
               "total_s": time.perf_counter() - t0,
               "device": f"cpu ({torch.get_num_threads()} threads)"}

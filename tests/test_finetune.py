@@ -227,6 +227,7 @@ def test_mace_model_file_is_finetuned_under_the_trust_rules(tmp_path, data):
     as an xnn model file that loads as data."""
     pytest.importorskip("mace")
     from helpers.models import small_mace
+
     from xnn.app.train import train
     from xnn.errors import TrustError
 

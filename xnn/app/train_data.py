@@ -302,5 +302,6 @@ def _label_problem(k: int, entry: DatasetConfig, lacking: dict[str, int], n: int
 def data_files(data: DataConfig) -> dict[str, str]:
     """``{config key: path}`` of every data file of a run (e.g. ``data.datasets.0.path``),
     for the ranks of a job to check that they read the same data."""
-    return {f"data.{part}.{k}.path": entry.path for part in ("datasets", "val", "test")
+    return {f"data.{part}.{k}.path": entry.path
+            for part in ("datasets", "val", "test", "replay")
             for k, entry in enumerate(getattr(data, part))}

@@ -270,3 +270,12 @@ def test_sevenn_0_by_name_is_finetuned(tmp_path, data):
     readout = set(part_parameters(tuned, "readout"))
     moved = {n for n, _ in tuned.named_parameters() if not torch.equal(before[n], after[n])}
     assert moved and moved <= readout
+
+
+def test_example_config_loads():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "finetune" / "sevenn_cuau.yaml"
+    cfg = load_config(TrainConfig, str(path), [])
+    assert cfg.pretrained == "7net-0" and cfg.finetune.replay_fraction == 0.5
+    assert [e.path for e in cfg.data.replay] == ["replay.xyz"]

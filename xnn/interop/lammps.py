@@ -348,8 +348,9 @@ class XnnFixExternal:
         return _unpack(out, g.n_atoms)
 
     def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> tuple[AtomicGraph, np.ndarray]:
-        """:meth:`graph` of this step and its positions on the host, reusing the last step's device tensors of everything
-        but positions and cell while LAMMPS's atoms, their order and types are unchanged.
+        """:meth:`graph` of this step and its positions on the host, reusing the last step's
+        device tensors of everything but positions and cell while LAMMPS's atoms, their
+        order and types are unchanged.
 
         The species check, the neighbour list's identity checks and the closest-pair bound
         then cost no host sync and no copy (as for ``xnn md``, which passes the same

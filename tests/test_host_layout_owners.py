@@ -149,3 +149,23 @@ def test_a_ghost_nobody_owns_is_refused_on_every_rank(ranks):
     assert "no rank owns" in ranks[0]["error"] and "1000000" in ranks[0]["error"]
     for r in ranks[1:]:
         assert "rank 0 failed" in r["error"] and "no rank owns" in r["error"]
+
+
+def test_candidates_in_pieces_equal_candidates_at_once():
+    """The candidate matrix computed a few ghosts at a time (bounded temporaries for many
+    ranks) is the one computed at once, and holds each ghost's owner box."""
+    from xnn.distributed.host.owners import _candidates
+
+    g = torch.Generator().manual_seed(5)
+    lo = torch.rand(7, 3, generator=g, dtype=torch.float64) * 0.8
+    hi = lo + 0.15
+    lo[4], hi[4] = float("inf"), -float("inf")  # a rank without atoms
+    owner = torch.randint(0, 4, (50,), generator=g)
+    frac = lo[owner] + torch.rand(50, 3, generator=g, dtype=torch.float64) * 0.15
+    frac[:, :2] += torch.randint(-2, 3, (50, 2), generator=g)  # periodic images along a, b
+    eps = torch.full((3,), 1e-9, dtype=torch.float64)
+    whole = _candidates(frac, lo, hi, [True, True, False], eps)
+    assert torch.equal(_candidates(frac, lo, hi, [True, True, False], eps, chunk=10), whole)
+    assert bool(whole[torch.arange(50), owner].all()) and not bool(whole[:, 4].any())
+    assert not bool(_candidates(frac + torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64),
+                                lo, hi, [True, True, False], eps).any())  # open axis c

@@ -82,7 +82,8 @@ def ghost_owners(ids: Tensor, positions: Tensor, cell: Tensor, pbc: Tensor,
     with C.guarded(group, "ghost candidates"):
         eps = _fractional_tolerance(frame, positions, tolerance)
         frac = ghost_positions[rest].double() @ frame
-        cand = _candidates(frac, boxes[:, 1:4], boxes[:, 4:7], pbc.to(torch.bool), eps)
+        cand = _candidates(frac, boxes[:, 1:4], boxes[:, 4:7], pbc.to(torch.bool).tolist(),
+                           eps)
         cand[:, rank] = False  # this rank's own atoms were found by id
         j, q = torch.nonzero(cand, as_tuple=True)
         by_rank = torch.argsort(q, stable=True)
@@ -166,15 +167,25 @@ def _fractional_tolerance(frame: Tensor, positions: Tensor, tolerance: float) ->
     return slack * frame.norm(dim=0) + 1e-12
 
 
-def _candidates(frac: Tensor, lo: Tensor, hi: Tensor, periodic: Tensor, eps: Tensor
-                ) -> Tensor:
+def _candidates(frac: Tensor, lo: Tensor, hi: Tensor, periodic: list[bool], eps: Tensor,
+                chunk: int = 1 << 22) -> Tensor:
     """``[n, n_ranks]``: whether rank ``q``'s widened box holds ghost ``i``'s position
-    (shifted by whole cell vectors along periodic axes)."""
-    f = frac[:, None, :]
-    low, high = lo[None] - eps, hi[None] + eps
-    shifted = torch.floor(f - low) >= torch.ceil(f - high)  # some integer n: low <= f-n <= high
-    inside = (f >= low) & (f <= high)
-    return torch.where(periodic, shifted, inside).all(-1)
+    (shifted by whole cell vectors along periodic axes); ``chunk`` bounds the temporaries
+    (ghosts times ranks per piece)."""
+    low, high = lo - eps, hi + eps
+    rows = max(1, chunk // max(1, lo.shape[0]))
+    out = []
+    for f in torch.split(frac, rows):
+        ok = torch.ones(f.shape[0], lo.shape[0], dtype=torch.bool, device=f.device)
+        for k in range(3):
+            a, b = f[:, k, None] - low[None, :, k], f[:, k, None] - high[None, :, k]
+            if bool(periodic[k]):  # some integer n with low <= f - n <= high
+                ok &= torch.floor(a) >= torch.ceil(b)
+            else:
+                ok &= (a >= 0) & (b <= 0)
+        out.append(ok)
+    return torch.cat(out) if out else torch.zeros(0, lo.shape[0], dtype=torch.bool,
+                                                  device=frac.device)
 
 
 def _all_to_all_counts(want: Tensor, group) -> Tensor:

@@ -362,8 +362,9 @@ class XnnFixExternal:
             g = AtomicGraph.from_arrays(
                 positions=xa[:nlocal], numbers=self.numbers_of_type[types - 1], cell=cell,
                 pbc=pbc, atom_id=ids[:nlocal], dtype=self.dtype, device=self.device)
-            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list,
-            # their positions are read only then (per step, owned positions travel alone)
+            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list;
+            # their positions (LAMMPS's forward communication of this step) stand for the
+            # owners' positions, which xnn then does not exchange again
             pot.layout.ghosts = HostGhosts(torch.from_numpy(ids[nlocal:]),
                                            torch.from_numpy(xa[nlocal:]))
         out = pot(g, forces=True, stress=True)

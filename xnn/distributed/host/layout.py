@@ -5,9 +5,11 @@ program's domain decomposition. The host gives each rank its owned atoms (the gr
 to the potential) and, before every evaluation, its ghost atoms (:class:`HostGhosts`: their
 global ids and positions, images of atoms that some rank owns). From these the layout builds
 the same :class:`~xnn.distributed.domain.local.LocalDomain` as the spatial layout: a ghost
-is its owner's position (received through the halo exchange) plus an integer image shift of
-the cell, so forces on ghosts flow back to their owners through the exchange's backward and
-the virial comes from the strain, as in every other decomposed evaluation. Mode ``halo``
+is its owner's position plus an integer image shift of the cell, so forces on ghosts flow
+back to their owners through the reverse halo exchange and the virial comes from the strain,
+as in every other decomposed evaluation. The owners' positions are not exchanged per step:
+the host's ghost positions, which its own forward communication brought, stand for them
+(the exchange's values without its messages; its adjoint, the reverse exchange, stays). Mode ``halo``
 needs the host's ghosts to reach the whole receptive field (+ skin); mode ``sync`` one
 cutoff (+ skin), the model's sync points then exchanging ghost features per layer.
 
@@ -28,7 +30,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.halo import HaloPlan
+from xnn.distributed.domain.halo import HaloPlan, reverse_halo_exchange
 from xnn.distributed.domain.local import (
     LocalDomain,
     ghost_fields_of,
@@ -53,8 +55,10 @@ class HostGhosts:
         ids: ``[n_ghost]`` global atom ids (the owned graph's ``atom_id`` numbering), on
             the CPU: compared at every evaluation to see whether the host rebuilt them.
         positions: ``[n_ghost, 3]`` Å (CPU), in the frame of the owned positions: each an
-            image ``x_owner + n @ cell`` of its owner (integer ``n``, zero along open
-            axes); read only at a rebuild (then copied to the model's device).
+            image ``x_owner + n @ cell`` of its owner's current position (integer ``n``,
+            zero along open axes), as the host's forward communication keeps them: read at
+            every evaluation (the remote ghosts' rows, copied to the model's device), so
+            positions are not exchanged again.
     """
 
     ids: Tensor
@@ -83,6 +87,7 @@ class HostLayout:
         self.mode = mode
         self.ghosts: HostGhosts | None = None
         self._built_ids: Tensor | None = None
+        self._remote: Tensor | None = None  # host ghost rows in the plan's receive order
         #: ids and rows this rank received when it last looked up its ghosts' owners
         self.lookup_received = 0
 
@@ -156,6 +161,7 @@ class HostLayout:
             if self.hops is not None:
                 edge_index = _within_hops(edge_index, graph.n_atoms, x.shape[0], self.hops)
         self._built_ids = host.ids.clone()
+        self._remote = order[self_src.numel():]
         return LocalDomain(None, torch.zeros(0), self_src, shifts, plan, fields, edge_index)
 
     def migrate(self, graph, extra, pot):  # pragma: no cover - never called (migrates False)
@@ -163,8 +169,19 @@ class HostLayout:
 
     # ------------------------------------------------------------------ evaluation
     def local_positions(self, dom, positions: Tensor, cell: Tensor) -> Tensor:
-        """``[n_local, 3]`` explicit positions of owned atoms and ghosts."""
-        return dom.local_positions(positions, cell[0])
+        """``[n_local, 3]`` explicit positions of owned atoms and ghosts: the remote ghosts
+        at the host's positions (its own forward communication brought them: no exchange
+        here), still differentiable with respect to their owners' positions (through the
+        reverse exchange) and the cell."""
+        cell = cell[0]
+        n_remote = dom.plan.n_recv
+        at = self.ghosts.positions.index_select(0, self._remote.to(
+            self.ghosts.positions.device)).to(positions)
+        shifts = dom.shifts.to(positions.dtype)
+        owner = at - shifts[dom.n_local - n_remote:] @ cell.detach()
+        remote = _Delivered.apply(positions, owner, dom.plan)
+        src = torch.cat([positions, positions.index_select(0, dom.self_src), remote])
+        return src + shifts @ cell
 
     def local_graph(self, graph: AtomicGraph, dom, x: Tensor, cell: Tensor) -> AtomicGraph:
         """The non-periodic local graph (see :func:`~.domain.local.local_graph`)."""
@@ -179,6 +196,21 @@ class HostLayout:
         return {"grid": None, "n_held": st.n_owned + d.n_ghost, "n_recv": d.plan.n_recv,
                 "n_send": d.plan.n_send, "n_peers": len(d.plan.peers), "paired": False,
                 "lookup_received": self.lookup_received}
+
+
+class _Delivered(torch.autograd.Function):
+    """Remote ghost rows the host delivered: the values of the forward halo exchange of
+    ``owned`` without its communication; the adjoint is the reverse exchange, as for
+    :func:`~xnn.distributed.domain.halo.halo_exchange`."""
+
+    @staticmethod
+    def forward(ctx, owned: Tensor, rows: Tensor, plan: HaloPlan) -> Tensor:
+        ctx.plan = plan
+        return rows.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return reverse_halo_exchange(grad.contiguous(), ctx.plan), None, None
 
 
 def _ghost_fields(graph: AtomicGraph, plan: HaloPlan, group) -> dict[str, Tensor]:

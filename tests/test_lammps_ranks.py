@@ -216,6 +216,18 @@ def test_ghost_owner_lookup_traffic_follows_the_ghosts_not_the_system(points, in
             assert p2p <= 16 * (n_ghost + n_send) + 8 * n
 
 
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_positions_are_not_exchanged_again_after_lammps_did(points, n):
+    """Per force call (outside the ghost-list build), Lennard-Jones in mode halo receives
+    point to point only its ghosts' forces for its sent rows (3 per row): the ghosts'
+    positions are LAMMPS's, which its forward communication brought, not a second
+    exchange of the owners' positions."""
+    r = points[n]["block-lj-traffic"]
+    for rank_builds, calls in zip(r["traffic"], r["call_p2p"]):
+        n_send = int(rank_builds[-1][3])
+        assert n_send > 0 and list(calls) == [3 * n_send]
+
+
 def test_sync_asks_lammps_for_one_cutoff_of_ghosts_halo_for_the_receptive_field(points):
     sync = points[2]["triclinic-schnet-sync"]
     halo = points[2]["triclinic-schnet-halo"]

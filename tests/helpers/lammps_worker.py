@@ -39,7 +39,8 @@ class Held(torch.nn.Module):
 class Traffic:
     """Counts the elements this rank receives through ``torch.distributed`` while the host
     layout builds (the ghost-owner lookup, the plan, the ghosts' fields): through
-    collectives (all-gathers, all-to-all, all-reduces, broadcasts) and point to point."""
+    collectives (all-gathers, all-to-all, all-reduces, broadcasts) and point to point; and
+    point to point in each force call outside the builds (``calls``)."""
 
     COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_to_all_single", "all_reduce",
                    "broadcast")
@@ -48,7 +49,9 @@ class Traffic:
         import torch.distributed as dist
 
         self.builds: list[dict] = []
+        self.calls: list[int] = []
         self.active = False
+        self.in_call = False
         self._original = {name: getattr(dist, name)
                           for name in (*self.COLLECTIVES, "batch_isend_irecv")}
         for name in self.COLLECTIVES:
@@ -56,8 +59,11 @@ class Traffic:
         batch = dist.batch_isend_irecv
 
         def counted_batch(ops):
+            received = sum(op.tensor.numel() for op in ops if op.op is dist.irecv)
             if self.active:
-                self.now["p2p"] += sum(op.tensor.numel() for op in ops if op.op is dist.irecv)
+                self.now["p2p"] += received
+            elif self.in_call:
+                self.calls[-1] += received
             return batch(ops)
 
         dist.batch_isend_irecv = counted_batch
@@ -76,6 +82,15 @@ class Traffic:
             return dom
 
         layout.build = counted_build
+
+    def call(self, fn, *args) -> None:
+        """Run the force callback ``fn(*args)``, counting its point-to-point elements."""
+        self.calls.append(0)
+        self.in_call = True
+        try:
+            fn(*args)
+        finally:
+            self.in_call = False
 
     def close(self) -> None:
         """Put ``torch.distributed``'s functions back."""
@@ -163,7 +178,10 @@ def run_case(case: dict, comm, out: Path) -> None:
 
     def counting(caller, ntimestep, nlocal, tag, x, f):
         seen.append(int(nlocal) + int(lmp.extract_setting("nghost")))
-        inner(caller, ntimestep, nlocal, tag, x, f)
+        if traffic is None:
+            inner(caller, ntimestep, nlocal, tag, x, f)
+        else:
+            traffic.call(inner, caller, ntimestep, nlocal, tag, x, f)
 
     lmp.set_fix_external_callback(fix.fix_id, counting)
     fix.run(steps)
@@ -189,6 +207,7 @@ def run_case(case: dict, comm, out: Path) -> None:
         rows = [[b[k] for k in ("collective", "p2p", "n_ghost", "n_send", "lookup_received")]
                 for b in traffic.builds]
         result["traffic"] = np.array(comm.allgather(rows))
+        result["call_p2p"] = np.array(comm.allgather(traffic.calls))
         traffic.close()
     lmp.close()
     if comm.Get_rank() == 0:

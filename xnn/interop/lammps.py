@@ -494,8 +494,11 @@ def _voigt(virial: torch.Tensor) -> np.ndarray:
 
 
 def _atom_rows(lmp, name: str, n: int, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """The first ``n`` rows of LAMMPS's per-atom array ``name`` (a copy; empty for 0)."""
+    """The first ``n`` rows of LAMMPS's per-atom array ``name``: a view of LAMMPS's memory
+    where it has ``dtype`` (valid until LAMMPS reallocates: inside one callback), else a
+    converted copy; empty for 0."""
     if n == 0:
         return np.zeros(shape, dtype=dtype)
-    return np.array(lmp.numpy.extract_atom(name, nelem=n), dtype=dtype).reshape(n, *shape[1:])
+    rows = np.asarray(lmp.numpy.extract_atom(name, nelem=n), dtype=dtype)
+    return rows.reshape(n, *shape[1:])
 

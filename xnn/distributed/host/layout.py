@@ -9,9 +9,10 @@ is its owner's position plus an integer image shift of the cell, so forces on gh
 back to their owners through the reverse halo exchange and the virial comes from the strain,
 as in every other decomposed evaluation. The owners' positions are not exchanged per step:
 the host's ghost positions, which its own forward communication brought, stand for them
-(the exchange's values without its messages; its adjoint, the reverse exchange, stays). Mode ``halo``
-needs the host's ghosts to reach the whole receptive field (+ skin); mode ``sync`` one
-cutoff (+ skin), the model's sync points then exchanging ghost features per layer.
+(the exchange's values without its messages; its adjoint, the reverse exchange, stays).
+Mode ``halo`` needs the host's ghosts to reach the whole receptive field (+ skin); mode
+``sync`` one cutoff (+ skin), the model's sync points then exchanging ghost features per
+layer.
 
 Who owns a ghost: :func:`~xnn.distributed.host.owners.ghost_owners` asks only the ranks
 whose owned atoms' box can hold each ghost (an ``O(n_ranks)`` all-gather of boxes, then ids

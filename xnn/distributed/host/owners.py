@@ -80,7 +80,9 @@ def ghost_owners(ids: Tensor, positions: Tensor, cell: Tensor, pbc: Tensor,
         box = _box(ids.numel(), positions, frame)
     boxes = C.all_gather_tensor(box, group)
     with C.guarded(group, "ghost candidates"):
-        eps = _fractional_tolerance(frame, positions, tolerance)
+        eps = _fractional_tolerance(frame, torch.cat([positions.detach(),
+                                                      ghost_positions.to(positions)]),
+                                    tolerance)
         frac = ghost_positions[rest].double() @ frame
         cand = _candidates(frac, boxes[:, 1:4], boxes[:, 4:7], pbc.to(torch.bool).tolist(),
                            eps)
@@ -114,8 +116,7 @@ def _sorted_ids(ids: Tensor) -> tuple[Tensor, Tensor]:
     s = ids[order]
     if s.numel() > 1 and bool((s[1:] == s[:-1]).any()):
         k = int(torch.nonzero(s[1:] == s[:-1])[0])
-        raise InputError(f"two ranks own an atom of the same id ({int(s[k])}, twice on one "
-                         "rank)")
+        raise InputError(f"a rank owns the atom of id {int(s[k])} twice")
     return order, s
 
 
@@ -161,8 +162,8 @@ def _box(n: int, positions: Tensor, frame: Tensor) -> Tensor:
 
 def _fractional_tolerance(frame: Tensor, positions: Tensor, tolerance: float) -> Tensor:
     """``[3]`` how far along each fractional axis a ghost may miss its owner's image: the
-    image tolerance plus the round-off of positions stored in their dtype."""
-    reach = float(positions.detach().abs().max()) if positions.numel() else 0.0
+    image tolerance plus the round-off of ``positions`` (owned and ghost, Å) in their dtype."""
+    reach = float(positions.abs().max()) if positions.numel() else 0.0
     slack = 2.0 * tolerance + 8.0 * torch.finfo(positions.dtype).eps * (1.0 + reach)
     return slack * frame.norm(dim=0) + 1e-12
 

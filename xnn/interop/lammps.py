@@ -391,8 +391,9 @@ class XnnFixExternal:
             g = AtomicGraph.from_arrays(
                 positions=xa[:nlocal], numbers=self.numbers_of_type[types - 1], cell=cell,
                 pbc=pbc, atom_id=ids[:nlocal], dtype=self.dtype, device=self.device)
-            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list,
-            # their positions are read only then (per step, owned positions travel alone)
+            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list;
+            # their positions (LAMMPS's forward communication of this step) stand for the
+            # owners' positions, which xnn then does not exchange again
             pot.layout.ghosts = HostGhosts(torch.from_numpy(ids[nlocal:]),
                                            torch.from_numpy(xa[nlocal:]))
         out = pot(g, forces=True, stress=True)
@@ -521,8 +522,11 @@ def _unpack(out: dict, n: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarra
 
 
 def _atom_rows(lmp, name: str, n: int, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """The first ``n`` rows of LAMMPS's per-atom array ``name`` (a copy; empty for 0)."""
+    """The first ``n`` rows of LAMMPS's per-atom array ``name``: a view of LAMMPS's memory
+    where it has ``dtype`` (valid until LAMMPS reallocates: inside one callback), else a
+    converted copy; empty for 0."""
     if n == 0:
         return np.zeros(shape, dtype=dtype)
-    return np.array(lmp.numpy.extract_atom(name, nelem=n), dtype=dtype).reshape(n, *shape[1:])
+    rows = np.asarray(lmp.numpy.extract_atom(name, nelem=n), dtype=dtype)
+    return rows.reshape(n, *shape[1:])
 

@@ -61,6 +61,17 @@ class LoopSettings:
         precision: the run's precision (recorded in checkpoints; a resume must match).
         accumulate_grad_batches: consecutive global batches per optimizer step (one
             forward/backward each, one gradient reduction and step, the label counts summed).
+        balance_bins: pack each global batch as this many shares balanced by atoms
+            (:mod:`xnn.training.balance`; with ``max_atoms_per_batch``, whose budget the
+            shares split); rank ``dp_rank`` trains share ``dp_rank`` (so it must equal the
+            number of replicas), one process their union. ``None``: batches cut in order
+            and shared greedily by atoms (:func:`~xnn.data.datasets.shard_batch`).
+        balance_lookahead: structures of the balanced packing's window (``None``: 64 per
+            share).
+        num_workers: DataLoader workers that read, give edges to and collate this rank's
+            shares (:mod:`xnn.training.loader`); 0: read in the training process.
+        checkpoint_every: also write ``last.pt`` every this many optimizer steps, mid-epoch
+            included (``None``: at the end of each epoch only).
     """
 
     seed: int = 0
@@ -81,6 +92,10 @@ class LoopSettings:
     every_n_steps: int | None = None
     precision: str = "fp32"
     accumulate_grad_batches: int = 1
+    balance_bins: int | None = None
+    balance_lookahead: int | None = None
+    num_workers: int = 0
+    checkpoint_every: int | None = None
 
 
 @dataclass
@@ -139,6 +154,7 @@ class TrainingLoop:
 
             sharding = BatchSharding(self.reducer.rank, self.reducer.world_size)
         self.sharding = sharding
+        self._loader = None  # the DataLoader workers (num_workers > 0), made at first use
 
     # ------------------------------------------------------------------ batches
     def _shard(self, dataset, max_atoms: int | None):
@@ -152,21 +168,69 @@ class TrainingLoop:
 
     def train_batches(self, epoch: int) -> list[list[int]]:
         """The global batches of ``epoch``: a pure function of ``(seed, epoch)``."""
+        return [sum(shares, []) if self.cfg.balance_bins else shares
+                for shares in self._epoch_batches(epoch)]
+
+    def train_shares(self, epoch: int) -> tuple[list[list[int]], list[list[int]]]:
+        """``(global batches, this rank's share of each)`` of ``epoch``."""
+        packs = self._epoch_batches(epoch)
+        if not self.cfg.balance_bins:
+            shard = self._shard(self.splits.train, self.cfg.max_atoms_per_batch)
+            return packs, [shard(b) for b in packs]
+        batches = [sum(p, []) for p in packs]
+        if self.sharding.dp == 1:  # one process trains the union of the shares
+            return batches, batches
+        return batches, [p[self.sharding.dp_rank] for p in packs]
+
+    def _order(self, epoch: int) -> np.ndarray | None:
+        """The epoch's stream of structures when drawn by weight (``samples_per_epoch``)."""
         d = self.cfg
-        n_atoms = np.asarray(self.splits.train.n_atoms)
-        groups = self.sharding.groups
         if d.samples_per_epoch is None:
-            return make_batches(n_atoms, d.batch_size, d.max_atoms_per_batch,
-                                shuffle=d.shuffle, seed=d.seed, epoch=epoch, groups=groups)
+            return None
         from xnn.training.sampling import sample_epoch, structure_weights
 
         if self._weights is None:
             self._weights = structure_weights(self.splits.train)
-        drawn = sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
+        return sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
+
+    def _epoch_batches(self, epoch: int) -> list:
+        """The global batches of ``epoch`` (balanced: as their shares)."""
+        d = self.cfg
+        n_atoms = np.asarray(self.splits.train.n_atoms)
+        groups = self.sharding.groups
+        if d.balance_bins:
+            return self._balanced(epoch, n_atoms)
+        drawn = self._order(epoch)
+        if drawn is None:
+            return make_batches(n_atoms, d.batch_size, d.max_atoms_per_batch,
+                                shuffle=d.shuffle, seed=d.seed, epoch=epoch, groups=groups)
         # the draws are in random order already: batch them as they come
         batches = make_batches(n_atoms[drawn], d.batch_size, d.max_atoms_per_batch,
                                groups=groups)
         return [drawn[b].tolist() for b in batches]
+
+    def _balanced(self, epoch: int, n_atoms: np.ndarray) -> list[list[list[int]]]:
+        """The epoch's steps as ``balance_bins`` shares balanced by atoms."""
+        from xnn.training.balance import balanced_batches
+
+        d, dp = self.cfg, self.sharding.dp
+        if d.max_atoms_per_batch is None:
+            raise InputError("data.balance=atoms packs shares of data.max_atoms_per_batch "
+                             "atoms; set data.max_atoms_per_batch")
+        if dp > 1 and d.balance_bins != dp:
+            raise InputError(f"data.balance_bins={d.balance_bins} shares per global batch, "
+                             f"but {dp} data-parallel replicas train them; set "
+                             f"data.balance_bins={dp} or null")
+        groups = self.sharding.groups  # dd > 1: the budget is one group's
+        budget = d.max_atoms_per_batch if groups else max(d.max_atoms_per_batch
+                                                           // d.balance_bins, 1)
+        if groups:
+            make_batches(n_atoms, None, budget, groups=groups)  # refuses oversize structures
+        order = self._order(epoch)
+        if order is None:
+            order = (np.random.default_rng([d.seed, epoch]).permutation(len(n_atoms))
+                     if d.shuffle else np.arange(len(n_atoms)))
+        return balanced_batches(n_atoms, order, d.balance_bins, budget, d.balance_lookahead)
 
     def eval_batches(self, dataset) -> list[list[int]]:
         d = self.cfg
@@ -312,17 +376,17 @@ class TrainingLoop:
         epoch's last step may take fewer), consumed together: ``batch_in_epoch`` advances by
         a step's batches, so a resumed run continues at a step boundary."""
         p = self.progress
-        batches = self.train_batches(p.epoch)
-        shard = self._shard(self.splits.train, self.cfg.max_atoms_per_batch)
+        batches, shares = self.train_shares(p.epoch)
         data = self.splits.train
         k = self.cfg.accumulate_grad_batches
+        reads = self._reads(shares[p.batch_in_epoch:])
         bar = self.logger.bar(len(batches), p.batch_in_epoch, f"epoch {p.epoch + 1}")
         try:
             while p.batch_in_epoch < len(batches):
                 if self._stop_for_steps():
                     return False
                 step_batches = batches[p.batch_in_epoch : p.batch_in_epoch + k]
-                graphs, refused = self._load(data, [shard(b) for b in step_batches])
+                graphs, refused = self._step_graphs(reads, len(step_batches))
                 counts = data.batch_label_counts([i for b in step_batches for i in b])
                 loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late(),
                                                counts=counts, refused=refused)
@@ -333,7 +397,34 @@ class TrainingLoop:
                 bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         finally:
             bar.close()
+            reads.close()
         return True
+
+    def _reads(self, shares: list[list[int]]):
+        """``(graphs, refusal)`` of each of this rank's ``shares`` in order: read here
+        (:meth:`_load`), or by the DataLoader workers (``num_workers > 0``)."""
+        data = self.splits.train
+        if self.cfg.num_workers == 0:
+            for share in shares:
+                graphs, refused = self._load(data, [share])
+                yield graphs[0], refused
+            return
+        if self._loader is None:
+            from xnn.training.loader import ShareLoader
+
+            self._loader = ShareLoader(data, self.sharding.load, self.cfg.num_workers,
+                                       collate=not self.sharding.without_edges)
+        yield from self._loader.read(shares)
+
+    @staticmethod
+    def _step_graphs(reads, n: int) -> tuple[list, DataFileError | None]:
+        """The next ``n`` shares of ``reads`` as one step's micro-batches, or empty shares
+        and the first refusal (see :meth:`_load`)."""
+        got = [next(reads) for _ in range(n)]
+        refused = next((e for _, e in got if e is not None), None)
+        if refused is not None:
+            return [[] for _ in got], refused
+        return [g for g, _ in got], None
 
     def _step_done(self, loss: float, metrics: MetricSums) -> None:
         """After each optimizer step: a ``steps.csv`` row every ``every_n_steps`` steps (the
@@ -349,6 +440,16 @@ class TrainingLoop:
             row["time_s"] = time.perf_counter() - self.t_start
             self.logger.step(row)
         self.reseed()
+        every = self.cfg.checkpoint_every
+        if every is not None and p.step % every == 0:
+            self._save_mid_epoch(metrics)
+
+    def _save_mid_epoch(self, metrics: MetricSums) -> None:
+        """``last.pt`` after this step, holding the epoch's metric sums so far (all-reduced:
+        every rank calls this), so that a run killed later resumes here exactly."""
+        self._partial = self.reducer.all_reduce_sum(metrics.values)
+        self.save("last")
+        self._partial = None
 
     def _epoch_metrics(self) -> MetricSums:
         """The training metric sums of the epoch starting (or resumed) now: zeros, or after a

@@ -172,21 +172,25 @@ def test_streaming_under_a_memory_cap_equals_in_memory(tmp_path, monkeypatch, pr
     structures alive at once over 2 epochs and the validation: the same per-step losses
     and final weights as the run on the same structures held in memory (cache on)."""
     suffix, write, open_ = SOURCES[source]
+    if source == "aselmdb":
+        pytest.importorskip("xnn.data.sources")  # slice A's lazy readers
     n = 2000
     path = write(tmp_path / f"cu{suffix}", small_cu(n))
     lazy = Counted(open_(path))
     assert len(lazy) == n
-    args = (f"pretrained={pretrained}", "data.batch_size=50", "data.val_fraction=0.05",
+    args = (f"pretrained={pretrained}", "data.batch_size=80", "data.val_fraction=0.05",
             "max_epochs=2")
     run_with(monkeypatch, cfg_of(tmp_path / "lazy", *args), lazy)
     assert lazy.reads > 2 * 0.95 * n  # every training structure read in every epoch
-    assert 50 <= lazy.peak <= n // 10, lazy.peak
+    print(f"structures alive at once: at most {lazy.peak} of {n}")
+    # a step's structures and the next step's being read: two batches, not the data set
+    assert 80 <= lazy.peak <= 2 * 80 <= n // 10, lazy.peak
     assert lazy.live == 0
 
     held = InMemoryDataset([lazy.inner[i] for i in range(n)], name=lazy.name)
     run_with(monkeypatch, cfg_of(tmp_path / "mem", *args), held)
     ref, got = step_losses(tmp_path / "mem"), step_losses(tmp_path / "lazy")
-    assert len(ref) == len(got) == 2 * 38
+    assert len(ref) == len(got) == 2 * 24
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=0)
     assert_same_weights(tmp_path / "mem", tmp_path / "lazy")
 
@@ -243,8 +247,11 @@ def test_a_refused_structure_stops_the_run_the_same_with_workers(tmp_path):
     from xnn.errors import DataFileError
 
     atoms = small_cu(30)
-    bad = atoms[17].copy()
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    bad, labels = atoms[17].copy(), atoms[17].calc.results
     bad.positions[1] = bad.positions[0] + 0.01
+    bad.calc = SinglePointCalculator(bad, **labels)
     atoms[17] = bad
     path = write_h5(tmp_path / "bad.h5", atoms)
     messages = []

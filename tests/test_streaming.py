@@ -5,7 +5,6 @@ resumes bitwise."""
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import subprocess
@@ -17,45 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from streaming_helpers import cfg_of, cli_args, small_cu, step_losses, write_h5
 
-from xnn.config.loader import ConfigError, load_config
-from xnn.config.train import TrainConfig
+from xnn.config.loader import ConfigError
 from xnn.data.datasets import HDF5Source, InMemoryDataset, LabelledDataset, make_batches
 from xnn.training.balance import balanced_batches, greedy_steps, imbalance
 from xnn.training.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "
-        "num_basis: 8}")
 
 
 # --------------------------------------------------------------------------- data
-def small_cu(n: int, seed: int = 0) -> list:
-    """``n`` rattled Cu cells of 1 to 4 atoms with EMT labels (``ase.Atoms``)."""
-    from ase.build import bulk
-    from ase.calculators.emt import EMT
-    from ase.calculators.singlepoint import SinglePointCalculator
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for k in range(n):
-        atoms = bulk("Cu", "fcc", a=3.6).repeat((1, 1, 1 + k % 4))
-        atoms.positions += rng.normal(0.0, 0.05, atoms.positions.shape)
-        atoms.calc = EMT()
-        e, f, s = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress(voigt=False)
-        atoms.calc = SinglePointCalculator(atoms, energy=e, forces=f, stress=s)
-        out.append(atoms)
-    return out
-
-
-def write_h5(path: Path, atoms: list) -> Path:
-    from xnn.data.ase_io import from_ase
-    from xnn.data.hdf5 import write_hdf5
-
-    write_hdf5(path, (from_ase([a]) for a in atoms))
-    return path
-
-
 def write_aselmdb(path: Path, atoms: list) -> Path:
     import ase.db
 
@@ -113,23 +84,6 @@ class Counted(LabelledDataset):
 
     def species(self) -> list[int]:
         return self.inner.species()
-
-
-def cli_args(out, *extra) -> list[str]:
-    """The overrides of a tiny fp64 run writing to ``out`` (a step row per step)."""
-    return ["data.datasets.0.path=unused.h5", f"output_dir={out}", "model.cutoff=3.0", TINY,
-            "precision=fp64", "device=cpu", "logging.plots=false",
-            "logging.progress_bar=false", "logging.every_n_steps=1", "loss.stress.weight=1.0",
-            "optim.lr=5e-3", *extra]
-
-
-def cfg_of(out, *extra) -> TrainConfig:
-    return load_config(TrainConfig, None, cli_args(out, *extra))
-
-
-def step_losses(out) -> list[float]:
-    with open(Path(out) / "steps.csv") as f:
-        return [float(r["loss"]) for r in csv.DictReader(f)]
 
 
 def assert_same_weights(a, b):
@@ -221,9 +175,14 @@ def mixed_h5(tmp_path_factory):
     return write_h5(tmp_path_factory.mktemp("mixed") / "cu.h5", small_cu(120, seed=3))
 
 
-@pytest.mark.parametrize("balance", ["none", "atoms"])
-def test_workers_give_the_same_batches_and_losses(tmp_path, mixed_h5, balance):
-    """0, 2 (and 4, balanced) DataLoader workers: bitwise the same losses and weights."""
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 4 workers on 2 cores
+@pytest.mark.parametrize("balance, workers", [
+    ("atoms", (0, 2)),
+    pytest.param("atoms", (0, 4), marks=pytest.mark.slow),
+    pytest.param("none", (0, 2), marks=pytest.mark.slow),
+])
+def test_workers_give_the_same_batches_and_losses(tmp_path, mixed_h5, balance, workers):
+    """0, 2 and 4 DataLoader workers: bitwise the same losses and weights."""
     from xnn.app.train import train
 
     extra = [f"data.datasets.0.path={mixed_h5}", "max_epochs=2", "data.val_fraction=0.1",
@@ -231,7 +190,6 @@ def test_workers_give_the_same_batches_and_losses(tmp_path, mixed_h5, balance):
              "accumulate_grad_batches=2"]
     if balance == "atoms":
         extra.append("data.balance_bins=2")
-    workers = (0, 2, 4) if balance == "atoms" else (0, 2)
     for w in workers:
         train(cfg_of(tmp_path / f"w{w}", *extra, f"data.num_workers={w}"))
     ref = step_losses(tmp_path / "w0")
@@ -292,36 +250,39 @@ def test_balanced_shares_are_within_ten_percent(bins, per_rank):
         assert imbalance(greedy_steps(batches, n_atoms, bins), n_atoms).max() > 1.10
 
 
+def loop_of(settings, dataset, rank: int, dp: int, out):
+    """A training loop of ``dp`` replicas as rank ``rank`` sees it, to plan batches only
+    (its trainer is the reducer's rank and size)."""
+    from types import SimpleNamespace
+
+    from xnn.training.loop import TrainingLoop
+    from xnn.training.sharding import BatchSharding
+
+    trainer = SimpleNamespace(reducer=SimpleNamespace(rank=rank, world_size=dp))
+    return TrainingLoop(settings, trainer, SimpleNamespace(train=dataset), out, None,
+                        BatchSharding(rank, dp))
+
+
 def test_balanced_loop_batches_are_pure_and_shared(tmp_path, mixed_h5):
     """The loop's global batches are the union of the ranks' shares, the same on every rank
     and a function of (seed, epoch) only (also when drawn by weight)."""
-    from xnn.training.loop import LoopSettings, TrainingLoop
-    from xnn.training.sharding import BatchSharding
+    from xnn.errors import InputError
+    from xnn.training.loop import LoopSettings
 
-    class Splits:
-        train = HDF5Source(mixed_h5)
-
+    data = HDF5Source(mixed_h5)
     for draws in (None, 90):
         settings = LoopSettings(batch_size=None, max_atoms_per_batch=30, balance_bins=3,
                                 samples_per_epoch=draws)
-
-        def loop(rank, dp):
-            from types import SimpleNamespace
-
-            trainer = SimpleNamespace(reducer=SimpleNamespace(rank=rank, world_size=dp))
-            return TrainingLoop(settings, trainer, Splits, tmp_path, None,
-                                BatchSharding(rank, dp))
-
-        one = loop(0, 1)
+        one = loop_of(settings, data, 0, 1, tmp_path)
         batches, mine = one.train_shares(1)
         assert mine == batches and batches != one.train_shares(0)[0]
-        shares = [loop(r, 3).train_shares(1) for r in range(3)]
-        for r, (b, m) in enumerate(shares):
-            assert b == batches
+        assert one.train_batches(1) == batches
+        shares = [loop_of(settings, data, r, 3, tmp_path).train_shares(1) for r in range(3)]
+        assert all(b == batches for b, _ in shares)
         for step, batch in enumerate(batches):
             assert sorted(sum((s[1][step] for s in shares), [])) == sorted(batch)
-        with pytest.raises(Exception, match="balance_bins=3"):
-            loop(0, 2).train_shares(0)
+        with pytest.raises(InputError, match="balance_bins=3"):
+            loop_of(settings, data, 0, 2, tmp_path).train_shares(0)
 
 
 def test_balance_needs_an_atom_budget():

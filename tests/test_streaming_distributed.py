@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from dist_helpers import spawn
-from test_streaming import cfg_of, small_cu, step_losses, write_h5
+from streaming_helpers import cfg_of, small_cu, step_losses, write_h5
 
 from xnn.training.checkpoint import load_checkpoint
 

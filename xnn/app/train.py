@@ -277,8 +277,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     model = _model_for_run(cfg, splits, logger, reducer)  # seeded: the same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, parallel, device, memory)
-    loop = TrainingLoop(loop_settings(cfg, parallel.sharding.dp), trainer, splits, out, logger, parallel.sharding,
-                        save_checkpoint)
+    loop = TrainingLoop(loop_settings(cfg, parallel.sharding.dp), trainer, splits, out, logger,
+                        parallel.sharding, save_checkpoint)
     loop.check_batches()  # a structure over a dd group's budget is refused now
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)

@@ -1,10 +1,14 @@
 """The epoch loop: batches, validation, checkpoints, early stopping, exact resume.
 
-The sampler position is ``(epoch, batch_in_epoch)``: the batches of an epoch are a pure
-function of ``(seed, epoch)`` (a seeded permutation of the training set, or with
-``samples_per_epoch`` a seeded draw by dataset weight, :mod:`xnn.training.sampling`), so a
-resumed run skips the ``batch_in_epoch`` batches already done and continues with exactly the
-batches the uninterrupted run would have seen.
+The sampler position is ``(epoch, batch_in_epoch)``: the batches of an epoch and every
+rank's share of them are a pure function of ``(seed, epoch)`` (a seeded permutation of the
+training set, or with ``samples_per_epoch`` a seeded draw by dataset weight,
+:mod:`xnn.training.sampling`; shares balanced by atoms with ``balance_bins``,
+:mod:`xnn.training.plan`), so a resumed run skips the ``batch_in_epoch`` batches already done
+and continues with exactly the batches the uninterrupted run would have seen, whether they
+are read here or by DataLoader workers (:mod:`xnn.training.loader`). With
+``checkpoint_every`` that position is saved every few steps, so a run killed at any moment
+resumes exactly.
 
 Random streams: the global torch, numpy and python generators are reseeded at the start of
 every epoch and after every optimizer step from :func:`stream_seed` ``(seed, rank, epoch,
@@ -26,12 +30,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from xnn.data.datasets import make_batches
 from xnn.errors import DataFileError, InputError
 from xnn.training.checkpoint import model_identity, rng_state, set_rng_state
 from xnn.training.metrics import MetricSums
+from xnn.training.plan import BatchPlan
 from xnn.training.seeding import seed_everything, seed_streams, stream_seed  # noqa: F401
 from xnn.training.trainer import NonFiniteLossError, Trainer
 
@@ -147,96 +149,33 @@ class TrainingLoop:
         self.config_yaml = ""
         self.t_start = time.perf_counter()
         self.stop_reason = ""
-        self._weights = None  # per-structure sampling weights (samples_per_epoch)
         self._partial = None  # metric sums of the epoch so far (all ranks), saved mid-epoch
         if sharding is None:
             from xnn.training.sharding import BatchSharding
 
             sharding = BatchSharding(self.reducer.rank, self.reducer.world_size)
         self.sharding = sharding
+        self._plan: BatchPlan | None = None
         self._loader = None  # the DataLoader workers (num_workers > 0), made at first use
 
     # ------------------------------------------------------------------ batches
-    def _shard(self, dataset, max_atoms: int | None):
-        """``shard(batch) -> this rank's indices`` for batches made with ``max_atoms``."""
-        n_atoms, sharding = dataset.n_atoms, self.sharding
-        return lambda batch: sharding(batch, n_atoms, max_atoms)
-
-    def _eval_max_atoms(self) -> int | None:
-        d = self.cfg
-        return None if d.val_batch_size else d.max_atoms_per_batch
+    @property
+    def plan(self) -> BatchPlan:
+        """The run's :class:`~xnn.training.plan.BatchPlan` (made at first use)."""
+        if self._plan is None:
+            self._plan = BatchPlan(self.cfg, self.splits.train, self.sharding)
+        return self._plan
 
     def train_batches(self, epoch: int) -> list[list[int]]:
         """The global batches of ``epoch``: a pure function of ``(seed, epoch)``."""
-        return [sum(shares, []) if self.cfg.balance_bins else shares
-                for shares in self._epoch_batches(epoch)]
+        return self.plan.global_batches(epoch)
 
     def train_shares(self, epoch: int) -> tuple[list[list[int]], list[list[int]]]:
         """``(global batches, this rank's share of each)`` of ``epoch``."""
-        packs = self._epoch_batches(epoch)
-        if not self.cfg.balance_bins:
-            shard = self._shard(self.splits.train, self.cfg.max_atoms_per_batch)
-            return packs, [shard(b) for b in packs]
-        batches = [sum(p, []) for p in packs]
-        if self.sharding.dp == 1:  # one process trains the union of the shares
-            return batches, batches
-        return batches, [p[self.sharding.dp_rank] for p in packs]
-
-    def _order(self, epoch: int) -> np.ndarray | None:
-        """The epoch's stream of structures when drawn by weight (``samples_per_epoch``)."""
-        d = self.cfg
-        if d.samples_per_epoch is None:
-            return None
-        from xnn.training.sampling import sample_epoch, structure_weights
-
-        if self._weights is None:
-            self._weights = structure_weights(self.splits.train)
-        return sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
-
-    def _epoch_batches(self, epoch: int) -> list:
-        """The global batches of ``epoch`` (balanced: as their shares)."""
-        d = self.cfg
-        n_atoms = np.asarray(self.splits.train.n_atoms)
-        groups = self.sharding.groups
-        if d.balance_bins:
-            return self._balanced(epoch, n_atoms)
-        drawn = self._order(epoch)
-        if drawn is None:
-            return make_batches(n_atoms, d.batch_size, d.max_atoms_per_batch,
-                                shuffle=d.shuffle, seed=d.seed, epoch=epoch, groups=groups)
-        # the draws are in random order already: batch them as they come
-        batches = make_batches(n_atoms[drawn], d.batch_size, d.max_atoms_per_batch,
-                               groups=groups)
-        return [drawn[b].tolist() for b in batches]
-
-    def _balanced(self, epoch: int, n_atoms: np.ndarray) -> list[list[list[int]]]:
-        """The epoch's steps as ``balance_bins`` shares balanced by atoms."""
-        from xnn.training.balance import balanced_batches
-
-        d, dp = self.cfg, self.sharding.dp
-        if d.max_atoms_per_batch is None:
-            raise InputError("data.balance=atoms packs shares of data.max_atoms_per_batch "
-                             "atoms; set data.max_atoms_per_batch")
-        if dp > 1 and d.balance_bins != dp:
-            raise InputError(f"data.balance_bins={d.balance_bins} shares per global batch, "
-                             f"but {dp} data-parallel replicas train them; set "
-                             f"data.balance_bins={dp} or null")
-        groups = self.sharding.groups  # dd > 1: the budget is one group's
-        budget = d.max_atoms_per_batch if groups else max(d.max_atoms_per_batch
-                                                           // d.balance_bins, 1)
-        if groups:
-            make_batches(n_atoms, None, budget, groups=groups)  # refuses oversize structures
-        order = self._order(epoch)
-        if order is None:
-            order = (np.random.default_rng([d.seed, epoch]).permutation(len(n_atoms))
-                     if d.shuffle else np.arange(len(n_atoms)))
-        return balanced_batches(n_atoms, order, d.balance_bins, budget, d.balance_lookahead)
+        return self.plan.shares(epoch)
 
     def eval_batches(self, dataset) -> list[list[int]]:
-        d = self.cfg
-        max_atoms = self._eval_max_atoms()
-        size = None if max_atoms is not None else d.val_batch_size or d.batch_size
-        return make_batches(dataset.n_atoms, size, max_atoms, groups=self.sharding.groups)
+        return self.plan.eval_batches(dataset)
 
     def check_batches(self) -> None:
         """Make every split's batches once (refuses a structure too large for a group's
@@ -337,7 +276,8 @@ class TrainingLoop:
         if dataset is None or len(dataset) == 0:
             return {}, None
         sums, parity = self.trainer.evaluate(dataset, self.eval_batches(dataset),
-                                             self._shard(dataset, self._eval_max_atoms()),
+                                             self.plan.shard(dataset,
+                                                             self.plan.eval_max_atoms()),
                                              collect=collect, load=self.sharding.load)
         return sums.finalize(prefix), parity
 

@@ -124,9 +124,11 @@ def loss_specs(cfg: TrainConfig) -> dict[str, TermSpec]:
             for t in [getattr(cfg.loss, name)]}
 
 
-def loop_settings(cfg: TrainConfig) -> LoopSettings:
-    """The epoch loop's settings from the config."""
+def loop_settings(cfg: TrainConfig, dp: int = 1) -> LoopSettings:
+    """The epoch loop's settings from the config (``dp``: data-parallel replicas, the
+    shares of a balanced global batch unless ``data.balance_bins`` says)."""
     d, es = cfg.data, cfg.early_stopping
+    bins = (d.balance_bins or dp) if d.balance == "atoms" else None
     return LoopSettings(
         seed=cfg.seed, batch_size=d.batch_size, max_atoms_per_batch=d.max_atoms_per_batch,
         shuffle=d.shuffle, val_batch_size=d.val_batch_size, max_epochs=cfg.max_epochs,
@@ -135,7 +137,9 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         min_delta=es.min_delta, validation_only=cfg.validation_only,
         checkpoint_mode=cfg.checkpoint_mode, samples_per_epoch=d.samples_per_epoch,
         every_n_steps=cfg.logging.every_n_steps, precision=cfg.precision,
-        accumulate_grad_batches=cfg.accumulate_grad_batches)
+        accumulate_grad_batches=cfg.accumulate_grad_batches, balance_bins=bins,
+        balance_lookahead=d.balance_lookahead, num_workers=d.num_workers,
+        checkpoint_every=cfg.checkpoint_every_steps)
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Module:
@@ -273,8 +277,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     model = _model_for_run(cfg, splits, logger, reducer)  # seeded: the same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, parallel, device, memory)
-    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding,
-                        save_checkpoint)
+    loop = TrainingLoop(loop_settings(cfg, parallel.sharding.dp), trainer, splits, out, logger,
+                        parallel.sharding, save_checkpoint)
     loop.check_batches()  # a structure over a dd group's budget is refused now
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)

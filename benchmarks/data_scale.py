@@ -8,7 +8,7 @@ graph (what reading an extxyz file gives). For each format and each number of
 ``torch.utils.data.DataLoader`` workers (``--workers``), a fresh process opens the data and
 iterates ``--batches`` shuffled batches of ``--batch-size`` structures, each structure with
 its neighbor list at ``--cutoff`` (built in the loader, as training does with
-``data.cache_edges=false``):
+``data.cache_edges=false``), collated into one graph in the loader:
 
 * ``structures_per_s`` / ``atoms_per_s`` / ``s_per_batch``: after the first batch;
 * ``first_batch_s``: from creating the loader's iterator to the first batch (worker start-up
@@ -172,15 +172,18 @@ class Batches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, k: int) -> list[dict[str, torch.Tensor]]:
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         from xnn.neighbors import with_edges
 
-        # as field dicts: an AtomicGraph does not pickle (yet) across worker processes
-        return [with_edges(self.dataset[i], self.cutoff).fields for i in self.batches[k]]
+        graphs = [with_edges(self.dataset[i], self.cutoff) for i in self.batches[k]]
+        # collated in the worker (a dozen tensors cross to the main process, not a dozen
+        # per structure), as field dicts: an AtomicGraph does not pickle (yet)
+        return AtomicGraph.concat(graphs).fields
 
 
-def graphs_of(fields: list[dict[str, torch.Tensor]]) -> list[AtomicGraph]:
-    return [AtomicGraph(f, validate=False) for f in fields]
+def graphs_of(fields: dict[str, torch.Tensor]) -> list[AtomicGraph]:
+    """The batch as the trainer takes it: a list of graphs (here one, of many systems)."""
+    return [AtomicGraph(fields, validate=False)]
 
 
 def _status(pid: int, key: str) -> int | None:

@@ -230,3 +230,37 @@ def test_training_from_prepared_equals_sources(data, tmp_path, capsys):
     assert len(lmdb) == len(lmdb_prep) == 6
     assert max(abs(a - b) for a, b in zip(lmdb, lmdb_prep)) <= 1e-12
     assert max(abs(a - b) for a, b in zip(full, lmdb)) <= 1e-12
+
+
+def test_several_inputs_isolated_atoms_and_no_cutoff(data, tmp_path):
+    """Two inputs become one dataset: each entry names its own file and index; the
+    isolated-atom entries (config_type=IsolatedAtom) of the second keep their energies and
+    ``model.e0=isolated`` finds the same E0s as from the files; without a cutoff no edge
+    counts are stored and training computes its statistics."""
+    import ase.io
+    from ase import Atoms
+
+    from xnn.app.train_data import build_splits
+
+    iso = []
+    for z, e in ((29, -0.25), (79, -0.5)):
+        a = Atoms(numbers=[z], positions=[[5.0, 5.0, 5.0]], cell=[10.0] * 3, pbc=False)
+        a.info = {"config_type": "IsolatedAtom", "energy": e}
+        a.arrays["forces"] = np.zeros((1, 3))
+        iso.append(a)
+    frames = ase.io.read(data / "cuau.xyz", index=":8")
+    ase.io.write(tmp_path / "second.xyz", [frames[0], iso[0], frames[1], iso[1]],
+                 format="extxyz")
+    files = [str(data / "cuau.xyz"), str(tmp_path / "second.xyz")]
+    prepare_files(files, str(tmp_path / "both"), 2, None, KEYS)
+    ds = PreparedDataset(tmp_path / "both")
+    assert len(ds) == 28 and ds.origin(23) == (files[0], 23) and ds.origin(26) == (files[1], 2)
+    assert ds.isolated_atoms() == {25: (29, -0.25), 27: (79, -0.5)}
+    assert ds.manifest["statistics"]["e0_isolated"] == {"29": -0.25, "79": -0.5}
+    assert ds.manifest["statistics"]["avg_num_neighbors"] is None
+    assert ds.stored_statistics([0, 1], CUTOFF) is None
+    cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={tmp_path / 'both'}",
+                                          "model.e0=isolated", f"model.cutoff={CUTOFF}"])
+    splits = build_splits(cfg.data, cfg.loss, CUTOFF, 0, isolated_atoms=True)
+    assert splits.isolated_e0 == {29: -0.25, 79: -0.5}
+    assert len(splits.raw_train) + len(splits.val) == 26

@@ -347,6 +347,11 @@ class PreparedDataset(LabelledDataset):
         if self.cutoff is None or not np.isclose(float(cutoff), self.cutoff, rtol=1e-12,
                                                  atol=0.0):
             return None
+        return self.entry_statistics(indices)
+
+    def entry_statistics(self, indices: Sequence[int]) -> EntryStatistics:
+        """The per-entry arrays of structures ``indices`` (``n_edges`` -1 without a
+        cutoff), whatever the cutoff."""
         indices = np.asarray(indices, dtype=np.int64)
         rows = {name: np.zeros((len(indices), *shape), dt) for name, (shape, dt) in
                 (("energy", ((), np.float64)), ("force_sq", ((), np.float64)),
@@ -419,10 +424,5 @@ def summary_statistics(dataset: PreparedDataset, chunk: int = 1 << 16) -> dict:
 
 def _chunks(dataset: PreparedDataset, chunk: int):
     """The dataset's :class:`EntryStatistics` in ranges of ``chunk`` entries."""
-    cutoff = dataset.cutoff if dataset.cutoff is not None else 0.0
-    view = dataset
-    if dataset.cutoff is None:  # no edge counts: read the other arrays all the same
-        view = PreparedDataset(dataset.path, dataset.weight, dataset.dtype)
-        view.cutoff = cutoff
     for a in range(0, len(dataset), chunk):
-        yield view.stored_statistics(np.arange(a, min(a + chunk, len(dataset))), cutoff)
+        yield dataset.entry_statistics(np.arange(a, min(a + chunk, len(dataset))))

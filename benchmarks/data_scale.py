@@ -27,8 +27,8 @@ ASE-LMDB is read lazily by a row lookup per structure (:class:`AseDbRows` here, 
 
 Usage::
 
-    python benchmarks/data_scale.py --n 5000 --batches 60 --json benchmarks/results/data_scale_cpu.json
-    python benchmarks/data_scale.py --device cuda --json benchmarks/results/data_scale_h100.json
+    python benchmarks/data_scale.py --n 5000 --batches 40   # CPU: data_scale_cpu.json
+    python benchmarks/data_scale.py --device cuda           # GPU: data_scale_h100.json (h200...)
 """
 
 from __future__ import annotations
@@ -268,10 +268,20 @@ def step_time(work: Path, batch_size: int, n_steps: int, cutoff: float, device: 
 
 
 # --------------------------------------------------------------------------- main
+def device_tag(device: str) -> str:
+    """``cpu``, or the GPU's model as the results files name it (``h100``, ``h200``)."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    name = torch.cuda.get_device_name(torch.device(device)).lower()
+    found = [w for w in name.replace("-", " ").split() if w[:1] in "abhlv" and w[1:].isdigit()]
+    return found[0] if found else "cuda"
+
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="output file (default benchmarks/results/"
-                   "data_scale_cpu.json, or _cuda.json with --device cuda)")
+                   "data_scale_cpu.json, or _h100.json etc. with --device cuda)")
     p.add_argument("--n", type=int, default=100_000, help="structures (default 100000)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--batches", type=int, default=200, help="timed batches per run")
@@ -317,8 +327,7 @@ def main(argv=None) -> int:
                   f"first batch {row['first_batch_s']:.2f} s, peak RSS main "
                   f"{row['peak_rss']['main'] / 2**20:.0f} MiB", flush=True)
     n_atoms = int(read_structures(work / "data.h5").n_atoms.sum())
-    out = args.json or (f"benchmarks/results/data_scale_"
-                        f"{'cuda' if args.device.startswith('cuda') else 'cpu'}.json")
+    out = args.json or f"benchmarks/results/data_scale_{device_tag(args.device)}.json"
     write_json(out, {
         "benchmark": "data_scale", "n_structures": args.n, "n_atoms": n_atoms,
         "batch_size": args.batch_size, "cutoff": args.cutoff, "write_s": write_s,

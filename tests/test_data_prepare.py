@@ -176,7 +176,7 @@ def test_writing_streams_and_is_atomic(data, tmp_path):
     ase.io.write(tmp_path / "bad.xyz", frames, format="extxyz")
     with pytest.raises(DataFileError, match=r"structure 9 of .*bad.xyz.*coincident"):
         prepare_files([str(tmp_path / "bad.xyz")], str(tmp_path / "bad"), 2, CUTOFF, KEYS)
-    assert not (tmp_path / "bad").exists()
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
 
 
 def _aselmdb(path, xyz) -> None:

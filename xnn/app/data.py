@@ -1,6 +1,6 @@
 """The application behind ``xnn data``: reference structures (EMT-labelled, bulk crystals),
-format conversion to xnn HDF5, prepared sharded datasets and the label keys a file holds. Each function checks its
-output path before any work and raises one-line errors."""
+format conversion to xnn HDF5, prepared sharded datasets and the label keys a file holds.
+Each function checks its output path before any work and raises one-line errors."""
 
 from __future__ import annotations
 

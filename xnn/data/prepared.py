@@ -191,9 +191,27 @@ def write_prepared(dataset, out_dir: str | os.PathLike, shards: int,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    try:
+        _write(dataset, tmp, bounds, cutoff, count_edges, label_keys, chunk)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise
+    if out.is_dir():
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
+    os.replace(tmp, out)
+    return out
+
+
+def _write(dataset, tmp: Path, bounds: np.ndarray, cutoff: float | None,
+           count_edges: EdgeCounter | None, label_keys: dict[str, str] | None,
+           chunk: int) -> None:
+    """The shards and the manifest of :func:`write_prepared` in the folder ``tmp``."""
+    n_atoms = np.asarray(dataset.n_atoms, dtype=np.int64)
     sources: dict[str, int] = {}
     names = []
-    for k in range(shards):
+    for k in range(len(bounds) - 1):
         names.append(f"shard_{k:05d}")
         _write_shard(tmp / names[-1], dataset, int(bounds[k]), int(bounds[k + 1]), sources,
                      count_edges, chunk)
@@ -214,10 +232,6 @@ def write_prepared(dataset, out_dir: str | os.PathLike, shards: int,
     manifest["species"] = ds.species()
     manifest["statistics"] = summary_statistics(ds)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
 
 
 # --------------------------------------------------------------------------- reading

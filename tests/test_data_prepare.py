@@ -80,6 +80,11 @@ def test_structures_counts_and_origin_equal_the_source(data):
     stored = ds.stored_statistics(np.arange(len(ds)), CUTOFF)
     assert stored.n_edges.tolist() == [edges[i].edge_index.shape[1] for i in range(len(src))]
     assert ds.stored_statistics([0], CUTOFF + 0.1) is None  # another cutoff: none
+    # xnn data inspect: the labels a prepared folder holds (one structure has no energy)
+    from xnn.app.data import inspect_file
+
+    report = inspect_file(str(data / "prep"), None, KEYS)
+    assert "24 structures" in report and "energy_key=energy: in 23 of 24" in report
     # pickles cheaply (a data-loader worker maps the arrays again), reads the same
     _ = ds.n_atoms, ds[3]
     blob = pickle.dumps(ds)

@@ -6,7 +6,6 @@ folder follows the same trajectory as training from its extxyz or ASE-LMDB sourc
 from __future__ import annotations
 
 import csv
-import gc
 import pickle
 import weakref
 
@@ -79,6 +78,7 @@ def test_structures_counts_and_origin_equal_the_source(data):
     edges = WithEdges(src, CUTOFF, cache=False)
     stored = ds.stored_statistics(np.arange(len(ds)), CUTOFF)
     assert stored.n_edges.tolist() == [edges[i].edge_index.shape[1] for i in range(len(src))]
+    assert np.array_equal(ds.n_edges, stored.n_edges)
     assert ds.stored_statistics([0], CUTOFF + 0.1) is None  # another cutoff: none
     # xnn data inspect: the labels a prepared folder holds (one structure has no energy)
     from xnn.app.data import inspect_file
@@ -140,8 +140,7 @@ class _Counting:
         return len(self.inner)
 
     def __getitem__(self, i):
-        g = self.inner[i]
-        gc.collect()
+        g = self.inner[i]  # graphs hold no reference cycles: freed when last unreferenced
         self.alive = [r for r in self.alive if r() is not None]
         self.alive.append(weakref.ref(g.positions))
         self.peak = max(self.peak, len(self.alive))
@@ -262,7 +261,7 @@ def test_several_inputs_isolated_atoms_and_no_cutoff(data, tmp_path):
     assert len(ds) == 28 and ds.origin(23) == (files[0], 23) and ds.origin(26) == (files[1], 2)
     assert ds.isolated_atoms() == {25: (29, -0.25), 27: (79, -0.5)}
     assert ds.manifest["statistics"]["e0_isolated"] == {"29": -0.25, "79": -0.5}
-    assert ds.manifest["statistics"]["avg_num_neighbors"] is None
+    assert ds.manifest["statistics"]["avg_num_neighbors"] is None and ds.n_edges is None
     assert ds.stored_statistics([0, 1], CUTOFF) is None
     cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={tmp_path / 'both'}",
                                           "model.e0=isolated", f"model.cutoff={CUTOFF}"])

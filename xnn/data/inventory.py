@@ -1,6 +1,7 @@
 """The inventory of a structure file's keys (``xnn data inspect FILE``, the label errors of
 ``xnn train`` / ``xnn eval``): extxyz and other ASE formats frame by frame, xnn's HDF5
-and prepared folders from their arrays (:mod:`xnn.data.label_keys` counts and describes the keys)."""
+and prepared folders from their arrays (:mod:`xnn.data.label_keys` counts and describes the
+keys)."""
 
 from __future__ import annotations
 

@@ -307,6 +307,14 @@ class PreparedDataset(LabelledDataset):
                              else np.zeros(0, np.int64)).astype(np.int64)
         return self._n_atoms
 
+    @property
+    def n_edges(self) -> np.ndarray | None:
+        """``[len]`` int64 neighbour pairs per structure within :attr:`cutoff` (full list),
+        for samplers that balance ranks by edges; ``None`` without a stored cutoff."""
+        if self.cutoff is None:
+            return None
+        return self._entries("n_edges").astype(np.int64)
+
     def __len__(self) -> int:
         return int(self.first[-1])
 

@@ -28,6 +28,7 @@ from xnn.app.train_model import (
     check_pretrained_config,
     check_trainable,
     data_statistics,
+    stored_statistics,
 )
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
@@ -165,8 +166,14 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
         logger.print(f"fine-tuning {describe_model(model)} from {cfg.pretrained}")
         return model
     sample = structures_for_statistics(splits.raw_train)  # coincident atoms refused there
-    stats = data_statistics(cfg.model, splits.species, [sample[i] for i in range(len(sample))],
-                            reducer, sample.origin, splits.isolated_e0)
+    # prepared data at model.cutoff store them: no pass over the data (the same numbers)
+    stats = stored_statistics(cfg.model, splits.species, sample, splits.isolated_e0)
+    if stats is None:
+        stats = data_statistics(cfg.model, splits.species,
+                                [sample[i] for i in range(len(sample))], reducer,
+                                sample.origin, splits.isolated_e0)
+    else:
+        logger.print("statistics: from the counts stored with the prepared data")
     model = build_model(cfg, splits.species, stats)
     logger.print(f"model: {describe_model(model)}; E0 ({describe_e0_convention(cfg, splits)}) "
                  f"{format_e0(stats['e0'])}, avg neighbours {stats['avg_num_neighbors']:.1f}")

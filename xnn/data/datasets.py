@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -122,6 +123,31 @@ def count_labels_by_reading(dataset) -> np.ndarray:
     return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
 
 
+class EntryStatistics(NamedTuple):
+    """Per-structure numbers that give the training statistics of a set of structures without
+    reading them (stored by the prepared format, :mod:`xnn.data.prepared`).
+
+    Attributes:
+        n_atoms: ``[k]`` int64 atoms.
+        n_edges: ``[k]`` int64 neighbour pairs within the stored cutoff (full list).
+        energy: ``[k]`` float64 energy labels (eV; NaN: none).
+        composition: ``[k, 119]`` int64 atoms of each atomic number.
+        force_sq: ``[k]`` float64 sum of the squared force labels (eV²/Å²).
+        force_count: ``[k]`` int64 labelled force components.
+    """
+
+    n_atoms: np.ndarray
+    n_edges: np.ndarray
+    energy: np.ndarray
+    composition: np.ndarray
+    force_sq: np.ndarray
+    force_count: np.ndarray
+
+    @staticmethod
+    def concat(parts: Sequence[EntryStatistics]) -> EntryStatistics:
+        return EntryStatistics(*(np.concatenate(f) for f in zip(*parts)))
+
+
 class LabelledDataset:
     """The base of the datasets here: label metadata from ``_count_labels()`` (``[len, 3]``,
     see :func:`label_counts_of`), computed once (:meth:`label_counts`, :meth:`label_masks`,
@@ -144,6 +170,13 @@ class LabelledDataset:
         :func:`is_isolated_atom`; the energy is NaN where the entry has no energy label).
         None here: only files read through ASE carry ``config_type``."""
         return {}
+
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        """The :class:`EntryStatistics` of structures ``indices`` with edges counted at
+        ``cutoff`` (Å) as stored with the data, or ``None`` (here: the data store none;
+        the statistics are then computed from the structures)."""
+        return None
 
     def label_counts(self) -> np.ndarray:
         """``[len, 3]`` int64 labelled items per structure (see :func:`label_counts_of`)."""
@@ -289,6 +322,13 @@ class Subset(LabelledDataset):
     def _count_labels(self) -> np.ndarray:
         return self.dataset.label_counts()[self.indices]
 
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        if not isinstance(self.dataset, LabelledDataset):
+            return None
+        return self.dataset.stored_statistics(self.indices[np.asarray(indices, np.int64)],
+                                              cutoff)
+
     def species(self) -> list[int]:
         if isinstance(self.dataset, InMemoryDataset):
             return InMemoryDataset([self[i] for i in range(len(self))]).species()
@@ -330,6 +370,26 @@ class ConcatDataset(LabelledDataset):
         parts = [d.label_counts() for d in self.datasets]
         return np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
 
+    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
+        return {int(self.offsets[k]) + i: entry for k, d in enumerate(self.datasets)
+                if isinstance(d, LabelledDataset) for i, entry in d.isolated_atoms().items()}
+
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        indices = np.asarray(indices, dtype=np.int64)
+        part = np.searchsorted(self.offsets, indices, side="right") - 1
+        if len(indices) and not np.all(part[:-1] <= part[1:]):
+            return None  # kept simple: the statistics sample is in dataset order
+        found = []
+        for d in np.unique(part):
+            ds = self.datasets[int(d)]
+            stats = (ds.stored_statistics(indices[part == d] - self.offsets[d], cutoff)
+                     if isinstance(ds, LabelledDataset) else None)
+            if stats is None:
+                return None
+            found.append(stats)
+        return EntryStatistics.concat(found) if found else None
+
     def species(self) -> list[int]:
         return sorted(set().union(*[set(d.species()) for d in self.datasets]))
 
@@ -343,13 +403,18 @@ def read_structures(
     stress_key: str = "stress",
     virial_key: str = "virial",
 ):
-    """Open a dataset file: HDF5 (``.h5``/``.hdf5``, lazily) or anything ASE reads (extxyz).
+    """Open a dataset file: HDF5 (``.h5``/``.hdf5``, lazily), a prepared folder (one holding
+    ``prepared.json``, lazily, :mod:`xnn.data.prepared`) or anything ASE reads (extxyz).
 
     Returns:
         a dataset (see the module docstring) whose structures have normalised labels.
     Raises:
         DataFileError: the file does not exist or cannot be read.
     """
+    from xnn.data.prepared import PreparedDataset, is_prepared
+
+    if is_prepared(path):  # a folder written by `xnn data prepare`
+        return PreparedDataset(path, weight)
     p = require_file(path, "dataset file")
     if p.suffix in HDF5_SUFFIXES:
         return HDF5Source(path, weight)

@@ -1,6 +1,7 @@
 """The inventory of a structure file's keys (``xnn data inspect FILE``, the label errors of
 ``xnn train`` / ``xnn eval``): extxyz and other ASE formats frame by frame, xnn's HDF5
-from its arrays (:mod:`xnn.data.label_keys` counts and describes the keys)."""
+and prepared folders from their arrays (:mod:`xnn.data.label_keys` counts and describes the
+keys)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ def inventory(path: str | os.PathLike, limit: int | None = None) -> KeyInventory
     """
     import ase.io
 
+    from xnn.data.prepared import PreparedDataset, is_prepared
+
     p = Path(path)
+    if is_prepared(p):  # labels under fixed names, as in xnn HDF5
+        return _array_inventory(PreparedDataset(p), p)
     if not p.is_file():
         raise DataFileError(f"{p} is a directory, not a structure file" if p.is_dir()
                             else f"data file not found: {p}")
     if p.suffix in (".h5", ".hdf5"):
-        return _hdf5_inventory(p)
+        return _array_inventory(HDF5Source(p), p)
     try:
         return inventory_of(ase.io.iread(str(p), index=":"), str(p), limit)
     except Exception as e:  # ASE raises many types for malformed files
@@ -33,8 +38,8 @@ def inventory(path: str | os.PathLike, limit: int | None = None) -> KeyInventory
         raise DataFileError(f"cannot parse {p}: {msg}") from None
 
 
-def _hdf5_inventory(path: Path) -> KeyInventory:
-    ds = HDF5Source(path)
+def _array_inventory(ds, path: Path) -> KeyInventory:
+    """The inventory of an xnn HDF5 file or prepared folder ``ds`` (labels by fixed names)."""
     inv = KeyInventory(str(path), n_frames=len(ds), hdf5=True)
     inv.n_atoms = [int(n) for n in ds.n_atoms]
     inv.species = set(ds.species())

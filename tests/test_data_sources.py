@@ -223,6 +223,12 @@ def test_bad_paths_and_formats_are_one_line(tmp_path, frames):
     raises_one_line(DataFileError, open_source, tmp_path / "missing.aselmdb",
                     match="does not exist")
     raises_one_line(DataFileError, open_source, tmp_path, match="several formats")
+    from xnn.config.loader import ConfigError, load_config
+    from xnn.config.train import TrainConfig
+
+    msg = raises_one_line(ConfigError, load_config, TrainConfig, None,
+                          [f"data.datasets.0.path={path}", "data.datasets.0.format=lmdb"])
+    assert "data.datasets.0.format" in msg and all(f in msg for f in FORMATS)
     # an explicit format overrides the suffix: extxyz under another name
     other = tmp_path / "frames.txt"
     other.write_bytes(path.read_bytes())

@@ -197,6 +197,33 @@ def test_a_pickled_source_reads_the_same_in_a_new_process(tmp_path, frames):
         _same(a, b)
 
 
+class _Positions(torch.utils.data.Dataset):
+    """The positions of a dataset's structures (what a DataLoader worker sends back)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index][K.POSITIONS]
+
+
+def test_forked_dataloader_workers_read_an_open_source(tmp_path, frames):
+    """Workers forked while this process holds the files open (the ASE-LMDB one included,
+    which lmdb refuses to open twice in a process) read every structure."""
+    ds = ConcatDataset([open_source(p) for p in _paths(tmp_path, frames).values()])
+    ref = [ds[i][K.POSITIONS] for i in range(len(ds))]
+    loader = torch.utils.data.DataLoader(_Positions(ds), batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork")
+    got = list(loader)
+    assert len(got) == len(ref)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(ds[len(ds) - 1][K.POSITIONS], ref[-1])  # reopened here too
+
+
 def test_non_finite_labels_are_refused_when_read(tmp_path, frames):
     bad = [a.copy() for a in frames]
     for a, b in zip(frames, bad):

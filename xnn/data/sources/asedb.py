@@ -33,9 +33,21 @@ from xnn.errors import DataFileError
 _NUMBERS = re.compile(rb'^\{"numbers": \{"__ndarray__": \[\[(\d+)\], "\w+", \[')
 _PREFIX = 64
 
-#: ASE-LMDB databases open in this process, by (path, pid): the lmdb library refuses to
-#: open one file twice in a process, so two datasets of the same file share its handle.
-_LMDB_OPEN: dict[tuple[str, int], object] = {}
+#: ASE-LMDB databases open in this process, by absolute path. The lmdb library refuses to
+#: open one file twice in a process, so two datasets of one file share its handle; and a
+#: forked child inherits that refusal for the files its parent holds open, so every handle
+#: is closed before a fork (DataLoader workers) and reopened at its next use, in the parent
+#: and the child alike.
+_LMDB_OPEN: dict[str, object] = {}
+
+
+def close_lmdb_handles() -> None:
+    """Close the ASE-LMDB databases this process holds (they reopen at their next read)."""
+    while _LMDB_OPEN:
+        _LMDB_OPEN.popitem()[1].close()
+
+
+os.register_at_fork(before=close_lmdb_handles)
 
 
 def _atoms_of_row(row):
@@ -97,14 +109,15 @@ class LMDBSource(AtomsSource):
                                       dtype=np.int64)
         self._refuse_empty()
 
-    def _connect(self):
+    def _handle(self):
+        """The database, opened at most once per process and file (see ``_LMDB_OPEN``)."""
         from ase_db_backends.aselmdb import LMDBDatabase
         from lmdb import Error
 
-        key = (os.path.abspath(self.source), os.getpid())
+        key = os.path.abspath(self.source)
         if key not in _LMDB_OPEN:
             try:
-                _LMDB_OPEN[key] = LMDBDatabase(self.source, readonly=True)
+                _LMDB_OPEN[key] = LMDBDatabase(self.source, readonly=True, readahead=False)
             except Error as e:
                 raise DataFileError(f"cannot read {self.source} as an ASE-LMDB database: "
                                     f"{e}") from None

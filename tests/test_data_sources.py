@@ -250,6 +250,12 @@ def test_bad_paths_and_formats_are_one_line(tmp_path, frames):
     raises_one_line(DataFileError, open_source, tmp_path / "missing.aselmdb",
                     match="does not exist")
     raises_one_line(DataFileError, open_source, tmp_path, match="several formats")
+    empty = tmp_path / "empty" / "none.aselmdb"
+    _write_db(empty, [])
+    raises_one_line(DataFileError, open_source, empty, match="no structures in")
+    (tmp_path / "empty" / "none.xyz").write_text("\n")
+    raises_one_line(DataFileError, open_source, tmp_path / "empty" / "none.xyz",
+                    match="no structures in")
     from xnn.config.loader import ConfigError, load_config
     from xnn.config.train import TrainConfig
 

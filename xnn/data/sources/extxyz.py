@@ -86,8 +86,6 @@ class ExtxyzSource(AtomsSource):
     def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str]):
         super().__init__(path, weight, keys)
         self.offsets, self.n_atoms = frame_index(self.source)
-        if not len(self.n_atoms):
-            raise DataFileError(f"no structures in {self.source}")
         self._refuse_empty()
 
     def _connect(self):

@@ -21,8 +21,8 @@ from xnn.data import keys as K
 from xnn.data.datasets import (
     InMemoryDataset,
     LabelledDataset,
-    count_labels_by_reading,
     is_isolated_atom,
+    label_counts_of,
     normalize_labels,
     refuse_non_finite_labels,
 )
@@ -134,8 +134,11 @@ class AtomsSource(LabelledDataset):
         return state
 
     def _refuse_empty(self) -> None:
-        """Refuse a structure without atoms when the index is read (one line)."""
+        """Refuse a file without structures, or a structure without atoms, when the index is
+        read (one line)."""
         self.n_atoms = np.asarray(self.n_atoms, dtype=np.int64)
+        if not len(self.n_atoms):
+            raise DataFileError(f"no structures in {self.source}")
         self._atom_ptr = np.concatenate([[0], np.cumsum(self.n_atoms)]).astype(np.int64)
         empty = np.flatnonzero(self.n_atoms == 0)
         if len(empty):
@@ -166,16 +169,19 @@ class AtomsSource(LabelledDataset):
         return self._read(index)[1]
 
     def _count_labels(self) -> np.ndarray:
-        """One pass reading every structure (refusing a broken one)."""
-        return count_labels_by_reading(self)
+        """One pass reading every structure (refusing a broken one); finds the species too."""
+        rows, found = [np.zeros((0, 3), np.int64)], set()
+        for i in range(len(self)):
+            g = self[i]
+            rows.append(label_counts_of(g))
+            found |= set(g.numbers.unique().tolist())
+        self._species = sorted(found)
+        return np.concatenate(rows)
 
     def species(self) -> list[int]:
-        """Atomic numbers present (one pass over the structures, cached)."""
+        """Atomic numbers present (found by the pass of :meth:`label_counts`)."""
         if self._species is None:
-            found: set[int] = set()
-            for i in range(len(self)):
-                found |= set(np.unique(self._atoms(i).numbers).tolist())
-            self._species = sorted(found)
+            self.label_counts()
         return list(self._species)
 
     def isolated_atoms(self) -> dict[int, tuple[int, float]]:

@@ -80,8 +80,11 @@ class SQLiteSource(AtomsSource):
     def _connect(self):
         import ase.db
 
-        return ase.db.connect(self.source, type="db", create_indices=False,
-                              use_lock_file=False)
+        db = ase.db.connect(self.source, type="db", create_indices=False,
+                            use_lock_file=False)
+        # one connection held for the process (never committed: reads only); without it
+        # every row opens its own (4x slower)
+        return db.__enter__()
 
     def _atoms(self, index: int):
         return _atoms_of_row(self._handle().get(id=int(self.ids[index])))

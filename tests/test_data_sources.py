@@ -157,6 +157,32 @@ def test_labels_under_other_keys_in_key_value_pairs_and_data(tmp_path, frames):
         _same(ds[i], ref[i])
 
 
+def test_inspect_and_label_errors_see_a_rows_keys(tmp_path, frames):
+    """``xnn data inspect`` of shards, and the missing-label error of ``xnn train``, list
+    the keys of the rows' key-value pairs and data (the keys training can read)."""
+    from xnn.app.data import inspect_file
+    from xnn.app.train import train
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+
+    folder = tmp_path / "ref"
+    folder.mkdir()
+    for k, part in enumerate((frames[:5], frames[5:9])):
+        db = connect(str(folder / f"{k}.aselmdb"))
+        for a in part:
+            db.write(a.copy(), REF_energy=float(a.calc.results["energy"]),
+                     data={"REF_forces": a.calc.results["forces"]})
+        del db
+    text = inspect_file(str(folder), None, {"energy": "energy", "forces": "forces",
+                                            "stress": "stress", "virial": "virial"})
+    assert "REF_energy" in text and "REF_forces" in text and "9 structures" in text, text
+    cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={folder}",
+                                          f"output_dir={tmp_path / 'out'}", "device=cpu"])
+    msg = raises_one_line(DataFileError, train, cfg)
+    assert "energy_key=REF_energy" in msg and "REF_forces" in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
 def test_atom_counts_and_species_build_no_structure(tmp_path, frames, monkeypatch):
     import ase
 

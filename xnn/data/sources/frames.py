@@ -152,12 +152,17 @@ class AtomsSource(LabelledDataset):
     def origin(self, index: int) -> tuple[str, int]:
         return self.source, int(index)
 
-    def _read(self, index: int):
-        """``(atoms, graph)`` of structure ``index``."""
+    def atoms(self, index: int):
+        """Structure ``index`` as the ``ase.Atoms`` read from the file (labels unconverted:
+        what ``xnn data inspect`` lists)."""
         index = int(index)
         if not 0 <= index < len(self):
             raise IndexError(f"structure {index} out of range [0, {len(self)})")
-        atoms = self._atoms(index)
+        return self._atoms(index)
+
+    def _read(self, index: int):
+        """``(atoms, graph)`` of structure ``index``."""
+        atoms = self.atoms(index)
         if len(atoms) != self.n_atoms[index]:
             raise DataFileError(f"{self.source}: structure {index} has {len(atoms)} atoms, "
                                 f"its index {int(self.n_atoms[index])}: the file changed "

@@ -69,9 +69,7 @@ def _label(atoms, key: str, prop: str, index: int):
     return _to_3x3(value, f"{prop} {key!r}", index)
 
 
-def check_structure(atoms, index: int) -> None:
-    """Refuse structure ``index`` with non-finite positions or cell, or a singular cell along
-    a periodic axis (:class:`InputError`, ``structure INDEX: ...``)."""
+def _check_structure(atoms, index: int) -> None:
     if not np.isfinite(atoms.positions).all():
         raise InputError(f"structure {index}: non-finite positions")
     cell = np.asarray(atoms.cell[:], dtype=np.float64)
@@ -162,7 +160,7 @@ def from_ase(
     if not atoms_list:
         raise InputError("no structures to convert")
     for i, a in enumerate(atoms_list):
-        check_structure(a, i)
+        _check_structure(a, i)
     keys = {"energy": energy_key, "forces": forces_key, "stress": stress_key, "virial": virial_key}
     labels = _collect_labels(atoms_list, keys, require)
     counts = [len(a) for a in atoms_list]
@@ -304,7 +302,7 @@ def read(
         }
         _collect_labels(frames, keys, require)
         for i, a in enumerate(frames):
-            check_structure(a, i)
+            _check_structure(a, i)
     except (DataFileError, InputError) as e:
         raise type(e)(f"{p}: {e}") from None
     return frames

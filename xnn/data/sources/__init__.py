@@ -27,7 +27,7 @@ from pathlib import Path
 
 from xnn._files import require_file
 from xnn.data.datasets import ConcatDataset, HDF5Source
-from xnn.data.sources.asedb import LMDBSource, SQLiteSource
+from xnn.data.sources.asedb import LMDBSource, SQLiteSource, close_lmdb_handles
 from xnn.data.sources.extxyz import ExtxyzSource
 from xnn.data.sources.frames import AtomsSource, read_in_memory
 from xnn.errors import DataFileError, InputError
@@ -106,6 +106,7 @@ def _open_one(path: Path, format: str, weight: float, keys: dict[str, str]):  # 
         return HDF5Source(path, weight)
     if format == "prepared":
         return _open_prepared(path, weight, keys)
+    close_lmdb_handles()  # ASE opens an ASE-LMDB file itself: lmdb allows one open
     return read_in_memory(path, weight, keys)
 
 

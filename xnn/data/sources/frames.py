@@ -50,13 +50,10 @@ def graph_of(atoms, index: int, first_atom: int, keys: dict[str, str], weight: f
     if len(atoms) == 0:
         raise DataFileError(f"{source}: structure {index} has no atoms; remove it from the file")
     try:
-        ase_io.check_structure(atoms, index)
-    except InputError as e:
-        raise InputError(f"{source}: {e}") from None
-    try:
         g = ase_io.from_ase([atoms], **keys)
-    except (DataFileError, InputError) as e:
-        raise type(e)(f"{source}: structure {index}: {e}") from None
+    except (DataFileError, InputError) as e:  # from_ase names the structure 0 of its list
+        raise type(e)(f"{source}: structure {index}: "
+                      f"{str(e).removeprefix('structure 0: ')}") from None
     refuse_non_finite_labels(g, keys, f"{source}: structure {index}")
     return normalize_labels(g, weight).replace({
         K.ATOM_ID: torch.arange(first_atom, first_atom + g.n_atoms),

@@ -46,7 +46,7 @@ def _open(entry: DatasetConfig):
     if not entry.path:
         raise DataFileError("a dataset entry has an empty path (set data.datasets.N.path)")
     return read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
-                           entry.stress_key, entry.virial_key)
+                           entry.stress_key, entry.virial_key, entry.format)
 
 
 def refuse_coincident_sample(parts: list, reducer, limit: int | None = None) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
 from xnn.config.model import ModelConfig, model_field, train_model_default
 from xnn.config.parallel import ParallelConfig, parallel_field
+from xnn.data.sources import FORMATS as DATASET_FORMATS
 
 PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
 LOSS_TYPES = ("mse", "mae", "huber")
@@ -24,7 +25,11 @@ METRICS = (
 
 @dataclass
 class DatasetConfig:
-    path: str = field("", "extxyz (any ASE format) or xnn HDF5 file")
+    path: str = field("", "a file (extxyz or any ASE format, .db, .aselmdb/.lmdb, xnn HDF5), "
+                      "a folder of shards or a glob ('omat/*.aselmdb')")
+    format: str | None = field(None, "file format (null: from the suffix; ase: any other "
+                               "format ASE reads, into memory)",
+                               choices=(None, *DATASET_FORMATS))
     weight: float = field(1.0, "loss weight of every structure of this dataset")
     energy_key: str = field("energy", "key of the energy label (eV)")
     forces_key: str = field("forces", "key of the force label (eV/Å)")

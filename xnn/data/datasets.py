@@ -30,7 +30,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
@@ -370,10 +369,6 @@ class ConcatDataset(LabelledDataset):
         parts = [d.label_counts() for d in self.datasets]
         return np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
 
-    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
-        return {int(self.offsets[k]) + i: entry for k, d in enumerate(self.datasets)
-                if isinstance(d, LabelledDataset) for i, entry in d.isolated_atoms().items()}
-
     def stored_statistics(self, indices: Sequence[int],
                           cutoff: float) -> EntryStatistics | None:
         indices = np.asarray(indices, dtype=np.int64)
@@ -393,6 +388,12 @@ class ConcatDataset(LabelledDataset):
     def species(self) -> list[int]:
         return sorted(set().union(*[set(d.species()) for d in self.datasets]))
 
+    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
+        """The parts' isolated-atom entries, by index in the concatenation."""
+        return {int(self.offsets[d]) + i: entry for d, part in enumerate(self.datasets)
+                if isinstance(part, LabelledDataset)
+                for i, entry in part.isolated_atoms().items()}
+
 
 # --------------------------------------------------------------------------- loading
 def read_structures(
@@ -402,48 +403,32 @@ def read_structures(
     forces_key: str = "forces",
     stress_key: str = "stress",
     virial_key: str = "virial",
+    format: str | None = None,  # noqa: A002
 ):
-    """Open a dataset file: HDF5 (``.h5``/``.hdf5``, lazily), a prepared folder (one holding
-    ``prepared.json``, lazily, :mod:`xnn.data.prepared`) or anything ASE reads (extxyz).
+    """Open a dataset (:func:`xnn.data.sources.open_source`: by suffix or ``format``; a file,
+    folder of shards or glob) and check the labels of every structure read through ASE now.
+
+    The structures stay on disk (read at their use) except for the formats ASE reads only
+    whole; the check is one pass reading each structure once (the label counts are kept,
+    :meth:`LabelledDataset.label_counts`). HDF5 and prepared datasets check theirs from
+    their arrays at the first ``label_counts()``. :func:`~xnn.data.sources.open_source`
+    opens without the pass.
 
     Returns:
         a dataset (see the module docstring) whose structures have normalised labels.
     Raises:
-        DataFileError: the file does not exist or cannot be read.
+        DataFileError: the file does not exist or cannot be read, or a structure has no
+            atoms or a non-finite label (one line naming the file and structure).
+        InputError: an unknown ``format``.
     """
-    from xnn.data.prepared import PreparedDataset, is_prepared
+    from xnn.data.sources import open_source, source_files
 
-    if is_prepared(path):  # a folder written by `xnn data prepare`
-        return PreparedDataset(path, weight)
-    p = require_file(path, "dataset file")
-    if p.suffix in HDF5_SUFFIXES:
-        return HDF5Source(path, weight)
-    from xnn.data import ase_io
-
-    frames = ase_io.read(str(p))
-    keys = dict(energy_key=energy_key, forces_key=forces_key, stress_key=stress_key,
-                virial_key=virial_key)
-    out = []
-    isolated = {}
-    offset = 0
-    for k, atoms in enumerate(frames):
-        if len(atoms) == 0:
-            raise DataFileError(f"{p}: structure {k} has no atoms; remove it from the file")
-        try:
-            g = ase_io.from_ase([atoms], **keys)
-        except (DataFileError, InputError) as e:
-            raise type(e)(f"{p}: structure {k}: {e}") from None
-        refuse_non_finite_labels(g, keys, f"{p}: structure {k}")
-        g = normalize_labels(g, weight).replace({
-            K.ATOM_ID: torch.arange(offset, offset + g.n_atoms),
-            K.SYSTEM_ID: torch.tensor([k]),
-            K.VELOCITIES: None,
-        })
-        out.append(g)
-        if is_isolated_atom(atoms):
-            isolated[k] = (int(atoms.numbers[0]), float(g[K.ENERGY].reshape(-1)[0]))
-        offset += g.n_atoms
-    return InMemoryDataset(out, name=p.name, source=os.fspath(path), isolated=isolated)
+    fmt = source_files(path, format)[1]
+    ds = open_source(path, fmt, weight=weight, energy_key=energy_key, forces_key=forces_key,
+                     stress_key=stress_key, virial_key=virial_key)
+    if fmt in ("extxyz", "aselmdb", "db"):
+        ds.label_counts()
+    return ds
 
 
 #: ``atoms.info["config_type"]`` of an isolated-atom entry (MACE's convention)

@@ -14,23 +14,30 @@ from xnn.errors import DataFileError
 
 
 def inventory(path: str | os.PathLike, limit: int | None = None) -> KeyInventory:
-    """Count the keys of the frames of ``path`` (all, or the first ``limit``).
+    """Count the keys of the frames of ``path`` (all, or the first ``limit``): a file, or a
+    folder or glob of shards (:func:`xnn.data.sources.source_files`), read as training reads
+    it (a database row's key-value pairs and ``data`` are ``info`` keys).
 
     Raises:
         DataFileError: the file is missing or cannot be read.
     """
     import ase.io
 
-    from xnn.data.prepared import PreparedDataset, is_prepared
+    from xnn.data.prepared import PreparedDataset
+    from xnn.data.sources import open_source, source_files
 
-    p = Path(path)
-    if is_prepared(p):  # labels under fixed names, as in xnn HDF5
-        return _array_inventory(PreparedDataset(p), p)
+    files, fmt = source_files(path)
+    if fmt == "prepared":  # labels under fixed names, as in xnn HDF5
+        return _array_inventory(PreparedDataset(files[0]), files[0])
+    if fmt == "hdf5":
+        return _array_inventory(HDF5Source(files[0]), files[0])
+    if fmt in ("extxyz", "aselmdb", "db"):
+        sources = (open_source(f, fmt) for f in files)
+        frames = (src.atoms(i) for src in sources for i in range(len(src)))
+        return inventory_of(frames, os.fspath(path), limit)
+    p = files[0]
     if not p.is_file():
-        raise DataFileError(f"{p} is a directory, not a structure file" if p.is_dir()
-                            else f"data file not found: {p}")
-    if p.suffix in (".h5", ".hdf5"):
-        return _array_inventory(HDF5Source(p), p)
+        raise DataFileError(f"{p} is a directory, not a structure file")
     try:
         return inventory_of(ase.io.iread(str(p), index=":"), str(p), limit)
     except Exception as e:  # ASE raises many types for malformed files

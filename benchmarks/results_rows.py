@@ -324,6 +324,22 @@ def training(name: str, data: dict) -> list[list[str]]:
             for model, m in data["models"].items()]
 
 
+def data_scale(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``data_scale.py``: one per format and number of loader workers."""
+    names = {"memory": "in-memory", "hdf5": "HDF5", "aselmdb": "ASE-LMDB",
+             "prepared": "prepared"}
+    rows = []
+    for r in data["results"]:
+        workers = r["peak_rss"]["workers"]
+        rows.append([str(r["workers"]), names.get(r["format"], r["format"]),
+                     rate(r["structures_per_s"]), rate(r["atoms_per_s"]),
+                     sec(r["first_batch_s"]),
+                     f"{mib(r['peak_rss']['main'])} + {mib(max(workers))}" if workers
+                     else mib(r["peak_rss"]["main"]),
+                     num(r.get("loader_over_step"), 2)])
+    return rows
+
+
 def training_ddp(name: str, data: dict) -> list[list[str]]:
     rows = []
     for run, eff in data["ddp_efficiency"].items():

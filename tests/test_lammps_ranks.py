@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ase.build import bulk
 from ase.io import write
 from helpers import native, rel, small_mace
 from helpers.structures import molecule, slab, triclinic
@@ -95,7 +96,11 @@ def inputs(tmp_path_factory):
     for name, make in STRUCTURES.items():
         structures[name] = tmp / f"{name}.extxyz"
         write(structures[name], _atoms(make()))
-    return {"tmp": tmp, "models": _models(tmp), "structures": structures}
+    block = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((24, 6, 6))  # 3456 atoms, open
+    block.pbc = False
+    write(tmp / "block.extxyz", block)
+    return {"tmp": tmp, "models": _models(tmp), "structures": structures,
+            "block": tmp / "block.extxyz"}
 
 
 def _mpirun(inputs, n: int, cases: list[dict], tag: str) -> dict[str, dict]:
@@ -127,8 +132,17 @@ class _Points(dict):
         self.inputs = inputs
 
     def __missing__(self, n: int):
-        self[n] = _mpirun(self.inputs, n, _point_cases(self.inputs), "points")
+        traffic = [_traffic_case(self.inputs)] if n in (2, 4) else []
+        self[n] = _mpirun(self.inputs, n, _point_cases(self.inputs) + traffic, "points")
         return self[n]
+
+
+def _traffic_case(inputs) -> dict:
+    """LJ on an open 3456-atom fcc block: the elements each rank receives while it finds its
+    ghosts' owners and their fields are counted."""
+    return {"name": "block-lj-traffic", "model": str(inputs["models"]["lj"]),
+            "structure": str(inputs["block"]), "mode": "halo", "task": "point",
+            "traffic": True}
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +194,38 @@ def test_single_point_equals_one_process(points, inputs, n, structure, model, mo
     if n > 1:
         assert str(r["mode"]) == ("halo" if (mode == "halo" or model in ("lj", "sum"))
                                   else "sync")
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ghost_owner_lookup_traffic_follows_the_ghosts_not_the_system(points, inputs, n):
+    """No rank receives every atom's id: while a rank finds its LAMMPS ghosts' owners (and
+    receives their fields), collectives bring it O(ranks) numbers and point-to-point
+    messages a few per ghost and per owned atom it sends; the lookup's ids and rows are at
+    most one per remote ghost plus one per atom sent. On an open 3456-atom block whose
+    ghosts are a thin shell, with the forces still equal to one process."""
+    r = points[n]["block-lj-traffic"]
+    ref = _reference(inputs["models"]["lj"], inputs["block"])
+    assert rel(torch.as_tensor(r["f"]), ref["forces"]) <= TOL
+    n_atoms = len(r["id"])
+    for rank_builds in r["traffic"]:
+        assert len(rank_builds) >= 1
+        for collective, p2p, n_ghost, n_send, lookup in rank_builds:
+            assert 0 < n_ghost < n_atoms // 4  # a thin shell: the bound below means something
+            assert collective <= 64 * n
+            assert lookup <= n_ghost + n_send
+            assert p2p <= 16 * (n_ghost + n_send) + 8 * n
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_positions_are_not_exchanged_again_after_lammps_did(points, n):
+    """Per force call (outside the ghost-list build), Lennard-Jones in mode halo receives
+    point to point only its ghosts' forces for its sent rows (3 per row): the ghosts'
+    positions are LAMMPS's, which its forward communication brought, not a second
+    exchange of the owners' positions."""
+    r = points[n]["block-lj-traffic"]
+    for rank_builds, calls in zip(r["traffic"], r["call_p2p"]):
+        n_send = int(rank_builds[-1][3])
+        assert n_send > 0 and list(calls) == [3 * n_send]
 
 
 def test_sync_asks_lammps_for_one_cutoff_of_ghosts_halo_for_the_receptive_field(points):

@@ -36,6 +36,78 @@ class Held(torch.nn.Module):
         self.sizes.append(int(args[0].n_atoms))
 
 
+class Traffic:
+    """Counts the elements this rank receives through ``torch.distributed`` while the host
+    layout builds (the ghost-owner lookup, the plan, the ghosts' fields): through
+    collectives (all-gathers, all-to-all, all-reduces, broadcasts) and point to point; and
+    point to point in each force call outside the builds (``calls``)."""
+
+    COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_to_all_single", "all_reduce",
+                   "broadcast")
+
+    def __init__(self, layout):
+        import torch.distributed as dist
+
+        self.builds: list[dict] = []
+        self.calls: list[int] = []
+        self.active = False
+        self.in_call = False
+        self._original = {name: getattr(dist, name)
+                          for name in (*self.COLLECTIVES, "batch_isend_irecv")}
+        for name in self.COLLECTIVES:
+            setattr(dist, name, self._counted(getattr(dist, name), name))
+        batch = dist.batch_isend_irecv
+
+        def counted_batch(ops):
+            received = sum(op.tensor.numel() for op in ops if op.op is dist.irecv)
+            if self.active:
+                self.now["p2p"] += received
+            elif self.in_call:
+                self.calls[-1] += received
+            return batch(ops)
+
+        dist.batch_isend_irecv = counted_batch
+        build = layout.build
+
+        def counted_build(graph, pot, part=None):
+            self.now = {"collective": 0, "p2p": 0}
+            self.active = True
+            try:
+                dom = build(graph, pot, part)
+            finally:
+                self.active = False
+            self.builds.append({**self.now, "n_ghost": dom.n_ghost,
+                                "n_send": dom.plan.n_send,
+                                "lookup_received": layout.lookup_received})
+            return dom
+
+        layout.build = counted_build
+
+    def call(self, fn, *args) -> None:
+        """Run the force callback ``fn(*args)``, counting its point-to-point elements."""
+        self.calls.append(0)
+        self.in_call = True
+        try:
+            fn(*args)
+        finally:
+            self.in_call = False
+
+    def close(self) -> None:
+        """Put ``torch.distributed``'s functions back."""
+        import torch.distributed as dist
+
+        for name, fn in self._original.items():
+            setattr(dist, name, fn)
+
+    def _counted(self, fn, name):
+        def counted(out, *args, **kw):
+            if self.active:
+                outs = out if isinstance(out, list) else [out]
+                self.now["collective"] += sum(t.numel() for t in outs)
+            return fn(out, *args, **kw)
+        return counted
+
+
 def box_commands(atoms) -> str:
     """A LAMMPS box for ``atoms`` (already in LAMMPS's frame): periodic axes from the cell,
     open axes shrink-wrapped."""
@@ -81,6 +153,7 @@ def run_case(case: dict, comm, out: Path) -> None:
     kinds = [types.index(int(z)) + 1 for z in atoms.numbers]
     lmp.create_atoms(n, list(range(1, n + 1)), kinds, atoms.positions.reshape(-1).tolist())
     fix = _force_field(lmp, model, types, case)
+    traffic = Traffic(fix.potential.layout) if case.get("traffic") else None
     steps = int(case.get("steps", 0))
     if case["task"] in ("nve", "restart"):
         lmp.command("velocity all create 600 4928 loop geom")
@@ -105,7 +178,10 @@ def run_case(case: dict, comm, out: Path) -> None:
 
     def counting(caller, ntimestep, nlocal, tag, x, f):
         seen.append(int(nlocal) + int(lmp.extract_setting("nghost")))
-        inner(caller, ntimestep, nlocal, tag, x, f)
+        if traffic is None:
+            inner(caller, ntimestep, nlocal, tag, x, f)
+        else:
+            traffic.call(inner, caller, ntimestep, nlocal, tag, x, f)
 
     lmp.set_fix_external_callback(fix.fix_id, counting)
     fix.run(steps)
@@ -127,6 +203,12 @@ def run_case(case: dict, comm, out: Path) -> None:
         "nktv2p": lmp.extract_global("nktv2p"), "origin": origin, "cell": cell, "pbc": pbc,
         "held_over_lammps": over, "rebuilds": rebuilds, "evaluations": len(held.sizes),
         "mode": fix.mode, "ghost_cutoff": fix.ghost_cutoff}
+    if traffic is not None:  # per rank: [collective, p2p, n_ghost, n_send, lookup] per build
+        rows = [[b[k] for k in ("collective", "p2p", "n_ghost", "n_send", "lookup_received")]
+                for b in traffic.builds]
+        result["traffic"] = np.array(comm.allgather(rows))
+        result["call_p2p"] = np.array(comm.allgather(traffic.calls))
+        traffic.close()
     lmp.close()
     if comm.Get_rank() == 0:
         order = np.argsort(gathered["id"])

@@ -1,6 +1,6 @@
 """The application behind ``xnn data``: reference structures (EMT-labelled, bulk crystals),
-format conversion to xnn HDF5 and the label keys a file holds. Each function checks its
-output path before any work and raises one-line errors."""
+format conversion to xnn HDF5, prepared sharded datasets and the label keys a file holds.
+Each function checks its output path before any work and raises one-line errors."""
 
 from __future__ import annotations
 
@@ -58,3 +58,64 @@ def inspect_file(path: str, limit: int | None, keys: dict[str, str]) -> str:
     if limit is not None and limit < 1:
         raise InputError(f"--limit must be >= 1, got {limit}")
     return report(inventory(path, limit=limit), keys)
+
+
+def edge_counter(cutoff: float):
+    """``count_edges(batch, origins)`` for :func:`xnn.data.prepared.write_prepared`: the
+    neighbour pairs of each system within ``cutoff`` (Å; full list, images counted, as the
+    training's neighbor lists), refusing a system with coincident atoms (named by
+    ``origins``) as training does."""
+    import numpy as np
+
+    from xnn.neighbors import with_edges
+    from xnn.neighbors.coincident import MIN_DISTANCE, find_close_pair, first_close_edge
+    from xnn.neighbors.datasets import coincident_error
+
+    def count(batch, origins):
+        g = with_edges(batch, float(cutoff))
+        if cutoff < MIN_DISTANCE:
+            pair = find_close_pair(batch)
+        else:  # every closer pair is an edge: one batched length check, then the lists
+            pair = first_close_edge(g) if _shortest_edge(g) < MIN_DISTANCE else None
+        if pair is not None:
+            raise coincident_error(*origins[pair.system], pair)
+        receivers = g.batch[g.edge_index[1]].cpu().numpy()
+        return np.bincount(receivers, minlength=g.n_systems).astype(np.int64)
+
+    return count
+
+
+def _shortest_edge(g) -> float:
+    """The shortest edge of a batched graph (Å; ``inf`` without edges), in one pass:
+    ``r_ij = pos[j] - pos[i] + s @ cell[batch[i]]``."""
+    import torch
+
+    send, recv = g.edge_index
+    if send.numel() == 0:
+        return float("inf")
+    shift = torch.einsum("ea,eab->eb", g.shifts.to(g.dtype), g.cell[g.batch[recv]])
+    return float((g.positions[send] - g.positions[recv] + shift).norm(dim=-1).min())
+
+
+def prepare_files(inputs: list[str], out: str, shards: int, cutoff: float | None,
+                  keys: dict[str, str], overwrite: bool = False) -> dict:
+    """``inputs`` (any format :func:`~xnn.data.datasets.read_structures` opens, labels by
+    ``keys``: energy, forces, stress, virial) as one prepared dataset in the folder ``out``
+    (:func:`xnn.data.prepared.write_prepared`); returns its manifest."""
+    from xnn.data.datasets import ConcatDataset, read_structures
+    from xnn.data.prepared import PreparedDataset, write_prepared
+
+    if not inputs:
+        raise InputError("name at least one input file")
+    if cutoff is not None and cutoff <= 0:
+        raise InputError(f"--cutoff must be > 0 Å, got {cutoff}")
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        raise InputError(f"--out {out!r} exists and is not empty; choose another folder or "
+                         "pass --overwrite")
+    parts = [read_structures(p, 1.0, *(keys[k] for k in PROPERTIES)) for p in inputs]
+    data = parts[0] if len(parts) == 1 else ConcatDataset(parts)
+    write_prepared(data, out, shards, cutoff,
+                   count_edges=None if cutoff is None else edge_counter(cutoff),
+                   label_keys={f"{k}_key": keys[k] for k in PROPERTIES}, overwrite=overwrite)
+    return PreparedDataset(out).manifest

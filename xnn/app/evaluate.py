@@ -118,7 +118,8 @@ def _open_recorded(entry: dict, run: Path):
             f"run was trained on: it is {now}, the run recorded {entry['fingerprint']}; "
             "restore that file, or evaluate another file with xnn eval MODEL DATA")
     return read_structures(path, entry["weight"], entry["energy_key"], entry["forces_key"],
-                           entry["stress_key"], entry["virial_key"])
+                           entry["stress_key"], entry["virial_key"],
+                           entry.get("format"))  # records before formats have none
 
 
 def split_data(run_dir: str | Path, split: str) -> EvalData:

@@ -28,6 +28,7 @@ from xnn.app.train_model import (
     check_pretrained_config,
     check_trainable,
     data_statistics,
+    stored_statistics,
 )
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
@@ -126,9 +127,11 @@ def loss_specs(cfg: TrainConfig) -> dict[str, TermSpec]:
             for t in [getattr(cfg.loss, name)]}
 
 
-def loop_settings(cfg: TrainConfig) -> LoopSettings:
-    """The epoch loop's settings from the config."""
+def loop_settings(cfg: TrainConfig, dp: int = 1) -> LoopSettings:
+    """The epoch loop's settings from the config (``dp``: data-parallel replicas, the
+    shares of a balanced global batch unless ``data.balance_bins`` says)."""
     d, es = cfg.data, cfg.early_stopping
+    bins = (d.balance_bins or dp) if d.balance == "atoms" else None
     return LoopSettings(
         seed=cfg.seed, batch_size=d.batch_size, max_atoms_per_batch=d.max_atoms_per_batch,
         shuffle=d.shuffle, val_batch_size=d.val_batch_size, max_epochs=cfg.max_epochs,
@@ -137,7 +140,9 @@ def loop_settings(cfg: TrainConfig) -> LoopSettings:
         min_delta=es.min_delta, validation_only=cfg.validation_only,
         checkpoint_mode=cfg.checkpoint_mode, samples_per_epoch=d.samples_per_epoch,
         every_n_steps=cfg.logging.every_n_steps, precision=cfg.precision,
-        accumulate_grad_batches=cfg.accumulate_grad_batches)
+        accumulate_grad_batches=cfg.accumulate_grad_batches, balance_bins=bins,
+        balance_lookahead=d.balance_lookahead, num_workers=d.num_workers,
+        checkpoint_every=cfg.checkpoint_every_steps)
 
 
 def _model_for_run(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Module:
@@ -168,8 +173,14 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
             logger.print(describe_finetune(model, frozen, ft.lr))
         return model
     sample = structures_for_statistics(splits.raw_train)  # coincident atoms refused there
-    stats = data_statistics(cfg.model, splits.species, [sample[i] for i in range(len(sample))],
-                            reducer, sample.origin, splits.isolated_e0)
+    # prepared data at model.cutoff store them: no pass over the data (the same numbers)
+    stats = stored_statistics(cfg.model, splits.species, sample, splits.isolated_e0)
+    if stats is None:
+        stats = data_statistics(cfg.model, splits.species,
+                                [sample[i] for i in range(len(sample))], reducer,
+                                sample.origin, splits.isolated_e0)
+    else:
+        logger.print("statistics: from the counts stored with the prepared data")
     model = build_model(cfg, splits.species, stats)
     logger.print(f"model: {describe_model(model)}; E0 ({describe_e0_convention(cfg, splits)}) "
                  f"{format_e0(stats['e0'])}, avg neighbours {stats['avg_num_neighbors']:.1f}")
@@ -284,8 +295,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     model = _model_for_run(cfg, splits, logger, reducer)  # seeded: the same on every rank
     seed_everything(cfg.seed, reducer.rank)
     trainer = _trainer(cfg, model, parallel, device, memory)
-    loop = TrainingLoop(loop_settings(cfg), trainer, splits, out, logger, parallel.sharding,
-                        save_checkpoint)
+    loop = TrainingLoop(loop_settings(cfg, parallel.sharding.dp), trainer, splits, out, logger,
+                        parallel.sharding, save_checkpoint)
     loop.check_batches()  # a structure over a dd group's budget is refused now
     loop.config_yaml = to_yaml(cfg)
     trainer.schedule.total_steps = _horizon(cfg, loop)

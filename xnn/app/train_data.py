@@ -28,7 +28,7 @@ from xnn.data.datasets import ConcatDataset, Subset, read_structures, split_indi
 from xnn.data.inventory import inventory
 from xnn.data.label_keys import describe_keys, suggest_key
 from xnn.errors import DataFileError, InputError
-from xnn.neighbors.datasets import WithEdges
+from xnn.neighbors.datasets import WithEdges, in_memory
 from xnn.training.data import (
     DataSplits,
     check_species,
@@ -47,7 +47,7 @@ def _open(entry: DatasetConfig):
     if not entry.path:
         raise DataFileError("a dataset entry has an empty path (set data.datasets.N.path)")
     return read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
-                           entry.stress_key, entry.virial_key)
+                           entry.stress_key, entry.virial_key, entry.format)
 
 
 def refuse_coincident_sample(parts: list, reducer, limit: int | None = None) -> None:
@@ -160,11 +160,14 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
     sampled = [train] if check_train else []
     refuse_coincident_sample([*sampled, *(d for d in (val, test, val_replay) if d is not None)],
                              reducer or LocalReducer())
-    cache = data.cache_edges
+    def edges(ds):  # data.cache_edges null: cached for data in memory, built at use for lazy
+        cache = in_memory(ds) if data.cache_edges is None else data.cache_edges
+        return WithEdges(ds, cutoff, cache) if ds is not None else None
+
     return DataSplits(
-        train=WithEdges(train, cutoff, cache),
-        val=WithEdges(val, cutoff, cache) if val is not None else None,
-        test=WithEdges(test, cutoff, cache) if test is not None else None,
+        train=edges(train),
+        val=edges(val),
+        test=edges(test),
         raw_train=train,
         species=train_species,
         membership=split_membership(data, train_parts, val_parts, test_parts),

@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -155,6 +156,41 @@ def data_statistics(cfg: ModelConfig, species: list[int], structures: list,
     if cfg.scale_shift:
         out["shift"] = S.energy_per_atom_stats(structures, e0)["mean"]
         rms = S.force_rms(structures)
+        out["scale"] = rms if rms > 1e-8 else 1.0
+    return out
+
+
+def stored_statistics(cfg: ModelConfig, species: list[int], sample,
+                      isolated: dict[int, float] | None = None) -> dict | None:
+    """:func:`data_statistics` of the structures of ``sample`` from the counts stored with
+    the data (the prepared format, :meth:`~xnn.data.datasets.LabelledDataset.stored_statistics`):
+    no structure read, no neighbor list built (coincident atoms were refused when the data
+    were prepared). ``None`` when the data store none at ``model.cutoff`` (a file of another
+    format among the training data, another cutoff) or for ``model.name=sum`` (whose
+    statistics need the fixed terms' predictions): then compute them.
+
+    Args:
+        sample: the statistics sample (a dataset; every structure of it is used).
+    """
+    from xnn.models import statistics as S
+
+    if cfg.name == "sum":
+        return None
+    entries = sample.stored_statistics(np.arange(len(sample)), float(cfg.cutoff))
+    if entries is None:
+        return None
+    atoms = int(entries.n_atoms.sum())
+    if atoms == 0:
+        raise InputError("average_num_neighbors needs at least one atom")
+    out: dict = {"avg_num_neighbors": int(entries.n_edges.sum()) / atoms}
+    if cfg.e0_convention() in ("fit", "average"):
+        e0 = S.fit_e0_counts(entries.composition, entries.energy, species)
+    else:
+        e0 = reference_energies(cfg, species, [], isolated)
+    out["e0"] = e0
+    if cfg.scale_shift:
+        out["shift"] = S.energy_per_atom_counts(entries.composition, entries.energy, e0)["mean"]
+        rms = S.force_rms_counts(entries.force_sq, entries.force_count)
         out["scale"] = rms if rms > 1e-8 else 1.0
     return out
 

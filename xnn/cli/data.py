@@ -1,5 +1,5 @@
-"""``xnn data emt|bulk|convert|inspect``: built-in EMT reference data, crystals, extxyz → HDF5
-conversion, and the keys a data file holds."""
+"""``xnn data emt|bulk|convert|prepare|inspect``: built-in EMT reference data, crystals,
+extxyz → HDF5 conversion, prepared sharded datasets, and the keys a data file holds."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     conv.add_argument("--stress-key", default="stress", help="stress label key")
     conv.add_argument("--virial-key", default="virial", help="virial label key")
     conv.set_defaults(func=run_convert)
+    _add_prepare(dsub)
     _add_inspect(dsub)
     return p
 
@@ -55,6 +56,32 @@ def _add_bulk(dsub) -> None:
                       help="displacement standard deviation in Å (default 0.05)")
     bulk.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     bulk.set_defaults(func=run_bulk)
+
+
+def _add_prepare(dsub) -> None:
+    prep = dsub.add_parser(
+        "prepare", help="a sharded, preprocessed dataset for training at scale",
+        description="Write the structures of IN... (extxyz, any ASE format, xnn HDF5, ASE "
+        "db/LMDB) as one prepared dataset: per shard flat arrays (.npy, memory-mapped by "
+        "each rank and data-loader worker), per-structure atom and edge counts at --cutoff, "
+        "and the dataset statistics (E0s, mean neighbour count, force RMS) that xnn train "
+        "reuses when model.cutoff equals --cutoff. Streamed: memory does not grow with the "
+        "input. Train on it with data.datasets.0.path=DIR.",
+    )
+    prep.add_argument("inputs", nargs="+", metavar="IN", help="input files")
+    prep.add_argument("--out", required=True, help="output folder (written as OUT.tmp, then "
+                      "renamed)")
+    prep.add_argument("--shards", type=int, default=1,
+                      help="number of shards, about equal in atoms (default 1)")
+    prep.add_argument("--cutoff", type=float, default=5.0,
+                      help="cutoff (Å) of the stored edge counts and mean neighbour count; "
+                      "use the model.cutoff you will train with (default 5.0, xnn train's)")
+    prep.add_argument("--overwrite", action="store_true",
+                      help="replace an existing non-empty --out")
+    for prop in ("energy", "forces", "stress", "virial"):
+        prep.add_argument(f"--{prop}-key", default=prop, help=f"{prop} label key (default "
+                          f"{prop})")
+    prep.set_defaults(func=run_prepare)
 
 
 def _add_inspect(dsub) -> None:
@@ -99,6 +126,20 @@ def run_convert(args) -> int:
                                  args.virial_key)))
     n, atoms = convert_file(args.input, args.output, keys)
     print(f"wrote {n} structures ({atoms} atoms) to {args.output}")
+    return 0
+
+
+def run_prepare(args) -> int:
+    from xnn.app.data import PROPERTIES, prepare_files
+
+    keys = dict(zip(PROPERTIES, (args.energy_key, args.forces_key, args.stress_key,
+                                 args.virial_key)))
+    m = prepare_files(args.inputs, args.out, args.shards, args.cutoff, keys, args.overwrite)
+    stats = m["statistics"]
+    print(f"wrote {m['n_structures']} structures ({m['n_atoms']} atoms) in "
+          f"{len(m['shards'])} shards to {args.out}; cutoff {m['cutoff']:g} Å: "
+          f"{stats['avg_num_neighbors']:.2f} neighbours per atom, force RMS "
+          f"{stats['force_rms'] or float('nan'):.4g} eV/Å")
     return 0
 
 

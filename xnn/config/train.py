@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
 from xnn.config.model import ModelConfig, model_field, train_model_default
 from xnn.config.parallel import ParallelConfig, parallel_field
+from xnn.data.sources import FORMATS as DATASET_FORMATS
 
 PRECISIONS = ("fp32", "tf32", "bf16_mixed", "fp64")
 LOSS_TYPES = ("mse", "mae", "huber")
@@ -24,7 +25,11 @@ METRICS = (
 
 @dataclass
 class DatasetConfig:
-    path: str = field("", "extxyz (any ASE format) or xnn HDF5 file")
+    path: str = field("", "a file (extxyz or any ASE format, .db, .aselmdb/.lmdb, xnn HDF5), "
+                      "a folder of shards or a glob ('omat/*.aselmdb')")
+    format: str | None = field(None, "file format (null: from the suffix; ase: any other "
+                               "format ASE reads, into memory)",
+                               choices=(None, *DATASET_FORMATS))
     weight: float = field(1.0, "loss weight of every structure of this dataset")
     energy_key: str = field("energy", "key of the energy label (eV)")
     forces_key: str = field("forces", "key of the force label (eV/Å)")
@@ -58,7 +63,25 @@ class DataConfig:
     shuffle: bool = field(True, "shuffle the training set every epoch (seeded)")
     overfit: int | None = field(None, "debug: train and validate on the first N training "
                                 "structures only")
-    cache_edges: bool = field(True, "keep neighbor lists in memory after the first epoch")
+    cache_edges: bool | None = field(None, "keep neighbor lists in memory after their first "
+                                     "use (null: auto, on for data read into memory, off for "
+                                     "lazy files such as HDF5, whose edges are then built "
+                                     "on the fly at every use)")
+    num_workers: int = field(0, "DataLoader worker processes that read, give edges to and "
+                             "collate each rank's training shares (0: in the training "
+                             "process); the batches and losses are the same for any number")
+    balance: str = field("none", "atoms: pack each global batch as data-parallel shares "
+                         "balanced by atoms from a seeded look-ahead window (needs "
+                         "max_atoms_per_batch, split evenly between the shares); none: "
+                         "batches cut in order and shared greedily by atoms",
+                         choices=("none", "atoms"))
+    balance_bins: int | None = field(None, "data.balance=atoms: shares per global batch "
+                                     "(null: the number of data-parallel replicas; set it "
+                                     "to train one process on the global batches of N "
+                                     "ranks)")
+    balance_lookahead: int | None = field(None, "data.balance=atoms: structures of the "
+                                          "look-ahead window the shares are packed from "
+                                          "(null: 64 per share)")
     samples_per_epoch: int | None = field(None, "structures per epoch, drawn with replacement "
                                           "with probability proportional to their dataset's "
                                           "weight, seeded by (seed, epoch) (null: every "
@@ -76,6 +99,12 @@ class DataConfig:
         check_range("data.max_atoms_per_batch", self.max_atoms_per_batch, 1)
         check_range("data.overfit", self.overfit, 1)
         check_range("data.samples_per_epoch", self.samples_per_epoch, 1)
+        check_range("data.num_workers", self.num_workers, 0)
+        check_range("data.balance_bins", self.balance_bins, 1)
+        check_range("data.balance_lookahead", self.balance_lookahead, 1)
+        if self.balance == "atoms" and self.max_atoms_per_batch is None:
+            raise ConfigError("data.balance=atoms splits data.max_atoms_per_batch between the "
+                              "shares of a global batch; set data.max_atoms_per_batch")
         if self.max_atoms_per_batch is not None:
             self.batch_size = None
         if self.batch_size is None and self.max_atoms_per_batch is None:
@@ -236,6 +265,10 @@ class TrainConfig:
     time_limit_min: float | None = field(None, "stop training after this many minutes of wall "
                                          "time (null: no limit)")
     eval_every: int = field(1, "validate every N epochs")
+    checkpoint_every_steps: int | None = field(None, "also write checkpoints/last.pt every N "
+                                               "optimizer steps, mid-epoch included (a run "
+                                               "killed later resumes there exactly; null: "
+                                               "at the end of each epoch)")
     accumulate_grad_batches: int = field(1, "global batches per optimizer step (gradient "
                                          "accumulation: one forward/backward each, one "
                                          "gradient reduction and step; the same update as "
@@ -276,6 +309,7 @@ class TrainConfig:
         check_range("max_steps", self.max_steps, 0)
         check_range("time_limit_min", self.time_limit_min, 0.0)
         check_range("eval_every", self.eval_every, 1)
+        check_range("checkpoint_every_steps", self.checkpoint_every_steps, 1)
         check_range("accumulate_grad_batches", self.accumulate_grad_batches, 1)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r} is not a valid choice; choose one of "

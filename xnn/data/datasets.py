@@ -25,11 +25,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
@@ -122,6 +122,31 @@ def count_labels_by_reading(dataset) -> np.ndarray:
     return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
 
 
+class EntryStatistics(NamedTuple):
+    """Per-structure numbers that give the training statistics of a set of structures without
+    reading them (stored by the prepared format, :mod:`xnn.data.prepared`).
+
+    Attributes:
+        n_atoms: ``[k]`` int64 atoms.
+        n_edges: ``[k]`` int64 neighbour pairs within the stored cutoff (full list).
+        energy: ``[k]`` float64 energy labels (eV; NaN: none).
+        composition: ``[k, 119]`` int64 atoms of each atomic number.
+        force_sq: ``[k]`` float64 sum of the squared force labels (eV²/Å²).
+        force_count: ``[k]`` int64 labelled force components.
+    """
+
+    n_atoms: np.ndarray
+    n_edges: np.ndarray
+    energy: np.ndarray
+    composition: np.ndarray
+    force_sq: np.ndarray
+    force_count: np.ndarray
+
+    @staticmethod
+    def concat(parts: Sequence[EntryStatistics]) -> EntryStatistics:
+        return EntryStatistics(*(np.concatenate(f) for f in zip(*parts)))
+
+
 class LabelledDataset:
     """The base of the datasets here: label metadata from ``_count_labels()`` (``[len, 3]``,
     see :func:`label_counts_of`), computed once (:meth:`label_counts`, :meth:`label_masks`,
@@ -144,6 +169,13 @@ class LabelledDataset:
         :func:`is_isolated_atom`; the energy is NaN where the entry has no energy label).
         None here: only files read through ASE carry ``config_type``."""
         return {}
+
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        """The :class:`EntryStatistics` of structures ``indices`` with edges counted at
+        ``cutoff`` (Å) as stored with the data, or ``None`` (here: the data store none;
+        the statistics are then computed from the structures)."""
+        return None
 
     def label_counts(self) -> np.ndarray:
         """``[len, 3]`` int64 labelled items per structure (see :func:`label_counts_of`)."""
@@ -289,6 +321,13 @@ class Subset(LabelledDataset):
     def _count_labels(self) -> np.ndarray:
         return self.dataset.label_counts()[self.indices]
 
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        if not isinstance(self.dataset, LabelledDataset):
+            return None
+        return self.dataset.stored_statistics(self.indices[np.asarray(indices, np.int64)],
+                                              cutoff)
+
     def species(self) -> list[int]:
         if isinstance(self.dataset, InMemoryDataset):
             return InMemoryDataset([self[i] for i in range(len(self))]).species()
@@ -330,8 +369,30 @@ class ConcatDataset(LabelledDataset):
         parts = [d.label_counts() for d in self.datasets]
         return np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
 
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        indices = np.asarray(indices, dtype=np.int64)
+        part = np.searchsorted(self.offsets, indices, side="right") - 1
+        if len(indices) and not np.all(part[:-1] <= part[1:]):
+            return None  # kept simple: the statistics sample is in dataset order
+        found = []
+        for d in np.unique(part):
+            ds = self.datasets[int(d)]
+            stats = (ds.stored_statistics(indices[part == d] - self.offsets[d], cutoff)
+                     if isinstance(ds, LabelledDataset) else None)
+            if stats is None:
+                return None
+            found.append(stats)
+        return EntryStatistics.concat(found) if found else None
+
     def species(self) -> list[int]:
         return sorted(set().union(*[set(d.species()) for d in self.datasets]))
+
+    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
+        """The parts' isolated-atom entries, by index in the concatenation."""
+        return {int(self.offsets[d]) + i: entry for d, part in enumerate(self.datasets)
+                if isinstance(part, LabelledDataset)
+                for i, entry in part.isolated_atoms().items()}
 
 
 # --------------------------------------------------------------------------- loading
@@ -342,43 +403,32 @@ def read_structures(
     forces_key: str = "forces",
     stress_key: str = "stress",
     virial_key: str = "virial",
+    format: str | None = None,  # noqa: A002
 ):
-    """Open a dataset file: HDF5 (``.h5``/``.hdf5``, lazily) or anything ASE reads (extxyz).
+    """Open a dataset (:func:`xnn.data.sources.open_source`: by suffix or ``format``; a file,
+    folder of shards or glob) and check the labels of every structure read through ASE now.
+
+    The structures stay on disk (read at their use) except for the formats ASE reads only
+    whole; the check is one pass reading each structure once (the label counts are kept,
+    :meth:`LabelledDataset.label_counts`). HDF5 and prepared datasets check theirs from
+    their arrays at the first ``label_counts()``. :func:`~xnn.data.sources.open_source`
+    opens without the pass.
 
     Returns:
         a dataset (see the module docstring) whose structures have normalised labels.
     Raises:
-        DataFileError: the file does not exist or cannot be read.
+        DataFileError: the file does not exist or cannot be read, or a structure has no
+            atoms or a non-finite label (one line naming the file and structure).
+        InputError: an unknown ``format``.
     """
-    p = require_file(path, "dataset file")
-    if p.suffix in HDF5_SUFFIXES:
-        return HDF5Source(path, weight)
-    from xnn.data import ase_io
+    from xnn.data.sources import open_source, source_files
 
-    frames = ase_io.read(str(p))
-    keys = dict(energy_key=energy_key, forces_key=forces_key, stress_key=stress_key,
-                virial_key=virial_key)
-    out = []
-    isolated = {}
-    offset = 0
-    for k, atoms in enumerate(frames):
-        if len(atoms) == 0:
-            raise DataFileError(f"{p}: structure {k} has no atoms; remove it from the file")
-        try:
-            g = ase_io.from_ase([atoms], **keys)
-        except (DataFileError, InputError) as e:
-            raise type(e)(f"{p}: structure {k}: {e}") from None
-        refuse_non_finite_labels(g, keys, f"{p}: structure {k}")
-        g = normalize_labels(g, weight).replace({
-            K.ATOM_ID: torch.arange(offset, offset + g.n_atoms),
-            K.SYSTEM_ID: torch.tensor([k]),
-            K.VELOCITIES: None,
-        })
-        out.append(g)
-        if is_isolated_atom(atoms):
-            isolated[k] = (int(atoms.numbers[0]), float(g[K.ENERGY].reshape(-1)[0]))
-        offset += g.n_atoms
-    return InMemoryDataset(out, name=p.name, source=os.fspath(path), isolated=isolated)
+    fmt = source_files(path, format)[1]
+    ds = open_source(path, fmt, weight=weight, energy_key=energy_key, forces_key=forces_key,
+                     stress_key=stress_key, virial_key=virial_key)
+    if fmt in ("extxyz", "aselmdb", "db"):
+        ds.label_counts()
+    return ds
 
 
 #: ``atoms.info["config_type"]`` of an isolated-atom entry (MACE's convention)

@@ -300,6 +300,8 @@ class XnnFixExternal:
         self.error: BaseException | None = None
         self._checked = None  # (ids, positions, closest distance) of the last pair search
         self._checked_rebuild = -1  # several ranks: the rebuild whose pairs are all safe
+        self._last = None  # one rank: (LAMMPS ids, types, graph) of the last step
+        self._last_cell: np.ndarray | None = None
         lmp.command(f"fix {fix_id} all external pf/callback 1 1")
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
         lmp.set_fix_external_callback(fix_id, self._callback)
@@ -340,11 +342,38 @@ class XnnFixExternal:
         return energy, forces, virial
 
     def _one_rank(self, x, tag):
-        g = self.graph(x, tag)
-        self._refuse_coincident(g)
+        g, pos = self._step_graph(np.asarray(x), np.asarray(tag).reshape(-1))
+        self._refuse_coincident(g, pos)
         out = self.potential(g, forces=True, stress=True)
-        return (float(out[K.ENERGY].sum()), _numpy(out[K.FORCES]), _voigt(out[K.VIRIAL]),
-                _numpy(out[K.ENERGIES]))
+        return _unpack(out, g.n_atoms)
+
+    def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> tuple[AtomicGraph, np.ndarray]:
+        """:meth:`graph` of this step and its positions on the host, reusing the last step's
+        device tensors of everything but positions and cell while LAMMPS's atoms, their
+        order and types are unchanged.
+
+        The species check, the neighbour list's identity checks and the closest-pair bound
+        then cost no host sync and no copy (as for ``xnn md``, which passes the same
+        tensors every step); a changed order (LAMMPS re-sorts its atoms) builds anew."""
+        n = x.shape[0]
+        types = np.asarray(self.lmp.numpy.extract_atom("type"))[:n]
+        origin, cell, _ = lammps_cell(self.lmp)
+        pos = x - origin
+        last = self._last
+        if (last is None or not np.isfinite(pos).all()  # refused by graph(), its message
+                or not (np.array_equal(tag, last[0]) and np.array_equal(types, last[1]))):
+            g = self.graph(x, tag)
+            self._last = (tag.copy(), types.copy(), g)
+            self._last_cell = np.array(cell, np.float64)
+            return g, pos
+        base = last[2]
+        fields = {K.POSITIONS: torch.from_numpy(pos).to(self.device, self.dtype)}
+        if not np.array_equal(cell, self._last_cell):
+            fields[K.CELL] = torch.from_numpy(np.asarray(cell, np.float64)).to(
+                self.device, self.dtype).reshape(1, 3, 3)
+            self._last_cell = np.array(cell, np.float64)
+            self._last = (last[0], last[1], base.replace({K.CELL: fields[K.CELL]}))
+        return base.replace(fields), pos
 
     def _ranks(self, nlocal: int):
         """This rank's share: energy, forces of its owned atoms, virial, per-atom energies
@@ -362,17 +391,16 @@ class XnnFixExternal:
             g = AtomicGraph.from_arrays(
                 positions=xa[:nlocal], numbers=self.numbers_of_type[types - 1], cell=cell,
                 pbc=pbc, atom_id=ids[:nlocal], dtype=self.dtype, device=self.device)
-            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list,
-            # their positions are read only then (per step, owned positions travel alone)
+            # ghosts stay on the CPU: their ids tell whether LAMMPS rebuilt its ghost list;
+            # their positions (LAMMPS's forward communication of this step) stand for the
+            # owners' positions, which xnn then does not exchange again
             pot.layout.ghosts = HostGhosts(torch.from_numpy(ids[nlocal:]),
                                            torch.from_numpy(xa[nlocal:]))
         out = pot(g, forces=True, stress=True)
         self._refuse_close_ranks()
         # fix external's global energy and virial are global quantities: every rank hands
         # over the totals (all-reduced by the decomposed evaluation)
-        self.energy = float(out[K.ENERGY].sum())
-        return (self.energy, _numpy(out[K.FORCES]), _voigt(out[K.VIRIAL]),
-                _numpy(out[K.ENERGIES]))
+        return _unpack(out, nlocal)
 
     def _refuse_close_ranks(self) -> None:
         """Raise on every rank when two atoms anywhere are closer than ``min_distance``."""
@@ -399,7 +427,7 @@ class XnnFixExternal:
                              "the structure, or pass min_distance=0 to XnnFixExternal to "
                              "evaluate it anyway")
 
-    def _refuse_coincident(self, g: AtomicGraph) -> None:
+    def _refuse_coincident(self, g: AtomicGraph, positions: np.ndarray) -> None:
         """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id).
 
         A pair's distance shrinks by at most twice the largest displacement, so after a
@@ -410,9 +438,9 @@ class XnnFixExternal:
 
         if self.min_distance <= 0:
             return
-        ref = self._checked
-        if (ref is not None and torch.equal(ref[0], g.atom_id)
-                and 2.0 * float((g.positions - ref[1]).norm(dim=-1).max())
+        ref = self._checked  # (ids, host positions, closest distance): no device sync
+        if (ref is not None and (ref[0] is g.atom_id or torch.equal(ref[0], g.atom_id))
+                and 2.0 * float(np.sqrt(((positions - ref[1]) ** 2).sum(-1).max()))
                 < ref[2] - self.min_distance):
             return
         nl = self.potential.neighbors
@@ -423,7 +451,7 @@ class XnnFixExternal:
             pair = too_close(self.potential, g, self.min_distance)
             self._checked = None
         else:
-            self._checked = (g.atom_id.clone(), g.positions.clone(), pair.distance)
+            self._checked = (g.atom_id, positions.copy(), pair.distance)
         if pair is not None and pair.distance < self.min_distance:
             i, j = sorted(int(g.atom_id[k]) + 1 for k in (pair.i, pair.j))
             raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {pair.distance:.3g} Å "
@@ -452,9 +480,9 @@ class XnnFixExternal:
                                      "were lost (moved out of a non-periodic box, or to "
                                      "non-finite positions by earlier forces)")
                 energy, forces, virial, energies = self._one_rank(x, tag)
-                self.energy = energy
             else:
                 energy, forces, virial, energies = self._ranks(int(nlocal))
+            self.energy = energy
             f[:, :] = forces
             self.lmp.fix_external_set_energy_global(self.fix_id, energy)
             self.lmp.fix_external_set_virial_global(self.fix_id, virial.tolist())
@@ -482,19 +510,23 @@ class XnnFixExternal:
                 raise err
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", torch.float64).numpy()
-
-
-def _voigt(virial: torch.Tensor) -> np.ndarray:
-    """``[6]`` LAMMPS virial (xx, yy, zz, xy, xz, yz) of xnn's ``virial [1, 3, 3]`` (eV)."""
-    w = _numpy(virial).reshape(3, 3)
-    return np.array([w[a, b] for a, b in VOIGT])
+def _unpack(out: dict, n: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+    """Energy (eV), forces ``[n, 3]``, LAMMPS virial ``[6]`` and per-atom energies ``[n]``
+    of a potential's results, brought to the host in one float64 copy (one sync)."""
+    parts = [out[K.ENERGY].detach().sum().reshape(1), out[K.VIRIAL].detach().reshape(9),
+             out[K.FORCES].detach().reshape(-1), out[K.ENERGIES].detach().reshape(-1)]
+    host = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
+    w = host[1:10].reshape(3, 3)
+    virial = np.array([w[a, b] for a, b in VOIGT])
+    return float(host[0]), host[10:10 + 3 * n].reshape(n, 3), virial, host[10 + 3 * n:]
 
 
 def _atom_rows(lmp, name: str, n: int, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """The first ``n`` rows of LAMMPS's per-atom array ``name`` (a copy; empty for 0)."""
+    """The first ``n`` rows of LAMMPS's per-atom array ``name``: a view of LAMMPS's memory
+    where it has ``dtype`` (valid until LAMMPS reallocates: inside one callback), else a
+    converted copy; empty for 0."""
     if n == 0:
         return np.zeros(shape, dtype=dtype)
-    return np.array(lmp.numpy.extract_atom(name, nelem=n), dtype=dtype).reshape(n, *shape[1:])
+    rows = np.asarray(lmp.numpy.extract_atom(name, nelem=n), dtype=dtype)
+    return rows.reshape(n, *shape[1:])
 

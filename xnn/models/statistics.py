@@ -205,3 +205,41 @@ def average_num_neighbors(graphs: Graphs, cutoff: float) -> float:
     if atoms == 0:
         raise InputError("average_num_neighbors needs at least one atom")
     return edges / atoms
+
+
+# --------------------------------------------------------------------------- stored counts
+# The same statistics from per-structure counts (:class:`~xnn.data.datasets.EntryStatistics`,
+# stored by the prepared format): no structure is read and no neighbor list built.
+def fit_e0_counts(composition: np.ndarray, energy: np.ndarray,
+                  species: Sequence[int]) -> dict[int, float]:
+    """:func:`fit_e0` from ``composition [k, 119]`` (atoms per atomic number) and ``energy
+    [k]`` (eV, NaN: no label): the same least squares on the same matrix."""
+    species = [int(z) for z in species]
+    keep = np.isfinite(energy)
+    if not keep.any():
+        raise InputError("fit_e0 needs at least one structure with an energy label")
+    a = np.asarray(composition)[keep][:, species].astype(np.float64)
+    e0, *_ = np.linalg.lstsq(a, np.asarray(energy, np.float64)[keep], rcond=None)
+    return {z: float(v) for z, v in zip(species, e0)}
+
+
+def energy_per_atom_counts(composition: np.ndarray, energy: np.ndarray,
+                           e0: Mapping[int, float] | None = None) -> dict[str, float]:
+    """:func:`energy_per_atom_stats` from ``composition [k, 119]`` and ``energy [k]``."""
+    table = np.zeros(119)
+    for z, v in (e0 or {}).items():
+        table[int(z)] = float(v)
+    comp = np.asarray(composition, np.float64)
+    v = (np.asarray(energy) - comp @ table) / np.maximum(comp.sum(1), 1)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        raise InputError("energy_per_atom_stats needs at least one structure with an energy label")
+    return {"mean": float(v.mean()), "std": float(v.std()), "count": int(v.size)}
+
+
+def force_rms_counts(force_sq: np.ndarray, force_count: np.ndarray) -> float:
+    """:func:`force_rms` from per-structure sums of squared force labels and their counts."""
+    count = int(np.sum(force_count))
+    if count == 0:
+        raise InputError("force_rms needs at least one atom with force labels")
+    return math.sqrt(float(np.sum(force_sq)) / count)

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from xnn.data.datasets import LabelledDataset, count_labels_by_reading, origin_of
+from xnn.data.datasets import (
+    ConcatDataset,
+    InMemoryDataset,
+    LabelledDataset,
+    Subset,
+    count_labels_by_reading,
+    origin_of,
+)
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError
 from xnn.neighbors.api import with_edges
@@ -31,6 +38,21 @@ def coincident_error(path: str, index: int, pair) -> DataFileError:
         "a duplicated atom?); remove or fix that structure")
 
 
+def in_memory(dataset) -> bool:
+    """Whether every structure of ``dataset`` is held in memory already
+    (:class:`~xnn.data.datasets.InMemoryDataset`, through subsets and concatenations): its
+    neighbor lists are then cached by default (``data.cache_edges`` null). A lazy dataset (an
+    HDF5 file, anything read a structure at a time) gets its edges built at every use, so
+    that the memory of a run does not grow with its data set."""
+    if isinstance(dataset, InMemoryDataset):
+        return True
+    if isinstance(dataset, (Subset, WithEdges)):
+        return in_memory(dataset.dataset)
+    if isinstance(dataset, ConcatDataset):
+        return all(in_memory(d) for d in dataset.datasets)
+    return False
+
+
 class WithEdges(LabelledDataset):
     """Attach a neighbor list for ``cutoff`` to every structure, cached after the first read,
     and refuse a structure with coincident atoms there.
@@ -38,7 +60,8 @@ class WithEdges(LabelledDataset):
     Args:
         dataset: the structures.
         cutoff: Å (the model's cutoff).
-        cache: keep the graphs with edges in memory (turn off for datasets larger than memory).
+        cache: keep the graphs with edges in memory (off for datasets larger than memory:
+            the default of lazy data, see :func:`in_memory`).
 
     Raises (on reading a structure):
         DataFileError: two of its atoms are closer than

@@ -1,10 +1,14 @@
 """The epoch loop: batches, validation, checkpoints, early stopping, exact resume.
 
-The sampler position is ``(epoch, batch_in_epoch)``: the batches of an epoch are a pure
-function of ``(seed, epoch)`` (a seeded permutation of the training set, or with
-``samples_per_epoch`` a seeded draw by dataset weight, :mod:`xnn.training.sampling`), so a
-resumed run skips the ``batch_in_epoch`` batches already done and continues with exactly the
-batches the uninterrupted run would have seen.
+The sampler position is ``(epoch, batch_in_epoch)``: the batches of an epoch and every
+rank's share of them are a pure function of ``(seed, epoch)`` (a seeded permutation of the
+training set, or with ``samples_per_epoch`` a seeded draw by dataset weight,
+:mod:`xnn.training.sampling`; shares balanced by atoms with ``balance_bins``,
+:mod:`xnn.training.plan`), so a resumed run skips the ``batch_in_epoch`` batches already done
+and continues with exactly the batches the uninterrupted run would have seen, whether they
+are read here or by DataLoader workers (:mod:`xnn.training.loader`). With
+``checkpoint_every`` that position is saved every few steps, so a run killed at any moment
+resumes exactly.
 
 Random streams: the global torch, numpy and python generators are reseeded at the start of
 every epoch and after every optimizer step from :func:`stream_seed` ``(seed, rank, epoch,
@@ -26,12 +30,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from xnn.data.datasets import make_batches
 from xnn.errors import DataFileError, InputError
 from xnn.training.checkpoint import model_identity, rng_state, set_rng_state
 from xnn.training.metrics import MetricSums
+from xnn.training.plan import BatchPlan
 from xnn.training.seeding import seed_everything, seed_streams, stream_seed  # noqa: F401
 from xnn.training.trainer import NonFiniteLossError, Trainer
 
@@ -61,6 +63,17 @@ class LoopSettings:
         precision: the run's precision (recorded in checkpoints; a resume must match).
         accumulate_grad_batches: consecutive global batches per optimizer step (one
             forward/backward each, one gradient reduction and step, the label counts summed).
+        balance_bins: pack each global batch as this many shares balanced by atoms
+            (:mod:`xnn.training.balance`; with ``max_atoms_per_batch``, whose budget the
+            shares split); rank ``dp_rank`` trains share ``dp_rank`` (so it must equal the
+            number of replicas), one process their union. ``None``: batches cut in order
+            and shared greedily by atoms (:func:`~xnn.data.datasets.shard_batch`).
+        balance_lookahead: structures of the balanced packing's window (``None``: 64 per
+            share).
+        num_workers: DataLoader workers that read, give edges to and collate this rank's
+            shares (:mod:`xnn.training.loader`); 0: read in the training process.
+        checkpoint_every: also write ``last.pt`` every this many optimizer steps, mid-epoch
+            included (``None``: at the end of each epoch only).
     """
 
     seed: int = 0
@@ -81,6 +94,10 @@ class LoopSettings:
     every_n_steps: int | None = None
     precision: str = "fp32"
     accumulate_grad_batches: int = 1
+    balance_bins: int | None = None
+    balance_lookahead: int | None = None
+    num_workers: int = 0
+    checkpoint_every: int | None = None
 
 
 @dataclass
@@ -132,47 +149,33 @@ class TrainingLoop:
         self.config_yaml = ""
         self.t_start = time.perf_counter()
         self.stop_reason = ""
-        self._weights = None  # per-structure sampling weights (samples_per_epoch)
         self._partial = None  # metric sums of the epoch so far (all ranks), saved mid-epoch
         if sharding is None:
             from xnn.training.sharding import BatchSharding
 
             sharding = BatchSharding(self.reducer.rank, self.reducer.world_size)
         self.sharding = sharding
+        self._plan: BatchPlan | None = None
+        self._loader = None  # the DataLoader workers (num_workers > 0), made at first use
 
     # ------------------------------------------------------------------ batches
-    def _shard(self, dataset, max_atoms: int | None):
-        """``shard(batch) -> this rank's indices`` for batches made with ``max_atoms``."""
-        n_atoms, sharding = dataset.n_atoms, self.sharding
-        return lambda batch: sharding(batch, n_atoms, max_atoms)
-
-    def _eval_max_atoms(self) -> int | None:
-        d = self.cfg
-        return None if d.val_batch_size else d.max_atoms_per_batch
+    @property
+    def plan(self) -> BatchPlan:
+        """The run's :class:`~xnn.training.plan.BatchPlan` (made at first use)."""
+        if self._plan is None:
+            self._plan = BatchPlan(self.cfg, self.splits.train, self.sharding)
+        return self._plan
 
     def train_batches(self, epoch: int) -> list[list[int]]:
         """The global batches of ``epoch``: a pure function of ``(seed, epoch)``."""
-        d = self.cfg
-        n_atoms = np.asarray(self.splits.train.n_atoms)
-        groups = self.sharding.groups
-        if d.samples_per_epoch is None:
-            return make_batches(n_atoms, d.batch_size, d.max_atoms_per_batch,
-                                shuffle=d.shuffle, seed=d.seed, epoch=epoch, groups=groups)
-        from xnn.training.sampling import sample_epoch, structure_weights
+        return self.plan.global_batches(epoch)
 
-        if self._weights is None:
-            self._weights = structure_weights(self.splits.train)
-        drawn = sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
-        # the draws are in random order already: batch them as they come
-        batches = make_batches(n_atoms[drawn], d.batch_size, d.max_atoms_per_batch,
-                               groups=groups)
-        return [drawn[b].tolist() for b in batches]
+    def train_shares(self, epoch: int) -> tuple[list[list[int]], list[list[int]]]:
+        """``(global batches, this rank's share of each)`` of ``epoch``."""
+        return self.plan.shares(epoch)
 
     def eval_batches(self, dataset) -> list[list[int]]:
-        d = self.cfg
-        max_atoms = self._eval_max_atoms()
-        size = None if max_atoms is not None else d.val_batch_size or d.batch_size
-        return make_batches(dataset.n_atoms, size, max_atoms, groups=self.sharding.groups)
+        return self.plan.eval_batches(dataset)
 
     def check_batches(self) -> None:
         """Make every split's batches once (refuses a structure too large for a group's
@@ -275,7 +278,8 @@ class TrainingLoop:
         if dataset is None or len(dataset) == 0:
             return {}, None
         sums, parity = self.trainer.evaluate(dataset, self.eval_batches(dataset),
-                                             self._shard(dataset, self._eval_max_atoms()),
+                                             self.plan.shard(dataset,
+                                                             self.plan.eval_max_atoms()),
                                              collect=collect, load=self.sharding.load)
         return sums.finalize(prefix), parity
 
@@ -314,17 +318,17 @@ class TrainingLoop:
         epoch's last step may take fewer), consumed together: ``batch_in_epoch`` advances by
         a step's batches, so a resumed run continues at a step boundary."""
         p = self.progress
-        batches = self.train_batches(p.epoch)
-        shard = self._shard(self.splits.train, self.cfg.max_atoms_per_batch)
+        batches, shares = self.train_shares(p.epoch)
         data = self.splits.train
         k = self.cfg.accumulate_grad_batches
+        reads = self._reads(shares[p.batch_in_epoch:])
         bar = self.logger.bar(len(batches), p.batch_in_epoch, f"epoch {p.epoch + 1}")
         try:
             while p.batch_in_epoch < len(batches):
                 if self._stop_for_steps():
                     return False
                 step_batches = batches[p.batch_in_epoch : p.batch_in_epoch + k]
-                graphs, refused = self._load(data, [shard(b) for b in step_batches])
+                graphs, refused = self._step_graphs(reads, len(step_batches))
                 counts = data.batch_label_counts([i for b in step_batches for i in b])
                 loss = self.trainer.train_step(graphs, p.step, metrics, stop_vote=self._late(),
                                                counts=counts, refused=refused)
@@ -335,7 +339,34 @@ class TrainingLoop:
                 bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         finally:
             bar.close()
+            reads.close()
         return True
+
+    def _reads(self, shares: list[list[int]]):
+        """``(graphs, refusal)`` of each of this rank's ``shares`` in order: read here
+        (:meth:`_load`), or by the DataLoader workers (``num_workers > 0``)."""
+        data = self.splits.train
+        if self.cfg.num_workers == 0:
+            for share in shares:
+                graphs, refused = self._load(data, [share])
+                yield graphs[0], refused
+            return
+        if self._loader is None:
+            from xnn.training.loader import ShareLoader
+
+            self._loader = ShareLoader(data, self.sharding.load, self.cfg.num_workers,
+                                       collate=not self.sharding.without_edges)
+        yield from self._loader.read(shares)
+
+    @staticmethod
+    def _step_graphs(reads, n: int) -> tuple[list, DataFileError | None]:
+        """The next ``n`` shares of ``reads`` as one step's micro-batches, or empty shares
+        and the first refusal (see :meth:`_load`)."""
+        got = [next(reads) for _ in range(n)]
+        refused = next((e for _, e in got if e is not None), None)
+        if refused is not None:
+            return [[] for _ in got], refused
+        return [g for g, _ in got], None
 
     def _step_done(self, loss: float, metrics: MetricSums) -> None:
         """After each optimizer step: a ``steps.csv`` row every ``every_n_steps`` steps (the
@@ -351,6 +382,16 @@ class TrainingLoop:
             row["time_s"] = time.perf_counter() - self.t_start
             self.logger.step(row)
         self.reseed()
+        every = self.cfg.checkpoint_every
+        if every is not None and p.step % every == 0:
+            self._save_mid_epoch(metrics)
+
+    def _save_mid_epoch(self, metrics: MetricSums) -> None:
+        """``last.pt`` after this step, holding the epoch's metric sums so far (all-reduced:
+        every rank calls this), so that a run killed later resumes here exactly."""
+        self._partial = self.reducer.all_reduce_sum(metrics.values)
+        self.save("last")
+        self._partial = None
 
     def _epoch_metrics(self) -> MetricSums:
         """The training metric sums of the epoch starting (or resumed) now: zeros, or after a

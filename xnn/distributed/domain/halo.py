@@ -119,3 +119,8 @@ def halo_exchange(x: Tensor, plan: HaloPlan) -> Tensor:
     """
     return _Exchange.apply(x, plan, False)
 
+
+def reverse_halo_exchange(g: Tensor, plan: HaloPlan) -> Tensor:
+    """Differentiable reverse halo exchange (the adjoint of :func:`halo_exchange`):
+    ``[n_recv, ...]`` ghost rows summed into ``[n_owned, ...]`` owner rows."""
+    return _Exchange.apply(g, plan, True)

@@ -5,15 +5,20 @@ program's domain decomposition. The host gives each rank its owned atoms (the gr
 to the potential) and, before every evaluation, its ghost atoms (:class:`HostGhosts`: their
 global ids and positions, images of atoms that some rank owns). From these the layout builds
 the same :class:`~xnn.distributed.domain.local.LocalDomain` as the spatial layout: a ghost
-is its owner's position (received through the halo exchange) plus an integer image shift of
-the cell, so forces on ghosts flow back to their owners through the exchange's backward and
-the virial comes from the strain, as in every other decomposed evaluation. Mode ``halo``
-needs the host's ghosts to reach the whole receptive field (+ skin); mode ``sync`` one
-cutoff (+ skin), the model's sync points then exchanging ghost features per layer.
+is its owner's position plus an integer image shift of the cell, so forces on ghosts flow
+back to their owners through the reverse halo exchange and the virial comes from the strain,
+as in every other decomposed evaluation. The owners' positions are not exchanged per step:
+the host's ghost positions, which its own forward communication brought, stand for them
+(the exchange's values without its messages; its adjoint, the reverse exchange, stays).
+Mode ``halo`` needs the host's ghosts to reach the whole receptive field (+ skin); mode
+``sync`` one cutoff (+ skin), the model's sync points then exchanging ghost features per
+layer.
 
-Who owns a ghost: each rank's owned ids are all-gathered at a rebuild (``O(n_atoms)`` ids
-per rank, once per rebuild of the host's ghost list, not per step); the requests for owned
-rows travel point to point.
+Who owns a ghost: :func:`~xnn.distributed.host.owners.ghost_owners` asks only the ranks
+whose owned atoms' box can hold each ghost (an ``O(n_ranks)`` all-gather of boxes, then ids
+and rows point to point): per rank the lookup's traffic and memory follow its ghosts and the
+owned atoms other ranks hold as ghosts, never the whole system. It runs once per rebuild of
+the host's ghost list, not per step.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
-from xnn.distributed.domain.halo import HaloPlan
+from xnn.distributed.domain.halo import HaloPlan, reverse_halo_exchange
 from xnn.distributed.domain.local import (
     LocalDomain,
     ghost_fields_of,
@@ -34,7 +39,7 @@ from xnn.distributed.domain.local import (
     min_pair_distance,
 )
 from xnn.distributed.domain.longrange import long_range_modules
-from xnn.distributed.domain.transport import exchange_packed, layout_of, pack, unpack
+from xnn.distributed.host.owners import ghost_owners
 from xnn.errors import InputError
 from xnn.neighbors import neighbor_list
 
@@ -51,8 +56,10 @@ class HostGhosts:
         ids: ``[n_ghost]`` global atom ids (the owned graph's ``atom_id`` numbering), on
             the CPU: compared at every evaluation to see whether the host rebuilt them.
         positions: ``[n_ghost, 3]`` Å (CPU), in the frame of the owned positions: each an
-            image ``x_owner + n @ cell`` of its owner (integer ``n``, zero along open
-            axes); read only at a rebuild (then copied to the model's device).
+            image ``x_owner + n @ cell`` of its owner's current position (integer ``n``,
+            zero along open axes), as the host's forward communication keeps them: read at
+            every evaluation (the remote ghosts' rows, copied to the model's device), so
+            positions are not exchanged again.
     """
 
     ids: Tensor
@@ -81,6 +88,9 @@ class HostLayout:
         self.mode = mode
         self.ghosts: HostGhosts | None = None
         self._built_ids: Tensor | None = None
+        self._remote: Tensor | None = None  # host ghost rows in the plan's receive order
+        #: ids and rows this rank received when it last looked up its ghosts' owners
+        self.lookup_received = 0
 
     @property
     def syncs(self) -> bool:
@@ -131,18 +141,16 @@ class HostLayout:
                                 host.positions.to(graph.positions))
             if ghosts.ids.numel() and int(ghosts.ids.min()) < 0:
                 raise InputError("host ghost ids must be >= 0")
-        every = C.gather_rows(ids, pot.group)
-        counts = C.all_gather_tensor(torch.tensor([ids.numel()], device=ids.device),
-                                     pot.group).flatten().tolist()
-        pot.check_total(sum(counts))
-        with C.guarded(pot.group, "ghost owners"):
-            owner_rank, owner_row = _owners(every, counts, ghosts.ids)
-        plan, self_src, remote = _plan(owner_rank, owner_row, pot, graph.n_atoms)
+        found = ghost_owners(ids, graph.positions.detach(), graph.cell[0].detach(),
+                             graph.pbc[0], ghosts.ids, ghosts.positions, pot.group,
+                             IMAGE_TOLERANCE)
+        pot.check_total(found.n_total)
+        plan, self_src, order = found.plan, found.self_src, found.order
+        self.lookup_received = found.ids_received
         fields = _ghost_fields(graph, plan, pot.group)
         with C.guarded(pot.group, "ghost images"):
             pos, cell = graph.positions.detach(), graph.cell[0].detach()
             owner_pos = torch.cat([pos.index_select(0, self_src), fields.pop("__pos")])
-            order = torch.cat([torch.nonzero(owner_rank == pot.rank).flatten(), remote])
             shifts = _image_shifts(ghosts.positions[order] - owner_pos, cell, graph.pbc[0],
                                    ghosts.ids[order])
             shifts = torch.cat([shifts.new_zeros(graph.n_atoms, 3), shifts])
@@ -154,6 +162,7 @@ class HostLayout:
             if self.hops is not None:
                 edge_index = _within_hops(edge_index, graph.n_atoms, x.shape[0], self.hops)
         self._built_ids = host.ids.clone()
+        self._remote = order[self_src.numel():]
         return LocalDomain(None, torch.zeros(0), self_src, shifts, plan, fields, edge_index)
 
     def migrate(self, graph, extra, pot):  # pragma: no cover - never called (migrates False)
@@ -161,8 +170,19 @@ class HostLayout:
 
     # ------------------------------------------------------------------ evaluation
     def local_positions(self, dom, positions: Tensor, cell: Tensor) -> Tensor:
-        """``[n_local, 3]`` explicit positions of owned atoms and ghosts."""
-        return dom.local_positions(positions, cell[0])
+        """``[n_local, 3]`` explicit positions of owned atoms and ghosts: the remote ghosts
+        at the host's positions (its own forward communication brought them: no exchange
+        here), still differentiable with respect to their owners' positions (through the
+        reverse exchange) and the cell."""
+        cell = cell[0]
+        n_remote = dom.plan.n_recv
+        at = self.ghosts.positions.index_select(0, self._remote.to(
+            self.ghosts.positions.device)).to(positions)
+        shifts = dom.shifts.to(positions.dtype)
+        owner = at - shifts[dom.n_local - n_remote:] @ cell.detach()
+        remote = _Delivered.apply(positions, owner, dom.plan)
+        src = torch.cat([positions, positions.index_select(0, dom.self_src), remote])
+        return src + shifts @ cell
 
     def local_graph(self, graph: AtomicGraph, dom, x: Tensor, cell: Tensor) -> AtomicGraph:
         """The non-periodic local graph (see :func:`~.domain.local.local_graph`)."""
@@ -175,47 +195,23 @@ class HostLayout:
     def stats(self, st) -> dict[str, object]:
         d = st.local
         return {"grid": None, "n_held": st.n_owned + d.n_ghost, "n_recv": d.plan.n_recv,
-                "n_send": d.plan.n_send, "n_peers": len(d.plan.peers), "paired": False}
+                "n_send": d.plan.n_send, "n_peers": len(d.plan.peers), "paired": False,
+                "lookup_received": self.lookup_received}
 
 
-def _owners(every: Tensor, counts: list[int], ghost_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Each ghost's owner rank and row there, from every rank's owned ids (rank order)."""
-    rank_of = torch.repeat_interleave(torch.arange(len(counts), device=every.device),
-                                      torch.tensor(counts, device=every.device))
-    starts = torch.tensor([0, *counts], device=every.device).cumsum(0)[:-1]
-    order = torch.argsort(every)
-    sorted_ids = every[order]
-    if sorted_ids.numel() > 1 and bool((sorted_ids[1:] == sorted_ids[:-1]).any()):
-        raise InputError("two ranks own an atom of the same id")
-    at = torch.searchsorted(sorted_ids, ghost_ids).clamp(max=max(every.numel() - 1, 0))
-    if ghost_ids.numel() and (not every.numel() or not torch.equal(sorted_ids[at], ghost_ids)):
-        raise InputError("the host's ghosts include atoms no rank owns")
-    rows = order[at]
-    ranks = rank_of[rows]
-    return ranks, rows - starts[ranks]
+class _Delivered(torch.autograd.Function):
+    """Remote ghost rows the host delivered: the values of the forward halo exchange of
+    ``owned`` without its communication; the adjoint is the reverse exchange, as for
+    :func:`~xnn.distributed.domain.halo.halo_exchange`."""
 
+    @staticmethod
+    def forward(ctx, owned: Tensor, rows: Tensor, plan: HaloPlan) -> Tensor:
+        ctx.plan = plan
+        return rows.detach().clone()
 
-def _plan(owner_rank: Tensor, owner_row: Tensor, pot, n_owned: int):
-    """The halo plan (remote ghosts by owner rank), the rows of the rank's own images and
-    the ghost order of the remote ghosts (``[n_remote]`` indices into the host's list)."""
-    rank, size, group = pot.rank, pot.size, pot.group
-    mine = owner_rank == rank
-    self_src = owner_row[mine]
-    remote = torch.nonzero(~mine).flatten()
-    remote = remote[torch.argsort(owner_rank[remote], stable=True)]
-    want = torch.bincount(owner_rank[remote], minlength=size)
-    # every rank learns how many rows each other rank wants from it, then the rows
-    asked = C.all_gather_tensor(want, group)[:, rank] if size > 1 else want.new_zeros(1)
-    peers = [q for q in range(size) if q != rank and (int(want[q]) or int(asked[q]))]
-    layout = layout_of({"row": owner_row[:1]})
-    requests = []
-    for q in peers:
-        rows = owner_row[remote][owner_rank[remote] == q]
-        requests.append(pack({"row": rows}, layout))
-    bufs = exchange_packed(peers, requests, layout, group, "ghost requests")
-    sends = [unpack(b, layout)["row"] for b in bufs]
-    plan = HaloPlan(n_owned, peers, sends, [int(want[q]) for q in peers], group)
-    return plan, self_src, remote
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return reverse_halo_exchange(grad.contiguous(), ctx.plan), None, None
 
 
 def _ghost_fields(graph: AtomicGraph, plan: HaloPlan, group) -> dict[str, Tensor]:

@@ -1,0 +1,355 @@
+"""Lazy dataset sources (:mod:`xnn.data.sources`): extxyz through a frame index, ASE SQLite
+and ASE-LMDB databases (one file, a folder of shards, a glob) equal the in-memory reading of
+the same structures bit for bit, read their atom counts without building a structure, pickle
+without their handles, and train exactly as an extxyz file does."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import ase.io
+import numpy as np
+import pytest
+import torch
+from ase.build import bulk
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.db import connect
+from error_helpers import raises_one_line
+
+from xnn.data import keys as K
+from xnn.data.datasets import ConcatDataset, read_structures
+from xnn.data.sources import FORMATS, open_source
+from xnn.data.sources.extxyz import frame_index
+from xnn.errors import DataFileError, InputError
+
+FIELDS = (K.POSITIONS, K.CELL, K.PBC, K.NUMBERS, K.MASSES, K.ENERGY, K.FORCES, K.STRESS,
+          K.WEIGHT, K.ATOM_ID, K.SYSTEM_ID)
+
+
+def _frames(n=9, seed=0):
+    """Cu/Au cells of 4-12 atoms with calculator labels (one without stress), and an
+    isolated-atom entry."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        a = bulk("Cu", cubic=True) * (1, 1, 1 + i % 3)
+        a.numbers[rng.random(len(a)) < 0.3] = 79
+        a.rattle(0.05, seed=seed + i)
+        labels = dict(energy=rng.normal(-3.0 * len(a)), forces=rng.normal(size=(len(a), 3)))
+        if i != 4:
+            labels["stress"] = rng.normal(size=6) * 1e-2
+        a.calc = SinglePointCalculator(a, **labels)
+        a.info["config_type"] = "bulk"
+        out.append(a)
+    iso = bulk("Au")[:1]
+    iso.cell, iso.pbc = [12.0, 12.0, 12.0], False
+    iso.info["config_type"] = "IsolatedAtom"
+    iso.calc = SinglePointCalculator(iso, energy=-0.25, forces=np.zeros((1, 3)))
+    return out + [iso]
+
+
+def _write_db(path, frames, delete=()):
+    db = connect(str(path), type="aselmdb" if str(path).endswith("lmdb") else "db")
+    for a in frames:
+        db.write(a, config_type=a.info["config_type"])
+    if delete:
+        db.delete(list(delete))
+    del db
+    return path
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory):
+    """Structures exactly representable in extxyz (read back from one), so every format
+    holds the same numbers."""
+    path = tmp_path_factory.mktemp("src") / "all.xyz"
+    ase.io.write(path, _frames(), format="extxyz")
+    return ase.io.read(path, ":")
+
+
+def _same(a, b):
+    """Two one-structure graphs equal bit for bit (NaN where a label is missing)."""
+    for key in FIELDS:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _paths(tmp_path, frames):
+    xyz = tmp_path / "d.xyz"
+    ase.io.write(xyz, frames, format="extxyz")
+    return {"extxyz": xyz, "db": _write_db(tmp_path / "d.db", frames),
+            "aselmdb": _write_db(tmp_path / "d.aselmdb", frames)}
+
+
+@pytest.mark.parametrize("fmt", ["extxyz", "db", "aselmdb"])
+def test_each_format_equals_the_in_memory_reading(tmp_path, frames, fmt):
+    path = _paths(tmp_path, frames)[fmt]
+    whole = open_source(path, "ase", weight=0.5)  # every structure read by ase.io.read
+    ds = open_source(path, weight=0.5)
+    assert type(ds).__name__ == {"extxyz": "ExtxyzSource", "db": "SQLiteSource",
+                                 "aselmdb": "LMDBSource"}[fmt]
+    assert len(ds) == len(whole) == len(frames)
+    assert ds.n_atoms.tolist() == [len(a) for a in frames]
+    for i in range(len(ds)):
+        _same(ds[i], whole[i])
+        assert ds.origin(i) == (str(path), i)
+    assert (ds.label_counts() == whole.label_counts()).all()
+    assert ds.label_masks()[K.STRESS].tolist() == [i not in (4, 9) for i in range(10)]
+    assert ds.species() == whole.species() == [29, 79]
+    assert ds.isolated_atoms() == {9: (79, -0.25)}
+
+
+def test_shards_in_a_folder_and_a_glob_are_one_dataset(tmp_path, frames):
+    folder = tmp_path / "omat"
+    folder.mkdir()
+    parts = [frames[:4], frames[4:5], frames[5:]]
+    for k, part in enumerate(parts):
+        _write_db(folder / f"data.{k:04d}.aselmdb", part)
+    (folder / "notes.txt").write_text("not a shard\n")
+    whole = open_source(_paths(tmp_path, frames)["extxyz"])
+    for path in (folder, folder / "*.aselmdb", str(folder) + "/data.000[0-2].aselmdb"):
+        ds = open_source(path)
+        assert isinstance(ds, ConcatDataset) and ds.name == str(path)
+        assert ds.n_atoms.tolist() == whole.n_atoms.tolist()
+        assert ds.origin(4) == (str(folder / "data.0001.aselmdb"), 0)
+        assert ds.origin(7) == (str(folder / "data.0002.aselmdb"), 2)
+        assert ds.isolated_atoms() == {9: (79, -0.25)}
+        assert ds.species() == [29, 79]
+        for i in range(len(ds)):
+            a, b = ds[i], whole[i]
+            for key in (K.POSITIONS, K.CELL, K.NUMBERS, K.ENERGY, K.FORCES, K.STRESS):
+                torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
+            # atom ids and system ids count within each shard, as for separate files
+            assert a[K.SYSTEM_ID].item() == ds.origin(i)[1]
+
+
+@pytest.mark.parametrize("suffix", ["db", "aselmdb"])
+def test_deleted_rows_leave_gaps_in_the_ids(tmp_path, frames, suffix):
+    path = _write_db(tmp_path / f"gaps.{suffix}", frames, delete=(2, 3, 7))
+    kept = [a for i, a in enumerate(frames) if i + 1 not in (2, 3, 7)]
+    ds = open_source(path)
+    assert ds.ids.tolist() == [1, 4, 5, 6, 8, 9, 10]
+    assert ds.n_atoms.tolist() == [len(a) for a in kept]
+    ref = open_source(_paths(tmp_path, kept)["extxyz"])
+    for i in range(len(ds)):
+        _same(ds[i], ref[i])
+
+
+def test_labels_under_other_keys_in_key_value_pairs_and_data(tmp_path, frames):
+    """Custom keys find a row's key-value pairs (energy) and its data (forces, stress)."""
+    path = tmp_path / "ref.aselmdb"
+    db = connect(str(path))
+    for a in frames:
+        plain = a.copy()
+        r = a.calc.results
+        data = {"REF_forces": r["forces"]}
+        if "stress" in r:
+            data["REF_stress"] = r["stress"]
+        db.write(plain, REF_energy=float(r["energy"]), data=data)
+    del db
+    ds = open_source(path, energy_key="REF_energy", forces_key="REF_forces",
+                     stress_key="REF_stress")
+    ref = open_source(_paths(tmp_path, frames)["db"])
+    for i in range(len(ds)):
+        _same(ds[i], ref[i])
+
+
+def test_inspect_and_label_errors_see_a_rows_keys(tmp_path, frames):
+    """``xnn data inspect`` of shards, and the missing-label error of ``xnn train``, list
+    the keys of the rows' key-value pairs and data (the keys training can read)."""
+    from xnn.app.data import inspect_file
+    from xnn.app.train import train
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+
+    folder = tmp_path / "ref"
+    folder.mkdir()
+    for k, part in enumerate((frames[:5], frames[5:9])):
+        db = connect(str(folder / f"{k}.aselmdb"))
+        for a in part:
+            db.write(a.copy(), REF_energy=float(a.calc.results["energy"]),
+                     data={"REF_forces": a.calc.results["forces"]})
+        del db
+    text = inspect_file(str(folder), None, {"energy": "energy", "forces": "forces",
+                                            "stress": "stress", "virial": "virial"})
+    assert "REF_energy" in text and "REF_forces" in text and "9 structures" in text, text
+    cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={folder}",
+                                          f"output_dir={tmp_path / 'out'}", "device=cpu"])
+    msg = raises_one_line(DataFileError, train, cfg)
+    assert "energy_key=REF_energy" in msg and "REF_forces" in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_atom_counts_and_species_build_no_structure(tmp_path, frames, monkeypatch):
+    import ase
+
+    paths = _paths(tmp_path, frames)
+    built = []
+    init = ase.Atoms.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ase.Atoms, "__init__", counting)
+    for fmt, path in paths.items():
+        ds = open_source(path)
+        assert ds.n_atoms.tolist() == [len(a) for a in frames]
+        if fmt != "extxyz":  # read from the index / the records' first bytes
+            assert ds.species() == [29, 79]
+        assert built == [], fmt
+    ds[3]
+    assert built  # the counter sees a structure read
+
+
+def test_a_pickled_source_reads_the_same_in_a_new_process(tmp_path, frames):
+    paths = _paths(tmp_path, frames)
+    ds = ConcatDataset([open_source(p) for p in paths.values()])
+    before = [ds[i] for i in range(len(ds))]  # handles open in this process
+    blob = pickle.dumps(ds)
+    assert len(blob) < 8000  # indices and names, no structures or handles
+    (tmp_path / "ds.pkl").write_bytes(blob)
+    out = tmp_path / "read.pt"
+    code = ("import pickle, sys, torch; ds = pickle.load(open(sys.argv[1], 'rb')); "
+            f"torch.save([{{k: ds[i][k] for k in {list(FIELDS)!r}}} for i in range(len(ds))],"
+            " sys.argv[2])")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "ds.pkl"), str(out)],
+                   check=True, env=env, timeout=120)
+    for a, b in zip(before, torch.load(out), strict=True):
+        _same(a, b)
+
+
+class _Positions(torch.utils.data.Dataset):
+    """The positions of a dataset's structures (what a DataLoader worker sends back)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index][K.POSITIONS]
+
+
+def test_forked_dataloader_workers_read_an_open_source(tmp_path, frames):
+    """Workers forked while this process holds the files open (the ASE-LMDB one included,
+    which lmdb refuses to open twice in a process) read every structure."""
+    ds = ConcatDataset([open_source(p) for p in _paths(tmp_path, frames).values()])
+    ref = [ds[i][K.POSITIONS] for i in range(len(ds))]
+    loader = torch.utils.data.DataLoader(_Positions(ds), batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork")
+    got = list(loader)
+    assert len(got) == len(ref)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(ds[len(ds) - 1][K.POSITIONS], ref[-1])  # reopened here too
+
+
+def test_non_finite_labels_are_refused_when_read(tmp_path, frames):
+    bad = [a.copy() for a in frames]
+    for a, b in zip(frames, bad):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+    bad[6].calc.results["forces"][2, 1] = np.nan
+    path = _write_db(tmp_path / "bad.aselmdb", bad)
+    ds = open_source(path)  # lazy: only the index is read
+    ds[5]
+    msg = raises_one_line(DataFileError, ds.__getitem__, 6)
+    for words in (str(path), "structure 6", "forces label 'forces' of atom [2]", "nan"):
+        assert words in msg, (words, msg)
+    msg = raises_one_line(DataFileError, read_structures, path)  # checks every structure
+    assert "structure 6" in msg
+
+
+def test_bad_paths_and_formats_are_one_line(tmp_path, frames):
+    path = _paths(tmp_path, frames)["extxyz"]
+    msg = raises_one_line(InputError, open_source, path, "lmdb")
+    assert all(f in msg for f in FORMATS)
+    (tmp_path / "empty").mkdir()
+    raises_one_line(DataFileError, open_source, tmp_path / "empty", match="holds no dataset")
+    raises_one_line(DataFileError, open_source, tmp_path / "none" / "*.aselmdb",
+                    match="no file matches")
+    raises_one_line(DataFileError, open_source, tmp_path / "missing.aselmdb",
+                    match="does not exist")
+    raises_one_line(DataFileError, open_source, tmp_path, match="several formats")
+    empty = tmp_path / "empty" / "none.aselmdb"
+    _write_db(empty, [])
+    raises_one_line(DataFileError, open_source, empty, match="no structures in")
+    (tmp_path / "empty" / "none.xyz").write_text("\n")
+    raises_one_line(DataFileError, open_source, tmp_path / "empty" / "none.xyz",
+                    match="no structures in")
+    from xnn.config.loader import ConfigError, load_config
+    from xnn.config.train import TrainConfig
+
+    msg = raises_one_line(ConfigError, load_config, TrainConfig, None,
+                          [f"data.datasets.0.path={path}", "data.datasets.0.format=lmdb"])
+    assert "data.datasets.0.format" in msg and all(f in msg for f in FORMATS)
+    # an explicit format overrides the suffix: extxyz under another name
+    other = tmp_path / "frames.txt"
+    other.write_bytes(path.read_bytes())
+    ds = open_source(other, "extxyz")
+    _same(ds[2], open_source(path)[2])
+
+
+@pytest.mark.parametrize("text,frames_found", [
+    (b"1\nc\nH 0 0 0\n2\nc\nH 0 0 0\nH 0 0 1\n", [1, 2]),
+    (b"1\nc\nH 0 0 0\n2\nc\nH 0 0 0\nH 0 0 1", [1, 2]),  # no final line break
+    (b"1\nc\nH 0 0 0\n\n\n  \n", [1]),  # blank lines after the last frame
+])
+def test_frame_index(tmp_path, text, frames_found):
+    path = tmp_path / "f.xyz"
+    path.write_bytes(text)
+    offsets, counts = frame_index(path)
+    assert counts.tolist() == frames_found
+    for k in range(len(counts)):
+        atoms = ase.io.read(path, k)
+        assert len(atoms) == counts[k]
+        assert text[offsets[k]:].startswith(str(counts[k]).encode())
+
+
+@pytest.mark.parametrize("text,words", [
+    (b"1\nc\nH 0 0 0\n3\nc\nH 0 0 0\n", "frame 1 is cut short"),
+    (b"1\nc\nH 0 0 0\nx\nc\n", "line 4 should hold the atom count of frame 1"),
+    (b"1\nc\nH 0 0 0\n\n1\nc\nH 0 0 0\n", "a blank line where frame 1 should start"),
+    (b"1\nc\nH 0 0 0\n2", "frame 1 has only its atom-count line"),
+])
+def test_frame_index_refuses_a_broken_file(tmp_path, text, words):
+    path = tmp_path / "f.xyz"
+    path.write_bytes(text)
+    raises_one_line(DataFileError, frame_index, path, match=words)
+
+
+def test_training_on_aselmdb_equals_extxyz(tmp_path, frames):
+    """``xnn train`` on an ASE-LMDB file (fp64) follows the extxyz run of the same
+    structures exactly, and a folder of its shards with ``format`` given does too."""
+    from xnn.app.train import train
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+    from xnn.training.checkpoint import load_checkpoint
+
+    paths = _paths(tmp_path, frames[:9])
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _write_db(shards / "a.lmdb", frames[:5])
+    _write_db(shards / "b.lmdb", frames[5:9])
+
+    def history(name, path, *extra):
+        cfg = load_config(TrainConfig, None, [
+            f"data.datasets.0.path={path}", *extra, f"output_dir={tmp_path / name}",
+            "model.cutoff=3.0", "model.hyperparameters={num_features: 8, num_filters: 8, "
+            "num_interactions: 1, num_basis: 8}", "data.batch_size=3", "max_epochs=2",
+            "data.val_fraction=0.25", "precision=fp64", "loss.stress.weight=1.0",
+            "logging.plots=false", "logging.progress_bar=false", "device=cpu"])
+        train(cfg)
+        hist = load_checkpoint(tmp_path / name / "checkpoints/last.pt")["progress"]["history"]
+        return [{k: v for k, v in h.items() if k.startswith(("train_", "val_", "lr", "step"))}
+                for h in hist]
+
+    ref = history("xyz", paths["extxyz"])
+    assert len(ref) == 2 and "train_loss" in ref[1] and "val_forces_mae" in ref[1]
+    assert history("lmdb", paths["aselmdb"]) == ref
+    assert history("shards", shards, "data.datasets.0.format=aselmdb") == ref

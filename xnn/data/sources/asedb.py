@@ -1,0 +1,164 @@
+"""ASE databases read lazily: SQLite (``.db``) and ASE-LMDB (``.aselmdb``/``.lmdb``, the
+format of fairchem's datasets such as OMat24, written by the ``ase-db-backends`` package).
+
+Structure ``i`` of a file is its row of the ``i``-th smallest id (ids need not be
+contiguous: a deleted row leaves a gap). Opening reads only the index:
+
+- SQLite: ``SELECT id, natoms FROM systems`` (one query, no structure built);
+- ASE-LMDB: the ids come from the database's ``nextid`` and ``deleted_ids`` entries, and
+  each row's atom count from the first bytes of its compressed record (the record starts
+  with the ``numbers`` array, whose shape is read after decompressing about 60 bytes), so no
+  structure is decoded.
+
+A row's labels are found as in any ASE file (:func:`xnn.data.ase_io.from_ase`): its
+calculator results (``energy``, ``forces``, ``stress`` written by
+``db.write(atoms_with_a_SinglePointCalculator)``) and, under other keys, its key-value pairs
+and ``data`` (both copied into ``atoms.info``, so ``config_type=IsolatedAtom`` marks an
+isolated-atom entry).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import zlib
+
+import numpy as np
+
+from xnn.data.sources.frames import AtomsSource
+from xnn.errors import DataFileError
+
+#: the start of an ASE-LMDB record: ``{"numbers": {"__ndarray__": [[N], "int64", [Z, ...]``
+_NUMBERS = re.compile(rb'^\{"numbers": \{"__ndarray__": \[\[(\d+)\], "\w+", \[')
+_PREFIX = 64
+
+#: ASE-LMDB databases open in this process, by absolute path. The lmdb library refuses to
+#: open one file twice in a process, so two datasets of one file share its handle; and a
+#: forked child inherits that refusal for the files its parent holds open, so every handle
+#: is closed before a fork (DataLoader workers) and reopened at its next use, in the parent
+#: and the child alike.
+_LMDB_OPEN: dict[str, object] = {}
+
+
+def close_lmdb_handles() -> None:
+    """Close the ASE-LMDB databases this process holds (they reopen at their next read)."""
+    while _LMDB_OPEN:
+        _LMDB_OPEN.popitem()[1].close()
+
+
+os.register_at_fork(before=close_lmdb_handles)
+
+
+def _atoms_of_row(row):
+    """``row.toatoms()`` with the row's key-value pairs and ``data`` in ``atoms.info``."""
+    atoms = row.toatoms()
+    atoms.info.update(row.key_value_pairs)
+    atoms.info.update(row.data)
+    return atoms
+
+
+class SQLiteSource(AtomsSource):
+    """The structures of an ASE SQLite database (``.db``), read one row at a time."""
+
+    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str]):
+        super().__init__(path, weight, keys)
+        rows = self._query("SELECT id, natoms FROM systems ORDER BY id")
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+        self.ids, self.n_atoms = table[:, 0], table[:, 1]
+        self._refuse_empty()
+
+    def _query(self, sql: str) -> list:
+        uri = "file:" + os.path.abspath(self.source) + "?mode=ro"
+        try:
+            with sqlite3.connect(uri, uri=True) as con:
+                return con.execute(sql).fetchall()
+        except sqlite3.Error as e:
+            raise DataFileError(f"cannot read {self.source} as an ASE database (.db): "
+                                f"{e}") from None
+
+    def _connect(self):
+        import ase.db
+
+        db = ase.db.connect(self.source, type="db", create_indices=False,
+                            use_lock_file=False)
+        # one connection held for the process (never committed: reads only); without it
+        # every row opens its own (4x slower)
+        return db.__enter__()
+
+    def _atoms(self, index: int):
+        return _atoms_of_row(self._handle().get(id=int(self.ids[index])))
+
+    def species(self) -> list[int]:
+        """From the ``numbers`` column (int32 arrays), building no structure."""
+        if self._species is None:
+            found: set[int] = set()
+            for (blob,) in self._query("SELECT numbers FROM systems"):
+                found |= set(np.unique(np.frombuffer(blob, np.int32)).tolist())
+            self._species = sorted(found)
+        return list(self._species)
+
+
+class LMDBSource(AtomsSource):
+    """The structures of an ASE-LMDB file (``.aselmdb``/``.lmdb``), read one row at a time,
+    read-only and without locks (safe with many readers)."""
+
+    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str]):
+        super().__init__(path, weight, keys)
+        db = self._handle()
+        self.ids = np.asarray(db.ids, dtype=np.int64)
+        with db.env.begin() as txn:
+            self.n_atoms = np.asarray([self._count(txn, i) for i in self.ids.tolist()],
+                                      dtype=np.int64)
+        self._refuse_empty()
+
+    def _handle(self):
+        """The database, opened at most once per process and file (see ``_LMDB_OPEN``)."""
+        from ase_db_backends.aselmdb import LMDBDatabase
+        from lmdb import Error
+
+        key = os.path.abspath(self.source)
+        if key not in _LMDB_OPEN:
+            try:
+                _LMDB_OPEN[key] = LMDBDatabase(self.source, readonly=True, readahead=False)
+            except Error as e:
+                raise DataFileError(f"cannot read {self.source} as an ASE-LMDB database: "
+                                    f"{e}") from None
+        return _LMDB_OPEN[key]
+
+    def _head(self, txn, row_id: int, size: int) -> bytes:
+        """The first ``size`` bytes of row ``row_id``'s decompressed record."""
+        blob = txn.get(str(row_id).encode("ascii"))
+        if blob is None:
+            raise DataFileError(f"{self.source}: row id {row_id} is missing (a damaged "
+                                "database)")
+        return zlib.decompressobj().decompress(blob, size)
+
+    def _count(self, txn, row_id: int) -> int:
+        """Atoms of row ``row_id``, from its record's first bytes."""
+        match = _NUMBERS.match(self._head(txn, row_id, _PREFIX))
+        if match is None:  # a record not written by ase-db-backends: decode it whole
+            return int(self._handle().get(id=row_id).natoms)
+        return int(match.group(1))
+
+    def _numbers(self, txn, row_id: int) -> np.ndarray:
+        """Atomic numbers of row ``row_id``, from the start of its record."""
+        head = self._head(txn, row_id, _PREFIX + 6 * self._count(txn, row_id))
+        match = _NUMBERS.match(head)
+        end = head.find(b"]", match.end()) if match else -1
+        if end < 0:
+            return np.asarray(self._handle().get(id=row_id).numbers)
+        return np.asarray(head[match.end():end].replace(b",", b" ").split(), dtype=np.int64)
+
+    def _atoms(self, index: int):
+        return _atoms_of_row(self._handle().get(id=int(self.ids[index])))
+
+    def species(self) -> list[int]:
+        """From the start of every record (its ``numbers`` array), building no structure."""
+        if self._species is None:
+            found: set[int] = set()
+            with self._handle().env.begin() as txn:
+                for i in self.ids.tolist():
+                    found |= set(np.unique(self._numbers(txn, i)).tolist())
+            self._species = sorted(found)
+        return list(self._species)

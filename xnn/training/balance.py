@@ -1,0 +1,110 @@
+"""Global batches packed as ``bins`` equal shares of atoms (``data.balance=atoms``).
+
+Under plain data parallelism every rank makes the same global batches and keeps a greedy
+share by atoms (:func:`~xnn.data.datasets.shard_batch`); on a dataset of mixed sizes (8 to
+500 atoms) a batch cut in stream order then often leaves one rank with twice the atoms of
+another. Here the global batch of a step is packed as ``bins`` shares (one per data-parallel
+replica) from a bounded look-ahead window of the epoch's stream of structures:
+
+* the oldest structure of the window always goes first (no structure waits longer than
+  ``lookahead`` steps);
+* a structure larger than a share's budget raises the budget of the steps whose window
+  holds it to its size (it trains in a share of its own, the other shares as full);
+* the rest of the window, largest first, goes to the least-loaded share it fits in;
+* when the stream is exhausted the last window is dealt out whole, largest first to the
+  least-loaded share (the epoch's last step holds the remainder).
+
+The packing is a pure function of ``(n_atoms, order, bins, budget, lookahead)``: every rank
+computes the same packs without reading a structure, takes pack ``dp_rank``, and one process
+trains their union (the same global batch). The balance is measured by :func:`imbalance`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from xnn.errors import InputError
+
+#: structures of the look-ahead window per share (``data.balance_lookahead`` default)
+LOOKAHEAD_PER_BIN = 64
+
+
+def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budget: int,
+                     lookahead: int | None = None) -> list[list[list[int]]]:
+    """The steps of one epoch as ``bins`` shares each.
+
+    Args:
+        n_atoms: ``[n_structures]`` atoms per structure.
+        order: the epoch's stream of structure indices (a seeded permutation or draw).
+        bins: shares per global batch (data-parallel replicas).
+        budget: atoms per share (a structure of the window larger than this raises the
+            step's budget to its size).
+        lookahead: structures in the window (``None``: ``LOOKAHEAD_PER_BIN × bins``).
+    Returns:
+        ``[step][share] -> structure indices``; every index of ``order`` once, in one share.
+    Raises:
+        InputError: ``bins``, ``budget`` or ``lookahead`` below 1.
+    """
+    if bins < 1 or budget < 1:
+        raise InputError(f"balanced batches need bins >= 1 and a budget >= 1 atom, got "
+                         f"bins={bins}, budget={budget}")
+    lookahead = LOOKAHEAD_PER_BIN * bins if lookahead is None else int(lookahead)
+    if lookahead < 1:
+        raise InputError(f"data.balance_lookahead must be >= 1, got {lookahead}")
+    sizes = np.asarray(n_atoms, dtype=np.int64)
+    stream = [int(i) for i in order]
+    window: list[int] = []
+    steps: list[list[list[int]]] = []
+    pos = 0
+    while pos < len(stream) or window:
+        take = min(lookahead - len(window), len(stream) - pos)
+        window += stream[pos : pos + take]
+        pos += take
+        last = pos == len(stream)
+        shares, window = _pack(window, sizes, bins, budget, last)
+        steps.append(shares)
+    return steps
+
+
+def _pack(window: list[int], sizes: np.ndarray, bins: int, budget: int,
+          last: bool) -> tuple[list[list[int]], list[int]]:
+    """One step's shares from ``window`` (its oldest structure first, then largest first to
+    the least-loaded share it fits); ``last``: the stream is done, deal out the whole window
+    if it fits in one step's total. Returns the shares and what stays in the window."""
+    head = window[0]
+    cap = max(budget, int(sizes[window].max()))
+    rest = sorted(window[1:], key=lambda i: (-int(sizes[i]), i))
+    if last and int(sizes[window].sum()) <= bins * cap:
+        cap = None  # the end of the epoch: everything left, as evenly as it goes
+    shares: list[list[int]] = [[head]] + [[] for _ in range(bins - 1)]
+    load = [int(sizes[head])] + [0] * (bins - 1)
+    left: list[int] = []
+    for i in rest:
+        n = int(sizes[i])
+        k = min(range(bins), key=lambda b: (load[b], b))
+        if cap is not None and load[k] + n > cap:
+            left.append(i)
+            continue
+        shares[k].append(i)
+        load[k] += n
+    kept = set(left)
+    return [sorted(s) for s in shares], [i for i in window[1:] if i in kept]
+
+
+def imbalance(steps: Sequence[Sequence[Sequence[int]]], n_atoms: np.ndarray) -> np.ndarray:
+    """``[n_steps]`` max over shares / mean over shares of the atoms of each step."""
+    sizes = np.asarray(n_atoms, dtype=np.int64)
+    loads = np.asarray([[int(sizes[list(s)].sum()) if len(s) else 0 for s in step]
+                        for step in steps], dtype=np.float64)
+    return loads.max(1) / loads.mean(1)
+
+
+def greedy_steps(batches: Sequence[Sequence[int]], n_atoms: np.ndarray,
+                 bins: int) -> list[list[list[int]]]:
+    """The shares today's sharding gives each of ``bins`` ranks of ``batches``
+    (:func:`~xnn.data.datasets.shard_batch`), as :func:`imbalance` takes them."""
+    from xnn.data.datasets import shard_batch
+
+    return [[shard_batch(b, n_atoms, r, bins) for r in range(bins)] for b in batches]

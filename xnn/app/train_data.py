@@ -160,6 +160,7 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
     sampled = [train] if check_train else []
     refuse_coincident_sample([*sampled, *(d for d in (val, test, val_replay) if d is not None)],
                              reducer or LocalReducer())
+
     def edges(ds):  # data.cache_edges null: cached for data in memory, built at use for lazy
         cache = in_memory(ds) if data.cache_edges is None else data.cache_edges
         return WithEdges(ds, cutoff, cache) if ds is not None else None
@@ -172,7 +173,7 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         species=train_species,
         membership=split_membership(data, train_parts, val_parts, test_parts),
         isolated_e0=isolated,
-        val_replay=WithEdges(val_replay, cutoff, cache) if val_replay is not None else None,
+        val_replay=edges(val_replay),
     )
 
 

@@ -166,6 +166,10 @@ def test_lazy_data_has_no_edge_cache_by_default(tmp_path):
     cfg = cfg_of(tmp_path, f"data.datasets.0.path={xyz}")
     splits = build_splits(cfg.data, cfg.loss, 3.0, 0)
     splits.train[0]
+    assert splits.train._cache is None  # extxyz is read lazily (frame offsets): no cache
+    cfg = cfg_of(tmp_path, f"data.datasets.0.path={xyz}", "data.datasets.0.format=ase")
+    splits = build_splits(cfg.data, cfg.loss, 3.0, 0)
+    splits.train[0]
     assert len(splits.train._cache) == 1  # data in memory: cached as before
 
 

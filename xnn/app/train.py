@@ -39,6 +39,7 @@ from xnn.io.train_checkpoint import save_checkpoint
 from xnn.io.train_log import RunLogger
 from xnn.models.base import as_model
 from xnn.models.cueq import set_kernel_backend
+from xnn.models.registry import species_numbers
 from xnn.models.trust import granted
 from xnn.training.checkpoint import check_same_architecture, load_checkpoint, require_fields
 from xnn.training.data import structures_for_statistics
@@ -283,7 +284,9 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     seed_everything(cfg.seed, reducer.rank)
     # the statistics' neighbor lists check their training sample for coincident atoms; a
     # fine-tuned model has no statistics: build_splits checks that sample then
-    splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, cfg.model.species,
+    species = (None if cfg.model.species is None
+               else species_numbers(cfg.model.species, "model.species"))
+    splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, species,
                           reducer, check_train=bool(cfg.pretrained),
                           isolated_atoms=uses_isolated_atoms(cfg),
                           replay=(cfg.finetune.replay_weight, cfg.finetune.replay_fraction))

@@ -28,7 +28,7 @@ from xnn.data.datasets import ConcatDataset, Subset, read_structures, split_indi
 from xnn.data.inventory import inventory
 from xnn.data.label_keys import describe_keys, suggest_key
 from xnn.errors import DataFileError, InputError
-from xnn.neighbors.datasets import WithEdges, in_memory
+from xnn.neighbors.datasets import WithEdges, cache_by_default
 from xnn.training.data import (
     DataSplits,
     check_species,
@@ -161,9 +161,11 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
     refuse_coincident_sample([*sampled, *(d for d in (val, test, val_replay) if d is not None)],
                              reducer or LocalReducer())
 
-    def edges(ds):  # data.cache_edges null: cached for data in memory, built at use for lazy
-        cache = in_memory(ds) if data.cache_edges is None else data.cache_edges
-        return WithEdges(ds, cutoff, cache) if ds is not None else None
+    def edges(ds):  # data.cache_edges null: cached for data in memory or small, else not
+        if ds is None:
+            return None
+        cache = cache_by_default(ds) if data.cache_edges is None else data.cache_edges
+        return WithEdges(ds, cutoff, cache)
 
     return DataSplits(
         train=edges(train),

@@ -64,9 +64,9 @@ class DataConfig:
     overfit: int | None = field(None, "debug: train and validate on the first N training "
                                 "structures only")
     cache_edges: bool | None = field(None, "keep neighbor lists in memory after their first "
-                                     "use (null: auto, on for data read into memory, off for "
-                                     "lazy files such as HDF5, whose edges are then built "
-                                     "on the fly at every use)")
+                                     "use (null: auto, on for data read into memory or of at "
+                                     "most 250,000 atoms, off for larger lazy files, whose "
+                                     "edges are then built on the fly at every use)")
     num_workers: int = field(0, "DataLoader worker processes that read, give edges to and "
                              "collate each rank's training shares (0: in the training "
                              "process); the batches and losses are the same for any number")

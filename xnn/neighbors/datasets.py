@@ -38,6 +38,19 @@ def coincident_error(path: str, index: int, pair) -> DataFileError:
         "a duplicated atom?); remove or fix that structure")
 
 
+#: ``data.cache_edges`` null caches the neighbor lists of a lazy dataset of at most this many
+#: atoms (its structures with edges then take ~1 GB at 5 Å in a dense metal): the extxyz file of
+#: a typical run is read lazily, but trains as fast as when it was read whole
+AUTO_CACHE_ATOMS = 250_000
+
+
+def cache_by_default(dataset) -> bool:
+    """``data.cache_edges`` null: cache the structures with their edges when they are in
+    memory already (:func:`in_memory`) or hold at most :data:`AUTO_CACHE_ATOMS` atoms; a
+    larger lazy dataset gets its edges built at every use (its memory does not grow)."""
+    return in_memory(dataset) or int(np.asarray(dataset.n_atoms).sum()) <= AUTO_CACHE_ATOMS
+
+
 def in_memory(dataset) -> bool:
     """Whether every structure of ``dataset`` is held in memory already
     (:class:`~xnn.data.datasets.InMemoryDataset`, through subsets and concatenations): its

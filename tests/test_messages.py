@@ -213,7 +213,9 @@ def test_a_folder_given_as_a_file_is_called_a_directory(tmp_path, cu_data, capsy
     is_dir = f"{str(folder)!r} is a directory, not a file"
     meant = f"did you mean {str(lj)!r}?"
     cases = [
-        (["train", f"data.datasets.0.path={folder}", f"output_dir={out}"], is_dir),
+        # training reads a folder of shards (OMat24's layout): an empty one names the suffixes
+        (["train", f"data.datasets.0.path={folder}", f"output_dir={out}"],
+         f"dataset folder {str(folder)!r} holds no dataset file (.aselmdb"),
         (["train", folder], f"config file {is_dir}"),
         (["train", f"data.datasets.0.path={cu_data}", f"pretrained={run}",
           f"output_dir={out}"], f"pretrained={str(run)!r} is a directory", meant),
@@ -225,11 +227,12 @@ def test_a_folder_given_as_a_file_is_called_a_directory(tmp_path, cu_data, capsy
         (["md", f"structure={cu_data}", *lj_md, f"resume={folder}"], f"checkpoint {is_dir}"),
         (["relax", f"structure={folder}", *lj_md], is_dir),
         (["eval", run, cu_data], meant),
-        (["eval", lj, folder], is_dir),
+        (["eval", lj, folder], f"dataset folder {str(folder)!r} holds no dataset file"),
         (["export", folder], is_dir),
         (["validate", "--model", run, "--structure", cu_data, "--device", "cpu"], meant),
         (["validate", "--model", lj, "--structure", folder, "--device", "cpu"], is_dir),
-        (["data", "convert", folder, tmp_path / "x.h5"], is_dir),
+        (["data", "convert", folder, tmp_path / "x.h5"],
+         f"dataset folder {str(folder)!r} holds no dataset file"),
         (["run", wf], is_dir),
     ]
     for args, *words in cases:

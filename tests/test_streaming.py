@@ -149,24 +149,26 @@ def test_streaming_under_a_memory_cap_equals_in_memory(tmp_path, monkeypatch, pr
     assert_same_weights(tmp_path / "mem", tmp_path / "lazy")
 
 
-def test_lazy_data_has_no_edge_cache_by_default(tmp_path):
+def test_lazy_data_has_no_edge_cache_by_default(tmp_path, monkeypatch):
+    import xnn.neighbors.datasets as nd
     from xnn.app.train_data import build_splits
 
     path = write_h5(tmp_path / "cu.h5", small_cu(12))
-    for cache, lazy_cached in ((None, False), (True, True), (False, False)):
-        cfg = cfg_of(tmp_path, f"data.datasets.0.path={path}", f"data.cache_edges={cache}"
-                     if cache is not None else "data.cache_edges=null")
-        splits = build_splits(cfg.data, cfg.loss, 3.0, 0)
-        splits.train[0]
-        assert (len(splits.train._cache or {}) == 1) is lazy_cached
     xyz = tmp_path / "cu.xyz"
     import ase.io
 
     ase.io.write(xyz, small_cu(12), format="extxyz")
-    cfg = cfg_of(tmp_path, f"data.datasets.0.path={xyz}")
-    splits = build_splits(cfg.data, cfg.loss, 3.0, 0)
-    splits.train[0]
-    assert splits.train._cache is None  # extxyz is read lazily (frame offsets): no cache
+    for source in (path, xyz):
+        # a small lazy file is cached by default (it fits); above the limit it is not
+        for limit, cache, cached in ((nd.AUTO_CACHE_ATOMS, None, True), (0, None, False),
+                                     (0, True, True), (nd.AUTO_CACHE_ATOMS, False, False)):
+            monkeypatch.setattr(nd, "AUTO_CACHE_ATOMS", limit)
+            cfg = cfg_of(tmp_path, f"data.datasets.0.path={source}", f"data.cache_edges={cache}"
+                         if cache is not None else "data.cache_edges=null")
+            splits = build_splits(cfg.data, cfg.loss, 3.0, 0)
+            splits.train[0]
+            assert (len(splits.train._cache or {}) == 1) is cached, (source, limit, cache)
+    monkeypatch.setattr(nd, "AUTO_CACHE_ATOMS", 0)
     cfg = cfg_of(tmp_path, f"data.datasets.0.path={xyz}", "data.datasets.0.format=ase")
     splits = build_splits(cfg.data, cfg.loss, 3.0, 0)
     splits.train[0]

@@ -29,8 +29,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_json  # noqa: E402
-from xnn.data.datasets import collate, read_structures  # noqa: E402
+from xnn.data.datasets import collate  # noqa: E402
 from xnn.data.emt import write_emt  # noqa: E402
+from xnn.data.sources import read_structures
 from xnn.distributed.entries import parallelize_train  # noqa: E402
 from xnn.distributed.manager import DistributedManager  # noqa: E402
 from xnn.models import build  # noqa: E402

@@ -118,8 +118,8 @@ def _rereference(atoms_list, calc_fn) -> list:
 
 def errors(model, path: Path) -> dict[str, float]:
     """Energy MAE (meV/atom) and force MAE (meV/Å per component) of ``model`` on a file."""
-    from xnn.data.datasets import read_structures
     from xnn.data.graph import AtomicGraph
+    from xnn.data.sources import read_structures
     from xnn.models.derivatives import compute_properties
     from xnn.neighbors.datasets import WithEdges
 

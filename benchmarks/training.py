@@ -46,8 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import synchronize, write_json  # noqa: E402
-from xnn.data.datasets import make_batches, read_structures, shard_batch  # noqa: E402
+from xnn.data.datasets import make_batches, shard_batch  # noqa: E402
 from xnn.data.emt import write_emt  # noqa: E402
+from xnn.data.sources import read_structures
 from xnn.models import build  # noqa: E402
 from xnn.neighbors.datasets import WithEdges  # noqa: E402
 from xnn.training.losses import TermSpec  # noqa: E402

@@ -18,8 +18,8 @@ from xnn.config.md import MDConfig
 from xnn.config.train import TrainConfig
 from xnn.config.workflow import WorkflowConfig
 from xnn.data.ase_io import parse_index
-from xnn.data.datasets import read_structures
 from xnn.data.emt import write_emt
+from xnn.data.sources import read_structures
 from xnn.errors import DataFileError, InputError
 
 LJ = ["model.name=lj", "model.hyperparameters={sigma: 3.405, epsilon: 0.0104}", "model.cutoff=6.0"]
@@ -301,16 +301,21 @@ def test_model_hyperparameters_only_what_the_class_takes():
     assert hp["species"] == [29]
 
 
-def test_train_refuses_an_external_wrapper_before_training(tmp_path, cu_frames, capsys):
-    """Given no species now, a SevenNet wrapper builds: refused before training (it has no
-    ``hparams`` to save: it failed at the first checkpoint)."""
+def test_train_fine_tunes_an_external_wrapper_and_saves_it(tmp_path, cu_frames, capsys):
+    """A SevenNet wrapper (SevenNet-0's weights) trains like a native model since fine-tuning
+    landed: its checkpoints and model file hold its own state (it once failed at the first
+    checkpoint, then was refused up front); the saved model loads as the wrapper."""
     pytest.importorskip("sevenn")
+    from xnn.cli.main import main
+    from xnn.models.serialization import load_model
+
     data = tmp_path / "d.xyz"
     ase.io.write(data, _labelled(cu_frames), format="extxyz")
-    cli_fails(capsys, ["train", f"data.datasets.0.path={data}", f"output_dir={tmp_path / 'o'}",
-                       "model.name=sevenn", "model.cutoff=5.0", *TINY[2:]],
-              "model.name=sevenn is a SevenNetWrapper", "native xnn models only")
-    assert not (tmp_path / "o").exists()
+    out = tmp_path / "o"
+    assert main(["train", f"data.datasets.0.path={data}", f"output_dir={out}",
+                 "model.name=sevenn", "model.cutoff=5.0", *TINY[2:], "max_steps=1"]) == 0
+    model = load_model(out / "model.pt")
+    assert type(model).__name__ == "SevenNetWrapper"
 
 
 # --------------------------------------------------------------------------- xnn data --out

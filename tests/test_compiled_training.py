@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from xnn.data import keys as K
-from xnn.data.datasets import collate, read_structures
+from xnn.data.datasets import collate
 from xnn.data.emt import write_emt
+from xnn.data.sources import read_structures
 from xnn.models import build
 from xnn.models.base import AtomisticModel
 from xnn.models.compiled_training import CompiledProperties, CompileError, verify

@@ -19,9 +19,10 @@ from xnn.config.loader import load_config
 from xnn.config.model import ModelConfig
 from xnn.config.train import TrainConfig
 from xnn.data import keys as K
-from xnn.data.datasets import ConcatDataset, Subset, read_structures
+from xnn.data.datasets import ConcatDataset, Subset
 from xnn.data.emt import write_emt
 from xnn.data.prepared import PreparedDataset, write_prepared
+from xnn.data.sources import read_structures
 from xnn.errors import DataFileError, InputError
 from xnn.neighbors.datasets import WithEdges
 

@@ -20,8 +20,8 @@ from ase.db import connect
 from error_helpers import raises_one_line
 
 from xnn.data import keys as K
-from xnn.data.datasets import ConcatDataset, read_structures
-from xnn.data.sources import FORMATS, open_source
+from xnn.data.datasets import ConcatDataset
+from xnn.data.sources import FORMATS, open_source, read_structures
 from xnn.data.sources.extxyz import frame_index
 from xnn.errors import DataFileError, InputError
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from ase.calculators.emt import EMT
 
-from xnn.data.datasets import read_structures
 from xnn.data.emt import KINDS, generate_emt
+from xnn.data.sources import read_structures
 from xnn.errors import InputError
 
 

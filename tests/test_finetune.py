@@ -182,7 +182,8 @@ def test_replay_is_trained_and_validated_on_its_own(tmp_path, data, pretrained, 
 
     from xnn.app.train import train
     from xnn.app.train_replay import REPLAY_SEED
-    from xnn.data.datasets import read_structures, split_indices
+    from xnn.data.datasets import split_indices
+    from xnn.data.sources import read_structures
     from xnn.neighbors.datasets import WithEdges
 
     out = tmp_path / "replay"

@@ -16,8 +16,8 @@ from xnn.app.train_model import data_statistics, reference_energies
 from xnn.config.loader import ConfigError, load_config
 from xnn.config.model import ModelConfig
 from xnn.config.train import TrainConfig
-from xnn.data.datasets import read_structures
 from xnn.data.emt import generate_emt
+from xnn.data.sources import read_structures
 from xnn.errors import DataFileError, InputError
 
 TINY = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 1, "

@@ -134,6 +134,10 @@ def test_streaming_under_a_memory_cap_equals_in_memory(tmp_path, monkeypatch, pr
     assert len(lazy) == n
     args = (f"pretrained={pretrained}", "data.batch_size=80", "data.val_fraction=0.05",
             "max_epochs=2")
+    import xnn.neighbors.datasets as nd
+
+    # data.cache_edges null, as for a lazy data set above the automatic cache's size
+    monkeypatch.setattr(nd, "AUTO_CACHE_ATOMS", 0)
     run_with(monkeypatch, cfg_of(tmp_path / "lazy", *args), lazy)
     assert lazy.reads > 2 * 0.95 * n  # every training structure read in every epoch
     print(f"structures alive at once: at most {lazy.peak} of {n}")

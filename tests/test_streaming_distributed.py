@@ -15,7 +15,7 @@ from xnn.training.checkpoint import load_checkpoint
 pytestmark = pytest.mark.distributed
 
 ARGS = ("max_epochs=2", "data.val_fraction=0.1", "data.max_atoms_per_batch=24",
-        "data.balance=atoms", "schedule.name=cosine")
+        "data.balance=atoms", "schedule.name=cosine", "data.cache_edges=false")
 
 
 def _rank_main(rank, world, data, out):

@@ -54,7 +54,7 @@ def identity(positions: torch.Tensor, batch: torch.Tensor, n_systems: int) -> li
 
 def keys_of(path) -> list[tuple]:
     """The identity of every structure of a file, in file order."""
-    from xnn.data.datasets import read_structures
+    from xnn.data.sources import read_structures
 
     ds = read_structures(path)
     return [identity(g.positions, g.batch, 1)[0] for g in (ds[i] for i in range(len(ds)))]
@@ -231,7 +231,8 @@ def _line(path, index: int) -> str:
 
 @pytest.mark.distributed
 def test_two_ranks_share_the_startup_neighbor_lists_and_stop_together(files):
-    from xnn.data.datasets import read_structures, shard_batch
+    from xnn.data.datasets import shard_batch
+    from xnn.data.sources import read_structures
     from xnn.models.statistics import average_num_neighbors
     from xnn.training.data import sample_indices
 
@@ -330,8 +331,9 @@ def test_a_structure_is_refused_where_its_edges_are_built_naming_its_file(files,
     through ``Subset`` and ``ConcatDataset``, for extxyz and HDF5; so does ``xnn eval``."""
     from error_helpers import raises_one_line
 
-    from xnn.data.datasets import ConcatDataset, HDF5Source, Subset, read_structures
+    from xnn.data.datasets import ConcatDataset, HDF5Source, Subset
     from xnn.data.hdf5 import write_hdf5
+    from xnn.data.sources import read_structures
     from xnn.errors import DataFileError
     from xnn.models import build
     from xnn.neighbors.datasets import WithEdges

@@ -217,7 +217,7 @@ def test_training_learns_and_eval_agrees(tmp_path, data, capsys):
     # independent MAE of the saved model on the whole file vs `xnn eval`
     model = load_model(out / "model.pt")
     pot = Potential(model)
-    from xnn.data.datasets import read_structures
+    from xnn.data.sources import read_structures
 
     ds = read_structures(data)
     e_err, f_err = [], []
@@ -306,7 +306,7 @@ def test_splits_weights_overfit_and_hdf5(tmp_path, data):
     h5 = tmp_path / "second.h5"
     extra = tmp_path / "second.xyz"
     write_emt(extra, 8, ["Cu"], seed=5)
-    from xnn.data.datasets import read_structures
+    from xnn.data.sources import read_structures
 
     src = read_structures(extra)
     write_hdf5(h5, (src[i] for i in range(len(src))))
@@ -473,7 +473,7 @@ def test_pretrained_external_wrapper_is_refused_before_training(tmp_path, data, 
 def test_step_without_labels_is_refused_and_changes_nothing(data):
     """A global batch where no weighted property has a label raises (counts are read after the
     backward, with the loss: one device wait per step) and leaves the weights untouched."""
-    from xnn.data.datasets import read_structures
+    from xnn.data.sources import read_structures
     from xnn.models import build
     from xnn.neighbors.datasets import WithEdges
     from xnn.training.trainer import Trainer

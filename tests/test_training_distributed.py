@@ -34,7 +34,8 @@ def _gradients(reducer, data, device="cpu", compile=False, steps=1):
     the training loop does, and must give the same."""
     from xnn.app.train import loss_specs
     from xnn.config.train import LossConfig
-    from xnn.data.datasets import read_structures, shard_batch
+    from xnn.data.datasets import shard_batch
+    from xnn.data.sources import read_structures
     from xnn.models import build
     from xnn.neighbors.datasets import WithEdges
     from xnn.training.trainer import Trainer

@@ -578,8 +578,9 @@ def test_cuda_graph_replay_of_a_triton_model_follows_eager():
 
 def _compiled_training_follows_eager(tmp_path, device: str) -> None:
     """Compiled training of a triton-backend model against eager double backward (fp64)."""
-    from xnn.data.datasets import collate, read_structures
+    from xnn.data.datasets import collate
     from xnn.data.emt import write_emt
+    from xnn.data.sources import read_structures
     from xnn.models import build
     from xnn.models.compiled_training import CompiledProperties
     from xnn.models.derivatives import compute_properties

@@ -38,9 +38,9 @@ def write_bulk_file(out: str, element: str, repeat: int, a: float | None, rattle
 def convert_file(source: str, output: str, keys: dict[str, str]) -> tuple[int, int]:
     """``source`` (any format, labels by ``keys``: energy, forces, stress, virial) as xnn
     HDF5 ``output``; returns the structure and atom counts."""
-    from xnn.data.datasets import read_structures
     from xnn.data.emt import check_output_file
     from xnn.data.hdf5 import write_hdf5
+    from xnn.data.sources import read_structures
 
     check_output_file(output, "output", example="data.h5")
     if Path(output).suffix not in (".h5", ".hdf5"):
@@ -102,8 +102,9 @@ def prepare_files(inputs: list[str], out: str, shards: int, cutoff: float | None
     """``inputs`` (any format :func:`~xnn.data.datasets.read_structures` opens, labels by
     ``keys``: energy, forces, stress, virial) as one prepared dataset in the folder ``out``
     (:func:`xnn.data.prepared.write_prepared`); returns its manifest."""
-    from xnn.data.datasets import ConcatDataset, read_structures
+    from xnn.data.datasets import ConcatDataset
     from xnn.data.prepared import PreparedDataset, write_prepared
+    from xnn.data.sources import read_structures
 
     if not inputs:
         raise InputError("name at least one input file")

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from xnn.data.datasets import ConcatDataset, Subset, read_structures
+from xnn.data.datasets import ConcatDataset, Subset
 from xnn.data.inventory import inventory
 from xnn.data.label_keys import describe_keys, suggest_key
+from xnn.data.sources import read_structures
 from xnn.errors import DataFileError, InputError, ModelFileError
 
 SPLITS = ("train", "val", "test")

@@ -24,9 +24,10 @@ import numpy as np
 from xnn.app.train_replay import replay_parts
 from xnn.config.train import DataConfig, DatasetConfig, LossConfig
 from xnn.data import keys as K
-from xnn.data.datasets import ConcatDataset, Subset, read_structures, split_indices
+from xnn.data.datasets import ConcatDataset, Subset, split_indices
 from xnn.data.inventory import inventory
 from xnn.data.label_keys import describe_keys, suggest_key
+from xnn.data.sources import read_structures
 from xnn.errors import DataFileError, InputError
 from xnn.neighbors.datasets import WithEdges, cache_by_default
 from xnn.training.data import (

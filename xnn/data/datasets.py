@@ -396,41 +396,6 @@ class ConcatDataset(LabelledDataset):
 
 
 # --------------------------------------------------------------------------- loading
-def read_structures(
-    path: str | os.PathLike,
-    weight: float = 1.0,
-    energy_key: str = "energy",
-    forces_key: str = "forces",
-    stress_key: str = "stress",
-    virial_key: str = "virial",
-    format: str | None = None,  # noqa: A002
-):
-    """Open a dataset (:func:`xnn.data.sources.open_source`: by suffix or ``format``; a file,
-    folder of shards or glob) and check the labels of every structure read through ASE now.
-
-    The structures stay on disk (read at their use) except for the formats ASE reads only
-    whole; the check is one pass reading each structure once (the label counts are kept,
-    :meth:`LabelledDataset.label_counts`). HDF5 and prepared datasets check theirs from
-    their arrays at the first ``label_counts()``. :func:`~xnn.data.sources.open_source`
-    opens without the pass.
-
-    Returns:
-        a dataset (see the module docstring) whose structures have normalised labels.
-    Raises:
-        DataFileError: the file does not exist or cannot be read, or a structure has no
-            atoms or a non-finite label (one line naming the file and structure).
-        InputError: an unknown ``format``.
-    """
-    from xnn.data.sources import open_source, source_files
-
-    fmt = source_files(path, format)[1]
-    ds = open_source(path, fmt, weight=weight, energy_key=energy_key, forces_key=forces_key,
-                     stress_key=stress_key, virial_key=virial_key)
-    if fmt in ("extxyz", "aselmdb", "db"):
-        ds.label_counts()
-    return ds
-
-
 #: ``atoms.info["config_type"]`` of an isolated-atom entry (MACE's convention)
 ISOLATED_ATOM = "IsolatedAtom"
 

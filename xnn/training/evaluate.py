@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from xnn.data.datasets import make_batches, read_structures
+from xnn.data.datasets import make_batches
+from xnn.data.sources import read_structures
 from xnn.errors import DataFileError, InputError
 from xnn.models.base import as_model
 from xnn.neighbors.datasets import WithEdges

@@ -281,3 +281,29 @@ def _force_mae(model, ds) -> float:
         total += float((out["forces"] - g.forces).abs().sum())
         count += g.forces.numel()
     return total / count
+
+
+def _rank_main(rank, world, data, pretrained, out):
+    from xnn.app.train import train
+    from xnn.distributed.entries import parallelize_train
+    from xnn.distributed.manager import DistributedManager
+
+    manager = DistributedManager.initialize(device="cpu")
+    reducer = parallelize_train(manager).reducer
+    return train(_finetune(out, data, pretrained, "device=cpu"), reducer)
+
+
+@pytest.mark.distributed
+def test_two_ranks_train_on_rank_0s_replay(run, data, pretrained, tmp_path):
+    """On 2 gloo ranks, rank 0 makes the structures and shares them: the file equals the
+    one-process run's byte for byte and both ranks validate the same replay errors as it."""
+    from dist_helpers import spawn
+
+    out, summary = run
+    torch.set_num_threads(1)
+    results = spawn(_rank_main, 2, args=(data, pretrained, str(tmp_path / "ddp")),
+                    timeout_s=600)
+    assert (tmp_path / "ddp" / FILE).read_bytes() == (out / FILE).read_bytes()
+    for r in results:
+        for key in ("val_replay_energy_mae", "val_replay_forces_mae"):
+            assert r["metrics"][key] == pytest.approx(summary["metrics"][key], rel=1e-6)

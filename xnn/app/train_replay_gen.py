@@ -11,11 +11,13 @@ structure's shortest distance (at most the model cutoff) is redrawn; after 20 su
 run is refused. The pretrained model labels the structures (energy, forces, and stress of
 fully periodic structures), in float64, a batch at a time.
 
-Rank 0 makes (or, resuming, reads) the extxyz text and shares it; every rank builds the same
-dataset from that text, and rank 0 writes it into the run folder as ``replay_pretrained.xyz``
-(labels under the default keys ``energy``/``forces``/``stress``, ``config_type=replay``,
-``replay_seed``, ``replay_source``: the index into the training split; every number written
-with 17 significant digits, so the file holds exactly the structures and labels trained on).
+Rank 0 makes (or, resuming, reads) the extxyz text and shares it over the data-parallel
+group (with ``parallel.dd > 1`` the first rank of each dp group makes the same seeded text);
+every rank builds the same dataset from that text, and rank 0 writes it into the run folder
+as ``replay_pretrained.xyz`` (labels under the default keys ``energy``/``forces``/
+``stress``, ``config_type=replay``, ``replay_seed``, ``replay_source``: the index into the
+training split; every number written with 17 significant digits, so the file holds exactly
+the structures and labels trained on).
 A resumed run reads the file and never relabels; it is refused when the file is missing or
 was made with another ``N``, seed, rattle or strain.
 """
@@ -182,7 +184,7 @@ class PretrainedReplay:
         cfg: the run's config (``pretrained``, ``seed``, ``finetune``).
         work: the run folder being written (``replay_pretrained.xyz`` lands there).
         resume: the checkpoint the run continues from (``None``: a new run).
-        reducer: the ranks of the run (``is_main``, ``gather_objects``).
+        reducer: the ranks of the run (``rank``, ``is_main``, ``gather_objects``).
     """
 
     def __init__(self, cfg: TrainConfig, work: Path, resume: str | None, reducer):
@@ -208,7 +210,7 @@ class PretrainedReplay:
                 whose run folder has no replay file.
         """
         made, error = None, None
-        if self.reducer.is_main:
+        if self.reducer.rank == 0:  # the job's rank 0 (with dd > 1: each dp group's first)
             try:
                 made = self._text(train)
             except (DataFileError, InputError) as e:

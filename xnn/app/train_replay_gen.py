@@ -134,9 +134,11 @@ def replay_text(model, train, n: int, seed: int, rattle: float, strain: float) -
     from xnn.models.potential import Potential, label_structures
 
     model = copy.deepcopy(model).to(torch.float64).eval()
+    floats = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.float64  # a model that keeps its own
     potential = Potential(model)
     made = make_structures(potential, train, n, seed, rattle, strain)
-    labels = label_structures(potential, [g for _, g in made], BATCH)
+    labels = label_structures(potential, [g.to(dtype=dtype) for _, g in made], BATCH)
     info = {"config_type": "replay", "replay_seed": seed, "replay_rattle": _num(rattle),
             "replay_strain": _num(strain)}
     return "".join(frame_text(g, lab, {**info, "replay_source": src})

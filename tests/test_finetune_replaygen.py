@@ -307,3 +307,28 @@ def test_two_ranks_train_on_rank_0s_replay(run, data, pretrained, tmp_path):
     for r in results:
         for key in ("val_replay_energy_mae", "val_replay_forces_mae"):
             assert r["metrics"][key] == pytest.approx(summary["metrics"][key], rel=1e-6)
+
+
+def test_split_record_locates_every_replay_training_structure(data):
+    """With data.replay files and a replay_fraction, the recorded replay_train indices and
+    replay_selection name, in order, exactly the replay structures the training set holds
+    (after the new data)."""
+    from xnn.app.train_data import build_splits
+
+    cfg = _config("unused", data / "cu_new.xyz", "pretrained=x.pt",
+                  f"data.replay.0.path={data / 'cu.xyz'}",
+                  f"data.replay.1.path={data / 'cu_new.xyz'}", "finetune.replay_fraction=0.6")
+    splits = build_splits(cfg.data, cfg.loss, 3.0, cfg.seed, replay=(1.0, 0.6))
+    record = splits.membership
+    keys = [f["config_key"] for f in record["files"]]
+    assert keys == ["data.datasets.0", "data.replay.0", "data.replay.1"]
+    pool = [(row["file"], i) for row in record["replay_train"] for i in row["indices"]]
+    chosen = [pool[j] for j in record["replay_selection"]]
+    n_new = sum(len(row["indices"]) for row in record["train"])
+    assert len(chosen) == round(0.6 / 0.4 * n_new)
+    assert len(splits.raw_train) == n_new + len(chosen)
+    files = {k: read_structures(record["files"][k]["path"]) for k in (1, 2)}
+    for j, (k, i) in enumerate(chosen):
+        assert torch.equal(splits.raw_train[n_new + j].positions, files[k][i].positions)
+    val = [(row["file"], i) for row in record["replay_val"] for i in row["indices"]]
+    assert len(val) == len(splits.val_replay) and not set(val) & set(pool)

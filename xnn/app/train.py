@@ -30,6 +30,7 @@ from xnn.app.train_model import (
     data_statistics,
     stored_statistics,
 )
+from xnn.app.train_replay_gen import PretrainedReplay
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
 from xnn.devices import resolve_device
@@ -58,7 +59,7 @@ from xnn.training.trainer import Trainer
 SUGGEST = {"resume": ("checkpoints/last.pt",), "pretrained": ("model.pt",)}
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
              "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard",
-             "split.json")
+             "split.json", "replay_pretrained.xyz")
 
 
 def resolve_resume(cfg: TrainConfig) -> str | None:
@@ -286,10 +287,14 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     # fine-tuned model has no statistics: build_splits checks that sample then
     species = (None if cfg.model.species is None
                else species_numbers(cfg.model.species, "model.species"))
+    gen = (PretrainedReplay(cfg, out, resume, reducer)
+           if cfg.pretrained and cfg.finetune.replay_from_pretrained else None)
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, species,
                           reducer, check_train=bool(cfg.pretrained),
                           isolated_atoms=uses_isolated_atoms(cfg),
-                          replay=(cfg.finetune.replay_weight, cfg.finetune.replay_fraction))
+                          replay=(cfg.finetune.replay_weight, cfg.finetune.replay_fraction),
+                          make_replay=None if gen is None else (
+                              lambda new: (gen.entry(), gen.dataset(new))))
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
                  f"{len(splits.test) if splits.test else 0} test structures"
@@ -311,6 +316,9 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
         logger.print(f"resumed from {resume} at epoch {loop.progress.epoch}, "
                      f"step {loop.progress.step}")
     logger = loop.logger = _open_folder(cfg, folder, reducer, logger)
+    if gen is not None:
+        gen.write()  # rank 0, into the folder just created (a resumed run's file stays)
+        reducer.barrier()
     reason = "validation_only"
     if not cfg.validation_only:
         reason = loop.run()

@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from xnn.app.train_replay import replay_parts
+from xnn.app.train_replay import replay_membership, replay_parts
 from xnn.config.train import DataConfig, DatasetConfig, LossConfig
 from xnn.data import keys as K
 from xnn.data.datasets import ConcatDataset, Subset, split_indices
@@ -85,7 +85,8 @@ def _concat(parts: list):
 def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
                  species: list[int] | None = None, reducer=None,
                  check_train: bool = True, isolated_atoms: bool = False,
-                 replay: tuple[float, float | None] = (1.0, None)) -> DataSplits:
+                 replay: tuple[float, float | None] = (1.0, None),
+                 make_replay=None) -> DataSplits:
     """Read, split, check and wrap the datasets of a run.
 
     Args:
@@ -110,6 +111,9 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         replay: ``(finetune.replay_weight, finetune.replay_fraction)`` of the
             ``data.replay`` files (:mod:`xnn.app.train_replay`): their training part joins
             ``train`` after the new data, their validation part is ``val_replay``.
+        make_replay: ``make_replay(new training structures) -> (entry, dataset)``: replay
+            structures made from the training split (``finetune.replay_from_pretrained``,
+            :class:`xnn.app.train_replay_gen.PretrainedReplay`), the last replay entry.
     Raises:
         DataFileError: a sampled structure has coincident atoms (among others).
     """
@@ -136,7 +140,8 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
     val_parts += [_open(e) for e in data.val]
     test_parts += [_open(e) for e in data.test]
     n_new = sum(len(t) for t in train_parts)
-    extra = replay_parts(data, _open, seed, replay[0], replay[1], n_new)
+    generated = None if make_replay is None else make_replay(_concat(train_parts))
+    extra = replay_parts(data, _open, seed, replay[0], replay[1], n_new, generated)
     if extra.pool is not None:
         check_training_labels(extra.entries, extra.sizes, extra.pool, loss)
     train = _concat([*train_parts, extra.train])
@@ -174,7 +179,7 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         test=edges(test),
         raw_train=train,
         species=train_species,
-        membership=split_membership(data, train_parts, val_parts, test_parts),
+        membership=split_membership(data, train_parts, val_parts, test_parts, extra),
         isolated_e0=isolated,
         val_replay=edges(val_replay),
     )
@@ -207,13 +212,16 @@ def _take_isolated(ds, path: str, table: dict[int, float]) -> np.ndarray:
 
 
 def split_membership(data: DataConfig, train_parts: list, val_parts: list,
-                     test_parts: list) -> dict:
+                     test_parts: list, replay=None) -> dict:
     """Which structures of which file each split holds (saved as the run's ``split.json``).
 
     Returns:
         ``{"files": [{"config_key": "data.datasets.0", **entry}], "train"|"val"|"test":
         [{"file": i, "indices": [...]}]}``: indices into file ``i`` (its frames in file
-        order), in the order the split concatenates them.
+        order), in the order the split concatenates them; with ``replay``
+        (:class:`~xnn.app.train_replay.ReplayParts`) the replay entries follow the other
+        files, with ``replay_train``, ``replay_val`` and ``replay_selection``
+        (:func:`~xnn.app.train_replay.replay_membership`).
     """
     entries = [(f"data.{part}.{k}", e) for part in ("datasets", "val", "test")
                for k, e in enumerate(getattr(data, part))]
@@ -231,8 +239,13 @@ def split_membership(data: DataConfig, train_parts: list, val_parts: list,
     if data.overfit is not None:
         train = _first(train, data.overfit)
         val = train
-    return {"files": files, "train": train, "val": val,
-            "test": rows(test_parts, [*range(n_train), *test_files])}
+    out = {"files": files, "train": train, "val": val,
+           "test": rows(test_parts, [*range(n_train), *test_files])}
+    if replay is not None and replay.entries:
+        more = replay_membership(replay, len(data.replay), len(files))
+        out["files"] = files + more.pop("files")
+        out.update(more)
+    return out
 
 
 def _indices(part) -> list[int]:

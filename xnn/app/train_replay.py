@@ -9,6 +9,13 @@ validated on its own (``val_replay_*`` metrics in ``metrics.csv``), so the run s
 forgetting as it happens. With ``finetune.replay_fraction`` = ``f`` the training set takes
 ``round(f / (1 - f) × n_new)`` replay structures, a seeded selection (repeated when the
 replay files have fewer), so that replay is the share ``f`` of every epoch.
+
+``finetune.replay_from_pretrained: N`` adds one more replay entry, after the files: ``N``
+structures made from the training structures and labelled by the pretrained model itself,
+written into the run folder (:mod:`xnn.app.train_replay_gen`); it is split and weighted as
+a file. ``split.json`` records every replay entry (``replay_train``, ``replay_val``: indices
+per file; ``replay_selection``: the ``replay_fraction`` selection into their concatenated
+training parts).
 """
 
 from __future__ import annotations
@@ -37,10 +44,14 @@ class ReplayParts:
     pool: object | None
     entries: list[DatasetConfig]
     sizes: list[int]
+    train_indices: list[np.ndarray] = dataclasses.field(default_factory=list)
+    val_indices: list[np.ndarray] = dataclasses.field(default_factory=list)
+    selection: np.ndarray | None = None
 
 
 def replay_parts(data: DataConfig, open_entry, seed: int, weight: float,
-                 fraction: float | None, n_new: int) -> ReplayParts:
+                 fraction: float | None, n_new: int,
+                 generated: tuple[DatasetConfig, object] | None = None) -> ReplayParts:
     """Open and split the ``data.replay`` files.
 
     Args:
@@ -51,13 +62,20 @@ def replay_parts(data: DataConfig, open_entry, seed: int, weight: float,
         fraction: ``finetune.replay_fraction`` (``None``: every replay training structure
             once per epoch).
         n_new: training structures of the new data.
+        generated: ``(entry, dataset)`` of the ``finetune.replay_from_pretrained``
+            structures (the dataset already weighted ``finetune.replay_weight``), the last
+            replay entry.
     Raises:
         DataFileError: a replay file holds no structure.
     """
     entries = [dataclasses.replace(e, weight=e.weight * weight) for e in data.replay]
-    train, val, sizes = [], [], []
+    opened = [None] * len(entries)
+    if generated is not None:
+        entries.append(dataclasses.replace(generated[0], weight=weight))
+        opened.append(generated[1])
+    train, val, sizes, tr_idx, va_idx = [], [], [], [], []
     for k, entry in enumerate(entries):
-        ds = open_entry(entry)
+        ds = opened[k] if opened[k] is not None else open_entry(entry)
         if len(ds) == 0:
             raise DataFileError(f"replay dataset {entry.path!r} holds no structure")
         tr, va, _ = split_indices(len(ds), data.val_fraction, 0.0,
@@ -65,10 +83,33 @@ def replay_parts(data: DataConfig, open_entry, seed: int, weight: float,
         train.append(Subset(ds, tr))
         val.append(Subset(ds, va))
         sizes.append(len(tr))
+        tr_idx.append(tr)
+        va_idx.append(va)
     pool = chosen = _concat(train)
+    selection = None
     if pool is not None and fraction is not None:
-        chosen = Subset(pool, _selection(len(pool), fraction, n_new, seed))
-    return ReplayParts(chosen, _concat(val), pool, entries, sizes)
+        selection = _selection(len(pool), fraction, n_new, seed)
+        chosen = Subset(pool, selection)
+    return ReplayParts(chosen, _concat(val), pool, entries, sizes, tr_idx, va_idx, selection)
+
+
+def replay_membership(parts: ReplayParts, n_replay_files: int, first_file: int) -> dict:
+    """The replay part of ``split.json``: ``files`` (``config_key``: ``data.replay.k`` or
+    ``finetune.replay_from_pretrained``), ``replay_train``/``replay_val`` rows
+    ``{"file": i, "indices": [...]}`` (file ``i`` counted from ``first_file``) and
+    ``replay_selection`` (``None``: every replay training structure once)."""
+    files = [{"config_key": (f"data.replay.{k}" if k < n_replay_files
+                             else "finetune.replay_from_pretrained"), **dataclasses.asdict(e)}
+             for k, e in enumerate(parts.entries)]
+
+    def rows(indices):
+        return [{"file": first_file + k, "indices": np.asarray(ix).tolist()}
+                for k, ix in enumerate(indices) if len(ix) > 0]
+
+    return {"files": files, "replay_train": rows(parts.train_indices),
+            "replay_val": rows(parts.val_indices),
+            "replay_selection": (None if parts.selection is None
+                                 else parts.selection.tolist())}
 
 
 def _selection(n_pool: int, fraction: float, n_new: int, seed: int) -> np.ndarray:
@@ -86,4 +127,4 @@ def _concat(parts: list):
     return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
 
-__all__ = ["ReplayParts", "replay_parts"]
+__all__ = ["ReplayParts", "replay_parts", "replay_membership"]

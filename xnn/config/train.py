@@ -124,9 +124,20 @@ class FinetuneConfig:
                                           "epoch taken from data.replay (a seeded selection, "
                                           "repeated when replay has fewer; null: every "
                                           "replay training structure once)")
+    replay_from_pretrained: int | None = field(
+        None, "replay structures made from the training structures (rattled, strained) and "
+        "labelled by the pretrained model itself, written to the run folder as "
+        "replay_pretrained.xyz and used as a data.replay file (0/null: off)")
+    replay_rattle: float = field(0.05, "standard deviation (Å) of the Gaussian displacement "
+                                 "of every atom of a replay_from_pretrained structure")
+    replay_strain: float = field(0.02, "largest strain component of a replay_from_pretrained "
+                                 "structure (uniform in [-s, s], symmetric; periodic only)")
 
     def __post_init__(self):
         check_range("finetune.replay_weight", self.replay_weight, 0.0)
+        check_range("finetune.replay_from_pretrained", self.replay_from_pretrained, 0)
+        check_range("finetune.replay_rattle", self.replay_rattle, 0.0)
+        check_range("finetune.replay_strain", self.replay_strain, 0.0, 0.5)
         check_range("finetune.replay_fraction", self.replay_fraction, 0.0, 0.95,
                     low_inclusive=False)
         for part, factor in self.lr.items():
@@ -324,8 +335,12 @@ class TrainConfig:
         if self.validation_only and not (self.pretrained or self.resume):
             raise ConfigError("validation_only=true needs pretrained=PATH or resume=PATH")
         ft = self.finetune
-        if (ft.freeze or ft.lr or self.data.replay) and not self.pretrained:
-            raise ConfigError("finetune.freeze, finetune.lr and data.replay fine-tune a "
-                              "pretrained model: set pretrained=PATH (or a name: 7net-0)")
-        if ft.replay_fraction is not None and not self.data.replay:
-            raise ConfigError("finetune.replay_fraction needs data.replay files")
+        if (ft.freeze or ft.lr or self.data.replay or ft.replay_from_pretrained) \
+                and not self.pretrained:
+            raise ConfigError("finetune.freeze, finetune.lr, data.replay and "
+                              "finetune.replay_from_pretrained fine-tune a pretrained model: "
+                              "set pretrained=PATH (or a name: 7net-0)")
+        if ft.replay_fraction is not None and not (self.data.replay
+                                                   or ft.replay_from_pretrained):
+            raise ConfigError("finetune.replay_fraction needs data.replay files or "
+                              "finetune.replay_from_pretrained")

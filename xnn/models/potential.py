@@ -4,6 +4,7 @@ call on any potential (this one, or the decomposed one :mod:`xnn.distributed` bu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -165,3 +166,31 @@ class Potential:
             return
         self.model.check_species(numbers)
         self._checked = (numbers, numbers._version)
+
+
+def label_structures(potential: Evaluator, graphs: Sequence[AtomicGraph],
+                     batch_size: int = 8) -> list[dict[str, Tensor]]:
+    """A potential's own labels of one-system graphs, evaluated ``batch_size`` at a time.
+
+    Args:
+        potential: e.g. a :class:`Potential` (in the dtype of ``graphs``).
+        graphs: one-system graphs (edges are the potential's own).
+        batch_size: structures per evaluation.
+    Returns:
+        one dict per graph: ``energy []`` eV, ``forces [n_atoms, 3]`` eV/Å and, for a
+        structure periodic along every axis, ``stress [3, 3]`` eV/Å³ (detached).
+    """
+    out: list[dict[str, Tensor]] = []
+    for lo in range(0, len(graphs), batch_size):
+        chunk = list(graphs[lo:lo + batch_size])
+        g = AtomicGraph.concat(chunk)
+        periodic = g.pbc.all(dim=1).tolist()
+        res = potential(g, forces=True, stress=any(periodic))
+        ptr = g.ptr.tolist()
+        for s in range(len(chunk)):
+            row = {K.ENERGY: res[K.ENERGY][s].detach(),
+                   K.FORCES: res[K.FORCES][ptr[s]:ptr[s + 1]].detach()}
+            if periodic[s]:
+                row[K.STRESS] = res[K.STRESS][s].detach()
+            out.append(row)
+    return out

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from xnn.data import datasets
-from xnn.data.datasets import (atom_chunks, chunk_starts, make_batches, shard_batch,
-                                shard_batches)
+from xnn.data.datasets import atom_chunks, chunk_starts, make_batches, shard_batch, shard_batches
 from xnn.errors import InputError
 from xnn.training.balance import balanced_batches
 

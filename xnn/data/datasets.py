@@ -512,7 +512,7 @@ def make_batches(
                          f"decomposition group's share ({len(big)} such structures); raise "
                          "data.max_atoms_per_batch or parallel.dd, or remove the structure")
     starts = chunk_starts(np.asarray(n_atoms, dtype=np.int64)[order], max_atoms)
-    return _split(order, starts[::groups] if len(starts) > 1 else starts)
+    return _split(order, starts[::groups])  # a batch: ``groups`` consecutive chunks
 
 
 def atom_chunks(indices: Sequence[int], n_atoms: np.ndarray, max_atoms: int) -> list[list[int]]:
@@ -577,11 +577,10 @@ def _chunk_ends(sizes: np.ndarray, lo: int, hi: int, max_atoms: int) -> np.ndarr
 
 def _split(order: np.ndarray, starts: np.ndarray) -> list[list[int]]:
     """``order`` cut at ``starts`` (as :func:`chunk_starts` gives them) into lists."""
-    flat = order.tolist()
     bounds = starts.tolist()
-    if bounds[-1] != len(flat):
-        bounds.append(len(flat))
-    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[-1] != len(order):
+        bounds.append(len(order))
+    return [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def shard_batch(batch: Sequence[int], n_atoms: np.ndarray, rank: int, world: int) -> list[int]:

@@ -511,7 +511,7 @@ def make_batches(
                          f"data.max_atoms_per_batch={max_atoms}, the budget of one domain-"
                          f"decomposition group's share ({len(big)} such structures); raise "
                          "data.max_atoms_per_batch or parallel.dd, or remove the structure")
-    starts = chunk_starts(np.asarray(n_atoms, dtype=np.int64)[order], max_atoms)
+    starts = chunk_starts(np.asarray(n_atoms)[order], max_atoms)
     return _split(order, starts[::groups])  # a batch: ``groups`` consecutive chunks
 
 
@@ -521,7 +521,7 @@ def atom_chunks(indices: Sequence[int], n_atoms: np.ndarray, max_atoms: int) -> 
     chunks again gives the same chunks (how a dd group finds its share of a batch).
     Vectorised (:func:`chunk_starts`): about 0.1 µs per structure."""
     order = np.asarray(indices, dtype=np.int64)
-    return _split(order, chunk_starts(np.asarray(n_atoms, dtype=np.int64)[order], max_atoms))
+    return _split(order, chunk_starts(np.asarray(n_atoms)[order], max_atoms))
 
 
 #: structures per block of :func:`chunk_starts` (bounds its working memory)
@@ -543,7 +543,7 @@ def chunk_starts(sizes: np.ndarray, max_atoms: int) -> np.ndarray:
         ``[n_chunks + 1]`` int64: chunk ``c`` is ``stream[starts[c] : starts[c + 1]]``
         (``[0]`` for an empty stream).
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = np.asarray(sizes)  # any integer type: the running count is int64
     n = len(sizes)
     starts: list[int] = []
     p = 0
@@ -615,7 +615,7 @@ def shard_batches(batches: Sequence[Sequence[int]], n_atoms: np.ndarray, rank: i
     lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
     flat = np.fromiter((i for b in batches for i in b), dtype=np.int64, count=int(lengths.sum()))
     which = np.repeat(np.arange(len(batches)), lengths)
-    sizes = np.asarray(n_atoms, dtype=np.int64)[flat]
+    sizes = np.asarray(n_atoms)[flat].astype(np.int64)
     by = np.lexsort((flat, -sizes, which))  # per batch: largest first, ties by index
     flat, sizes = flat[by], sizes[by]
     first = np.concatenate(([0], np.cumsum(lengths)[:-1]))

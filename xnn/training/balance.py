@@ -54,9 +54,12 @@ def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budge
     lookahead = LOOKAHEAD_PER_BIN * bins if lookahead is None else int(lookahead)
     if lookahead < 1:
         raise InputError(f"data.balance_lookahead must be >= 1, got {lookahead}")
-    sizes = np.asarray(n_atoms, dtype=np.int64)
+    sizes = np.asarray(n_atoms)  # no int64 copy of the whole array: a window at a time
     stream = np.asarray(order, dtype=np.int64)
-    repeats = len(stream) > 0 and int(np.bincount(stream).max()) > 1  # draws by weight
+    seen = np.zeros(len(sizes), dtype=bool)
+    seen[stream] = True
+    repeats = int(seen.sum()) < len(stream)  # draws by weight repeat structures
+    del seen
     window = stream[:0]
     steps: list[list[list[int]]] = []
     pos = 0
@@ -80,7 +83,7 @@ def _pack(window: np.ndarray, sizes: np.ndarray, bins: int, budget: int, last: b
     the structures too large for its room are passed over in one ``searchsorted`` on the
     sizes (largest first), so the Python steps are the structures placed, not the window."""
     head = int(window[0])
-    n_w = sizes[window]
+    n_w = sizes[window].astype(np.int64)
     cap = max(budget, int(n_w.max()))
     w1, n1 = window[1:], n_w[1:]
     by_size = np.lexsort((w1, -n1))  # largest first, ties by index

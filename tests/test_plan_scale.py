@@ -126,8 +126,10 @@ def test_balanced_batches_equal_the_loop(bins, budget, lookahead):
         n_atoms, drawn, bins, budget, la)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 8, 64])
-def test_shard_batches_equal_shard_batch(world):
+@pytest.mark.parametrize("world,block", [(1, None), (2, None), (3, 500), (8, 1), (64, None)])
+def test_shard_batches_equal_shard_batch(world, block, monkeypatch):
+    if block:  # batches dealt a block of structures at a time
+        monkeypatch.setattr(datasets, "CHUNK_BLOCK", block)
     n_atoms = _sizes(3000, seed=world)
     rng = np.random.default_rng(world)
     batches = make_batches(n_atoms, max_atoms=2000 * min(world, 8), shuffle=True, seed=4)

@@ -608,11 +608,26 @@ def shard_batches(batches: Sequence[Sequence[int]], n_atoms: np.ndarray, rank: i
     The k-th largest structure of every batch is dealt in one numpy step (round ``k``) to
     its batch's least-loaded rank (ties to the lowest), as :func:`shard_batch` deals them one
     by one; the cost is a few numpy calls per round (the longest batch's length) rather than
-    Python steps per structure.
+    Python steps per structure. Batches are taken about :data:`CHUNK_BLOCK` structures at a
+    time (bounded working memory).
     """
     if world == 1:
         return [list(b) for b in batches]
     lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    ends = np.cumsum(lengths)
+    out: list[list[int]] = []
+    lo = 0
+    while lo < len(batches):
+        done = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, done + CHUNK_BLOCK, side="right")))
+        out += _shard_block(batches[lo:hi], lengths[lo:hi], n_atoms, rank, world)
+        lo = hi
+    return out
+
+
+def _shard_block(batches: Sequence[Sequence[int]], lengths: np.ndarray, n_atoms: np.ndarray,
+                 rank: int, world: int) -> list[list[int]]:
+    """:func:`shard_batches` of some batches (``lengths``: their sizes)."""
     flat = np.fromiter((i for b in batches for i in b), dtype=np.int64, count=int(lengths.sum()))
     which = np.repeat(np.arange(len(batches)), lengths)
     sizes = np.asarray(n_atoms)[flat].astype(np.int64)

@@ -113,7 +113,7 @@ def plan(mode: str, impl: str, n_atoms: np.ndarray, ranks: int, budget: int) -> 
         return len(balanced_batches(n_atoms, order, ranks, budget))
     if impl == "before":
         batches = _old_chunks(order.tolist(), n_atoms, budget * ranks)
-        mine = [_old_shard(b, n_atoms, 0, ranks) if ranks > 1 else b for b in batches]
+        mine = [_old_shard(b, n_atoms, 0, ranks) if ranks > 1 else list(b) for b in batches]
     else:
         batches = make_batches(n_atoms, max_atoms=budget * ranks, shuffle=True)
         mine = shard_batches(batches, n_atoms, 0, ranks)

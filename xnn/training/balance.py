@@ -44,7 +44,9 @@ def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budge
             step's budget to its size).
         lookahead: structures in the window (``None``: ``LOOKAHEAD_PER_BIN × bins``).
     Returns:
-        ``[step][share] -> structure indices``; every index of ``order`` once, in one share.
+        ``[step][share] -> structure indices``; every index of ``order`` once, in one share
+        (a structure drawn twice into one window with one copy passed over keeps both copies
+        in the window, as the packer always did: the packs stay those of existing runs).
     Raises:
         InputError: ``bins``, ``budget`` or ``lookahead`` below 1.
     """

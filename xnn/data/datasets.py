@@ -468,34 +468,84 @@ def make_batches(
     if max_atoms < 1:
         raise InputError(f"max_atoms_per_batch must be >= 1, got {max_atoms}")
     if groups is None:
-        return atom_chunks(order.tolist(), n_atoms, max_atoms)
-    big = [i for i in order.tolist() if int(n_atoms[i]) > max_atoms]
-    if big:
-        i = min(big)
+        return atom_chunks(order, n_atoms, max_atoms)
+    big = np.flatnonzero(np.asarray(n_atoms) > max_atoms)
+    if len(big):
+        i = int(big[0])
         raise InputError(f"structure {i} has {int(n_atoms[i])} atoms, more than "
                          f"data.max_atoms_per_batch={max_atoms}, the budget of one domain-"
                          f"decomposition group's share ({len(big)} such structures); raise "
                          "data.max_atoms_per_batch or parallel.dd, or remove the structure")
-    chunks = atom_chunks(order.tolist(), n_atoms, max_atoms)
-    return [sum(chunks[k : k + groups], []) for k in range(0, len(chunks), groups)]
+    starts = chunk_starts(np.asarray(n_atoms)[order], max_atoms)
+    return _split(order, starts[::groups])  # a batch: ``groups`` consecutive chunks
 
 
 def atom_chunks(indices: Sequence[int], n_atoms: np.ndarray, max_atoms: int) -> list[list[int]]:
     """``indices`` cut in order into chunks of at most ``max_atoms`` atoms (a structure
     larger than that forms its own chunk). Deterministic: cutting a concatenation of such
-    chunks again gives the same chunks (how a dd group finds its share of a batch)."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    count = 0
-    for i in indices:
-        if current and count + int(n_atoms[i]) > max_atoms:
-            batches.append(current)
-            current, count = [], 0
-        current.append(i)
-        count += int(n_atoms[i])
-    if current:
-        batches.append(current)
-    return batches
+    chunks again gives the same chunks (how a dd group finds its share of a batch).
+    Vectorised (:func:`chunk_starts`): about 0.1 µs per structure."""
+    order = np.asarray(indices, dtype=np.int64)
+    return _split(order, chunk_starts(np.asarray(n_atoms)[order], max_atoms))
+
+
+#: structures per block of :func:`chunk_starts` (bounds its working memory)
+CHUNK_BLOCK = 1 << 20
+
+
+def chunk_starts(sizes: np.ndarray, max_atoms: int) -> np.ndarray:
+    """Where the chunks of :func:`atom_chunks` start in a stream of structures.
+
+    A chunk takes structures while it holds at most ``max_atoms`` atoms (at least one). The
+    end of the chunk starting at every position comes from one ``searchsorted`` on the
+    running atom count, block by block; the chunk starts are then the walk from position 0
+    (one Python step per chunk, not per structure).
+
+    Args:
+        sizes: ``[n]`` atoms of the stream's structures, in stream order.
+        max_atoms: atoms per chunk.
+    Returns:
+        ``[n_chunks + 1]`` int64: chunk ``c`` is ``stream[starts[c] : starts[c + 1]]``
+        (``[0]`` for an empty stream).
+    """
+    sizes = np.asarray(sizes)  # any integer type: the running count is int64
+    n = len(sizes)
+    starts: list[int] = []
+    p = 0
+    while p < n:
+        base = p
+        ends = _chunk_ends(sizes, base, min(n, base + CHUNK_BLOCK), max_atoms).tolist()
+        stop = base + len(ends)
+        while p < stop:
+            starts.append(p)
+            p = ends[p - base]
+    starts.append(n)
+    return np.asarray(starts, dtype=np.int64)
+
+
+def _chunk_ends(sizes: np.ndarray, lo: int, hi: int, max_atoms: int) -> np.ndarray:
+    """``[hi - lo]`` the end (exclusive) of the chunk that would start at each position of
+    ``lo..hi`` (the chunk holds up to ``max_atoms`` atoms, at least one structure)."""
+    # the running count from lo over the block and the look-ahead of its last chunk
+    reach = hi
+    total = 0
+    while reach < len(sizes) and total <= max_atoms:  # the last chunk may run past hi
+        step = min(len(sizes), reach + CHUNK_BLOCK) - reach
+        total += int(sizes[reach : reach + step].sum())
+        reach += step
+    cum = np.zeros(reach - lo + 1, dtype=np.int64)
+    np.cumsum(sizes[lo:reach], out=cum[1:])
+    ends = np.searchsorted(cum, cum[: hi - lo] + max_atoms, side="right") - 1
+    np.maximum(ends, np.arange(1, hi - lo + 1), out=ends)
+    return ends + lo
+
+
+def _split(order: np.ndarray, starts: np.ndarray) -> list[list[int]]:
+    """``order`` cut at ``starts`` (as :func:`chunk_starts` gives them) into lists."""
+    bounds = starts.tolist()
+    if bounds[-1] != len(order):
+        bounds.append(len(order))
+    return [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def shard_batch(batch: Sequence[int], n_atoms: np.ndarray, rank: int, world: int) -> list[int]:
@@ -514,6 +564,54 @@ def shard_batch(batch: Sequence[int], n_atoms: np.ndarray, rank: int, world: int
         if r == rank:
             mine.append(i)
     return sorted(mine)
+
+
+def shard_batches(batches: Sequence[Sequence[int]], n_atoms: np.ndarray, rank: int,
+                  world: int) -> list[list[int]]:
+    """:func:`shard_batch` of every batch at once: the same shares, vectorised over batches.
+
+    The k-th largest structure of every batch is dealt in one numpy step (round ``k``) to
+    its batch's least-loaded rank (ties to the lowest), as :func:`shard_batch` deals them one
+    by one; the cost is a few numpy calls per round (the longest batch's length) rather than
+    Python steps per structure. Batches are taken about :data:`CHUNK_BLOCK` structures at a
+    time (bounded working memory).
+    """
+    if world == 1:
+        return [list(b) for b in batches]
+    lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    ends = np.cumsum(lengths)
+    out: list[list[int]] = []
+    lo = 0
+    while lo < len(batches):
+        done = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, done + CHUNK_BLOCK, side="right")))
+        out += _shard_block(batches[lo:hi], lengths[lo:hi], n_atoms, rank, world)
+        lo = hi
+    return out
+
+
+def _shard_block(batches: Sequence[Sequence[int]], lengths: np.ndarray, n_atoms: np.ndarray,
+                 rank: int, world: int) -> list[list[int]]:
+    """:func:`shard_batches` of some batches (``lengths``: their sizes)."""
+    flat = np.fromiter((i for b in batches for i in b), dtype=np.int64, count=int(lengths.sum()))
+    which = np.repeat(np.arange(len(batches)), lengths)
+    sizes = np.asarray(n_atoms)[flat].astype(np.int64)
+    by = np.lexsort((flat, -sizes, which))  # per batch: largest first, ties by index
+    flat, sizes = flat[by], sizes[by]
+    first = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    load = np.zeros((len(batches), world), dtype=np.int64)
+    owner = np.empty(len(flat), dtype=np.int64)
+    for k in range(int(lengths.max()) if len(lengths) else 0):
+        open_ = np.flatnonzero(lengths > k)
+        pos = first[open_] + k
+        to = np.argmin(load[open_], axis=1)
+        load[open_, to] += sizes[pos]
+        owner[pos] = to
+    mine = owner == rank
+    keep, kept_in = flat[mine], which[mine]
+    keep = keep[np.lexsort((keep, kept_in))]
+    cut = np.cumsum(np.bincount(kept_in, minlength=len(batches)))[:-1]
+    return [part.tolist() for part in np.split(keep, cut)]
 
 
 def collate(graphs: Sequence[AtomicGraph]) -> AtomicGraph:

@@ -21,6 +21,7 @@ trains their union (the same global batch). The balance is measured by :func:`im
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,7 +44,9 @@ def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budge
             step's budget to its size).
         lookahead: structures in the window (``None``: ``LOOKAHEAD_PER_BIN × bins``).
     Returns:
-        ``[step][share] -> structure indices``; every index of ``order`` once, in one share.
+        ``[step][share] -> structure indices``; every index of ``order`` once, in one share
+        (a structure drawn twice into one window with one copy passed over keeps both copies
+        in the window, as the packer always did: the packs stay those of existing runs).
     Raises:
         InputError: ``bins``, ``budget`` or ``lookahead`` below 1.
     """
@@ -53,44 +56,65 @@ def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budge
     lookahead = LOOKAHEAD_PER_BIN * bins if lookahead is None else int(lookahead)
     if lookahead < 1:
         raise InputError(f"data.balance_lookahead must be >= 1, got {lookahead}")
-    sizes = np.asarray(n_atoms, dtype=np.int64)
-    stream = [int(i) for i in order]
-    window: list[int] = []
+    sizes = np.asarray(n_atoms)  # no int64 copy of the whole array: a window at a time
+    stream = np.asarray(order, dtype=np.int64)
+    seen = np.zeros(len(sizes), dtype=bool)
+    seen[stream] = True
+    repeats = int(seen.sum()) < len(stream)  # draws by weight repeat structures
+    del seen
+    window = stream[:0]
     steps: list[list[list[int]]] = []
     pos = 0
-    while pos < len(stream) or window:
+    while pos < len(stream) or len(window):
         take = min(lookahead - len(window), len(stream) - pos)
-        window += stream[pos : pos + take]
+        window = np.concatenate((window, stream[pos : pos + take]))
         pos += take
         last = pos == len(stream)
-        shares, window = _pack(window, sizes, bins, budget, last)
+        shares, window = _pack(window, sizes, bins, budget, last, repeats)
         steps.append(shares)
     return steps
 
 
-def _pack(window: list[int], sizes: np.ndarray, bins: int, budget: int,
-          last: bool) -> tuple[list[list[int]], list[int]]:
+def _pack(window: np.ndarray, sizes: np.ndarray, bins: int, budget: int, last: bool,
+          repeats: bool = False) -> tuple[list[list[int]], np.ndarray]:
     """One step's shares from ``window`` (its oldest structure first, then largest first to
     the least-loaded share it fits); ``last``: the stream is done, deal out the whole window
-    if it fits in one step's total. Returns the shares and what stays in the window."""
-    head = window[0]
-    cap = max(budget, int(sizes[window].max()))
-    rest = sorted(window[1:], key=lambda i: (-int(sizes[i]), i))
-    if last and int(sizes[window].sum()) <= bins * cap:
-        cap = None  # the end of the epoch: everything left, as evenly as it goes
+    if it fits in one step's total. Returns the shares and what stays in the window.
+
+    The least-loaded share (ties to the lowest) is the top of a heap of ``(load, share)``;
+    the structures too large for its room are passed over in one ``searchsorted`` on the
+    sizes (largest first), so the Python steps are the structures placed, not the window."""
+    head = int(window[0])
+    n_w = sizes[window].astype(np.int64)
+    cap = max(budget, int(n_w.max()))
+    w1, n1 = window[1:], n_w[1:]
+    by_size = np.lexsort((w1, -n1))  # largest first, ties by index
+    rest, rest_n = w1[by_size], n1[by_size]
+    if last and int(n_w.sum()) <= bins * cap:
+        # the end of the epoch: everything left, as evenly as it goes (no share's room
+        # is ever short of the whole window)
+        cap = int(n_w.sum())
     shares: list[list[int]] = [[head]] + [[] for _ in range(bins - 1)]
-    load = [int(sizes[head])] + [0] * (bins - 1)
-    left: list[int] = []
-    for i in rest:
-        n = int(sizes[i])
-        k = min(range(bins), key=lambda b: (load[b], b))
-        if cap is not None and load[k] + n > cap:
-            left.append(i)
-            continue
-        shares[k].append(i)
-        load[k] += n
-    kept = set(left)
-    return [sorted(s) for s in shares], [i for i in window[1:] if i in kept]
+    heap = [(int(n_w[0]), 0)] + [(0, b) for b in range(1, bins)]
+    heapq.heapify(heap)
+    placed: list[int] = []
+    ids, ns, neg = rest.tolist(), rest_n.tolist(), -rest_n
+    j = 0
+    while j < len(ns):
+        load, k = heap[0]
+        if ns[j] > cap - load:  # the least-loaded share's room: skip what is larger
+            j = max(j, int(np.searchsorted(neg, load - cap, side="left")))
+            if j == len(ns):
+                break
+        shares[k].append(ids[j])
+        heapq.heapreplace(heap, (load + ns[j], k))
+        placed.append(j)
+        j += 1
+    taken = np.zeros(len(rest), dtype=bool)
+    taken[placed] = True
+    if repeats:  # what stays, in stream order: every copy of a structure passed over
+        return [sorted(s) for s in shares], w1[np.isin(w1, rest[~taken])]
+    return [sorted(s) for s in shares], w1[np.sort(by_size[~taken])]
 
 
 def imbalance(steps: Sequence[Sequence[Sequence[int]]], n_atoms: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xnn.data.datasets import make_batches
+from xnn.data.datasets import make_batches, shard_batches
 from xnn.errors import InputError
 
 
@@ -37,6 +37,7 @@ class BatchPlan:
         self.train = train
         self.sharding = sharding
         self._weights = None  # per-structure sampling weights (samples_per_epoch)
+        self._last: tuple[int, list] | None = None  # (epoch, its packs): planned once
 
     def shard(self, dataset, max_atoms: int | None):
         """``shard(batch) -> this rank's indices`` for batches made with ``max_atoms``."""
@@ -51,6 +52,10 @@ class BatchPlan:
         """``(global batches, this rank's share of each)`` of ``epoch``."""
         packs = self._epoch(epoch)
         if not self.cfg.balance_bins:
+            sharding = self.sharding
+            if sharding.dp > 1 and sharding.groups is None:  # greedy by atoms, vectorised
+                return packs, shard_batches(packs, self.train.n_atoms, sharding.dp_rank,
+                                            sharding.dp)
             shard = self.shard(self.train, self.cfg.max_atoms_per_batch)
             return packs, [shard(b) for b in packs]
         batches = [sum(p, []) for p in packs]
@@ -81,7 +86,13 @@ class BatchPlan:
         return sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
 
     def _epoch(self, epoch: int) -> list:
-        """The global batches of ``epoch`` (balanced: as their shares)."""
+        """The global batches of ``epoch`` (balanced: as their shares), planned once per
+        epoch (the start of a run asks for epoch 0's three times)."""
+        if self._last is None or self._last[0] != epoch:
+            self._last = (epoch, self._plan_epoch(epoch))
+        return self._last[1]
+
+    def _plan_epoch(self, epoch: int) -> list:
         d = self.cfg
         n_atoms = np.asarray(self.train.n_atoms)
         groups = self.sharding.groups

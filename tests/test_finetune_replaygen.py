@@ -13,8 +13,8 @@ import torch
 
 from xnn.config.loader import ConfigError, load_config
 from xnn.config.train import TrainConfig
-from xnn.data.sources import read_structures
 from xnn.data.emt import write_emt
+from xnn.data.sources import read_structures
 from xnn.errors import DataFileError
 from xnn.models.derivatives import compute_properties
 from xnn.models.potential import Potential

@@ -57,9 +57,9 @@ from xnn.data.datasets import (  # noqa: E402
     LabelledDataset,
     make_batches,
     normalize_labels,
-    read_structures,
 )
 from xnn.data.graph import AtomicGraph  # noqa: E402
+from xnn.data.sources import read_structures  # noqa: E402
 
 FORMATS = ("memory", "hdf5", "aselmdb", "prepared")
 SPACING = 2.3  # Å between lattice sites of the synthetic structures

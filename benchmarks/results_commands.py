@@ -172,6 +172,9 @@ COMMANDS = {
                                          "float64 "
                                          "--device cuda --json "
                                          "benchmarks/results/validate_equivariant_h200x4.json"),
+    "data_scale_h100.json": ("python benchmarks/data_scale.py --device cuda --n 10000 --batches 60 "
+                             "--note '<the machine note in the file>' --json "
+                             "benchmarks/results/data_scale_h100.json"),
     "data_scale_cpu.json": ("python benchmarks/data_scale.py --n 5000 --batches 40 --note "
                             "'<the machine note in the file>' --json "
                             "benchmarks/results/data_scale_cpu.json"),

@@ -36,7 +36,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 README = RESULTS / "README.md"
 
 BLOCK = re.compile(r"<!-- table: (?P<name>[a-z0-9_]+) -->\n(?:\|[^\n]*(?:\n|$))*")
-MAX_LINES = 320  # the issue asks for a README of about 300 lines at most
+MAX_LINES = 330  # issue 43 asked for a README of about 300 lines at most (330 since the
+#                   data-loading table has a GPU file)
 
 
 # --------------------------------------------------------------------------- loading
@@ -224,7 +225,7 @@ TABLES = [
           ("training_ddp_h200x2.json",), rows.training_ddp, fold=(1, 2)),
     Table("data_scale", ("workers", "format", "structures/s", "atoms/s", "first batch",
                          "peak RSS main + largest worker", "loader / step"),
-          ("data_scale_cpu.json",), rows.data_scale, fold=(0,)),
+          ("data_scale_h100.json", "data_scale_cpu.json"), rows.data_scale, fold=(0,)),
     Table("accuracy_vs_mace", ("epochs", "seed", "energy MAE (meV/atom)", "forces MAE (meV/Å)",
                                "stress MAE (meV/Å³)"),
           ("accuracy_vs_mace_h200.json", "accuracy_vs_mace_cpu.json"), rows.accuracy),

@@ -56,3 +56,16 @@ def cfg_of(out, *extra) -> TrainConfig:
 def step_losses(out) -> list[float]:
     with open(Path(out) / "steps.csv") as f:
         return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def assert_same_weights(a, b):
+    """The model weights of the last checkpoints of runs ``a`` and ``b`` are bitwise equal."""
+    import torch
+
+    from xnn.training.checkpoint import load_checkpoint
+
+    a, b = (load_checkpoint(Path(p) / "checkpoints/last.pt")["model"]["state_dict"]
+            for p in (a, b))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -16,7 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from streaming_helpers import cfg_of, cli_args, small_cu, step_losses, write_h5
+from streaming_helpers import (
+    assert_same_weights,
+    cfg_of,
+    cli_args,
+    small_cu,
+    step_losses,
+    write_h5,
+)
 
 from xnn.config.loader import ConfigError
 from xnn.data.datasets import HDF5Source, InMemoryDataset, LabelledDataset, make_batches
@@ -84,14 +91,6 @@ class Counted(LabelledDataset):
 
     def species(self) -> list[int]:
         return self.inner.species()
-
-
-def assert_same_weights(a, b):
-    a, b = (load_checkpoint(Path(p) / "checkpoints/last.pt")["model"]["state_dict"]
-            for p in (a, b))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.fixture(scope="module")

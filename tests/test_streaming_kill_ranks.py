@@ -69,7 +69,7 @@ def _finish(proc: subprocess.Popen) -> None:
 
 
 def test_two_ranks_sigkilled_mid_epoch_resume_bitwise(tmp_path):
-    from test_streaming import assert_same_weights
+    from streaming_helpers import assert_same_weights
 
     data = write_h5(tmp_path / "cu.h5", small_cu(120, seed=3))
     _finish(_torchrun(tmp_path / "ref", data))

@@ -337,9 +337,9 @@ def test_dataset_label_counts_are_the_loss_normalisers(tmp_path, data):
         InMemoryDataset,
         Subset,
         collate,
-        read_structures,
     )
     from xnn.data.hdf5 import write_hdf5
+    from xnn.data.sources import read_structures
     from xnn.neighbors.datasets import WithEdges
 
     graphs = [read_structures(data)[i] for i in range(8)]

@@ -99,7 +99,7 @@ def _shortest_edge(g) -> float:
 
 def prepare_files(inputs: list[str], out: str, shards: int, cutoff: float | None,
                   keys: dict[str, str], overwrite: bool = False) -> dict:
-    """``inputs`` (any format :func:`~xnn.data.datasets.read_structures` opens, labels by
+    """``inputs`` (any format :func:`~xnn.data.sources.read_structures` opens, labels by
     ``keys``: energy, forces, stress, virial) as one prepared dataset in the folder ``out``
     (:func:`xnn.data.prepared.write_prepared`); returns its manifest."""
     from xnn.data.datasets import ConcatDataset

@@ -247,7 +247,7 @@ class PreparedDataset(LabelledDataset):
     ``dataset[i]`` is a one-system graph with ``energy [1]``, ``forces [n, 3]``,
     ``stress [1, 3, 3]`` (NaN where the source had no label), ``weight [1]``, ``atom_id``
     (consecutive over the dataset) and ``system_id`` ``[i]``, as
-    :func:`~xnn.data.datasets.read_structures` gives the source file's structures.
+    :func:`~xnn.data.sources.read_structures` gives the source file's structures.
     Pickling keeps the path only: a data-loader worker maps the arrays again.
     """
 

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from xnn.data.datasets import make_batches, shard_batches
+from xnn.data.datasets import make_batches, shard_batch, shard_batches
 from xnn.training.balance import balanced_batches
 
 
@@ -58,16 +58,6 @@ def _old_chunks(indices, n_atoms, max_atoms):
     if current:
         batches.append(current)
     return batches
-
-
-def _old_shard(batch, n_atoms, rank, world):
-    load, mine = [0] * world, []
-    for i in sorted(batch, key=lambda i: (-int(n_atoms[i]), i)):
-        r = min(range(world), key=lambda k: (load[k], k))
-        load[r] += int(n_atoms[i])
-        if r == rank:
-            mine.append(i)
-    return sorted(mine)
 
 
 def _old_pack(window, sizes, bins, budget, last):
@@ -113,7 +103,7 @@ def plan(mode: str, impl: str, n_atoms: np.ndarray, ranks: int, budget: int) -> 
         return len(balanced_batches(n_atoms, order, ranks, budget))
     if impl == "before":
         batches = _old_chunks(order.tolist(), n_atoms, budget * ranks)
-        mine = [_old_shard(b, n_atoms, 0, ranks) if ranks > 1 else list(b) for b in batches]
+        mine = [shard_batch(b, n_atoms, 0, ranks) for b in batches]  # per batch, as before
     else:
         batches = make_batches(n_atoms, max_atoms=budget * ranks, shuffle=True)
         mine = shard_batches(batches, n_atoms, 0, ranks)

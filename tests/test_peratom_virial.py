@@ -1,6 +1,6 @@
 """Per-atom virials from the one derivative function (``compute_properties(...,
 peratom_virial=True)``, :class:`xnn.models.derivatives.EdgeGradients`): each edge's
-``-r ⊗ ∂E/∂r`` (symmetrised) half to each of its atoms.
+``-r ⊗ ∂E/∂r`` half to each of its atoms.
 
 Physics checks: asking for them leaves energy, forces and virial bitwise as they were; they
 sum to the strain virial; a pair potential's per-atom virial is the pair formula
@@ -42,9 +42,8 @@ def test_results_unchanged_and_virials_sum_to_the_virial(name, structure):
         assert torch.equal(per[key], plain[key]), key
     w = per[K.VIRIALS]
     assert w.shape == (g.n_atoms, 3, 3)
-    assert torch.equal(w, w.transpose(1, 2))
     assert float(w.abs().max()) > 1e-3
-    total = plain[K.VIRIAL][0]
+    total = plain[K.VIRIAL][0]  # symmetric; the per-atom sum's torque is round-off
     assert float((w.sum(0) - total).abs().max()) <= 1e-12 * float(w.abs().max()) * g.n_atoms
 
 

@@ -12,9 +12,10 @@ Both gradients come from a single ``torch.autograd.grad`` call; ``create_graph=T
 training so that force and stress losses can be differentiated (double backward).
 
 Per-atom virials (on request, :class:`EdgeGradients`): the same autograd call also yields
-``∂E/∂r_ij`` of every edge; edge ``e``'s virial ``-r_e ⊗ ∂E/∂r_e`` (symmetrised) goes half
-to each of its two atoms (the definition of LAMMPS's pair styles, ML-IAP and MACE), so the
-per-atom virials sum to ``W``.
+``∂E/∂r_ij`` of every edge; edge ``e``'s virial ``-r_e ⊗ ∂E/∂r_e`` goes half to each of its
+two atoms (LAMMPS's ML-IAP ``v_tally`` and pair styles; MACE also symmetrises each atom's
+tensor), so the per-atom virials sum to ``W`` (up to the model's torque, zero for a
+rotation-invariant energy).
 """
 
 from __future__ import annotations
@@ -118,10 +119,11 @@ class EdgeGradients:
 
 
 def edge_virials(vectors: Tensor, grad: Tensor, edge_index: Tensor, n_atoms: int) -> Tensor:
-    """``[n_atoms, 3, 3]`` (eV): edge ``e``'s virial ``-sym(r_e ⊗ ∂E/∂r_e)`` half to its
-    sender, half to its receiver (``edge_index [2, E]``); they sum to ``-∂E/∂ε``."""
+    """``[n_atoms, 3, 3]`` (eV): edge ``e``'s virial ``-r_e ⊗ ∂E/∂r_e`` (``[a, b] = -r_a
+    ∂E/∂r_b``, not symmetrised: LAMMPS reads the upper triangle, as ML-IAP's ``v_tally``
+    forms it) half to its sender, half to its receiver (``edge_index [2, E]``); they sum to
+    ``-∂E/∂ε`` up to the antisymmetric torque, zero for a rotation-invariant energy."""
     w = -0.5 * vectors.unsqueeze(-1) * grad.unsqueeze(-2)
-    w = 0.5 * (w + w.transpose(-1, -2))
     out = w.new_zeros(n_atoms, 3, 3)
     return out.index_add(0, edge_index[0], w).index_add(0, edge_index[1], w)
 

@@ -290,13 +290,21 @@ def run_ranks(unified, datas: list[FakeMLIAPData]) -> None:
         raise (real or errors)[0]
 
 
+#: LAMMPS's per-atom virial components (xx yy zz xy xz yz) in a 3x3 tensor
+VOIGT = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))
+
+
 def assemble(datas: list[FakeMLIAPData], n_atoms: int) -> dict[str, Tensor]:
     """What LAMMPS makes of the ranks' results, by atom of the whole system: ``energy``,
     ``energies [n_atoms]``, ``forces [n_atoms, 3]`` (``f[i] += fij``, ``f[j] -= fij``, ghost
-    forces to owners) and ``virial [3, 3]`` (``-Σ rij ⊗ fij``, LAMMPS's ``v_tally``)."""
+    forces to owners), ``virial [3, 3]`` (``-Σ rij ⊗ fij``, LAMMPS's ``v_tally``) and
+    ``virials [n_atoms, 6]`` (``compute stress/atom``'s virials, xx yy zz xy xz yz: each
+    pair's ``-rij ⊗ fij`` half to ``i``, half to ``j`` as ``v_tally`` tallies them, ghost
+    rows to their owners)."""
     energies = np.zeros(n_atoms)
     forces = np.zeros((n_atoms, 3))
     virial = np.zeros((3, 3))
+    virials = np.zeros((n_atoms, 6))
     for d in datas:
         p = d.part  # LAMMPS's e_tally: eatom[iatoms[ii]] = eatoms[ii]
         energies[p.global_index[p.iatoms[: p.nlistatoms]]] = d.eatoms
@@ -305,17 +313,24 @@ def assemble(datas: list[FakeMLIAPData], n_atoms: int) -> dict[str, Tensor]:
         np.add.at(f, p.pair_j, -d.pair_forces)
         np.add.at(forces, p.global_index, f)
         virial -= p.rij.T @ d.pair_forces
+        v = np.stack([-p.rij[:, a] * d.pair_forces[:, b] for a, b in VOIGT], axis=1)
+        w = np.zeros((p.ntotal, 6))
+        np.add.at(w, p.pair_i, 0.5 * v)
+        np.add.at(w, p.pair_j, 0.5 * v)
+        np.add.at(virials, p.global_index, w)
     return {"energy": torch.tensor(sum(d.energy for d in datas), dtype=torch.float64),
             "energies": torch.as_tensor(energies), "forces": torch.as_tensor(forces),
-            "virial": torch.as_tensor(virial)}
+            "virial": torch.as_tensor(virial), "virials": torch.as_tensor(virials)}
 
 
 def check_mliap(unified, graph: AtomicGraph, n_ranks: int, tol: float = 1e-10,
                 null_numbers: tuple[int, ...] = ()) -> dict[str, float]:
     """Assert that ``unified`` (an :class:`xnn.interop.mliap.XnnMLIAPUnified`) on
-    ``n_ranks`` emulated LAMMPS ranks gives the one-process energy, per-atom energies, forces
-    and virial of its model (in float64) on ``graph`` (one fp64 system) to ``tol`` relative;
-    returns the errors.
+    ``n_ranks`` emulated LAMMPS ranks gives the one-process energy, per-atom energies, forces,
+    virial and per-atom virials (LAMMPS's ``compute stress/atom`` from the pair forces
+    against ``compute_properties(..., peratom_virial=True)``, the ``fix external`` route's)
+    of its model (in float64) on ``graph`` (one fp64 system) to ``tol`` relative; returns
+    the errors.
 
     The ranks hold the ghosts ``unified`` asks for (``ghost_cutoff``), every ghost a
     receiver too when it needs ghost neighbours (``ghost_neighbors``; those at the shell's
@@ -342,15 +357,19 @@ def check_mliap(unified, graph: AtomicGraph, n_ranks: int, tol: float = 1e-10,
     sub = graph if keep.numel() == graph.n_atoms else AtomicGraph.from_arrays(
         graph.positions[keep], graph.numbers[keep], graph.cell[0], graph.pbc[0],
         dtype=torch.float64)
-    part = compute_properties(reference, with_edges(sub, cutoff, backend="brute"))
+    part = compute_properties(reference, with_edges(sub, cutoff, backend="brute"),
+                              peratom_virial=True)
+    per = torch.stack([part["virials"][:, a, b] for a, b in VOIGT], dim=1)
     ref = {"energy": part["energy"], "virial": part["virial"],
+           "virials": per.new_zeros(graph.n_atoms, 6).index_copy(0, keep, per),
            "energies": part["energies"].new_zeros(graph.n_atoms).index_copy(
                0, keep, part["energies"]),
            "forces": part["forces"].new_zeros(graph.n_atoms, 3).index_copy(
                0, keep, part["forces"])}
     errors = {}
     for key, want in (("energy", ref["energy"][0]), ("energies", ref["energies"]),
-                      ("forces", ref["forces"]), ("virial", ref["virial"][0])):
+                      ("forces", ref["forces"]), ("virial", ref["virial"][0]),
+                      ("virials", ref["virials"])):
         a, b = got[key].double(), want.detach().double()
         errors[key] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
     bad = {k: v for k, v in errors.items() if not v <= tol}

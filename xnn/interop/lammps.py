@@ -497,7 +497,8 @@ class XnnFixExternal:
         """Whether LAMMPS asks for per-atom virials at this force evaluation: a compute that
         needs them (``compute stress/atom``, read by thermo, a dump, a fix ave) is due at
         this step, LAMMPS's ``update->vflag_atom`` (the same on every rank)."""
-        return int(self.lmp.extract_global("vflag_atom")) == int(ntimestep)
+        step = self.lmp.extract_global("vflag_atom")  # None: a LAMMPS without the field
+        return step is not None and int(step) == int(ntimestep)
 
     def _set_virial_peratom(self, virials: np.ndarray) -> None:
         """The owned atoms' virials ``[nlocal, 6]`` (eV; xx yy zz xy xz yz) into fix

@@ -176,6 +176,17 @@ def test_per_atom_virials_only_at_the_steps_lammps_asks_for_them(make_model):
                                atol=1e-12 * np.abs(virial).max())
     assert np.abs(total + pv).max() <= 1e-10 * np.abs(pv).max()
     lmp.close()
+    # without a compute that needs them: never, not even at the first setup from step 0
+    # (where LAMMPS's fresh update->vflag_atom, 0, would read "asked")
+    lmp = lammps_of(atoms)
+    lmp.commands_string("timestep 0.002\nfix integrate all nve\nthermo 1")
+    xfix = XnnFixExternal(lmp, make_model(), species=["Cu"])
+    asked = []
+    wants = xfix.wants_peratom_virial
+    xfix.wants_peratom_virial = lambda step: asked.append((step, wants(step))) or asked[-1][1]
+    xfix.run(3)
+    assert asked == [(0, False), (1, False), (2, False), (3, False)]
+    lmp.close()
 
 
 def xnn_nve(model, atoms, v_fs, masses, dt_fs, n_steps):

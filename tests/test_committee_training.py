@@ -242,3 +242,25 @@ def test_committee_config_refusals(args, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, None, ["data.datasets.0.path=x.xyz", *args])
+
+
+def test_finetune_a_committee_from_its_model_file(runs):
+    """``pretrained=committee.pt`` (without committee.size) trains the committee on: every
+    member moves, and the calibration is fitted again."""
+    from xnn.app.train import train
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+    from xnn.models.serialization import load_model
+
+    d = runs["data"]
+    start = d / "committee" / "model.pt"
+    cfg = load_config(TrainConfig, None, [
+        f"data.datasets.0.path={d / 'train.xyz'}", f"data.val.0.path={d / 'val.xyz'}",
+        f"output_dir={d / 'finetuned'}", "data.batch_size=3", "model.cutoff=3.0",
+        "max_steps=2", "precision=fp64", "logging.progress_bar=false", "device=cpu",
+        "logging.plots=false", f"pretrained={start}"])
+    summary = train(cfg)
+    before, after = load_model(start), load_model(d / "finetuned" / "model.pt")
+    assert isinstance(after, Committee) and summary["committee"]["calibrated_on"] == "val"
+    for a, b in zip(before.members, after.members):
+        assert float((flat(a.parameters()) - flat(b.parameters())).abs().max()) > 1e-6

@@ -202,7 +202,7 @@ def test_model_contracts_hold_for_the_mean():
         check_stress_finite_difference,
     )
 
-    committee = Committee(spec("equivariant"), size=2, seeds=[0, 1]).double()
+    committee = Committee(spec("schnet"), size=2, seeds=[0, 1]).double()
     g = graph(fcc((1, 1, 1), rattle=0.15, seed=4))
     check_forces_finite_difference(committee, g)
     check_stress_finite_difference(committee, g)

@@ -57,7 +57,8 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().flatten() for t in tensors])
 
 
-@pytest.mark.parametrize("name", ["schnet", "equivariant"])
+@pytest.mark.parametrize("name", ["schnet", pytest.param("equivariant",
+                                                           marks=pytest.mark.slow)])
 def test_committee_equals_members_trained_alone_with_bootstrap(name):
     """The must-show: 3 Adam steps (per-member clipping that bites, EMA) of a committee with
     bootstrap weights equal, to 1e-10 in fp64, each member trained alone with the structure
@@ -152,8 +153,6 @@ def runs(tmp_path_factory):
     out["committee"] = _train(d / "committee", d, "committee.size=2", "committee.seeds=[3, 4]")
     for seed in (3, 4):
         _train(d / f"single{seed}", d, f"seed={seed}", "logging.plots=false")
-    out["bootstrap"] = _train(d / "bootstrap", d, "committee.size=2", "committee.seeds=[3, 4]",
-                              "committee.bootstrap=true", "logging.plots=false")
     return out
 
 
@@ -169,8 +168,6 @@ def test_train_committee_equals_single_runs_of_its_seeds(runs):
         assert float((got - ref).abs().max()) <= 1e-10 * float(ref.abs().max()), seed
     w = [flat(m.parameters()) for m in committee.members]
     assert float((w[0] - w[1]).abs().max()) > 1e-2
-    boot = load_model(d / "bootstrap" / "model.pt")  # its own resamples: other weights
-    assert float((flat(boot.members[0].parameters()) - w[0]).abs().max()) > 1e-6
 
 
 def test_train_committee_calibrates_on_validation(runs):
@@ -244,6 +241,7 @@ def test_committee_config_refusals(args, message):
         load_config(TrainConfig, None, ["data.datasets.0.path=x.xyz", *args])
 
 
+@pytest.mark.slow
 def test_finetune_a_committee_from_its_model_file(runs):
     """``pretrained=committee.pt`` (without committee.size) trains the committee on: every
     member moves, and the calibration is fitted again."""
@@ -264,3 +262,25 @@ def test_finetune_a_committee_from_its_model_file(runs):
     assert isinstance(after, Committee) and summary["committee"]["calibrated_on"] == "val"
     for a, b in zip(before.members, after.members):
         assert float((flat(a.parameters()) - flat(b.parameters())).abs().max()) > 1e-6
+
+
+def test_bootstrap_weights_ride_on_the_training_structures(tmp_path):
+    """``committee.bootstrap=true``: every training structure carries its row of the seeded
+    resample (validation structures none), and a batch collates them ``[n_systems, K]``."""
+    from xnn.app.train_data import build_splits
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+    from xnn.data.datasets import collate
+    from xnn.data.emt import write_emt
+
+    write_emt(tmp_path / "cu.xyz", 10, ["Cu"], seed=0)
+    cfg = load_config(TrainConfig, None, [f"data.datasets.0.path={tmp_path / 'cu.xyz'}",
+                                          "data.val_fraction=0.2", "committee.size=3",
+                                          "committee.bootstrap=true", "seed=5"])
+    splits = build_splits(cfg.data, cfg.loss, 3.0, cfg.seed, bootstrap=(3, cfg.seed))
+    expected = bootstrap_weights(len(splits.train), 3, seed=5)
+    rows = [splits.train[i][K.MEMBER_WEIGHT] for i in range(len(splits.train))]
+    assert np.array_equal(torch.cat(rows).numpy(), expected)
+    assert K.MEMBER_WEIGHT not in splits.val[0]
+    batch = collate([splits.train[0], splits.train[1]])
+    assert batch[K.MEMBER_WEIGHT].shape == (2, 3)

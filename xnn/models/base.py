@@ -130,6 +130,13 @@ class AtomisticModel(nn.Module):
         """Distance (Å) beyond which atoms cannot influence an atom's energy."""
         return float(self.cutoff) * int(self.num_interactions)
 
+    @property
+    def committee_size(self) -> int:
+        """How many members the model's predictions average: 1 for a single model, K for a
+        :class:`~xnn.models.committee.Committee` (whose ``member_energies`` then gives each
+        member's per-atom energies, and ``compute_properties`` their spread)."""
+        return 1
+
     def parts(self) -> dict[str, tuple[str, ...]]:
         """Named parts of the model for fine-tuning (``finetune.freeze``, ``finetune.lr``):
         ``{part: parameter-name prefixes}``.

@@ -86,3 +86,18 @@ def test_per_atom_virials_alone():
     assert K.FORCES not in out and K.VIRIAL not in out
     ref = _evaluate(model, g, peratom_virial=True)
     assert torch.equal(out[K.VIRIALS], ref[K.VIRIALS])
+
+
+def test_a_committee_is_refused_in_one_line():
+    from helpers.models import SMALL
+
+    from xnn.errors import InputError
+    from xnn.models.committee import Committee
+
+    committee = Committee({"name": "schnet", "species": [29], "cutoff": 3.0,
+                           "num_interactions": 2, **SMALL["schnet"]}, size=2,
+                          seeds=[0, 1]).double()
+    g = triclinic()
+    with pytest.raises(InputError, match="committee") as err:
+        _evaluate(committee, g, peratom_virial=True)
+    assert "\n" not in str(err.value)

@@ -137,6 +137,13 @@ class AtomisticModel(nn.Module):
         not declared (auto estimates it from ``hparams``)."""
         return None
 
+    @property
+    def committee_size(self) -> int:
+        """How many members the model's predictions average: 1 for a single model, K for a
+        :class:`~xnn.models.committee.Committee` (whose ``member_energies`` then gives each
+        member's per-atom energies, and ``compute_properties`` their spread)."""
+        return 1
+
     def parts(self) -> dict[str, tuple[str, ...]]:
         """Named parts of the model for fine-tuning (``finetune.freeze``, ``finetune.lr``):
         ``{part: parameter-name prefixes}``.

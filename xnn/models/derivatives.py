@@ -16,6 +16,11 @@ Per-atom virials (on request, :class:`EdgeGradients`): the same autograd call al
 two atoms (LAMMPS's ML-IAP ``v_tally`` and pair styles; MACE also symmetrises each atom's
 tensor), so the per-atom virials sum to ``W`` (up to the model's torque, zero for a
 rotation-invariant energy).
+
+A committee of K members (:class:`~xnn.models.committee.Committee`) gets K copies of the
+position and strain leaves, one per member, so the same single call gives every member's
+forces and virial (:func:`committee_properties`), and :func:`committee_results` forms their
+means and standard deviations.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from torch import Tensor
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, rowvec_matmul
-from xnn.models.base import sum_per_system
+from xnn.errors import InputError
+from xnn.models.base import AtomisticModel, sum_per_system
 
 
 @dataclass
@@ -213,8 +219,16 @@ def compute_properties(
             model's geometry must come from its edge vectors).
     Returns:
         dict with ``energy [n_systems]``, ``energies [n_atoms]`` and, as requested,
-        ``forces``, ``stress``, ``virial``, ``virials``.
+        ``forces``, ``stress``, ``virial``, ``virials``. For a committee
+        (``model.committee_size > 1``) these are the members' means, with the members' own
+        results and their spread (:func:`committee_properties`); per-atom virials of a
+        committee are refused.
     """
+    if isinstance(model, AtomisticModel) and model.committee_size > 1:
+        if peratom_virial:
+            raise InputError("per-atom virials of a committee are not available; evaluate "
+                             "one member (or a single model) for them")
+        return committee_properties(model, graph, forces, stress, training)
     need_grad = forces or stress or peratom_virial
     # Training (even on energies only) needs the autograd graph of the energy itself.
     with torch.enable_grad() if (need_grad or training) else torch.no_grad():
@@ -235,3 +249,125 @@ def compute_properties(
     if not training:
         out = {k: v.detach() for k, v in out.items()}
     return out
+
+
+# --------------------------------------------------------------------------- committees
+def committee_properties(
+    model: AtomisticModel,
+    graph: AtomicGraph,
+    forces: bool = True,
+    stress: bool = True,
+    training: bool = False,
+) -> dict[str, Tensor]:
+    """:func:`compute_properties` of a committee (``model.committee_size`` K > 1, with
+    ``model.member_energies`` and ``model.calibration``).
+
+    Each member is evaluated on its own strained copy of ``graph`` (its own position and
+    strain leaves); one autograd call on the sum of all members' energies then gives each
+    member's forces and virial, equal to the member's alone.
+
+    Returns:
+        :func:`committee_results` of the members' ``energy [K, n_systems]``, ``energies
+        [K, n_atoms]`` and, as asked, ``forces [K, n_atoms, 3]``, ``stress`` and ``virial
+        [K, n_systems, 3, 3]``.
+    """
+    k = model.committee_size
+    need_grad = forces or stress
+    with torch.enable_grad() if (need_grad or training) else torch.no_grad():
+        strained = [apply_strain(graph, with_strain=stress) for _ in range(k)] \
+            if need_grad else []
+        graphs = [s.graph for s in strained] if need_grad else [graph] * k
+        energies = model.member_energies(graphs)
+        energy = torch.stack([sum_per_system(e, graph.batch, graph.n_systems)
+                              for e in energies])
+        members = {K.ENERGY: energy, K.ENERGIES: energies}
+        if need_grad:
+            members.update(derive_members(energy.sum(), strained, graph.volume(), graph.pbc,
+                                          forces, stress, training))
+        out = committee_results(members, model.calibration)
+    if not training:
+        out = {key: v.detach() for key, v in out.items()}
+    return out
+
+
+def derive_members(
+    total_energy: Tensor,
+    strained: list[StrainedGraph],
+    volume: Tensor,
+    pbc: Tensor,
+    forces: bool,
+    stress: bool,
+    create_graph: bool,
+    reduce_strain: Callable[[Tensor], Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """:func:`derive` for K members, each with its own leaves ``strained[k]``: forces
+    ``[K, n_atoms, 3]``, virial and stress ``[K, n_systems, 3, 3]`` by one autograd call.
+
+    Args:
+        total_energy: scalar, the sum over members and systems of the members' energies.
+        reduce_strain: applied to ``∂E_k/∂ε [K, n_systems, 3, 3]`` (see :func:`derive`).
+    """
+    out: dict[str, Tensor] = {}
+    inputs = ([s.positions for s in strained] if forces else []) + \
+        ([s.strain for s in strained] if stress else [])
+    if not inputs:
+        return out
+    if not total_energy.requires_grad:
+        grads = [torch.zeros_like(x) for x in inputs]
+    else:
+        grads = torch.autograd.grad(total_energy, inputs, create_graph=create_graph,
+                                    allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+    k = len(strained)
+    if forces:
+        out[K.FORCES] = -torch.stack(grads[:k])
+    if stress:
+        g = torch.stack(grads[-k:])
+        g = g if reduce_strain is None else reduce_strain(g)
+        out.update(virial_results(-g, volume, pbc))
+    return out
+
+
+#: member keys of :func:`committee_results`: result key -> key of the stacked members
+MEMBER_KEYS = {K.ENERGY: K.ENERGY_MEMBERS, K.ENERGIES: K.ENERGIES_MEMBERS,
+               K.FORCES: K.FORCES_MEMBERS, K.STRESS: K.STRESS_MEMBERS,
+               K.VIRIAL: K.VIRIAL_MEMBERS}
+
+
+def committee_results(members: dict[str, Tensor],
+                      calibration: dict[str, float] | None = None) -> dict[str, Tensor]:
+    """Means, members and standard deviations of a committee's results.
+
+    Args:
+        members: ``{key: [K, ...]}`` stacked member results under the usual keys
+            (``energy``, ``energies``, ``forces``, ``stress``, ``virial``; any present).
+        calibration: factors ``{"energy", "forces", "stress": c}`` (default 1).
+    Returns:
+        the mean over members under each key (``energy [n_systems]``, ...), the members
+        under ``energy_members``, ``forces_members`` ... (:data:`MEMBER_KEYS`), and, with
+        population standard deviations over the K members (divisor K):
+
+        * ``energy_std [n_systems]`` eV: ``c_E * sqrt(mean_k (E_k - Ē)^2)``;
+        * ``forces_std [n_atoms]`` eV/Å: ``c_F * sqrt(mean_k |F_k,i - F̄_i|^2)`` per atom;
+        * ``stress_std [n_systems, 3, 3]`` eV/Å³: ``c_S * sqrt(mean_k (σ_k - σ̄)^2)`` per
+          component.
+    """
+    c = {"energy": 1.0, "forces": 1.0, "stress": 1.0, **(calibration or {})}
+    out: dict[str, Tensor] = {}
+    for key, stacked in members.items():
+        out[key] = stacked.mean(0)
+        out[MEMBER_KEYS[key]] = stacked
+    if K.ENERGY in members:
+        out[K.ENERGY_STD] = c["energy"] * _spread(members[K.ENERGY], out[K.ENERGY])
+    if K.FORCES in members:
+        dev = members[K.FORCES] - out[K.FORCES]
+        out[K.FORCES_STD] = c["forces"] * (dev * dev).sum(-1).mean(0).sqrt()
+    if K.STRESS in members:
+        out[K.STRESS_STD] = c["stress"] * _spread(members[K.STRESS], out[K.STRESS])
+    return out
+
+
+def _spread(stacked: Tensor, mean: Tensor) -> Tensor:
+    """``sqrt(mean_k (x_k - x̄)^2)`` elementwise over the leading axis."""
+    dev = stacked - mean
+    return (dev * dev).mean(0).sqrt()

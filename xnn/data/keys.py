@@ -21,6 +21,9 @@ VELOCITIES = "velocities"  # [n_atoms, 3] Å/fs, float
 CHARGES = "charges"  # [n_atoms] e, float (initial charges)
 FORCES = "forces"  # [n_atoms, 3] eV/Å, float (labels or results)
 ENERGIES = "energies"  # [n_atoms] per-atom energies eV (results)
+# [n_atoms, 3, 3] eV per-atom virials (results, on request): each edge's -r_ij ⊗ ∂E/∂r_ij
+# half to each end atom; they sum to VIRIAL (xnn.models.derivatives)
+VIRIALS = "virials"
 FIXED = "fixed"  # [n_atoms] bool, atoms held fixed in dynamics
 # [n_atoms, 3] Å, float: each atom's (unwrapped) position when the run started, kept by the
 # MSD hook (xnn.dynamics.observers.MSD); moves with the atom, checkpointed by id
@@ -77,6 +80,7 @@ FIELD_SCOPES: dict[str, str] = {
     CHARGES: ATOM,
     FORCES: ATOM,
     ENERGIES: ATOM,
+    VIRIALS: ATOM,
     FIXED: ATOM,
     MSD_REFERENCE: ATOM,
     CELL: SYSTEM,

@@ -131,6 +131,13 @@ class AtomisticModel(nn.Module):
         return float(self.cutoff) * int(self.num_interactions)
 
     @property
+    def sync_width(self) -> int | None:
+        """Numbers per atom one sync point exchanges (the features between two layers; the
+        largest over the sync points), which mode ``auto``'s cost model weighs; ``None``:
+        not declared (auto estimates it from ``hparams``)."""
+        return None
+
+    @property
     def committee_size(self) -> int:
         """How many members the model's predictions average: 1 for a single model, K for a
         :class:`~xnn.models.committee.Committee` (whose ``member_energies`` then gives each

@@ -11,6 +11,12 @@ total energy,
 Both gradients come from a single ``torch.autograd.grad`` call; ``create_graph=True`` when
 training so that force and stress losses can be differentiated (double backward).
 
+Per-atom virials (on request, :class:`EdgeGradients`): the same autograd call also yields
+``∂E/∂r_ij`` of every edge; edge ``e``'s virial ``-r_e ⊗ ∂E/∂r_e`` goes half to each of its
+two atoms (LAMMPS's ML-IAP ``v_tally`` and pair styles; MACE also symmetrises each atom's
+tensor), so the per-atom virials sum to ``W`` (up to the model's torque, zero for a
+rotation-invariant energy).
+
 A committee of K members (:class:`~xnn.models.committee.Committee`) gets K copies of the
 position and strain leaves, one per member, so the same single call gives every member's
 forces and virial (:func:`committee_properties`), and :func:`committee_results` forms their
@@ -27,6 +33,7 @@ from torch import Tensor
 
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph, rowvec_matmul
+from xnn.errors import InputError
 from xnn.models.base import AtomisticModel, sum_per_system
 
 
@@ -64,6 +71,67 @@ def apply_strain(graph: AtomicGraph, with_strain: bool = True) -> StrainedGraph:
     new_pos = pos + rowvec_matmul(pos, sym, graph.batch)
     new_cell = graph.cell + torch.einsum("sij,sjk->sik", graph.cell, sym)
     return StrainedGraph(graph.replace({K.POSITIONS: new_pos, K.CELL: new_cell}), pos, strain)
+
+
+class EdgeGradients:
+    """Records ``∂E/∂r_ij`` of a graph's edges during the derivative's autograd call: the
+    seam of per-atom virials (:data:`xnn.data.keys.VIRIALS`).
+
+    :meth:`edge_form` gives the graph whose only geometry is its edge vectors ``r_ij``
+    (differentiable in the positions and the strain): atoms at the origin, an identity cell
+    and ``shifts = r_ij`` (non-periodic), so ``graph.edge_vectors()`` returns ``r_ij``
+    bitwise and the model's energy, forces and virial are unchanged. A hook on ``r_ij``
+    keeps ``∂E/∂r_ij`` when :func:`derive` (or any backward through it) runs. The model's
+    geometry must come from ``graph.edge_vectors()`` (every xnn model's does; models with
+    long-range terms, which read positions and the cell, are refused by the callers).
+
+    Example::
+
+        rec = EdgeGradients()
+        energies = model(rec.edge_form(strained.graph))
+        out = derive(energies.sum(), strained, ...)
+        w = rec.virials(n_atoms)            # [n_atoms, 3, 3] eV, sums to out["virial"]
+    """
+
+    def __init__(self):
+        self.vectors: Tensor | None = None
+        self.edge_index: Tensor | None = None
+        self.grad: Tensor | None = None
+
+    def edge_form(self, graph: AtomicGraph) -> AtomicGraph:
+        """``graph`` with its edge vectors as its only geometry (see the class)."""
+        vec = graph.edge_vectors()
+        self.vectors, self.edge_index, self.grad = vec, graph.edge_index, None
+        if vec.requires_grad:
+            vec.register_hook(self._keep)
+        n_sys = graph.n_systems
+        return graph.replace({
+            K.POSITIONS: vec.new_zeros(graph.positions.shape),
+            K.CELL: torch.eye(3, dtype=vec.dtype, device=vec.device).repeat(n_sys, 1, 1),
+            K.PBC: torch.zeros_like(graph.pbc), K.SHIFTS: vec})
+
+    def _keep(self, grad: Tensor) -> None:
+        self.grad = grad
+
+    def virials(self, n_atoms: int) -> Tensor:
+        """``[n_atoms, 3, 3]`` (eV) per-atom virials of the recorded edges (zeros where no
+        gradient reached them); call after the autograd call."""
+        vec = self.vectors
+        if vec is None or self.grad is None:
+            dtype = torch.float64 if vec is None else vec.dtype
+            return torch.zeros(n_atoms, 3, 3, dtype=dtype,
+                               device=None if vec is None else vec.device)
+        return edge_virials(vec.detach(), self.grad, self.edge_index, n_atoms)
+
+
+def edge_virials(vectors: Tensor, grad: Tensor, edge_index: Tensor, n_atoms: int) -> Tensor:
+    """``[n_atoms, 3, 3]`` (eV): edge ``e``'s virial ``-r_e ⊗ ∂E/∂r_e`` (``[a, b] = -r_a
+    ∂E/∂r_b``, not symmetrised: LAMMPS reads the upper triangle, as ML-IAP's ``v_tally``
+    forms it) half to its sender, half to its receiver (``edge_index [2, E]``); they sum to
+    ``-∂E/∂ε`` up to the antisymmetric torque, zero for a rotation-invariant energy."""
+    w = -0.5 * vectors.unsqueeze(-1) * grad.unsqueeze(-2)
+    out = w.new_zeros(n_atoms, 3, 3)
+    return out.index_add(0, edge_index[0], w).index_add(0, edge_index[1], w)
 
 
 def derive(
@@ -137,6 +205,7 @@ def compute_properties(
     forces: bool = True,
     stress: bool = True,
     training: bool = False,
+    peratom_virial: bool = False,
 ) -> dict[str, Tensor]:
     """Evaluate ``model`` on ``graph`` (which must carry edges) and derive its properties.
 
@@ -146,26 +215,37 @@ def compute_properties(
         forces: compute ``forces [n_atoms, 3]`` (eV/Å).
         stress: compute ``stress [n_systems, 3, 3]`` (eV/Å³) and ``virial`` (eV).
         training: keep the autograd graph (``create_graph=True``) for double backward.
+        peratom_virial: also ``virials [n_atoms, 3, 3]`` (eV, :class:`EdgeGradients`; the
+            model's geometry must come from its edge vectors).
     Returns:
         dict with ``energy [n_systems]``, ``energies [n_atoms]`` and, as requested,
-        ``forces``, ``stress``, ``virial``. For a committee (``model.committee_size > 1``)
-        these are the members' means, with the members' own results and their spread
-        (:func:`committee_properties`).
+        ``forces``, ``stress``, ``virial``, ``virials``. For a committee
+        (``model.committee_size > 1``) these are the members' means, with the members' own
+        results and their spread (:func:`committee_properties`); per-atom virials of a
+        committee are refused.
     """
     if isinstance(model, AtomisticModel) and model.committee_size > 1:
+        if peratom_virial:
+            raise InputError("per-atom virials of a committee are not available; evaluate "
+                             "one member (or a single model) for them")
         return committee_properties(model, graph, forces, stress, training)
-    need_grad = forces or stress
+    need_grad = forces or stress or peratom_virial
     # Training (even on energies only) needs the autograd graph of the energy itself.
     with torch.enable_grad() if (need_grad or training) else torch.no_grad():
         strained = apply_strain(graph, with_strain=stress) if need_grad else None
         g = strained.graph if strained is not None else graph
-        energies = model(g)
+        record = EdgeGradients() if peratom_virial else None
+        energies = model(g if record is None else record.edge_form(g))
         energy = sum_per_system(energies, graph.batch, graph.n_systems)
         out = {K.ENERGY: energy, K.ENERGIES: energies}
         if need_grad:
-            out.update(
-                derive(energy.sum(), strained, graph.volume(), graph.pbc, forces, stress, training)
-            )
+            # per-atom virials alone: the edges' gradients come with the forces' call
+            derived = derive(energy.sum(), strained, graph.volume(), graph.pbc,
+                             forces or not stress, stress, training)
+            out.update(derived if forces else
+                       {k: v for k, v in derived.items() if k != K.FORCES})
+        if record is not None:
+            out[K.VIRIALS] = record.virials(graph.n_atoms)
     if not training:
         out = {k: v.detach() for k, v in out.items()}
     return out

@@ -1,0 +1,168 @@
+"""A committee's uncertainty in ``xnn md``: thermo columns equal the committee's own spread,
+``safety.max_force_uncertainty`` stops at the first step above it (that frame written) or
+warns once per excursion, and the refusals (one model, compile)."""
+
+from __future__ import annotations
+
+import warnings
+
+import ase.io
+import numpy as np
+import pytest
+import torch
+from helpers.models import SMALL
+from helpers.structures import fcc
+
+from xnn.app.md import run_md
+from xnn.config.loader import load_config
+from xnn.config.md import MDConfig
+from xnn.data import keys as K
+from xnn.data.graph import AtomicGraph
+from xnn.dynamics.safety import SimulationError, UncertaintyGuard, UncertaintyWarning
+from xnn.errors import InputError
+from xnn.io.thermo import read_log
+from xnn.models import Potential
+from xnn.models.committee import Committee
+from xnn.models.serialization import load_model, save_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 12
+
+
+def committee() -> Committee:
+    """Three small SchNet members (different seeds), fp64."""
+    return Committee({"name": "schnet", "species": [29], "cutoff": 3.0, "num_interactions": 2,
+                      **SMALL["schnet"]}, size=3, seeds=[1, 2, 3]).double()
+
+
+def compressed_cu(path):
+    """16 Cu atoms compressed to a = 3.3 Å (from 3.6) and rattled: far from any training."""
+    atoms = fcc((1, 2, 2), a=3.3, rattle=0.15, seed=1)
+    ase.io.write(path, atoms)
+    return atoms
+
+
+def md_args(structure, model, out, *extra):
+    return [f"structure={structure}", f"model.file={model}", "model.dtype=float64",
+            "model.device=cpu", "ensemble=nve", "initial_temperature=800", f"steps={STEPS}",
+            "timestep=2", "output.log_every=1", "output.trajectory_every=5",
+            "output.checkpoint_every=0", "output.plot=false", "output.progress=false",
+            "safety.max_drift=null", f"output.dir={out}", *extra]
+
+
+def first_record(u: list[float], after: int = 3) -> tuple[int, float]:
+    """The first step ``k >= after`` whose value exceeds every earlier one, and a threshold
+    between them (the guard must stop exactly there)."""
+    for k in range(after, len(u)):
+        if u[k] > max(u[:k]) * (1 + 1e-9):
+            return k, 0.5 * (max(u[:k]) + u[k])
+    raise AssertionError(f"no new maximum after step {after} in {u}")
+
+
+@pytest.fixture(scope="module")
+def free_run(tmp_path_factory):
+    """One unguarded run: the committee file, the structure and the thermo log."""
+    tmp = tmp_path_factory.mktemp("uq")
+    model = save_model(committee(), tmp / "committee.pt")
+    compressed_cu(tmp / "cu.xyz")
+    out = run_md(load_config(MDConfig, None, md_args(tmp / "cu.xyz", model, tmp / "free")))
+    return tmp, model, read_log(out / "thermo.csv")
+
+
+def test_thermo_columns_are_the_committees_spread(free_run):
+    tmp, model, log = free_run
+    assert len(log["max_force_std_eV_A"]) == STEPS + 1
+    # step 0 against the committee evaluated directly on the structure as read
+    atoms = ase.io.read(tmp / "cu.xyz")
+    g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
+                                dtype=torch.float64)
+    out = Potential(load_model(model))(g)
+    std = out[K.FORCES_STD].numpy()
+    assert log["max_force_std_eV_A"][0] == pytest.approx(std.max(), rel=1e-12)
+    assert log["mean_force_std_eV_A"][0] == pytest.approx(std.mean(), rel=1e-12)
+    assert log["energy_std_eV"][0] == pytest.approx(float(out[K.ENERGY_STD][0]), rel=1e-12)
+    assert std.max() > 1.5 * std.min() > 0  # per-atom values, not one number
+    # and later steps against the members' forces of the last checkpoint's state
+    from xnn.io import md_checkpoint as ckpt
+
+    state, _ = ckpt.load_checkpoint(tmp / "free" / "checkpoint.pt")
+    last = Potential(load_model(model))(state.graph.without_edges())
+    assert log["max_force_std_eV_A"][-1] == pytest.approx(
+        float(last[K.FORCES_STD].max()), rel=1e-10)
+    assert np.ptp(log["max_force_std_eV_A"]) > 0  # it moves with the atoms
+
+
+def test_guard_stops_at_the_first_step_above_with_the_frame_written(free_run):
+    tmp, model, log = free_run
+    k, threshold = first_record(log["max_force_std_eV_A"])
+    out = tmp / "stop"
+    with pytest.raises(SimulationError) as err:
+        run_md(load_config(MDConfig, None, md_args(
+            tmp / "cu.xyz", model, out, f"safety.max_force_uncertainty={threshold!r}")))
+    msg = str(err.value)
+    assert err.value.step == k and msg.startswith(f"step {k}: force uncertainty")
+    assert "above safety.max_force_uncertainty" in msg and "atom_id" in msg
+    assert "stopped" in msg and "\n" not in msg
+    frames = ase.io.read(out / "trajectory.xyz", ":")
+    assert frames[-1].info["step"] == k  # the uncertain frame is the trajectory's last
+    assert ase.io.read(out / "uncertain.xyz").info["step"] == k
+    stopped = read_log(out / "thermo.csv")
+    assert stopped["step"][-1] == k
+    np.testing.assert_allclose(stopped["max_force_std_eV_A"],
+                               log["max_force_std_eV_A"][: k + 1], rtol=0, atol=0)
+    from xnn.io import md_checkpoint as ckpt
+
+    assert ckpt.load_checkpoint(out / "checkpoint.pt")[0].step == k
+
+
+def test_guard_warns_once_per_excursion(free_run):
+    tmp, model, log = free_run
+    k, threshold = first_record(log["max_force_std_eV_A"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_md(load_config(MDConfig, None, md_args(
+            tmp / "cu.xyz", model, tmp / "warn", f"safety.max_force_uncertainty={threshold!r}",
+            "safety.on_uncertainty=warn")))
+    above = [u > threshold for u in log["max_force_std_eV_A"]]
+    excursions = sum(1 for i, a in enumerate(above) if a and (i == 0 or not above[i - 1]))
+    got = [w for w in caught if issubclass(w.category, UncertaintyWarning)]
+    assert len(got) == excursions >= 1
+    assert str(got[0].message).startswith(f"step {k}: force uncertainty")
+    assert read_log(tmp / "warn" / "thermo.csv")["step"][-1] == STEPS  # the run went on
+
+
+def test_guard_excursions_on_a_series():
+    """Warn: once per excursion above the threshold; stop: at the first value above."""
+    from xnn.dynamics.state import MDState
+
+    g = AtomicGraph.from_arrays(np.zeros((2, 3)), [29, 29], np.eye(3) * 5, [True] * 3,
+                                dtype=torch.float64)
+    warn, stop = UncertaintyGuard(0.5, "warn"), UncertaintyGuard(0.5, "stop")
+    fired = []
+    for step, top in enumerate([0.1, 0.6, 0.7, 0.2, 0.8, 0.4]):
+        s = MDState(g.replace({K.FORCES_STD: torch.tensor([0.0, top], dtype=torch.float64),
+                               K.ENERGY_STD: torch.zeros(1, dtype=torch.float64)}),
+                    torch.zeros(2, 3), torch.zeros(1), torch.zeros(1, 3, 3), step)
+        fired.append(warn.check(s) is not None)
+    assert fired == [False, True, False, False, True, False] and warn.excursions == 2
+    s = MDState(g.replace({K.FORCES_STD: torch.tensor([0.0, 0.6], dtype=torch.float64)}),
+                torch.zeros(2, 3), torch.zeros(1), torch.zeros(1, 3, 3), 7)
+    with pytest.raises(SimulationError, match=r"step 7: .* on atoms \(atom_id\) \[1\]"):
+        stop.check(s)
+    assert UncertaintyGuard(None).check(s) is None  # disabled
+
+
+def test_refusals(free_run, tmp_path):
+    tmp, model, _ = free_run
+    one = save_model(committee().members[0], tmp_path / "one.pt")
+    with pytest.raises(InputError, match="needs a committee model"):
+        run_md(load_config(MDConfig, None, md_args(
+            tmp / "cu.xyz", one, tmp_path / "a", "safety.max_force_uncertainty=0.1")))
+    with pytest.raises(InputError, match="a committee model"):
+        run_md(load_config(MDConfig, None, md_args(tmp / "cu.xyz", model, tmp_path / "b",
+                                                   "compile=true")))
+    from xnn.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="max_force_uncertainty"):
+        load_config(MDConfig, None, ["safety.max_force_uncertainty=-1"])

@@ -1,0 +1,123 @@
+"""A committee decomposed over 2 gloo ranks equals one process: ``forces_std`` by atom id,
+``energy_std`` (the spread of the members' *total* energies), ``stress_std`` and the means, in
+every mode (halo, sync, graph) on a periodic system and a molecule; ``xnn md`` under torchrun
+logs the same uncertainty columns and its guard stops at the same step, the frame written.
+
+One set of ranks is spawned for the module; it runs every case."""
+
+from __future__ import annotations
+
+import ase.io
+import numpy as np
+import pytest
+import torch
+from dist_helpers import FreshPorts, spawn
+from test_uncertainty import committee, compressed_cu, first_record, md_args
+
+from xnn.app.md import run_md
+from xnn.config.loader import load_config
+from xnn.config.md import MDConfig
+from xnn.data import keys as K
+from xnn.dynamics.safety import SimulationError
+from xnn.io.thermo import read_log
+from xnn.models import Potential
+from xnn.models.committee import Committee
+from xnn.models.serialization import save_model
+from xnn.testing.decomposition import decomposed, default_decomposition_systems
+
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
+
+PER_ATOM = (K.FORCES_STD, K.FORCES, K.ENERGIES)
+PER_SYSTEM = (K.ENERGY_STD, K.ENERGY, K.ENERGY_MEMBERS)
+
+
+def models() -> dict[str, Committee]:
+    """SchNet (halo, sync, graph) and the equivariant model (its sync points per member)."""
+    from helpers.models import SMALL
+
+    eq = Committee({"name": "equivariant", "species": [29], "cutoff": 3.0,
+                    "num_interactions": 2, **SMALL["equivariant"]}, size=2,
+                   seeds=[4, 9]).double()
+    return {"schnet": committee(), "equivariant": eq}
+
+
+def _single_points(rank, manager, cases) -> dict:
+    from xnn.data.graph import AtomicGraph
+
+    out = {}
+    for mname, model in cases["models"].items():
+        for sname, fields in cases["systems"].items():
+            g = AtomicGraph(fields) if rank == 0 else None
+            for mode in ("halo", "sync", "graph"):
+                pot = decomposed(model, manager, mode, g)
+                res = pot.single_point(g)
+                out[f"{mname}-{sname}-{mode}"] = {k: v.clone() for k, v in res.items()}
+    return out
+
+
+def worker(rank, world, tmp, threshold, cases):
+    from xnn.distributed import DistributedManager
+
+    torch.set_default_dtype(torch.float64)
+    manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
+    points = _single_points(rank, manager, cases)
+    ports = FreshPorts(manager, 2)
+    ports.next()
+    run_md(load_config(MDConfig, None, md_args(f"{tmp}/cu.xyz", f"{tmp}/committee.pt",
+                                               f"{tmp}/dd_free")))
+    ports.next()
+    try:
+        run_md(load_config(MDConfig, None, md_args(
+            f"{tmp}/cu.xyz", f"{tmp}/committee.pt", f"{tmp}/dd_stop",
+            f"safety.max_force_uncertainty={threshold!r}")))
+        stop = None
+    except SimulationError as err:
+        stop = (err.step, str(err))
+    return {"points": points if rank == 0 else None, "stop": stop}
+
+
+def test_committee_decomposed_equals_one_process(tmp_path):
+    save_model(committee(), tmp_path / "committee.pt")
+    compressed_cu(tmp_path / "cu.xyz")
+    free = run_md(load_config(MDConfig, None, md_args(tmp_path / "cu.xyz",
+                                                      tmp_path / "committee.pt",
+                                                      tmp_path / "free")))
+    log = read_log(free / "thermo.csv")
+    k, threshold = first_record(log["max_force_std_eV_A"])
+    systems, committees = default_decomposition_systems([29]), models()
+    cases = {"models": committees,  # graphs travel as their fields
+             "systems": {n: g.without_edges().fields for n, g in systems.items()}}
+    results = spawn(worker, 2, (str(tmp_path), threshold, cases), timeout_s=900)
+
+    # single points: every mode, by atom id, to 1e-10
+    failures = []
+    for mname, model in committees.items():
+        for sname, g in systems.items():
+            ref = Potential(model)(g)
+            order = torch.argsort(g.atom_id)
+            assert ref[K.FORCES_STD].max() > 0 and ref[K.ENERGY_STD][0] > 0
+            for mode in ("halo", "sync", "graph"):
+                out = results[0]["points"][f"{mname}-{sname}-{mode}"]
+                assert torch.equal(out[K.ATOM_ID], g.atom_id[order])
+                keys = [*((q, ref[q][order]) for q in PER_ATOM),
+                        *((q, ref[q]) for q in PER_SYSTEM)]
+                if bool(g.pbc.all()):
+                    keys.append((K.STRESS_STD, ref[K.STRESS_STD]))
+                for q, want in keys:
+                    err = float((out[q] - want).abs().max() / want.abs().max())
+                    if not err <= 1e-10:
+                        failures.append(f"{mname}-{sname}-{mode} {q}: {err:.2e}")
+    assert not failures, failures
+
+    # xnn md on 2 ranks: the same uncertainty columns, the same stop and frame
+    dd = read_log(tmp_path / "dd_free" / "thermo.csv")
+    for col in ("max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV"):
+        np.testing.assert_allclose(dd[col], log[col], rtol=1e-9, atol=0, err_msg=col)
+    stops = [r["stop"] for r in results]
+    assert stops[0] is not None and stops[0][0] == k and stops[1][0] == k  # every rank
+    assert stops[0][1].startswith(f"step {k}: force uncertainty") and "owned by rank" in \
+        stops[0][1]
+    frames = ase.io.read(tmp_path / "dd_stop" / "trajectory.xyz", ":")
+    assert frames[-1].info["step"] == k
+    assert ase.io.read(tmp_path / "dd_stop" / "uncertain.xyz").info["step"] == k
+    assert read_log(tmp_path / "dd_stop" / "thermo.csv")["step"][-1] == k

@@ -166,3 +166,23 @@ def test_refusals(free_run, tmp_path):
 
     with pytest.raises(ConfigError, match="max_force_uncertainty"):
         load_config(MDConfig, None, ["safety.max_force_uncertainty=-1"])
+
+
+def test_relax_log_has_the_uncertainty_columns(free_run, tmp_path):
+    import csv
+
+    from xnn.app.relax import run_relax
+    from xnn.config.md import RelaxConfig
+
+    tmp, model, log = free_run
+    out = run_relax(load_config(RelaxConfig, None, [
+        f"structure={tmp / 'cu.xyz'}", f"model.file={model}", "model.dtype=float64",
+        "model.device=cpu", "max_steps=3", "fmax=1e-6", f"output.dir={tmp_path / 'relax'}",
+        "output.plot=false", "output.progress=false"]))
+    with open(out / "relax.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    # step 0 is the MD run's step 0: the same structure and committee
+    for col in ("max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV"):
+        assert float(rows[0][col]) == log[col][0]
+    assert float(rows[-1]["max_force_std_eV_A"]) != float(rows[0]["max_force_std_eV_A"])

@@ -186,3 +186,28 @@ def test_relax_log_has_the_uncertainty_columns(free_run, tmp_path):
     for col in ("max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV"):
         assert float(rows[0][col]) == log[col][0]
     assert float(rows[-1]["max_force_std_eV_A"]) != float(rows[0]["max_force_std_eV_A"])
+
+
+def test_torchsim_adapter_returns_the_spreads():
+    ts = pytest.importorskip("torch_sim")
+    from xnn.interop.torchsim import XnnTorchSimModel
+
+    c = committee()
+    systems = [fcc((1, 1, 2), a=3.3, rattle=0.15, seed=2), fcc((1, 1, 1), rattle=0.1, seed=3)]
+    cpu, f64 = torch.device("cpu"), torch.float64
+    out = XnnTorchSimModel(c, device="cpu", dtype=f64)(ts.io.atoms_to_state(systems, cpu, f64))
+    graphs = [AtomicGraph.from_arrays(a.positions, a.numbers, a.cell.array, a.pbc, dtype=f64)
+              for a in systems]
+    start = 0
+    for s, g in enumerate(graphs):  # each system alone through xnn's own Potential
+        ref = Potential(c)(g)
+        n = g.n_atoms
+        np.testing.assert_allclose(out[K.FORCES_STD][start:start + n].numpy(),
+                                   ref[K.FORCES_STD].numpy(), rtol=1e-10, atol=1e-14)
+        assert float(out[K.ENERGY_STD][s]) == pytest.approx(float(ref[K.ENERGY_STD][0]),
+                                                            rel=1e-10)
+        np.testing.assert_allclose(out[K.STRESS_STD][s].numpy(), ref[K.STRESS_STD][0].numpy(),
+                                   rtol=1e-9, atol=1e-14)
+        start += n
+    assert out[K.FORCES_STD].shape == (sum(len(a) for a in systems),)
+    assert float(out[K.FORCES_STD].min()) > 0

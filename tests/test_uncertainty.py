@@ -211,3 +211,38 @@ def test_torchsim_adapter_returns_the_spreads():
         start += n
     assert out[K.FORCES_STD].shape == (sum(len(a) for a in systems),)
     assert float(out[K.FORCES_STD].min()) > 0
+
+
+def test_workflow_results_have_each_systems_uncertainty(free_run, tmp_path):
+    """``xnn run``: each (system, stage) row holds the committee's spread at the stage's last
+    step, equal to the committee evaluated on that system alone (the final structures)."""
+    import csv
+
+    from xnn.app.workflow import run_workflow
+    from xnn.config.workflow import WorkflowConfig
+
+    tmp, model, _ = free_run
+    frames = [fcc((1, 1, 2), a=a, rattle=0.1, seed=s) for s, a in enumerate((3.3, 3.5, 3.6))]
+    ase.io.write(tmp_path / "three.xyz", frames)
+    out = run_workflow(load_config(WorkflowConfig, None, [
+        f"structure={tmp_path / 'three.xyz'}", "index=:", f"model.file={model}",
+        "model.dtype=float64", "model.device=cpu", "slots=2", f"output.dir={tmp_path / 'wf'}",
+        "output.progress=false", "stages=[{name: md, type: nve, timestep: 2, steps: 3, "
+        "initial_temperature: 300}]"]))
+    with open(out / "results.csv", newline="") as fh:
+        rows = sorted(csv.DictReader(fh), key=lambda r: int(r["id"]))
+    final = ase.io.read(out / "final.xyz", ":")
+    assert len(rows) == len(final) == 3
+    c = load_model(model)
+    for row, atoms in zip(rows, final):
+        g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array,
+                                    atoms.pbc, dtype=torch.float64)
+        ref = Potential(c)(g)
+        # final.xyz stores positions to 1e-8 Å: relative agreement to 1e-5
+        assert float(row["max_force_std_eV_A"]) == pytest.approx(
+            float(ref[K.FORCES_STD].max()), rel=1e-5)
+        assert float(row["mean_force_std_eV_A"]) == pytest.approx(
+            float(ref[K.FORCES_STD].mean()), rel=1e-5)
+        assert float(row["energy_std_eV"]) == pytest.approx(float(ref[K.ENERGY_STD][0]),
+                                                            rel=1e-5)
+    assert len({r["max_force_std_eV_A"] for r in rows}) == 3

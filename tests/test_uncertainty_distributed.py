@@ -61,6 +61,12 @@ def worker(rank, world, tmp, threshold, cases):
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
     points = _single_points(rank, manager, cases)
+    from xnn.distributed.calculator import DistributedCalculator
+
+    atoms = ase.io.read(f"{tmp}/cu.xyz")
+    atoms.calc = DistributedCalculator(cases["models"]["schnet"], manager, mode="halo")
+    atoms.get_potential_energy()
+    ase_results = dict(atoms.calc.results)
     ports = FreshPorts(manager, 2)
     ports.next()
     run_md(load_config(MDConfig, None, md_args(f"{tmp}/cu.xyz", f"{tmp}/committee.pt",
@@ -73,7 +79,7 @@ def worker(rank, world, tmp, threshold, cases):
         stop = None
     except SimulationError as err:
         stop = (err.step, str(err))
-    return {"points": points if rank == 0 else None, "stop": stop}
+    return {"points": points if rank == 0 else None, "stop": stop, "ase": ase_results}
 
 
 def test_committee_decomposed_equals_one_process(tmp_path):
@@ -108,6 +114,20 @@ def test_committee_decomposed_equals_one_process(tmp_path):
                     if not err <= 1e-10:
                         failures.append(f"{mname}-{sname}-{mode} {q}: {err:.2e}")
     assert not failures, failures
+
+    # the decomposed ASE calculator: xnn.Calculator's committee results, in the Atoms' order
+    import xnn
+
+    atoms = ase.io.read(tmp_path / "cu.xyz")
+    atoms.calc = xnn.Calculator(committees["schnet"], device="cpu")
+    atoms.get_potential_energy()
+    ref = atoms.calc.results
+    for r in results:
+        got = r["ase"]
+        assert set(xnn.Calculator.committee_properties) <= set(got)
+        for key in xnn.Calculator.committee_properties:
+            np.testing.assert_allclose(got[key], ref[key], rtol=1e-10,
+                                       atol=1e-10 * np.abs(ref[key]).max(), err_msg=key)
 
     # xnn md on 2 ranks: the same uncertainty columns, the same stop and frame
     dd = read_log(tmp_path / "dd_free" / "thermo.csv")

@@ -68,6 +68,8 @@ def committee_results_decomposed(model, energies: Tensor, tape: list[Tensor], st
 
 #: the per-atom results of a committee that a single point gathers by atom id
 PER_ATOM = (K.FORCES_STD,)
+#: the members' per-atom results ``[K, n_atoms, ...]`` a single point gathers by atom id
+MEMBER_ROWS = (K.ENERGIES_MEMBERS, K.FORCES_MEMBERS)
 #: its per-system results (totals, the same on every rank)
 PER_SYSTEM = (K.ENERGY_STD, K.STRESS_STD, K.ENERGY_MEMBERS, K.STRESS_MEMBERS,
               K.VIRIAL_MEMBERS)

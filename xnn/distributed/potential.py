@@ -41,6 +41,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
+from xnn.distributed.committee import MEMBER_ROWS as COMMITTEE_MEMBER_ROWS
 from xnn.distributed.committee import PER_ATOM as COMMITTEE_PER_ATOM
 from xnn.distributed.committee import PER_SYSTEM as COMMITTEE_PER_SYSTEM
 from xnn.distributed.committee import committee_results_decomposed, member_graphs
@@ -459,8 +460,9 @@ class DecomposedPotential:
             ``energy [1]`` eV, ``energies [n_atoms]`` eV, ``forces [n_atoms, 3]`` eV/Å,
             ``stress [1, 3, 3]`` eV/Å³ and ``virial [1, 3, 3]`` eV, and ``atom_id
             [n_atoms]``: per-atom rows sorted by global atom id; a committee's
-            ``forces_std [n_atoms]`` likewise, and its ``energy_std``, ``stress_std`` and
-            members' energies, stresses and virials (totals).
+            ``forces_std [n_atoms]``, ``energies_members [K, n_atoms]`` and
+            ``forces_members [K, n_atoms, 3]`` likewise, and its ``energy_std``,
+            ``stress_std`` and members' energies, stresses and virials (totals).
         """
         owner = self._owners(graph)
         owned = self.scatter(graph, owner=owner)
@@ -481,6 +483,10 @@ class DecomposedPotential:
         for name in (K.ENERGIES, K.FORCES, *COMMITTEE_PER_ATOM):
             if name in local:
                 out[name] = C.gather_rows(local[name], self.group)[order]
+        for name in COMMITTEE_MEMBER_ROWS:  # [K, n_owned, ...]: gathered along atoms
+            if name in local:
+                rows = C.gather_rows(local[name].transpose(0, 1).contiguous(), self.group)
+                out[name] = rows[order].transpose(0, 1)
         for name in (K.STRESS, K.VIRIAL, *COMMITTEE_PER_SYSTEM):
             if name in local:
                 out[name] = local[name]

@@ -41,6 +41,26 @@ def models() -> dict[str, Committee]:
     return {"schnet": committee(), "equivariant": eq}
 
 
+def spread_sums(graph, step):
+    """A ``global`` hook: partial sums of the owned atoms' force spread (summed over ranks)."""
+    std = graph[K.FORCES_STD]
+    return {"sum": std.sum(), "sum_sq": (std * std).sum(), "atoms": torch.tensor(std.numel())}
+
+
+def frame_spread(graph, step):
+    """A ``rank0`` hook on the gathered frame: its largest spread, the atom that has it."""
+    std = graph[K.FORCES_STD]
+    return {"max": std.max(), "atom_id": graph.atom_id[int(torch.argmax(std))].double(),
+            "energy_std": graph[K.ENERGY_STD][0]}
+
+
+def hooks():
+    from xnn.dynamics.callable_hooks import FrameCallable, GlobalCallable
+
+    return [GlobalCallable(spread_sums, every=2, name="spread_sums"),
+            FrameCallable(frame_spread, every=4, name="frame_spread", frame_format="graph")]
+
+
 def _single_points(rank, manager, cases) -> dict:
     from xnn.data.graph import AtomicGraph
 
@@ -70,7 +90,7 @@ def worker(rank, world, tmp, threshold, cases):
     ports = FreshPorts(manager, 2)
     ports.next()
     run_md(load_config(MDConfig, None, md_args(f"{tmp}/cu.xyz", f"{tmp}/committee.pt",
-                                               f"{tmp}/dd_free")))
+                                               f"{tmp}/dd_free")), hooks=hooks())
     ports.next()
     try:
         run_md(load_config(MDConfig, None, md_args(
@@ -87,7 +107,7 @@ def test_committee_decomposed_equals_one_process(tmp_path):
     compressed_cu(tmp_path / "cu.xyz")
     free = run_md(load_config(MDConfig, None, md_args(tmp_path / "cu.xyz",
                                                       tmp_path / "committee.pt",
-                                                      tmp_path / "free")))
+                                                      tmp_path / "free")), hooks=hooks())
     log = read_log(free / "thermo.csv")
     k, threshold = first_record(log["max_force_std_eV_A"])
     systems, committees = default_decomposition_systems([29]), models()
@@ -133,6 +153,15 @@ def test_committee_decomposed_equals_one_process(tmp_path):
     dd = read_log(tmp_path / "dd_free" / "thermo.csv")
     for col in ("max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV"):
         np.testing.assert_allclose(dd[col], log[col], rtol=1e-9, atol=0, err_msg=col)
+    for name in ("spread_sums", "frame_spread"):  # the hooks see the spread: global, rank0
+        a, b = (read_log(tmp_path / run / "hooks" / f"{name}.csv") for run in ("free", "dd_free"))
+        assert list(a) == list(b) and len(a["step"]) >= 3, name
+        for col in a:
+            np.testing.assert_allclose(b[col], a[col], rtol=1e-9, atol=0, err_msg=col)
+    sums = read_log(tmp_path / "free" / "hooks" / "spread_sums.csv")
+    assert sums["atoms"] == [16.0] * len(sums["step"])
+    np.testing.assert_allclose(np.array(sums["sum"]) / 16,
+                               log["mean_force_std_eV_A"][::2], rtol=1e-12)
     stops = [r["stop"] for r in results]
     assert stops[0] is not None and stops[0][0] == k and stops[1][0] == k  # every rank
     assert stops[0][1].startswith(f"step {k}: force uncertainty") and "owned by rank" in \

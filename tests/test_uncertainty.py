@@ -246,3 +246,16 @@ def test_workflow_results_have_each_systems_uncertainty(free_run, tmp_path):
         assert float(row["energy_std_eV"]) == pytest.approx(float(ref[K.ENERGY_STD][0]),
                                                             rel=1e-5)
     assert len({r["max_force_std_eV_A"] for r in rows}) == 3
+
+
+def test_resumed_run_logs_the_uninterrupted_uncertainty(free_run, tmp_path):
+    """A checkpoint holds the state's spread fields; resuming gives the same columns."""
+    tmp, model, log = free_run
+    half = run_md(load_config(MDConfig, None, md_args(tmp / "cu.xyz", model, tmp_path / "r",
+                                                      f"steps={STEPS // 2}")))
+    assert read_log(half / "thermo.csv")["step"][-1] == STEPS // 2
+    run_md(load_config(MDConfig, None, md_args(tmp / "cu.xyz", model, tmp_path / "r",
+                                               f"resume={half / 'checkpoint.pt'}")))
+    resumed = read_log(tmp_path / "r" / "thermo.csv")
+    for col in ("max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV"):
+        assert resumed[col] == log[col], col

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import Tensor
 
 from xnn.data import keys as K

@@ -130,6 +130,11 @@ def test_guard_warns_once_per_excursion(free_run):
     assert len(got) == excursions >= 1
     assert str(got[0].message).startswith(f"step {k}: force uncertainty")
     assert read_log(tmp / "warn" / "thermo.csv")["step"][-1] == STEPS  # the run went on
+    import json
+
+    summary = json.loads((tmp / "warn" / "summary.json").read_text())
+    assert summary["uncertainty_warnings"] == excursions
+    assert summary["max_force_std_eV_A"] == max(log["max_force_std_eV_A"])
 
 
 def test_guard_excursions_on_a_series():

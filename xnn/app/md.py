@@ -270,6 +270,8 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     loop_s = wall_clock() - t0
     figures = md_summary(cfg, outputs.means, int(counts.sum()), start, state.step, loop_s,
                          wall_clock() - began)
+    if outputs.guard.threshold is not None:
+        figures["uncertainty_warnings"] = outputs.guard.excursions
     if write_summary(out_dir / "summary.json", par, figures) is not None:
         print(md_summary_line(figures), flush=True)
     if cfg.output.plot and par.main:

@@ -170,3 +170,33 @@ def test_committee_decomposed_equals_one_process(tmp_path):
     assert frames[-1].info["step"] == k
     assert ase.io.read(tmp_path / "dd_stop" / "uncertain.xyz").info["step"] == k
     assert read_log(tmp_path / "dd_stop" / "thermo.csv")["step"][-1] == k
+
+
+def points_worker(rank, world, cases):
+    from xnn.distributed import DistributedManager
+
+    torch.set_default_dtype(torch.float64)
+    manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
+    return _single_points(rank, manager, cases)
+
+
+@pytest.mark.slow
+def test_committee_on_three_ranks_equals_one_process():
+    """The same single points on 3 ranks (a split in two directions, ghost shells wider than
+    a box), every mode."""
+    systems, committees = default_decomposition_systems([29], seed=5), models()
+    cases = {"models": committees,
+             "systems": {n: g.without_edges().fields for n, g in systems.items()}}
+    points = spawn(points_worker, 3, (cases,), timeout_s=900)[0]
+    failures = []
+    for mname, model in committees.items():
+        for sname, g in systems.items():
+            ref, order = Potential(model)(g), torch.argsort(g.atom_id)
+            for mode in ("halo", "sync", "graph"):
+                out = points[f"{mname}-{sname}-{mode}"]
+                for q, want in [*((q, ref[q][order]) for q in PER_ATOM),
+                                *((q, ref[q]) for q in PER_SYSTEM)]:
+                    err = float((out[q] - want).abs().max() / want.abs().max())
+                    if not err <= 1e-10:
+                        failures.append(f"{mname}-{sname}-{mode} {q}: {err:.2e}")
+    assert not failures, failures

@@ -264,3 +264,14 @@ def test_resumed_run_logs_the_uninterrupted_uncertainty(free_run, tmp_path):
     resumed = read_log(tmp_path / "r" / "thermo.csv")
     for col in ("max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV"):
         assert resumed[col] == log[col], col
+
+
+def test_guard_stops_at_step_zero(free_run, tmp_path):
+    tmp, model, log = free_run
+    below = 0.5 * min(log["max_force_std_eV_A"])
+    with pytest.raises(SimulationError, match=r"^step 0: force uncertainty") as err:
+        run_md(load_config(MDConfig, None, md_args(
+            tmp / "cu.xyz", model, tmp_path / "s0", f"safety.max_force_uncertainty={below!r}")))
+    assert err.value.step == 0
+    assert ase.io.read(tmp_path / "s0" / "trajectory.xyz", ":")[-1].info["step"] == 0
+    assert read_log(tmp_path / "s0" / "thermo.csv")["step"] == [0]

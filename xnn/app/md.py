@@ -262,7 +262,11 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     outputs = _Outputs(cfg, par, counts, meta, out_dir, identity)
     outputs.hooks = run_hooks.open(out_dir, None if meta is None else state.step)
     if meta is None:
-        outputs.record_checked(state, integrator, force=True)
+        try:
+            outputs.record_checked(state, integrator, force=True)
+        except SimulationError:
+            outputs.close()  # the guard stopped at step 0 (its frame written)
+            raise
     else:
         outputs.hooks.resume(state)
     start, t0 = state.step, wall_clock()

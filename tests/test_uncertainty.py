@@ -275,3 +275,15 @@ def test_guard_stops_at_step_zero(free_run, tmp_path):
     assert err.value.step == 0
     assert ase.io.read(tmp_path / "s0" / "trajectory.xyz", ":")[-1].info["step"] == 0
     assert read_log(tmp_path / "s0" / "thermo.csv")["step"] == [0]
+
+
+def test_cli_stop_is_one_line_with_the_safety_exit_code(free_run, tmp_path, capsys):
+    from xnn.cli.main import main
+
+    tmp, model, log = free_run
+    k, threshold = first_record(log["max_force_std_eV_A"])
+    rc = main(["md", *md_args(tmp / "cu.xyz", model, tmp_path / "cli",
+                              f"safety.max_force_uncertainty={threshold!r}")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1  # as the other safety stops (xnn.cli.main)
+    assert err[0].startswith(f"xnn md: error: step {k}: force uncertainty")

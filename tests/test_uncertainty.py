@@ -156,6 +156,13 @@ def test_guard_excursions_on_a_series():
     with pytest.raises(SimulationError, match=r"step 7: .* on atoms \(atom_id\) \[1\]"):
         stop.check(s)
     assert UncertaintyGuard(None).check(s) is None  # disabled
+    two = AtomicGraph.concat([g, g.replace(atom_id=torch.tensor([2, 3]))])
+    s = MDState(two.replace({K.FORCES_STD: torch.tensor([0.0, 0.6, 0.9, 0.1],
+                                                        dtype=torch.float64)}),
+                torch.zeros(4, 3), torch.zeros(2), torch.zeros(2, 3, 3), 3)
+    with pytest.raises(SimulationError, match=r"0.9 eV/Å .* on atoms \(atom_id\) \[2\] of "
+                                              r"system 1"):
+        stop.check(s)
 
 
 def test_refusals(free_run, tmp_path):

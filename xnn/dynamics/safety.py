@@ -229,19 +229,21 @@ class UncertaintyGuard:
         if self.threshold is None or K.FORCES_STD not in g:
             return None
         std = g[K.FORCES_STD].detach()
-        one = torch.zeros(1, dtype=torch.long, device=std.device)
-        local = std.max().reshape(1) if std.numel() else std.new_full((1,), float("-inf"))
-        top = float(reduce.max_per_system(local, one, 1)[0])
+        per_system = reduce.max_per_system(std, g.batch, g.n_systems)
+        s = int(torch.argmax(torch.nan_to_num(per_system, nan=float("inf"))))
+        top = float(per_system[s])
         if not top > self.threshold:
             self.above = False
             return None
         if self.above and self.action == "warn":
             return None
-        _, ids, ranks = top_atoms(torch.where(std > self.threshold, std, float("-inf")),
-                                  g.atom_id, reduce, k=3)
+        mine = (std > self.threshold) & (g.batch == s)
+        _, ids, ranks = top_atoms(torch.where(mine, std, float("-inf")), g.atom_id, reduce,
+                                  k=3)
+        where = f" of system {s}" if g.n_systems > 1 else ""
         msg = (f"step {state.step}: force uncertainty (committee spread) {top:.3g} eV/Å "
                f"above safety.max_force_uncertainty={self.threshold} eV/Å on atoms "
-               f"(atom_id) {ids}{_on_ranks(ranks)}")
+               f"(atom_id) {ids}{where}{_on_ranks(ranks)}")
         if self.action == "stop":
             raise SimulationError(msg, state.step)
         self.above, self.excursions = True, self.excursions + 1

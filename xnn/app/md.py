@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from xnn.app.md_setup import (
     check_compile_cells,
     check_kinetic_dof,
     check_species,
+    check_uncertainty,
     compiled_integrator,
     initial_velocities,
     integrator_args,
@@ -59,11 +61,14 @@ from xnn.dynamics.registry import get_integrator
 from xnn.dynamics.safety import (
     DriftMonitor,
     SimulationError,
+    UncertaintyGuard,
+    UncertaintyWarning,
     check_distances,
     check_forces,
     check_temperature,
 )
 from xnn.dynamics.state import MDState
+from xnn.dynamics.thermo import columns as thermo_columns
 from xnn.dynamics.thermo import observables
 from xnn.errors import InputError
 from xnn.io.thermo import ThermoLog, plot_log
@@ -81,10 +86,13 @@ class _Outputs(RunOutputs):
         self.hooks: RunHooks | None = None  # set by _run_md
         self.identity = identity  # the model and physics, checked on resume (rank 0)
         self.drift = DriftMonitor(cfg.safety.max_drift, counts)  # from this run's first row
+        self.guard = UncertaintyGuard(cfg.safety.max_force_uncertainty,
+                                      cfg.safety.on_uncertainty)
         self.means = ThermoMeans()  # this run's thermo rows, for the summary
         if self.enabled:
             self.log = ThermoLog(self.dir / "thermo.csv",
-                                 self.files.get("log_rows") if meta else None)
+                                 self.files.get("log_rows") if meta else None,
+                                 thermo_columns(par.model.committee_size > 1))
 
     def meta(self, ensemble: str) -> dict:
         files = {"log_rows": self.log.rows, **self.file_sizes()} if self.enabled else {}
@@ -120,6 +128,27 @@ class _Outputs(RunOutputs):
     def checkpoint(self, state: MDState, name: str = "checkpoint.pt",
                    meta: dict | None = None) -> Path | None:
         return self.save(state, meta or self.meta(self.cfg.ensemble), name)
+
+    def record_checked(self, state: MDState, integrator, force: bool = False) -> None:
+        """:meth:`record` after the committee's uncertainty guard (``safety.
+        max_force_uncertainty``): a warning once per excursion (rank 0), or a stop that first
+        writes this step's thermo row, trajectory frame, ``uncertain.xyz`` and checkpoint.
+        Collective."""
+        try:
+            msg = self.guard.check(state, self.par.reduce)
+        except SimulationError as err:
+            self.record(state, integrator, force=True)
+            full = self.par.gather(state)
+            if self.enabled:
+                write_extxyz(self.dir / "uncertain.xyz", full.graph, state.step, results(full))
+            self.checkpoint(state)
+            where = "trajectory, " if self.traj is not None else ""
+            raise SimulationError(f"{err}; stopped. The frame of step {state.step} is written "
+                                  f"to {where}{self.dir / 'uncertain.xyz'} and "
+                                  f"{self.dir / 'checkpoint.pt'}", err.step) from None
+        if msg is not None and self.enabled:
+            warnings.warn(msg, UncertaintyWarning, stacklevel=2)
+        self.record(state, integrator, force)
 
 
 def _check(state: MDState, par, cfg: MDConfig, max_t: torch.Tensor) -> None:
@@ -209,6 +238,7 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     began = wall_clock()
     cfg, device, dtype, par, folder, model = setup_run(MDConfig, config, overrides, manager,
                                                        check_compile)
+    check_uncertainty(cfg, par.model)
     hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]  # user targets imported first
     integrator, state, meta, identity = _start(cfg, par, device, dtype, model)
     if meta is not None and state.step >= cfg.steps:
@@ -232,7 +262,11 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     outputs = _Outputs(cfg, par, counts, meta, out_dir, identity)
     outputs.hooks = run_hooks.open(out_dir, None if meta is None else state.step)
     if meta is None:
-        outputs.record(state, integrator, force=True)
+        try:
+            outputs.record_checked(state, integrator, force=True)
+        except SimulationError:
+            outputs.close()  # the guard stopped at step 0 (its frame written)
+            raise
     else:
         outputs.hooks.resume(state)
     start, t0 = state.step, wall_clock()
@@ -240,6 +274,8 @@ def _run_md(config, overrides: Sequence[str], manager, extra_hooks: Sequence = (
     loop_s = wall_clock() - t0
     figures = md_summary(cfg, outputs.means, int(counts.sum()), start, state.step, loop_s,
                          wall_clock() - began)
+    if outputs.guard.threshold is not None:
+        figures["uncertainty_warnings"] = outputs.guard.excursions
     if write_summary(out_dir / "summary.json", par, figures) is not None:
         print(md_summary_line(figures), flush=True)
     if cfg.output.plot and par.main:
@@ -292,7 +328,7 @@ def _loop(cfg: MDConfig, integrator, state: MDState, outputs: _Outputs, max_t) -
             except SimulationError as err:
                 raise _fail(err, good, good_meta, outputs) from None
             state = par.after_step(new)
-            outputs.record(state, integrator)
+            outputs.record_checked(state, integrator)
             if state.step % cfg.safety.check_every == 0:
                 good, good_meta = state, outputs.meta(cfg.ensemble)
             if every and state.step % every == 0:

@@ -113,6 +113,7 @@ class ThermoMeans:
         self.t_sum: list[float] = []
         self.p_sum: list[float] = []
         self.latest: dict[str, list[float]] = {}
+        self.std_max: list[float] = []  # a committee's largest force spread per system
 
     def add(self, values: dict) -> None:
         """One row: ``values`` of :func:`~xnn.dynamics.thermo.observables` (``[n_systems]``)."""
@@ -124,6 +125,9 @@ class ThermoMeans:
         self.p_sum = [a + b for a, b in zip(self.p_sum, p)]
         self.rows += 1
         self.latest = {"T": t, "epot": values["epot_eV"].tolist()}
+        if "max_force_std_eV_A" in values:
+            u = values["max_force_std_eV_A"].tolist()
+            self.std_max = [max(a, b) for a, b in zip(self.std_max, u)] if self.std_max else u
 
     def temperature(self) -> list[float]:
         """``[n_systems]`` mean temperatures (K)."""
@@ -157,6 +161,8 @@ def md_summary(cfg, means: ThermoMeans, n_atoms: int, start: int, end: int,
         "mean_pressure_GPa": _none_if_nan(_mean(p)),
         "mean_temperature_K_per_system": [_none_if_nan(v) for v in t],
         "mean_pressure_GPa_per_system": [_none_if_nan(v) for v in p],
+        **({"max_force_std_eV_A": max(means.std_max),
+            "max_force_std_eV_A_per_system": means.std_max} if means.std_max else {}),
     }
 
 

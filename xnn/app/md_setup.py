@@ -253,6 +253,9 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
                         "model.device=cuda; on a CPU use compile: true alone)")
     if several_ranks and cfg.cuda_graph:
         problems.append("cuda_graph=true on several ranks (it runs in one process)")
+    if model.committee_size > 1:
+        problems.append(f"a committee model ({model.committee_size} members; the compiled "
+                        "step evaluates one model, without the members' spread)")
     if several_ranks and cfg.parallel.mode == "graph":
         problems.append("parallel.mode=graph (on several ranks it compiles parallel.mode "
                         "spatial)")
@@ -261,6 +264,16 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
         raise InputError(f"{key} does not support {'; nor '.join(problems)}: change "
                          f"{'it' if len(problems) == 1 else 'them'} or set compile: false "
                          "and cuda_graph: false (the eager step runs every combination)")
+
+
+def check_uncertainty(cfg: MDConfig, model: torch.nn.Module) -> None:
+    """Refuse ``safety.max_force_uncertainty`` for a model that is not a committee (it has
+    no spread to check)."""
+    if cfg.safety.max_force_uncertainty is not None and model.committee_size < 2:
+        raise InputError(f"safety.max_force_uncertainty={cfg.safety.max_force_uncertainty} "
+                         f"needs a committee model (its members' spread); {type(model).__name__}"
+                         " is one model: train one with committee.size=K or set "
+                         "safety.max_force_uncertainty: null")
 
 
 def untraceable_terms(model: torch.nn.Module) -> list[str]:

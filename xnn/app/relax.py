@@ -40,6 +40,7 @@ from xnn.dynamics import fire
 from xnn.dynamics.hooks import HookError
 from xnn.dynamics.safety import check_forces
 from xnn.dynamics.state import MDState
+from xnn.dynamics.thermo import UNCERTAINTY_COLUMNS, uncertainty_columns
 from xnn.errors import DataFileError, InputError
 from xnn.io import md_checkpoint as ckpt
 from xnn.io.trajectory import write_extxyz
@@ -55,21 +56,26 @@ class _RelaxLog:
 
     HEADER = "step,system,energy_eV,fmax_eV_A,volume_A3\n"
 
-    def __init__(self, path: Path, truncate_to: int | None):
+    def __init__(self, path: Path, truncate_to: int | None, committee: bool = False):
         self.path = path
         if truncate_to is None:
-            path.write_text(self.HEADER)
+            extra = "".join("," + c for c in UNCERTAINTY_COLUMNS) if committee else ""
+            path.write_text(self.HEADER[:-1] + extra + "\n")
         elif not path.is_file() or path.stat().st_size < truncate_to:
             raise DataFileError(f"cannot resume: {path} is missing or shorter than the "
                                 "checkpoint says")
         else:
             os.truncate(path, truncate_to)
 
-    def write(self, state: MDState, fm: torch.Tensor) -> None:
-        cols = zip(state.energy.tolist(), fm.tolist(), state.graph.volume().tolist())
+    def write(self, state: MDState, fm: torch.Tensor,
+              uncertainty: dict[str, torch.Tensor] | None = None) -> None:
+        """One row per system; ``uncertainty``: a committee's
+        :func:`~xnn.dynamics.thermo.uncertainty_columns`, appended in their order."""
+        cols = [state.energy.tolist(), fm.tolist(), state.graph.volume().tolist(),
+                *(uncertainty[c].tolist() for c in UNCERTAINTY_COLUMNS if uncertainty)]
         with open(self.path, "a") as fh:
-            fh.writelines(f"{state.step},{s},{e!r},{f!r},{v!r}\n"
-                          for s, (e, f, v) in enumerate(cols))
+            fh.writelines(f"{state.step},{s}," + ",".join(repr(float(v)) for v in row) + "\n"
+                          for s, row in enumerate(zip(*cols)))
 
     def position(self) -> int:
         return self.path.stat().st_size
@@ -87,7 +93,8 @@ class _RelaxOutputs(RunOutputs):
         self.hooks: RunHooks | None = None  # set by _run_relax
         self.identity = identity  # the model and settings, checked on resume (rank 0)
         if self.enabled:
-            self.log = _RelaxLog(self.dir / "relax.csv", self.files.get("log_bytes"))
+            self.log = _RelaxLog(self.dir / "relax.csv", self.files.get("log_bytes"),
+                                 par.model.committee_size > 1)
 
     def meta(self, done: torch.Tensor) -> dict:
         """The checkpoint meta: model and settings, per-system convergence, output sizes
@@ -102,8 +109,9 @@ class _RelaxOutputs(RunOutputs):
 
     def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
         if force or state.step % self.cfg.output.log_every == 0:
+            spread = uncertainty_columns(state.graph, self.par.reduce)  # collective
             if self.log is not None:
-                self.log.write(state, fm)
+                self.log.write(state, fm, spread)
             self.report(state.step)
         self.frame(state)
         if self.hooks:

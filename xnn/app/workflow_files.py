@@ -32,8 +32,8 @@ from xnn.models.serialization import load_failure, read_as_data
 FORMAT = "xnn-workflow-checkpoint"
 MANIFEST = "xnn-workflow-ranks"
 COLUMNS = ("id", "stage_index", "stage", "type", "status", "converged", "steps", "n_atoms",
-           "energy_eV", "fmax_eV_A", "temperature_K", "volume_A3", "pressure_GPa", "wall_s",
-           "reason")
+           "energy_eV", "fmax_eV_A", "temperature_K", "volume_A3", "pressure_GPa",
+           "max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV", "wall_s", "reason")
 #: what a campaign writes into its folder (a previous campaign is recognised by these)
 RUN_FILES = ("config.yaml", "checkpoint.pt", "results.csv", "summary.json", "final.xyz",
              "trajectories", "final", "ranks")

@@ -24,6 +24,7 @@ from xnn.dynamics.state import (
     new_rng,
     temperature,
 )
+from xnn.dynamics.thermo import UNCERTAINTY_COLUMNS, uncertainty_columns
 from xnn.units import GPA_TO_EV_PER_A3
 
 #: fields a system carries from one stage to the next (integrator fields are dropped)
@@ -146,7 +147,9 @@ def status(stage: StageConfig, state: MDState, limit: float) -> tuple[Tensor, Te
 
 def row_values(stage: StageConfig, state: MDState) -> dict[str, list]:
     """Per-system numbers of the rows of ``results.csv``: steps, energy (eV), fmax (eV/Å),
-    temperature (K), volume (Å³), pressure (GPa; NaN unless periodic)."""
+    temperature (K), volume (Å³), pressure (GPa; NaN unless periodic) and a committee's
+    uncertainty at the stage's last step (:data:`~xnn.dynamics.thermo.UNCERTAINTY_COLUMNS`:
+    largest and mean per-atom force spread, eV/Å, energy spread, eV; NaN for one model)."""
     g = state.graph
     fm = fire.fmax(state) if stage.type == "relax" else max_force(state)
     periodic = g.pbc.all(-1)
@@ -160,4 +163,12 @@ def row_values(stage: StageConfig, state: MDState) -> dict[str, list]:
         "temperature_K": temperature(g).tolist(),
         "volume_A3": vol.tolist(),
         "pressure_GPa": p.tolist(),
+        **_uncertainty(g, state.energy),
     }
+
+
+def _uncertainty(graph: AtomicGraph, like: Tensor) -> dict[str, list]:
+    """:func:`~xnn.dynamics.thermo.uncertainty_columns` of ``graph`` (NaN without them)."""
+    spread = uncertainty_columns(graph)
+    nan = torch.full_like(like, float("nan"))
+    return {c: spread.get(c, nan).tolist() for c in UNCERTAINTY_COLUMNS}

@@ -158,8 +158,18 @@ class SafetyConfig:
     max_drift: float | None = field(1e-3, "warn (once) when the conserved quantity drifts "
                                     "faster than this (eV/atom/ps; below 1 ps: when it "
                                     "changed by more than this × 1 ps); null: never")
+    max_force_uncertainty: float | None = field(None, "committee models: act when the "
+                                                "largest per-atom force uncertainty "
+                                                "(forces_std, the members' spread) exceeds "
+                                                "this (eV/Å); null: never")
+    on_uncertainty: str = field("stop", "what max_force_uncertainty does: stop (write the "
+                                "frame to the trajectory and a checkpoint, then stop like "
+                                "the other checks) or warn (once per excursion above it)",
+                                choices=("stop", "warn"))
 
     def __post_init__(self):
+        check_range("safety.max_force_uncertainty", self.max_force_uncertainty, 0.0,
+                    low_inclusive=False)
         check_range("safety.min_distance", self.min_distance, 0.0)
         check_range("safety.max_drift", self.max_drift, 0.0, low_inclusive=False)
         check_range("safety.max_force", self.max_force, 0.0, low_inclusive=False)

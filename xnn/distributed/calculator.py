@@ -41,6 +41,9 @@ class DistributedCalculator(Calculator):
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
+    #: what a committee adds, as :class:`xnn.Calculator` names them
+    committee_properties = ["energy_std", "forces_std", "stress_std", "energy_members",
+                            "energies_members", "forces_members", "stress_members"]
 
     def __init__(self, model, manager_or_group=None, grid=None, skin: float = 0.0,
                  mode: str = "halo", dtype: torch.dtype = torch.float64,
@@ -54,6 +57,9 @@ class DistributedCalculator(Calculator):
         self.group, device = resolve_group(manager_or_group)
         if device is not None:
             self.model.to(device)
+        if self.model.committee_size > 1:
+            self.implemented_properties = [*DistributedCalculator.implemented_properties,
+                                           *DistributedCalculator.committee_properties]
         self.dd = None  # mode auto: the decomposed potential of the first structure
         if mode != "auto":
             self.dd = parallelize(self.model, manager_or_group, mode, grid=grid, skin=skin,
@@ -84,11 +90,36 @@ class DistributedCalculator(Calculator):
             self.results["stress"] = full_3x3_to_voigt_6_stress(stress)
         elif "stress" in properties:
             raise PropertyNotImplementedError("stress needs a cell periodic along all axes")
+        if self.model.committee_size > 1:
+            self.results.update(_committee_results(out, rows, bool(graph.pbc.all())))
 
     def stats(self) -> dict:
         """This rank's domain sizes (owned, ghost atoms, peers, grid); empty before the
         first calculation."""
         return {} if self.dd is None else self.dd.stats()
+
+
+def _committee_results(out: dict, rows: torch.Tensor, periodic: bool) -> dict:
+    """A committee's results of a single point (rows sorted by atom id, put back in the
+    Atoms' order by ``rows``) under the names and shapes of :class:`xnn.Calculator`'s:
+    ``energy_std`` (eV), ``forces_std [n_atoms]`` (eV/Å), ``energy_members [K]``,
+    ``energies_members [K, n_atoms]``, ``forces_members [K, n_atoms, 3]`` and, 3-D periodic,
+    ``stress_std [6]`` and ``stress_members [K, 6]`` (Voigt, eV/Å³)."""
+    def arr(key: str, per_atom: bool = False):
+        x = out[key].detach()
+        if per_atom:
+            x = x[..., rows, :] if x.ndim == 3 else x[..., rows]
+        return x.cpu().double().numpy()
+
+    res = {"energy_std": float(arr(K.ENERGY_STD).sum()),
+           "forces_std": arr(K.FORCES_STD, True),
+           "energy_members": arr(K.ENERGY_MEMBERS)[:, 0],
+           "energies_members": arr(K.ENERGIES_MEMBERS, True),
+           "forces_members": arr(K.FORCES_MEMBERS, True)}
+    if periodic:
+        res["stress_std"] = full_3x3_to_voigt_6_stress(arr(K.STRESS_STD)[0])
+        res["stress_members"] = full_3x3_to_voigt_6_stress(arr(K.STRESS_MEMBERS)[:, 0])
+    return res
 
 
 __all__ = ["DistributedCalculator"]

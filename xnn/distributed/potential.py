@@ -41,6 +41,10 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
+from xnn.distributed.committee import MEMBER_ROWS as COMMITTEE_MEMBER_ROWS
+from xnn.distributed.committee import PER_ATOM as COMMITTEE_PER_ATOM
+from xnn.distributed.committee import PER_SYSTEM as COMMITTEE_PER_SYSTEM
+from xnn.distributed.committee import committee_results_decomposed, member_graphs
 from xnn.distributed.domain.longrange import swapped_global_sums
 from xnn.distributed.domain.state import Counters, DomainState, gather, scatter
 from xnn.distributed.domain.sync import swapped_sync_points
@@ -383,25 +387,42 @@ class DecomposedPotential:
         Returns:
             ``energy [1]`` (eV, total), ``energies [n_owned]`` (eV), ``forces [n_owned, 3]``
             (eV/Å), ``virial [1, 3, 3]`` (eV) and ``stress [1, 3, 3]`` (eV/Å³, totals),
-            ``atom_id [n_owned]``.
+            ``atom_id [n_owned]``; for a committee (``model.committee_size > 1``) the
+            members' means under these keys, with the members and their spreads
+            (``energy_std [1]``, ``forces_std [n_owned]``, ``stress_std [1, 3, 3]``; see
+            :mod:`xnn.distributed.committee`).
         """
         self.update(graph)
         dom, lay = self.state.local, self.layout
         need_grad = forces or stress
+        k = int(self.model.committee_size)
         with torch.enable_grad() if (need_grad or training) else torch.no_grad():
-            strained = apply_strain(graph.without_edges(), with_strain=stress) if need_grad \
-                else None
-            g = strained.graph if strained is not None else graph
-            x = lay.local_positions(dom, g.positions, g.cell)
-            tape: list[Tensor] = [x]
+            if k > 1:  # every member on its own leaves (xnn.distributed.committee)
+                strained, gs = member_graphs(graph, k, forces, stress)
+            else:
+                strained = apply_strain(graph.without_edges(), with_strain=stress) \
+                    if need_grad else None
+                gs = [strained.graph if strained is not None else graph]
+            xs = [lay.local_positions(dom, g.positions, g.cell) for g in gs]
+            tape: list[Tensor] = list(xs)
             with C.guarded(self.group, "model evaluation"), \
                     swapped_sync_points(self.model, dom, tape, enabled=lay.syncs), \
                     swapped_global_sums(lay.long_range, self.group, tape), \
                     pairing_edges(dom.paired and not training):
-                energies = self.model(lay.local_graph(graph, dom, x, g.cell))[: dom.n_owned]
-            out = decomposed_results(energies, tape, strained, graph, forces, stress,
-                                     training, self.group)
-        self.record_evaluation(x, dom, graph.atom_id, g.cell)
+                local = [lay.local_graph(graph, dom, x, g.cell) for x, g in zip(xs, gs)]
+                if k > 1:
+                    local = local * (k // len(local))  # one graph: shared by the members
+                    energies = self.model.member_energies(local)[:, : dom.n_owned]
+                else:
+                    energies = self.model(local[0])[: dom.n_owned]
+            if k > 1:
+                out = committee_results_decomposed(self.model, energies, tape, strained,
+                                                   graph, forces, stress, training,
+                                                   self.group)
+            else:
+                out = decomposed_results(energies, tape, strained, graph, forces, stress,
+                                         training, self.group)
+        self.record_evaluation(xs[0], dom, graph.atom_id, gs[0].cell)
         if not training:
             out = {k: v.detach() for k, v in out.items()}
         return out
@@ -438,7 +459,10 @@ class DecomposedPotential:
         Returns:
             ``energy [1]`` eV, ``energies [n_atoms]`` eV, ``forces [n_atoms, 3]`` eV/Å,
             ``stress [1, 3, 3]`` eV/Å³ and ``virial [1, 3, 3]`` eV, and ``atom_id
-            [n_atoms]``: per-atom rows sorted by global atom id.
+            [n_atoms]``: per-atom rows sorted by global atom id; a committee's
+            ``forces_std [n_atoms]``, ``energies_members [K, n_atoms]`` and
+            ``forces_members [K, n_atoms, 3]`` likewise, and its ``energy_std``,
+            ``stress_std`` and members' energies, stresses and virials (totals).
         """
         owner = self._owners(graph)
         owned = self.scatter(graph, owner=owner)
@@ -456,10 +480,14 @@ class DecomposedPotential:
                                              counts.flatten())
             self._root.update(ids=ids[order], owner=owners[order])
         out = {K.ENERGY: local[K.ENERGY], K.ATOM_ID: ids[order]}
-        for name in (K.ENERGIES, K.FORCES):
+        for name in (K.ENERGIES, K.FORCES, *COMMITTEE_PER_ATOM):
             if name in local:
                 out[name] = C.gather_rows(local[name], self.group)[order]
-        for name in (K.STRESS, K.VIRIAL):
+        for name in COMMITTEE_MEMBER_ROWS:  # [K, n_owned, ...]: gathered along atoms
+            if name in local:
+                rows = C.gather_rows(local[name].transpose(0, 1).contiguous(), self.group)
+                out[name] = rows[order].transpose(0, 1)
+        for name in (K.STRESS, K.VIRIAL, *COMMITTEE_PER_SYSTEM):
             if name in local:
                 out[name] = local[name]
         return out

@@ -22,7 +22,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.reduce import LOCAL, Reducer
-from xnn.dynamics.state import MDState, evaluate, free_mask, initial_state, per_system
+from xnn.dynamics.state import MDState, evaluate_graph, free_mask, initial_state, per_system
 from xnn.errors import InputError
 
 #: per-atom field ``[n_atoms, 3]``: FIRE velocities of the atom degrees of freedom
@@ -151,7 +151,7 @@ def step(state: MDState, model, fmax_target: float = 0.0, reduce: Reducer = LOCA
                        v["cell0"] @ d_new, g.cell)
     new_g = g.replace({K.POSITIONS: pos, K.CELL: cell,
                        FIRE_VELOCITIES: torch.where(active[b, None], va, va0)})
-    energy, forces, stress = evaluate(model, new_g, state.compute_stress)
+    new_g, energy, forces, stress = evaluate_graph(model, new_g, state.compute_stress)
 
     def sel(new, old):
         shape = (-1,) + (1,) * (new.ndim - 1)

@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from xnn.data import keys as K
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import MDState, temperature
 from xnn.errors import XnnError
@@ -182,4 +183,68 @@ class DriftMonitor:
                f"safety.max_drift={self.max_drift}): the time step is probably too large "
                "for this potential; lower timestep (or set safety.max_drift=null to silence)")
         warnings.warn(msg, DriftWarning, stacklevel=2)
+        return msg
+
+
+class UncertaintyWarning(UserWarning):
+    """A committee's members disagree on the forces beyond ``safety.max_force_uncertainty``:
+    the simulation left the potential's training data."""
+
+
+#: what :class:`UncertaintyGuard` does above its threshold (``safety.on_uncertainty``)
+ON_UNCERTAINTY = ("stop", "warn")
+
+
+class UncertaintyGuard:
+    """Stop, or warn once per excursion, when a committee's largest per-atom force
+    uncertainty (``forces_std`` of the state's graph, eV/Å) exceeds ``threshold``.
+
+    The decision is collective under domain decomposition: one all-reduce (maximum) of one
+    number per check, so every rank stops (or warns) at the same step; the message names the
+    most uncertain atoms by global id (and, decomposed, their ranks).
+
+    Args:
+        threshold: eV/Å; ``None`` disables the guard.
+        action: ``"stop"`` (:meth:`check` raises :class:`SimulationError`) or ``"warn"``
+            (:class:`UncertaintyWarning` when the uncertainty first exceeds the threshold, and
+            again only after it has fallen back below it).
+    """
+
+    def __init__(self, threshold: float | None, action: str = "stop"):
+        if action not in ON_UNCERTAINTY:
+            raise ValueError(f"action must be one of {list(ON_UNCERTAINTY)}, got {action!r}")
+        self.threshold, self.action = threshold, action
+        self.above = False  # inside an excursion (warn once per excursion)
+        self.excursions = 0
+
+    def check(self, state: MDState, reduce: Reducer = LOCAL) -> str | None:
+        """Look at ``state``'s force uncertainty; returns the message of a new excursion
+        (``"warn"``: the caller issues it, as :class:`UncertaintyWarning`, on one rank),
+        ``None`` otherwise. Collective.
+
+        Raises:
+            SimulationError: ``"stop"`` and the uncertainty exceeds the threshold.
+        """
+        g = state.graph
+        if self.threshold is None or K.FORCES_STD not in g:
+            return None
+        std = g[K.FORCES_STD].detach()
+        per_system = reduce.max_per_system(std, g.batch, g.n_systems)
+        s = int(torch.argmax(torch.nan_to_num(per_system, nan=float("inf"))))
+        top = float(per_system[s])
+        if not top > self.threshold:
+            self.above = False
+            return None
+        if self.above and self.action == "warn":
+            return None
+        mine = (std > self.threshold) & (g.batch == s)
+        _, ids, ranks = top_atoms(torch.where(mine, std, float("-inf")), g.atom_id, reduce,
+                                  k=3)
+        where = f" of system {s}" if g.n_systems > 1 else ""
+        msg = (f"step {state.step}: force uncertainty (committee spread) {top:.3g} eV/Å "
+               f"above safety.max_force_uncertainty={self.threshold} eV/Å on atoms "
+               f"(atom_id) {ids}{where}{_on_ranks(ranks)}")
+        if self.action == "stop":
+            raise SimulationError(msg, state.step)
+        self.above, self.excursions = True, self.excursions + 1
         return msg

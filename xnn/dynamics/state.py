@@ -240,6 +240,12 @@ def system_words(
 
 
 # ----------------------------------------------------------------------------- model calls
+#: a committee's uncertainties that an MD state carries as fields of its graph (per atom
+#: ``forces_std [n_atoms]`` eV/Å, per system ``energy_std [n_systems]`` eV): they move with
+#: the atoms, are gathered by id and reach the thermo log, the hooks and the safety checks
+UNCERTAINTY = (K.FORCES_STD, K.ENERGY_STD)
+
+
 def evaluate(model: Evaluator, graph: AtomicGraph, stress: bool = True
              ) -> tuple[Tensor, Tensor, Tensor]:
     """Energy ``[n_systems]``, forces ``[n_atoms, 3]`` and stress ``[n_systems, 3, 3]``.
@@ -249,11 +255,21 @@ def evaluate(model: Evaluator, graph: AtomicGraph, stress: bool = True
             :class:`~xnn.models.Potential`, or any callable with its signature).
         stress: compute the stress (else it is returned as zeros).
     """
+    return evaluate_graph(model, graph, stress)[1:]
+
+
+def evaluate_graph(model: Evaluator, graph: AtomicGraph, stress: bool = True
+                   ) -> tuple[AtomicGraph, Tensor, Tensor, Tensor]:
+    """:func:`evaluate`, with ``graph`` first: for a committee with its :data:`UNCERTAINTY`
+    fields set to this evaluation's (the same graph for any other model)."""
     out = model(graph.without_edges(), forces=True, stress=stress)
     stress = out.get(K.STRESS)
     if stress is None:
         stress = torch.zeros_like(graph.cell)
-    return out[K.ENERGY].detach(), out[K.FORCES].detach(), stress.detach()
+    spread = {k: out[k].detach() for k in UNCERTAINTY if k in out}
+    if spread:
+        graph = graph.replace(spread)
+    return graph, out[K.ENERGY].detach(), out[K.FORCES].detach(), stress.detach()
 
 
 def initial_state(
@@ -266,12 +282,13 @@ def initial_state(
         free_mask(graph)[:, None], graph.velocities, torch.zeros_like(graph.velocities)
     ))
     need = bool(graph.pbc.all(-1).any())
-    energy, forces, stress = evaluate(model, graph, need)
+    graph, energy, forces, stress = evaluate_graph(model, graph, need)
     return MDState(graph, forces, energy, stress, 0, dict(vars), rng, need)
 
 
 def with_positions(state: MDState, model, graph: AtomicGraph) -> MDState:
-    """New state at ``graph``'s positions/cell with fresh forces; step count +1."""
-    energy, forces, stress = evaluate(model, graph, state.compute_stress)
+    """New state at ``graph``'s positions/cell with fresh forces (and a committee's
+    :data:`UNCERTAINTY`); step count +1."""
+    graph, energy, forces, stress = evaluate_graph(model, graph, state.compute_stress)
     return state.replace(graph=graph, forces=forces, energy=energy, stress=stress,
                          step=state.step + 1)

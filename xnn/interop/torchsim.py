@@ -44,6 +44,10 @@ __all__ = ["XnnTorchSimModel", "TorchSimPotential", "require_torch_sim"]  # noqa
 INSTALL_HINT = "pip install torch-sim-atomistic (or pip install 'xnn[torchsim]')"
 
 
+#: the uncertainties a committee model returns besides the means (keys of xnn.data.keys)
+UNCERTAINTY = (K.ENERGY_STD, K.FORCES_STD, K.STRESS_STD)
+
+
 def require_torch_sim():
     """Import and return the ``torch_sim`` package.
 
@@ -170,7 +174,10 @@ class _XnnTorchSimMixin:
         Returns:
             ``energy [n_systems]`` eV, ``energies [n_atoms]`` eV, ``forces [n_atoms, 3]``
             eV/Å (when ``compute_forces``), ``stress [n_systems, 3, 3]`` eV/Å³ ASE sign,
-            zero for systems not periodic along x, y and z (when ``compute_stress``).
+            zero for systems not periodic along x, y and z (when ``compute_stress``); for a
+            committee model also its spreads (:data:`UNCERTAINTY`): ``energy_std
+            [n_systems]`` eV, ``forces_std [n_atoms]`` eV/Å (with forces), ``stress_std
+            [n_systems, 3, 3]`` eV/Å³ (with stress).
         Raises:
             InputError: two atoms of a system closer than ``min_distance`` (named by their
                 indices in that system), or a malformed state.
@@ -185,6 +192,9 @@ class _XnnTorchSimMixin:
             res["forces"] = out[K.FORCES]
         if self._compute_stress:
             res["stress"] = out[K.STRESS]
+        for key in UNCERTAINTY:  # a committee's spreads, next to the means
+            if key in out:
+                res[key] = out[key]
         return res
 
 

@@ -23,13 +23,17 @@ class ThermoLog:
         truncate_to: on resume, the number of data rows to keep; ``None`` starts a new file.
             Either way the file is replaced atomically (a kill during the rewrite leaves
             the previous file whole).
+        columns: the header (:func:`xnn.dynamics.thermo.columns`: a committee adds its
+            uncertainty columns); rows give a value for each.
     """
 
-    def __init__(self, path: str | os.PathLike, truncate_to: int | None = None):
+    def __init__(self, path: str | os.PathLike, truncate_to: int | None = None,
+                 columns: Sequence[str] = COLUMNS):
         self.path = Path(path)
         self.rows = 0
+        self.columns = tuple(columns)
         if truncate_to is None:
-            atomic_write_text(self.path, ",".join(COLUMNS) + "\n")
+            atomic_write_text(self.path, ",".join(self.columns) + "\n")
         else:
             if not self.path.is_file():
                 raise DataFileError(f"cannot resume: thermo log {self.path} is missing")
@@ -46,7 +50,7 @@ class ThermoLog:
         with open(self.path, "a", newline="") as fh:
             w = csv.writer(fh, lineterminator="\n")
             for s in range(n):
-                values = [repr(float(cols[c][s])) for c in COLUMNS[3:]]
+                values = [repr(float(cols[c][s])) for c in self.columns[3:]]
                 w.writerow([step, repr(step * dt), s, *values])
         self.rows += n
 

@@ -33,10 +33,12 @@ def check_graph_model(model, cutoff: float, hops: int) -> None:
     without a sync point each, a receptive field beyond the cutoff, or long-range terms."""
     name = type(model).__name__
     n_sync = len(model.sync_points)
-    if hops > 1 and n_sync != hops - 1:
+    k = int(model.committee_size)  # a committee's points are its members' (each hops - 1)
+    if hops > 1 and n_sync != k * (hops - 1):
+        per = f" ({k} members)" if k > 1 else ""
         raise InputError(f"mode 'graph' needs a sync point between every two interaction "
-                         f"layers; {name} has {hops} layers and {n_sync} sync points (use "
-                         "mode 'halo')")
+                         f"layers; {name}{per} has {hops} layers and {n_sync} sync points "
+                         "(use mode 'halo')")
     field = float(model.receptive_field)
     if hops == 1 and field > cutoff + 1e-12:
         raise InputError(f"mode 'graph' needs a receptive field of one cutoff per layer; "

@@ -223,3 +223,22 @@ def test_two_heads_fit_two_references_that_one_head_cannot(tmp_path, data, pretr
         errors[head] = r.metrics["energy_mae"]
     assert errors["replay"] < 0.25 * errors["default"]
     assert len(read(data / "replay.xyz", ":")) == 20
+
+
+def test_heads_are_named_parts():
+    """``readout`` covers every head, ``readout.K`` layer K of every head, ``head.NAME`` one
+    head; freezing ``head.replay`` leaves the other head and the body trainable."""
+    from xnn.training.finetune import freeze, part_parameters
+
+    model = make_multihead(tiny_equivariant(), ["default", "replay"])
+    every = {n for n, _ in model.named_parameters()}
+    readout = set(part_parameters(model, "readout"))
+    assert readout == set(part_parameters(model, "head.default")) | set(
+        part_parameters(model, "head.replay"))
+    assert {*part_parameters(model, "embedding"), *part_parameters(model, "interactions"),
+            *readout} == every
+    layer0 = set(part_parameters(model, "readout.0"))
+    assert {n.split(".")[1] for n in layer0} == {"0", "1"}  # both heads
+    frozen = set(freeze(model, ["head.replay"]))
+    assert frozen == set(part_parameters(model, "head.replay"))
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen

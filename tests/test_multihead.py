@@ -242,3 +242,39 @@ def test_heads_are_named_parts():
     frozen = set(freeze(model, ["head.replay"]))
     assert frozen == set(part_parameters(model, "head.replay"))
     assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen
+
+
+@pytest.mark.slow
+def test_sevenn_heads(tmp_path):
+    """SevenNet-0 with two heads: the untrained ``replay`` head is SevenNet-0 bitwise (one
+    thread: SevenNet's CPU scatter sums are not ordered with several), a batch mixing heads
+    gives each structure its head's energy, and the model file keeps the heads."""
+    pytest.importorskip("sevenn")
+    from ase.build import bulk
+
+    from xnn.models.external.sevenn import SevenNetWrapper
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = SevenNetWrapper("7net-0")
+        multi = make_multihead(model, ["default", "replay"])
+        atoms = bulk("Cu", cubic=True)
+        atoms.rattle(0.05, seed=1)
+        ref = Calculator(model, device="cpu", dtype=torch.float32)
+        calc = Calculator(multi, device="cpu", dtype=torch.float32, head="replay")
+        for prop in ("energy", "forces", "stress"):
+            assert np.array_equal(ref.get_property(prop, atoms.copy()),
+                                  calc.get_property(prop, atoms.copy())), prop
+        multi.set_head_statistics("default", e0={29: 0.25})
+        save_model(multi, tmp_path / "m.pt")
+        loaded = load_model(tmp_path / "m.pt")
+        assert loaded.head_names == ("default", "replay") and loaded.e0[29] == 0.25
+        assert {"head.default", "head.replay", "readout"} <= set(loaded.parts())
+        g = from_ase(atoms, dtype=torch.float32)
+        batch = AtomicGraph.concat([g.replace({K.HEAD: torch.tensor([h])}) for h in (0, 1)])
+        e = Potential(loaded)(batch, forces=False)[K.ENERGY]
+        e_ref = ref.get_potential_energy(atoms.copy())
+        np.testing.assert_allclose(e.numpy(), [e_ref + 0.25 * len(atoms), e_ref], rtol=1e-6)
+    finally:
+        torch.set_num_threads(threads)

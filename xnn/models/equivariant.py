@@ -574,7 +574,8 @@ class Equivariant(Heads, NativeModel):
 
     def parts(self) -> dict[str, tuple[str, ...]]:
         """Fine-tuning parts: ``embedding``, ``interactions``, ``interactions.K``,
-        ``readout`` (the readouts of every layer) and ``readout.K``."""
+        ``readout`` (the readouts of every layer) and ``readout.K``; with heads, ``readout``
+        and ``readout.K`` span every head, and ``head.NAME`` is one head."""
         n = len(self.interactions)
         body = {"embedding": ("embedding",), "interactions": ("interactions",),
                 **{f"interactions.{k}": (f"interactions.{k}",) for k in range(n)}}

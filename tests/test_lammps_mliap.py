@@ -9,6 +9,7 @@ lammps-mliap`` writes round-trips; what the route cannot run is refused in one l
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import structures as S
@@ -138,6 +139,36 @@ def test_halo_mode_multi_hop_with_ghost_neighbours_equals_one_process(name):
     datas = fake_data(parts, graph.numbers.numpy(), ELEMENTS)
     with pytest.raises(InputError, match="pair_style mliap unified FILE 1"):
         run_ranks(unified, datas)
+
+
+@pytest.mark.parametrize("system", list(SYSTEMS))
+@pytest.mark.parametrize("name", [*SYNC_MODELS, "lj"])
+def test_a_subset_of_types_under_hybrid_overlay_is_that_subsets_model(name, system):
+    """``pair_style hybrid/overlay ... mliap unified FILE 0`` with ``pair_coeff * * mliap Cu
+    NULL``: LAMMPS lists only the Cu atoms as i-atoms (``nlistatoms < nlocal``, ``iatoms``
+    with gaps), pairs join Cu atoms only, O atoms have ``elems`` -1. Energy, per-atom
+    energies (``eatoms[ii]`` of atom ``iatoms[ii]``), forces and virial are the model's on
+    the Cu atoms alone (zero on O), on 1, 2 and 3 emulated ranks, to 1e-10."""
+    model = lj(cutoff=3.0).double() if name == "lj" else MODELS[name]
+    unified = XnnMLIAPUnified(model, ELEMENTS)
+    graph = SYSTEMS[system]()
+    for n_ranks in (1, 2, 3):
+        check_mliap(unified, graph, n_ranks, tol=1e-10, null_numbers=(8,))
+
+
+def test_subset_lists_are_lammps_hybrid_lists():
+    """The emulated hybrid lists are what the test above needs: per rank a strict subset of
+    the owned atoms with gaps (``eatoms[ii]`` is not atom ``ii``'s), ``eatoms`` of
+    ``nlistatoms`` rows, pairs between listed atoms only, ``elems`` -1 for the O atoms."""
+    graph = SYSTEMS["triclinic"]()
+    cu = (graph.numbers == 29).numpy()
+    parts = emulate_ranks(graph, 2, 3.0, 3.0, listed=cu)
+    datas = fake_data(parts, graph.numbers.numpy(), ELEMENTS, null_numbers=(8,))
+    for p, d in zip(parts, datas):
+        assert 0 < p.nlistatoms < p.nlocal and d.eatoms.shape == (p.nlistatoms,)
+        assert (p.iatoms[: p.nlistatoms] != np.arange(p.nlistatoms)).any()
+        assert cu[p.global_index[p.pair_i]].all() and cu[p.global_index[p.pair_j]].all()
+        assert (d.elems[~cu[p.global_index]] == -1).all() and (d.ielems >= 0).all()
 
 
 def test_exported_file_round_trips(tmp_path, capsys):

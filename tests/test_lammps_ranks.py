@@ -1,6 +1,7 @@
 """xnn under LAMMPS's own domain decomposition (``mpirun -np N``, ``fix external``) equals one
 process: energy, per-atom energies, forces by atom id and the virial (LAMMPS's pressure) of
-native models, a classical one and a sum, in modes halo and sync, on a triclinic periodic
+native models, a classical one and a sum, and per-atom virials (``compute stress/atom``, by
+atom id, summing to the virial), in modes halo and sync, on a triclinic periodic
 cell, a slab and a cluster, on 1, 2, 3 and 4 ranks (≤ 1e-10 relative, fp64); NVE and NPT
 trajectories on 4 ranks equal the 1-rank LAMMPS run; no rank's model sees more atoms than
 LAMMPS's owned + ghost atoms of that rank.
@@ -163,11 +164,25 @@ def md(inputs):
 
 
 def _reference(model_file: Path, structure: Path) -> dict:
+    """One process's results, with per-atom virials (``virials [n, 3, 3]`` eV)."""
     from ase.io import read
+
+    from xnn.models.derivatives import compute_properties
 
     atoms = read(structure)
     g = AtomicGraph.from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
-    return Potential(load_model(model_file))(g)
+    model = load_model(model_file)
+    pot = Potential(model)
+    out = pot(g)
+    out["virials"] = compute_properties(model, pot.model_graph(g),
+                                        peratom_virial=True)["virials"]
+    return out
+
+
+def _atom_virials(r: dict) -> np.ndarray:
+    """LAMMPS's per-atom virials (eV; xx yy zz xy xz yz) from ``compute stress/atom NULL
+    virial`` (``-virial`` in pressure × volume units)."""
+    return -r["stress_atom"] / float(r["nktv2p"])
 
 
 def _virial(r: dict) -> np.ndarray:
@@ -190,6 +205,15 @@ def test_single_point_equals_one_process(points, inputs, n, structure, model, mo
     w = ref["virial"][0].numpy()
     voigt = np.array([w[0, 0], w[1, 1], w[2, 2], w[0, 1], w[0, 2], w[1, 2]])
     assert np.abs(_virial(r) - voigt).max() <= TOL * max(1.0, np.abs(voigt).max())
+    # per-atom virials (compute stress/atom) by atom id, and their sum (compute reduce) is
+    # the global virial
+    per = ref["virials"].numpy()
+    per = np.stack([per[:, 0, 0], per[:, 1, 1], per[:, 2, 2], per[:, 0, 1], per[:, 0, 2],
+                    per[:, 1, 2]], axis=1)
+    assert np.abs(per).max() > 0
+    assert np.abs(_atom_virials(r) - per).max() <= TOL * np.abs(per).max()
+    total = -r["stress_atom_sum"] / float(r["nktv2p"])
+    assert np.abs(total - voigt).max() <= TOL * max(1.0, np.abs(voigt).max())
     assert int(r["held_over_lammps"]) <= 0  # the model saw at most owned + ghosts
     if n > 1:
         assert str(r["mode"]) == ("halo" if (mode == "halo" or model in ("lj", "sum"))

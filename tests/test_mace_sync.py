@@ -219,6 +219,47 @@ def test_auto_may_choose_sync():
     assert large[0] == "sync" and f"{CUTOFF + SKIN:.3g} Å halo" in large[1], large
 
 
+def test_auto_weighs_the_feature_width_mace_exchanges():
+    """The wrapper declares the width of the node features its sync point passes (here
+    ``8x0e + 8x1o``: 32 numbers per atom, not the 64 mode auto assumed for a model without
+    hyperparameters): a recording sync point sees exactly that width per atom, and auto's
+    estimate (rank 0, no ranks needed) weighs it: the halo and graph costs it reports are
+    the cost model's with 32 features (3 + (L - 1) 32 numbers per exchanged row)."""
+    import re
+
+    from helpers import fcc, graph
+
+    from xnn.distributed.graph.auto import GAMMA, LATENCY, choose_mode, halo_counts
+    from xnn.models import Potential
+    from xnn.models.base import SyncPoint
+
+    model = wrapper()
+    widths = []
+
+    class Recording(SyncPoint):
+        def forward(self, features, graph):
+            widths.append(features[0].numel())
+            return features
+
+    model.set_sync_point("sync.0", Recording())
+    Potential(model)(STRUCTURES["triclinic"]())
+    assert widths == [32] and model.sync_width == 32 and model.num_interactions == 2
+    model.set_sync_point("sync.0", SyncPoint())
+    big = _si_cu(graph(fcc((8, 8, 8))))
+    mode, reason = choose_mode(model, big, 4, skin=SKIN)
+    assert "32 features" in reason, reason
+    halo, graph_cost = map(float, re.search(r"halo ([\d.e+]+) vs graph ([\d.e+]+)",
+                                            reason).groups())
+    c = halo_counts(big, 4, CUTOFF + SKIN)
+    worst = max(range(4), key=lambda r: c["owned"][r] + c["ghost"][r])
+    n_own, rows = max(c["owned"]), 3 + 32
+    want_halo = 2 * n_own + GAMMA * rows * c["ghost"][worst] + LATENCY * 3 * 2
+    want_graph = 2 * n_own + GAMMA * rows * (big.n_atoms - min(c["owned"])) + LATENCY * 2 * 2
+    assert halo == pytest.approx(want_halo, rel=1e-3)
+    assert graph_cost == pytest.approx(want_graph, rel=1e-3)
+    assert mode == ("graph" if want_graph < want_halo else "sync")
+
+
 def test_torchscript_module_has_no_sync_points():
     """A TorchScript-compiled mace-torch module runs no Python hooks: wrapped, it declares
     no sync points (decomposed: mode halo, as before) and gives the eager module's numbers."""

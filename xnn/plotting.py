@@ -3,6 +3,7 @@
 * :func:`learning_curves`: training/validation loss and validation MAEs per epoch.
 * :func:`parity`: predicted vs reference energy per atom, force components and (when
   labelled) stress components.
+* :func:`calibration`: a committee's observed error against its predicted spread.
 """
 
 from __future__ import annotations
@@ -116,6 +117,53 @@ def parity(energy: np.ndarray | None, forces: np.ndarray | None, path: str | os.
     are stress labels) to the PNG file ``path``."""
     plt = _pyplot()
     fig = parity_figure(energy, forces, title, stress)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+_CAL_UNITS = {"energy": "meV/atom", "forces": "meV/Å", "stress": "meV/Å³"}
+
+
+def calibration(rows: dict[str, np.ndarray], path: str | os.PathLike, title: str = "",
+                bins: int = 10, factors: dict[str, float] | None = None) -> Path:
+    """A committee's calibration plot: per property, the RMS observed error against the RMS
+    predicted standard deviation in ``bins`` groups of equal counts sorted by the latter
+    (log-log, with the line error = std of a calibrated committee), over the items' scatter.
+
+    Args:
+        rows: ``{"energy" | "forces" | "stress": [n, 2]}`` (observed |error|, predicted std):
+            energy per atom (eV/atom), force per atom (eV/Å), stress components (eV/Å³),
+            the stds calibrated as they will be used.
+        path: PNG file.
+        title: prefix of the panel titles.
+        factors: calibration factors shown in the titles.
+    """
+    from xnn.training.committee import binned_errors
+
+    plt = _pyplot()
+    props = [p for p in ("energy", "forces", "stress") if p in rows and len(rows[p])]
+    fig, axes = plt.subplots(1, max(len(props), 1), figsize=(4.6 * max(len(props), 1), 4.2),
+                             squeeze=False)
+    for ax, prop in zip(axes[0], props):
+        err, std = 1000.0 * rows[prop][:, 0], 1000.0 * rows[prop][:, 1]
+        x, y, _ = binned_errors(err, std, bins)
+        ax.scatter(np.maximum(std, 1e-6), np.maximum(err, 1e-6), s=3, alpha=0.2,
+                   color="0.6")
+        ax.plot(x, y, "o-", label="binned RMS error")
+        lo = max(min(x.min(), y.min()) * 0.5, 1e-6)
+        hi = max(x.max(), y.max()) * 2.0
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="error = std")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        c = "" if factors is None or prop not in factors else f", factor {factors[prop]:.3g}"
+        ax.set_title(f"{title} {prop}{c}".strip(), fontsize=10)
+        ax.set_xlabel(f"predicted std ({_CAL_UNITS[prop]})")
+        ax.set_ylabel(f"observed error ({_CAL_UNITS[prop]})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

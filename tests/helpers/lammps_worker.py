@@ -3,7 +3,8 @@ with an xnn model through ``XnnFixExternal``; rank 0 writes each case's results 
 to ``OUT/<case>.npz``.
 
 SPEC: ``{"out": dir, "cases": [{"name", "model", "structure" (extxyz file), "mode",
-"task": "point" | "nve" | "npt", "steps"}]}``. Every rank records how many atoms its model
+"task": "point" | "nve" | "npt", "steps"}]}``. Point cases (but the traffic case) also
+read ``compute stress/atom`` (and its sum). Every rank records how many atoms its model
 evaluations held at most, against LAMMPS's owned + ghost atoms at that call.
 """
 
@@ -127,12 +128,22 @@ def box_commands(atoms) -> str:
 NVE = "fix md all nve\ntimestep 0.002\n"
 
 
+def _stress_atom(case: dict) -> bool:
+    """Single points read ``compute stress/atom`` (not the traffic case, which counts the
+    messages of a call without per-atom virials)."""
+    return case["task"] == "point" and not case.get("traffic")
+
+
 def _force_field(lmp, model, types, case: dict) -> XnnFixExternal:
     """The model as LAMMPS's force field, with the computes the results read."""
     fix = XnnFixExternal(lmp, model, species=types, mode=case.get("mode", "spatial"),
                          skin=case.get("skin"))
     lmp.commands_string("compute pa all pe/atom\ncompute pv all pressure NULL virial\n"
                         "thermo_style custom step pe press vol\nthermo_modify norm no\n")
+    if _stress_atom(case):  # per-atom virials: LAMMPS asks for them at the thermo step
+        lmp.commands_string("compute sa all stress/atom NULL virial\n"
+                            "compute sr all reduce sum c_sa[1] c_sa[2] c_sa[3] c_sa[4] "
+                            "c_sa[5] c_sa[6]\nthermo_style custom step pe press vol c_sr[1]\n")
     return fix
 
 
@@ -188,6 +199,8 @@ def run_case(case: dict, comm, out: Path) -> None:
     nlocal = lmp.extract_setting("nlocal")
     rows = {k: np.array(lmp.numpy.extract_atom(k))[:nlocal] for k in ("id", "x", "v", "f")}
     rows["pe_atom"] = np.array(lmp.numpy.extract_compute("pa", 1, 1))[:nlocal]
+    if _stress_atom(case):
+        rows["stress_atom"] = np.array(lmp.numpy.extract_compute("sa", 1, 2))[:nlocal]
     gathered = {k: np.concatenate(comm.allgather(v)) for k, v in rows.items()}
     over = max((h - s for h, s in zip(held.sizes, seen)), default=0)
     over = comm.allreduce(over, op=MPI.MAX)
@@ -203,6 +216,8 @@ def run_case(case: dict, comm, out: Path) -> None:
         "nktv2p": lmp.extract_global("nktv2p"), "origin": origin, "cell": cell, "pbc": pbc,
         "held_over_lammps": over, "rebuilds": rebuilds, "evaluations": len(held.sizes),
         "mode": fix.mode, "ghost_cutoff": fix.ghost_cutoff}
+    if _stress_atom(case):
+        result["stress_atom_sum"] = np.array(lmp.numpy.extract_compute("sr", 0, 1))
     if traffic is not None:  # per rank: [collective, p2p, n_ghost, n_send, lookup] per build
         rows = [[b[k] for k in ("collective", "p2p", "n_ghost", "n_send", "lookup_received")]
                 for b in traffic.builds]

@@ -7,6 +7,10 @@ each split holds, and each file's size and SHA-256) and evaluates ``RUN/model.pt
 those structures, refusing a data file that changed since. A model with non-finite weights,
 or metrics that come out NaN or infinite, end the command with one line (exit status 2):
 a NaN table is not a result.
+
+A committee (:class:`~xnn.models.committee.Committee`) also gets its uncertainty metrics
+(:func:`uncertainty_metrics`) and a calibration plot, ``calibration_<data>.png`` next to the
+parity plot: the RMS observed error against the RMS predicted std, binned.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from xnn.data.datasets import ConcatDataset, Subset
@@ -23,6 +28,7 @@ from xnn.data.inventory import inventory
 from xnn.data.label_keys import describe_keys, suggest_key
 from xnn.data.sources import read_structures
 from xnn.errors import DataFileError, InputError, ModelFileError
+from xnn.training.committee import calibrated_rows, committee_size
 
 SPLITS = ("train", "val", "test")
 LABEL_FLAGS = {"energy": "--energy-key", "forces": "--forces-key", "stress": "--stress-key",
@@ -174,7 +180,7 @@ def check_finite_metrics(metrics: dict, path: str, data: EvalData) -> None:
 
 
 __all__ = ["EvalData", "labelled_data", "split_data", "read_split_record",
-           "check_finite_weights", "check_finite_metrics"]
+           "check_finite_weights", "check_finite_metrics", "uncertainty_metrics"]
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,7 @@ class EvalResult:
     metrics: dict
     plot: Path
     json: Path | None
+    calibration_plot: Path | None = None
 
 
 def eval_inputs(opts: EvalOptions) -> tuple[str, EvalData]:
@@ -266,7 +273,38 @@ def run_eval(opts: EvalOptions) -> EvalResult:
     plot.parent.mkdir(parents=True, exist_ok=True)
     plotting.parity(parity["energy"], parity["forces"], plot, title=data.name,
                     stress=parity.get("stress"))
+    calibration_plot = None
+    if committee_size(model) > 1:
+        metrics.update(uncertainty_metrics(model, parity))
+        calibration_plot = plot.with_name(f"calibration_{data.name}.png")
+        plotting.calibration(calibrated_rows(parity, {}), calibration_plot, data.name,
+                             factors=model.calibration)
     if out_json is not None:
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(metrics, indent=2))
-    return EvalResult(model_file, data.description, metrics, plot, out_json)
+    return EvalResult(model_file, data.description, metrics, plot, out_json,
+                      calibration_plot)
+
+
+def uncertainty_metrics(model, parity: dict) -> dict[str, float]:
+    """A committee's uncertainty on evaluated data, per property with labels: its stored
+    calibration factor (``<p>_calibration``), the RMS of its calibrated std and of the
+    observed error (``<p>_std_rms``, ``<p>_error_rms``, in the metric units: meV/atom,
+    meV/Å per atom, meV/Å³) and their ratio (``<p>_uncertainty_ratio``: 1 when calibrated
+    for these data; the factor that would calibrate them is the stored one times it).
+
+    Args:
+        parity: from :func:`xnn.training.evaluate.evaluate_model` (calibrated stds).
+    """
+    from xnn.training.committee import calibration_factor
+
+    out: dict[str, float] = {}
+    for prop, rows in calibrated_rows(parity, {}).items():
+        err, std = rows[:, 0], rows[:, 1]
+        out[f"{prop}_calibration"] = float(model.calibration[prop])
+        out[f"{prop}_std_rms"] = 1000.0 * float(np.sqrt(np.mean(std ** 2)))
+        out[f"{prop}_error_rms"] = 1000.0 * float(np.sqrt(np.mean(err ** 2)))
+        ratio = calibration_factor(err, std)
+        if ratio is not None:
+            out[f"{prop}_uncertainty_ratio"] = ratio
+    return out

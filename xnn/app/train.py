@@ -61,7 +61,7 @@ from xnn.training.trainer import Trainer
 SUGGEST = {"resume": ("checkpoints/last.pt",), "pretrained": ("model.pt",)}
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
              "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard",
-             "split.json", "replay_pretrained.xyz")
+             "split.json", "replay_pretrained.xyz", "calibration_val.png")
 
 
 def resolve_resume(cfg: TrainConfig) -> str | None:
@@ -305,7 +305,9 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
                           isolated_atoms=uses_isolated_atoms(cfg),
                           replay=(cfg.finetune.replay_weight, cfg.finetune.replay_fraction),
                           make_replay=None if gen is None else (
-                              lambda new: (gen.entry(), gen.dataset(new))), heads=heads)
+                              lambda new: (gen.entry(), gen.dataset(new))),
+                          bootstrap=((cfg.committee.size, cfg.seed) if cfg.committee.bootstrap
+                                     else None), heads=heads)
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
                  f"{len(splits.test) if splits.test else 0} test structures"

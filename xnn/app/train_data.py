@@ -87,7 +87,8 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
                  species: list[int] | None = None, reducer=None,
                  check_train: bool = True, isolated_atoms: bool = False,
                  replay: tuple[float, float | None] = (1.0, None),
-                 make_replay=None, heads: list[str] | None = None) -> DataSplits:
+                 make_replay=None, bootstrap: tuple[int, int] | None = None,
+                 heads: list[str] | None = None) -> DataSplits:
     """Read, split, check and wrap the datasets of a run.
 
     Args:
@@ -115,6 +116,8 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         make_replay: ``make_replay(new training structures) -> (entry, dataset)``: replay
             structures made from the training split (``finetune.replay_from_pretrained``,
             :class:`xnn.app.train_replay_gen.PretrainedReplay`), the last replay entry.
+        bootstrap: ``(K, seed)``: the training structures carry the per-member bootstrap
+            weights of a committee of K (:func:`xnn.training.committee.bootstrap_weights`).
         heads: multi-head fine-tuning (:func:`xnn.app.train_replay.run_heads`): every
             structure carries the index of its entry's head (``head`` field).
     Raises:
@@ -176,8 +179,13 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
         cache = cache_by_default(ds) if data.cache_edges is None else data.cache_edges
         return WithEdges(ds, cutoff, cache)
 
+    weighted = train
+    if bootstrap is not None:
+        from xnn.training.committee import Bootstrapped, bootstrap_weights
+
+        weighted = Bootstrapped(train, bootstrap_weights(len(train), *bootstrap))
     return DataSplits(
-        train=edges(train),
+        train=edges(weighted),
         val=edges(val),
         test=edges(test),
         raw_train=train,

@@ -1,4 +1,6 @@
-"""End of a run: final weights, validation/test metrics, model file, plots, summary."""
+"""End of a run: final weights, validation/test metrics, model file, plots, summary; for a
+committee, its calibration on the validation set (``summary.json``'s ``committee`` record,
+``calibration_val.png``)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,11 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 from xnn.config.train import TrainConfig
 from xnn.training.checkpoint import load_checkpoint
+from xnn.training.committee import committee_size
 
 
 def _final_weights(loop) -> str:
@@ -114,6 +119,11 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
 
     loop.reducer.barrier()  # every checkpoint of rank 0 is on disk before others read it
     origin = _final_weights(loop)
+    model = loop.trainer.model
+    kept = None
+    if committee_size(model) > 1:  # the parities hold the raw spreads (factors 1)
+        kept = dict(model.calibration)
+        model.set_calibration(dict.fromkeys(kept, 1.0))
     metrics: dict = {}
     parities: dict = {}
     for name, ds in (("val", loop.splits.val), ("test", loop.splits.test)):
@@ -121,6 +131,7 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
         metrics.update(m)
         parities[name] = _gather_parity(loop.reducer, parity)
     metrics.update(loop.validate(loop.splits.val_replay, "val_replay_")[0])  # fine-tuning
+    committee = None if kept is None else calibrate(cfg, model, kept, parities.get("val"))
     summary = {
         "stopped_by": reason,
         "epochs": loop.progress.epoch,
@@ -134,6 +145,8 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
         "metrics": metrics,
         "units": {"energy": "meV/atom", "forces": "meV/Å", "stress": "meV/Å³"},
     }
+    if committee is not None:
+        summary["committee"] = committee
     if loop.reducer.is_main:
         if cfg.validation_only:  # never touch the files of the run that made the model
             summary["model"] = cfg.pretrained or cfg.resume
@@ -148,11 +161,44 @@ def finish_run(cfg: TrainConfig, loop, reason: str, elapsed_s: float) -> dict:
                 if "test" in shown:
                     shown = {"test": shown["test"]}
                 summary["plots"] = [_final_path(cfg, loop, p) for p in _plots(loop, shown)]
+                if committee is not None and parities.get("val") is not None:
+                    summary["plots"].append(_final_path(cfg, loop, _calibration_plot(
+                        loop, model, parities["val"])))
             path = Path(loop.out_dir) / "summary.json"
         path.write_text(json.dumps(summary, indent=2))
         _print_summary(loop.logger, summary)
     loop.reducer.barrier()
     return summary
+
+
+def calibrate(cfg: TrainConfig, model, kept: dict[str, float], parity: dict | None) -> dict:
+    """Give a committee its calibration factors: fitted on the validation parity's
+    (|error|, raw std) rows (:func:`~xnn.training.committee.fit_calibration`) with
+    ``committee.calibrate``, else (or for a property without data) the factors it had
+    (``kept``). Returns the summary's ``committee`` record: size, factors, where they were
+    fitted, and the validation set's RMS error and RMS calibrated std per property (meV
+    units)."""
+    from xnn.training.committee import calibrated_rows, fit_calibration
+
+    fitted = fit_calibration(parity) if (cfg.committee.calibrate and parity) else {}
+    model.set_calibration({**kept, **fitted})
+    record: dict = {"size": model.committee_size, "calibration": dict(model.calibration),
+                    "calibrated_on": "val" if fitted else None}
+    rows = calibrated_rows(parity or {}, model.calibration)
+    record["val_uncertainty"] = {
+        prop: {"error_rms": 1000.0 * float(np.sqrt(np.mean(r[:, 0] ** 2))),
+               "std_rms": 1000.0 * float(np.sqrt(np.mean(r[:, 1] ** 2)))}
+        for prop, r in rows.items()}
+    return record
+
+
+def _calibration_plot(loop, model, parity: dict) -> Path:
+    from xnn import plotting
+    from xnn.training.committee import calibrated_rows
+
+    return plotting.calibration(calibrated_rows(parity, model.calibration),
+                                Path(loop.out_dir) / "calibration_val.png", "val",
+                                factors=model.calibration)
 
 
 def _print_summary(logger, summary: dict) -> None:
@@ -162,5 +208,10 @@ def _print_summary(logger, summary: dict) -> None:
         if any(k in m for k in keys):
             parts = [f"{k.split('_')[1]} MAE {m[k]:.3g}" for k in keys if k in m]
             logger.print(f"{split}: " + ", ".join(parts) + " (meV/atom, meV/Å, meV/Å³)")
+    if "committee" in summary:
+        c = summary["committee"]
+        factors = ", ".join(f"{k} {v:.3g}" for k, v in c["calibration"].items())
+        logger.print(f"committee of {c['size']}: calibration factors {factors}"
+                     + (" (fitted on val)" if c["calibrated_on"] else ""))
     logger.print(f"stopped by {summary['stopped_by']} after {summary['epochs']} epochs, "
                  f"{summary['steps']} steps; model: {summary.get('model')}")

@@ -268,12 +268,21 @@ def residual_structures(cfg: ModelConfig, species: list[int], structures: list) 
 
 
 def build_model(cfg: TrainConfig, species: list[int], statistics: dict | None) -> nn.Module:
-    """Build the configured model (seeded) and apply the statistics."""
+    """Build the configured model (seeded) and apply the statistics; with
+    ``committee.size`` K > 1 a :class:`~xnn.models.committee.Committee` of K such models
+    (seeds ``committee.seeds``, default ``seed, seed + 1, ...``)."""
     torch.manual_seed(cfg.seed)
     stats = statistics or {}
     key = "term_avg_num_neighbors" if cfg.model.name == "sum" else "avg_num_neighbors"
     hp = model_hyperparameters(cfg.model, species, stats.get(key))
-    model = as_model(build(cfg.model.name, **hp), f"model.name={cfg.model.name}")
+    size = cfg.committee.size
+    if size > 1:  # member k: the model a run with seed=seeds[k] builds
+        from xnn.models.committee import Committee
+
+        seeds = cfg.committee.seeds or [cfg.seed + k for k in range(size)]
+        model = Committee({"name": cfg.model.name, **hp}, size, seeds)
+    else:
+        model = as_model(build(cfg.model.name, **hp), f"model.name={cfg.model.name}")
     if float(model.cutoff) > float(cfg.model.cutoff) * (1 + 1e-12):
         raise InputError(f"the model's cutoff {float(model.cutoff):g} Å (a sum term's) exceeds "
                          f"model.cutoff {float(cfg.model.cutoff):g}, the cutoff of the data's "

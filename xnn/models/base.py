@@ -130,6 +130,20 @@ class AtomisticModel(nn.Module):
         """Distance (Å) beyond which atoms cannot influence an atom's energy."""
         return float(self.cutoff) * int(self.num_interactions)
 
+    @property
+    def sync_width(self) -> int | None:
+        """Numbers per atom one sync point exchanges (the features between two layers; the
+        largest over the sync points), which mode ``auto``'s cost model weighs; ``None``:
+        not declared (auto estimates it from ``hparams``)."""
+        return None
+
+    @property
+    def committee_size(self) -> int:
+        """How many members the model's predictions average: 1 for a single model, K for a
+        :class:`~xnn.models.committee.Committee` (whose ``member_energies`` then gives each
+        member's per-atom energies, and ``compute_properties`` their spread)."""
+        return 1
+
     def parts(self) -> dict[str, tuple[str, ...]]:
         """Named parts of the model for fine-tuning (``finetune.freeze``, ``finetune.lr``):
         ``{part: parameter-name prefixes}``.

@@ -27,6 +27,7 @@ _REGISTRY: dict[str, str] = {
     "sevenn": "xnn.models.external.sevenn:SevenNetWrapper",
     "d3": "xnn.models.long_range.dispersion:D3",
     "sum": "xnn.models.composed:Sum",
+    "committee": "xnn.models.committee:Committee",
     "ewald": "xnn.models.long_range.coulomb:Ewald",
     "pme": "xnn.models.long_range.coulomb:PME",
     "coulomb": "xnn.models.long_range.coulomb:DirectCoulomb",

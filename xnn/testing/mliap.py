@@ -7,6 +7,10 @@ holds its owned atoms, then ghost atoms (every periodic image, of any rank's ato
 its owner (rank and row), and the pair list LAMMPS's ML-IAP gives: ``pair_i`` a receiver
 (owned; also ghosts within ``receiver_width`` of an owned atom, for a deeper pair list than
 LAMMPS's own), ``pair_j`` every local atom closer than ``cutoff``, ``rij = x_j - x_i``.
+With ``listed`` only some atoms are in the list (``pair_style hybrid/overlay`` with
+``pair_coeff * * mliap Cu NULL``): the listed owned atoms are the i-atoms
+(``iatoms[:nlistatoms]``, not all ``nlocal``), pairs join listed atoms only, and the others'
+``elems`` are ``-1``.
 
 :class:`FakeMLIAPData` is one rank's ``data`` object (the attributes and calls of LAMMPS's
 Kokkos ``MLIAPDataPy`` the unified model uses); its ``forward_exchange`` /
@@ -43,6 +47,8 @@ class EmulatedRank:
         positions: ``[ntotal, 3]`` explicit positions (Å).
         owner_rank, owner_row: ``[ntotal]`` who owns each row (owned rows: this rank, itself).
         pair_i, pair_j: ``[npairs]`` receiver and neighbour rows; ``rij [npairs, 3]``.
+        iatoms: ``[natomneigh]`` the list's atoms (LAMMPS's ``ilist``): listed owned rows in
+            order, then listed ghost receivers; ``nlistatoms`` of them are owned.
     """
 
     rank: int
@@ -54,6 +60,8 @@ class EmulatedRank:
     pair_i: np.ndarray
     pair_j: np.ndarray
     rij: np.ndarray
+    iatoms: np.ndarray
+    nlistatoms: int
 
     @property
     def ntotal(self) -> int:
@@ -75,7 +83,8 @@ def _owners(graph: AtomicGraph, n_ranks: int) -> np.ndarray:
 
 
 def emulate_ranks(graph: AtomicGraph, n_ranks: int, ghost_width: float, cutoff: float,
-                  receiver_width: float = 0.0) -> list[EmulatedRank]:
+                  receiver_width: float = 0.0, listed: np.ndarray | None = None
+                  ) -> list[EmulatedRank]:
     """Split one system (an ``AtomicGraph`` of one system) over ``n_ranks`` emulated ranks.
 
     Args:
@@ -84,10 +93,12 @@ def emulate_ranks(graph: AtomicGraph, n_ranks: int, ghost_width: float, cutoff: 
         cutoff: pair cutoff (Å): LAMMPS's ``2 * rcutfac``.
         receiver_width: ghosts within this distance of an owned atom are receivers too
             (0: owned receivers only, as LAMMPS's ML-IAP list).
+        listed: ``[n_atoms]`` bool, the atoms in the pair style's list (default all).
     """
     from xnn.neighbors import with_edges
 
     owner = _owners(graph, n_ranks)
+    listed = np.ones(graph.n_atoms, dtype=bool) if listed is None else np.asarray(listed)
     g = with_edges(graph, ghost_width, backend="brute")
     pos = graph.positions.detach().double().numpy()
     cell = graph.cell[0].detach().double().numpy()
@@ -101,12 +112,12 @@ def emulate_ranks(graph: AtomicGraph, n_ranks: int, ghost_width: float, cutoff: 
     ranks = []
     for r in range(n_ranks):
         ranks.append(_one_rank(r, owned_rows[r], owner, row_of, pos, cell, snd, rcv, shifts,
-                               dist, cutoff, receiver_width))
+                               dist, cutoff, receiver_width, listed))
     return ranks
 
 
 def _one_rank(r, owned, owner, row_of, pos, cell, snd, rcv, shifts, dist, cutoff,
-              receiver_width) -> EmulatedRank:
+              receiver_width, listed) -> EmulatedRank:
     mine = owner[rcv] == r
     images: dict[tuple, float] = {}
     for j, s, d in zip(snd[mine], shifts[mine], dist[mine]):
@@ -119,16 +130,20 @@ def _one_rank(r, owned, owner, row_of, pos, cell, snd, rcv, shifts, dist, cutoff
     ghost_s = np.array([k[1:] for k in keys], dtype=np.float64).reshape(-1, 3)
     gidx = np.concatenate([owned, ghost_j])
     x = np.concatenate([pos[owned], pos[ghost_j] + ghost_s @ cell])
-    near = np.array([images[k] < receiver_width for k in keys], dtype=bool)
-    receivers = np.concatenate([np.arange(len(owned)), len(owned) + np.flatnonzero(near)])
+    near = np.array([images[k] < receiver_width for k in keys], dtype=bool).reshape(-1)
+    on = listed[gidx]
+    own_listed = np.flatnonzero(on[: len(owned)])
+    receivers = np.concatenate([own_listed, len(owned) + np.flatnonzero(
+        near & on[len(owned):])]).astype(np.int64)
     vec = x[None, :, :] - x[receivers][:, None, :]  # [n_receivers, ntotal, 3] x_j - x_i
-    within = np.linalg.norm(vec, axis=-1) < cutoff
+    within = (np.linalg.norm(vec, axis=-1) < cutoff) & on[None, :]
     within[np.arange(len(receivers)), receivers] = False
     a, b = np.nonzero(within)
     return EmulatedRank(
         rank=r, nlocal=len(owned), global_index=gidx, positions=x,
         owner_rank=owner[gidx], owner_row=row_of[gidx],
-        pair_i=receivers[a].astype(np.int32), pair_j=b.astype(np.int32), rij=vec[a, b])
+        pair_i=receivers[a].astype(np.int32), pair_j=b.astype(np.int32), rij=vec[a, b],
+        iatoms=receivers.astype(np.int32), nlistatoms=len(own_listed))
 
 
 class _World:
@@ -153,11 +168,23 @@ class FakeMLIAPData:
     exchanges: int = 0
 
     def __post_init__(self):
-        self.eatoms = np.zeros(self.part.nlocal)
+        self.eatoms = np.zeros(self.part.nlistatoms)
 
     @property
     def nlocal(self) -> int:
         return self.part.nlocal
+
+    @property
+    def nlistatoms(self) -> int:
+        return self.part.nlistatoms
+
+    @property
+    def iatoms(self) -> np.ndarray:
+        return self.part.iatoms
+
+    @property
+    def ielems(self) -> np.ndarray:
+        return self.elems[self.part.iatoms]
 
     @property
     def ntotal(self) -> int:
@@ -225,12 +252,15 @@ class FakeMLIAPData:
 
 
 def fake_data(parts: list[EmulatedRank], numbers: np.ndarray,
-              elements: list[str]) -> list[FakeMLIAPData]:
+              elements: list[str], null_numbers: tuple[int, ...] = ()
+              ) -> list[FakeMLIAPData]:
     """The ``data`` objects of ``parts``; ``numbers [n_atoms]`` atomic numbers of the
-    system, ``elements`` the LAMMPS type names (``elems`` indexes them)."""
+    system, ``elements`` the LAMMPS type names (``elems`` indexes them; ``-1`` for the
+    elements ``null_numbers``, whose types are mapped to NULL)."""
     from ase.data import atomic_numbers
 
     index = {atomic_numbers[e]: k for k, e in enumerate(elements)}
+    index.update({int(z): -1 for z in null_numbers})
     world = _World(parts)
     return [FakeMLIAPData(p, np.array([index[int(z)] for z in numbers[p.global_index]],
                                       dtype=np.int32), world) for p in parts]
@@ -260,36 +290,56 @@ def run_ranks(unified, datas: list[FakeMLIAPData]) -> None:
         raise (real or errors)[0]
 
 
+#: LAMMPS's per-atom virial components (xx yy zz xy xz yz) in a 3x3 tensor
+VOIGT = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))
+
+
 def assemble(datas: list[FakeMLIAPData], n_atoms: int) -> dict[str, Tensor]:
     """What LAMMPS makes of the ranks' results, by atom of the whole system: ``energy``,
     ``energies [n_atoms]``, ``forces [n_atoms, 3]`` (``f[i] += fij``, ``f[j] -= fij``, ghost
-    forces to owners) and ``virial [3, 3]`` (``-Σ rij ⊗ fij``, LAMMPS's ``v_tally``)."""
+    forces to owners), ``virial [3, 3]`` (``-Σ rij ⊗ fij``, LAMMPS's ``v_tally``) and
+    ``virials [n_atoms, 6]`` (``compute stress/atom``'s virials, xx yy zz xy xz yz: each
+    pair's ``-rij ⊗ fij`` half to ``i``, half to ``j`` as ``v_tally`` tallies them, ghost
+    rows to their owners)."""
     energies = np.zeros(n_atoms)
     forces = np.zeros((n_atoms, 3))
     virial = np.zeros((3, 3))
+    virials = np.zeros((n_atoms, 6))
     for d in datas:
-        p = d.part
-        energies[p.global_index[: p.nlocal]] = d.eatoms
+        p = d.part  # LAMMPS's e_tally: eatom[iatoms[ii]] = eatoms[ii]
+        energies[p.global_index[p.iatoms[: p.nlistatoms]]] = d.eatoms
         f = np.zeros((p.ntotal, 3))
         np.add.at(f, p.pair_i, d.pair_forces)
         np.add.at(f, p.pair_j, -d.pair_forces)
         np.add.at(forces, p.global_index, f)
         virial -= p.rij.T @ d.pair_forces
+        v = np.stack([-p.rij[:, a] * d.pair_forces[:, b] for a, b in VOIGT], axis=1)
+        w = np.zeros((p.ntotal, 6))
+        np.add.at(w, p.pair_i, 0.5 * v)
+        np.add.at(w, p.pair_j, 0.5 * v)
+        np.add.at(virials, p.global_index, w)
     return {"energy": torch.tensor(sum(d.energy for d in datas), dtype=torch.float64),
             "energies": torch.as_tensor(energies), "forces": torch.as_tensor(forces),
-            "virial": torch.as_tensor(virial)}
+            "virial": torch.as_tensor(virial), "virials": torch.as_tensor(virials)}
 
 
-def check_mliap(unified, graph: AtomicGraph, n_ranks: int, tol: float = 1e-10
-                ) -> dict[str, float]:
+def check_mliap(unified, graph: AtomicGraph, n_ranks: int, tol: float = 1e-10,
+                null_numbers: tuple[int, ...] = ()) -> dict[str, float]:
     """Assert that ``unified`` (an :class:`xnn.interop.mliap.XnnMLIAPUnified`) on
-    ``n_ranks`` emulated LAMMPS ranks gives the one-process energy, per-atom energies, forces
-    and virial of its model (in float64) on ``graph`` (one fp64 system) to ``tol`` relative;
-    returns the errors.
+    ``n_ranks`` emulated LAMMPS ranks gives the one-process energy, per-atom energies, forces,
+    virial and per-atom virials (LAMMPS's ``compute stress/atom`` from the pair forces
+    against ``compute_properties(..., peratom_virial=True)``, the ``fix external`` route's)
+    of its model (in float64) on ``graph`` (one fp64 system) to ``tol`` relative; returns
+    the errors.
 
     The ranks hold the ghosts ``unified`` asks for (``ghost_cutoff``), every ghost a
     receiver too when it needs ghost neighbours (``ghost_neighbors``; those at the shell's
     edge miss some neighbours, as under LAMMPS).
+
+    ``null_numbers``: elements whose LAMMPS types are mapped to NULL (``pair_style
+    hybrid/overlay`` with ``pair_coeff * * mliap Cu NULL``): their atoms are not in the list
+    and in no pair, and the one-process reference is the model on the other atoms alone
+    (the NULL atoms' energies and forces from this style are zero).
     """
     from xnn.models.derivatives import compute_properties
     from xnn.neighbors import with_edges
@@ -297,15 +347,29 @@ def check_mliap(unified, graph: AtomicGraph, n_ranks: int, tol: float = 1e-10
     cutoff = 2.0 * float(unified.rcutfac)
     width = float(unified.ghost_cutoff)
     receivers = math.inf if unified.ghost_neighbors else 0.0  # LAMMPS: every ghost, or none
-    parts = emulate_ranks(graph, n_ranks, width, cutoff, receivers)
-    datas = fake_data(parts, graph.numbers.numpy(), list(unified.element_types))
+    listed = ~np.isin(graph.numbers.numpy(), list(null_numbers))
+    parts = emulate_ranks(graph, n_ranks, width, cutoff, receivers, listed)
+    datas = fake_data(parts, graph.numbers.numpy(), list(unified.element_types), null_numbers)
     run_ranks(unified, datas)
     got = assemble(datas, graph.n_atoms)
     reference = copy.deepcopy(unified.model).to(torch.float64)  # fp32 files: against fp64
-    ref = compute_properties(reference, with_edges(graph, cutoff, backend="brute"))
+    keep = torch.as_tensor(np.flatnonzero(listed))
+    sub = graph if keep.numel() == graph.n_atoms else AtomicGraph.from_arrays(
+        graph.positions[keep], graph.numbers[keep], graph.cell[0], graph.pbc[0],
+        dtype=torch.float64)
+    part = compute_properties(reference, with_edges(sub, cutoff, backend="brute"),
+                              peratom_virial=True)
+    per = torch.stack([part["virials"][:, a, b] for a, b in VOIGT], dim=1)
+    ref = {"energy": part["energy"], "virial": part["virial"],
+           "virials": per.new_zeros(graph.n_atoms, 6).index_copy(0, keep, per),
+           "energies": part["energies"].new_zeros(graph.n_atoms).index_copy(
+               0, keep, part["energies"]),
+           "forces": part["forces"].new_zeros(graph.n_atoms, 3).index_copy(
+               0, keep, part["forces"])}
     errors = {}
     for key, want in (("energy", ref["energy"][0]), ("energies", ref["energies"]),
-                      ("forces", ref["forces"]), ("virial", ref["virial"][0])):
+                      ("forces", ref["forces"]), ("virial", ref["virial"][0]),
+                      ("virials", ref["virials"])):
         a, b = got[key].double(), want.detach().double()
         errors[key] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
     bad = {k: v for k, v in errors.items() if not v <= tol}

@@ -114,9 +114,13 @@ def model_identity(model) -> tuple[str, dict]:
 def _architecture(hp: dict) -> dict:
     """Hyperparameters that define the architecture (statistics and the memory switch
     ``activation_checkpointing`` and the kernel ``backend``, which a resumed run may change,
-    excluded)."""
-    return {k: v for k, v in hp.items()
-            if k not in ("e0", "scale", "shift", "activation_checkpointing", "backend")}
+    excluded; of a committee, the members' architecture, without its calibration)."""
+    out = {k: v for k, v in hp.items()
+           if k not in ("e0", "scale", "shift", "activation_checkpointing", "backend",
+                        "calibration")}
+    if isinstance(out.get("member"), dict):  # a committee: its members' architecture
+        out["member"] = _architecture(out["member"])
+    return out
 
 
 def check_same_architecture(payload: dict, model, path) -> None:

@@ -75,4 +75,13 @@ def format_metrics(metrics: dict) -> str:
         el = key.removeprefix("forces_mae_")
         lines.append(f"{'forces ' + el:<16}{metrics[key]:>12.3f}"
                      f"{metrics['forces_rmse_' + el]:>12.3f}  {UNITS['forces']}")
+    rows = [name for name in ("energy", "forces", "stress") if f"{name}_std_rms" in metrics]
+    if rows:  # a committee (xnn.app.evaluate.uncertainty_metrics)
+        lines.append(f"{'uncertainty':<16}{'RMS std':>12}{'RMS error':>12}  unit"
+                     "        factor  error/std")
+        for name in rows:
+            ratio = metrics.get(f"{name}_uncertainty_ratio", float("nan"))
+            lines.append(f"{name:<16}{metrics[f'{name}_std_rms']:>12.3f}"
+                         f"{metrics[f'{name}_error_rms']:>12.3f}  {UNITS[name]:<11}"
+                         f"{metrics[f'{name}_calibration']:>7.3g}{ratio:>11.3g}")
     return "\n".join(lines)

@@ -39,6 +39,12 @@ def set_activation_checkpointing(model: nn.Module, enabled: bool, name: str = ""
         raise InputError("model.activation_checkpointing=true does not work with compile=true "
                          "(the compiled graph is traced without checkpoints); set one of them "
                          "to false")
+    from xnn.training.committee import committee_size
+
+    if committee_size(model) > 1:  # each member
+        for member in model.members:
+            set_activation_checkpointing(member, enabled, name, compile)
+        return
     hparams = getattr(model, "hparams", None)
     supported = isinstance(hparams, dict) and "activation_checkpointing" in hparams
     if not supported:

@@ -4,7 +4,9 @@ The :class:`~xnn.training.trainer.Trainer` never calls the model itself: it asks
 *predictor* to split a rank's share into pieces (evaluated and backpropagated one by one)
 and to evaluate a piece into :class:`Evaluated` residuals. :class:`LocalPredictor` is the
 one-process (and data-parallel) version: the share collated into one batch and evaluated by
-:func:`~xnn.models.derivatives.compute_properties`. The domain-decomposed version
+:func:`~xnn.models.derivatives.compute_properties` (for a committee, the loss is the sum of
+the members' losses and the metrics are those of its mean: :mod:`xnn.training.committee`).
+The domain-decomposed version
 (:class:`xnn.distributed.cp_train.DomainPredictor`) evaluates each structure spread over the
 ranks of a ``dd`` group; :func:`xnn.distributed.entries.parallelize_train` picks one.
 
@@ -29,6 +31,7 @@ from xnn.data import keys as K
 from xnn.data.datasets import collate
 from xnn.data.graph import AtomicGraph
 from xnn.models.derivatives import compute_properties
+from xnn.training.committee import committee_size, member_residuals, uncertainty_parity
 from xnn.training.losses import labelled, local_counts, residuals, take
 
 
@@ -104,9 +107,17 @@ class LocalPredictor:
                  for k, v in labelled(cpu_batch).items()}
         batch = cpu_batch.to(self.device, self.dtype)
         pred = self._predict(batch, forces, stress, training)
-        res = residuals(pred, batch, index)
+        res = metric_res = residuals(pred, batch, index)
+        size = committee_size(self.model)
+        if size > 1:  # each member's loss; the metrics are the committee's (its mean)
+            res = member_residuals(pred, batch, size, index)
         numbers = take(batch.numbers, index["forces"]) if "forces" in index else None
-        return Evaluated(res, res, numbers, _parity(pred, batch, index) if parity else None)
+        par = None
+        if parity:
+            par = _parity(pred, batch, index)
+            if size > 1:
+                par.update(uncertainty_parity(pred, batch, index))
+        return Evaluated(res, metric_res, numbers, par)
 
 
     def _predict(self, batch: AtomicGraph, forces: bool, stress: bool,

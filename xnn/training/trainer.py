@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, XnnError
+from xnn.training.committee import UNCERTAINTY_KEYS, clip_groups, committee_size
 from xnn.training.losses import NO_LABELS, TermSpec, has_labels, loss_terms
 from xnn.training.metrics import MetricSums
 from xnn.training.prediction import Evaluated, make_local_predictor, stress_labelled
@@ -63,7 +64,8 @@ class Trainer:
         device: where batches go.
         dtype: floating dtype of batches (the model's).
         autocast: ``torch.bfloat16`` for bf16 mixed precision, else ``None``.
-        grad_clip: max global gradient norm (``None``: no clipping).
+        grad_clip: max global gradient norm (``None``: no clipping); of each member's
+            gradients for a committee.
         compile: predict through compiled kernels in training steps
             (:class:`~xnn.models.compiled_training.CompiledProperties`; evaluation stays
             eager); ``True`` for inductor, or the name of a ``torch.compile`` backend. Not
@@ -191,8 +193,9 @@ class Trainer:
             if not math.isfinite(total):
                 raise NonFiniteLossError(f"the loss became {total} at step {step}")
             raise ValueError(NO_LABELS)
-        if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        if self.grad_clip is not None:  # per member of a committee
+            for group in clip_groups(self.model, params):
+                torch.nn.utils.clip_grad_norm_(group, self.grad_clip)
         if self.schedule is not None:
             self.schedule.apply(step)
         self.optimizer.step()
@@ -213,7 +216,8 @@ class Trainer:
             shard: ``shard(batch) -> this rank's indices``.
             collect: also return this rank's parity data ``{"energy": (ref, pred) per atom,
                 "forces": (ref, pred), "stress": (ref, pred) tensor components}`` as numpy
-                arrays.
+                arrays; for a committee also ``{energy,forces,stress}_uncertainty``:
+                (|error|, predicted std) rows (:func:`~xnn.training.committee.uncertainty_parity`).
             load: ``load(dataset, indices) -> graphs`` (default: ``dataset[i]`` each).
         Returns:
             ``(metrics, parity)``: metric sums reduced over ranks; parity or ``None``.
@@ -226,6 +230,8 @@ class Trainer:
         ctx = self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext()
         sums = MetricSums(self.device)
         parity: dict[str, list] = {"energy": [], "forces": [], "numbers": [], "stress": []}
+        if committee_size(self.model) > 1:  # (|error|, predicted std) rows
+            parity.update({key: [] for key in UNCERTAINTY_KEYS.values()})
         refused = None
         with ctx:
             for global_batch in batches:
@@ -248,7 +254,8 @@ class Trainer:
                     sums.add(ev.metric_res, ev.numbers)
                     if collect:
                         for k in parity:
-                            parity[k].append(ev.parity[k])
+                            if k in ev.parity:
+                                parity[k].append(ev.parity[k])
                 sums.add_loss(partial, 1 if self.reducer.rank == 0 else 0)
         vote = torch.full((1,), float(refused is not None), dtype=sums.values.dtype,
                           device=sums.values.device)

@@ -43,8 +43,12 @@ GAMMA, LATENCY = 0.01, 20.0
 
 
 def feature_size(model) -> int:
-    """Numbers per atom passed at one sync point (from the model's hyperparameters)."""
-    hp = getattr(model, "hparams", None) or {}  # native models' hyperparameters, if any
+    """Numbers per atom passed at one sync point: the model's declared ``sync_width`` (the
+    MACE wrapper's node features), else estimated from native models' hyperparameters, else
+    64."""
+    if model.sync_width is not None:
+        return int(model.sync_width)
+    hp = model.hparams or {}  # native models' hyperparameters, if any
     name = type(model).__name__.lower()
     if "channels" in hp:  # equivariant: channels x (l_max + 1)^2
         return int(hp["channels"]) * (int(hp.get("hidden_l_max", hp.get("l_max", 1))) + 1) ** 2

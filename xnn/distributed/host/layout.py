@@ -14,6 +14,11 @@ Mode ``halo`` needs the host's ghosts to reach the whole receptive field (+ skin
 ``sync`` one cutoff (+ skin), the model's sync points then exchanging ghost features per
 layer.
 
+Per-atom virials (``peratom_virial``, when the host asks for them): the local graph is given
+to the model in edge form (:class:`~xnn.models.derivatives.EdgeGradients`), each local
+edge's virial goes half to each of its atoms, and the ghosts' halves go home to their owners
+through the same reverse exchange as their forces (:meth:`HostLayout.virials`).
+
 Who owns a ghost: :func:`~xnn.distributed.host.owners.ghost_owners` asks only the ranks
 whose owned atoms' box can hold each ghost (an ``O(n_ranks)`` all-gather of boxes, then ids
 and rows point to point): per rank the lookup's traffic and memory follow its ghosts and the
@@ -41,6 +46,7 @@ from xnn.distributed.domain.local import (
 from xnn.distributed.domain.longrange import long_range_modules
 from xnn.distributed.host.owners import ghost_owners
 from xnn.errors import InputError
+from xnn.models.derivatives import EdgeGradients
 from xnn.neighbors import neighbor_list
 
 #: how far (Å) a host ghost may sit from its owner's position plus a whole image shift
@@ -75,6 +81,8 @@ class HostLayout:
 
     Attributes:
         ghosts: the host's ghosts for the next evaluation (set by the host before it).
+        peratom_virial: the next evaluations record the edges' gradients, whose per-atom
+            virials :meth:`virials` returns (set by the host, the same on every rank).
         halo_width: (after :meth:`configure`) how far (Å) the host's ghosts must reach
             beyond each rank's region: the host's ghost cutoff.
     """
@@ -87,6 +95,8 @@ class HostLayout:
             raise InputError(f"a host layout's mode is 'halo' or 'sync', got {mode!r}")
         self.mode = mode
         self.ghosts: HostGhosts | None = None
+        self.peratom_virial = False
+        self._edges: EdgeGradients | None = None  # the last evaluation's, with peratom_virial
         self._built_ids: Tensor | None = None
         self._remote: Tensor | None = None  # host ghost rows in the plan's receive order
         #: ids and rows this rank received when it last looked up its ghosts' owners
@@ -185,9 +195,25 @@ class HostLayout:
         return src + shifts @ cell
 
     def local_graph(self, graph: AtomicGraph, dom, x: Tensor, cell: Tensor) -> AtomicGraph:
-        """The non-periodic local graph (see :func:`~.domain.local.local_graph`)."""
-        return local_graph(graph, dom, x, self.mode == "sync", None,
-                           self.cutoff if self.filters else None)
+        """The non-periodic local graph (see :func:`~.domain.local.local_graph`); in edge
+        form with :attr:`peratom_virial`."""
+        g = local_graph(graph, dom, x, self.mode == "sync", None,
+                        self.cutoff if self.filters else None)
+        self._edges = EdgeGradients() if self.peratom_virial else None
+        return g if self._edges is None else self._edges.edge_form(g)
+
+    def virials(self, dom) -> Tensor:
+        """``[n_owned, 3, 3]`` (eV) per-atom virials of the owned atoms after an evaluation
+        with :attr:`peratom_virial` (collective): every local edge's virial half to each of
+        its atoms, the halves of ghosts summed into their owners (images of owned atoms
+        here, remote ghosts through the reverse halo exchange, as their forces)."""
+        if self._edges is None:
+            raise InputError("per-atom virials need an evaluation with peratom_virial set")
+        n, n_self = dom.n_owned, dom.self_src.numel()
+        w = self._edges.virials(dom.n_local).reshape(dom.n_local, 9)
+        own = w[:n].index_add(0, dom.self_src.to(w.device), w[n:n + n_self])
+        own = own + reverse_halo_exchange(w[n + n_self:].contiguous(), dom.plan)
+        return own.reshape(n, 3, 3)
 
     def min_pair_distance(self, x: Tensor, dom, ids: Tensor, cell) -> tuple[Tensor, Tensor]:
         return min_pair_distance(x, dom, dom.local_field(K.ATOM_ID, ids))

@@ -220,6 +220,14 @@ class MACEWrapper(SyncPoints, AtomisticModel):
         }
 
     @property
+    def sync_width(self) -> int | None:
+        """Numbers per atom a sync point exchanges: the node features that interactions
+        ``1 ..`` read (their ``node_feats_irreps`` dimension, e.g. 128 for ``128x0e``, 512
+        for ``128x0e + 128x1o``; the largest); ``None`` without sync points."""
+        blocks = list(self.model.interactions)[1:len(self.sync) + 1]
+        return max((int(b.node_feats_irreps.dim) for b in blocks), default=None)
+
+    @property
     def pairs_edges(self) -> bool:
         """With ``backend="cueq"``: the converted copy runs its radial networks once per
         edge pair on a paired list (the compiled MD step's; :mod:`._mace_pairs`)."""

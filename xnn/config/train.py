@@ -139,8 +139,9 @@ class FinetuneConfig:
                         "own E0s, scale and shift) per head; every data entry trains its head "
                         "(data.*.head; default: default, replay for data.replay and "
                         "replay_from_pretrained), each head starts as a copy of the "
-                        "pretrained readout; the new-data heads take E0s from their own data "
-                        "by model.e0; model.pt keeps every head (default: the first)")
+                        "pretrained readout; a new-data head's E0s add the least-squares "
+                        "per-element fit of the pretrained model's energy error on its data; "
+                        "model.pt keeps every head (default: the first)")
 
     def __post_init__(self):
         check_range("finetune.replay_weight", self.replay_weight, 0.0)

@@ -194,7 +194,8 @@ class EvalOptions:
             (``None``: the property's name; not with ``split``).
         batch_size: structures per batch. device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
         plot: parity plot PNG (``None``: next to the model). json: metrics file (``None``:
-        none). trust_file: load a model file that may unpickle code.
+        none). trust_file: load a model file that may unpickle code. head: the head of a
+        multi-head model that predicts (``None``: its default; :mod:`xnn.models.heads`).
     """
 
     model: str
@@ -206,6 +207,7 @@ class EvalOptions:
     plot: str | None = None
     json: str | None = None
     trust_file: bool = False
+    head: str | None = None
 
 
 @dataclass
@@ -251,6 +253,7 @@ def run_eval(opts: EvalOptions) -> EvalResult:
     from xnn._files import check_output_file
     from xnn._torch_files import refuse_non_model_file
     from xnn.devices import resolve_device
+    from xnn.models.heads import select_head
     from xnn.models.serialization import load_model
     from xnn.training.evaluate import evaluate_model
 
@@ -262,7 +265,7 @@ def run_eval(opts: EvalOptions) -> EvalResult:
     out_json = check_output_file(opts.json, "--json", "metrics.json") if opts.json else None
     if Path(model_file).is_file():
         refuse_non_model_file(model_file)  # truncated, or a training/MD checkpoint
-    model = load_model(model_file, trust=opts.trust_file)
+    model = select_head(load_model(model_file, trust=opts.trust_file), opts.head, "--head")
     check_finite_weights(model, model_file)
     metrics, parity = evaluate_model(model, data.dataset, opts.batch_size,
                                      resolve_device(opts.device))

@@ -34,6 +34,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     caller's trust in every model file the config names (:mod:`xnn.models.trust`)."""
     from xnn.models import build
     from xnn.models.base import AtomisticModel
+    from xnn.models.heads import select_head
     from xnn.models.trust import granted
 
     cfg.check_source()
@@ -48,6 +49,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
             model = build(cfg.name, **cfg.build_kwargs())
     if not isinstance(model, AtomisticModel):
         raise ModelFileError(f"{cfg.file or cfg.name} is not an xnn model")
+    model = select_head(model, cfg.head, "model.head")
     if cfg.kernel_backend != "saved":
         if not hasattr(model, "set_backend"):
             raise InputError(f"model.kernel_backend={cfg.kernel_backend}: "

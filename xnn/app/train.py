@@ -28,8 +28,10 @@ from xnn.app.train_model import (
     check_pretrained_config,
     check_trainable,
     data_statistics,
+    multihead_model,
     stored_statistics,
 )
+from xnn.app.train_replay import run_heads
 from xnn.app.train_replay_gen import PretrainedReplay
 from xnn.config.loader import to_yaml
 from xnn.config.train import TrainConfig
@@ -169,6 +171,10 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
                              f"pretrained model {cfg.pretrained!r}")
         logger.print(f"fine-tuning {describe_model(model)} from {cfg.pretrained}")
         ft = cfg.finetune
+        if ft.heads:
+            model, line = multihead_model(model, run_heads(cfg.data, _generates(cfg)), splits,
+                                          f"pretrained={cfg.pretrained!r}")
+            logger.print(line)
         frozen = freeze(model, ft.freeze)
         param_groups(model, ft.lr)  # unknown part names are refused before anything runs
         if ft.freeze or ft.lr:
@@ -187,6 +193,11 @@ def _pretrained_or_new(cfg: TrainConfig, splits, logger, reducer) -> torch.nn.Mo
     logger.print(f"model: {describe_model(model)}; E0 ({describe_e0_convention(cfg, splits)}) "
                  f"{format_e0(stats['e0'])}, avg neighbours {stats['avg_num_neighbors']:.1f}")
     return model
+
+
+def _generates(cfg: TrainConfig) -> bool:
+    """Whether the run makes replay structures with the pretrained model."""
+    return bool(cfg.pretrained and cfg.finetune.replay_from_pretrained)
 
 
 def uses_isolated_atoms(cfg: TrainConfig) -> bool:
@@ -287,8 +298,8 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
     # fine-tuned model has no statistics: build_splits checks that sample then
     species = (None if cfg.model.species is None
                else species_numbers(cfg.model.species, "model.species"))
-    gen = (PretrainedReplay(cfg, out, resume, reducer)
-           if cfg.pretrained and cfg.finetune.replay_from_pretrained else None)
+    gen = PretrainedReplay(cfg, out, resume, reducer) if _generates(cfg) else None
+    heads = run_heads(cfg.data, gen is not None)[0] if cfg.finetune.heads else None
     splits = build_splits(cfg.data, cfg.loss, cfg.model.cutoff, cfg.seed, species,
                           reducer, check_train=bool(cfg.pretrained),
                           isolated_atoms=uses_isolated_atoms(cfg),
@@ -296,7 +307,7 @@ def train(cfg: TrainConfig, reducer=None, parallel=None) -> dict:
                           make_replay=None if gen is None else (
                               lambda new: (gen.entry(), gen.dataset(new))),
                           bootstrap=((cfg.committee.size, cfg.seed) if cfg.committee.bootstrap
-                                     else None))
+                                     else None), heads=heads)
     logger.print(f"data: {len(splits.train)} training, "
                  f"{len(splits.val) if splits.val else 0} validation, "
                  f"{len(splits.test) if splits.test else 0} test structures"

@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from xnn.app.train_replay import replay_membership, replay_parts
+from xnn.app.train_replay import replay_membership, replay_parts, with_head
 from xnn.config.train import DataConfig, DatasetConfig, LossConfig
 from xnn.data import keys as K
 from xnn.data.datasets import ConcatDataset, Subset, split_indices
@@ -38,6 +38,7 @@ from xnn.training.data import (
     sample_indices,
     symbols,
 )
+from xnn.training.finetune import WithHead
 from xnn.training.reducer import LocalReducer
 
 LABELS = (("energy", K.ENERGY), ("forces", K.FORCES), ("stress", K.STRESS))
@@ -86,7 +87,8 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
                  species: list[int] | None = None, reducer=None,
                  check_train: bool = True, isolated_atoms: bool = False,
                  replay: tuple[float, float | None] = (1.0, None),
-                 make_replay=None, bootstrap: tuple[int, int] | None = None) -> DataSplits:
+                 make_replay=None, bootstrap: tuple[int, int] | None = None,
+                 heads: list[str] | None = None) -> DataSplits:
     """Read, split, check and wrap the datasets of a run.
 
     Args:
@@ -116,6 +118,8 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
             :class:`xnn.app.train_replay_gen.PretrainedReplay`), the last replay entry.
         bootstrap: ``(K, seed)``: the training structures carry the per-member bootstrap
             weights of a committee of K (:func:`xnn.training.committee.bootstrap_weights`).
+        heads: multi-head fine-tuning (:func:`xnn.app.train_replay.run_heads`): every
+            structure carries the index of its entry's head (``head`` field).
     Raises:
         DataFileError: a sampled structure has coincident atoms (among others).
     """
@@ -136,14 +140,14 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
             rest = _take_isolated(ds, entry.path, isolated)
             tr, va, te = (rest[i] for i in split_indices(len(rest), vf, tf,
                                                          seed=seed + 7919 * k))
-        train_parts.append(Subset(ds, tr))
-        val_parts.append(Subset(ds, va))
-        test_parts.append(Subset(ds, te))
-    val_parts += [_open(e) for e in data.val]
-    test_parts += [_open(e) for e in data.test]
+        train_parts.append(with_head(Subset(ds, tr), heads, entry))
+        val_parts.append(with_head(Subset(ds, va), heads, entry))
+        test_parts.append(with_head(Subset(ds, te), heads, entry))
+    val_parts += [with_head(_open(e), heads, e) for e in data.val]
+    test_parts += [with_head(_open(e), heads, e) for e in data.test]
     n_new = sum(len(t) for t in train_parts)
     generated = None if make_replay is None else make_replay(_concat(train_parts))
-    extra = replay_parts(data, _open, seed, replay[0], replay[1], n_new, generated)
+    extra = replay_parts(data, _open, seed, replay[0], replay[1], n_new, generated, heads)
     if extra.pool is not None:
         check_training_labels(extra.entries, extra.sizes, extra.pool, loss)
     train = _concat([*train_parts, extra.train])
@@ -256,6 +260,8 @@ def split_membership(data: DataConfig, train_parts: list, val_parts: list,
 
 
 def _indices(part) -> list[int]:
+    if isinstance(part, WithHead):  # multi-head: the file's structures, marked
+        part = part.dataset
     return part.indices.tolist() if isinstance(part, Subset) else list(range(len(part)))
 
 

@@ -362,3 +362,44 @@ def check_pretrained_config(cfg: ModelConfig, model: nn.Module, path: str) -> No
                          "fine-tuning keeps the pretrained architecture: set these to the "
                          f"pretrained values or remove them (model.cutoff defaults to "
                          f"{train_model_default().cutoff:g})")
+
+
+def multihead_model(model: nn.Module, heads: tuple[list[str], list[str]], splits,
+                    what: str) -> tuple[nn.Module, str]:
+    """The pretrained ``model`` with the readout heads of a ``finetune.heads`` run, and a
+    log line.
+
+    Every head starts as a copy of the pretrained readout (E0s, scale and shift included);
+    the heads of new data (not trained by a replay entry) then take the E0s of
+    :func:`xnn.training.finetune.new_head_e0` on their structures of the statistics
+    sample, the replay heads keep the pretrained ones.
+
+    Args:
+        heads: ``(heads, replay heads)`` of :func:`xnn.app.train_replay.run_heads`.
+        splits: the run's :class:`~xnn.training.data.DataSplits` (structures marked with
+            their head).
+        what: names the model in messages (``pretrained='f.pt'``).
+    Raises:
+        InputError: a model that cannot carry heads (one line).
+    """
+    from xnn.data import keys as K
+    from xnn.models.heads import make_multihead
+    from xnn.training.data import structures_for_statistics
+    from xnn.training.finetune import new_head_e0
+
+    names, replay = heads
+    model = make_multihead(model, names, f"finetune.heads with {what}")
+    sample = structures_for_statistics(splits.raw_train)
+    graphs = [sample[i] for i in range(len(sample))]
+    notes = []
+    for index, name in enumerate(names):
+        mine = [g for g in graphs if int(g[K.HEAD][0]) == index]
+        if name in replay or not mine:
+            notes.append(f"{name} (pretrained E0s)")
+            continue
+        e0 = new_head_e0(model.with_head(name), mine, splits.species)
+        model.set_head_statistics(name, e0=e0)
+        notes.append(f"{name} (E0s refit on {len(mine)} structures: "
+                     + ", ".join(f"{symbols([z])[0]} {v:.4f} eV" for z, v in sorted(e0.items()))
+                     + ")")
+    return model, "heads: " + "; ".join(notes)

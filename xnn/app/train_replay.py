@@ -16,6 +16,10 @@ written into the run folder (:mod:`xnn.app.train_replay_gen`); it is split and w
 a file. ``split.json`` records every replay entry (``replay_train``, ``replay_val``: indices
 per file; ``replay_selection``: the ``replay_fraction`` selection into their concatenated
 training parts).
+
+With ``finetune.heads`` every entry trains a readout head (:func:`run_heads`): its own
+``head``, else ``default`` (new data) or ``replay`` (replay data); :func:`with_head` marks
+its structures with the head's index.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import numpy as np
 
 from xnn.config.train import DataConfig, DatasetConfig
 from xnn.data.datasets import ConcatDataset, Subset, split_indices
-from xnn.errors import DataFileError
+from xnn.errors import DataFileError, InputError
+from xnn.models.heads import DEFAULT_HEAD, REPLAY_HEAD, check_head_names
+from xnn.training.finetune import WithHead
 
 #: seeds the replay files' splits apart from the training files' (seed + 7919 k)
 REPLAY_SEED = 104729
@@ -49,9 +55,40 @@ class ReplayParts:
     selection: np.ndarray | None = None
 
 
+def run_heads(data: DataConfig, generated: bool = False) -> tuple[list[str], list[str]]:
+    """``(heads, replay heads)`` of a multi-head run: the heads of the ``data.datasets``
+    entries in their order, then those of the replay entries (``data.replay``, then the
+    ``finetune.replay_from_pretrained`` structures when ``generated``) not already named.
+
+    Raises:
+        InputError: a head name that is not valid, or a ``data.val``/``data.test`` entry
+            whose head no training entry trains (one line listing the heads).
+    """
+    new = [e.head or DEFAULT_HEAD for e in data.datasets]
+    replay = [e.head or REPLAY_HEAD for e in data.replay] + ([REPLAY_HEAD] if generated else [])
+    heads = list(dict.fromkeys(new + replay))
+    check_head_names(heads, "finetune.heads")
+    for part, entries in (("val", data.val), ("test", data.test)):
+        for k, e in enumerate(entries):
+            if (e.head or DEFAULT_HEAD) not in heads:
+                raise InputError(f"data.{part}.{k}.head={e.head or DEFAULT_HEAD!r}: no training "
+                                 f"entry trains that head; the run's heads are {heads}")
+    return heads, list(dict.fromkeys(replay))
+
+
+def with_head(dataset, heads: list[str] | None, entry: DatasetConfig,
+              default: str = DEFAULT_HEAD):
+    """``dataset`` whose structures carry the index in ``heads`` of ``entry``'s head
+    (``entry.head`` or ``default``); ``dataset`` itself when ``heads`` is ``None``."""
+    if heads is None or dataset is None:
+        return dataset
+    return WithHead(dataset, heads.index(entry.head or default))
+
+
 def replay_parts(data: DataConfig, open_entry, seed: int, weight: float,
                  fraction: float | None, n_new: int,
-                 generated: tuple[DatasetConfig, object] | None = None) -> ReplayParts:
+                 generated: tuple[DatasetConfig, object] | None = None,
+                 heads: list[str] | None = None) -> ReplayParts:
     """Open and split the ``data.replay`` files.
 
     Args:
@@ -65,6 +102,8 @@ def replay_parts(data: DataConfig, open_entry, seed: int, weight: float,
         generated: ``(entry, dataset)`` of the ``finetune.replay_from_pretrained``
             structures (the dataset already weighted ``finetune.replay_weight``), the last
             replay entry.
+        heads: the run's heads (:func:`run_heads`; ``None``: one head): every structure
+            carries the index of its entry's head (``replay`` by default).
     Raises:
         DataFileError: a replay file holds no structure.
     """
@@ -80,8 +119,8 @@ def replay_parts(data: DataConfig, open_entry, seed: int, weight: float,
             raise DataFileError(f"replay dataset {entry.path!r} holds no structure")
         tr, va, _ = split_indices(len(ds), data.val_fraction, 0.0,
                                   seed=seed + REPLAY_SEED + 7919 * k)
-        train.append(Subset(ds, tr))
-        val.append(Subset(ds, va))
+        train.append(with_head(Subset(ds, tr), heads, entry, REPLAY_HEAD))
+        val.append(with_head(Subset(ds, va), heads, entry, REPLAY_HEAD))
         sizes.append(len(tr))
         tr_idx.append(tr)
         va_idx.append(va)
@@ -127,4 +166,4 @@ def _concat(parts: list):
     return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
 
-__all__ = ["ReplayParts", "replay_parts", "replay_membership"]
+__all__ = ["ReplayParts", "replay_parts", "replay_membership", "run_heads", "with_head"]

@@ -34,6 +34,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     for name in KEYS:
         p.add_argument(f"--{name}-key", default=None,
                        help=f"{name} label key (default {name}; with --split, the run's)")
+    p.add_argument("--head", default=None,
+                   help="multi-head models (xnn train finetune.heads=true): the head that "
+                   "predicts (default: the model's first, the new data's); an unknown name "
+                   "lists the model's heads")
     p.add_argument("--trust-file", action="store_true",
                    help="trust MODEL: it may unpickle what it holds or names (MACE models "
                    "saved by an earlier xnn, files named in its hyperparameters), which can "
@@ -50,7 +54,8 @@ def run(args) -> int:
         model=args.model, data=args.data, split=args.split,
         keys=tuple(zip(KEYS, (args.energy_key, args.forces_key, args.stress_key))),
         batch_size=args.batch_size,
-        device=args.device, plot=args.plot, json=args.json, trust_file=args.trust_file))
+        device=args.device, plot=args.plot, json=args.json, trust_file=args.trust_file,
+        head=args.head))
     print(f"{result.model_file} on {result.description}")
     print(format_metrics(result.metrics))
     print(f"parity plot: {result.plot}")

@@ -12,9 +12,9 @@ Some keys belong to one kind of command and are refused by the other with one li
 - training only (:meth:`ModelConfig.check_train`): ``e0``, ``scale_shift``,
   ``activation_checkpointing`` -- how a new model is fitted;
 - runs only (:meth:`ModelConfig.check_run`, ``xnn md`` / ``relax`` / ``run``): ``dtype``,
-  ``device``, ``compile``, ``skin``, ``neighbor_backend`` -- how a model is evaluated along a
-  trajectory (training sets ``precision``, ``device`` and ``compile`` at its top level, and
-  builds its neighbor lists once per structure).
+  ``device``, ``compile``, ``skin``, ``neighbor_backend``, ``head`` -- how a model is
+  evaluated along a trajectory (training sets ``precision``, ``device`` and ``compile`` at
+  its top level, and builds its neighbor lists once per structure).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ KERNEL_BACKENDS = ("saved", "reference", "cueq", "triton")
 TRAIN_ONLY = {"e0": "fit", "scale_shift": True, "activation_checkpointing": False}
 #: keys that only the runs (md, relax, run) use -> their default
 RUN_ONLY = {"dtype": "float64", "device": "auto", "compile": False, "skin": 1.0,
-            "neighbor_backend": "auto"}
+            "neighbor_backend": "auto", "head": None}
 #: named conventions of ``model.e0`` (or a ``{element: eV}`` map); ``average`` is MACE's name
 #: of ``fit`` (the same least squares, the same numbers)
 E0_CHOICES = ("fit", "average", "zero", "isolated")
@@ -107,6 +107,9 @@ class ModelConfig:
                         "after a move of skin/2")
     neighbor_backend: str = field("auto", "md/relax/run only: neighbor-list backend",
                                   choices=("auto", "torch", "vesin", "brute"))
+    head: str | None = field(None, "md/relax/run only: the head of a multi-head model (xnn "
+                             "train finetune.heads=true) that predicts (null: its first, the "
+                             "new data's); an unknown name lists the model's heads")
 
     def __post_init__(self):
         self.e0_table()  # refuses an invalid model.e0 with one line

@@ -35,6 +35,9 @@ class DatasetConfig:
     forces_key: str = field("forces", "key of the force label (eV/Å)")
     stress_key: str = field("stress", "key of the stress label (eV/Å³, ASE sign)")
     virial_key: str = field("virial", "key of the virial label (eV), used when no stress")
+    head: str | None = field(None, "finetune.heads: the readout head this entry trains and "
+                             "validates (null: default for data.datasets/val/test, replay for "
+                             "data.replay)")
 
     def __post_init__(self):
         check_range("data.datasets.weight", self.weight, 0.0)
@@ -132,6 +135,13 @@ class FinetuneConfig:
                                  "of every atom of a replay_from_pretrained structure")
     replay_strain: float = field(0.02, "largest strain component of a replay_from_pretrained "
                                  "structure (uniform in [-s, s], symmetric; periodic only)")
+    heads: bool = field(False, "multi-head fine-tuning: one shared body, one readout (with its "
+                        "own E0s, scale and shift) per head; every data entry trains its head "
+                        "(data.*.head; default: default, replay for data.replay and "
+                        "replay_from_pretrained), each head starts as a copy of the "
+                        "pretrained readout; a new-data head's E0s add the least-squares "
+                        "per-element fit of the pretrained model's energy error on its data; "
+                        "model.pt keeps every head (default: the first)")
 
     def __post_init__(self):
         check_range("finetune.replay_weight", self.replay_weight, 0.0)
@@ -370,6 +380,7 @@ class TrainConfig:
             raise ConfigError("finetune.freeze, finetune.lr, data.replay and "
                               "finetune.replay_from_pretrained fine-tune a pretrained model: "
                               "set pretrained=PATH (or a name: 7net-0)")
+        _check_heads(self)
         if ft.replay_fraction is not None and not (self.data.replay
                                                    or ft.replay_from_pretrained):
             raise ConfigError("finetune.replay_fraction needs data.replay files or "
@@ -389,3 +400,23 @@ class TrainConfig:
             raise ConfigError(f"committee.size={size} builds a new committee; to go on "
                               "training a committee, give its model file as pretrained= "
                               "without committee.size")
+
+
+def _check_heads(cfg: TrainConfig) -> None:
+    """Refuse ``data.*.head`` without ``finetune.heads``, and ``finetune.heads`` without a
+    pretrained model, with ``parallel.dd > 1`` or ``compile`` (one line each)."""
+    d = cfg.data
+    parts = (("datasets", d.datasets), ("val", d.val), ("test", d.test), ("replay", d.replay))
+    named = [f"data.{part}.{k}.head" for part, entries in parts
+             for k, e in enumerate(entries) if e.head is not None]
+    if not cfg.finetune.heads:
+        if named:
+            raise ConfigError(f"{named[0]} names a readout head: set finetune.heads=true "
+                              "(multi-head fine-tuning) or remove it")
+        return
+    if not cfg.pretrained:
+        raise ConfigError("finetune.heads=true adds readout heads to a pretrained model: set "
+                          "pretrained=PATH")
+    if cfg.parallel.dd > 1 or cfg.compile:
+        raise ConfigError("finetune.heads=true trains with parallel.dd=1 and compile=false "
+                          "(multi-head batches are not yet domain-decomposed or compiled)")

@@ -36,6 +36,10 @@ STRESS = "stress"  # [n_systems, 3, 3] eV/Å³, ASE sign (labels or results)
 VIRIAL = "virial"  # [n_systems, 3, 3] eV (labels or results), virial = -stress * volume
 SYSTEM_ID = "system_id"  # [n_systems] long, index of the structure in its dataset
 WEIGHT = "weight"  # [n_systems] float, per-structure loss weight
+# [n_systems] long: index of the readout head (into the model's head_names) that predicts
+# each structure's energy, for multi-head models (xnn.models.heads); absent: the model's
+# selected head. Set per dataset entry in multi-head fine-tuning.
+HEAD = "head"
 # [1] long: only the first n atoms of this (one-system) graph need updated features and
 # energies; the others are senders only (a domain's ghosts, whose features a sync point
 # refreshes). Absent: every atom. Models may ignore it.
@@ -90,6 +94,7 @@ FIELD_SCOPES: dict[str, str] = {
     VIRIAL: SYSTEM,
     SYSTEM_ID: SYSTEM,
     WEIGHT: SYSTEM,
+    HEAD: SYSTEM,
     N_UPDATE: SYSTEM,
     GLOBAL_CELL: SYSTEM,
     GLOBAL_PBC: SYSTEM,

@@ -102,6 +102,9 @@ class Calculator(_AseCalculator):
             means nothing); 0 evaluates anything.
         trust: passed to :func:`xnn.load_model` with a path: also load older formats that
             hold pickled code (only for files you trust); unused with a model.
+        head: the head of a multi-head model that predicts (``None``: its default, the
+            first; :mod:`xnn.models.heads`); an unknown name is refused listing the heads,
+            a model without heads refuses any name.
 
     Attributes:
         n_model_calls: how many times the model was evaluated.
@@ -123,12 +126,16 @@ class Calculator(_AseCalculator):
         compile: bool = False,
         min_distance: float = MIN_DISTANCE,
         trust: bool = False,
+        head: str | None = None,
     ):
+        from xnn.models.heads import select_head
+
         super().__init__()
         self.min_distance = check_min_distance(min_distance, "xnn.Calculator")
         self.device = resolve_device(device)
         self.dtype = check_dtype(dtype, "xnn.Calculator")
-        self.model = model_of(model, self.device, trust).to(device=self.device, dtype=dtype)
+        self.model = select_head(model_of(model, self.device, trust), head,
+                                 "xnn.Calculator: head").to(device=self.device, dtype=dtype)
         self.potential = Potential(self.model, skin=skin, backend=neighbor_backend,
                                    compile=compile)
         if self.model.committee_size > 1:

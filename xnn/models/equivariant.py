@@ -35,6 +35,7 @@ force training: the peak of the tensors saved over a force-training step falls s
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -61,6 +62,7 @@ from xnn.models.equivariant_ops import (
     o3,
     plain_harmonics,
 )
+from xnn.models.heads import Heads, check_head_names
 from xnn.models.registry import check_sizes
 
 
@@ -415,7 +417,7 @@ def _trained(params) -> list[Tensor]:
     return [p for p in params if p.requires_grad]
 
 
-class Equivariant(NativeModel):
+class Equivariant(Heads, NativeModel):
     """E(3)-equivariant many-body model in the NequIP/MACE family.
 
     Args:
@@ -464,6 +466,11 @@ class Equivariant(NativeModel):
         scale: eV per network output unit.
         shift: eV added per atom.
         e0: ``{Z: eV}`` reference energies.
+        heads: names of the readout heads (:mod:`xnn.models.heads`; ``None``: one readout):
+            one set of per-layer readouts with its own E0s, scale and shift per head, on the
+            shared body; a structure's ``head`` field picks its head, else the selected
+            one (the first unless :meth:`with_head` chose another). Made by
+            :meth:`multihead` (``finetune.heads``).
         backend: kernels of the tensor products, product basis and linear maps:
             ``"reference"`` (einsum/matmul), ``"cueq"`` (cuEquivariance, ``pip install
             cuequivariance-torch``; its CUDA kernels with ``cuequivariance-ops-torch-cu12``,
@@ -507,6 +514,7 @@ class Equivariant(NativeModel):
         e0: Mapping[int, float] | None = None,
         activation_checkpointing: bool = False,
         backend: str = "reference",
+        heads: Sequence[str] | None = None,
     ):
         check_sizes("equivariant", channels=channels, num_interactions=num_interactions,
                     correlation=correlation, num_bessel=num_bessel, envelope_p=envelope_p,
@@ -525,6 +533,8 @@ class Equivariant(NativeModel):
             activation_checkpointing=bool(activation_checkpointing),
             backend=check_backend(backend),
         )
+        if heads is not None:
+            hparams["heads"] = check_head_names(heads, "equivariant: heads")
         super().__init__(hparams, species, cutoff, num_interactions)
         self.activation_checkpointing = bool(activation_checkpointing)
         self.channels, self.l_max, self.hidden_l_max = channels, l_max, hidden_l_max
@@ -555,15 +565,79 @@ class Equivariant(NativeModel):
             )
             self.readouts.append(_readout(channels, readout_hidden if last else 0))
         self.output = EnergyScaleShift(self.species, scale, shift, e0)
+        if heads is not None:  # one (readouts, output) per head, the single ones removed
+            self.readout_heads = nn.ModuleList(
+                [ReadoutHead(copy.deepcopy(self.readouts), copy.deepcopy(self.output))
+                 for _ in hparams["heads"]])
+            del self.readouts, self.output
         self.set_backend(backend)
 
     def parts(self) -> dict[str, tuple[str, ...]]:
         """Fine-tuning parts: ``embedding``, ``interactions``, ``interactions.K``,
-        ``readout`` (the readouts of every layer) and ``readout.K``."""
+        ``readout`` (the readouts of every layer) and ``readout.K``; with heads, ``readout``
+        and ``readout.K`` span every head, and ``head.NAME`` is one head."""
         n = len(self.interactions)
-        return {"embedding": ("embedding",), "interactions": ("interactions",),
-                **{f"interactions.{k}": (f"interactions.{k}",) for k in range(n)},
-                "readout": ("readouts",), **{f"readout.{k}": (f"readouts.{k}",) for k in range(n)}}
+        body = {"embedding": ("embedding",), "interactions": ("interactions",),
+                **{f"interactions.{k}": (f"interactions.{k}",) for k in range(n)}}
+        if not self.head_names:
+            return {**body, "readout": ("readouts",),
+                    **{f"readout.{k}": (f"readouts.{k}",) for k in range(n)}}
+        heads = range(len(self.head_names))
+        return {**body, "readout": ("readout_heads",),
+                **{f"readout.{k}": tuple(f"readout_heads.{h}.readouts.{k}" for h in heads)
+                   for k in range(n)},
+                **{f"head.{name}": (f"readout_heads.{h}",)
+                   for h, name in enumerate(self.head_names)}}
+
+    # ------------------------------------------------------------------ heads
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        """Names of the readout heads (``()``: one readout)."""
+        return tuple(self.hparams.get("heads") or ())
+
+    def _heads(self) -> list[tuple[nn.ModuleList, EnergyScaleShift]]:
+        """``[(readouts, output)]`` of every head (one without heads)."""
+        if not self.head_names:
+            return [(self.readouts, self.output)]
+        return [(head.readouts, head.output) for head in self.readout_heads]
+
+    def multihead(self, names: Sequence[str]) -> Equivariant:
+        """A new model with the heads ``names`` (see :class:`~xnn.models.heads.Heads`): the
+        body's weights and buffers copied, each head a copy (readouts, E0s, scale, shift) of
+        this model's head of the same name, else of its selected head; same dtype and
+        device, bitwise the same values."""
+        names = check_head_names(names, "equivariant: heads")
+        hp = {**self.saved_defaults, **self.hparams, "heads": names}
+        ref = next(self.parameters())
+        new = type(self)(**hp).to(device=ref.device, dtype=ref.dtype)
+        own = self._heads()
+        state = {k: v for k, v in self.state_dict().items()
+                 if not k.startswith(("readouts.", "output.", "readout_heads."))}
+        for h, name in enumerate(names):
+            src = own[list(self.head_names).index(name)] if name in self.head_names \
+                else own[self.active_head]
+            state.update({f"readout_heads.{h}.{part}.{k}": v
+                          for part, module in zip(("readouts", "output"), src)
+                          for k, v in module.state_dict().items()})
+        new.load_state_dict(state)
+        return new.train(self.training)
+
+    def set_head_statistics(self, name: str, e0: Mapping[int, float] | None = None,
+                            scale: float | None = None, shift: float | None = None) -> None:
+        """Set the E0s ``{Z: eV}``, scale or shift of head ``name`` (listing the heads when
+        unknown)."""
+        self.readout_heads[self.head_index(name)].output.set_statistics(e0, scale, shift)
+
+    def set_statistics(self, e0: Mapping[int, float] | None = None, scale: float | None = None,
+                       shift: float | None = None) -> bool:
+        """Set E0s, scale and shift of the output (of the selected head, with heads)."""
+        self._heads()[self.active_head][1].set_statistics(e0=e0, scale=scale, shift=shift)
+        return True
+
+    @property
+    def e0(self) -> dict[int, float]:
+        """``{atomic number: eV}`` reference energies (of the selected head, with heads)."""
+        return self._heads()[self.active_head][1].e0
 
     def set_backend(self, backend: str) -> None:
         """Switch the kernel backend (``"reference"``, ``"cueq"`` or ``"triton"``: the edge
@@ -701,15 +775,43 @@ class Equivariant(NativeModel):
 
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]``; zero beyond ``graph.n_update`` (not computed)."""
-        e = None
-        for h, readout in zip(self.node_features(graph), self.readouts):
-            et = readout(h[:, :, 0]).squeeze(-1)
-            e = et if e is None else e + et
-        n_up = e.shape[0]
-        e = self.output(e, graph.numbers[:n_up])
+        scalars = [h[:, :, 0] for h in self.node_features(graph)]
+        n_up = scalars[0].shape[0]
+        numbers = graph.numbers[:n_up]
+        heads = self._heads()
+        which = self.atom_heads(graph, n_up) if len(heads) > 1 else None
+        if which is None:
+            e = head_energies(scalars, *heads[self.active_head], numbers)
+        else:  # every head on every atom (readouts are cheap), each atom takes its own
+            e = torch.stack([head_energies(scalars, *head, numbers) for head in heads])
+            e = e.gather(0, which.unsqueeze(0)).squeeze(0)
         if n_up < graph.n_atoms:
             e = torch.cat([e, e.new_zeros(graph.n_atoms - n_up)])
         return e
+
+
+class ReadoutHead(nn.Module):
+    """One head: the per-layer readouts of the scalar features and the output's E0s, scale
+    and shift. ``forward(scalars, numbers)``: ``scalars`` the ``[n, C]`` scalar features
+    after each interaction, ``numbers [n]``; per-atom energies ``[n]`` (eV)."""
+
+    def __init__(self, readouts: nn.ModuleList, output: EnergyScaleShift):
+        super().__init__()
+        self.readouts, self.output = readouts, output
+
+    def forward(self, scalars: list[Tensor], numbers: Tensor) -> Tensor:
+        return head_energies(scalars, self.readouts, self.output, numbers)
+
+
+def head_energies(scalars: list[Tensor], readouts: nn.ModuleList, output: EnergyScaleShift,
+                  numbers: Tensor) -> Tensor:
+    """``[n]`` per-atom energies (eV) of one head: the sum of its readouts of the ``[n, C]``
+    scalar features after each interaction, through its E0s, scale and shift."""
+    e = None
+    for s, readout in zip(scalars, readouts):
+        et = readout(s).squeeze(-1)
+        e = et if e is None else e + et
+    return output(e, numbers)
 
 
 def _readout(channels: int, hidden: int) -> nn.Module:

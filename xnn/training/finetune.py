@@ -1,4 +1,5 @@
-"""Fine-tuning a pretrained model: frozen parts and per-part learning rates.
+"""Fine-tuning a pretrained model: frozen parts, per-part learning rates and the data of
+multi-head fine-tuning.
 
 A model names its parts (:meth:`xnn.models.base.AtomisticModel.parts`: ``{part: parameter
 name prefixes}``, e.g. ``embedding``, ``interactions``, ``interactions.0``, ``readout``).
@@ -6,12 +7,23 @@ name prefixes}``, e.g. ``embedding``, ``interactions``, ``interactions.0``, ``re
 optimizer never sees them, so they stay bitwise as loaded); :func:`param_groups` splits the
 trainable parameters into optimizer groups carrying an ``lr_factor`` that the schedule
 multiplies its learning rate by (:class:`xnn.training.schedule.LRSchedule`).
+
+Multi-head fine-tuning (:mod:`xnn.models.heads`): :class:`WithHead` gives every structure of
+a dataset the index of the head that trains on it (the ``head`` field), and
+:func:`new_head_e0` the reference energies of a head of new data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+import torch
 from torch import nn
 
+from xnn.data import keys as K
+from xnn.data.datasets import EntryStatistics, LabelledDataset
+from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import as_model
 
@@ -88,4 +100,70 @@ def describe(model: nn.Module, frozen: list[str], factors: dict[str, float]) -> 
     return line
 
 
-__all__ = ["part_parameters", "freeze", "param_groups", "describe"]
+class WithHead(LabelledDataset):
+    """The structures of ``dataset``, each with ``head [1]`` = ``index`` (the head that
+    predicts them, :data:`xnn.data.keys.HEAD`); sizes, labels, origins and stored
+    statistics are those of ``dataset``."""
+
+    def __init__(self, dataset, index: int):
+        self.dataset, self.index = dataset, int(index)
+        self.n_atoms = np.asarray(dataset.n_atoms)
+        self.name = dataset.name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        graph = self.dataset[index]
+        return graph.replace({K.HEAD: torch.full((graph.n_systems,), self.index,
+                                                 dtype=torch.long, device=graph.device)})
+
+    def origin(self, index: int) -> tuple[str, int]:
+        return self.dataset.origin(index)
+
+    def _count_labels(self) -> np.ndarray:
+        return self.dataset.label_counts()
+
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        return self.dataset.stored_statistics(indices, cutoff)
+
+    def species(self) -> list[int]:
+        return self.dataset.species()
+
+    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
+        return self.dataset.isolated_atoms()
+
+
+def new_head_e0(model: nn.Module, structures: list[AtomicGraph],
+                species: Sequence[int]) -> dict[int, float]:
+    """Reference energies ``{Z: eV}`` of a head of new data: the model's own E0s plus the
+    least-squares per-element fit (:func:`xnn.models.statistics.fit_e0`) of its energy
+    error on ``structures`` (labels minus its predictions), so that the head, untrained,
+    already absorbs a per-element offset between the new data's reference and the
+    pretrained one (another DFT code or functional).
+
+    Args:
+        model: the pretrained model, predicting with the head (energies only, no gradient).
+        structures: the head's training structures (with ``energy`` labels; those without
+            are skipped).
+        species: the elements to fit.
+    """
+    from xnn.models import statistics as S
+    from xnn.models.potential import Potential
+
+    ref = next(model.parameters())
+    pot = Potential(model)
+    residual = []
+    with torch.no_grad():
+        for g in structures:
+            g = g.without_edges().to(device=ref.device, dtype=ref.dtype)
+            pred = pot(g, forces=False, stress=False)[K.ENERGY]
+            residual.append(g.replace({K.ENERGY: (g[K.ENERGY] - pred).double()}))
+    delta = S.fit_e0(residual, species)
+    own = as_model(model, "the fine-tuned model").e0 or {}
+    return {int(z): float(own.get(int(z), 0.0)) + delta[int(z)] for z in species}
+
+
+__all__ = ["part_parameters", "freeze", "param_groups", "describe", "WithHead",
+           "new_head_e0"]

@@ -51,6 +51,7 @@ from xnn.models.base import AtomisticModel, SyncPoints
 from xnn.models.equivariant_ops import plain_harmonics
 from xnn.models.external._common import check_dtype, edges_within
 from xnn.models.external._optional import import_extra, preserved_environ
+from xnn.models.heads import Heads, check_head_names
 
 PAYLOAD_KIND = "sevenn-config-state"
 
@@ -127,7 +128,28 @@ def _build_from_config(config: dict) -> nn.Module:
         return build.build_E3_equivariant_model(dict(config))
 
 
-class SevenNetWrapper(SyncPoints, AtomisticModel):
+#: SevenNet's modules from the last node features to the per-atom energies (one head)
+READOUT = ("reduce_input_to_hidden", "reduce_hidden_to_energy", "rescale_atomic_energy")
+
+
+class SevenNetHead(nn.Module):
+    """One readout head of a multi-head SevenNet wrapper: copies of SevenNet's readout
+    modules (:data:`READOUT`, with its species-wise scale and shift) and ``e0_table
+    [120]`` float64 reference energies added per atom (0 as copied)."""
+
+    def __init__(self, layers: dict[str, nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict(layers)
+        self.register_buffer("e0_table", torch.zeros(120, dtype=torch.float64))
+
+    def _apply(self, fn, recurse=True):
+        table = self._buffers["e0_table"]  # device moves apply, dtype casts do not
+        super()._apply(fn, recurse)
+        self._buffers["e0_table"] = table.to(device=self._buffers["e0_table"].device)
+        return self
+
+
+class SevenNetWrapper(Heads, SyncPoints, AtomisticModel):
     """A SevenNet model returning per-atom energies ``[n_atoms]`` (eV) from xnn graphs.
 
     Args:
@@ -146,6 +168,10 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
         species: atomic numbers of the checkpoint's type map.
 
     The pretrained models are float32; ``wrapper.double()`` gives a float64 model.
+
+    Heads (:mod:`xnn.models.heads`): :meth:`multihead` gives the shared network one copy of
+    SevenNet's readout (:data:`READOUT`) per head, each with its own reference energies
+    (``e0``, 0 as copied: every head predicts, untrained, what the checkpoint predicted).
 
     It declares ``traceable = False``: SevenNet's polynomial cutoff is not zero beyond the
     cutoff, so the wrapper must select the edges within it (a data-dependent shape), which
@@ -188,12 +214,79 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
         # on the wrapped module's device: a wrapper built around a CUDA model runs there
         device = next(iter(model.parameters()), table).device
         self.register_buffer("z_to_type", table.to(device), persistent=False)
+        self.names = ()
+        self.readout_heads = None
+
+    # ------------------------------------------------------------------ heads
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        """Names of the readout heads (``()``: SevenNet's own readout)."""
+        return self.names
+
+    def _set_heads(self, names: list[str], heads: list[SevenNetHead]) -> None:
+        self.names = tuple(names)
+        self.readout_heads = nn.ModuleList(heads)
+        for name in READOUT:  # the checkpoint's own readout no longer predicts
+            for p in self.model._modules[name].parameters():
+                p.requires_grad_(False)
+
+    def multihead(self, names) -> SevenNetWrapper:
+        """A new wrapper with the heads ``names`` (see :class:`~xnn.models.heads.Heads`):
+        the network copied (through :meth:`to_payload`: the same values bitwise); each head
+        a copy of this wrapper's head of the same name, else of its selected readout
+        (SevenNet's own without heads)."""
+        names = check_head_names(names, "SevenNet: heads")
+        states = {n: h.state_dict() for n, h in zip(self.names, self.readout_heads or [])}
+        if self.names:
+            default = states[self.names[self.active_head]]
+        else:
+            default = {f"layers.{n}.{k}": v for n in READOUT
+                       for k, v in self.model._modules[n].state_dict().items()}
+            default["e0_table"] = torch.zeros(120, dtype=torch.float64)
+        device = next(self.model.parameters()).device
+        new = SevenNetWrapper.from_payload(self.to_payload()).to(device)
+        new._set_heads(names, [new._new_head(states.get(n, default)) for n in names])
+        return new.train(self.training)
+
+    def _new_head(self, state: dict) -> SevenNetHead:
+        """A head with the values of ``state`` (a :class:`SevenNetHead` state dict), its
+        modules those of a fresh SevenNet network of this config (no deep copy: the e3nn
+        modules' generated code does not survive one cleanly)."""
+        fresh = _build_from_config(self.config)
+        ref = next(self.model.parameters())
+        head = SevenNetHead({n: fresh._modules[n] for n in READOUT}).to(ref.device, ref.dtype)
+        head.load_state_dict(state, strict=True)
+        return head
+
+    def set_head_statistics(self, name: str, e0=None, scale=None, shift=None) -> None:
+        """Set the reference energies ``{Z: eV}`` of head ``name`` (its scale and shift are
+        SevenNet's species-wise ones, trained with the head).
+
+        Raises:
+            InputError: an unknown head, or ``scale``/``shift`` given.
+        """
+        if scale is not None or shift is not None:
+            raise InputError("SevenNet heads take reference energies only (their scale and "
+                             "shift are SevenNet's species-wise rescale, trained)")
+        table = self.readout_heads[self.head_index(name)].e0_table
+        with torch.no_grad():
+            for z, value in (e0 or {}).items():
+                table[int(z)] = float(value)
+
+    @property
+    def e0(self) -> dict[int, float] | None:
+        """Reference energies ``{Z: eV}`` of the selected head (``None`` without heads:
+        SevenNet's shift is species-wise inside its readout)."""
+        if not self.names:
+            return None
+        table = self.readout_heads[self.active_head].e0_table
+        return {z: float(table[z]) for z in self.species}
 
     def parts(self) -> dict[str, tuple[str, ...]]:
         """Fine-tuning parts of the SevenNet network: ``embedding`` (edge and species
         embedding), ``interactions`` and ``interactions.K`` (the K-th convolution with its
         self-interactions and self-connection), ``readout`` (reduction to atomic energies
-        and their scale/shift)."""
+        and their scale/shift; with heads: every head's, and ``head.NAME`` one head's)."""
         names = [n for n, m in self.model.named_children() if any(True for _ in m.parameters())]
         layers = sorted({int(n.split("_")[0]) for n in names if n.split("_")[0].isdigit()})
         out = {"embedding": tuple(f"model.{n}" for n in names if not n[0].isdigit()
@@ -204,6 +297,9 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
                                              if n.startswith(f"{k}_"))
         out["readout"] = tuple(f"model.{n}" for n in names
                                if n.startswith(("reduce", "rescale")))
+        if self.names:  # the heads' readouts (SevenNet's own is frozen)
+            out["readout"] = ("readout_heads",)
+            out.update({f"head.{n}": (f"readout_heads.{k}",) for k, n in enumerate(self.names)})
         return out
 
     def sevenn_inputs(self, graph: AtomicGraph) -> dict:
@@ -240,12 +336,31 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
         out_key = self.keys["ATOMIC_ENERGY"]
         data = self.sevenn_inputs(graph)
         for name, module in self.model.named_children():
+            if self.names and name == READOUT[0]:
+                return self._head_energies(data, graph)
             if name in self.convolutions:
                 data = self._synced(name, module, data, graph)
             data = _as_dtype(module(data), graph.dtype)
             if out_key in data:
                 return data[out_key].reshape(-1).to(graph.dtype)
         raise InputError(f"SevenNet model {self.source!r} wrote no {out_key!r}")
+
+    def _head_energies(self, data: dict, graph: AtomicGraph) -> Tensor:
+        """Per-atom energies from the heads' readouts of the node features in ``data``: the
+        selected head's, or each atom's own head (the graph's ``head`` field)."""
+        which = self.atom_heads(graph, graph.n_atoms)
+
+        def energies(head: SevenNetHead) -> Tensor:
+            out = dict(data)
+            for module in head.layers.values():
+                out = _as_dtype(module(out), graph.dtype)
+            e = out[self.keys["ATOMIC_ENERGY"]].reshape(-1).to(graph.dtype)
+            return e + head.e0_table[graph.numbers].to(e.dtype)
+
+        if which is None:
+            return energies(self.readout_heads[self.active_head])
+        e = torch.stack([energies(head) for head in self.readout_heads])
+        return e.gather(0, which.unsqueeze(0)).squeeze(0)
 
     # ------------------------------------------------------------------ serialization
     def to_payload(self) -> dict:
@@ -257,6 +372,9 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
             "state_dict": state,
             "modal": self.modal,
             "source": self.source,
+            "heads": list(self.names),
+            "head_states": [{k: v.detach().cpu() for k, v in h.state_dict().items()}
+                            for h in (self.readout_heads or [])],
         }
 
     @classmethod
@@ -273,4 +391,8 @@ class SevenNetWrapper(SyncPoints, AtomisticModel):
         self = cls.__new__(cls)
         AtomisticModel.__init__(self)
         self._setup(model, payload["config"], payload.get("modal"), str(payload.get("source")))
+        names = payload.get("heads") or []  # files of earlier versions have none
+        if names:
+            self._set_heads(check_head_names(names, "SevenNet: heads"),
+                            [self._new_head(state) for state in payload["head_states"]])
         return self

@@ -43,6 +43,7 @@ class Loop:
     out: Path
     journal: ll.Journal
     store: ll.LabelStore
+    continued: bool = False
 
     def round_dir(self, r: int) -> Path:
         return self.out / f"round_{r:03d}"
@@ -86,10 +87,12 @@ def open_loop(cfg: LearnConfig) -> Loop:
     elif out.exists() and any(out.iterdir()):
         raise InputError(f"output {str(out)!r} exists and is not a learning loop; choose "
                          "another output")
+    continued = saved.is_file()
     out.mkdir(parents=True, exist_ok=True)
-    if not saved.is_file():
+    if not continued:
         atomic_write_text(saved, _settings(cfg))
-    return Loop(cfg, out, ll.Journal(out / "journal.jsonl"), ll.LabelStore(out / "labels"))
+    return Loop(cfg, out, ll.Journal(out / "journal.jsonl"), ll.LabelStore(out / "labels"),
+                continued)
 
 
 def run_learn(cfg: LearnConfig) -> Path:
@@ -102,7 +105,7 @@ def run_learn(cfg: LearnConfig) -> Path:
     lt.train_config(cfg, [cfg.initial], "check", 0)  # an invalid train config: refused now
     loop = open_loop(cfg)
     done = len(lr.read_summaries(loop.out))
-    loop.journal.log("start" if done == 0 else "resume", rounds=cfg.rounds,
+    loop.journal.log("resume" if loop.continued else "start", rounds=cfg.rounds,
                      completed_rounds=done)
     for r in range(cfg.rounds + 1):
         if not (loop.round_dir(r) / "summary.json").is_file():

@@ -145,12 +145,15 @@ class Journal:
 def label_all(selected: list, store: LabelStore, cfg: LabelConfig, journal: Journal,
               round_index: int) -> list:
     """Label every structure of ``selected`` that has no label in ``store`` yet, one after
-    the other, each label stored before the next is computed.
+    the other, each label stored before the next is computed. Each structure gets a fresh
+    calculator from the factory, so its label depends on nothing but the structure (a
+    calculator reused across structures can carry state from one to the next, e.g. EMT's
+    neighbor list, and a resumed loop would then label to rounding differently).
 
     Returns:
         the labelled structures in the order of ``selected``.
     """
-    calc = None
+    factory = None
     out = []
     for atoms in selected:
         key = atoms.info["learn_hash"]
@@ -158,9 +161,8 @@ def label_all(selected: list, store: LabelStore, cfg: LabelConfig, journal: Jour
             journal.log("label_skipped", round=round_index, hash=key,
                         reason="already labelled")
         else:
-            if calc is None:
-                calc = labeller_factory(cfg)()
-            store.put(key, label_one(atoms, calc, cfg.stress))
+            factory = factory or labeller_factory(cfg)
+            store.put(key, label_one(atoms, factory(), cfg.stress))
             journal.log("labelled", round=round_index, hash=key, calculator=cfg.calculator)
         out.append(store.get(key))
     return out

@@ -29,7 +29,8 @@ from xnn.errors import TrustError
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "learn" / "loop.yaml"
 #: a small loop: one acquisition round (round 0) and the final training (round 1)
-FAST = ["rounds=1", "train.members=2", "train.config.max_epochs=6", "explore.starts=2",
+EPOCHS = 4
+FAST = ["rounds=1", "train.members=2", f"train.config.max_epochs={EPOCHS}", "explore.starts=2",
         "explore.sample_every=10", "explore.stages.0.steps=40", "explore.stages.1.steps=40",
         "select.threshold=0.0", "select.budget=4", "test=null",
         "label.calculator=helpers.labellers:counting_emt", "label.trust=true"]
@@ -271,4 +272,27 @@ def test_kill_during_training_resumes_from_checkpoint(uninterrupted, tmp_path):
     assert len(ends) == 4 and sorted(starts) == sorted(ends) and len(set(ends)) == 4
     _same_dataset(out, full)
     metrics = (member / "metrics.csv").read_text().splitlines()
-    assert len(metrics) == 1 + 6  # resumed: every epoch once
+    assert len(metrics) == 1 + EPOCHS  # resumed: every epoch once
+
+
+def test_finetune_mode_starts_members_from_the_previous_round(uninterrupted, tmp_path):
+    """train.mode=finetune: member k of round 1 is trained from member k of round 0."""
+    import yaml
+
+    from xnn.app.learn import run_learn
+
+    initial = uninterrupted[0]
+    cfg = load_config(LearnConfig, EXAMPLE, [f"initial={initial}", f"output={tmp_path / 'ft'}",
+                                             "train.mode=finetune", "label.calculator=emt",
+                                             *FAST[:-2]])
+    out = run_learn(cfg)
+    for k in range(2):
+        run = out / "round_001" / "train" / f"member_{k}"
+        used = yaml.safe_load((run / "config.yaml").read_text())
+        assert used["pretrained"] == str(out / "round_000" / "train" / f"member_{k}" /
+                                         "model.pt")
+        assert used["seed"] == k
+        assert used["data"]["datasets"][1]["path"] == str(out / "round_000" /
+                                                          "labelled.extxyz")
+    first = yaml.safe_load((out / "round_000" / "train" / "member_0" / "config.yaml").read_text())
+    assert first["pretrained"] is None

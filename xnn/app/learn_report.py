@@ -1,5 +1,10 @@
 """Reports of ``xnn learn``: each round's ``summary.json`` row, ``learning_curve.csv`` and
-``learning_curve.png`` (test force MAE and uncertainty against the training-set size)."""
+``learning_curve.png`` (test force MAE and uncertainty against the training-set size).
+
+Uncertainties: ``uncertainty_mean/max_meV_A`` are the mean and largest score (a frame's
+largest per-atom committee force std) over the round's candidates;
+``test_forces_std_mean_meV_A`` is the committee's per-atom force std averaged over the test
+set's atoms."""
 
 from __future__ import annotations
 
@@ -12,8 +17,8 @@ from xnn._files import atomic_write_text
 
 #: the columns of ``learning_curve.csv`` (errors and uncertainties in meV, meV/atom, meV/Å)
 COLUMNS = ("round", "n_train", "test_forces_mae_meV_A", "test_energy_mae_meV_atom",
-           "uncertainty_mean_meV_A", "uncertainty_max_meV_A", "n_candidates", "n_above",
-           "n_selected")
+           "uncertainty_mean_meV_A", "uncertainty_max_meV_A", "test_forces_std_mean_meV_A",
+           "n_candidates", "n_above", "n_selected")
 
 
 def write_summary(path: Path, row: dict) -> None:
@@ -49,7 +54,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.6))
     n = [r["n_train"] for r in rows]
     for key, label in (("test_forces_mae_meV_A", "test force MAE"),
-                       ("uncertainty_mean_meV_A", "mean candidate uncertainty")):
+                       ("test_forces_std_mean_meV_A", "test force std (committee)"),
+                       ("uncertainty_mean_meV_A", "candidates' max force std, mean")):
         pts = [(x, r[key]) for x, r in zip(n, rows, strict=True) if r.get(key) is not None]
         if pts:
             ax[0].plot(*zip(*pts, strict=True), "o-", label=label)

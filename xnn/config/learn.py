@@ -48,10 +48,10 @@ class LearnTrainConfig:
 class ExploreConfig:
     starts: int = field(8, "starting structures per round, drawn (seeded by seed and round) "
                         "from the current dataset")
-    stages: list[StageConfig] = field(
-        [StageConfig(type="nvt", name="nvt_600", temperature=600.0, steps=200)],
-        "workflow stages every start goes through (xnn run's stages: relax, nve, nvt, npt at "
-        "their temperatures and pressures)")
+    stages: list[StageConfig] = field([], "workflow stages every start goes through (xnn "
+                                      "run's stages: relax, nve, nvt, npt at their "
+                                      "temperatures and pressures), e.g. [{type: nvt, "
+                                      "temperature: 600, steps: 200}]")
     sample_every: int = field(20, "a candidate frame every N steps of each stage (the "
                               "workflow's trajectory_every; the first frame of a start, a "
                               "structure of the dataset, is not a candidate)")
@@ -66,9 +66,6 @@ class ExploreConfig:
         check_range("explore.sample_every", self.sample_every, 1)
         check_range("explore.slots", self.slots, 1)
         check_range("explore.max_force", self.max_force, 0.0, low_inclusive=False)
-        if not self.stages:
-            raise ConfigError("explore.stages is empty; give at least one stage, e.g. "
-                              "[{type: nvt, temperature: 600, steps: 200}]")
 
 
 @dataclass
@@ -127,6 +124,9 @@ class LearnConfig:
                               "initial=data.xyz")
         check_range("rounds", self.rounds, 0)
         check_seed("seed", self.seed)
+        if not self.explore.stages:
+            raise ConfigError("explore.stages is empty; give at least one stage, e.g. "
+                              "[{type: nvt, temperature: 600, steps: 200}]")
         for i, stage in enumerate(self.explore.stages):
             stage.resolve(f"explore.stages.{i}")
         names = [s.name for s in self.explore.stages]

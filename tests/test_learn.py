@@ -24,7 +24,7 @@ from xnn.app import learn_label as ll
 from xnn.app import learn_select as ls
 from xnn.config.learn import LabelConfig, LearnConfig
 from xnn.config.loader import ConfigError, load_config
-from xnn.errors import TrustError
+from xnn.errors import InputError, TrustError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "learn" / "loop.yaml"
@@ -296,3 +296,44 @@ def test_finetune_mode_starts_members_from_the_previous_round(uninterrupted, tmp
                                                           "labelled.extxyz")
     first = yaml.safe_load((out / "round_000" / "train" / "member_0" / "config.yaml").read_text())
     assert first["pretrained"] is None
+
+
+# ------------------------------------------------------------------ committee and scores
+def _schnet(seed: int):
+    import torch
+
+    from xnn.models import build
+
+    torch.manual_seed(seed)
+    return build("schnet", cutoff=4.0, species=[29], num_features=8, num_filters=8,
+                 num_interactions=2, num_basis=8)
+
+
+def test_committee_file_and_score_equal_members_evaluated_alone(tmp_path):
+    """The round's committee file of two member files scores a frame by the largest
+    per-atom std of the two members' forces, each evaluated alone; one member that is not a
+    committee is refused, one that is one is the round's file as it is."""
+    import torch
+
+    from xnn.app import learn_train as lt
+    from xnn.io.calculator import Calculator
+    from xnn.models.serialization import save_model
+
+    paths = [tmp_path / f"m{k}.pt" for k in range(2)]
+    for k, p in enumerate(paths):
+        save_model(_schnet(k), p)
+    lt.save_committee(paths, tmp_path / "committee.pt")
+    model = lt.load_committee(tmp_path / "committee.pt", torch.device("cpu"))
+    assert model.committee_size == 2
+    frames = _fcc(2, 3)
+    forces = []
+    for p in paths:
+        calc = Calculator(str(p), device="cpu")
+        forces.append(np.stack([calc.get_forces(a) for a in frames]))
+    mean = (forces[0] + forces[1]) / 2
+    std = np.sqrt(((forces[0] - mean) ** 2 + (forces[1] - mean) ** 2).sum(-1) / 2)
+    np.testing.assert_allclose(lt.score(model, frames), std.max(axis=1), rtol=1e-9, atol=1e-12)
+    with pytest.raises(InputError, match="no spread"):
+        lt.save_committee(paths[:1], tmp_path / "one.pt")
+    lt.save_committee([tmp_path / "committee.pt"], tmp_path / "copy.pt")
+    assert (tmp_path / "copy.pt").read_bytes() == (tmp_path / "committee.pt").read_bytes()

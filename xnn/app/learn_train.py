@@ -4,7 +4,9 @@ predictions (scores of candidates, errors on the test set).
 
 A round trains its K members as K ``xnn train`` runs in ``round_NNN/train/member_K`` (seed
 ``seed + k``; ``train.mode=finetune``: from member k of the previous round) and saves them
-as one :class:`~xnn.models.committee.Committee` in ``round_NNN/model.pt``.
+as one :class:`~xnn.models.committee.Committee` in ``round_NNN/model.pt``. With
+``train.members=1`` the one run must train a committee itself (``xnn train``'s
+``committee.size=K``, where the train config has it); its model file is the round's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from xnn.config.learn import LearnConfig
 from xnn.config.loader import ConfigError
 from xnn.config.train import DatasetConfig, TrainConfig
+from xnn.errors import InputError
 
 
 def train_config(cfg: LearnConfig, datasets: Sequence[str], output_dir: str | Path,
@@ -42,6 +45,8 @@ def train_config(cfg: LearnConfig, datasets: Sequence[str], output_dir: str | Pa
         base.seed = cfg.seed + member
         base.resume = resume
         base.pretrained = pretrained
+        if pretrained is not None and "committee" in base:
+            base.committee.size = 1  # xnn train goes on training a committee file as it is
         base.overwrite = False
         return OmegaConf.to_object(base)
     except OmegaConfBaseException as e:
@@ -75,11 +80,26 @@ def train_member(cfg: LearnConfig, datasets: Sequence[str], folder: Path, member
 
 
 def save_committee(members: Sequence[Path], path: Path) -> None:
-    """The members' model files as one committee model file (atomically)."""
+    """The members' model files as one committee model file (atomically). One member must
+    itself be a committee (``xnn train committee.size=K``); its file is copied.
+
+    Raises:
+        InputError: a single member that is not a committee (it has no spread).
+    """
+    from xnn._files import atomic_write_bytes
     from xnn.models.committee import Committee
     from xnn.models.serialization import load_model, save_model
 
-    save_model(Committee([load_model(p) for p in members]), path)
+    models = [load_model(p) for p in members]
+    if len(models) == 1:
+        if models[0].committee_size < 2:
+            raise InputError(f"train.members=1 trained {members[0]}, a single model: it has "
+                             "no spread to score by; set train.members >= 2, or train one "
+                             "committee per round (train.config.committee.size=K, xnn "
+                             "train's committee)")
+        atomic_write_bytes(path, Path(members[0]).read_bytes())
+        return
+    save_model(Committee(models), path)
 
 
 def load_committee(path: Path, device: torch.device):

@@ -30,14 +30,15 @@ class LearnTrainConfig:
                       choices=TRAIN_MODES)
     members: int = field(3, "committee members K: K training runs with seeds seed, seed+1, "
                          "... on the same data, saved together as one committee model file "
-                         "(round_NNN/model.pt)")
+                         "(round_NNN/model.pt); 1: one run that trains a committee itself "
+                         "(train.config.committee.size=K, where xnn train has it)")
     file: str | None = field(None, "a train config YAML (the schema of xnn train); its "
                              "data.datasets are replaced by the loop's data")
     config: dict[str, Any] = field({}, "train config keys applied on top of train.file, e.g. "
                                    "{model: {name: schnet, cutoff: 4.0}, max_epochs: 30}")
 
     def __post_init__(self):
-        check_range("train.members", self.members, 2)
+        check_range("train.members", self.members, 1)
         bad = [k for k in LOOP_KEYS if k in self.config]
         if bad:
             raise ConfigError(f"train.config.{bad[0]} is set by the loop (each member trains "

@@ -163,6 +163,25 @@ def test_config_checks(tmp_path):
         train_config(cfg, ["x.xyz"], tmp_path, 0)
 
 
+def test_open_loop_continues_only_the_same_settings(tmp_path):
+    from xnn.app.learn import open_loop
+
+    out = tmp_path / "loop"
+    base = [f"initial={tmp_path / 'x.xyz'}", f"output={out}"]
+    loop = open_loop(load_config(LearnConfig, EXAMPLE, base))
+    assert not loop.continued and (out / "settings.yaml").is_file()
+    again = open_loop(load_config(LearnConfig, EXAMPLE, [*base, "rounds=7"]))
+    assert again.continued  # more rounds: the same loop
+    with pytest.raises(InputError, match="other settings"):
+        open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.budget=3"]))
+    with pytest.raises(InputError, match="resume=true"):
+        open_loop(load_config(LearnConfig, EXAMPLE, [*base, "resume=false"]))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "file").write_text("x")
+    with pytest.raises(InputError, match="not a learning loop"):
+        open_loop(load_config(LearnConfig, EXAMPLE, [*base, f"output={tmp_path / 'other'}"]))
+
+
 # ---------------------------------------------------------------------- the loop, killed
 def _env(log: Path, sleep: float = 0.0) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1",
@@ -273,6 +292,18 @@ def test_kill_during_training_resumes_from_checkpoint(uninterrupted, tmp_path):
     _same_dataset(out, full)
     metrics = (member / "metrics.csv").read_text().splitlines()
     assert len(metrics) == 1 + EPOCHS  # resumed: every epoch once
+
+
+def test_kill_during_exploration_resumes_the_campaign(uninterrupted, tmp_path):
+    initial, full, _ = uninterrupted
+    out, log = tmp_path / "killed", tmp_path / "killed.log"
+    explore = out / "round_000" / "explore"
+    _kill_when(initial, out, log, lambda: (explore / "checkpoint.pt").is_file(), sleep=0.0)
+    assert not (explore / "summary.json").is_file() and not log.is_file()
+    _run(initial, out, log)
+    starts, ends = _calls(log)
+    assert len(ends) == 4 and sorted(starts) == sorted(ends)
+    _same_dataset(out, full)
 
 
 def test_finetune_mode_starts_members_from_the_previous_round(uninterrupted, tmp_path):

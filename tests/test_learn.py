@@ -161,6 +161,14 @@ def test_config_checks(tmp_path):
 
     with pytest.raises(ConfigError, match="optim.lr"):
         train_config(cfg, ["x.xyz"], tmp_path, 0)
+    # a train YAML, the inline keys on top, the loop's data, folder and seed last
+    cfg = load_config(LearnConfig, EXAMPLE, [f"train.file={ROOT / 'examples' / 'train_emt.yaml'}",
+                                             "train.config=null", "train.config.max_epochs=2"])
+    tc = train_config(cfg, ["a.xyz", "b.xyz"], tmp_path / "m1", 1, pretrained="p.pt")
+    assert tc.model.name == "schnet" and tc.model.hyperparameters["num_features"] == 32
+    assert tc.max_epochs == 2 and tc.loss.stress.weight == 10.0  # train_emt.yaml's
+    assert [d.path for d in tc.data.datasets] == ["a.xyz", "b.xyz"]
+    assert (tc.output_dir, tc.seed, tc.pretrained) == (str(tmp_path / "m1"), 1, "p.pt")
 
 
 def test_open_loop_continues_only_the_same_settings(tmp_path):

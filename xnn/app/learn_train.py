@@ -50,7 +50,7 @@ def train_config(cfg: LearnConfig, datasets: Sequence[str], output_dir: str | Pa
         base.overwrite = False
         return OmegaConf.to_object(base)
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", "") or ""
+        key = e.full_key or ""
         raise ConfigError(f"train config (train.file / train.config) key {key!r}: "
                           f"{str(e).splitlines()[0]}") from None
 

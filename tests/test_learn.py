@@ -165,10 +165,12 @@ def test_config_checks(tmp_path):
     cfg = load_config(LearnConfig, EXAMPLE, [f"train.file={ROOT / 'examples' / 'train_emt.yaml'}",
                                              "train.config=null", "train.config.max_epochs=2"])
     tc = train_config(cfg, ["a.xyz", "b.xyz"], tmp_path / "m1", 1, pretrained="p.pt")
-    assert tc.model.name == "schnet" and tc.model.hyperparameters["num_features"] == 32
+    assert tc.model.name == "schnet" and tc.model.hyperparameters == {}  # kept: pretrained
     assert tc.max_epochs == 2 and tc.loss.stress.weight == 10.0  # train_emt.yaml's
     assert [d.path for d in tc.data.datasets] == ["a.xyz", "b.xyz"]
     assert (tc.output_dir, tc.seed, tc.pretrained) == (str(tmp_path / "m1"), 1, "p.pt")
+    scratch = train_config(cfg, ["a.xyz"], tmp_path / "m0", 0)
+    assert scratch.model.hyperparameters["num_features"] == 32 and scratch.pretrained is None
 
 
 def test_open_loop_continues_only_the_same_settings(tmp_path):

@@ -45,8 +45,10 @@ def train_config(cfg: LearnConfig, datasets: Sequence[str], output_dir: str | Pa
         base.seed = cfg.seed + member
         base.resume = resume
         base.pretrained = pretrained
-        if pretrained is not None and "committee" in base:
-            base.committee.size = 1  # xnn train goes on training a committee file as it is
+        if pretrained is not None:  # fine-tuning keeps the pretrained architecture
+            base.model.hyperparameters = {}
+            if "committee" in base:  # a committee file is trained on as it is
+                base.committee.size = 1
         base.overwrite = False
         return OmegaConf.to_object(base)
     except OmegaConfBaseException as e:

@@ -97,8 +97,8 @@ def save_committee(members: Sequence[Path], path: Path) -> None:
         if models[0].committee_size < 2:
             raise InputError(f"train.members=1 trained {members[0]}, a single model: it has "
                              "no spread to score by; set train.members >= 2, or train one "
-                             "committee per round (train.config.committee.size=K, xnn "
-                             "train's committee)")
+                             "committee per round (train.config: {committee: {size: K}}, "
+                             "xnn train's committee)")
         atomic_write_bytes(path, Path(members[0]).read_bytes())
         return
     save_model(Committee(models), path)

@@ -31,7 +31,7 @@ class LearnTrainConfig:
     members: int = field(3, "committee members K: K training runs with seeds seed, seed+1, "
                          "... on the same data, saved together as one committee model file "
                          "(round_NNN/model.pt); 1: one run that trains a committee itself "
-                         "(train.config.committee.size=K, where xnn train has it)")
+                         "(train.config: {committee: {size: K}}, xnn train's committee)")
     file: str | None = field(None, "a train config YAML (the schema of xnn train); its "
                              "data.datasets are replaced by the loop's data")
     config: dict[str, Any] = field({}, "train config keys applied on top of train.file, e.g. "

@@ -9,6 +9,7 @@ labeller logs every calculation by structure hash).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -337,6 +338,14 @@ def test_finetune_mode_starts_members_from_the_previous_round(uninterrupted, tmp
                                                           "labelled.extxyz")
     first = yaml.safe_load((out / "round_000" / "train" / "member_0" / "config.yaml").read_text())
     assert first["pretrained"] is None
+    # continued with one more round: round 1, which only trained, now acquires; round 2 trains
+    before = (out / "round_001" / "model.pt").read_bytes()
+    run_learn(dataclasses.replace(cfg, rounds=2))
+    rows = [json.loads((out / f"round_{r:03d}" / "summary.json").read_text()) for r in range(3)]
+    assert [r["n_train"] for r in rows] == [12, 16, 20]
+    assert rows[1]["n_selected"] == 4 and rows[2]["n_selected"] is None
+    assert (out / "round_001" / "model.pt").read_bytes() == before  # not trained again
+    assert len((out / "learning_curve.csv").read_text().splitlines()) == 4
 
 
 # ------------------------------------------------------------------ committee and scores

@@ -24,6 +24,7 @@ hash). ``journal.jsonl`` records every decision.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from xnn.app import learn_explore as lx
@@ -108,10 +109,20 @@ def run_learn(cfg: LearnConfig) -> Path:
     loop.journal.log("resume" if loop.continued else "start", rounds=cfg.rounds,
                      completed_rounds=done)
     for r in range(cfg.rounds + 1):
-        if not (loop.round_dir(r) / "summary.json").is_file():
+        if not complete(loop, r):
             run_round(loop, r)
     loop.journal.log("finished", rounds=cfg.rounds)
     return loop.out
+
+
+def complete(loop: Loop, r: int) -> bool:
+    """Whether round ``r`` is done: its summary is written, and unless it is the last round
+    it acquired (a loop continued with more rounds goes on from its former last round, which
+    only trained)."""
+    path = loop.round_dir(r) / "summary.json"
+    if not path.is_file():
+        return False
+    return r == loop.cfg.rounds or json.loads(path.read_text())["n_selected"] is not None
 
 
 def run_round(loop: Loop, r: int) -> None:

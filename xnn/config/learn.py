@@ -101,9 +101,10 @@ class LabelConfig:
 
 @dataclass
 class LearnConfig:
-    initial: str = field("", "the initial labelled dataset (extxyz or any format xnn train "
-                         "reads, with energy and forces)")
-    test: str | None = field(None, "a held-back labelled test set: each round's committee "
+    initial: str = field("", "the initial labelled dataset: an extxyz file with energy and "
+                         "forces (and stress, if the training uses it)")
+    test: str | None = field(None, "a held-back labelled test set (extxyz): each round's "
+                             "committee "
                              "mean is evaluated on it (learning_curve.csv); never trained on")
     rounds: int = field(3, "acquisition rounds; a last training round on the final data "
                         "follows (round_NNN with NNN = rounds)")

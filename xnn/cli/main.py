@@ -31,6 +31,7 @@ SUBCOMMANDS = {
     "export": "xnn.cli.export",
     "run": "xnn.cli.run",
     "lammps": "xnn.cli.lammps",
+    "learn": "xnn.cli.learn",
 }
 
 

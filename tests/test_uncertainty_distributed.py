@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from dist_helpers import FreshPorts, spawn
-from test_uncertainty import committee, compressed_cu, first_record, md_args
+from helpers.uncertainty import committee, compressed_cu, first_record, md_args
 
 from xnn.app.md import run_md
 from xnn.config.loader import load_config

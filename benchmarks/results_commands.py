@@ -182,6 +182,9 @@ COMMANDS = {
                         "--modes halo,sync --ranks 1,2,4 --repeat 2 --steps 10 --warmup 2 "
                         "--note '<the machine note in the file>' --json "
                         "benchmarks/results/lammps_cpu.json"),
+    "lammps_breakdown_h100.json": ("python benchmarks/lammps_breakdown.py --device cuda "
+                                   "--dtype float32 --json "
+                                   "benchmarks/results/lammps_breakdown_h100.json"),
     "lammps_h100.json": ("python benchmarks/lammps.py --device cuda --dtype float32 --ranks 1 "
                          "--sizes 2000,16000 --schnet-sizes 2000 --steps 20 --warmup 3 "
                          "--repeat 1 --json benchmarks/results/lammps_h100.json"),

@@ -457,6 +457,19 @@ def lammps(name: str, data: dict) -> list[list[str]]:
                      mib(peak)])
     return rows
 
+def lammps_breakdown(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``lammps_breakdown.py`` files: where a one-rank LAMMPS-driven step goes."""
+    rows = []
+    for r in data["rows"]:
+        parts = r["parts_s_per_step"]
+        rows.append([r["model"], count(r["n_atoms"]), count(r["n_ghost"]),
+                     ms(r["lammps_s_per_step"]), ms(r["potential_alone_s_per_step"]),
+                     ratio(r["ratio_lammps_to_potential"]), ms(parts["graph"]),
+                     ms(parts["coincident"]), ms(parts["potential"]),
+                     ms(parts["lammps_and_rest"])])
+    return rows
+
+
 def cp_training(name: str, data: dict) -> list[list[str]]:
     base = {(r["n_atoms"], r["checkpointing"]): r for r in data["rows"] if r["dd"] == 1}
     rows = []

@@ -172,7 +172,9 @@ class AtomsSource(LabelledDataset):
 
     def _open_index(self) -> None:
         """The index from disk where one was made for the file as it is, else from
-        :meth:`_scan` (then written to disk); refuses an empty file or structure."""
+        :meth:`_scan` (written to disk with the label counts after the first pass, which
+        checks every structure: a file with a broken structure leaves nothing on disk);
+        refuses an empty file or structure."""
         self._made_for = identity(self.source, self.FORMAT, self.keys)
         stored = load_index(self.source, self.FORMAT, self.keys)
         if stored is not None:
@@ -184,8 +186,6 @@ class AtomsSource(LabelledDataset):
         if stored is None:
             self._scan()
         self._refuse_empty()
-        if stored is None:
-            self._save_index()
 
     def _restore(self, stored: dict[str, np.ndarray]) -> None:
         if "labels" in stored:

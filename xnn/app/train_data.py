@@ -18,7 +18,6 @@ a small data set) — the training sample by the statistics' own neighbor lists
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
@@ -44,27 +43,12 @@ from xnn.training.reducer import LocalReducer
 LABELS = (("energy", K.ENERGY), ("forces", K.FORCES), ("stress", K.STRESS))
 
 
-def _opener(data: DataConfig, reducer):
-    """``open(entry) -> dataset`` (its ``origin`` names ``entry.path``): the first pass over
-    a lazy file runs over ``data.num_workers`` processes, or where that is 0 over this
-    rank's part of the machine's CPUs (:func:`first_pass_workers`)."""
-    workers = first_pass_workers(data.num_workers, reducer.world_size if reducer else 1)
-
-    def _open(entry: DatasetConfig):
-        if not entry.path:
-            raise DataFileError("a dataset entry has an empty path (set data.datasets.N.path)")
-        return read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
-                               entry.stress_key, entry.virial_key, entry.format,
-                               workers=workers)
-
-    return _open
-
-
-def first_pass_workers(num_workers: int, world_size: int) -> int:
-    """Processes of a rank's first pass over a lazy dataset file: ``data.num_workers``
-    where set, else the machine's CPUs shared by the ranks (assumed on one machine; at
-    least 1)."""
-    return num_workers if num_workers > 0 else max(1, (os.cpu_count() or 1) // world_size)
+def _open(entry: DatasetConfig):
+    """The dataset of ``entry`` (its ``origin`` names ``entry.path``)."""
+    if not entry.path:
+        raise DataFileError("a dataset entry has an empty path (set data.datasets.N.path)")
+    return read_structures(entry.path, entry.weight, entry.energy_key, entry.forces_key,
+                           entry.stress_key, entry.virial_key, entry.format)
 
 
 def refuse_coincident_sample(parts: list, reducer, limit: int | None = None) -> None:
@@ -138,7 +122,6 @@ def build_splits(data: DataConfig, loss: LossConfig, cutoff: float, seed: int,
                          "data.datasets.0.path=train.xyz)")
     train_parts, val_parts, test_parts = [], [], []
     isolated: dict[int, float] | None = {} if isolated_atoms else None
-    _open = _opener(data, reducer)
     for k, entry in enumerate(data.datasets):
         ds = _open(entry)
         if len(ds) == 0:

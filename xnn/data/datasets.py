@@ -620,17 +620,17 @@ def shard_batch(batch: Sequence[int], n_atoms: np.ndarray, rank: int, world: int
 def shard_batches(batches: Sequence[Sequence[int]], n_atoms: np.ndarray, rank: int,
                   world: int) -> list[list[int]]:
     """:func:`shard_batch` of every batch at once: the same shares, vectorised over batches
-    (:func:`shard_bounds` of the batches as arrays)."""
+    (:func:`shard_stream` of the batches as arrays)."""
     if world == 1:
         return [list(b) for b in batches]
     lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
     flat = np.fromiter((i for b in batches for i in b), dtype=np.int64,
                        count=int(lengths.sum()))
     starts = np.concatenate(([0], np.cumsum(lengths)))
-    return [s for block in shard_bounds(flat, starts, n_atoms, rank, world) for s in block]
+    return [s for block in shard_stream(flat, starts, n_atoms, rank, world) for s in block]
 
 
-def shard_bounds(stream: np.ndarray, starts: np.ndarray, n_atoms: np.ndarray, rank: int,
+def shard_stream(stream: np.ndarray, starts: np.ndarray, n_atoms: np.ndarray, rank: int,
                  world: int, first: int = 0):
     """This rank's :func:`shard_batch` of the batches ``stream[starts[b]:starts[b + 1]]``
     from batch ``first`` on, as lists, yielded a block of about :data:`CHUNK_BLOCK`
@@ -654,7 +654,7 @@ def shard_bounds(stream: np.ndarray, starts: np.ndarray, n_atoms: np.ndarray, ra
 
 def _shard_block(flat: np.ndarray, lengths: np.ndarray, n_atoms: np.ndarray,
                  rank: int, world: int) -> list[list[int]]:
-    """:func:`shard_bounds` of some batches (``flat``: their structures one after the
+    """:func:`shard_stream` of some batches (``flat``: their structures one after the
     other, ``lengths``: their sizes)."""
     if world == 1:
         return [part.tolist() for part in np.split(flat, np.cumsum(lengths)[:-1])]

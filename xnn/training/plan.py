@@ -11,6 +11,14 @@ rank and after a resume; each rank then takes its share of every global batch. T
 * with ``balance_bins``, each global batch packed as that many shares balanced by atoms
   (:mod:`xnn.training.balance`): rank ``dp_rank`` takes share ``dp_rank``, one process their
   union.
+
+An epoch is planned as two arrays (:class:`EpochPlan`: the structures in batch order, int32
+below 2**31 structures, and where each batch or piece starts), about 4 bytes a structure;
+the global batches and this rank's shares are sequences of index lists made from it on
+demand (:class:`Batches`, :class:`Shares`), a block of about
+:data:`~xnn.data.datasets.CHUNK_BLOCK` structures at a time as the training loop reads
+them. At 10^8 structures a rank's plan takes about 0.5 GiB besides the atom counts, where
+the lists of every batch and share took 4-6 GiB; the batches are the same.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from xnn.data.datasets import (
     chunk_starts,
     index_dtype,
     make_batches,
-    shard_bounds,
+    shard_stream,
 )
 from xnn.errors import InputError
 
@@ -161,7 +169,7 @@ class Shares(_Lazy):
         if rule.kind == "greedy":
             a, z = plan.span(lo, hi)
             bounds = plan.starts[lo:hi + 1] - a
-            return [share for block in shard_bounds(plan.stream[a:z], bounds, rule.n_atoms,
+            return [share for block in shard_stream(plan.stream[a:z], bounds, rule.n_atoms,
                                                     rule.rank, rule.world)
                     for share in block]
         return [plan.batch(b).tolist() for b in range(lo, hi)]

@@ -123,7 +123,8 @@ def open_source(path: str | os.PathLike, format: str | None = None, *,  # noqa: 
             :func:`xnn.data.ase_io.from_ase`; a key equal to the property name also finds
             an attached calculator's result).
         workers: processes of the first pass over an extxyz, ``.db`` or ASE-LMDB file
-            (``label_counts()``; ``None``: the machine's CPUs, 0 or 1: this process).
+            (``label_counts()``; ``None``: the machine's CPUs shared by the ranks on it,
+            :func:`~xnn.data.sources.scan.default_workers`; 0 or 1: this process).
     Returns:
         a lazy dataset: opening reads only an index (atom counts; kept on disk with the
         label counts and species after the first pass, :mod:`xnn.data.sources.index`, so
@@ -163,8 +164,9 @@ def read_structures(
     :meth:`LabelledDataset.label_counts`). HDF5 and prepared datasets check theirs from
     their arrays at the first ``label_counts()``. :func:`~xnn.data.sources.open_source`
     opens without the pass. The pass runs over ``workers`` processes (``None``: the
-    machine's CPUs) and is stored with the file's index: a second opening of an unchanged
-    file (same size and modification time, same label keys) reads no structure.
+    machine's CPUs shared by the ranks on it) and is stored with the file's index: a
+    second opening of an unchanged file (same size and modification time, same label
+    keys) reads no structure.
 
     Returns:
         a dataset (see the module docstring) whose structures have normalised labels.

@@ -137,7 +137,8 @@ class AtomsSource(LabelledDataset):
         weight: the loss weight of its structures.
         keys: ``{energy_key, forces_key, stress_key, virial_key}: key``.
         workers: processes of the first pass over the structures (:meth:`label_counts`;
-            ``None``: the machine's CPUs, 0 or 1: this process).
+            ``None``: the machine's CPUs shared by the ranks on it; 0 or 1: this
+            process).
     """
 
     #: the format name (:data:`xnn.data.sources.FORMATS`), part of the stored index's key

@@ -28,8 +28,13 @@ Counted = tuple[np.ndarray, np.ndarray, Exception | None]
 
 
 def default_workers() -> int:
-    """Processes for a first pass when none are configured: the machine's CPUs."""
-    return os.cpu_count() or 1
+    """Processes of a first pass when none are given: the machine's CPUs shared by the
+    ranks on it (``LOCAL_WORLD_SIZE``, set by torchrun; one where it is not set)."""
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 class _Ranges(Dataset):

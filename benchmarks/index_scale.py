@@ -9,6 +9,9 @@ and species of every structure) with ``--workers`` processes for the first pass,
 * ``first_s``: no index stored (any index beside the file or in the cache is removed first);
 * ``second_s``: the index the first open wrote is read back.
 
+``*_cpu_s`` is the CPU time of the process and its workers (user + system), a better
+measure than the wall time on a shared machine; ``load`` is the 1-minute load average.
+
 Usage::
 
     python benchmarks/index_scale.py --n 20000 --work /tmp/idx20k --json index_scale.json
@@ -71,15 +74,24 @@ def write_set(work: Path, n: int, fmt: str) -> Path:
     return path
 
 
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and its finished children (workers)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (
+        resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+
+
 def open_once(path: str, workers: int) -> dict:
     """One open as training does it (the ``--case`` entry)."""
     from xnn.data.sources import read_structures
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     ds = read_structures(path, workers=workers)
     counts = ds.label_counts()
     species = ds.species()
-    return {"seconds": time.perf_counter() - t0, "structures": len(ds),
+    return {"seconds": time.perf_counter() - t0, "cpu_s": _cpu_s() - c0,
+            "load": os.getloadavg()[0], "structures": len(ds),
             "atoms": int(np.asarray(ds.n_atoms).sum()), "labels": counts.sum(0).tolist(),
             "species": species}
 
@@ -118,10 +130,13 @@ def main() -> None:
             first, second = _case(path, workers), _case(path, workers)
             assert first["labels"] == second["labels"] and first["species"] == second["species"]
             row = {"format": fmt, "n": a.n, "workers": workers, "first_s": first["seconds"],
-                   "second_s": second["seconds"], "mib": path.stat().st_size / 2**20}
+                   "first_cpu_s": first["cpu_s"], "second_s": second["seconds"],
+                   "second_cpu_s": second["cpu_s"], "load": first["load"],
+                   "mib": path.stat().st_size / 2**20}
             rows.append(row)
-            print(f"{fmt:8s} workers={workers} first {row['first_s']:7.2f} s  second "
-                  f"{row['second_s']:6.3f} s", flush=True)
+            print(f"{fmt:8s} workers={workers} first {row['first_s']:7.2f} s "
+                  f"({row['first_cpu_s']:.2f} CPU s)  second {row['second_s']:6.3f} s  "
+                  f"(load {row['load']:.1f})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"benchmark": "index_scale", "cpu_count": os.cpu_count(), "rows": rows},

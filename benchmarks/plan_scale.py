@@ -18,9 +18,9 @@ batch and share of the epoch as Python lists: :func:`~xnn.data.datasets.make_bat
 which still give those lists). Both are measured up to ``--max-n`` structures and
 extrapolated linearly above it (``extrapolated: true`` in the row; ``before`` up to
 ``--max-n-before``). Each case runs in a
-fresh process: ``seconds`` is its wall time, ``peak_mib`` its peak resident set
-(``ru_maxrss``) less the resident set with the ``n_atoms`` array made (the plan's own
-memory, the shares read included).
+fresh process: ``seconds`` is its wall time (``cpu_s`` its CPU time, steadier on a shared
+machine), ``peak_mib`` its peak resident set (``ru_maxrss``) less the resident set with
+the ``n_atoms`` array made (the plan's own memory, the shares read included).
 
 Usage::
 
@@ -92,12 +92,13 @@ def run_case(mode: str, impl: str, n: int, ranks: int, budget: int) -> dict:
     """One case in this process (the ``--case`` entry)."""
     n_atoms = synthetic_sizes(n)
     base = _rss_mib()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     steps = plan(mode, impl, n_atoms, ranks, budget)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"mode": mode, "impl": impl, "n": n, "ranks": ranks, "budget": budget,
-            "steps": steps, "seconds": seconds, "peak_mib": max(peak - base, 0.0)}
+            "steps": steps, "seconds": seconds, "cpu_s": cpu_s,
+            "peak_mib": max(peak - base, 0.0)}
 
 
 def _spawn(mode, impl, n, ranks, budget) -> dict:
@@ -141,7 +142,8 @@ def main() -> None:
                                    peak_mib=ref["peak_mib"] * f, extrapolated=True)
                     rows.append(row)
                     print(f"{mode:9s} ranks={ranks:3d} {impl:6s} n={n:>11,d} "
-                          f"{row['seconds']:9.2f} s {row['peak_mib']:9.1f} MiB"
+                          f"{row['seconds']:9.2f} s ({row.get('cpu_s', float('nan')):.2f} "
+                          f"CPU s) {row['peak_mib']:9.1f} MiB"
                           f"{'  (extrapolated)' if row['extrapolated'] else ''}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -139,6 +139,7 @@ def main() -> None:
                         ref = measured[impl][max(measured[impl])]
                         f = n / ref["n"]
                         row = dict(ref, n=n, steps=None, seconds=ref["seconds"] * f,
+                                   cpu_s=ref.get("cpu_s", float("nan")) * f,
                                    peak_mib=ref["peak_mib"] * f, extrapolated=True)
                     rows.append(row)
                     print(f"{mode:9s} ranks={ranks:3d} {impl:6s} n={n:>11,d} "

@@ -43,10 +43,15 @@ from xnn.data.datasets import make_batches, shard_batches
 from xnn.training.balance import balanced_batches
 
 
-def synthetic_sizes(n: int, seed: int = 0) -> np.ndarray:
-    """``[n]`` int32 atoms per structure, log-uniform in 8..500."""
+def synthetic_sizes(n: int, seed: int = 0, block: int = 1 << 20) -> np.ndarray:
+    """``[n]`` int32 atoms per structure, log-uniform in 8..500 (drawn a block at a time:
+    the same numbers as one draw, without float64 temporaries of the whole array, which
+    would count in the peak resident set of the plan)."""
     rng = np.random.default_rng(seed)
-    return np.exp(rng.uniform(np.log(8), np.log(500), n)).astype(np.int32)
+    out = np.empty(n, dtype=np.int32)
+    for a in range(0, n, block):
+        out[a:a + block] = np.exp(rng.uniform(np.log(8), np.log(500), min(block, n - a)))
+    return out
 
 
 class _Sizes:

@@ -39,7 +39,7 @@ from xnn.data.datasets import (
 from xnn.errors import InputError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EpochPlan:
     """The global batches of one epoch as two arrays (about 4 bytes a structure).
 
@@ -82,7 +82,7 @@ class EpochPlan:
             lo += step
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShareRule:
     """Which part of each global batch this rank takes.
 

@@ -3,21 +3,24 @@
 Every rank plans the whole epoch's global batches (a pure function of ``(seed, epoch)``,
 no collective) and keeps its own share of each. This measures that plan, per rank, on a
 synthetic ``n_atoms`` array (int32, 8 to 500 atoms, log-uniform) of ``--sizes`` structures
-for each number of data-parallel ranks in ``--ranks``:
+for each number of data-parallel ranks in ``--ranks``, for rank 0 of epoch 0:
 
 * ``atoms``: the default, ``data.max_atoms_per_batch = budget × ranks`` global batches of
-  a seeded permutation (:func:`~xnn.data.datasets.make_batches`), this rank's greedy share
-  of each (:func:`~xnn.data.datasets.shard_batches`, what ``BatchPlan.shares`` does);
+  a seeded permutation, this rank's greedy share of each;
 * ``balanced``: ``data.balance=atoms``, the steps packed as ``ranks`` shares of ``budget``
-  atoms (:func:`~xnn.training.balance.balanced_batches`).
+  atoms.
 
-``after`` is the code of this tree; ``before`` is the per-structure loops it replaced (kept
-below, the same batches). ``before`` is measured on ``--before-n`` structures (a pure Python
-loop over structures: its cost is linear in ``n``) and extrapolated linearly to each size
-(``extrapolated: true`` in the row); ``after`` is measured at every size up to ``--max-n``
-and extrapolated the same way above it. Each case runs in a fresh process: ``seconds`` is
-its wall time, ``peak_mib`` its peak resident set (``ru_maxrss``) less the resident set
-with the ``n_atoms`` array made (the plan's own memory, its result lists included).
+``after`` is the planner of this tree (:class:`~xnn.training.plan.BatchPlan`: the epoch as
+two int32/int64 arrays, this rank's shares made a block at a time while they are read, as
+the training loop reads them); ``before`` is the list planner it replaced (every global
+batch and share of the epoch as Python lists: :func:`~xnn.data.datasets.make_batches` with
+:func:`~xnn.data.datasets.shard_batches`, or :func:`~xnn.training.balance.balanced_batches`,
+which still give those lists). Both are measured up to ``--max-n`` structures and
+extrapolated linearly above it (``extrapolated: true`` in the row; ``before`` up to
+``--max-n-before``). Each case runs in a
+fresh process: ``seconds`` is its wall time (``cpu_s`` its CPU time, steadier on a shared
+machine), ``peak_mib`` its peak resident set (``ru_maxrss``) less the resident set with
+the ``n_atoms`` array made (the plan's own memory, the shares read included).
 
 Usage::
 
@@ -36,78 +39,50 @@ import time
 
 import numpy as np
 
-from xnn.data.datasets import make_batches, shard_batch, shard_batches
+from xnn.data.datasets import make_batches, shard_batches
 from xnn.training.balance import balanced_batches
 
 
-def synthetic_sizes(n: int, seed: int = 0) -> np.ndarray:
-    """``[n]`` int32 atoms per structure, log-uniform in 8..500."""
+def synthetic_sizes(n: int, seed: int = 0, block: int = 1 << 20) -> np.ndarray:
+    """``[n]`` int32 atoms per structure, log-uniform in 8..500 (drawn a block at a time:
+    the same numbers as one draw, without float64 temporaries of the whole array, which
+    would count in the peak resident set of the plan)."""
     rng = np.random.default_rng(seed)
-    return np.exp(rng.uniform(np.log(8), np.log(500), n)).astype(np.int32)
+    out = np.empty(n, dtype=np.int32)
+    for a in range(0, n, block):
+        out[a:a + block] = np.exp(rng.uniform(np.log(8), np.log(500), min(block, n - a)))
+    return out
 
 
-# ---------------------------------------------------------------- before: the old loops
-def _old_chunks(indices, n_atoms, max_atoms):
-    batches, current, count = [], [], 0
-    for i in indices:
-        if current and count + int(n_atoms[i]) > max_atoms:
-            batches.append(current)
-            current, count = [], 0
-        current.append(i)
-        count += int(n_atoms[i])
-    if current:
-        batches.append(current)
-    return batches
+class _Sizes:
+    """A training set as the planner reads it: its atom counts."""
 
+    def __init__(self, n_atoms: np.ndarray):
+        self.n_atoms = n_atoms
 
-def _old_pack(window, sizes, bins, budget, last):
-    head = window[0]
-    cap = max(budget, int(sizes[window].max()))
-    rest = sorted(window[1:], key=lambda i: (-int(sizes[i]), i))
-    if last and int(sizes[window].sum()) <= bins * cap:
-        cap = None
-    shares = [[head]] + [[] for _ in range(bins - 1)]
-    load = [int(sizes[head])] + [0] * (bins - 1)
-    left = []
-    for i in rest:
-        n = int(sizes[i])
-        k = min(range(bins), key=lambda b: (load[b], b))
-        if cap is not None and load[k] + n > cap:
-            left.append(i)
-            continue
-        shares[k].append(i)
-        load[k] += n
-    kept = set(left)
-    return [sorted(s) for s in shares], [i for i in window[1:] if i in kept]
-
-
-def _old_balanced(n_atoms, order, bins, budget):
-    sizes = np.asarray(n_atoms, dtype=np.int64)
-    stream, window, steps, pos = [int(i) for i in order], [], [], 0
-    while pos < len(stream) or window:
-        take = min(64 * bins - len(window), len(stream) - pos)
-        window += stream[pos : pos + take]
-        pos += take
-        shares, window = _old_pack(window, sizes, bins, budget, pos == len(stream))
-        steps.append(shares)
-    return steps
+    def __len__(self) -> int:
+        return len(self.n_atoms)
 
 
 # ---------------------------------------------------------------- one case
 def plan(mode: str, impl: str, n_atoms: np.ndarray, ranks: int, budget: int) -> int:
-    """Rank 0's plan of epoch 0; returns the number of steps."""
-    order = np.random.default_rng([0, 0]).permutation(len(n_atoms))
-    if mode == "balanced":
-        if impl == "before":
-            return len(_old_balanced(n_atoms, order, ranks, budget))
-        return len(balanced_batches(n_atoms, order, ranks, budget))
+    """Rank 0's plan of epoch 0, its shares read once; returns the number of steps."""
     if impl == "before":
-        batches = _old_chunks(order.tolist(), n_atoms, budget * ranks)
-        mine = [shard_batch(b, n_atoms, 0, ranks) for b in batches]  # per batch, as before
-    else:
+        if mode == "balanced":
+            order = np.random.default_rng([0, 0]).permutation(len(n_atoms))
+            return len(balanced_batches(n_atoms, order, ranks, budget))
         batches = make_batches(n_atoms, max_atoms=budget * ranks, shuffle=True)
-        mine = shard_batches(batches, n_atoms, 0, ranks)
-    return len(mine)
+        return len(shard_batches(batches, n_atoms, 0, ranks))
+    from xnn.training.loop import LoopSettings
+    from xnn.training.plan import BatchPlan
+    from xnn.training.sharding import BatchSharding
+
+    settings = LoopSettings(batch_size=None, max_atoms_per_batch=budget * ranks,
+                            balance_bins=ranks if mode == "balanced" else None)
+    batches, shares = BatchPlan(settings, _Sizes(n_atoms), BatchSharding(0, ranks)).shares(0)
+    held = sum(len(s) for s in shares)  # read as the training loop reads them
+    assert held > 0
+    return len(batches)
 
 
 def _rss_mib() -> float:
@@ -122,12 +97,13 @@ def run_case(mode: str, impl: str, n: int, ranks: int, budget: int) -> dict:
     """One case in this process (the ``--case`` entry)."""
     n_atoms = synthetic_sizes(n)
     base = _rss_mib()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     steps = plan(mode, impl, n_atoms, ranks, budget)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"mode": mode, "impl": impl, "n": n, "ranks": ranks, "budget": budget,
-            "steps": steps, "seconds": seconds, "peak_mib": max(peak - base, 0.0)}
+            "steps": steps, "seconds": seconds, "cpu_s": cpu_s,
+            "peak_mib": max(peak - base, 0.0)}
 
 
 def _spawn(mode, impl, n, ranks, budget) -> dict:
@@ -142,8 +118,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--modes", nargs="+", default=["atoms", "balanced"])
     ap.add_argument("--budget", type=int, default=2000, help="atoms per rank's share")
-    ap.add_argument("--before-n", type=int, default=10**5)
-    ap.add_argument("--max-n", type=int, default=10**7, help="largest n measured (after)")
+    ap.add_argument("--max-n", type=int, default=10**8, help="largest n measured (after)")
+    ap.add_argument("--max-n-before", type=int, default=10**7,
+                    help="largest n measured (before: its lists need ~5 GiB at 10^8)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--case", nargs=5, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -155,11 +132,10 @@ def main() -> None:
     for mode in a.modes:
         for ranks in a.ranks:
             measured = {"before": {}, "after": {}}
-            measured["before"][a.before_n] = _spawn(mode, "before", a.before_n, ranks,
-                                                    a.budget)
-            for n in a.sizes:
-                if n <= a.max_n:
-                    measured["after"][n] = _spawn(mode, "after", n, ranks, a.budget)
+            for impl in ("before", "after"):
+                for n in a.sizes:
+                    if n <= (a.max_n if impl == "after" else a.max_n_before):
+                        measured[impl][n] = _spawn(mode, impl, n, ranks, a.budget)
             for impl in ("before", "after"):
                 for n in a.sizes:
                     if n in measured[impl]:
@@ -168,10 +144,12 @@ def main() -> None:
                         ref = measured[impl][max(measured[impl])]
                         f = n / ref["n"]
                         row = dict(ref, n=n, steps=None, seconds=ref["seconds"] * f,
+                                   cpu_s=ref.get("cpu_s", float("nan")) * f,
                                    peak_mib=ref["peak_mib"] * f, extrapolated=True)
                     rows.append(row)
                     print(f"{mode:9s} ranks={ranks:3d} {impl:6s} n={n:>11,d} "
-                          f"{row['seconds']:9.2f} s {row['peak_mib']:9.1f} MiB"
+                          f"{row['seconds']:9.2f} s ({row.get('cpu_s', float('nan')):.2f} "
+                          f"CPU s) {row['peak_mib']:9.1f} MiB"
                           f"{'  (extrapolated)' if row['extrapolated'] else ''}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -353,3 +353,127 @@ def test_training_on_aselmdb_equals_extxyz(tmp_path, frames):
     assert len(ref) == 2 and "train_loss" in ref[1] and "val_forces_mae" in ref[1]
     assert history("lmdb", paths["aselmdb"]) == ref
     assert history("shards", shards, "data.datasets.0.format=aselmdb") == ref
+
+
+# ------------------------------------------------------------------ the stored index
+def _varied(frames):
+    """``frames`` with the labels varied: no energy, no forces, a virial instead of the
+    stress, no labels at all (the label counts of each branch)."""
+    out = [a.copy() for a in frames]
+    for a, b in zip(frames, out):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+    del out[1].calc.results["energy"]
+    del out[2].calc.results["forces"]
+    virial = out[3].calc.results.pop("stress")
+    out[3].info["virial"] = np.diag(virial[:3]) * 5.0
+    out[5].calc = None
+    return out
+
+
+def _full_pass(ds):
+    """The label counts and species of reading every structure as a graph."""
+    from xnn.data.datasets import count_labels_by_reading
+
+    graphs = [ds[i] for i in range(len(ds))]
+    return (count_labels_by_reading(ds),
+            sorted(set(torch.cat([g.numbers for g in graphs]).tolist())))
+
+
+@pytest.mark.parametrize("fmt", ["extxyz", "db", "aselmdb"])
+def test_a_second_open_reads_the_stored_index(tmp_path, frames, fmt, monkeypatch):
+    """The first open stores atom counts, label counts and species equal to a full pass;
+    the second reads them back without reading the file's structures or scanning it."""
+    from xnn.data.sources import index
+
+    monkeypatch.setenv("XNN_CACHE_DIR", str(tmp_path / "cache"))
+    path = _paths(tmp_path, _varied(frames))[fmt]
+    ds = read_structures(path, workers=0)
+    counts, species = _full_pass(ds)
+    assert (ds.label_counts() == counts).all() and ds.species() == species
+    stress_of_virial = 9 if fmt == "extxyz" else 0  # a database keeps no info["virial"]
+    assert counts[1:6].tolist() == [[0, 3 * len(frames[1]), 9], [1, 0, 9],
+                                    [1, 3 * len(frames[3]), stress_of_virial],
+                                    [1, 3 * len(frames[4]), 0], [0, 0, 0]]
+    beside, cached = index.index_paths(path, fmt, dict(
+        energy_key="energy", forces_key="forces", stress_key="stress", virial_key="virial"))
+    assert beside.is_file() and not cached.exists()
+    cls = type(ds)
+    monkeypatch.setattr(cls, "_atoms", lambda self, i: pytest.fail("a structure was read"))
+    monkeypatch.setattr(cls, "_scan", lambda self: pytest.fail("the file was scanned"))
+    again = read_structures(path, workers=0)
+    assert again.n_atoms.dtype == np.int64
+    assert again.n_atoms.tolist() == ds.n_atoms.tolist()
+    assert (again.label_counts() == counts).all() and again.species() == species
+    monkeypatch.undo()
+    other = read_structures(path, energy_key="REF_energy", workers=0)  # another index
+    assert len(list(tmp_path.glob(f".{path.name}.*.xnn-index.npz"))) == 2
+    assert other.label_counts()[:, 0].sum() == 0
+    assert (other.label_counts()[:, 1:] == counts[:, 1:]).all()
+
+
+@pytest.mark.parametrize("fmt", ["extxyz", "aselmdb"])
+def test_a_changed_file_rebuilds_its_index(tmp_path, frames, fmt):
+    path = _paths(tmp_path, frames)[fmt]
+    first = read_structures(path, workers=0)
+    assert (first.label_counts()[:, 2] > 0).sum() == 8
+    st = os.stat(path)
+    changed = _varied(frames)[::-1] + _varied(frames)[:3]
+    if fmt == "extxyz":
+        ase.io.write(path, changed, format="extxyz")
+    else:
+        for f in (path, path.with_name(path.name + "-lock")):
+            f.unlink(missing_ok=True)
+        _write_db(path, changed)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # only the size tells
+    again = read_structures(path, workers=0)
+    counts, species = _full_pass(again)
+    assert len(again) == len(changed)
+    assert again.n_atoms.tolist() == [len(a) for a in changed]
+    assert (again.label_counts() == counts).all() and again.species() == species
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))  # touched: made again
+    assert (read_structures(path, workers=0).label_counts() == counts).all()
+
+
+def test_the_index_goes_to_the_cache_where_the_folder_cannot_take_it(tmp_path, frames,
+                                                                   monkeypatch):
+    from xnn.data.sources import index
+
+    monkeypatch.setenv("XNN_CACHE_DIR", str(tmp_path / "cache"))
+    path = _paths(tmp_path, frames)["extxyz"]
+    beside, cached = index.index_paths(path, "extxyz", dict(
+        energy_key="energy", forces_key="forces", stress_key="stress", virial_key="virial"))
+    beside.mkdir()  # the name is taken: the index cannot be written there
+    counts = read_structures(path, workers=0).label_counts()
+    assert cached.is_file() and cached.parent == tmp_path / "cache" / "index"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    assert index.load_index(path, "extxyz", index.identity(path, "extxyz", dict(
+        energy_key="energy", forces_key="forces", stress_key="stress",
+        virial_key="virial"))["keys"]) is not None
+    assert (open_source(path).label_counts() == counts).all()
+
+
+@pytest.mark.parametrize("fmt", ["extxyz", "aselmdb"])
+def test_the_first_pass_over_workers_equals_one_process(tmp_path, frames, fmt, monkeypatch):
+    """Ranges of structures read by two forked workers give the counts and species of one
+    process, and the first broken structure's refusal, in the same words."""
+    from xnn.data.sources import scan
+
+    monkeypatch.setattr(scan, "MIN_PARALLEL", 0)
+    many = _varied(frames) * 3
+    bad = [a.copy() for a in many]
+    for a, b in zip(many, bad):
+        b.calc = None if a.calc is None else SinglePointCalculator(b, **a.calc.results)
+    bad[17].calc.results["energy"] = np.inf
+    bad[23].calc.results["forces"][0, 0] = np.nan
+    for name, frames_ in (("good", many), ("bad", bad)):
+        (tmp_path / name).mkdir()
+        path = _paths(tmp_path / name, frames_)[fmt]
+        if name == "good":
+            one = open_source(path, workers=0).label_counts()
+            two = open_source(path, workers=2)
+            assert (two.label_counts() == one).all() and two.species() == [29, 79]
+            assert (one == _full_pass(two)[0]).all()
+        else:
+            msg = raises_one_line(DataFileError, read_structures, path, workers=0)
+            assert "structure 17" in msg and "inf" in msg, msg
+            assert raises_one_line(DataFileError, read_structures, path, workers=2) == msg

@@ -140,3 +140,127 @@ def test_shard_batches_equal_shard_batch(world, block, monkeypatch):
     per_rank = [shard_batches(batches, n_atoms, r, world) for r in range(world)]
     union = [sorted(sum((shares[j] for shares in per_rank), [])) for j in range(len(batches))]
     assert union == [sorted(b) for b in batches]
+
+
+# ------------------------------------------------------------------ the epoch planner
+def _ref_shard(batch, n_atoms, rank, world):
+    """The greedy share by atoms as ``shard_batch`` dealt it (largest first, to the least
+    loaded rank, ties to the lowest)."""
+    load, mine = [0] * world, []
+    for i in sorted(batch, key=lambda i: (-int(n_atoms[i]), i)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        load[r] += int(n_atoms[i])
+        if r == rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+def _ref_plan(s, n_atoms, weights, rank, world, groups, epoch):
+    """``(global batches, this rank's shares)`` of an epoch as the planner made them with
+    Python lists before it kept compact arrays (permutation or draws, batches cut in
+    order, shares greedy, by group chunk or balanced)."""
+    n = len(n_atoms)
+    if s.samples_per_epoch is not None:
+        rng = np.random.default_rng([s.seed % 2**63, epoch])
+        order = rng.choice(n, size=s.samples_per_epoch, replace=True,
+                           p=weights / weights.sum()).tolist()
+    elif s.shuffle:
+        order = np.random.default_rng([s.seed, epoch]).permutation(n).tolist()
+    else:
+        order = list(range(n))
+    if s.balance_bins:
+        budget = s.max_atoms_per_batch // s.balance_bins
+        packs = _ref_balanced(n_atoms, order, s.balance_bins, budget,
+                              s.balance_lookahead or 64 * s.balance_bins)
+        batches = [sum(p, []) for p in packs]
+        return batches, batches if world == 1 else [p[rank] for p in packs]
+    if s.batch_size is not None:
+        batches = [order[i:i + s.batch_size] for i in range(0, n, s.batch_size)]
+    else:
+        chunks = _ref_chunks(order, n_atoms, s.max_atoms_per_batch)
+        batches = chunks if groups is None else [sum(chunks[k:k + groups], [])
+                                                 for k in range(0, len(chunks), groups)]
+    if world == 1:
+        return batches, batches
+    if groups is not None and s.max_atoms_per_batch is not None:
+        cut = [_ref_chunks(b, n_atoms, s.max_atoms_per_batch) for b in batches]
+        return batches, [c[rank] if rank < len(c) else [] for c in cut]
+    return batches, [_ref_shard(b, n_atoms, rank, world) for b in batches]
+
+
+class _Weighted:
+    """Structures of given sizes and dataset weights (what the planner reads of a
+    training set: ``n_atoms``, and each structure's ``weight`` when drawn by weight)."""
+
+    def __init__(self, n_atoms, weights):
+        self.n_atoms, self.weights = n_atoms, weights
+
+    def __len__(self):
+        return len(self.n_atoms)
+
+    def __getitem__(self, i):
+        import torch
+
+        from xnn.data import keys as K
+
+        return {K.WEIGHT: torch.tensor([float(self.weights[i])])}
+
+
+PLANS = {  # LoopSettings of each way of planning
+    "batch_size": dict(batch_size=37, max_atoms_per_batch=None),
+    "atoms": dict(batch_size=None, max_atoms_per_batch=2000),
+    "in_order": dict(batch_size=None, max_atoms_per_batch=900, shuffle=False),
+    "draws": dict(batch_size=None, max_atoms_per_batch=1500, samples_per_epoch=2500),
+    "balanced": dict(batch_size=None, max_atoms_per_batch=3000, balance_bins=3),
+    "balanced_draws": dict(batch_size=None, max_atoms_per_batch=2400, balance_bins=3,
+                           samples_per_epoch=1900, balance_lookahead=50),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_the_epoch_planner_gives_the_batches_of_the_list_planner(plan, monkeypatch):
+    """The compact, lazily shared plan equals the list planner's batches and shares on
+    mixed sizes (8-500 atoms) for several seeds, epochs and rank counts, with blocks of a
+    few hundred structures (the lazy shares cross block boundaries)."""
+    from xnn.training.loop import LoopSettings
+    from xnn.training.plan import BatchPlan
+    from xnn.training.sharding import BatchSharding
+
+    monkeypatch.setattr(datasets, "CHUNK_BLOCK", 300)
+    n_atoms = _sizes(3000, seed=3)
+    weights = np.where(np.arange(3000) % 3 == 0, 2.0, 0.5)
+    data = _Weighted(n_atoms, weights)
+    balanced = "balance_bins" in PLANS[plan]
+    for seed in (0, 7):
+        settings = LoopSettings(seed=seed, **PLANS[plan])
+        for world in ((1, 3) if balanced else (1, 3, 8)):
+            for rank in sorted({0, world - 1}):
+                planner = BatchPlan(settings, data, BatchSharding(rank, world))
+                for epoch in (0, 2):
+                    batches, shares = planner.shares(epoch)
+                    ref_b, ref_s = _ref_plan(settings, n_atoms, weights, rank, world, None,
+                                             epoch)
+                    assert list(batches) == ref_b and list(shares) == ref_s
+                    assert planner.global_batches(epoch) == ref_b
+                    k = len(ref_b) // 2  # a resume mid-epoch: the shares from batch k on
+                    assert list(shares[k:]) == ref_s[k:] and shares[k] == ref_s[k]
+                    assert batches[k:k + 2] == ref_b[k:k + 2]
+
+
+def test_group_chunks_of_the_epoch_planner(monkeypatch):
+    """Context-parallel training (dd groups): a group's share is its chunk of the batch."""
+    from xnn.training.loop import LoopSettings
+    from xnn.training.plan import BatchPlan
+    from xnn.training.sharding import BatchSharding
+
+    monkeypatch.setattr(datasets, "CHUNK_BLOCK", 500)
+    n_atoms = _sizes(2000, seed=9)
+    data = _Weighted(n_atoms, np.ones(2000))
+    for seed, groups in ((1, 2), (4, 3)):
+        settings = LoopSettings(seed=seed, batch_size=None, max_atoms_per_batch=700)
+        for rank in range(groups):
+            planner = BatchPlan(settings, data, BatchSharding(rank, groups, groups=groups))
+            for epoch in (0, 1):
+                batches, shares = planner.shares(epoch)
+                ref_b, ref_s = _ref_plan(settings, n_atoms, None, rank, groups, groups, epoch)
+                assert list(batches) == ref_b and list(shares) == ref_s

@@ -393,3 +393,19 @@ def write(path: str | os.PathLike, data, format: str | None = None, append: bool
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def checked_labels(atoms, energy_key: str | None = "energy", forces_key: str | None = "forces",
+                   stress_key: str | None = "stress",
+                   virial_key: str | None = "virial") -> dict[str, np.ndarray]:
+    """The checks :func:`from_ase` makes of one ``ase.Atoms`` and the labels it finds
+    (``{"energy": [], "forces": [n, 3], "stress": [3, 3], "virial": [3, 3]}`` float64, those
+    present), without building a graph (a first pass counting labels).
+
+    Raises:
+        InputError, DataFileError: as :func:`from_ase` of ``[atoms]``.
+    """
+    _check_structure(atoms, 0)
+    keys = {"energy": energy_key, "forces": forces_key, "stress": stress_key,
+            "virial": virial_key}
+    return _collect_labels([atoms], keys, ())

@@ -453,31 +453,69 @@ def make_batches(
             ONE group's share, a global batch joins ``groups`` consecutive shares (see
             :func:`atom_chunks`) and a structure larger than the budget is refused.
     Returns:
-        list of batches, each a list of structure indices; identical on every rank.
+        list of batches, each a list of structure indices; identical on every rank (the
+        lists of :func:`batch_bounds`).
     Raises:
         InputError: bad sizes, or (with ``groups``) a structure larger than ``max_atoms``.
     """
+    return _split(*batch_bounds(n_atoms, batch_size, max_atoms, shuffle, seed, epoch, groups))
+
+
+def index_dtype(n: int) -> type:
+    """int32 for indices below ``2**31`` (half the memory of int64), else int64."""
+    return np.int32 if n < 2**31 else np.int64
+
+
+def batch_bounds(
+    n_atoms: np.ndarray,
+    batch_size: int | None = None,
+    max_atoms: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int = 0,
+    groups: int | None = None,
+    stream: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batches of :func:`make_batches` as two arrays: batch ``b`` is
+    ``stream[starts[b]:starts[b + 1]]``.
+
+    Args:
+        n_atoms, batch_size, max_atoms, shuffle, seed, epoch, groups: as
+            :func:`make_batches`.
+        stream: the structures in the order they are batched (``shuffle`` then ignored;
+            default: all, in order or permuted by ``(seed, epoch)``).
+    Returns:
+        ``(stream [n] int32 (int64 from 2**31 structures), starts [n_batches + 1] int64)``:
+        4 bytes a structure, where the lists of :func:`make_batches` take about 36.
+    """
     if (batch_size is None) == (max_atoms is None):
         raise InputError("give exactly one of batch_size and max_atoms_per_batch")
-    n = len(n_atoms)
-    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    drawn = stream is not None
+    if stream is None:
+        n = len(n_atoms)
+        stream = np.arange(n, dtype=index_dtype(n))
+        if shuffle:  # in place: the same permutation as ``permutation(n)``, in int32
+            np.random.default_rng([seed, epoch]).shuffle(stream)
+    n = len(stream)
     if batch_size is not None:
         if batch_size < 1:
             raise InputError(f"batch_size must be >= 1, got {batch_size}")
-        return [order[i : i + batch_size].tolist() for i in range(0, n, batch_size)]
+        return stream, np.append(np.arange(0, n, batch_size, dtype=np.int64), n)
     if max_atoms < 1:
         raise InputError(f"max_atoms_per_batch must be >= 1, got {max_atoms}")
     if groups is None:
-        return atom_chunks(order, n_atoms, max_atoms)
+        return stream, chunk_starts(n_atoms, max_atoms, stream)
     big = np.flatnonzero(np.asarray(n_atoms) > max_atoms)
+    if drawn:  # only the structures of the stream
+        big = np.intersect1d(big, stream)
     if len(big):
         i = int(big[0])
         raise InputError(f"structure {i} has {int(n_atoms[i])} atoms, more than "
                          f"data.max_atoms_per_batch={max_atoms}, the budget of one domain-"
                          f"decomposition group's share ({len(big)} such structures); raise "
                          "data.max_atoms_per_batch or parallel.dd, or remove the structure")
-    starts = chunk_starts(np.asarray(n_atoms)[order], max_atoms)
-    return _split(order, starts[::groups])  # a batch: ``groups`` consecutive chunks
+    starts = chunk_starts(n_atoms, max_atoms, stream)
+    return stream, np.append(starts[:-1][::groups], n)  # a batch: ``groups`` chunks
 
 
 def atom_chunks(indices: Sequence[int], n_atoms: np.ndarray, max_atoms: int) -> list[list[int]]:
@@ -486,14 +524,15 @@ def atom_chunks(indices: Sequence[int], n_atoms: np.ndarray, max_atoms: int) -> 
     chunks again gives the same chunks (how a dd group finds its share of a batch).
     Vectorised (:func:`chunk_starts`): about 0.1 µs per structure."""
     order = np.asarray(indices, dtype=np.int64)
-    return _split(order, chunk_starts(np.asarray(n_atoms)[order], max_atoms))
+    return _split(order, chunk_starts(n_atoms, max_atoms, order))
 
 
 #: structures per block of :func:`chunk_starts` (bounds its working memory)
 CHUNK_BLOCK = 1 << 20
 
 
-def chunk_starts(sizes: np.ndarray, max_atoms: int) -> np.ndarray:
+def chunk_starts(sizes: np.ndarray, max_atoms: int,
+                 stream: np.ndarray | None = None) -> np.ndarray:
     """Where the chunks of :func:`atom_chunks` start in a stream of structures.
 
     A chunk takes structures while it holds at most ``max_atoms`` atoms (at least one). The
@@ -502,39 +541,51 @@ def chunk_starts(sizes: np.ndarray, max_atoms: int) -> np.ndarray:
     (one Python step per chunk, not per structure).
 
     Args:
-        sizes: ``[n]`` atoms of the stream's structures, in stream order.
+        sizes: atoms per structure: ``[n]`` of the stream's structures in stream order, or
+            with ``stream``, of every structure (``sizes[stream]`` is then read a block at
+            a time, never copied whole).
         max_atoms: atoms per chunk.
+        stream: ``[n]`` the structures of the stream (default: ``range(len(sizes))``).
     Returns:
         ``[n_chunks + 1]`` int64: chunk ``c`` is ``stream[starts[c] : starts[c + 1]]``
         (``[0]`` for an empty stream).
     """
     sizes = np.asarray(sizes)  # any integer type: the running count is int64
-    n = len(sizes)
-    starts: list[int] = []
+    n = len(sizes) if stream is None else len(stream)
+    found: list[np.ndarray] = []
     p = 0
     while p < n:
         base = p
-        ends = _chunk_ends(sizes, base, min(n, base + CHUNK_BLOCK), max_atoms).tolist()
+        ends = _chunk_ends(sizes, stream, base, min(n, base + CHUNK_BLOCK), max_atoms).tolist()
         stop = base + len(ends)
+        block: list[int] = []
         while p < stop:
-            starts.append(p)
+            block.append(p)
             p = ends[p - base]
-    starts.append(n)
-    return np.asarray(starts, dtype=np.int64)
+        found.append(np.asarray(block, dtype=np.int64))
+    found.append(np.asarray([n], dtype=np.int64))
+    return np.concatenate(found)
 
 
-def _chunk_ends(sizes: np.ndarray, lo: int, hi: int, max_atoms: int) -> np.ndarray:
+def _stream_sizes(sizes: np.ndarray, stream: np.ndarray | None, a: int, b: int) -> np.ndarray:
+    """Atoms of stream positions ``a..b``."""
+    return sizes[a:b] if stream is None else sizes[stream[a:b]]
+
+
+def _chunk_ends(sizes: np.ndarray, stream: np.ndarray | None, lo: int, hi: int,
+                max_atoms: int) -> np.ndarray:
     """``[hi - lo]`` the end (exclusive) of the chunk that would start at each position of
     ``lo..hi`` (the chunk holds up to ``max_atoms`` atoms, at least one structure)."""
     # the running count from lo over the block and the look-ahead of its last chunk
+    n = len(sizes) if stream is None else len(stream)
     reach = hi
     total = 0
-    while reach < len(sizes) and total <= max_atoms:  # the last chunk may run past hi
-        step = min(len(sizes), reach + CHUNK_BLOCK) - reach
-        total += int(sizes[reach : reach + step].sum())
+    while reach < n and total <= max_atoms:  # the last chunk may run past hi
+        step = min(n, reach + CHUNK_BLOCK) - reach
+        total += int(_stream_sizes(sizes, stream, reach, reach + step).sum(dtype=np.int64))
         reach += step
     cum = np.zeros(reach - lo + 1, dtype=np.int64)
-    np.cumsum(sizes[lo:reach], out=cum[1:])
+    np.cumsum(_stream_sizes(sizes, stream, lo, reach), out=cum[1:])
     ends = np.searchsorted(cum, cum[: hi - lo] + max_atoms, side="right") - 1
     np.maximum(ends, np.arange(1, hi - lo + 1), out=ends)
     return ends + lo
@@ -568,38 +619,51 @@ def shard_batch(batch: Sequence[int], n_atoms: np.ndarray, rank: int, world: int
 
 def shard_batches(batches: Sequence[Sequence[int]], n_atoms: np.ndarray, rank: int,
                   world: int) -> list[list[int]]:
-    """:func:`shard_batch` of every batch at once: the same shares, vectorised over batches.
-
-    The k-th largest structure of every batch is dealt in one numpy step (round ``k``) to
-    its batch's least-loaded rank (ties to the lowest), as :func:`shard_batch` deals them one
-    by one; the cost is a few numpy calls per round (the longest batch's length) rather than
-    Python steps per structure. Batches are taken about :data:`CHUNK_BLOCK` structures at a
-    time (bounded working memory).
-    """
+    """:func:`shard_batch` of every batch at once: the same shares, vectorised over batches
+    (:func:`shard_stream` of the batches as arrays)."""
     if world == 1:
         return [list(b) for b in batches]
     lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-    ends = np.cumsum(lengths)
-    out: list[list[int]] = []
-    lo = 0
-    while lo < len(batches):
-        done = int(ends[lo - 1]) if lo else 0
-        hi = max(lo + 1, int(np.searchsorted(ends, done + CHUNK_BLOCK, side="right")))
-        out += _shard_block(batches[lo:hi], lengths[lo:hi], n_atoms, rank, world)
+    flat = np.fromiter((i for b in batches for i in b), dtype=np.int64,
+                       count=int(lengths.sum()))
+    starts = np.concatenate(([0], np.cumsum(lengths)))
+    return [s for block in shard_stream(flat, starts, n_atoms, rank, world) for s in block]
+
+
+def shard_stream(stream: np.ndarray, starts: np.ndarray, n_atoms: np.ndarray, rank: int,
+                 world: int, first: int = 0):
+    """This rank's :func:`shard_batch` of the batches ``stream[starts[b]:starts[b + 1]]``
+    from batch ``first`` on, as lists, yielded a block of about :data:`CHUNK_BLOCK`
+    structures at a time (the working memory is a block's, whatever the epoch's length).
+
+    The k-th largest structure of every batch of a block is dealt in one numpy step (round
+    ``k``) to its batch's least-loaded rank (ties to the lowest), as :func:`shard_batch`
+    deals them one by one; the cost is a few numpy calls per round (the longest batch's
+    length) rather than Python steps per structure.
+    """
+    n_batches = len(starts) - 1
+    lo = first
+    while lo < n_batches:
+        hi = max(lo + 1, int(np.searchsorted(starts, starts[lo] + CHUNK_BLOCK,
+                                             side="right")) - 1)
+        hi = min(hi, n_batches)
+        flat = np.asarray(stream[starts[lo]:starts[hi]], dtype=np.int64)
+        yield _shard_block(flat, np.diff(starts[lo:hi + 1]), n_atoms, rank, world)
         lo = hi
-    return out
 
 
-def _shard_block(batches: Sequence[Sequence[int]], lengths: np.ndarray, n_atoms: np.ndarray,
+def _shard_block(flat: np.ndarray, lengths: np.ndarray, n_atoms: np.ndarray,
                  rank: int, world: int) -> list[list[int]]:
-    """:func:`shard_batches` of some batches (``lengths``: their sizes)."""
-    flat = np.fromiter((i for b in batches for i in b), dtype=np.int64, count=int(lengths.sum()))
-    which = np.repeat(np.arange(len(batches)), lengths)
+    """:func:`shard_stream` of some batches (``flat``: their structures one after the
+    other, ``lengths``: their sizes)."""
+    if world == 1:
+        return [part.tolist() for part in np.split(flat, np.cumsum(lengths)[:-1])]
+    which = np.repeat(np.arange(len(lengths)), lengths)
     sizes = np.asarray(n_atoms)[flat].astype(np.int64)
     by = np.lexsort((flat, -sizes, which))  # per batch: largest first, ties by index
     flat, sizes = flat[by], sizes[by]
     first = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    load = np.zeros((len(batches), world), dtype=np.int64)
+    load = np.zeros((len(lengths), world), dtype=np.int64)
     owner = np.empty(len(flat), dtype=np.int64)
     for k in range(int(lengths.max()) if len(lengths) else 0):
         open_ = np.flatnonzero(lengths > k)
@@ -610,7 +674,7 @@ def _shard_block(batches: Sequence[Sequence[int]], lengths: np.ndarray, n_atoms:
     mine = owner == rank
     keep, kept_in = flat[mine], which[mine]
     keep = keep[np.lexsort((keep, kept_in))]
-    cut = np.cumsum(np.bincount(kept_in, minlength=len(batches)))[:-1]
+    cut = np.cumsum(np.bincount(kept_in, minlength=len(lengths)))[:-1]
     return [part.tolist() for part in np.split(keep, cut)]
 
 

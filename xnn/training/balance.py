@@ -22,6 +22,7 @@ trains their union (the same global batch). The balance is measured by :func:`im
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -47,8 +48,24 @@ def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budge
         ``[step][share] -> structure indices``; every index of ``order`` once, in one share
         (a structure drawn twice into one window with one copy passed over keeps both copies
         in the window, as the packer always did: the packs stay those of existing runs).
+        The lists of :func:`balanced_bounds`.
     Raises:
         InputError: ``bins``, ``budget`` or ``lookahead`` below 1.
+    """
+    packed, starts = balanced_bounds(n_atoms, order, bins, budget, lookahead)
+    bounds = starts.tolist()
+    shares = [packed[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+    return [shares[k:k + bins] for k in range(0, len(shares), bins)]
+
+
+def balanced_bounds(n_atoms: np.ndarray, order: Sequence[int], bins: int, budget: int,
+                    lookahead: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The packs of :func:`balanced_batches` as two arrays: share ``r`` of step ``s`` is
+    ``packed[starts[s * bins + r] : starts[s * bins + r + 1]]``.
+
+    Returns:
+        ``(packed [len(order)] int32`` (int64 for an int64 ``order``), ``starts
+        [n_steps * bins + 1] int64)``.
     """
     if bins < 1 or budget < 1:
         raise InputError(f"balanced batches need bins >= 1 and a budget >= 1 atom, got "
@@ -57,13 +74,17 @@ def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budge
     if lookahead < 1:
         raise InputError(f"data.balance_lookahead must be >= 1, got {lookahead}")
     sizes = np.asarray(n_atoms)  # no int64 copy of the whole array: a window at a time
-    stream = np.asarray(order, dtype=np.int64)
+    stream = np.asarray(order)
+    if not np.issubdtype(stream.dtype, np.integer):
+        stream = stream.astype(np.int64)
     seen = np.zeros(len(sizes), dtype=bool)
     seen[stream] = True
     repeats = int(seen.sum()) < len(stream)  # draws by weight repeat structures
     del seen
+    wide = stream.dtype.itemsize > 4 or len(sizes) >= 2**31
+    packed = array("q" if wide else "i")  # 4 bytes a structure
+    lengths = array("q")  # share sizes: 8 bytes a share
     window = stream[:0]
-    steps: list[list[list[int]]] = []
     pos = 0
     while pos < len(stream) or len(window):
         take = min(lookahead - len(window), len(stream) - pos)
@@ -71,8 +92,12 @@ def balanced_batches(n_atoms: np.ndarray, order: Sequence[int], bins: int, budge
         pos += take
         last = pos == len(stream)
         shares, window = _pack(window, sizes, bins, budget, last, repeats)
-        steps.append(shares)
-    return steps
+        for share in shares:
+            packed.extend(share)
+            lengths.append(len(share))
+    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=starts[1:])
+    return np.frombuffer(packed, dtype=np.int64 if wide else np.int32), starts
 
 
 def _pack(window: np.ndarray, sizes: np.ndarray, bins: int, budget: int, last: bool,

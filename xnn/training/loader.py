@@ -56,13 +56,14 @@ class ShareReader(Dataset):
 
 
 class _Shares(Sampler):
-    """The shares of the current epoch, set before each pass (the workers persist)."""
+    """The shares of the current epoch, set before each pass (the workers persist); read
+    as the DataLoader asks for them (an epoch's shares are never all held as tuples)."""
 
     def __init__(self):
-        self.items: list[tuple[int, ...]] = []
+        self.items: Sequence[Sequence[int]] = []
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
-        return iter(self.items)
+        return (tuple(int(i) for i in s) for s in self.items)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -93,7 +94,7 @@ class ShareLoader:
 
     def read(self, shares: Sequence[Sequence[int]]) -> Iterator[Read]:
         """``(graphs, refusal)`` of each of ``shares``, in order."""
-        self.sampler.items = [tuple(int(i) for i in s) for s in shares]
+        self.sampler.items = shares
         for fields, refused in self.loader:  # checked where they were built
             yield [AtomicGraph(f, validate=False) for f in fields], refused
 

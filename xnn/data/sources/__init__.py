@@ -92,13 +92,14 @@ def _open_prepared(path: Path, weight: float, keys: dict[str, str]):
     return PreparedDataset(path, weight)
 
 
-def _open_one(path: Path, format: str, weight: float, keys: dict[str, str]):  # noqa: A002
+def _open_one(path: Path, format: str, weight: float, keys: dict[str, str],  # noqa: A002
+              workers: int | None):
     if format == "extxyz":
-        return ExtxyzSource(path, weight, keys)
+        return ExtxyzSource(path, weight, keys, workers)
     if format == "aselmdb":
-        return LMDBSource(path, weight, keys)
+        return LMDBSource(path, weight, keys, workers)
     if format == "db":
-        return SQLiteSource(path, weight, keys)
+        return SQLiteSource(path, weight, keys, workers)
     if format == "hdf5":
         return HDF5Source(path, weight)
     if format == "prepared":
@@ -109,7 +110,8 @@ def _open_one(path: Path, format: str, weight: float, keys: dict[str, str]):  # 
 
 def open_source(path: str | os.PathLike, format: str | None = None, *,  # noqa: A002
                 weight: float = 1.0, energy_key: str = "energy", forces_key: str = "forces",
-                stress_key: str = "stress", virial_key: str = "virial"):
+                stress_key: str = "stress", virial_key: str = "virial",
+                workers: int | None = None):
     """A dataset (``len``, ``ds[i]``, ``n_atoms``, ``label_counts()``, ``origin(i)``,
     ``species()``, ``isolated_atoms()``) of the structures at ``path``, read one at a time.
 
@@ -120,8 +122,13 @@ def open_source(path: str | os.PathLike, format: str | None = None, *,  # noqa: 
         energy_key, forces_key, stress_key, virial_key: where the labels are (see
             :func:`xnn.data.ase_io.from_ase`; a key equal to the property name also finds
             an attached calculator's result).
+        workers: processes of the first pass over an extxyz, ``.db`` or ASE-LMDB file
+            (``label_counts()``; ``None``: the machine's CPUs shared by the ranks on it,
+            :func:`~xnn.data.sources.scan.default_workers`; 0 or 1: this process).
     Returns:
-        a lazy dataset: opening reads only an index (atom counts), a structure is read at
+        a lazy dataset: opening reads only an index (atom counts; kept on disk with the
+        label counts and species after the first pass, :mod:`xnn.data.sources.index`, so
+        a second opening of an unchanged file reads no structure), a structure is read at
         its use; non-finite labels are refused there (one line). Several files: a
         :class:`~xnn.data.datasets.ConcatDataset` named ``path``.
     Raises:
@@ -131,7 +138,7 @@ def open_source(path: str | os.PathLike, format: str | None = None, *,  # noqa: 
     files, fmt = source_files(path, format)
     keys = dict(energy_key=energy_key, forces_key=forces_key, stress_key=stress_key,
                 virial_key=virial_key)
-    parts = [_open_one(f, fmt, weight, keys) for f in files]
+    parts = [_open_one(f, fmt, weight, keys, workers) for f in files]
     if len(parts) == 1:
         return parts[0]
     dataset = ConcatDataset(parts)
@@ -147,6 +154,7 @@ def read_structures(
     stress_key: str = "stress",
     virial_key: str = "virial",
     format: str | None = None,  # noqa: A002
+    workers: int | None = None,
 ):
     """Open a dataset (:func:`xnn.data.sources.open_source`: by suffix or ``format``; a file,
     folder of shards or glob) and check the labels of every structure read through ASE now.
@@ -155,7 +163,10 @@ def read_structures(
     whole; the check is one pass reading each structure once (the label counts are kept,
     :meth:`LabelledDataset.label_counts`). HDF5 and prepared datasets check theirs from
     their arrays at the first ``label_counts()``. :func:`~xnn.data.sources.open_source`
-    opens without the pass.
+    opens without the pass. The pass runs over ``workers`` processes (``None``: the
+    machine's CPUs shared by the ranks on it) and is stored with the file's index: a
+    second opening of an unchanged file (same size and modification time, same label
+    keys) reads no structure.
 
     Returns:
         a dataset (see the module docstring) whose structures have normalised labels.
@@ -166,7 +177,7 @@ def read_structures(
     """
     fmt = source_files(path, format)[1]
     ds = open_source(path, fmt, weight=weight, energy_key=energy_key, forces_key=forces_key,
-                     stress_key=stress_key, virial_key=virial_key)
+                     stress_key=stress_key, virial_key=virial_key, workers=workers)
     if fmt in ("extxyz", "aselmdb", "db"):
         ds.label_counts()
     return ds

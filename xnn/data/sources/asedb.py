@@ -33,21 +33,33 @@ from xnn.errors import DataFileError
 _NUMBERS = re.compile(rb'^\{"numbers": \{"__ndarray__": \[\[(\d+)\], "\w+", \[')
 _PREFIX = 64
 
-#: ASE-LMDB databases open in this process, by absolute path. The lmdb library refuses to
+#: ASE-LMDB databases open in this process, by absolute path (with the inode, size and
+#: modification time of the file they were opened on). The lmdb library refuses to
 #: open one file twice in a process, so two datasets of one file share its handle; and a
 #: forked child inherits that refusal for the files its parent holds open, so every handle
 #: is closed before a fork (DataLoader workers) and reopened at its next use, in the parent
 #: and the child alike.
-_LMDB_OPEN: dict[str, object] = {}
+_LMDB_OPEN: dict[str, tuple[object, tuple[int, int, int]]] = {}
 
 
 def close_lmdb_handles() -> None:
     """Close the ASE-LMDB databases this process holds (they reopen at their next read)."""
     while _LMDB_OPEN:
-        _LMDB_OPEN.popitem()[1].close()
+        _LMDB_OPEN.popitem()[1][0].close()
 
 
 os.register_at_fork(before=close_lmdb_handles)
+
+
+class _Rows:
+    """The index of a database source: row ids and atom counts."""
+
+    def _index_arrays(self) -> dict[str, np.ndarray]:
+        return {"ids": self.ids, "n_atoms": self.n_atoms}
+
+    def _use(self, arrays: dict[str, np.ndarray]) -> None:
+        self.ids = arrays["ids"].astype(np.int64)
+        self.n_atoms = arrays["n_atoms"].astype(np.int64)
 
 
 def _atoms_of_row(row):
@@ -58,15 +70,20 @@ def _atoms_of_row(row):
     return atoms
 
 
-class SQLiteSource(AtomsSource):
+class SQLiteSource(_Rows, AtomsSource):
     """The structures of an ASE SQLite database (``.db``), read one row at a time."""
 
-    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str]):
-        super().__init__(path, weight, keys)
+    FORMAT = "db"
+
+    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str],
+                 workers: int | None = None):
+        super().__init__(path, weight, keys, workers)
+        self._open_index()
+
+    def _scan(self) -> None:
         rows = self._query("SELECT id, natoms FROM systems ORDER BY id")
         table = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
         self.ids, self.n_atoms = table[:, 0], table[:, 1]
-        self._refuse_empty()
 
     def _query(self, sql: str) -> list:
         uri = "file:" + os.path.abspath(self.source) + "?mode=ro"
@@ -99,32 +116,48 @@ class SQLiteSource(AtomsSource):
         return list(self._species)
 
 
-class LMDBSource(AtomsSource):
+class LMDBSource(_Rows, AtomsSource):
     """The structures of an ASE-LMDB file (``.aselmdb``/``.lmdb``), read one row at a time,
     read-only and without locks (safe with many readers)."""
 
-    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str]):
-        super().__init__(path, weight, keys)
+    FORMAT = "aselmdb"
+
+    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str],
+                 workers: int | None = None):
+        super().__init__(path, weight, keys, workers)
+        self._open_index()
+
+    def _scan(self) -> None:
         db = self._handle()
         self.ids = np.asarray(db.ids, dtype=np.int64)
         with db.env.begin() as txn:
             self.n_atoms = np.asarray([self._count(txn, i) for i in self.ids.tolist()],
                                       dtype=np.int64)
-        self._refuse_empty()
 
     def _handle(self):
-        """The database, opened at most once per process and file (see ``_LMDB_OPEN``)."""
+        """The database, opened at most once per process and file (see ``_LMDB_OPEN``), and
+        again where the file changed since (a handle would read the file it was opened on)."""
         from ase_db_backends.aselmdb import LMDBDatabase
         from lmdb import Error
 
         key = os.path.abspath(self.source)
-        if key not in _LMDB_OPEN:
+        try:
+            st = os.stat(key)
+        except OSError as e:
+            raise DataFileError(f"cannot read {self.source}: {e.strerror}") from None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        held = _LMDB_OPEN.get(key)
+        if held is not None and held[1] != version:
+            _LMDB_OPEN.pop(key)[0].close()
+            held = None
+        if held is None:
             try:
-                _LMDB_OPEN[key] = LMDBDatabase(self.source, readonly=True, readahead=False)
+                held = _LMDB_OPEN[key] = (LMDBDatabase(self.source, readonly=True,
+                                                       readahead=False), version)
             except Error as e:
                 raise DataFileError(f"cannot read {self.source} as an ASE-LMDB database: "
                                     f"{e}") from None
-        return _LMDB_OPEN[key]
+        return held[0]
 
     def _head(self, txn, row_id: int, size: int) -> bytes:
         """The first ``size`` bytes of row ``row_id``'s decompressed record."""

@@ -3,9 +3,10 @@
 Opening makes one pass over the file that looks only at line breaks and the atom-count
 line of each frame (numpy over 64 MiB blocks of a memory map; the rest of a frame is
 skipped, not parsed) and keeps ``[frames + 1]`` int64 byte offsets and ``[frames]`` atom
-counts in memory (16 bytes a frame; nothing is written beside the file). ``ds[i]`` reads the
-bytes of frame ``i`` and parses them with ASE's extxyz reader, so a structure equals the
-same frame of ``ase.io.read(path, ":")``.
+counts in memory (16 bytes a frame), stored on disk with the label counts after the first
+pass (:mod:`xnn.data.sources.index`). ``ds[i]`` reads the bytes of frame ``i`` and parses
+them with ASE's extxyz reader, so a structure equals the same frame of
+``ase.io.read(path, ":")``.
 """
 
 from __future__ import annotations
@@ -83,10 +84,22 @@ class ExtxyzSource(AtomsSource):
     """The frames of an extxyz file (``.xyz``/``.extxyz``), read one at a time through
     :func:`frame_index`."""
 
-    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str]):
-        super().__init__(path, weight, keys)
+    FORMAT = "extxyz"
+
+    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str],
+                 workers: int | None = None):
+        super().__init__(path, weight, keys, workers)
+        self._open_index()
+
+    def _scan(self) -> None:
         self.offsets, self.n_atoms = frame_index(self.source)
-        self._refuse_empty()
+
+    def _index_arrays(self) -> dict[str, np.ndarray]:
+        return {"offsets": self.offsets, "n_atoms": self.n_atoms}
+
+    def _use(self, arrays: dict[str, np.ndarray]) -> None:
+        self.offsets = arrays["offsets"].astype(np.int64)
+        self.n_atoms = arrays["n_atoms"].astype(np.int64)
 
     def _connect(self):
         return open(self.source, "rb")  # noqa: SIM115 (held for the process, see _handle)

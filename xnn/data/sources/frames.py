@@ -27,6 +27,8 @@ from xnn.data.datasets import (
     refuse_non_finite_labels,
 )
 from xnn.data.graph import AtomicGraph
+from xnn.data.sources.index import identity, load_index, save_index
+from xnn.data.sources.scan import first_pass
 from xnn.errors import DataFileError, InputError
 
 
@@ -62,6 +64,39 @@ def graph_of(atoms, index: int, first_atom: int, keys: dict[str, str], weight: f
     })
 
 
+def _label_row(atoms, keys: dict[str, str]) -> np.ndarray | None:
+    """``[3]`` the label counts :func:`~xnn.data.datasets.label_counts_of` gives the graph
+    of ``atoms`` (:func:`graph_of`), or ``None`` where that graph would be refused (no
+    atoms, a failed check, a non-finite label)."""
+    if len(atoms) == 0:
+        return None
+    try:
+        labels = ase_io.checked_labels(atoms, **keys)
+    except (DataFileError, InputError):
+        return None
+    if not all(np.isfinite(v).all() for v in labels.values()):
+        return None
+    stress = "stress" in labels or ("virial" in labels and bool(np.all(atoms.pbc)))
+    return np.asarray([int("energy" in labels), 3 * len(atoms) * int("forces" in labels),
+                       9 * int(stress)], dtype=np.int64)
+
+
+def counts_of_presence(bits: np.ndarray, n_atoms: np.ndarray) -> np.ndarray:
+    """``[len, 3]`` label counts from ``[len]`` uint8 label presence (bit 0 energy, 1
+    forces of every atom, 2 stress)."""
+    bits = np.asarray(bits, dtype=np.int64)
+    return np.stack([bits & 1, 3 * np.asarray(n_atoms, np.int64) * ((bits >> 1) & 1),
+                     9 * ((bits >> 2) & 1)], -1)
+
+
+def presence_of_counts(counts: np.ndarray, n_atoms: np.ndarray) -> np.ndarray | None:
+    """The label presence of :func:`counts_of_presence` (1 byte a structure instead of
+    24), or ``None`` where some structure has forces on only some atoms."""
+    bits = ((counts[:, 0] > 0) | (counts[:, 1] > 0) << 1 | (counts[:, 2] > 0) << 2)
+    bits = bits.astype(np.uint8)
+    return bits if np.array_equal(counts_of_presence(bits, n_atoms), counts) else None
+
+
 def isolated_entry(atoms, graph: AtomicGraph) -> tuple[int, float] | None:
     """``(atomic number, energy label)`` of an isolated-atom entry, else ``None``."""
     if not is_isolated_atom(atoms):
@@ -88,26 +123,90 @@ def read_in_memory(path: str | os.PathLike, weight: float,
 class AtomsSource(LabelledDataset):
     """A file of structures read one at a time, by index, as ``ase.Atoms``.
 
-    A subclass sets ``n_atoms`` (``[len]`` int64, from an index of the file, never from the
-    structures) in its ``__init__`` and implements :meth:`_connect` (a handle to the file,
-    opened once per process, so the source pickles without it: DataLoader workers reopen it)
-    and :meth:`_atoms` (structure ``index`` from that handle).
+    A subclass names its :attr:`FORMAT`, implements :meth:`_scan` (``n_atoms`` and its
+    own index arrays, from the file, never from the structures) and :meth:`_use` (take
+    them), :meth:`_connect` (a handle to the file, opened once per process, so the source
+    pickles without it: DataLoader workers reopen it) and :meth:`_atoms` (structure
+    ``index`` from that handle), and calls :meth:`_open_index` at the end of its
+    ``__init__``. The index, and after the first pass the label counts and species, are
+    kept on disk (:mod:`xnn.data.sources.index`): a second opening of the unchanged file
+    reads them back instead.
 
     Args:
         path: the file, as the user named it (``origin`` and messages name it).
         weight: the loss weight of its structures.
         keys: ``{energy_key, forces_key, stress_key, virial_key}: key``.
+        workers: processes of the first pass over the structures (:meth:`label_counts`;
+            ``None``: the machine's CPUs shared by the ranks on it; 0 or 1: this
+            process).
     """
 
-    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str]):
+    #: the format name (:data:`xnn.data.sources.FORMATS`), part of the stored index's key
+    FORMAT = ""
+
+    def __init__(self, path: str | os.PathLike, weight: float, keys: dict[str, str],
+                 workers: int | None = None):
         self.source = os.fspath(path)
         self.name = Path(path).name
         self.weight = float(weight)
         self.keys = dict(keys)
+        self.workers = workers
         self._handle_cache = None
         self._handle_pid: int | None = None
         self._species: list[int] | None = None
         self._isolated: dict[int, tuple[int, float]] | None = None
+        self._made_for: dict | None = None
+
+    # ------------------------------------------------------------------ the index
+    def _scan(self) -> None:
+        """Read the index from the file: set ``n_atoms`` (``[len]``) and the subclass's own
+        arrays."""
+        raise NotImplementedError
+
+    def _index_arrays(self) -> dict[str, np.ndarray]:
+        """``{"n_atoms": ..., ...}``: the index :meth:`_scan` read, as it is stored."""
+        raise NotImplementedError
+
+    def _use(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take the arrays of :meth:`_index_arrays` read back from disk."""
+        raise NotImplementedError
+
+    def _open_index(self) -> None:
+        """The index from disk where one was made for the file as it is, else from
+        :meth:`_scan` (written to disk with the label counts after the first pass, which
+        checks every structure: a file with a broken structure leaves nothing on disk);
+        refuses an empty file or structure."""
+        self._made_for = identity(self.source, self.FORMAT, self.keys)
+        stored = load_index(self.source, self.FORMAT, self.keys)
+        if stored is not None:
+            try:
+                self._use(stored)
+                self._restore(stored)
+            except KeyError:  # not what this source stores: made again
+                stored = None
+        if stored is None:
+            self._scan()
+        self._refuse_empty()
+
+    def _restore(self, stored: dict[str, np.ndarray]) -> None:
+        if "labels" in stored:
+            self._label_counts = counts_of_presence(stored["labels"], self.n_atoms)
+        elif "label_counts" in stored:
+            self._label_counts = stored["label_counts"].astype(np.int64)
+        if "species" in stored:
+            self._species = stored["species"].astype(np.int64).tolist()
+
+    def _save_index(self) -> None:
+        out = self._index_arrays()
+        if self._label_counts is not None:
+            bits = presence_of_counts(self._label_counts, self.n_atoms)
+            if bits is not None:
+                out["labels"] = bits
+            else:
+                out["label_counts"] = self._label_counts
+        if self._species is not None:
+            out["species"] = np.asarray(self._species, dtype=np.int64)
+        save_index(self.source, self.FORMAT, self.keys, self._made_for, out)
 
     # ------------------------------------------------------------------ the file
     def _connect(self):
@@ -170,15 +269,33 @@ class AtomsSource(LabelledDataset):
     def __getitem__(self, index: int) -> AtomicGraph:
         return self._read(index)[1]
 
+    def count_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """``([hi - lo, 3] label counts, atomic numbers present)`` of structures
+        ``lo..hi``, each read once (refusing a broken one).
+
+        A structure's labels are counted from its ``Atoms`` (:func:`~xnn.data.ase_io.
+        checked_labels`: the checks of the graph's conversion, no graph built); one that
+        fails a check or holds a non-finite label is read again as a graph, which refuses
+        it with the message of any other read."""
+        rows = np.zeros((hi - lo, 3), np.int64)
+        found: set[int] = set()
+        for i in range(lo, hi):
+            atoms = self.atoms(i)
+            row = _label_row(atoms, self.keys) if len(atoms) == self.n_atoms[i] else None
+            if row is None:  # refused here, as at any read
+                row = label_counts_of(self[i])[0]
+            rows[i - lo] = row
+            found.update(np.unique(atoms.numbers).tolist())
+        return rows, np.asarray(sorted(found), dtype=np.int64)
+
     def _count_labels(self) -> np.ndarray:
-        """One pass reading every structure (refusing a broken one); finds the species too."""
-        rows, found = [np.zeros((0, 3), np.int64)], set()
-        for i in range(len(self)):
-            g = self[i]
-            rows.append(label_counts_of(g))
-            found |= set(g.numbers.unique().tolist())
-        self._species = sorted(found)
-        return np.concatenate(rows)
+        """One pass reading every structure (:func:`~xnn.data.sources.scan.first_pass`,
+        over ``workers`` processes); finds the species too, and stores both with the
+        index."""
+        counts, self._species = first_pass(self, self.workers)
+        self._label_counts = counts
+        self._save_index()
+        return counts
 
     def species(self) -> list[int]:
         """Atomic numbers present (found by the pass of :meth:`label_counts`)."""

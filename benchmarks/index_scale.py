@@ -1,0 +1,147 @@
+"""Start-up cost of a lazy dataset: the first open (index pass) and the second (stored index).
+
+A synthetic set of ``--n`` periodic Cu/Au structures of 4 to 48 atoms (labels in a
+single-point calculator: energy, forces, stress) is written as extxyz, ASE-LMDB and ASE
+SQLite (``--work DIR`` keeps it for later runs). For each format, a fresh process opens it
+the way training does (:func:`xnn.data.sources.read_structures`: atom counts, label counts
+and species of every structure) with ``--workers`` processes for the first pass, twice:
+
+* ``first_s``: no index stored (any index beside the file or in the cache is removed first);
+* ``second_s``: the index the first open wrote is read back.
+
+``*_cpu_s`` is the CPU time of the process and its workers (user + system), a better
+measure than the wall time on a shared machine; ``load`` is the 1-minute load average.
+
+Usage::
+
+    python benchmarks/index_scale.py --n 20000 --work /tmp/idx20k --json index_scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SUFFIX = {"extxyz": "xyz", "aselmdb": "aselmdb", "db": "db"}
+KEYS = {"energy_key": "energy", "forces_key": "forces", "stress_key": "stress",
+        "virial_key": "virial"}
+
+
+def synthetic_frames(n: int, seed: int = 0):
+    """``n`` Cu/Au fcc cells (4-48 atoms), rattled, with calculator labels."""
+    from ase.build import bulk
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    rng = np.random.default_rng(seed)
+    reps = [(1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2), (2, 2, 3)]
+    for _ in range(n):
+        a = bulk("Cu", "fcc", a=3.6, cubic=True) * reps[int(rng.integers(len(reps)))]
+        a.numbers[rng.random(len(a)) < 0.4] = 79
+        a.positions += rng.normal(scale=0.05, size=a.positions.shape)
+        a.calc = SinglePointCalculator(a, energy=float(rng.normal(-3.5 * len(a))),
+                                       forces=rng.normal(size=(len(a), 3)),
+                                       stress=rng.normal(size=6) * 1e-2)
+        yield a
+
+
+def write_set(work: Path, n: int, fmt: str) -> Path:
+    """The set as ``work/set_<n>.<suffix>`` (written once)."""
+    import ase.io
+    from ase.db import connect
+
+    path = work / f"set_{n}.{SUFFIX[fmt]}"
+    if path.exists():
+        return path
+    tmp = path.with_name("tmp_" + path.name)
+    if fmt == "extxyz":
+        ase.io.write(tmp, list(synthetic_frames(n)), format="extxyz")
+    else:
+        db = connect(str(tmp), type=fmt)
+        with db:
+            for a in synthetic_frames(n):
+                db.write(a)
+        del db
+    os.replace(tmp, path)
+    return path
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and its finished children (workers)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (
+        resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+
+
+def open_once(path: str, workers: int) -> dict:
+    """One open as training does it (the ``--case`` entry)."""
+    from xnn.data.sources import read_structures
+
+    t0, c0 = time.perf_counter(), _cpu_s()
+    ds = read_structures(path, workers=workers)
+    counts = ds.label_counts()
+    species = ds.species()
+    return {"seconds": time.perf_counter() - t0, "cpu_s": _cpu_s() - c0,
+            "load": os.getloadavg()[0], "structures": len(ds),
+            "atoms": int(np.asarray(ds.n_atoms).sum()), "labels": counts.sum(0).tolist(),
+            "species": species}
+
+
+def _case(path: Path, workers: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--case", str(path), str(workers)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--formats", nargs="+", default=["extxyz", "aselmdb", "db"])
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--work", default=None, help="folder for the data (kept)")
+    ap.add_argument("--write-only", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--case", nargs=2, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.case:
+        print(json.dumps(open_once(a.case[0], int(a.case[1]))))
+        return
+    work = Path(a.work or "/tmp/xnn_index_scale")
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for fmt in a.formats:
+        path = write_set(work, a.n, fmt)
+        if a.write_only:
+            continue
+        from xnn.data.sources.index import index_paths
+
+        for workers in a.workers:
+            for p in index_paths(path, fmt, KEYS):
+                p.unlink(missing_ok=True)
+            first, second = _case(path, workers), _case(path, workers)
+            assert first["labels"] == second["labels"] and first["species"] == second["species"]
+            row = {"format": fmt, "n": a.n, "workers": workers, "first_s": first["seconds"],
+                   "first_cpu_s": first["cpu_s"], "second_s": second["seconds"],
+                   "second_cpu_s": second["cpu_s"], "load": first["load"],
+                   "mib": path.stat().st_size / 2**20}
+            rows.append(row)
+            print(f"{fmt:8s} workers={workers} first {row['first_s']:7.2f} s "
+                  f"({row['first_cpu_s']:.2f} CPU s)  second {row['second_s']:6.3f} s  "
+                  f"(load {row['load']:.1f})", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"benchmark": "index_scale", "cpu_count": os.cpu_count(), "rows": rows},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -42,10 +42,8 @@ def _one_phase_baseline(cfg: LearnConfig, n: int, folder: Path) -> dict:
     folder.mkdir()
     ase.io.write(folder / "random.xyz", make_data.initial_structures(n, seed=11),
                  format="extxyz")
-    members = [lt.train_member(cfg, [str(folder / "random.xyz")], folder / f"member_{k}", k,
-                               None) for k in range(cfg.train.members)]
-    lt.save_committee(members, folder / "model.pt")
-    model = lt.load_committee(folder / "model.pt", torch.device("cpu"))
+    path = lt.train_committee(cfg, [str(folder / "random.xyz")], folder / "train", None)
+    model = lt.load_committee(path, torch.device("cpu"))
     return lt.test_errors(model, ll.read_frames(Path(cfg.test)))
 
 

@@ -38,8 +38,13 @@ class LearnTrainConfig:
                              "data.datasets are replaced by the loop's data")
     config: dict[str, Any] = field({}, "train config keys applied on top of train.file, e.g. "
                                    "{model: {name: schnet, cutoff: 4.0}, max_epochs: 30}")
+    members: int | None = field(None, "removed: write train.committee (refused when set)")
 
     def __post_init__(self):
+        if self.members is not None:
+            raise ConfigError(f"train.members={self.members} was replaced: write "
+                              f"train.committee: {self.members} (one xnn train run with "
+                              "committee.size=K)")
         check_range("train.committee", self.committee, 2)
         if self.bootstrap and self.mode == "finetune":
             raise ConfigError("train.bootstrap=true needs train.mode=scratch (xnn train goes "

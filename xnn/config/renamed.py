@@ -18,7 +18,6 @@ RENAMED: dict[str, str] = {
     "dd.mode": "parallel.mode",
     "dd.order": "parallel.order",
     "dd": "the parallel section (parallel.mode, parallel.order)",
-    "train.members": "train.committee: K (xnn learn: one xnn train run with committee.size=K)",
 }
 
 #: old ``dd.mode`` values -> the ``parallel.mode`` word of the same meaning

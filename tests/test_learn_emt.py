@@ -8,8 +8,8 @@ one would have without the loop). The learning curve is plotted.
 Reported, not asserted (printed; figures in docs/active-learning.md): the initial 20 plus 24
 structures drawn at random from the loop's own candidate frames (every round's
 ``candidates.extxyz``, labelled with EMT), over ``DRAWS`` draws, against the loop's 44: in this
-setting the loop's uncertainty-and-diversity selection is not measurably better than random
-among its candidates.
+setting the loop's uncertainty-and-diversity selection is not better than random among its
+candidates (worse on average over three loop seeds).
 """
 
 from __future__ import annotations

@@ -91,22 +91,22 @@ def farthest_point_selection(cand: np.ndarray, scores: np.ndarray, reference: np
     Returns:
         the picks in the order they were chosen.
     """
-    eligible = np.flatnonzero(scores > threshold) if threshold is not None \
+    pool = np.flatnonzero(scores > threshold) if threshold is not None \
         else np.arange(len(scores))
-    if eligible.size == 0 or budget < 1:
+    if pool.size == 0 or budget < 1:
         return []
     if len(reference):
-        nearest = np.min(np.linalg.norm(cand[eligible, None, :] - reference[None, :, :],
+        nearest = np.min(np.linalg.norm(cand[pool, None, :] - reference[None, :, :],
                                         axis=-1), axis=1)
     else:
-        nearest = np.full(eligible.size, np.inf)
+        nearest = np.full(pool.size, np.inf)
     picks: list[Pick] = []
-    left = np.ones(eligible.size, dtype=bool)
+    left = np.ones(pool.size, dtype=bool)
     while left.any() and len(picks) < budget:
-        order = np.lexsort((eligible, -scores[eligible], -nearest))  # far, sure, first
+        order = np.lexsort((pool, -scores[pool], -nearest))  # far, sure, first
         k = next(int(k) for k in order if left[k])
-        idx = int(eligible[k])
+        idx = int(pool[k])
         picks.append(Pick(idx, float(scores[idx]), float(nearest[k])))
         left[k] = False
-        nearest = np.minimum(nearest, np.linalg.norm(cand[eligible] - cand[idx], axis=-1))
+        nearest = np.minimum(nearest, np.linalg.norm(cand[pool] - cand[idx], axis=-1))
     return picks

@@ -102,5 +102,5 @@ def test_loop_beats_random_structures_of_the_initial_phase_on_emt_copper(tmp_pat
     print(f"loop {last['test_forces_mae_meV_A']:.1f} meV/Å against {n_added} random frames of "
           f"its own candidates: {', '.join(f'{m:.1f}' for m in pool)} (mean "
           f"{sum(pool) / len(pool):.1f}); forces calibration per round "
-          f"{[round(r['forces_calibration'], 1) for r in rows]}; candidates' score "
-          f"(calibrated, max eV/Å) {[r['uncertainty_max_meV_A'] for r in rows[:-1]]} meV/Å")
+          f"{[round(r['forces_calibration'], 1) for r in rows]}; largest calibrated candidate "
+          f"score per round {[round(r['uncertainty_max_meV_A']) for r in rows[:-1]]} meV/Å")

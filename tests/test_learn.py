@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "learn" / "loop.yaml"
 #: a small loop: one acquisition round (round 0) and the final training (round 1)
 EPOCHS = 4
-FAST = ["rounds=1", "train.members=2", f"train.config.max_epochs={EPOCHS}", "explore.starts=2",
+FAST = ["rounds=1", "train.committee=2", f"train.config.max_epochs={EPOCHS}", "explore.starts=2",
         "explore.sample_every=10", "explore.stages.0.steps=40", "explore.stages.1.steps=40",
         "select.threshold=0.0", "select.budget=4", "test=null",
         "label.calculator=helpers.labellers:counting_emt", "label.trust=true"]
@@ -161,17 +161,34 @@ def test_config_checks(tmp_path):
     from xnn.app.learn_train import train_config
 
     with pytest.raises(ConfigError, match="optim.lr"):
-        train_config(cfg, ["x.xyz"], tmp_path, 0)
+        train_config(cfg, ["x.xyz"], tmp_path)
+    # one spelling of the committee: train.committee (train.members refused, naming it)
+    with pytest.raises(ConfigError, match="train.members=3 was replaced: write train.committee: 3"):
+        load_config(LearnConfig, EXAMPLE, ["train.members=3"])
+    with pytest.raises(ConfigError, match="train.committee"):
+        load_config(LearnConfig, EXAMPLE, ["train.committee=1"])
+    with pytest.raises(ConfigError, match="train.mode=scratch"):
+        load_config(LearnConfig, EXAMPLE, ["train.bootstrap=true", "train.mode=finetune"])
+    cfg = load_config(LearnConfig, EXAMPLE, ["train.config.committee={size: 4}"])
+    with pytest.raises(ConfigError, match="committee.size: the loop sets it"):
+        train_config(cfg, ["x.xyz"], tmp_path)
+    boot = train_config(load_config(LearnConfig, EXAMPLE, ["train.committee=4", "seed=5",
+                                                           "train.bootstrap=true"]),
+                        ["x.xyz"], tmp_path)
+    assert (boot.committee.size, boot.committee.bootstrap, boot.seed) == (4, True, 5)
+    assert boot.committee.seeds is None  # xnn train's default: member k seeded seed + k
     # a train YAML, the inline keys on top, the loop's data, folder and seed last
     cfg = load_config(LearnConfig, EXAMPLE, [f"train.file={ROOT / 'examples' / 'train_emt.yaml'}",
                                              "train.config=null", "train.config.max_epochs=2"])
-    tc = train_config(cfg, ["a.xyz", "b.xyz"], tmp_path / "m1", 1, pretrained="p.pt")
+    tc = train_config(cfg, ["a.xyz", "b.xyz"], tmp_path / "m1", pretrained="p.pt")
     assert tc.model.name == "schnet" and tc.model.hyperparameters == {}  # kept: pretrained
+    assert tc.committee.size == 1  # a pretrained committee file is trained on as it is
     assert tc.max_epochs == 2 and tc.loss.stress.weight == 10.0  # train_emt.yaml's
     assert [d.path for d in tc.data.datasets] == ["a.xyz", "b.xyz"]
-    assert (tc.output_dir, tc.seed, tc.pretrained) == (str(tmp_path / "m1"), 1, "p.pt")
-    scratch = train_config(cfg, ["a.xyz"], tmp_path / "m0", 0)
+    assert (tc.output_dir, tc.seed, tc.pretrained) == (str(tmp_path / "m1"), 0, "p.pt")
+    scratch = train_config(cfg, ["a.xyz"], tmp_path / "m0")
     assert scratch.model.hyperparameters["num_features"] == 32 and scratch.pretrained is None
+    assert (scratch.committee.size, scratch.committee.bootstrap) == (3, False)
 
 
 def test_open_loop_continues_only_the_same_settings(tmp_path):
@@ -254,6 +271,8 @@ def _same_dataset(out: Path, full: Path) -> None:
 
 
 def test_uninterrupted_loop_files(uninterrupted):
+    import yaml
+
     _, out, log = uninterrupted
     starts, ends = _calls(log)
     assert len(ends) == 4 and sorted(starts) == sorted(ends) and len(set(ends)) == 4
@@ -272,6 +291,24 @@ def test_uninterrupted_loop_files(uninterrupted):
     assert (out / "learning_curve.png").stat().st_size > 0
     for r in ("round_000", "round_001"):
         assert (out / r / "model.pt").is_file() and (out / r / "summary.json").is_file()
+        # the committee: one xnn train run of committee.size=2, its model file the round's
+        assert (out / r / "model.pt").read_bytes() == (out / r / "train" / "model.pt").read_bytes()
+        assert yaml.safe_load((out / r / "train" / "config.yaml").read_text())["committee"][
+            "size"] == 2
+    # scores are calibrated spreads; the raw ones are logged beside them
+    import torch
+
+    from xnn.app.learn_train import load_committee, score
+
+    model = load_committee(out / "round_000" / "model.pt", torch.device("cpu"))
+    factor = model.calibration["forces"]
+    row = json.loads((out / "round_000" / "summary.json").read_text())
+    assert row["forces_calibration"] == factor and factor != 1.0  # fitted on validation
+    candidates = ll.read_frames(out / "round_000" / "candidates.extxyz")
+    np.testing.assert_allclose([a.info["score"] for a in candidates[:5]],
+                               score(model, candidates[:5]), rtol=1e-9)
+    for a in (*candidates, *selected):
+        assert a.info["score_raw"] == pytest.approx(a.info["score"] / factor, rel=1e-12)
 
 
 def test_kill_during_labelling_resumes_without_relabelling(uninterrupted, tmp_path):
@@ -293,15 +330,15 @@ def test_kill_during_labelling_resumes_without_relabelling(uninterrupted, tmp_pa
 def test_kill_during_training_resumes_from_checkpoint(uninterrupted, tmp_path):
     initial, full, _ = uninterrupted
     out, log = tmp_path / "killed", tmp_path / "killed.log"
-    member = out / "round_000" / "train" / "member_1"
-    _kill_when(initial, out, log, lambda: (member / "checkpoints" / "last.pt").is_file(),
+    run = out / "round_000" / "train"  # the committee's one xnn train run
+    _kill_when(initial, out, log, lambda: (run / "checkpoints" / "last.pt").is_file(),
                sleep=0.0)
-    assert not (member / "summary.json").is_file() and not log.is_file()
+    assert not (run / "summary.json").is_file() and not log.is_file()
     _run(initial, out, log)
     starts, ends = _calls(log)
     assert len(ends) == 4 and sorted(starts) == sorted(ends) and len(set(ends)) == 4
     _same_dataset(out, full)
-    metrics = (member / "metrics.csv").read_text().splitlines()
+    metrics = (run / "metrics.csv").read_text().splitlines()
     assert len(metrics) == 1 + EPOCHS  # resumed: every epoch once
 
 
@@ -317,27 +354,30 @@ def test_kill_during_exploration_resumes_the_campaign(uninterrupted, tmp_path):
     _same_dataset(out, full)
 
 
-def test_finetune_mode_starts_members_from_the_previous_round(uninterrupted, tmp_path):
-    """train.mode=finetune: member k of round 1 is trained from member k of round 0."""
+def test_finetune_mode_trains_on_from_the_previous_committee(uninterrupted, tmp_path):
+    """train.mode=finetune: round 1's one run goes on training round 0's committee file."""
+    import torch
     import yaml
 
     from xnn.app.learn import run_learn
+    from xnn.app.learn_train import load_committee
 
     initial = uninterrupted[0]
     cfg = load_config(LearnConfig, EXAMPLE, [f"initial={initial}", f"output={tmp_path / 'ft'}",
                                              "train.mode=finetune", "label.calculator=emt",
                                              *FAST[:-2]])
     out = run_learn(cfg)
-    for k in range(2):
-        run = out / "round_001" / "train" / f"member_{k}"
-        used = yaml.safe_load((run / "config.yaml").read_text())
-        assert used["pretrained"] == str(out / "round_000" / "train" / f"member_{k}" /
-                                         "model.pt")
-        assert used["seed"] == k
-        assert used["data"]["datasets"][1]["path"] == str(out / "round_000" /
-                                                          "labelled.extxyz")
-    first = yaml.safe_load((out / "round_000" / "train" / "member_0" / "config.yaml").read_text())
-    assert first["pretrained"] is None
+    used = yaml.safe_load((out / "round_001" / "train" / "config.yaml").read_text())
+    assert used["pretrained"] == str(out / "round_000" / "model.pt")
+    assert used["seed"] == 0 and used["committee"]["size"] == 1  # the file's committee
+    assert used["data"]["datasets"][1]["path"] == str(out / "round_000" / "labelled.extxyz")
+    first = yaml.safe_load((out / "round_000" / "train" / "config.yaml").read_text())
+    assert first["pretrained"] is None and first["committee"]["size"] == 2
+    m0, m1 = (load_committee(out / f"round_{r:03d}" / "model.pt", torch.device("cpu"))
+              for r in range(2))
+    assert m1.committee_size == 2
+    w0, w1 = m0.state_dict(), m1.state_dict()
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)  # trained on
     # continued with one more round: round 1, which only trained, now acquires; round 2 trains
     before = (out / "round_001" / "model.pt").read_bytes()
     run_learn(dataclasses.replace(cfg, rounds=2))
@@ -359,22 +399,25 @@ def _schnet(seed: int):
                  num_interactions=2, num_basis=8)
 
 
-def test_committee_file_and_score_equal_members_evaluated_alone(tmp_path):
-    """The round's committee file of two member files scores a frame by the largest
-    per-atom std of the two members' forces, each evaluated alone; one member that is not a
-    committee is refused, one that is one is the round's file as it is."""
+def test_score_is_the_calibrated_spread_of_the_members_evaluated_alone(tmp_path):
+    """A committee file of two members with a forces factor of 3 scores a frame by 3 times
+    the largest per-atom std of the two members' forces, each evaluated alone (what
+    ``select.threshold`` is compared with); the raw score divides the factor out."""
     import torch
 
+    from xnn.app import learn_explore as lx
     from xnn.app import learn_train as lt
     from xnn.io.calculator import Calculator
+    from xnn.models.committee import Committee
     from xnn.models.serialization import save_model
 
     paths = [tmp_path / f"m{k}.pt" for k in range(2)]
-    for k, p in enumerate(paths):
-        save_model(_schnet(k), p)
-    lt.save_committee(paths, tmp_path / "committee.pt")
+    members = [_schnet(k) for k in range(2)]
+    for m, p in zip(members, paths, strict=True):
+        save_model(m, p)
+    save_model(Committee(members, calibration={"forces": 3.0}), tmp_path / "committee.pt")
     model = lt.load_committee(tmp_path / "committee.pt", torch.device("cpu"))
-    assert model.committee_size == 2
+    assert model.committee_size == 2 and lt.forces_factor(model) == 3.0
     frames = _fcc(2, 3)
     forces = []
     for p in paths:
@@ -382,8 +425,21 @@ def test_committee_file_and_score_equal_members_evaluated_alone(tmp_path):
         forces.append(np.stack([calc.get_forces(a) for a in frames]))
     mean = (forces[0] + forces[1]) / 2
     std = np.sqrt(((forces[0] - mean) ** 2 + (forces[1] - mean) ** 2).sum(-1) / 2)
-    np.testing.assert_allclose(lt.score(model, frames), std.max(axis=1), rtol=1e-9, atol=1e-12)
-    with pytest.raises(InputError, match="no spread"):
-        lt.save_committee(paths[:1], tmp_path / "one.pt")
-    lt.save_committee([tmp_path / "committee.pt"], tmp_path / "copy.pt")
-    assert (tmp_path / "copy.pt").read_bytes() == (tmp_path / "committee.pt").read_bytes()
+    np.testing.assert_allclose(lt.score(model, frames), 3.0 * std.max(axis=1), rtol=1e-9,
+                               atol=1e-12)
+    scored = lx.with_scores([a.copy() for a in frames], model)
+    np.testing.assert_allclose([a.info["score_raw"] for a in scored], std.max(axis=1),
+                               rtol=1e-9, atol=1e-12)
+
+
+def test_selection_without_threshold_takes_every_candidate():
+    """select.threshold: null makes every candidate eligible (the budget and farthest-point
+    order decide), as a threshold below every score does."""
+    rng = np.random.default_rng(5)
+    cand, ref = rng.normal(size=(30, 4)), rng.normal(size=(5, 4))
+    scores = rng.uniform(0.0, 1.0, size=30)
+    free = ls.farthest_point_selection(cand, scores, ref, None, 8)
+    low = ls.farthest_point_selection(cand, scores, ref, -1.0, 8)
+    assert [p.index for p in free] == [p.index for p in low] and len(free) == 8
+    assert [p.index for p in free] == [i for i, _ in _greedy(cand, scores, ref, -1.0, 8)]
+    assert ls.eligible(0.0, None) and not ls.eligible(0.1, 0.1) and ls.eligible(0.2, 0.1)

@@ -3,13 +3,16 @@ loop.
 
 Round ``r`` (folder ``round_NNN``), from the initial data plus the labels of rounds ``< r``:
 
-1. train K committee members (:mod:`xnn.app.learn_train`) → ``model.pt`` (one committee);
+1. train the committee of K members in one ``xnn train`` run (:mod:`xnn.app.learn_train`)
+   → ``train/``, ``model.pt`` (calibrated on the run's validation set);
 2. evaluate the committee on the test set;
 3. draw starts from the dataset → ``starts.extxyz``; explore them through the workflow
    stages (:mod:`xnn.app.learn_explore`) → ``explore/``;
-4. score every sampled frame (largest per-atom committee force std) → ``candidates.extxyz``;
-5. select, among candidates above the threshold, up to ``budget`` by farthest-point sampling
-   on a descriptor (:mod:`xnn.app.learn_select`) → ``selected.extxyz`` (score, distance);
+4. score every sampled frame (largest per-atom calibrated committee force std, and the raw
+   one) → ``candidates.extxyz``;
+5. select, among candidates above the threshold (all with ``threshold: null``), up to
+   ``budget`` by farthest-point sampling on a descriptor (:mod:`xnn.app.learn_select`) →
+   ``selected.extxyz`` (score, score_raw, distance);
 6. label them one by one (:mod:`xnn.app.learn_label`) → ``labels/<hash>.extxyz``, then
    ``labelled.extxyz``;
 7. ``summary.json`` (the round is complete), ``learning_curve.csv/png``.
@@ -26,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+
+import torch
 
 from xnn.app import learn_explore as lx
 from xnn.app import learn_label as ll
@@ -136,7 +141,8 @@ def run_round(loop: Loop, r: int) -> None:
     dataset = [a for f in files for a in ll.read_frames(Path(f))]
     model_path = train_round(loop, r, files)
     model = lt.load_committee(model_path, resolve_device(cfg.explore.device))
-    row = {"round": r, "n_train": len(dataset), "n_candidates": None, "n_above": None,
+    row = {"round": r, "n_train": len(dataset), "forces_calibration": lt.forces_factor(model),
+           "n_candidates": None, "n_above": None,
            "n_selected": None, "uncertainty_mean_meV_A": None, "uncertainty_max_meV_A": None,
            "test_forces_mae_meV_A": None, "test_energy_mae_meV_atom": None}
     if cfg.test:
@@ -149,20 +155,23 @@ def run_round(loop: Loop, r: int) -> None:
 
 
 def train_round(loop: Loop, r: int, files: list[str]) -> Path:
-    """The round's members and their committee file ``model.pt``."""
+    """The round's committee: one ``xnn train`` run in ``train/`` (fine-tuning: from the
+    previous round's ``model.pt``), its model file copied to ``model.pt``."""
+    from xnn._files import atomic_write_bytes
+
     cfg, rd = loop.cfg, loop.round_dir(r)
     path = rd / "model.pt"
     if path.is_file():
         return path
-    members = []
-    for k in range(cfg.train.members):
-        pre = None
-        if cfg.train.mode == "finetune" and r > 0:
-            pre = str(loop.round_dir(r - 1) / "train" / f"member_{k}" / "model.pt")
-        members.append(lt.train_member(cfg, files, rd / "train" / f"member_{k}", k, pre))
-    lt.save_committee(members, path)
-    loop.journal.log("trained", round=r, members=len(members), mode=cfg.train.mode,
-                     datasets=files, model=str(path))
+    pre = None
+    if cfg.train.mode == "finetune" and r > 0:
+        pre = str(loop.round_dir(r - 1) / "model.pt")
+    trained = lt.train_committee(cfg, files, rd / "train", pre)
+    atomic_write_bytes(path, trained.read_bytes())
+    model = lt.load_committee(path, torch.device("cpu"))
+    loop.journal.log("trained", round=r, committee=model.committee_size, mode=cfg.train.mode,
+                     pretrained=pre, datasets=files, model=str(path),
+                     calibration=dict(model.calibration))
     return path
 
 
@@ -178,7 +187,10 @@ def acquire(loop: Loop, r: int, dataset: list, model, model_path: Path) -> dict:
         frames = lx.with_scores(lx.sampled_frames(rd / "explore"), model)
         ll.write_frames(cand_path, frames)
         loop.journal.log("scored", round=r, candidates=len(frames),
-                         max_score=max((a.info["score"] for a in frames), default=None))
+                         max_score=max((a.info["score"] for a in frames), default=None),
+                         max_score_raw=max((a.info["score_raw"] for a in frames),
+                                           default=None),
+                         forces_calibration=lt.forces_factor(model))
     candidates = ll.read_frames(cand_path)
     sel_path = rd / "selected.extxyz"
     if not sel_path.is_file():
@@ -192,7 +204,7 @@ def acquire(loop: Loop, r: int, dataset: list, model, model_path: Path) -> dict:
     ll.write_frames(rd / "labelled.extxyz", labelled)
     scores = [a.info["score"] for a in candidates]
     return {"n_candidates": len(candidates),
-            "n_above": int(sum(s > cfg.select.threshold for s in scores)),
+            "n_above": int(sum(ls.eligible(s, cfg.select.threshold) for s in scores)),
             "n_selected": len(selected),
             "uncertainty_mean_meV_A": 1000.0 * float(sum(scores)) / len(scores) if scores else None,
             "uncertainty_max_meV_A": 1000.0 * float(max(scores)) if scores else None}
@@ -214,13 +226,14 @@ def select(loop: Loop, r: int, dataset: list, candidates: list) -> list:
         a = candidates[p.index].copy()
         a.info.update({"learn_pick": k, "candidate": p.index, "distance": p.distance})
         out.append(a)
+        above = ("no threshold" if sc.threshold is None
+                 else f"score {p.score:.4f} > threshold {sc.threshold} eV/Å")
         loop.journal.log("selected", round=r, pick=k, candidate=p.index,
                          source=a.info.get("learn_source"), score=p.score,
-                         distance=p.distance,
-                         why=f"score {p.score:.4f} > threshold {sc.threshold} eV/Å; "
-                             f"farthest remaining candidate (descriptor distance "
+                         score_raw=a.info["score_raw"], distance=p.distance,
+                         why=f"{above}; farthest remaining candidate (descriptor distance "
                              f"{p.distance:.4f})")
     loop.journal.log("selection", round=r, candidates=len(candidates),
-                     above_threshold=int((scores > sc.threshold).sum()), selected=len(out),
-                     budget=sc.budget, threshold=sc.threshold)
+                     above_threshold=int(sum(ls.eligible(s, sc.threshold) for s in scores)),
+                     selected=len(out), budget=sc.budget, threshold=sc.threshold)
     return out

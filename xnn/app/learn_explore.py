@@ -81,12 +81,16 @@ def sampled_frames(folder: Path) -> list:
 
 def with_scores(frames: list, model) -> list:
     """``frames`` with the committee's uncertainty in their info: ``score`` (largest
-    per-atom forces_std, eV/Å), ``forces_std_mean`` (eV/Å), ``energy_std`` (eV)."""
-    from xnn.app.learn_train import predict
+    per-atom calibrated forces_std, eV/Å), ``score_raw`` (the same spread before the
+    committee's forces calibration factor), ``forces_std_mean`` (calibrated, eV/Å),
+    ``energy_std`` (calibrated, eV)."""
+    from xnn.app.learn_train import forces_factor, predict
 
+    factor = forces_factor(model)
     for a, p in zip(frames, predict(model, frames), strict=True):
         std = p["forces_std"]
         a.info["score"] = float(std.max()) if len(std) else 0.0
+        a.info["score_raw"] = a.info["score"] / factor
         a.info["forces_std_mean"] = float(std.mean()) if len(std) else 0.0
         a.info["energy_std"] = p["energy_std"]
     return frames

@@ -1,10 +1,11 @@
 """Reports of ``xnn learn``: each round's ``summary.json`` row, ``learning_curve.csv`` and
 ``learning_curve.png`` (test force MAE and uncertainty against the training-set size).
 
-Uncertainties: ``uncertainty_mean/max_meV_A`` are the mean and largest score (a frame's
-largest per-atom committee force std) over the round's candidates;
-``test_forces_std_mean_meV_A`` is the committee's per-atom force std averaged over the test
-set's atoms."""
+Uncertainties are calibrated (the committee file's factors applied; ``forces_calibration`` is
+the round's forces factor, so a raw spread is the value divided by it):
+``uncertainty_mean/max_meV_A`` are the mean and largest score (a frame's largest per-atom
+committee force std) over the round's candidates; ``test_forces_std_mean_meV_A`` is the
+committee's per-atom force std averaged over the test set's atoms."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from xnn._files import atomic_write_text
 #: the columns of ``learning_curve.csv`` (errors and uncertainties in meV, meV/atom, meV/Å)
 COLUMNS = ("round", "n_train", "test_forces_mae_meV_A", "test_energy_mae_meV_atom",
            "uncertainty_mean_meV_A", "uncertainty_max_meV_A", "test_forces_std_mean_meV_A",
-           "n_candidates", "n_above", "n_selected")
+           "forces_calibration", "n_candidates", "n_above", "n_selected")
 
 
 def write_summary(path: Path, row: dict) -> None:

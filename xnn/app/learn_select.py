@@ -13,7 +13,8 @@ Euclidean norm of the difference of their descriptors. The descriptor is invaria
 translations, rotations, permutations and the choice of cell, and per atom (a supercell has
 its cell's descriptor).
 
-Selection. Eligible: candidates with score > threshold. Farthest-point sampling: each pick is
+Selection. Eligible: candidates with score > threshold (every candidate when the threshold is
+``None``). Farthest-point sampling: each pick is
 the eligible candidate farthest (in descriptor distance) from the current training set and
 the structures picked before it (ties: the higher score, then the lower index), until the
 budget is spent or no eligible candidate is left. Each pick records its distance.
@@ -60,6 +61,12 @@ def descriptors(frames: Sequence, pairs: Sequence[tuple[int, int]], r_max: float
     return np.stack([descriptor(a, pairs, r_max, bins) for a in frames])
 
 
+def eligible(score: float, threshold: float | None) -> bool:
+    """Whether a candidate of ``score`` may be selected: ``score > threshold``, or always when
+    ``threshold`` is ``None``."""
+    return threshold is None or score > threshold
+
+
 @dataclass(frozen=True)
 class Pick:
     """One selected candidate: its index, score (eV/Å) and the descriptor distance to the
@@ -71,33 +78,35 @@ class Pick:
 
 
 def farthest_point_selection(cand: np.ndarray, scores: np.ndarray, reference: np.ndarray,
-                             threshold: float, budget: int) -> list[Pick]:
-    """Farthest-point sampling among the candidates whose score exceeds ``threshold``.
+                             threshold: float | None, budget: int) -> list[Pick]:
+    """Farthest-point sampling among the candidates whose score exceeds ``threshold``
+    (``None``: every candidate).
 
     Args:
         cand: candidate descriptors ``[n_candidates, d]``.
         scores: their uncertainty ``[n_candidates]`` (eV/Å).
         reference: descriptors of the current training set ``[n_reference, d]``.
-        threshold: eligible when ``score > threshold``.
+        threshold: eligible when ``score > threshold``; ``None``: all eligible.
         budget: at most this many picks.
     Returns:
         the picks in the order they were chosen.
     """
-    eligible = np.flatnonzero(scores > threshold)
-    if eligible.size == 0 or budget < 1:
+    pool = np.flatnonzero(scores > threshold) if threshold is not None \
+        else np.arange(len(scores))
+    if pool.size == 0 or budget < 1:
         return []
     if len(reference):
-        nearest = np.min(np.linalg.norm(cand[eligible, None, :] - reference[None, :, :],
+        nearest = np.min(np.linalg.norm(cand[pool, None, :] - reference[None, :, :],
                                         axis=-1), axis=1)
     else:
-        nearest = np.full(eligible.size, np.inf)
+        nearest = np.full(pool.size, np.inf)
     picks: list[Pick] = []
-    left = np.ones(eligible.size, dtype=bool)
+    left = np.ones(pool.size, dtype=bool)
     while left.any() and len(picks) < budget:
-        order = np.lexsort((eligible, -scores[eligible], -nearest))  # far, sure, first
+        order = np.lexsort((pool, -scores[pool], -nearest))  # far, sure, first
         k = next(int(k) for k in order if left[k])
-        idx = int(eligible[k])
+        idx = int(pool[k])
         picks.append(Pick(idx, float(scores[idx]), float(nearest[k])))
         left[k] = False
-        nearest = np.minimum(nearest, np.linalg.norm(cand[eligible] - cand[idx], axis=-1))
+        nearest = np.minimum(nearest, np.linalg.norm(cand[pool] - cand[idx], axis=-1))
     return picks

@@ -1,12 +1,15 @@
-"""Training and evaluation for ``xnn learn``: the members' train configs, their runs (resumed
-from their checkpoints after a kill), the committee model file, and the committee's
-predictions (scores of candidates, errors on the test set).
+"""Training and evaluation for ``xnn learn``: the round's train config, its run (resumed
+from its checkpoint after a kill), the committee model file, and the committee's predictions
+(scores of candidates, errors on the test set).
 
-A round trains its K members as K ``xnn train`` runs in ``round_NNN/train/member_K`` (seed
-``seed + k``; ``train.mode=finetune``: from member k of the previous round) and saves them
-as one :class:`~xnn.models.committee.Committee` in ``round_NNN/model.pt``. With
-``train.members=1`` the one run must train a committee itself (``xnn train``'s
-``committee.size=K``, where the train config has it); its model file is the round's.
+A round trains its committee as one ``xnn train`` run in ``round_NNN/train`` with
+``committee.size = train.committee`` (member k seeded ``seed + k``; ``train.bootstrap``:
+``committee.bootstrap``), calibrated on its validation set; ``train.mode=finetune`` goes on
+training the previous round's committee file (``pretrained``). The run's ``model.pt`` is
+copied to ``round_NNN/model.pt``.
+
+Scores are calibrated spreads (the committee file's factors applied, as every evaluation path
+reports them); :func:`forces_factor` divides the factor out again for the logs' raw scores.
 """
 
 from __future__ import annotations
@@ -25,30 +28,42 @@ from xnn.config.loader import ConfigError
 from xnn.config.train import DatasetConfig, TrainConfig
 from xnn.errors import InputError
 
+#: committee keys the loop sets (from train.committee, train.bootstrap and seed)
+COMMITTEE_KEYS = ("size", "bootstrap", "seeds")
+
 
 def train_config(cfg: LearnConfig, datasets: Sequence[str], output_dir: str | Path,
-                 member: int, pretrained: str | None = None,
-                 resume: str | None = None) -> TrainConfig:
-    """The train config of one member: ``train.file`` ← ``train.config`` ← the loop's data
-    (``datasets``), folder, seed (``seed + member``), and pretrained/resume.
+                 pretrained: str | None = None, resume: str | None = None) -> TrainConfig:
+    """The train config of a round: ``train.file`` ← ``train.config`` ← the loop's data
+    (``datasets``), folder, seed, committee (``committee.size = train.committee``,
+    ``committee.bootstrap = train.bootstrap``; with ``pretrained``, a committee file trained
+    on as it is: size 1 in the train config) and pretrained/resume.
 
     Raises:
-        ConfigError: an invalid train config (named as ``train.config``/``train.file``).
+        ConfigError: an invalid train config (named as ``train.config``/``train.file``), or
+            one that sets the committee's size, seeds or bootstrap itself.
     """
     base = OmegaConf.structured(TrainConfig)
     try:
         if cfg.train.file:
             base = OmegaConf.merge(base, OmegaConf.load(cfg.train.file))
         base = OmegaConf.merge(base, OmegaConf.create(dict(cfg.train.config)))
+        default = OmegaConf.structured(TrainConfig).committee
+        for key in COMMITTEE_KEYS:
+            if base.committee[key] != default[key]:
+                raise ConfigError(f"train config (train.file / train.config) sets "
+                                  f"committee.{key}: the loop sets it; write train.committee: "
+                                  "K (and train.bootstrap: true)")
         base.data.datasets = [DatasetConfig(path=str(p)) for p in datasets]
         base.output_dir = str(output_dir)
-        base.seed = cfg.seed + member
+        base.seed = cfg.seed
         base.resume = resume
         base.pretrained = pretrained
-        if pretrained is not None:  # fine-tuning keeps the pretrained architecture
+        if pretrained is None:
+            base.committee.size = cfg.train.committee
+            base.committee.bootstrap = cfg.train.bootstrap
+        else:  # fine-tuning keeps the pretrained committee's architecture and size
             base.model.hyperparameters = {}
-            if "committee" in base:  # a committee file is trained on as it is
-                base.committee.size = 1
         base.overwrite = False
         return OmegaConf.to_object(base)
     except OmegaConfBaseException as e:
@@ -58,50 +73,35 @@ def train_config(cfg: LearnConfig, datasets: Sequence[str], output_dir: str | Pa
 
 
 def _complete(folder: Path) -> bool:
-    """Whether a member's run finished (its ``summary.json`` is written after ``model.pt``)."""
+    """Whether a run finished (its ``summary.json`` is written after ``model.pt``)."""
     return (folder / "model.pt").is_file() and (folder / "summary.json").is_file()
 
 
-def train_member(cfg: LearnConfig, datasets: Sequence[str], folder: Path, member: int,
-                 pretrained: str | None) -> Path:
-    """Train (or finish training) one member in ``folder``; returns its ``model.pt``.
+def train_committee(cfg: LearnConfig, datasets: Sequence[str], folder: Path,
+                    pretrained: str | None) -> Path:
+    """Train (or finish training) the committee in ``folder``; returns its ``model.pt``.
 
-    A run killed after a checkpoint resumes from ``checkpoints/last.pt`` (the existing
-    train resume, exact on CPU); one killed before its first checkpoint starts again.
-    """
-    from xnn.app.train import run_train
-
-    if _complete(folder):
-        return folder / "model.pt"
-    last = folder / "checkpoints" / "last.pt"
-    resume = str(last) if last.is_file() else None
-    if resume is None and folder.exists():
-        shutil.rmtree(folder)
-    run_train(train_config(cfg, datasets, folder, member, pretrained, resume))
-    return folder / "model.pt"
-
-
-def save_committee(members: Sequence[Path], path: Path) -> None:
-    """The members' model files as one committee model file (atomically). One member must
-    itself be a committee (``xnn train committee.size=K``); its file is copied.
+    A run killed after a checkpoint resumes from ``checkpoints/last.pt`` (xnn train's resume,
+    exact on CPU); one killed before its first checkpoint starts again.
 
     Raises:
-        InputError: a single member that is not a committee (it has no spread).
+        InputError: the run's model file is not a committee of ``train.committee``.
     """
-    from xnn._files import atomic_write_bytes
-    from xnn.models.committee import Committee
-    from xnn.models.serialization import load_model, save_model
+    from xnn.app.train import run_train
+    from xnn.models.serialization import load_model
 
-    models = [load_model(p) for p in members]
-    if len(models) == 1:
-        if models[0].committee_size < 2:
-            raise InputError(f"train.members=1 trained {members[0]}, a single model: it has "
-                             "no spread to score by; set train.members >= 2, or train one "
-                             "committee per round (train.config: {committee: {size: K}}, "
-                             "xnn train's committee)")
-        atomic_write_bytes(path, Path(members[0]).read_bytes())
-        return
-    save_model(Committee(models), path)
+    if not _complete(folder):
+        last = folder / "checkpoints" / "last.pt"
+        resume = str(last) if last.is_file() else None
+        if resume is None and folder.exists():
+            shutil.rmtree(folder)
+        run_train(train_config(cfg, datasets, folder, pretrained, resume))
+    size = load_model(folder / "model.pt").committee_size
+    if size != cfg.train.committee:
+        raise InputError(f"{folder / 'model.pt'} is a committee of {size}, not "
+                         f"train.committee={cfg.train.committee} (a pretrained committee "
+                         "keeps its size)")
+    return folder / "model.pt"
 
 
 def load_committee(path: Path, device: torch.device):
@@ -134,9 +134,15 @@ def predict(model, frames: Sequence, batch: int = 16) -> list[dict[str, np.ndarr
     return out
 
 
+def forces_factor(model) -> float:
+    """The committee's forces calibration factor (its calibrated ``forces_std`` is the raw
+    spread times this)."""
+    return float(model.calibration["forces"])
+
+
 def score(model, frames: Sequence) -> np.ndarray:
-    """The uncertainty of each structure: its largest per-atom committee force standard
-    deviation ``max_i forces_std[i]`` (eV/Å), ``[n_frames]``."""
+    """The uncertainty of each structure: its largest per-atom calibrated committee force
+    standard deviation ``max_i forces_std[i]`` (eV/Å), ``[n_frames]``."""
     preds = predict(model, frames)
     return np.array([float(p["forces_std"].max()) if len(p["forces_std"]) else 0.0
                      for p in preds])
@@ -144,7 +150,8 @@ def score(model, frames: Sequence) -> np.ndarray:
 
 def test_errors(model, frames: Sequence) -> dict[str, float]:
     """The committee mean's errors on labelled ``frames``: energy MAE per atom (meV/atom),
-    force-component MAE (meV/Å), mean and largest per-atom force uncertainty (meV/Å)."""
+    force-component MAE (meV/Å), mean and largest per-atom calibrated force uncertainty
+    (meV/Å)."""
     if not frames:
         return {}
     preds = predict(model, frames)

@@ -11,11 +11,12 @@ def add_parser(sub) -> None:
     p = add_config_parser(
         sub, "learn", LearnConfig, "active learning: train a committee, explore, select the "
         "most uncertain structures, label them, repeat",
-        "Active-learning loop. Each round trains a committee (train.members runs of xnn "
-        "train) on the initial data plus every label so far, explores with workflow stages "
-        "from structures of the dataset, scores every sampled frame by its largest per-atom "
-        "committee force standard deviation, selects up to select.budget frames above "
-        "select.threshold by farthest-point sampling on a radial descriptor, and labels "
+        "Active-learning loop. Each round trains a committee (one xnn train run with "
+        "committee.size=train.committee) on the initial data plus every label so far, "
+        "explores with workflow stages from structures of the dataset, scores every sampled "
+        "frame by its largest per-atom calibrated committee force standard deviation, "
+        "selects up to select.budget frames above select.threshold (null: all eligible) by "
+        "farthest-point sampling on a radial descriptor, and labels "
         "them (label.calculator: emt, or package.module:factory with label.trust=true). "
         "Writes round_NNN/ (model.pt, candidates/selected/labelled.extxyz, summary.json), "
         "learning_curve.csv/png and journal.jsonl to output; running the same command again "

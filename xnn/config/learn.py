@@ -25,24 +25,34 @@ LOOP_KEYS = ("output_dir", "resume", "pretrained", "overwrite", "validation_only
 
 @dataclass
 class LearnTrainConfig:
-    mode: str = field("scratch", "scratch: every round trains new members; finetune: member k "
-                      "of round r starts from member k of round r-1 (round 0 from scratch)",
-                      choices=TRAIN_MODES)
-    members: int = field(3, "committee members K: K training runs with seeds seed, seed+1, "
-                         "... on the same data, saved together as one committee model file "
-                         "(round_NNN/model.pt); 1: one run that trains a committee itself "
-                         "(train.config: {committee: {size: K}}, xnn train's committee)")
+    mode: str = field("scratch", "scratch: every round trains a new committee; finetune: "
+                      "round r goes on training round r-1's committee file (round 0 from "
+                      "scratch)", choices=TRAIN_MODES)
+    committee: int = field(3, "committee members K, trained together in one xnn train run "
+                           "(committee.size=K, member k seeded seed + k) and calibrated on its "
+                           "validation set; the run's model file is round_NNN/model.pt")
+    bootstrap: bool = field(False, "each member trains on its own bootstrap resample of the "
+                            "round's training set (xnn train's committee.bootstrap); "
+                            "train.mode=scratch only")
     file: str | None = field(None, "a train config YAML (the schema of xnn train); its "
                              "data.datasets are replaced by the loop's data")
     config: dict[str, Any] = field({}, "train config keys applied on top of train.file, e.g. "
                                    "{model: {name: schnet, cutoff: 4.0}, max_epochs: 30}")
+    members: int | None = field(None, "removed: write train.committee (refused when set)")
 
     def __post_init__(self):
-        check_range("train.members", self.members, 1)
+        if self.members is not None:
+            raise ConfigError(f"train.members={self.members} was replaced: write "
+                              f"train.committee: {self.members} (one xnn train run with "
+                              "committee.size=K)")
+        check_range("train.committee", self.committee, 2)
+        if self.bootstrap and self.mode == "finetune":
+            raise ConfigError("train.bootstrap=true needs train.mode=scratch (xnn train goes "
+                              "on training a pretrained committee on the shared data only)")
         bad = [k for k in LOOP_KEYS if k in self.config]
         if bad:
-            raise ConfigError(f"train.config.{bad[0]} is set by the loop (each member trains "
-                              "in round_NNN/train/member_K); remove it")
+            raise ConfigError(f"train.config.{bad[0]} is set by the loop (each round trains "
+                              "in round_NNN/train); remove it")
 
 
 @dataclass
@@ -71,14 +81,18 @@ class ExploreConfig:
 
 @dataclass
 class SelectConfig:
-    threshold: float = field(0.05, "a candidate is eligible when the largest per-atom force "
-                             "uncertainty (committee forces_std, eV/Å) exceeds this")
+    threshold: float | None = field(None, "a candidate is eligible when its score, the "
+                                    "largest per-atom calibrated committee force std (eV/Å, "
+                                    "as xnn md/eval/the calculator report it), exceeds this; "
+                                    "null: every candidate is eligible (the budget and the "
+                                    "farthest-point ranking decide)")
     budget: int = field(10, "structures selected (and labelled) per round at most")
     r_max: float = field(5.0, "descriptor: largest pair distance of the radial histograms (Å)")
     bins: int = field(20, "descriptor: Gaussian bins per element pair")
 
     def __post_init__(self):
-        check_range("select.threshold", self.threshold, 0.0)
+        if self.threshold is not None:
+            check_range("select.threshold", self.threshold, 0.0)
         check_range("select.budget", self.budget, 1)
         check_range("select.r_max", self.r_max, 0.0, low_inclusive=False)
         check_range("select.bins", self.bins, 2)
@@ -108,8 +122,8 @@ class LearnConfig:
                              "mean is evaluated on it (learning_curve.csv); never trained on")
     rounds: int = field(3, "acquisition rounds; a last training round on the final data "
                         "follows (round_NNN with NNN = rounds)")
-    seed: int = field(0, "seed of the starts, the exploration and the members (member k of "
-                      "every round: seed + k)")
+    seed: int = field(0, "seed of the starts, the exploration and the committee (its member "
+                      "k: seed + k, in every round)")
     train: LearnTrainConfig = field(LearnTrainConfig(), "training of the committee")
     explore: ExploreConfig = field(ExploreConfig(), "exploration through workflow stages")
     select: SelectConfig = field(SelectConfig(), "selection of the structures to label")

@@ -178,6 +178,10 @@ COMMANDS = {
     "data_scale_cpu.json": ("python benchmarks/data_scale.py --n 5000 --batches 40 --note "
                             "'<the machine note in the file>' --json "
                             "benchmarks/results/data_scale_cpu.json"),
+    "index_scale_cpu.json": ("python benchmarks/index_scale.py --formats extxyz aselmdb "
+                             "--json benchmarks/results/index_scale_cpu.json"),
+    "plan_scale_cpu.json": ("python benchmarks/plan_scale.py --json "
+                            "benchmarks/results/plan_scale_cpu.json"),
     "lammps_cpu.json": ("python benchmarks/lammps.py --sizes 2000,16000 --schnet-sizes 2000 "
                         "--modes halo,sync --ranks 1,2,4 --repeat 2 --steps 10 --warmup 2 "
                         "--note '<the machine note in the file>' --json "

@@ -324,6 +324,27 @@ def training(name: str, data: dict) -> list[list[str]]:
             for model, m in data["models"].items()]
 
 
+def data_start(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``index_scale.py`` (opening a source: first start without an index, then with
+    it) and ``plan_scale.py`` (one epoch's plan at the largest size, list planner against
+    ``BatchPlan``; peak memory of the plan, CPU seconds)."""
+    if data["benchmark"] == "index_scale":
+        before = {b["format"]: b for b in data["before"]}
+        return [["open a source", f"{r['format']}, {r['workers']} workers", count(r["n"]),
+                 sec(before[r["format"]]["first_s"]),
+                 f"{sec(r['first_s'])}, then {sec(r['second_s'])}"] for r in data["rows"]]
+    n = max(r["n"] for r in data["rows"])
+    at = {(r["mode"], r["ranks"], r["impl"]): r for r in data["rows"] if r["n"] == n}
+    rows = []
+    for mode, ranks, _ in sorted(k for k in at if k[2] == "after"):
+        b, a = at[(mode, ranks, "before")], at[(mode, ranks, "after")]
+        guess = " (extrapolated)" if b["extrapolated"] else ""
+        rows.append([f"plan an epoch ({mode})", f"{ranks} ranks", count(n),
+                     f"{mib(b['peak_mib'] * 2**20)}{guess}, {sec(b['cpu_s'])} CPU",
+                     f"{mib(a['peak_mib'] * 2**20)}, {sec(a['cpu_s'])} CPU"])
+    return rows
+
+
 def data_scale(name: str, data: dict) -> list[list[str]]:
     """Rows of ``data_scale.py``: one per format and number of loader workers."""
     names = {"memory": "in-memory", "hdf5": "HDF5", "aselmdb": "ASE-LMDB",

@@ -11,10 +11,21 @@ from dist_helpers import spawn
 
 from xnn.distributed.cost.counts import RankCounts
 from xnn.distributed.cost.links import IB_NDR400, Link, fit_link
-from xnn.distributed.cost.model import (ALL_REDUCE_BYTES, ALL_REDUCES_PER_STEP, ComputeCost,
-                                        ModelShape, Rebuild, StepTime, all_reduces_per_step,
-                                        efficiency, exchange_bytes, exchanges_per_step,
-                                        gather_bytes, md_step, training_step)
+from xnn.distributed.cost.model import (
+    ALL_REDUCE_BYTES,
+    ALL_REDUCES_PER_STEP,
+    ComputeCost,
+    ModelShape,
+    Rebuild,
+    StepTime,
+    all_reduces_per_step,
+    efficiency,
+    exchange_bytes,
+    exchanges_per_step,
+    gather_bytes,
+    md_step,
+    training_step,
+)
 
 pytestmark = pytest.mark.distributed
 

@@ -4,9 +4,9 @@
 :class:`CollectiveTally` wraps the ``torch.distributed`` calls that :mod:`xnn.distributed`
 makes (``all_reduce``, ``batch_isend_irecv``, ``all_gather``, ``reduce_scatter_tensor``,
 ``all_gather_object``, ``broadcast_object_list``) while it is active, and records for each
-call its kind, bytes, messages and wall time (the point-to-point requests it returns count their
-``wait`` as point-to-point time, so that time includes the wait for the peers). It changes no result:
-every call goes to the original function with the same arguments. Sections
+call its kind, bytes, messages and wall time (the point-to-point requests it returns count
+their ``wait`` as point-to-point time, so that time includes the wait for the peers). It
+changes no result: every call goes to the original function with the same arguments. Sections
 (:meth:`CollectiveTally.section`) time phases of a step exclusively: time spent in a nested
 section or in a collective is not counted in the enclosing section, so the phases of one
 step add up to its wall time::

@@ -148,6 +148,23 @@ def test_graph_counts_equal_the_gathers_of_real_ranks(ranks):
             assert not [c for c in calls if c[0] == "p2p"]
 
 
+@pytest.mark.parametrize("case", CASES[:2])
+def test_lattice_counts_of_the_predictions_equal_the_real_decomposition(ranks, case):
+    """The counts the predictions use where no at-scale plan row exists (an exact count of
+    the perfect lattice in each box and its halo, on the project's grid) equal what the real
+    2-rank run held: owned, ghost, rows sent and received, peers and (Verlet) edges."""
+    from benchmarks.scaling_model import lattice_counts
+
+    per_rank = [r[case] for r in ranks]
+    real = _counts(per_rank, case[1])
+    cutoff = 6.0 if case[0] == "lj" else 4.5
+    grid = per_rank[0]["stats"]["grid"]
+    c = lattice_counts((4, 4, 2), 5.26, 2, case[1], cutoff, 1.0, 1, grid=grid,
+                       edge_cutoff=cutoff + 1.0)
+    for key in ("owned", "ghost", "send_rows", "recv_rows", "peers", "edges"):
+        np.testing.assert_array_equal(getattr(c, key), getattr(real, key), err_msg=key)
+
+
 # ----------------------------------------------------------------------- the arithmetic
 
 

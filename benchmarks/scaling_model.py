@@ -56,6 +56,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GPUS_PER_NODE = 8
 FCC = np.array([[0, 0, 0], [0.5, 0.5, 0], [0.5, 0, 0.5], [0, 0.5, 0.5]])
 LATTICE = {"lj": 5.26, "equivariant": 3.61, "mace": 3.61}  # Å: Ar, Cu
+#: peak GPU bytes per held atom of one evaluation (from the calibration rows) and the card
+BYTES_PER_HELD: dict[str, float] = {}
+GPU_BYTES = 80e9  # H100 80 GB
 
 
 # ---------------------------------------------------------------------------- counts
@@ -275,6 +278,7 @@ def gpu_calibrations() -> dict:
         cal["equivariant"] = (ComputeCost(0.0, s["time_s"] / s["n_edges"],
                                           source=f"{p.name} 1-GPU {s['n_atoms']} atoms"),
                               _dd_shape("equivariant"))
+        BYTES_PER_HELD["equivariant"] = s["peak_memory_bytes"] / s["n_atoms"]
     p = RESULTS / "dd_md_h200.json"
     if p.exists():
         rows = [r for r in json.loads(p.read_text())["rows"] if r["ranks"] == 1]
@@ -283,6 +287,7 @@ def gpu_calibrations() -> dict:
         comp = ComputeCost.fit(held, held * coordination(6.0, LATTICE["lj"]), t,
                                source=f"{p.name} 1-GPU MD steps")
         cal["lj"] = (comp, ModelShape(0, 0, 4))
+        BYTES_PER_HELD["lj"] = max(r["peak_bytes_max"] / r["held_max"] for r in rows)
     for path in sorted(RESULTS.glob("dd_components_h*.json")):  # one GPU, the lead's run
         rows = [r for r in json.loads(path.read_text())["rows"]
                 if "error" not in r and r["ranks"] == 1 and r["model"] == "mace"]
@@ -308,13 +313,20 @@ def predict(model: str, comp: ComputeCost, shape: ModelShape, n_atoms: int, n_ra
         lattice_counts(k, a, n_ranks, mode, cutoff, skin, layers)
     sh = shape if mode != "halo" else replace(shape, sync_points=0)
     t = md_step(c, comp, sh, _links(n_ranks))
-    one = md_step(lattice_counts(k, a, 1, "sync" if mode == "graph" else mode, cutoff, skin,
-                                 layers) if n_ranks > 1 else c, comp, sh, _links(1))
     return {"model": model, "mode": mode, "n_ranks": n_ranks, "n_atoms": c.n_atoms,
             "atoms_per_rank": c.n_atoms / n_ranks, "grid": list(c.grid),
             "method": c.method, "step_s": t.total, "split": t.split(),
             "ghost_over_owned": float((c.ghost / np.maximum(c.owned, 1)).max()),
-            "one_gpu_step_s": one.total, "atom_steps_per_s_per_gpu": c.n_atoms / n_ranks / t.total}
+            "atom_steps_per_s_per_gpu": c.n_atoms / n_ranks / t.total,
+            "fits_80GB": (bool(c.held.max() * BYTES_PER_HELD[model] <= GPU_BYTES)
+                          if model in BYTES_PER_HELD else None)}
+
+
+def plain_step(model: str, comp: ComputeCost, n_atoms: float, cutoff: float) -> float:
+    """One GPU running the model on ``n_atoms`` with periodic edges (no ghosts, no
+    communication): the reference of the efficiencies."""
+    z = coordination(cutoff, LATTICE[model])
+    return float(comp.seconds(n_atoms, n_atoms * z))
 
 
 def predictions(cal: dict, plan_rows: list[dict], ranks=(8, 16, 32, 64, 128, 256, 512),
@@ -326,14 +338,15 @@ def predictions(cal: dict, plan_rows: list[dict], ranks=(8, 16, 32, 64, 128, 256
         for mode, p in itertools.product(modes, ranks):
             for n in per_rank:
                 r = predict(model, comp, shape, n * p, p, mode, plan_rows, cutoff, 1.0)
-                base = predict(model, comp, shape, n, 1, mode, plan_rows, cutoff, 1.0)
-                r.update(scaling="weak", target_per_rank=n,
-                         efficiency=base["step_s"] / r["step_s"])
+                base = plain_step(model, comp, r["atoms_per_rank"], cutoff)
+                r.update(scaling="weak", target_per_rank=n, one_gpu_step_s=base,
+                         efficiency=base / r["step_s"])
                 out.append(r)
             for n in totals:
                 r = predict(model, comp, shape, n, p, mode, plan_rows, cutoff, 1.0)
-                r.update(scaling="strong", target_total=n,
-                         efficiency=r["one_gpu_step_s"] / (p * r["step_s"]))
+                base = plain_step(model, comp, r["n_atoms"], cutoff)
+                r.update(scaling="strong", target_total=n, one_gpu_step_s=base,
+                         efficiency=base / (p * r["step_s"]))
                 out.append(r)
     return out
 
@@ -347,11 +360,113 @@ def smallest_efficient(cal: dict, model: str, mode: str, n_ranks: int, target: f
     n = 4000
     while n <= 4_000_000:
         r = predict(model, comp, shape, n * n_ranks, n_ranks, mode, list(plan_rows), cutoff, 1.0)
-        base = predict(model, comp, shape, n, 1, mode, list(plan_rows), cutoff, 1.0)
-        if base["step_s"] / r["step_s"] >= target:
+        if plain_step(model, comp, r["atoms_per_rank"], cutoff) / r["step_s"] >= target:
             return n
         n *= 2
     return None
+
+
+#: published weak-scaling figures the headline is set next to
+PUBLISHED = [
+    {"who": "Allegro (Musaelian et al., 2023)", "gpus": 5120, "gpu": "A100",
+     "atoms": 44_000_000, "atoms_per_gpu": 44_000_000 / 5120, "weak_efficiency": 0.70,
+     "note": "atoms per GPU: 44M / 5,120, as issue 47 reads it",
+     "url": "https://arxiv.org/abs/2304.10061"},
+    {"who": "UMA-S graph parallel (Meta FAIR, 2025)", "gpus": 256, "gpu": "H200",
+     "atoms_per_gpu": 4000, "weak_efficiency": 0.646,
+     "url": "https://arxiv.org/abs/2506.23971"},
+]
+
+
+def comparisons(cal: dict, plan_rows) -> list[dict]:
+    """The equivariant model's predicted weak-scaling efficiency at the published figures'
+    GPU counts and atoms per GPU, and at 250k and 1M atoms per GPU on 512 GPUs."""
+    if "equivariant" not in cal:
+        return []
+    comp, shape = cal["equivariant"]
+    out = []
+    for gpus, per in ((512, 1_000_000), (512, 250_000), (512, 8600), (256, 4000),
+                      (512, 4000)):
+        for mode in ("sync", "halo", "graph"):
+            r = predict("equivariant", comp, shape, per * gpus, gpus, mode, plan_rows, 5.0, 1.0)
+            base = plain_step("equivariant", comp, r["atoms_per_rank"], 5.0)
+            out.append({"gpus": gpus, "atoms_per_gpu": r["atoms_per_rank"], "mode": mode,
+                        "efficiency": base / r["step_s"], "split": r["split"],
+                        "one_gpu_step_s": base})
+    return out
+
+
+def losses(cal: dict, plan_rows, gpus: int = 512) -> list[dict]:
+    """Per model, mode and atoms per GPU: the time lost on ``gpus`` GPUs against one GPU,
+    by cause (ghost compute, exchange, reductions, rebuild), largest first."""
+    out = []
+    for model, (comp, shape) in cal.items():
+        cutoff = 6.0 if model == "lj" else 5.0
+        for mode in (("halo",) if model == "lj" else ("halo", "sync", "graph")):
+            for per in (250_000, 1_000_000):
+                r = predict(model, comp, shape, per * gpus, gpus, mode, plan_rows, cutoff, 1.0)
+                base = plain_step(model, comp, r["atoms_per_rank"], cutoff)
+                sp = r["split"]
+                causes = {"ghost compute": sp["compute"] - base, "exchange": sp["exchange"],
+                          "reductions": sp["reduction"], "rebuild": sp["rebuild"]}
+                ranked = sorted(causes.items(), key=lambda kv: -kv[1])
+                out.append({"model": model, "mode": mode, "atoms_per_gpu": r["atoms_per_rank"],
+                            "gpus": gpus, "step_s": r["step_s"], "one_gpu_step_s": base,
+                            "lost_s": r["step_s"] - base, "ranked": ranked})
+    return out
+
+
+def plot(preds: list[dict], comps: list[dict], out_dir: Path) -> list[Path]:
+    """``scaling_efficiency.png`` (weak-scaling efficiency vs GPUs) and
+    ``scaling_split.png`` (time per step at 512 GPUs split into compute, exchange and
+    reductions) under ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, per in zip(axes, (250_000, 1_000_000)):
+        for (model, mode), style in {("equivariant", "sync"): "o-", ("equivariant", "halo"): "s-",
+                                     ("equivariant", "graph"): "^-", ("lj", "halo"): "d--",
+                                     ("mace", "sync"): "v-"}.items():
+            pts = sorted((r["n_ranks"], r["efficiency"]) for r in preds
+                         if r["model"] == model and r["mode"] == mode
+                         and r["scaling"] == "weak" and r["target_per_rank"] == per)
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{model} ({mode})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs (8 per node)")
+        ax.set_title(f"weak scaling, {per:,} atoms per GPU")
+        ax.axhline(0.8, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("predicted efficiency vs one GPU")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    first = out_dir / "scaling_efficiency.png"
+    fig.savefig(first, dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    rows = [c for c in comps if c["gpus"] == 512]
+    labels = [f"{c['mode']}\n{c['atoms_per_gpu'] / 1000:.0f}k/GPU" for c in rows]
+    bottom = np.zeros(len(rows))
+    for part, color in (("compute", "tab:blue"), ("exchange", "tab:orange"),
+                        ("reduction", "tab:red")):
+        v = np.array([c["split"][part] / c["split"]["total"] for c in rows])
+        ax.bar(labels, v, bottom=bottom, color=color, label=part)
+        bottom += v
+    for i, c in enumerate(rows):
+        ax.text(i, 1.01, f"{c['split']['total'] * 1e3:.0f} ms", ha="center", fontsize=7)
+    ax.set_ylabel("share of the step")
+    ax.set_ylim(0, 1.1)
+    ax.set_title("equivariant model on 512 GPUs: time per step by part (predicted)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    second = out_dir / "scaling_split.png"
+    fig.savefig(second, dpi=110)
+    plt.close(fig)
+    return [first, second]
 
 
 def main(argv=None) -> int:
@@ -360,6 +475,7 @@ def main(argv=None) -> int:
     p.add_argument("--components", default=None,
                    help="dd_components JSON files (comma list); default: every "
                         "benchmarks/results/dd_components_cpu*.json")
+    p.add_argument("--plots", default=None, help="folder for the two figures (docs/img)")
     args = p.parse_args(argv)
     comps = ([Path(s) for s in args.components.split(",")] if args.components
              else sorted(RESULTS.glob("dd_components_cpu*.json")))
@@ -394,7 +510,11 @@ def main(argv=None) -> int:
         "links": {"nvlink": vars(NVLINK_H100), "ib": vars(IB_NDR400)},
         "all_reduces_per_step": {m: all_reduces_per_step(m) for m in ("halo", "sync", "graph")},
         "smallest_atoms_per_gpu_for_80pct": knee, "headline_512_equivariant_1M": headline,
+        "published": PUBLISHED, "comparisons": comparisons(cal, plan_rows),
+        "losses_512": losses(cal, plan_rows), "mace": "mace" in cal,
         "predictions": preds}, device="cpu")
+    if args.plots:
+        plot(preds, comparisons(cal, plan_rows), Path(args.plots))
     if headline:
         print(f"equivariant, sync, 1M atoms/GPU on 512 GPUs: weak-scaling efficiency "
               f"{headline['efficiency']:.3f}; split {headline['split']}")

@@ -20,16 +20,26 @@ calls listed one by one). ``--scales`` repeats each point with the lattice expan
 from the cost per edge in the calibration. On ``--device cuda`` (one rank) it measures the
 model's step on one GPU (fp32) at each size.
 
-Commands the results come from (``--threads 1`` per rank; ~8 min each on 16 cores)::
+Commands the results come from (``--threads 1`` per rank; each call within ~8 min on a
+dedicated 16-core host, from per-atom costs measured on a 2-core machine; ``--append`` adds
+the call's rows to the file's)::
 
-    python benchmarks/dd_components.py --models lj,schnet,equivariant --ranks 1,2,4,8 \
-        --sizes 4000,32000 --scales 1.0,1.1 --threads 1 \
+    python benchmarks/dd_components.py --models lj --ranks 1,2,4,8 --sizes 4000,32000 \
+        --scales 1.0,1.1 --json benchmarks/results/dd_components_cpu16.json
+    python benchmarks/dd_components.py --models schnet --ranks 1,2,4,8 --sizes 2048,4000 \
+        --scales 1.0,1.1 --steps 5 --warmup 1 --append \
+        --json benchmarks/results/dd_components_cpu16.json
+    python benchmarks/dd_components.py --models equivariant --ranks 1,2,4,8 --sizes 500,2048 \
+        --scales 1.0,1.1 --steps 5 --warmup 1 --append \
         --json benchmarks/results/dd_components_cpu16.json
     python benchmarks/dd_components.py --device cuda --models lj,equivariant,mace \
-        --ranks 1 --sizes 32000,108000,256000 --scales 1.0,1.1 \
+        --ranks 1 --sizes 4000,32000,108000,256000 --scales 1.0,1.1 --steps 8 \
         --json benchmarks/results/dd_components_h100.json
-    python benchmarks/dd_components.py --models lj,equivariant --ranks 1,2 --sizes 500,2048 \
-        --steps 5 --json /tmp/dd_components.json          # quick look, 2 cores
+    python benchmarks/dd_components.py --models lj,equivariant --ranks 1,2 --sizes 500 \
+        --steps 3 --json /tmp/dd_components.json          # quick look, 2 cores
+
+Then ``python benchmarks/scaling_model.py`` checks the model on them (gloo link fitted on the
+2-rank rows; MACE's GPU calibration from the H100 file).
 
 Each (model, size, scale, ranks) point is a fresh set of processes; a point that fails or
 exceeds ``--timeout`` is a row with ``error``. The JSON is rewritten after every point.
@@ -78,6 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--skin", type=float, default=1.0, help="Verlet skin (Å)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per point")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in --json (another model's call)")
     args = p.parse_args(argv)
     args.models = [s.strip() for s in args.models.split(",") if s.strip()]
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -286,6 +298,8 @@ def main(argv=None) -> int:
         manager = DistributedManager.initialize(device=args.device)
         args.ranks = [manager.world_size]
     rows, settings = [], {k: v for k, v in vars(args).items() if k != "json"}
+    if args.append and Path(args.json).exists():
+        rows = json.loads(Path(args.json).read_text()).get("rows", [])
     for model_name in args.models:
         for n in args.sizes:
             for scale in args.scales:

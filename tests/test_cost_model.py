@@ -78,8 +78,14 @@ def _rank_main(rank, world):
                 calls = tally.calls(since=mark)
                 steps.append({"quiet": quiet, "calls": [(c.kind, c.bytes_sent, c.bytes_recv,
                                                          c.messages) for c in calls]})
+        train = None
+        if mode != "graph":  # one force-training evaluation: forward + double backward
+            with CollectiveTally() as tally:
+                res = pot(state.graph, training=True)
+                ((res["forces"] ** 2).sum() + res["energy"].sum() / world).backward()
+            train = [(c.kind, c.bytes_sent, c.bytes_recv, c.messages) for c in tally.log]
         st = pot.stats()
-        out[(name, mode)] = {"steps": steps, "stats": st, "n_total": pot.n_total,
+        out[(name, mode)] = {"steps": steps, "stats": st, "n_total": pot.n_total, "train": train,
                              "sync_points": len(list(model.sync_points)) if mode != "halo"
                              else 0, "width": feature_size(model)}
     return out
@@ -125,6 +131,24 @@ def test_spatial_counts_equal_the_exchanges_of_real_ranks(ranks, case):
             assert sum(c[1] for c in moved) == sent[r]
             assert sum(c[2] for c in moved) == received[r]
             assert not [c for c in calls if c[0] in ("all_gather", "object")]
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_training_step_exchanges_twice_what_md_does(ranks, case):
+    """A force-training evaluation (forward and double backward) of real ranks: every
+    exchange of the MD step runs twice more (the model's training exchange factor 2), and
+    five scalar all-reduces (the energy's adjoint replaces the migration check)."""
+    per_rank = [r[case] for r in ranks]
+    counts = _counts(per_rank, case[1])
+    shape = ModelShape(per_rank[0]["sync_points"], per_rank[0]["width"], 8)
+    messages, sent, received = exchange_bytes(counts, shape)
+    for r, res in enumerate(per_rank):
+        moved = [c for c in res["train"] if c[0] == "p2p"]
+        assert sum(c[3] for c in moved) == 2 * messages[r]
+        assert sum(c[1] for c in moved) == 2 * sent[r]
+        assert sum(c[2] for c in moved) == 2 * received[r]
+        reduces = [c for c in res["train"] if c[0] == "all_reduce"]
+        assert len(reduces) == all_reduces_per_step(case[1])
 
 
 def test_graph_counts_equal_the_gathers_of_real_ranks(ranks):

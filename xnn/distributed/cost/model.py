@@ -34,8 +34,10 @@ under ``nve.step``) are, counted by instrumenting real gloo runs
 
 Context-parallel training (:func:`training_step`): forward and double backward cost
 ``train_factor`` times the MD compute; every exchange runs 4 times (forward, its adjoint in
-the first backward, and both again in the backward of the backward); the gradients
-(``n_params`` numbers) are all-reduced over the ``dp × dd`` mesh.
+the first backward, and both again in the backward of the backward) and there are 5 scalar
+all-reduces (the energy's adjoint instead of the migration check), both counted on real
+ranks in ``tests/test_cost_model.py``; the gradients (``n_params`` numbers) are all-reduced
+over the ``dp × dd`` mesh.
 """
 
 from __future__ import annotations

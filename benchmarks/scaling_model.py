@@ -223,6 +223,46 @@ def validate_dd_gpu(path: Path) -> list[dict]:
     return out
 
 
+def validate_cp(path: Path) -> list[dict]:
+    """Context-parallel SchNet training on gloo ranks (``cp_training.py``): the training
+    step's compute per owned atom from the dd = 1 row of each size (sync mode: edges are the
+    owned atoms' only, ghosts are senders), exchanges 4 per point, 5 scalar all-reduces and
+    the gradient all-reduce (:func:`~xnn.distributed.cost.model.training_step`)."""
+    if not path.exists():
+        return []
+    from xnn.distributed.cost.model import training_step
+    from xnn.models import build
+
+    d = json.loads(path.read_text())
+    a = d["args"]
+    if a["model"] != "schnet" or a.get("checkpointing"):
+        return []
+    m = build("schnet", species=[29], cutoff=a["cutoff"], **json.loads(a["hparams"]))
+    shape = ModelShape(len(list(m.sync_points)), int(json.loads(a["hparams"])["num_features"]),
+                       8, sum(q.numel() for q in m.parameters()))
+    out = []
+    for n in sorted({r["requested_atoms"] for r in d["rows"]}):
+        rows = [r for r in d["rows"] if r["requested_atoms"] == n and "step_s" in r]
+        one = next((r for r in rows if r["dd"] == 1), None)
+        if one is None:
+            continue
+        comp = ComputeCost(0.0, one["step_s"] / one["n_atoms"], source=f"{path.name} dd = 1")
+        for r in rows:
+            pr = r["ranks"]
+            arr = lambda key, pr=pr: np.array([q[key] for q in pr], dtype=np.int64)  # noqa: E731
+            owned, ghost = arr("n_owned"), arr("n_ghost")
+            peers = np.full(len(pr), min(len(pr) - 1, 26))
+            c = RankCounts("sync", (len(pr), 1, 1), a["cutoff"], owned, ghost, owned, ghost,
+                           ghost, peers, "measured")
+            t = training_step(c, comp, shape, GLOO_HOST, dp=1, train_factor=1.0,
+                              grad_bytes=8)
+            out.append(_row(f"{path.stem} (schnet, context-parallel training)", r["dd"],
+                            r["n_atoms"], t, r["step_s"],
+                            "compute per owned atom from dd = 1; ghost rows as exchanged rows "
+                            "(an upper bound); gloo link defaults"))
+    return out
+
+
 def validate_components(path: Path) -> tuple[list[dict], dict]:
     """dd_components rows: compute fitted on 1 rank, gloo link on 2 ranks, all checked."""
     if not path.exists():
@@ -485,6 +525,7 @@ def main(argv=None) -> int:
         rows += r
         fits[path.name] = f
     rows += validate_dd_md(RESULTS / "dd_md_cpu16.json")
+    rows += validate_cp(RESULTS / "cp_training_cpu16.json")
     for name in ("dd_equivariant_h200x2", "dd_equivariant_h200x4", "dd_painn_h200x4",
                  "dd_sevenn_h200x2"):
         rows += validate_dd_gpu(RESULTS / f"{name}.json")

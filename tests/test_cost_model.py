@@ -27,8 +27,6 @@ from xnn.distributed.cost.model import (
     training_step,
 )
 
-pytestmark = pytest.mark.distributed
-
 CASES = (("lj", "halo"), ("schnet", "sync"), ("schnet", "graph"))
 
 
@@ -110,6 +108,7 @@ def _quiet_steps(res):
     return steps
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES[:2])
 def test_spatial_counts_equal_the_exchanges_of_real_ranks(ranks, case):
     """Halo and sync modes, per quiet step (no rebuild, no migration) and rank: the model's
@@ -133,6 +132,7 @@ def test_spatial_counts_equal_the_exchanges_of_real_ranks(ranks, case):
             assert not [c for c in calls if c[0] in ("all_gather", "object")]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES[:2])
 def test_training_step_exchanges_twice_what_md_does(ranks, case):
     """A force-training evaluation (forward and double backward) of real ranks: every
@@ -151,6 +151,7 @@ def test_training_step_exchanges_twice_what_md_does(ranks, case):
         assert len(reduces) == all_reduces_per_step(case[1])
 
 
+@pytest.mark.distributed
 def test_graph_counts_equal_the_gathers_of_real_ranks(ranks):
     """Mode graph, per quiet step and rank: one all-gather per sync point and one for the
     positions, of the largest rank's rows padded; their backward on gloo is an all-reduce of
@@ -172,6 +173,7 @@ def test_graph_counts_equal_the_gathers_of_real_ranks(ranks):
             assert not [c for c in calls if c[0] == "p2p"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES[:2])
 def test_lattice_counts_of_the_predictions_equal_the_real_decomposition(ranks, case):
     """The counts the predictions use where no at-scale plan row exists (an exact count of

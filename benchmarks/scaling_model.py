@@ -47,6 +47,7 @@ from xnn.distributed.cost.links import GLOO_HOST, IB_NDR400, NVLINK_H100, Link, 
 from xnn.distributed.cost.model import (
     ComputeCost,
     ModelShape,
+    Rebuild,
     StepTime,
     all_reduces_per_step,
     md_step,
@@ -263,6 +264,19 @@ def validate_cp(path: Path) -> list[dict]:
     return out
 
 
+def _rebuild_cost(per_rank: list[dict], steps: int) -> Rebuild:
+    """Rebuild + migration cost per held atom and the measured steps between rebuilds, from
+    1-rank dd_components rows (no rebuild measured: zero cost)."""
+    done = [q for q in per_rank if q["rebuilds"] + q["migrations"] > 0]
+    if not done:
+        return Rebuild(0.0, float(steps))
+    per_atom = np.mean([(q["seconds_per_step"]["rebuild"] + q["seconds_per_step"]["migration"])
+                        * steps / max(q["rebuilds"], q["migrations"]) / q["n_held"]
+                        for q in done])
+    interval = np.mean([steps / max(q["rebuilds"], q["migrations"]) for q in done])
+    return Rebuild(float(per_atom), float(interval))
+
+
 def validate_components(path: Path) -> tuple[list[dict], dict]:
     """dd_components rows: compute fitted on 1 rank, gloo link on 2 ranks, all checked."""
     if not path.exists():
@@ -287,6 +301,8 @@ def validate_components(path: Path) -> tuple[list[dict], dict]:
                                 + q["seconds_per_step"]["integrate"] for q in q1],
                                source=f"{path.name}: 1-rank rows of {model}")
         fits[model] = vars(comp)
+        rebuild = _rebuild_cost(q1, d["settings"]["steps"])
+        fits[model + "_rebuild"] = vars(rebuild)
         for r in mine:
             pr = r["per_rank"]
             arr = lambda key, pr=pr: np.array([q[key] for q in pr], dtype=np.int64)  # noqa: E731
@@ -294,7 +310,7 @@ def validate_components(path: Path) -> tuple[list[dict], dict]:
                            arr("n_owned"), arr("n_ghost"), arr("n_edges"), arr("n_send"),
                            arr("n_recv"), arr("n_peers"), "measured")
             shape = ModelShape(r["sync_points"], r["feature_width"], r["dtype_bytes"])
-            t = md_step(c, comp, shape, link)
+            t = md_step(c, comp, shape, link, rebuild=rebuild)
             row = _row(f"{path.stem} ({model}, gloo)", r["ranks"], r["n_atoms"], t,
                        r["step_s"], f"lattice x{r['scale']}; compute fitted on 1 rank, link "
                        "on 2 ranks")

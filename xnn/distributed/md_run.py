@@ -165,24 +165,45 @@ class DomainRun(SerialRun):
         extra = {K.FORCES: state.forces,
                  "owner": torch.full((pos.shape[0],), self.rank, dtype=torch.int64,
                                      device=pos.device)}
-        ref = self.potential.reference(state.graph)
-        # the rebuild reference, for a bitwise continuation on as many ranks (see meta)
-        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if ref is not None else 1.0],
-                                                    dtype=torch.float64,
-                                                    device=pos.device))[0] == 0)
-        if ref_ok:
+        ref = self._reference(state)
+        if ref is not None:
             extra.update(ref_positions=ref["ref_positions"], migrated=ref["migrated"])
         full, extra = self.potential.gather(state.graph, extra)
         if full is None:
             return None
-        st = self.potential.state
-        self._meta = {"ranks": self.size, "owner": extra["owner"].cpu(),
-                      "grid": list(self.potential.grid) if self.potential.grid else None,
-                      "counters": dataclasses.asdict(st.counters) if st else None}
-        if ref_ok:
+        self._meta = {**self._domain_meta(ref), "owner": extra["owner"].cpu()}
+        if ref is not None:
             self._meta.update(ref_positions=extra["ref_positions"].cpu(),
-                              migrated=extra["migrated"].cpu(), ref_cell=ref["ref_cell"].cpu())
+                              migrated=extra["migrated"].cpu())
         return state.replace(graph=full, forces=extra[K.FORCES])
+
+    def checkpoint_shard(self, state: MDState) -> tuple[MDState, dict, dict]:
+        """This rank's part of a sharded checkpoint (:mod:`xnn.io.sharded_checkpoint`): its
+        owned ``state``, the per-atom entries of the meta (``ref_positions``, ``migrated``:
+        the rebuild reference, for a bitwise continuation on as many ranks; ``{}`` when
+        some rank has none) and the meta's global entries (``{"domain": {ranks, grid,
+        counters, ref_cell}}``). Collective (one all-reduce); nothing is gathered."""
+        ref = self._reference(state)
+        per_atom = {} if ref is None else {k: ref[k] for k in ("ref_positions", "migrated")}
+        return state, per_atom, {"domain": self._domain_meta(ref)}
+
+    def _reference(self, state: MDState) -> dict | None:
+        """The ghost plan's rebuild reference of this rank's atoms when every rank has one
+        (else ``None`` on every rank). Collective."""
+        ref = self.potential.reference(state.graph)
+        flag = torch.tensor([0.0 if ref is not None else 1.0], dtype=torch.float64,
+                            device=state.positions.device)
+        return ref if bool(C.all_reduce_max(flag)[0] == 0) else None
+
+    def _domain_meta(self, ref: dict | None) -> dict:
+        """The checkpoint meta's global entries of the decomposition (no per-atom ones)."""
+        st = self.potential.state
+        out = {"ranks": self.size,
+               "grid": list(self.potential.grid) if self.potential.grid else None,
+               "counters": dataclasses.asdict(st.counters) if st else None}
+        if ref is not None:
+            out["ref_cell"] = ref["ref_cell"].cpu()
+        return out
 
     def gather_atoms(self, graph: AtomicGraph, values: torch.Tensor):
         """``(atom_id [n_atoms], values [n_atoms, k])`` of every rank's owned atoms (of

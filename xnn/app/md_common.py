@@ -117,8 +117,8 @@ class RunOutputs:
         local, per_atom, run_meta = self.par.checkpoint_shard(state)
         generation = self.par.broadcast(shards.new_generation(state.step) if self.enabled
                                         else None)
-        shards.write_shard(path, generation, self.par.rank,
-                           shards.shard_payload(local, per_atom))
+        payload = shards.shard_payload(local, per_atom)
+        shards.write_shard(path, generation, self.par.rank, payload)
         ids = local.graph.atom_id
         mine = torch.tensor([ids.numel(), int(ids.min()) if ids.numel() else -1,
                              int(ids.max()) if ids.numel() else -1], dtype=torch.int64,
@@ -127,7 +127,7 @@ class RunOutputs:
         if not self.enabled:
             return None
         index = shards.index_payload(local, {**meta, **run_meta}, generation, counts,
-                                     neighbor_payload(potential))
+                                     neighbor_payload(potential), shards.empty_shard(payload))
         folder = shards.write_index(path, index)
         path.unlink(missing_ok=True)  # a gathered file of the same name would shadow it
         return folder
@@ -220,7 +220,11 @@ def launched_on_several_ranks() -> bool:
 
 
 def resume_state(cfg, par, device, kind: str):
-    """The checkpoint's state split over the ranks (rank 0 reads it) and its meta."""
+    """The checkpoint's state split over the ranks and its meta: a gathered checkpoint is
+    read by rank 0 and scattered; a sharded one over several ranks is read by every rank
+    (:meth:`~xnn.distributed.md_run.DomainRun.scatter_shards`: each reads only shards)."""
+    if par.size > 1 and shards.is_sharded(cfg.resume):
+        return _resume_sharded(cfg, par, device, kind)
     state = meta = None
     with par.guarded("reading the checkpoint"):
         if par.main:
@@ -228,6 +232,22 @@ def resume_state(cfg, par, device, kind: str):
                                                kind=kind)
     meta = par.broadcast(meta)
     return par.scatter_state(state, meta), meta
+
+
+def _resume_sharded(cfg, par, device, kind: str):
+    """Every rank reads the index (rank 0 checks it) and then its shards."""
+    index = None
+    with par.guarded("reading the checkpoint"):
+        if par.main:
+            index = shards.read_index(cfg.resume, f"xnn {kind} checkpoint")
+            ckpt.check_kind(cfg.resume, index["meta"], kind)
+            index = {k: v for k, v in index.items() if k != "neighbors"}  # one process's
+    index = par.broadcast(index)
+
+    def read(ranks):
+        return shards.read_state(cfg.resume, index, ranks, device)
+
+    return par.scatter_shards(len(index["shards"]), read, index["meta"]), index["meta"]
 
 
 def run_distributed(schema, config, overrides, body) -> Path:

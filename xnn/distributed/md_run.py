@@ -21,6 +21,8 @@ from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.state import Counters
 from xnn.distributed.modes import MODES
+from xnn.distributed.potential import model_device
+from xnn.distributed.redistribute import to_owners
 from xnn.dynamics.parallel import SerialRun
 from xnn.dynamics.state import MDState
 from xnn.errors import InputError
@@ -157,6 +159,66 @@ class DomainRun(SerialRun):
         return MDState(owned, forces, head["energy"].to(dev), head["stress"].to(dev),
                        head["step"], {k: v.to(dev) for k, v in head["vars"].items()},
                        head["rng"], head["compute_stress"])
+
+    def scatter_shards(self, n_shards: int, read, meta: dict) -> MDState:
+        """A sharded checkpoint (:mod:`xnn.io.sharded_checkpoint`) split over the ranks
+        without assembling it on one: on as many ranks as wrote it, rank ``r`` reads shard
+        ``r`` (with the ghost plan's reference: a bitwise continuation); on another count
+        rank ``r`` reads shards ``r, r + P, ...`` and every atom goes to the rank of its box
+        (one all-to-all; :func:`~xnn.distributed.redistribute.to_owners`). The result equals
+        :meth:`scatter_state` of the assembled checkpoint. Mode ``auto``, and mode ``graph``
+        on another rank count, choose from the whole structure: rank 0 assembles it.
+
+        Args:
+            n_shards: the checkpoint's shard count.
+            read: ``read(shards) -> (state, per_atom, owner)``: the atoms of those shards
+                (:func:`xnn.io.sharded_checkpoint.read_state`).
+            meta: the checkpoint's meta (every rank).
+        Collective.
+        """
+        dom = meta.get("domain") or {}
+        same = dom.get("ranks") == self.size == n_shards
+        if self.mode == "auto":
+            return self._scatter_assembled(n_shards, read, meta)
+        self._choose(None)
+        pot = self.potential
+        if not (same or pot.layout.migrates):  # graph: blocks of the whole atom order
+            return self._scatter_assembled(n_shards, read, meta)
+        with C.guarded(None, "reading the checkpoint's shards"):
+            state, per_atom, _ = read([self.rank] if same else range(self.rank, n_shards,
+                                                                       self.size))
+        dev = pot.device or model_device(self.model)
+        graph = state.graph.to(dev)
+        forces = state.forces.to(dev)
+        n_total = int(C.all_reduce_(torch.tensor([graph.n_atoms], device=dev))[0])
+        if same:
+            pot.adopt(graph, n_total)
+            if "ref_cell" in dom and pot.layout.migrates:
+                self._restore_reference(graph, per_atom["ref_positions"].to(dev),
+                                        per_atom["migrated"].to(dev), dom)
+                c = pot.state.counters  # the next line counts from the checkpoint
+                self._reported = dataclasses.replace(c, rebuilds=c.rebuilds - 1)
+        else:
+            part = pot.layout.partition(graph, pot.group, self.size)
+            owner = part.owner(part.fractional(graph.positions.detach())[0])
+            graph, extra = to_owners(graph, {K.FORCES: forces}, owner, pot.group)
+            forces = extra[K.FORCES]
+            pot.adopt(graph, n_total, part.grid)
+        self._reported_step = state.step
+        return MDState(graph, forces, state.energy.to(dev), state.stress.to(dev), state.step,
+                       {k: v.to(dev) for k, v in state.vars.items()}, state.rng,
+                       state.compute_stress)
+
+    def _scatter_assembled(self, n_shards: int, read, meta: dict) -> MDState:
+        """:meth:`scatter_state` of the whole checkpoint, assembled on rank 0."""
+        state = full = None
+        with C.guarded(None, "reading the checkpoint's shards"):
+            if self.main:
+                state, per_atom, owner = read(range(n_shards))
+                dom = meta.get("domain")
+                full = meta if not dom else {**meta, "domain": {**dom, "owner": owner,
+                                                                **per_atom}}
+        return self.scatter_state(state, full)
 
     def gather(self, state: MDState) -> MDState | None:
         """The global state on rank 0 (atoms by id, with each atom's rank and the rebuild

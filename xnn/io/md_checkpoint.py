@@ -48,7 +48,7 @@ def load_checkpoint(
     path, what = Path(path), f"xnn {kind or 'md/relax'} checkpoint"
     if shards.is_sharded(path):
         state, meta, neighbors = shards.load_sharded(path, device)
-        _check_kind(path, meta, kind, what)
+        check_kind(path, meta, kind)
         if potential is not None:
             restore_neighbor_state(potential, neighbors, device)
         return state, meta
@@ -62,11 +62,13 @@ def load_checkpoint(
         raise DataFileError(f"{path} is not a readable {what} ({type(e).__name__})") from None
     if not isinstance(p, dict) or p.get("format") != FORMAT:
         raise DataFileError(f"{path} is not an {what}")
-    _check_kind(path, p["meta"], kind, what)
+    check_kind(path, p["meta"], kind)
     return state_from_checkpoint(p, device, potential)
 
 
-def _check_kind(path: Path, meta: dict, kind: str | None, what: str) -> None:
+def check_kind(path: str | os.PathLike, meta: dict, kind: str | None) -> None:
+    """Refuse a checkpoint (its ``meta``) that a run other than ``kind`` wrote."""
     got = meta.get("kind")
     if kind is not None and got != kind:
-        raise DataFileError(f"{path} is an xnn {got} checkpoint, not an {what}")
+        raise DataFileError(f"{path} is an xnn {got} checkpoint, not an xnn {kind} "
+                            "checkpoint")

@@ -81,6 +81,13 @@ def shard_payload(state: MDState, per_atom: dict[str, torch.Tensor]) -> dict:
             "per_atom": {k: v.detach().cpu() for k, v in per_atom.items()}}
 
 
+def empty_shard(payload: dict) -> dict:
+    """A shard of no atoms with the fields, dtypes and shapes of ``payload``."""
+    return {"format": SHARD_FORMAT, "atoms": {k: v[:0] for k, v in payload["atoms"].items()},
+            "forces": payload["forces"][:0],
+            "per_atom": {k: v[:0] for k, v in payload["per_atom"].items()}}
+
+
 def write_shard(path: str | os.PathLike, generation: str, rank: int, payload: dict) -> int:
     """Write one rank's shard (fsynced); returns its size in bytes."""
     folder = sharded_path(path) / generation
@@ -90,7 +97,7 @@ def write_shard(path: str | os.PathLike, generation: str, rank: int, payload: di
 
 
 def index_payload(state: MDState, meta: dict, generation: str, counts: list[list[int]],
-                  neighbors: dict | None = None) -> dict:
+                  neighbors: dict | None = None, template: dict | None = None) -> dict:
     """The index of a sharded checkpoint.
 
     Args:
@@ -100,6 +107,8 @@ def index_payload(state: MDState, meta: dict, generation: str, counts: list[list
         generation: the folder of the shards.
         counts: per shard ``[n_atoms, min id, max id]`` (ids ``-1`` for an empty shard).
         neighbors: the one-process potential's Verlet cache (shard 0's atoms are all atoms).
+        template: a shard of no atoms (:func:`shard_payload` of none): the fields, dtypes
+            and shapes a rank that reads no shard starts from.
     """
     system = {k: v.detach().cpu() for k, v in state.graph.fields.items()
               if K.scope_of(k) == K.SYSTEM}
@@ -113,6 +122,7 @@ def index_payload(state: MDState, meta: dict, generation: str, counts: list[list
         "vars": {k: v.cpu() for k, v in state.vars.items()},
         "rng": None if state.rng is None else state.rng.cpu(),
         "compute_stress": state.compute_stress, "neighbors": neighbors,
+        "template": template,
     }
 
 
@@ -168,17 +178,18 @@ def read_shards(path: str | os.PathLike, index: dict, ranks) -> list[dict]:
     return out
 
 
-def merge_shards(shards: list[dict], first_rank: int = 0) -> tuple[dict, torch.Tensor]:
+def merge_shards(shards: list[dict], ranks=None) -> tuple[dict, torch.Tensor]:
     """The shards' atoms concatenated and sorted by atom id: ``(fields, owner)``, with
     ``fields`` holding the atom fields, ``"forces"`` and the per-atom meta entries, and
-    ``owner [n]`` each atom's shard (``first_rank`` + position in ``shards``)."""
+    ``owner [n]`` each atom's shard (``ranks[i]`` for ``shards[i]``; default: position)."""
+    ranks = list(range(len(shards))) if ranks is None else list(ranks)
     keys = shards[0]["atoms"].keys()
     fields = {k: torch.cat([s["atoms"][k] for s in shards]) for k in keys}
     fields["forces"] = torch.cat([s["forces"] for s in shards])
     extra = [k for k in PER_ATOM_META if k in shards[0]["per_atom"]]
     fields.update({k: torch.cat([s["per_atom"][k] for s in shards]) for k in extra})
-    owner = torch.cat([torch.full((s["forces"].shape[0],), first_rank + i, dtype=torch.int64)
-                       for i, s in enumerate(shards)])
+    owner = torch.cat([torch.full((s["forces"].shape[0],), r, dtype=torch.int64)
+                       for r, s in zip(ranks, shards)])
     order = torch.argsort(fields[K.ATOM_ID])
     return {k: v.index_select(0, order) for k, v in fields.items()}, owner[order]
 
@@ -193,6 +204,18 @@ def state_of(index: dict, fields: dict, device=None) -> MDState:
                    index["energy"].to(device), index["stress"].to(device), int(index["step"]),
                    {k: v.to(device) for k, v in index["vars"].items()}, index["rng"],
                    bool(index["compute_stress"]))
+
+
+def read_state(path: str | os.PathLike, index: dict, ranks, device=None):
+    """The atoms of shards ``ranks`` only (a rank's part of a resume over several ranks):
+    ``(state, per_atom, owner)``: the :class:`MDState` of those atoms sorted by id with the
+    index's global entries, their per-atom meta entries and the shard each came from. No
+    shard: no atoms (the index's template)."""
+    ranks = list(ranks)
+    got = read_shards(path, index, ranks) if ranks else [index["template"]]
+    fields, owner = merge_shards(got, ranks or [0])
+    per_atom = {k: fields[k].to(device) for k in PER_ATOM_META if k in fields}
+    return state_of(index, fields, device), per_atom, owner
 
 
 def load_sharded(path: str | os.PathLike, device=None) -> tuple[MDState, dict, dict | None]:

@@ -11,6 +11,7 @@ Ranks are spawned once per world size (2, then 3) for the module."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -69,21 +70,49 @@ def first_runs(rank, world, tmp):
         for n in (1, 2, 3):
             copy_runs(tmp, n)
     resume_both(tmp, 2)  # the copies are read by rank 0 after the run's first collective
-    return rank
+    return rank, shards_read(tmp / "sharded" / "checkpoint.pt.d")
+
+
+def shards_read(path: Path) -> tuple[list, list[int]]:
+    """On this rank: the shards :meth:`DomainRun.scatter_shards` asked for (reading them
+    with the real reader) and the ids of the atoms it then owns."""
+    from xnn.distributed import DistributedManager
+    from xnn.distributed.entries import parallelize_md
+    from xnn.models.classical import LennardJones
+
+    manager = DistributedManager.initialize(device="cpu")
+    try:
+        model = LennardJones(3.405, 0.0104, 6.5).double()
+        par = parallelize_md(model, manager, skin=0.3, mode="spatial")
+        index, asked = shards.read_index(path), []
+
+        def read(ranks):
+            asked.append(list(ranks))
+            return shards.read_state(path, index, ranks)
+
+        st = par.scatter_shards(len(index["shards"]), read, index["meta"])
+        return asked, st.graph.atom_id.tolist()
+    finally:
+        manager.cleanup()
 
 
 def three_ranks(rank, world, tmp):
+    asked = shards_read(Path(tmp) / "sharded" / "checkpoint.pt.d")
     resume_both(Path(tmp), 3)
-    return rank
+    return rank, asked
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded_io")
     rattled_argon(rep=3, amp=0.05).write(tmp / "ar108.xyz")
-    assert spawn(first_runs, 2, args=(str(tmp),), timeout_s=300) == [0, 1]
+    two = spawn(first_runs, 2, args=(str(tmp),), timeout_s=300)
+    assert [r for r, _ in two] == [0, 1]
     resume_both(tmp, 1)
-    assert spawn(three_ranks, 3, args=(str(tmp),), timeout_s=300) == [0, 1, 2]
+    three = spawn(three_ranks, 3, args=(str(tmp),), timeout_s=300)
+    assert [r for r, _ in three] == [0, 1, 2]
+    (tmp / "asked.json").write_text(json.dumps({2: [a for _, a in two],
+                                                3: [a for _, a in three]}))
     return tmp
 
 
@@ -170,6 +199,21 @@ def test_sharded_frames_and_merge_command(runs, tmp_path):
     back = read(tmp_path / "all.extxyz", ":")
     assert [a.info["step"] for a in back] == [0, 10, 20, 30, 40]
     np.testing.assert_allclose(back[-1].positions, want["positions"][-1], atol=1e-7)
+
+
+def test_each_rank_reads_only_its_shards(runs):
+    """Resumed from 2 shards, no rank reads the whole checkpoint: on 2 ranks rank r reads
+    shard r and keeps its atoms; on 3, rank r reads shards r, r + 3, ... (rank 2: none)
+    and, after one all-to-all, owns the atoms of its box: together each atom once."""
+    asked = json.loads((runs / "asked.json").read_text())
+    assert [a for a, _ in asked["2"]] == [[[0]], [[1]]]
+    assert [a for a, _ in asked["3"]] == [[[0]], [[1]], [[]]]
+    index = shards.read_index(runs / "sharded" / "checkpoint.pt.d")
+    assert [len(ids) for _, ids in asked["2"]] == [s["n_atoms"] for s in index["shards"]]
+    for n in ("2", "3"):
+        owned = [ids for _, ids in asked[n]]
+        assert all(len(ids) > 0 for ids in owned)
+        assert sorted(i for ids in owned for i in ids) == list(range(108))
 
 
 def test_a_checkpoint_without_its_index_is_not_one(runs, tmp_path):

@@ -72,20 +72,28 @@ def shard_name(rank: int) -> str:
     return f"rank-{rank:04d}.pt"
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU in storage of its own (``torch.save`` writes a view's whole
+    storage)."""
+    t = t.detach().cpu()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
 def shard_payload(state: MDState, per_atom: dict[str, torch.Tensor]) -> dict:
     """One rank's shard: the atom-scope fields of ``state``'s owned atoms, their forces and
     ``per_atom`` meta entries (``[n_owned, ...]``), as CPU tensors."""
     graph = state.graph.without_edges()
-    atoms = {k: v.detach().cpu() for k, v in graph.fields.items() if K.scope_of(k) == K.ATOM}
-    return {"format": SHARD_FORMAT, "atoms": atoms, "forces": state.forces.detach().cpu(),
-            "per_atom": {k: v.detach().cpu() for k, v in per_atom.items()}}
+    atoms = {k: _own(v) for k, v in graph.fields.items() if K.scope_of(k) == K.ATOM}
+    return {"format": SHARD_FORMAT, "atoms": atoms, "forces": _own(state.forces),
+            "per_atom": {k: _own(v) for k, v in per_atom.items()}}
 
 
 def empty_shard(payload: dict) -> dict:
     """A shard of no atoms with the fields, dtypes and shapes of ``payload``."""
-    return {"format": SHARD_FORMAT, "atoms": {k: v[:0] for k, v in payload["atoms"].items()},
-            "forces": payload["forces"][:0],
-            "per_atom": {k: v[:0] for k, v in payload["per_atom"].items()}}
+    return {"format": SHARD_FORMAT,
+            "atoms": {k: _own(v[:0]) for k, v in payload["atoms"].items()},
+            "forces": _own(payload["forces"][:0]),
+            "per_atom": {k: _own(v[:0]) for k, v in payload["per_atom"].items()}}
 
 
 def write_shard(path: str | os.PathLike, generation: str, rank: int, payload: dict) -> int:

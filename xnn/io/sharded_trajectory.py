@@ -78,10 +78,11 @@ class ShardedTrajectoryWriter:
         f = self.file
         f.create_dataset("pbc", data=pbc)
         f.attrs["units"] = "positions Å, velocities Å/fs, forces eV/Å, cell Å, energy eV"
+        n = max(1, min(1 << 16, len(rows["atom_id"])))  # a chunk: about a frame's rows
         for name, a in {**rows, **frame}.items():
             shape = a.shape[1:] if name in rows else a.shape
             f.create_dataset(name, shape=(0, *shape), maxshape=(None, *shape), dtype=a.dtype,
-                             chunks=(max(1, 65536 // max(1, int(np.prod(shape)))), *shape))
+                             chunks=(n if name in rows else 64, *shape))
 
     def write(self, graph: AtomicGraph, step: int, results: dict | None = None) -> None:
         """Append one frame: this rank's atoms of ``graph`` (one system) at ``step``;

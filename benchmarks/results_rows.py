@@ -538,3 +538,20 @@ def validate(name: str, data: dict) -> list[list[str]]:
 
 def nccl_device(name: str, data: dict) -> str:
     return f"{data['world_size']} NVIDIA H200, NCCL, fp64"
+
+
+def io_scale(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``io_scale.py``: one checkpoint or frame per size and rank count, gathered
+    on rank 0 against sharded (every rank writes its atoms)."""
+    at = {(r["kind"], r["n_atoms"], r["ranks"], r["format"]): r for r in data["rows"]
+          if "error" not in r}
+    rows = []
+    for kind, n, ranks, fmt in sorted(at):
+        if fmt != "gathered" or (kind, n, ranks, "sharded") not in at:
+            continue
+        g, s = at[(kind, n, ranks, "gathered")], at[(kind, n, ranks, "sharded")]
+        rows.append([kind, count(n), str(ranks),
+                     f"{sec(g['total_s'])} (gather {sec(g['gather_s'])})", sec(s["total_s"]),
+                     mib(g["rank0_peak_bytes"]), mib(s["rank0_peak_bytes"]),
+                     f"{g['bytes_per_atom']:.0f}", f"{s['bytes_per_atom']:.0f}"])
+    return rows

@@ -49,9 +49,14 @@ def md(structure, out_dir, *extra, steps=40, resume=None):
     return run_md(load_config(MDConfig, None, args))
 
 
+#: one process resumes the sharded run with the formats left to ``auto``: its trajectory goes
+#: on sharded (the format the checkpoint records), its checkpoint is gathered (one process)
+AUTO = ["output.checkpoint_format=auto", "output.trajectory_format=auto"]
+
+
 def resume_both(tmp: Path, ranks: int) -> None:
     """Continue the 2-rank gathered and sharded runs to step 60 on this many ranks."""
-    for kind, extra in (("gathered", GATHERED), ("sharded", SHARDED)):
+    for kind, extra in (("gathered", GATHERED), ("sharded", AUTO if ranks == 1 else SHARDED)):
         out = tmp / f"{kind}_on_{ranks}"
         md(tmp / "ar108.xyz", out, *extra, steps=60, resume=out / "checkpoint.pt")
 
@@ -181,6 +186,15 @@ def test_sharded_trajectory_equals_the_gathered_one(runs, ranks):
     assert len(got["step"]) == 7 and got["step"].tolist() == list(range(0, 70, 10))
     files = sorted(p.name for p in (runs / f"sharded_on_{ranks}" / "trajectory.d").iterdir())
     assert files == [f"rank-{r:04d}.h5" for r in range(max(2, ranks))]
+
+
+def test_formats_left_to_auto_on_resume(runs):
+    """Resumed in one process with ``auto``: the checkpoint is written gathered (the sharded
+    form it replaces is removed, one form only) and the trajectory goes on sharded."""
+    run = runs / "sharded_on_1"
+    assert (run / "checkpoint.pt").is_file() and not (run / "checkpoint.pt.d").exists()
+    assert not (run / "trajectory.h5").exists() and (run / "trajectory.d").is_dir()
+    assert state(run)[1]["files"]["trajectory_format"] == "sharded"
 
 
 def test_sharded_frames_and_merge_command(runs, tmp_path):

@@ -63,9 +63,12 @@ class RunOutputs:
         self.files = (meta or {}).get("files", {})
         self.sharded = sharded_checkpoints(cfg.output.checkpoint_format, par.size, n_atoms)
         self.traj = None
-        fmt, resumed = cfg.output.trajectory_format, self.files.get("trajectory") if meta else None
-        self.sharded_traj = fmt == "sharded" or (fmt == "auto" and sharded_checkpoints(
-            "auto", par.size, n_atoms))
+        resumed = self.files.get("trajectory") if meta else None
+        fmt = cfg.output.trajectory_format
+        if fmt == "auto":  # a resumed run goes on in the format its trajectory has
+            fmt = (self.files.get("trajectory_format") if meta else None) or (
+                "sharded" if sharded_checkpoints("auto", par.size, n_atoms) else "auto")
+        self.sharded_traj = fmt == "sharded"
         if self.sharded_traj and cfg.output.trajectory_every:  # every rank writes its atoms
             self.traj = ShardedTrajectoryWriter(self.dir / f"{trajectory}.d", par.rank,
                                                 par.size, resumed)
@@ -75,7 +78,10 @@ class RunOutputs:
     def file_sizes(self) -> dict:
         """The trajectory's size, for a checkpoint's meta (rank 0 of a gathered trajectory;
         every rank of a sharded one; ``{}`` elsewhere)."""
-        return {"trajectory": self.traj.position()} if self.traj is not None else {}
+        if self.traj is None:
+            return {}
+        fmt = {".d": "sharded", ".h5": "hdf5", ".xyz": "extxyz"}[self.traj.suffix]
+        return {"trajectory": self.traj.position(), "trajectory_format": fmt}
 
     def frame(self, state: MDState, force: bool = False) -> None:
         """A trajectory frame every ``output.trajectory_every`` steps (or now: ``force``)."""

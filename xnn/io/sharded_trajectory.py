@@ -150,6 +150,10 @@ def _frames_of(folder: Path):
     """Per file: ``(first_frame, frame datasets, row datasets)`` as numpy arrays."""
     import h5py
 
+    if not folder.is_dir():
+        raise DataFileError(f"sharded trajectory {folder} is not a folder (it is the "
+                            "trajectory.d folder of a run with output.trajectory_format="
+                            "sharded)")
     ranks = _ranks(folder)
     if not ranks:
         raise DataFileError(f"{folder} holds no trajectory shards (rank-RRRR.h5)")
@@ -174,6 +178,8 @@ def read_sharded_trajectory(folder: str | os.PathLike) -> dict[str, np.ndarray]:
     """
     folder = Path(folder)
     files = _frames_of(folder)
+    if not files:
+        raise DataFileError(f"{folder}: its shards hold no frames")
     n_frames = max(first + len(fr["step"]) for first, fr, _, _ in files)
     frames = [_frame(folder, files, k) for k in range(n_frames)]
     ids = frames[0]["atom_id"]

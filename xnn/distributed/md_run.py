@@ -4,7 +4,9 @@
 :func:`~xnn.distributed.parallelize.parallelize`): rank 0 reads the
 structure (or the checkpoint, which holds the global state by atom id) and scatters it, each
 rank integrates its owned atoms with the cross-rank reducer, atoms migrate after every step,
-and states are gathered on rank 0 (in global-id order) for output and checkpoints. The
+and states are gathered on rank 0 (in global-id order) for output and checkpoints, or, sharded,
+written by every rank (:meth:`DomainRun.checkpoint_shard`) and read back by every rank
+(:meth:`DomainRun.scatter_shards`). The
 applications (:mod:`xnn.app.md`, :mod:`xnn.app.relax`) call the same methods on
 :class:`~xnn.dynamics.parallel.SerialRun` in one process.
 """

@@ -182,6 +182,8 @@ COMMANDS = {
                              "--json benchmarks/results/index_scale_cpu.json"),
     "plan_scale_cpu.json": ("python benchmarks/plan_scale.py --json "
                             "benchmarks/results/plan_scale_cpu.json"),
+    "io_scale_cpu.json": ("python benchmarks/io_scale.py --sizes 100000 1000000 --ranks 1 2 4 "
+                          "--dir /tmp/io_s/bench --json benchmarks/results/io_scale_cpu.json"),
     "lammps_cpu.json": ("python benchmarks/lammps.py --sizes 2000,16000 --schnet-sizes 2000 "
                         "--modes halo,sync --ranks 1,2,4 --repeat 2 --steps 10 --warmup 2 "
                         "--note '<the machine note in the file>' --json "

@@ -545,3 +545,20 @@ def scaling_model(name: str, data: dict) -> list[list[str]]:
     multi-rank point (calibrated on the 1-rank rows of the same file)."""
     return [[r["source"], str(r["ranks"]), count(r["n_atoms"]), ms(r["predicted_s"]),
              ms(r["measured_s"]), f"{100 * r['error']:+.1f} %"] for r in data["validation"]]
+
+
+def io_scale(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``io_scale.py``: one checkpoint or frame per size and rank count, gathered
+    on rank 0 against sharded (every rank writes its atoms)."""
+    at = {(r["kind"], r["n_atoms"], r["ranks"], r["format"]): r for r in data["rows"]
+          if "error" not in r}
+    rows = []
+    for kind, n, ranks, fmt in sorted(at):
+        if fmt != "gathered" or (kind, n, ranks, "sharded") not in at:
+            continue
+        g, s = at[(kind, n, ranks, "gathered")], at[(kind, n, ranks, "sharded")]
+        rows.append([kind, count(n), str(ranks),
+                     f"{sec(g['total_s'])} (gather {sec(g['gather_s'])})", sec(s["total_s"]),
+                     mib(g["rank0_peak_bytes"]), mib(s["rank0_peak_bytes"]),
+                     f"{g['bytes_per_atom']:.0f}", f"{s['bytes_per_atom']:.0f}"])
+    return rows

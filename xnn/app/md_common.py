@@ -5,6 +5,7 @@ run), and the trajectory and checkpoint files (:class:`RunOutputs`)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,9 +19,12 @@ from xnn.config.loader import load_config, save_config
 from xnn.data import keys as K
 from xnn.devices import resolve_device
 from xnn.distributed.entries import parallelize_md
+from xnn.dynamics.checkpoint import neighbor_payload
 from xnn.dynamics.state import MDState
 from xnn.io import md_checkpoint as ckpt
+from xnn.io import sharded_checkpoint as shards
 from xnn.io.run_folder import RunFolder, plan_run_folder
+from xnn.io.sharded_trajectory import ShardedTrajectoryWriter
 from xnn.io.trajectory import open_trajectory
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -28,7 +32,10 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajectory.xyz",
              "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
              "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json",
-             "hooks")
+             "hooks", "checkpoint.pt.d", "checkpoint_last_good.pt.d", "trajectory.d",
+             "relax_trajectory.d")
+#: ``output.checkpoint_format=auto``: decomposed runs of more atoms write sharded checkpoints
+SHARDED_THRESHOLD = 100_000
 
 
 def results(state: MDState) -> dict:
@@ -54,20 +61,35 @@ class RunOutputs:
         self.cfg, self.par, self.dir, self.command = cfg, par, Path(directory), command
         self.enabled = par.main  # False on ranks other than 0 of a decomposed run
         self.files = (meta or {}).get("files", {})
+        self.sharded = sharded_checkpoints(cfg.output.checkpoint_format, par.size, n_atoms)
         self.traj = None
-        if self.enabled and cfg.output.trajectory_every:
-            self.traj = open_trajectory(self.dir, cfg.output.trajectory_format, n_atoms,
-                                        self.files.get("trajectory") if meta else None,
-                                        name=trajectory)
+        resumed = self.files.get("trajectory") if meta else None
+        fmt = cfg.output.trajectory_format
+        if fmt == "auto":  # a resumed run goes on in the format its trajectory has
+            fmt = (self.files.get("trajectory_format") if meta else None) or (
+                "sharded" if sharded_checkpoints("auto", par.size, n_atoms) else "auto")
+        self.sharded_traj = fmt == "sharded"
+        if self.sharded_traj and cfg.output.trajectory_every:  # every rank writes its atoms
+            self.traj = ShardedTrajectoryWriter(self.dir / f"{trajectory}.d", par.rank,
+                                                par.size, resumed)
+        elif self.enabled and cfg.output.trajectory_every:
+            self.traj = open_trajectory(self.dir, fmt, n_atoms, resumed, name=trajectory)
 
     def file_sizes(self) -> dict:
-        """The trajectory's size, for a checkpoint's meta (rank 0; ``{}`` elsewhere)."""
-        return {"trajectory": self.traj.position()} if self.traj is not None else {}
+        """The trajectory's size, for a checkpoint's meta (rank 0 of a gathered trajectory;
+        every rank of a sharded one; ``{}`` elsewhere)."""
+        if self.traj is None:
+            return {}
+        fmt = {".d": "sharded", ".h5": "hdf5", ".xyz": "extxyz"}[self.traj.suffix]
+        return {"trajectory": self.traj.position(), "trajectory_format": fmt}
 
     def frame(self, state: MDState, force: bool = False) -> None:
         """A trajectory frame every ``output.trajectory_every`` steps (or now: ``force``)."""
         every = self.cfg.output.trajectory_every
         if every and (force or state.step % every == 0):
+            if self.sharded_traj:
+                self.traj.write(state.graph, state.step, results(state))
+                return
             full = self.par.gather(state)
             if self.traj is not None:
                 self.traj.write(full.graph, state.step, results(full))
@@ -79,20 +101,55 @@ class RunOutputs:
 
     def save(self, state: MDState, meta: dict, name: str = "checkpoint.pt",
              with_neighbors: bool = True) -> Path | None:
-        """Write ``name`` (rank 0) with the global state and ``meta`` (plus the run layer's);
-        ``with_neighbors``: with the neighbor list of the single-process potential."""
+        """Write checkpoint ``name`` with the global state and ``meta`` (plus the run
+        layer's); ``with_neighbors``: with the neighbor list of the single-process
+        potential. Gathered: rank 0 writes one file. Sharded (``output.checkpoint_format``):
+        every rank writes its atoms to ``name.d/``, rank 0 the index last. Returns the path
+        written (rank 0; ``None`` elsewhere). Collective."""
+        path = self.dir / name
+        potential = self.par.checkpoint_potential if with_neighbors else None
+        if self.sharded:
+            return self._save_sharded(state, meta, path, potential)
         full = self.par.gather(state)
         if not self.enabled:
             return None
-        path = self.dir / name
-        ckpt.save_checkpoint(path, full, {**meta, **self.par.meta(full)},
-                             self.par.checkpoint_potential if with_neighbors else None)
+        ckpt.save_checkpoint(path, full, {**meta, **self.par.meta(full)}, potential)
+        if shards.sharded_path(path).is_dir():  # an older sharded form would shadow nothing
+            shutil.rmtree(shards.sharded_path(path))  # but confuse a reader: one form only
         return path
+
+    def _save_sharded(self, state: MDState, meta: dict, path: Path, potential) -> Path | None:
+        """Each rank's shard, then (after every rank has written) rank 0's index."""
+        local, per_atom, run_meta = self.par.checkpoint_shard(state)
+        generation = self.par.broadcast(shards.new_generation(state.step) if self.enabled
+                                        else None)
+        payload = shards.shard_payload(local, per_atom)
+        shards.write_shard(path, generation, self.par.rank, payload)
+        ids = local.graph.atom_id
+        mine = torch.tensor([ids.numel(), int(ids.min()) if ids.numel() else -1,
+                             int(ids.max()) if ids.numel() else -1], dtype=torch.int64,
+                            device=ids.device)
+        counts = self.par.reduce.gather_small(mine).cpu().tolist()  # every shard is written
+        if not self.enabled:
+            return None
+        index = shards.index_payload(local, {**meta, **run_meta}, generation, counts,
+                                     neighbor_payload(potential), shards.empty_shard(payload))
+        folder = shards.write_index(path, index)
+        path.unlink(missing_ok=True)  # a gathered file of the same name would shadow it
+        return folder
 
     def close(self) -> None:
         if self.traj is not None:
             self.traj.close()
             self.traj = None
+
+
+def sharded_checkpoints(choice: str, ranks: int, n_atoms: int) -> bool:
+    """Whether a run writes sharded checkpoints: ``output.checkpoint_format`` ``sharded``,
+    or ``auto`` for a run over several ranks of more than :data:`SHARDED_THRESHOLD` atoms."""
+    if choice == "auto":
+        return ranks > 1 and n_atoms > SHARDED_THRESHOLD
+    return choice == "sharded"
 
 
 def setup_run(schema, config, overrides: Sequence[str], manager=None, check=None):
@@ -169,7 +226,11 @@ def launched_on_several_ranks() -> bool:
 
 
 def resume_state(cfg, par, device, kind: str):
-    """The checkpoint's state split over the ranks (rank 0 reads it) and its meta."""
+    """The checkpoint's state split over the ranks and its meta: a gathered checkpoint is
+    read by rank 0 and scattered; a sharded one over several ranks is read by every rank
+    (:meth:`~xnn.distributed.md_run.DomainRun.scatter_shards`: each reads only shards)."""
+    if par.size > 1 and shards.is_sharded(cfg.resume):
+        return _resume_sharded(cfg, par, device, kind)
     state = meta = None
     with par.guarded("reading the checkpoint"):
         if par.main:
@@ -177,6 +238,22 @@ def resume_state(cfg, par, device, kind: str):
                                                kind=kind)
     meta = par.broadcast(meta)
     return par.scatter_state(state, meta), meta
+
+
+def _resume_sharded(cfg, par, device, kind: str):
+    """Every rank reads the index (rank 0 checks it) and then its shards."""
+    index = None
+    with par.guarded("reading the checkpoint"):
+        if par.main:
+            index = shards.read_index(cfg.resume, f"xnn {kind} checkpoint")
+            ckpt.check_kind(cfg.resume, index["meta"], kind)
+            index = {k: v for k, v in index.items() if k != "neighbors"}  # one process's
+    index = par.broadcast(index)
+
+    def read(ranks):
+        return shards.read_state(cfg.resume, index, ranks, device)
+
+    return par.scatter_shards(len(index["shards"]), read, index["meta"]), index["meta"]
 
 
 def run_distributed(schema, config, overrides, body) -> Path:

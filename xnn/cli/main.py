@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "run": "xnn.cli.run",
     "lammps": "xnn.cli.lammps",
     "learn": "xnn.cli.learn",
+    "traj": "xnn.cli.traj",
 }
 
 

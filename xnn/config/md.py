@@ -44,10 +44,19 @@ class BarostatConfig:
 class OutputConfig:
     dir: str = field("md_output", "output folder (created)")
     trajectory_every: int = field(100, "write a frame every N steps (0: never)")
-    trajectory_format: str = field("auto", "auto: extxyz below 10,000 atoms, else HDF5",
-                                   choices=("auto", "extxyz", "hdf5"))
+    trajectory_format: str = field("auto", "auto: extxyz below 10,000 atoms, else HDF5; "
+                                   "under torchrun above 100,000 atoms sharded; sharded: "
+                                   "each rank writes its atoms to trajectory.d/rank-RRRR.h5 "
+                                   "(no gather; xnn traj merge reads them in id order)",
+                                   choices=("auto", "extxyz", "hdf5", "sharded"))
     log_every: int = field(10, "thermo log row every N steps")
     checkpoint_every: int = field(1000, "checkpoint every N steps (0: only at the end)")
+    checkpoint_format: str = field("auto", "gathered: one file checkpoint.pt written by rank "
+                                   "0; sharded: each rank writes its atoms to "
+                                   "checkpoint.pt.d/ (no gather, index written last); auto: "
+                                   "sharded under torchrun above 100,000 atoms; resume reads "
+                                   "either on any number of ranks",
+                                   choices=("auto", "gathered", "sharded"))
     plot: bool = field(True, "write thermo.png at the end")
     progress: bool = field(True, "show progress: a bar on a terminal; in a batch job or a "
                            "log file (not a terminal) one line every progress_every_s "

@@ -4,7 +4,9 @@
 :func:`~xnn.distributed.parallelize.parallelize`): rank 0 reads the
 structure (or the checkpoint, which holds the global state by atom id) and scatters it, each
 rank integrates its owned atoms with the cross-rank reducer, atoms migrate after every step,
-and states are gathered on rank 0 (in global-id order) for output and checkpoints. The
+and states are gathered on rank 0 (in global-id order) for output and checkpoints, or, sharded,
+written by every rank (:meth:`DomainRun.checkpoint_shard`) and read back by every rank
+(:meth:`DomainRun.scatter_shards`). The
 applications (:mod:`xnn.app.md`, :mod:`xnn.app.relax`) call the same methods on
 :class:`~xnn.dynamics.parallel.SerialRun` in one process.
 """
@@ -21,6 +23,8 @@ from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.state import Counters
 from xnn.distributed.modes import MODES
+from xnn.distributed.potential import model_device
+from xnn.distributed.redistribute import to_owners
 from xnn.dynamics.parallel import SerialRun
 from xnn.dynamics.state import MDState
 from xnn.errors import InputError
@@ -158,6 +162,66 @@ class DomainRun(SerialRun):
                        head["step"], {k: v.to(dev) for k, v in head["vars"].items()},
                        head["rng"], head["compute_stress"])
 
+    def scatter_shards(self, n_shards: int, read, meta: dict) -> MDState:
+        """A sharded checkpoint (:mod:`xnn.io.sharded_checkpoint`) split over the ranks
+        without assembling it on one: on as many ranks as wrote it, rank ``r`` reads shard
+        ``r`` (with the ghost plan's reference: a bitwise continuation); on another count
+        rank ``r`` reads shards ``r, r + P, ...`` and every atom goes to the rank of its box
+        (one all-to-all; :func:`~xnn.distributed.redistribute.to_owners`). The result equals
+        :meth:`scatter_state` of the assembled checkpoint. Mode ``auto``, and mode ``graph``
+        on another rank count, choose from the whole structure: rank 0 assembles it.
+
+        Args:
+            n_shards: the checkpoint's shard count.
+            read: ``read(shards) -> (state, per_atom, owner)``: the atoms of those shards
+                (:func:`xnn.io.sharded_checkpoint.read_state`).
+            meta: the checkpoint's meta (every rank).
+        Collective.
+        """
+        dom = meta.get("domain") or {}
+        same = dom.get("ranks") == self.size == n_shards
+        if self.mode == "auto":
+            return self._scatter_assembled(n_shards, read, meta)
+        self._choose(None)
+        pot = self.potential
+        if not (same or pot.layout.migrates):  # graph: blocks of the whole atom order
+            return self._scatter_assembled(n_shards, read, meta)
+        with C.guarded(None, "reading the checkpoint's shards"):
+            state, per_atom, _ = read([self.rank] if same else range(self.rank, n_shards,
+                                                                       self.size))
+        dev = pot.device or model_device(self.model)
+        graph = state.graph.to(dev)
+        forces = state.forces.to(dev)
+        n_total = int(C.all_reduce_(torch.tensor([graph.n_atoms], device=dev))[0])
+        if same:
+            pot.adopt(graph, n_total)
+            if "ref_cell" in dom and pot.layout.migrates:
+                self._restore_reference(graph, per_atom["ref_positions"].to(dev),
+                                        per_atom["migrated"].to(dev), dom)
+                c = pot.state.counters  # the next line counts from the checkpoint
+                self._reported = dataclasses.replace(c, rebuilds=c.rebuilds - 1)
+        else:
+            part = pot.layout.partition(graph, pot.group, self.size)
+            owner = part.owner(part.fractional(graph.positions.detach())[0])
+            graph, extra = to_owners(graph, {K.FORCES: forces}, owner, pot.group)
+            forces = extra[K.FORCES]
+            pot.adopt(graph, n_total, part.grid)
+        self._reported_step = state.step
+        return MDState(graph, forces, state.energy.to(dev), state.stress.to(dev), state.step,
+                       {k: v.to(dev) for k, v in state.vars.items()}, state.rng,
+                       state.compute_stress)
+
+    def _scatter_assembled(self, n_shards: int, read, meta: dict) -> MDState:
+        """:meth:`scatter_state` of the whole checkpoint, assembled on rank 0."""
+        state = full = None
+        with C.guarded(None, "reading the checkpoint's shards"):
+            if self.main:
+                state, per_atom, owner = read(range(n_shards))
+                dom = meta.get("domain")
+                full = meta if not dom else {**meta, "domain": {**dom, "owner": owner,
+                                                                **per_atom}}
+        return self.scatter_state(state, full)
+
     def gather(self, state: MDState) -> MDState | None:
         """The global state on rank 0 (atoms by id, with each atom's rank and the rebuild
         reference), ``None`` elsewhere. Collective."""
@@ -165,24 +229,45 @@ class DomainRun(SerialRun):
         extra = {K.FORCES: state.forces,
                  "owner": torch.full((pos.shape[0],), self.rank, dtype=torch.int64,
                                      device=pos.device)}
-        ref = self.potential.reference(state.graph)
-        # the rebuild reference, for a bitwise continuation on as many ranks (see meta)
-        ref_ok = bool(C.all_reduce_max(torch.tensor([0.0 if ref is not None else 1.0],
-                                                    dtype=torch.float64,
-                                                    device=pos.device))[0] == 0)
-        if ref_ok:
+        ref = self._reference(state)
+        if ref is not None:
             extra.update(ref_positions=ref["ref_positions"], migrated=ref["migrated"])
         full, extra = self.potential.gather(state.graph, extra)
         if full is None:
             return None
-        st = self.potential.state
-        self._meta = {"ranks": self.size, "owner": extra["owner"].cpu(),
-                      "grid": list(self.potential.grid) if self.potential.grid else None,
-                      "counters": dataclasses.asdict(st.counters) if st else None}
-        if ref_ok:
+        self._meta = {**self._domain_meta(ref), "owner": extra["owner"].cpu()}
+        if ref is not None:
             self._meta.update(ref_positions=extra["ref_positions"].cpu(),
-                              migrated=extra["migrated"].cpu(), ref_cell=ref["ref_cell"].cpu())
+                              migrated=extra["migrated"].cpu())
         return state.replace(graph=full, forces=extra[K.FORCES])
+
+    def checkpoint_shard(self, state: MDState) -> tuple[MDState, dict, dict]:
+        """This rank's part of a sharded checkpoint (:mod:`xnn.io.sharded_checkpoint`): its
+        owned ``state``, the per-atom entries of the meta (``ref_positions``, ``migrated``:
+        the rebuild reference, for a bitwise continuation on as many ranks; ``{}`` when
+        some rank has none) and the meta's global entries (``{"domain": {ranks, grid,
+        counters, ref_cell}}``). Collective (one all-reduce); nothing is gathered."""
+        ref = self._reference(state)
+        per_atom = {} if ref is None else {k: ref[k] for k in ("ref_positions", "migrated")}
+        return state, per_atom, {"domain": self._domain_meta(ref)}
+
+    def _reference(self, state: MDState) -> dict | None:
+        """The ghost plan's rebuild reference of this rank's atoms when every rank has one
+        (else ``None`` on every rank). Collective."""
+        ref = self.potential.reference(state.graph)
+        flag = torch.tensor([0.0 if ref is not None else 1.0], dtype=torch.float64,
+                            device=state.positions.device)
+        return ref if bool(C.all_reduce_max(flag)[0] == 0) else None
+
+    def _domain_meta(self, ref: dict | None) -> dict:
+        """The checkpoint meta's global entries of the decomposition (no per-atom ones)."""
+        st = self.potential.state
+        out = {"ranks": self.size,
+               "grid": list(self.potential.grid) if self.potential.grid else None,
+               "counters": dataclasses.asdict(st.counters) if st else None}
+        if ref is not None:
+            out["ref_cell"] = ref["ref_cell"].cpu()
+        return out
 
     def gather_atoms(self, graph: AtomicGraph, values: torch.Tensor):
         """``(atom_id [n_atoms], values [n_atoms, k])`` of every rank's owned atoms (of

@@ -201,6 +201,17 @@ class DecomposedPotential:
             self._rebuild(owned, migrated=owned.positions)
         return owned
 
+    def adopt(self, owned: AtomicGraph, n_total: int, grid=None) -> AtomicGraph:
+        """Take ``owned`` as this rank's atoms, placed by the caller (a sharded checkpoint
+        read by every rank): the state :meth:`scatter` leaves. With ``grid`` the atoms are
+        those of this rank's box of that grid and the plan is built; without, ownership is
+        as given and the plan is built when first needed. Collective with a grid."""
+        self.n_total = n_total
+        if grid is not None:
+            self.layout.grid = tuple(grid)
+            self._rebuild(owned, migrated=owned.positions)
+        return owned
+
     def gather(self, graph: AtomicGraph, extra: Mapping[str, Tensor] | None = None,
                dst: int = 0):
         """The whole system on rank ``dst`` by atom id: see :func:`state.gather`."""

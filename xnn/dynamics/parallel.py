@@ -34,6 +34,7 @@ class SerialRun:
 
     main = True
     size = 1
+    rank = 0
     reduce: Reducer = LOCAL
 
     def __init__(self, potential: Potential):
@@ -90,6 +91,12 @@ class SerialRun:
     def meta(self, state: MDState) -> dict:
         """Extra checkpoint meta of the last :meth:`gather`."""
         return {}
+
+    def checkpoint_shard(self, state: MDState) -> tuple[MDState, dict, dict]:
+        """This process's part of a sharded checkpoint: its atoms' ``state``, per-atom meta
+        entries and the meta's global entries (here: every atom, nothing more).
+        Collective."""
+        return state, {}, {}
 
     def after_step(self, state: MDState) -> MDState:
         """The state after an integrator step with atoms moved to their owners."""

@@ -1,7 +1,8 @@
 """Checkpoint files of ``xnn md`` and ``xnn relax``: the payload of
 :mod:`xnn.dynamics.checkpoint` (full integrator state, neighbor list, sizes of the output
 files) written atomically and read back as data. ``meta["kind"]`` (``"md"`` or
-``"relax"``) names the writer."""
+``"relax"``) names the writer. :func:`load_checkpoint` reads both forms: one gathered file
+and the per-rank shards of :mod:`xnn.io.sharded_checkpoint` (``checkpoint.pt.d/``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ from pathlib import Path
 import torch
 
 from xnn._files import atomic_write, require_file
-from xnn.dynamics.checkpoint import FORMAT, checkpoint_payload, state_from_checkpoint
+from xnn.dynamics.checkpoint import (
+    FORMAT,
+    checkpoint_payload,
+    restore_neighbor_state,
+    state_from_checkpoint,
+)
 from xnn.dynamics.state import MDState
 from xnn.errors import DataFileError
+from xnn.io import sharded_checkpoint as shards
 from xnn.models.serialization import load_failure, read_as_data, refused_global
 
 
@@ -31,11 +38,20 @@ def load_checkpoint(
     """Read a checkpoint; returns the state (on ``device``) and its ``meta`` dict.
 
     Args:
+        path: ``checkpoint.pt`` (a file, or, when only its sharded form exists, that form),
+            or the folder ``checkpoint.pt.d`` of a sharded checkpoint (whose shards are
+            assembled by atom id).
         kind: the run that must have written it (``"md"``, ``"relax"``); ``None``: any.
     Raises:
         DataFileError: missing, unreadable, or not a checkpoint of ``kind``.
     """
     path, what = Path(path), f"xnn {kind or 'md/relax'} checkpoint"
+    if shards.is_sharded(path):
+        state, meta, neighbors = shards.load_sharded(path, device)
+        check_kind(path, meta, kind)
+        if potential is not None:
+            restore_neighbor_state(potential, neighbors, device)
+        return state, meta
     require_file(path, "checkpoint", suggest=("checkpoint.pt",))
     try:  # as data: no code from the file runs
         p = read_as_data(path)
@@ -46,7 +62,13 @@ def load_checkpoint(
         raise DataFileError(f"{path} is not a readable {what} ({type(e).__name__})") from None
     if not isinstance(p, dict) or p.get("format") != FORMAT:
         raise DataFileError(f"{path} is not an {what}")
-    got = p["meta"].get("kind")
-    if kind is not None and got != kind:
-        raise DataFileError(f"{path} is an xnn {got} checkpoint, not an {what}")
+    check_kind(path, p["meta"], kind)
     return state_from_checkpoint(p, device, potential)
+
+
+def check_kind(path: str | os.PathLike, meta: dict, kind: str | None) -> None:
+    """Refuse a checkpoint (its ``meta``) that a run other than ``kind`` wrote."""
+    got = meta.get("kind")
+    if kind is not None and got != kind:
+        raise DataFileError(f"{path} is an xnn {got} checkpoint, not an xnn {kind} "
+                            "checkpoint")

@@ -144,6 +144,33 @@ def agree(group, phase: str, error: BaseException | None) -> None:
     _raise_agreed(group, phase, error)
 
 
+def agree_sum(group, phase: str, error: BaseException | None, values: Tensor | None,
+              like: Tensor) -> Tensor | None:
+    """:func:`agree` fused with a sum of ``values`` over the ranks: one all-reduce, not two.
+
+    Every rank calls it after rank-local work that may have failed. A rank without error
+    passes ``values [n]`` (differentiable, as :func:`all_reduce_sum`); a failing rank passes
+    ``values=None`` and contributes zeros. If any rank failed, every rank raises as in
+    :func:`agree`; else every rank gets the summed ``values`` (in their dtype).
+
+    Args:
+        like: ``[n]``, the same dtype, device and length on every rank (e.g. zeros of the
+            owned positions' dtype): the buffer's dtype and the number of values.
+    """
+    if not is_active(group):
+        if error is not None:
+            raise error
+        return values
+    if error is None:
+        packed = torch.cat([like.new_zeros(1), values.reshape(-1).to(like.dtype)])
+    else:
+        packed = torch.cat([like.new_ones(1), torch.zeros_like(like)])
+    out = all_reduce_sum(packed, group)
+    if float(out[0].detach()) != 0.0:
+        _raise_agreed(group, phase, error)
+    return out[1:].to(values.dtype).reshape(values.shape)
+
+
 def _raise_agreed(group, phase: str, error: BaseException | None) -> None:
     """Some rank failed in ``phase``: raise ``error`` here, or the first failing rank's
     message as :class:`RemoteRankError` (one all-gather of the messages)."""
@@ -327,6 +354,25 @@ def all_reduce_sum(x: Tensor, group=None) -> Tensor:
     if not is_active(group):
         return x
     return _AllReduceSum.apply(x, group)
+
+
+def all_reduce_sum_many(tensors: Sequence[Tensor], group=None) -> list[Tensor]:
+    """:func:`all_reduce_sum` of each tensor, in one all-reduce per (dtype, device): the
+    tensors are flattened into one buffer, reduced and split again (differentiable). Each
+    element is summed over the ranks as on its own (on 2 ranks bitwise; the ring order of
+    more ranks may differ in the last bit)."""
+    if not is_active(group):
+        return list(tensors)
+    out: list = [None] * len(tensors)
+    kinds: dict = {}
+    for i, t in enumerate(tensors):
+        kinds.setdefault((t.dtype, t.device), []).append(i)
+    for idx in kinds.values():
+        flat = all_reduce_sum(torch.cat([tensors[i].reshape(-1) for i in idx]), group)
+        parts = torch.split(flat, [tensors[i].numel() for i in idx])
+        for i, part in zip(idx, parts):
+            out[i] = part.reshape(tensors[i].shape)
+    return out
 
 
 # --------------------------------------------------------------------------- failures

@@ -109,12 +109,35 @@ def _instrumentation(manager):
             "inner": (dict(inner.calls), dict(inner.nbytes), inner.messages, inner.blocking)}
 
 
+def _moved_in_place(manager):
+    """The migration criteria that :meth:`update` reduced are reused only for the very
+    positions it saw: after an in-place move of the evaluated positions, ``maybe_migrate``
+    reduces them again and migrates."""
+    from xnn.distributed import parallelize
+    from xnn.distributed.collectives import count_collectives
+    from xnn.dynamics import nve
+
+    pot = parallelize(lj(), manager, "halo", skin=SKIN)
+    owned = pot.scatter(_structure() if manager.rank == 0 else None)
+    state = nve.step(nve.init(owned, pot, reduce=pot.reducer), pot, 0.1, reduce=pot.reducer)
+    with count_collectives() as reused:
+        same = pot.maybe_migrate(state)
+    state = nve.step(same, pot, 0.1, reduce=pot.reducer)
+    before = pot.state.counters.migrations
+    with torch.no_grad():
+        state.graph.positions.add_(torch.tensor([0.2, 0.0, 0.0], dtype=torch.float64))
+    with count_collectives() as n:
+        pot.maybe_migrate(state)
+    return {"reused": dict(reused.calls), "migrated": pot.state.counters.migrations - before,
+            "all_reduce": n.calls["all_reduce"]}
+
+
 def _worker(rank, world_size):
     from xnn.distributed import DistributedManager
 
     manager = DistributedManager.initialize(backend="gloo")
     torch.set_num_threads(1)
-    out = {"instrumentation": _instrumentation(manager)}
+    out = {"instrumentation": _instrumentation(manager), "in_place": _moved_in_place(manager)}
     for key in EXPECTED:
         out[key] = _case(manager, key)
     out[("lj", "halo", "langevin", "committee")] = _committee_case(manager)
@@ -215,6 +238,13 @@ def test_collectives_per_step_are_the_documented_ones(key):
             assert rebuilt, key
             for s in rebuilt:
                 assert s["calls"] == _plus(EXPECTED[key], REBUILD_EXTRA), (key, s)
+
+
+def test_migration_check_is_reduced_again_after_an_in_place_move():
+    for r in results():
+        m = r["in_place"]
+        assert m["reused"] == {}, m  # right after the evaluation: update()'s criteria
+        assert m["migrated"] == 1 and m["all_reduce"] >= 1, m
 
 
 def test_committee_step_adds_its_separate_agreement():

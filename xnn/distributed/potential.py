@@ -339,8 +339,9 @@ class DecomposedPotential:
         now = self._criteria(graph, changed, st, disp)
         same = (st is not None and st.migrated is not None and graph.n_atoms == st.n_owned
                 and torch.equal(graph.atom_id, st.graph.atom_id))
-        after = self._criteria(graph, not same, st, 0.0)
-        return now + after
+        if same and now[0] == 0.0:  # the same displacements, without the drift
+            return now + [0.0, 0.0, now[2], now[3]]
+        return now + self._criteria(graph, not same, st, 0.0)
 
     def maybe_rebuild(self, graph: AtomicGraph, extra: Mapping[str, Tensor] | None = None):
         """Between steps: migrate atoms to their owners and rebuild, when needed. Collective.

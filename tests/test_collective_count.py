@@ -105,7 +105,9 @@ def _instrumentation(manager):
                                torch.ones(3, 3, dtype=torch.float64),
                                torch.ones(1, dtype=torch.float32)])
         C.gather_rows(torch.zeros(manager.rank + 1, 2, dtype=torch.float64))
-    return {"outer": (dict(outer.calls), dict(outer.nbytes), outer.messages, outer.blocking),
+    timed = set(outer.seconds) == set(outer.calls) and all(v > 0 for v in outer.seconds.values())
+    return {"timed": timed,
+            "outer": (dict(outer.calls), dict(outer.nbytes), outer.messages, outer.blocking),
             "inner": (dict(inner.calls), dict(inner.nbytes), inner.messages, inner.blocking)}
 
 
@@ -212,6 +214,7 @@ def test_count_collectives_counts_kind_bytes_and_messages():
         assert calls == {"all_reduce": 4, "exchange": 1, "all_gather": 2}
         assert nbytes["all_reduce"] == 24 + 8 + 11 * 8 + 4
         assert blocking == 7
+        assert r["instrumentation"]["timed"]  # wall time inside the calls, per kind
 
 
 def test_count_collectives_counts_nothing_in_one_process():

@@ -55,21 +55,26 @@ class CollectiveCount:
             broadcast, the bytes sent plus received in exchanges (pickled objects: 0).
         messages: point-to-point messages of the exchanges (sent plus received, empty ones
             skipped).
+        seconds: wall time per kind spent inside the calls (s): transfer plus waiting for
+            the slowest rank to arrive.
     """
 
     calls: Counter = field(default_factory=Counter)
     nbytes: Counter = field(default_factory=Counter)
     messages: int = 0
+    seconds: Counter = field(default_factory=Counter)
 
     @property
     def blocking(self) -> int:
         """Calls that block until the peers arrive (every kind of :data:`BLOCKING`)."""
         return sum(self.calls[k] for k in BLOCKING)
 
-    def add(self, kind: str, nbytes: int = 0, messages: int = 0) -> None:
+    def add(self, kind: str, nbytes: int = 0, messages: int = 0, seconds: float = 0.0
+            ) -> None:
         self.calls[kind] += 1
         self.nbytes[kind] += int(nbytes)
         self.messages += int(messages)
+        self.seconds[kind] += float(seconds)
 
 
 _COUNTS: list[CollectiveCount] = []
@@ -93,9 +98,19 @@ def count_collectives() -> Iterator[CollectiveCount]:
         _COUNTS.remove(c)
 
 
-def _record(kind: str, nbytes: int = 0, messages: int = 0) -> None:
-    for c in _COUNTS:
-        c.add(kind, nbytes, messages)
+@contextmanager
+def _counted(kind: str, nbytes: int = 0, messages: int = 0) -> Iterator[None]:
+    """Around one communicating call: adds it to every open :func:`count_collectives`."""
+    if not _COUNTS:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        dt = time.perf_counter() - t0
+        for c in _COUNTS:
+            c.add(kind, nbytes, messages, dt)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -201,8 +216,8 @@ def broadcast_object(obj, group=None, src: int = 0):
     if not is_active(group):
         return obj
     box = [obj]
-    _record("broadcast")
-    dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
+    with _counted("broadcast"):
+        dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
     return box[0]
 
 
@@ -211,34 +226,34 @@ def all_gather_object(obj, group=None) -> list:
     if not is_active(group):
         return [obj]
     out: list = [None] * group_size(group)
-    _record("all_gather_object")
-    dist.all_gather_object(out, obj, group=group)
+    with _counted("all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def broadcast_(t: Tensor, group=None, src: int = 0) -> Tensor:
     """In-place broadcast of ``t`` from group rank ``src`` (a no-op in a single process)."""
     if is_active(group):
-        _record("broadcast", _nbytes(t))
-        dist.broadcast(t, src=global_rank(group, src), group=group)
+        with _counted("broadcast", _nbytes(t)):
+            dist.broadcast(t, src=global_rank(group, src), group=group)
     return t
 
 
 def barrier(group=None, device_ids: list[int] | None = None) -> None:
     """Wait for every rank of ``group`` (a no-op in a single process)."""
     if is_active(group):
-        _record("barrier")
-        if device_ids is None:
-            dist.barrier(group=group)
-        else:
-            dist.barrier(group=group, device_ids=device_ids)
+        with _counted("barrier"):
+            if device_ids is None:
+                dist.barrier(group=group)
+            else:
+                dist.barrier(group=group, device_ids=device_ids)
 
 
 def all_reduce_(t: Tensor, group=None, op=None) -> Tensor:
     """In-place all-reduce (sum by default); a no-op in a single process."""
     if is_active(group):
-        _record("all_reduce", _nbytes(t))
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+        with _counted("all_reduce", _nbytes(t)):
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
     return t
 
 
@@ -265,8 +280,8 @@ def all_gather_into(parts: list[Tensor], t: Tensor, group=None) -> list[Tensor]:
     if not is_active(group):
         parts[0].copy_(t)
         return parts
-    _record("all_gather", _nbytes(t))
-    dist.all_gather(parts, t, group=group)
+    with _counted("all_gather", _nbytes(t)):
+        dist.all_gather(parts, t, group=group)
     return parts
 
 
@@ -276,8 +291,8 @@ def reduce_scatter_(out: Tensor, t: Tensor, group=None) -> Tensor:
     if not is_active(group):
         out.copy_(t)
         return out
-    _record("reduce_scatter", _nbytes(t))
-    dist.reduce_scatter_tensor(out, t, group=group)
+    with _counted("reduce_scatter", _nbytes(t)):
+        dist.reduce_scatter_tensor(out, t, group=group)
     return out
 
 
@@ -286,8 +301,8 @@ def all_to_all_single_(out: Tensor, t: Tensor, group=None) -> Tensor:
     if not is_active(group):
         out.copy_(t)
         return out
-    _record("all_to_all", _nbytes(t))
-    dist.all_to_all_single(out, t, group=group)
+    with _counted("all_to_all", _nbytes(t)):
+        dist.all_to_all_single(out, t, group=group)
     return out
 
 
@@ -303,8 +318,8 @@ def all_gather_tensor(t: Tensor, group=None) -> Tensor:
 def all_reduce_max(t: Tensor, group=None) -> Tensor:
     """In-place maximum over the ranks (a no-op in a single process)."""
     if is_active(group):
-        _record("all_reduce", _nbytes(t))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        with _counted("all_reduce", _nbytes(t)):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
@@ -323,9 +338,9 @@ def exchange(sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Ten
             ops.append(dist.P2POp(dist.isend, t.contiguous(), global_rank(group, peer), group))
     if ops:
         nbytes = sum(_nbytes(t) for _, t in recvs) + sum(_nbytes(t) for _, t in sends)
-        _record("exchange", nbytes, len(ops))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        with _counted("exchange", nbytes, len(ops)):
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -118,6 +118,24 @@ def time_case(manager, n_atoms, steps):
             "all_reduce_per_step": n.calls["all_reduce"] / steps}
 
 
+def latency(n_calls: int) -> dict:
+    """Mean wall time (s, slowest rank) of one all-reduce of 1, 10 and 1000 doubles (the
+    cost that each removed all-reduce saved), after a barrier-like warm-up."""
+    from xnn.distributed import collectives as C
+
+    out = {}
+    for n in (1, 10, 1000):
+        t = torch.zeros(n, dtype=torch.float64)
+        for _ in range(20):
+            C.all_reduce_(t)
+        t0 = time.perf_counter()
+        for _ in range(n_calls):
+            C.all_reduce_(t)
+        dt = torch.tensor([(time.perf_counter() - t0) / n_calls], dtype=torch.float64)
+        out[n] = float(C.all_reduce_max(dt)[0])
+    return out
+
+
 def worker(rank, world_size, args):
     from xnn.distributed import DistributedManager
 
@@ -129,6 +147,8 @@ def worker(rank, world_size, args):
             c = count_case(manager, model_name, mode, ens, args.steps, args.skin, (3, 3, 3))
             results["counts"].append({"model": model_name, "mode": mode, "ensemble": ens,
                                       **c})
+    if args.latency:
+        results["latency"] = latency(args.latency)
     for n in [int(x) for x in args.time.split(",") if x]:
         results["timing"].append(time_case(manager, n, args.time_steps))
     manager.cleanup()
@@ -157,6 +177,8 @@ def main(argv=None):
     p.add_argument("--cases", choices=("all", "none"), default="all")
     p.add_argument("--time", default="", help="comma-separated atom counts to time (NVE LJ)")
     p.add_argument("--time-steps", type=int, default=20)
+    p.add_argument("--latency", type=int, default=0,
+                   help="time this many all-reduces of 1, 10 and 1000 doubles")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     from xnn.testing.ranks import spawn
@@ -177,6 +199,8 @@ def main(argv=None):
               f"({t['all_reduce_per_step']:.2f} all-reduces) per step; in collectives "
               f"{1e3 * t['collective_s_per_step']:.2f} ms/step (all-reduces "
               f"{1e3 * t['all_reduce_s_per_step']:.2f} ms; slowest rank)")
+    for n, t in rank0.get("latency", {}).items():
+        print(f"all-reduce of {n} doubles on {args.ranks} ranks: {1e6 * t:.1f} us")
     if args.json:
         args.json.write_text(json.dumps({"ranks": args.ranks, "rank0": rank0}, indent=1))
 

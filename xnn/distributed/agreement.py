@@ -20,9 +20,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 
-import torch.distributed as dist
-
-from xnn.distributed.collectives import global_rank, is_active
+from xnn.distributed.collectives import all_gather_object, global_rank, group_size, is_active
 from xnn.errors import InputError
 
 FULL_HASH_BYTES = 64 << 20
@@ -126,9 +124,8 @@ def check_ranks_agree(fingerprint: dict[str, str], group=None) -> None:
     """
     if not is_active(group):
         return
-    n = dist.get_world_size(group)
-    prints: list = [None] * n
-    dist.all_gather_object(prints, fingerprint, group=group)
+    n = group_size(group)
+    prints = all_gather_object(fingerprint, group)
     message = disagreement(prints, [global_rank(group, r) for r in range(n)])
     if message is not None:
         raise InputError(message)

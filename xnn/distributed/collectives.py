@@ -3,6 +3,9 @@ neighbour-only point-to-point exchange, and an autograd-aware all-reduce; and
 :func:`explain_collective_error`, which turns a collective's timeout into a message naming
 the collective and the ranks that did not arrive.
 
+Every ``torch.distributed`` call of the decomposed paths goes through these wrappers, so
+:func:`count_collectives` sees each one (kind, calls, bytes) for tests and benchmarks.
+
 Every helper accepts ``group=None`` in a single process (no ``torch.distributed``) and then
 does no communication.
 """
@@ -11,8 +14,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,89 @@ class RemoteRankError(XnnError):
 
 class CollectiveTimeout(XnnError):
     """A collective timed out: the message names it and the ranks that did not arrive."""
+
+
+# --------------------------------------------------------------------------- counting
+#: kinds whose every call blocks the calling rank until its peers arrive (an exchange is
+#: one blocking round of point-to-point messages)
+BLOCKING = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "reduce_scatter",
+            "all_to_all", "exchange", "barrier")
+
+
+@dataclass
+class CollectiveCount:
+    """Collectives made through this module's wrappers while a :func:`count_collectives`
+    block ran (this rank's view; only calls that communicate, i.e. in an initialised
+    process group, are counted).
+
+    Attributes:
+        calls: calls per kind (``"all_reduce"``, ``"all_gather"``, ``"all_gather_object"``,
+            ``"broadcast"``, ``"reduce_scatter"``, ``"all_to_all"``, ``"exchange"``,
+            ``"barrier"``).
+        nbytes: bytes per kind: this rank's input of a reduction or gather, the payload of a
+            broadcast, the bytes sent plus received in exchanges (pickled objects: 0).
+        messages: point-to-point messages of the exchanges (sent plus received, empty ones
+            skipped).
+        seconds: wall time per kind spent inside the calls (s): transfer plus waiting for
+            the slowest rank to arrive.
+    """
+
+    calls: Counter = field(default_factory=Counter)
+    nbytes: Counter = field(default_factory=Counter)
+    messages: int = 0
+    seconds: Counter = field(default_factory=Counter)
+
+    @property
+    def blocking(self) -> int:
+        """Calls that block until the peers arrive (every kind of :data:`BLOCKING`)."""
+        return sum(self.calls[k] for k in BLOCKING)
+
+    def add(self, kind: str, nbytes: int = 0, messages: int = 0, seconds: float = 0.0
+            ) -> None:
+        self.calls[kind] += 1
+        self.nbytes[kind] += int(nbytes)
+        self.messages += int(messages)
+        self.seconds[kind] += float(seconds)
+
+
+_COUNTS: list[CollectiveCount] = []
+
+
+@contextmanager
+def count_collectives() -> Iterator[CollectiveCount]:
+    """Count the collectives this rank makes through this module inside the block.
+
+    Blocks nest (each counts every call made while it is open)::
+
+        with count_collectives() as n:
+            state = nve.step(state, pot, dt, reduce=pot.reducer)
+        print(n.calls["all_reduce"], n.blocking, n.nbytes)
+    """
+    c = CollectiveCount()
+    _COUNTS.append(c)
+    try:
+        yield c
+    finally:
+        _COUNTS.remove(c)
+
+
+@contextmanager
+def _counted(kind: str, nbytes: int = 0, messages: int = 0) -> Iterator[None]:
+    """Around one communicating call: adds it to every open :func:`count_collectives`."""
+    if not _COUNTS:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        dt = time.perf_counter() - t0
+        for c in _COUNTS:
+            c.add(kind, nbytes, messages, dt)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def is_active(group=None) -> bool:
@@ -65,12 +153,44 @@ def agree(group, phase: str, error: BaseException | None) -> None:
             raise error
         return
     flag = torch.tensor([0.0 if error is None else 1.0], device=_flag_device(group))
-    dist.all_reduce(flag, group=group)
+    all_reduce_(flag, group)
     if flag.item() == 0:
         return
-    messages: list = [None] * group_size(group)
+    _raise_agreed(group, phase, error)
+
+
+def agree_sum(group, phase: str, error: BaseException | None, values: Tensor | None,
+              like: Tensor) -> Tensor | None:
+    """:func:`agree` fused with a sum of ``values`` over the ranks: one all-reduce, not two.
+
+    Every rank calls it after rank-local work that may have failed. A rank without error
+    passes ``values [n]`` (differentiable, as :func:`all_reduce_sum`); a failing rank passes
+    ``values=None`` and contributes zeros. If any rank failed, every rank raises as in
+    :func:`agree`; else every rank gets the summed ``values`` (in their dtype).
+
+    Args:
+        like: ``[n]``, the same dtype, device and length on every rank (e.g. zeros of the
+            owned positions' dtype): the buffer's dtype and the number of values.
+    """
+    if not is_active(group):
+        if error is not None:
+            raise error
+        return values
+    if error is None:
+        packed = torch.cat([like.new_zeros(1), values.reshape(-1).to(like.dtype)])
+    else:
+        packed = torch.cat([like.new_ones(1), torch.zeros_like(like)])
+    out = all_reduce_sum(packed, group)
+    if float(out[0].detach()) != 0.0:
+        _raise_agreed(group, phase, error)
+    return out[1:].to(values.dtype).reshape(values.shape)
+
+
+def _raise_agreed(group, phase: str, error: BaseException | None) -> None:
+    """Some rank failed in ``phase``: raise ``error`` here, or the first failing rank's
+    message as :class:`RemoteRankError` (one all-gather of the messages)."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(messages, text, group=group)
+    messages = all_gather_object(text, group)
     if error is not None:
         raise error
     rank, msg = next((r, m) for r, m in enumerate(messages) if m is not None)
@@ -96,14 +216,44 @@ def broadcast_object(obj, group=None, src: int = 0):
     if not is_active(group):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
+    with _counted("broadcast"):
+        dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
     return box[0]
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj`` in rank order (``[obj]`` in a single process)."""
+    if not is_active(group):
+        return [obj]
+    out: list = [None] * group_size(group)
+    with _counted("all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_(t: Tensor, group=None, src: int = 0) -> Tensor:
+    """In-place broadcast of ``t`` from group rank ``src`` (a no-op in a single process)."""
+    if is_active(group):
+        with _counted("broadcast", _nbytes(t)):
+            dist.broadcast(t, src=global_rank(group, src), group=group)
+    return t
+
+
+def barrier(group=None, device_ids: list[int] | None = None) -> None:
+    """Wait for every rank of ``group`` (a no-op in a single process)."""
+    if is_active(group):
+        with _counted("barrier"):
+            if device_ids is None:
+                dist.barrier(group=group)
+            else:
+                dist.barrier(group=group, device_ids=device_ids)
 
 
 def all_reduce_(t: Tensor, group=None, op=None) -> Tensor:
     """In-place all-reduce (sum by default); a no-op in a single process."""
     if is_active(group):
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+        with _counted("all_reduce", _nbytes(t)):
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
     return t
 
 
@@ -114,14 +264,46 @@ def gather_rows(rows: Tensor, group=None) -> Tensor:
     n = group_size(group)
     count = torch.tensor([rows.shape[0]], device=rows.device)
     counts = [torch.zeros_like(count) for _ in range(n)]
-    dist.all_gather(counts, count, group=group)
+    all_gather_into(counts, count, group)
     counts = [int(c.item()) for c in counts]
     m = max(counts)
     pad = rows.new_zeros((m, *rows.shape[1:]))
     pad[: rows.shape[0]] = rows
     parts = [torch.empty_like(pad) for _ in range(n)]
-    dist.all_gather(parts, pad.contiguous(), group=group)
+    all_gather_into(parts, pad.contiguous(), group)
     return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def all_gather_into(parts: list[Tensor], t: Tensor, group=None) -> list[Tensor]:
+    """``dist.all_gather``: ``parts[r]`` receives rank ``r``'s ``t`` (``parts`` holds one
+    tensor of ``t``'s shape per rank); in a single process ``parts[0]`` is filled."""
+    if not is_active(group):
+        parts[0].copy_(t)
+        return parts
+    with _counted("all_gather", _nbytes(t)):
+        dist.all_gather(parts, t, group=group)
+    return parts
+
+
+def reduce_scatter_(out: Tensor, t: Tensor, group=None) -> Tensor:
+    """``dist.reduce_scatter_tensor`` (sum): ``out`` receives this rank's block of the sum of
+    every rank's ``t`` (``[n_ranks * len(out), ...]``)."""
+    if not is_active(group):
+        out.copy_(t)
+        return out
+    with _counted("reduce_scatter", _nbytes(t)):
+        dist.reduce_scatter_tensor(out, t, group=group)
+    return out
+
+
+def all_to_all_single_(out: Tensor, t: Tensor, group=None) -> Tensor:
+    """``dist.all_to_all_single`` with even splits (``out`` and ``t`` of one length)."""
+    if not is_active(group):
+        out.copy_(t)
+        return out
+    with _counted("all_to_all", _nbytes(t)):
+        dist.all_to_all_single(out, t, group=group)
+    return out
 
 
 def all_gather_tensor(t: Tensor, group=None) -> Tensor:
@@ -129,14 +311,15 @@ def all_gather_tensor(t: Tensor, group=None) -> Tensor:
     if not is_active(group):
         return t.unsqueeze(0)
     parts = [torch.empty_like(t) for _ in range(group_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    all_gather_into(parts, t.contiguous(), group)
     return torch.stack(parts)
 
 
 def all_reduce_max(t: Tensor, group=None) -> Tensor:
     """In-place maximum over the ranks (a no-op in a single process)."""
     if is_active(group):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        with _counted("all_reduce", _nbytes(t)):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
@@ -154,8 +337,10 @@ def exchange(sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Ten
         if t.numel():
             ops.append(dist.P2POp(dist.isend, t.contiguous(), global_rank(group, peer), group))
     if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        nbytes = sum(_nbytes(t) for _, t in recvs) + sum(_nbytes(t) for _, t in sends)
+        with _counted("exchange", nbytes, len(ops)):
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -184,6 +369,25 @@ def all_reduce_sum(x: Tensor, group=None) -> Tensor:
     if not is_active(group):
         return x
     return _AllReduceSum.apply(x, group)
+
+
+def all_reduce_sum_many(tensors: Sequence[Tensor], group=None) -> list[Tensor]:
+    """:func:`all_reduce_sum` of each tensor, in one all-reduce per (dtype, device): the
+    tensors are flattened into one buffer, reduced and split again (differentiable). Each
+    element is summed over the ranks as on its own (on 2 ranks bitwise; the ring order of
+    more ranks may differ in the last bit)."""
+    if not is_active(group):
+        return list(tensors)
+    out: list = [None] * len(tensors)
+    kinds: dict = {}
+    for i, t in enumerate(tensors):
+        kinds.setdefault((t.dtype, t.device), []).append(i)
+    for idx in kinds.values():
+        flat = all_reduce_sum(torch.cat([tensors[i].reshape(-1) for i in idx]), group)
+        parts = torch.split(flat, [tensors[i].numel() for i in idx])
+        for i, part in zip(idx, parts):
+            out[i] = part.reshape(tensors[i].shape)
+    return out
 
 
 # --------------------------------------------------------------------------- failures

@@ -86,13 +86,16 @@ def resolve_group(manager_or_group):
     return manager_or_group, None
 
 
-def decomposed_results(energies: Tensor, tape: list[Tensor], strained, graph: AtomicGraph,
-                       forces: bool, stress: bool, training: bool, group
-                       ) -> dict[str, Tensor]:
+def decomposed_results(energies: Tensor | None, tape: list[Tensor] | None, strained,
+                       graph: AtomicGraph, forces: bool, stress: bool, training: bool, group,
+                       error: BaseException | None = None) -> dict[str, Tensor]:
     """The results of one decomposed evaluation from the owned atoms' ``energies``.
 
     ``tape`` holds every exchanged tensor (the local positions first); ``strained`` is
     :func:`~xnn.models.derivatives.apply_strain`'s result (``None`` without forces/stress).
+    ``error``: this rank's failure of the model evaluation (then ``energies`` and ``tape``
+    are ``None``): the ranks agree on it in the energy's all-reduce
+    (:func:`~xnn.distributed.collectives.agree_sum`), and every rank raises if one failed.
 
     Returns:
         ``energy [1]`` (eV, all-reduced), ``energies [n_owned]``, ``atom_id [n_owned]`` and,
@@ -100,13 +103,23 @@ def decomposed_results(energies: Tensor, tape: list[Tensor], strained, graph: At
     """
     # every exchange must be part of every rank's backward, even where the model ignores
     # it (a rank with no atoms or ghosts): add exact zeros that depend on them
-    e_local = energies.sum() + sum((0.0 * t.sum() for t in tape), tape[0].new_zeros(()))
-    out = {K.ENERGY: C.all_reduce_sum(e_local.reshape(1), group),
-           K.ENERGIES: energies, K.ATOM_ID: graph.atom_id}
+    e_local = None if error is not None else (
+        energies.sum() + sum((0.0 * t.sum() for t in tape), tape[0].new_zeros(())))
+    like = graph.positions.new_zeros(1)
+    energy = C.agree_sum(group, "model evaluation", error,
+                         None if e_local is None else e_local.reshape(1), like)
+    out = {K.ENERGY: energy, K.ENERGIES: energies, K.ATOM_ID: graph.atom_id}
     if forces or stress:
         out.update(derive(e_local, strained, graph.volume(), graph.pbc, forces, stress,
                           training, partial(C.all_reduce_sum, group=group)))
     return out
+
+
+def _same_key(a: tuple | None, b: tuple | None) -> bool:
+    """Two :meth:`DecomposedPotential._key` s name the same tensors at the same versions."""
+    if a is None or b is None:
+        return False
+    return all(x is y for x, y in zip(a[:6], b[:6])) and a[6:] == b[6:]
 
 
 class DecomposedPotential:
@@ -146,6 +159,7 @@ class DecomposedPotential:
         self._last_positions: Tensor | None = None
         self._last_eval = None  # (local positions, domain, owned ids) of the last call
         self._last_cell: Tensor | None = None
+        self._pending = None  # update()'s reduced migration criteria (see maybe_rebuild)
         self._root = None  # rank 0, single points: the last fresh scatter and the owners
 
     # ------------------------------------------------------------------ the layout's words
@@ -281,20 +295,64 @@ class DecomposedPotential:
         return float((pos - ref).norm(dim=-1).max())
 
     def update(self, graph: AtomicGraph) -> bool:
-        """Rebuild ghosts and edges (not ownership) if stale; True if rebuilt. Collective."""
+        """Rebuild ghosts and edges (not ownership) if stale; True if rebuilt. Collective:
+        one all-reduce (maximum), which also carries :meth:`maybe_rebuild`'s criteria of
+        these positions (see :meth:`_migration_criteria`)."""
         changed = self._changed(graph)
         disp = 0.0 if changed else (self._max_disp(graph.positions.detach(),
                                                    self.state.ref_positions)
                                     + self._deformation(graph.cell))
-        flags = C.all_reduce_max(torch.tensor([float(changed), disp], dtype=torch.float64,
-                                              device=graph.device), self.group)
-        if not (flags[0] > 0 or flags[1] > 0.5 * self.skin):
-            return False
+        criteria = self._migration_criteria(graph, changed, disp)
+        flags = C.all_reduce_max(torch.tensor([float(changed), disp, *criteria],
+                                              dtype=torch.float64, device=graph.device),
+                                 self.group).tolist()
+        rebuild = flags[0] > 0 or flags[1] > 0.5 * self.skin
+        if rebuild:
+            st = self.state
+            same = (st is not None and st.migrated is not None and graph.n_atoms == st.n_owned
+                    and torch.equal(graph.atom_id, st.graph.atom_id))
+            self._rebuild(graph, migrated=st.migrated if same else None)
+        if criteria:  # the criteria of the branch taken, for maybe_rebuild at these positions
+            self._pending = (self._key(graph), flags[6:10] if rebuild else flags[2:6])
+        return rebuild
+
+    def _key(self, graph: AtomicGraph) -> tuple:
+        """What :meth:`maybe_rebuild` may reuse :meth:`update`'s criteria for: the very
+        tensors of the evaluated graph, the domain state and the last step's positions
+        (identity, which every rank's code path changes alike, so every rank agrees), and the
+        positions' and cell's versions (an in-place change between them counts); ``None``
+        for inference tensors, which have no version."""
+        pos, cell = graph.positions, graph.cell
+        if pos.is_inference() or cell.is_inference():
+            return None
+        return (pos, cell, graph.atom_id, graph.pbc, self.state, self._last_positions,
+                pos._version, cell._version)
+
+    def _criteria(self, graph: AtomicGraph, changed: bool, st: DomainState | None,
+                  ref_disp: float) -> list[float]:
+        """This rank's ``[unknown, drift, since migration, last step]`` of
+        :meth:`maybe_rebuild` (Å): ``changed`` means ownership unknown (then zeros)."""
+        if changed or st is None or st.migrated is None:
+            return [1.0, 0.0, 0.0, 0.0]
+        pos, last = graph.positions.detach(), self._last_positions
+        step = 0.0 if last is None or last.shape != pos.shape else self._max_disp(pos, last)
+        return [0.0, ref_disp, self._max_disp(pos, st.migrated), step]
+
+    def _migration_criteria(self, graph: AtomicGraph, changed: bool, disp: float
+                            ) -> list[float]:
+        """:meth:`maybe_rebuild`'s criteria at ``graph``'s positions, both as they are now
+        and as they will be if :meth:`update` rebuilds (then the drift is 0 and the
+        migration reference is kept for the same atoms): 8 numbers, reduced in
+        :meth:`update`'s all-reduce (none when atoms never migrate)."""
+        if not self.layout.migrates:
+            return []
         st = self.state
+        now = self._criteria(graph, changed, st, disp)
         same = (st is not None and st.migrated is not None and graph.n_atoms == st.n_owned
                 and torch.equal(graph.atom_id, st.graph.atom_id))
-        self._rebuild(graph, migrated=st.migrated if same else None)
-        return True
+        if same and now[0] == 0.0:  # the same displacements, without the drift
+            return now + [0.0, 0.0, now[2], now[3]]
+        return now + self._criteria(graph, not same, st, 0.0)
 
     def maybe_rebuild(self, graph: AtomicGraph, extra: Mapping[str, Tensor] | None = None):
         """Between steps: migrate atoms to their owners and rebuild, when needed. Collective.
@@ -317,14 +375,16 @@ class DecomposedPotential:
         if not self.layout.migrates:
             return graph, extra
         st, pos = self.state, graph.positions.detach()
-        changed = self._changed(graph) or st.migrated is None
-        last = self._last_positions
-        step = 0.0 if last is None or last.shape != pos.shape else self._max_disp(pos, last)
-        d = [0.0, 0.0, 0.0] if changed else [
-            self._max_disp(pos, st.ref_positions) + self._deformation(graph.cell),
-            self._max_disp(pos, st.migrated), step]
-        flags = C.all_reduce_max(torch.tensor([float(changed), *d], dtype=torch.float64,
-                                              device=graph.device), self.group).tolist()
+        pending, self._pending = self._pending, None
+        if pending is not None and _same_key(pending[0], self._key(graph)):
+            flags = pending[1]  # reduced by update() at these very positions: no collective
+        else:
+            changed = self._changed(graph)
+            ref_disp = 0.0 if changed or st.migrated is None else (
+                self._max_disp(pos, st.ref_positions) + self._deformation(graph.cell))
+            flags = C.all_reduce_max(torch.tensor(self._criteria(graph, changed, st, ref_disp),
+                                                  dtype=torch.float64, device=graph.device),
+                                     self.group).tolist()
         half = 0.5 * self.skin
         self._last_positions = pos
         if not (flags[0] > 0 or flags[1] + flags[3] > half or flags[2] > half):
@@ -416,23 +476,27 @@ class DecomposedPotential:
                 gs = [strained.graph if strained is not None else graph]
             xs = [lay.local_positions(dom, g.positions, g.cell) for g in gs]
             tape: list[Tensor] = list(xs)
-            with C.guarded(self.group, "model evaluation"), \
-                    swapped_sync_points(self.model, dom, tape, enabled=lay.syncs), \
-                    swapped_global_sums(lay.long_range, self.group, tape), \
-                    pairing_edges(dom.paired and not training):
-                local = [lay.local_graph(graph, dom, x, g.cell) for x, g in zip(xs, gs)]
-                if k > 1:
-                    local = local * (k // len(local))  # one graph: shared by the members
-                    energies = self.model.member_energies(local)[:, : dom.n_owned]
-                else:
-                    energies = self.model(local[0])[: dom.n_owned]
+            energies, error = None, None
+            try:  # rank-local failures are agreed on with the energy's all-reduce
+                with swapped_sync_points(self.model, dom, tape, enabled=lay.syncs), \
+                        swapped_global_sums(lay.long_range, self.group, tape), \
+                        pairing_edges(dom.paired and not training):
+                    local = [lay.local_graph(graph, dom, x, g.cell) for x, g in zip(xs, gs)]
+                    if k > 1:
+                        local = local * (k // len(local))  # one graph: shared by the members
+                        energies = self.model.member_energies(local)[:, : dom.n_owned]
+                    else:
+                        energies = self.model(local[0])[: dom.n_owned]
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                error = e
             if k > 1:
+                C.agree(self.group, "model evaluation", error)
                 out = committee_results_decomposed(self.model, energies, tape, strained,
                                                    graph, forces, stress, training,
                                                    self.group)
             else:
-                out = decomposed_results(energies, tape, strained, graph, forces, stress,
-                                         training, self.group)
+                out = decomposed_results(energies, None if error else tape, strained, graph,
+                                         forces, stress, training, self.group, error)
         self.record_evaluation(xs[0], dom, graph.atom_id, gs[0].cell)
         if not training:
             out = {k: v.detach() for k, v in out.items()}

@@ -25,6 +25,12 @@ class GroupReducer(Reducer):
     def sum_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
         return C.all_reduce_sum(super().sum_per_system(values, batch, n_systems), self.group)
 
+    def sums_per_system(self, values, batch: Tensor, n_systems: int) -> list[Tensor]:
+        """This rank's sums (as :meth:`Reducer.sum_per_system`), summed over the ranks in
+        one all-reduce per dtype (:func:`~xnn.distributed.collectives.all_reduce_sum_many`)."""
+        local = [Reducer.sum_per_system(self, v, batch, n_systems) for v in values]
+        return C.all_reduce_sum_many(local, self.group)
+
     def max_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
         out = super().max_per_system(values, batch, n_systems)
         return C.all_reduce_(out.clone(), self.group, op=dist.ReduceOp.MAX)

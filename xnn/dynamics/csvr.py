@@ -28,10 +28,12 @@ from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
     MDState,
     check_timestep,
-    degrees_of_freedom,
+    dof_of,
+    dof_terms,
     free_mask,
     initial_state,
     kinetic_energy,
+    kinetic_per_atom,
     new_rng,
     per_system,
     seed_of,
@@ -90,17 +92,21 @@ def rescale(state: MDState, dt: float, reduce: Reducer, step: int, stage: int) -
         step: the number of the step being taken (``state.step`` at its start).
         stage: 0 for the half step before the force call, 1 for the one after.
     """
-    nf = degrees_of_freedom(state.graph, reduce)
+    g = state.graph
+    n_free, n_fixed, k = reduce.sums_per_system(dof_terms(g) + [kinetic_per_atom(g)],
+                                                g.batch, g.n_systems)  # one reduction
+    nf = dof_of(n_free, n_fixed)
     r, s = draws(state.rng, step, stage, nf, state.vars)
-    return rescale_with(state, dt, reduce, r, s, nf)
+    return rescale_with(state, dt, reduce, r, s, nf, k)
 
 
 def rescale_with(state: MDState, dt: float, reduce: Reducer, r: Tensor, s: Tensor,
-                 nf: Tensor) -> MDState:
+                 nf: Tensor, k: Tensor | None = None) -> MDState:
     """:func:`rescale` with its draws given: ``r`` (normal) and ``s`` (chi-squared of
-    ``nf - 1`` degrees), each ``[n_systems]``, and ``nf`` the degrees of freedom."""
+    ``nf - 1`` degrees), each ``[n_systems]``, and ``nf`` the degrees of freedom; ``k``
+    the kinetic energy ``[n_systems]`` (eV) when already reduced."""
     g = state.graph
-    k = kinetic_energy(g, reduce)
+    k = kinetic_energy(g, reduce) if k is None else k
     kt = 0.5 * nf * KB * state.vars["temperature"]
     c = torch.exp(-dt / state.vars["tau"])
     r, s = r.to(g.dtype), s.to(g.dtype)

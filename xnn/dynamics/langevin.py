@@ -23,13 +23,15 @@ from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
     MDState,
     check_timestep,
+    com_terms,
     initial_state,
     kinetic_energy,
+    kinetic_per_atom,
     new_rng,
     per_system,
-    remove_com_velocity,
     seed_of,
     system_words,
+    without_com,
 )
 from xnn.units import KB, MVV2E
 
@@ -75,9 +77,12 @@ def ou_step(state: MDState, dt: float, reduce: Reducer, xi: Tensor | None = None
     c1 = torch.exp(-state.vars["friction"] * dt)[g.batch, None]
     c2 = torch.sqrt(1.0 - c1 * c1)
     sigma = torch.sqrt(KB * state.vars["temperature"][g.batch] / (g.masses * MVV2E))[:, None]
-    v = remove_com_velocity(c1 * g.velocities + c2 * sigma * xi, g, reduce)
-    new = g.replace(velocities=v)
-    dk = kinetic_energy(new, reduce) - kinetic_energy(g, reduce)
+    v = c1 * g.velocities + c2 * sigma * xi
+    # the centre-of-mass sums and the old kinetic energy in one reduction
+    mom, mass, n_fixed, k_old = reduce.sums_per_system(
+        com_terms(v, g) + [kinetic_per_atom(g)], g.batch, g.n_systems)
+    new = g.replace(velocities=without_com(v, g, mom, mass, n_fixed))
+    dk = kinetic_energy(new, reduce) - k_old
     return state.replace(graph=new, vars={"heat": state.vars["heat"] - dk})
 
 

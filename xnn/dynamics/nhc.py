@@ -21,8 +21,11 @@ from xnn.dynamics.state import (
     MDState,
     check_timestep,
     degrees_of_freedom,
+    dof_of,
+    dof_terms,
     initial_state,
     kinetic_energy,
+    kinetic_per_atom,
     per_system,
 )
 from xnn.errors import InputError
@@ -77,13 +80,15 @@ def _masses(state: MDState, nf: Tensor) -> Tensor:
 def chain_half(state: MDState, dt: float, reduce: Reducer) -> MDState:
     """Propagate the chain and scale velocities over ``dt / 2``."""
     g = state.graph
-    nf = degrees_of_freedom(g, reduce)
+    n_free, n_fixed, ke = reduce.sums_per_system(dof_terms(g) + [kinetic_per_atom(g)],
+                                                 g.batch, g.n_systems)  # one reduction
+    nf = dof_of(n_free, n_fixed)
     kt = KB * state.vars["temperature"]
     q = _masses(state, nf)
     eta = state.vars["eta"].clone()
     v = state.vars["v_eta"].clone()
     m = eta.shape[1]
-    ke2 = 2.0 * kinetic_energy(g, reduce)
+    ke2 = 2.0 * ke
     scale = torch.ones_like(ke2)
 
     def force(k: int) -> Tensor:

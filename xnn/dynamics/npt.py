@@ -57,7 +57,9 @@ from xnn.dynamics.state import (
     check_timestep,
     free_mask,
     kinetic_energy,
+    kinetic_per_atom,
     kinetic_tensor,
+    kinetic_tensor_per_atom,
     per_system,
     seed_of,
     system_words,
@@ -150,14 +152,15 @@ def noise(state: MDState, step: int) -> Tensor:
     return xi.reshape(g.n_systems, 3, 3).to(g.dtype)
 
 
-def _strain_increment(state: MDState, dt: float, step: int, reduce: Reducer) -> Tensor:
-    """``[n_systems, 3, 3]`` log-deformation ``G`` over ``dt``: ``r ← r exp(G)``."""
+def _strain_increment(state: MDState, dt: float, step: int, kinetic: Tensor) -> Tensor:
+    """``[n_systems, 3, 3]`` log-deformation ``G`` over ``dt``: ``r ← r exp(G)``;
+    ``kinetic``: the reduced :func:`~xnn.dynamics.state.kinetic_tensor` (eV)."""
     g = state.graph
     v = state.vars
     vol = g.volume()
     kt = KB * v["temperature"]
     rate = v["compressibility"] / v["tau_p"]
-    p = pressure_tensor(state, reduce)
+    p = kinetic / vol[:, None, None] - state.stress  # pressure_tensor
     eye = torch.eye(3, dtype=g.dtype, device=g.device)
     xi = noise(state, step)
     # isotropic: one scalar per system, shared by the three diagonal entries
@@ -175,7 +178,10 @@ def barostat(state: MDState, dt: float, reduce: Reducer, step: int) -> tuple[MDS
     state's ``work`` gains the exact kinetic-energy change and ``P₀ ΔV``; the potential-energy
     change needs the stress after the move, so :func:`step` adds it."""
     g = state.graph
-    deps = _strain_increment(state, dt, step, reduce)
+    # the kinetic tensor (pressure) and the kinetic energy before the move: one reduction
+    kinetic, k_old = reduce.sums_per_system(
+        [kinetic_tensor_per_atom(g), kinetic_per_atom(g)], g.batch, g.n_systems)
+    deps = _strain_increment(state, dt, step, kinetic)
     mu = torch.linalg.matrix_exp(deps)
     mu_inv_t = torch.linalg.matrix_exp(-deps.transpose(-1, -2))  # momenta: p ← p M⁻ᵀ
     new = g.replace({
@@ -183,7 +189,7 @@ def barostat(state: MDState, dt: float, reduce: Reducer, step: int) -> tuple[MDS
         K.CELL: g.cell @ mu,
         K.VELOCITIES: torch.einsum("ni,nij->nj", g.velocities, mu_inv_t[g.batch]),
     })
-    dk = kinetic_energy(new, reduce) - kinetic_energy(g, reduce)
+    dk = kinetic_energy(new, reduce) - k_old
     work = state.vars["work"] + dk + state.vars["pressure"] * (new.volume() - g.volume())
     return state.replace(graph=new, vars={"work": work}), deps
 

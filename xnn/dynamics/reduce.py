@@ -8,10 +8,14 @@ domain-decomposition layer replaces it by a subclass whose primitive methods
 (:meth:`~Reducer.sum_per_system`, :meth:`~Reducer.max_per_system`, :meth:`~Reducer.any`,
 :meth:`~Reducer.gather_small`) add a cross-rank collective, without touching the
 integrators. The other methods are
-written with the primitives, so a subclass inherits them correct.
+written with the primitives, so a subclass inherits them correct;
+:meth:`~Reducer.sums_per_system` (several sums known at the same point of a step) is one
+of them, which a communicating subclass may override to reduce them in one collective.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -47,6 +51,14 @@ class Reducer:
         return values[None]
 
     # ------------------------------------------------------------------ derived
+    def sums_per_system(self, values: Sequence[Tensor], batch: Tensor, n_systems: int
+                        ) -> list[Tensor]:
+        """``[sum_per_system(v) for v in values]``: several sums of per-atom values
+        ``[n_atoms, ...]`` needed at the same point of a step. A subclass that communicates
+        may take them in one collective; each result equals its own
+        :meth:`sum_per_system`."""
+        return [self.sum_per_system(v, batch, n_systems) for v in values]
+
     def all(self, flag: Tensor) -> bool:
         """True if every element of ``flag`` is true on every process (a host decision)."""
         return not self.any(~flag.to(torch.bool))

@@ -120,29 +120,47 @@ def has_fixed(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
     return n_fixed > 0
 
 
+def dof_terms(graph: AtomicGraph) -> list[Tensor]:
+    """Per-atom ``[free, fixed]`` indicators (graph dtype) whose per-system sums give
+    :func:`dof_of` (to take them in one :meth:`~Reducer.sums_per_system` with others)."""
+    free = free_mask(graph)
+    return [free.to(graph.dtype), (~free).to(graph.dtype)]
+
+
+def dof_of(n_free: Tensor, n_fixed: Tensor) -> Tensor:
+    """:func:`degrees_of_freedom` from the per-system sums of :func:`dof_terms`."""
+    return torch.where(n_fixed > 0, 3 * n_free, 3 * n_free - 3).clamp(min=1.0)
+
+
 def degrees_of_freedom(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
     """``[n_systems]`` kinetic degrees of freedom.
 
     ``3 N - 3`` for a system without fixed atoms (its total momentum is kept at zero),
     ``3 N_free`` otherwise; at least 1.
     """
-    n_free = reduce.sum_per_system(free_mask(graph).to(graph.dtype), graph.batch, graph.n_systems)
-    dof = torch.where(has_fixed(graph, reduce), 3 * n_free, 3 * n_free - 3)
-    return dof.clamp(min=1.0)
+    return dof_of(*reduce.sums_per_system(dof_terms(graph), graph.batch, graph.n_systems))
+
+
+def kinetic_per_atom(graph: AtomicGraph) -> Tensor:
+    """``[n_atoms]`` ``1/2 m v²`` (eV), whose per-system sum is :func:`kinetic_energy`."""
+    v = graph.velocities
+    return 0.5 * MVV2E * graph.masses * (v * v).sum(-1)
 
 
 def kinetic_energy(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
     """``[n_systems]`` kinetic energy ``sum 1/2 m v²`` (eV)."""
+    return reduce.sum_per_system(kinetic_per_atom(graph), graph.batch, graph.n_systems)
+
+
+def kinetic_tensor_per_atom(graph: AtomicGraph) -> Tensor:
+    """``[n_atoms, 3, 3]`` ``m v vᵀ`` (eV), whose per-system sum is :func:`kinetic_tensor`."""
     v = graph.velocities
-    per_atom = 0.5 * MVV2E * graph.masses * (v * v).sum(-1)
-    return reduce.sum_per_system(per_atom, graph.batch, graph.n_systems)
+    return MVV2E * graph.masses[:, None, None] * v[:, :, None] * v[:, None, :]
 
 
 def kinetic_tensor(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
     """``[n_systems, 3, 3]`` ``sum m v vᵀ`` (eV), twice the kinetic-energy tensor."""
-    v = graph.velocities
-    per_atom = MVV2E * graph.masses[:, None, None] * v[:, :, None] * v[:, None, :]
-    return reduce.sum_per_system(per_atom, graph.batch, graph.n_systems)
+    return reduce.sum_per_system(kinetic_tensor_per_atom(graph), graph.batch, graph.n_systems)
 
 
 def temperature(graph: AtomicGraph, reduce: Reducer = LOCAL) -> Tensor:
@@ -159,11 +177,21 @@ def remove_com_velocity(v: Tensor, graph: AtomicGraph, reduce: Reducer = LOCAL) 
         ``[n_atoms, 3]`` with zero total momentum per system without fixed atoms, and zero
         velocity on fixed atoms.
     """
+    sums = reduce.sums_per_system(com_terms(v, graph), graph.batch, graph.n_systems)
+    return without_com(v, graph, *sums)
+
+
+def com_terms(v: Tensor, graph: AtomicGraph) -> list[Tensor]:
+    """Per-atom ``[m v, m, fixed]`` whose per-system sums :func:`without_com` takes."""
     m = graph.masses
-    mom = reduce.sum_per_system(m[:, None] * v, graph.batch, graph.n_systems)
-    mass = reduce.sum_per_system(m, graph.batch, graph.n_systems)
+    return [m[:, None] * v, m, (~free_mask(graph)).to(graph.dtype)]
+
+
+def without_com(v: Tensor, graph: AtomicGraph, mom: Tensor, mass: Tensor, n_fixed: Tensor
+                ) -> Tensor:
+    """:func:`remove_com_velocity` from the per-system sums of :func:`com_terms`."""
     v_com = mom / mass[:, None]
-    keep = has_fixed(graph, reduce)
+    keep = n_fixed > 0
     v = v - torch.where(keep[:, None], torch.zeros_like(v_com), v_com)[graph.batch]
     return torch.where(free_mask(graph)[:, None], v, torch.zeros_like(v))
 

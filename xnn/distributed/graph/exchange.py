@@ -33,7 +33,7 @@ def _padded(x: Tensor, m: int) -> Tensor:
 def _gather(x: Tensor, counts: Sequence[int], group) -> Tensor:
     m = max(counts)
     parts = [x.new_empty((m, *x.shape[1:])) for _ in counts]
-    dist.all_gather(parts, _padded(x, m), group=group)
+    C.all_gather_into(parts, _padded(x, m), group)
     return torch.cat([p[:c] for p, c in zip(parts, counts)])
 
 
@@ -42,9 +42,9 @@ def _reduce_scatter(g: Tensor, counts: Sequence[int], rank: int, group) -> Tenso
     blocks = torch.stack([_padded(b, m) for b in torch.split(g, list(counts))])
     if dist.get_backend(group) == "nccl":
         out = g.new_empty((m, *g.shape[1:]))
-        dist.reduce_scatter_tensor(out, blocks.reshape(-1, *g.shape[1:]), group=group)
+        C.reduce_scatter_(out, blocks.reshape(-1, *g.shape[1:]), group)
     else:
-        dist.all_reduce(blocks, group=group)
+        C.all_reduce_(blocks, group)
         out = blocks[rank]
     return out[: counts[rank]].contiguous()
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from xnn.distributed import collectives as C
@@ -195,7 +194,7 @@ def _all_to_all_counts(want: Tensor, group) -> Tensor:
     if not C.is_active(group):
         return want.clone()
     got = torch.empty_like(want)
-    dist.all_to_all_single(got, want.contiguous(), group=group)
+    C.all_to_all_single_(got, want.contiguous(), group)
     return got
 
 

@@ -12,6 +12,17 @@ and species of every structure) with ``--workers`` processes for the first pass,
 ``*_cpu_s`` is the CPU time of the process and its workers (user + system), a better
 measure than the wall time on a shared machine; ``load`` is the 1-minute load average.
 
+``--per-row K`` also times the first pass's work per ASE-LMDB row (``per_row`` in the JSON,
+microseconds a row over the first ``K`` rows, in one process). A row is one zlib-compressed
+JSON text (``ase.io.jsonio``: ``numbers``, ``positions``, ``cell``, ``pbc``, then the
+calculator results, ``key_value_pairs`` and ``data``): the atom count is read from its first
+bytes, but the labels follow the positions, so the pass decompresses and decodes every
+record whole. ``read_us``: fetch and decompress; ``decode_us``: the JSON decoded;
+``atoms_us``: the row read as an ``ase.Atoms`` with its calculator (``source.atoms``, the
+pass's read before); ``record_us``: the row read as the pass reads it now
+(:class:`~xnn.data.sources.asedb._RecordAtoms`); ``pass_us``: the whole pass
+(``count_range``: read, structure checks, label counts).
+
 Usage::
 
     python benchmarks/index_scale.py --n 20000 --work /tmp/idx20k --json index_scale.json
@@ -96,6 +107,36 @@ def open_once(path: str, workers: int) -> dict:
             "species": species}
 
 
+def per_row(path: str, k: int) -> dict:
+    """Microseconds a row of the first pass's parts over the first ``k`` rows of an
+    ASE-LMDB file (the ``--row-case`` entry)."""
+    import zlib
+
+    from ase.io.jsonio import decode
+
+    from xnn.data.sources import open_source
+
+    src = open_source(path)
+    k = min(k, len(src))
+    ids = src.ids[:k].tolist()
+
+    def timed(fn, items) -> tuple[float, list]:
+        t0 = time.process_time()
+        out = [fn(x) for x in items]
+        return (time.process_time() - t0) / len(items) * 1e6, out
+
+    with src._handle().env.begin() as txn:
+        read_us, texts = timed(lambda i: zlib.decompress(txn.get(str(i).encode())), ids)
+    decode_us, _ = timed(lambda t: decode(t.decode("utf-8")), texts)
+    atoms_us, _ = timed(src.atoms, range(k))
+    record_us, _ = timed(src._counted_atoms, range(k))
+    c0 = time.process_time()
+    src.count_range(0, k)
+    return {"rows": k, "read_us": read_us, "decode_us": decode_us, "atoms_us": atoms_us,
+            "record_us": record_us, "pass_us": (time.process_time() - c0) / k * 1e6,
+            "record_bytes": sum(map(len, texts)) / k, "load": os.getloadavg()[0]}
+
+
 def _case(path: Path, workers: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--case", str(path), str(workers)],
                          capture_output=True, text=True, check=True)
@@ -110,18 +151,30 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="folder for the data (kept)")
     ap.add_argument("--write-only", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--per-row", type=int, default=0,
+                    help="time the first pass's parts over this many ASE-LMDB rows")
     ap.add_argument("--case", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--row-case", nargs=2, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
         print(json.dumps(open_once(a.case[0], int(a.case[1]))))
         return
+    if a.row_case:
+        print(json.dumps(per_row(a.row_case[0], int(a.row_case[1]))))
+        return
     work = Path(a.work or "/tmp/xnn_index_scale")
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, breakdown = [], None
     for fmt in a.formats:
         path = write_set(work, a.n, fmt)
         if a.write_only:
             continue
+        if fmt == "aselmdb" and a.per_row:
+            out = subprocess.run([sys.executable, __file__, "--row-case", str(path),
+                                  str(a.per_row)], capture_output=True, text=True, check=True)
+            breakdown = json.loads(out.stdout.strip().splitlines()[-1])
+            print("aselmdb per row (us): " + "  ".join(
+                f"{k} {v:.1f}" for k, v in breakdown.items() if k.endswith("_us")), flush=True)
         from xnn.data.sources.index import index_paths
 
         for workers in a.workers:
@@ -139,8 +192,10 @@ def main() -> None:
                   f"(load {row['load']:.1f})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"benchmark": "index_scale", "cpu_count": os.cpu_count(), "rows": rows},
-                      f, indent=1)
+            out = {"benchmark": "index_scale", "cpu_count": os.cpu_count(), "rows": rows}
+            if breakdown is not None:
+                out["per_row"] = breakdown
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -338,13 +338,13 @@ def data_start(name: str, data: dict) -> list[list[str]]:
                 for r in data["rows"] if (r["format"], r["n"]) in before]
     n = max(r["n"] for r in data["rows"])
     at = {(r["mode"], r["ranks"], r["impl"]): r for r in data["rows"] if r["n"] == n}
-    what = {"split": "split and subsets", "draws": "draw an epoch (samples_per_epoch)"}
+    what = {"split": "split and subsets", "draws": "samples_per_epoch draws"}
     rows = []
     for mode, ranks, _ in sorted(k for k in at if k[2] == "after"):
         b, a = at[(mode, ranks, "before")], at[(mode, ranks, "after")]
         guess = " (extrapolated)"
-        rows.append([what.get(mode, f"plan an epoch ({mode})"),
-                     "-" if mode in what else f"{ranks} ranks", count(n),
+        rows.append(["before the plan" if mode in what else f"plan an epoch ({mode})",
+                     what.get(mode, f"{ranks} ranks"), count(n),
                      f"{mib(b['peak_mib'] * 2**20)}{guess * b['extrapolated']}, "
                      f"{sec(b['cpu_s'])} CPU",
                      f"{mib(a['peak_mib'] * 2**20)}{guess * a['extrapolated']}, "

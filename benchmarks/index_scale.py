@@ -12,6 +12,9 @@ and species of every structure) with ``--workers`` processes for the first pass,
 ``*_cpu_s`` is the CPU time of the process and its workers (user + system), a better
 measure than the wall time on a shared machine; ``load`` is the 1-minute load average.
 
+``--shards K`` also writes the set as ``K`` ASE-LMDB shards and opens them as one glob
+(``folder/*.aselmdb``, as OMat24 ships), first and second start alike (one index a shard).
+
 ``--per-row K`` also times the first pass's work per ASE-LMDB row (``per_row`` in the JSON,
 microseconds a row over the first ``K`` rows, in one process). A row is one zlib-compressed
 JSON text (``ase.io.jsonio``: ``numbers``, ``positions``, ``cell``, ``pbc``, then the
@@ -85,6 +88,27 @@ def write_set(work: Path, n: int, fmt: str) -> Path:
     return path
 
 
+def write_shards(work: Path, n: int, k: int) -> Path:
+    """The set as ``k`` ASE-LMDB shards of about ``n / k`` rows, in the folder
+    ``work/shards_<n>_<k>`` (written once); open it as ``folder/*.aselmdb``."""
+    from ase.db import connect
+
+    folder = work / f"shards_{n}_{k}"
+    if folder.exists():
+        return folder
+    tmp = work / f"tmp_shards_{n}_{k}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    frames, per = synthetic_frames(n), -(-n // k)
+    for s in range(k):
+        db = connect(str(tmp / f"data.{s:04d}.aselmdb"), type="aselmdb")
+        with db:
+            for _ in range(min(per, n - s * per)):
+                db.write(next(frames))
+        del db
+    os.replace(tmp, folder)
+    return folder
+
+
 def _cpu_s() -> float:
     """User + system CPU seconds of this process and its finished children (workers)."""
     import resource
@@ -146,11 +170,13 @@ def _case(path: Path, workers: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000)
-    ap.add_argument("--formats", nargs="+", default=["extxyz", "aselmdb", "db"])
+    ap.add_argument("--formats", nargs="*", default=["extxyz", "aselmdb", "db"])
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--work", default=None, help="folder for the data (kept)")
     ap.add_argument("--write-only", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shards", type=int, default=0,
+                    help="also open the set as this many ASE-LMDB shards (a glob)")
     ap.add_argument("--per-row", type=int, default=0,
                     help="time the first pass's parts over this many ASE-LMDB rows")
     ap.add_argument("--case", nargs=2, default=None, help=argparse.SUPPRESS)
@@ -190,6 +216,23 @@ def main() -> None:
             print(f"{fmt:8s} workers={workers} first {row['first_s']:7.2f} s "
                   f"({row['first_cpu_s']:.2f} CPU s)  second {row['second_s']:6.3f} s  "
                   f"(load {row['load']:.1f})", flush=True)
+    if a.shards and not a.write_only:
+        folder = write_shards(work, a.n, a.shards)
+        for p in folder.glob(".*.xnn-index.npz"):
+            p.unlink()
+        for workers in a.workers:
+            first, second = (_case(folder / "*.aselmdb", workers),
+                             _case(folder / "*.aselmdb", workers))
+            row = {"format": f"aselmdb, {a.shards} shards", "n": a.n, "workers": workers,
+                   "first_s": first["seconds"], "first_cpu_s": first["cpu_s"],
+                   "second_s": second["seconds"], "second_cpu_s": second["cpu_s"],
+                   "load": first["load"]}
+            rows.append(row)
+            print(f"{a.shards} shards workers={workers} first {row['first_s']:7.2f} s "
+                  f"({row['first_cpu_s']:.2f} CPU s)  second {row['second_s']:6.3f} s "
+                  f"({row['second_cpu_s']:.2f} CPU s)  (load {row['load']:.1f})", flush=True)
+            for p in folder.glob(".*.xnn-index.npz"):
+                p.unlink()
     if a.json:
         with open(a.json, "w") as f:
             out = {"benchmark": "index_scale", "cpu_count": os.cpu_count(), "rows": rows}

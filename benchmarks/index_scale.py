@@ -12,6 +12,20 @@ and species of every structure) with ``--workers`` processes for the first pass,
 ``*_cpu_s`` is the CPU time of the process and its workers (user + system), a better
 measure than the wall time on a shared machine; ``load`` is the 1-minute load average.
 
+``--shards K`` also writes the set as ``K`` ASE-LMDB shards and opens them as one glob
+(``folder/*.aselmdb``, as OMat24 ships), first and second start alike (one index a shard).
+
+``--per-row K`` also times the first pass's work per ASE-LMDB row (``per_row`` in the JSON,
+microseconds a row over the first ``K`` rows, in one process). A row is one zlib-compressed
+JSON text (``ase.io.jsonio``: ``numbers``, ``positions``, ``cell``, ``pbc``, then the
+calculator results, ``key_value_pairs`` and ``data``): the atom count is read from its first
+bytes, but the labels follow the positions, so the pass decompresses and decodes every
+record whole. ``read_us``: fetch and decompress; ``decode_us``: the JSON decoded;
+``atoms_us``: the row read as an ``ase.Atoms`` with its calculator (``source.atoms``, the
+pass's read before); ``record_us``: the row read as the pass reads it now
+(:class:`~xnn.data.sources.asedb._RecordAtoms`); ``pass_us``: the whole pass
+(``count_range``: read, structure checks, label counts).
+
 Usage::
 
     python benchmarks/index_scale.py --n 20000 --work /tmp/idx20k --json index_scale.json
@@ -74,6 +88,27 @@ def write_set(work: Path, n: int, fmt: str) -> Path:
     return path
 
 
+def write_shards(work: Path, n: int, k: int) -> Path:
+    """The set as ``k`` ASE-LMDB shards of about ``n / k`` rows, in the folder
+    ``work/shards_<n>_<k>`` (written once); open it as ``folder/*.aselmdb``."""
+    from ase.db import connect
+
+    folder = work / f"shards_{n}_{k}"
+    if folder.exists():
+        return folder
+    tmp = work / f"tmp_shards_{n}_{k}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    frames, per = synthetic_frames(n), -(-n // k)
+    for s in range(k):
+        db = connect(str(tmp / f"data.{s:04d}.aselmdb"), type="aselmdb")
+        with db:
+            for _ in range(min(per, n - s * per)):
+                db.write(next(frames))
+        del db
+    os.replace(tmp, folder)
+    return folder
+
+
 def _cpu_s() -> float:
     """User + system CPU seconds of this process and its finished children (workers)."""
     import resource
@@ -96,6 +131,36 @@ def open_once(path: str, workers: int) -> dict:
             "species": species}
 
 
+def per_row(path: str, k: int) -> dict:
+    """Microseconds a row of the first pass's parts over the first ``k`` rows of an
+    ASE-LMDB file (the ``--row-case`` entry)."""
+    import zlib
+
+    from ase.io.jsonio import decode
+
+    from xnn.data.sources import open_source
+
+    src = open_source(path)
+    k = min(k, len(src))
+    ids = src.ids[:k].tolist()
+
+    def timed(fn, items) -> tuple[float, list]:
+        t0 = time.process_time()
+        out = [fn(x) for x in items]
+        return (time.process_time() - t0) / len(items) * 1e6, out
+
+    with src._handle().env.begin() as txn:
+        read_us, texts = timed(lambda i: zlib.decompress(txn.get(str(i).encode())), ids)
+    decode_us, _ = timed(lambda t: decode(t.decode("utf-8")), texts)
+    atoms_us, _ = timed(src.atoms, range(k))
+    record_us, _ = timed(src._counted_atoms, range(k))
+    c0 = time.process_time()
+    src.count_range(0, k)
+    return {"rows": k, "read_us": read_us, "decode_us": decode_us, "atoms_us": atoms_us,
+            "record_us": record_us, "pass_us": (time.process_time() - c0) / k * 1e6,
+            "record_bytes": sum(map(len, texts)) / k, "load": os.getloadavg()[0]}
+
+
 def _case(path: Path, workers: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--case", str(path), str(workers)],
                          capture_output=True, text=True, check=True)
@@ -105,23 +170,37 @@ def _case(path: Path, workers: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000)
-    ap.add_argument("--formats", nargs="+", default=["extxyz", "aselmdb", "db"])
+    ap.add_argument("--formats", nargs="*", default=["extxyz", "aselmdb", "db"])
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--work", default=None, help="folder for the data (kept)")
     ap.add_argument("--write-only", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shards", type=int, default=0,
+                    help="also open the set as this many ASE-LMDB shards (a glob)")
+    ap.add_argument("--per-row", type=int, default=0,
+                    help="time the first pass's parts over this many ASE-LMDB rows")
     ap.add_argument("--case", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--row-case", nargs=2, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
         print(json.dumps(open_once(a.case[0], int(a.case[1]))))
         return
+    if a.row_case:
+        print(json.dumps(per_row(a.row_case[0], int(a.row_case[1]))))
+        return
     work = Path(a.work or "/tmp/xnn_index_scale")
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, breakdown = [], None
     for fmt in a.formats:
         path = write_set(work, a.n, fmt)
         if a.write_only:
             continue
+        if fmt == "aselmdb" and a.per_row:
+            out = subprocess.run([sys.executable, __file__, "--row-case", str(path),
+                                  str(a.per_row)], capture_output=True, text=True, check=True)
+            breakdown = json.loads(out.stdout.strip().splitlines()[-1])
+            print("aselmdb per row (us): " + "  ".join(
+                f"{k} {v:.1f}" for k, v in breakdown.items() if k.endswith("_us")), flush=True)
         from xnn.data.sources.index import index_paths
 
         for workers in a.workers:
@@ -137,10 +216,29 @@ def main() -> None:
             print(f"{fmt:8s} workers={workers} first {row['first_s']:7.2f} s "
                   f"({row['first_cpu_s']:.2f} CPU s)  second {row['second_s']:6.3f} s  "
                   f"(load {row['load']:.1f})", flush=True)
+    if a.shards and not a.write_only:
+        folder = write_shards(work, a.n, a.shards)
+        for p in folder.glob(".*.xnn-index.npz"):
+            p.unlink()
+        for workers in a.workers:
+            first, second = (_case(folder / "*.aselmdb", workers),
+                             _case(folder / "*.aselmdb", workers))
+            row = {"format": f"aselmdb, {a.shards} shards", "n": a.n, "workers": workers,
+                   "first_s": first["seconds"], "first_cpu_s": first["cpu_s"],
+                   "second_s": second["seconds"], "second_cpu_s": second["cpu_s"],
+                   "load": first["load"]}
+            rows.append(row)
+            print(f"{a.shards} shards workers={workers} first {row['first_s']:7.2f} s "
+                  f"({row['first_cpu_s']:.2f} CPU s)  second {row['second_s']:6.3f} s "
+                  f"({row['second_cpu_s']:.2f} CPU s)  (load {row['load']:.1f})", flush=True)
+            for p in folder.glob(".*.xnn-index.npz"):
+                p.unlink()
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"benchmark": "index_scale", "cpu_count": os.cpu_count(), "rows": rows},
-                      f, indent=1)
+            out = {"benchmark": "index_scale", "cpu_count": os.cpu_count(), "rows": rows}
+            if breakdown is not None:
+                out["per_row"] = breakdown
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

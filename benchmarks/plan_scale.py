@@ -8,7 +8,14 @@ for each number of data-parallel ranks in ``--ranks``, for rank 0 of epoch 0:
 * ``atoms``: the default, ``data.max_atoms_per_batch = budget × ranks`` global batches of
   a seeded permutation, this rank's greedy share of each;
 * ``balanced``: ``data.balance=atoms``, the steps packed as ``ranks`` shares of ``budget``
-  atoms.
+  atoms;
+* ``split``: what comes before the plan, the training split of a source of ``n`` structures
+  (its ``n_atoms`` int64, as the lazy sources hold it): 5% validation and 5% test
+  (:func:`~xnn.data.datasets.split_indices`) and the :class:`~xnn.data.datasets.Subset`
+  of each (``before``: the int64 permutation, sorted copies and int64 subsets it replaced);
+* ``draws``: ``data.samples_per_epoch = n`` draws by dataset weight from ``n`` structures of
+  one weight (:func:`~xnn.training.sampling.sample_epoch`; ``before``: ``rng.choice`` cast to
+  int32, as the planner did). ``ranks`` plays no part in these two.
 
 ``after`` is the planner of this tree (:class:`~xnn.training.plan.BatchPlan`: the epoch as
 two int32/int64 arrays, this rank's shares made a block at a time while they are read, as
@@ -65,8 +72,40 @@ class _Sizes:
 
 
 # ---------------------------------------------------------------- one case
+def _split_before(dataset: _Sizes, n: int) -> list:
+    """The training set's split and subsets as they were made before (int64 throughout)."""
+    perm = np.random.default_rng(0).permutation(n)
+    m = int(round(n * 0.05))
+    parts = [np.sort(perm[2 * m:]), np.sort(perm[:m]), np.sort(perm[m:2 * m])]
+    del perm
+    return [_Sizes(np.asarray(dataset.n_atoms)[p]) for p in parts] + parts  # Subset's arrays
+
+
+def prepare(mode: str, impl: str, n_atoms: np.ndarray) -> int:
+    """The split (``split``) or the epoch's draws (``draws``); returns structures held."""
+    if mode == "split":
+        from xnn.data.datasets import Subset, split_indices
+
+        ds = _Sizes(n_atoms)
+        if impl == "before":
+            return len(_split_before(ds, len(n_atoms))[0])
+        parts = split_indices(len(n_atoms), 0.05, 0.05, seed=0)
+        return len([Subset(ds, p) for p in parts][0])
+    weights = np.ones(len(n_atoms))  # structure_weights of one file
+    if impl == "before":
+        drawn = np.random.default_rng([0, 0]).choice(len(weights), size=len(weights),
+                                                      replace=True, p=weights / weights.sum())
+        return len(drawn.astype(np.int32))
+    from xnn.training.sampling import sample_epoch
+
+    return len(sample_epoch(weights, len(weights), 0, 0))
+
+
 def plan(mode: str, impl: str, n_atoms: np.ndarray, ranks: int, budget: int) -> int:
-    """Rank 0's plan of epoch 0, its shares read once; returns the number of steps."""
+    """Rank 0's plan of epoch 0, its shares read once; returns the number of steps (for
+    ``split`` and ``draws``: the training structures, or the draws)."""
+    if mode in ("split", "draws"):
+        return prepare(mode, impl, n_atoms)
     if impl == "before":
         if mode == "balanced":
             order = np.random.default_rng([0, 0]).permutation(len(n_atoms))
@@ -96,6 +135,8 @@ def _rss_mib() -> float:
 def run_case(mode: str, impl: str, n: int, ranks: int, budget: int) -> dict:
     """One case in this process (the ``--case`` entry)."""
     n_atoms = synthetic_sizes(n)
+    if mode == "split":  # as a lazy source holds it
+        n_atoms = n_atoms.astype(np.int64)
     base = _rss_mib()
     t0, c0 = time.perf_counter(), time.process_time()
     steps = plan(mode, impl, n_atoms, ranks, budget)
@@ -116,7 +157,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7, 10**8])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--modes", nargs="+", default=["atoms", "balanced"])
+    ap.add_argument("--modes", nargs="+", default=["atoms", "balanced"],
+                    help="atoms, balanced, split, draws")
     ap.add_argument("--budget", type=int, default=2000, help="atoms per rank's share")
     ap.add_argument("--max-n", type=int, default=10**8, help="largest n measured (after)")
     ap.add_argument("--max-n-before", type=int, default=10**7,

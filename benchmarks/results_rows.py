@@ -329,19 +329,26 @@ def data_start(name: str, data: dict) -> list[list[str]]:
     it) and ``plan_scale.py`` (one epoch's plan at the largest size, list planner against
     ``BatchPlan``; peak memory of the plan, CPU seconds)."""
     if data["benchmark"] == "index_scale":
-        before = {b["format"]: b for b in data["before"]}
+        before = {(b["format"], b["n"]): b for b in data["before"]}
         return [["open a source", f"{r['format']}, {r['workers']} workers", count(r["n"]),
-                 sec(before[r["format"]]["first_s"]),
-                 f"{sec(r['first_s'])}, then {sec(r['second_s'])}"] for r in data["rows"]]
+                 f"{sec(before[(r['format'], r['n'])]['first_s'])} "
+                 f"({sec(before[(r['format'], r['n'])]['first_cpu_s'])} CPU)",
+                 f"{sec(r['first_s'])} ({sec(r['first_cpu_s'])} CPU), then "
+                 f"{sec(r['second_s'])}"]
+                for r in data["rows"] if (r["format"], r["n"]) in before]
     n = max(r["n"] for r in data["rows"])
     at = {(r["mode"], r["ranks"], r["impl"]): r for r in data["rows"] if r["n"] == n}
+    what = {"split": "split and subsets", "draws": "samples_per_epoch draws"}
     rows = []
     for mode, ranks, _ in sorted(k for k in at if k[2] == "after"):
         b, a = at[(mode, ranks, "before")], at[(mode, ranks, "after")]
-        guess = " (extrapolated)" if b["extrapolated"] else ""
-        rows.append([f"plan an epoch ({mode})", f"{ranks} ranks", count(n),
-                     f"{mib(b['peak_mib'] * 2**20)}{guess}, {sec(b['cpu_s'])} CPU",
-                     f"{mib(a['peak_mib'] * 2**20)}, {sec(a['cpu_s'])} CPU"])
+        guess = " (extrapolated)"
+        rows.append(["before the plan" if mode in what else f"plan an epoch ({mode})",
+                     what.get(mode, f"{ranks} ranks"), count(n),
+                     f"{mib(b['peak_mib'] * 2**20)}{guess * b['extrapolated']}, "
+                     f"{sec(b['cpu_s'])} CPU",
+                     f"{mib(a['peak_mib'] * 2**20)}{guess * a['extrapolated']}, "
+                     f"{sec(a['cpu_s'])} CPU"])
     return rows
 
 

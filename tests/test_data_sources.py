@@ -477,3 +477,78 @@ def test_the_first_pass_over_workers_equals_one_process(tmp_path, frames, fmt, m
             msg = raises_one_line(DataFileError, read_structures, path, workers=0)
             assert "structure 17" in msg and "inf" in msg, msg
             assert raises_one_line(DataFileError, read_structures, path, workers=2) == msg
+
+
+def _mixed_rows(frames):
+    """Rows with labels in every place a record holds them: calculator results, key-value
+    pairs and data under other keys, 3x3 stress, virial of a slab, a molecule with forces only,
+    a structure without labels, per-atom arrays and a constraint."""
+    from ase.build import molecule
+    from ase.constraints import FixAtoms
+
+    rng = np.random.default_rng(3)
+    rows = [(a, {}, {}) for a in frames]
+    slab = bulk("Cu", cubic=True) * (2, 1, 1)
+    slab.pbc = [True, True, False]
+    slab.calc = SinglePointCalculator(slab, energy=-7.5)
+    rows.append((slab, {"REF_energy": -7.25}, {"virial": rng.normal(size=(3, 3)),
+                                               "REF_stress": rng.normal(size=(3, 3))}))
+    mol = molecule("H2O")
+    mol.set_initial_charges([0.1, -0.2, 0.1])
+    mol.set_tags([1, 2, 3])
+    mol.set_constraint(FixAtoms([0]))
+    mol.calc = SinglePointCalculator(mol, forces=rng.normal(size=(3, 3)))
+    rows.append((mol, {"REF_energy": 1.5}, {"REF_forces": rng.normal(size=(3, 3))}))
+    bare = bulk("Au", cubic=True)
+    bare.set_initial_magnetic_moments([1.0, 0, 0, 0])
+    rows.append((bare, {"kind": "bare"}, {}))
+    return rows
+
+
+def test_the_first_pass_reads_lmdb_records_as_it_reads_atoms(tmp_path, frames):
+    """The first pass over ASE-LMDB decodes each record without building an ``Atoms``; the
+    label counts and species it finds are those of the rows read as ``Atoms``, under every
+    key mapping, and a broken row is refused as before."""
+    from xnn.data.sources.asedb import _RecordAtoms
+    from xnn.data.sources.frames import _label_row
+
+    path = tmp_path / "mixed.aselmdb"
+    db = connect(str(path))
+    for atoms, kvp, data in _mixed_rows(frames):
+        db.write(atoms, data=data, **kvp)
+    del db
+    key_sets = [{}, {"energy_key": "REF_energy", "forces_key": "REF_forces",
+                     "stress_key": "REF_stress"}, {"stress_key": None, "virial_key": None}]
+    for keys in key_sets:
+        ds = open_source(path, **keys)
+        for i in range(len(ds)):
+            lean, full = ds._counted_atoms(i), ds.atoms(i)
+            assert isinstance(lean, _RecordAtoms)
+            assert np.array_equal(lean.numbers, full.numbers)
+            assert np.array_equal(_label_row(lean, ds.keys), _label_row(full, ds.keys)), i
+        counts, species = ds.count_range(0, len(ds))
+        ref = [_label_row(ds.atoms(i), ds.keys) for i in range(len(ds))]
+        assert np.array_equal(counts, np.stack(ref))
+        assert species.tolist() == sorted({int(z) for i in range(len(ds))
+                                           for z in ds.atoms(i).numbers})
+        assert counts.sum() > 0
+    bad = [a.copy() for a in frames]
+    for a, b in zip(frames, bad):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+    bad[6].calc.results["forces"][2, 1] = np.nan
+    bad[2].cell[2] = bad[2].cell[1]  # singular along z
+    for broken, words in ((bad[3:7], "structure 3"), (bad[:3], "structure 2")):
+        p = _write_db(tmp_path / f"bad{len(broken)}.aselmdb", broken)
+        msg = raises_one_line((DataFileError, InputError), open_source(p).count_range, 0,
+                              len(broken))
+        assert words in msg, msg
+
+
+def test_cell_faces_are_numpy_cross_products():
+    from xnn.data.ase_io import _faces
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        cell = rng.normal(size=(3, 3)) * 10 ** rng.uniform(-8, 3)
+        ref = np.stack([np.cross(cell[(a + 1) % 3], cell[(a + 2) % 3]) for a in range(3)])
+        assert np.array_equal(_faces(cell), ref)

@@ -301,12 +301,17 @@ class HDF5Source(LabelledDataset):
 
 
 class Subset(LabelledDataset):
-    """The structures ``indices`` of ``dataset``, in that order."""
+    """The structures ``indices`` of ``dataset``, in that order.
+
+    Held compactly: ``indices`` as int32 (int64 from ``2**31`` structures, see
+    :func:`compact_indices`; an int32 array given is kept, not copied) and ``n_atoms`` as
+    int32 (:func:`gather_counts`): 8 bytes a structure where two int64 arrays took 16.
+    """
 
     def __init__(self, dataset, indices: Sequence[int]):
         self.dataset = dataset
-        self.indices = np.asarray(indices, dtype=np.int64)
-        self.n_atoms = np.asarray(dataset.n_atoms)[self.indices]
+        self.indices = compact_indices(indices, len(dataset))
+        self.n_atoms = gather_counts(dataset.n_atoms, self.indices)
         self.name = getattr(dataset, "name", "dataset")
 
     def __len__(self) -> int:
@@ -414,20 +419,66 @@ def split_indices(
     """``(train, val, test)`` indices carved from one seeded permutation of ``range(n)``.
 
     Validation takes the first ``round(n * val_fraction)`` entries of the permutation and
-    test the next ``round(n * test_fraction)``; training keeps the rest in permutation
-    order. A test fraction of zero therefore leaves train and validation unchanged.
+    test the next ``round(n * test_fraction)``; training keeps the rest; each is returned
+    sorted. A test fraction of zero therefore leaves train and validation unchanged.
+
+    The permutation is that of ``np.random.default_rng(seed).permutation(n)``, drawn in
+    int32 below ``2**31`` structures (:func:`index_dtype`, the same draws), and the training
+    split is sorted in its buffer: about 4 bytes a structure at the peak, where the int64
+    permutation and its sorted copy took 16 (10^8 structures: 0.4 GiB instead of 1.6).
     """
     if not (0.0 <= val_fraction < 1.0 and 0.0 <= test_fraction < 1.0):
         raise InputError(f"val_fraction={val_fraction} and test_fraction={test_fraction} "
                          "must be in [0, 1)")
-    perm = np.random.default_rng(seed).permutation(n)
     n_val = int(round(n * val_fraction))
     n_test = int(round(n * test_fraction))
     if n_val + n_test >= n and n > 0:
         raise InputError(f"val_fraction + test_fraction leave no training structure "
                          f"({n_val} + {n_test} of {n})")
-    val, test, train = perm[:n_val], perm[n_val : n_val + n_test], perm[n_val + n_test :]
-    return np.sort(train), np.sort(val), np.sort(test)
+    perm = np.arange(n, dtype=index_dtype(n))
+    np.random.default_rng(seed).shuffle(perm)  # in place: the permutation of ``permutation(n)``
+    held = n_val + n_test
+    val, test = np.sort(perm[:n_val]), np.sort(perm[n_val:held])
+    train = perm[held:]
+    train.sort()  # in place: a view of the permutation's buffer, no copy
+    return train, val, test
+
+
+def compact_indices(indices: Sequence[int], n: int) -> np.ndarray:
+    """``indices`` into ``n`` structures as an array of :func:`index_dtype` ``(n)``: int32
+    below ``2**31`` structures (the array itself where it is one already), else int64.
+
+    Raises:
+        IndexError: an index outside ``[-n, n)`` (checked before narrowing, which would
+            otherwise wrap it).
+    """
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        idx = idx.astype(np.int64)  # e.g. ``[]``, float64 to numpy
+    want = index_dtype(n)
+    if idx.dtype == want:
+        return idx
+    if idx.size and (int(idx.max()) >= n or int(idx.min()) < -n):
+        bad = int(idx.max()) if int(idx.max()) >= n else int(idx.min())
+        raise IndexError(f"index {bad} is out of bounds for {n} structures")
+    return idx.astype(want)
+
+
+def gather_counts(counts: np.ndarray, indices: np.ndarray, block: int = 1 << 20) -> np.ndarray:
+    """``counts[indices]`` of non-negative per-structure counts (atoms) as int32 where they
+    fit (sums and cumulative sums of int32 arrays are int64 in numpy), else in their own
+    type; gathered ``block`` indices at a time, so no int64 copy of the whole selection is
+    made on the way.
+
+    Raises:
+        IndexError: an index out of range.
+    """
+    counts = np.asarray(counts)
+    narrow = counts.dtype.kind in "iu" and (not counts.size or int(counts.max()) < 2**31)
+    out = np.empty(len(indices), dtype=np.int32 if narrow else counts.dtype)
+    for a in range(0, len(indices), block):
+        out[a:a + block] = counts[indices[a:a + block]]
+    return out
 
 
 # --------------------------------------------------------------------------- batching

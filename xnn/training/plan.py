@@ -238,8 +238,7 @@ class BatchPlan:
 
         if self._weights is None:
             self._weights = structure_weights(self.train)
-        drawn = sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)
-        return drawn.astype(index_dtype(len(self._weights)))
+        return sample_epoch(self._weights, d.samples_per_epoch, d.seed, epoch)  # int32
 
     def _epoch(self, epoch: int) -> EpochPlan:
         """The :class:`EpochPlan` of ``epoch``, planned once per epoch (the start of a run

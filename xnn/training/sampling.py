@@ -47,17 +47,36 @@ def structure_weights(dataset) -> np.ndarray:
                        for g in graphs], dtype=np.float64)
 
 
-def sample_epoch(weights: np.ndarray, n_samples: int, seed: int, epoch: int) -> np.ndarray:
+def sample_epoch(weights: np.ndarray, n_samples: int, seed: int, epoch: int,
+                 block: int = 1 << 20) -> np.ndarray:
     """``[n_samples]`` structure indices of one epoch, drawn with replacement with
     probabilities ``weights / weights.sum()`` by a generator seeded with ``(seed, epoch)``.
 
+    The draws of ``rng.choice(len(weights), n_samples, p=weights / weights.sum())``, bit for
+    bit (its cumulative distribution, then one uniform number a draw, looked up in it), made
+    ``block`` draws at a time and returned as int32 below ``2**31`` structures
+    (:func:`~xnn.data.datasets.index_dtype`): the cumulative distribution (8 bytes a
+    structure) and 4 bytes a draw, where ``choice`` held four float64/int64 arrays of the
+    whole epoch besides it.
+
     Raises:
-        InputError: every weight is 0 (nothing can be drawn).
+        InputError: every weight is 0 (nothing can be drawn), or one is negative or not
+            finite.
     """
+    from xnn.data.datasets import index_dtype
+
     w = np.asarray(weights, dtype=np.float64)
     total = float(w.sum())
-    if not total > 0:
+    if not total > 0 or not np.isfinite(total) or bool((w < 0).any()):
         raise InputError("data.samples_per_epoch draws structures by dataset weight, but every "
-                         "training dataset has weight 0; give one a weight > 0")
+                         "training dataset has weight 0 (or one is negative or not finite); "
+                         "give one a weight > 0")
     rng = np.random.default_rng([int(seed) % 2**63, int(epoch)])
-    return rng.choice(len(w), size=int(n_samples), replace=True, p=w / total)
+    cdf = w / total  # the probabilities ``choice`` is given
+    np.cumsum(cdf, out=cdf)
+    cdf /= cdf[-1]
+    n_samples = int(n_samples)
+    out = np.empty(n_samples, dtype=index_dtype(len(w)))
+    for a in range(0, n_samples, block):
+        out[a:a + block] = cdf.searchsorted(rng.random(min(block, n_samples - a)), side="right")
+    return out

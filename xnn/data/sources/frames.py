@@ -280,13 +280,20 @@ class AtomsSource(LabelledDataset):
         rows = np.zeros((hi - lo, 3), np.int64)
         found: set[int] = set()
         for i in range(lo, hi):
-            atoms = self.atoms(i)
+            atoms = self._counted_atoms(i)
             row = _label_row(atoms, self.keys) if len(atoms) == self.n_atoms[i] else None
             if row is None:  # refused here, as at any read
                 row = label_counts_of(self[i])[0]
             rows[i - lo] = row
             found.update(np.unique(atoms.numbers).tolist())
         return rows, np.asarray(sorted(found), dtype=np.int64)
+
+    def _counted_atoms(self, index: int):
+        """What :meth:`count_range` reads of structure ``index``: its ``ase.Atoms``
+        (:meth:`atoms`), or a lighter object with the same ``numbers``, ``positions``,
+        ``cell``, ``pbc``, ``info``, ``arrays`` and ``calc.results`` (a format whose record
+        holds them without building an ``Atoms``)."""
+        return self.atoms(index)
 
     def _count_labels(self) -> np.ndarray:
         """One pass reading every structure (:func:`~xnn.data.sources.scan.first_pass`,

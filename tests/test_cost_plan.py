@@ -131,3 +131,19 @@ def test_bad_arguments_are_refused():
         plan_counts("bcc", 1000, 2, mode="halo", cutoff=5.0, halo_width=6.0)
     with pytest.raises(InputError, match="below the cutoff"):
         plan_counts("fcc", 1000, 2, mode="halo", cutoff=5.0, halo_width=4.0)
+
+
+@pytest.mark.parametrize("system", ["fcc", "slab", "cylinder"])
+def test_factored_crystal_counts_equal_the_streamed_ones(system):
+    """A crystal's counts summed factor by factor (:mod:`xnn.distributed.cost.separable`,
+    what the plan uses at scale) equal those of every atom streamed (what the decomposed
+    runs above check), also for boxes thinner than the halo (27 and 64 ranks)."""
+    for mode, width in (("halo", 11.0), ("sync", 6.0)):
+        for p in (2, 3, 8, 27, 64):
+            fact = plan_counts(system, 3000, p, mode=mode, cutoff=5.0, halo_width=width)
+            streamed = plan_counts(system, 3000, p, mode=mode, cutoff=5.0, halo_width=width,
+                                   stream=True)
+            assert "products" in fact.method and "streamed" in streamed.method
+            assert fact.grid == streamed.grid
+            for name in ("owned", "ghost", "edges", "send_rows", "recv_rows", "peers"):
+                assert (getattr(fact, name) == getattr(streamed, name)).all(), (system, p, name)

@@ -49,6 +49,12 @@ import torch
 from torch import Tensor
 
 from xnn.distributed.cost.counts import RankCounts
+from xnn.distributed.cost.separable import (
+    NotSeparable,
+    neighbour_weights,
+    separable_bounds,
+    separable_counts,
+)
 from xnn.distributed.cost.systems import System, make_system
 from xnn.distributed.domain.partition import Partition, fractional_bounds, partition_from_bounds
 from xnn.distributed.graph.order import ORDERS, morton_codes
@@ -56,8 +62,8 @@ from xnn.errors import InputError
 
 PLAN_MODES = ("halo", "sync", "graph")
 BLOCK = 1 << 21  #: atoms per streamed block (fewer when each has many candidate ranks)
-EXACT_EDGES = 20_000_000  #: above this many atoms, sampled counts where exact ones are costly
-SAMPLE = 0.02  #: the fraction of atoms sampled above :data:`EXACT_EDGES`
+EXACT_EDGES = 200_000  #: above this many atoms, sampled counts where exact ones are costly
+SAMPLE = 0.05  #: the fraction of atoms sampled above :data:`EXACT_EDGES`
 _CANDIDATES = 1 << 24  #: candidate (atom, rank) pairs per block at most
 
 
@@ -121,10 +127,13 @@ def _coordination(sys: System, ids: np.ndarray, reach: float, sample: float | No
 
 
 # ---------------------------------------------------------------------- spatial modes
-def _partition(sys: System, n_ranks: int, halo_width: float, grid, block: int) -> Partition:
+def _partition(sys: System, n_ranks: int, halo_width: float, grid, block: int,
+               weights: dict | None) -> Partition:
     cell, pbc = sys.cell, sys.pbc
     bounds = torch.zeros(6, dtype=torch.float64)
-    if not bool(pbc.all()):
+    if not bool(pbc.all()) and weights is not None:
+        bounds = separable_bounds(sys, weights)
+    elif not bool(pbc.all()):
         bounds = torch.full((6,), float("-inf"), dtype=torch.float64)
         for ids in sys.blocks(block):
             b = fractional_bounds(torch.from_numpy(sys.positions(ids)), cell)
@@ -180,9 +189,21 @@ def _image_counts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> Tensor:
     return torch.where(pbc, span, inside).prod(-1).long()
 
 
+def _separable(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
+               block: int) -> RankCounts:
+    weights = neighbour_weights(sys, cutoff)
+    part = _partition(sys, n_ranks, halo_width, grid, block, weights)
+    receiver_width = halo_width - cutoff if mode == "halo" else 0.0
+    owned, held, own_img, send, edges, extents = separable_counts(
+        sys, part, halo_width, receiver_width, weights)
+    peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
+    return RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(
+        owned, held - owned, edges, send, held - own_img, peers))
+
+
 def _spatial(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
              block: int, sample: float | None) -> tuple[RankCounts, str]:
-    part = _partition(sys, n_ranks, halo_width, grid, block)
+    part = _partition(sys, n_ranks, halo_width, grid, block, None)
     owned, extents = _owners_and_extents(sys, part, block)
     box_low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
     grow = torch.maximum(box_low - extents[:, 0], extents[:, 1] - (box_low + part.width))
@@ -307,7 +328,8 @@ def _graph(sys: System, n_ranks: int, halo_width: float, order: str, block: int,
 def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: float,
                 halo_width: float, seed: int = 0, order: str = "morton", grid=None,
                 lattice_constant: float = 3.61, block: int = BLOCK,
-                exact_edges: int = EXACT_EDGES, sample: float = SAMPLE) -> RankCounts:
+                exact_edges: int = EXACT_EDGES, sample: float = SAMPLE,
+                stream: bool = False) -> RankCounts:
     """Per-rank counts of decomposing ``system`` over ``n_ranks`` ranks, without a model.
 
     Args:
@@ -326,6 +348,8 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
         exact_edges: up to this many atoms every count is exact; above it the liquid's
             edges and graph mode's ghosts are sampled on a seeded fraction ``sample`` of the
             atoms (the method says so, with the largest relative standard error).
+        stream: visit every atom in the spatial modes even where the crystal factors
+            (:mod:`.separable`; the same counts, for checking).
     Returns:
         :class:`~.counts.RankCounts` whose ``method`` says how each count was obtained.
 
@@ -348,12 +372,21 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
         if over:
             how += f" (sampled: a seeded {sample:g} of the atoms, counts scaled){err}"
     else:
-        sampled_edges = over and sys.name == "liquid"
-        counts, err = _spatial(sys, n_ranks, mode, cutoff, halo_width, grid, block,
-                               sample if sampled_edges else None)
-        how = "exact: owned, ghost, sent/received rows, peers; "
-        how += (f"sampled: edges (neighbour counts of a seeded {sample:g} of the atoms){err}"
-                if sampled_edges else "exact: edges")
+        counts = None
+        if not stream:
+            try:
+                counts = _separable(sys, n_ranks, mode, cutoff, halo_width, grid, block)
+                how = ("exact: owned, ghost, sent/received rows, peers, edges (a union of "
+                       "products of per-axis sets, summed factor by factor)")
+            except NotSeparable:
+                counts = None
+        if counts is None:
+            sampled_edges = over and sys.name == "liquid"
+            counts, err = _spatial(sys, n_ranks, mode, cutoff, halo_width, grid, block,
+                                   sample if sampled_edges else None)
+            how = "exact: owned, ghost, sent/received rows, peers (every atom streamed); "
+            how += (f"sampled: edges (neighbour counts of a seeded {sample:g} of the "
+                    f"atoms){err}" if sampled_edges else "exact: edges")
     how += f"; streamed in blocks, {time.perf_counter() - t0:.1f} s"
     return RankCounts(counts.mode, counts.grid, counts.halo_width, counts.owned, counts.ghost,
                       counts.edges, counts.send_rows, counts.recv_rows, counts.peers, how)

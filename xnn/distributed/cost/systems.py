@@ -33,7 +33,12 @@ SYSTEMS = ("fcc", "liquid", "slab", "cylinder")
 A_CU = 3.61  #: Å, the lattice constant of Cu
 JITTER = 0.5  #: Å, the liquid's largest displacement per axis from its site
 VACUUM = 20.0  #: Å of vacuum along the non-periodic axes (slab: z; cylinder: x, y)
+_NEIGHBOUR_CHUNK = 16384  #: atoms whose neighbours are looked up at once (memory)
 _BASIS = np.array([[0, 0, 0], [0, 1, 1], [1, 0, 1], [1, 1, 0]], dtype=np.int64)  # ase order
+
+
+_BASIS_OF = np.full(8, -1, dtype=np.int64)  # parities (px, py, pz) -> basis index
+_BASIS_OF[_BASIS[:, 0] * 4 + _BASIS[:, 1] * 2 + _BASIS[:, 2]] = np.arange(4)
 
 
 def _hash(seed: int, ids: np.ndarray, k: int) -> np.ndarray:
@@ -112,7 +117,7 @@ class System:
             return np.where(ok & (k >= 0), idx, -1)
         ok = ((s >= 0) & (s < span)).all(1)
         c, p = np.divmod(s, 2)
-        b = np.select([(p == q).all(1) for q in _BASIS], range(4), -1)
+        b = _BASIS_OF[p[:, 0] * 4 + p[:, 1] * 2 + p[:, 2]]
         ny, nz = self.cells[1], self.cells[2]
         idx = ((c[:, 0] * ny + c[:, 1]) * nz + c[:, 2]) * 4 + b
         return np.where(ok & (b >= 0), idx, -1)
@@ -134,6 +139,10 @@ class System:
         Exact: every site offset within ``reach`` (plus twice the largest jitter) is tried
         and, in the liquid, the jittered distance is compared with ``reach``.
         """
+        if len(ids) > _NEIGHBOUR_CHUNK:
+            parts = [self.neighbors(ids[i: i + _NEIGHBOUR_CHUNK], reach)
+                     for i in range(0, len(ids), _NEIGHBOUR_CHUNK)]
+            return np.concatenate(parts)
         offsets = _offsets(self.a, reach + 2 * math.sqrt(3) * self.jitter)
         s = self.sites(ids)
         nbr = self.ids_of((s[:, None, :] + offsets[None]).reshape(-1, 3)).reshape(len(ids), -1)

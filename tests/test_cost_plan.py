@@ -147,3 +147,22 @@ def test_factored_crystal_counts_equal_the_streamed_ones(system):
             assert fact.grid == streamed.grid
             for name in ("owned", "ghost", "edges", "send_rows", "recv_rows", "peers"):
                 assert (getattr(fact, name) == getattr(streamed, name)).all(), (system, p, name)
+
+
+def test_plan_counts_equal_the_committed_million_atom_run():
+    """The owned and ghost atoms of every rank of the committed 1,000,188-atom LJ argon run
+    (``benchmarks/results/dd_md_cpu16.json``: FCC a = 5.26 Å, 63^3 cells, halo 6 + 1 Å, on
+    1, 2, 4 and 8 gloo ranks of a 16-core host), the grid and the boundary atoms' split
+    (125,024 / 125,023) included."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/dd_md_cpu16.json"
+    data = json.loads(path.read_text())
+    assert data["settings"]["cutoff"] == 6.0 and data["settings"]["skin"] == 1.0
+    for row in data["rows"]:
+        plan = plan_counts("fcc", row["n_atoms"], row["ranks"], mode="halo", cutoff=6.0,
+                           halo_width=7.0, lattice_constant=5.26)
+        assert plan.n_atoms == row["n_atoms"] and list(plan.grid) == row["grid"]
+        assert plan.owned.tolist() == [r["n_owned"] for r in row["per_rank"]]
+        assert plan.ghost.tolist() == [r["n_ghost"] for r in row["per_rank"]]

@@ -329,7 +329,7 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
                 halo_width: float, seed: int = 0, order: str = "morton", grid=None,
                 lattice_constant: float = 3.61, block: int = BLOCK,
                 exact_edges: int = EXACT_EDGES, sample: float = SAMPLE,
-                stream: bool = False) -> RankCounts:
+                stream: bool = False, max_streamed: int = 10**9) -> RankCounts:
     """Per-rank counts of decomposing ``system`` over ``n_ranks`` ranks, without a model.
 
     Args:
@@ -350,11 +350,14 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
             atoms (the method says so, with the largest relative standard error).
         stream: visit every atom in the spatial modes even where the crystal factors
             (:mod:`.separable`; the same counts, for checking).
+        max_streamed: refuse (``InputError``) to stream more atoms than this in the
+            spatial modes (a crystal whose extents do not factor, a liquid).
     Returns:
         :class:`~.counts.RankCounts` whose ``method`` says how each count was obtained.
 
     Raises:
-        InputError: an unknown system, mode or order; ``halo_width < cutoff``.
+        InputError: an unknown system, mode or order; ``halo_width < cutoff``; more than
+            ``max_streamed`` atoms to stream.
     """
     if mode not in PLAN_MODES:
         raise InputError(f"mode must be one of {list(PLAN_MODES)}, got {mode!r}")
@@ -378,8 +381,15 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
                 counts = _separable(sys, n_ranks, mode, cutoff, halo_width, grid, block)
                 how = ("exact: owned, ghost, sent/received rows, peers, edges (a union of "
                        "products of per-axis sets, summed factor by factor)")
-            except NotSeparable:
+            except NotSeparable as err:
+                if sys.n_atoms > max_streamed:
+                    raise InputError(
+                        f"{system}: {sys.n_atoms:,} atoms do not factor ({err}) and streaming "
+                        f"them is over max_streamed={max_streamed:,}") from None
                 counts = None
+        if counts is None and sys.n_atoms > max_streamed:
+            raise InputError(f"{system}: streaming {sys.n_atoms:,} atoms is over "
+                             f"max_streamed={max_streamed:,}")
         if counts is None:
             sampled_edges = over and sys.name == "liquid"
             counts, err = _spatial(sys, n_ranks, mode, cutoff, halo_width, grid, block,

@@ -194,4 +194,6 @@ COMMANDS = {
     "lammps_h100.json": ("python benchmarks/lammps.py --device cuda --dtype float32 --ranks 1 "
                          "--sizes 2000,16000 --schnet-sizes 2000 --steps 20 --warmup 3 "
                          "--repeat 1 --json benchmarks/results/lammps_h100.json"),
+    "scaling_model_cpu.json": ("python benchmarks/scaling_model.py --plots docs/img --json "
+                               "benchmarks/results/scaling_model_cpu.json"),
 }

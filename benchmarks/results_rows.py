@@ -540,6 +540,13 @@ def nccl_device(name: str, data: dict) -> str:
     return f"{data['world_size']} NVIDIA H200, NCCL, fp64"
 
 
+def scaling_model(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``scaling_model.py``: the step-cost model's prediction against each measured
+    multi-rank point (calibrated on the 1-rank rows of the same file)."""
+    return [[r["source"], str(r["ranks"]), count(r["n_atoms"]), ms(r["predicted_s"]),
+             ms(r["measured_s"]), f"{100 * r['error']:+.1f} %"] for r in data["validation"]]
+
+
 def ghost_plan(name: str, data: dict) -> list[list[str]]:
     """Rows of ``ghost_plan_scale.py``: per system and mode, its strong-scaling rows at the
     largest size planned (ranks folded): the largest ghost shell against the mean owned

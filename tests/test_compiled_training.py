@@ -64,7 +64,7 @@ def _check_against_eager(name, structures):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
-@pytest.mark.parametrize("name", ["schnet", "painn"])
+@pytest.mark.parametrize("name", ["schnet", pytest.param("painn", marks=pytest.mark.slow)])
 def test_compiled_properties_match_eager_double_backward(name, structures):
     """PaiNN's sqrt (its saved output) is the case a plain make_fx trace gets wrong."""
     _check_against_eager(name, structures)

@@ -341,11 +341,12 @@ def results(world):
     return _CACHE[world]
 
 
-ALL = [(w, c[0]) for w in CASES for c in CASES[w]]
+ALL = [pytest.param(w, c[0], id=f"{w}-{c[0]}", marks=[pytest.mark.slow] if w == 8 else [])
+       for w in CASES for c in CASES[w]]  # 8 ranks on CI's 2 cores: the slow set
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,case", ALL, ids=[f"{w}-{c}" for w, c in ALL])
+@pytest.mark.parametrize("world,case", ALL)
 def test_matches_single_process(world, case):
     res = results(world)
     errors = res[0][case]["errors"]

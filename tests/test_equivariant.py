@@ -314,6 +314,7 @@ def test_auto_chunking_follows_available_memory(monkeypatch):
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.slow  # ~18 s on 2 cores; the compiled equivariant double backward stays fast
 def test_compiled_inference_matches_eager():
     """``compile_for_inference`` (torch.compile of the edge part) gives the same energy, forces
     and stress as eager mode, also after the edge count changes (dynamic shapes)."""

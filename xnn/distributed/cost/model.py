@@ -1,0 +1,266 @@
+"""The step-cost model of a decomposed run: what one MD step (or one context-parallel
+training step) costs on ``P`` ranks, from per-rank counts and measured unit costs (issue 47).
+
+For one MD force evaluation per step, on rank ``r`` with ``owned_r``, ``ghost_r`` atoms and
+``edges_r`` local edges (:class:`~.counts.RankCounts`)::
+
+    compute_r  = fixed + per_atom * (owned_r + ghost_r) + per_edge * edges_r
+    exchange_r = sum over the exchanges of one step of
+                 peers_r * latency + max(send_r, recv_r) * width * dtype_bytes / bandwidth
+    rebuild_r  = rebuild_per_atom * held_r / rebuild_interval
+    reduction  = all_reduces * allreduce(bytes, P)
+    step       = max_r (compute_r + exchange_r + rebuild_r) + reduction
+
+The exchanges of one eager decomposed step (:class:`~xnn.distributed.DecomposedPotential`
+under ``nve.step``) are, counted by instrumenting real gloo runs
+(:class:`~.tally.CollectiveTally`, ``benchmarks/dd_components.py``) and read in the code:
+
+* mode ``halo``: the local positions' exchange (3 numbers per row) and its adjoint in the
+  backward pass (the forces on ghosts returned to their owners): 2 exchanges;
+* mode ``sync``: those 2, plus per sync point the features' exchange (``width`` numbers per
+  row) and its adjoint: ``2 + 2 S``;
+* mode ``graph``: all-gathers instead (positions, then per sync point the features, each
+  of the largest rank's ``N / P`` rows, padded) and in the backward pass their
+  reduce-scatters (NCCL) or all-reduces of the whole gathered tensor (gloo);
+* :data:`ALL_REDUCES_PER_STEP` = 5 blocking all-reduces per step when no rebuild or
+  migration happens: the rebuild check's maximum (2 float64,
+  ``DecomposedPotential.update``), the evaluation's error agreement (1 float32,
+  ``collectives.guarded``), the energy (1 value), the virial (9 values,
+  ``derivatives.derive``) and the migration check's maximum (4 float64,
+  ``DecomposedPotential.maybe_rebuild``; mode graph, which never migrates, has the first
+  four only); 132 bytes in fp64. A rebuild adds its own
+  (species check, ghost selection, local neighbor list agreements), counted in its
+  measured cost.
+
+Context-parallel training (:func:`training_step`): forward and double backward cost
+``train_factor`` times the MD compute; every exchange runs 4 times (forward, its adjoint in
+the first backward, and both again in the backward of the backward) and there are 5 scalar
+all-reduces (the energy's adjoint instead of the migration check), both counted on real
+ranks in ``tests/test_cost_model.py``; the gradients (``n_params`` numbers) are all-reduced
+over the ``dp × dd`` mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from xnn.distributed.cost.counts import RankCounts
+from xnn.distributed.cost.links import Link
+
+#: blocking all-reduces of one eager decomposed MD step without a rebuild (module docstring)
+ALL_REDUCES_PER_STEP = 5
+#: their bytes: rebuild check 2 x 8, agreement 4, energy 8, virial 9 x 8, migration 4 x 8
+ALL_REDUCE_BYTES = (16, 4, 8, 72, 32)
+#: exchanges per step and sync point: a forward exchange and its adjoint
+EXCHANGES_PER_POINT = 2
+#: numbers per row of the positions' exchange
+POSITION_WIDTH = 3
+
+
+@dataclass(frozen=True)
+class ComputeCost:
+    """Measured cost of the model's forward + backward (forces and virial) on one device.
+
+    Attributes:
+        per_atom: s per held atom (owned + ghost).
+        per_edge: s per local edge.
+        fixed: s per evaluation (launches, Python).
+        source: the measurements it was fitted to.
+    """
+
+    per_atom: float
+    per_edge: float
+    fixed: float = 0.0
+    source: str = ""
+
+    def seconds(self, held, edges) -> np.ndarray:
+        """Seconds of one evaluation on ``held`` atoms and ``edges`` edges (arrays)."""
+        return (self.fixed + self.per_atom * np.asarray(held, float)
+                + self.per_edge * np.asarray(edges, float))
+
+    @classmethod
+    def fit(cls, held, edges, seconds, fixed: bool = True, source: str = "") -> ComputeCost:
+        """Non-negative least squares on 1-rank measurements (relative residuals, so that
+        small and large systems weigh the same). With points of one edges-per-atom ratio
+        only, the atom and edge terms cannot be told apart: the cost is then put on the
+        edges (``per_atom = 0``), which predicts any count of the same ratio exactly."""
+        h, e, t = (np.asarray(x, float) for x in (held, edges, seconds))
+        cols = [h / t, e / t] + ([1.0 / t] if fixed else [])
+        a = np.stack(cols, axis=1)
+        ratio = e / np.maximum(h, 1)
+        candidates = [[0, 1, 2], [0, 1], [1, 2], [0, 2], [1], [0]] if fixed else \
+            [[0, 1], [1], [0]]
+        if np.ptp(ratio) < 0.02 * ratio.mean():  # one ratio: atoms and edges collinear
+            candidates = [c for c in candidates if 0 not in c]
+        best, err = None, np.inf
+        for c in candidates:
+            c = [i for i in c if i < a.shape[1]]
+            x, *_ = np.linalg.lstsq(a[:, c], np.ones_like(t), rcond=None)
+            if (x < 0).any():
+                continue
+            full = np.zeros(a.shape[1])
+            full[c] = x
+            r = float(np.sum((a @ full - 1.0) ** 2))
+            if r < err - 1e-12:
+                best, err = full, r
+        if best is None:
+            raise ValueError("no non-negative fit of the compute cost")
+        return cls(float(best[0]), float(best[1]), float(best[2]) if fixed else 0.0, source)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the model exchanges: sync points per evaluation (0 in mode halo), numbers per
+    row at a sync point, bytes per number, and trainable parameters (training)."""
+
+    sync_points: int
+    feature_width: int
+    dtype_bytes: int
+    n_params: int = 0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step: per-rank arrays and the step's total.
+
+    Attributes:
+        compute, exchange, rebuild: ``[n_ranks]`` seconds per rank.
+        reduction: seconds of the step's all-reduces (every rank waits for them).
+        total: ``max_r(compute + exchange + rebuild) + reduction``.
+        slowest: the rank that sets the total.
+    """
+
+    compute: np.ndarray
+    exchange: np.ndarray
+    rebuild: np.ndarray
+    reduction: float
+
+    @property
+    def slowest(self) -> int:
+        return int(np.argmax(self.compute + self.exchange + self.rebuild))
+
+    @property
+    def total(self) -> float:
+        return float((self.compute + self.exchange + self.rebuild).max() + self.reduction)
+
+    def split(self) -> dict[str, float]:
+        """The slowest rank's step in parts (s): compute, exchange, rebuild, reduction."""
+        r = self.slowest
+        return {"compute": float(self.compute[r]), "exchange": float(self.exchange[r]),
+                "rebuild": float(self.rebuild[r]), "reduction": self.reduction,
+                "total": self.total}
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """Ghost-plan rebuild and migration: s per held atom, once every ``interval`` steps."""
+
+    per_atom: float = 0.0
+    interval: float = 20.0
+
+    def seconds(self, held) -> np.ndarray:
+        return self.per_atom * np.asarray(held, float) / max(self.interval, 1.0)
+
+
+def exchanges_per_step(mode: str, shape: ModelShape) -> list[int]:
+    """Numbers per row of each exchange of one MD step in a spatial ``mode`` (forward
+    exchanges and their adjoints), or of each forward all-gather in mode ``graph``."""
+    points = [POSITION_WIDTH] + ([shape.feature_width] * shape.sync_points
+                                 if mode in ("sync", "graph") else [])
+    if mode == "graph":
+        return points
+    return [w for w in points for _ in range(EXCHANGES_PER_POINT)]
+
+
+def all_reduces_per_step(mode: str) -> int:
+    """Blocking scalar all-reduces of a quiet MD step: mode graph has no migration check."""
+    return ALL_REDUCES_PER_STEP - (1 if mode == "graph" else 0)
+
+
+def exchange_bytes(counts: RankCounts, shape: ModelShape) -> tuple[np.ndarray, np.ndarray,
+                                                                    np.ndarray]:
+    """Per rank and quiet MD step in a spatial mode: (messages, bytes sent, bytes received)
+    of its point-to-point exchanges."""
+    widths = exchanges_per_step(counts.mode, shape)
+    rows_w = float(sum(widths)) * shape.dtype_bytes
+    return (counts.peers * len(widths), counts.send_rows * rows_w, counts.recv_rows * rows_w)
+
+
+def gather_bytes(counts: RankCounts, shape: ModelShape) -> list[tuple[float, float]]:
+    """Mode graph, per forward all-gather of one MD step: (bytes of one rank's part, bytes
+    of the whole gathered tensor). Parts are padded to the largest rank's rows; the backward
+    of each gather is a reduce-scatter of the whole tensor (an all-reduce of it on gloo)."""
+    part = float(counts.owned.max()) * shape.dtype_bytes
+    return [(part * w, part * w * counts.n_ranks)
+            for w in exchanges_per_step("graph", shape)]
+
+
+def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: Link,
+            reduce_link: Link | None = None, rebuild: Rebuild | None = None,
+            all_reduces: int | None = None,
+            all_reduce_bytes: float | None = None) -> StepTime:
+    """Predicted time of one eager decomposed MD step (see the module docstring).
+
+    Args:
+        counts: per-rank counts of the decomposition (``counts.mode`` halo, sync or graph).
+        compute: the model's measured cost on the device.
+        shape: what the model exchanges.
+        link: the link of the exchanges (the slowest link a rank's peers use).
+        reduce_link: the link class of the all-reduces (default ``link``).
+        rebuild: rebuild and migration cost, amortised over its interval.
+        all_reduces: blocking all-reduces per step (default
+            :func:`all_reduces_per_step`).
+        all_reduce_bytes: bytes of each (default: the fp64 sizes of
+            :data:`ALL_REDUCE_BYTES`, averaged).
+    """
+    reduce_link = reduce_link or link
+    rebuild = rebuild or Rebuild()
+    held = counts.held
+    comp = compute.seconds(held, counts.edges)
+    if counts.mode == "graph":
+        p, t = counts.n_ranks, 0.0
+        for part, whole in gather_bytes(counts, shape):
+            t += reduce_link.allgather(part, p)  # forward
+            t += (reduce_link.allgather(part, p) if reduce_link.reduce_scatter
+                  else reduce_link.allreduce(whole, p))  # backward
+        exch = np.full(p, t)
+    else:
+        exch = np.zeros(counts.n_ranks)
+        for w in exchanges_per_step(counts.mode, shape):
+            row = w * shape.dtype_bytes
+            exch = exch + link.exchange(counts.peers, counts.send_rows * row,
+                                        counts.recv_rows * row)
+    nbytes = (np.mean(ALL_REDUCE_BYTES) if all_reduce_bytes is None else all_reduce_bytes)
+    if all_reduces is None:
+        all_reduces = all_reduces_per_step(counts.mode)
+    red = all_reduces * reduce_link.allreduce(nbytes, counts.n_ranks)
+    return StepTime(comp, exch, rebuild.seconds(held), red)
+
+
+def training_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: Link,
+                  dp: int, reduce_link: Link | None = None, train_factor: float = 3.0,
+                  grad_bytes: int = 4) -> StepTime:
+    """Predicted time of one context-parallel training step of one structure per dd group
+    (``counts`` is the dd decomposition), on a ``dp × counts.n_ranks`` mesh.
+
+    ``train_factor``: forward + double backward over forward + backward (measure it: 1-rank
+    training step over 1-rank MD evaluation; 3 by default, an assumption). Every exchange
+    runs twice as often as in MD (4 per point); the ``n_params`` gradients (``grad_bytes``
+    each) are all-reduced over the whole mesh.
+    """
+    md = md_step(counts, compute, shape, link, reduce_link)
+    reduce_link = reduce_link or link
+    world = dp * counts.n_ranks
+    grads = reduce_link.allreduce(float(shape.n_params) * grad_bytes, world)
+    return StepTime(md.compute * train_factor, md.exchange * 2.0, md.rebuild,
+                    md.reduction + grads)
+
+
+def efficiency(step: StepTime, reference: StepTime, scale: float = 1.0) -> float:
+    """Parallel efficiency: ``scale * reference.total / step.total``, e.g. weak scaling
+    with ``reference`` the one-device step of the same atoms per device (``scale = 1``),
+    strong scaling with ``reference`` the one-device step of the whole system and ``scale =
+    1 / P``."""
+    return scale * reference.total / step.total

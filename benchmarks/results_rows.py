@@ -569,3 +569,24 @@ def io_scale(name: str, data: dict) -> list[list[str]]:
                      mib(g["rank0_peak_bytes"]), mib(s["rank0_peak_bytes"]),
                      f"{g['bytes_per_atom']:.0f}", f"{s['bytes_per_atom']:.0f}"])
     return rows
+
+
+def ghost_plan(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``ghost_plan_scale.py``: per system and mode, its strong-scaling rows at the
+    largest size planned (ranks folded): the largest ghost shell against the mean owned
+    atoms, peers, edges, and whether the counts are exact or sampled."""
+    strong = [r for r in data["rows"] if r["scaling"] == "strong"]
+    out = []
+    for system in ("fcc", "slab", "cylinder", "liquid"):
+        for mode in ("halo", "sync", "graph"):
+            these = [r for r in strong if r["system"] == system and r["mode"] == mode]
+            if not these:
+                continue
+            n = max(r["n_atoms"] for r in these)
+            for r in sorted((r for r in these if r["n_atoms"] == n), key=lambda r: r["n_ranks"]):
+                out.append([system, mode, count(n), str(r["n_ranks"]),
+                            num(r["ghost_max"] / r["owned_mean"]), str(r["peers_max"]),
+                            count(r["edges_max"]),
+                            "sampled" if "sampled" in r["method"] else "exact",
+                            sec(r["seconds"])])
+    return out

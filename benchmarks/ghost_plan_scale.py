@@ -1,0 +1,134 @@
+"""Ghost plans at scale: per-rank counts of decomposing 10^6-10^8-atom systems (and weak
+scaling up to 10^9) over 8-1,024 ranks, without a model (issue 47 item 2).
+
+For every row, :func:`xnn.distributed.cost.plan.plan_counts` gives the owned, ghost and held
+atoms, the evaluated edges, the rows sent and received per exchange and the peers of every
+rank; the row keeps their extremes and means, how each was obtained (``method``) and the
+seconds it took. Widths: mode halo 2 layers x 5 Å + 1 Å skin = 11 Å (the equivariant
+model's and MACE's default 2 interactions of 5 Å), mode sync 5 + 1 = 6 Å, mode graph the
+edges' reach 5 + 1 = 6 Å (``halo_width`` of a graph row is that reach).
+
+    python benchmarks/ghost_plan_scale.py --json benchmarks/results/ghost_plan_scale_cpu.json
+
+Rows run cheapest first (crystals summed factor by factor take seconds at any size; the
+liquid and graph mode stream every atom) until ``--budget`` seconds; rows left out are listed
+under ``skipped`` with the reason. The file also records the check against the committed
+1M-atom run (``dd_md_cpu16.json``): owned and ghost atoms of every rank, equal or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from xnn.distributed.cost.plan import plan_counts  # noqa: E402
+from xnn.errors import InputError  # noqa: E402
+
+CUTOFF = 5.0
+WIDTHS = {"halo": 2 * CUTOFF + 1.0, "sync": CUTOFF + 1.0, "graph": CUTOFF + 1.0}
+RANKS = (8, 64, 512, 1024)
+SIZES = (10**6, 10**7, 10**8)
+CRYSTALS = ("fcc", "slab", "cylinder")
+STREAMED_LIMIT = 10**7  #: the liquid and graph mode stream every atom: not beyond this
+SKIP_REASON = ("streams every atom (the liquid's jitter and graph mode's atom order do not "
+               "factor): about 10^3 s or more per row on this shared 2-core machine")
+
+
+def jobs():
+    """``(scaling, system, n_atoms, n_ranks, mode)`` cheapest first."""
+    out = [("strong", s, n, p, m) for n in SIZES for s in CRYSTALS for m in ("halo", "sync")
+           for p in RANKS]
+    out += [("weak", s, per * p, p, m) for per in (250_000, 1_000_000) for s in CRYSTALS
+            for m in ("halo", "sync") for p in RANKS]
+    for n in SIZES:
+        out += [("strong", "liquid", n, p, m) for m in ("halo", "sync") for p in RANKS]
+        out += [("strong", s, n, p, "graph") for s in ("fcc", "slab", "cylinder", "liquid")
+                for p in RANKS]
+    return out
+
+
+def row(scaling, system, n, p, mode):
+    t0 = time.perf_counter()
+    c = plan_counts(system, n, p, mode=mode, cutoff=CUTOFF, halo_width=WIDTHS[mode],
+                    max_streamed=STREAMED_LIMIT)
+    held = c.held
+    return {"scaling": scaling, "system": system, "n_atoms": c.n_atoms, "n_ranks": p,
+            "atoms_per_rank": round(c.n_atoms / p), "mode": mode, "cutoff": CUTOFF,
+            "halo_width": WIDTHS[mode], "grid": list(c.grid),
+            "owned_min": int(c.owned.min()), "owned_max": int(c.owned.max()),
+            "owned_mean": float(c.owned.mean()), "ghost_max": int(c.ghost.max()),
+            "ghost_mean": float(c.ghost.mean()), "held_max": int(held.max()),
+            "edges_max": int(c.edges.max()), "edges_mean": float(c.edges.mean()),
+            "send_rows_max": int(c.send_rows.max()), "recv_rows_max": int(c.recv_rows.max()),
+            "peers_max": int(c.peers.max()), "method": c.method,
+            "seconds": time.perf_counter() - t0,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def dd_md_check(root: Path) -> dict:
+    """The plan against the committed 1M-atom LJ run: owned and ghost atoms per rank."""
+    data = json.loads((root / "benchmarks/results/dd_md_cpu16.json").read_text())
+    out = []
+    for r in data["rows"]:
+        c = plan_counts("fcc", r["n_atoms"], r["ranks"], mode="halo", cutoff=6.0,
+                        halo_width=7.0, lattice_constant=5.26)
+        out.append({"ranks": r["ranks"], "grid": list(c.grid),
+                    "owned_equal": c.owned.tolist() == [q["n_owned"] for q in r["per_rank"]],
+                    "ghost_equal": c.ghost.tolist() == [q["n_ghost"] for q in r["per_rank"]],
+                    "ghost_max": int(c.ghost.max())})
+    return {"file": "dd_md_cpu16.json", "system": "FCC argon a=5.26 Å, 63^3 cells, LJ cutoff "
+            "6 Å + skin 1 Å (mode halo)", "rows": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--budget", type=float, default=900.0, help="seconds for all rows")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    root = Path(__file__).resolve().parents[1]
+    start = time.perf_counter()
+    rows, skipped = [], []
+    for job in jobs():
+        scaling, system, n, p, mode = job
+        if (system == "liquid" or mode == "graph") and n > STREAMED_LIMIT:
+            skipped.append({"job": list(job), "reason": SKIP_REASON})
+            continue
+        if time.perf_counter() - start > args.budget:
+            skipped.append({"job": list(job), "reason": f"past this run's budget of "
+                            f"{args.budget:g} s (2 shared cores)"})
+            continue
+        try:
+            rows.append(row(*job))
+        except InputError as err:  # a crystal whose extents do not factor, too big to stream
+            skipped.append({"job": list(job), "reason": str(err)})
+            print(f"skipped {job}: {err}", flush=True)
+            continue
+        r = rows[-1]
+        print(f"{system:8s} {r['n_atoms']:>11,d} {p:5d} {mode:5s} ghost_max {r['ghost_max']:>9,d}"
+              f" edges_max {r['edges_max']:>12,d} {r['seconds']:7.1f} s", flush=True)
+    out = {"benchmark": "ghost_plan_scale",
+           "machine": {"torch_version": torch.__version__, "python": platform.python_version(),
+                       "device": "cpu", "threads": 1,
+                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+           "settings": {"cutoff": CUTOFF, "widths": WIDTHS, "ranks": list(RANKS),
+                        "sizes": list(SIZES), "budget_s": args.budget},
+           "rows": rows, "skipped": skipped, "dd_md_check": dd_md_check(root),
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "total_s": time.perf_counter() - start}
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,402 @@
+"""Ghost plans at scale without running a model: per-rank counts of a decomposition of a
+10^6-10^8-atom system on up to thousands of ranks, streamed through the project's own
+partition code (issue 47).
+
+Spatial modes (``halo``, ``sync``), three streamed passes over the atoms, block by block
+(:class:`~.systems.System` generates any block from integer sites):
+
+1. the atoms' fractional bounds (:func:`~xnn.distributed.domain.partition.fractional_bounds`,
+   max-reduced as :meth:`SpatialLayout.partition` all-reduces them) give the partition
+   (:func:`~xnn.distributed.domain.partition.partition_from_bounds`, grid by
+   :func:`~xnn.distributed.domain.partition.choose_grid` unless given);
+2. owners (:meth:`Partition.fractional`, :meth:`Partition.owner`) give the owned counts and
+   every rank's extent (its box grown to hold its atoms, as :meth:`Partition.extent`);
+3. every atom's images inside every rank's region grown by the halo thickness, counted with
+   the arithmetic of :func:`~xnn.distributed.domain.partition.image_shifts`
+   (``ceil(low - u) .. floor(high - u)`` per periodic axis, the closed interval along the
+   others) on the candidate ranks of its block: ghosts (images of other ranks' atoms and
+   periodic images of the rank's own), received rows (images of other ranks' atoms), sent
+   rows (this rank's atoms' images in other ranks' regions), and the receivers of the
+   local edges (owned atoms and, in mode halo, images within ``halo_width - cutoff`` of the
+   region, as :func:`~xnn.distributed.domain.local.build_local_domain` filters them).
+   Peers are :meth:`Partition.peers` of the extents.
+
+Edges: the local graph's edges within ``cutoff`` (the ones a model with a skin evaluates)
+are the receivers' neighbour counts (every neighbour of a receiver is in the halo, since
+receiver width + cutoff <= halo width). Neighbour counts are exact (site offsets of the FCC
+lattice, jittered distances in the liquid); above ``exact_edges`` atoms the liquid's are
+sampled (a seeded fraction of the atoms, the estimate and its standard error stated in
+``method``).
+
+Graph mode: owners are blocks of the project's atom order
+(:func:`~xnn.distributed.graph.order.morton_codes`, ties by id, as
+:func:`~xnn.distributed.graph.order.assign_owners`); every rank all-gathers: it sends its
+owned rows and receives the other ``N - owned`` at each exchange, from ``P - 1`` peers.
+Its ghosts are the distinct atoms of other ranks within ``halo_width`` (the edges' reach,
+cutoff + skin) of an owned atom, its edges those of its owned receivers within
+``halo_width`` (the graph layout evaluates the whole list). Exact up to ``exact_edges``
+atoms, sampled above it (ghosts and the liquid's edges).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from xnn.distributed.cost.counts import RankCounts
+from xnn.distributed.cost.separable import (
+    NotSeparable,
+    neighbour_weights,
+    separable_bounds,
+    separable_counts,
+)
+from xnn.distributed.cost.systems import System, make_system
+from xnn.distributed.domain.partition import Partition, fractional_bounds, partition_from_bounds
+from xnn.distributed.graph.order import ORDERS, morton_codes
+from xnn.errors import InputError
+
+PLAN_MODES = ("halo", "sync", "graph")
+BLOCK = 1 << 21  #: atoms per streamed block (fewer when each has many candidate ranks)
+EXACT_EDGES = 200_000  #: above this many atoms, sampled counts where exact ones are costly
+SAMPLE = 0.05  #: the fraction of atoms sampled above :data:`EXACT_EDGES`
+_CANDIDATES = 1 << 24  #: candidate (atom, rank) pairs per block at most
+
+
+@dataclass
+class _Sums:
+    """Per-rank accumulators (float64: sampled edges are scaled)."""
+
+    owned: np.ndarray
+    held: np.ndarray
+    recv: np.ndarray
+    send: np.ndarray
+    edges: np.ndarray
+    edges_var: np.ndarray
+
+    @classmethod
+    def zeros(cls, n: int) -> _Sums:
+        return cls(*(np.zeros(n) for _ in range(6)))
+
+
+def _add(acc: np.ndarray, index: Tensor, weights: Tensor | None = None) -> None:
+    n = acc.shape[0]
+    w = None if weights is None else weights.to(torch.float64)
+    acc += torch.bincount(index, w, minlength=n).numpy()[:n]
+
+
+def _sampled(sys: System, ids: np.ndarray, sample: float) -> np.ndarray:
+    from xnn.distributed.cost.systems import _hash
+
+    return _hash(sys.seed + 1, ids, 3) < sample
+
+
+def _coordination(sys: System, ids: np.ndarray, reach: float, sample: float | None,
+                  cache: dict) -> tuple[Tensor, Tensor]:
+    """``(weight [n], variance [n])`` of each atom's neighbour count within ``reach``: exact
+    (variance 0), or for the liquid above the exact limit, ``count / sample`` on a seeded
+    sample of atoms (0 elsewhere) with variance ``count^2 (1 - sample) / sample^2``."""
+    n = len(ids)
+    if sys.name == "fcc":  # every site alike
+        if "fcc" not in cache:
+            cache["fcc"] = int((sys.neighbors(ids[:1], reach) >= 0).sum())
+        return torch.full((n,), float(cache["fcc"]), dtype=torch.float64), torch.zeros(n)
+    if sys.name in ("slab", "cylinder"):  # alike per z plane / per site of a cross-section
+        key = sys.sites(ids)[:, 2] if sys.name == "slab" else None
+        if sys.name == "cylinder":
+            n_layer = len(sys._layer[0]) + len(sys._layer[1])
+            key = ids % n_layer
+        table = cache.get(sys.name)
+        if table is None:
+            reps = (np.array([sys.ids_of(np.array([[z % 2, 0, z]]))[0]
+                              for z in range(2 * sys.cells[2])]) if sys.name == "slab"
+                    else np.arange(n_layer))
+            table = cache[sys.name] = (sys.neighbors(reps, reach) >= 0).sum(1)
+        return torch.from_numpy(table[key].astype(np.float64)), torch.zeros(n)
+    if sample is None:
+        c = (sys.neighbors(ids, reach) >= 0).sum(1).astype(np.float64)
+        return torch.from_numpy(c), torch.zeros(n)
+    pick = _sampled(sys, ids, sample)
+    c = np.zeros(n)
+    c[pick] = (sys.neighbors(ids[pick], reach) >= 0).sum(1) / sample
+    return torch.from_numpy(c), torch.from_numpy(c * c * (1 - sample))
+
+
+# ---------------------------------------------------------------------- spatial modes
+def _partition(sys: System, n_ranks: int, halo_width: float, grid, block: int,
+               weights: dict | None) -> Partition:
+    cell, pbc = sys.cell, sys.pbc
+    bounds = torch.zeros(6, dtype=torch.float64)
+    if not bool(pbc.all()) and weights is not None:
+        bounds = separable_bounds(sys, weights)
+    elif not bool(pbc.all()):
+        bounds = torch.full((6,), float("-inf"), dtype=torch.float64)
+        for ids in sys.blocks(block):
+            b = fractional_bounds(torch.from_numpy(sys.positions(ids)), cell)
+            bounds = torch.maximum(bounds, b)
+    return partition_from_bounds(-bounds[3:], bounds[:3], cell, pbc, n_ranks, halo_width, grid)
+
+
+def _owners_and_extents(sys: System, part: Partition, block: int):
+    """Owned counts and ``[n_ranks, 2, 3]`` extents (box grown to hold the atoms)."""
+    n_ranks = math.prod(part.grid)
+    low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
+    high = low + part.width
+    owned = np.zeros(n_ranks)
+    for ids in sys.blocks(block):
+        u, _ = part.fractional(torch.from_numpy(sys.positions(ids)))
+        own = part.owner(u)
+        _add(owned, own)
+        low = low.scatter_reduce(0, own[:, None].expand(-1, 3), u, "amin")
+        high = high.scatter_reduce(0, own[:, None].expand(-1, 3), u, "amax")
+    return owned, torch.stack([low, high], 1)
+
+
+def _axis_candidates(u: Tensor, part: Partition, margin: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per axis: ``([n, k] box index, [n, k] valid)`` of the boxes whose grown region may
+    hold an image of each atom (a superset: the counts are exact per candidate)."""
+    out = []
+    for a in range(3):
+        p, w, lo = part.grid[a], float(part.width[a]), float(part.lo[a])
+        k_all = int(math.floor(2 * float(margin[a]) / w)) + 2
+        if bool(part.pbc[a]) and k_all >= p:
+            idx = torch.arange(p).expand(u.shape[0], p)
+            out.append((idx, torch.ones_like(idx, dtype=torch.bool)))
+            continue
+        kmin = torch.floor((u[:, a] - lo - margin[a]) / w).long()
+        kmax = torch.floor((u[:, a] - lo + margin[a]) / w).long()
+        k = kmin[:, None] + torch.arange(min(k_all, p + 2))[None]
+        ok = k <= kmax[:, None]
+        if bool(part.pbc[a]):
+            k = torch.remainder(k, p)
+        else:
+            ok &= (k >= 0) & (k < p)
+            k = k.clamp(0, p - 1)
+        out.append((k, ok))
+    return out
+
+
+def _image_counts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> Tensor:
+    """``[m]`` images of ``u [m, 3]`` in the closed boxes ``[low, high]`` (``[m, 3]``):
+    the arithmetic of :func:`~xnn.distributed.domain.partition.image_shifts`."""
+    smin, smax = torch.ceil(low - u), torch.floor(high - u)
+    span = (smax - smin + 1).clamp_min(0)
+    inside = ((u >= low) & (u <= high)).to(span.dtype)
+    return torch.where(pbc, span, inside).prod(-1).long()
+
+
+def _separable(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
+               block: int) -> RankCounts:
+    weights = neighbour_weights(sys, cutoff)
+    part = _partition(sys, n_ranks, halo_width, grid, block, weights)
+    receiver_width = halo_width - cutoff if mode == "halo" else 0.0
+    owned, held, own_img, send, edges, extents = separable_counts(
+        sys, part, halo_width, receiver_width, weights)
+    peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
+    return RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(
+        owned, held - owned, edges, send, held - own_img, peers))
+
+
+def _spatial(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
+             block: int, sample: float | None) -> tuple[RankCounts, str]:
+    part = _partition(sys, n_ranks, halo_width, grid, block, None)
+    owned, extents = _owners_and_extents(sys, part, block)
+    box_low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
+    grow = torch.maximum(box_low - extents[:, 0], extents[:, 1] - (box_low + part.width))
+    t_h = part.thickness(halo_width)
+    receiver_width = halo_width - cutoff if mode == "halo" else 0.0
+    t_r = part.thickness(receiver_width)
+    margin = t_h * (1 + 1e-6) + grow.max(0).values + 1e-9
+    lows, highs = extents[:, 0] - t_h, extents[:, 1] + t_h
+    r_lows, r_highs = extents[:, 0] - t_r, extents[:, 1] + t_r
+    per_atom = math.prod(min(part.grid[a] + 2, int(2 * float(margin[a]) / float(part.width[a]))
+                             + 2) for a in range(3))
+    step = max(1024, min(block, _CANDIDATES // per_atom))
+    sums, cache = _Sums.zeros(n_ranks), {}
+    g = part.grid
+    for ids in sys.blocks(step):
+        u, _ = part.fractional(torch.from_numpy(sys.positions(ids)))
+        own = part.owner(u)
+        (ix, okx), (iy, oky), (iz, okz) = _axis_candidates(u, part, margin)
+        rank = ((ix[:, :, None, None] * g[1] + iy[:, None, :, None]) * g[2]
+                + iz[:, None, None, :])
+        ok = okx[:, :, None, None] & oky[:, None, :, None] & okz[:, None, None, :]
+        j, flat = torch.nonzero(ok.reshape(len(ids), -1), as_tuple=True)
+        r = rank.reshape(len(ids), -1)[j, flat]
+        cnt = _image_counts(u[j], lows[r], highs[r], part.pbc)
+        _add(sums.held, r, cnt)
+        other = own[j] != r
+        _add(sums.recv, r[other], cnt[other])
+        _add(sums.send, own[j][other], cnt[other])
+        weight, var = _coordination(sys, ids, cutoff, sample, cache)
+        if receiver_width > 0:
+            rec = _image_counts(u[j], r_lows[r], r_highs[r], part.pbc)
+            _add(sums.edges, r, rec * weight[j])
+            _add(sums.edges_var, r, rec * rec * var[j])
+        else:
+            _add(sums.edges, own, weight)
+            _add(sums.edges_var, own, var)
+    peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
+    counts = RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(
+        owned, sums.held - owned, sums.edges,
+        sums.send, sums.recv, peers))
+    return counts, _edge_error(sums)
+
+
+def _ints(owned, ghost, edges, send, recv, peers) -> tuple[np.ndarray, ...]:
+    return tuple(np.rint(np.asarray(x, dtype=np.float64)).astype(np.int64)
+                 for x in (owned, ghost, edges, send, recv, peers))
+
+
+def _edge_error(sums: _Sums) -> str:
+    if not sums.edges_var.any():
+        return ""
+    rel = np.sqrt(sums.edges_var) / np.maximum(sums.edges, 1)
+    return f"; largest relative standard error of a rank's edges {rel.max():.2g}"
+
+
+# ---------------------------------------------------------------------- graph mode
+def _graph_owners(sys: System, n_ranks: int, order: str, block: int) -> np.ndarray:
+    """``[n_atoms]`` int16/int32 rank of each atom: blocks of the atom order."""
+    n = sys.n_atoms
+    dtype = np.int16 if n_ranks < (1 << 15) else np.int32
+    if order == "index":  # ids are 0..n-1 in generation order
+        return ((np.arange(n, dtype=np.int64) * n_ranks) // n).astype(dtype)
+    # the extremes of every axis ride along with each block, so that each block's codes are
+    # those of the whole system (morton_codes scales non-periodic axes to the atoms' bounds)
+    lo_hi = None
+    if not bool(sys.pbc.all()):
+        for ids in sys.blocks(block):
+            pos = sys.positions(ids)
+            frac = pos @ np.linalg.inv(sys.cell.numpy())
+            rows = np.concatenate([pos[frac.argmin(0)], pos[frac.argmax(0)]])
+            lo_hi = rows if lo_hi is None else np.concatenate([lo_hi, rows])
+    codes = torch.empty(n, dtype=torch.long)
+    for ids in sys.blocks(block):
+        pos = sys.positions(ids)
+        if lo_hi is not None:
+            pos = np.concatenate([pos, lo_hi])
+        codes[ids[0]: ids[-1] + 1] = morton_codes(torch.from_numpy(pos), sys.cell,
+                                                  sys.pbc)[: len(ids)]
+    seq = torch.sort(codes, stable=True).indices  # ids are the order: ties by id
+    del codes
+    owner = np.empty(n, dtype=dtype)
+    owner[seq.numpy()] = ((np.arange(n, dtype=np.int64) * n_ranks) // n).astype(dtype)
+    return owner
+
+
+def _graph(sys: System, n_ranks: int, halo_width: float, order: str, block: int,
+           sample: float | None) -> tuple[RankCounts, str]:
+    owner = _graph_owners(sys, n_ranks, order, block)
+    sums, cache = _Sums.zeros(n_ranks), {}
+    ghost_var = np.zeros(n_ranks)
+    for ids in sys.blocks(block // 8):
+        own = torch.from_numpy(owner[ids].astype(np.int64))
+        _add(sums.owned, own)
+        weight, var = _coordination(sys, ids, halo_width, sample, cache)
+        _add(sums.edges, own, weight)
+        _add(sums.edges_var, own, var)
+        pick = _sampled(sys, ids, sample) if sample else np.ones(len(ids), dtype=bool)
+        nbr = sys.neighbors(ids[pick], halo_width)
+        ranks = np.where(nbr >= 0, owner[np.maximum(nbr, 0)].astype(np.int64), -1)
+        ranks = np.where(ranks == owner[ids[pick]][:, None], -1, ranks)
+        ranks.sort(1)
+        first = np.ones_like(ranks, dtype=bool)
+        first[:, 1:] = ranks[:, 1:] != ranks[:, :-1]
+        hit = ranks[first & (ranks >= 0)]
+        c = np.bincount(hit, minlength=n_ranks).astype(np.float64)
+        if sample:
+            ghost_var += c * (1 - sample) / sample ** 2
+            c /= sample
+        sums.held += c
+    total = sys.n_atoms
+    err = _edge_error(sums)
+    if ghost_var.any():
+        rel = np.sqrt(ghost_var) / np.maximum(sums.held, 1)
+        err += f"; largest relative standard error of a rank's ghosts {rel.max():.2g}"
+    counts = RankCounts("graph", (n_ranks, 1, 1), 0.0, *_ints(
+        sums.owned, sums.held, sums.edges, sums.owned, total - sums.owned,
+        np.full(n_ranks, n_ranks - 1)))
+    return counts, err
+
+
+# ---------------------------------------------------------------------- the entry point
+def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: float,
+                halo_width: float, seed: int = 0, order: str = "morton", grid=None,
+                lattice_constant: float = 3.61, block: int = BLOCK,
+                exact_edges: int = EXACT_EDGES, sample: float = SAMPLE,
+                stream: bool = False, max_streamed: int = 10**9) -> RankCounts:
+    """Per-rank counts of decomposing ``system`` over ``n_ranks`` ranks, without a model.
+
+    Args:
+        system: ``fcc``, ``liquid``, ``slab`` or ``cylinder`` (:mod:`.systems`).
+        n_atoms: about this many atoms (whole cells; the counts' ``n_atoms`` is exact).
+        n_ranks: domain ranks.
+        mode: ``halo``, ``sync`` (boxes) or ``graph`` (blocks of an atom order).
+        cutoff: Å, the model's cutoff (edges shorter than it are evaluated; in mode halo the
+            receivers of local edges reach ``halo_width - cutoff`` beyond the box).
+        halo_width: Å, the ghost shell (receptive field + skin in mode halo, cutoff + skin
+            in mode sync); in mode graph the edges' reach (cutoff + skin).
+        seed: the liquid's jitter. order: graph mode's atom order (``morton``, ``index``).
+        grid: ``(px, py, pz)`` or ``None`` (the project's choice, smallest halo volume).
+        lattice_constant: Å (3.61: Cu).
+        block: atoms per streamed block.
+        exact_edges: up to this many atoms every count is exact; above it the liquid's
+            edges and graph mode's ghosts are sampled on a seeded fraction ``sample`` of the
+            atoms (the method says so, with the largest relative standard error).
+        stream: visit every atom in the spatial modes even where the crystal factors
+            (:mod:`.separable`; the same counts, for checking).
+        max_streamed: refuse (``InputError``) to stream more atoms than this in the
+            spatial modes (a crystal whose extents do not factor, a liquid).
+    Returns:
+        :class:`~.counts.RankCounts` whose ``method`` says how each count was obtained.
+
+    Raises:
+        InputError: an unknown system, mode or order; ``halo_width < cutoff``; more than
+            ``max_streamed`` atoms to stream.
+    """
+    if mode not in PLAN_MODES:
+        raise InputError(f"mode must be one of {list(PLAN_MODES)}, got {mode!r}")
+    if order not in ORDERS:
+        raise InputError(f"order must be one of {list(ORDERS)}, got {order!r}")
+    if halo_width < cutoff:
+        raise InputError(f"halo_width {halo_width} Å is below the cutoff {cutoff} Å")
+    sys = make_system(system, n_atoms, seed, lattice_constant)
+    over = sys.n_atoms > exact_edges
+    t0 = time.perf_counter()
+    if mode == "graph":
+        counts, err = _graph(sys, n_ranks, halo_width, order, block, sample if over else None)
+        how = ("exact: owned (blocks of the atom order), sent/received rows (all-gather), "
+               "peers; " + ("sampled" if over else "exact") + ": ghosts, edges")
+        if over:
+            how += f" (sampled: a seeded {sample:g} of the atoms, counts scaled){err}"
+    else:
+        counts = None
+        if not stream:
+            try:
+                counts = _separable(sys, n_ranks, mode, cutoff, halo_width, grid, block)
+                how = ("exact: owned, ghost, sent/received rows, peers, edges (a union of "
+                       "products of per-axis sets, summed factor by factor)")
+            except NotSeparable as err:
+                if sys.n_atoms > max_streamed:
+                    raise InputError(
+                        f"{system}: {sys.n_atoms:,} atoms do not factor ({err}) and streaming "
+                        f"them is over max_streamed={max_streamed:,}") from None
+                counts = None
+        if counts is None and sys.n_atoms > max_streamed:
+            raise InputError(f"{system}: streaming {sys.n_atoms:,} atoms is over "
+                             f"max_streamed={max_streamed:,}")
+        if counts is None:
+            sampled_edges = over and sys.name == "liquid"
+            counts, err = _spatial(sys, n_ranks, mode, cutoff, halo_width, grid, block,
+                                   sample if sampled_edges else None)
+            how = "exact: owned, ghost, sent/received rows, peers (every atom streamed); "
+            how += (f"sampled: edges (neighbour counts of a seeded {sample:g} of the "
+                    f"atoms){err}" if sampled_edges else "exact: edges")
+    how += f"; streamed in blocks, {time.perf_counter() - t0:.1f} s"
+    return RankCounts(counts.mode, counts.grid, counts.halo_width, counts.owned, counts.ghost,
+                      counts.edges, counts.send_rows, counts.recv_rows, counts.peers, how)

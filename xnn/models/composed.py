@@ -100,16 +100,11 @@ def _term_from_payload(payload: Mapping[str, Any]) -> nn.Module:
     """One term of a sum saved term by term (as :func:`xnn.load_model` rebuilds a file,
     inside its :func:`~xnn.models.trust.reading`)."""
     from xnn.errors import ModelFileError
-    from xnn.models.registry import model_class
-    from xnn.models.serialization import _rebuild
+    from xnn.models.serialization import model_from_payload
 
     if not isinstance(payload, Mapping) or not isinstance(payload.get("name"), str):
         raise ModelFileError("a sum term's payload has no model name")
-    term_cls = model_class(payload["name"])
-    from_payload = getattr(term_cls, "from_payload", None)
-    if not callable(from_payload):
-        return _rebuild(payload["name"], dict(payload))
-    return from_payload(dict(payload))
+    return model_from_payload(dict(payload))
 
 
 class Sum(AtomisticModel):

@@ -12,6 +12,7 @@ import torch
 from helpers.models import SMALL
 from helpers.training import CUTOFF, counts, labelled_structures, specs
 
+from xnn import Calculator
 from xnn.data import keys as K
 from xnn.models import build
 from xnn.models.committee import Committee
@@ -205,6 +206,53 @@ def test_eval_committee_reports_uncertainty_and_plots(runs, capsys):
         assert metrics[f"{prop}_std_rms"] == pytest.approx(
             summary["val_uncertainty"][prop]["std_rms"], rel=1e-8)
     assert (d / "calibration_val.png").stat().st_size > 1000
+
+
+def test_metrics_csv_has_the_validation_spread_and_the_plot_shows_it(runs):
+    """``metrics.csv`` of a committee run: per epoch the mean validation force std (as the
+    committee predicts it), the factor calibrating it on the validation set and the
+    calibrated mean; equal to the final model evaluated here (one epoch: the model of the
+    last row) and to the calibration ``xnn train`` stored. A single run has none."""
+    import csv
+
+    import ase.io
+
+    from xnn.models.serialization import load_model
+    from xnn.plotting import learning_figure
+    from xnn.training.committee import calibration_factor
+
+    d = runs["data"]
+    with open(d / "committee" / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    cols = ("val_forces_std_mean", "val_forces_calibration", "val_forces_std_calibrated_mean")
+    assert set(cols) <= set(rows[0]) and len(rows) == 1
+    header = list(rows[0])
+    assert header.index("val_forces_mae") < header.index("val_forces_std_mean")
+    last = {k: float(rows[-1][k]) for k in cols}
+    # the final committee, uncalibrated, on the validation structures
+    model = load_model(d / "committee" / "model.pt")
+    stored = model.calibration["forces"]
+    model.set_calibration({"forces": 1.0})
+    calc = Calculator(model)
+    err, std = [], []
+    for atoms in ase.io.read(d / "val.xyz", ":"):
+        ref = atoms.get_forces()
+        atoms.calc = calc
+        err.append(np.linalg.norm(atoms.get_forces() - ref, axis=1))
+        std.append(calc.results["forces_std"])
+    err, std = np.concatenate(err), np.concatenate(std)
+    assert last["val_forces_std_mean"] == pytest.approx(1000 * std.mean(), rel=1e-9)
+    c = calibration_factor(err, std)
+    assert last["val_forces_calibration"] == pytest.approx(c, rel=1e-9)
+    assert last["val_forces_calibration"] == pytest.approx(stored, rel=1e-9)
+    assert last["val_forces_std_calibrated_mean"] == pytest.approx(1000 * c * std.mean(),
+                                                                  rel=1e-9)
+    with open(d / "single3" / "metrics.csv", newline="") as fh:
+        assert not set(cols) & set(next(csv.DictReader(fh)))
+    history = [{k: float(v) for k, v in r.items() if v} for r in rows]
+    labels = learning_figure(history).axes[2].get_legend_handles_labels()[1]
+    assert labels == ["train", "validation", "validation mean force std",
+                      "validation mean force std, calibrated"]
 
 
 def test_resumed_committee_equals_the_uninterrupted_run(runs):

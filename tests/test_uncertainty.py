@@ -1,6 +1,7 @@
 """A committee's uncertainty in ``xnn md``: thermo columns equal the committee's own spread,
 ``safety.max_force_uncertainty`` stops at the first step above it (that frame written) or
-warns once per excursion, and the refusals (one model, compile)."""
+warns once per excursion, and the refusal of a single model (compiled runs:
+tests/test_committee_compiled.py)."""
 
 from __future__ import annotations
 
@@ -137,9 +138,6 @@ def test_refusals(free_run, tmp_path):
     with pytest.raises(InputError, match="needs a committee model"):
         run_md(load_config(MDConfig, None, md_args(
             tmp / "cu.xyz", one, tmp_path / "a", "safety.max_force_uncertainty=0.1")))
-    with pytest.raises(InputError, match="a committee model"):
-        run_md(load_config(MDConfig, None, md_args(tmp / "cu.xyz", model, tmp_path / "b",
-                                                   "compile=true")))
     from xnn.config.loader import ConfigError
 
     with pytest.raises(ConfigError, match="max_force_uncertainty"):

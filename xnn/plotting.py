@@ -1,6 +1,7 @@
 """PNG plots of a training run (matplotlib, Agg backend: works without a display).
 
-* :func:`learning_curves`: training/validation loss and validation MAEs per epoch.
+* :func:`learning_curves`: training/validation loss and validation MAEs per epoch (and a
+  committee's validation force spread).
 * :func:`parity`: predicted vs reference energy per atom, force components and (when
   labelled) stress components.
 * :func:`calibration`: a committee's observed error against its predicted spread.
@@ -25,22 +26,40 @@ def _pyplot():
 
 
 def learning_curves(history: Sequence[dict], path: str | os.PathLike) -> Path:
-    """Plot ``train_loss``/``val_loss`` (log scale) and validation MAEs against the epoch.
+    """Plot ``train_loss``/``val_loss`` (log scale) and validation MAEs against the epoch
+    (:func:`learning_figure`) to ``path`` (PNG)."""
+    plt = _pyplot()
+    fig = learning_figure(history)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def learning_figure(history: Sequence[dict]):
+    """The figure of :func:`learning_curves`: loss, energy MAE and force MAE per epoch; a
+    committee's force panel also shows its validation spread (``val_forces_std_mean``, and
+    ``val_forces_std_calibrated_mean``, the spread calibrated on that epoch's validation
+    set), in the MAE's unit.
 
     Args:
         history: one dict per epoch with ``epoch`` and any of ``train_loss``, ``val_loss``,
-            ``val_energy_mae`` (meV/atom), ``val_forces_mae`` (meV/Å).
-        path: PNG file.
+            ``val_energy_mae`` (meV/atom), ``val_forces_mae`` (meV/Å), the spread columns.
     """
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     epochs = [h["epoch"] for h in history]
+    spread = any(h.get("val_forces_std_mean") is not None for h in history)
     panels = (
         (axes[0], (("train_loss", "train"), ("val_loss", "validation")), "loss"),
         (axes[1], (("train_energy_mae", "train"), ("val_energy_mae", "validation")),
          "energy MAE (meV/atom)"),
-        (axes[2], (("train_forces_mae", "train"), ("val_forces_mae", "validation")),
-         "force MAE (meV/Å)"),
+        (axes[2], (("train_forces_mae", "train"), ("val_forces_mae", "validation"),
+                   ("val_forces_std_mean", "validation mean force std"),
+                   ("val_forces_std_calibrated_mean", "validation mean force std, "
+                    "calibrated")),
+         "force MAE, committee std (meV/Å)" if spread else "force MAE (meV/Å)"),
     )
     for ax, series, ylabel in panels:
         for key, label in series:
@@ -54,11 +73,7 @@ def learning_curves(history: Sequence[dict], path: str | os.PathLike) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _parity_panel(ax, ref: np.ndarray, pred: np.ndarray, unit: str, title: str, scale: float):

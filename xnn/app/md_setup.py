@@ -255,9 +255,10 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
                         "model.device=cuda; on a CPU use compile: true alone)")
     if several_ranks and cfg.cuda_graph:
         problems.append("cuda_graph=true on several ranks (it runs in one process)")
-    if model.committee_size > 1:
-        problems.append(f"a committee model ({model.committee_size} members; the compiled "
-                        "step evaluates one model, without the members' spread)")
+    if several_ranks and model.committee_size > 1:
+        problems.append(f"a committee model ({model.committee_size} members) on several "
+                        "ranks (the compiled decomposed step evaluates one model; one "
+                        "process compiles committees)")
     if several_ranks and cfg.parallel.mode == "graph":
         problems.append("parallel.mode=graph (on several ranks it compiles parallel.mode "
                         "spatial)")
@@ -268,9 +269,9 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
                          "and cuda_graph: false (the eager step runs every combination)")
 
 
-def check_uncertainty(cfg: MDConfig, model: torch.nn.Module) -> None:
-    """Refuse ``safety.max_force_uncertainty`` for a model that is not a committee (it has
-    no spread to check)."""
+def check_uncertainty(cfg, model: torch.nn.Module) -> None:
+    """Refuse ``safety.max_force_uncertainty`` of ``cfg`` (an ``MDConfig`` or a
+    ``RelaxConfig``) for a model that is not a committee (it has no spread to check)."""
     if cfg.safety.max_force_uncertainty is not None and model.committee_size < 2:
         raise InputError(f"safety.max_force_uncertainty={cfg.safety.max_force_uncertainty} "
                          f"needs a committee model (its members' spread); {type(model).__name__}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,11 +35,21 @@ from xnn.app.md_progress import (
     write_summary,
 )
 from xnn.app.md_resume import check_resume, relax_settings, resume_identity
-from xnn.app.md_setup import check_species, load_structure, pressure_to_internal
+from xnn.app.md_setup import (
+    check_species,
+    check_uncertainty,
+    load_structure,
+    pressure_to_internal,
+)
 from xnn.config.md import RelaxConfig
 from xnn.dynamics import fire
 from xnn.dynamics.hooks import HookError
-from xnn.dynamics.safety import check_forces
+from xnn.dynamics.safety import (
+    SimulationError,
+    UncertaintyGuard,
+    UncertaintyWarning,
+    check_forces,
+)
 from xnn.dynamics.state import MDState
 from xnn.dynamics.thermo import UNCERTAINTY_COLUMNS, uncertainty_columns
 from xnn.errors import DataFileError, InputError
@@ -92,6 +103,8 @@ class _RelaxOutputs(RunOutputs):
         self.log = None
         self.hooks: RunHooks | None = None  # set by _run_relax
         self.identity = identity  # the model and settings, checked on resume (rank 0)
+        self.guard = UncertaintyGuard(cfg.safety.max_force_uncertainty,
+                                      cfg.safety.on_uncertainty)
         if self.enabled:
             self.log = _RelaxLog(self.dir / "relax.csv", self.files.get("log_bytes"),
                                  par.model.committee_size > 1)
@@ -107,15 +120,42 @@ class _RelaxOutputs(RunOutputs):
             out.update(self.hooks.meta())
         return out
 
-    def record(self, state: MDState, fm: torch.Tensor, force: bool) -> None:
+    def record(self, state: MDState, fm: torch.Tensor, force: bool,
+               frame: bool = False) -> None:
+        """The rows (every ``log_every`` steps, or now: ``force``), the trajectory frame
+        (every ``trajectory_every`` steps, or now: ``frame``) and hooks of ``state``."""
         if force or state.step % self.cfg.output.log_every == 0:
             spread = uncertainty_columns(state.graph, self.par.reduce)  # collective
             if self.log is not None:
                 self.log.write(state, fm, spread)
             self.report(state.step)
-        self.frame(state)
+        self.frame(state, frame)
         if self.hooks:
             self.hooks(state)
+
+    def record_checked(self, state: MDState, fm: torch.Tensor, force: bool,
+                       meta: dict) -> None:
+        """:meth:`record` after the committee's uncertainty guard (``safety.
+        max_force_uncertainty``), as in ``xnn md``: a warning once per excursion (rank 0),
+        or a stop that first writes this step's rows, trajectory frame, ``uncertain.xyz``
+        and ``checkpoint.pt`` (with ``meta``, the sizes before the rows, as every relaxation
+        checkpoint). Collective."""
+        try:
+            msg = self.guard.check(state, self.par.reduce)
+        except SimulationError as err:
+            self.save(state, meta)
+            self.record(state, fm, force=True, frame=True)
+            full = self.par.gather(state)
+            if self.enabled:
+                write_extxyz(self.dir / "uncertain.xyz", full.graph.replace(velocities=None),
+                             state.step, results(full))
+            where = "relax_trajectory, " if self.traj is not None else ""
+            raise SimulationError(f"{err}; stopped. The frame of step {state.step} is written "
+                                  f"to {where}{self.dir / 'uncertain.xyz'} and "
+                                  f"{self.dir / 'checkpoint.pt'}", err.step) from None
+        if msg is not None and self.enabled:
+            warnings.warn(msg, UncertaintyWarning, stacklevel=2)
+        self.record(state, fm, force)
 
 
 def _check_relax_resume(cfg: RelaxConfig, state: MDState, meta: dict, graph,
@@ -194,6 +234,7 @@ def run_relax(config: RelaxConfig | str | Path, overrides: Sequence[str] = (),
 def _run_relax(config, overrides: Sequence[str], manager, extra_hooks: Sequence = ()) -> Path:
     began = wall_clock()
     cfg, device, dtype, par, folder, model = setup_run(RelaxConfig, config, overrides, manager)
+    check_uncertainty(cfg, par.model)
     hooks = [*hooks_from_config(cfg.hooks), *extra_hooks]
     state, meta, identity = _relax_start(cfg, par, device, dtype, model)
     if meta is not None:
@@ -246,7 +287,7 @@ def _relax_loop(cfg: RelaxConfig, state: MDState, outputs: _RelaxOutputs) -> MDS
                 outputs.save(state, meta)
                 saved = state.step
             try:
-                outputs.record(state, fm, force=bool(done.all()))
+                outputs.record_checked(state, fm, bool(done.all()), meta)
             except HookError as err:  # checkpoint before the rows: resumed, they run again
                 outputs.save(state, meta)
                 raise hook_failed(err, outputs.dir / "checkpoint.pt") from err

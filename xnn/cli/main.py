@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "relax": "xnn.cli.relax",
     "validate": "xnn.cli.validate",
     "export": "xnn.cli.export",
+    "committee": "xnn.cli.committee",
     "run": "xnn.cli.run",
     "lammps": "xnn.cli.lammps",
     "learn": "xnn.cli.learn",

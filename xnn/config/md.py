@@ -187,6 +187,24 @@ class SafetyConfig:
 
 
 @dataclass
+class RelaxSafetyConfig:
+    """``xnn relax``'s safety section: the committee's uncertainty guard of ``xnn md``."""
+
+    max_force_uncertainty: float | None = field(None, "committee models: act when the "
+                                                "largest per-atom force uncertainty "
+                                                "(forces_std, the members' spread) exceeds "
+                                                "this (eV/Å); null: never")
+    on_uncertainty: str = field("stop", "what max_force_uncertainty does: stop (write the "
+                                "frame to the trajectory, uncertain.xyz and a checkpoint, "
+                                "then stop) or warn (once per excursion above it)",
+                                choices=("stop", "warn"))
+
+    def __post_init__(self):
+        check_range("safety.max_force_uncertainty", self.max_force_uncertainty, 0.0,
+                    low_inclusive=False)
+
+
+@dataclass
 class MDConfig:
     structure: str = field("", "structure file (extxyz or any ASE format); every selected "
                            "frame is an independent system, all advanced together")
@@ -258,6 +276,8 @@ class RelaxConfig:
                                               log_every=1, checkpoint_every=0),
                                  "files written (checkpoint.pt every checkpoint_every "
                                  "steps and at the end)")
+    safety: RelaxSafetyConfig = field(RelaxSafetyConfig(), "a committee's uncertainty "
+                                      "guard (as xnn md's)")
     hooks: list[HookConfig] = hooks_field()
     resume: str | None = resume_field(RESUME_CHECKS)
     parallel: ParallelConfig = parallel_field(md_parallel())

@@ -34,6 +34,11 @@ replay (``cuda_graph``). Kicks and drifts are :func:`xnn.dynamics.nve.kick` and
 (NPT runs eagerly; domain decomposition has its own compiled step,
 :mod:`xnn.distributed.domain.compiled`); the model must be traceable (data-independent shapes under
 :func:`~xnn.models.base.tracing_graph`). The result equals the eager step up to rounding.
+
+A committee compiles like any model: the traced step's derivative is
+:func:`~xnn.models.derivatives.compute_properties`, which evaluates every member with its own
+leaves, and the step also returns the members' spread (:func:`spread_of`), set on the new
+state's graph as the eager step sets it, for the thermo columns and the uncertainty guard.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics.nve import drift_positions, kick
-from xnn.dynamics.state import MDState, check_timestep, free_mask
+from xnn.dynamics.state import UNCERTAINTY, MDState, check_timestep, free_mask
 from xnn.errors import InputError
 from xnn.models.base import pairing_edges, squared_lengths
 from xnn.neighbors.pairs import pair_order
@@ -87,7 +92,21 @@ class _Step(nn.Module):
         x_next = drift_positions(x, kick(v, _acc(f, inv_m), dt), dt)
         d_next = (x_next - ref).norm(dim=-1).max()
         stress = out[K.STRESS] if self.stress else torch.zeros_like(fields[K.CELL])
-        return x, v, f, out[K.ENERGY], stress, status(d_next, n_active, broken)
+        return (x, v, f, out[K.ENERGY], stress, status(d_next, n_active, broken),
+                *spread_of(out))
+
+
+def spread_of(out: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """A committee's :data:`~xnn.dynamics.state.UNCERTAINTY` of the results ``out`` of
+    :func:`~xnn.models.derivatives.compute_properties` (``forces_std [n_atoms]``,
+    ``energy_std [n_systems]``), the last outputs of a traced step; ``()`` for one model."""
+    return tuple(out[k] for k in UNCERTAINTY if k in out)
+
+
+def with_spread(graph: AtomicGraph, spread: tuple | list) -> AtomicGraph:
+    """``graph`` with a step's :func:`spread_of` outputs as its uncertainty fields (as the
+    eager step's :func:`~xnn.dynamics.state.evaluate_graph` sets them); unchanged without."""
+    return graph.replace(dict(zip(UNCERTAINTY, spread))) if spread else graph
 
 
 def model_graph(fields: dict[str, Tensor], x: Tensor, cutoff: float, active: tuple,
@@ -364,13 +383,13 @@ class CompiledVerlet:
         if self._mass is None or self._mass[:2] != (id(g.masses), id(g.get(K.FIXED))):
             self._mass = (id(g.masses), id(g.get(K.FIXED)), mass_mvv(g), g.masses)
         inv_m = self._mass[2]
-        x, v, f, energy, stress, _ = self.run(
+        x, v, f, energy, stress, _, *spread = self.run(
             state, (dt, state.compute_stress, g.n_atoms),
             lambda: _Step(self.model, dt, state.compute_stress, self.neighbors.cutoff,
                           self.paired),
             lambda: _drifted(g, state.forces, inv_m, dt), _FIELDS, (inv_m,))
-        return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
-                             energy=energy, stress=stress, step=state.step + 1)
+        return state.replace(graph=with_spread(g.replace(positions=x, velocities=v), spread),
+                             forces=f, energy=energy, stress=stress, step=state.step + 1)
 
 
 def compile_options(backend: str, hashed_rng: bool) -> dict | None:

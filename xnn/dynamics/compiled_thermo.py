@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.dynamics import compiled, csvr, langevin, nhc, nve, random
-from xnn.dynamics.compiled import CompiledVerlet, model_graph, status
+from xnn.dynamics.compiled import CompiledVerlet, model_graph, spread_of, status, with_spread
 from xnn.dynamics.compiled_random import csvr_draws, normal_keyed, system_keys
 from xnn.dynamics.reduce import LOCAL, Reducer
 from xnn.dynamics.state import (
@@ -212,7 +212,7 @@ class _ThermoStep(nn.Module):
         d_next = (ahead.positions - ref).norm(dim=-1).max()
         return (s.positions, s.velocities, s.forces, s.energy, s.stress,
                 status(d_next, n_active, broken), step + 1,
-                *(s.vars[k] for k in sch.writes))
+                *(s.vars[k] for k in sch.writes), *spread_of(out))
 
 
 class CompiledSchemeStep:
@@ -238,7 +238,7 @@ class CompiledSchemeStep:
         draws = cached[1] if cached and cached[0] == state.step else sch.draws(state, state.step)
         next_draws = sch.draws(state, state.step + 1)
         vars_ = {k: state.vars[k] for k in sch.reads if k in state.vars}
-        x, v, f, energy, stress, _, step_t, *written = verlet.run(
+        x, v, f, energy, stress, _, step_t, *rest = verlet.run(
             state, (type(sch), *key, dt, state.compute_stress, g.n_atoms, tuple(vars_)),
             lambda: _ThermoStep(verlet.model, dt, state.compute_stress, sch, LOCAL,
                                 verlet.neighbors.cutoff, verlet.paired),
@@ -246,8 +246,9 @@ class CompiledSchemeStep:
             (vars_, counter[1], draws, next_draws))
         self._counter = (state.step + 1, step_t)
         self._draws = (state.step + 1, next_draws)
-        return state.replace(graph=g.replace(positions=x, velocities=v), forces=f,
-                             energy=energy, stress=stress, step=state.step + 1,
+        written, spread = rest[:len(sch.writes)], rest[len(sch.writes):]
+        return state.replace(graph=with_spread(g.replace(positions=x, velocities=v), spread),
+                             forces=f, energy=energy, stress=stress, step=state.step + 1,
                              vars=dict(zip(sch.writes, written)))
 
 

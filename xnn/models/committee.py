@@ -26,7 +26,11 @@ runs SchNet but not the equivariant model (its custom ``autograd.Function`` kern
 
 Saving stores ``hparams`` = ``{"member": {"name": ..., **hyperparameters}, "size": K, "seeds":
 [...], "calibration": {...}}`` and the weights of every member (``members.<k>.``) in one
-model file.
+model file. Members rebuilt from a payload rather than hyperparameters (the MACE and SevenNet
+wrappers, whose ``hparams`` is ``None``) are stored as K member payloads instead
+(``kind`` :data:`MEMBERS_KIND`, ``members``: each the dict ``xnn.save_model`` writes for that
+member alone, tensors and primitives; ``seeds``, ``calibration``); loading rebuilds each
+member as its own file would be, under the same trust rules.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from torch import Tensor, nn
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import AtomisticModel, as_model
+
+#: ``kind`` of a committee file that holds one payload per member (external wrappers)
+MEMBERS_KIND = "xnn-committee-members"
 
 #: the properties with a calibration factor (their standard deviations are multiplied by it)
 CALIBRATED = ("energy", "forces", "stress")
@@ -131,6 +138,11 @@ class Committee(AtomisticModel):
             models, self.seeds = list(member), None
         if len(models) < 2:
             raise InputError(f"a committee needs at least 2 members, got {len(models)}")
+        nested = [k for k, m in enumerate(models)
+                  if as_model(m, f"committee member {k}").committee_size > 1]
+        if nested:
+            raise InputError(f"committee member(s) {nested} are committees themselves: give "
+                             "their members instead")
         self.members = nn.ModuleList([as_model(m, f"committee member {k}")
                                       for k, m in enumerate(models)])
         first = self.members[0]
@@ -182,18 +194,56 @@ class Committee(AtomisticModel):
         return self.members[0].e0
 
     @property
-    def hparams(self) -> dict:
+    def hparams(self) -> dict | None:
         """``{"member": spec, "size": K, "seeds": [...], "calibration": {...}}`` (plain data,
-        rebuilt by ``xnn.models.build("committee", **hparams)``)."""
+        rebuilt by ``xnn.models.build("committee", **hparams)``); ``None`` for members
+        without ``hparams`` (external wrappers, saved member by member: :meth:`to_payload`)."""
         from xnn.models.model_info import registry_name
 
         hp = self.members[0].hparams
+        if hp is None:
+            return None
         if not isinstance(hp, Mapping):
             raise InputError(f"committee member {type(self.members[0]).__name__} has no "
                              "hparams: this committee cannot be saved")
         return {"member": {"name": registry_name(self.members[0]), **dict(hp)},
                 "size": self.committee_size, "seeds": self.seeds,
                 "calibration": dict(self.calibration)}
+
+    @property
+    def stores_members(self) -> bool:
+        """Saved as K member payloads (members without ``hparams``: external wrappers)."""
+        return self.members[0].hparams is None
+
+    def to_payload(self) -> dict:
+        """What ``xnn.save_model`` writes: ``hparams`` and one state dict, or for members
+        without ``hparams`` (:attr:`stores_members`) the members' own payloads, the
+        seeds and the calibration."""
+        from xnn.models.serialization import model_payload
+
+        if not self.stores_members:
+            state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+            return {"hparams": self.hparams, "state_dict": state}
+        return {"kind": MEMBERS_KIND, "members": [model_payload(m) for m in self.members],
+                "seeds": self.seeds, "calibration": dict(self.calibration)}
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> Committee:
+        """Rebuild from :meth:`to_payload` output, read as data: the member payloads are
+        rebuilt by :func:`xnn.models.serialization.model_from_payload` inside the caller's
+        trust (a member that would unpickle needs ``load_model(..., trust=True)``)."""
+        from xnn.errors import ModelFileError
+        from xnn.models.serialization import _rebuild, model_from_payload
+
+        if payload.get("kind") != MEMBERS_KIND:
+            return _rebuild("committee", payload)
+        members, seeds = payload.get("members"), payload.get("seeds")
+        if not isinstance(members, list) or not all(isinstance(m, dict) for m in members):
+            raise ModelFileError("committee payload lacks its members' payloads")
+        model = cls([model_from_payload(m) for m in members],
+                    calibration=payload.get("calibration"))
+        model.seeds = None if seeds is None else _check_seeds(seeds, len(members))
+        return model
 
     def set_calibration(self, calibration: Mapping[str, float]) -> None:
         """Replace the factors given (others keep theirs); see :func:`check_calibration`."""

@@ -23,6 +23,11 @@ model file is stored by value, not by path. A sum holding an external wrapper wi
 ``to_payload``, plain data) and rebuilt term by term; it has no ``hparams`` (training
 checkpoints, which store ``hparams``, refuse it).
 
+A sum with one committee term (e.g. a committee + D3) is itself a committee
+(``committee_size`` K, ``member_energies``, ``calibration``): member ``k`` is the committee's
+member ``k`` plus the other terms, so every evaluation path gives the committee's spread (the
+other terms add none) next to the sum's mean; the other terms are evaluated once per member.
+
 Domain decomposition: ``num_interactions`` is the largest of the terms', ``cutoff`` the largest
 cutoff; DD's halo is the declared ``receptive_field``, the largest of the terms' (e.g. D3's
 ``cutoff + cn_cutoff``, a Coulomb term's ``cutoff`` plus its charge model's receptive field),
@@ -95,16 +100,11 @@ def _term_from_payload(payload: Mapping[str, Any]) -> nn.Module:
     """One term of a sum saved term by term (as :func:`xnn.load_model` rebuilds a file,
     inside its :func:`~xnn.models.trust.reading`)."""
     from xnn.errors import ModelFileError
-    from xnn.models.registry import model_class
-    from xnn.models.serialization import _rebuild
+    from xnn.models.serialization import model_from_payload
 
     if not isinstance(payload, Mapping) or not isinstance(payload.get("name"), str):
         raise ModelFileError("a sum term's payload has no model name")
-    term_cls = model_class(payload["name"])
-    from_payload = getattr(term_cls, "from_payload", None)
-    if not callable(from_payload):
-        return _rebuild(payload["name"], dict(payload))
-    return from_payload(dict(payload))
+    return model_from_payload(dict(payload))
 
 
 class Sum(AtomisticModel):
@@ -137,6 +137,10 @@ class Sum(AtomisticModel):
             if not flag:
                 for p in m.parameters():
                     p.requires_grad_(False)
+        committees = [k for k, m in enumerate(self.terms) if m.committee_size > 1]
+        if len(committees) > 1:
+            raise InputError(f"sum terms {committees} are committees: a sum holds at most one "
+                             "(its spread is the sum's; the other terms add no spread)")
         self.cutoff = max(float(m.cutoff) for m in self.terms)
         self.num_interactions = max(int(m.num_interactions) for m in self.terms)
         known = [set(m.species) for m in self.terms if m.species is not None]
@@ -238,11 +242,46 @@ class Sum(AtomisticModel):
                 fields[key] = value[:, keep] if key == K.EDGE_INDEX else value[keep]
         return graph.replace(fields)
 
+    def _term_graph(self, m: nn.Module, graph: AtomicGraph) -> AtomicGraph:
+        """``graph`` with the edges term ``m`` weighs (those within its cutoff)."""
+        return graph if float(m.cutoff) >= self.cutoff else self.edges_within(graph, m.cutoff)
+
     def forward(self, graph: AtomicGraph) -> Tensor:
         """Per-atom energies ``[n_atoms]`` (eV), the sum of the terms'."""
         total = None
         for m in self.terms:
-            g = graph if float(m.cutoff) >= self.cutoff else self.edges_within(graph, m.cutoff)
-            e = m(g)
+            e = m(self._term_graph(m, graph))
+            total = e if total is None else total + e.to(total.dtype)
+        return total
+
+    # ------------------------------------------------------------------ a committee term
+    @property
+    def committee_size(self) -> int:
+        """K of the sum's committee term (at most one), else 1: a sum with a committee is a
+        committee whose member ``k`` is that committee's member ``k`` plus the other terms,
+        so its spread is the committee's and its mean the committee's mean plus the rest."""
+        return max(int(m.committee_size) for m in self.terms)
+
+    @property
+    def calibration(self) -> dict[str, float]:
+        """The committee term's calibration factors (see :attr:`committee_size`)."""
+        return self.terms[self._committee_index()].calibration
+
+    def _committee_index(self) -> int:
+        found = [k for k, m in enumerate(self.terms) if m.committee_size > 1]
+        if not found:
+            raise InputError("this sum has no committee term")
+        return found[0]
+
+    def member_energies(self, graphs: Sequence[AtomicGraph]) -> Tensor:
+        """``[K, n_atoms]`` per-atom energies (eV) of member ``k`` on ``graphs[k]``: the
+        committee term's member ``k`` plus every other term evaluated on ``graphs[k]`` (the
+        other terms run K times, once on each member's positions, so that each member's
+        forces and virial include theirs by one backward; they add no spread)."""
+        c = self._committee_index()
+        total = None
+        for k, m in enumerate(self.terms):
+            local = [self._term_graph(m, g) for g in graphs]
+            e = m.member_energies(local) if k == c else torch.stack([m(g) for g in local])
             total = e if total is None else total + e.to(total.dtype)
         return total

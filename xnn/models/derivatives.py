@@ -146,36 +146,22 @@ def derive(
 ) -> dict[str, Tensor]:
     """Forces, virial and stress from ``total_energy`` (a scalar) by one autograd call.
 
+    The one-member case of :func:`derive_members` (the derivative code exists once): its
+    results without the leading member axis, bitwise.
+
     Args:
         total_energy: scalar, sum of the energies of all systems.
         strained: the leaves from :func:`apply_strain`.
         volume: ``[n_systems]`` Å³.
         pbc: ``[n_systems, 3]``; stress is zero for systems not periodic along all axes.
-        reduce_strain: applied to ``∂E/∂ε [n_systems, 3, 3]`` before virial and stress are
-            formed. Domain decomposition passes a sum over ranks: each rank differentiates
-            its share of the energy, and the shares' strain gradients add up.
+        reduce_strain: applied to ``∂E/∂ε`` before virial and stress are formed (to
+            ``[1, n_systems, 3, 3]``: an elementwise reduction). Domain decomposition passes
+            a sum over ranks: each rank differentiates its share of the energy, and the
+            shares' strain gradients add up.
     """
-    out: dict[str, Tensor] = {}
-    inputs = []
-    if forces:
-        inputs.append(strained.positions)
-    if stress:
-        inputs.append(strained.strain)
-    if not inputs:
-        return out
-    if not total_energy.requires_grad:  # a model with no dependence on positions
-        grads = [torch.zeros_like(x) for x in inputs]
-    else:
-        grads = torch.autograd.grad(
-            total_energy, inputs, create_graph=create_graph, allow_unused=True
-        )
-        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
-    if forces:
-        out[K.FORCES] = -grads[0]
-    if stress:
-        g = grads[-1] if reduce_strain is None else reduce_strain(grads[-1])
-        out.update(virial_results(-g, volume, pbc))
-    return out
+    members = derive_members(total_energy, [strained], volume, pbc, forces, stress,
+                             create_graph, reduce_strain)
+    return {key: value[0] for key, value in members.items()}
 
 
 def virial_results(virial: Tensor, volume: Tensor, pbc: Tensor) -> dict[str, Tensor]:
@@ -300,12 +286,20 @@ def derive_members(
     create_graph: bool,
     reduce_strain: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, Tensor]:
-    """:func:`derive` for K members, each with its own leaves ``strained[k]``: forces
-    ``[K, n_atoms, 3]``, virial and stress ``[K, n_systems, 3, 3]`` by one autograd call.
+    """Forces ``[K, n_atoms, 3]``, virial and stress ``[K, n_systems, 3, 3]`` of K members,
+    each with its own leaves ``strained[k]``, by one autograd call (:func:`derive` is the
+    case K = 1).
 
     Args:
         total_energy: scalar, the sum over members and systems of the members' energies.
-        reduce_strain: applied to ``∂E_k/∂ε [K, n_systems, 3, 3]`` (see :func:`derive`).
+        strained: one :func:`apply_strain` result per member.
+        volume: ``[n_systems]`` Å³.
+        pbc: ``[n_systems, 3]``; stress is zero for systems not periodic along all axes.
+        forces: compute forces (``-∂E/∂r`` of every member's positions).
+        stress: compute virial and stress (from every member's strain).
+        create_graph: keep the autograd graph (training: double backward).
+        reduce_strain: applied to ``∂E_k/∂ε [K, n_systems, 3, 3]`` before virial and stress
+            are formed; domain decomposition passes an elementwise sum over ranks.
     """
     out: dict[str, Tensor] = {}
     inputs = ([s.positions for s in strained] if forces else []) + \

@@ -217,30 +217,45 @@ def load_model(
             that asks for trust the caller did not give.
     """
     from xnn.models import trust as T
-    from xnn.models.registry import model_class
 
     check_path_argument(path, "xnn.load_model", "model file")
     path = Path(path)
     payload = _read_payload(path, map_location)
-    name = payload.get("name")
-    try:
-        cls = model_class(name)
-    except InputError as err:
-        raise ModelFileError(f"{path}: {err}") from None
-    except ImportError as err:
-        raise ModelFileError(f"{path}: model {name!r} needs a missing package ({err})") from None
     try:
         with T.reading(path, trust):
-            from_payload = getattr(cls, "from_payload", None)
-            model = from_payload(payload) if callable(from_payload) else _rebuild(name, payload)
+            model = model_from_payload(payload)
     except TrustError:
         raise  # names the file the caller gave
     except ModelFileError as err:
         raise ModelFileError(f"{path}: {err}") from None
-    except Exception as err:
-        reason = first_line(err)
-        raise ModelFileError(f"{path}: cannot rebuild model {name!r} ({reason})") from None
     return model.to(map_location).eval()
+
+
+def model_from_payload(payload: dict) -> nn.Module:
+    """The model of a :func:`model_payload` dict (read as data): its class's
+    ``from_payload``, or ``build(name, **hparams)`` and the state dict. Runs inside
+    :func:`load_model`'s trust context (a committee rebuilds its members' payloads with it).
+
+    Raises:
+        ModelFileError: unknown model name, missing package, or a payload that does not
+            rebuild (:class:`~xnn.errors.TrustError` passes through).
+    """
+    from xnn.models.registry import model_class
+
+    name = payload.get("name")
+    try:
+        cls = model_class(name)
+    except InputError as err:
+        raise ModelFileError(str(err)) from None
+    except ImportError as err:
+        raise ModelFileError(f"model {name!r} needs a missing package ({err})") from None
+    try:
+        from_payload = getattr(cls, "from_payload", None)
+        return from_payload(payload) if callable(from_payload) else _rebuild(name, payload)
+    except (TrustError, ModelFileError):
+        raise
+    except Exception as err:
+        raise ModelFileError(f"cannot rebuild model {name!r} ({first_line(err)})") from None
 
 
 def _rebuild(name: str, payload: dict) -> nn.Module:

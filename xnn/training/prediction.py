@@ -31,7 +31,12 @@ from xnn.data import keys as K
 from xnn.data.datasets import collate
 from xnn.data.graph import AtomicGraph
 from xnn.models.derivatives import compute_properties
-from xnn.training.committee import committee_size, member_residuals, uncertainty_parity
+from xnn.training.committee import (
+    UNCERTAINTY_KEYS,
+    committee_size,
+    member_residuals,
+    uncertainty_parity,
+)
 from xnn.training.losses import labelled, local_counts, residuals, take
 
 
@@ -49,6 +54,8 @@ class Evaluated:
             (reference, prediction) rows of this rank, when asked for.
         anchor: an exact zero that depends on every collective of the evaluation (added to
             the loss so that every rank's backward joins every collective), or ``None``.
+        spread: a committee evaluated (not training): ``[n_f, 2]`` (|force error|,
+            ``forces_std``) per labelled atom, eV/Å (the metrics' force spread); else ``None``.
     """
 
     res: dict
@@ -56,6 +63,7 @@ class Evaluated:
     numbers: Tensor | None = None
     parity: dict | None = None
     anchor: Tensor | None = None
+    spread: Tensor | None = None
 
 
 def stress_labelled(graphs: Sequence[AtomicGraph]) -> bool:
@@ -112,12 +120,15 @@ class LocalPredictor:
         if size > 1:  # each member's loss; the metrics are the committee's (its mean)
             res = member_residuals(pred, batch, size, index)
         numbers = take(batch.numbers, index["forces"]) if "forces" in index else None
-        par = None
+        par = spread = None
+        if size > 1 and not training:  # the committee's spread, for metrics and parity
+            rows = uncertainty_parity(pred, batch, index)
+            spread = rows.get(UNCERTAINTY_KEYS["forces"])
         if parity:
             par = _parity(pred, batch, index)
             if size > 1:
-                par.update(uncertainty_parity(pred, batch, index))
-        return Evaluated(res, metric_res, numbers, par)
+                par.update(rows)
+        return Evaluated(res, metric_res, numbers, par, spread=spread)
 
 
     def _predict(self, batch: AtomicGraph, forces: bool, stress: bool,

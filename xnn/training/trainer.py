@@ -252,6 +252,7 @@ class Trainer:
                     with torch.no_grad():
                         partial += float(loss_terms(ev.res, self.specs, counts)[0])
                     sums.add(ev.metric_res, ev.numbers)
+                    sums.add_spread(ev.spread)
                     if collect:
                         for k in parity:
                             if k in ev.parity:

@@ -14,6 +14,7 @@ from xnn.distributed.cost.links import IB_NDR400, Link, fit_link
 from xnn.distributed.cost.model import (
     ALL_REDUCE_BYTES,
     ALL_REDUCES_PER_STEP,
+    TRAIN_ALL_REDUCE_BYTES,
     ComputeCost,
     ModelShape,
     Rebuild,
@@ -123,7 +124,7 @@ def test_spatial_counts_equal_the_exchanges_of_real_ranks(ranks, case):
         for calls in _quiet_steps(res):
             reduces = [c for c in calls if c[0] == "all_reduce"]
             assert len(reduces) == all_reduces_per_step(case[1]) == ALL_REDUCES_PER_STEP
-            assert sorted(c[1] for c in reduces) == sorted(ALL_REDUCE_BYTES)
+            assert sorted(c[1] for c in reduces) == sorted(ALL_REDUCE_BYTES[case[1]])
             moved = [c for c in calls if c[0] == "p2p"]
             assert len(moved) == len(exchanges_per_step(case[1], shape))
             assert sum(c[3] for c in moved) == messages[r]
@@ -137,7 +138,7 @@ def test_spatial_counts_equal_the_exchanges_of_real_ranks(ranks, case):
 def test_training_step_exchanges_twice_what_md_does(ranks, case):
     """A force-training evaluation (forward and double backward) of real ranks: every
     exchange of the MD step runs twice more (the model's training exchange factor 2), and
-    five scalar all-reduces (the energy's adjoint replaces the migration check)."""
+    four scalar all-reduces (the MD step's three and the energy's adjoint)."""
     per_rank = [r[case] for r in ranks]
     counts = _counts(per_rank, case[1])
     shape = ModelShape(per_rank[0]["sync_points"], per_rank[0]["width"], 8)
@@ -148,7 +149,7 @@ def test_training_step_exchanges_twice_what_md_does(ranks, case):
         assert sum(c[1] for c in moved) == 2 * sent[r]
         assert sum(c[2] for c in moved) == 2 * received[r]
         reduces = [c for c in res["train"] if c[0] == "all_reduce"]
-        assert len(reduces) == all_reduces_per_step(case[1])
+        assert sorted(c[1] for c in reduces) == sorted(TRAIN_ALL_REDUCE_BYTES)
 
 
 @pytest.mark.distributed
@@ -167,7 +168,7 @@ def test_graph_counts_equal_the_gathers_of_real_ranks(ranks):
             assert sorted(c[1] for c in got) == sorted(part for part, _ in gathers)
             assert sorted(c[2] for c in got) == sorted((p - 1) * part for part, _ in gathers)
             reduces = [c[1] for c in calls if c[0] == "all_reduce"]
-            scalars = sorted(ALL_REDUCE_BYTES[:4])
+            scalars = sorted(ALL_REDUCE_BYTES["graph"])
             assert sorted(reduces) == sorted(scalars + [whole for _, whole in gathers])
             assert len(reduces) - len(gathers) == all_reduces_per_step("graph")
             assert not [c for c in calls if c[0] == "p2p"]
@@ -219,8 +220,9 @@ def test_md_step_composes_compute_exchange_rebuild_and_reductions():
             + np.maximum(counts.send_rows, counts.recv_rows) * row_bytes / LINK.bandwidth)
     np.testing.assert_allclose(t.exchange, exch)
     np.testing.assert_allclose(t.rebuild, 1e-5 * held / 10)
+    nbytes = np.mean(ALL_REDUCE_BYTES["sync"])
     red = ALL_REDUCES_PER_STEP * (LINK.allreduce_latency_s * np.log2(3)
-                                  + 2 * 2 / 3 * np.mean(ALL_REDUCE_BYTES) / LINK.bus_bandwidth)
+                                  + 2 * 2 / 3 * nbytes / LINK.bus_bandwidth)
     assert t.reduction == pytest.approx(red)
     per_rank = t.compute + t.exchange + t.rebuild
     assert t.total == pytest.approx(per_rank.max() + red)
@@ -244,7 +246,7 @@ def test_halo_mode_exchanges_positions_only_and_graph_mode_gathers():
     want = sum(gloo.allgather(part * w, 3) + gloo.allreduce(3 * part * w, 3)
                for w in (3, 16, 16))
     np.testing.assert_allclose(g.exchange, want)
-    assert g.reduction == pytest.approx(4 * gloo.allreduce(np.mean(ALL_REDUCE_BYTES), 3))
+    assert g.reduction == pytest.approx(3 * gloo.allreduce(np.mean(ALL_REDUCE_BYTES["graph"]), 3))
 
 
 def test_training_step_adds_the_gradient_all_reduce_over_the_mesh():
@@ -255,7 +257,8 @@ def test_training_step_adds_the_gradient_all_reduce_over_the_mesh():
     tr = training_step(counts, comp, shape, IB_NDR400, dp=4, train_factor=3.0)
     np.testing.assert_allclose(tr.compute, 3 * md.compute)
     np.testing.assert_allclose(tr.exchange, 2 * md.exchange)
-    assert tr.reduction == pytest.approx(md.reduction + IB_NDR400.allreduce(4e6, 12))
+    scalars = len(TRAIN_ALL_REDUCE_BYTES) * IB_NDR400.allreduce(np.mean(TRAIN_ALL_REDUCE_BYTES), 3)
+    assert tr.reduction == pytest.approx(scalars + IB_NDR400.allreduce(4e6, 12))
 
 
 def test_compute_fit_recovers_per_atom_and_per_edge_costs():

@@ -22,22 +22,22 @@ under ``nve.step``) are, counted by instrumenting real gloo runs
 * mode ``graph``: all-gathers instead (positions, then per sync point the features, each
   of the largest rank's ``N / P`` rows, padded) and in the backward pass their
   reduce-scatters (NCCL) or all-reduces of the whole gathered tensor (gloo);
-* :data:`ALL_REDUCES_PER_STEP` = 5 blocking all-reduces per step when no rebuild or
-  migration happens: the rebuild check's maximum (2 float64,
-  ``DecomposedPotential.update``), the evaluation's error agreement (1 float32,
-  ``collectives.guarded``), the energy (1 value), the virial (9 values,
-  ``derivatives.derive``) and the migration check's maximum (4 float64,
-  ``DecomposedPotential.maybe_rebuild``; mode graph, which never migrates, has the first
-  four only); 132 bytes in fp64. A rebuild adds its own
-  (species check, ghost selection, local neighbor list agreements), counted in its
-  measured cost.
+* :data:`ALL_REDUCES_PER_STEP` = 3 blocking all-reduces per step of NVE when no rebuild
+  or migration happens (:data:`ALL_REDUCE_BYTES` per mode; the fused step of
+  ``docs/distributed.md``, "Collectives per step"): before the force call one maximum of
+  the rebuild check with the migration criteria of the same positions (10 float64,
+  ``DecomposedPotential.update``; mode graph, which never migrates, 2), the energy with the
+  evaluation's agreement flag (2 values, ``collectives.agree_sum``) and the virial (9
+  values, ``derivatives.derive``): 168 bytes in fp64. Thermostats add their fused sums
+  (Langevin 2, Nosé–Hoover 2, NPT 6 more per step); a rebuild adds its own (species
+  check, ghost selection, local neighbor list agreements), counted in its measured cost.
 
 Context-parallel training (:func:`training_step`): forward and double backward cost
 ``train_factor`` times the MD compute; every exchange runs 4 times (forward, its adjoint in
-the first backward, and both again in the backward of the backward) and there are 5 scalar
-all-reduces (the energy's adjoint instead of the migration check), both counted on real
-ranks in ``tests/test_cost_model.py``; the gradients (``n_params`` numbers) are all-reduced
-over the ``dp × dd`` mesh.
+the first backward, and both again in the backward of the backward) and there are 4
+scalar all-reduces (:data:`TRAIN_ALL_REDUCE_BYTES`: the MD step's 3 and the energy's
+adjoint), both counted on real ranks in ``tests/test_cost_model.py``; the gradients
+(``n_params`` numbers) are all-reduced over the ``dp × dd`` mesh.
 """
 
 from __future__ import annotations
@@ -49,10 +49,13 @@ import numpy as np
 from xnn.distributed.cost.counts import RankCounts
 from xnn.distributed.cost.links import Link
 
-#: blocking all-reduces of one eager decomposed MD step without a rebuild (module docstring)
-ALL_REDUCES_PER_STEP = 5
-#: their bytes: rebuild check 2 x 8, agreement 4, energy 8, virial 9 x 8, migration 4 x 8
-ALL_REDUCE_BYTES = (16, 4, 8, 72, 32)
+#: blocking all-reduces of one eager decomposed NVE step without a rebuild (module docstring)
+ALL_REDUCES_PER_STEP = 3
+#: their bytes per mode in fp64: the rebuild check (with the migration criteria in the
+#: spatial modes: 10 x 8; graph: 2 x 8), energy and agreement flag 2 x 8, virial 9 x 8
+ALL_REDUCE_BYTES = {"halo": (80, 16, 72), "sync": (80, 16, 72), "graph": (16, 16, 72)}
+#: a context-parallel training evaluation's: the MD step's and the energy's adjoint
+TRAIN_ALL_REDUCE_BYTES = (80, 16, 72, 16)
 #: exchanges per step and sync point: a forward exchange and its adjoint
 EXCHANGES_PER_POINT = 2
 #: numbers per row of the positions' exchange
@@ -175,8 +178,9 @@ def exchanges_per_step(mode: str, shape: ModelShape) -> list[int]:
 
 
 def all_reduces_per_step(mode: str) -> int:
-    """Blocking scalar all-reduces of a quiet MD step: mode graph has no migration check."""
-    return ALL_REDUCES_PER_STEP - (1 if mode == "graph" else 0)
+    """Blocking scalar all-reduces of a quiet NVE step (the same number in every mode: graph
+    has no migration criteria, but its rebuild check stays)."""
+    return len(ALL_REDUCE_BYTES[mode])
 
 
 def exchange_bytes(counts: RankCounts, shape: ModelShape) -> tuple[np.ndarray, np.ndarray,
@@ -213,7 +217,7 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
         all_reduces: blocking all-reduces per step (default
             :func:`all_reduces_per_step`).
         all_reduce_bytes: bytes of each (default: the fp64 sizes of
-            :data:`ALL_REDUCE_BYTES`, averaged).
+            :data:`ALL_REDUCE_BYTES` of the mode, averaged).
     """
     reduce_link = reduce_link or link
     rebuild = rebuild or Rebuild()
@@ -232,7 +236,8 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
             row = w * shape.dtype_bytes
             exch = exch + link.exchange(counts.peers, counts.send_rows * row,
                                         counts.recv_rows * row)
-    nbytes = (np.mean(ALL_REDUCE_BYTES) if all_reduce_bytes is None else all_reduce_bytes)
+    nbytes = (np.mean(ALL_REDUCE_BYTES[counts.mode]) if all_reduce_bytes is None
+              else all_reduce_bytes)
     if all_reduces is None:
         all_reduces = all_reduces_per_step(counts.mode)
     red = all_reduces * reduce_link.allreduce(nbytes, counts.n_ranks)
@@ -247,10 +252,13 @@ def training_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, l
 
     ``train_factor``: forward + double backward over forward + backward (measure it: 1-rank
     training step over 1-rank MD evaluation; 3 by default, an assumption). Every exchange
-    runs twice as often as in MD (4 per point); the ``n_params`` gradients (``grad_bytes``
+    runs twice as often as in MD (4 per point), with the 4 scalar all-reduces of
+    :data:`TRAIN_ALL_REDUCE_BYTES`; the ``n_params`` gradients (``grad_bytes``
     each) are all-reduced over the whole mesh.
     """
-    md = md_step(counts, compute, shape, link, reduce_link)
+    md = md_step(counts, compute, shape, link, reduce_link,
+                 all_reduces=len(TRAIN_ALL_REDUCE_BYTES),
+                 all_reduce_bytes=float(np.mean(TRAIN_ALL_REDUCE_BYTES)))
     reduce_link = reduce_link or link
     world = dp * counts.n_ranks
     grads = reduce_link.allreduce(float(shape.n_params) * grad_bytes, world)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import lj
 from helpers.uncertainty import committee
 
 from xnn.data import keys as K
 from xnn.errors import InputError
-from xnn.models import Sum, build
+from xnn.models import Sum
 from xnn.models.derivatives import compute_properties
 from xnn.models.serialization import load_model, save_model
 
@@ -27,12 +28,8 @@ def cu_graphs(cutoff: float):
     return with_edges(AtomicGraph.concat([big, small]), cutoff, backend="brute")
 
 
-def lj():
-    return build("lj", sigma=2.3, epsilon=0.4, cutoff=4.0).double()
-
-
 def test_sum_with_a_committee_passes_the_spread_through():
-    c, term = committee(), lj()
+    c, term = committee(), lj(4.0, torch.float64)
     c.set_calibration({"forces": 1.5, "energy": 0.5})
     total = Sum([c, term])
     assert total.committee_size == 3 and total.calibration == c.calibration
@@ -58,7 +55,7 @@ def test_calculator_and_model_file_of_a_sum_with_a_committee(tmp_path):
 
     import xnn
 
-    total = Sum([committee(), lj()])
+    total = Sum([committee(), lj(4.0, torch.float64)])
     loaded = load_model(save_model(total, tmp_path / "sum.pt"))
     assert loaded.committee_size == 3
     atoms = bulk("Cu", "fcc", a=3.5, cubic=True).repeat((2, 1, 1))

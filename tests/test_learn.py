@@ -82,10 +82,12 @@ def test_descriptor_invariances():
     assert np.linalg.norm(ls.descriptor(c, pairs, 5.0, 20) - d0) > 1e-3
 
 
-def _greedy(cand, scores, ref, threshold, budget):
-    """Farthest-point sampling written directly from its definition (brute force)."""
+def _greedy(cand, scores, ref, threshold, budget, ceiling=np.inf):
+    """Farthest-point sampling written directly from its definition (brute force), among the
+    candidates scored in ``(threshold, ceiling]``."""
     chosen, out = [], []
-    eligible = [i for i in range(len(cand)) if scores[i] > threshold]
+    low = -np.inf if threshold is None else threshold
+    eligible = [i for i in range(len(cand)) if low < scores[i] <= ceiling]
     while eligible and len(out) < budget:
         def far(i):
             pts = [*ref, *(cand[j] for j in chosen)]
@@ -108,6 +110,13 @@ def test_farthest_point_selection_equals_brute_force():
         assert [p.index for p in picks] == [i for i, _ in want]
         np.testing.assert_allclose([p.distance for p in picks], [d for _, d in want])
         assert all(p.score > threshold for p in picks)
+    # a ceiling: candidates scored above it are not eligible (an upper trust level)
+    for threshold, ceiling, budget in ((0.05, 0.15, 6), (None, 0.1, 40), (0.0, 0.01, 5)):
+        picks = ls.farthest_point_selection(cand, scores, ref, threshold, budget, ceiling)
+        want = _greedy(cand, scores, ref, threshold, budget, ceiling)
+        assert [p.index for p in picks] == [i for i, _ in want]
+        assert all(p.score <= ceiling for p in picks)
+    assert not ls.eligible(0.3, 0.1, 0.2) and ls.eligible(0.2, 0.1, 0.2)
     # a candidate equal to a training structure is picked last
     cand2 = np.vstack([ref[0], ref[0] + 1.0])
     picks = ls.farthest_point_selection(cand2, np.array([1.0, 0.5]), ref, 0.0, 2)

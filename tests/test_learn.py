@@ -178,6 +178,9 @@ def test_config_checks(tmp_path):
         load_config(LearnConfig, EXAMPLE, ["train.committee=1"])
     with pytest.raises(ConfigError, match="train.mode=scratch"):
         load_config(LearnConfig, EXAMPLE, ["train.bootstrap=true", "train.mode=finetune"])
+    with pytest.raises(ConfigError, match="select.ceiling"):
+        load_config(LearnConfig, EXAMPLE, ["select.ceiling=0"])
+    assert load_config(LearnConfig, EXAMPLE, ["select.ceiling=1.5"]).select.ceiling == 1.5
     cfg = load_config(LearnConfig, EXAMPLE, ["train.config.committee={size: 4}"])
     with pytest.raises(ConfigError, match="committee.size: the loop sets it"):
         train_config(cfg, ["x.xyz"], tmp_path)

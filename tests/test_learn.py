@@ -214,6 +214,14 @@ def test_open_loop_continues_only_the_same_settings(tmp_path):
     assert again.continued  # more rounds: the same loop
     with pytest.raises(InputError, match="other settings"):
         open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.budget=3"]))
+    # a loop saved before a key existed (select.ceiling) continues with it at its default,
+    # and only then
+    saved = out / "settings.yaml"
+    saved.write_text(saved.read_text().replace("  ceiling: null\n", ""))
+    assert "ceiling" not in saved.read_text()
+    assert open_loop(load_config(LearnConfig, EXAMPLE, base)).continued
+    with pytest.raises(InputError, match="other settings"):
+        open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.ceiling=1.0"]))
     with pytest.raises(InputError, match="resume=true"):
         open_loop(load_config(LearnConfig, EXAMPLE, [*base, "resume=false"]))
     (tmp_path / "other").mkdir()

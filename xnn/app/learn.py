@@ -72,6 +72,20 @@ def _settings(cfg: LearnConfig) -> str:
     return to_yaml(dataclasses.replace(cfg, rounds=0, resume=True))
 
 
+def _same_settings(saved: Path, cfg: LearnConfig) -> bool:
+    """Whether the loop saved in ``saved`` has the settings of ``cfg``: the same text, or
+    the same once read back with today's defaults for keys it predates (a loop started before
+    a key existed continues with that key at its default)."""
+    from xnn.config.loader import ConfigError, load_config
+
+    if saved.read_text() == _settings(cfg):
+        return True
+    try:
+        return _settings(load_config(LearnConfig, saved)) == _settings(cfg)
+    except ConfigError:
+        return False
+
+
 def open_loop(cfg: LearnConfig) -> Loop:
     """Create the loop's folder, or check that the loop found there has these settings.
 
@@ -86,7 +100,7 @@ def open_loop(cfg: LearnConfig) -> Loop:
         if not cfg.resume:
             raise InputError(f"output {str(out)!r} holds a learning loop; run again with "
                              "resume=true to continue it, or choose another output")
-        if saved.read_text() != _settings(cfg):
+        if not _same_settings(saved, cfg):
             raise InputError(f"output {str(out)!r} holds a learning loop with other settings "
                              f"({saved}); continue it with the same config (only rounds may "
                              "change), or choose another output")

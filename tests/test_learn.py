@@ -82,10 +82,12 @@ def test_descriptor_invariances():
     assert np.linalg.norm(ls.descriptor(c, pairs, 5.0, 20) - d0) > 1e-3
 
 
-def _greedy(cand, scores, ref, threshold, budget):
-    """Farthest-point sampling written directly from its definition (brute force)."""
+def _greedy(cand, scores, ref, threshold, budget, ceiling=np.inf):
+    """Farthest-point sampling written directly from its definition (brute force), among the
+    candidates scored in ``(threshold, ceiling]``."""
     chosen, out = [], []
-    eligible = [i for i in range(len(cand)) if scores[i] > threshold]
+    low = -np.inf if threshold is None else threshold
+    eligible = [i for i in range(len(cand)) if low < scores[i] <= ceiling]
     while eligible and len(out) < budget:
         def far(i):
             pts = [*ref, *(cand[j] for j in chosen)]
@@ -108,6 +110,13 @@ def test_farthest_point_selection_equals_brute_force():
         assert [p.index for p in picks] == [i for i, _ in want]
         np.testing.assert_allclose([p.distance for p in picks], [d for _, d in want])
         assert all(p.score > threshold for p in picks)
+    # a ceiling: candidates scored above it are not eligible (an upper trust level)
+    for threshold, ceiling, budget in ((0.05, 0.15, 6), (None, 0.1, 40), (0.0, 0.01, 5)):
+        picks = ls.farthest_point_selection(cand, scores, ref, threshold, budget, ceiling)
+        want = _greedy(cand, scores, ref, threshold, budget, ceiling)
+        assert [p.index for p in picks] == [i for i, _ in want]
+        assert all(p.score <= ceiling for p in picks)
+    assert not ls.eligible(0.3, 0.1, 0.2) and ls.eligible(0.2, 0.1, 0.2)
     # a candidate equal to a training structure is picked last
     cand2 = np.vstack([ref[0], ref[0] + 1.0])
     picks = ls.farthest_point_selection(cand2, np.array([1.0, 0.5]), ref, 0.0, 2)
@@ -169,6 +178,9 @@ def test_config_checks(tmp_path):
         load_config(LearnConfig, EXAMPLE, ["train.committee=1"])
     with pytest.raises(ConfigError, match="train.mode=scratch"):
         load_config(LearnConfig, EXAMPLE, ["train.bootstrap=true", "train.mode=finetune"])
+    with pytest.raises(ConfigError, match="select.ceiling"):
+        load_config(LearnConfig, EXAMPLE, ["select.ceiling=0"])
+    assert load_config(LearnConfig, EXAMPLE, ["select.ceiling=1.5"]).select.ceiling == 1.5
     cfg = load_config(LearnConfig, EXAMPLE, ["train.config.committee={size: 4}"])
     with pytest.raises(ConfigError, match="committee.size: the loop sets it"):
         train_config(cfg, ["x.xyz"], tmp_path)
@@ -202,6 +214,14 @@ def test_open_loop_continues_only_the_same_settings(tmp_path):
     assert again.continued  # more rounds: the same loop
     with pytest.raises(InputError, match="other settings"):
         open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.budget=3"]))
+    # a loop saved before a key existed (select.ceiling) continues with it at its default,
+    # and only then
+    saved = out / "settings.yaml"
+    saved.write_text(saved.read_text().replace("  ceiling: null\n", ""))
+    assert "ceiling" not in saved.read_text()
+    assert open_loop(load_config(LearnConfig, EXAMPLE, base)).continued
+    with pytest.raises(InputError, match="other settings"):
+        open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.ceiling=1.0"]))
     with pytest.raises(InputError, match="resume=true"):
         open_loop(load_config(LearnConfig, EXAMPLE, [*base, "resume=false"]))
     (tmp_path / "other").mkdir()

@@ -72,6 +72,20 @@ def _settings(cfg: LearnConfig) -> str:
     return to_yaml(dataclasses.replace(cfg, rounds=0, resume=True))
 
 
+def _same_settings(saved: Path, cfg: LearnConfig) -> bool:
+    """Whether the loop saved in ``saved`` has the settings of ``cfg``: the same text, or
+    the same once read back with today's defaults for keys it predates (a loop started before
+    a key existed continues with that key at its default)."""
+    from xnn.config.loader import ConfigError, load_config
+
+    if saved.read_text() == _settings(cfg):
+        return True
+    try:
+        return _settings(load_config(LearnConfig, saved)) == _settings(cfg)
+    except ConfigError:
+        return False
+
+
 def open_loop(cfg: LearnConfig) -> Loop:
     """Create the loop's folder, or check that the loop found there has these settings.
 
@@ -86,7 +100,7 @@ def open_loop(cfg: LearnConfig) -> Loop:
         if not cfg.resume:
             raise InputError(f"output {str(out)!r} holds a learning loop; run again with "
                              "resume=true to continue it, or choose another output")
-        if saved.read_text() != _settings(cfg):
+        if not _same_settings(saved, cfg):
             raise InputError(f"output {str(out)!r} holds a learning loop with other settings "
                              f"({saved}); continue it with the same config (only rounds may "
                              "change), or choose another output")
@@ -204,7 +218,8 @@ def acquire(loop: Loop, r: int, dataset: list, model, model_path: Path) -> dict:
     ll.write_frames(rd / "labelled.extxyz", labelled)
     scores = [a.info["score"] for a in candidates]
     return {"n_candidates": len(candidates),
-            "n_above": int(sum(ls.eligible(s, cfg.select.threshold) for s in scores)),
+            "n_above": int(sum(ls.eligible(s, cfg.select.threshold, cfg.select.ceiling)
+                           for s in scores)),
             "n_selected": len(selected),
             "uncertainty_mean_meV_A": 1000.0 * float(sum(scores)) / len(scores) if scores else None,
             "uncertainty_max_meV_A": 1000.0 * float(max(scores)) if scores else None}
@@ -220,7 +235,8 @@ def select(loop: Loop, r: int, dataset: list, candidates: list) -> list:
     ref = ls.descriptors(dataset, pairs, sc.r_max, sc.bins)
     desc = ls.descriptors(candidates, pairs, sc.r_max, sc.bins)
     scores = np.array([a.info["score"] for a in candidates])
-    picks = ls.farthest_point_selection(desc, scores, ref, sc.threshold, sc.budget)
+    picks = ls.farthest_point_selection(desc, scores, ref, sc.threshold, sc.budget,
+                                        ceiling=sc.ceiling)
     out = []
     for k, p in enumerate(picks):
         a = candidates[p.index].copy()
@@ -228,12 +244,18 @@ def select(loop: Loop, r: int, dataset: list, candidates: list) -> list:
         out.append(a)
         above = ("no threshold" if sc.threshold is None
                  else f"score {p.score:.4f} > threshold {sc.threshold} eV/Å")
+        if sc.ceiling is not None:
+            above += f", <= ceiling {sc.ceiling} eV/Å"
         loop.journal.log("selected", round=r, pick=k, candidate=p.index,
                          source=a.info.get("learn_source"), score=p.score,
                          score_raw=a.info["score_raw"], distance=p.distance,
                          why=f"{above}; farthest remaining candidate (descriptor distance "
                              f"{p.distance:.4f})")
     loop.journal.log("selection", round=r, candidates=len(candidates),
-                     above_threshold=int(sum(ls.eligible(s, sc.threshold) for s in scores)),
-                     selected=len(out), budget=sc.budget, threshold=sc.threshold)
+                     above_threshold=int(sum(ls.eligible(s, sc.threshold, sc.ceiling)
+                                             for s in scores)),
+                     selected=len(out), budget=sc.budget, threshold=sc.threshold,
+                     ceiling=sc.ceiling,
+                     above_ceiling=int(sum(sc.ceiling is not None and s > sc.ceiling
+                                           for s in scores)))
     return out

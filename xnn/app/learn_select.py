@@ -13,8 +13,10 @@ Euclidean norm of the difference of their descriptors. The descriptor is invaria
 translations, rotations, permutations and the choice of cell, and per atom (a supercell has
 its cell's descriptor).
 
-Selection. Eligible: candidates with score > threshold (every candidate when the threshold is
-``None``). Farthest-point sampling: each pick is
+Selection. Eligible: candidates with ``threshold < score <= ceiling`` (either bound ``None``:
+no such bound; the ceiling is an upper trust level: a frame the committee is that unsure of
+was reached by a trajectory gone outside what the committee can drive, see
+docs/active-learning.md). Farthest-point sampling: each pick is
 the eligible candidate farthest (in descriptor distance) from the current training set and
 the structures picked before it (ties: the higher score, then the lower index), until the
 budget is spent or no eligible candidate is left. Each pick records its distance.
@@ -61,10 +63,10 @@ def descriptors(frames: Sequence, pairs: Sequence[tuple[int, int]], r_max: float
     return np.stack([descriptor(a, pairs, r_max, bins) for a in frames])
 
 
-def eligible(score: float, threshold: float | None) -> bool:
-    """Whether a candidate of ``score`` may be selected: ``score > threshold``, or always when
-    ``threshold`` is ``None``."""
-    return threshold is None or score > threshold
+def eligible(score: float, threshold: float | None, ceiling: float | None = None) -> bool:
+    """Whether a candidate of ``score`` may be selected: ``threshold < score <= ceiling``
+    (``None``: no such bound)."""
+    return (threshold is None or score > threshold) and (ceiling is None or score <= ceiling)
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,10 @@ class Pick:
 
 
 def farthest_point_selection(cand: np.ndarray, scores: np.ndarray, reference: np.ndarray,
-                             threshold: float | None, budget: int) -> list[Pick]:
-    """Farthest-point sampling among the candidates whose score exceeds ``threshold``
-    (``None``: every candidate).
+                             threshold: float | None, budget: int,
+                             ceiling: float | None = None) -> list[Pick]:
+    """Farthest-point sampling among the eligible candidates (:func:`eligible`: score above
+    ``threshold`` and not above ``ceiling``).
 
     Args:
         cand: candidate descriptors ``[n_candidates, d]``.
@@ -88,11 +91,11 @@ def farthest_point_selection(cand: np.ndarray, scores: np.ndarray, reference: np
         reference: descriptors of the current training set ``[n_reference, d]``.
         threshold: eligible when ``score > threshold``; ``None``: all eligible.
         budget: at most this many picks.
+        ceiling: not eligible when ``score > ceiling``; ``None``: no ceiling.
     Returns:
         the picks in the order they were chosen.
     """
-    pool = np.flatnonzero(scores > threshold) if threshold is not None \
-        else np.arange(len(scores))
+    pool = np.flatnonzero([eligible(float(x), threshold, ceiling) for x in scores])
     if pool.size == 0 or budget < 1:
         return []
     if len(reference):

@@ -86,6 +86,10 @@ class SelectConfig:
                                     "as xnn md/eval/the calculator report it), exceeds this; "
                                     "null: every candidate is eligible (the budget and the "
                                     "farthest-point ranking decide)")
+    ceiling: float | None = field(None, "an upper trust level (eV/Å, same score): a "
+                                  "candidate scored above it is taken as failed exploration "
+                                  "(the committee too far outside its data for the frame to "
+                                  "be trusted) and not selected; null: no ceiling")
     budget: int = field(10, "structures selected (and labelled) per round at most")
     r_max: float = field(5.0, "descriptor: largest pair distance of the radial histograms (Å)")
     bins: int = field(20, "descriptor: Gaussian bins per element pair")
@@ -94,6 +98,8 @@ class SelectConfig:
         if self.threshold is not None:
             check_range("select.threshold", self.threshold, 0.0)
         check_range("select.budget", self.budget, 1)
+        if self.ceiling is not None:
+            check_range("select.ceiling", self.ceiling, 0.0, low_inclusive=False)
         check_range("select.r_max", self.r_max, 0.0, low_inclusive=False)
         check_range("select.bins", self.bins, 2)
 

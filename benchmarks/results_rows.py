@@ -590,3 +590,19 @@ def ghost_plan(name: str, data: dict) -> list[list[str]]:
                             "sampled" if "sampled" in r["method"] else "exact",
                             sec(r["seconds"])])
     return out
+
+
+def dd_components(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``dd_components.py``: one decomposed MD step's parts on the slowest rank
+    (evaluation, point-to-point exchanges, all-reduces) per model, size, lattice scale and
+    rank count."""
+    out = []
+    for r in data["rows"]:
+        if "error" in r:
+            continue
+        slow = max(r["per_rank"], key=lambda q: q["step_s"])
+        part = slow["seconds_per_step"]
+        out.append([r["model"], count(r["n_atoms"]), f"{r['scale']:g}", str(r["ranks"]),
+                    ms(r["step_s"]), ms(part["evaluate"]), ms(part["p2p"]),
+                    ms(part["all_reduce"])])
+    return out

@@ -36,10 +36,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 README = RESULTS / "README.md"
 
 BLOCK = re.compile(r"<!-- table: (?P<name>[a-z0-9_]+) -->\n(?:\|[^\n]*(?:\n|$))*")
-MAX_LINES = 390  # issue 43 asked for a README of about 300 lines at most (340 since the
+MAX_LINES = 400  # issue 43 asked for a README of about 300 lines at most (340 since the
 #                   data-loading table has a GPU file and issue 45 added opening/planning;
-#                   390 since issue 47 added the step-cost model's checks, output at scale
-#                   and ghost plans at scale)
+#                   400 since issue 47 added the step-cost model's checks, its components,
+#                   output at scale and ghost plans at scale: fold tables before raising it)
 
 
 # --------------------------------------------------------------------------- loading
@@ -273,6 +273,9 @@ TABLES = [
                                "LAMMPS / Potential", "graph", "closest-pair check",
                                "potential call", "LAMMPS and rest"),
           ("lammps_breakdown_h100.json",), rows.lammps_breakdown, fold=(0,)),
+    Table("dd_components", ("model", "atoms", "lattice scale", "ranks", "step", "evaluate",
+                            "exchanges", "all-reduces"),
+          ("dd_components_cpu2.json",), rows.dd_components, fold=(0,)),
     Table("scaling_model", ("measured run (model, scaling)", "ranks", "atoms", "predicted",
                             "measured", "error"),
           ("scaling_model_cpu.json",), rows.scaling_model, fold=(0,)),

@@ -47,6 +47,7 @@ from xnn.distributed.cost.links import GLOO_HOST, IB_NDR400, NVLINK_H100, Link, 
 from xnn.distributed.cost.model import (
     ComputeCost,
     ModelShape,
+    Output,
     Rebuild,
     StepTime,
     all_reduces_per_step,
@@ -57,6 +58,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GPUS_PER_NODE = 8
 FCC = np.array([[0, 0, 0], [0.5, 0.5, 0], [0.5, 0, 0.5], [0, 0.5, 0.5]])
 LATTICE = {"lj": 5.26, "equivariant": 3.61, "mace": 3.61}  # Å: Ar, Cu
+PLAN_LATTICE = 3.61  # Å: the fcc system of ghost_plan_scale_cpu.json (copper)
 #: peak GPU bytes per held atom of one evaluation (from the calibration rows) and the card
 BYTES_PER_HELD: dict[str, float] = {}
 GPU_BYTES = 80e9  # H100 80 GB
@@ -132,16 +134,34 @@ def lattice_counts(k, a: float, n_ranks: int, mode: str, cutoff: float, skin: fl
                       c["edges"], c["recv"], c["recv"], c["peers"], "lattice")
 
 
-def plan_counts_from_json(rows: list[dict], n_atoms: int, n_ranks: int, mode: str):
-    """RankCounts-like maxima from a ghost_plan_scale row (the at-scale plan), if any."""
+def plan_counts_from_json(rows: list[dict], n_atoms: int, n_ranks: int, mode: str,
+                          cutoff: float, halo_width: float, lattice: float):
+    """RankCounts from a ghost_plan_scale row (the at-scale plan), if any: rank 0 carries the
+    row's maxima (owned, ghost, edges: the rank that sets the step), the other ranks the
+    rest of the atoms and the mean ghosts and edges (rows and peers: the maxima), so the
+    atoms add up to the planned system and an all-reduce spans ``n_ranks``."""
+    if abs(lattice - PLAN_LATTICE) > 1e-9:  # the plan's crystal is copper
+        return None
     for r in rows:
         if r.get("n_ranks") == n_ranks and r.get("mode") == mode and r.get("system") == "fcc" \
-                and abs(r.get("n_atoms", 0) - n_atoms) <= 0.02 * n_atoms:
-            one = lambda key, r=r: np.array([r[key]], dtype=np.int64)  # noqa: E731
+                and abs(r.get("n_atoms", 0) - n_atoms) <= 0.02 * n_atoms \
+                and r.get("cutoff") == cutoff and abs(r["halo_width"] - halo_width) < 1e-9:
+            rest = max(n_ranks - 1, 1)
+
+            def arr(first, others):
+                a = np.full(n_ranks, int(round(others)), dtype=np.int64)
+                a[0] = int(first)
+                return a
+
+            owned = arr(r["owned_max"], (r["n_atoms"] - r["owned_max"]) / rest)
+            if n_ranks == 1:
+                owned = np.array([r["n_atoms"]], dtype=np.int64)
             return RankCounts(mode, tuple(r.get("grid") or (n_ranks, 1, 1)), r["halo_width"],
-                              one("owned_max"), one("ghost_max"), one("edges_max"),
-                              one("send_rows_max"), one("recv_rows_max"), one("peers_max"),
-                              r.get("method", "exact"))
+                              owned, arr(r["ghost_max"], r["ghost_mean"]),
+                              arr(r["edges_max"], r["edges_mean"]),
+                              arr(r["send_rows_max"], r["send_rows_max"]),
+                              arr(r["recv_rows_max"], r["recv_rows_max"]),
+                              arr(r["peers_max"], r["peers_max"]), r.get("method", "exact"))
     return None
 
 
@@ -365,7 +385,8 @@ def predict(model: str, comp: ComputeCost, shape: ModelShape, n_atoms: int, n_ra
     a = LATTICE[model]
     k = max(1, round((n_atoms / 4) ** (1 / 3)))
     layers = max(shape.sync_points + 1, 1)
-    c = plan_counts_from_json(plan_rows, 4 * k ** 3, n_ranks, mode) or \
+    width = (layers if mode == "halo" else 1) * cutoff + skin
+    c = plan_counts_from_json(plan_rows, 4 * k ** 3, n_ranks, mode, cutoff, width, a) or \
         lattice_counts(k, a, n_ranks, mode, cutoff, skin, layers)
     sh = shape if mode != "halo" else replace(shape, sync_points=0)
     t = md_step(c, comp, sh, _links(n_ranks))
@@ -525,6 +546,35 @@ def plot(preds: list[dict], comps: list[dict], out_dir: Path) -> list[Path]:
     return [first, second]
 
 
+def output_cost(headline: dict | None, every: int = 100) -> dict | None:
+    """The headline run (1M atoms per GPU on 512 GPUs) writing a trajectory frame every
+    ``every`` steps, sharded against gathered on rank 0, priced by :class:`Output` with the
+    bandwidths of ``io_scale_cpu.json`` (1 rank, 10^6 atoms, local disk: one rank's write
+    bandwidth, and the gather's rate to rank 0), stated as assumptions."""
+    path = RESULTS / "io_scale_cpu.json"
+    if headline is None or not path.exists():
+        return None
+    rows = [r for r in json.loads(path.read_text())["rows"]
+            if r["kind"] == "frame" and r["ranks"] == 1 and "error" not in r]
+    big = max(r["n_atoms"] for r in rows)
+    sh = next(r for r in rows if r["n_atoms"] == big and r["format"] == "sharded")
+    ga = next(r for r in rows if r["n_atoms"] == big and r["format"] == "gathered")
+    write_bw = sh["bytes_per_atom"] * big / sh["write_s"]
+    gathers = [r for r in json.loads(path.read_text())["rows"]
+               if r["kind"] == "frame" and r["n_atoms"] == big and r["format"] == "gathered"
+               and r["ranks"] > 1]
+    gather_bw = max(ga["bytes_per_atom"] * big / r["gather_s"] for r in gathers)
+    owned = np.full(headline["n_ranks"], headline["n_atoms"] / headline["n_ranks"])
+    out = {"every": every, "write_bandwidth": write_bw, "gather_bandwidth": gather_bw,
+           "step_s": headline["step_s"], "source": path.name}
+    for name, o in (("sharded", Output(sh["bytes_per_atom"], write_bw, every)),
+                    ("gathered", Output(ga["bytes_per_atom"], write_bw, every, sharded=False,
+                                        gather_bandwidth=gather_bw))):
+        t = float(o.seconds(owned).max())
+        out[name] = {"seconds_per_step": t, "fraction_of_step": t / headline["step_s"]}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=str(RESULTS / "scaling_model_cpu.json"))
@@ -569,6 +619,7 @@ def main(argv=None) -> int:
         "smallest_atoms_per_gpu_for_80pct": knee, "headline_512_equivariant_1M": headline,
         "published": PUBLISHED, "comparisons": comparisons(cal, plan_rows),
         "losses_512": losses(cal, plan_rows), "mace": "mace" in cal,
+        "output_512": output_cost(headline),
         "predictions": preds}, device="cpu")
     if args.plots:
         plot(preds, comparisons(cal, plan_rows), Path(args.plots))

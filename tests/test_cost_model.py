@@ -17,6 +17,7 @@ from xnn.distributed.cost.model import (
     TRAIN_ALL_REDUCE_BYTES,
     ComputeCost,
     ModelShape,
+    Output,
     Rebuild,
     StepTime,
     all_reduces_per_step,
@@ -291,3 +292,22 @@ def test_efficiency_is_the_time_ratio():
     b = StepTime(np.array([1.0, 1.1]), np.array([0.1, 0.2]), np.zeros(2), 0.05)
     assert efficiency(b, a) == pytest.approx(1.0 / 1.35)
     assert efficiency(b, a, scale=0.5) == pytest.approx(0.5 / 1.35)
+
+
+def test_output_term_prices_sharded_writes_per_rank_and_gathered_writes_on_every_rank():
+    counts = _toy_counts("halo")
+    comp = ComputeCost(1e-6, 1e-7)
+    shape = ModelShape(0, 3, 8)
+    sharded = Output(bytes_per_atom=100.0, write_bandwidth=1e6, every=10)
+    gathered = Output(100.0, 1e6, 10, sharded=False, gather_bandwidth=2e6)
+    np.testing.assert_allclose(sharded.seconds(counts.owned), counts.owned * 100 / 1e6 / 10)
+    n = counts.owned.sum()
+    np.testing.assert_allclose(gathered.seconds(counts.owned),
+                               (n * 100 / 2e6 + n * 100 / 1e6) / 10)
+    bare = md_step(counts, comp, shape, LINK)
+    t = md_step(counts, comp, shape, LINK, output=sharded)
+    per_rank = t.compute + t.exchange + t.rebuild + sharded.seconds(counts.owned)
+    assert t.total == pytest.approx(per_rank.max() + t.reduction)
+    assert t.split()["output"] == pytest.approx(sharded.seconds(counts.owned)[t.slowest])
+    assert bare.split()["output"] == 0.0
+    assert md_step(counts, comp, shape, LINK, output=gathered).total > t.total

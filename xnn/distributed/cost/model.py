@@ -139,21 +139,27 @@ class StepTime:
     exchange: np.ndarray
     rebuild: np.ndarray
     reduction: float
+    output: np.ndarray | float = 0.0
+
+    def _per_rank(self) -> np.ndarray:
+        return self.compute + self.exchange + self.rebuild + self.output
 
     @property
     def slowest(self) -> int:
-        return int(np.argmax(self.compute + self.exchange + self.rebuild))
+        return int(np.argmax(self._per_rank()))
 
     @property
     def total(self) -> float:
-        return float((self.compute + self.exchange + self.rebuild).max() + self.reduction)
+        return float(self._per_rank().max() + self.reduction)
 
     def split(self) -> dict[str, float]:
-        """The slowest rank's step in parts (s): compute, exchange, rebuild, reduction."""
+        """The slowest rank's step in parts (s): compute, exchange, rebuild, reduction,
+        output."""
         r = self.slowest
+        out = np.broadcast_to(np.asarray(self.output, float), self.compute.shape)
         return {"compute": float(self.compute[r]), "exchange": float(self.exchange[r]),
                 "rebuild": float(self.rebuild[r]), "reduction": self.reduction,
-                "total": self.total}
+                "output": float(out[r]), "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,40 @@ class Rebuild:
 
     def seconds(self, held) -> np.ndarray:
         return self.per_atom * np.asarray(held, float) / max(self.interval, 1.0)
+
+
+@dataclass(frozen=True)
+class Output:
+    """Trajectory frames and checkpoints, amortised per step (``docs/distributed.md``,
+    "Output at scale"; measured by ``benchmarks/io_scale.py``).
+
+    Attributes:
+        bytes_per_atom: bytes written per atom per output (fp64: 104 for a checkpoint,
+            92-96 for a frame with velocities and forces).
+        write_bandwidth: bytes/s one rank writes to the file system.
+        every: steps between outputs.
+        sharded: every rank writes its owned atoms (``output.*_format=sharded``), or rank 0
+            gathers all ``N`` atoms (gather at ``gather_bandwidth``) and writes them alone
+            while the others wait.
+        gather_bandwidth: bytes/s of gathering to rank 0 (gathered only).
+    """
+
+    bytes_per_atom: float
+    write_bandwidth: float
+    every: float
+    sharded: bool = True
+    gather_bandwidth: float = 1e9
+
+    def seconds(self, owned: np.ndarray) -> np.ndarray:
+        """``[n_ranks]`` seconds per step of each rank's share of the output."""
+        owned = np.asarray(owned, float)
+        if self.sharded:
+            t = owned * self.bytes_per_atom / self.write_bandwidth
+        else:  # the others wait for rank 0's gather and write: every rank pays it
+            total = owned.sum() * self.bytes_per_atom
+            t = np.full(owned.shape, total / self.gather_bandwidth
+                        + total / self.write_bandwidth)
+        return t / max(self.every, 1.0)
 
 
 def exchanges_per_step(mode: str, shape: ModelShape) -> list[int]:
@@ -204,7 +244,8 @@ def gather_bytes(counts: RankCounts, shape: ModelShape) -> list[tuple[float, flo
 def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: Link,
             reduce_link: Link | None = None, rebuild: Rebuild | None = None,
             all_reduces: int | None = None,
-            all_reduce_bytes: float | None = None) -> StepTime:
+            all_reduce_bytes: float | None = None,
+            output: Output | None = None) -> StepTime:
     """Predicted time of one eager decomposed MD step (see the module docstring).
 
     Args:
@@ -218,6 +259,7 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
             :func:`all_reduces_per_step`).
         all_reduce_bytes: bytes of each (default: the fp64 sizes of
             :data:`ALL_REDUCE_BYTES` of the mode, averaged).
+        output: trajectory frames or checkpoints, amortised per step (default none).
     """
     reduce_link = reduce_link or link
     rebuild = rebuild or Rebuild()
@@ -241,7 +283,8 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
     if all_reduces is None:
         all_reduces = all_reduces_per_step(counts.mode)
     red = all_reduces * reduce_link.allreduce(nbytes, counts.n_ranks)
-    return StepTime(comp, exch, rebuild.seconds(held), red)
+    out = output.seconds(counts.owned) if output is not None else 0.0
+    return StepTime(comp, exch, rebuild.seconds(held), red, out)
 
 
 def training_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: Link,

@@ -33,7 +33,7 @@ EXAMPLE = ROOT / "examples" / "learn" / "loop.yaml"
 EPOCHS = 4
 FAST = ["rounds=1", "train.committee=2", f"train.config.max_epochs={EPOCHS}", "explore.starts=2",
         "explore.sample_every=10", "explore.stages.0.steps=40", "explore.stages.1.steps=40",
-        "select.threshold=0.0", "select.budget=4", "test=null",
+        "select.threshold=0.0", "select.ceiling=null", "select.budget=4", "test=null",
         "label.calculator=helpers.labellers:counting_emt", "label.trust=true"]
 
 
@@ -214,14 +214,14 @@ def test_open_loop_continues_only_the_same_settings(tmp_path):
     assert again.continued  # more rounds: the same loop
     with pytest.raises(InputError, match="other settings"):
         open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.budget=3"]))
-    # a loop saved before a key existed (select.ceiling) continues with it at its default,
-    # and only then
+    # a loop saved before a key existed (select.ceiling) continues with it at its default
+    # (null), and only then
     saved = out / "settings.yaml"
-    saved.write_text(saved.read_text().replace("  ceiling: null\n", ""))
+    saved.write_text(saved.read_text().replace("  ceiling: 1.0\n", ""))
     assert "ceiling" not in saved.read_text()
-    assert open_loop(load_config(LearnConfig, EXAMPLE, base)).continued
-    with pytest.raises(InputError, match="other settings"):
-        open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.ceiling=1.0"]))
+    assert open_loop(load_config(LearnConfig, EXAMPLE, [*base, "select.ceiling=null"])).continued
+    with pytest.raises(InputError, match="other settings"):  # the example's 1.0 is another
+        open_loop(load_config(LearnConfig, EXAMPLE, base))
     with pytest.raises(InputError, match="resume=true"):
         open_loop(load_config(LearnConfig, EXAMPLE, [*base, "resume=false"]))
     (tmp_path / "other").mkdir()

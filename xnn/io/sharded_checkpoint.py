@@ -57,10 +57,13 @@ def sharded_path(path: str | os.PathLike) -> Path:
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a sharded checkpoint: its folder, or ``checkpoint.pt`` whose
-    file is absent while the folder ``checkpoint.pt.d`` exists."""
+    """Whether ``path`` names a sharded checkpoint: its folder (``*.pt.d``, or any folder
+    holding an index), or ``checkpoint.pt`` whose file is absent while the folder
+    ``checkpoint.pt.d`` exists. Any other folder is not (a directory given as a file)."""
     path = Path(path)
-    return path.is_dir() or (not path.exists() and sharded_path(path).is_dir())
+    if path.is_dir():
+        return path.name.endswith(".pt" + SUFFIX) or (path / INDEX).is_file()
+    return not path.exists() and sharded_path(path).is_dir()
 
 
 def new_generation(step: int) -> str:

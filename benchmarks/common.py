@@ -236,6 +236,22 @@ def fcc_cu(n_atoms_target: int, rattle: float = 0.05, seed: int = 0):
     return atoms
 
 
+def write_rank_json(out_dir: str, rank: int, run: Callable[[], dict]) -> None:
+    """A spawned rank's side of :func:`spawn_json_ranks`: ``run()``'s result (or its error and
+    traceback) into ``out_dir/rank{rank}.json``, replaced atomically."""
+    import traceback
+
+    try:
+        result = run()
+    except Exception as e:  # noqa: BLE001 - reported in the JSON row
+        result = {"rank": rank, "error": f"{type(e).__name__}: {e}",
+                  "traceback": traceback.format_exc()}
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
 def spawn_json_ranks(entry: Callable, world: int, extra: tuple, timeout_s: float) -> list[dict]:
     """Run ``entry(rank, world, port, out_dir, *extra)`` on ``world`` freshly spawned ranks;
     each rank writes ``out_dir/rank{r}.json``. Returns the ranks' results in rank order; a

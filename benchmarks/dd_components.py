@@ -52,16 +52,15 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 try:
-    from benchmarks.common import write_json
+    from benchmarks.common import write_json, write_rank_json
 except ImportError:  # run as `python benchmarks/dd_components.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.common import write_json
+    from benchmarks.common import write_json, write_rank_json
 
 SECTIONS = ("evaluate", "integrate", "rebuild", "migration", "p2p", "all_reduce",
             "all_gather", "object")
@@ -237,15 +236,7 @@ def _rank_entry(rank, world, port, out_dir, args, model_name, n_atoms, scale):
 
     manager = DistributedManager.initialize(device=args.device)
     try:
-        try:
-            result = run_point(manager, args, model_name, n_atoms, scale)
-        except Exception as e:  # noqa: BLE001 - reported in the JSON row
-            result = {"rank": rank, "error": f"{type(e).__name__}: {e}",
-                      "traceback": traceback.format_exc()}
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(path + ".tmp", path)
+        write_rank_json(out_dir, rank, lambda: run_point(manager, args, model_name, n_atoms, scale))
     finally:
         import torch.distributed as dist
 

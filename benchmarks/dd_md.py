@@ -51,21 +51,19 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 try:
-    from benchmarks.common import write_json
+    from benchmarks.common import write_json, write_rank_json
 except ImportError:  # run as `python benchmarks/dd_md.py` / `torchrun benchmarks/dd_md.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.common import write_json
+    from benchmarks.common import write_json, write_rank_json
 
 LAYOUTS = ("domain", "replicated", "compiled", "domain_whole", "domain_unpaired")
 AR = {"symbol": "Ar", "a": 5.26, "mass": 39.948}  # LJ argon near its 0 K lattice constant
@@ -349,15 +347,7 @@ def _rank_entry(rank, world, port, out_dir, args, n_atoms, layout):
 
     manager = DistributedManager.initialize(device=args.device)
     try:
-        try:
-            result = run_point(manager, args, n_atoms, layout)
-        except Exception as e:  # noqa: BLE001 - reported in the JSON row
-            result = {"rank": rank, "error": f"{type(e).__name__}: {e}",
-                      "traceback": traceback.format_exc()}
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(path + ".tmp", path)
+        write_rank_json(out_dir, rank, lambda: run_point(manager, args, n_atoms, layout))
     finally:
         import torch.distributed as dist
 

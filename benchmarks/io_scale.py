@@ -37,7 +37,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -204,19 +203,12 @@ def _rank_entry(rank, world, port, out_dir, n_atoms, base):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from benchmarks.common import write_rank_json
     from xnn.distributed import DistributedManager
 
     manager = DistributedManager.initialize(device="cpu")
     try:
-        try:
-            result = run_point(manager, n_atoms, base)
-        except Exception as e:  # noqa: BLE001 - reported in the JSON row
-            result = {"rank": rank, "error": f"{type(e).__name__}: {e}",
-                      "traceback": traceback.format_exc()}
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(path + ".tmp", path)
+        write_rank_json(out_dir, rank, lambda: run_point(manager, n_atoms, base))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -23,11 +23,12 @@ def block_rows(text: str, name: str) -> list[list[str]]:
 
 
 def test_readme_tables_equal_the_files():
-    text = rt.README.read_text()
-    assert rt.rewrite(text, rt.tables()) == text, (
-        "benchmarks/results/README.md differs from its JSON files: run "
-        "python benchmarks/results_tables.py"
-    )
+    for doc in (rt.README, rt.FILES):
+        text = doc.read_text()
+        assert rt.rewrite(text, rt.tables()) == text, (
+            f"benchmarks/results/{doc.name} differs from its JSON files: run "
+            "python benchmarks/results_tables.py"
+        )
     assert rt.main(["--check"]) == 0
 
 
@@ -39,7 +40,8 @@ def test_readme_stays_short():
 def test_every_table_has_its_block_and_every_row_its_file():
     text = rt.README.read_text()
     blocks = [m["name"] for m in rt.BLOCK.finditer(text)]
-    assert sorted(blocks) == sorted([t.name for t in rt.TABLES] + ["files"])
+    assert sorted(blocks) == sorted(t.name for t in rt.TABLES)
+    assert [m["name"] for m in rt.BLOCK.finditer(rt.FILES.read_text())] == ["files"]
     for table in rt.TABLES:
         rows = block_rows(text, table.name)
         assert rows, f"table {table.name} has no rows"
@@ -50,7 +52,7 @@ def test_every_table_has_its_block_and_every_row_its_file():
 
 
 def test_every_file_has_its_command_in_the_files_table():
-    rows = block_rows(rt.README.read_text(), "files")
+    rows = block_rows(rt.FILES.read_text(), "files")
     named = [row[0].strip("`") for row in rows]
     assert named == rt.files_in_order()  # each file once, none missing
     for name, (_, _, date, command) in zip(named, rows):
@@ -63,7 +65,7 @@ def test_every_file_has_its_command_in_the_files_table():
 
 
 def test_every_results_file_is_in_a_table():
-    present = {p.name for p in rt.RESULTS.iterdir() if p.name != "README.md"}
+    present = {p.name for p in rt.RESULTS.iterdir() if p.name not in ("README.md", "FILES.md")}
     assert present == rt.files_named()
     assert set(COMMANDS) == present
 
@@ -92,6 +94,7 @@ def copied_results(tmp_path, monkeypatch):
     shutil.copytree(rt.RESULTS, copy)
     monkeypatch.setattr(rt, "RESULTS", copy)
     monkeypatch.setattr(rt, "README", copy / "README.md")
+    monkeypatch.setattr(rt, "FILES", copy / "FILES.md")
     return copy
 
 
@@ -123,7 +126,7 @@ def test_check_fails_when_a_files_date_changes(copied_results):
     path.write_text(json.dumps(data))
     assert rt.main(["--check"]) == 1
     rt.main([])
-    rows = block_rows((copied_results / "README.md").read_text(), "files")
+    rows = block_rows((copied_results / "FILES.md").read_text(), "files")
     assert next(r for r in rows if r[0] == "`calculator_cpu.json`")[2] == "2031-01-02"
 
 

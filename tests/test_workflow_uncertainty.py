@@ -177,3 +177,44 @@ def test_workflow_guard_refused_for_a_single_model(relaxed, tmp_path):
     one = save_model(committee().members[0], tmp_path / "one.pt")
     with pytest.raises(InputError, match="needs a committee model"):
         workflow(tmp, one, tmp_path / "a", f"[{RELAX}]", "safety.max_force_uncertainty=0.1")
+
+
+def test_resumed_campaign_keeps_each_systems_guard(relaxed, tmp_path, monkeypatch):
+    """A campaign resumed from a checkpoint taken after systems were warned does not warn
+    them again, and its rows (excursion counts, first messages) are the uninterrupted ones."""
+    import shutil
+
+    from xnn.app import workflow_files as wf
+
+    tmp, model, spread, _ = relaxed
+    _, threshold = first_record(spread[1], after=2)
+    firsts = [first_above(u, threshold) for u in spread]
+    mid = max(f for f in firsts if f is not None) + 1  # every warning before it
+    assert mid < STEPS and spread[1][mid] > threshold  # above when checkpointed
+    assert all(excursions(u, threshold) == excursions(u[:mid], threshold) for u in spread)
+    save = wf.save_campaign
+
+    def keep_mid(path, pools, meta):
+        save(path, pools, meta)
+        if meta["iteration"] == mid:
+            shutil.copy(path, tmp_path / "mid.pt")
+
+    monkeypatch.setattr(wf, "save_campaign", keep_mid)
+    args = (f"[{RELAX}]", f"safety.max_force_uncertainty={threshold!r}",
+            "safety.on_uncertainty=warn", "output.checkpoint_every=1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = workflow(tmp, model, tmp_path / "run", *args)
+    assert sum(issubclass(w.category, UncertaintyWarning) for w in caught) >= 2
+    whole = without_wall(rows_of(out))
+    assert any(r["reason"].startswith("warned") for r in whole.values())
+    shutil.copy(tmp_path / "mid.pt", out / "checkpoint.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        workflow(tmp, model, tmp_path / "run", *args, f"resume={out / 'checkpoint.pt'}")
+    assert not [w for w in caught if issubclass(w.category, UncertaintyWarning)]
+    assert without_wall(rows_of(out)) == whole  # every cell but the wall time
+
+
+def without_wall(rows: dict) -> dict:
+    return {k: {c: v for c, v in r.items() if c != "wall_s"} for k, r in rows.items()}

@@ -35,7 +35,7 @@ RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajec
              "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
              "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json",
              "hooks", "checkpoint.pt.d", "checkpoint_last_good.pt.d", "trajectory.d",
-             "relax_trajectory.d")
+             "relax_trajectory.d", "uncertain.xyz")
 #: ``output.checkpoint_format=auto``: decomposed runs of more atoms write sharded checkpoints
 SHARDED_THRESHOLD = 100_000
 

@@ -5,14 +5,19 @@ code 2, one line), or warn once per excursion; refused for a single model."""
 
 from __future__ import annotations
 
-import csv
 import json
 import warnings
 
 import ase.io
 import numpy as np
 import pytest
-from helpers.uncertainty import committee, compressed_cu, first_record
+from helpers.uncertainty import (
+    committee,
+    committee_files,
+    first_record,
+    read_columns,
+    relax_args,
+)
 
 from xnn.app.relax import run_relax
 from xnn.config.loader import load_config
@@ -22,31 +27,16 @@ from xnn.errors import InputError
 from xnn.models.serialization import save_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-STEPS = 12
-
-
-def relax_args(structure, model, out, *extra):
-    return [f"structure={structure}", f"model.file={model}", "model.dtype=float64",
-            "model.device=cpu", f"max_steps={STEPS}", "fmax=1e-6", f"output.dir={out}",
-            "output.trajectory_every=5", "output.plot=false", "output.progress=false",
-            *extra]
-
-
-def read_rows(path) -> dict[str, list[float]]:
-    with open(path, newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    return {k: [float(r[k]) for r in rows] for k in rows[0]}
 
 
 @pytest.fixture(scope="module")
 def free_relax(tmp_path_factory):
     """One unguarded relaxation of the committee: its files and its log."""
     tmp = tmp_path_factory.mktemp("relax_uq")
-    model = save_model(committee(), tmp / "committee.pt")
-    compressed_cu(tmp / "cu.xyz")
+    model, _ = committee_files(tmp)
     out = run_relax(load_config(RelaxConfig, None, relax_args(tmp / "cu.xyz", model,
                                                               tmp / "free")))
-    return tmp, model, read_rows(out / "relax.csv")
+    return tmp, model, read_columns(out / "relax.csv")
 
 
 def test_relax_guard_stops_at_the_first_step_above_with_the_frame_written(free_relax):
@@ -65,7 +55,7 @@ def test_relax_guard_stops_at_the_first_step_above_with_the_frame_written(free_r
     uncertain = ase.io.read(out / "uncertain.xyz")
     assert uncertain.info["step"] == k
     np.testing.assert_allclose(uncertain.positions, frames[-1].positions, rtol=0, atol=0)
-    stopped = read_rows(out / "relax.csv")
+    stopped = read_columns(out / "relax.csv")
     assert stopped["step"][-1] == k
     np.testing.assert_allclose(stopped["max_force_std_eV_A"],
                                log["max_force_std_eV_A"][: k + 1], rtol=0, atol=0)
@@ -87,7 +77,7 @@ def test_relax_guard_warns_once_per_excursion(free_relax):
     got = [w for w in caught if issubclass(w.category, UncertaintyWarning)]
     assert len(got) == excursions >= 1
     assert str(got[0].message).startswith(f"step {k}: force uncertainty")
-    assert read_rows(out / "relax.csv") == log  # the run went on, unchanged
+    assert read_columns(out / "relax.csv") == log  # the run went on, unchanged
     assert json.loads((out / "summary.json").read_text())
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.models import SMALL
-from helpers.training import CUTOFF, counts, labelled_structures, specs
+from helpers.training import CUTOFF, counts, labelled_structures, specs, train_small
 
 from xnn import Calculator
 from xnn.data import keys as K
@@ -126,23 +126,6 @@ def test_calibration_factor_matches_mean_squared_error():
 
 
 # --------------------------------------------------------------------------- xnn train / eval
-HP = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 2, "
-      "num_basis: 8}")
-
-
-def _train(out, data, *extra):
-    from xnn.app.train import train
-    from xnn.config.loader import load_config
-    from xnn.config.train import TrainConfig
-
-    cfg = load_config(TrainConfig, None, [
-        f"data.datasets.0.path={data / 'train.xyz'}", f"data.val.0.path={data / 'val.xyz'}",
-        f"output_dir={out}", "data.batch_size=3", "data.shuffle=false", "model.cutoff=3.0",
-        HP, "max_steps=3", "precision=fp64", "logging.progress_bar=false", "device=cpu",
-        "loss.stress.weight=1.0", *extra])
-    return train(cfg)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from xnn.data.emt import write_emt
@@ -151,9 +134,9 @@ def runs(tmp_path_factory):
     write_emt(d / "train.xyz", 9, ["Cu"], seed=0)
     write_emt(d / "val.xyz", 6, ["Cu"], seed=1)
     out = {"data": d}
-    out["committee"] = _train(d / "committee", d, "committee.size=2", "committee.seeds=[3, 4]")
+    out["committee"] = train_small(d / "committee", d, "committee.size=2", "committee.seeds=[3, 4]")
     for seed in (3, 4):
-        _train(d / f"single{seed}", d, f"seed={seed}", "logging.plots=false")
+        train_small(d / f"single{seed}", d, f"seed={seed}", "logging.plots=false")
     return out
 
 
@@ -262,8 +245,8 @@ def test_resumed_committee_equals_the_uninterrupted_run(runs):
 
     d = runs["data"]
     args = ("committee.size=2", "committee.seeds=[3, 4]", "logging.plots=false")
-    _train(d / "resumed", d, *args, "max_steps=2")
-    _train(d / "resumed", d, *args, "max_steps=3", "resume=auto")
+    train_small(d / "resumed", d, *args, "max_steps=2")
+    train_small(d / "resumed", d, *args, "max_steps=3", "resume=auto")
     ref = load_model(d / "committee" / "model.pt")
     got = load_model(d / "resumed" / "model.pt")
     a, b = flat(ref.parameters()), flat(got.parameters())

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 from helpers.structures import fcc
-from helpers.uncertainty import STEPS, committee, compressed_cu, first_record, md_args
+from helpers.uncertainty import (
+    STEPS,
+    committee,
+    committee_files,
+    first_record,
+    md_args,
+    read_columns,
+    relax_args,
+)
 
 from xnn.app.md import run_md
 from xnn.config.loader import load_config
@@ -31,8 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def free_run(tmp_path_factory):
     """One unguarded run: the committee file, the structure and the thermo log."""
     tmp = tmp_path_factory.mktemp("uq")
-    model = save_model(committee(), tmp / "committee.pt")
-    compressed_cu(tmp / "cu.xyz")
+    model, _ = committee_files(tmp)
     out = run_md(load_config(MDConfig, None, md_args(tmp / "cu.xyz", model, tmp / "free")))
     return tmp, model, read_log(out / "thermo.csv")
 
@@ -145,23 +152,18 @@ def test_refusals(free_run, tmp_path):
 
 
 def test_relax_log_has_the_uncertainty_columns(free_run, tmp_path):
-    import csv
-
     from xnn.app.relax import run_relax
     from xnn.config.md import RelaxConfig
 
     tmp, model, log = free_run
-    out = run_relax(load_config(RelaxConfig, None, [
-        f"structure={tmp / 'cu.xyz'}", f"model.file={model}", "model.dtype=float64",
-        "model.device=cpu", "max_steps=3", "fmax=1e-6", f"output.dir={tmp_path / 'relax'}",
-        "output.plot=false", "output.progress=false"]))
-    with open(out / "relax.csv", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    out = run_relax(load_config(RelaxConfig, None, relax_args(
+        tmp / "cu.xyz", model, tmp_path / "relax", steps=3)))
+    rows = read_columns(out / "relax.csv")
+    assert rows["step"] == [0, 1, 2, 3]
     # step 0 is the MD run's step 0: the same structure and committee
     for col in ("max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV"):
-        assert float(rows[0][col]) == log[col][0]
-    assert float(rows[-1]["max_force_std_eV_A"]) != float(rows[0]["max_force_std_eV_A"])
+        assert rows[col][0] == log[col][0]
+    assert rows["max_force_std_eV_A"][-1] != rows["max_force_std_eV_A"][0]
 
 
 def test_torchsim_adapter_returns_the_spreads():

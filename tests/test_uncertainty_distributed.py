@@ -1,6 +1,7 @@
 """A committee decomposed over 2 gloo ranks equals one process: ``forces_std`` by atom id,
 ``energy_std`` (the spread of the members' *total* energies), ``stress_std`` and the means, in
-every mode (halo, sync, graph) on a periodic system and a molecule; ``xnn md`` under torchrun
+every mode (halo, sync, graph) on a periodic system and a molecule, and so does a ``Sum`` of
+a committee and Lennard-Jones (halo: the spread by atom id); ``xnn md`` under torchrun
 logs the same uncertainty columns and its guard stops at the same step, the frame written.
 
 One set of ranks is spawned for the module; it runs every case."""
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from dist_helpers import FreshPorts, spawn
-from helpers.uncertainty import committee, compressed_cu, first_record, md_args
+from helpers.uncertainty import committee, committee_files, first_record, md_args
 
 from xnn.app.md import run_md
 from xnn.config.loader import load_config
@@ -20,25 +21,29 @@ from xnn.config.md import MDConfig
 from xnn.data import keys as K
 from xnn.dynamics.safety import SimulationError
 from xnn.io.thermo import read_log
-from xnn.models import Potential
+from xnn.models import Potential, Sum
 from xnn.models.committee import Committee
-from xnn.models.serialization import save_model
 from xnn.testing.decomposition import decomposed, default_decomposition_systems
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
 PER_ATOM = (K.FORCES_STD, K.FORCES, K.ENERGIES)
 PER_SYSTEM = (K.ENERGY_STD, K.ENERGY, K.ENERGY_MEMBERS)
+#: the decompositions of each model ("sync" and "graph" need sync points: a Sum has none)
+MODES = {"schnet": ("halo", "sync", "graph"), "equivariant": ("halo", "sync", "graph"),
+         "sum": ("halo",)}
 
 
-def models() -> dict[str, Committee]:
-    """SchNet (halo, sync, graph) and the equivariant model (its sync points per member)."""
-    from helpers.models import SMALL
+def models() -> dict[str, torch.nn.Module]:
+    """SchNet (halo, sync, graph), the equivariant model (its sync points per member) and a
+    ``Sum`` of the SchNet committee and Lennard-Jones (a wider cutoff, no spread of its own)."""
+    from helpers.models import SMALL, lj
 
     eq = Committee({"name": "equivariant", "species": [29], "cutoff": 3.0,
                     "num_interactions": 2, **SMALL["equivariant"]}, size=2,
                    seeds=[4, 9]).double()
-    return {"schnet": committee(), "equivariant": eq}
+    return {"schnet": committee(), "equivariant": eq,
+            "sum": Sum([committee(), lj(4.0, torch.float64)])}
 
 
 def spread_sums(graph, step):
@@ -68,7 +73,7 @@ def _single_points(rank, manager, cases) -> dict:
     for mname, model in cases["models"].items():
         for sname, fields in cases["systems"].items():
             g = AtomicGraph(fields) if rank == 0 else None
-            for mode in ("halo", "sync", "graph"):
+            for mode in MODES[mname]:
                 pot = decomposed(model, manager, mode, g)
                 res = pot.single_point(g)
                 out[f"{mname}-{sname}-{mode}"] = {k: v.clone() for k, v in res.items()}
@@ -103,8 +108,7 @@ def worker(rank, world, tmp, threshold, cases):
 
 
 def test_committee_decomposed_equals_one_process(tmp_path):
-    save_model(committee(), tmp_path / "committee.pt")
-    compressed_cu(tmp_path / "cu.xyz")
+    committee_files(tmp_path)
     free = run_md(load_config(MDConfig, None, md_args(tmp_path / "cu.xyz",
                                                       tmp_path / "committee.pt",
                                                       tmp_path / "free")), hooks=hooks())
@@ -122,7 +126,7 @@ def test_committee_decomposed_equals_one_process(tmp_path):
             ref = Potential(model)(g)
             order = torch.argsort(g.atom_id)
             assert ref[K.FORCES_STD].max() > 0 and ref[K.ENERGY_STD][0] > 0
-            for mode in ("halo", "sync", "graph"):
+            for mode in MODES[mname]:
                 out = results[0]["points"][f"{mname}-{sname}-{mode}"]
                 assert torch.equal(out[K.ATOM_ID], g.atom_id[order])
                 keys = [*((q, ref[q][order]) for q in PER_ATOM),
@@ -192,7 +196,7 @@ def test_committee_on_three_ranks_equals_one_process():
     for mname, model in committees.items():
         for sname, g in systems.items():
             ref, order = Potential(model)(g), torch.argsort(g.atom_id)
-            for mode in ("halo", "sync", "graph"):
+            for mode in MODES[mname]:
                 out = points[f"{mname}-{sname}-{mode}"]
                 for q, want in [*((q, ref[q][order]) for q in PER_ATOM),
                                 *((q, ref[q]) for q in PER_SYSTEM)]:

@@ -1,4 +1,5 @@
-"""Labelled data, small models and an SGD trainer of the (context-parallel) training tests."""
+"""Labelled data, small models and an SGD trainer of the (context-parallel) training tests;
+``xnn train`` of a small SchNet (the committee tests)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,24 @@ def steps(trainer, batches, counts, metrics=None):
         if first is None:
             first = grads(trainer.model).clone()
     return losses, first, weights(trainer.model)
+
+
+#: the small SchNet of the ``xnn train`` committee tests
+SMALL_SCHNET = ("model.hyperparameters={num_features: 8, num_filters: 8, num_interactions: 2, "
+                "num_basis: 8}")
+
+
+def train_small(out, data, *extra):
+    """``xnn train`` of :data:`SMALL_SCHNET` (cutoff 3 Å, fp64, CPU) on ``data/train.xyz``,
+    validated on ``data/val.xyz``, into ``out``: 3 steps of batches of 3, unshuffled, with a
+    stress loss, unless ``extra`` (``key=value``, later wins) says otherwise."""
+    from xnn.app.train import train
+    from xnn.config.loader import load_config
+    from xnn.config.train import TrainConfig
+
+    cfg = load_config(TrainConfig, None, [
+        f"data.datasets.0.path={data / 'train.xyz'}", f"data.val.0.path={data / 'val.xyz'}",
+        f"output_dir={out}", "data.batch_size=3", "data.shuffle=false", "model.cutoff=3.0",
+        SMALL_SCHNET, "max_steps=3", "precision=fp64", "logging.progress_bar=false",
+        "device=cpu", "loss.stress.weight=1.0", *extra])
+    return train(cfg)

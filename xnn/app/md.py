@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -61,8 +60,6 @@ from xnn.dynamics.registry import get_integrator
 from xnn.dynamics.safety import (
     DriftMonitor,
     SimulationError,
-    UncertaintyGuard,
-    UncertaintyWarning,
     check_distances,
     check_forces,
     check_temperature,
@@ -86,8 +83,6 @@ class _Outputs(RunOutputs):
         self.hooks: RunHooks | None = None  # set by _run_md
         self.identity = identity  # the model and physics, checked on resume (rank 0)
         self.drift = DriftMonitor(cfg.safety.max_drift, counts)  # from this run's first row
-        self.guard = UncertaintyGuard(cfg.safety.max_force_uncertainty,
-                                      cfg.safety.on_uncertainty)
         self.means = ThermoMeans()  # this run's thermo rows, for the summary
         if self.enabled:
             self.log = ThermoLog(self.dir / "thermo.csv",
@@ -134,20 +129,8 @@ class _Outputs(RunOutputs):
         max_force_uncertainty``): a warning once per excursion (rank 0), or a stop that first
         writes this step's thermo row, trajectory frame, ``uncertain.xyz`` and checkpoint.
         Collective."""
-        try:
-            msg = self.guard.check(state, self.par.reduce)
-        except SimulationError as err:
-            self.record(state, integrator, force=True)
-            full = self.par.gather(state)
-            if self.enabled:
-                write_extxyz(self.dir / "uncertain.xyz", full.graph, state.step, results(full))
-            self.checkpoint(state)
-            where = "trajectory, " if self.traj is not None else ""
-            raise SimulationError(f"{err}; stopped. The frame of step {state.step} is written "
-                                  f"to {where}{self.dir / 'uncertain.xyz'} and "
-                                  f"{self.dir / 'checkpoint.pt'}", err.step) from None
-        if msg is not None and self.enabled:
-            warnings.warn(msg, UncertaintyWarning, stacklevel=2)
+        self.check_uncertainty(state, lambda: self.record(state, integrator, force=True),
+                               lambda: self.checkpoint(state))
         self.record(state, integrator, force)
 
 

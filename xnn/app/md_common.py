@@ -6,7 +6,8 @@ run), and the trajectory and checkpoint files (:class:`RunOutputs`)."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -20,12 +21,13 @@ from xnn.data import keys as K
 from xnn.devices import resolve_device
 from xnn.distributed.entries import parallelize_md
 from xnn.dynamics.checkpoint import neighbor_payload
+from xnn.dynamics.safety import SimulationError, UncertaintyGuard, UncertaintyWarning
 from xnn.dynamics.state import MDState
 from xnn.io import md_checkpoint as ckpt
 from xnn.io import sharded_checkpoint as shards
 from xnn.io.run_folder import RunFolder, plan_run_folder
 from xnn.io.sharded_trajectory import ShardedTrajectoryWriter
-from xnn.io.trajectory import open_trajectory
+from xnn.io.trajectory import open_trajectory, write_extxyz
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # what xnn md and xnn relax write into output.dir (a previous run is recognised by these)
@@ -33,7 +35,7 @@ RUN_FILES = ("config.yaml", "checkpoint.pt", "thermo.csv", "thermo.png", "trajec
              "trajectory.h5", "last_good.xyz", "checkpoint_last_good.pt", "relax.csv",
              "relax_trajectory.xyz", "relax_trajectory.h5", "relaxed.xyz", "summary.json",
              "hooks", "checkpoint.pt.d", "checkpoint_last_good.pt.d", "trajectory.d",
-             "relax_trajectory.d")
+             "relax_trajectory.d", "uncertain.xyz")
 #: ``output.checkpoint_format=auto``: decomposed runs of more atoms write sharded checkpoints
 SHARDED_THRESHOLD = 100_000
 
@@ -60,6 +62,9 @@ class RunOutputs:
                  command: str, trajectory: str = "trajectory"):
         self.cfg, self.par, self.dir, self.command = cfg, par, Path(directory), command
         self.enabled = par.main  # False on ranks other than 0 of a decomposed run
+        self.trajectory_name = trajectory
+        self.guard = UncertaintyGuard(cfg.safety.max_force_uncertainty,
+                                      cfg.safety.on_uncertainty)
         self.files = (meta or {}).get("files", {})
         self.sharded = sharded_checkpoints(cfg.output.checkpoint_format, par.size, n_atoms)
         self.traj = None
@@ -93,6 +98,29 @@ class RunOutputs:
             full = self.par.gather(state)
             if self.traj is not None:
                 self.traj.write(full.graph, state.step, results(full))
+
+    def check_uncertainty(self, state: MDState, record: Callable[[], None],
+                          save: Callable[[], object], velocities: bool = True) -> None:
+        """The committee's uncertainty guard (``safety.max_force_uncertainty``) on ``state``,
+        the same in ``xnn md`` and ``xnn relax``: a warning once per excursion (rank 0), or a
+        stop that writes this step's rows and trajectory frame (``record()``),
+        ``uncertain.xyz`` (``velocities``: with the state's velocities) and the checkpoint
+        (``save()``), then raises a one-line :class:`SimulationError`. Collective."""
+        try:
+            msg = self.guard.check(state, self.par.reduce)
+        except SimulationError as err:
+            record()
+            full = self.par.gather(state)
+            if self.enabled:
+                graph = full.graph if velocities else full.graph.replace(velocities=None)
+                write_extxyz(self.dir / "uncertain.xyz", graph, state.step, results(full))
+            save()
+            where = f"{self.trajectory_name}, " if self.traj is not None else ""
+            raise SimulationError(f"{err}; stopped. The frame of step {state.step} is written "
+                                  f"to {where}{self.dir / 'uncertain.xyz'} and "
+                                  f"{self.dir / 'checkpoint.pt'}", err.step) from None
+        if msg is not None and self.enabled:
+            warnings.warn(msg, UncertaintyWarning, stacklevel=3)
 
     def report(self, step: int) -> None:
         """With a log row: the decomposition line after ghost-plan rebuilds (torchrun)."""

@@ -270,8 +270,8 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
 
 
 def check_uncertainty(cfg, model: torch.nn.Module) -> None:
-    """Refuse ``safety.max_force_uncertainty`` of ``cfg`` (an ``MDConfig`` or a
-    ``RelaxConfig``) for a model that is not a committee (it has no spread to check)."""
+    """Refuse ``safety.max_force_uncertainty`` of ``cfg`` (an ``MDConfig``, ``RelaxConfig``
+    or ``WorkflowConfig``) for a model that is not a committee (it has no spread to check)."""
     if cfg.safety.max_force_uncertainty is not None and model.committee_size < 2:
         raise InputError(f"safety.max_force_uncertainty={cfg.safety.max_force_uncertainty} "
                          f"needs a committee model (its members' spread); {type(model).__name__}"

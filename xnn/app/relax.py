@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,9 +44,6 @@ from xnn.config.md import RelaxConfig
 from xnn.dynamics import fire
 from xnn.dynamics.hooks import HookError
 from xnn.dynamics.safety import (
-    SimulationError,
-    UncertaintyGuard,
-    UncertaintyWarning,
     check_forces,
 )
 from xnn.dynamics.state import MDState
@@ -103,8 +99,6 @@ class _RelaxOutputs(RunOutputs):
         self.log = None
         self.hooks: RunHooks | None = None  # set by _run_relax
         self.identity = identity  # the model and settings, checked on resume (rank 0)
-        self.guard = UncertaintyGuard(cfg.safety.max_force_uncertainty,
-                                      cfg.safety.on_uncertainty)
         if self.enabled:
             self.log = _RelaxLog(self.dir / "relax.csv", self.files.get("log_bytes"),
                                  par.model.committee_size > 1)
@@ -140,21 +134,8 @@ class _RelaxOutputs(RunOutputs):
         or a stop that first writes this step's rows, trajectory frame, ``uncertain.xyz``
         and ``checkpoint.pt`` (with ``meta``, the sizes before the rows, as every relaxation
         checkpoint). Collective."""
-        try:
-            msg = self.guard.check(state, self.par.reduce)
-        except SimulationError as err:
-            self.save(state, meta)
-            self.record(state, fm, force=True, frame=True)
-            full = self.par.gather(state)
-            if self.enabled:
-                write_extxyz(self.dir / "uncertain.xyz", full.graph.replace(velocities=None),
-                             state.step, results(full))
-            where = "relax_trajectory, " if self.traj is not None else ""
-            raise SimulationError(f"{err}; stopped. The frame of step {state.step} is written "
-                                  f"to {where}{self.dir / 'uncertain.xyz'} and "
-                                  f"{self.dir / 'checkpoint.pt'}", err.step) from None
-        if msg is not None and self.enabled:
-            warnings.warn(msg, UncertaintyWarning, stacklevel=2)
+        self.check_uncertainty(state, lambda: self.record(state, fm, force=True, frame=True),
+                               lambda: self.save(state, meta), velocities=False)
         self.record(state, fm, force)
 
 

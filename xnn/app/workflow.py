@@ -25,8 +25,9 @@ import torch
 from xnn.app import workflow_files as wf
 from xnn.app import workflow_ranks as wr
 from xnn.app.md_common import DTYPES
-from xnn.app.md_setup import check_species, load_potential, load_structure
+from xnn.app.md_setup import check_species, check_uncertainty, load_potential, load_structure
 from xnn.app.workflow_campaign import Campaign, check_settings, fingerprint
+from xnn.app.workflow_guard import GUARD
 from xnn.config.loader import load_config
 from xnn.config.workflow import WorkflowConfig
 from xnn.distributed import collectives as C
@@ -82,9 +83,14 @@ def summary(cfg: WorkflowConfig, folder: Path, n_systems: int, wall: float) -> d
                        "failed": sum(r["status"] == "failed" for r in mine),
                        "mean_steps": sum(steps) / len(steps) if steps else 0.0})
     failed = sorted({int(r["id"]) for r in rows if r["status"] == "failed"})
+    uncertain = sorted({int(r["id"]) for r in rows if r["status"] == "failed"
+                        and GUARD in r["reason"]})
+    warned = sorted({int(r["id"]) for r in rows if r["status"] == "ok"
+                     and r["reason"].startswith("warned")})
     atom_steps = sum(int(r["steps"]) * int(r["n_atoms"]) for r in rows)
     return {"command": "run", "systems": n_systems, "slots": cfg.slots, "stages": stages,
             "failed_ids": failed, "completed": n_systems - len(failed),
+            "uncertain_ids": uncertain, "warned_ids": warned,
             "wall_s": round(wall, 3), "atom_steps": atom_steps,
             "atom_steps_per_s": round(atom_steps / wall, 1) if wall > 0 else None,
             "results": "results.csv", "final": "final.xyz"}
@@ -125,6 +131,7 @@ def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
                              1 if manager is None else manager.world_size, folder.work,
                              cfg.resume)
         potential = load_potential(cfg.model, device, DTYPES[cfg.model.dtype])
+        check_uncertainty(cfg, potential.model)
         campaign, hand = _campaign(cfg, ranks, old, potential, device)
     with C.guarded(None, "creating the output folder"):
         if not cfg.resume and ranks.main:
@@ -150,8 +157,11 @@ def _run_workflow(config, overrides: Sequence[str], manager) -> Path:
         if ranks.main:
             info = _finish(cfg, folder, ranks, campaign.n_systems, time.perf_counter() - t0)
     if ranks.main and info["failed_ids"]:
+        stopped = len(info["uncertain_ids"])
         print(f"xnn run: {len(info['failed_ids'])} of {campaign.n_systems} systems failed "
-              "(status=failed in results.csv)")
+              "(status=failed in results.csv" + (f"; {stopped} stopped by "
+              f"safety.max_force_uncertainty, their frames in uncertain.xyz" if stopped else "")
+              + ")")
     return folder.final
 
 
@@ -221,6 +231,7 @@ def _finish(cfg: WorkflowConfig, folder, ranks: wr.Ranks, n_systems: int, wall: 
     work = folder.work
     wf.merge_results(ranks.parts(), work / "results.csv")
     wf.gather_final(work, n_systems)
+    wf.gather_final(work, n_systems, "uncertain")
     info = summary(cfg, work, n_systems, wall)
     atomic_write(work / "summary.json", lambda tmp: tmp.write_text(json.dumps(info, indent=2)
                                                                     + "\n"))

@@ -21,6 +21,7 @@ from xnn.app import workflow_files as wf
 from xnn.app import workflow_ranks as wr
 from xnn.app import workflow_stages as ws
 from xnn.app.md_setup import no_kinetic_dof
+from xnn.app.workflow_guard import SystemGuards
 from xnn.config.workflow import StageConfig, WorkflowConfig
 from xnn.distributed import collectives as C
 from xnn.dynamics import slots
@@ -32,11 +33,13 @@ from xnn.errors import InputError
 @dataclasses.dataclass
 class Pool:
     """The systems in one stage: their batched state, ids (in batch order), wall times (s),
-    and the systems refused at entry (id: why), which leave at once with that reason."""
+    the systems refused at entry (id: why), which leave at once with that reason, and their
+    uncertainty guards (``safety.max_force_uncertainty``)."""
 
     stage: StageConfig
     index: int
     potential: object
+    guards: SystemGuards
     state: MDState | None = None
     ids: list[int] = dataclasses.field(default_factory=list)
     wall: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -65,7 +68,10 @@ def fingerprint(cfg: WorkflowConfig, n_systems: int) -> dict:
             "model": dataclasses.asdict(cfg.model), "slots": cfg.slots, "seed": cfg.seed,
             "stages": [dataclasses.asdict(s) for s in cfg.stages], "max_force": cfg.max_force,
             "pressure_unit": cfg.pressure_unit,
-            "trajectory_every": cfg.output.trajectory_every}
+            "trajectory_every": cfg.output.trajectory_every,
+            # only when set: a campaign without the guard resumes checkpoints older than it
+            **({"safety": dataclasses.asdict(cfg.safety)}
+               if cfg.safety.max_force_uncertainty is not None else {})}
 
 
 def check_settings(cfg: WorkflowConfig, n_systems: int, path, meta: dict, n_pools: int) -> None:
@@ -91,8 +97,10 @@ class Campaign:
                  ranks: wr.Ranks):
         self.cfg, self.systems, self.n_systems, self.ranks = cfg, systems, n_systems, ranks
         self.dir, self.queue = ranks.folder, sorted(systems)
-        self.pools = [Pool(s, i, _copy_potential(potential, cfg)) for i, s in
-                      enumerate(cfg.stages)]
+        self.pools = [Pool(s, i, _copy_potential(potential, cfg),
+                           SystemGuards(cfg.safety.max_force_uncertainty,
+                                        cfg.safety.on_uncertainty, s.name))
+                      for i, s in enumerate(cfg.stages)]
         self.next_input, self.iteration, self.stages_done = 0, 0, 0
         self.results: wf.ResultsTable | None = None
 
@@ -115,6 +123,8 @@ class Campaign:
                 continue
             pool.state, pool.ids, neighbors = saved
             pool.wall = {i: meta["wall"][str(i)] for i in pool.ids}
+            pool.guards.load({k: v for k, v in meta.get("guards", {}).items()
+                              if int(k) in pool.ids})
             restore_neighbor_state(pool.potential, neighbors, device)
         for i, size in meta["trajectories"].items():
             wf.truncate(self._traj(int(i)), size)
@@ -127,6 +137,7 @@ class Campaign:
             if saved is not None:
                 pool.state, pool.ids, wall = saved
                 pool.wall = dict(zip(pool.ids, wall))
+                pool.guards.load({k: v for k, v in hand.guards.items() if int(k) in pool.ids})
         for i, size in hand.trajectories.items():
             wf.truncate(self._traj(i), size)
         self.ranks.results().parent.mkdir(exist_ok=True)  # ranks/: after one process's files
@@ -142,6 +153,7 @@ class Campaign:
                 "next_input": self.next_input, "iteration": self.iteration,
                 "stages_done": self.stages_done, "results_bytes": self.results.position(),
                 "wall": {str(i): p.wall[i] for p in self.pools for i in p.ids},
+                "guards": {k: v for p in self.pools for k, v in p.guards.state_dict(p.ids).items()},
                 "trajectories": {str(i): self._traj(i).stat().st_size for i in in_flight
                                  if self._traj(i).is_file()}}
         wf.save_campaign(self.ranks.checkpoint(), self.pools, meta)
@@ -180,18 +192,20 @@ class Campaign:
             if pool.state is None:
                 continue
             done, conv, failed = ws.status(pool.stage, pool.state, self.cfg.max_force)
-            if pool.refused:
-                refused = torch.tensor([i in pool.refused for i in pool.ids], device=done.device)
-                done, conv, failed = done | refused, conv & ~refused, failed | refused
+            stops = pool.guards.check(pool.state, pool.ids)
+            if pool.refused or stops:
+                out = torch.tensor([i in pool.refused or k in stops
+                                    for k, i in enumerate(pool.ids)], device=done.device)
+                done, conv, failed = done | out, conv & ~out, failed | out
             if not bool(done.any()):
                 continue
             moved = True
             pos = torch.nonzero(done).flatten().tolist()
-            self._finish(pool, pos, conv, failed)
+            self._finish(pool, pos, conv, failed, stops)
             pool.keep([k for k in range(len(pool.ids)) if not bool(done[k])])
         return moved
 
-    def _finish(self, pool: Pool, pos: list[int], conv, failed) -> None:
+    def _finish(self, pool: Pool, pos: list[int], conv, failed, stops: dict[int, str]) -> None:
         state = slots.select(pool.state, pos)
         ids = [pool.ids[k] for k in pos]
         own = slots.own_steps(state).tolist()
@@ -208,7 +222,7 @@ class Campaign:
                          "converged": bool(conv[k]),
                          "n_atoms": int((state.graph.batch == j).sum()),
                          "wall_s": round(pool.wall[i], 6),
-                         "reason": pool.refused.pop(i, "") or _reason(state, j, failed[k]),
+                         "reason": _why(pool, i, stops.get(k), _reason(state, j, failed[k])),
                          **{c: v[j] for c, v in values.items()}})
         self.results.append(rows)
         self.stages_done += len(rows)
@@ -219,7 +233,10 @@ class Campaign:
                 self.enter(nxt, one.graph, i)
             else:
                 self.stages_done += 0 if nxt >= len(self.pools) else len(self.pools) - nxt
-                wf.write_final(self.dir, i, self._texts(pool, one, [0], [i])[0])
+                text = self._texts(pool, one, [0], [i])[0]
+                wf.write_final(self.dir, i, text)
+                if k in stops:
+                    wf.write_final(self.dir, i, text, "uncertain")
 
     def settle(self) -> bool:
         """Retire and refill until nothing changes; True if anything did."""
@@ -322,6 +339,13 @@ class Campaign:
                 new: bool = False) -> None:
         for i, text in zip(ids, self._texts(pool, state, pos, ids)):
             wf.append_text(self._traj(i), text, new)
+
+
+def _why(pool: Pool, system_id: int, stop: str | None, failure: str) -> str:
+    """The reason of a system's row: refused at entry, stopped by the uncertainty guard,
+    failed, or the note of its guard's warnings (the system leaves the pool's guards)."""
+    note = pool.guards.leave(system_id)
+    return pool.refused.pop(system_id, "") or stop or failure or note
 
 
 def _reason(state: MDState, j: int, failed) -> str:

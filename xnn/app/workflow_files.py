@@ -3,7 +3,9 @@
 ``results.csv`` (one row per system and stage, appended as they finish),
 ``trajectories/sys_NNNNN.xyz`` (each system's frames, every stage, with the stage in each
 frame's info), ``final/sys_NNNNN.xyz`` (a system's last structure, written when it leaves
-the campaign) gathered into ``final.xyz`` in id order at the end, ``summary.json``, and
+the campaign) gathered into ``final.xyz`` in id order at the end (and ``uncertain/``, the
+frames at which ``safety.max_force_uncertainty`` stopped a system, into ``uncertain.xyz``),
+``summary.json``, and
 ``checkpoint.pt``: every slot's full state, the neighbor lists, the queue position and the
 sizes of the appended files, written atomically (a resumed campaign cuts the files back
 to those sizes and continues bitwise).
@@ -36,7 +38,7 @@ COLUMNS = ("id", "stage_index", "stage", "type", "status", "converged", "steps",
            "max_force_std_eV_A", "mean_force_std_eV_A", "energy_std_eV", "wall_s", "reason")
 #: what a campaign writes into its folder (a previous campaign is recognised by these)
 RUN_FILES = ("config.yaml", "checkpoint.pt", "results.csv", "summary.json", "final.xyz",
-             "trajectories", "final", "ranks")
+             "trajectories", "final", "ranks", "uncertain", "uncertain.xyz")
 
 
 def system_name(system_id: int) -> str:
@@ -142,18 +144,24 @@ def append_text(path: Path, text: str, new: bool) -> None:
         fh.write(text)
 
 
-def write_final(folder: Path, system_id: int, text: str) -> None:
-    atomic_write(folder / "final" / system_name(system_id), lambda tmp: tmp.write_text(text))
+def write_final(folder: Path, system_id: int, text: str, kind: str = "final") -> None:
+    """A system's last frame in ``folder/kind/`` (``final``, or ``uncertain``: the frame at
+    which the uncertainty guard stopped it)."""
+    (folder / kind).mkdir(exist_ok=True)
+    atomic_write(folder / kind / system_name(system_id), lambda tmp: tmp.write_text(text))
 
 
-def gather_final(folder: Path, n_systems: int) -> Path:
-    """``final.xyz``: the last structure of every system, in id order."""
+def gather_final(folder: Path, n_systems: int, kind: str = "final") -> Path | None:
+    """``final.xyz`` (``uncertain.xyz``): the frames of ``folder/kind/`` in id order;
+    ``uncertain.xyz`` only when a system was stopped."""
     parts = []
     for i in range(n_systems):
-        p = folder / "final" / system_name(i)
+        p = folder / kind / system_name(i)
         if p.is_file():
             parts.append(p.read_text())
-    return atomic_write(folder / "final.xyz", lambda tmp: tmp.write_text("".join(parts)))
+    if kind != "final" and not parts:
+        return None
+    return atomic_write(folder / f"{kind}.xyz", lambda tmp: tmp.write_text("".join(parts)))
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -24,7 +24,7 @@ then a kill leaves the old generation whole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -137,6 +137,7 @@ class Handover:
     trajectories: dict[int, int]
     iteration: int
     tables: list[tuple[Path, int | None]]
+    guards: dict[str, list] = field(default_factory=dict)  # SystemGuards state
 
 
 def hand_over(old: Ranks, resume: str, mine: list[int], sizes: list[int], device,
@@ -151,7 +152,7 @@ def hand_over(old: Ranks, resume: str, mine: list[int], sizes: list[int], device
     """
     own = set(mine)
     parts: list[list] = []
-    queue, trajectories, iteration = [], {}, 0
+    queue, trajectories, iteration, guards = [], {}, 0, {}
     tables: list[tuple[Path, int | None]] = [] if old.done() is None else [(old.done(), None)]
     for k in range(old.world_size):
         path = old.checkpoint(k, resume)
@@ -162,6 +163,7 @@ def hand_over(old: Ranks, resume: str, mine: list[int], sizes: list[int], device
         trajectories.update({int(i): n for i, n in meta["trajectories"].items()
                              if int(i) in own})
         iteration = max(iteration, int(meta["iteration"]))
+        guards.update({i: v for i, v in meta.get("guards", {}).items() if int(i) in own})
         parts = parts or [[] for _ in pools]
         for p, saved in enumerate(pools):
             if saved is None:
@@ -172,7 +174,7 @@ def hand_over(old: Ranks, resume: str, mine: list[int], sizes: list[int], device
                 parts[p].append((slots.select(state, keep), [ids[j] for j in keep],
                                  [meta["wall"][str(ids[j])] for j in keep]))
     return Handover([_joined(p) for p in parts], sorted(queue), trajectories, iteration,
-                    tables)
+                    tables, guards)
 
 
 def _joined(parts: list) -> tuple | None:

@@ -158,7 +158,31 @@ RESUME_CHECKS = ("; the model and every setting that changes the physics must be
 
 
 @dataclass
-class SafetyConfig:
+class UncertaintySafetyConfig:
+    """A committee's force-uncertainty guard: the ``safety`` section of ``xnn relax`` and
+    ``xnn run``, and the first keys of ``xnn md``'s (one definition for the three)."""
+
+    max_force_uncertainty: float | None = field(None, "committee models: act when the "
+                                                "largest per-atom force uncertainty "
+                                                "(forces_std, the members' spread) exceeds "
+                                                "this (eV/Å); null: never")
+    on_uncertainty: str = field("stop", "what max_force_uncertainty does: stop (write the "
+                                "frame to the trajectory, uncertain.xyz and a checkpoint, "
+                                "then stop the run; xnn run: the system fails its stage and "
+                                "leaves, the others go on) or warn (once per excursion above "
+                                "it)", choices=("stop", "warn"))
+
+    def __post_init__(self):
+        check_range("safety.max_force_uncertainty", self.max_force_uncertainty, 0.0,
+                    low_inclusive=False)
+
+
+#: ``xnn relax``'s safety section (the committee's uncertainty guard of ``xnn md``)
+RelaxSafetyConfig = UncertaintySafetyConfig
+
+
+@dataclass
+class SafetyConfig(UncertaintySafetyConfig):
     min_distance: float = field(0.5, "stop when two atoms come closer than this (Å)")
     max_force: float = field(100.0, "stop when a force exceeds this (eV/Å)")
     max_temperature: float | None = field(None, "stop above this temperature (K); "
@@ -167,41 +191,14 @@ class SafetyConfig:
     max_drift: float | None = field(1e-3, "warn (once) when the conserved quantity drifts "
                                     "faster than this (eV/atom/ps; below 1 ps: when it "
                                     "changed by more than this × 1 ps); null: never")
-    max_force_uncertainty: float | None = field(None, "committee models: act when the "
-                                                "largest per-atom force uncertainty "
-                                                "(forces_std, the members' spread) exceeds "
-                                                "this (eV/Å); null: never")
-    on_uncertainty: str = field("stop", "what max_force_uncertainty does: stop (write the "
-                                "frame to the trajectory and a checkpoint, then stop like "
-                                "the other checks) or warn (once per excursion above it)",
-                                choices=("stop", "warn"))
 
     def __post_init__(self):
-        check_range("safety.max_force_uncertainty", self.max_force_uncertainty, 0.0,
-                    low_inclusive=False)
+        super().__post_init__()
         check_range("safety.min_distance", self.min_distance, 0.0)
         check_range("safety.max_drift", self.max_drift, 0.0, low_inclusive=False)
         check_range("safety.max_force", self.max_force, 0.0, low_inclusive=False)
         check_range("safety.check_every", self.check_every, 1)
         check_range("safety.max_temperature", self.max_temperature, 0.0, low_inclusive=False)
-
-
-@dataclass
-class RelaxSafetyConfig:
-    """``xnn relax``'s safety section: the committee's uncertainty guard of ``xnn md``."""
-
-    max_force_uncertainty: float | None = field(None, "committee models: act when the "
-                                                "largest per-atom force uncertainty "
-                                                "(forces_std, the members' spread) exceeds "
-                                                "this (eV/Å); null: never")
-    on_uncertainty: str = field("stop", "what max_force_uncertainty does: stop (write the "
-                                "frame to the trajectory, uncertain.xyz and a checkpoint, "
-                                "then stop) or warn (once per excursion above it)",
-                                choices=("stop", "warn"))
-
-    def __post_init__(self):
-        check_range("safety.max_force_uncertainty", self.max_force_uncertainty, 0.0,
-                    low_inclusive=False)
 
 
 @dataclass
@@ -276,8 +273,8 @@ class RelaxConfig:
                                               log_every=1, checkpoint_every=0),
                                  "files written (checkpoint.pt every checkpoint_every "
                                  "steps and at the end)")
-    safety: RelaxSafetyConfig = field(RelaxSafetyConfig(), "a committee's uncertainty "
-                                      "guard (as xnn md's)")
+    safety: UncertaintySafetyConfig = field(UncertaintySafetyConfig(), "a committee's "
+                                            "uncertainty guard (as xnn md's)")
     hooks: list[HookConfig] = hooks_field()
     resume: str | None = resume_field(RESUME_CHECKS)
     parallel: ParallelConfig = parallel_field(md_parallel())

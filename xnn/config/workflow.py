@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from xnn.config.loader import ConfigError, check_range, check_seed, field, validate
-from xnn.config.md import PRESSURE_UNITS, resume_field
+from xnn.config.md import PRESSURE_UNITS, UncertaintySafetyConfig, resume_field
 from xnn.config.model import ModelConfig, model_field
 from xnn.config.parallel import ParallelConfig, parallel_field
 
@@ -135,6 +135,9 @@ class WorkflowConfig:
     max_force: float = field(100.0, "a system whose largest force exceeds this (eV/Å), or "
                              "whose energy is not finite, fails: its row says so and it "
                              "leaves the campaign")
+    safety: UncertaintySafetyConfig = field(UncertaintySafetyConfig(), "a committee's "
+                                            "uncertainty guard (as xnn md's and xnn "
+                                            "relax's), per system in every stage")
     output: WorkflowOutputConfig = field(WorkflowOutputConfig(), "files written")
     parallel: ParallelConfig = parallel_field()
     resume: str | None = resume_field()

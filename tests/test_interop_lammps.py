@@ -305,6 +305,23 @@ def test_step_graph_reused_across_lammps_reneighbourings_equals_a_fresh_evaluati
     lmp.close()
 
 
+def test_unwrapped_positions_stay_within_a_box_of_lammps_own():
+    """xnn unwraps from the image counts of the last new atom order (or of an atom's second
+    jump), not LAMMPS's absolute counts: with image flags 7 -3 2 (as a data file may hold)
+    and no re-sort, the positions xnn evaluates stay within a box of LAMMPS's (float32
+    keeps its precision) and every step still equals a fresh evaluation."""
+    lmp, xfix, check = hot_run(_lj())
+    lmp.commands_string("atom_modify sort 0 0.0\nset group all image 7 -3 2")
+    xfix.run(60)
+    assert max(r["df"] for r in check.rows) <= 1e-10
+    assert not np.array_equal(check.rows[0]["images"], check.rows[-1]["images"])  # wrapped
+    n = lmp.extract_setting("nlocal")
+    g = xfix.graph(lmp.numpy.extract_atom("x")[:n], lmp.numpy.extract_atom("id")[:n])
+    frac = g.positions.numpy() @ np.linalg.inv(g.cell[0].numpy())
+    assert frac.min() > -1.01 and frac.max() < 2.01, (frac.min(), frac.max())
+    lmp.close()
+
+
 @pytest.mark.parametrize("skin", [1.0, 0.1])
 def test_close_pair_refused_at_the_step_it_forms_in_a_run(skin):
     """The closest-pair search runs once per Verlet-list build, or on a displacement bound

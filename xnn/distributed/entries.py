@@ -33,7 +33,7 @@ __all__ = ["parallelize_md", "parallelize_train"]
 def parallelize_md(model, manager=None, skin: float = 0.0,
                    backend: str = "auto", mode: str = "spatial",
                    order: str = "morton", compile: bool = False,
-                   model_compile: bool = False) -> SerialRun:
+                   model_compile: bool = False, balance: str = "none") -> SerialRun:
     """The run layer of an ``xnn md`` / ``xnn relax`` run.
 
     Args:
@@ -52,6 +52,8 @@ def parallelize_md(model, manager=None, skin: float = 0.0,
             says which through its ``compiled_integrator`` method.
         model_compile: ``model.compile``: the one-process potential compiles the model
             (:class:`~xnn.models.Potential`).
+        balance: ``parallel.balance``: how the boxes are cut (``none``, ``shift``; see
+            :func:`~xnn.distributed.parallelize.parallelize`); ignored in one process.
     Returns:
         a :class:`~xnn.dynamics.parallel.SerialRun` (one process) or a
         :class:`~xnn.distributed.md_run.DomainRun` (its subclass, several ranks).
@@ -66,8 +68,9 @@ def parallelize_md(model, manager=None, skin: float = 0.0,
         from xnn.distributed.domain.compiled_run import CompiledDomainRun
 
         return CompiledDomainRun(model, manager, skin=skin, backend=backend, mode=mode,
-                                 order=order)
-    return DomainRun(model, manager, skin=skin, backend=backend, mode=mode, order=order)
+                                 order=order, balance=balance)
+    return DomainRun(model, manager, skin=skin, backend=backend, mode=mode, order=order,
+                     balance=balance)
 
 
 class TrainParallel:

@@ -6,10 +6,20 @@ periodic axis the boxes split ``[0, 1)``; along a non-periodic axis they split t
 bounding box ``[u_min, u_max]``. A Cartesian halo width ``w`` is a fractional thickness
 ``w / h_a`` along axis ``a``, with ``h_a = V / |b × c|`` the cell height (as LAMMPS does).
 Rank ``r`` owns box ``(ix, iy, iz)`` with ``r = (ix * py + iy) * pz + iz``.
+
+Balance (:data:`BALANCE`): with ``none`` the boxes of an axis have equal widths; with
+``shift`` (LAMMPS ``balance ... shift xyz``) the cut planes of each axis sit at quantiles of
+the atom count along it, so the grid stays a tensor product of per-axis cuts. The cuts come
+from per-axis histograms (:func:`axis_histograms`, :data:`BINS_PER_BOX` bins per box) that a
+decomposition all-reduces, so that every rank derives bitwise the same cuts
+(:func:`balanced`); no box is made thinner than a minimum width (the halo width, or the
+equal width where that is thinner), so that balancing never puts a box's ghost shell beyond
+its face neighbours where equal widths did not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +33,21 @@ from xnn.errors import InputError
 from xnn.neighbors.common import cell_heights
 
 Grid = tuple[int, int, int]
+
+#: the words of ``parallel.balance`` / ``--balance``: how a spatial layout places its cuts
+BALANCE = {
+    "none": "boxes of equal width along each axis",
+    "shift": "cut planes of each axis at atom-count quantiles (LAMMPS balance shift xyz), "
+             "recomputed at the start and at every rebuild of the ghost plan",
+}
+BINS_PER_BOX = 64  #: histogram bins per box along an axis (the cuts' resolution)
+
+
+def check_balance(balance: str) -> str:
+    """``balance`` if it is a word of :data:`BALANCE`, else ``InputError``."""
+    if balance not in BALANCE:
+        raise InputError(f"balance must be one of {list(BALANCE)}, got {balance!r}")
+    return balance
 
 
 def parse_grid(text: str | Sequence | None) -> Grid | None:
@@ -91,6 +116,9 @@ class Partition:
         lo: ``[3]`` fractional origin of the partitioned region (0 along periodic axes).
         width: ``[3]`` fractional width of one box along each axis.
         heights: ``[3]`` cell heights h_a (Å).
+        cuts: ``None`` (equal widths: box ``i`` of axis ``a`` is ``lo + i * width``), or per
+            axis the ``[g_a + 1]`` fractional cut planes (balance ``shift``; the first is
+            ``lo``, the last ``lo + g_a * width``).
     """
 
     grid: Grid
@@ -100,6 +128,7 @@ class Partition:
     lo: Tensor
     width: Tensor
     heights: Tensor
+    cuts: tuple[Tensor, Tensor, Tensor] | None = None
 
     def box_index(self, rank: int) -> Grid:
         px, py, pz = self.grid
@@ -107,9 +136,21 @@ class Partition:
 
     def box_bounds(self, rank: int) -> tuple[Tensor, Tensor]:
         """Fractional ``(lower [3], upper [3])`` corners of box ``rank``."""
+        if self.cuts is not None:
+            ijk = self.box_index(rank)
+            return (torch.stack([c[i] for c, i in zip(self.cuts, ijk)]),
+                    torch.stack([c[i + 1] for c, i in zip(self.cuts, ijk)]))
         idx = torch.tensor(self.box_index(rank), dtype=self.lo.dtype, device=self.lo.device)
         low = self.lo + idx * self.width
         return low, low + self.width
+
+    def axis_index(self, u: Tensor, a: int) -> Tensor:
+        """``[n]`` box index along axis ``a`` of wrapped fractional coordinates ``u [n, 3]``."""
+        if self.cuts is not None:
+            inner = self.cuts[a][1:-1].to(u.device).contiguous()
+            return torch.searchsorted(inner, u[:, a].contiguous(), right=True)
+        idx = torch.floor((u[:, a] - self.lo[a]) / self.width[a]).to(torch.long)
+        return idx.clamp(0, self.grid[a] - 1)
 
     def thickness(self, halo_width: float) -> Tensor:
         """``[3]`` fractional halo thickness ``w / h_a`` (slightly enlarged against round-off)."""
@@ -129,10 +170,9 @@ class Partition:
 
     def owner(self, u: Tensor) -> Tensor:
         """``[n_atoms]`` rank owning each atom, from wrapped fractional coordinates ``u``."""
-        grid = torch.tensor(self.grid, device=u.device)
-        idx = torch.floor((u - self.lo) / self.width).to(torch.long)
-        idx = torch.minimum(idx.clamp_min(0), grid - 1)
-        return (idx[:, 0] * grid[1] + idx[:, 1]) * grid[2] + idx[:, 2]
+        g = self.grid
+        ix, iy, iz = (self.axis_index(u, a) for a in range(3))
+        return (ix * g[1] + iy) * g[2] + iz
 
     def home(self, positions: Tensor, rank: int) -> tuple[Tensor, Tensor]:
         """Fractional coordinates of the images of ``positions`` nearest to box ``rank``.
@@ -179,7 +219,8 @@ class Partition:
 
 
 def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
-                   halo_width: float, grid: Grid | None = None) -> Partition:
+                   halo_width: float, grid: Grid | None = None,
+                   balance: str = "none") -> Partition:
     """Partition one system over ``n_ranks`` boxes from all of its positions (one process).
 
     Args:
@@ -189,6 +230,7 @@ def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
         n_ranks: number of domain ranks.
         halo_width: Å, used to choose the grid.
         grid: ``(px, py, pz)`` or ``None`` to choose it (smallest halo volume).
+        balance: a word of :data:`BALANCE` (``shift``: cuts at the atoms' quantiles).
     Raises:
         InputError: a grid whose number of boxes is not ``n_ranks``; a singular cell.
     """
@@ -198,7 +240,11 @@ def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
         fmin, fmax = frac.min(0).values, frac.max(0).values
     else:
         fmin = fmax = torch.zeros(3, dtype=frac.dtype, device=frac.device)
-    return partition_from_bounds(fmin, fmax, cell, pbc, n_ranks, halo_width, grid)
+    part = partition_from_bounds(fmin, fmax, cell, pbc, n_ranks, halo_width, grid)
+    if check_balance(balance) == "none":
+        return part
+    hist = axis_histograms(part, part.fractional(positions.detach())[0])
+    return balanced(part, hist, halo_width)
 
 
 def _completed(cell: Tensor) -> tuple[Tensor, Tensor]:
@@ -241,6 +287,103 @@ def partition_from_bounds(fmin: Tensor, fmax: Tensor, cell: Tensor, pbc: Tensor,
         grid = check_grid(grid, n_ranks)
     width = extent / torch.tensor(grid, dtype=fmin.dtype, device=fmin.device)
     return Partition(grid, full, inv, pbc, lo, width, heights)
+
+
+def axis_histograms(part: Partition, u: Tensor) -> Tensor:
+    """Per-axis atom counts of wrapped fractional coordinates ``u [n, 3]``, concatenated:
+    ``[sum_a BINS_PER_BOX * g_a]`` float64 (bins of equal width over the partitioned span
+    ``[lo, lo + g_a * width]``; coordinates outside it count in the end bins).
+
+    Counts are integers, so a SUM all-reduce of every rank's histograms is exact and the
+    same on every rank, whatever the order of the summation.
+    """
+    out = []
+    for a in range(3):
+        bins = BINS_PER_BOX * part.grid[a]
+        span = part.width[a] * part.grid[a]
+        idx = torch.floor((u[:, a].double() - float(part.lo[a])) / float(span) * bins)
+        idx = idx.to(torch.long).clamp(0, bins - 1)
+        out.append(torch.bincount(idx.cpu(), minlength=bins).to(torch.float64))
+    return torch.cat(out)
+
+
+def _apart(cuts: list[float], width: float, backward_first: bool) -> list[float]:
+    """``cuts`` (ends fixed) moved apart to gaps of at least ``width``: a forward and a
+    backward pass, in either order (feasible when ``(len - 1) * width <= span``)."""
+    c, g = list(cuts), len(cuts) - 1
+    passes = ("backward", "forward") if backward_first else ("forward", "backward")
+    for way in passes:
+        if way == "forward":  # at least width above the previous cut
+            for k in range(1, g):
+                c[k] = max(c[k], c[k - 1] + width)
+        else:  # and below the next (the last cut stays at the end)
+            for k in range(g - 1, 0, -1):
+                c[k] = min(c[k], c[k + 1] - width)
+    return c
+
+
+def _box_counts(hist: Tensor, lo: float, span: float, cuts: Tensor) -> Tensor:
+    """``[g]`` atoms between consecutive ``cuts`` by the histogram (linear within a bin)."""
+    bins = hist.shape[0]
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(hist, 0)])
+    t = ((cuts - lo) / span * bins).clamp(0, bins)
+    j = torch.floor(t).to(torch.long).clamp(0, bins - 1)
+    at = cum[j] + (t - j) * hist[j]
+    return at[1:] - at[:-1]
+
+
+def _quantile_cuts(hist: Tensor, lo: float, span: float, g: int, min_width: float) -> Tensor:
+    """``[g + 1]`` cuts of ``[lo, lo + span]`` at the ``k / g`` quantiles of a histogram
+    (linear within a bin), moved apart to at least ``min_width`` (the mean of the
+    forward-backward and backward-forward projections: symmetric, and still feasible since
+    gaps are linear in the cuts); equal widths instead where those hold fewer atoms in the
+    fullest box (by the histogram), so that balancing never makes an axis worse."""
+    bins = hist.shape[0]
+    total = float(hist.sum())
+    edges = lo + span * torch.arange(bins + 1, dtype=torch.float64) / bins
+    equal = lo + span * torch.arange(g + 1, dtype=torch.float64) / g
+    if total <= 0 or g == 1:
+        return equal
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(hist, 0)])
+    target = total * torch.arange(1, g, dtype=torch.float64) / g
+    j = (torch.searchsorted(cum, target, right=False) - 1).clamp(0, bins - 1)
+    inside = (target - cum[j]) / hist[j].clamp_min(1e-300)
+    cuts = [lo] + (edges[j] + inside.clamp(0, 1) * (span / bins)).tolist() + [lo + span]
+    a, b = _apart(cuts, min_width, False), _apart(cuts, min_width, True)
+    shift = torch.tensor([0.5 * (x + y) for x, y in zip(a, b)], dtype=torch.float64)
+    shift[0], shift[-1] = lo, lo + span
+    worst = float(_box_counts(hist, lo, span, shift).max())
+    return shift if worst < float(_box_counts(hist, lo, span, equal).max()) else equal
+
+
+def balanced(part: Partition, hist: Tensor, min_width: float) -> Partition:
+    """``part`` with the cut planes of every split axis at the atom-count quantiles of
+    ``hist`` (:func:`axis_histograms`, summed over all atoms): balance ``shift``.
+
+    Args:
+        part: the equal-width partition (its ``lo``, ``width`` and grid).
+        hist: ``[sum_a BINS_PER_BOX * g_a]`` per-axis counts of all atoms.
+        min_width: Å, the thinnest box (the halo width); along an axis where equal widths
+            are thinner, boxes keep at least the equal width (i.e. stay equal).
+    Returns:
+        the same partition with ``cuts``; every rank given the same ``hist`` gets bitwise
+        the same cuts (float64 arithmetic on the same numbers in the same order).
+    """
+    cuts, start = [], 0
+    dtype, dev = part.lo.dtype, part.lo.device
+    for a in range(3):
+        g = part.grid[a]
+        bins = BINS_PER_BOX * g
+        h = hist[start:start + bins].double().cpu()
+        start += bins
+        lo, span = float(part.lo[a]), float(part.width[a] * g)
+        m = min_width / float(part.heights[a])
+        if m * g >= span:  # equal widths are already thinner than the minimum: keep them
+            c = lo + span * torch.arange(g + 1, dtype=torch.float64) / g
+        else:
+            c = _quantile_cuts(h, lo, span, g, m)
+        cuts.append(c.to(dtype=dtype, device=dev))
+    return dataclasses.replace(part, cuts=tuple(cuts))
 
 
 def image_shifts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> tuple[Tensor, Tensor]:

@@ -75,6 +75,39 @@ def _md(manager, rank):
     return out
 
 
+#: the cost plan's case: a rod of the plan's systems whose equal-width middle box is fullest
+PLAN = {"system": "cylinder", "n_atoms": 5000, "grid": (3, 1, 1), "mode": "sync",
+        "cutoff": 5.0, "skin": 1.0}
+PLAN_NAMES = ("owned", "ghost", "edges", "send_rows", "recv_rows", "peers")
+
+
+def _plan_run(group, rank):
+    """What the ranks' ghost plans hold for :data:`PLAN` (a 2-interaction SchNet in mode
+    sync: halo 6 Å), balanced and not."""
+    from xnn.data.graph import AtomicGraph
+    from xnn.distributed.cost.systems import make_system
+    from xnn.distributed.domain.layout import SpatialLayout
+    from xnn.distributed.potential import DecomposedPotential
+    from xnn.models.schnet import SchNet
+
+    if rank >= 3:
+        return None
+    pos, cell, pbc = make_system(PLAN["system"], PLAN["n_atoms"]).build()
+    graph = AtomicGraph.from_arrays(pos, torch.full((pos.shape[0],), 29), cell, pbc)
+    torch.manual_seed(0)
+    model = SchNet([29], cutoff=PLAN["cutoff"], num_features=4, num_filters=4,
+                   num_interactions=2, num_basis=4).double().train()
+    out = {}
+    for balance in ("none", "shift"):
+        layout = SpatialLayout(PLAN["mode"], PLAN["grid"], balance)
+        pot = DecomposedPotential(model, group, layout, skin=PLAN["skin"])
+        pot.scatter(graph if rank == 0 else None)
+        st, dom = pot.stats(), pot.state.local
+        out[balance] = (st["n_owned"], st["n_ghost"], dom.n_within, st["n_send"],
+                        st["n_recv"], st["n_peers"], pot.halo_width)
+    return out
+
+
 def _worker(rank, world):
     import torch.distributed as dist
 
@@ -83,7 +116,8 @@ def _worker(rank, world):
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=300, device="cpu")
     group = {3: dist.new_group([0, 1, 2]), 4: None}
-    return {"single": _single_points(manager, group, rank), "md": _md(manager, rank)}
+    return {"single": _single_points(manager, group, rank), "md": _md(manager, rank),
+            "plan": _plan_run(group[3], rank)}
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +194,27 @@ def test_balance_words_are_checked():
         parallelize(lj(CUTOFF), None, "halo", balance="rcb")
     with pytest.raises(InputError, match="has none: set balance none"):
         parallelize(lj(CUTOFF), None, "graph", balance="shift")
+    from xnn.distributed.cost.plan import plan_counts
+
+    with pytest.raises(InputError, match="mode graph has none"):
+        plan_counts("fcc", 1000, 2, mode="graph", cutoff=5.0, halo_width=6.0,
+                    balance="shift")
+
+
+def test_cost_plan_with_balance_equals_the_balanced_run(ranks):
+    """The cost plan with balance shift (the same cut function on the streamed or factored
+    histograms) gives every rank's owned, ghost, edge, sent, received and peer counts of
+    the balanced run, exactly; and balancing moved atoms out of the full middle box."""
+    from xnn.distributed.cost.plan import plan_counts
+
+    for balance in ("none", "shift"):
+        rows = [ranks[r]["plan"][balance] for r in range(3)]
+        for stream in (False, True):
+            plan = plan_counts(PLAN["system"], PLAN["n_atoms"], 3, mode=PLAN["mode"],
+                               cutoff=PLAN["cutoff"], halo_width=rows[0][6],
+                               grid=PLAN["grid"], balance=balance, stream=stream)
+            for k, name in enumerate(PLAN_NAMES):
+                got, want = getattr(plan, name).tolist(), [row[k] for row in rows]
+                assert got == want, (balance, stream, name, got, want)
+    owned = {b: [ranks[r]["plan"][b][0] for r in range(3)] for b in ("none", "shift")}
+    assert max(owned["shift"]) < 0.9 * max(owned["none"]), owned

@@ -41,6 +41,11 @@ BALANCE = {
              "recomputed at the start and at every rebuild of the ghost plan",
 }
 BINS_PER_BOX = 64  #: histogram bins per box along an axis (the cuts' resolution)
+#: an axis keeps equal widths unless its balanced cuts hold at least this fraction fewer
+#: atoms in the fullest box (by the histogram; as LAMMPS's ``balance thresh``, no change
+#: where the gain is small: in a crystal whose imbalance is that of its lattice planes,
+#: moving cuts by less than a plane spacing evens nothing and changes the ghost shells)
+BALANCE_GAIN = 0.02
 
 
 def check_balance(balance: str) -> str:
@@ -297,14 +302,20 @@ def axis_histograms(part: Partition, u: Tensor) -> Tensor:
     Counts are integers, so a SUM all-reduce of every rank's histograms is exact and the
     same on every rank, whatever the order of the summation.
     """
-    out = []
-    for a in range(3):
-        bins = BINS_PER_BOX * part.grid[a]
-        span = part.width[a] * part.grid[a]
-        idx = torch.floor((u[:, a].double() - float(part.lo[a])) / float(span) * bins)
-        idx = idx.to(torch.long).clamp(0, bins - 1)
-        out.append(torch.bincount(idx.cpu(), minlength=bins).to(torch.float64))
-    return torch.cat(out)
+    return torch.cat([axis_histogram(part, u[:, a], a) for a in range(3)])
+
+
+def axis_histogram(part: Partition, values: Tensor, a: int,
+                   weights: Tensor | None = None) -> Tensor:
+    """``[BINS_PER_BOX * g_a]`` float64 counts of fractional coordinates ``values [n]``
+    along axis ``a`` (each weighted by ``weights [n]``, e.g. the atoms a crystal's factor
+    stands for): the bins of :func:`axis_histograms`."""
+    bins = BINS_PER_BOX * part.grid[a]
+    span = part.width[a] * part.grid[a]
+    idx = torch.floor((values.double() - float(part.lo[a])) / float(span) * bins)
+    idx = idx.to(torch.long).clamp(0, bins - 1).cpu()
+    w = None if weights is None else weights.to(torch.float64).cpu()
+    return torch.bincount(idx, w, minlength=bins).to(torch.float64)
 
 
 def _apart(cuts: list[float], width: float, backward_first: bool) -> list[float]:
@@ -336,8 +347,9 @@ def _quantile_cuts(hist: Tensor, lo: float, span: float, g: int, min_width: floa
     """``[g + 1]`` cuts of ``[lo, lo + span]`` at the ``k / g`` quantiles of a histogram
     (linear within a bin), moved apart to at least ``min_width`` (the mean of the
     forward-backward and backward-forward projections: symmetric, and still feasible since
-    gaps are linear in the cuts); equal widths instead where those hold fewer atoms in the
-    fullest box (by the histogram), so that balancing never makes an axis worse."""
+    gaps are linear in the cuts); equal widths instead unless the fullest box holds at
+    least :data:`BALANCE_GAIN` fewer atoms (by the histogram), so that balancing never
+    makes an axis worse."""
     bins = hist.shape[0]
     total = float(hist.sum())
     edges = lo + span * torch.arange(bins + 1, dtype=torch.float64) / bins
@@ -353,7 +365,8 @@ def _quantile_cuts(hist: Tensor, lo: float, span: float, g: int, min_width: floa
     shift = torch.tensor([0.5 * (x + y) for x, y in zip(a, b)], dtype=torch.float64)
     shift[0], shift[-1] = lo, lo + span
     worst = float(_box_counts(hist, lo, span, shift).max())
-    return shift if worst < float(_box_counts(hist, lo, span, equal).max()) else equal
+    gain = 1 - worst / float(_box_counts(hist, lo, span, equal).max())
+    return shift if gain >= BALANCE_GAIN else equal
 
 
 def balanced(part: Partition, hist: Tensor, min_width: float) -> Partition:

@@ -136,7 +136,7 @@ def test_every_mode_word_is_accepted_by_every_command():
 def test_every_balance_word_is_accepted_by_every_decomposing_command():
     """``parallel.balance`` takes the words of BALANCE (default none) in train, md and relax,
     the words of ``xnn validate --balance``; another word is refused with the list."""
-    from xnn.distributed.domain.partition import BALANCE
+    from xnn.distributed.domain.balance import BALANCE
 
     for schema, extra in COMMANDS.values():
         if schema is WorkflowConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from xnn.distributed.domain.partition import BALANCE
+from xnn.distributed.domain.balance import BALANCE
 from xnn.distributed.modes import MODES
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xnn.config.loader import ConfigError, check_range, field
-from xnn.distributed.domain.partition import BALANCE
+from xnn.distributed.domain.balance import BALANCE
 from xnn.distributed.manager import DEFAULT_TIMEOUT_S
 from xnn.distributed.modes import MODES, ORDERS
 

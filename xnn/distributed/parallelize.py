@@ -66,7 +66,7 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         order: atom order of mode ``graph`` (``morton`` or ``index``).
         backend: neighbor-list backend.
         balance: how a spatial layout cuts its boxes, a word of
-            :data:`~xnn.distributed.domain.partition.BALANCE`: ``none`` (equal widths) or
+            :data:`~xnn.distributed.domain.balance.BALANCE`: ``none`` (equal widths) or
             ``shift`` (per-axis cuts at atom-count quantiles, at the scatter and at every
             rebuild); mode ``graph`` and a host engine take ``none`` only.
         host: a host MD engine (LAMMPS) owns the atoms, their ghosts and their migration:
@@ -77,8 +77,8 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         a :class:`~xnn.distributed.potential.DecomposedPotential` (its ``reason`` says why
         ``auto`` chose its layout).
     """
+    from xnn.distributed.domain.balance import check_balance
     from xnn.distributed.domain.layout import SpatialLayout
-    from xnn.distributed.domain.partition import check_balance
     from xnn.distributed.graph.layout import GraphLayout
     from xnn.distributed.potential import DecomposedPotential, model_cutoff, resolve_group
     from xnn.errors import InputError

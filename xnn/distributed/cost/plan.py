@@ -57,11 +57,11 @@ from xnn.distributed.cost.separable import (
     separable_histograms,
 )
 from xnn.distributed.cost.systems import System, make_system
+from xnn.distributed.domain.balance import check_balance
 from xnn.distributed.domain.partition import (
     Partition,
     axis_histograms,
     balanced,
-    check_balance,
     fractional_bounds,
     partition_from_bounds,
 )

@@ -15,6 +15,7 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
+from xnn.distributed.domain.balance import check_balance
 from xnn.distributed.domain.local import build_local_domain, local_graph, min_pair_distance
 from xnn.distributed.domain.longrange import domain_fields, long_range_modules
 from xnn.distributed.domain.migrate import migrate
@@ -22,7 +23,6 @@ from xnn.distributed.domain.partition import (
     Partition,
     axis_histograms,
     balanced,
-    check_balance,
     check_grid,
     fractional_bounds,
     parse_grid,
@@ -40,7 +40,7 @@ class SpatialLayout:
             sync points).
         grid: ``(px, py, pz)``, ``"2,1,1"``, or ``None`` (smallest halo surface).
         balance: ``none`` (equal widths) or ``shift`` (cuts at the atoms' quantiles per
-            axis, :data:`~xnn.distributed.domain.partition.BALANCE`), placed at the scatter
+            axis, :data:`~xnn.distributed.domain.balance.BALANCE`), placed at the scatter
             and again at every rebuild (:meth:`partition`, from one all-reduced histogram).
 
     Attributes (after :meth:`configure`): ``halo_width`` (Å), ``receiver_width`` (Å),

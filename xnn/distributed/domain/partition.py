@@ -7,14 +7,8 @@ bounding box ``[u_min, u_max]``. A Cartesian halo width ``w`` is a fractional th
 ``w / h_a`` along axis ``a``, with ``h_a = V / |b × c|`` the cell height (as LAMMPS does).
 Rank ``r`` owns box ``(ix, iy, iz)`` with ``r = (ix * py + iy) * pz + iz``.
 
-Balance (:data:`BALANCE`): with ``none`` the boxes of an axis have equal widths; with
-``shift`` (LAMMPS ``balance ... shift xyz``) the cut planes of each axis sit at quantiles of
-the atom count along it, so the grid stays a tensor product of per-axis cuts. The cuts come
-from per-axis histograms (:func:`axis_histograms`, :data:`BINS_PER_BOX` bins per box) that a
-decomposition all-reduces, so that every rank derives bitwise the same cuts
-(:func:`balanced`); no box is made thinner than a minimum width (the halo width, or the
-equal width where that is thinner), so that balancing never puts a box's ghost shell beyond
-its face neighbours where equal widths did not.
+With balance ``none`` the boxes of an axis have equal widths; with ``shift`` they sit
+between per-axis cut planes (``Partition.cuts``) placed by :mod:`.balance`.
 """
 
 from __future__ import annotations
@@ -29,31 +23,11 @@ import torch
 from torch import Tensor
 
 from xnn.data.graph import complete_cell
+from xnn.distributed.domain.balance import BINS_PER_BOX, axis_cuts, check_balance, histogram
 from xnn.errors import InputError
 from xnn.neighbors.common import cell_heights
 
 Grid = tuple[int, int, int]
-
-#: the words of ``parallel.balance`` / ``--balance``: how a spatial layout places its cuts
-BALANCE = {
-    "none": "boxes of equal width along each axis",
-    "shift": "cut planes of each axis at atom-count quantiles (LAMMPS balance shift xyz), "
-             "recomputed at the start and at every rebuild of the ghost plan",
-}
-BINS_PER_BOX = 64  #: histogram bins per box along an axis (the cuts' resolution)
-#: an axis keeps equal widths unless its balanced cuts hold at least this fraction fewer
-#: atoms in the fullest box (by the histogram; as LAMMPS's ``balance thresh``, no change
-#: where the gain is small: in a crystal whose imbalance is that of its lattice planes,
-#: moving cuts by less than a plane spacing evens nothing and changes the ghost shells)
-BALANCE_GAIN = 0.02
-
-
-def check_balance(balance: str) -> str:
-    """``balance`` if it is a word of :data:`BALANCE`, else ``InputError``."""
-    if balance not in BALANCE:
-        raise InputError(f"balance must be one of {list(BALANCE)}, got {balance!r}")
-    return balance
-
 
 def parse_grid(text: str | Sequence | None) -> Grid | None:
     """``"2,1,1"`` or ``[2, 1, 1]`` to a grid tuple (``None`` stays ``None``: automatic)."""
@@ -235,7 +209,7 @@ def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
         n_ranks: number of domain ranks.
         halo_width: Å, used to choose the grid.
         grid: ``(px, py, pz)`` or ``None`` to choose it (smallest halo volume).
-        balance: a word of :data:`BALANCE` (``shift``: cuts at the atoms' quantiles).
+        balance: a word of :data:`~.balance.BALANCE` (``shift``: cuts at the atoms' quantiles).
     Raises:
         InputError: a grid whose number of boxes is not ``n_ranks``; a singular cell.
     """
@@ -294,108 +268,40 @@ def partition_from_bounds(fmin: Tensor, fmax: Tensor, cell: Tensor, pbc: Tensor,
     return Partition(grid, full, inv, pbc, lo, width, heights)
 
 
-def axis_histograms(part: Partition, u: Tensor) -> Tensor:
-    """Per-axis atom counts of wrapped fractional coordinates ``u [n, 3]``, concatenated:
-    ``[sum_a BINS_PER_BOX * g_a]`` float64 (bins of equal width over the partitioned span
-    ``[lo, lo + g_a * width]``; coordinates outside it count in the end bins).
-
-    Counts are integers, so a SUM all-reduce of every rank's histograms is exact and the
-    same on every rank, whatever the order of the summation.
-    """
-    return torch.cat([axis_histogram(part, u[:, a], a) for a in range(3)])
+def _span(part: Partition, a: int) -> tuple[float, float]:
+    """``(lo, span)``: the fractional span ``[lo, lo + g_a * width]`` axis ``a`` splits."""
+    return float(part.lo[a]), float(part.width[a] * part.grid[a])
 
 
 def axis_histogram(part: Partition, values: Tensor, a: int,
                    weights: Tensor | None = None) -> Tensor:
-    """``[BINS_PER_BOX * g_a]`` float64 counts of fractional coordinates ``values [n]``
-    along axis ``a`` (each weighted by ``weights [n]``, e.g. the atoms a crystal's factor
-    stands for): the bins of :func:`axis_histograms`."""
-    bins = BINS_PER_BOX * part.grid[a]
-    span = part.width[a] * part.grid[a]
-    idx = torch.floor((values.double() - float(part.lo[a])) / float(span) * bins)
-    idx = idx.to(torch.long).clamp(0, bins - 1).cpu()
-    w = None if weights is None else weights.to(torch.float64).cpu()
-    return torch.bincount(idx, w, minlength=bins).to(torch.float64)
+    """``[BINS_PER_BOX * g_a]`` counts of fractional coordinates ``values [n]`` along axis
+    ``a`` over its partitioned span (:func:`~.balance.histogram`)."""
+    return histogram(values, *_span(part, a), part.grid[a], weights)
 
 
-def _apart(cuts: list[float], width: float, backward_first: bool) -> list[float]:
-    """``cuts`` (ends fixed) moved apart to gaps of at least ``width``: a forward and a
-    backward pass, in either order (feasible when ``(len - 1) * width <= span``)."""
-    c, g = list(cuts), len(cuts) - 1
-    passes = ("backward", "forward") if backward_first else ("forward", "backward")
-    for way in passes:
-        if way == "forward":  # at least width above the previous cut
-            for k in range(1, g):
-                c[k] = max(c[k], c[k - 1] + width)
-        else:  # and below the next (the last cut stays at the end)
-            for k in range(g - 1, 0, -1):
-                c[k] = min(c[k], c[k + 1] - width)
-    return c
-
-
-def _box_counts(hist: Tensor, lo: float, span: float, cuts: Tensor) -> Tensor:
-    """``[g]`` atoms between consecutive ``cuts`` by the histogram (linear within a bin)."""
-    bins = hist.shape[0]
-    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(hist, 0)])
-    t = ((cuts - lo) / span * bins).clamp(0, bins)
-    j = torch.floor(t).to(torch.long).clamp(0, bins - 1)
-    at = cum[j] + (t - j) * hist[j]
-    return at[1:] - at[:-1]
-
-
-def _quantile_cuts(hist: Tensor, lo: float, span: float, g: int, min_width: float) -> Tensor:
-    """``[g + 1]`` cuts of ``[lo, lo + span]`` at the ``k / g`` quantiles of a histogram
-    (linear within a bin), moved apart to at least ``min_width`` (the mean of the
-    forward-backward and backward-forward projections: symmetric, and still feasible since
-    gaps are linear in the cuts); equal widths instead unless the fullest box holds at
-    least :data:`BALANCE_GAIN` fewer atoms (by the histogram), so that balancing never
-    makes an axis worse."""
-    bins = hist.shape[0]
-    total = float(hist.sum())
-    edges = lo + span * torch.arange(bins + 1, dtype=torch.float64) / bins
-    equal = lo + span * torch.arange(g + 1, dtype=torch.float64) / g
-    if total <= 0 or g == 1:
-        return equal
-    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(hist, 0)])
-    target = total * torch.arange(1, g, dtype=torch.float64) / g
-    j = (torch.searchsorted(cum, target, right=False) - 1).clamp(0, bins - 1)
-    inside = (target - cum[j]) / hist[j].clamp_min(1e-300)
-    cuts = [lo] + (edges[j] + inside.clamp(0, 1) * (span / bins)).tolist() + [lo + span]
-    a, b = _apart(cuts, min_width, False), _apart(cuts, min_width, True)
-    shift = torch.tensor([0.5 * (x + y) for x, y in zip(a, b)], dtype=torch.float64)
-    shift[0], shift[-1] = lo, lo + span
-    worst = float(_box_counts(hist, lo, span, shift).max())
-    gain = 1 - worst / float(_box_counts(hist, lo, span, equal).max())
-    return shift if gain >= BALANCE_GAIN else equal
+def axis_histograms(part: Partition, u: Tensor) -> Tensor:
+    """Per-axis counts of wrapped fractional coordinates ``u [n, 3]``, concatenated:
+    ``[sum_a BINS_PER_BOX * g_a]`` float64 (what a decomposition all-reduces)."""
+    return torch.cat([axis_histogram(part, u[:, a], a) for a in range(3)])
 
 
 def balanced(part: Partition, hist: Tensor, min_width: float) -> Partition:
-    """``part`` with the cut planes of every split axis at the atom-count quantiles of
-    ``hist`` (:func:`axis_histograms`, summed over all atoms): balance ``shift``.
+    """``part`` with the cut planes of every axis at the atom-count quantiles of ``hist``
+    (:func:`axis_histograms`, summed over all atoms): balance ``shift``.
 
     Args:
         part: the equal-width partition (its ``lo``, ``width`` and grid).
         hist: ``[sum_a BINS_PER_BOX * g_a]`` per-axis counts of all atoms.
-        min_width: Å, the thinnest box (the halo width); along an axis where equal widths
-            are thinner, boxes keep at least the equal width (i.e. stay equal).
-    Returns:
-        the same partition with ``cuts``; every rank given the same ``hist`` gets bitwise
-        the same cuts (float64 arithmetic on the same numbers in the same order).
+        min_width: Å, the thinnest box (the halo width; see :func:`~.balance.axis_cuts`).
     """
     cuts, start = [], 0
-    dtype, dev = part.lo.dtype, part.lo.device
     for a in range(3):
-        g = part.grid[a]
-        bins = BINS_PER_BOX * g
-        h = hist[start:start + bins].double().cpu()
+        bins = BINS_PER_BOX * part.grid[a]
+        c = axis_cuts(hist[start:start + bins], *_span(part, a), part.grid[a],
+                      min_width / float(part.heights[a]))
         start += bins
-        lo, span = float(part.lo[a]), float(part.width[a] * g)
-        m = min_width / float(part.heights[a])
-        if m * g >= span:  # equal widths are already thinner than the minimum: keep them
-            c = lo + span * torch.arange(g + 1, dtype=torch.float64) / g
-        else:
-            c = _quantile_cuts(h, lo, span, g, m)
-        cuts.append(c.to(dtype=dtype, device=dev))
+        cuts.append(c.to(dtype=part.lo.dtype, device=part.lo.device))
     return dataclasses.replace(part, cuts=tuple(cuts))
 
 

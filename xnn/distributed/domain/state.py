@@ -121,7 +121,7 @@ def scatter(graph: AtomicGraph | None, group, halo_width: float, grid: Grid | No
         grid: ``(px, py, pz)`` or ``None`` (smallest halo volume).
         device: where the owned atoms go (default: the graph's device on rank 0, CPU else).
         owner: ``[n_atoms]`` (rank 0) the rank of each atom instead of its box.
-        balance: how the boxes are cut (:data:`~.partition.BALANCE`); the cuts of balance
+        balance: how the boxes are cut (:data:`~.balance.BALANCE`); the cuts of balance
             ``shift`` are those the ranks' all-reduced histograms give at the first build.
     Returns:
         ``(owned graph, grid, n_total, owner)``: the owned atoms sorted by atom id, the

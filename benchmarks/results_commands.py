@@ -182,6 +182,8 @@ COMMANDS = {
                              "--json benchmarks/results/index_scale_cpu.json"),
     "ghost_plan_scale_cpu.json": ("python benchmarks/ghost_plan_scale.py --json "
                                   "benchmarks/results/ghost_plan_scale_cpu.json"),
+    "balance_scale_cpu.json": ("python benchmarks/balance_scale.py --json "
+                               "benchmarks/results/balance_scale_cpu.json"),
     "plan_scale_cpu.json": ("python benchmarks/plan_scale.py --json "
                             "benchmarks/results/plan_scale_cpu.json"),
     "io_scale_cpu.json": ("python benchmarks/io_scale.py --sizes 100000 1000000 --ranks 1 2 4 "

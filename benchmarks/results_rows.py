@@ -592,6 +592,22 @@ def ghost_plan(name: str, data: dict) -> list[list[str]]:
     return out
 
 
+def balance_scale(name: str, data: dict) -> list[list[str]]:
+    """Rows of ``balance_scale.py``: per system and mode at 512 GPUs, 250k atoms per GPU,
+    equal-width boxes -> balanced (``parallel.balance: shift``): the fullest rank's owned
+    and held atoms against the mean, and the predicted step and efficiency."""
+    out = []
+    by = {(r["system"], r["mode"], r["balance"]): r for r in data["rows"]}
+    for system, mode, _ in [k for k in by if k[2] == "none"]:
+        a, b = by[(system, mode, "none")], by[(system, mode, "shift")]
+        out.append([system, mode, "x".join(map(str, a["grid"])),
+                    f"{a['owned_max_over_mean']:.3f} → {b['owned_max_over_mean']:.3f}",
+                    f"{a['held_max_over_mean']:.3f} → {b['held_max_over_mean']:.3f}",
+                    f"{sec(a['step_s'])} → {sec(b['step_s'])}",
+                    f"{pct(a['efficiency'])} → {pct(b['efficiency'])}"])
+    return out
+
+
 def dd_components(name: str, data: dict) -> list[list[str]]:
     """Rows of ``dd_components.py``: one decomposed MD step's parts on the slowest rank
     (evaluation, point-to-point exchanges, all-reduces) per model, size, lattice scale and

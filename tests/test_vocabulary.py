@@ -102,6 +102,7 @@ def test_defaults_per_command():
     ("md", "parallel.dp=2", "set parallel.dp: 1"),
     ("run", "parallel.dd=2", "set parallel.dd: 1"),
     ("run", "parallel.mode=graph", "parallel.mode is a setting of a decomposition"),
+    ("run", "parallel.balance=shift", "parallel.balance is a setting of a decomposition"),
     ("md", "model.hyperparameters.cutoff=5", "set model.cutoff"),
     ("train", "model.hyperparameters.species=[29]", "set model.species"),
 ])
@@ -129,6 +130,22 @@ def test_every_mode_word_is_accepted_by_every_command():
             assert load_config(schema, None, [*extra, f"parallel.mode={word}"]).parallel.mode \
                 == word
     raises_one_line(ConfigError, load_config, MDConfig, None, ["parallel.mode=box"],
+                    match="choose one of")
+
+
+def test_every_balance_word_is_accepted_by_every_decomposing_command():
+    """``parallel.balance`` takes the words of BALANCE (default none) in train, md and relax,
+    the words of ``xnn validate --balance``; another word is refused with the list."""
+    from xnn.distributed.domain.balance import BALANCE
+
+    for schema, extra in COMMANDS.values():
+        if schema is WorkflowConfig:
+            continue
+        assert load_config(schema, None, list(extra)).parallel.balance == "none"
+        for word in BALANCE:
+            assert load_config(schema, None, [*extra, f"parallel.balance={word}"]
+                               ).parallel.balance == word
+    raises_one_line(ConfigError, load_config, MDConfig, None, ["parallel.balance=rcb"],
                     match="choose one of")
 
 

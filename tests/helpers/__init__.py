@@ -38,14 +38,16 @@ from .structures import (
     molecule,
     primitive,
     rattled_argon,
+    rod,
     slab,
     tiny,
     triclinic,
+    vacuum_slab,
 )
 
 __all__ = [
     "MACE_SPECIES", "SMALL", "CountingLJ", "argon_lj", "atoms_graph", "cluster", "corner",
     "counting_lj", "cubic", "fcc", "graph", "hot", "lj", "mace_model", "molecule", "native",
-    "primitive", "rattled_argon", "rel", "sevenn_0", "si_cu_molecule", "si_cu_periodic",
-    "schnet_hccu", "slab", "small_mace", "tiny", "triclinic",
+    "primitive", "rattled_argon", "rod", "rel", "sevenn_0", "si_cu_molecule", "si_cu_periodic",
+    "schnet_hccu", "slab", "small_mace", "tiny", "triclinic", "vacuum_slab",
 ]

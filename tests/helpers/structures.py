@@ -66,6 +66,32 @@ def slab():
     return graph(atoms, 2)
 
 
+def vacuum_slab(layers=6, vacuum=20.0, shear=False):
+    """A rattled Cu slab (3 x 3 x ``layers`` cubic cells) in a cell periodic along x, y, z
+    with ``vacuum`` Å of vacuum along z: equal-width boxes along z are mostly empty.
+    ``shear``: the cell's c vector leans over a and b (triclinic)."""
+    atoms = fcc((3, 3, layers), seed=7)
+    cell = atoms.cell.array.copy()
+    cell[2, 2] += vacuum
+    if shear:
+        cell[2, 0], cell[2, 1], cell[1, 0] = 3.0, -2.0, 1.5
+    atoms.set_cell(cell, scale_atoms=False)
+    atoms.positions += np.array([0.0, 0.0, vacuum / 2])
+    atoms.pbc = True
+    return graph(atoms, 7)
+
+
+def rod(radius=9.5, cells=2):
+    """A rattled Cu rod of ``radius`` Å along z (periodic, ``cells`` cubic cells long), in
+    vacuum along x and y (not periodic): equal widths across it leave its rims light."""
+    atoms = fcc((6, 6, cells), seed=8)
+    centre = atoms.cell.array.diagonal()[:2] / 2
+    keep = ((atoms.positions[:, :2] - centre) ** 2).sum(1) <= radius ** 2
+    atoms = atoms[keep]
+    atoms.pbc = (False, False, True)
+    return graph(atoms, 8)
+
+
 def corner():
     """A cluster in one corner of a large periodic cell: most boxes are empty."""
     atoms = fcc((2, 2, 2), seed=4)

@@ -210,7 +210,7 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None, check=None
         check_md_degrees(cfg.parallel.dd, manager.world_size)
     par = parallelize_md(model, manager, skin=cfg.model.skin,
                          backend=cfg.model.neighbor_backend, mode=cfg.parallel.mode,
-                         order=cfg.parallel.order,
+                         order=cfg.parallel.order, balance=cfg.parallel.balance,
                          compile=bool(getattr(cfg, "compile", False)  # xnn md only
                                       or getattr(cfg, "cuda_graph", False)),
                          model_compile=cfg.model.compile)

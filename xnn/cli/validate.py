@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from xnn.distributed.domain.balance import BALANCE
 from xnn.distributed.modes import MODES
 
 
@@ -42,6 +43,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--order", default="morton", choices=["morton", "index"],
                    help="atom order split into blocks by --mode graph: morton (space-filling "
                    "curve, fewer cross-rank edges) or index (by atom id); default morton")
+    p.add_argument("--balance", default="none", choices=list(BALANCE),
+                   help="how the spatial modes cut the boxes, as parallel.balance of xnn md "
+                   "and relax -- " + "; ".join(f"{k}: {v}" for k, v in BALANCE.items())
+                   + " (default none)")
     p.add_argument("--skin", type=float, default=0.0, help="Verlet skin in Å (default 0)")
     p.add_argument("--tol", type=float, default=1e-10,
                    help="maximum relative error allowed (default 1e-10)")
@@ -74,4 +79,4 @@ def run(args) -> int:
         grid=args.grid, mode=args.mode, skin=args.skin, tol=args.tol, json=args.json,
         skip_reference=args.skip_reference, output=args.output, device=args.device,
         timeout=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-        trust_file=args.trust_file, order=args.order))
+        trust_file=args.trust_file, order=args.order, balance=args.balance))

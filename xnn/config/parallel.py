@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xnn.config.loader import ConfigError, check_range, field
+from xnn.distributed.domain.balance import BALANCE
 from xnn.distributed.manager import DEFAULT_TIMEOUT_S
 from xnn.distributed.modes import MODES, ORDERS
 
@@ -46,7 +47,7 @@ def mode_field():
 class ParallelConfig:
     """The ``parallel`` section of ``xnn train``, ``xnn md``, ``xnn relax`` and ``xnn run``:
     the ``dp × dd`` layout of a launch on several ranks (torchrun / srun), the decomposition
-    mode and order, and the collectives' timeout.
+    mode, order and balance, and the collectives' timeout.
 
     Each command checks the degrees it uses: ``xnn train`` any ``dp × dd`` = world size;
     ``xnn md`` / ``relax`` decompose one simulation over every rank (``dp`` 1, ``dd`` the
@@ -64,6 +65,9 @@ class ParallelConfig:
     order: str = field("morton", "atom order split into blocks by mode graph: morton "
                        "(space-filling curve, fewer cross-rank edges) or index (atom id)",
                        choices=ORDERS)
+    balance: str = field("none", "how the spatial modes cut each structure into boxes -- "
+                         + "; ".join(f"{k}: {v}" for k, v in BALANCE.items()),
+                         choices=tuple(BALANCE))
     timeout_s: float = timeout_field()
 
     def __post_init__(self):
@@ -86,7 +90,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.dd={self.dd}: xnn run shares its systems among the "
                               "ranks (each system on one rank); set parallel.dd: 1")
         for key, value, default in (("mode", self.mode, "spatial"),
-                                    ("order", self.order, "morton")):
+                                    ("order", self.order, "morton"),
+                                    ("balance", self.balance, "none")):
             if value != default:
                 raise ConfigError(f"parallel.{key} is a setting of a decomposition (xnn md, "
                                   "relax, train with parallel.dd > 1); xnn run decomposes "

@@ -56,6 +56,7 @@ class DomainPredictor:
         mode: ``"spatial"`` (sync where the model has sync points, else halo), ``"halo"``,
             ``"sync"`` or ``"graph"`` (graph parallelism: atoms split by index).
         backend: neighbor-list backend of the local graphs.
+        balance: how the spatial modes cut the boxes (``none``, ``shift``).
 
     Attributes:
         last_stats: :meth:`DecomposedPotential.stats` of the last evaluation plus ``n_total``.
@@ -63,7 +64,7 @@ class DomainPredictor:
 
     def __init__(self, model: nn.Module, group, device, dtype: torch.dtype,
                  autocast: torch.dtype | None = None, mode: str = "spatial",
-                 backend: str = "auto"):
+                 backend: str = "auto", balance: str = "none"):
         from xnn.distributed import collectives as C
         from xnn.distributed.parallelize import resolve_mode
         from xnn.distributed.potential import model_cutoff
@@ -82,7 +83,7 @@ class DomainPredictor:
             from xnn.distributed.graph.layout import check_graph_model
 
             check_graph_model(model, cutoff, hops)
-        self.backend = backend
+        self.backend, self.balance = backend, balance
         self.size, self.rank = C.group_size(group), C.group_rank(group)
         self.last_stats: dict = {}
 
@@ -111,7 +112,8 @@ class DomainPredictor:
         from xnn.distributed.parallelize import parallelize
 
         (graph,) = piece
-        pot = parallelize(self.model, self.group, self.mode, backend=self.backend)
+        pot = parallelize(self.model, self.group, self.mode, backend=self.backend,
+                          balance=self.balance)
         root = graph.without_edges().to(self.device, self.dtype) if self.rank == 0 else None
         owned = pot.scatter(root)  # each rank receives only the atoms of its box
         with self._context():

@@ -33,7 +33,7 @@ __all__ = ["parallelize_md", "parallelize_train"]
 def parallelize_md(model, manager=None, skin: float = 0.0,
                    backend: str = "auto", mode: str = "spatial",
                    order: str = "morton", compile: bool = False,
-                   model_compile: bool = False) -> SerialRun:
+                   model_compile: bool = False, balance: str = "none") -> SerialRun:
     """The run layer of an ``xnn md`` / ``xnn relax`` run.
 
     Args:
@@ -52,6 +52,8 @@ def parallelize_md(model, manager=None, skin: float = 0.0,
             says which through its ``compiled_integrator`` method.
         model_compile: ``model.compile``: the one-process potential compiles the model
             (:class:`~xnn.models.Potential`).
+        balance: ``parallel.balance``: how the boxes are cut (``none``, ``shift``; see
+            :func:`~xnn.distributed.parallelize.parallelize`); ignored in one process.
     Returns:
         a :class:`~xnn.dynamics.parallel.SerialRun` (one process) or a
         :class:`~xnn.distributed.md_run.DomainRun` (its subclass, several ranks).
@@ -66,8 +68,9 @@ def parallelize_md(model, manager=None, skin: float = 0.0,
         from xnn.distributed.domain.compiled_run import CompiledDomainRun
 
         return CompiledDomainRun(model, manager, skin=skin, backend=backend, mode=mode,
-                                 order=order)
-    return DomainRun(model, manager, skin=skin, backend=backend, mode=mode, order=order)
+                                 order=order, balance=balance)
+    return DomainRun(model, manager, skin=skin, backend=backend, mode=mode, order=order,
+                     balance=balance)
 
 
 class TrainParallel:
@@ -84,9 +87,9 @@ class TrainParallel:
     """
 
     def __init__(self, reducer, sharding, dims=None, mode: str = "spatial",
-                 backend: str = "auto"):
+                 backend: str = "auto", balance: str = "none"):
         self.reducer, self.sharding, self.dims = reducer, sharding, dims
-        self.mode, self.backend = mode, backend
+        self.mode, self.backend, self.balance = mode, backend, balance
 
     @property
     def dd(self) -> int:
@@ -105,7 +108,7 @@ class TrainParallel:
         from xnn.distributed.cp_train import DomainPredictor
 
         return DomainPredictor(model, self.dims.dd_group, device, dtype, autocast, self.mode,
-                               self.backend)
+                               self.backend, self.balance)
 
 
 def local_train_parallel(reducer=None) -> TrainParallel:
@@ -119,7 +122,8 @@ def local_train_parallel(reducer=None) -> TrainParallel:
 
 
 def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | str = False,
-                      mode: str = "spatial", backend: str = "auto") -> TrainParallel:
+                      mode: str = "spatial", backend: str = "auto",
+                      balance: str = "none") -> TrainParallel:
     """The parallel layer of an ``xnn train`` run on a ``dp × dd`` mesh (built once, here).
 
     Args:
@@ -132,6 +136,7 @@ def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | s
             :data:`~xnn.distributed.modes.MODES` (``"spatial"``: sync where the model has
             sync points, else halo; ``"graph"``: graph parallelism, atoms split by index).
         backend: neighbor-list backend of the decomposed local graphs.
+        balance: how the spatial modes cut each structure's boxes (``none``, ``shift``).
     Returns:
         a :class:`TrainParallel`: the reducer (whole mesh), the sharding (by dp rank) and
         the predictor factory.
@@ -158,4 +163,4 @@ def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | s
         return TrainParallel(DataParallelReducer(dims.dp_group),
                              BatchSharding(dims.dp_rank, dims.dp), dims)
     sharding = BatchSharding(dims.dp_rank, dims.dp, groups=dims.dp, without_edges=True)
-    return TrainParallel(DataParallelReducer(None), sharding, dims, mode, backend)
+    return TrainParallel(DataParallelReducer(None), sharding, dims, mode, backend, balance)

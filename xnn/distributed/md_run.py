@@ -49,12 +49,13 @@ class DomainRun(SerialRun):
     """
 
     def __init__(self, model, manager, skin: float, backend: str, mode: str = "spatial",
-                 order: str = "morton"):
+                 order: str = "morton", balance: str = "none"):
         from xnn.distributed.reducer import GroupReducer
 
         if mode not in MODES:
             raise InputError(f"dd.mode must be one of {list(MODES)}, got {mode!r}")
         self.mode, self._args = mode, (model, manager, skin, backend, order)
+        self.balance = balance
         self._potential = None  # auto: chosen when the structure is scattered (_choose)
         if mode != "auto":
             self._choose(None)
@@ -105,7 +106,7 @@ class DomainRun(SerialRun):
 
         model, manager, skin, backend, order = self._args
         self.potential = parallelize(model, manager, self.mode, graph=graph, skin=skin,
-                                     order=order, backend=backend)
+                                     order=order, backend=backend, balance=self.balance)
 
     def broadcast(self, obj):
         return C.broadcast_object(obj)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
-                 skin: float = 0.0) -> tuple[str, str | None]:
+                 skin: float = 0.0, balance: str = "none") -> tuple[str, str | None]:
     """The one place a word of :data:`~xnn.distributed.modes.MODES` becomes a layout's mode.
 
     Args:
@@ -18,7 +18,7 @@ def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
         mode: a key of :data:`~xnn.distributed.modes.MODES`.
         graph: ``auto`` only: the structure on group rank 0 (``None`` elsewhere).
         group: ``auto`` only: the process group whose rank 0 decides.
-        grid, skin: ``auto`` only: the spatial layout the cost model weighs.
+        grid, skin, balance: ``auto`` only: the spatial layout the cost model weighs.
     Returns:
         ``(mode, reason)``: ``"halo"``, ``"sync"`` or ``"graph"``, and for ``auto`` one line
         saying why (printed on group rank 0), else ``None``. ``auto`` is decided on group
@@ -38,7 +38,7 @@ def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
     choice = None
     with C.guarded(group, "choosing the decomposition mode"):
         if C.group_rank(group) == 0:
-            choice = choose_mode(model, graph, C.group_size(group), grid, skin)
+            choice = choose_mode(model, graph, C.group_size(group), grid, skin, balance)
     mode, reason = C.broadcast_object(choice, group)
     if C.group_rank(group) == 0:
         print(f"xnn: {reason}", flush=True)
@@ -47,7 +47,7 @@ def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
 
 def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=None,
                 grid=None, skin: float = 0.0, order: str = "morton", backend: str = "auto",
-                host: bool = False):
+                host: bool = False, balance: str = "none"):
     """``model`` decomposed over the ranks of a group: the one constructor.
 
     Args:
@@ -65,6 +65,10 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         skin: Verlet skin (Å).
         order: atom order of mode ``graph`` (``morton`` or ``index``).
         backend: neighbor-list backend.
+        balance: how a spatial layout cuts its boxes, a word of
+            :data:`~xnn.distributed.domain.balance.BALANCE`: ``none`` (equal widths) or
+            ``shift`` (per-axis cuts at atom-count quantiles, at the scatter and at every
+            rebuild); mode ``graph`` and a host engine take ``none`` only.
         host: a host MD engine (LAMMPS) owns the atoms, their ghosts and their migration:
             a :class:`~xnn.distributed.host.layout.HostLayout` (modes ``spatial``,
             ``halo``, ``sync``; ``auto`` is ``spatial``), whose ``ghosts`` the host sets
@@ -73,15 +77,21 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         a :class:`~xnn.distributed.potential.DecomposedPotential` (its ``reason`` says why
         ``auto`` chose its layout).
     """
+    from xnn.distributed.domain.balance import check_balance
     from xnn.distributed.domain.layout import SpatialLayout
     from xnn.distributed.graph.layout import GraphLayout
     from xnn.distributed.potential import DecomposedPotential, model_cutoff, resolve_group
+    from xnn.errors import InputError
 
     model_cutoff(model)  # the one check of a decomposable model, before any collective
+    check_balance(balance)
+    if balance != "none" and (host or mode == "graph"):
+        raise InputError(f"balance {balance!r} cuts the boxes of a spatial layout; mode "
+                         f"{mode!r}{' in a host engine' if host else ''} has none: set "
+                         "balance none")
     group, _ = resolve_group(manager_or_group)
     if host:
         from xnn.distributed.host.layout import HostLayout
-        from xnn.errors import InputError
 
         if mode == "graph":
             raise InputError("mode 'graph' cannot run inside a host engine's decomposition "
@@ -89,8 +99,9 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         mode, reason = resolve_mode(model, "spatial" if mode == "auto" else mode)
         layout = HostLayout(mode)
     else:
-        mode, reason = resolve_mode(model, mode, graph, group, grid, skin)
-        layout = GraphLayout(order) if mode == "graph" else SpatialLayout(mode, grid)
+        mode, reason = resolve_mode(model, mode, graph, group, grid, skin, balance)
+        layout = (GraphLayout(order) if mode == "graph"
+                  else SpatialLayout(mode, grid, balance))
     potential = DecomposedPotential(model, manager_or_group, layout, skin, backend)
     potential.reason = reason
     return potential

@@ -208,7 +208,7 @@ class DecomposedPotential:
         if owner is None:
             owner = self.layout.owners(graph, self.group, self.rank, self.size)
         owned, grid, n_total, _ = scatter(graph, self.group, self.halo_width,
-                                          self.layout.grid, device, owner)
+                                          self.layout.grid, device, owner, self.layout.balance)
         self.n_total = n_total
         if grid is not None:  # every rank knows: atoms went to their boxes
             self.layout.grid = grid

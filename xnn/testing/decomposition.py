@@ -39,7 +39,7 @@ class DecompositionCase(NamedTuple):
 
 
 def decomposed(model, manager_or_group, mode: str, graph: AtomicGraph | None, grid=None,
-               skin: float = 0.0):
+               skin: float = 0.0, balance: str = "none"):
     """The decomposed potential of ``mode`` (collective for ``auto``).
 
     The one call of the contracts into :mod:`xnn.distributed` (its one constructor,
@@ -49,7 +49,8 @@ def decomposed(model, manager_or_group, mode: str, graph: AtomicGraph | None, gr
     """
     from xnn.distributed import parallelize
 
-    return parallelize(model, manager_or_group, mode, graph=graph, grid=grid, skin=skin)
+    return parallelize(model, manager_or_group, mode, graph=graph, grid=grid, skin=skin,
+                       balance=balance)
 
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:
@@ -82,9 +83,10 @@ def compare_by_id(out: dict[str, Tensor], ref: dict[str, Tensor],
 
 
 def decomposition_errors(model, graph: AtomicGraph | None, manager_or_group, mode: str = "halo",
-                         grid=None, skin: float = 0.0) -> dict | None:
+                         grid=None, skin: float = 0.0, balance: str = "none") -> dict | None:
     """``model`` on rank 0's ``graph``, decomposed in ``mode`` over the group, against one
-    process (collective; call it on every rank of the group).
+    process (collective; call it on every rank of the group). ``balance``: how the boxes
+    are cut (``none``, ``shift``; see :func:`~xnn.distributed.parallelize.parallelize`).
 
     Returns:
         on group rank 0, :func:`compare_by_id` of the decomposed and the one-process result,
@@ -92,7 +94,8 @@ def decomposition_errors(model, graph: AtomicGraph | None, manager_or_group, mod
     """
     from xnn.models import Potential
 
-    evaluator = decomposed(model, manager_or_group, mode, graph, grid=grid, skin=skin)
+    evaluator = decomposed(model, manager_or_group, mode, graph, grid=grid, skin=skin,
+                           balance=balance)
     out = evaluator.single_point(graph)
     if evaluator.rank != 0:
         return None

@@ -54,9 +54,17 @@ from xnn.distributed.cost.separable import (
     neighbour_weights,
     separable_bounds,
     separable_counts,
+    separable_histograms,
 )
 from xnn.distributed.cost.systems import System, make_system
-from xnn.distributed.domain.partition import Partition, fractional_bounds, partition_from_bounds
+from xnn.distributed.domain.balance import check_balance
+from xnn.distributed.domain.partition import (
+    Partition,
+    axis_histograms,
+    balanced,
+    fractional_bounds,
+    partition_from_bounds,
+)
 from xnn.distributed.graph.order import ORDERS, morton_codes
 from xnn.errors import InputError
 
@@ -128,7 +136,10 @@ def _coordination(sys: System, ids: np.ndarray, reach: float, sample: float | No
 
 # ---------------------------------------------------------------------- spatial modes
 def _partition(sys: System, n_ranks: int, halo_width: float, grid, block: int,
-               weights: dict | None) -> Partition:
+               weights: dict | None, balance: str = "none") -> Partition:
+    """The partition of :meth:`SpatialLayout.partition`: bounds, grid, and with balance
+    ``shift`` the cuts of the summed per-axis histograms (from the crystal's factors, or
+    streamed), by the same functions."""
     cell, pbc = sys.cell, sys.pbc
     bounds = torch.zeros(6, dtype=torch.float64)
     if not bool(pbc.all()) and weights is not None:
@@ -138,14 +149,23 @@ def _partition(sys: System, n_ranks: int, halo_width: float, grid, block: int,
         for ids in sys.blocks(block):
             b = fractional_bounds(torch.from_numpy(sys.positions(ids)), cell)
             bounds = torch.maximum(bounds, b)
-    return partition_from_bounds(-bounds[3:], bounds[:3], cell, pbc, n_ranks, halo_width, grid)
+    part = partition_from_bounds(-bounds[3:], bounds[:3], cell, pbc, n_ranks, halo_width,
+                                 grid)
+    if balance == "none":
+        return part
+    if weights is not None:
+        hist = separable_histograms(sys, part, weights)
+    else:
+        hist = sum(axis_histograms(part, part.fractional(torch.from_numpy(
+            sys.positions(ids)))[0]) for ids in sys.blocks(block))
+    return balanced(part, hist, halo_width)
 
 
 def _owners_and_extents(sys: System, part: Partition, block: int):
     """Owned counts and ``[n_ranks, 2, 3]`` extents (box grown to hold the atoms)."""
     n_ranks = math.prod(part.grid)
     low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
-    high = low + part.width
+    high = torch.stack([part.box_bounds(r)[1] for r in range(n_ranks)])
     owned = np.zeros(n_ranks)
     for ids in sys.blocks(block):
         u, _ = part.fractional(torch.from_numpy(sys.positions(ids)))
@@ -159,6 +179,8 @@ def _owners_and_extents(sys: System, part: Partition, block: int):
 def _axis_candidates(u: Tensor, part: Partition, margin: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per axis: ``([n, k] box index, [n, k] valid)`` of the boxes whose grown region may
     hold an image of each atom (a superset: the counts are exact per candidate)."""
+    if part.cuts is not None:
+        return [_cut_candidates(u[:, a], part, a, float(margin[a])) for a in range(3)]
     out = []
     for a in range(3):
         p, w, lo = part.grid[a], float(part.width[a]), float(part.lo[a])
@@ -180,6 +202,34 @@ def _axis_candidates(u: Tensor, part: Partition, margin: Tensor) -> list[tuple[T
     return out
 
 
+def _cut_candidates(v: Tensor, part: Partition, a: int, margin: float):
+    """:func:`_axis_candidates` of one axis of a balanced partition (per-axis cuts): the
+    boxes from that of ``v - margin`` to that of ``v + margin`` (periodic images counted)."""
+    p, inner = part.grid[a], part.cuts[a][1:-1].contiguous()
+
+    def index(x: Tensor) -> Tensor:
+        if not bool(part.pbc[a]):
+            return torch.searchsorted(inner, x.contiguous(), right=True)
+        n = torch.floor(x)
+        return n.long() * p + torch.searchsorted(inner, (x - n).contiguous(), right=True)
+
+    kmin, kmax = index(v - margin), index(v + margin)
+    count = int((kmax - kmin).max()) + 1 if v.numel() else 1
+    if bool(part.pbc[a]) and count >= p:
+        idx = torch.arange(p).expand(v.shape[0], p)
+        return idx, torch.ones_like(idx, dtype=torch.bool)
+    k = kmin[:, None] + torch.arange(count)[None]
+    ok = k <= kmax[:, None]
+    return (torch.remainder(k, p) if bool(part.pbc[a]) else k.clamp(0, p - 1)), ok
+
+
+def _thinnest(part: Partition, a: int) -> float:
+    """The fractional width of the thinnest box along axis ``a``."""
+    if part.cuts is None:
+        return float(part.width[a])
+    return float(torch.diff(part.cuts[a]).min())
+
+
 def _image_counts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> Tensor:
     """``[m]`` images of ``u [m, 3]`` in the closed boxes ``[low, high]`` (``[m, 3]``):
     the arithmetic of :func:`~xnn.distributed.domain.partition.image_shifts`."""
@@ -190,9 +240,9 @@ def _image_counts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> Tensor:
 
 
 def _separable(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
-               block: int) -> RankCounts:
+               block: int, balance: str = "none") -> RankCounts:
     weights = neighbour_weights(sys, cutoff)
-    part = _partition(sys, n_ranks, halo_width, grid, block, weights)
+    part = _partition(sys, n_ranks, halo_width, grid, block, weights, balance)
     receiver_width = halo_width - cutoff if mode == "halo" else 0.0
     owned, held, own_img, send, edges, extents = separable_counts(
         sys, part, halo_width, receiver_width, weights)
@@ -202,18 +252,20 @@ def _separable(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: 
 
 
 def _spatial(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
-             block: int, sample: float | None) -> tuple[RankCounts, str]:
-    part = _partition(sys, n_ranks, halo_width, grid, block, None)
+             block: int, sample: float | None,
+             balance: str = "none") -> tuple[RankCounts, str]:
+    part = _partition(sys, n_ranks, halo_width, grid, block, None, balance)
     owned, extents = _owners_and_extents(sys, part, block)
     box_low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
-    grow = torch.maximum(box_low - extents[:, 0], extents[:, 1] - (box_low + part.width))
+    box_high = torch.stack([part.box_bounds(r)[1] for r in range(n_ranks)])
+    grow = torch.maximum(box_low - extents[:, 0], extents[:, 1] - box_high)
     t_h = part.thickness(halo_width)
     receiver_width = halo_width - cutoff if mode == "halo" else 0.0
     t_r = part.thickness(receiver_width)
     margin = t_h * (1 + 1e-6) + grow.max(0).values + 1e-9
     lows, highs = extents[:, 0] - t_h, extents[:, 1] + t_h
     r_lows, r_highs = extents[:, 0] - t_r, extents[:, 1] + t_r
-    per_atom = math.prod(min(part.grid[a] + 2, int(2 * float(margin[a]) / float(part.width[a]))
+    per_atom = math.prod(min(part.grid[a] + 2, int(2 * float(margin[a]) / _thinnest(part, a))
                              + 2) for a in range(3))
     step = max(1024, min(block, _CANDIDATES // per_atom))
     sums, cache = _Sums.zeros(n_ranks), {}
@@ -329,7 +381,8 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
                 halo_width: float, seed: int = 0, order: str = "morton", grid=None,
                 lattice_constant: float = 3.61, block: int = BLOCK,
                 exact_edges: int = EXACT_EDGES, sample: float = SAMPLE,
-                stream: bool = False, max_streamed: int = 10**9) -> RankCounts:
+                stream: bool = False, max_streamed: int = 10**9,
+                balance: str = "none") -> RankCounts:
     """Per-rank counts of decomposing ``system`` over ``n_ranks`` ranks, without a model.
 
     Args:
@@ -352,15 +405,20 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
             (:mod:`.separable`; the same counts, for checking).
         max_streamed: refuse (``InputError``) to stream more atoms than this in the
             spatial modes (a crystal whose extents do not factor, a liquid).
+        balance: the boxes' cuts, as ``parallel.balance``: ``none`` (equal widths) or
+            ``shift`` (cuts at the atom-count quantiles of each axis, by
+            :func:`~xnn.distributed.domain.partition.balanced`); spatial modes only.
     Returns:
         :class:`~.counts.RankCounts` whose ``method`` says how each count was obtained.
 
     Raises:
-        InputError: an unknown system, mode or order; ``halo_width < cutoff``; more than
-            ``max_streamed`` atoms to stream.
+        InputError: an unknown system, mode, order or balance (``shift`` in mode graph);
+            ``halo_width < cutoff``; more than ``max_streamed`` atoms to stream.
     """
     if mode not in PLAN_MODES:
         raise InputError(f"mode must be one of {list(PLAN_MODES)}, got {mode!r}")
+    if check_balance(balance) != "none" and mode == "graph":
+        raise InputError(f"balance {balance!r} cuts boxes; mode graph has none")
     if order not in ORDERS:
         raise InputError(f"order must be one of {list(ORDERS)}, got {order!r}")
     if halo_width < cutoff:
@@ -378,7 +436,8 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
         counts = None
         if not stream:
             try:
-                counts = _separable(sys, n_ranks, mode, cutoff, halo_width, grid, block)
+                counts = _separable(sys, n_ranks, mode, cutoff, halo_width, grid, block,
+                                    balance)
                 how = ("exact: owned, ghost, sent/received rows, peers, edges (a union of "
                        "products of per-axis sets, summed factor by factor)")
             except NotSeparable as err:
@@ -393,7 +452,7 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
         if counts is None:
             sampled_edges = over and sys.name == "liquid"
             counts, err = _spatial(sys, n_ranks, mode, cutoff, halo_width, grid, block,
-                                   sample if sampled_edges else None)
+                                   sample if sampled_edges else None, balance)
             how = "exact: owned, ghost, sent/received rows, peers (every atom streamed); "
             how += (f"sampled: edges (neighbour counts of a seeded {sample:g} of the "
                     f"atoms){err}" if sampled_edges else "exact: edges")

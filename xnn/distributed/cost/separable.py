@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from xnn.distributed.cost.systems import _BASIS, System
-from xnn.distributed.domain.partition import Partition, fractional_bounds
+from xnn.distributed.domain.partition import Partition, axis_histogram, fractional_bounds
 
 _CHUNK = 1 << 24  #: rank × value entries per chunk
 
@@ -98,6 +98,22 @@ def separable_bounds(sys: System, weights: dict) -> Tensor:
     return best
 
 
+def separable_histograms(sys: System, part: Partition, weights: dict) -> Tensor:
+    """:func:`~xnn.distributed.domain.partition.axis_histograms` of all the atoms, from the
+    factors: a factor's value stands for as many atoms as the other factors of its
+    component hold (the same bins of the same fractional coordinates, so the same counts)."""
+    hist = [torch.zeros(0)] * 3
+    for comp in components(sys, weights):
+        sizes = [len(sites) for _, sites, _ in comp]
+        for f, (axes, sites, _) in enumerate(comp):
+            others = float(np.prod(sizes[:f] + sizes[f + 1:]))
+            u, _ = _fractional(sys, part, axes, sites)
+            for k, a in enumerate(axes):
+                h = axis_histogram(part, u[:, k], a, torch.full((len(sites),), others))
+                hist[a] = h if not hist[a].numel() else hist[a] + h
+    return torch.cat(hist)
+
+
 def _fractional(sys: System, part: Partition, axes, sites: np.ndarray):
     """``u [m, 3]`` (only ``axes`` meaningful) and box index ``[m, len(axes)]``."""
     full = np.zeros((len(sites), 3), dtype=np.int64)
@@ -137,8 +153,8 @@ def separable_counts(sys: System, part: Partition, halo_width: float, receiver_w
     comps = components(sys, weights)
     n_ranks = int(np.prod(part.grid))
     box = torch.tensor([part.box_index(r) for r in range(n_ranks)])
-    box_low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
-    low, high = box_low.clone(), box_low + part.width
+    low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
+    high = torch.stack([part.box_bounds(r)[1] for r in range(n_ranks)])
     facts = []
     owned = np.zeros(n_ranks)
     for comp in comps:

@@ -21,12 +21,13 @@ class CompiledDomainRun(DomainRun):
     """
 
     def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
-                 order: str = "morton"):
+                 order: str = "morton", balance: str = "none"):
         if mode == "graph":
             raise InputError("compile=true on several ranks runs parallel.mode halo, not graph: "
                              "set parallel.mode: spatial (or halo) or compile: false")
-        super().__init__(model, manager, skin, backend, "halo", order)
-        self.potential = parallelize(model, manager, "halo", skin=skin, backend=backend)
+        super().__init__(model, manager, skin, backend, "halo", order, balance)
+        self.potential = parallelize(model, manager, "halo", skin=skin, backend=backend,
+                                     balance=balance)
         self.reduce = self.potential.reducer
 
     def after_step(self, state):

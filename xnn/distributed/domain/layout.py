@@ -15,11 +15,14 @@ from torch import Tensor
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
+from xnn.distributed.domain.balance import check_balance
 from xnn.distributed.domain.local import build_local_domain, local_graph, min_pair_distance
 from xnn.distributed.domain.longrange import domain_fields, long_range_modules
 from xnn.distributed.domain.migrate import migrate
 from xnn.distributed.domain.partition import (
     Partition,
+    axis_histograms,
+    balanced,
     check_grid,
     fractional_bounds,
     parse_grid,
@@ -36,6 +39,9 @@ class SpatialLayout:
             ``"sync"`` (ghost shell of one cutoff; ghost features exchanged at the model's
             sync points).
         grid: ``(px, py, pz)``, ``"2,1,1"``, or ``None`` (smallest halo surface).
+        balance: ``none`` (equal widths) or ``shift`` (cuts at the atoms' quantiles per
+            axis, :data:`~xnn.distributed.domain.balance.BALANCE`), placed at the scatter
+            and again at every rebuild (:meth:`partition`, from one all-reduced histogram).
 
     Attributes (after :meth:`configure`): ``halo_width`` (Å), ``receiver_width`` (Å),
     ``filters``, ``paired``, ``long_range``.
@@ -43,10 +49,11 @@ class SpatialLayout:
 
     migrates = True
 
-    def __init__(self, mode: str = "halo", grid=None):
+    def __init__(self, mode: str = "halo", grid=None, balance: str = "none"):
         if mode not in ("halo", "sync"):
             raise InputError(f"a spatial layout's mode is 'halo' or 'sync', got {mode!r}")
         self.mode, self.grid = mode, parse_grid(grid)
+        self.balance = check_balance(balance)
 
     @property
     def syncs(self) -> bool:
@@ -99,7 +106,12 @@ class SpatialLayout:
         return None
 
     def partition(self, graph: AtomicGraph, group, size: int) -> Partition:
-        """The partition at ``graph``'s cell; non-periodic axes split the global bounding box."""
+        """The partition at ``graph``'s cell; non-periodic axes split the global bounding box.
+
+        With balance ``shift`` the cuts are placed from the sum of every rank's per-axis
+        histograms (one more all-reduce), at every call: the scatter's partition and that
+        of every rebuild (:meth:`build`, :meth:`migrate`) follow the atoms.
+        """
         cell, pbc, pos = graph.cell[0].detach(), graph.pbc[0], graph.positions.detach()
         bounds = torch.zeros(6, dtype=pos.dtype, device=pos.device)
         if not bool(pbc.all()):
@@ -107,6 +119,9 @@ class SpatialLayout:
         part = partition_from_bounds(-bounds[3:], bounds[:3], cell, pbc, size,
                                      self.halo_width, self.grid)
         self.grid = part.grid
+        if self.balance == "shift":
+            hist = axis_histograms(part, part.fractional(pos)[0]).to(pos.device)
+            part = balanced(part, C.all_reduce_(hist, group).cpu(), self.halo_width)
         return part
 
     def extents(self, part: Partition, graph: AtomicGraph, pot) -> Tensor:

@@ -6,10 +6,14 @@ periodic axis the boxes split ``[0, 1)``; along a non-periodic axis they split t
 bounding box ``[u_min, u_max]``. A Cartesian halo width ``w`` is a fractional thickness
 ``w / h_a`` along axis ``a``, with ``h_a = V / |b × c|`` the cell height (as LAMMPS does).
 Rank ``r`` owns box ``(ix, iy, iz)`` with ``r = (ix * py + iy) * pz + iz``.
+
+With balance ``none`` the boxes of an axis have equal widths; with ``shift`` they sit
+between per-axis cut planes (``Partition.cuts``) placed by :mod:`.balance`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,11 +23,11 @@ import torch
 from torch import Tensor
 
 from xnn.data.graph import complete_cell
+from xnn.distributed.domain.balance import BINS_PER_BOX, axis_cuts, check_balance, histogram
 from xnn.errors import InputError
 from xnn.neighbors.common import cell_heights
 
 Grid = tuple[int, int, int]
-
 
 def parse_grid(text: str | Sequence | None) -> Grid | None:
     """``"2,1,1"`` or ``[2, 1, 1]`` to a grid tuple (``None`` stays ``None``: automatic)."""
@@ -91,6 +95,9 @@ class Partition:
         lo: ``[3]`` fractional origin of the partitioned region (0 along periodic axes).
         width: ``[3]`` fractional width of one box along each axis.
         heights: ``[3]`` cell heights h_a (Å).
+        cuts: ``None`` (equal widths: box ``i`` of axis ``a`` is ``lo + i * width``), or per
+            axis the ``[g_a + 1]`` fractional cut planes (balance ``shift``; the first is
+            ``lo``, the last ``lo + g_a * width``).
     """
 
     grid: Grid
@@ -100,6 +107,7 @@ class Partition:
     lo: Tensor
     width: Tensor
     heights: Tensor
+    cuts: tuple[Tensor, Tensor, Tensor] | None = None
 
     def box_index(self, rank: int) -> Grid:
         px, py, pz = self.grid
@@ -107,9 +115,21 @@ class Partition:
 
     def box_bounds(self, rank: int) -> tuple[Tensor, Tensor]:
         """Fractional ``(lower [3], upper [3])`` corners of box ``rank``."""
+        if self.cuts is not None:
+            ijk = self.box_index(rank)
+            return (torch.stack([c[i] for c, i in zip(self.cuts, ijk)]),
+                    torch.stack([c[i + 1] for c, i in zip(self.cuts, ijk)]))
         idx = torch.tensor(self.box_index(rank), dtype=self.lo.dtype, device=self.lo.device)
         low = self.lo + idx * self.width
         return low, low + self.width
+
+    def axis_index(self, u: Tensor, a: int) -> Tensor:
+        """``[n]`` box index along axis ``a`` of wrapped fractional coordinates ``u [n, 3]``."""
+        if self.cuts is not None:
+            inner = self.cuts[a][1:-1].to(u.device).contiguous()
+            return torch.searchsorted(inner, u[:, a].contiguous(), right=True)
+        idx = torch.floor((u[:, a] - self.lo[a]) / self.width[a]).to(torch.long)
+        return idx.clamp(0, self.grid[a] - 1)
 
     def thickness(self, halo_width: float) -> Tensor:
         """``[3]`` fractional halo thickness ``w / h_a`` (slightly enlarged against round-off)."""
@@ -129,10 +149,9 @@ class Partition:
 
     def owner(self, u: Tensor) -> Tensor:
         """``[n_atoms]`` rank owning each atom, from wrapped fractional coordinates ``u``."""
-        grid = torch.tensor(self.grid, device=u.device)
-        idx = torch.floor((u - self.lo) / self.width).to(torch.long)
-        idx = torch.minimum(idx.clamp_min(0), grid - 1)
-        return (idx[:, 0] * grid[1] + idx[:, 1]) * grid[2] + idx[:, 2]
+        g = self.grid
+        ix, iy, iz = (self.axis_index(u, a) for a in range(3))
+        return (ix * g[1] + iy) * g[2] + iz
 
     def home(self, positions: Tensor, rank: int) -> tuple[Tensor, Tensor]:
         """Fractional coordinates of the images of ``positions`` nearest to box ``rank``.
@@ -179,7 +198,8 @@ class Partition:
 
 
 def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
-                   halo_width: float, grid: Grid | None = None) -> Partition:
+                   halo_width: float, grid: Grid | None = None,
+                   balance: str = "none") -> Partition:
     """Partition one system over ``n_ranks`` boxes from all of its positions (one process).
 
     Args:
@@ -189,6 +209,7 @@ def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
         n_ranks: number of domain ranks.
         halo_width: Å, used to choose the grid.
         grid: ``(px, py, pz)`` or ``None`` to choose it (smallest halo volume).
+        balance: a word of :data:`~.balance.BALANCE` (``shift``: cuts at the atoms' quantiles).
     Raises:
         InputError: a grid whose number of boxes is not ``n_ranks``; a singular cell.
     """
@@ -198,7 +219,11 @@ def make_partition(positions: Tensor, cell: Tensor, pbc: Tensor, n_ranks: int,
         fmin, fmax = frac.min(0).values, frac.max(0).values
     else:
         fmin = fmax = torch.zeros(3, dtype=frac.dtype, device=frac.device)
-    return partition_from_bounds(fmin, fmax, cell, pbc, n_ranks, halo_width, grid)
+    part = partition_from_bounds(fmin, fmax, cell, pbc, n_ranks, halo_width, grid)
+    if check_balance(balance) == "none":
+        return part
+    hist = axis_histograms(part, part.fractional(positions.detach())[0])
+    return balanced(part, hist, halo_width)
 
 
 def _completed(cell: Tensor) -> tuple[Tensor, Tensor]:
@@ -241,6 +266,43 @@ def partition_from_bounds(fmin: Tensor, fmax: Tensor, cell: Tensor, pbc: Tensor,
         grid = check_grid(grid, n_ranks)
     width = extent / torch.tensor(grid, dtype=fmin.dtype, device=fmin.device)
     return Partition(grid, full, inv, pbc, lo, width, heights)
+
+
+def _span(part: Partition, a: int) -> tuple[float, float]:
+    """``(lo, span)``: the fractional span ``[lo, lo + g_a * width]`` axis ``a`` splits."""
+    return float(part.lo[a]), float(part.width[a] * part.grid[a])
+
+
+def axis_histogram(part: Partition, values: Tensor, a: int,
+                   weights: Tensor | None = None) -> Tensor:
+    """``[BINS_PER_BOX * g_a]`` counts of fractional coordinates ``values [n]`` along axis
+    ``a`` over its partitioned span (:func:`~.balance.histogram`)."""
+    return histogram(values, *_span(part, a), part.grid[a], weights)
+
+
+def axis_histograms(part: Partition, u: Tensor) -> Tensor:
+    """Per-axis counts of wrapped fractional coordinates ``u [n, 3]``, concatenated:
+    ``[sum_a BINS_PER_BOX * g_a]`` float64 (what a decomposition all-reduces)."""
+    return torch.cat([axis_histogram(part, u[:, a], a) for a in range(3)])
+
+
+def balanced(part: Partition, hist: Tensor, min_width: float) -> Partition:
+    """``part`` with the cut planes of every axis at the atom-count quantiles of ``hist``
+    (:func:`axis_histograms`, summed over all atoms): balance ``shift``.
+
+    Args:
+        part: the equal-width partition (its ``lo``, ``width`` and grid).
+        hist: ``[sum_a BINS_PER_BOX * g_a]`` per-axis counts of all atoms.
+        min_width: Å, the thinnest box (the halo width; see :func:`~.balance.axis_cuts`).
+    """
+    cuts, start = [], 0
+    for a in range(3):
+        bins = BINS_PER_BOX * part.grid[a]
+        c = axis_cuts(hist[start:start + bins], *_span(part, a), part.grid[a],
+                      min_width / float(part.heights[a]))
+        start += bins
+        cuts.append(c.to(dtype=part.lo.dtype, device=part.lo.device))
+    return dataclasses.replace(part, cuts=tuple(cuts))
 
 
 def image_shifts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> tuple[Tensor, Tensor]:

@@ -88,11 +88,11 @@ def _check_root_graph(graph: AtomicGraph | None) -> AtomicGraph:
 
 
 def _root_payloads(graph: AtomicGraph, size: int, halo_width: float, grid: Grid | None,
-                   owner: Tensor | None):
+                   owner: Tensor | None, balance: str = "none"):
     """Rank 0: per-rank packed atoms (sorted by id within a rank), the metadata, the owners."""
     if owner is None:
         part = make_partition(graph.positions, graph.cell[0], graph.pbc[0], size, halo_width,
-                              grid)
+                              grid, balance)
         owner, grid = part.owner(part.fractional(graph.positions.detach())[0]), part.grid
     elif owner.shape != (graph.n_atoms,) or (graph.n_atoms and int(owner.max()) >= size):
         raise InputError(f"owner must give one of {size} ranks per atom")
@@ -111,7 +111,8 @@ def _root_payloads(graph: AtomicGraph, size: int, halo_width: float, grid: Grid 
 
 
 def scatter(graph: AtomicGraph | None, group, halo_width: float, grid: Grid | None = None,
-            device: torch.device | None = None, owner: Tensor | None = None):
+            device: torch.device | None = None, owner: Tensor | None = None,
+            balance: str = "none"):
     """Split rank 0's structure over the ranks of ``group``: each receives its owned atoms.
 
     Args:
@@ -120,6 +121,8 @@ def scatter(graph: AtomicGraph | None, group, halo_width: float, grid: Grid | No
         grid: ``(px, py, pz)`` or ``None`` (smallest halo volume).
         device: where the owned atoms go (default: the graph's device on rank 0, CPU else).
         owner: ``[n_atoms]`` (rank 0) the rank of each atom instead of its box.
+        balance: how the boxes are cut (:data:`~.balance.BALANCE`); the cuts of balance
+            ``shift`` are those the ranks' all-reduced histograms give at the first build.
     Returns:
         ``(owned graph, grid, n_total, owner)``: the owned atoms sorted by atom id, the
         partition's grid (``None`` when ``owner`` was given), the number of atoms, and every
@@ -133,7 +136,8 @@ def scatter(graph: AtomicGraph | None, group, halo_width: float, grid: Grid | No
         if rank == 0:
             graph = _check_root_graph(graph)
             device = device or graph.device
-            payloads, meta, owner = _root_payloads(graph, size, halo_width, grid, owner)
+            payloads, meta, owner = _root_payloads(graph, size, halo_width, grid, owner,
+                                                   balance)
     meta = C.broadcast_object(meta, group)
     device = device or torch.device("cpu")
     if rank == 0:

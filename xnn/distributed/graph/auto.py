@@ -57,11 +57,12 @@ def feature_size(model) -> int:
     return 64
 
 
-def halo_counts(graph: AtomicGraph, n_ranks: int, halo_width: float, grid=None) -> dict:
+def halo_counts(graph: AtomicGraph, n_ranks: int, halo_width: float, grid=None,
+                balance: str = "none") -> dict:
     """Owned and ghost atoms (periodic images included) per box of the spatial partition."""
     pos = graph.positions.detach().to(torch.float64)
     part = make_partition(pos, graph.cell[0].detach().to(torch.float64), graph.pbc[0],
-                          n_ranks, halo_width, grid)
+                          n_ranks, halo_width, grid, balance)
     u, _ = part.fractional(pos)
     owner = part.owner(u)
     t = part.thickness(halo_width)
@@ -76,7 +77,7 @@ def halo_counts(graph: AtomicGraph, n_ranks: int, halo_width: float, grid=None) 
 
 
 def choose_mode(model, graph: AtomicGraph, n_ranks: int, grid=None,
-                skin: float = 0.0) -> tuple[str, str]:
+                skin: float = 0.0, balance: str = "none") -> tuple[str, str]:
     """``(mode, reason)``: ``"graph"`` or the spatial mode (``"sync"``/``"halo"``) of the
     smaller estimated cost (see the module docstring), and one line saying why."""
     spatial = spatial_mode(model)
@@ -88,7 +89,7 @@ def choose_mode(model, graph: AtomicGraph, n_ranks: int, grid=None,
     if n_ranks == 1:
         return spatial, f"auto: {spatial} (one rank)"
     width = cutoff * (1 if spatial == "sync" else layers) + skin
-    c = halo_counts(graph, n_ranks, width, grid)
+    c = halo_counts(graph, n_ranks, width, grid, balance)
     worst = max(range(n_ranks), key=lambda r: c["owned"][r] + c["ghost"][r])
     n_own, n_ghost = max(c["owned"]), c["ghost"][worst]
     f = feature_size(model)

@@ -59,6 +59,7 @@ class GraphLayout:
     migrates = False
     syncs = True
     grid = None
+    balance = "none"  #: boxes are not cut (see SpatialLayout)
     filters = False
     long_range: list = []
 

@@ -89,6 +89,7 @@ class HostLayout:
 
     migrates = False
     grid = None
+    balance = "none"  #: boxes are not cut (see SpatialLayout)
 
     def __init__(self, mode: str = "halo"):
         if mode not in ("halo", "sync"):

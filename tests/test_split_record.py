@@ -64,7 +64,8 @@ def test_membership_is_the_old_lists_bit_for_bit_in_int32(tmp_path):
         write_emt(tmp_path / f"d{k}.xyz", n, ["Cu"], seed=k)
     write_emt(tmp_path / "v.xyz", 5, ["Cu"], seed=9)
     cfg = load_config(TrainConfig, None, [
-        f"data.datasets.0.path={tmp_path / 'd0.xyz'}", f"data.datasets.1.path={tmp_path / 'd1.xyz'}",
+        f"data.datasets.0.path={tmp_path / 'd0.xyz'}",
+        f"data.datasets.1.path={tmp_path / 'd1.xyz'}",
         "data.test_fraction=0.2", f"data.val.0.path={tmp_path / 'v.xyz'}", "seed=11"])
     splits = build_splits(cfg.data, cfg.loss, 3.0, cfg.seed)
     m = splits.membership

@@ -143,3 +143,19 @@ def test_float32_weights_draw_what_float64_drew_and_keep_the_distribution():
     # the float64 weights draw structures that differ from these in at most a few places
     same = sample_epoch(np.repeat(np.asarray(inexact), sizes), draws, 3, 0)
     assert (same != got).mean() < 1e-3
+
+
+def test_structure_weights_of_a_lazy_source_read_no_structure(tmp_path, monkeypatch):
+    """A lazy file's weights come from its dataset weight (was: every structure read, at
+    10^8 structures a pass over the whole set before the first weighted epoch)."""
+    from xnn.data.emt import write_emt
+    from xnn.data.sources import read_structures
+    from xnn.training.sampling import structure_weights
+
+    write_emt(tmp_path / "a.xyz", 7, ["Cu"], seed=0)
+    ds = read_structures(tmp_path / "a.xyz", 2.5, workers=0)
+    expected = [float(ds[i].weight[0]) for i in range(len(ds))]
+    monkeypatch.setattr(type(ds), "_atoms", lambda self, i: pytest.fail("a structure was read"))
+    w = structure_weights(Subset(ds, [6, 0, 3]))
+    assert w.dtype == np.float32 and w.tolist() == [2.5] * 3
+    assert structure_weights(ds).tolist() == expected

@@ -26,12 +26,16 @@ def structure_weights(dataset) -> np.ndarray:
     float64 did, bit for bit; any other weight is rounded to float32 first, a relative change
     of its probability below 6e-8).
 
-    Read from the wrappers' metadata where they carry it (:class:`~xnn.data.datasets.
-    HDF5Source`'s ``weight``, :class:`~xnn.data.datasets.Subset` indices,
+    Read from the wrappers' metadata where they carry it (the ``weight`` of an
+    :class:`~xnn.data.datasets.HDF5Source`, a lazy :class:`~xnn.data.sources.frames.
+    AtomsSource` (extxyz, ASE-LMDB, ASE SQLite: no structure is read) or a
+    :class:`~xnn.data.prepared.PreparedDataset`, :class:`~xnn.data.datasets.Subset` indices,
     :class:`~xnn.data.datasets.ConcatDataset` parts, :class:`~xnn.neighbors.datasets.WithEdges`);
     any other dataset is read once (each structure's ``weight [1]`` field).
     """
     from xnn.data.datasets import ConcatDataset, HDF5Source, InMemoryDataset, Subset
+    from xnn.data.prepared import PreparedDataset
+    from xnn.data.sources.frames import AtomsSource
     from xnn.neighbors.datasets import WithEdges
 
     if isinstance(dataset, WithEdges):
@@ -41,7 +45,7 @@ def structure_weights(dataset) -> np.ndarray:
     if isinstance(dataset, ConcatDataset):
         parts = [structure_weights(d) for d in dataset.datasets]
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    if isinstance(dataset, HDF5Source):
+    if isinstance(dataset, (HDF5Source, AtomsSource, PreparedDataset)):  # one weight a file
         return np.full(len(dataset), dataset.weight, dtype=np.float32)
     if isinstance(dataset, InMemoryDataset):
         graphs = dataset.graphs

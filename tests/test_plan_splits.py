@@ -159,3 +159,17 @@ def test_structure_weights_of_a_lazy_source_read_no_structure(tmp_path, monkeypa
     w = structure_weights(Subset(ds, [6, 0, 3]))
     assert w.dtype == np.float32 and w.tolist() == [2.5] * 3
     assert structure_weights(ds).tolist() == expected
+
+
+def test_narrow_keeps_int64_only_where_a_value_needs_it():
+    """Per-structure counts and offsets become int32 (4 bytes); the atom offsets of a
+    10^8-structure set (past 2^31) stay int64, unchanged in value."""
+    from xnn.data.datasets import narrow
+
+    counts = np.full(1000, 50, np.int64)
+    small = narrow(counts)
+    assert small.dtype == np.int32 and small.nbytes == 4 * 1000
+    assert narrow(small) is small
+    offsets = narrow(np.concatenate([[0], np.cumsum(np.full(5, 2**30, np.int64))]))
+    assert offsets.dtype == np.int64 and int(offsets[-1]) == 5 * 2**30
+    assert narrow([]).dtype == np.int32 and narrow([-(2**31) - 1]).dtype == np.int64

@@ -258,7 +258,7 @@ class HDF5Source(LabelledDataset):
         self.weight = float(weight)
         self.name = Path(path).name
         self.source = os.fspath(path)
-        self.n_atoms = narrow(self.inner.n_atoms)
+        self.n_atoms = self.inner.n_atoms  # int32
         empty = np.flatnonzero(np.asarray(self.n_atoms) == 0)
         if len(empty):
             raise DataFileError(f"{self.source}: structure {int(empty[0])} has no atoms "

@@ -7,7 +7,10 @@ the way training does (:func:`xnn.data.sources.read_structures`: atom counts, la
 and species of every structure) with ``--workers`` processes for the first pass, twice:
 
 * ``first_s``: no index stored (any index beside the file or in the cache is removed first);
-* ``second_s``: the index the first open wrote is read back.
+* ``second_s``: the index the first open wrote is read back;
+* ``bytes_per_structure``: what the opened source holds a structure for the run (atom
+  counts, atom offsets, byte offsets or row ids, label counts) and the float32 sampling
+  weight of ``data.samples_per_epoch`` (:func:`held_bytes`).
 
 ``*_cpu_s`` is the CPU time of the process and its workers (user + system), a better
 measure than the wall time on a shared machine; ``load`` is the 1-minute load average.
@@ -125,10 +128,24 @@ def open_once(path: str, workers: int) -> dict:
     ds = read_structures(path, workers=workers)
     counts = ds.label_counts()
     species = ds.species()
-    return {"seconds": time.perf_counter() - t0, "cpu_s": _cpu_s() - c0,
+    seconds, cpu_s = time.perf_counter() - t0, _cpu_s() - c0
+    return {"seconds": seconds, "cpu_s": cpu_s,
             "load": os.getloadavg()[0], "structures": len(ds),
             "atoms": int(np.asarray(ds.n_atoms).sum()), "labels": counts.sum(0).tolist(),
-            "species": species}
+            "species": species, "bytes_per_structure": held_bytes(ds) / len(ds)}
+
+
+def held_bytes(ds) -> int:
+    """Bytes of the per-structure arrays an open source holds for the run (atom counts,
+    atom offsets, byte offsets or row ids, label counts), plus the sampling weights the
+    planner keeps for ``data.samples_per_epoch`` (:func:`~xnn.training.sampling.
+    structure_weights`)."""
+    from xnn.training.sampling import structure_weights
+
+    parts = [getattr(s, name, None) for s in [ds, *getattr(ds, "datasets", [])]  # shards
+             for name in ("n_atoms", "_atom_ptr", "offsets", "ids", "_label_counts")]
+    held = sum(a.nbytes for a in parts if isinstance(a, np.ndarray))
+    return held + structure_weights(ds).nbytes
 
 
 def per_row(path: str, k: int) -> dict:
@@ -211,11 +228,13 @@ def main() -> None:
             row = {"format": fmt, "n": a.n, "workers": workers, "first_s": first["seconds"],
                    "first_cpu_s": first["cpu_s"], "second_s": second["seconds"],
                    "second_cpu_s": second["cpu_s"], "load": first["load"],
-                   "mib": path.stat().st_size / 2**20}
+                   "mib": path.stat().st_size / 2**20,
+                   "bytes_per_structure": second["bytes_per_structure"]}
             rows.append(row)
             print(f"{fmt:8s} workers={workers} first {row['first_s']:7.2f} s "
                   f"({row['first_cpu_s']:.2f} CPU s)  second {row['second_s']:6.3f} s  "
-                  f"(load {row['load']:.1f})", flush=True)
+                  f"(load {row['load']:.1f}), {row['bytes_per_structure']:.1f} B/structure "
+                  "held", flush=True)
     if a.shards and not a.write_only:
         folder = write_shards(work, a.n, a.shards)
         for p in folder.glob(".*.xnn-index.npz"):

@@ -15,7 +15,13 @@ for each number of data-parallel ranks in ``--ranks``, for rank 0 of epoch 0:
   of each (``before``: the int64 permutation, sorted copies and int64 subsets it replaced);
 * ``draws``: ``data.samples_per_epoch = n`` draws by dataset weight from ``n`` structures of
   one weight (:func:`~xnn.training.sampling.sample_epoch`; ``before``: ``rng.choice`` cast to
-  int32, as the planner did). ``ranks`` plays no part in these two.
+  int32, as the planner did);
+* ``record``: the split as above, then the run's split record (``split.json``) made from it,
+  written and read back (:mod:`xnn.app.split_record`: the splits' own int32 arrays held,
+  ``split.npy`` written a row at a time and read memory-mapped; ``before``: each split's
+  indices as a Python list, written as a JSON text of lists and read back with
+  ``json.loads``, as :func:`~xnn.app.train_data.split_membership` and ``write_split`` did).
+  Less the ``split`` row, the record's own memory. ``ranks`` plays no part in these three.
 
 ``after`` is the planner of this tree (:class:`~xnn.training.plan.BatchPlan`: the epoch as
 two int32/int64 arrays, this rank's shares made a block at a time while they are read, as
@@ -39,10 +45,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -81,8 +89,40 @@ def _split_before(dataset: _Sizes, n: int) -> list:
     return [_Sizes(np.asarray(dataset.n_atoms)[p]) for p in parts] + parts  # Subset's arrays
 
 
+def _record(impl: str, parts: list, folder: Path) -> int:
+    """The split record of ``parts`` (train, val, test Subsets) made, written to ``folder``
+    and read back; returns the structures read back."""
+    names = ("train", "val", "test")
+    if impl == "before":
+        m = {"files": [], **{k: [{"file": 0, "indices": p.indices.tolist()}]
+                             for k, p in zip(names, parts)}}
+        text = json.dumps({"format": "xnn-split", "version": 1, "seed": 0, **m}, indent=1)
+        text = re.sub(r"\[\n\s*([-\d,\s]*?)\n\s*\]",
+                      lambda g: f"[{' '.join(g[1].split())}]", text)
+        (folder / "split.json").write_text(text + "\n")
+        back = json.loads((folder / "split.json").read_text())
+    else:
+        from xnn.app.split_record import read_split, write_split
+
+        m = {"files": [], **{k: [{"file": 0, "indices": p.indices}]
+                             for k, p in zip(names, parts)}}
+        write_split(m, {"seed": 0}, folder / "split.json")
+        back = read_split(folder / "split.json")
+    return sum(len(r["indices"]) for k in names for r in back[k])
+
+
 def prepare(mode: str, impl: str, n_atoms: np.ndarray) -> int:
-    """The split (``split``) or the epoch's draws (``draws``); returns structures held."""
+    """The split (``split``), its record (``record``) or the epoch's draws (``draws``);
+    returns structures held."""
+    if mode == "record":
+        import tempfile
+
+        from xnn.data.datasets import Subset, split_indices
+
+        ds = _Sizes(n_atoms)
+        parts = [Subset(ds, p) for p in split_indices(len(n_atoms), 0.05, 0.05, seed=0)]
+        with tempfile.TemporaryDirectory() as folder:
+            return _record(impl, parts, Path(folder))
     if mode == "split":
         from xnn.data.datasets import Subset, split_indices
 
@@ -104,7 +144,7 @@ def prepare(mode: str, impl: str, n_atoms: np.ndarray) -> int:
 def plan(mode: str, impl: str, n_atoms: np.ndarray, ranks: int, budget: int) -> int:
     """Rank 0's plan of epoch 0, its shares read once; returns the number of steps (for
     ``split`` and ``draws``: the training structures, or the draws)."""
-    if mode in ("split", "draws"):
+    if mode in ("split", "draws", "record"):
         return prepare(mode, impl, n_atoms)
     if impl == "before":
         if mode == "balanced":
@@ -135,7 +175,7 @@ def _rss_mib() -> float:
 def run_case(mode: str, impl: str, n: int, ranks: int, budget: int) -> dict:
     """One case in this process (the ``--case`` entry)."""
     n_atoms = synthetic_sizes(n)
-    if mode == "split":  # as a lazy source holds it
+    if mode in ("split", "record"):  # as a lazy source held it
         n_atoms = n_atoms.astype(np.int64)
     base = _rss_mib()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -158,7 +198,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7, 10**8])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--modes", nargs="+", default=["atoms", "balanced"],
-                    help="atoms, balanced, split, draws")
+                    help="atoms, balanced, split, draws, record")
     ap.add_argument("--budget", type=int, default=2000, help="atoms per rank's share")
     ap.add_argument("--max-n", type=int, default=10**8, help="largest n measured (after)")
     ap.add_argument("--max-n-before", type=int, default=10**7,

@@ -293,7 +293,7 @@ def test_overwrite_swaps_in_the_new_run_only_when_it_completes(
     assert f"resumed from {run / '.xnn-new-run'}" in capsys.readouterr().out
     names = sorted(p.name for p in run.iterdir())
     assert names == ["checkpoints", "config.yaml", "metrics.csv", "model.pt", "notes.txt",
-                     "split.json", "summary.json"]
+                     "split.json", "split.npy", "summary.json"]
     assert (run / "notes.txt").read_text() == "mine\n"
     assert tree(run)["model.pt"] != before["model.pt"]
     assert load_model(run / "model.pt").hparams["num_features"] == 8  # the new schnet

@@ -401,7 +401,9 @@ def test_a_second_open_reads_the_stored_index(tmp_path, frames, fmt, monkeypatch
     monkeypatch.setattr(cls, "_atoms", lambda self, i: pytest.fail("a structure was read"))
     monkeypatch.setattr(cls, "_scan", lambda self: pytest.fail("the file was scanned"))
     again = read_structures(path, workers=0)
-    assert again.n_atoms.dtype == np.int64
+    # held as int32 on both opens (4 bytes a count; 12 a structure's label counts)
+    assert again.n_atoms.dtype == ds.n_atoms.dtype == np.int32
+    assert again.label_counts().dtype == ds.label_counts().dtype == np.int32
     assert again.n_atoms.tolist() == ds.n_atoms.tolist()
     assert (again.label_counts() == counts).all() and again.species() == species
     monkeypatch.undo()

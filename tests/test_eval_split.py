@@ -11,6 +11,7 @@ import pytest
 import torch
 from error_helpers import cli_fails
 
+from xnn.app.evaluate import read_split_record
 from xnn.cli.main import main
 from xnn.config.loader import load_config
 from xnn.config.train import TrainConfig
@@ -45,7 +46,7 @@ def eval_json(capsys, tmp_path, *args) -> dict:
 
 def test_split_json_partitions_the_data(run):
     folder, data, _ = run
-    record = json.loads((folder / "split.json").read_text())
+    record = read_split_record(folder)
     (f,) = record["files"]
     assert f["path"] == str(data) and f["energy_key"] == "energy" and "sha256" in f["fingerprint"]
     sets = {s: [i for row in record[s] for i in row["indices"]] for s in ("train", "val", "test")}

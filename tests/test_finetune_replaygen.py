@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from xnn.app.evaluate import read_split_record
 from xnn.config.loader import ConfigError, load_config
 from xnn.config.train import TrainConfig
 from xnn.data.emt import write_emt
@@ -86,7 +87,7 @@ def test_structures_are_perturbed_training_structures(run, data):
     import ase.io
 
     out, _ = run
-    record = json.loads((out / "split.json").read_text())
+    record = read_split_record(out)
     train_rows = record["train"]
     assert len(train_rows) == 1
     train_idx = train_rows[0]["indices"]
@@ -100,13 +101,13 @@ def test_structures_are_perturbed_training_structures(run, data):
 
 def test_split_json_records_the_replay_structures(run):
     out, _ = run
-    record = json.loads((out / "split.json").read_text())
+    record = read_split_record(out)
     files = {f["config_key"]: i for i, f in enumerate(record["files"])}
     k = files["finetune.replay_from_pretrained"]
     assert record["files"][k]["path"].endswith(FILE)
     rows_t = [r for r in record["replay_train"] if r["file"] == k]
     rows_v = [r for r in record["replay_val"] if r["file"] == k]
-    got = sorted(rows_t[0]["indices"] + (rows_v[0]["indices"] if rows_v else []))
+    got = sorted([*rows_t[0]["indices"], *(rows_v[0]["indices"] if rows_v else [])])
     assert got == list(range(6)) and record["replay_selection"] is None
     assert record["files"][k]["fingerprint"]
 
@@ -118,7 +119,7 @@ def test_the_file_is_deterministic_for_a_seed(run, data, pretrained):
     from xnn.data.datasets import Subset
 
     out, summary = run
-    record = json.loads((out / "split.json").read_text())
+    record = read_split_record(out)
     train = Subset(read_structures(str(data / "cu_new.xyz")), record["train"][0]["indices"])
     model = load_model(pretrained)
     assert replay_text(model, train, 6, 0, 0.05, 0.02) == (out / FILE).read_text()

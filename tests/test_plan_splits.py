@@ -102,3 +102,74 @@ def test_epoch_draws_refuse_bad_weights():
     for w in (np.zeros(3), np.asarray([1.0, -1.0, 2.0]), np.asarray([1.0, np.inf])):
         with pytest.raises(InputError):
             sample_epoch(w, 5, 0, 0)
+
+
+def test_float32_weights_draw_what_float64_drew_and_keep_the_distribution():
+    """structure_weights are float32 (4 bytes a structure): dataset weights exact in float32
+    draw bit for bit what their float64 array drew; others (0.1, 0.3) are rounded to float32
+    first, and the draws keep each dataset's share ``n_d w_d / Σ n w`` (binomial, 5 sigma)."""
+    from ase.build import bulk
+
+    from xnn.data.ase_io import from_ase
+    from xnn.data.datasets import ConcatDataset
+    from xnn.training.sampling import structure_weights
+
+    sizes = (3000, 1000, 2000)
+    one = from_ase([bulk("Cu", "fcc", a=3.6)])
+
+    def weighted(ws):
+        parts = [InMemoryDataset([normalize_labels(one, w)] * n) for n, w in zip(sizes, ws)]
+        return ConcatDataset(parts)
+
+    exact = weighted((1.0, 2.0, 0.5))
+    w32 = structure_weights(exact)
+    assert w32.dtype == np.float32 and w32.nbytes == 4 * sum(sizes)
+    w64 = np.repeat(np.asarray([1.0, 2.0, 0.5]), sizes)
+    for epoch in range(3):
+        assert np.array_equal(sample_epoch(w32, 10_000, 7, epoch),
+                              sample_epoch(w64, 10_000, 7, epoch))
+    inexact = (0.1, 0.3, 0.7)
+    w32 = structure_weights(weighted(inexact))
+    assert w32.dtype == np.float32 and w32[0] == np.float32(0.1)
+    draws = 200_000
+    got = sample_epoch(w32, draws, 3, 0)
+    bounds = np.cumsum([0, *sizes])
+    share = np.asarray(sizes) * np.asarray(inexact)
+    share /= share.sum()
+    for d in range(3):
+        n_d = int(((got >= bounds[d]) & (got < bounds[d + 1])).sum())
+        sigma = np.sqrt(draws * share[d] * (1 - share[d]))
+        assert abs(n_d - draws * share[d]) < 5 * sigma
+    # the float64 weights draw structures that differ from these in at most a few places
+    same = sample_epoch(np.repeat(np.asarray(inexact), sizes), draws, 3, 0)
+    assert (same != got).mean() < 1e-3
+
+
+def test_structure_weights_of_a_lazy_source_read_no_structure(tmp_path, monkeypatch):
+    """A lazy file's weights come from its dataset weight (was: every structure read, at
+    10^8 structures a pass over the whole set before the first weighted epoch)."""
+    from xnn.data.emt import write_emt
+    from xnn.data.sources import read_structures
+    from xnn.training.sampling import structure_weights
+
+    write_emt(tmp_path / "a.xyz", 7, ["Cu"], seed=0)
+    ds = read_structures(tmp_path / "a.xyz", 2.5, workers=0)
+    expected = [float(ds[i].weight[0]) for i in range(len(ds))]
+    monkeypatch.setattr(type(ds), "_atoms", lambda self, i: pytest.fail("a structure was read"))
+    w = structure_weights(Subset(ds, [6, 0, 3]))
+    assert w.dtype == np.float32 and w.tolist() == [2.5] * 3
+    assert structure_weights(ds).tolist() == expected
+
+
+def test_narrow_keeps_int64_only_where_a_value_needs_it():
+    """Per-structure counts and offsets become int32 (4 bytes); the atom offsets of a
+    10^8-structure set (past 2^31) stay int64, unchanged in value."""
+    from xnn.data.datasets import narrow
+
+    counts = np.full(1000, 50, np.int64)
+    small = narrow(counts)
+    assert small.dtype == np.int32 and small.nbytes == 4 * 1000
+    assert narrow(small) is small
+    offsets = narrow(np.concatenate([[0], np.cumsum(np.full(5, 2**30, np.int64))]))
+    assert offsets.dtype == np.int64 and int(offsets[-1]) == 5 * 2**30
+    assert narrow([]).dtype == np.int32 and narrow([-(2**31) - 1]).dtype == np.int64

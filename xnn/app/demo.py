@@ -87,7 +87,7 @@ def demo_train(out_dir: str | os.PathLike, epochs: int = 40, max_minutes: float 
 
     Args:
         out_dir: folder for everything: ``emt_cu.xyz``, ``train/`` (checkpoints, metrics.csv,
-            learning_curves.png, parity_test.png, model.pt, split.json, summary.json).
+            learning_curves.png, parity_test.png, model.pt, split.json, split.npy, summary.json).
         epochs: training epochs (a fixed count: the result does not depend on the machine).
         max_minutes: wall-clock cap of the training loop; when it binds, the run stops early
             (keeping the best validated weights) and a warning is printed to stderr and

@@ -88,10 +88,12 @@ def _refuse_absent_named_keys(path: str, ds, keys: dict[str, str], named) -> Non
 
 
 def read_split_record(run_dir: str | Path) -> dict:
-    """The ``split.json`` of a training run folder.
+    """The ``split.json`` of a training run folder, each row's ``indices`` an integer
+    array (:func:`xnn.app.split_record.read_split`: this version's record and earlier ones).
 
     Raises:
-        InputError: ``run_dir`` is not a run folder, or has no (readable) ``split.json``.
+        InputError: ``run_dir`` is not a run folder, or has no (readable) ``split.json``
+            (or its ``split.npy`` is missing or another).
     """
     run = Path(run_dir)
     if not run.is_dir():
@@ -102,13 +104,9 @@ def read_split_record(run_dir: str | Path) -> dict:
         raise InputError(f"{run} has no split.json (written by xnn train when a run "
                          "completes; runs of earlier xnn versions have none): evaluate a "
                          "file instead, xnn eval MODEL DATA")
-    try:
-        record = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path} is not a split record ({e})") from None
-    if not isinstance(record, dict) or record.get("format") != "xnn-split":
-        raise InputError(f"{path} is not a split record written by xnn train")
-    return record
+    from xnn.app.split_record import read_split
+
+    return read_split(path)
 
 
 def _open_recorded(entry: dict, run: Path):

@@ -61,7 +61,7 @@ from xnn.training.trainer import Trainer
 SUGGEST = {"resume": ("checkpoints/last.pt",), "pretrained": ("model.pt",)}
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "steps.csv", "summary.json", "model.pt",
              "learning_curves.png", "parity_test.png", "parity_val.png", "tensorboard",
-             "split.json", "replay_pretrained.xyz", "calibration_val.png")
+             "split.json", "split.npy", "replay_pretrained.xyz", "calibration_val.png")
 
 
 def resolve_resume(cfg: TrainConfig) -> str | None:

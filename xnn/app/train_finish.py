@@ -5,7 +5,6 @@ committee, its calibration on the validation set (``summary.json``'s ``committee
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -87,24 +86,19 @@ def e0_record(cfg: TrainConfig, model) -> dict:
             "values": {symbols([z])[0]: float(v) for z, v in sorted(e0.items())}}
 
 
-SPLIT_FORMAT = "xnn-split"
-
-
 def write_split(cfg: TrainConfig, membership: dict | None, path: Path) -> None:
     """Save which structures of which file were trained on, validated and tested on
-    (``split.json``), with each file's identity (size and SHA-256), so that
-    ``xnn eval --split test RUN_DIR`` evaluates exactly the test set."""
+    (``split.json`` and its index array ``split.npy``, :mod:`xnn.app.split_record`), with
+    each file's identity (size and SHA-256), so that ``xnn eval --split test RUN_DIR``
+    evaluates exactly the test set."""
+    from xnn.app.split_record import write_split as write_record
     from xnn.distributed.agreement import file_fingerprint
 
     if membership is None:
         return
     files = [{**f, "abs_path": str(Path(f["path"]).resolve()),
               "fingerprint": file_fingerprint(f["path"])} for f in membership["files"]]
-    record = {"format": SPLIT_FORMAT, "version": 1, "seed": cfg.seed,
-              **membership, "files": files}
-    text = json.dumps(record, indent=1)  # index lists on one line each:
-    text = re.sub(r"\[\n\s*([-\d,\s]*?)\n\s*\]", lambda m: f"[{' '.join(m[1].split())}]", text)
-    path.write_text(text + "\n")
+    write_record(membership, {"seed": cfg.seed, "files": files}, path)
 
 
 def _final_path(cfg: TrainConfig, loop, path) -> str:

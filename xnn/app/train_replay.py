@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from xnn.config.train import DataConfig, DatasetConfig
-from xnn.data.datasets import ConcatDataset, Subset, split_indices
+from xnn.data.datasets import ConcatDataset, Subset, compact_indices, split_indices
 from xnn.errors import DataFileError, InputError
 from xnn.models.heads import DEFAULT_HEAD, REPLAY_HEAD, check_head_names
 from xnn.training.finetune import WithHead
@@ -127,28 +127,27 @@ def replay_parts(data: DataConfig, open_entry, seed: int, weight: float,
     pool = chosen = _concat(train)
     selection = None
     if pool is not None and fraction is not None:
-        selection = _selection(len(pool), fraction, n_new, seed)
-        chosen = Subset(pool, selection)
+        selection = compact_indices(_selection(len(pool), fraction, n_new, seed), len(pool))
+        chosen = Subset(pool, selection)  # holds that array: the record's, no copy
     return ReplayParts(chosen, _concat(val), pool, entries, sizes, tr_idx, va_idx, selection)
 
 
 def replay_membership(parts: ReplayParts, n_replay_files: int, first_file: int) -> dict:
     """The replay part of ``split.json``: ``files`` (``config_key``: ``data.replay.k`` or
     ``finetune.replay_from_pretrained``), ``replay_train``/``replay_val`` rows
-    ``{"file": i, "indices": [...]}`` (file ``i`` counted from ``first_file``) and
-    ``replay_selection`` (``None``: every replay training structure once)."""
+    ``{"file": i, "indices": array}`` (file ``i`` counted from ``first_file``) and
+    ``replay_selection`` (an int32 array into the pool, ``None``: every replay training
+    structure once); arrays, never lists (:func:`xnn.app.train_data.split_membership`)."""
     files = [{"config_key": (f"data.replay.{k}" if k < n_replay_files
                              else "finetune.replay_from_pretrained"), **dataclasses.asdict(e)}
              for k, e in enumerate(parts.entries)]
 
     def rows(indices):
-        return [{"file": first_file + k, "indices": np.asarray(ix).tolist()}
+        return [{"file": first_file + k, "indices": np.asarray(ix)}
                 for k, ix in enumerate(indices) if len(ix) > 0]
 
     return {"files": files, "replay_train": rows(parts.train_indices),
-            "replay_val": rows(parts.val_indices),
-            "replay_selection": (None if parts.selection is None
-                                 else parts.selection.tolist())}
+            "replay_val": rows(parts.val_indices), "replay_selection": parts.selection}
 
 
 def _selection(n_pool: int, fraction: float, n_new: int, seed: int) -> np.ndarray:

@@ -98,8 +98,20 @@ def normalize_labels(graph: AtomicGraph, weight: float = 1.0) -> AtomicGraph:
     return graph.replace(new)
 
 
+def narrow(values) -> np.ndarray:
+    """An integer array of per-structure numbers (atom counts, atom or byte offsets, row ids)
+    as int32 where every value fits (4 bytes an entry where int64 took 8; the array itself
+    where it is int32 already), else int64: the atom offsets of a 10^8-structure set pass
+    ``2**31`` and stay int64. Sums and cumulative sums of int32 arrays are int64 in numpy."""
+    a = np.asarray(values)
+    if a.dtype.kind not in "iu":
+        a = a.astype(np.int64)
+    fits = not a.size or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31)
+    return a.astype(np.int32 if fits else np.int64, copy=False)
+
+
 def label_counts_of(graph: AtomicGraph) -> np.ndarray:
-    """``[n_systems, 3]`` int64 labelled items per system of a normalised graph: energies
+    """``[n_systems, 3]`` int32 labelled items per system of a normalised graph: energies
     (0/1), force components (3 × atoms with a finite force) and stress components (0/9), as
     the loss counts them (:func:`xnn.training.losses.labelled`)."""
     b, s = graph.batch, graph.n_systems
@@ -107,7 +119,7 @@ def label_counts_of(graph: AtomicGraph) -> np.ndarray:
     n_ok = torch.zeros(s, dtype=torch.long, device=graph.device).index_add(0, b, forces_ok)
     stress_ok = torch.isfinite(graph.stress).flatten(1).all(-1)
     return torch.stack([torch.isfinite(graph.energy).long(), 3 * n_ok, 9 * stress_ok.long()],
-                       -1).cpu().numpy()
+                       -1).cpu().numpy().astype(np.int32)
 
 
 def origin_of(dataset, index: int) -> tuple[str, int]:
@@ -119,7 +131,7 @@ def origin_of(dataset, index: int) -> tuple[str, int]:
 
 def count_labels_by_reading(dataset) -> np.ndarray:
     rows = [label_counts_of(dataset[i]) for i in range(len(dataset))]
-    return np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
+    return np.concatenate(rows) if rows else np.zeros((0, 3), np.int32)
 
 
 class EntryStatistics(NamedTuple):
@@ -178,7 +190,8 @@ class LabelledDataset:
         return None
 
     def label_counts(self) -> np.ndarray:
-        """``[len, 3]`` int64 labelled items per structure (see :func:`label_counts_of`)."""
+        """``[len, 3]`` int32 labelled items per structure (see :func:`label_counts_of`):
+        12 bytes a structure (24 as int64); their sums are int64."""
         if self._label_counts is None:
             self._label_counts = self._count_labels()
         return self._label_counts
@@ -215,7 +228,7 @@ class InMemoryDataset(LabelledDataset):
         self.name = name
         self.source = source
         self._isolated = dict(isolated or {})
-        self.n_atoms = np.asarray([g.n_atoms for g in self.graphs], dtype=np.int64)
+        self.n_atoms = np.asarray([g.n_atoms for g in self.graphs], dtype=np.int32)
 
     def origin(self, index: int) -> tuple[str, int]:
         return (self.source or self.name), int(index)
@@ -245,7 +258,7 @@ class HDF5Source(LabelledDataset):
         self.weight = float(weight)
         self.name = Path(path).name
         self.source = os.fspath(path)
-        self.n_atoms = self.inner.n_atoms
+        self.n_atoms = self.inner.n_atoms  # int32
         empty = np.flatnonzero(np.asarray(self.n_atoms) == 0)
         if len(empty):
             raise DataFileError(f"{self.source}: structure {int(empty[0])} has no atoms "
@@ -278,7 +291,7 @@ class HDF5Source(LabelledDataset):
         n_ok = np.where(self.n_atoms > 0, n_ok, 0)
         energy = self._finite_rows(f["energy"][:].reshape(-1, 1), "energy")
         stress = self._finite_rows(f["stress"][:].reshape(-1, 9), "stress")
-        return np.stack([energy.astype(np.int64), 3 * n_ok, 9 * stress.astype(np.int64)], -1)
+        return np.stack([energy, 3 * n_ok, 9 * stress], -1).astype(np.int32)
 
     def _finite_rows(self, rows: np.ndarray, name: str, start: int = 0) -> np.ndarray:
         """``[len(rows)]`` bool: the rows (an atom's force, a structure's energy or stress)

@@ -141,10 +141,12 @@ class HDF5Dataset:
                 if f.attrs.get("format") != FORMAT:
                     raise DataFileError(f"{str(self.path)!r} is not an xnn HDF5 dataset "
                                         f"(format attribute {f.attrs.get('format')!r})")
-                self.atom_ptr = np.asarray(f["atom_ptr"][:], dtype=np.int64)
+                self.atom_ptr = np.asarray(f["atom_ptr"][:], dtype=np.int64)  # past 2**31
         except OSError as e:
             raise DataFileError(f"cannot read HDF5 file {str(self.path)!r}: {e}") from None
         self.n_atoms = np.diff(self.atom_ptr)
+        if not self.n_atoms.size or int(self.n_atoms.max()) < 2**31:
+            self.n_atoms = self.n_atoms.astype(np.int32)  # 4 bytes a structure
         self._file = None
         self._pid = None
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from xnn.data import keys as K
-from xnn.data.datasets import EntryStatistics, LabelledDataset, label_counts_of
+from xnn.data.datasets import EntryStatistics, LabelledDataset, label_counts_of, narrow
 from xnn.data.graph import AtomicGraph
 from xnn.errors import DataFileError, InputError
 
@@ -300,11 +300,11 @@ class PreparedDataset(LabelledDataset):
 
     @property
     def n_atoms(self) -> np.ndarray:
-        """``[len]`` int64 atoms per structure (from the shards' offsets)."""
+        """``[len]`` int32 atoms per structure (from the shards' offsets; int64 only if one
+        reaches ``2**31``)."""
         if self._n_atoms is None:
             parts = [np.diff(self._array(s, "atom_ptr")) for s in range(len(self.first) - 1)]
-            self._n_atoms = (np.concatenate(parts) if parts
-                             else np.zeros(0, np.int64)).astype(np.int64)
+            self._n_atoms = narrow(np.concatenate(parts) if parts else np.zeros(0, np.int64))
         return self._n_atoms
 
     @property
@@ -348,7 +348,7 @@ class PreparedDataset(LabelledDataset):
                 int(self._array(s, "source_index")[j]))
 
     def _count_labels(self) -> np.ndarray:
-        return self._entries("label_counts").reshape(-1, 3).astype(np.int64)
+        return self._entries("label_counts").reshape(-1, 3).astype(np.int32)
 
     def isolated_atoms(self) -> dict[int, tuple[int, float]]:
         return {int(i): (int(z), float(e)) for i, z, e in self.manifest["isolated_atoms"]}

@@ -26,6 +26,7 @@ import zlib
 
 import numpy as np
 
+from xnn.data.datasets import narrow
 from xnn.data.sources.frames import AtomsSource
 from xnn.errors import DataFileError
 
@@ -58,8 +59,8 @@ class _Rows:
         return {"ids": self.ids, "n_atoms": self.n_atoms}
 
     def _use(self, arrays: dict[str, np.ndarray]) -> None:
-        self.ids = arrays["ids"].astype(np.int64)
-        self.n_atoms = arrays["n_atoms"].astype(np.int64)
+        self.ids = narrow(arrays["ids"])
+        self.n_atoms = narrow(arrays["n_atoms"])
 
 
 def _atoms_of_row(row):
@@ -127,7 +128,7 @@ class SQLiteSource(_Rows, AtomsSource):
     def _scan(self) -> None:
         rows = self._query("SELECT id, natoms FROM systems ORDER BY id")
         table = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
-        self.ids, self.n_atoms = table[:, 0], table[:, 1]
+        self.ids, self.n_atoms = narrow(table[:, 0]), narrow(table[:, 1])
 
     def _query(self, sql: str) -> list:
         uri = "file:" + os.path.abspath(self.source) + "?mode=ro"
@@ -173,10 +174,9 @@ class LMDBSource(_Rows, AtomsSource):
 
     def _scan(self) -> None:
         db = self._handle()
-        self.ids = np.asarray(db.ids, dtype=np.int64)
+        self.ids = narrow(np.asarray(db.ids, dtype=np.int64))
         with db.env.begin() as txn:
-            self.n_atoms = np.asarray([self._count(txn, i) for i in self.ids.tolist()],
-                                      dtype=np.int64)
+            self.n_atoms = narrow([self._count(txn, i) for i in self.ids.tolist()])
 
     def _handle(self):
         """The database, opened at most once per process and file (see ``_LMDB_OPEN``), and

@@ -2,10 +2,11 @@
 
 Opening makes one pass over the file that looks only at line breaks and the atom-count
 line of each frame (numpy over 64 MiB blocks of a memory map; the rest of a frame is
-skipped, not parsed) and keeps ``[frames + 1]`` int64 byte offsets and ``[frames]`` atom
-counts in memory (16 bytes a frame), stored on disk with the label counts after the first
-pass (:mod:`xnn.data.sources.index`). ``ds[i]`` reads the bytes of frame ``i`` and parses
-them with ASE's extxyz reader, so a structure equals the same frame of
+skipped, not parsed) and keeps ``[frames + 1]`` byte offsets (int32 in a file below 2 GiB,
+else int64) and ``[frames]`` int32 atom counts in memory (8 or 12 bytes a frame), stored on
+disk with the label counts after the first pass (:mod:`xnn.data.sources.index`). ``ds[i]``
+reads the bytes of frame ``i`` and parses them with ASE's extxyz reader, so a structure
+equals the same frame of
 ``ase.io.read(path, ":")``.
 """
 
@@ -14,9 +15,11 @@ from __future__ import annotations
 import io
 import mmap
 import os
+from array import array
 
 import numpy as np
 
+from xnn.data.datasets import narrow
 from xnn.data.sources.frames import AtomsSource
 from xnn.errors import DataFileError
 
@@ -41,8 +44,8 @@ def frame_index(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     """
     source = os.fspath(path)
     size = os.path.getsize(source)
-    starts: list[int] = []
-    counts: list[int] = []
+    starts = array("q")  # 8 bytes a frame while scanning (a list of ints took ~40)
+    counts = array("q")
     if size == 0:
         return np.zeros(1, np.int64), np.zeros(0, np.int64)
     with open(source, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -77,7 +80,8 @@ def frame_index(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
             if header > lines_before + (1 if tail else 0):
                 raise DataFileError(f"cannot parse {source}: frame {len(starts) - 1} is cut "
                                     f"short (it should have {counts[-1]} atom lines)")
-    return np.asarray(starts + [end], dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    starts.append(end)
+    return narrow(np.frombuffer(starts, np.int64)), narrow(np.frombuffer(counts, np.int64))
 
 
 class ExtxyzSource(AtomsSource):
@@ -98,8 +102,8 @@ class ExtxyzSource(AtomsSource):
         return {"offsets": self.offsets, "n_atoms": self.n_atoms}
 
     def _use(self, arrays: dict[str, np.ndarray]) -> None:
-        self.offsets = arrays["offsets"].astype(np.int64)
-        self.n_atoms = arrays["n_atoms"].astype(np.int64)
+        self.offsets = narrow(arrays["offsets"])  # byte offsets: int64 from 2 GiB files
+        self.n_atoms = narrow(arrays["n_atoms"])
 
     def _connect(self):
         return open(self.source, "rb")  # noqa: SIM115 (held for the process, see _handle)

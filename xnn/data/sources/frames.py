@@ -23,6 +23,7 @@ from xnn.data.datasets import (
     LabelledDataset,
     is_isolated_atom,
     label_counts_of,
+    narrow,
     normalize_labels,
     refuse_non_finite_labels,
 )
@@ -78,14 +79,14 @@ def _label_row(atoms, keys: dict[str, str]) -> np.ndarray | None:
         return None
     stress = "stress" in labels or ("virial" in labels and bool(np.all(atoms.pbc)))
     return np.asarray([int("energy" in labels), 3 * len(atoms) * int("forces" in labels),
-                       9 * int(stress)], dtype=np.int64)
+                       9 * int(stress)], dtype=np.int32)
 
 
 def counts_of_presence(bits: np.ndarray, n_atoms: np.ndarray) -> np.ndarray:
-    """``[len, 3]`` label counts from ``[len]`` uint8 label presence (bit 0 energy, 1
+    """``[len, 3]`` int32 label counts from ``[len]`` uint8 label presence (bit 0 energy, 1
     forces of every atom, 2 stress)."""
-    bits = np.asarray(bits, dtype=np.int64)
-    return np.stack([bits & 1, 3 * np.asarray(n_atoms, np.int64) * ((bits >> 1) & 1),
+    bits = np.asarray(bits, dtype=np.int32)
+    return np.stack([bits & 1, 3 * np.asarray(n_atoms, np.int32) * ((bits >> 1) & 1),
                      9 * ((bits >> 2) & 1)], -1)
 
 
@@ -192,7 +193,7 @@ class AtomsSource(LabelledDataset):
         if "labels" in stored:
             self._label_counts = counts_of_presence(stored["labels"], self.n_atoms)
         elif "label_counts" in stored:
-            self._label_counts = stored["label_counts"].astype(np.int64)
+            self._label_counts = stored["label_counts"].astype(np.int32)
         if "species" in stored:
             self._species = stored["species"].astype(np.int64).tolist()
 
@@ -232,10 +233,11 @@ class AtomsSource(LabelledDataset):
     def _refuse_empty(self) -> None:
         """Refuse a file without structures, or a structure without atoms, when the index is
         read (one line)."""
-        self.n_atoms = np.asarray(self.n_atoms, dtype=np.int64)
+        self.n_atoms = narrow(self.n_atoms)  # int32: 4 bytes a structure
         if not len(self.n_atoms):
             raise DataFileError(f"no structures in {self.source}")
-        self._atom_ptr = np.concatenate([[0], np.cumsum(self.n_atoms)]).astype(np.int64)
+        # the first atom's global id: int64 from 2**31 atoms (a 10^8-structure set)
+        self._atom_ptr = narrow(np.concatenate([[0], np.cumsum(self.n_atoms)]))
         empty = np.flatnonzero(self.n_atoms == 0)
         if len(empty):
             raise DataFileError(f"{self.source}: structure {int(empty[0])} has no atoms; "
@@ -277,7 +279,7 @@ class AtomsSource(LabelledDataset):
         checked_labels`: the checks of the graph's conversion, no graph built); one that
         fails a check or holds a non-finite label is read again as a graph, which refuses
         it with the message of any other read."""
-        rows = np.zeros((hi - lo, 3), np.int64)
+        rows = np.zeros((hi - lo, 3), np.int32)
         found: set[int] = set()
         for i in range(lo, hi):
             atoms = self._counted_atoms(i)

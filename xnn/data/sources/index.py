@@ -59,7 +59,7 @@ def index_paths(path: str | os.PathLike, format: str, keys: dict[str, str]  # no
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
-    """An int64 array as int32 where its values fit (read back as int64 by the sources)."""
+    """An int64 array as int32 where its values fit (the sources hold it so too)."""
     a = np.asarray(a)
     if a.dtype == np.int64 and (not a.size or (a.min() >= -(2**31) and a.max() < 2**31)):
         return a.astype(np.int32)

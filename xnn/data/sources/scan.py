@@ -56,7 +56,7 @@ def counted(source, lo: int, hi: int) -> Counted:
     try:
         return (*source.count_range(lo, hi), None)
     except (DataFileError, InputError) as e:
-        return np.zeros((0, 3), np.int64), np.zeros(0, np.int64), e
+        return np.zeros((0, 3), np.int32), np.zeros(0, np.int64), e
 
 
 def _identity(item: Counted) -> Counted:
@@ -79,7 +79,7 @@ def _results(source, n: int, workers: int):
 
 
 def first_pass(source, workers: int | None = None) -> tuple[np.ndarray, list[int]]:
-    """``([len, 3] int64 label counts, sorted species)`` of every structure of ``source``.
+    """``([len, 3] int32 label counts, sorted species)`` of every structure of ``source``.
 
     Args:
         source: an :class:`~xnn.data.sources.frames.AtomsSource`.
@@ -91,7 +91,7 @@ def first_pass(source, workers: int | None = None) -> tuple[np.ndarray, list[int
     """
     n = len(source)
     workers = default_workers() if workers is None else int(workers)
-    parts, found = [np.zeros((0, 3), np.int64)], set()
+    parts, found = [np.zeros((0, 3), np.int32)], set()
     for counts, numbers, refused in _results(source, n, workers):
         if refused is not None:
             raise refused

@@ -182,7 +182,7 @@ class CompiledDomainVerlet:
         self.n_active_overflows = 0  # steps repeated at a grown active capacity
         self.n_compiles = self.n_replans = self.n_steps = 0
         self.n_region_calls = self.n_exchanges = self.n_collectives = 0
-        self.n_graph_collectives = self._traced_collectives = 0
+        self.n_graph_collectives = 0
         self.comm_s = 0.0
         #: the traced regions hash random numbers (:func:`~xnn.dynamics.compiled.compile_options`)
         self.hashed_rng = False
@@ -199,21 +199,20 @@ class CompiledDomainVerlet:
         """The padded plan of the current ghost plan (None before the first step)."""
         return self._plan
 
-    def count_traced_collective(self) -> None:
-        """Count one collective traced into the region being compiled (a region's
-        reducer calls it; :attr:`n_graph_collectives` then counts it per call)."""
-        self._traced_collectives += 1
-
     def compiled(self, name: str, key: tuple, make, inputs):
         """The compiled region ``name`` of the function ``make()`` for ``key`` (compiled on
-        the first call with ``inputs``: the only recompile is a new key)."""
+        the first call with ``inputs``: the only recompile is a new key). The collectives
+        traced into it (a region's :class:`~xnn.distributed.reducer.GroupReducer`) are
+        counted per call: :attr:`n_graph_collectives` and every open
+        :func:`~xnn.distributed.collectives.count_collectives` block."""
         full = (name, *key)
         if full not in self._fns:
-            before = self._traced_collectives
-            self._fns[full] = self._compile(make(), inputs)
-            self._in_graph[full] = self._traced_collectives - before
+            with C.traced_collectives() as calls:
+                self._fns[full] = self._compile(make(), inputs)
+            self._in_graph[full] = tuple(calls)
         self.n_region_calls += 1
-        self.n_graph_collectives += self._in_graph[full]
+        self.n_graph_collectives += len(self._in_graph[full])
+        C.count_traced(self._in_graph[full])
         return self._fns[full]
 
     def _compile(self, fn, inputs):

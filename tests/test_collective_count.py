@@ -2,10 +2,11 @@
 
 Two gloo ranks (one spawned set for the module) run each integrator on the owned atoms of a
 hot FCC crystal through :class:`~xnn.distributed.DecomposedPotential` (``integrator.step``
-with ``reduce=pot.reducer``, then ``pot.maybe_migrate``; and NVE, Langevin, CSVR, NHC through
-the compiled decomposed step), counting every collective of every step with :func:`xnn.distributed.collectives.count_collectives`. Each step's count must equal
+with ``reduce=pot.reducer``, then ``pot.maybe_migrate``), counting every collective of every
+step with :func:`xnn.distributed.collectives.count_collectives`. Each step's count must equal
 the table of ``docs/distributed.md`` ("Collectives per step"), so a new unfused all-reduce in
-the step fails here; and the final state must equal one process's by atom id.
+the step fails here; and the final state must equal one process's by atom id. The compiled
+decomposed step (NVE, Langevin, CSVR, NHC; its own spawn, slow) is counted the same way.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from xnn.data import keys as K
-from xnn.distributed.domain.compiled import CompiledDomainVerlet
+from xnn.distributed.domain.compiled import CompiledDomainVerlet, head_of, member_forces
 from xnn.distributed.domain.compiled_plan import pad_rows
 from xnn.distributed.domain.halo import add_returned
 from xnn.distributed.reducer import GroupReducer
@@ -51,19 +51,19 @@ def _pre(scheme, dt: float, reducer):
     return region
 
 
-def _post(scheme, dt: float, reducer):
+def _post(scheme, dt: float, reducer, k: int = 1, calibration: dict | None = None):
     """Region 3: forces, the scheme's ``post``, the look-ahead (the next ``pre``'s
     positions against the plan's reference and the last migration) and the head."""
     def region(x, v, f_base, back, send_index, fields, real, ref, migrated, e, virial, vars,
                step, draws, next_draws):
         red = reducer(real)
-        f = add_returned(f_base, send_index, back)
+        f, spread = member_forces(add_returned(f_base, send_index, back), k, calibration)
         s = scheme.post(state_of(x, v, f, fields, vars), dt, red, draws, step)
         ahead = scheme.pre(s, dt, red, next_draws, step + 1).positions
         d = torch.stack([(ahead - ref).norm(dim=-1).max(),
                          (ahead - migrated).norm(dim=-1).max()])
-        head = torch.cat([e.reshape(1), virial.reshape(9), d])
-        return (s.velocities, f, head, step + 1, *(s.vars[k] for k in scheme.writes))
+        return (s.velocities, f, head_of(e, virial, d), step + 1,
+                *(s.vars[name] for name in scheme.writes), *spread)
     return region
 
 
@@ -129,10 +129,12 @@ class CompiledDomainScheme(CompiledDomainVerlet):
         args = (x, v, f_base[:co], p.back_buf, p.send_index, mid["fields"], mid["real"],
                 p.ref, p.migrated, e, virial, mid["vars"], self._counter[1], mid["draws"],
                 sch.draws(state, state.step + 1))
-        v, f, head, step, *written = self.compiled(
-            "post", mid["key"], lambda: _post(sch, dt, self._reducer), args)(*args)
+        v, f, head, step, *rest = self.compiled(
+            "post", mid["key"], lambda: _post(sch, dt, self._reducer, self.k, self.calibration),
+            args)(*args)
         self._counter = (state.step + 1, step)
-        return v, f, head, dict(zip(sch.writes, written))
+        n = len(sch.writes)
+        return v, f, head, dict(zip(sch.writes, rest[:n])), rest[n:]
 
 
 class CompiledDomainIntegrator:

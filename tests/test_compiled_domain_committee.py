@@ -5,17 +5,22 @@ the eager decomposed step and one process by atom id in fp64 — positions, velo
 forces, each owned atom's force spread ``forces_std``, the total energy, its spread
 ``energy_std`` and the stress — through migrations and ghost-plan rebuilds; a steady step keeps
 the collectives of one model (2 exchanges of the members' rows side by side, 1 all-gather);
-and the uncertainty guard (``safety.max_force_uncertainty``) decides the same on both ranks,
-also on the rank whose own atoms stay below the threshold."""
+the uncertainty guard (``safety.max_force_uncertainty``) decides the same on both ranks,
+also on the rank whose own atoms stay below the threshold; and ``xnn md compile=true`` of a
+committee on 2 ranks (refused before) logs the thermo rows, uncertainty columns included, of
+``compile=false``."""
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 import pytest
 import torch
-from dist_helpers import spawn
+from dist_helpers import FreshPorts, spawn
 from helpers import rel
 from helpers.structures import fcc, graph, hot
-from helpers.uncertainty import committee
+from helpers.uncertainty import committee, compressed_cu, md_args
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -76,22 +81,49 @@ def _run(manager, ensemble, compiled):
     return out
 
 
-def worker(rank, world):
+def worker(rank, world, tmp):
+    import xnn.distributed.domain.compiled as compiled
+    import xnn.dynamics.compiled as one_process
+    from xnn.cli.main import main
     from xnn.distributed import DistributedManager
 
     manager = DistributedManager.initialize(backend="gloo", timeout_s=300)
     torch.set_num_threads(1)
     out = {(e, c): _run(manager, e, c) for e in PARAMS for c in (False, True)}
-    manager.cleanup()
-    return out
+    one_process.DEFAULT_BACKEND = "aot_eager"  # the app's backend here: no C++ compile
+    made, step = [], compiled.CompiledDomainVerlet.step
+
+    def counted(self, state, dt):
+        made.append(type(self).__name__)
+        return step(self, state, dt)
+
+    compiled.CompiledDomainVerlet.step = counted
+    ports = FreshPorts(manager, 2)
+    for flag in ("false", "true"):
+        ports.next()
+        args = md_args(Path(tmp) / "cu.xyz", Path(tmp) / "committee.pt",
+                       Path(tmp) / f"md_{flag}", f"compile={flag}")
+        assert main(args) == 0, f"xnn md {' '.join(args)} failed"
+    return {**out, "app_steps": len(made)}
 
 
 _CACHE: dict = {}
 
 
-def results():
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    from xnn.models.serialization import save_model
+
+    tmp = tmp_path_factory.mktemp("compiled_domain_committee")
+    compressed_cu(tmp / "cu.xyz")
+    save_model(committee(), tmp / "committee.pt")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def res(tmp):
     if "res" not in _CACHE:
-        _CACHE["res"] = spawn(worker, 2, timeout_s=900)
+        _CACHE["res"] = spawn(worker, 2, args=(str(tmp),), timeout_s=900)
     return _CACHE["res"]
 
 
@@ -111,8 +143,7 @@ def reference(ensemble):
 
 
 @pytest.mark.parametrize("ensemble", list(PARAMS))
-def test_compiled_decomposed_committee_follows_eager_and_one_process(ensemble):
-    res = results()
+def test_compiled_decomposed_committee_follows_eager_and_one_process(res, ensemble):
     ref = reference(ensemble)
     for got in (res[0][ensemble, True], res[0][ensemble, False]):
         assert torch.equal(got["ids"], ref["ids"])
@@ -126,23 +157,40 @@ def test_compiled_decomposed_committee_follows_eager_and_one_process(ensemble):
 
 
 @pytest.mark.parametrize("ensemble", list(PARAMS))
-def test_compiled_decomposed_committee_keeps_one_models_collectives(ensemble):
+def test_compiled_decomposed_committee_keeps_one_models_collectives(res, ensemble):
     """A steady step: the members' forces travel side by side in the 2 exchanges, their
     energies and virials in the 1 all-gather; Langevin adds its 4 fused in-graph sums."""
     want = {"exchange": 2, "all_gather": 1, **({"all_reduce": 4} if ensemble == "langevin"
                                                  else {})}
-    for r in results():
+    for r in res:
         assert r[ensemble, True]["steady"], r[ensemble, True]
         for calls in r[ensemble, True]["steady"]:
             assert calls == want, calls
 
 
 @pytest.mark.parametrize("ensemble", list(PARAMS))
-def test_uncertainty_guard_stops_every_rank_alike(ensemble):
+def test_uncertainty_guard_stops_every_rank_alike(res, ensemble):
     """Threshold between the ranks' own largest spreads: one rank's atoms stay below it, yet
     both ranks stop, with the same message."""
-    res = [r[ensemble, True] for r in results()]
-    assert res[0]["local_max"] == res[1]["local_max"]
-    assert res[0]["local_max"][0] != res[0]["local_max"][1]
-    assert any(r["mine_below"] for r in res)
-    assert res[0]["stopped"] is not None and res[0]["stopped"] == res[1]["stopped"]
+    a, b = (r[ensemble, True] for r in res)
+    assert a["local_max"] == b["local_max"] and a["local_max"][0] != a["local_max"][1]
+    assert a["mine_below"] or b["mine_below"]
+    assert a["stopped"] is not None and a["stopped"] == b["stopped"]
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.reader(f))
+
+
+def test_xnn_md_compile_runs_a_committee_on_two_ranks(res, tmp):
+    """``xnn md compile=true`` with a committee on 2 ranks runs the compiled decomposed step
+    on every rank and logs the rows of ``compile=false``, the uncertainty columns included."""
+    from helpers.uncertainty import STEPS as MD_STEPS
+
+    assert all(r["app_steps"] == MD_STEPS for r in res)
+    eager, compiled = (_rows(tmp / f"md_{flag}" / "thermo.csv") for flag in ("false", "true"))
+    assert compiled[0] == eager[0] and any("std" in c for c in eager[0]), eager[0]
+    assert len(compiled) == len(eager) == MD_STEPS + 2
+    for a, b in zip(compiled[1:], eager[1:]):
+        assert [float(x) for x in a] == pytest.approx([float(x) for x in b], rel=1e-9)

@@ -23,7 +23,7 @@ when either exceeds ``skin / 2`` on some rank, all ranks migrate
 (:meth:`~xnn.distributed.DecomposedPotential.maybe_migrate`) and rebuild the plan at the next
 positions (:meth:`~xnn.distributed.DecomposedPotential.update`) eagerly, outside the graphs, so
 the plan is valid at every force evaluation. A steady step thus costs 3 compiled calls, 2
-point-to-point exchanges and 1 all-gather (the eager step: 2 exchanges and 4 all-reduces).
+point-to-point exchanges and 1 all-gather (the eager step: 2 exchanges and 3 all-reduces).
 
 With a skin, region 2 gives the model only the local edges shorter than the cutoff at its
 positions (compacted in order into a fixed *active* capacity of inert edges, as the
@@ -45,6 +45,16 @@ the virial shares add up in the all-gather (the eager step's strain reducer) and
 :func:`xnn.dynamics.nve.kick` and :func:`~xnn.dynamics.nve.drift_positions`. Results equal
 the eager decomposed step (and one process) to rounding. Models with sync points run in
 mode ``halo`` (ghosts of ``cutoff × num_interactions``); long-range models are refused.
+
+A committee (``committee_size`` K > 1) runs through the same regions: region 2 evaluates
+every member on its own leaves (base rows and strain) and derives them all by one
+:func:`~xnn.models.derivatives.derive_members` call; the members' forces travel side by
+side (rows ``[n, 3 K]``) through the same two exchanges, their energy and virial shares in
+the same all-gather (:func:`head_of`); region 3 forms the mean force and each owned atom's
+``forces_std`` after the ghosts' forces are summed into their owners, the host the totals'
+``energy_std`` and stress (:func:`~xnn.models.derivatives.committee_results`, as the eager
+decomposed step, :mod:`xnn.distributed.committee`); the state carries both as the eager
+step's does (thermo columns, the uncertainty guard).
 
 Regions 1 and 3 are methods (:meth:`~CompiledDomainVerlet.first`,
 :meth:`~CompiledDomainVerlet.last`) that :mod:`xnn.distributed.domain.compiled_thermo`

@@ -103,7 +103,7 @@ def worker(rank, world, tmp):
         ports.next()
         args = md_args(Path(tmp) / "cu.xyz", Path(tmp) / "committee.pt",
                        Path(tmp) / f"md_{flag}", f"compile={flag}")
-        assert main(args) == 0, f"xnn md {' '.join(args)} failed"
+        assert main(["md", *args]) == 0, f"xnn md {' '.join(args)} failed"
     return {**out, "app_steps": len(made)}
 
 

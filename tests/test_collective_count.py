@@ -5,7 +5,8 @@ hot FCC crystal through :class:`~xnn.distributed.DecomposedPotential` (``integra
 with ``reduce=pot.reducer``, then ``pot.maybe_migrate``), counting every collective of every
 step with :func:`xnn.distributed.collectives.count_collectives`. Each step's count must equal
 the table of ``docs/distributed.md`` ("Collectives per step"), so a new unfused all-reduce in
-the step fails here; and the final state must equal one process's by atom id.
+the step fails here; and the final state must equal one process's by atom id. The compiled
+decomposed step (NVE, Langevin, CSVR, NHC; its own spawn, slow) is counted the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ EXPECTED = {
 }
 #: what a step with a migration and ghost-plan rebuild adds (spatial layouts)
 REBUILD_EXTRA = {"all_reduce": 6, "all_gather": 2, "exchange": 4}
+#: the compiled decomposed step (xnn.distributed.domain.compiled) on a step without re-plan:
+#: 2 exchanges and 1 all-gather (energy, virial, look-ahead), and the thermostat's fused
+#: in-graph all-reduces, one per point of the scheme: its ``pre`` runs in region 1 and again
+#: in region 3's look-ahead (Langevin 2 + 2, CSVR 2 + 2 + 2 with its ``post``, NHC 1 + 1 + 1)
+COMPILED_NVE = {"exchange": 2, "all_gather": 1}
+COMPILED = {"nve": COMPILED_NVE, "langevin": {**COMPILED_NVE, "all_reduce": 4},
+            "csvr": {**COMPILED_NVE, "all_reduce": 6}, "nhc": {**COMPILED_NVE, "all_reduce": 3}}
 
 
 def _model(name):
@@ -81,6 +89,31 @@ def _case(manager, key):
         after = (pot.state.counters.rebuilds, pot.state.counters.migrations)
         steps.append({"calls": dict(n.calls), "blocking": n.blocking,
                       "rebuilt": after[0] - before[0], "migrated": after[1] - before[1]})
+    full, _ = pot.gather(state.graph)
+    out = {"steps": steps}
+    if manager.rank == 0:
+        out.update(ids=full.atom_id, positions=full.positions, velocities=full.velocities,
+                   cell=full.cell)
+    return out
+
+
+def _compiled_case(manager, ensemble):
+    """The compiled decomposed step (aot_eager) of ``ensemble``: per-step counts (steps
+    without a re-plan) and the final state."""
+    from xnn.distributed import parallelize
+    from xnn.distributed.collectives import count_collectives
+    from xnn.distributed.domain.compiled_thermo import CompiledDomainIntegrator
+
+    pot = parallelize(lj(), manager, "halo", skin=SKIN)
+    integ = CompiledDomainIntegrator(ensemble, pot, backend="aot_eager")
+    owned = pot.scatter(_structure() if manager.rank == 0 else None)
+    _, state = _init(ensemble, owned, pot, pot.reducer)
+    steps = []
+    for _ in range(STEPS):
+        replans = integ.stepper.n_replans
+        with count_collectives() as n:
+            state = integ.step(state, pot, DT)
+        steps.append({"calls": dict(n.calls), "replanned": integ.stepper.n_replans - replans})
     full, _ = pot.gather(state.graph)
     out = {"steps": steps}
     if manager.rank == 0:
@@ -168,7 +201,25 @@ def _committee_case(manager):
     return counts
 
 
+def _compiled_worker(rank, world_size):
+    from xnn.distributed import DistributedManager
+
+    manager = DistributedManager.initialize(backend="gloo")
+    torch.set_num_threads(1)
+    out = {ensemble: _compiled_case(manager, ensemble) for ensemble in COMPILED}
+    manager.cleanup()
+    return out
+
+
 _RESULTS: list = []
+_COMPILED: list = []
+
+
+def compiled_results():
+    """The compiled cases in their own spawn (about 2 min on 2 shared cores: slow)."""
+    if not _COMPILED:
+        _COMPILED.extend(spawn(_compiled_worker, 2, timeout_s=600.0))
+    return _COMPILED
 
 
 def results():
@@ -269,3 +320,23 @@ def test_fused_steps_follow_one_process_by_atom_id(key):
     for name in ("positions", "velocities", "cell"):
         err = float((got[name] - ref[name]).abs().max())
         assert err <= TOL, (key, name, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ensemble", list(COMPILED))
+def test_compiled_decomposed_step_fuses_its_reductions(ensemble):
+    """The compiled decomposed step, counted by the same count_collectives: on every step
+    without a re-plan of every rank exactly the fused collectives of :data:`COMPILED` (the
+    thermostat's in-graph all-reduces counted per call of their region); the run re-planned
+    (migrated) at least once; the final state equals one process's by atom id."""
+    for r in compiled_results():
+        steps = r[ensemble]["steps"]
+        plain = [s for s in steps[1:] if not s["replanned"]]  # step 1 plans and compiles
+        assert plain and any(s["replanned"] for s in steps[1:]), steps
+        for s in plain:
+            assert s["calls"] == COMPILED[ensemble], (ensemble, s)
+    got, ref = compiled_results()[0][ensemble], reference(("lj", "halo", ensemble))
+    assert torch.equal(got["ids"], ref["ids"])
+    for name in ("positions", "velocities"):
+        err = float((got[name] - ref[name]).abs().max())
+        assert err <= TOL, (ensemble, name, err)

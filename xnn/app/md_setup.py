@@ -255,10 +255,6 @@ def check_compile(cfg: MDConfig, model: torch.nn.Module, device: torch.device,
                         "model.device=cuda; on a CPU use compile: true alone)")
     if several_ranks and cfg.cuda_graph:
         problems.append("cuda_graph=true on several ranks (it runs in one process)")
-    if several_ranks and model.committee_size > 1:
-        problems.append(f"a committee model ({model.committee_size} members) on several "
-                        "ranks (the compiled decomposed step evaluates one model; one "
-                        "process compiles committees)")
     if several_ranks and cfg.parallel.mode == "graph":
         problems.append("parallel.mode=graph (on several ranks it compiles parallel.mode "
                         "spatial)")

@@ -4,7 +4,9 @@ neighbour-only point-to-point exchange, and an autograd-aware all-reduce; and
 the collective and the ranks that did not arrive.
 
 Every ``torch.distributed`` call of the decomposed paths goes through these wrappers, so
-:func:`count_collectives` sees each one (kind, calls, bytes) for tests and benchmarks.
+:func:`count_collectives` sees each one (kind, calls, bytes) for tests and benchmarks; the
+reductions traced into compiled regions (:func:`traced_collectives`) are counted at every
+call of the compiled function (:func:`count_traced`).
 
 Every helper accepts ``group=None`` in a single process (no ``torch.distributed``) and then
 does no communication.
@@ -115,6 +117,58 @@ def _counted(kind: str, nbytes: int = 0, messages: int = 0) -> Iterator[None]:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------- in a trace
+#: open :func:`traced_collectives` blocks (innermost last)
+_TRACED: list[list[tuple[str, int]]] = []
+
+
+@contextmanager
+def traced_collectives() -> Iterator[list[tuple[str, int]]]:
+    """Inside the block (the trace of a compiled region), :func:`all_reduce_sum` (and so
+    :func:`all_reduce_sum_many`), :func:`all_reduce_max` and :func:`all_gather_tensor` emit
+    *functional* collectives (:mod:`torch.distributed._functional_collectives`, traced as
+    ``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` and ``wait_tensor``: part of
+    the graph, run at every call of the compiled function) and list each as ``(kind,
+    nbytes)`` in the yielded list instead of counting it; the caller counts them per call
+    of the compiled function with :func:`count_traced`. The same wrappers, the same fusion
+    (one all-reduce per dtype of :func:`all_reduce_sum_many`), in both paths.
+
+    Host decisions (a reduced flag read with ``.item()``) cannot be traced;
+    :func:`tracing` tells a caller to refuse them."""
+    calls: list[tuple[str, int]] = []
+    _TRACED.append(calls)
+    try:
+        yield calls
+    finally:
+        _TRACED.remove(calls)
+
+
+def tracing() -> bool:
+    """True inside a :func:`traced_collectives` block."""
+    return bool(_TRACED)
+
+
+def count_traced(calls: Sequence[tuple[str, int]]) -> None:
+    """Count one call of a compiled function whose trace listed ``calls`` (from
+    :func:`traced_collectives`) in every open :func:`count_collectives` block (no wall
+    time: the collectives run inside the compiled code)."""
+    for c in _COUNTS:
+        for kind, nbytes in calls:
+            c.add(kind, nbytes)
+
+
+def _functional(kind: str, t: Tensor, group, op: str = "sum") -> Tensor:
+    """The functional collective ``kind`` of ``t`` in a trace, listed in the open
+    :func:`traced_collectives` block."""
+    import torch.distributed._functional_collectives as fc
+
+    _TRACED[-1].append((kind, _nbytes(t)))
+    group = group or dist.group.WORLD
+    if kind == "all_reduce":
+        return fc.wait_tensor(fc.all_reduce(t, op, group))
+    return fc.wait_tensor(fc.all_gather_tensor(t.contiguous(), 0, group))
 
 
 def is_active(group=None) -> bool:
@@ -307,16 +361,22 @@ def all_to_all_single_(out: Tensor, t: Tensor, group=None) -> Tensor:
 
 
 def all_gather_tensor(t: Tensor, group=None) -> Tensor:
-    """``[n_ranks, *t.shape]``: every rank's ``t`` (same shape on every rank), in rank order."""
+    """``[n_ranks, *t.shape]``: every rank's ``t`` (same shape on every rank), in rank order
+    (in a :func:`traced_collectives` block: a functional all-gather)."""
     if not is_active(group):
         return t.unsqueeze(0)
+    if _TRACED:
+        return _functional("all_gather", t.reshape(1, -1), group).reshape(-1, *t.shape)
     parts = [torch.empty_like(t) for _ in range(group_size(group))]
     all_gather_into(parts, t.contiguous(), group)
     return torch.stack(parts)
 
 
 def all_reduce_max(t: Tensor, group=None) -> Tensor:
-    """In-place maximum over the ranks (a no-op in a single process)."""
+    """In-place maximum over the ranks (a no-op in a single process; in a
+    :func:`traced_collectives` block: a functional all-reduce copied into ``t``)."""
+    if is_active(group) and _TRACED:
+        return t.copy_(_functional("all_reduce", t, group, "max"))
     if is_active(group):
         with _counted("all_reduce", _nbytes(t)):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -359,7 +419,8 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def all_reduce_sum(x: Tensor, group=None) -> Tensor:
-    """Differentiable all-reduce (sum); twice differentiable.
+    """Differentiable all-reduce (sum); twice differentiable (in a
+    :func:`traced_collectives` block: a functional all-reduce, not differentiated).
 
     The adjoint treats each rank's output as a separate value, so backpropagating a loss
     ``L = sum_r L_r(y_r)`` gives every rank the true gradient of ``L``. A value replicated on
@@ -368,6 +429,8 @@ def all_reduce_sum(x: Tensor, group=None) -> Tensor:
     """
     if not is_active(group):
         return x
+    if _TRACED:  # not differentiable there (the compiled regions reduce no leaf)
+        return _functional("all_reduce", x, group)
     return _AllReduceSum.apply(x, group)
 
 

@@ -37,7 +37,6 @@ from xnn.dynamics.state import (
     RNG_STEP0,
     MDState,
     check_timestep,
-    degrees_of_freedom,
     seed_of,
 )
 from xnn.errors import InputError
@@ -123,10 +122,11 @@ class CSVRScheme(_Hashed):
     writes = ("heat",)
 
     def _rescale(self, s: MDState, dt: float, reduce: Reducer, step: Tensor, stage: int):
-        """:func:`xnn.dynamics.csvr.rescale`, its draws made in the graph."""
-        nf = degrees_of_freedom(s.graph, reduce)
+        """:func:`xnn.dynamics.csvr.rescale`, its draws made in the graph (its reductions
+        as fused: :func:`xnn.dynamics.csvr.totals`)."""
+        nf, k = csvr.totals(s.graph, reduce)
         r, x = csvr_draws(self.seed, step, stage, nf, s.vars)
-        return csvr.rescale_with(s, dt, reduce, r, x, nf)
+        return csvr.rescale_with(s, dt, reduce, r, x, nf, k)
 
     def pre(self, s, dt, reduce, draws, step):
         s = self._rescale(s, 0.5 * dt, reduce, step, 0)

@@ -92,12 +92,17 @@ def rescale(state: MDState, dt: float, reduce: Reducer, step: int, stage: int) -
         step: the number of the step being taken (``state.step`` at its start).
         stage: 0 for the half step before the force call, 1 for the one after.
     """
-    g = state.graph
-    n_free, n_fixed, k = reduce.sums_per_system(dof_terms(g) + [kinetic_per_atom(g)],
-                                                g.batch, g.n_systems)  # one reduction
-    nf = dof_of(n_free, n_fixed)
+    nf, k = totals(state.graph, reduce)
     r, s = draws(state.rng, step, stage, nf, state.vars)
     return rescale_with(state, dt, reduce, r, s, nf, k)
+
+
+def totals(g: AtomicGraph, reduce: Reducer) -> tuple[Tensor, Tensor]:
+    """``(nf, k)``: the degrees of freedom and the kinetic energy (eV) ``[n_systems]`` of
+    ``g``, in one reduction (:meth:`~xnn.dynamics.reduce.Reducer.sums_per_system`)."""
+    n_free, n_fixed, k = reduce.sums_per_system(dof_terms(g) + [kinetic_per_atom(g)],
+                                                g.batch, g.n_systems)
+    return dof_of(n_free, n_fixed), k
 
 
 def rescale_with(state: MDState, dt: float, reduce: Reducer, r: Tensor, s: Tensor,

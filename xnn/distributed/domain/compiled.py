@@ -23,7 +23,7 @@ when either exceeds ``skin / 2`` on some rank, all ranks migrate
 (:meth:`~xnn.distributed.DecomposedPotential.maybe_migrate`) and rebuild the plan at the next
 positions (:meth:`~xnn.distributed.DecomposedPotential.update`) eagerly, outside the graphs, so
 the plan is valid at every force evaluation. A steady step thus costs 3 compiled calls, 2
-point-to-point exchanges and 1 all-gather (the eager step: 2 exchanges and 4 all-reduces).
+point-to-point exchanges and 1 all-gather (the eager step: 2 exchanges and 3 all-reduces).
 
 With a skin, region 2 gives the model only the local edges shorter than the cutoff at its
 positions (compacted in order into a fixed *active* capacity of inert edges, as the
@@ -46,6 +46,16 @@ the virial shares add up in the all-gather (the eager step's strain reducer) and
 the eager decomposed step (and one process) to rounding. Models with sync points run in
 mode ``halo`` (ghosts of ``cutoff × num_interactions``); long-range models are refused.
 
+A committee (``committee_size`` K > 1) runs through the same regions: region 2 evaluates
+every member on its own leaves (base rows and strain) and derives them all by one
+:func:`~xnn.models.derivatives.derive_members` call; the members' forces travel side by
+side (rows ``[n, 3 K]``) through the same two exchanges, their energy and virial shares in
+the same all-gather (:func:`head_of`); region 3 forms the mean force and each owned atom's
+``forces_std`` after the ghosts' forces are summed into their owners, the host the totals'
+``energy_std`` and stress (:func:`~xnn.models.derivatives.committee_results`, as the eager
+decomposed step, :mod:`xnn.distributed.committee`); the state carries both as the eager
+step's does (thermo columns, the uncertainty guard).
+
 Regions 1 and 3 are methods (:meth:`~CompiledDomainVerlet.first`,
 :meth:`~CompiledDomainVerlet.last`) that :mod:`xnn.distributed.domain.compiled_thermo`
 overrides to run Langevin, CSVR and NHC.
@@ -66,7 +76,13 @@ from xnn.distributed.domain.halo import add_returned, exchange_rows
 from xnn.dynamics.nve import drift_positions, kick
 from xnn.dynamics.state import MDState, accelerations, check_timestep
 from xnn.errors import InputError
-from xnn.models.derivatives import StrainedGraph, derive, strain_rows, virial_results
+from xnn.models.derivatives import (
+    StrainedGraph,
+    committee_results,
+    derive_members,
+    strain_rows,
+    virial_results,
+)
 
 #: compiled regions and communication points (graph breaks) of a step without rebuild
 REGIONS_PER_STEP = 3
@@ -77,14 +93,20 @@ class _Model(nn.Module):
     """Region 2: the rank's energy share on the padded local graph, the forces on the
     exchange base's rows and the virial share (with ``active``, on the local edges within
     ``cutoff``, and their count; ``paired``: the local edges are reverse pairs, and the
-    model does its radial work once per pair)."""
+    model does its radial work once per pair). A committee of ``k`` members: each member
+    on its own leaves (base rows and strain), as
+    :func:`~xnn.models.derivatives.committee_properties`, all derived by one
+    :func:`~xnn.models.derivatives.derive_members` call; the members' forces side by side
+    (``[n_base, 3 k]``: the exchanges carry them as rows)."""
 
-    def __init__(self, model: nn.Module, stress: bool, cutoff: float, paired: bool = False):
+    def __init__(self, model: nn.Module, stress: bool, cutoff: float, paired: bool = False,
+                 k: int = 1):
         super().__init__()
         self.model = model
         self.stress = stress
         self.cutoff = cutoff
         self.paired = paired
+        self.k = k
 
     def forward(self, x_owned: Tensor, recv: Tensor, src: Tensor, shifts: Tensor,
                 cell: Tensor, pbc: Tensor, owned: Tensor, fields: dict[str, Tensor],
@@ -92,26 +114,47 @@ class _Model(nn.Module):
         from xnn.dynamics.compiled import model_graph
         from xnn.models.base import pairing_edges
 
-        # the leaves of derive: the exchange base's rows and the strain ε, applied to the
-        # local positions by derivatives.strain_rows, x_local (1 + ε), which equals
-        # apply_strain's strained owners and cell by linearity (apply_strain's own order,
-        # base (1 + ε) gathered plus shifts @ cell (1 + ε), is miscompiled by inductor on
-        # the CPU in torch 2.13: wrong forces; tests/test_compiled_domain.py's inductor test)
-        base = torch.cat([x_owned, recv]).detach().requires_grad_(True)
-        eps = torch.zeros_like(cell)
-        if self.stress:
-            eps.requires_grad_(True)
-        x = strain_rows(base.index_select(0, src) + shifts @ cell[0], eps[0])
-        # (a paired filter keeps both edges of a pair or neither: their lengths are equal)
-        graph, n_active, _ = model_graph(fields, x, self.cutoff, active, self.paired)
+        # the leaves of derive_members, per member: the exchange base's rows and the strain
+        # ε, applied to the local positions by derivatives.strain_rows, x_local (1 + ε),
+        # which equals apply_strain's strained owners and cell by linearity (apply_strain's
+        # own order, base (1 + ε) gathered plus shifts @ cell (1 + ε), is miscompiled by
+        # inductor on the CPU in torch 2.13: wrong forces; tests/test_compiled_domain.py's
+        # inductor test)
+        strained, xs = [], []
+        for _ in range(self.k):
+            base = torch.cat([x_owned, recv]).detach().requires_grad_(True)
+            eps = torch.zeros_like(cell)
+            if self.stress:
+                eps.requires_grad_(True)
+            xs.append(strain_rows(base.index_select(0, src) + shifts @ cell[0], eps[0]))
+            strained.append((base, eps))
+        # (a paired filter keeps both edges of a pair or neither: their lengths are equal;
+        # the members' positions are equal in value: one filter serves them all)
+        graph, n_active, _ = model_graph(fields, xs[0], self.cutoff, active, self.paired)
+        graphs = [graph] + [graph.replace(positions=x) for x in xs[1:]]
         with pairing_edges(self.paired):
-            energies = self.model(graph)
-        e = torch.where(owned, energies, torch.zeros_like(energies)).sum()
-        strained = StrainedGraph(graph, base, eps)
+            energies = (self.model.member_energies(graphs) if self.k > 1
+                        else self.model(graph)[None])
+        e = torch.where(owned, energies, torch.zeros_like(energies)).sum(-1)  # [k]
+        leaves = [StrainedGraph(g, b, eps) for g, (b, eps) in zip(graphs, strained)]
         volume = torch.linalg.det(cell).abs()
-        out = derive(e, strained, volume, pbc, True, self.stress, False)
-        virial = out[K.VIRIAL][0] if self.stress else torch.zeros_like(cell[0])
-        return e.detach(), out[K.FORCES], virial, x.detach(), n_active
+        out = derive_members(e.sum(), leaves, volume, pbc, True, self.stress, False)
+        f = out[K.FORCES]  # [k, n_base, 3]
+        f = f[0] if self.k == 1 else f.transpose(0, 1).reshape(f.shape[1], 3 * self.k)
+        virial = (out[K.VIRIAL][:, 0] if self.stress
+                  else torch.zeros((self.k, 3, 3), dtype=cell.dtype, device=cell.device))
+        return e.detach(), f, virial, xs[0].detach(), n_active
+
+
+def member_forces(f: Tensor, k: int, calibration: dict | None) -> tuple[Tensor, tuple]:
+    """``(forces [n, 3], spread)`` of the summed forces ``f [n, 3 k]`` of ``k`` members
+    (region 2's layout): one model's own (spread ``()``); a committee's mean and
+    ``(forces_std [n],)`` (:func:`~xnn.models.derivatives.committee_results`)."""
+    if k == 1:
+        return f, ()
+    out = committee_results({K.FORCES: f.reshape(f.shape[0], k, 3).transpose(0, 1)},
+                            calibration)
+    return out[K.FORCES], (out[K.FORCES_STD],)
 
 
 def _kick_drift(dt: float):
@@ -122,17 +165,23 @@ def _kick_drift(dt: float):
     return region
 
 
-def _finish(dt: float):
+def _finish(dt: float, k: int = 1, calibration: dict | None = None):
     def region(x, v, f_base, back, send_index, inv_m, ref, migrated, e, virial):
-        f = add_returned(f_base, send_index, back)
+        f, spread = member_forces(add_returned(f_base, send_index, back), k, calibration)
         a = f / inv_m
         v = kick(v, a, dt)
         x_next = drift_positions(x, kick(v, a, dt), dt)  # where the next region 1 drifts to
         d = torch.stack([(x_next - ref).norm(dim=-1).max(),
                          (x_next - migrated).norm(dim=-1).max()])
-        head = torch.cat([e.reshape(1), virial.reshape(9), d])
-        return v, f, head
+        return v, f, head_of(e, virial, d), *spread
     return region
+
+
+def head_of(e: Tensor, virial: Tensor, d: Tensor) -> Tensor:
+    """The row each rank all-gathers: its members' energy shares ``e [k]``, virial shares
+    ``[k, 3, 3]`` and the look-ahead displacements ``d [2]`` (the step appends its active
+    edge count)."""
+    return torch.cat([e.reshape(-1), virial.reshape(-1), d])
 
 
 class CompiledDomainVerlet:
@@ -175,6 +224,9 @@ class CompiledDomainVerlet:
             raise InputError(f"growth must be > 1 and headroom >= 1, got {growth}, {headroom}")
         self.potential = potential
         self.backend = backend
+        #: committee members (1: one model) and a committee's calibration factors
+        self.k = int(potential.model.committee_size)
+        self.calibration = potential.model.calibration if self.k > 1 else None
         self.caps = Capacities(float(growth), float(headroom), int(slack))
         #: filter the local edges to the cutoff in the model region (with a skin)
         self.filters = potential.filters
@@ -182,7 +234,7 @@ class CompiledDomainVerlet:
         self.n_active_overflows = 0  # steps repeated at a grown active capacity
         self.n_compiles = self.n_replans = self.n_steps = 0
         self.n_region_calls = self.n_exchanges = self.n_collectives = 0
-        self.n_graph_collectives = self._traced_collectives = 0
+        self.n_graph_collectives = 0
         self.comm_s = 0.0
         #: the traced regions hash random numbers (:func:`~xnn.dynamics.compiled.compile_options`)
         self.hashed_rng = False
@@ -199,21 +251,20 @@ class CompiledDomainVerlet:
         """The padded plan of the current ghost plan (None before the first step)."""
         return self._plan
 
-    def count_traced_collective(self) -> None:
-        """Count one collective traced into the region being compiled (a region's
-        reducer calls it; :attr:`n_graph_collectives` then counts it per call)."""
-        self._traced_collectives += 1
-
     def compiled(self, name: str, key: tuple, make, inputs):
         """The compiled region ``name`` of the function ``make()`` for ``key`` (compiled on
-        the first call with ``inputs``: the only recompile is a new key)."""
+        the first call with ``inputs``: the only recompile is a new key). The collectives
+        traced into it (a region's :class:`~xnn.distributed.reducer.GroupReducer`) are
+        counted per call: :attr:`n_graph_collectives` and every open
+        :func:`~xnn.distributed.collectives.count_collectives` block."""
         full = (name, *key)
         if full not in self._fns:
-            before = self._traced_collectives
-            self._fns[full] = self._compile(make(), inputs)
-            self._in_graph[full] = self._traced_collectives - before
+            with C.traced_collectives() as calls:
+                self._fns[full] = self._compile(make(), inputs)
+            self._in_graph[full] = tuple(calls)
         self.n_region_calls += 1
-        self.n_graph_collectives += self._in_graph[full]
+        self.n_graph_collectives += len(self._in_graph[full])
+        C.count_traced(self._in_graph[full])
         return self._fns[full]
 
     def _compile(self, fn, inputs):
@@ -233,7 +284,7 @@ class CompiledDomainVerlet:
 
         paired = self._plan.paired
         if (stress, paired) not in self._models:  # the traced module and its weights, once
-            step = _Model(self.potential.model, stress, self.potential.cutoff, paired)
+            step = _Model(self.potential.model, stress, self.potential.cutoff, paired, self.k)
             weights = {**dict(step.named_parameters()), **dict(step.named_buffers())}
             self._models[stress, paired] = (step, {k: t.detach() for k, t in weights.items()})
         step, weights = self._models[stress, paired]
@@ -273,7 +324,7 @@ class CompiledDomainVerlet:
         fit = [int(n) for n in C.all_reduce_max(counts, pot.group).tolist()]
         self.n_collectives += 1
         self._plan = pad_plan(pot.state, g, self.caps, self._pad_z, 2.0 * pot.halo_width
-                              + 2.0 * pot.cutoff, fit, self.filters)
+                              + 2.0 * pot.cutoff, fit, self.filters, 3 * self.k)
         self.n_replans += 1
 
     def _grow_active(self, n: int) -> None:
@@ -315,14 +366,15 @@ class CompiledDomainVerlet:
              virial: Tensor, dt: float):
         """Region 3: ``v, f`` at the end of the step (``f_base``: region 2's forces on the
         exchange base, summed into the owners with the ghost forces sent back), the head to
-        all-gather (energy share, virial share, look-ahead displacements) and the
-        ``MDState.vars`` written."""
+        all-gather (:func:`head_of`), the ``MDState.vars`` written and a committee's
+        ``(forces_std [cap_owned],)`` (``()`` for one model)."""
         p = self._plan
         args = (x, v, f_base[: p.caps["owned"]], p.back_buf, p.send_index, p.inv_m, p.ref,
                 p.migrated, e, virial)
-        v, f, head = self.compiled("finish", (p.caps["owned"], p.caps["send"], dt),
-                                   lambda: _finish(dt), args)(*args)
-        return v, f, head, {}
+        v, f, head, *spread = self.compiled(
+            "finish", (p.caps["owned"], p.caps["send"], dt),
+            lambda: _finish(dt, self.k, self.calibration), args)(*args)
+        return v, f, head, {}, spread
 
     # ------------------------------------------------------------------ the step
     def step(self, state: MDState, dt: float) -> MDState:
@@ -343,7 +395,7 @@ class CompiledDomainVerlet:
             state.compute_stress, (x, p.recv_buf, p.src, p.shifts, cell, g.pbc, p.owned_mask,
                                    p.fields, p.active))
         self._exchange(f_base[co:], p.back_buf, p.recv_counts, p.send_counts)  # reverse
-        v, f, head, written = self.last(state, x, v, f_base, e, virial, dt)
+        v, f, head, written, spread = self.last(state, x, v, f_base, e, virial, dt)
         head = torch.cat([head, n_active.reshape(1).to(head.dtype)])
         t0 = time.perf_counter()
         every = C.all_gather_tensor(head, pot.group)
@@ -351,7 +403,9 @@ class CompiledDomainVerlet:
         self.n_collectives += 1
         self.n_steps += 1
         # the step's one host read: the look-ahead and the active edge counts of every rank
-        d_max, n_max = torch.stack([every[:, 10:12].max(), every[:, 12].max()]).tolist()
+        k = self.k
+        d_max, n_max = torch.stack([every[:, 10 * k:10 * k + 2].max(),
+                                    every[:, 10 * k + 2].max()]).tolist()
         self.n_active = int(n_max)
         if self.filters and self.n_active > p.caps["active"]:
             # some rank found more edges within the cutoff than the graph held: all ranks
@@ -360,19 +414,37 @@ class CompiledDomainVerlet:
             self.n_steps -= 1
             return self.step(state, dt)
         n = p.n_owned
-        energy, virial = every[:, 0].sum().reshape(1), every[:, 1:10].sum(0).reshape(1, 3, 3)
-        stress = torch.zeros_like(g.cell)
-        if state.compute_stress:  # the virial shares summed: the eager step's strain reducer
-            stress = virial_results(virial, g.volume(), g.pbc)[K.STRESS]
+        energy, stress, std = self._totals(every, g, state.compute_stress)
+        spread = {K.FORCES_STD: spread[0][:n], K.ENERGY_STD: std} if spread else {}
         pot.record_evaluation(self._x_local[: p.state.local.n_local], p.state.local, g.atom_id,
                               g.cell)
-        out = state.replace(graph=g.replace(positions=x[:n], velocities=v[:n]), forces=f[:n],
-                            energy=energy, stress=stress, step=state.step + 1, vars=written)
+        out = state.replace(graph=g.replace(spread, positions=x[:n], velocities=v[:n]),
+                            forces=f[:n], energy=energy, stress=stress, step=state.step + 1,
+                            vars=written)
         if d_max > 0.5 * pot.skin:
             out = pot.maybe_migrate(out)  # collective: every rank has the same maxima
             self.n_collectives += 1
             self._replan(out, dt)
         return out
+
+    def _totals(self, every: Tensor, g: AtomicGraph, stress: bool
+                ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(energy [1], stress [1, 3, 3], energy_std [1] or None)`` from the all-gathered
+        heads ``every [n_ranks, ...]`` (:func:`head_of`): the members' shares summed over
+        the ranks (the eager step's all-reduces), then a committee's means and spread
+        (:func:`~xnn.models.derivatives.committee_results`, as the eager step)."""
+        k = self.k
+        energy = every[:, :k].sum(0).reshape(k, 1)
+        virial = every[:, k:10 * k].sum(0).reshape(k, 1, 3, 3)
+        members = {K.ENERGY: energy}
+        if stress:  # the virial shares summed: the eager step's strain reducer
+            members.update(virial_results(virial, g.volume(), g.pbc))
+        if k == 1:
+            stress = members.get(K.STRESS, torch.zeros((1, 1, 3, 3), dtype=g.dtype,
+                                                       device=g.device))
+            return energy[0], stress[0], None
+        out = committee_results(members, self.calibration)
+        return out[K.ENERGY], out.get(K.STRESS, torch.zeros_like(g.cell)), out[K.ENERGY_STD]
 
 
 def _drifted(g: AtomicGraph, forces: Tensor, dt: float) -> Tensor:

@@ -92,7 +92,7 @@ class PaddedPlan:
     migrated: Tensor  # [cap_owned, 3] positions at the last migration (inf: unknown)
     fields: dict  # the local graph's fields but positions
     recv_buf: Tensor  # [cap_recv, 3] received ghost positions
-    back_buf: Tensor  # [cap_send, 3] received ghost gradients, in send order
+    back_buf: Tensor  # [cap_send, 3 k] received ghost gradients (k members), in send order
     active: tuple = ()  # (edge_index [2, cap_active], shifts) inert; () without a filter
     paired: bool = False  # the local edges (and the active ones) are reverse pairs
 
@@ -117,7 +117,8 @@ def plan_counts(state) -> list[int]:
 
 
 def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
-             fit: list[int] | None = None, filters: bool = False) -> PaddedPlan:
+             fit: list[int] | None = None, filters: bool = False, width: int = 3
+             ) -> PaddedPlan:
     """Pad the arrays of ``state`` (a :class:`~xnn.distributed.domain.state.DomainState`)
     and its owned ``graph`` (same atoms, same order) to the (grown) capacities.
 
@@ -125,7 +126,8 @@ def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
     upper bound of every length the model looks at (the padding edges are longer);
     ``fit``: the counts the capacities must hold (default: this rank's, :func:`plan_counts`;
     the compiled step passes the maxima over the ranks, so that all ranks share capacities);
-    ``filters``: make the inert active edges (the model region filters to the cutoff).
+    ``filters``: make the inert active edges (the model region filters to the cutoff);
+    ``width``: the columns of the returned ghost forces (``3 k`` for ``k`` committee members).
     """
     dom, dev, dtype = state.local, graph.positions.device, graph.positions.dtype
     plan = dom.plan
@@ -151,7 +153,7 @@ def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
         pad_rows(state.ref_positions.detach(), c["owned"]),
         pad_rows(migrated.detach(), c["owned"]), _local_fields(dom, graph, c, pad_z, reach),
         torch.zeros(c["recv"], 3, dtype=dtype, device=dev),
-        torch.zeros(c["send"], 3, dtype=dtype, device=dev),
+        torch.zeros(c["send"], width, dtype=dtype, device=dev),
         inert_active(c["active"], c["local"], dev, dom.paired) if filters else (), dom.paired)
 
 

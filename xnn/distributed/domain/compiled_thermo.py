@@ -7,12 +7,17 @@ The ensembles are the one-process :class:`~xnn.dynamics.compiled_thermo.Scheme` 
 unchanged: region 1 runs the scheme's ``pre`` (up to the positions of the force call),
 region 3 its ``post`` and the next step's ``pre`` once more for the look-ahead
 displacements. Their global reductions (kinetic energy, degrees of freedom, centre-of-mass
-momentum) go through a :class:`GraphReducer`: a sum over the rank's real (not padding) rows,
-then an all-reduce *inside* the compiled region (a functional collective of
-:mod:`torch.distributed._functional_collectives`, traced as ``_c10d_functional.all_reduce``
-and ``wait_tensor``), so every rank gets the global value and a step keeps the 3 regions,
-2 exchanges and 1 all-gather of NVE; the in-graph all-reduces are counted
-(``n_graph_collectives``). The random numbers are hashed in the graph from the seed, the
+momentum) go through the eager step's :class:`~xnn.distributed.reducer.GroupReducer` (its
+``rows``: the rank's real, not padding, rows), traced inside
+:func:`~xnn.distributed.collectives.traced_collectives`: a sum over the rows, then an
+all-reduce *inside* the compiled region (a functional collective, traced as
+``_c10d_functional.all_reduce`` and ``wait_tensor``), the sums of one point of a step fused
+into one all-reduce as in the eager step (``sums_per_system``). Every rank gets the global
+value and a step keeps the 3 regions, 2 exchanges and 1 all-gather of NVE; the in-graph
+all-reduces are counted per call (``n_graph_collectives`` and
+:func:`~xnn.distributed.collectives.count_collectives`): per step 4 for Langevin, 6 for
+CSVR and 3 for NHC (the scheme's ``pre`` runs twice per step: region 1 and the look-ahead
+of region 3). The random numbers are hashed in the graph from the seed, the
 step counter and the global atom id (:mod:`xnn.dynamics.compiled_random`): they do not
 depend on how the atoms are split over the ranks, so the trajectory is the one-process one
 to rounding.
@@ -24,64 +29,17 @@ is not compiled.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from xnn.data import keys as K
-from xnn.distributed import collectives as C
-from xnn.distributed.domain.compiled import CompiledDomainVerlet
+from xnn.distributed.domain.compiled import CompiledDomainVerlet, head_of, member_forces
 from xnn.distributed.domain.compiled_plan import pad_rows
 from xnn.distributed.domain.halo import add_returned
+from xnn.distributed.reducer import GroupReducer
 from xnn.dynamics.compiled_thermo import state_of
-from xnn.dynamics.reduce import Reducer
 from xnn.dynamics.state import MDState
 from xnn.errors import InputError
-
-
-class GraphReducer(Reducer):
-    """The reductions of a compiled region over padded per-atom rows: the rows where
-    ``real [cap_owned]`` is True, summed over the ranks of ``group`` by an in-graph
-    all-reduce (``group`` None: this process alone). ``count()`` is called once per traced
-    collective."""
-
-    def __init__(self, real: Tensor, group, count):
-        self.real, self.group, self.count = real, group, count
-
-    def _rows(self, values: Tensor, fill: float) -> Tensor:
-        mask = self.real.reshape(-1, *([1] * (values.dim() - 1)))
-        return torch.where(mask, values, torch.full_like(values, fill))
-
-    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
-        if self.group is None:
-            return t
-        import torch.distributed._functional_collectives as fc
-
-        self.count()
-        return fc.wait_tensor(fc.all_reduce(t, op, self.group))
-
-    def sum_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
-        out = super().sum_per_system(self._rows(values, 0.0), batch, n_systems)
-        return self._all_reduce(out, "sum")
-
-    def max_per_system(self, values: Tensor, batch: Tensor, n_systems: int) -> Tensor:
-        out = super().max_per_system(self._rows(values, -math.inf), batch, n_systems)
-        return self._all_reduce(out, "max")
-
-    def any(self, flag: Tensor) -> bool:
-        raise InputError("a compiled decomposed step cannot take host decisions inside its "
-                         "regions; run this ensemble with compile: false")
-
-    def gather_small(self, values: Tensor) -> Tensor:
-        if self.group is None:
-            return values[None]
-        import torch.distributed._functional_collectives as fc
-
-        self.count()
-        out = fc.wait_tensor(fc.all_gather_tensor(values.contiguous().reshape(1, -1), 0,
-                                                  self.group))
-        return out.reshape(-1, *values.shape)
 
 
 def _pre(scheme, dt: float, reducer):
@@ -93,19 +51,19 @@ def _pre(scheme, dt: float, reducer):
     return region
 
 
-def _post(scheme, dt: float, reducer):
+def _post(scheme, dt: float, reducer, k: int = 1, calibration: dict | None = None):
     """Region 3: forces, the scheme's ``post``, the look-ahead (the next ``pre``'s
     positions against the plan's reference and the last migration) and the head."""
     def region(x, v, f_base, back, send_index, fields, real, ref, migrated, e, virial, vars,
                step, draws, next_draws):
         red = reducer(real)
-        f = add_returned(f_base, send_index, back)
+        f, spread = member_forces(add_returned(f_base, send_index, back), k, calibration)
         s = scheme.post(state_of(x, v, f, fields, vars), dt, red, draws, step)
         ahead = scheme.pre(s, dt, red, next_draws, step + 1).positions
         d = torch.stack([(ahead - ref).norm(dim=-1).max(),
                          (ahead - migrated).norm(dim=-1).max()])
-        head = torch.cat([e.reshape(1), virial.reshape(9), d])
-        return (s.velocities, f, head, step + 1, *(s.vars[k] for k in scheme.writes))
+        return (s.velocities, f, head_of(e, virial, d), step + 1,
+                *(s.vars[name] for name in scheme.writes), *spread)
     return region
 
 
@@ -120,14 +78,12 @@ class CompiledDomainScheme(CompiledDomainVerlet):
         super().__init__(potential, backend, growth, headroom, slack)
         self.scheme = scheme
         self.hashed_rng = scheme.uses_hashed_rng
-        group = potential.group
-        self._group = (group or torch.distributed.group.WORLD) if C.is_active(group) else None
         self._counter: tuple[int, Tensor] | None = None  # (step, its device int64 copy)
         self._rows: tuple | None = None  # (plan, padded owned fields, real-row mask)
         self._mid: dict = {}  # this step: key, vars, draws between regions 1 and 3
 
-    def _reducer(self, real: Tensor) -> GraphReducer:
-        return GraphReducer(real, self._group, self.count_traced_collective)
+    def _reducer(self, real: Tensor) -> GroupReducer:
+        return GroupReducer(self.potential.group, rows=real)
 
     def next_positions(self, state: MDState, dt: float) -> Tensor:
         counter = torch.tensor(state.step, dtype=torch.int64, device=state.graph.device)
@@ -173,10 +129,12 @@ class CompiledDomainScheme(CompiledDomainVerlet):
         args = (x, v, f_base[:co], p.back_buf, p.send_index, mid["fields"], mid["real"],
                 p.ref, p.migrated, e, virial, mid["vars"], self._counter[1], mid["draws"],
                 sch.draws(state, state.step + 1))
-        v, f, head, step, *written = self.compiled(
-            "post", mid["key"], lambda: _post(sch, dt, self._reducer), args)(*args)
+        v, f, head, step, *rest = self.compiled(
+            "post", mid["key"], lambda: _post(sch, dt, self._reducer, self.k, self.calibration),
+            args)(*args)
         self._counter = (state.step + 1, step)
-        return v, f, head, dict(zip(sch.writes, written))
+        n = len(sch.writes)
+        return v, f, head, dict(zip(sch.writes, rest[:n])), rest[n:]
 
 
 class CompiledDomainIntegrator:

@@ -4,7 +4,8 @@ Every table in that README is the block of ``|`` lines under a line ending in
 ``<!-- table: NAME -->`` and is written by this script, so a figure in the README is the
 figure in its file. Each row names its file; the ``files`` table, in ``FILES.md`` beside
 it, gives each file's device, date (and commit, where the file records one) and the command
-that made it. Rows of one file that share their key columns are folded into one row whose other cells list the values in order, ``a / b / c``.
+that made it. Rows of one file that share their key columns are folded into one row whose
+other cells list the values in order, ``a / b / c``.
 
     python benchmarks/results_tables.py          # rewrite the README's tables
     python benchmarks/results_tables.py --check  # exit 1 if the README differs from the JSONs

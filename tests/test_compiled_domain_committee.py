@@ -19,6 +19,7 @@ import pytest
 import torch
 from dist_helpers import FreshPorts, spawn
 from helpers import rel
+from helpers.compiled import count_app_domain_steps
 from helpers.structures import fcc, graph, hot
 from helpers.uncertainty import committee, compressed_cu, md_args
 
@@ -82,22 +83,13 @@ def _run(manager, ensemble, compiled):
 
 
 def worker(rank, world, tmp):
-    import xnn.distributed.domain.compiled as compiled
-    import xnn.dynamics.compiled as one_process
     from xnn.cli.main import main
     from xnn.distributed import DistributedManager
 
     manager = DistributedManager.initialize(backend="gloo", timeout_s=300)
     torch.set_num_threads(1)
     out = {(e, c): _run(manager, e, c) for e in PARAMS for c in (False, True)}
-    one_process.DEFAULT_BACKEND = "aot_eager"  # the app's backend here: no C++ compile
-    made, step = [], compiled.CompiledDomainVerlet.step
-
-    def counted(self, state, dt):
-        made.append(type(self).__name__)
-        return step(self, state, dt)
-
-    compiled.CompiledDomainVerlet.step = counted
+    made = count_app_domain_steps()
     ports = FreshPorts(manager, 2)
     for flag in ("false", "true"):
         ports.next()

@@ -22,6 +22,7 @@ from helpers import rel as _rel
 from helpers.compiled import MD_ARGS as NVE_ARGS
 from helpers.compiled import hot_crystal as _crystal
 from helpers.compiled import unique_graphs as _unique_graphs
+from helpers.compiled import count_app_domain_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
@@ -93,17 +94,7 @@ def worker(rank, world, tmp):
         t0 = time.perf_counter()
         out[name] = _compiled(manager, name, rank)
         seconds[name] = time.perf_counter() - t0
-    import xnn.distributed.domain.compiled as compiled
-    import xnn.dynamics.compiled as one_process
-
-    one_process.DEFAULT_BACKEND = "aot_eager"  # the app's backend here: no C++ compile
-    made, step = [], compiled.CompiledDomainVerlet.step
-
-    def counted(self, state, dt):
-        made.append(type(self).__name__)
-        return step(self, state, dt)
-
-    compiled.CompiledDomainVerlet.step = counted
+    made = count_app_domain_steps()
     ports = FreshPorts(manager, 2)
     t0 = time.perf_counter()
     for flag in (False, True):

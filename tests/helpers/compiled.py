@@ -116,3 +116,22 @@ def replay_follows_eager(eager_model, model) -> None:
     scale = float(eager.forces.abs().max())
     torch.testing.assert_close(compiled.positions, eager.positions, rtol=0, atol=1e-4)
     torch.testing.assert_close(compiled.forces, eager.forces, rtol=0, atol=1e-4 * scale)
+
+
+def count_app_domain_steps() -> list[str]:
+    """Set the one-process compiled backend to ``aot_eager`` (no C++ compile, as the app's
+    compiled runs of these tests) and count the compiled decomposed steps the app then takes:
+    the list grows by one class name per ``CompiledDomainVerlet.step`` call, in this process.
+    """
+    import xnn.distributed.domain.compiled as compiled
+    import xnn.dynamics.compiled as one_process
+
+    one_process.DEFAULT_BACKEND = "aot_eager"
+    made, step = [], compiled.CompiledDomainVerlet.step
+
+    def counted(self, state, dt):
+        made.append(type(self).__name__)
+        return step(self, state, dt)
+
+    compiled.CompiledDomainVerlet.step = counted
+    return made

@@ -20,9 +20,9 @@ from dist_helpers import FreshPorts, spawn
 from helpers import lj, rattled_argon
 from helpers import rel as _rel
 from helpers.compiled import MD_ARGS as NVE_ARGS
+from helpers.compiled import count_app_domain_steps
 from helpers.compiled import hot_crystal as _crystal
 from helpers.compiled import unique_graphs as _unique_graphs
-from helpers.compiled import count_app_domain_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 

@@ -72,7 +72,10 @@ def test_compiled_thermostat_follows_eager_without_recompiles(name, steps, one_t
         assert float(compiled.vars["heat"].abs().max()) > 1e-3  # the thermostat acted
 
 
-@pytest.mark.parametrize("name", ["langevin", "csvr", "nhc"])
+# SchNet with langevin in the fast set; csvr and nhc (each thermostat's compiled step is
+# checked fast with LJ above) under -m slow
+@pytest.mark.parametrize("name", ["langevin", pytest.param("csvr", marks=pytest.mark.slow),
+                                  pytest.param("nhc", marks=pytest.mark.slow)])
 def test_compiled_thermostat_with_schnet(name, one_thread):
     mod, pot, integ, eager = _pair(name, "schnet")
     compiled = eager
@@ -150,7 +153,9 @@ def test_compiled_integrator_refuses_npt():
         CompiledIntegrator("npt", Potential(_model("lj"), skin=SKIN))
 
 
-@pytest.mark.parametrize("ensemble", ["langevin", "csvr"])
+# the app's compiled path with langevin fast; csvr (its compiled step is checked fast with
+# LJ above) under -m slow
+@pytest.mark.parametrize("ensemble", ["langevin", pytest.param("csvr", marks=pytest.mark.slow)])
 def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeypatch,
                                                      one_thread):
     """``xnn md compile=true ensemble=langevin`` (two systems) writes the eager thermo rows,

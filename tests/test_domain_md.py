@@ -4,9 +4,7 @@ gloo ranks on CPU, fp64. Library level: :class:`~xnn.distributed.DecomposedPoten
 integrators of :mod:`xnn.dynamics` (``reduce=pot.reducer``, migration after every step),
 compared by global atom id with one process (computed here, once per system). App level:
 ``xnn md`` through :func:`xnn.cli.main.main`, checkpointed on 4 ranks and continued on 4, 3
-and 1. One set of ranks is spawned per world size; each runs all its cases. The fast set
-spawns 4 ranks only; 3 and 8 ranks (the same checks at other rank counts, and the other
-thermostats) are under ``-m slow``.
+and 1. One set of ranks is spawned per world size; each runs all its cases.
 """
 
 from __future__ import annotations
@@ -261,11 +259,9 @@ def _barrier_after_copy(world, tmp, rank):
         time.sleep(0.05)
 
 
-# the fast set runs the 4-rank app cases in the same spawn; the slow set spawns again (its
-# 3-rank spawn continues the fast 4-rank spawn's checkpoint on 3 ranks)
-FAST = {4: ("langevin", "npt_aniso", "fire")}
-SLOW = {3: ("langevin", "csvr", "nhc", "npt_iso", "npt_aniso", "fire"),
-        4: ("csvr", "nhc", "npt_iso"),
+# the fast set runs each world size's app cases in the same spawn; the slow set spawns again
+FAST = {3: ("npt_aniso", "fire"), 4: ("langevin",)}
+SLOW = {3: ("langevin", "csvr", "nhc", "npt_iso"), 4: ("csvr", "nhc", "npt_iso", "npt_aniso"),
         8: ("langevin", "npt_aniso")}
 _CACHE: dict = {}
 
@@ -282,10 +278,10 @@ def results(world, tmp, slow=False):
     the 4-rank spawn writes the checkpoint the 3-rank spawn continues)."""
     key = (world, slow)
     if key not in _CACHE:
-        if world == 3:
+        if not slow and world == 3:
             results(4, tmp)
         ensembles = (SLOW if slow else FAST)[world]
-        _CACHE[key] = spawn(worker, world, args=(str(tmp), ensembles, world == 3 or not slow),
+        _CACHE[key] = spawn(worker, world, args=(str(tmp), ensembles, not slow),
                             timeout_s=400)
     return _CACHE[key]
 
@@ -376,25 +372,14 @@ def _state(path):
     return ckpt.load_checkpoint(Path(path) / "checkpoint.pt", torch.device("cpu"))[0]
 
 
-def test_cli_restart_on_one_process(tmp):
-    """4 ranks -> checkpoint -> 1 process continues as the uninterrupted run."""
-    results(4, tmp)
+def test_cli_restart_on_other_rank_counts(tmp):
+    """4 ranks -> checkpoint -> 3 ranks and 1 process continue as the uninterrupted run."""
+    results(3, tmp)  # also runs the 4-rank spawn first
     p = cli_paths(tmp)
     cli_md(p["structure"], p["on1"], CLI_FULL, p["on1"] / "checkpoint.pt")  # one process
-    _assert_continued(p, "on1")
-
-
-@pytest.mark.slow  # a 3-rank spawn of its own
-def test_cli_restart_on_three_ranks(tmp):
-    """4 ranks -> checkpoint -> 3 ranks continue as the uninterrupted run."""
-    results(3, tmp, slow=True)  # also runs the 4-rank spawn first
-    _assert_continued(cli_paths(tmp), "on3")
-
-
-def _assert_continued(p, *names):
     ref = _state(p["full"])
     assert ref.step == CLI_FULL
-    for name in names:
+    for name in ("on3", "on1"):
         s = _state(p[name])
         assert s.step == CLI_FULL and torch.equal(s.graph.atom_id, ref.graph.atom_id)
         for key, a, b in (("positions", s.positions, ref.positions),

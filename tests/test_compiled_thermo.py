@@ -84,7 +84,9 @@ def test_compiled_thermostat_with_schnet(name, one_thread):
     _assert_same(mod, eager, compiled)
 
 
-@pytest.mark.parametrize("name", ["langevin", "csvr"])
+# csvr under -m slow: its draws keyed by step are checked fast below
+# (test_graph_csvr_draws_are_the_eager_draws), the resumed compiled step with langevin
+@pytest.mark.parametrize("name", ["langevin", pytest.param("csvr", marks=pytest.mark.slow)])
 def test_compiled_steps_continue_a_resumed_state(name, one_thread):
     """Started from a state at step 7 (a resumed run) and then handed an earlier one, the
     compiled step keys its random numbers by each state's step, as the eager step does,

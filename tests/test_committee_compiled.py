@@ -38,7 +38,9 @@ def argon_committee() -> Committee:
                       **SMALL["schnet"]}, size=3, seeds=[4, 5, 6]).double()
 
 
-@pytest.mark.parametrize("name", ["nve", "langevin"])
+# langevin is slow: nve covers the compiled committee step, tests/test_compiled_thermo.py the
+# compiled Langevin step of one model
+@pytest.mark.parametrize("name", ["nve", pytest.param("langevin", marks=pytest.mark.slow)])
 def test_compiled_committee_step_equals_the_eager_step(name):
     mod, args = MODULES[name]
     model = argon_committee()

@@ -31,8 +31,11 @@ def periodic_graph(cutoff: float) -> AtomicGraph:
     return with_edges(g, cutoff, backend="brute")
 
 
-def mace_members(k: int = 3) -> list:
-    return [build("mace", model=mace_model(seed)) for seed in range(k)]
+@pytest.fixture(scope="module")
+def members() -> list:
+    """Three wrapped random-weight MACE models (seeds 0, 1, 2), built once for the module
+    (each build takes seconds; a committee only holds its members, never changes them)."""
+    return [build("mace", model=mace_model(seed)) for seed in range(3)]
 
 
 def assert_same_predictions(a, b, graph) -> dict:
@@ -42,8 +45,8 @@ def assert_same_predictions(a, b, graph) -> dict:
     return out_a
 
 
-def test_mace_committee_is_one_model_file_loaded_back_bitwise(tmp_path):
-    committee = Committee(mace_members(), calibration={"forces": 1.7})
+def test_mace_committee_is_one_model_file_loaded_back_bitwise(members, tmp_path):
+    committee = Committee(members, calibration={"forces": 1.7})
     assert committee.stores_members and committee.hparams is None
     path = save_model(committee, tmp_path / "committee.pt")
     meta = model_metadata(path)
@@ -56,8 +59,8 @@ def test_mace_committee_is_one_model_file_loaded_back_bitwise(tmp_path):
     g = periodic_graph(committee.cutoff)
     out = assert_same_predictions(committee, loaded, g)
     # each member is the MACE model it was built from, and they disagree
-    for k, seed in enumerate(range(3)):
-        alone = compute_properties(build("mace", model=mace_model(seed)), g)
+    for k, member in enumerate(members):
+        alone = compute_properties(member, g)
         assert torch.equal(out[K.FORCES_MEMBERS][k], alone[K.FORCES])
     assert float(out[K.FORCES_STD].min()) > 0
     # saved again from the loaded committee: the same file contents
@@ -65,17 +68,17 @@ def test_mace_committee_is_one_model_file_loaded_back_bitwise(tmp_path):
     assert_same_predictions(committee, again, g)
 
 
-def test_member_that_would_unpickle_needs_trust(tmp_path):
+def test_member_that_would_unpickle_needs_trust(members, tmp_path):
     """A committee file whose member payload holds a pickled MACE module (the format of
     earlier xnn versions) is refused without trust and loads with it."""
     from xnn.models.external._optional import preserved_environ
     from xnn.models.serialization import model_payload
 
-    members = mace_members(2)
+    members = members[:2]
     payload = model_payload(Committee(members))
     buf = io.BytesIO()
     with preserved_environ():
-        torch.save(mace_model(1), buf)
+        torch.save(members[1].model, buf)  # the raw mace-torch module of member 1
     old = payload["members"][1]
     for key in ("config", "state_dict"):
         old.pop(key)
@@ -88,18 +91,21 @@ def test_member_that_would_unpickle_needs_trust(tmp_path):
     assert_same_predictions(Committee(members), trusted, periodic_graph(trusted.cutoff))
 
 
-def test_xnn_committee_assembles_separate_files(tmp_path, capsys):
+def assemble_separate_files(members, other, kind, tmp_path, capsys):
+    """``xnn committee`` on the members' files: one committee file with their predictions;
+    refusals of one line each (one file; a member ``other`` of another kind or cutoff; a
+    committee given as a member), nothing written."""
     from xnn.cli.main import main
 
-    files = [save_model(m, tmp_path / f"m{k}.pt") for k, m in enumerate(mace_members())]
+    files = [save_model(m, tmp_path / f"m{k}.pt") for k, m in enumerate(members)]
     rc = main(["committee", *map(str, files), "-o", str(tmp_path / "c.pt")])
-    assert rc == 0 and "a committee of 3 mace members" in capsys.readouterr().out
+    assert rc == 0 and f"a committee of 3 {kind} members" in capsys.readouterr().out
     built = load_model(tmp_path / "c.pt")
-    assert_same_predictions(Committee([load_model(f) for f in files]), built,
-                            periodic_graph(built.cutoff))
-    # refusals: one line each, nothing written
-    other = save_model(build("schnet", species=MACE_SPECIES, cutoff=3.2).double(),
-                       tmp_path / "schnet.pt")
+    assert [type(m) for m in built.members] == [type(m) for m in members]
+    # the committee of the models the files were saved from
+    out = assert_same_predictions(Committee(members), built, periodic_graph(built.cutoff))
+    assert float(out[K.FORCES_STD].min()) > 0
+    other = save_model(other, tmp_path / "other.pt")
     for argv, match in [([files[0]], "at least 2 model files"),
                         ([files[0], other], "differs from member 0"),
                         ([files[0], tmp_path / "c.pt"], "committees themselves")]:
@@ -107,6 +113,24 @@ def test_xnn_committee_assembles_separate_files(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and match in err[0], err
         assert not (tmp_path / "bad.pt").exists()
+
+
+def test_xnn_committee_assembles_separate_native_files(tmp_path, capsys):
+    """The command on native members (3 SchNet seeds; a PaiNN file differs from them)."""
+    from helpers.models import SMALL
+
+    def schnet(seed):
+        torch.manual_seed(seed)
+        return build("schnet", species=MACE_SPECIES, cutoff=3.2, **SMALL["schnet"]).double()
+
+    other = build("painn", species=MACE_SPECIES, cutoff=3.2, **SMALL["painn"]).double()
+    assemble_separate_files([schnet(k) for k in range(3)], other, "schnet", tmp_path, capsys)
+
+
+@pytest.mark.slow  # each MACE file written or read builds its module (seconds each)
+def test_xnn_committee_assembles_separate_mace_files(members, tmp_path, capsys):
+    other = build("schnet", species=MACE_SPECIES, cutoff=3.2).double()
+    assemble_separate_files(members, other, "mace", tmp_path, capsys)
 
 
 def test_native_committee_file_format_is_unchanged(tmp_path):
@@ -143,8 +167,8 @@ def test_sevenn_committee_round_trip(tmp_path):
     assert float(out[K.FORCES_STD].max()) > 0
 
 
-def test_refusals():
+def test_refusals(members):
     with pytest.raises(InputError, match="at least 2 members"):
-        Committee(mace_members(1))
+        Committee(members[:1])
     with pytest.raises(ModelFileError, match="lacks its members"):
         Committee.from_payload({"kind": MEMBERS_KIND, "members": "x"})

@@ -6,7 +6,8 @@ atom id (fp64; the noise is hashed from seed, step and atom id, so it does not d
 split), with no recompile after the first step; ``xnn md compile=true ensemble=langevin``
 on 2 ranks logs the rows of ``compile=false``; NPT stays refused.
 
-One spawn of 2 ranks runs every case."""
+One spawn of 2 ranks runs every case of the fast set (langevin and the app); csvr and nhc
+(the same checks for the other thermostats) run in a spawn of their own under ``-m slow``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ SKIN = 0.5
 DT = 2.0
 STEPS = 40
 ENSEMBLES = ("langevin", "csvr", "nhc")
+FAST = ("langevin",)  # the others under -m slow
+ENSEMBLE_PARAMS = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
+                   for n in ENSEMBLES]
 PARAMS = {"langevin": dict(temperature=1500.0, friction=0.05, seed=7),
           "csvr": dict(temperature=1500.0, tau=20.0, seed=7),
           "nhc": dict(temperature=1500.0, tau=20.0)}
@@ -84,16 +88,19 @@ def _cli(structure, out_dir, compile_):
     assert main(args) == 0, f"xnn md {' '.join(args)} failed"
 
 
-def worker(rank, world, tmp):
+def worker(rank, world, tmp, names, with_app):
     from xnn.distributed import DistributedManager
 
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
     out, seconds = {}, {}
-    for name in ENSEMBLES:
+    for name in names:
         t0 = time.perf_counter()
         out[name] = _compiled(manager, name, rank)
         seconds[name] = time.perf_counter() - t0
+    if not with_app:
+        manager.cleanup()
+        return {**out, "seconds": seconds}
     made = count_app_domain_steps()
     ports = FreshPorts(manager, 2)
     t0 = time.perf_counter()
@@ -115,10 +122,12 @@ def tmp(tmp_path_factory):
     return tmp
 
 
-def results(tmp):
-    if "res" not in _CACHE:
-        _CACHE["res"] = spawn(worker, 2, args=(str(tmp),), timeout_s=500)
-    return _CACHE["res"]
+def results(tmp, slow=False):
+    """The fast spawn (langevin and the app runs) or the slow one (the other thermostats)."""
+    if slow not in _CACHE:
+        names = tuple(n for n in ENSEMBLES if (n not in FAST) == slow)
+        _CACHE[slow] = spawn(worker, 2, args=(str(tmp), names, not slow), timeout_s=500)
+    return _CACHE[slow]
 
 
 def reference(name, compiled: bool):
@@ -142,13 +151,13 @@ def reference(name, compiled: bool):
             "conserved": mod.conserved(state)}
 
 
-@pytest.mark.parametrize("name", ENSEMBLES)
+@pytest.mark.parametrize("name", ENSEMBLE_PARAMS)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_decomposed_compiled_thermostat_matches_one_process(tmp, name, compiled):
     """Positions, velocities, energy, thermostat state (heat, eta, v_eta) and the conserved
     quantity by global atom id equal the one-process run; atoms migrated in and out of
     every rank and the ghost plans were rebuilt."""
-    res = results(tmp)
+    res = results(tmp, name not in FAST)
     ref, got = reference(name, compiled), res[0][name]
     assert got["step"] == STEPS
     assert torch.equal(got["ids"], ref["ids"])
@@ -168,12 +177,12 @@ def test_decomposed_compiled_thermostat_matches_one_process(tmp, name, compiled)
         assert s["rebuilds"] >= 2, s
 
 
-@pytest.mark.parametrize("name", ENSEMBLES)
+@pytest.mark.parametrize("name", ENSEMBLE_PARAMS)
 def test_no_recompiles_and_fixed_breaks_per_step(tmp, name):
     """3 regions compiled at the first step, none later (rebuilds and migrations included);
     a step without re-plan: 3 compiled calls, 2 exchanges, 1 collective and a fixed number
     of in-graph all-reduces (the thermostat's global sums)."""
-    for r in results(tmp):
+    for r in results(tmp, name not in FAST):
         c = r[name]
         assert c["first"]["compiles"] == 3
         assert c["compiles"] == 3 and c["graphs"] == c["first"]["graphs"], c

@@ -72,7 +72,10 @@ def test_compiled_thermostat_follows_eager_without_recompiles(name, steps, one_t
         assert float(compiled.vars["heat"].abs().max()) > 1e-3  # the thermostat acted
 
 
-@pytest.mark.parametrize("name", ["langevin", "csvr", "nhc"])
+# SchNet with langevin in the fast set; csvr and nhc (each thermostat's compiled step is
+# checked fast with LJ above) under -m slow
+@pytest.mark.parametrize("name", ["langevin", pytest.param("csvr", marks=pytest.mark.slow),
+                                  pytest.param("nhc", marks=pytest.mark.slow)])
 def test_compiled_thermostat_with_schnet(name, one_thread):
     mod, pot, integ, eager = _pair(name, "schnet")
     compiled = eager
@@ -81,7 +84,9 @@ def test_compiled_thermostat_with_schnet(name, one_thread):
     _assert_same(mod, eager, compiled)
 
 
-@pytest.mark.parametrize("name", ["langevin", "csvr"])
+# csvr under -m slow: its draws keyed by step are checked fast below
+# (test_graph_csvr_draws_are_the_eager_draws), the resumed compiled step with langevin
+@pytest.mark.parametrize("name", ["langevin", pytest.param("csvr", marks=pytest.mark.slow)])
 def test_compiled_steps_continue_a_resumed_state(name, one_thread):
     """Started from a state at step 7 (a resumed run) and then handed an earlier one, the
     compiled step keys its random numbers by each state's step, as the eager step does,
@@ -150,7 +155,9 @@ def test_compiled_integrator_refuses_npt():
         CompiledIntegrator("npt", Potential(_model("lj"), skin=SKIN))
 
 
-@pytest.mark.parametrize("ensemble", ["langevin", "csvr"])
+# the app's compiled path with langevin fast; csvr (its compiled step is checked fast with
+# LJ above) under -m slow
+@pytest.mark.parametrize("ensemble", ["langevin", pytest.param("csvr", marks=pytest.mark.slow)])
 def test_md_compile_thermostat_logs_the_eager_thermo(ensemble, tmp_path, monkeypatch,
                                                      one_thread):
     """``xnn md compile=true ensemble=langevin`` (two systems) writes the eager thermo rows,

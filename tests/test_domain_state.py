@@ -179,7 +179,7 @@ CASES = {  # world size -> [(structure, grid)]
     4: [("triclinic", None), ("corner", (1, 1, 4)), ("molecule", None)],
     8: [("triclinic", None), ("tiny", None), ("corner", None)],
 }
-MD = {2: 300, 4: 300}  # world size -> NVE steps
+MD = {2: 300}  # world size -> NVE steps in the fast set's spawn (4 ranks: a spawn under -m slow)
 MD_REPS = {3: (6, 4, 4)}  # box faces on lattice planes: 3 boxes along the 6 cells
 MD_TEMPERATURE = 2000.0  # K: a hot solid; atoms on the box faces cross them back and forth
 
@@ -222,10 +222,12 @@ def results(world, md_steps=None):
 
 # ---------------------------------------------------------------------------- tests
 
-SINGLE = [(w, name) for w in CASES for name, _ in CASES[w]]
+# 8 ranks on CI's 2 cores: the slow set (2, 3 and 4 ranks keep every kind of case fast)
+SINGLE = [pytest.param(w, name, id=f"{w}-{name}", marks=[pytest.mark.slow] if w == 8 else [])
+          for w in CASES for name, _ in CASES[w]]
 
 
-@pytest.mark.parametrize("world,name", SINGLE, ids=[f"{w}-{n}" for w, n in SINGLE])
+@pytest.mark.parametrize("world,name", SINGLE)
 def test_single_point_matches_one_process(world, name):
     res = results(world)
     r = res[0][name]
@@ -237,10 +239,15 @@ def test_single_point_matches_one_process(world, name):
 
 
 def test_empty_boxes_and_wide_halos():
-    """The cases really have empty boxes, ghost shells wider than a box, peers beyond."""
+    """The cases really have empty boxes (4 ranks; 8 below, under -m slow)."""
     corner4 = [r["corner"]["stats"] for r in results(4)]
     assert min(s["n_owned"] for s in corner4) == 0
     assert max(s["n_peers"] for s in corner4) <= 2  # a periodic chain of 4 slabs
+
+
+@pytest.mark.slow  # 8 ranks on CI's 2 cores
+def test_empty_boxes_and_wide_halos_on_8_ranks():
+    """Empty boxes, ghost shells wider than a box, peers beyond the neighbouring boxes."""
     corner8 = [r["corner"]["stats"] for r in results(8)]
     assert sum(s["n_owned"] == 0 for s in corner8) >= 3
     tiny8 = [r["tiny"]["stats"] for r in results(8)]
@@ -250,9 +257,9 @@ def test_empty_boxes_and_wide_halos():
     assert sorted(results(8)[0]["triclinic"]["stats"]["grid"]) == [2, 2, 2]
 
 
-@pytest.mark.parametrize("world", sorted(MD))
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_nve_with_migration_matches_one_process(world):
-    res = results(world)
+    res = results(world, {world: 300})
     md = res[0]["md"]
     assert md["moved"] > 0.2, md
     for key, err in md["errors"].items():

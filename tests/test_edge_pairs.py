@@ -161,8 +161,10 @@ def naive_conv_fusion(monkeypatch):
                         lambda **kw: config(**{**kw, "conv_fusion": True}))
 
 
+# unfused (CPU) and the default fusion (split) fast; the other two ways under -m slow
 @requires_cue
-@pytest.mark.parametrize("fused", [None, "split", "index", "concat"])
+@pytest.mark.parametrize("fused", [None, "split", pytest.param("index", marks=pytest.mark.slow),
+                                   pytest.param("concat", marks=pytest.mark.slow)])
 def test_mace_radial_networks_once_per_pair(fused, request, monkeypatch):
     """The MACE wrapper's cuEquivariance copy on a paired list: each interaction's radial MLP
     on half the edges, and the energies, forces and stress of the per-edge evaluation
@@ -275,6 +277,9 @@ def test_equivariant_pairs_only_with_reference_kernels():
     assert not _equivariant("cueq").pairs_edges
 
 
+# the compiled paired step is checked fast with the pair-density model and SchNet, the
+# equivariant model's pairing eagerly (test_equivariant_radial_networks_once_per_pair)
+@pytest.mark.slow
 def test_equivariant_compiled_step_on_a_paired_list_follows_eager(one_thread):
     """The compiled NVE step of the equivariant model on the paired list (radial MLPs once
     per pair) follows the eager trajectory over rebuilds, as the unpaired compiled step

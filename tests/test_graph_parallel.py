@@ -1,7 +1,8 @@
 """Graph parallelism (atoms split by index, positions replicated, features all-gathered at
 sync points) vs one process: gloo ranks on CPU, fp64, relative error 1e-10.
 
-One set of ranks is spawned per world size (2 fast; 3, 4 and 8 slow); each runs all its
+One set of ranks is spawned per world size (2 fast; 3, 4 and 8 slow; the fast set also
+spawns 4 ranks for two cases, the Morton check and the CLI run); each runs all its
 cases (SchNet, PaiNN, the equivariant model, SevenNet-0 if installed; a periodic triclinic
 cell, a molecule, a cell smaller than the cutoff), a double backward (parameter gradients
 of a loss on energy, forces and stress), MD against one process, and the CLIs (``xnn
@@ -78,6 +79,9 @@ CASES = {2: _NN + _EXTRA + _SEVENN, 4: _NN + _EXTRA + _SEVENN,
          3: _NN + [("painn-tiny", "painn", "tiny", "morton")],
          8: _NN + [("painn-tiny", "painn", "tiny", "index")]}
 FAST, SLOW = (2,), (3, 4, 8)
+#: the fast set's 4-rank spawn runs only the cases the Morton check compares (and the CLI run);
+#: every 4-rank case is the slow set's
+MORTON = ("schnet-triclinic", "schnet-triclinic-index")
 
 
 def _errors(out, ref, graph):
@@ -277,12 +281,13 @@ def _calculator_case(manager, rank):
     return out
 
 
-def worker(rank, world, tmp):
+def worker(rank, world, tmp, names=None):
     from xnn.distributed import DistributedManager
 
     torch.set_default_dtype(torch.float64)
     manager = DistributedManager.initialize(backend="gloo", timeout_s=120)
-    results = {"cases": _run_cases(manager, rank, CASES[world])}
+    cases = [c for c in CASES[world] if names is None or c[0] in names]
+    results = {"cases": _run_cases(manager, rank, cases)}
     if world in FAST:
         results["grad"] = {m: _grad_case(manager, rank, world, m)
                            for m in ("painn", "equivariant")}
@@ -308,14 +313,15 @@ def worker(rank, world, tmp):
 
 # ---------------------------------------------------------------------------- tests
 
-_CACHE: dict[int, list] = {}
+_CACHE: dict[tuple, list] = {}
 _TMP = tempfile.mkdtemp(prefix="xnn-graph-")
 
 
-def results(world):
-    if world not in _CACHE:
-        _CACHE[world] = spawn(worker, world, args=(_TMP,), timeout_s=600)
-    return _CACHE[world]
+def results(world, names=None):
+    """Per-rank results of one spawn: every case of ``world``, or only those ``names``."""
+    if (world, names) not in _CACHE:
+        _CACHE[world, names] = spawn(worker, world, args=(_TMP, names), timeout_s=600)
+    return _CACHE[world, names]
 
 
 def _params(worlds, marks=()):
@@ -368,7 +374,7 @@ def test_distributed_calculator_in_graph_and_auto_mode_matches_single_process():
 
 @pytest.mark.distributed
 def test_morton_order_needs_fewer_ghosts_than_id_order():
-    res = results(4)
+    res = results(4, MORTON)
     ghosts = {name: sum(r["cases"][name]["stats"]["n_ghost"] for r in res)
               for name in ("schnet-triclinic", "schnet-triclinic-index")}
     assert ghosts["schnet-triclinic"] < ghosts["schnet-triclinic-index"], ghosts
@@ -437,7 +443,7 @@ def test_validate_cli_graph_and_auto():
 def test_md_cli_graph_mode_matches_one_process():
     from xnn.io import md_checkpoint as ckpt
 
-    results(4)
+    results(4, MORTON)  # its CLI run on 4 ranks
     one = Path(_TMP, "md_one")
     _cli_md(Path(_TMP, "lj27.xyz"), one)
     states = [ckpt.load_checkpoint(Path(p) / "checkpoint.pt", torch.device("cpu"))[0]

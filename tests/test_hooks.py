@@ -2,8 +2,8 @@
 over images, MSD and per-species temperature against direct computations, user callables
 in every scope, ``hooks:`` in ``xnn md`` / ``xnn relax`` (files, resume), labels and RDF
 sizes refused up front, a failing hook's checkpoint and exact resume, and every scope under
-4 gloo ranks equal to one process, with the MSD reference held per owned atom and a hook
-failing on one rank (one set of ranks for the module)."""
+2 gloo ranks (4 under ``-m slow``) equal to one process, with the MSD reference held per
+owned atom and a hook failing on one rank (one set of ranks per world size)."""
 
 from __future__ import annotations
 
@@ -446,7 +446,7 @@ FILES = ("rdf", "msd", "species_temperature", "frame_energy", "kinetic_per_atom"
 
 
 def md_overrides(structure, out, *extra):
-    """A hot Langevin run (1500 K start): atoms cross the boxes of 4 ranks."""
+    """A hot Langevin run (1500 K start): atoms cross the boxes of the ranks."""
     return [f"structure={structure}", f"output.dir={out}", *LJ, "ensemble=langevin",
             "temperature=900", "initial_temperature=1500", "thermostat.friction=0.02",
             "steps=40", "timestep=5.0", "output.log_every=10", "output.trajectory_every=0",
@@ -530,9 +530,14 @@ def assert_same_csv(a, b, tol):
                 assert u == v
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hooks")
+#: world sizes of the decomposed runs: 2 ranks in the fast set, the same checks on 4 slow
+WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"{w}ranks")
+def runs(request, tmp_path_factory):
+    world = request.param
+    tmp = tmp_path_factory.mktemp(f"hooks{world}")
     argon_krypton(rep=3, amp=0.1).write(tmp / "arkr.xyz")
     s = tmp / "arkr.xyz"
     frames = []  # the frames the RDF sees, kept exactly (a Python hook of the same run)
@@ -541,20 +546,25 @@ def runs(tmp_path_factory):
     run_md(load_config(MDConfig, None, md_overrides(s, tmp / "single")), hooks=[keep])
     ase.io.write(tmp / "rdf_frames.traj", frames)
     run_md(load_config(MDConfig, None, md_overrides(s, tmp / "single_20", "steps=20")))
-    shutil.copytree(tmp / "single_20", tmp / "dd_resumed")  # 1 process -> 4 ranks
+    shutil.copytree(tmp / "single_20", tmp / "dd_resumed")  # 1 process -> the ranks
     run_relax(load_config(RelaxConfig, None, relax_overrides(s, tmp / "single_relax")))
     run_md(load_config(MDConfig, None, flaky_overrides(s, tmp / "single_flaky", "flaky_fixed")))
-    ranks = spawn(worker, 4, args=(str(tmp),), timeout_s=400)
-    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    ranks = spawn(worker, world, args=(str(tmp),), timeout_s=400)
+    assert [r["rank"] for r in ranks] == list(range(world))
     torch.save(ranks, tmp / "ranks.pt")
     return tmp
 
 
+def world_of(runs) -> int:
+    return len(torch.load(runs / "ranks.pt", weights_only=False))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", FILES)
-def test_every_scope_under_4_ranks_equals_one_process(runs, name):
-    """Each hook's file of a decomposed run (4 gloo ranks, atoms migrating) equals the
-    single-process run's, and so does a run resumed on 4 ranks from a 1-process checkpoint."""
+def test_every_scope_under_ranks_equals_one_process(runs, name):
+    """Each hook's file of a decomposed run (2 or 4 gloo ranks, atoms migrating) equals the
+    single-process run's, and so does a run resumed on the ranks from a 1-process
+    checkpoint."""
     a, b = runs / "dd" / "hooks" / f"{name}.csv", runs / "single" / "hooks" / f"{name}.csv"
     assert_same_csv(a, b, 1e-9)
     assert_same_csv(runs / "dd_resumed" / "hooks" / f"{name}.csv", b, 1e-9)
@@ -565,7 +575,7 @@ def test_decomposed_runs_migrated_and_relax_hooks(runs):
     import json
 
     summary = json.loads((runs / "dd" / "summary.json").read_text())
-    assert summary["ranks"] == 4 and summary["migrated_atoms"] > 0
+    assert summary["ranks"] == world_of(runs) and summary["migrated_atoms"] > 0
     assert_same_csv(runs / "dd_relax" / "hooks" / "msd.csv",
                     runs / "single_relax" / "hooks" / "msd.csv", 1e-9)
     rows = read_csv(runs / "single_relax" / "hooks" / "msd.csv")
@@ -575,7 +585,7 @@ def test_decomposed_runs_migrated_and_relax_hooks(runs):
 @pytest.mark.distributed
 def test_rdf_of_the_hot_run_matches_ase(runs):
     """The RDF file of the hot run (the crystal heated at 900-1500 K, far above argon's
-    melting point; 4 ranks equal it, above) equals ASE's get_rdf of the 9 frames it saw,
+    melting point; the ranks equal it, above) equals ASE's get_rdf of the 9 frames it saw,
     total and partials."""
     frames = ase.io.read(runs / "rdf_frames.traj", ":")
     assert len(frames) == 9
@@ -645,7 +655,7 @@ def test_run_md_python_hooks(tmp_path):
 
 @pytest.mark.distributed
 def test_msd_reference_is_held_per_owned_atom_and_migrates(runs):
-    """Under 4 ranks with atoms migrating, each rank holds the MSD reference of its owned
+    """Under 2 (4) ranks with atoms migrating, each rank holds the MSD reference of its owned
     atoms only (the hook keeps no per-atom tensor), and the rows moved with their atoms
     (each equals its atom's start position); the file equals one process."""
     ranks = torch.load(runs / "ranks.pt", weights_only=False)
@@ -667,9 +677,9 @@ def test_msd_reference_is_held_per_owned_atom_and_migrates(runs):
 
 @pytest.mark.distributed
 def test_a_hook_failing_on_one_rank_stops_every_rank_after_a_checkpoint(runs):
-    """A global callable raising on the rank that owns atom 0 (step 4) stops all 4 ranks
+    """A global callable raising on the rank that owns atom 0 (step 4) stops all ranks
     with a HookError naming it and the step (no hang), after a checkpoint at step 4; the run
-    resumed on 4 ranks with the hook fixed equals one uninterrupted process."""
+    resumed on as many ranks with the hook fixed equals one uninterrupted process."""
     ranks = torch.load(runs / "ranks.pt", weights_only=False)
     for r in ranks:
         hook, step, msg = r["failed"]

@@ -298,6 +298,7 @@ def test_two_ranks_equal_one_process_and_md_with_migrating_charges():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the 2-rank test's check (empty boxes included) at more ranks
 def test_four_ranks_equal_one_process():
     _check(_run(4), 4)
 

@@ -4,7 +4,7 @@ domain decomposition (mode "sync": a ghost shell of one cutoff + skin instead of
 Random-weight mace-torch models (2 interactions, 8 channels, fp64) built here; gloo ranks on
 CPU; decomposed energy, per-atom energies, forces (by global atom id) and stress (virial for
 the cluster) equal one process to 1e-10 relative. One set of ranks per world size (2, 3) runs
-every case of this module for it (3 ranks: the ScaleShiftMACE cases).
+every case of this module for it (3 ranks, under ``-m slow``: the ScaleShiftMACE cases).
 """
 
 from __future__ import annotations
@@ -106,9 +106,10 @@ def worker(rank, world):
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
 def ranks(request):
-    """Every case of this module on ``world`` gloo ranks (one spawn per world size)."""
+    """Every case of this module on ``world`` gloo ranks (one spawn per world size; 3 ranks,
+    a repeat of the 2-rank ScaleShiftMACE cases, under -m slow)."""
     return request.param, spawn(worker, request.param, timeout_s=400)
 
 

@@ -7,7 +7,8 @@ trajectory read back in id order equals the gathered one exactly; the sharded ch
 resumes on 1, 2 and 3 ranks exactly as the gathered checkpoint does (bitwise), and on as
 many ranks as the uninterrupted run bitwise.
 
-Ranks are spawned once per world size (2, then 3) for the module."""
+Ranks are spawned once per world size (2, then 3) for the module; the 3-rank resume (a
+repeat at more ranks of the 1- and 2-rank ones) is under ``-m slow``."""
 
 from __future__ import annotations
 
@@ -114,11 +115,27 @@ def runs(tmp_path_factory):
     two = spawn(first_runs, 2, args=(str(tmp),), timeout_s=300)
     assert [r for r, _ in two] == [0, 1]
     resume_both(tmp, 1)
-    three = spawn(three_ranks, 3, args=(str(tmp),), timeout_s=300)
-    assert [r for r, _ in three] == [0, 1, 2]
-    (tmp / "asked.json").write_text(json.dumps({2: [a for _, a in two],
-                                                3: [a for _, a in three]}))
+    (tmp / "asked.json").write_text(json.dumps({2: [a for _, a in two]}))
     return tmp
+
+
+@pytest.fixture(scope="module")
+def runs3(runs):
+    """The 2-rank runs, also resumed on 3 ranks."""
+    three = spawn(three_ranks, 3, args=(str(runs),), timeout_s=300)
+    assert [r for r, _ in three] == [0, 1, 2]
+    asked = json.loads((runs / "asked.json").read_text())
+    asked["3"] = [a for _, a in three]
+    (runs / "asked.json").write_text(json.dumps(asked))
+    return runs
+
+
+#: resumed on 1 and 2 ranks fast, on 3 under -m slow (a spawn of its own)
+RANKS = [1, 2, pytest.param(3, marks=pytest.mark.slow)]
+
+
+def resumed(request, ranks: int) -> Path:
+    return request.getfixturevalue("runs3" if ranks == 3 else "runs")
 
 
 def state(path: Path):
@@ -160,10 +177,11 @@ def test_sharded_checkpoint_holds_the_gathered_state(runs):
             assert dom_sh[k] == dom_g[k], k
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_sharded_checkpoint_resumes_like_the_gathered_one(runs, ranks):
+@pytest.mark.parametrize("ranks", RANKS)
+def test_sharded_checkpoint_resumes_like_the_gathered_one(request, ranks):
     """2 ranks -> 1, 2 and 3: the sharded checkpoint continues bitwise like the gathered
     one, and like the uninterrupted run (bitwise on as many ranks, 1e-10 otherwise)."""
+    runs = resumed(request, ranks)
     sh, g = runs / f"sharded_on_{ranks}", runs / f"gathered_on_{ranks}"
     assert_same_state(state(sh)[0], state(g)[0], 0.0)
     assert (sh / "thermo.csv").read_bytes() == (g / "thermo.csv").read_bytes()
@@ -171,11 +189,12 @@ def test_sharded_checkpoint_resumes_like_the_gathered_one(runs, ranks):
     assert_same_state(state(sh)[0], ref, 0.0 if ranks == 2 else 1e-10)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_sharded_trajectory_equals_the_gathered_one(runs, ranks):
+@pytest.mark.parametrize("ranks", RANKS)
+def test_sharded_trajectory_equals_the_gathered_one(request, ranks):
     """Read in id order, the ranks' trajectory files are the gathered HDF5 trajectory:
     the first run's 5 frames, and after a resume on another rank count (new ranks start
     files at the resumed frame; a rank that is gone keeps its earlier frames) all 7."""
+    runs = resumed(request, ranks)
     for run in ("sharded", f"sharded_on_{ranks}"):
         got = read_sharded_trajectory(runs / run / "trajectory.d")
         want = read_hdf5_trajectory(runs / run.replace("sharded", "gathered") /
@@ -215,19 +234,29 @@ def test_sharded_frames_and_merge_command(runs, tmp_path):
     np.testing.assert_allclose(back[-1].positions, want["positions"][-1], atol=1e-7)
 
 
+def assert_each_atom_owned_once(asked: list) -> None:
+    owned = [ids for _, ids in asked]
+    assert all(len(ids) > 0 for ids in owned)
+    assert sorted(i for ids in owned for i in ids) == list(range(108))
+
+
 def test_each_rank_reads_only_its_shards(runs):
     """Resumed from 2 shards, no rank reads the whole checkpoint: on 2 ranks rank r reads
-    shard r and keeps its atoms; on 3, rank r reads shards r, r + 3, ... (rank 2: none)
-    and, after one all-to-all, owns the atoms of its box: together each atom once."""
+    shard r and keeps its atoms: together each atom once."""
     asked = json.loads((runs / "asked.json").read_text())
     assert [a for a, _ in asked["2"]] == [[[0]], [[1]]]
-    assert [a for a, _ in asked["3"]] == [[[0]], [[1]], [[]]]
     index = shards.read_index(runs / "sharded" / "checkpoint.pt.d")
     assert [len(ids) for _, ids in asked["2"]] == [s["n_atoms"] for s in index["shards"]]
-    for n in ("2", "3"):
-        owned = [ids for _, ids in asked[n]]
-        assert all(len(ids) > 0 for ids in owned)
-        assert sorted(i for ids in owned for i in ids) == list(range(108))
+    assert_each_atom_owned_once(asked["2"])
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_shards_on_more_ranks(runs3):
+    """Resumed from 2 shards on 3 ranks: rank r reads shards r, r + 3, ... (rank 2: none)
+    and, after one all-to-all, owns the atoms of its box: together each atom once."""
+    asked = json.loads((runs3 / "asked.json").read_text())
+    assert [a for a, _ in asked["3"]] == [[[0]], [[1]], [[]]]
+    assert_each_atom_owned_once(asked["3"])
 
 
 def test_a_checkpoint_without_its_index_is_not_one(runs, tmp_path):

@@ -353,6 +353,7 @@ def _compiles_for_h200(dtype, precision, bias, as_inductor_copies=False):
     return fwd.asm["ptx"], bwd.asm["ptx"]
 
 
+@pytest.mark.slow  # 66 s on 2 loaded cores, as the rest of the sm_90 compile family
 def test_kernels_compile_for_the_h200_tf32x3(monkeypatch):
     """The kernels as the H200 gets them (sm_90; no GPU needed to compile), as inductor
     copies them into a compiled MD step: the tf32x3 products are tensor-core ``mma``

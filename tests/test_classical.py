@@ -269,13 +269,16 @@ def test_save_load_round_trip(tmp_path):
 
 def test_squared_lengths_equal_the_sum_and_differentiate_twice():
     """The CPU form of |v|^2 (a matrix-vector product, torch's sum over a last dimension of 3
-    being slow there) gives the sum's values bitwise and its first and second derivatives."""
+    being slow there) gives the sum's values to round-off (the BLAS may add the three squares
+    in another order: bitwise on some CPUs, one unit in the last place on others) and its
+    first and second derivatives."""
     from xnn.models.base import squared_lengths
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
         v = torch.randn(5000, 3, dtype=dtype, generator=gen)
-        assert torch.equal(squared_lengths(v), (v * v).sum(-1))
+        eps = torch.finfo(dtype).eps  # two additions of positive terms: <= 2 ulp apart
+        torch.testing.assert_close(squared_lengths(v), (v * v).sum(-1), rtol=2 * eps, atol=0)
     v = torch.randn(40, 3, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: squared_lengths(t).sqrt(), (v,))
     assert torch.autograd.gradgradcheck(lambda t: squared_lengths(t).sqrt(), (v,))

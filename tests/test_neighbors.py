@@ -562,16 +562,16 @@ def test_rowvec_matmul_keeps_the_counts_of_a_key_until_it_or_the_batch_changes()
 
     for _ in range(3):
         torch.testing.assert_close(rowvec_matmul(x, mats, batch, ei[1], key=ei),
-                                   ref(ei[1], batch), rtol=1e-14, atol=0)
+                                   ref(ei[1], batch), rtol=1e-14, atol=1e-15)
     assert graph_module._SEGMENTS[ei][4] == [4, 3, 5]
     ei[1] = torch.tensor([0, 1, 2, 3, 0, 1, 2, 4, 5, 7, 8, 9])  # in place: counted again
     torch.testing.assert_close(rowvec_matmul(x, mats, batch, ei[1], key=ei),
-                               ref(ei[1], batch), rtol=1e-14, atol=0)
+                               ref(ei[1], batch), rtol=1e-14, atol=1e-15)
     assert graph_module._SEGMENTS[ei][4] == [7, 2, 3]
     other = torch.tensor([0] * 2 + [1] * 8 + [2] * 2)  # another batch: counted again
     ei[1] = torch.arange(12)
     torch.testing.assert_close(rowvec_matmul(x, mats, other, ei[1], key=ei),
-                               ref(ei[1], other), rtol=1e-14, atol=0)
+                               ref(ei[1], other), rtol=1e-14, atol=1e-15)
     assert graph_module._SEGMENTS[ei][4] == [2, 8, 2]
 
 

@@ -54,7 +54,7 @@ def _timeout(port: int, rank: int, other: str) -> str | None:
                 time.sleep(5.0)
             else:
                 manager.barrier()
-    except C.CollectiveTimeout as e:
+    except (C.CollectiveTimeout, C.RemoteRankError) as e:
         return str(e)
     finally:
         manager.cleanup()
@@ -152,7 +152,11 @@ def test_disagreeing_ranks_and_timeouts(tmp_path):
     # rank 0 waited in all_reduce, rank 1 in a barrier: each names the other's collective
     a, b = results[0]["barrier"], results[1]["barrier"]
     assert "collective all_reduce in all_reduce_ (xnn/distributed/collectives.py:" in a, a
-    assert "timed out after 2 s on rank 0" in a and "rank 1 waits in barrier in barrier" in a
+    if "lost the connection" in a:  # rank 0's own 2 s ended after rank 1 had stopped (a
+        # loaded machine starts the two clocks apart): rank 0 then says that rank 1 stopped
+        assert "that rank stopped (its own message says why)" in a, a
+    else:
+        assert "timed out after 2 s on rank 0" in a and "rank 1 waits in barrier in barrier" in a
     assert "timed out after 2 s on rank 1" in b and "rank 0 waits in all_reduce" in b, b
     # rank 1 never came: named as not arrived
     assert "rank(s) [1] did not arrive" in results[0]["sleep"], results[0]["sleep"]

@@ -34,8 +34,8 @@ def squared_lengths(vec: Tensor) -> Tensor:
 
     On the CPU in eager mode this is ``(vec * vec) @ 1``: torch's reduction over a last
     dimension of 3 is several times slower there than the matrix-vector product (the same
-    values). Tracers (inductor fuses the sum)
-    and GPUs take ``sum(-1)``."""
+    values to round-off: the BLAS may add the three squares in another order). Tracers
+    (inductor fuses the sum) and GPUs take ``sum(-1)``."""
     sq = vec * vec
     if vec.device.type == "cpu" and not graph_tracing():
         return sq @ torch.ones(vec.shape[-1], dtype=vec.dtype)

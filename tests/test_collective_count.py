@@ -89,6 +89,13 @@ def _case(manager, key):
         after = (pot.state.counters.rebuilds, pot.state.counters.migrations)
         steps.append({"calls": dict(n.calls), "blocking": n.blocking,
                       "rebuilt": after[0] - before[0], "migrated": after[1] - before[1]})
+    return _final(manager, pot, state, steps)
+
+
+
+def _final(manager, pot, state, steps) -> dict:
+    """``{"steps": steps}``, with the final state (ids, positions, velocities, cell) gathered
+    on rank 0."""
     full, _ = pot.gather(state.graph)
     out = {"steps": steps}
     if manager.rank == 0:
@@ -114,12 +121,7 @@ def _compiled_case(manager, ensemble):
         with count_collectives() as n:
             state = integ.step(state, pot, DT)
         steps.append({"calls": dict(n.calls), "replanned": integ.stepper.n_replans - replans})
-    full, _ = pot.gather(state.graph)
-    out = {"steps": steps}
-    if manager.rank == 0:
-        out.update(ids=full.atom_id, positions=full.positions, velocities=full.velocities,
-                   cell=full.cell)
-    return out
+    return _final(manager, pot, state, steps)
 
 
 def _instrumentation(manager):

@@ -203,6 +203,23 @@ COMMANDS = {
         "--scales 1.0,1.1 --threads 1 --json J; ... --models schnet --sizes 1000 --steps 5 "
         "--warmup 1 --append; ... --models equivariant --sizes 500 --steps 4 --warmup 1 "
         "--append (J = benchmarks/results/dd_components_cpu2.json)"),
+    "data_scale_h200.json": ("python benchmarks/data_scale.py --device cuda --n 10000 --batches 60 "
+                             "--workers 0,2,4,8 --note '<the machine note in the file>' --json "
+                             "benchmarks/results/data_scale_h200.json"),
+    "lammps_h200.json": ("python benchmarks/lammps.py --device cuda --dtype float32 "
+                         "--models lj,schnet --sizes 2000,16000 --schnet-sizes 2000,16000 "
+                         "--ranks 1 --steps 20 --warmup 3 --repeat 3 --json "
+                         "benchmarks/results/lammps_h200.json"),
+    "lammps_cpu16.json": ("OMP_NUM_THREADS=1 python benchmarks/lammps.py --models lj --sizes 50000 "
+                          "--ranks 1,2,4 --steps 20 --warmup 3 --repeat 1 "
+                          "--mpirun <mpich's mpirun> "
+                          "--note '<the machine note in the file>' --json "
+                          "benchmarks/results/lammps_cpu16.json (the 16-core GPU host)"),
+    "dd_components_cpu16.json": (
+        "OMP_NUM_THREADS=1 python benchmarks/dd_components.py --models schnet --ranks 1,2,4,8 "
+        "--sizes 2048 --scales 1.0,1.1 --steps 4 --warmup 1 --threads 1 --timeout 60 --json J; "
+        "... --models equivariant --sizes 500 --append (J = "
+        "benchmarks/results/dd_components_cpu16.json; the 16-core GPU host)"),
     "scaling_model_cpu.json": ("python benchmarks/scaling_model.py --plots docs/img --json "
                                "benchmarks/results/scaling_model_cpu.json"),
 }

@@ -319,7 +319,8 @@ def validate_components(path: Path) -> tuple[list[dict], dict]:
         comp = ComputeCost.fit([q["n_held"] for q in q1], [q["n_edges"] for q in q1],
                                [q["seconds_per_step"]["evaluate"]
                                 + q["seconds_per_step"]["integrate"] for q in q1],
-                               source=f"{path.name}: 1-rank rows of {model}")
+                               source=f"{path.name}: 1-rank rows of {model}",
+                               owned=[q["n_owned"] for q in q1])
         fits[model] = vars(comp)
         rebuild = _rebuild_cost(q1, d["settings"]["steps"])
         fits[model + "_rebuild"] = vars(rebuild)

@@ -276,6 +276,24 @@ def test_compute_fit_recovers_per_atom_and_per_edge_costs():
     np.testing.assert_allclose(one.seconds(held[:3], edges[:3]), t[:3], rtol=1e-9)
 
 
+def test_compute_fit_separates_owned_from_ghost_atoms_with_sizes_of_other_ghost_shares():
+    # 1-rank rows of three sizes: periodic-image ghosts are 5.6, 3 and 2 times the owned
+    owned = np.array([256, 864, 2048, 256, 864, 2048])
+    held = owned * np.array([6.6, 4.0, 3.0, 6.6, 4.0, 3.0])
+    edges = owned * np.array([78, 78, 78, 54, 54, 54])
+    t = 1e-2 + 2e-5 * held + 1.2e-3 * owned + 3e-7 * edges
+    fit = ComputeCost.fit(held, edges, t, owned=owned)
+    assert fit.per_owned == pytest.approx(1.2e-3, rel=1e-6)
+    assert fit.per_atom == pytest.approx(2e-5, rel=1e-6)
+    assert fit.per_edge == pytest.approx(3e-7, rel=1e-6)
+    # a rank of a decomposition: few owned, many ghosts
+    assert float(fit.seconds(1687, 19968, 256)) == pytest.approx(
+        1e-2 + 2e-5 * 1687 + 1.2e-3 * 256 + 3e-7 * 19968)
+    # one size only: the owned share is fixed, so the atom cost stays on the held atoms
+    one = ComputeCost.fit(held[::3], edges[::3], t[::3], owned=owned[::3])
+    assert one.per_owned == 0.0
+
+
 def test_link_fit_recovers_latency_and_bandwidth():
     msgs = [(1, 1_000), (2, 50_000), (1, 400_000), (3, 2_000_000)]
     p2p = [(m, b, m * 5e-5 + b / 2e9) for m, b in msgs]

@@ -4,7 +4,8 @@ training step) costs on ``P`` ranks, from per-rank counts and measured unit cost
 For one MD force evaluation per step, on rank ``r`` with ``owned_r``, ``ghost_r`` atoms and
 ``edges_r`` local edges (:class:`~.counts.RankCounts`)::
 
-    compute_r  = fixed + per_atom * (owned_r + ghost_r) + per_edge * edges_r
+    compute_r  = fixed + per_atom * (owned_r + ghost_r) + per_owned * owned_r
+                 + per_edge * edges_r
     exchange_r = sum over the exchanges of one step of
                  peers_r * latency + max(send_r, recv_r) * width * dtype_bytes / bandwidth
     rebuild_r  = rebuild_per_atom * held_r / rebuild_interval
@@ -42,6 +43,7 @@ adjoint), both counted on real ranks in ``tests/test_cost_model.py``; the gradie
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,46 +73,61 @@ class ComputeCost:
         per_edge: s per local edge.
         fixed: s per evaluation (launches, Python).
         source: the measurements it was fitted to.
+        per_owned: s per owned atom (the work that follows the atoms whose energy a rank
+            sums, not its ghosts). One-rank rows of one system cannot tell it from
+            ``per_atom`` (their ghost/owned ratio is fixed); 1-rank rows of several sizes
+            (whose periodic-image ghosts are a different share of each) can.
     """
 
     per_atom: float
     per_edge: float
     fixed: float = 0.0
     source: str = ""
+    per_owned: float = 0.0
 
-    def seconds(self, held, edges) -> np.ndarray:
-        """Seconds of one evaluation on ``held`` atoms and ``edges`` edges (arrays)."""
-        return (self.fixed + self.per_atom * np.asarray(held, float)
+    def seconds(self, held, edges, owned=None) -> np.ndarray:
+        """Seconds of one evaluation on ``held`` atoms (``owned`` of them owned: default
+        all) and ``edges`` edges (arrays)."""
+        held = np.asarray(held, float)
+        owned = held if owned is None else np.asarray(owned, float)
+        return (self.fixed + self.per_atom * held + self.per_owned * owned
                 + self.per_edge * np.asarray(edges, float))
 
     @classmethod
-    def fit(cls, held, edges, seconds, fixed: bool = True, source: str = "") -> ComputeCost:
+    def fit(cls, held, edges, seconds, fixed: bool = True, source: str = "",
+            owned=None) -> ComputeCost:
         """Non-negative least squares on 1-rank measurements (relative residuals, so that
-        small and large systems weigh the same). With points of one edges-per-atom ratio
-        only, the atom and edge terms cannot be told apart: the cost is then put on the
-        edges (``per_atom = 0``), which predicts any count of the same ratio exactly."""
+        small and large systems weigh the same): every subset of the terms (held atoms,
+        edges, the fixed cost, and owned atoms when ``owned`` is given) is fitted and the
+        best non-negative one kept. Terms that the points cannot tell apart are dropped in
+        favour of the first of them: with one edges-per-atom ratio the cost goes on the
+        edges (``per_atom = 0``), which predicts any count of that ratio exactly; with one
+        owned-per-held ratio the atom cost stays on the held atoms (``per_owned = 0``)."""
         h, e, t = (np.asarray(x, float) for x in (held, edges, seconds))
-        cols = [h / t, e / t] + ([1.0 / t] if fixed else [])
-        a = np.stack(cols, axis=1)
-        ratio = e / np.maximum(h, 1)
-        candidates = [[0, 1, 2], [0, 1], [1, 2], [0, 2], [1], [0]] if fixed else \
-            [[0, 1], [1], [0]]
-        if np.ptp(ratio) < 0.02 * ratio.mean():  # one ratio: atoms and edges collinear
-            candidates = [c for c in candidates if 0 not in c]
+        cols = {"held": h / t, "edges": e / t}
+        if fixed:
+            cols["fixed"] = 1.0 / t
+        if owned is not None:
+            o = np.asarray(owned, float)
+            if np.ptp(o / np.maximum(h, 1)) >= 0.02 * np.mean(o / np.maximum(h, 1)):
+                cols["owned"] = o / t
+        if np.ptp(e / np.maximum(h, 1)) < 0.02 * np.mean(e / np.maximum(h, 1)):
+            del cols["held"]  # one ratio: atoms and edges collinear
+        names = list(cols)
         best, err = None, np.inf
-        for c in candidates:
-            c = [i for i in c if i < a.shape[1]]
-            x, *_ = np.linalg.lstsq(a[:, c], np.ones_like(t), rcond=None)
-            if (x < 0).any():
-                continue
-            full = np.zeros(a.shape[1])
-            full[c] = x
-            r = float(np.sum((a @ full - 1.0) ** 2))
-            if r < err - 1e-12:
-                best, err = full, r
+        for k in range(len(names), 0, -1):
+            for c in itertools.combinations(names, k):
+                a = np.stack([cols[n] for n in c], axis=1)
+                x, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+                if (x < 0).any():
+                    continue
+                r = float(np.sum((a @ x - 1.0) ** 2))
+                if r < err - 1e-12:
+                    best, err = dict(zip(c, (float(v) for v in x))), r
         if best is None:
             raise ValueError("no non-negative fit of the compute cost")
-        return cls(float(best[0]), float(best[1]), float(best[2]) if fixed else 0.0, source)
+        return cls(best.get("held", 0.0), best.get("edges", 0.0), best.get("fixed", 0.0),
+                   source, per_owned=best.get("owned", 0.0))
 
 
 @dataclass(frozen=True)
@@ -264,7 +281,7 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
     reduce_link = reduce_link or link
     rebuild = rebuild or Rebuild()
     held = counts.held
-    comp = compute.seconds(held, counts.edges)
+    comp = compute.seconds(held, counts.edges, counts.owned)
     if counts.mode == "graph":
         p, t = counts.n_ranks, 0.0
         for part, whole in gather_bytes(counts, shape):

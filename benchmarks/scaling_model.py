@@ -297,6 +297,13 @@ def _rebuild_cost(per_rank: list[dict], steps: int) -> Rebuild:
     return Rebuild(float(per_atom), float(interval))
 
 
+def _edges(q: dict) -> int:
+    """A rank's edges within the model's cutoff (the work of models that drop the Verlet
+    list's skin edges, as the at-scale plans count them), or its list edges in files
+    written before ``n_edges_within`` was recorded."""
+    return q["n_edges_within"] if q.get("n_edges_within") is not None else q["n_edges"]
+
+
 def validate_components(path: Path) -> tuple[list[dict], dict]:
     """dd_components rows: compute fitted on 1 rank, gloo link on 2 ranks, all checked."""
     if not path.exists():
@@ -316,7 +323,7 @@ def validate_components(path: Path) -> tuple[list[dict], dict]:
         if not ones:
             continue
         q1 = [r["per_rank"][0] for r in ones]
-        comp = ComputeCost.fit([q["n_held"] for q in q1], [q["n_edges"] for q in q1],
+        comp = ComputeCost.fit([q["n_held"] for q in q1], [_edges(q) for q in q1],
                                [q["seconds_per_step"]["evaluate"]
                                 + q["seconds_per_step"]["integrate"] for q in q1],
                                source=f"{path.name}: 1-rank rows of {model}",
@@ -328,7 +335,8 @@ def validate_components(path: Path) -> tuple[list[dict], dict]:
             pr = r["per_rank"]
             arr = lambda key, pr=pr: np.array([q[key] for q in pr], dtype=np.int64)  # noqa: E731
             c = RankCounts(r["mode"], tuple(r["grid"] or (r["ranks"], 1, 1)), r["halo_width"],
-                           arr("n_owned"), arr("n_ghost"), arr("n_edges"), arr("n_send"),
+                           arr("n_owned"), arr("n_ghost"),
+                           np.array([_edges(q) for q in pr], dtype=np.int64), arr("n_send"),
                            arr("n_recv"), arr("n_peers"), "measured")
             shape = ModelShape(r["sync_points"], r["feature_width"], r["dtype_bytes"])
             t = md_step(c, comp, shape, link, rebuild=rebuild)

@@ -45,6 +45,7 @@ from xnn.distributed.committee import MEMBER_ROWS as COMMITTEE_MEMBER_ROWS
 from xnn.distributed.committee import PER_ATOM as COMMITTEE_PER_ATOM
 from xnn.distributed.committee import PER_SYSTEM as COMMITTEE_PER_SYSTEM
 from xnn.distributed.committee import committee_results_decomposed, member_graphs
+from xnn.distributed.domain.local import edges_within
 from xnn.distributed.domain.longrange import swapped_global_sums
 from xnn.distributed.domain.state import Counters, DomainState, gather, scatter
 from xnn.distributed.domain.sync import swapped_sync_points
@@ -587,13 +588,21 @@ class DecomposedPotential:
         x, dom, ids = self._last_eval
         return self.layout.min_pair_distance(x, dom, ids, self._last_cell)
 
-    def stats(self) -> dict[str, object]:
-        """This rank's decomposition: owned, ghost and exchanged atoms, peers, grid, counts."""
+    def stats(self, count_within: bool = False) -> dict[str, object]:
+        """This rank's decomposition: owned, ghost and exchanged atoms, peers, grid, counts;
+        with ``count_within``, also ``n_edges_within``: the local edges shorter than the
+        model's cutoff at the last evaluation (the work of models that drop the list's skin
+        edges; the step-cost model's edge count)."""
         st = self.state
         if st is None:
             return {}
         d, c = st.local, st.counters
+        within = {}
+        if count_within and self._last_eval is not None and d.edge_index is not None \
+                and self._last_eval[0].shape[0] == d.n_local:
+            within["n_edges_within"] = int(edges_within(d.edge_index, self._last_eval[0],
+                                                        self.cutoff).sum())
         return {**self.layout.stats(st), "n_owned": st.n_owned, "n_ghost": d.n_ghost,
-                "n_edges": int(d.edge_index.shape[1]), "halo_width": self.halo_width,
+                "n_edges": int(d.edge_index.shape[1]), **within, "halo_width": self.halo_width,
                 "rebuilds": c.rebuilds, "migrations": c.migrations, "migrated_out": c.sent,
                 "migrated_in": c.received}

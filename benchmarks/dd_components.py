@@ -208,7 +208,8 @@ def run_point(manager, args, model_name: str, n_atoms: int, scale: float) -> dic
     n = args.steps
     return {"rank": manager.rank, "n_owned": st["n_owned"], "n_ghost": st["n_ghost"],
             "n_held": st["n_held"], "n_held_max": held, "n_edges": st["n_edges"],
-            "n_edges_within": st.get("n_edges_within"), "n_edges_start": edges, "n_send": st.get("n_send", 0),
+            "n_edges_within": st.get("n_edges_within"), "n_edges_start": edges,
+            "n_send": st.get("n_send", 0),
             "n_recv": st.get("n_recv", 0), "n_peers": st.get("n_peers", 0),
             "grid": st.get("grid"), "mode": pot.mode, "halo_width": pot.halo_width,
             "sync_points": len(list(model.sync_points)) if pot.layout.syncs else 0,

@@ -195,9 +195,6 @@ COMMANDS = {
     "lammps_breakdown_h100.json": ("python benchmarks/lammps_breakdown.py --device cuda "
                                    "--dtype float32 --json "
                                    "benchmarks/results/lammps_breakdown_h100.json"),
-    "lammps_h100.json": ("python benchmarks/lammps.py --device cuda --dtype float32 --ranks 1 "
-                         "--sizes 2000,16000 --schnet-sizes 2000 --steps 20 --warmup 3 "
-                         "--repeat 1 --json benchmarks/results/lammps_h100.json"),
     "dd_components_cpu2.json": (
         "python benchmarks/dd_components.py --models lj --ranks 1,2 --sizes 4000,16000 "
         "--scales 1.0,1.1 --threads 1 --json J; ... --models schnet --sizes 1000 --steps 5 "

@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist_helpers import spawn
 from helpers import rel as _rel
-from helpers.training import CUTOFF
+from helpers.training import CUTOFF, with_heads
 from helpers.training import counts as _counts
 from helpers.training import grads as _grads
 from helpers.training import labelled as _labelled
@@ -52,12 +52,13 @@ def _recording(base):
 
 
 # ---------------------------------------------------------------------------- rank cases
-def _cp_case(manager, dims, name, batches_idx=((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1))):
+def _cp_case(manager, dims, name, batches_idx=((0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1)),
+             data=None):
     """dp × dd training steps vs one process (computed on world rank 0)."""
     from xnn.distributed.cp_train import DomainPredictor
     from xnn.distributed.entries import parallelize_train
 
-    data = structures()
+    data = structures() if data is None else data
     plan = parallelize_train(manager, dims[0], dims[1])
     model = _model(name)
     predictor = plan.predictor(model, "cpu", torch.float64)
@@ -70,7 +71,7 @@ def _cp_case(manager, dims, name, batches_idx=((0, 1, 2, 3), (3, 1, 0, 2), (2, 0
     losses, first, weights = _steps(trainer, shares, counts)
     out = {"log": predictor.log, "n_share": [len(s) for s in shares]}
     if torch.distributed.get_rank() == 0:
-        ref = _trainer(_model(name.partition("+")[0]))  # one process, no checkpointing
+        ref = _trainer(_model(name.replace("+ckpt", "")))  # one process, no checkpointing
         ref_losses, ref_first, ref_weights = _steps(
             ref, [[data[i] for i in b] for b in batches_idx], counts)
         out.update(loss=abs(losses[0] - ref_losses[0]) / abs(ref_losses[0]),
@@ -279,6 +280,27 @@ def fast_worker(rank, world, tmp):
     return out
 
 
+#: the head of each structure of :func:`structures` in the multi-head case
+HEADS = (0, 1, 1, 0)
+
+
+def heads_worker(rank, world):
+    """Multi-head training (two readouts, each structure its own) on dp=1 dd=2; rank 0 also
+    gives the one-process loss with every structure's head swapped (the heads differ)."""
+    from xnn.distributed.manager import DistributedManager
+
+    manager = DistributedManager.initialize(device="cpu")
+    data = with_heads(structures(), HEADS)
+    out = _cp_case(manager, (1, 2), "equivariant+heads", data=data)
+    if rank == 0:
+        counts = _counts(data)
+        step = _trainer(_model("equivariant+heads")).train_step
+        swapped = with_heads(structures(), [1 - h for h in HEADS])
+        loss, other = step(data, 0, counts=counts), step(swapped, 0, counts=counts)
+        out["swapped"] = abs(other - loss) / abs(loss)
+    return {"1x2-equivariant+heads": out}
+
+
 def grid_worker(rank, world):
     from xnn.distributed.manager import DistributedManager
 
@@ -367,6 +389,17 @@ def test_train_app_dp2_dd2(fast):
     assert all("max_atoms_per_batch=1" in r["app"]["refused"] for r in fast)
     assert len({r["app"]["budget_steps"] for r in fast}) == 1 and app["budget_steps"] > 0
     assert not (Path(app["tmp"]) / "refused").exists()  # refused before any file is written
+
+
+def test_multihead_cp_step_matches_one_process():
+    """Multi-head training (``finetune.heads``) on dp=1 dd=2: each structure's ``head``
+    travels with its scattered atoms, so loss, gradients and weights after three steps equal
+    one process's (fp64, 1e-10); with the heads swapped the loss differs (the heads are
+    used, not the default one for every atom)."""
+    results = spawn(heads_worker, 2, timeout_s=900)
+    _check_case(results, "1x2-equivariant+heads", 2)
+    r0 = results[0]["1x2-equivariant+heads"]
+    assert r0["swapped"] > 1e-3, r0
 
 
 @pytest.mark.slow

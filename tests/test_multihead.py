@@ -196,6 +196,11 @@ def test_head_settings_are_checked_by_the_config(data):
         load_config(TrainConfig, None, [*base, "finetune.heads=true"])
     with pytest.raises(ConfigError, match="model.head is a setting of xnn md"):
         load_config(TrainConfig, None, [*base, "model.head=replay"])
+    # multi-head runs decompose and compile (tests/test_cp_training.py, _compiled_training)
+    for extra in ("parallel.dd=2", "compile=true"):
+        cfg = load_config(TrainConfig, None, [*base, "finetune.heads=true", "pretrained=m.pt",
+                                              extra])
+        assert cfg.finetune.heads and (cfg.compile or cfg.parallel.dd == 2)
 
 
 # --------------------------------------------------------------------------- training
@@ -294,30 +299,34 @@ def test_multihead_run_resumes_bitwise(tmp_path, data, pretrained):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _rank_finetune(rank, world, data, pretrained, out):
+def _rank_finetune(rank, world, data, pretrained, out, dd=1):
+    """The multi-head fine-tuning on ``world`` ranks: data parallel, or ``dd`` ranks
+    decomposing each structure (context parallel)."""
     from xnn.app.train import train
     from xnn.distributed.entries import parallelize_train
     from xnn.distributed.manager import DistributedManager
 
     manager = DistributedManager.initialize(device="cpu")
-    reducer = parallelize_train(manager).reducer
+    plan = parallelize_train(manager, world // dd, dd)
     cfg = load_config(TrainConfig, None, [
         *COMMON, f"data.datasets.0.path={data / 'new.xyz'}",
         f"data.replay.0.path={data / 'replay.xyz'}", f"output_dir={out}",
         f"pretrained={pretrained}", "max_epochs=2", "optim.lr=0.005", "device=cpu",
-        "finetune.heads=true"])
-    return train(cfg, reducer)["metrics"]
+        "finetune.heads=true", f"parallel.dp={world // dd}", f"parallel.dd={dd}"])
+    return train(cfg, parallel=plan)["metrics"]
 
 
 @pytest.mark.distributed
-def test_two_ranks_train_the_heads_as_one_process(tmp_path, data, pretrained):
-    """Data parallel on 2 gloo ranks: batches mixing heads are shared between the ranks and
-    every head ends as in the one-process run (fp64, 1e-10 relative)."""
+@pytest.mark.parametrize("dd", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_two_ranks_train_the_heads_as_one_process(tmp_path, data, pretrained, dd):
+    """On 2 gloo ranks, data parallel (dd=1: batches mixing heads shared between the ranks)
+    or context parallel (dd=2: each structure decomposed over both ranks, its head with its
+    atoms), every head ends as in the one-process run (fp64, 1e-10 relative)."""
     from dist_helpers import spawn
 
     one = _finetune(tmp_path / "one", data, pretrained, "finetune.heads=true", "max_epochs=2")
     torch.set_num_threads(1)
-    results = spawn(_rank_finetune, 2, args=(data, pretrained, tmp_path / "two"),
+    results = spawn(_rank_finetune, 2, args=(data, pretrained, tmp_path / "two", dd),
                     timeout_s=600)
     a = load_model(tmp_path / "one" / "model.pt").state_dict()
     b = load_model(tmp_path / "two" / "model.pt").state_dict()

@@ -161,6 +161,48 @@ def test_structure_weights_of_a_lazy_source_read_no_structure(tmp_path, monkeypa
     assert structure_weights(ds).tolist() == expected
 
 
+def test_head_and_bootstrap_views_of_a_lazy_source_read_no_structure(tmp_path, monkeypatch):
+    """``WithHead`` (multi-head) and ``Bootstrapped`` (committee) of a lazy file, through
+    subsets and a concatenation, as the training set is made of them: making them and asking
+    for their atom counts, label counts, dataset weights and whether they are held in
+    memory reads no structure (was: ``structure_weights`` read every structure of a
+    ``WithHead``); every value equals that of the same structures held in memory. A
+    structure read afterwards carries its head / bootstrap weights."""
+    from xnn.data.datasets import ConcatDataset
+    from xnn.data.emt import write_emt
+    from xnn.data.sources import read_structures
+    from xnn.neighbors.datasets import in_memory
+    from xnn.training.committee import Bootstrapped, bootstrap_weights
+    from xnn.training.finetune import WithHead
+    from xnn.training.sampling import structure_weights
+
+    write_emt(tmp_path / "a.xyz", 7, ["Cu"], seed=0)
+    ds = read_structures(tmp_path / "a.xyz", 2.5, workers=0)
+    ds.label_counts()  # the source's own first pass (kept with its index on disk)
+    eager = InMemoryDataset([ds[i] for i in range(len(ds))])
+    reads = []
+    real = type(ds)._atoms
+    monkeypatch.setattr(type(ds), "_atoms", lambda self, i: reads.append(i) or real(self, i))
+    boot = bootstrap_weights(3 + 7, 2, seed=4)
+
+    def views(d):
+        heads = ConcatDataset([WithHead(Subset(d, [6, 0, 3]), 1), WithHead(d, 0)])
+        return [heads, Bootstrapped(heads, boot), Bootstrapped(Subset(d, [5, 2]), boot[:2])]
+
+    lazy = views(ds)
+    assert reads == []
+    for a, b in zip(lazy, views(eager)):
+        assert np.array_equal(a.n_atoms, b.n_atoms) and a.n_atoms.sum() > 0
+        assert np.array_equal(a.label_counts(), b.label_counts())
+        w = structure_weights(a)
+        assert w.dtype == np.float32 and w.tolist() == structure_weights(b).tolist()
+        assert w.tolist() == [2.5] * len(a)
+        assert not in_memory(a) and in_memory(b)
+    assert reads == []
+    g = lazy[1][0]  # structure 6 of the file, head 1, the committee's first weights
+    assert reads == [6] and int(g.head[0]) == 1 and g.member_weight.tolist() == [boot[0].tolist()]
+
+
 def test_narrow_keeps_int64_only_where_a_value_needs_it():
     """Per-structure counts and offsets become int32 (4 bytes); the atom offsets of a
     10^8-structure set (past 2^31) stay int64, unchanged in value."""

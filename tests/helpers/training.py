@@ -58,9 +58,34 @@ def labelled_structures():
 
 
 def train_model(name):
-    """A small model; ``"NAME+ckpt"``: with activation checkpointing (same weights)."""
-    name, _, ckpt = name.partition("+")
-    return native(name, cutoff=CUTOFF, activation_checkpointing=bool(ckpt))
+    """A small model; ``"NAME+ckpt"``: with activation checkpointing (same weights);
+    ``"NAME+heads"``: with the readout heads ``a`` and ``b`` (:func:`two_heads`)."""
+    name, _, extra = name.partition("+")
+    if extra == "heads":
+        return two_heads(native(name, cutoff=CUTOFF))
+    return native(name, cutoff=CUTOFF, activation_checkpointing=extra == "ckpt")
+
+
+def two_heads(model):
+    """``model`` with the readout heads ``a`` and ``b``, head ``b``'s weights moved by seeded
+    noise (so the heads predict differently)."""
+    from xnn.models.heads import make_multihead
+
+    model = make_multihead(model, ["a", "b"])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("readout_heads.1."):
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def with_heads(graphs, heads):
+    """``graphs`` each with its ``head [1]`` field (:data:`xnn.data.keys.HEAD`)."""
+    from xnn.data import keys as K
+
+    return [g.replace({K.HEAD: torch.tensor([int(h)], device=g.device)})
+            for g, h in zip(graphs, heads)]
 
 
 def specs():

@@ -404,7 +404,9 @@ class TrainConfig:
 
 def _check_heads(cfg: TrainConfig) -> None:
     """Refuse ``data.*.head`` without ``finetune.heads``, and ``finetune.heads`` without a
-    pretrained model, with ``parallel.dd > 1`` or ``compile`` (one line each)."""
+    pretrained model (one line each). Multi-head runs train under ``parallel.dd > 1`` (each
+    structure's ``head`` travels with its decomposed atoms) and ``compile`` (the ``head``
+    field is an input of the trace)."""
     d = cfg.data
     parts = (("datasets", d.datasets), ("val", d.val), ("test", d.test), ("replay", d.replay))
     named = [f"data.{part}.{k}.head" for part, entries in parts
@@ -417,6 +419,3 @@ def _check_heads(cfg: TrainConfig) -> None:
     if not cfg.pretrained:
         raise ConfigError("finetune.heads=true adds readout heads to a pretrained model: set "
                           "pretrained=PATH")
-    if cfg.parallel.dd > 1 or cfg.compile:
-        raise ConfigError("finetune.heads=true trains with parallel.dd=1 and compile=false "
-                          "(multi-head batches are not yet domain-decomposed or compiled)")

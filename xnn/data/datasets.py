@@ -4,7 +4,9 @@ A dataset is any object with ``len(ds)``, ``ds[i] -> AtomicGraph`` (one system) 
 ``n_atoms`` integer array ``[len(ds)]`` readable without loading structures. The datasets
 here also give ``label_counts()`` (``[len(ds), 3]`` labelled items per structure, see
 :func:`label_counts_of`), counted once, from their files' arrays where they can;
-:class:`~xnn.neighbors.datasets.WithEdges` counts any other dataset by reading it once.
+:class:`~xnn.neighbors.datasets.WithEdges` counts any other dataset by reading it once. A
+:class:`View` adds fields to another dataset's structures and takes everything else from it
+(its index), reading none of them.
 Every structure carries the label fields ``energy [1]`` (eV), ``forces [n, 3]`` (eV/Å)
 and ``stress [1, 3, 3]`` (eV/Å³, ASE sign) with NaN where the source has no label (so
 batches concatenate), and a ``weight [1]`` (the dataset's loss weight). ``origin(i)``
@@ -350,6 +352,50 @@ class Subset(LabelledDataset):
         if isinstance(self.dataset, InMemoryDataset):
             return InMemoryDataset([self[i] for i in range(len(self))]).species()
         return self.dataset.species()
+
+
+class View(LabelledDataset):
+    """Structure ``i`` is structure ``i`` of ``dataset``, with fields added by a subclass's
+    ``__getitem__`` (the head of multi-head training, a committee's bootstrap weights).
+
+    Sizes, labels, origins, stored statistics, species and isolated atoms are those of
+    ``dataset``, taken from its index and metadata: making a view, and asking it for these
+    (or for :func:`~xnn.training.sampling.structure_weights`), reads no structure of a lazy
+    source (extxyz, ASE-LMDB, ASE SQLite, HDF5, prepared data).
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.n_atoms = np.asarray(dataset.n_atoms)
+        self.name = getattr(dataset, "name", "dataset")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> AtomicGraph:
+        return self.dataset[index]
+
+    def origin(self, index: int) -> tuple[str, int]:
+        return origin_of(self.dataset, index)
+
+    def _count_labels(self) -> np.ndarray:
+        if isinstance(self.dataset, LabelledDataset):
+            return self.dataset.label_counts()
+        return count_labels_by_reading(self.dataset)
+
+    def stored_statistics(self, indices: Sequence[int],
+                          cutoff: float) -> EntryStatistics | None:
+        if not isinstance(self.dataset, LabelledDataset):
+            return None
+        return self.dataset.stored_statistics(indices, cutoff)
+
+    def species(self) -> list[int]:
+        return self.dataset.species()
+
+    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
+        if not isinstance(self.dataset, LabelledDataset):
+            return {}
+        return self.dataset.isolated_atoms()
 
 
 class ConcatDataset(LabelledDataset):

@@ -47,9 +47,10 @@ from xnn.models.derivatives import compute_properties
 #: traces per :class:`CompiledProperties` (the first, and ones for batches outside its guards)
 MAX_VARIANTS = 4
 
-#: graph fields the traced function takes (labels and per-run extras are not inputs)
+#: graph fields the traced function takes (labels and per-run extras are not inputs); the
+#: ``head`` of a multi-head batch (:mod:`xnn.models.heads`) is an input where present
 INPUT_FIELDS = (K.POSITIONS, K.NUMBERS, K.CELL, K.PBC, K.BATCH, K.MASSES, K.ATOM_ID,
-                K.EDGE_INDEX, K.SHIFTS)
+                K.EDGE_INDEX, K.SHIFTS, K.HEAD)
 
 
 class CompileError(XnnError):

@@ -15,6 +15,7 @@ from xnn.data.datasets import (
     InMemoryDataset,
     LabelledDataset,
     Subset,
+    View,
     count_labels_by_reading,
     origin_of,
 )
@@ -59,7 +60,7 @@ def in_memory(dataset) -> bool:
     that the memory of a run does not grow with its data set."""
     if isinstance(dataset, InMemoryDataset):
         return True
-    if isinstance(dataset, (Subset, WithEdges)):
+    if isinstance(dataset, (Subset, View, WithEdges)):
         return in_memory(dataset.dataset)
     if isinstance(dataset, ConcatDataset):
         return all(in_memory(d) for d in dataset.datasets)

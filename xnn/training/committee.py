@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from xnn.data import keys as K
-from xnn.data.datasets import Subset
+from xnn.data.datasets import View
 from xnn.data.graph import AtomicGraph
 from xnn.models.base import AtomisticModel
 from xnn.training.losses import residuals
@@ -48,8 +48,10 @@ def bootstrap_weights(n: int, size: int, seed: int) -> np.ndarray:
     return out
 
 
-class Bootstrapped(Subset):
-    """``dataset`` whose structure ``i`` carries ``member_weight = weights[i]`` (``[1, K]``).
+class Bootstrapped(View):
+    """``dataset`` whose structure ``i`` carries ``member_weight = weights[i]`` (``[1, K]``);
+    sizes, labels and dataset weights are those of ``dataset`` (a
+    :class:`~xnn.data.datasets.View`: none of its structures is read to make it).
 
     Args:
         dataset: the training structures (without edges).
@@ -57,7 +59,7 @@ class Bootstrapped(Subset):
     """
 
     def __init__(self, dataset, weights: np.ndarray):
-        super().__init__(dataset, np.arange(len(dataset)))
+        super().__init__(dataset)
         if weights.shape[0] != len(dataset):
             raise ValueError(f"{weights.shape[0]} bootstrap weights for {len(dataset)} "
                              "structures")

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from xnn.data import keys as K
-from xnn.data.datasets import EntryStatistics, LabelledDataset
+from xnn.data.datasets import View
 from xnn.data.graph import AtomicGraph
 from xnn.errors import InputError
 from xnn.models.base import as_model
@@ -100,39 +99,20 @@ def describe(model: nn.Module, frozen: list[str], factors: dict[str, float]) -> 
     return line
 
 
-class WithHead(LabelledDataset):
+class WithHead(View):
     """The structures of ``dataset``, each with ``head [1]`` = ``index`` (the head that
-    predicts them, :data:`xnn.data.keys.HEAD`); sizes, labels, origins and stored
-    statistics are those of ``dataset``."""
+    predicts them, :data:`xnn.data.keys.HEAD`); sizes, labels, origins, weights and stored
+    statistics are those of ``dataset`` (a :class:`~xnn.data.datasets.View`: none of its
+    structures is read to make it)."""
 
     def __init__(self, dataset, index: int):
-        self.dataset, self.index = dataset, int(index)
-        self.n_atoms = np.asarray(dataset.n_atoms)
-        self.name = dataset.name
-
-    def __len__(self) -> int:
-        return len(self.dataset)
+        super().__init__(dataset)
+        self.index = int(index)
 
     def __getitem__(self, index: int) -> AtomicGraph:
         graph = self.dataset[index]
         return graph.replace({K.HEAD: torch.full((graph.n_systems,), self.index,
                                                  dtype=torch.long, device=graph.device)})
-
-    def origin(self, index: int) -> tuple[str, int]:
-        return self.dataset.origin(index)
-
-    def _count_labels(self) -> np.ndarray:
-        return self.dataset.label_counts()
-
-    def stored_statistics(self, indices: Sequence[int],
-                          cutoff: float) -> EntryStatistics | None:
-        return self.dataset.stored_statistics(indices, cutoff)
-
-    def species(self) -> list[int]:
-        return self.dataset.species()
-
-    def isolated_atoms(self) -> dict[int, tuple[int, float]]:
-        return self.dataset.isolated_atoms()
 
 
 def new_head_e0(model: nn.Module, structures: list[AtomicGraph],

@@ -30,15 +30,16 @@ def structure_weights(dataset) -> np.ndarray:
     :class:`~xnn.data.datasets.HDF5Source`, a lazy :class:`~xnn.data.sources.frames.
     AtomsSource` (extxyz, ASE-LMDB, ASE SQLite: no structure is read) or a
     :class:`~xnn.data.prepared.PreparedDataset`, :class:`~xnn.data.datasets.Subset` indices,
-    :class:`~xnn.data.datasets.ConcatDataset` parts, :class:`~xnn.neighbors.datasets.WithEdges`);
+    :class:`~xnn.data.datasets.ConcatDataset` parts, :class:`~xnn.neighbors.datasets.WithEdges`
+    and :class:`~xnn.data.datasets.View` (multi-head, bootstrap) wrappers);
     any other dataset is read once (each structure's ``weight [1]`` field).
     """
-    from xnn.data.datasets import ConcatDataset, HDF5Source, InMemoryDataset, Subset
+    from xnn.data.datasets import ConcatDataset, HDF5Source, InMemoryDataset, Subset, View
     from xnn.data.prepared import PreparedDataset
     from xnn.data.sources.frames import AtomsSource
     from xnn.neighbors.datasets import WithEdges
 
-    if isinstance(dataset, WithEdges):
+    if isinstance(dataset, (WithEdges, View)):
         return structure_weights(dataset.dataset)
     if isinstance(dataset, Subset):
         return structure_weights(dataset.dataset)[dataset.indices]

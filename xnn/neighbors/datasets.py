@@ -105,6 +105,19 @@ class WithEdges(LabelledDataset):
             self._cache[index] = g
         return g
 
+    def read_batch(self, indices) -> AtomicGraph:
+        """Structures ``indices`` with their edges as one batched graph, equal field by field
+        to :func:`~xnn.data.datasets.collate` of ``self[i]`` each (and refused the same
+        way). Without a cache the batch is read at once (``dataset.read_batch``) and its
+        neighbor list built in one call (one input check, not one per structure); a batch
+        with coincident atoms is read again structure by structure for the refusal."""
+        if self._cache is not None or self.cutoff < MIN_DISTANCE or len(indices) == 0:
+            return super().read_batch(indices)
+        g = with_edges(self.dataset.read_batch(indices), self.cutoff)
+        if first_close_edge(g) is not None:
+            return super().read_batch(indices)  # raises for the first such structure
+        return g
+
     def without_edges(self, index: int) -> AtomicGraph:
         """Structure ``index`` without its neighbor list (domain-decomposed training builds
         each rank's own), refused as :meth:`__getitem__` does at its first read here: one

@@ -317,6 +317,7 @@ def test_batched_edges_equal_per_structure_edges_for_every_cell():
     non-periodic (zero cell) structures gives each structure's own list, offset; a batch
     holding coincident atoms is refused with the per-structure refusal (the first bad one)."""
     from helpers import structures as S
+
     from xnn.data.datasets import InMemoryDataset, collate
 
     graphs = [S.cubic(), S.triclinic(), S.molecule(), S.slab(), S.tiny(), S.vacuum_slab(),

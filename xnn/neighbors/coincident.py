@@ -87,13 +87,13 @@ def first_close_edge(graph: AtomicGraph, min_distance: float = MIN_DISTANCE
 
 
 def _none_close_cpu(graph: AtomicGraph, min_distance: float) -> bool:
-    """True when no edge of a CPU graph is shorter than ``min_distance`` (x 1.001, so that
+    """True when no edge of a CPU graph is shorter than ``min_distance`` (x 1.01, so that
     rounding cannot hide a pair :func:`first_close_edge` would find), found in numpy in one
     thread: over the ~50,000 edges of a training batch, torch's few element-wise ops woke
     its intra-op threads, which on busy cores took 15x longer (90 ms against 6 ms on 2
-    loaded cores). False (look closer) on other devices or under autograd."""
+    loaded cores). False (look closer) on other devices and dtypes."""
     pos, cell = graph.positions, graph.cell
-    if pos.device.type != "cpu" or pos.requires_grad or cell.requires_grad:
+    if pos.device.type != "cpu" or pos.dtype not in (torch.float32, torch.float64):
         return False
     ei = graph.edge_index.numpy()
     p = pos.detach().numpy().astype(np.float64, copy=False)
@@ -103,7 +103,7 @@ def _none_close_cpu(graph: AtomicGraph, min_distance: float) -> bool:
         vec += _shift_vectors(shifts.numpy().astype(np.float64),
                               cell.detach().numpy().astype(np.float64, copy=False),
                               np.take(graph.batch.numpy(), ei[1]))
-    limit = (1.001 * float(min_distance)) ** 2
+    limit = (1.01 * float(min_distance)) ** 2
     return not bool((np.einsum("ek,ek->e", vec, vec) < limit).any())
 
 

@@ -312,6 +312,19 @@ def test_batched_read_equals_per_structure_reads(data):
         ds.read_batch([0, len(ds)])
 
 
+class _Plain:
+    """The least a dataset is: ``len``, ``[i]`` and ``n_atoms``."""
+
+    def __init__(self, graphs):
+        self.graphs, self.n_atoms = graphs, np.array([g.n_atoms for g in graphs])
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __getitem__(self, index: int):
+        return self.graphs[index]
+
+
 def test_batched_edges_equal_per_structure_edges_for_every_cell():
     """One neighbor-list call over a batch of periodic, triclinic, mixed-pbc, tiny and
     non-periodic (zero cell) structures gives each structure's own list, offset; a batch
@@ -325,6 +338,8 @@ def test_batched_edges_equal_per_structure_edges_for_every_cell():
     ds = WithEdges(InMemoryDataset(graphs), 4.0, cache=False)
     order = [3, 0, 6, 2, 5, 1, 4]
     _identical(ds.read_batch(order), collate([ds[i] for i in order]))
+    plain = WithEdges(_Plain(graphs), 4.0, cache=False)  # any dataset, not a LabelledDataset
+    _identical(plain.read_batch(order), collate([ds[i] for i in order]))
     bad = [g.replace({K.POSITIONS: g.positions.clone()}) for g in graphs]
     for k in (5, 2):  # two bad structures: the first read is named
         bad[k].positions[1] = bad[k].positions[0] + 0.05

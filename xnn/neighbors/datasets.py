@@ -15,6 +15,7 @@ from xnn.data.datasets import (
     InMemoryDataset,
     LabelledDataset,
     Subset,
+    collate,
     count_labels_by_reading,
     origin_of,
 )
@@ -113,7 +114,9 @@ class WithEdges(LabelledDataset):
         with coincident atoms is read again structure by structure for the refusal."""
         if self._cache is not None or self.cutoff < MIN_DISTANCE or len(indices) == 0:
             return super().read_batch(indices)
-        g = with_edges(self.dataset.read_batch(indices), self.cutoff)
+        inner = self.dataset  # any dataset: read structure by structure if not labelled
+        g = with_edges(inner.read_batch(indices) if isinstance(inner, LabelledDataset) else
+                       collate([inner[int(i)] for i in indices]), self.cutoff)
         if first_close_edge(g) is not None:
             return super().read_batch(indices)  # raises for the first such structure
         return g

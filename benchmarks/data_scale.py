@@ -167,18 +167,23 @@ def prepare_inputs(work: Path, n: int, cutoff: float) -> dict:
 
 # --------------------------------------------------------------------------- loading
 class Batches(torch.utils.data.Dataset):
-    """Batch ``k``: the structures of ``batches[k]`` with their neighbor lists."""
+    """Batch ``k``: the structures of ``batches[k]`` with their neighbor lists, read as the
+    training loop reads a share (``BatchSharding.load`` of a ``WithEdges`` without cache:
+    one batched read, one neighbor-list call, the coincident-atoms check)."""
 
     def __init__(self, dataset, batches: list[list[int]], cutoff: float):
-        self.dataset, self.batches, self.cutoff = dataset, batches, cutoff
+        from xnn.neighbors.datasets import WithEdges
+        from xnn.training.sharding import BatchSharding
+
+        self.batches, self.cutoff = batches, cutoff
+        self.dataset = WithEdges(dataset, cutoff, cache=False)
+        self.load = BatchSharding().load
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
-        from xnn.neighbors import with_edges
-
-        graphs = [with_edges(self.dataset[i], self.cutoff) for i in self.batches[k]]
+        graphs = self.load(self.dataset, list(self.batches[k]))
         # collated in the worker (a dozen tensors cross to the main process, not a dozen
         # per structure), as field dicts: an AtomicGraph does not pickle (yet)
         return AtomicGraph.concat(graphs).fields

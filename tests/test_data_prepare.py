@@ -269,3 +269,101 @@ def test_several_inputs_isolated_atoms_and_no_cutoff(data, tmp_path):
     splits = build_splits(cfg.data, cfg.loss, CUTOFF, 0, isolated_atoms=True)
     assert splits.isolated_e0 == {29: -0.25, 79: -0.5}
     assert len(splits.raw_train) + len(splits.val) == 26
+
+
+def _identical(a, b) -> None:
+    """Every field of two graphs: the same names, dtypes, shapes and values (NaN = NaN)."""
+    assert set(a.keys()) == set(b.keys())
+    for key in a.keys():
+        x, y = a[key], b[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        assert torch.equal(torch.nan_to_num(x, nan=1e300), torch.nan_to_num(y, nan=1e300)), key
+
+
+def test_batched_read_equals_per_structure_reads(data):
+    """``read_batch`` (one gather per field and shard, one graph, one neighbor-list call) gives
+    bitwise the batch that collating the per-structure reads gives: across shards, in any
+    order, with repeats, through a subset, in float32 with a weight, with edges; and the
+    training's ``BatchSharding.load`` hands it to the predictor."""
+    from xnn.data.datasets import collate
+    from xnn.training.sharding import BatchSharding
+
+    ds = read_structures(data / "prep")
+    idx = [23, 0, 6, 12, 4, 6, 17, 1]  # three shards, unordered, a repeat, missing labels
+    perm = np.random.default_rng(3).permutation(len(ds))
+    light = PreparedDataset(data / "prep", weight=2.5, dtype=torch.float32)
+    for d in (ds, Subset(ds, perm), light, WithEdges(ds, CUTOFF, cache=False),
+              WithEdges(Subset(light, perm), CUTOFF, cache=False),
+              WithEdges(ds, CUTOFF, cache=True)):
+        batch = d.read_batch(idx)
+        _identical(batch, collate([d[i] for i in idx]))
+        assert batch.n_systems == len(idx)
+    assert light.read_batch(idx).positions.dtype == torch.float32
+    assert torch.equal(ds.read_batch(idx).system_id, torch.tensor(idx))
+    edges = WithEdges(Subset(ds, perm), CUTOFF, cache=False)
+    (got,) = BatchSharding().load(edges, idx)
+    _identical(got, collate([edges[i] for i in idx]))
+    assert got.edge_index.shape[1] > 0
+    # decomposed training takes one graph per structure, without edges
+    apart = BatchSharding(without_edges=True).load(edges, idx)
+    assert len(apart) == len(idx) and K.EDGE_INDEX not in apart[0].keys()
+    assert BatchSharding().load(edges, []) == []
+    with pytest.raises(IndexError):
+        ds.read_batch([0, len(ds)])
+
+
+class _Plain:
+    """The least a dataset is: ``len``, ``[i]`` and ``n_atoms``."""
+
+    def __init__(self, graphs):
+        self.graphs, self.n_atoms = graphs, np.array([g.n_atoms for g in graphs])
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __getitem__(self, index: int):
+        return self.graphs[index]
+
+
+def test_batched_edges_equal_per_structure_edges_for_every_cell():
+    """One neighbor-list call over a batch of periodic, triclinic, mixed-pbc, tiny and
+    non-periodic (zero cell) structures gives each structure's own list, offset; a batch
+    holding coincident atoms is refused with the per-structure refusal (the first bad one)."""
+    from helpers import structures as S
+
+    from xnn.data.datasets import InMemoryDataset, collate
+
+    graphs = [S.cubic(), S.triclinic(), S.molecule(), S.slab(), S.tiny(), S.vacuum_slab(),
+              S.cluster()]
+    ds = WithEdges(InMemoryDataset(graphs), 4.0, cache=False)
+    order = [3, 0, 6, 2, 5, 1, 4]
+    _identical(ds.read_batch(order), collate([ds[i] for i in order]))
+    plain = WithEdges(_Plain(graphs), 4.0, cache=False)  # any dataset, not a LabelledDataset
+    _identical(plain.read_batch(order), collate([ds[i] for i in order]))
+    bad = [g.replace({K.POSITIONS: g.positions.clone()}) for g in graphs]
+    for k in (5, 2):  # two bad structures: the first read is named
+        bad[k].positions[1] = bad[k].positions[0] + 0.05
+    bad_ds = WithEdges(InMemoryDataset(bad), 4.0, cache=False)
+    with pytest.raises(DataFileError) as batched:
+        bad_ds.read_batch(order)
+    with pytest.raises(DataFileError) as single:
+        bad_ds[2]
+    assert "coincident" in str(batched.value) and str(batched.value) == str(single.value)
+
+
+@pytest.mark.parametrize("gap, found", [(0.0995, True), (0.1005, False), (0.102, False)])
+def test_close_edge_found_at_the_threshold(gap, found):
+    """The numpy pre-check of :func:`first_close_edge` (a 1 % margin) never hides a pair
+    closer than 0.1 Å, through a periodic image too, and the exact check decides between."""
+    from xnn.data.graph import AtomicGraph
+    from xnn.neighbors import with_edges
+    from xnn.neighbors.coincident import first_close_edge
+
+    for pos in ([[0.0, 0.0, 0.0], [gap, 0.0, 0.0]], [[0.0, 0.0, 0.0], [4.0 - gap, 1.0, 1.0]]):
+        pos[1][1:] = [0.0, 0.0]
+        g = with_edges(AtomicGraph.from_arrays(np.array(pos), [29, 29], cell=np.eye(3) * 4.0,
+                                               pbc=[True] * 3), 1.0)
+        pair = first_close_edge(g)
+        assert (pair is not None) == found
+        if found:
+            assert pair.distance == pytest.approx(gap, rel=1e-9)

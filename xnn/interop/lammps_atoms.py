@@ -166,12 +166,14 @@ class Images:
         """Unwrap from the next call's image counts (``n_0 = n``)."""
         self._base = self._flags = None
 
-    def unwrap(self, x: np.ndarray, origin: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    def unwrap(self, x: np.ndarray, origin: np.ndarray, cell: np.ndarray,
+               dtype=np.float64) -> np.ndarray:
         """``[n, 3]`` Å: the first ``n = len(x)`` local atoms' positions relative to
-        ``boxlo``, unwrapped by their image flags (a new array)."""
+        ``boxlo``, unwrapped by their image flags (a new array), computed in float64 and
+        rounded once to ``dtype``."""
         n = x.shape[0]
         if n == 0:
-            return np.asarray(x, dtype=np.float64) - origin
+            return (np.asarray(x, dtype=np.float64) - origin).astype(dtype)
         flags = self.arrays.rows("image", n)
         if not (self._flags is not None and np.array_equal(flags, self._flags)
                 and self._same_frame(cell, origin)):
@@ -184,7 +186,7 @@ class Images:
             self._frame = (kept(cell), kept(origin))
             self._offsets = ((counts - self._base).astype(np.float64)
                              @ np.asarray(cell, np.float64) - origin)
-        return x + self._offsets
+        return np.add(x, self._offsets, out=np.empty(x.shape, dtype))
 
     def _same_frame(self, cell: np.ndarray, origin: np.ndarray) -> bool:
         """Whether the offsets were made for this cell and origin (the very read-only arrays

@@ -305,6 +305,49 @@ def test_step_graph_reused_across_lammps_reneighbourings_equals_a_fresh_evaluati
     lmp.close()
 
 
+def test_float32_step_reads_equal_the_lammps_wrappers_reads_and_a_float64_unwrap():
+    """float32, one rank, through LAMMPS re-neighbourings, re-sorts and a box deformed every
+    step: each step's box, types and image flags read through the fix's kept pointers and
+    views equal the ``lammps`` wrapper's own reads (``extract_box``, ``extract_atom``), and
+    the positions the model gets are bitwise LAMMPS's positions unwrapped in float64 then
+    rounded by ``Tensor.to`` (the fix unwraps and rounds in one pass)."""
+    atoms = cu_prism(seed=4)
+    v_fs = np.random.default_rng(4).normal(0.0, 0.012, (len(atoms), 3))
+    lmp = lammps_of(atoms, velocities=(v_fs - v_fs.mean(0)) * 1e3)
+    lmp.commands_string("timestep 0.002\nneighbor 0.2 bin\n"
+                        "neigh_modify every 1 delay 0 check yes\natom_modify sort 6 2.0\n"
+                        "fix integrate all nve\nfix shear all deform 1 xy erate 0.5 remap x")
+    xfix = XnnFixExternal(lmp, _lj(), species=["Cu"], dtype=torch.float32)
+    step_graph, graph, seen, built = xfix._step_graph, xfix.graph, [], []
+
+    def checked(x, tag):
+        g = step_graph(x, tag)
+        n = len(tag)
+        box = lammps_cell(lmp)
+        for mine, theirs in zip(xfix._arrays.box(), box):
+            assert np.array_equal(mine, theirs)
+        for name in ("type", "image", "id"):
+            assert np.array_equal(xfix._arrays.rows(name, n),
+                                  np.asarray(lmp.numpy.extract_atom(name))[:n])
+        unwrapped = xfix._images.unwrap(np.asarray(x), box[0], box[1])  # float64
+        assert unwrapped.dtype == np.float64
+        assert torch.equal(g.positions, torch.from_numpy(unwrapped).to(torch.float32))
+        seen.append(g.cell[0].double().numpy().copy())
+        return g
+
+    def fresh(x, tag):
+        built.append(len(seen))
+        return graph(x, tag)
+
+    xfix._step_graph, xfix.graph = checked, fresh
+    xfix.run(40)
+    assert len(seen) == 41
+    assert 1 < len(built) < 20  # re-sorts built anew; the other steps took the reused graph
+    assert not np.allclose(seen[0], seen[-1], rtol=0, atol=1e-4)  # the box changed
+    assert np.isfinite(xfix.energy)
+    lmp.close()
+
+
 def test_unwrapped_positions_stay_within_a_box_of_lammps_own():
     """xnn unwraps from the image counts of the last new atom order (or of an atom's second
     jump), not LAMMPS's absolute counts: with image flags 7 -3 2 (as a data file may hold)

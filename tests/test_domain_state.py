@@ -181,7 +181,7 @@ CASES = {  # world size -> [(structure, grid)]
 }
 # world size -> NVE steps in its default spawn (4 ranks: a spawn under -m slow). 8 ranks run
 # only under -m slow: their single points and test_nve_1000_steps[8] share one spawn of 8
-# processes instead of two (the second cost ~20 s of start-up on CI's 2 cores).
+# processes instead of two (-m slow -k 8: 211 s -> 166 s on the loaded 2-core dev machine).
 MD = {2: 300, 8: 1000}
 MD_REPS = {3: (6, 4, 4)}  # box faces on lattice planes: 3 boxes along the 6 cells
 MD_TEMPERATURE = 2000.0  # K: a hot solid; atoms on the box faces cross them back and forth

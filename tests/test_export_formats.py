@@ -23,8 +23,12 @@ from xnn.testing.systems import random_periodic_system
 SPECIES = [29, 79]
 NATIVE = ["schnet", "painn", "equivariant", "lj", "morse"]
 FAST = [(m, "torchscript") for m in NATIVE] + [("lj", "export")]
+# AOTInductor: not Morse, whose export path is LJ's (both PairPotential, the same traced
+# forward; only the pair formula differs, and Morse's formula is checked through torch.export
+# below and TorchScript above): its export + C++ compile took 34 s on the shared 2-core dev
+# machine, for no new check
 SLOW = [(m, "export") for m in ("schnet", "painn", "equivariant", "morse")] + [
-    (m, "aoti") for m in NATIVE]
+    (m, "aoti") for m in NATIVE if m != "morse"]
 
 # The child: torch only; any import of xnn fails; evaluates every artefact on every structure.
 CHILD = r"""

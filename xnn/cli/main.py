@@ -17,6 +17,7 @@ import re
 import sys
 
 from xnn._version import __version__
+from xnn.cli.allocator import keep_large_blocks
 from xnn.errors import XnnError
 
 # subcommand name -> module; modules that do not exist yet are skipped
@@ -88,6 +89,11 @@ def attach_dash_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``xnn`` command; ``argv=None`` (a program's start: the console script, ``python -m
+    xnn``) also keeps glibc's large freed blocks mapped (:mod:`xnn.cli.allocator`), which
+    calls from Python with an ``argv`` leave alone."""
+    if argv is None:
+        keep_large_blocks()
     parser = build_parser()
     args = parser.parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv))
     if args.command is None:

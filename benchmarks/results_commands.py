@@ -173,7 +173,7 @@ COMMANDS = {
                                          "--device cuda --json "
                                          "benchmarks/results/validate_equivariant_h200x4.json"),
     "data_scale_h100.json": ("python benchmarks/data_scale.py --device cuda --n 10000 --batches 60 "
-                             "--note '<the machine note in the file>' --json "
+                             "--workers 0,2,4,8 --note '<the machine note in the file>' --json "
                              "benchmarks/results/data_scale_h100.json"),
     "data_scale_cpu.json": ("python benchmarks/data_scale.py --n 5000 --batches 40 --note "
                             "'<the machine note in the file>' --json "
@@ -203,11 +203,13 @@ COMMANDS = {
     "data_scale_h200.json": ("python benchmarks/data_scale.py --device cuda --n 10000 --batches 60 "
                              "--workers 0,2,4,8 --note '<the machine note in the file>' --json "
                              "benchmarks/results/data_scale_h200.json"),
-    "lammps_h200.json": ("python benchmarks/lammps.py --device cuda --dtype float32 "
+    "lammps_h100.json": ("python benchmarks/lammps.py --device cuda --dtype float32 "
                          "--models lj,schnet --sizes 2000,16000 --schnet-sizes 2000,16000 "
                          "--ranks 1 --steps 20 --warmup 3 --repeat 3 --json "
-                         "benchmarks/results/lammps_h200.json"),
-    "lammps_cpu16.json": ("OMP_NUM_THREADS=1 python benchmarks/lammps.py --models lj --sizes 50000 "
+                         "benchmarks/results/lammps_h100.json"),
+    "lammps_cpu16.json": ("OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=33554432 "
+                          "MALLOC_TRIM_THRESHOLD_=1073741824 python benchmarks/lammps.py "
+                          "--models lj --sizes 50000 "
                           "--ranks 1,2,4 --steps 20 --warmup 3 --repeat 1 "
                           "--mpirun <mpich's mpirun> "
                           "--note '<the machine note in the file>' --json "
@@ -215,7 +217,9 @@ COMMANDS = {
     "dd_components_cpu16.json": (
         "OMP_NUM_THREADS=1 python benchmarks/dd_components.py --models schnet --ranks 1,2,4,8 "
         "--sizes 2048 --scales 1.0,1.1 --steps 4 --warmup 1 --threads 1 --timeout 60 --json J; "
-        "... --models equivariant --sizes 500 --append (J = "
+        "... --models schnet --ranks 1 --sizes 256,864 --append; then into J2: ... --models "
+        "equivariant --ranks 1,2,4,8 --sizes 500 --timeout 120; ... --models equivariant "
+        "--ranks 1 --sizes 108,256 --append; J's and J2's rows joined (J = "
         "benchmarks/results/dd_components_cpu16.json; the 16-core GPU host)"),
     "scaling_model_cpu.json": ("python benchmarks/scaling_model.py --plots docs/img --json "
                                "benchmarks/results/scaling_model_cpu.json"),

@@ -273,7 +273,7 @@ TABLES = [
                      "LAMMPS step", "xnn md step", "LAMMPS / xnn md (CPU time)",
                      "speed-up (CPU time)",
                      "peak RSS per rank"),
-          ("lammps_cpu.json", "lammps_cpu16.json", "lammps_h200.json"),
+          ("lammps_cpu.json", "lammps_cpu16.json", "lammps_h100.json"),
           rows.lammps, fold=(0, 1)),
     Table("lammps_breakdown", ("model", "atoms", "ghosts", "LAMMPS step", "Potential alone",
                                "LAMMPS / Potential", "graph", "closest-pair check",

@@ -218,6 +218,8 @@ def run_point(manager, args, model_name: str, n_atoms: int, scale: float) -> dic
             "n_params": sum(p.numel() for p in model.parameters()),
             "rebuilds": c1.rebuilds - c0.rebuilds, "migrations": c1.migrations - c0.migrations,
             "step_s": wall,
+            "cuda_peak_bytes": (torch.cuda.max_memory_allocated(device)
+                                if device.type == "cuda" else None),
             "seconds_per_step": {k: tally.seconds.get(k, 0.0) / n for k in SECTIONS},
             "per_step": {k: {q: v / n for q, v in d.items()}
                          for k, d in _calls(tally.calls(since=mark)).items()},

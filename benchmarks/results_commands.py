@@ -221,6 +221,12 @@ COMMANDS = {
         "equivariant --ranks 1,2,4,8 --sizes 500 --timeout 120; ... --models equivariant "
         "--ranks 1 --sizes 108,256 --append; J's and J2's rows joined (J = "
         "benchmarks/results/dd_components_cpu16.json; the 16-core GPU host)"),
+    "dd_components_h100.json": (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/dd_components.py "
+        "--device cuda --models mace --ranks 1 --sizes 1000,2000 --scales 1.0,1.1 --steps 8 "
+        "--warmup 2 --json J; ... --sizes 8000,16000 --append; and without the allocator "
+        "variable ... --sizes 4000,32000, 108000, 256000 (x1.0 only) into J2; rows joined "
+        "(J = benchmarks/results/dd_components_h100.json)"),
     "scaling_model_cpu.json": ("python benchmarks/scaling_model.py --plots docs/img --json "
                                "benchmarks/results/scaling_model_cpu.json"),
 }

@@ -381,11 +381,27 @@ def gpu_calibrations() -> dict:
                 if "error" not in r and r["ranks"] == 1 and r["model"] == "mace"]
         if rows:
             q = [r["per_rank"][0] for r in rows]
-            comp = ComputeCost.fit([x["n_held"] for x in q], [x["n_edges"] for x in q],
-                                   [r["step_s"] for r in rows], source=path.name)
+            comp = ComputeCost.fit([x["n_held"] for x in q], [_edges(x) for x in q],
+                                   [r["step_s"] for r in rows], source=path.name,
+                                   owned=[x["n_owned"] for x in q])
             cal["mace"] = (comp, ModelShape(rows[0]["sync_points"], rows[0]["feature_width"],
                                             4, rows[0]["n_params"]))
+            BYTES_PER_HELD["mace"] = _mace_bytes(path)
     return cal
+
+
+def _mace_bytes(path: Path) -> float:
+    """GPU bytes per held atom of MACE: the largest measured peak per held atom, or, in files
+    written before ``cuda_peak_bytes`` was recorded, a lower bound from the smallest size
+    that ran out of memory (the card's bytes over that size's atoms)."""
+    rows = json.loads(path.read_text())["rows"]
+    peaks = [q["cuda_peak_bytes"] / q["n_held"] for r in rows if "error" not in r
+             and r["model"] == "mace" for q in r["per_rank"] if q.get("cuda_peak_bytes")]
+    if peaks:
+        return max(peaks)
+    oom = [r["n_atoms_target"] for r in rows
+           if r["model"] == "mace" and "OutOfMemoryError" in r.get("error", "")]
+    return GPU_BYTES / min(oom) if oom else 0.0
 
 
 def _links(n_ranks: int) -> Link:

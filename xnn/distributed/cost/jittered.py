@@ -203,13 +203,16 @@ def banded_counts(sys: System, part: Partition, mode: str, cutoff: float, halo_w
         for i in range(0, len(ids), reg.step):
             part_ids = ids[i: i + reg.step]
             n_band += len(part_ids)
-            visit(sys, reg, part_ids, sums, ones[: len(part_ids)], 0 * ones[: len(part_ids)])
+            w = ones[: len(part_ids)]
+            visit(sys, reg, part_ids, sums, w, torch.zeros_like(w))
     diag = torch.diagonal(pairs)
-    owned = owned.numpy() + sums.owned
+    owned_sites = owned.numpy()
+    owned = owned_sites + sums.owned
     held = pairs.sum(0).numpy() + sums.held
     recv = (pairs.sum(0) - diag).numpy() + sums.recv
     send = (pairs.sum(1) - diag).numpy() + sums.send
-    receivers = (receivers.numpy() if receiver_width > 0 else owned - sums.owned) + sums.edges
+    # the band's receivers were counted as its edges of weight 1
+    receivers = (receivers.numpy() if receiver_width > 0 else owned_sites) + sums.edges
     edges, edges_var, k = _edges(sys, reg, cutoff, receivers, sample, block)
     peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
     return ((owned, held - owned, edges, send, recv, peers),

@@ -21,12 +21,17 @@ Spatial modes (``halo``, ``sync``), three streamed passes over the atoms, block 
    region, as :func:`~xnn.distributed.domain.local.build_local_domain` filters them).
    Peers are :meth:`Partition.peers` of the extents.
 
+The liquid (a jittered crystal) is not streamed whole: :mod:`.jittered` sums its crystal
+sites factor by factor and streams only the atoms whose site lies within the jitter of a
+box or region face, through the same per-block :func:`~.stream.visit` (the same counts;
+``tests/test_cost_jittered.py``). Crystals are summed factor by factor (:mod:`.separable`).
+
 Edges: the local graph's edges within ``cutoff`` (the ones a model with a skin evaluates)
 are the receivers' neighbour counts (every neighbour of a receiver is in the halo, since
 receiver width + cutoff <= halo width). Neighbour counts are exact (site offsets of the FCC
 lattice, jittered distances in the liquid); above ``exact_edges`` atoms the liquid's are
 sampled (a seeded fraction of the atoms, the estimate and its standard error stated in
-``method``).
+``method``; the banded liquid: a difference estimator on at most ``max_sampled`` atoms).
 
 Graph mode: owners are blocks of the project's atom order
 (:func:`~xnn.distributed.graph.order.morton_codes`, ties by id, as

@@ -170,10 +170,9 @@ def _edges(sys: System, reg: Regions, cutoff: float, receivers: np.ndarray,
         blocks, k, scale = _sampled_ids(sys, sample, block), _pilot(sys, sample, cutoff), sample
     for ids in blocks:
         for i in range(0, len(ids), reg.step):
-            part = ids[i: i + reg.step]
-            d = torch.from_numpy((_coordination(sys, part, cutoff) - k) / scale)
-            var = d * d * (1 - scale)
-            visit(sys, reg, part, sums, d, var, rows=False)
+            chunk = ids[i: i + reg.step]
+            d = torch.from_numpy((_coordination(sys, chunk, cutoff) - k) / scale)
+            visit(sys, reg, chunk, sums, d, d * d * (1 - scale), rows=False)
     return k * receivers + sums.edges, sums.edges_var, k
 
 

@@ -21,12 +21,17 @@ Spatial modes (``halo``, ``sync``), three streamed passes over the atoms, block 
    region, as :func:`~xnn.distributed.domain.local.build_local_domain` filters them).
    Peers are :meth:`Partition.peers` of the extents.
 
+The liquid (a jittered crystal) is not streamed whole: :mod:`.jittered` sums its crystal
+sites factor by factor and streams only the atoms whose site lies within the jitter of a
+box or region face, through the same per-block :func:`~.stream.visit` (the same counts;
+``tests/test_cost_jittered.py``). Crystals are summed factor by factor (:mod:`.separable`).
+
 Edges: the local graph's edges within ``cutoff`` (the ones a model with a skin evaluates)
 are the receivers' neighbour counts (every neighbour of a receiver is in the halo, since
 receiver width + cutoff <= halo width). Neighbour counts are exact (site offsets of the FCC
 lattice, jittered distances in the liquid); above ``exact_edges`` atoms the liquid's are
 sampled (a seeded fraction of the atoms, the estimate and its standard error stated in
-``method``).
+``method``; the banded liquid: a difference estimator on at most ``max_sampled`` atoms).
 
 Graph mode: owners are blocks of the project's atom order
 (:func:`~xnn.distributed.graph.order.morton_codes`, ties by id, as
@@ -40,15 +45,14 @@ atoms, sampled above it (ghosts and the liquid's edges).
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from xnn.distributed.cost.counts import RankCounts
+from xnn.distributed.cost.jittered import banded_counts
 from xnn.distributed.cost.separable import (
     NotSeparable,
     neighbour_weights,
@@ -56,6 +60,7 @@ from xnn.distributed.cost.separable import (
     separable_counts,
     separable_histograms,
 )
+from xnn.distributed.cost.stream import Sums, add, owners_and_extents, regions, visit
 from xnn.distributed.cost.systems import System, make_system
 from xnn.distributed.domain.balance import check_balance
 from xnn.distributed.domain.partition import (
@@ -72,29 +77,7 @@ PLAN_MODES = ("halo", "sync", "graph")
 BLOCK = 1 << 21  #: atoms per streamed block (fewer when each has many candidate ranks)
 EXACT_EDGES = 200_000  #: above this many atoms, sampled counts where exact ones are costly
 SAMPLE = 0.05  #: the fraction of atoms sampled above :data:`EXACT_EDGES`
-_CANDIDATES = 1 << 24  #: candidate (atom, rank) pairs per block at most
-
-
-@dataclass
-class _Sums:
-    """Per-rank accumulators (float64: sampled edges are scaled)."""
-
-    owned: np.ndarray
-    held: np.ndarray
-    recv: np.ndarray
-    send: np.ndarray
-    edges: np.ndarray
-    edges_var: np.ndarray
-
-    @classmethod
-    def zeros(cls, n: int) -> _Sums:
-        return cls(*(np.zeros(n) for _ in range(6)))
-
-
-def _add(acc: np.ndarray, index: Tensor, weights: Tensor | None = None) -> None:
-    n = acc.shape[0]
-    w = None if weights is None else weights.to(torch.float64)
-    acc += torch.bincount(index, w, minlength=n).numpy()[:n]
+MAX_SAMPLED = 200_000  #: the liquid's spatial plans: atoms whose edges are sampled, at most
 
 
 def _sampled(sys: System, ids: np.ndarray, sample: float) -> np.ndarray:
@@ -161,84 +144,6 @@ def _partition(sys: System, n_ranks: int, halo_width: float, grid, block: int,
     return balanced(part, hist, halo_width)
 
 
-def _owners_and_extents(sys: System, part: Partition, block: int):
-    """Owned counts and ``[n_ranks, 2, 3]`` extents (box grown to hold the atoms)."""
-    n_ranks = math.prod(part.grid)
-    low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
-    high = torch.stack([part.box_bounds(r)[1] for r in range(n_ranks)])
-    owned = np.zeros(n_ranks)
-    for ids in sys.blocks(block):
-        u, _ = part.fractional(torch.from_numpy(sys.positions(ids)))
-        own = part.owner(u)
-        _add(owned, own)
-        low = low.scatter_reduce(0, own[:, None].expand(-1, 3), u, "amin")
-        high = high.scatter_reduce(0, own[:, None].expand(-1, 3), u, "amax")
-    return owned, torch.stack([low, high], 1)
-
-
-def _axis_candidates(u: Tensor, part: Partition, margin: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Per axis: ``([n, k] box index, [n, k] valid)`` of the boxes whose grown region may
-    hold an image of each atom (a superset: the counts are exact per candidate)."""
-    if part.cuts is not None:
-        return [_cut_candidates(u[:, a], part, a, float(margin[a])) for a in range(3)]
-    out = []
-    for a in range(3):
-        p, w, lo = part.grid[a], float(part.width[a]), float(part.lo[a])
-        k_all = int(math.floor(2 * float(margin[a]) / w)) + 2
-        if bool(part.pbc[a]) and k_all >= p:
-            idx = torch.arange(p).expand(u.shape[0], p)
-            out.append((idx, torch.ones_like(idx, dtype=torch.bool)))
-            continue
-        kmin = torch.floor((u[:, a] - lo - margin[a]) / w).long()
-        kmax = torch.floor((u[:, a] - lo + margin[a]) / w).long()
-        k = kmin[:, None] + torch.arange(min(k_all, p + 2))[None]
-        ok = k <= kmax[:, None]
-        if bool(part.pbc[a]):
-            k = torch.remainder(k, p)
-        else:
-            ok &= (k >= 0) & (k < p)
-            k = k.clamp(0, p - 1)
-        out.append((k, ok))
-    return out
-
-
-def _cut_candidates(v: Tensor, part: Partition, a: int, margin: float):
-    """:func:`_axis_candidates` of one axis of a balanced partition (per-axis cuts): the
-    boxes from that of ``v - margin`` to that of ``v + margin`` (periodic images counted)."""
-    p, inner = part.grid[a], part.cuts[a][1:-1].contiguous()
-
-    def index(x: Tensor) -> Tensor:
-        if not bool(part.pbc[a]):
-            return torch.searchsorted(inner, x.contiguous(), right=True)
-        n = torch.floor(x)
-        return n.long() * p + torch.searchsorted(inner, (x - n).contiguous(), right=True)
-
-    kmin, kmax = index(v - margin), index(v + margin)
-    count = int((kmax - kmin).max()) + 1 if v.numel() else 1
-    if bool(part.pbc[a]) and count >= p:
-        idx = torch.arange(p).expand(v.shape[0], p)
-        return idx, torch.ones_like(idx, dtype=torch.bool)
-    k = kmin[:, None] + torch.arange(count)[None]
-    ok = k <= kmax[:, None]
-    return (torch.remainder(k, p) if bool(part.pbc[a]) else k.clamp(0, p - 1)), ok
-
-
-def _thinnest(part: Partition, a: int) -> float:
-    """The fractional width of the thinnest box along axis ``a``."""
-    if part.cuts is None:
-        return float(part.width[a])
-    return float(torch.diff(part.cuts[a]).min())
-
-
-def _image_counts(u: Tensor, low: Tensor, high: Tensor, pbc: Tensor) -> Tensor:
-    """``[m]`` images of ``u [m, 3]`` in the closed boxes ``[low, high]`` (``[m, 3]``):
-    the arithmetic of :func:`~xnn.distributed.domain.partition.image_shifts`."""
-    smin, smax = torch.ceil(low - u), torch.floor(high - u)
-    span = (smax - smin + 1).clamp_min(0)
-    inside = ((u >= low) & (u <= high)).to(span.dtype)
-    return torch.where(pbc, span, inside).prod(-1).long()
-
-
 def _separable(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
                block: int, balance: str = "none") -> RankCounts:
     weights = neighbour_weights(sys, cutoff)
@@ -255,43 +160,13 @@ def _spatial(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: fl
              block: int, sample: float | None,
              balance: str = "none") -> tuple[RankCounts, str]:
     part = _partition(sys, n_ranks, halo_width, grid, block, None, balance)
-    owned, extents = _owners_and_extents(sys, part, block)
-    box_low = torch.stack([part.box_bounds(r)[0] for r in range(n_ranks)])
-    box_high = torch.stack([part.box_bounds(r)[1] for r in range(n_ranks)])
-    grow = torch.maximum(box_low - extents[:, 0], extents[:, 1] - box_high)
-    t_h = part.thickness(halo_width)
+    owned, extents = owners_and_extents(sys, part, sys.blocks(block))
     receiver_width = halo_width - cutoff if mode == "halo" else 0.0
-    t_r = part.thickness(receiver_width)
-    margin = t_h * (1 + 1e-6) + grow.max(0).values + 1e-9
-    lows, highs = extents[:, 0] - t_h, extents[:, 1] + t_h
-    r_lows, r_highs = extents[:, 0] - t_r, extents[:, 1] + t_r
-    per_atom = math.prod(min(part.grid[a] + 2, int(2 * float(margin[a]) / _thinnest(part, a))
-                             + 2) for a in range(3))
-    step = max(1024, min(block, _CANDIDATES // per_atom))
-    sums, cache = _Sums.zeros(n_ranks), {}
-    g = part.grid
-    for ids in sys.blocks(step):
-        u, _ = part.fractional(torch.from_numpy(sys.positions(ids)))
-        own = part.owner(u)
-        (ix, okx), (iy, oky), (iz, okz) = _axis_candidates(u, part, margin)
-        rank = ((ix[:, :, None, None] * g[1] + iy[:, None, :, None]) * g[2]
-                + iz[:, None, None, :])
-        ok = okx[:, :, None, None] & oky[:, None, :, None] & okz[:, None, None, :]
-        j, flat = torch.nonzero(ok.reshape(len(ids), -1), as_tuple=True)
-        r = rank.reshape(len(ids), -1)[j, flat]
-        cnt = _image_counts(u[j], lows[r], highs[r], part.pbc)
-        _add(sums.held, r, cnt)
-        other = own[j] != r
-        _add(sums.recv, r[other], cnt[other])
-        _add(sums.send, own[j][other], cnt[other])
+    reg = regions(part, extents, halo_width, receiver_width, block)
+    sums, cache = Sums.zeros(n_ranks), {}
+    for ids in sys.blocks(reg.step):
         weight, var = _coordination(sys, ids, cutoff, sample, cache)
-        if receiver_width > 0:
-            rec = _image_counts(u[j], r_lows[r], r_highs[r], part.pbc)
-            _add(sums.edges, r, rec * weight[j])
-            _add(sums.edges_var, r, rec * rec * var[j])
-        else:
-            _add(sums.edges, own, weight)
-            _add(sums.edges_var, own, var)
+        visit(sys, reg, ids, sums, weight, var)
     peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
     counts = RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(
         owned, sums.held - owned, sums.edges,
@@ -299,12 +174,32 @@ def _spatial(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: fl
     return counts, _edge_error(sums)
 
 
+def _banded(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
+            block: int, sample: float | None) -> tuple[RankCounts, str]:
+    """The liquid's plan by :mod:`.jittered` (crystal sites factor by factor, the band of
+    atoms near a face streamed): the same counts as :func:`_spatial`."""
+    part = _partition(sys, n_ranks, halo_width, grid, block, None)
+    counts, facts = banded_counts(sys, part, mode, cutoff, halo_width, block, sample)
+    how = (f"exact: owned, ghost, sent/received rows, peers (crystal sites summed factor by "
+           f"factor; the {facts['band']:,} atoms whose site lies within the jitter of a box "
+           f"or region face streamed); ")
+    if sample is None:
+        how += "exact: edges (every atom's neighbours)"
+    else:
+        sums = Sums.zeros(n_ranks)
+        sums.edges, sums.edges_var = counts[2], facts["edges_var"]
+        how += (f"sampled: edges (difference estimator: K = {facts['K']:.3f} x exact receivers "
+                f"+ a seeded {sample:.3g} of the atoms' (neighbours - K) / {sample:.3g})"
+                + _edge_error(sums))
+    return RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(*counts)), how
+
+
 def _ints(owned, ghost, edges, send, recv, peers) -> tuple[np.ndarray, ...]:
     return tuple(np.rint(np.asarray(x, dtype=np.float64)).astype(np.int64)
                  for x in (owned, ghost, edges, send, recv, peers))
 
 
-def _edge_error(sums: _Sums) -> str:
+def _edge_error(sums: Sums) -> str:
     if not sums.edges_var.any():
         return ""
     rel = np.sqrt(sums.edges_var) / np.maximum(sums.edges, 1)
@@ -344,14 +239,14 @@ def _graph_owners(sys: System, n_ranks: int, order: str, block: int) -> np.ndarr
 def _graph(sys: System, n_ranks: int, halo_width: float, order: str, block: int,
            sample: float | None) -> tuple[RankCounts, str]:
     owner = _graph_owners(sys, n_ranks, order, block)
-    sums, cache = _Sums.zeros(n_ranks), {}
+    sums, cache = Sums.zeros(n_ranks), {}
     ghost_var = np.zeros(n_ranks)
     for ids in sys.blocks(block // 8):
         own = torch.from_numpy(owner[ids].astype(np.int64))
-        _add(sums.owned, own)
+        add(sums.owned, own)
         weight, var = _coordination(sys, ids, halo_width, sample, cache)
-        _add(sums.edges, own, weight)
-        _add(sums.edges_var, own, var)
+        add(sums.edges, own, weight)
+        add(sums.edges_var, own, var)
         pick = _sampled(sys, ids, sample) if sample else np.ones(len(ids), dtype=bool)
         nbr = sys.neighbors(ids[pick], halo_width)
         ranks = np.where(nbr >= 0, owner[np.maximum(nbr, 0)].astype(np.int64), -1)
@@ -382,6 +277,7 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
                 lattice_constant: float = 3.61, block: int = BLOCK,
                 exact_edges: int = EXACT_EDGES, sample: float = SAMPLE,
                 stream: bool = False, max_streamed: int = 10**9,
+                max_sampled: int = MAX_SAMPLED,
                 balance: str = "none") -> RankCounts:
     """Per-rank counts of decomposing ``system`` over ``n_ranks`` ranks, without a model.
 
@@ -403,6 +299,8 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
             atoms (the method says so, with the largest relative standard error).
         stream: visit every atom in the spatial modes even where the crystal factors
             (:mod:`.separable`; the same counts, for checking).
+        max_sampled: the liquid's spatial plans sample the edges of at most this many
+            atoms (the fraction ``min(sample, max_sampled / n_atoms)``).
         max_streamed: refuse (``InputError``) to stream more atoms than this in the
             spatial modes (a crystal whose extents do not factor, a liquid).
         balance: the boxes' cuts, as ``parallel.balance``: ``none`` (equal widths) or
@@ -434,7 +332,14 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
             how += f" (sampled: a seeded {sample:g} of the atoms, counts scaled){err}"
     else:
         counts = None
-        if not stream:
+        if not stream and sys.jitter and check_balance(balance) == "none":
+            try:
+                counts, how = _banded(sys, n_ranks, mode, cutoff, halo_width, grid, block,
+                                      min(sample, max_sampled / sys.n_atoms) if over
+                                      else None)
+            except NotSeparable:
+                counts = None
+        if not stream and counts is None:
             try:
                 counts = _separable(sys, n_ranks, mode, cutoff, halo_width, grid, block,
                                     balance)

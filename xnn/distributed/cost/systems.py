@@ -124,13 +124,17 @@ class System:
 
     def positions(self, ids: np.ndarray, sites: np.ndarray | None = None) -> np.ndarray:
         """``[n, 3]`` float64 positions (Å) of atoms ``ids``."""
-        s = self.sites(ids) if sites is None else sites
-        half, whole = np.divmod(s, 2)[1], np.divmod(s, 2)[0]
-        x = half * (0.5 * self.a) + whole * self.a + self.offset
+        x = self.site_positions(self.sites(ids) if sites is None else sites)
         if self.jitter:
             x = x + np.stack([(2 * _hash(self.seed, ids, k) - 1) * self.jitter
                               for k in range(3)], axis=1)
         return x
+
+    def site_positions(self, sites: np.ndarray) -> np.ndarray:
+        """``[n, 3]`` float64 positions (Å) of the lattice sites ``sites [n, 3]`` (half-lattice
+        units), without the liquid's jitter."""
+        half, whole = np.divmod(sites, 2)[1], np.divmod(sites, 2)[0]
+        return half * (0.5 * self.a) + whole * self.a + self.offset
 
     def neighbors(self, ids: np.ndarray, reach: float) -> np.ndarray:
         """``[n, k]`` ids of the neighbours (each periodic image once, as a neighbor list

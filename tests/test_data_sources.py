@@ -554,3 +554,77 @@ def test_cell_faces_are_numpy_cross_products():
         cell = rng.normal(size=(3, 3)) * 10 ** rng.uniform(-8, 3)
         ref = np.stack([np.cross(cell[(a + 1) % 3], cell[(a + 2) % 3]) for a in range(3)])
         assert np.array_equal(_faces(cell), ref)
+
+
+# --------------------------------------------------------------------------- batched reads
+def _same_batch(a, b):
+    """Two batched graphs: the same fields, dtypes, shapes and bits (NaN = NaN)."""
+    assert set(a.keys()) == set(b.keys()), (sorted(a.keys()), sorted(b.keys()))
+    for key in a.keys():
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _no_single_reads(monkeypatch, ds):
+    def refuse(self, index):
+        raise AssertionError("read structure by structure")
+    monkeypatch.setattr(type(ds), "__getitem__", refuse)
+
+
+@pytest.mark.parametrize("fmt", ["extxyz", "db", "aselmdb"])
+def test_batched_reads_equal_per_structure_reads(tmp_path, frames, fmt, monkeypatch):
+    """``read_batch`` of an ASE source (rows read at once, one conversion) gives bitwise the
+    collated per-structure graphs: in any order, with repeats, a structure without stress,
+    an isolated atom, labels under other keys, a virial, a molecule with forces only; a
+    batch whose structures all carry the same labels is built without per-structure reads,
+    and a broken structure is refused with the per-structure message."""
+    from xnn.data.datasets import collate
+
+    ds = open_source(_paths(tmp_path, frames)[fmt], weight=0.5)
+    for idx in ([9, 0, 4, 4, 2, 7], [3], [8, 1, 6, 1, 0]):
+        _same_batch(ds.read_batch(idx), collate([ds[i] for i in idx]))
+    want = collate([ds[i] for i in (8, 1, 6, 1, 0)])
+    with monkeypatch.context() as m:
+        _no_single_reads(m, ds)
+        _same_batch(ds.read_batch([8, 1, 6, 1, 0]), want)
+    mixed = tmp_path / f"mixed.{fmt if fmt != 'extxyz' else 'db'}"
+    db = connect(str(mixed))
+    for atoms, kvp, data in _mixed_rows(frames):
+        db.write(atoms, data=data, **kvp)
+    del db
+    for keys in ({}, {"energy_key": "REF_energy", "forces_key": "REF_forces",
+                      "stress_key": "REF_stress"}):
+        ds = open_source(mixed, **keys)
+        order = list(range(len(ds)))[::-1]
+        _same_batch(ds.read_batch(order), collate([ds[i] for i in order]))
+    bad = [a.copy() for a in frames]
+    for a, b in zip(frames, bad):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+    bad[6].calc.results["forces"][2, 1] = np.inf
+    ds = open_source(_write_db(tmp_path / f"bad.{fmt if fmt != 'extxyz' else 'db'}", bad))
+    msg = raises_one_line(DataFileError, lambda: ds[6])
+    assert raises_one_line(DataFileError, ds.read_batch, [1, 6, 0]) == msg
+
+
+def test_batched_hdf5_reads_equal_per_structure_reads(tmp_path, frames, monkeypatch):
+    """``read_batch`` of an HDF5 file (one read per array for the batch: its structures'
+    row ranges) gives bitwise the collated per-structure graphs, in any order, with repeats,
+    missing labels, in float32 and with a weight; no structure is read one by one."""
+    from xnn.data.ase_io import from_ase
+    from xnn.data.datasets import HDF5Source, collate
+    from xnn.data.hdf5 import HDF5Dataset, write_hdf5
+
+    path = tmp_path / "d.h5"
+    write_hdf5(path, [from_ase([a]) for a in frames])
+    idx = [9, 0, 4, 4, 2, 7, 1]
+    for ds in (HDF5Source(path, weight=0.5), HDF5Dataset(path, dtype=torch.float32)):
+        want = collate([ds[i] for i in idx])
+        with monkeypatch.context() as m:
+            _no_single_reads(m, ds)
+            got = ds.read_batch(idx)
+        _same_batch(got, want)
+        assert got.n_systems == len(idx)
+        with pytest.raises(IndexError):
+            ds.read_batch([0, len(ds)])
+    assert torch.isnan(got.stress[2]).all() and got.positions.dtype == torch.float32

@@ -282,6 +282,12 @@ class HDF5Source(LabelledDataset):
     def __getitem__(self, index: int) -> AtomicGraph:
         return normalize_labels(self.inner[index], self.weight)
 
+    def read_batch(self, indices: Sequence[int]) -> AtomicGraph:
+        """:meth:`~xnn.data.hdf5.HDF5Dataset.read_batch` (one read per array for the
+        batch) with the labels normalised as ``self[i]`` has them."""
+        g = self.inner.read_batch(indices)
+        return g.replace({K.WEIGHT: torch.full((g.n_systems,), self.weight, dtype=g.dtype)})
+
     def _read(self, name: str, step: int = 1 << 20):
         f = self.inner._handle()
         ds = f[name]
@@ -798,6 +804,14 @@ def _shard_block(flat: np.ndarray, lengths: np.ndarray, n_atoms: np.ndarray,
     keep = keep[np.lexsort((keep, kept_in))]
     cut = np.cumsum(np.bincount(kept_in, minlength=len(lengths)))[:-1]
     return [part.tolist() for part in np.split(keep, cut)]
+
+
+def row_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The rows ``starts[k] : starts[k] + counts[k]`` of every ``k``, one after the other
+    (int64; the gather of a batch's atoms from concatenated per-atom arrays)."""
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
+                                                                   else 0)
 
 
 def collate(graphs: Sequence[AtomicGraph]) -> AtomicGraph:

@@ -26,6 +26,7 @@ from xnn.data.datasets import (
     narrow,
     normalize_labels,
     refuse_non_finite_labels,
+    row_ranges,
 )
 from xnn.data.graph import AtomicGraph
 from xnn.data.sources.index import identity, load_index, save_index
@@ -63,6 +64,50 @@ def graph_of(atoms, index: int, first_atom: int, keys: dict[str, str], weight: f
         K.SYSTEM_ID: torch.tensor([index]),
         K.VELOCITIES: None,
     })
+
+
+#: the label fields :func:`graph_of` fills with NaN where a structure has none
+_NAN_SHAPES = {K.ENERGY: (), K.FORCES: None, K.STRESS: (3, 3)}
+
+
+def batch_graph_of(atoms_list, indices: np.ndarray, first_atoms: np.ndarray,
+                   keys: dict[str, str], weight: float) -> AtomicGraph | None:
+    """The structures ``atoms_list`` (indices ``indices`` of one file, their first atoms'
+    ids ``first_atoms``) as one batched graph built at once, equal field by field to
+    concatenating :func:`graph_of` of each; or ``None`` where that needs the per-structure
+    path: a structure :func:`graph_of` would refuse (read again one by one, it is refused
+    there with its message), a label some structures have and others lack, a virial without
+    a stress label, charges."""
+    try:
+        g = ase_io.from_ase(list(atoms_list), **keys)
+    except (DataFileError, InputError):
+        return None
+    field_of = {"energy": K.ENERGY, "forces": K.FORCES, "stress": K.STRESS,
+                "virial": K.VIRIAL}
+    for prop, field in field_of.items():
+        if keys[f"{prop}_key"] is None or field in g:
+            continue
+        try:  # from_ase keeps a label only where every structure has it: does any?
+            if any(ase_io._label(a, keys[f"{prop}_key"], prop, i) is not None
+                   for i, a in enumerate(atoms_list)):
+                return None
+        except DataFileError:
+            return None
+    if K.CHARGES in g or (K.VIRIAL in g and K.STRESS not in g):
+        return None
+    if not all(bool(torch.isfinite(g[f]).all()) for f in field_of.values() if f in g):
+        return None
+    k, n, dt = g.n_systems, g.n_atoms, g.dtype
+    new: dict[str, torch.Tensor | None] = {
+        field: torch.full((n, 3) if shape is None else (k, *shape), float("nan"), dtype=dt)
+        for field, shape in _NAN_SHAPES.items() if field not in g}
+    counts = g.n_atoms_per_system.cpu().numpy()
+    new.update({K.VIRIAL: None, K.VELOCITIES: None,
+                K.WEIGHT: torch.full((k,), float(weight), dtype=dt),
+                K.ATOM_ID: torch.as_tensor(row_ranges(np.asarray(first_atoms, np.int64),
+                                                      counts.astype(np.int64))),
+                K.SYSTEM_ID: torch.as_tensor(np.asarray(indices, dtype=np.int64))})
+    return g.replace(new)
 
 
 def _label_row(atoms, keys: dict[str, str]) -> np.ndarray | None:
@@ -270,6 +315,30 @@ class AtomsSource(LabelledDataset):
 
     def __getitem__(self, index: int) -> AtomicGraph:
         return self._read(index)[1]
+
+    def _atoms_batch(self, indices: list[int]) -> list:
+        """Structures ``indices`` (distinct, in range) as ``ase.Atoms``: :meth:`atoms` each
+        here; a format that reads many rows at once overrides it."""
+        return [self._atoms(i) for i in indices]
+
+    def read_batch(self, indices) -> AtomicGraph:
+        """Structures ``indices`` as one batched graph, equal field by field to collating
+        ``self[i]`` each: the rows read at once (:meth:`_atoms_batch`) and converted in one
+        call (:func:`batch_graph_of`), a third of the time per structure of the graphs
+        built one by one; a batch that needs them (a refused structure, labels in some
+        structures only) is read one structure at a time."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if not len(idx) or ((idx < 0) | (idx >= len(self))).any():
+            return super().read_batch(idx)  # the per-structure path's error
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        found = self._atoms_batch(uniq.tolist())
+        atoms = [found[j] for j in inverse.tolist()]
+        if all(len(a) == self.n_atoms[i] for a, i in zip(atoms, idx.tolist())):
+            g = batch_graph_of(atoms, idx, np.asarray(self._atom_ptr)[idx], self.keys,
+                               self.weight)
+            if g is not None:
+                return g
+        return super().read_batch(idx)
 
     def count_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """``([hi - lo, 3] label counts, atomic numbers present)`` of structures

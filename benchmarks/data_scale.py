@@ -214,6 +214,7 @@ def _status(pid: int, key: str) -> int | None:
 def run_one(fmt: str, workers: int, work: Path, batch_size: int, n_batches: int,
             cutoff: float, packed: bool = True) -> dict:
     """One format with ``workers`` loader workers, in this (fresh) process."""
+    packed = packed and workers > 0  # without workers training reads in its own process
     t0 = time.perf_counter()
     ds = open_format(fmt, work)
     open_s = time.perf_counter() - t0
@@ -241,8 +242,9 @@ def run_one(fmt: str, workers: int, work: Path, batch_size: int, n_batches: int,
     elapsed = time.perf_counter() - t1 - probe
     del it
     structures = sum(len(b) for b in batches[1:])
-    return {"format": fmt, "workers": workers, "transfer": "packed" if packed else "fields",
-            "open_s": open_s, "first_batch_s": first,
+    transfer = ("packed" if packed else "fields") if workers else None
+    return {"format": fmt, "workers": workers, "transfer": transfer, "open_s": open_s,
+            "first_batch_s": first,
             "batches": len(batches) - 1, "structures_per_s": structures / elapsed,
             "atoms_per_s": atoms / elapsed, "s_per_batch": elapsed / (len(batches) - 1),
             "peak_rss": {"main": peaks[0], "workers": peaks[1:]},

@@ -38,10 +38,12 @@ def test_pack_round_trips_every_dtype_shape_and_stride():
         "pbc": torch.tensor([[True, False, True]]),
         "shifts": torch.randint(-2, 3, (11, 3), generator=rng, dtype=torch.int32),
         "edge_index": torch.randint(0, 7, (2, 11), generator=rng),
+        "half": torch.randn(4, generator=rng).to(torch.bfloat16),  # no numpy dtype
+        "grad": torch.randn(2, 3, generator=rng, requires_grad=True),
     }
     packed = pack(fields)
     out = packed.unpack()
-    _identical(out, {k: v.contiguous() for k, v in fields.items()})
+    _identical(out, {k: v.detach().contiguous() for k, v in fields.items()})
     assert packed.buffer.dtype == torch.uint8 and packed.buffer.ndim == 1
     assert all(offset % ALIGN == 0 for *_, offset in packed.layout)
     assert all(t.data_ptr() - packed.buffer.data_ptr() == off  # views, not copies

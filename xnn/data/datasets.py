@@ -826,14 +826,6 @@ def _shard_block(flat: np.ndarray, lengths: np.ndarray, n_atoms: np.ndarray,
     return [part.tolist() for part in np.split(keep, cut)]
 
 
-def row_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The rows ``starts[k] : starts[k] + counts[k]`` of every ``k``, one after the other
-    (int64; the gather of a batch's atoms from concatenated per-atom arrays)."""
-    ends = np.cumsum(counts)
-    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
-                                                                   else 0)
-
-
 def collate(graphs: Sequence[AtomicGraph]) -> AtomicGraph:
     """One batched graph from one-system graphs (edges offset by :meth:`AtomicGraph.concat`)."""
     return AtomicGraph.concat(list(graphs))

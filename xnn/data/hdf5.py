@@ -31,6 +31,7 @@ import torch
 from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
+from xnn.data.rows import row_ranges
 from xnn.errors import DataFileError
 
 FORMAT = "xnn-hdf5"
@@ -230,8 +231,6 @@ class HDF5Dataset:
         start, count = self.atom_ptr[uniq], self.atom_ptr[uniq + 1] - self.atom_ptr[uniq]
         if not count.all():
             return AtomicGraph.concat([self[int(i)] for i in idx])  # an empty structure
-        from xnn.data.datasets import row_ranges
-
         read_ptr = np.concatenate([[0], np.cumsum(count)])
         rows = row_ranges(read_ptr[inverse], count[inverse])  # the batch's atoms, in order
         atoms = {name: self._rows(name, start, count)[rows] for name in _ATOM_ARRAYS}

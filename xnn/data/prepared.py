@@ -45,14 +45,9 @@ import numpy as np
 import torch
 
 from xnn.data import keys as K
-from xnn.data.datasets import (
-    EntryStatistics,
-    LabelledDataset,
-    label_counts_of,
-    narrow,
-    row_ranges,
-)
+from xnn.data.datasets import EntryStatistics, LabelledDataset, label_counts_of, narrow
 from xnn.data.graph import AtomicGraph
+from xnn.data.rows import row_ranges
 from xnn.errors import DataFileError, InputError
 
 FORMAT = "xnn-prepared"

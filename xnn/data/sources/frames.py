@@ -26,9 +26,9 @@ from xnn.data.datasets import (
     narrow,
     normalize_labels,
     refuse_non_finite_labels,
-    row_ranges,
 )
 from xnn.data.graph import AtomicGraph
+from xnn.data.rows import row_ranges
 from xnn.data.sources.index import identity, load_index, save_index
 from xnn.data.sources.scan import first_pass
 from xnn.errors import DataFileError, InputError

@@ -598,6 +598,22 @@ def test_batched_reads_equal_per_structure_reads(tmp_path, frames, fmt, monkeypa
         ds = open_source(mixed, **keys)
         order = list(range(len(ds)))[::-1]
         _same_batch(ds.read_batch(order), collate([ds[i] for i in order]))
+    # rows with their own masses, momenta, magnetic moments, a constraint: read at once
+    from ase.constraints import FixAtoms
+
+    own = [a.copy() for a in frames[:4]]
+    for k, (a, b) in enumerate(zip(frames, own)):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+        b.set_masses(a.get_masses() * (1.0 + 0.1 * k))
+        b.set_momenta(np.full((len(b), 3), 0.01 * k))
+        b.set_initial_magnetic_moments(np.full(len(b), 0.5))
+        b.set_constraint(FixAtoms([0]))
+    ds = open_source(_write_db(tmp_path / f"own.{fmt if fmt != 'extxyz' else 'db'}", own))
+    want = collate([ds[i] for i in (3, 0, 2, 1)])
+    with monkeypatch.context() as m:
+        _no_single_reads(m, ds)
+        _same_batch(ds.read_batch([3, 0, 2, 1]), want)
+    assert not torch.equal(want.masses[-len(own[1]):], torch.as_tensor(frames[1].get_masses()))
     bad = [a.copy() for a in frames]
     for a, b in zip(frames, bad):
         b.calc = SinglePointCalculator(b, **a.calc.results)

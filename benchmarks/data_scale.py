@@ -14,6 +14,8 @@ process packed in one buffer (as the training loader sends a share, ``xnn.data.p
 * ``structures_per_s`` / ``atoms_per_s`` / ``s_per_batch``: after the first batch;
 * ``first_batch_s``: from creating the loader's iterator to the first batch (worker start-up
   included); ``open_s``: opening the dataset (the in-memory format reads everything here);
+* ``transfer``: how a batch crossed from a worker (``packed``: one buffer, the default;
+  ``fields``: a tensor a field, ``--transfer fields``; null without workers);
 * ``peak_rss``: the peak resident set (``VmHWM``) of the main process and of each worker;
   ``pss_end``: the proportional set size of all of them together at the end (shared pages
   counted once).
@@ -138,7 +140,7 @@ def open_format(fmt: str, work: Path):
         return InMemoryDataset([h5[i] for i in range(len(h5))], name="memory")
     if fmt == "hdf5":
         return read_structures(work / "data.h5")
-    if fmt == "prepared":
+    if fmt in ("prepared", "ready"):
         return read_structures(work / "prepared")
     try:
         from xnn.data.sources import open_source  # the lazy readers, where they exist
@@ -194,6 +196,22 @@ class Batches(torch.utils.data.Dataset):
         return pack(fields) if self.packed else fields
 
 
+class Ready(Batches):
+    """The receive ceiling (format ``ready``, not run by default): every item is a copy of
+    one batch built before the workers start (prepared data, with edges), so the workers
+    only copy (and pack) it and the main process's receiving is what is timed."""
+
+    def __init__(self, dataset, batches: list[list[int]], cutoff: float,
+                 packed: bool = True):
+        super().__init__(dataset, batches, cutoff, packed=False)
+        self.built = super().__getitem__(0)
+        self.packed = packed
+
+    def __getitem__(self, k: int) -> Packed | dict[str, torch.Tensor]:
+        fields = {name: t.clone() for name, t in self.built.items()}
+        return pack(fields) if self.packed else fields
+
+
 def graphs_of(sent: Packed | dict[str, torch.Tensor]) -> list[AtomicGraph]:
     """The batch as the trainer takes it: a list of graphs (here one, of many systems)."""
     return [AtomicGraph(sent.unpack() if isinstance(sent, Packed) else sent, validate=False)]
@@ -220,8 +238,9 @@ def run_one(fmt: str, workers: int, work: Path, batch_size: int, n_batches: int,
     open_s = time.perf_counter() - t0
     batches = make_batches(np.asarray(ds.n_atoms), batch_size=batch_size, shuffle=True,
                            seed=0)[: n_batches + 1]
+    items = (Ready if fmt == "ready" else Batches)(ds, batches, cutoff, packed)
     loader = torch.utils.data.DataLoader(
-        Batches(ds, batches, cutoff, packed), batch_size=None, shuffle=False, num_workers=workers,
+        items, batch_size=None, shuffle=False, num_workers=workers,
         prefetch_factor=4 if workers else None)
     t0 = time.perf_counter()
     it = iter(loader)
@@ -302,7 +321,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--batches", type=int, default=200, help="timed batches per run")
     p.add_argument("--workers", default="0,2,4", help="loader workers to try")
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help="of " + ", ".join(FORMATS) + ", and ready: one batch built before "
+                   "the workers start, copied as each item (the main process's receive "
+                   "ceiling)")
     p.add_argument("--cutoff", type=float, default=5.0)
     p.add_argument("--device", default="cpu", help="device of the step timing")
     p.add_argument("--step", action="store_true", help="time the training step on CPU too")

@@ -666,3 +666,16 @@ def test_batched_reads_of_shards_equal_per_structure_reads(tmp_path, frames, mon
             got = ds.read_batch(idx)
         _same_batch(got, want)
     assert got.n_systems == 1 and got.system_id.tolist() == [0]  # index in its shard
+    # two broken structures in two shards: the batch's first is named, as one by one
+    bad = [a.copy() for a in frames]
+    for a, b in zip(frames, bad):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+    for k in (1, 6):
+        bad[k].calc.results["forces"][0, 0] = np.nan
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for k, part in enumerate([bad[:4], bad[4:]]):
+        _write_db(folder / f"data.{k:04d}.aselmdb", part)
+    ds = open_source(folder)
+    msg = raises_one_line(DataFileError, ds.read_batch, [6, 1])
+    assert msg == raises_one_line(DataFileError, lambda: ds[6]) and "structure 2" in msg

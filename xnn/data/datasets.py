@@ -458,8 +458,11 @@ class ConcatDataset(LabelledDataset):
         for d in np.unique(part).tolist():
             at = np.flatnonzero(part == d)
             ds, local = self.datasets[d], idx[at] - self.offsets[d]
-            graphs.append(ds.read_batch(local) if isinstance(ds, LabelledDataset)
-                          else collate([ds[int(i)] for i in local]))
+            try:
+                graphs.append(ds.read_batch(local) if isinstance(ds, LabelledDataset)
+                              else collate([ds[int(i)] for i in local]))
+            except (DataFileError, InputError):
+                return super().read_batch(idx)  # refused for the batch's first bad one
             taken.append(at)
         if len(graphs) == 1:
             return graphs[0]

@@ -8,11 +8,14 @@ graph (what reading an extxyz file gives). For each format and each number of
 ``torch.utils.data.DataLoader`` workers (``--workers``), a fresh process opens the data and
 iterates ``--batches`` shuffled batches of ``--batch-size`` structures, each structure with
 its neighbor list at ``--cutoff`` (built in the loader, as training does with
-``data.cache_edges=false``), collated into one graph in the loader:
+``data.cache_edges=false``), collated into one graph in the loader and sent to the main
+process packed in one buffer (as the training loader sends a share, ``xnn.data.packed``):
 
 * ``structures_per_s`` / ``atoms_per_s`` / ``s_per_batch``: after the first batch;
 * ``first_batch_s``: from creating the loader's iterator to the first batch (worker start-up
   included); ``open_s``: opening the dataset (the in-memory format reads everything here);
+* ``transfer``: how a batch crossed from a worker (``packed``: one buffer, the default;
+  ``fields``: a tensor a field, ``--transfer fields``; null without workers);
 * ``peak_rss``: the peak resident set (``VmHWM``) of the main process and of each worker;
   ``pss_end``: the proportional set size of all of them together at the end (shared pages
   counted once).
@@ -59,6 +62,7 @@ from xnn.data.datasets import (  # noqa: E402
     normalize_labels,
 )
 from xnn.data.graph import AtomicGraph  # noqa: E402
+from xnn.data.packed import Packed, pack  # noqa: E402
 from xnn.data.sources import read_structures  # noqa: E402
 
 FORMATS = ("memory", "hdf5", "aselmdb", "prepared")
@@ -136,7 +140,7 @@ def open_format(fmt: str, work: Path):
         return InMemoryDataset([h5[i] for i in range(len(h5))], name="memory")
     if fmt == "hdf5":
         return read_structures(work / "data.h5")
-    if fmt == "prepared":
+    if fmt in ("prepared", "ready"):
         return read_structures(work / "prepared")
     try:
         from xnn.data.sources import open_source  # the lazy readers, where they exist
@@ -171,27 +175,46 @@ class Batches(torch.utils.data.Dataset):
     training loop reads a share (``BatchSharding.load`` of a ``WithEdges`` without cache:
     one batched read, one neighbor-list call, the coincident-atoms check)."""
 
-    def __init__(self, dataset, batches: list[list[int]], cutoff: float):
+    def __init__(self, dataset, batches: list[list[int]], cutoff: float,
+                 packed: bool = True):
         from xnn.neighbors.datasets import WithEdges
         from xnn.training.sharding import BatchSharding
 
-        self.batches, self.cutoff = batches, cutoff
+        self.batches, self.cutoff, self.packed = batches, cutoff, packed
         self.dataset = WithEdges(dataset, cutoff, cache=False)
         self.load = BatchSharding().load
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, k: int) -> Packed | dict[str, torch.Tensor]:
         graphs = self.load(self.dataset, list(self.batches[k]))
-        # collated in the worker (a dozen tensors cross to the main process, not a dozen
-        # per structure), as field dicts: an AtomicGraph does not pickle (yet)
-        return AtomicGraph.concat(graphs).fields
+        # collated in the worker and packed as the training loader packs a share: one
+        # tensor crosses to the main process, not one per field (xnn.data.packed);
+        # ``--transfer fields``: the field dict (a tensor each, as before 2026-12-07)
+        fields = AtomicGraph.concat(graphs).fields
+        return pack(fields) if self.packed else fields
 
 
-def graphs_of(fields: dict[str, torch.Tensor]) -> list[AtomicGraph]:
+class Ready(Batches):
+    """The receive ceiling (format ``ready``, not run by default): every item is a copy of
+    one batch built before the workers start (prepared data, with edges), so the workers
+    only copy (and pack) it and the main process's receiving is what is timed."""
+
+    def __init__(self, dataset, batches: list[list[int]], cutoff: float,
+                 packed: bool = True):
+        super().__init__(dataset, batches, cutoff, packed=False)
+        self.built = super().__getitem__(0)
+        self.packed = packed
+
+    def __getitem__(self, k: int) -> Packed | dict[str, torch.Tensor]:
+        fields = {name: t.clone() for name, t in self.built.items()}
+        return pack(fields) if self.packed else fields
+
+
+def graphs_of(sent: Packed | dict[str, torch.Tensor]) -> list[AtomicGraph]:
     """The batch as the trainer takes it: a list of graphs (here one, of many systems)."""
-    return [AtomicGraph(fields, validate=False)]
+    return [AtomicGraph(sent.unpack() if isinstance(sent, Packed) else sent, validate=False)]
 
 
 def _status(pid: int, key: str) -> int | None:
@@ -207,15 +230,17 @@ def _status(pid: int, key: str) -> int | None:
 
 
 def run_one(fmt: str, workers: int, work: Path, batch_size: int, n_batches: int,
-            cutoff: float) -> dict:
+            cutoff: float, packed: bool = True) -> dict:
     """One format with ``workers`` loader workers, in this (fresh) process."""
+    packed = packed and workers > 0  # without workers training reads in its own process
     t0 = time.perf_counter()
     ds = open_format(fmt, work)
     open_s = time.perf_counter() - t0
     batches = make_batches(np.asarray(ds.n_atoms), batch_size=batch_size, shuffle=True,
                            seed=0)[: n_batches + 1]
+    items = (Ready if fmt == "ready" else Batches)(ds, batches, cutoff, packed)
     loader = torch.utils.data.DataLoader(
-        Batches(ds, batches, cutoff), batch_size=None, shuffle=False, num_workers=workers,
+        items, batch_size=None, shuffle=False, num_workers=workers,
         prefetch_factor=4 if workers else None)
     t0 = time.perf_counter()
     it = iter(loader)
@@ -225,8 +250,8 @@ def run_one(fmt: str, workers: int, work: Path, batch_size: int, n_batches: int,
     atoms = 0
     pids = [os.getpid(), *[w.pid for w in getattr(it, "_workers", [])]]
     peaks, pss, probe = [], [], 0.0
-    for fields in it:
-        atoms += sum(g.n_atoms for g in graphs_of(fields))
+    for sent in it:
+        atoms += sum(g.n_atoms for g in graphs_of(sent))
         # the workers exit after the last batch: read them at each (time not counted)
         t2 = time.perf_counter()
         found = [_status(p, "VmHWM") for p in pids]
@@ -236,7 +261,9 @@ def run_one(fmt: str, workers: int, work: Path, batch_size: int, n_batches: int,
     elapsed = time.perf_counter() - t1 - probe
     del it
     structures = sum(len(b) for b in batches[1:])
-    return {"format": fmt, "workers": workers, "open_s": open_s, "first_batch_s": first,
+    transfer = ("packed" if packed else "fields") if workers else None
+    return {"format": fmt, "workers": workers, "transfer": transfer, "open_s": open_s,
+            "first_batch_s": first,
             "batches": len(batches) - 1, "structures_per_s": structures / elapsed,
             "atoms_per_s": atoms / elapsed, "s_per_batch": elapsed / (len(batches) - 1),
             "peak_rss": {"main": peaks[0], "workers": peaks[1:]},
@@ -294,7 +321,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--batches", type=int, default=200, help="timed batches per run")
     p.add_argument("--workers", default="0,2,4", help="loader workers to try")
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help="of " + ", ".join(FORMATS) + ", and ready: one batch built before "
+                   "the workers start, copied as each item (the main process's receive "
+                   "ceiling)")
     p.add_argument("--cutoff", type=float, default=5.0)
     p.add_argument("--device", default="cpu", help="device of the step timing")
     p.add_argument("--step", action="store_true", help="time the training step on CPU too")
@@ -302,12 +332,15 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="folder of the written data (default: temp); "
                    "a folder of an earlier run with the same --n and --cutoff is reused")
     p.add_argument("--note", default="", help="recorded in the file (the machine's load...)")
+    p.add_argument("--transfer", choices=("packed", "fields"), default="packed",
+                   help="how a batch crosses from a worker: one packed buffer (as training "
+                   "sends it) or a tensor a field (before 2026-12-07)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # FORMAT,WORKERS: a child
     args = p.parse_args(argv)
     if args.one:
         fmt, workers = args.one.split(",")
         print(json.dumps(run_one(fmt, int(workers), Path(args.work), args.batch_size,
-                                 args.batches, args.cutoff)))
+                                 args.batches, args.cutoff, args.transfer == "packed")))
         return 0
     tmp = None
     if args.work is None:
@@ -333,7 +366,7 @@ def main(argv=None) -> int:
         for w in (int(x) for x in args.workers.split(",")):
             cmd = [sys.executable, __file__, "--one", f"{fmt},{w}", "--work", str(work),
                    "--batch-size", str(args.batch_size), "--batches", str(args.batches),
-                   "--cutoff", str(args.cutoff)]
+                   "--cutoff", str(args.cutoff), "--transfer", args.transfer]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             row = json.loads(out.strip().splitlines()[-1])
             if step is not None:

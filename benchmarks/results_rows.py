@@ -355,11 +355,12 @@ def data_start(name: str, data: dict) -> list[list[str]]:
 def data_scale(name: str, data: dict) -> list[list[str]]:
     """Rows of ``data_scale.py``: one per format and number of loader workers."""
     names = {"memory": "in-memory", "hdf5": "HDF5", "aselmdb": "ASE-LMDB",
-             "prepared": "prepared"}
+             "prepared": "prepared", "ready": "a built batch (receive ceiling)"}
     rows = []
     for r in data["results"]:
         workers = r["peak_rss"]["workers"]
-        rows.append([str(r["workers"]), names.get(r["format"], r["format"]),
+        sent = " (a tensor a field)" if r.get("transfer") == "fields" else ""
+        rows.append([str(r["workers"]), names.get(r["format"], r["format"]) + sent,
                      rate(r["structures_per_s"]), rate(r["atoms_per_s"]),
                      sec(r["first_batch_s"]),
                      f"{mib(r['peak_rss']['main'])} + {mib(max(workers))}" if workers

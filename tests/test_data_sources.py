@@ -554,3 +554,128 @@ def test_cell_faces_are_numpy_cross_products():
         cell = rng.normal(size=(3, 3)) * 10 ** rng.uniform(-8, 3)
         ref = np.stack([np.cross(cell[(a + 1) % 3], cell[(a + 2) % 3]) for a in range(3)])
         assert np.array_equal(_faces(cell), ref)
+
+
+# --------------------------------------------------------------------------- batched reads
+def _same_batch(a, b):
+    """Two batched graphs: the same fields, dtypes, shapes and bits (NaN = NaN)."""
+    assert set(a.keys()) == set(b.keys()), (sorted(a.keys()), sorted(b.keys()))
+    for key in a.keys():
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _no_single_reads(monkeypatch, ds):
+    def refuse(self, index):
+        raise AssertionError("read structure by structure")
+    monkeypatch.setattr(type(ds), "__getitem__", refuse)
+
+
+@pytest.mark.parametrize("fmt", ["extxyz", "db", "aselmdb"])
+def test_batched_reads_equal_per_structure_reads(tmp_path, frames, fmt, monkeypatch):
+    """``read_batch`` of an ASE source (rows read at once, one conversion) gives bitwise the
+    collated per-structure graphs: in any order, with repeats, a structure without stress,
+    an isolated atom, labels under other keys, a virial, a molecule with forces only; a
+    batch is built without per-structure reads (labels some structures lack are NaN there
+    too), and a broken structure is refused with the per-structure message."""
+    from xnn.data.datasets import collate
+
+    ds = open_source(_paths(tmp_path, frames)[fmt], weight=0.5)
+    for idx in ([9, 0, 4, 4, 2, 7], [3], [8, 1, 6, 1, 0]):
+        _same_batch(ds.read_batch(idx), collate([ds[i] for i in idx]))
+    for idx in ([8, 1, 6, 1, 0], [9, 0, 4, 4, 2, 7]):  # the second: stress in some only
+        want = collate([ds[i] for i in idx])
+        with monkeypatch.context() as m:
+            _no_single_reads(m, ds)
+            _same_batch(ds.read_batch(idx), want)
+    assert torch.isnan(want.stress[[0, 2, 3]]).all() and torch.isfinite(want.stress[1]).all()
+    mixed = tmp_path / f"mixed.{fmt if fmt != 'extxyz' else 'db'}"
+    db = connect(str(mixed))
+    for atoms, kvp, data in _mixed_rows(frames):
+        db.write(atoms, data=data, **kvp)
+    del db
+    for keys in ({}, {"energy_key": "REF_energy", "forces_key": "REF_forces",
+                      "stress_key": "REF_stress"}):
+        ds = open_source(mixed, **keys)
+        order = list(range(len(ds)))[::-1]
+        _same_batch(ds.read_batch(order), collate([ds[i] for i in order]))
+    # rows with their own masses, momenta, magnetic moments, a constraint: read at once
+    from ase.constraints import FixAtoms
+
+    own = [a.copy() for a in frames[:4]]
+    for k, (a, b) in enumerate(zip(frames, own)):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+        b.set_masses(a.get_masses() * (1.0 + 0.1 * k))
+        b.set_momenta(np.full((len(b), 3), 0.01 * k))
+        b.set_initial_magnetic_moments(np.full(len(b), 0.5))
+        b.set_constraint(FixAtoms([0]))
+    ds = open_source(_write_db(tmp_path / f"own.{fmt if fmt != 'extxyz' else 'db'}", own))
+    want = collate([ds[i] for i in (3, 0, 2, 1)])
+    with monkeypatch.context() as m:
+        _no_single_reads(m, ds)
+        _same_batch(ds.read_batch([3, 0, 2, 1]), want)
+    assert not torch.equal(want.masses[-len(own[1]):], torch.as_tensor(frames[1].get_masses()))
+    bad = [a.copy() for a in frames]
+    for a, b in zip(frames, bad):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+    bad[6].calc.results["forces"][2, 1] = np.inf
+    ds = open_source(_write_db(tmp_path / f"bad.{fmt if fmt != 'extxyz' else 'db'}", bad))
+    msg = raises_one_line(DataFileError, lambda: ds[6])
+    assert raises_one_line(DataFileError, ds.read_batch, [1, 6, 0]) == msg
+
+
+def test_batched_hdf5_reads_equal_per_structure_reads(tmp_path, frames, monkeypatch):
+    """``read_batch`` of an HDF5 file (one read per array for the batch: its structures'
+    row ranges) gives bitwise the collated per-structure graphs, in any order, with repeats,
+    missing labels, in float32 and with a weight; no structure is read one by one."""
+    from xnn.data.ase_io import from_ase
+    from xnn.data.datasets import HDF5Source, collate
+    from xnn.data.hdf5 import HDF5Dataset, write_hdf5
+
+    path = tmp_path / "d.h5"
+    write_hdf5(path, [from_ase([a]) for a in frames])
+    idx = [9, 0, 4, 4, 2, 7, 1]
+    for ds in (HDF5Source(path, weight=0.5), HDF5Dataset(path, dtype=torch.float32)):
+        want = collate([ds[i] for i in idx])
+        with monkeypatch.context() as m:
+            _no_single_reads(m, ds)
+            got = ds.read_batch(idx)
+        _same_batch(got, want)
+        assert got.n_systems == len(idx)
+        with pytest.raises(IndexError):
+            ds.read_batch([0, len(ds)])
+    assert torch.isnan(got.stress[2]).all() and got.positions.dtype == torch.float32
+
+
+def test_batched_reads_of_shards_equal_per_structure_reads(tmp_path, frames, monkeypatch):
+    """A folder of ASE-LMDB shards (OMat24's layout): one batched read per shard the batch
+    touches, put back in the batch's order, bitwise the collated per-structure graphs."""
+    from xnn.data.datasets import collate
+
+    folder = tmp_path / "omat"
+    folder.mkdir()
+    for k, part in enumerate([frames[:4], frames[4:5], frames[5:]]):
+        _write_db(folder / f"data.{k:04d}.aselmdb", part)
+    ds = open_source(folder)
+    for idx in ([7, 0, 5, 3, 0, 8], [2, 1], [4, 0], [4]):
+        want = collate([ds[i] for i in idx])
+        with monkeypatch.context() as m:
+            for part in ds.datasets:
+                _no_single_reads(m, part)
+            got = ds.read_batch(idx)
+        _same_batch(got, want)
+    assert got.n_systems == 1 and got.system_id.tolist() == [0]  # index in its shard
+    # two broken structures in two shards: the batch's first is named, as one by one
+    bad = [a.copy() for a in frames]
+    for a, b in zip(frames, bad):
+        b.calc = SinglePointCalculator(b, **a.calc.results)
+    for k in (1, 6):
+        bad[k].calc.results["forces"][0, 0] = np.nan
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for k, part in enumerate([bad[:4], bad[4:]]):
+        _write_db(folder / f"data.{k:04d}.aselmdb", part)
+    ds = open_source(folder)
+    msg = raises_one_line(DataFileError, ds.read_batch, [6, 1])
+    assert msg == raises_one_line(DataFileError, lambda: ds[6]) and "structure 2" in msg

@@ -14,13 +14,15 @@ Layout (format ``xnn-hdf5`` version 1), ``S`` structures with ``A`` atoms in tot
 
 Missing labels are stored as NaN, the same convention as the in-memory datasets of
 :mod:`xnn.data.datasets`. :class:`HDF5Dataset` reads one structure at a time (the file is
-opened lazily, once per process, so it works in forked data-loader workers).
+opened lazily, once per process, so it works in forked data-loader workers);
+:meth:`HDF5Dataset.read_batch` reads a batch's rows of each array in one HDF5 read (a
+selection of the structures' row ranges) and builds one graph.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,7 @@ import torch
 from xnn._files import require_file
 from xnn.data import keys as K
 from xnn.data.graph import AtomicGraph
+from xnn.data.rows import row_ranges
 from xnn.errors import DataFileError
 
 FORMAT = "xnn-hdf5"
@@ -192,3 +195,55 @@ class HDF5Dataset:
             f("positions")[a:b], f("numbers")[a:b], cell=f("cell")[index], pbc=f("pbc")[index],
             atom_id=np.arange(a, b), extra=extra, dtype=dt,
         )
+
+    def _rows(self, name: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Rows ``starts[k] : starts[k] + counts[k]`` of array ``name`` for every ``k``, one
+        after the other, in one read (the ranges increasing, apart and not empty: an HDF5
+        selection is read in file order)."""
+        from h5py import h5s
+
+        ds = self._set(name)
+        rest = tuple(ds.shape[1:])
+        space = ds.id.get_space()
+        space.select_none()
+        for a, n in zip(starts.tolist(), counts.tolist()):
+            space.select_hyperslab((a, *(0,) * len(rest)), (n, *rest), op=h5s.SELECT_OR)
+        out = np.empty((int(counts.sum()), *rest), dtype=ds.dtype)
+        ds.id.read(h5s.create_simple(out.shape), space, out)
+        return out
+
+    def read_batch(self, indices: Sequence[int]) -> AtomicGraph:
+        """Structures ``indices`` (at least one; repeats allowed) as one batched graph, equal
+        field by field (values and dtypes) to concatenating ``self[i]`` each: one read per
+        array for the whole batch (its distinct structures' rows, in file order), not one per
+        structure.
+
+        Raises:
+            IndexError: an index out of range.
+        """
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        bad = idx[(idx < 0) | (idx >= len(self))]
+        if len(bad) or not len(idx):
+            if len(bad):
+                raise IndexError(f"structure {int(bad[0])} out of range [0, {len(self)})")
+            raise IndexError("read_batch takes at least one structure")
+        uniq, inverse = np.unique(idx, return_inverse=True)  # sorted: the file's order
+        start, count = self.atom_ptr[uniq], self.atom_ptr[uniq + 1] - self.atom_ptr[uniq]
+        if not count.all():
+            return AtomicGraph.concat([self[int(i)] for i in idx])  # an empty structure
+        read_ptr = np.concatenate([[0], np.cumsum(count)])
+        rows = row_ranges(read_ptr[inverse], count[inverse])  # the batch's atoms, in order
+        atoms = {name: self._rows(name, start, count)[rows] for name in _ATOM_ARRAYS}
+        if atoms["numbers"].min() < 0:
+            return AtomicGraph.concat([self[int(i)] for i in idx])  # masses per structure
+        one = np.ones(len(uniq), dtype=np.int64)
+        system = {name: self._rows(name, uniq, one)[inverse] for name in _SYSTEM_ARRAYS}
+        n = count[inverse]
+        dt = self.dtype
+        extra = {K.ENERGY: torch.as_tensor(system["energy"], dtype=dt),
+                 K.FORCES: torch.as_tensor(atoms["forces"], dtype=dt),
+                 K.STRESS: torch.as_tensor(system["stress"], dtype=dt)}
+        return AtomicGraph.from_arrays(
+            atoms["positions"], atoms["numbers"], cell=system["cell"], pbc=system["pbc"],
+            batch=np.repeat(np.arange(len(idx)), n), atom_id=row_ranges(start[inverse], n),
+            extra=extra, dtype=dt)

@@ -47,6 +47,7 @@ import torch
 from xnn.data import keys as K
 from xnn.data.datasets import EntryStatistics, LabelledDataset, label_counts_of, narrow
 from xnn.data.graph import AtomicGraph
+from xnn.data.rows import row_ranges
 from xnn.errors import DataFileError, InputError
 
 FORMAT = "xnn-prepared"
@@ -367,7 +368,7 @@ class PreparedDataset(LabelledDataset):
                        for name in ("cell", "pbc", "energy", "stress")})
         for s in np.unique(shard).tolist():
             at = np.flatnonzero(shard == s)
-            src, dst = _ranges(start[at], count[at]), _ranges(out_ptr[at], count[at])
+            src, dst = row_ranges(start[at], count[at]), row_ranges(out_ptr[at], count[at])
             for name in _ATOM:
                 arrays[name][dst] = self._array(s, name)[src]
             arrays["atom_id"][dst] = src + self.first_atom[s]
@@ -440,13 +441,6 @@ class PreparedDataset(LabelledDataset):
             n_atoms=rows["composition"].sum(1), n_edges=rows["n_edges"],
             energy=rows["energy"], composition=rows["composition"],
             force_sq=rows["force_sq"], force_count=rows["label_counts"][:, 1])
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The rows ``starts[k] : starts[k] + counts[k]`` of every ``k``, one after the other."""
-    ends = np.cumsum(counts)
-    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
-                                                                   else 0)
 
 
 # --------------------------------------------------------------------------- statistics

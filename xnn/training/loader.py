@@ -6,6 +6,9 @@ structures and builds their neighbor lists (:class:`~xnn.neighbors.datasets.With
 for a one-process predictor as one batch graph read at once
 (:meth:`~xnn.data.datasets.LabelledDataset.read_batch`, equal to the concatenation the
 predictor does).
+A read share crosses to the training process packed into one byte buffer
+(:func:`~xnn.data.packed.pack`: one shared-memory file a share, not one a field; the same
+bits, dtypes and shapes once viewed apart).
 The shares come in order, so the batches and the loss are bitwise those of reading them in
 the training process (``num_workers=0``, which reads them there without any DataLoader).
 
@@ -22,17 +25,19 @@ from collections.abc import Callable, Iterator, Sequence
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from xnn.data.graph import AtomicGraph
+from xnn.data.packed import Packed, pack
 from xnn.errors import DataFileError
 
 #: what a read share is: its graphs (one batch graph when collated) and the refusal, if any
 Read = tuple[list[AtomicGraph], DataFileError | None]
-#: what crosses from a worker: the graphs' field dicts (tensors in shared memory)
-Sent = tuple[list[dict], DataFileError | None]
+#: what crosses from a worker: the graphs' fields, each graph's packed in one buffer (in
+#: shared memory)
+Sent = tuple[list[Packed], DataFileError | None]
 
 
 class ShareReader(Dataset):
-    """Map-style dataset whose keys are shares: ``reader[share] -> (graphs' fields,
-    refusal)`` (the field dicts pickle; :class:`ShareLoader` rebuilds the graphs).
+    """Map-style dataset whose keys are shares: ``reader[share] -> (graphs' packed fields,
+    refusal)`` (:class:`ShareLoader` views the fields apart and rebuilds the graphs).
 
     Args:
         dataset: the training structures (with neighbor lists).
@@ -53,7 +58,7 @@ class ShareReader(Dataset):
             return [], e
         if self.collate and graphs:
             graphs = [AtomicGraph.concat(graphs)]
-        return [g.fields for g in graphs], None
+        return [pack(g.fields) for g in graphs], None
 
 
 class _Shares(Sampler):
@@ -96,8 +101,8 @@ class ShareLoader:
     def read(self, shares: Sequence[Sequence[int]]) -> Iterator[Read]:
         """``(graphs, refusal)`` of each of ``shares``, in order."""
         self.sampler.items = shares
-        for fields, refused in self.loader:  # checked where they were built
-            yield [AtomicGraph(f, validate=False) for f in fields], refused
+        for packed, refused in self.loader:  # checked where they were built
+            yield [AtomicGraph(p.unpack(), validate=False) for p in packed], refused
 
 
 def _context():

@@ -195,11 +195,6 @@ COMMANDS = {
     "lammps_breakdown_h100.json": ("python benchmarks/lammps_breakdown.py --device cuda "
                                    "--dtype float32 --json "
                                    "benchmarks/results/lammps_breakdown_h100.json"),
-    "dd_components_cpu2.json": (
-        "python benchmarks/dd_components.py --models lj --ranks 1,2 --sizes 4000,16000 "
-        "--scales 1.0,1.1 --threads 1 --json J; ... --models schnet --sizes 1000 --steps 5 "
-        "--warmup 1 --append; ... --models equivariant --sizes 500 --steps 4 --warmup 1 "
-        "--append (J = benchmarks/results/dd_components_cpu2.json)"),
     "data_scale_h200.json": ("python benchmarks/data_scale.py --device cuda --n 10000 --batches 60 "
                              "--workers 0,2,4,8 --note '<the machine note in the file>' --json "
                              "benchmarks/results/data_scale_h200.json"),
@@ -221,6 +216,12 @@ COMMANDS = {
         "equivariant --ranks 1,2,4,8 --sizes 500 --timeout 120; ... --models equivariant "
         "--ranks 1 --sizes 108,256 --append; J's and J2's rows joined (J = "
         "benchmarks/results/dd_components_cpu16.json; the 16-core GPU host)"),
+    "dd_components_cpu16x2.json": (
+        "OMP_NUM_THREADS=1 taskset -c 0,1 python benchmarks/dd_components.py --models lj "
+        "--ranks 1,2 --sizes 4000,16000 --scales 1.0,1.1 --threads 1 --timeout 40 --json J; "
+        "... --models schnet --sizes 1000 --steps 5 --warmup 1 --append; ... --models "
+        "equivariant --sizes 500 --steps 4 --warmup 1 --append (J = "
+        "benchmarks/results/dd_components_cpu16x2.json; the 16-core GPU host, 2 cores)"),
     "dd_components_h100.json": (
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/dd_components.py "
         "--device cuda --models mace --ranks 1 --sizes 1000,2000 --scales 1.0,1.1 --steps 8 "

@@ -281,7 +281,7 @@ TABLES = [
           ("lammps_breakdown_h100.json",), rows.lammps_breakdown, fold=(0,)),
     Table("dd_components", ("model", "atoms", "lattice scale", "ranks", "step", "evaluate",
                             "exchanges", "all-reduces"),
-          ("dd_components_cpu2.json", "dd_components_cpu16.json",
+          ("dd_components_cpu16x2.json", "dd_components_cpu16.json",
            "dd_components_h100.json"), rows.dd_components, fold=(0,)),
     Table("scaling_model", ("measured run (model, scaling)", "ranks", "atoms", "predicted",
                             "measured", "error"),

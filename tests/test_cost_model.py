@@ -316,6 +316,17 @@ def test_compute_fit_separates_owned_from_ghost_atoms_with_sizes_of_other_ghost_
     assert one.per_owned == 0.0
 
 
+def test_compute_fit_of_one_size_has_no_fixed_cost():
+    # two 1-rank rows of one system at two lattice scales with the same edges within the
+    # cutoff (and noise between them): nothing separates a fixed cost from the edges', and a
+    # fixed cost would price a rank with half the edges at the whole system's time
+    held, edges, t = np.array([3429, 3429]), np.array([36294, 36288]), np.array([1.16, 1.32])
+    fit = ComputeCost.fit(held, edges, t, owned=np.array([864, 864]))
+    assert fit.fixed == 0.0 and fit.per_edge > 0.0
+    half = float(fit.seconds(2346, 18144, 432)) / float(fit.seconds(3429, 36291, 864))
+    assert 0.4 < half < 0.8
+
+
 def test_link_fit_recovers_latency_and_bandwidth():
     msgs = [(1, 1_000), (2, 50_000), (1, 400_000), (3, 2_000_000)]
     p2p = [(m, b, m * 5e-5 + b / 2e9) for m, b in msgs]

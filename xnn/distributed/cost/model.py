@@ -102,7 +102,10 @@ class ComputeCost:
         best non-negative one kept. Terms that the points cannot tell apart are dropped in
         favour of the first of them: with one edges-per-atom ratio the cost goes on the
         edges (``per_atom = 0``), which predicts any count of that ratio exactly; with one
-        owned-per-held ratio the atom cost stays on the held atoms (``per_owned = 0``)."""
+        owned-per-held ratio the atom cost stays on the held atoms (``per_owned = 0``); with
+        one size (the same atoms and edges in every row, e.g. lattice scales whose edges
+        within the cutoff are equal) there is no fixed cost (``fixed = 0``): a rank holding
+        half the edges is priced at half the time, not at all of it."""
         h, e, t = (np.asarray(x, float) for x in (held, edges, seconds))
         cols = {"held": h / t, "edges": e / t}
         if fixed:
@@ -113,6 +116,8 @@ class ComputeCost:
                 cols["owned"] = o / t
         if np.ptp(e / np.maximum(h, 1)) < 0.02 * np.mean(e / np.maximum(h, 1)):
             del cols["held"]  # one ratio: atoms and edges collinear
+        if fixed and np.ptp(e) < 0.02 * np.mean(e) and np.ptp(h) < 0.02 * np.mean(h):
+            del cols["fixed"]  # one size: a fixed cost and the edges' collinear
         names = list(cols)
         best, err = None, np.inf
         for k in range(len(names), 0, -1):

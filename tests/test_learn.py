@@ -231,10 +231,10 @@ def test_open_loop_continues_only_the_same_settings(tmp_path):
 
 
 # ---------------------------------------------------------------------- the loop, killed
-def _env(log: Path, sleep: float = 0.0) -> dict:
+def _env(log: Path, hold_at: int = 0) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1",
             "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-            "XNN_TEST_LABEL_LOG": str(log), "XNN_TEST_LABEL_SLEEP": str(sleep)}
+            "XNN_TEST_LABEL_LOG": str(log), "XNN_TEST_LABEL_HOLD_AT": str(hold_at)}
 
 
 def _cmd(initial: Path, out: Path) -> list[str]:
@@ -248,9 +248,10 @@ def _run(initial: Path, out: Path, log: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def _kill_when(initial: Path, out: Path, log: Path, ready, sleep: float) -> None:
-    """Start the loop, SIGKILL it as soon as ``ready()`` holds."""
-    proc = subprocess.Popen(_cmd(initial, out), env=_env(log, sleep),
+def _kill_when(initial: Path, out: Path, log: Path, ready, hold_at: int = 0) -> None:
+    """Start the loop, SIGKILL it as soon as ``ready()`` holds (``hold_at``: the labeller's
+    call of that number waits to be killed)."""
+    proc = subprocess.Popen(_cmd(initial, out), env=_env(log, hold_at),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         while proc.poll() is None and not ready():
@@ -334,7 +335,7 @@ def test_uninterrupted_loop_files(uninterrupted):
 def test_kill_during_labelling_resumes_without_relabelling(uninterrupted, tmp_path):
     initial, full, _ = uninterrupted
     out, log = tmp_path / "killed", tmp_path / "killed.log"
-    _kill_when(initial, out, log, lambda: len(_calls(log)[0]) >= 3, sleep=1.0)
+    _kill_when(initial, out, log, lambda: len(_calls(log)[0]) >= 3, hold_at=3)
     starts, ends = _calls(log)
     assert len(ends) == 2 and len(starts) == 3  # killed in the third calculation
     assert len(list((out / "labels").glob("*.extxyz"))) == 2
@@ -351,8 +352,7 @@ def test_kill_during_training_resumes_from_checkpoint(uninterrupted, tmp_path):
     initial, full, _ = uninterrupted
     out, log = tmp_path / "killed", tmp_path / "killed.log"
     run = out / "round_000" / "train"  # the committee's one xnn train run
-    _kill_when(initial, out, log, lambda: (run / "checkpoints" / "last.pt").is_file(),
-               sleep=0.0)
+    _kill_when(initial, out, log, lambda: (run / "checkpoints" / "last.pt").is_file())
     assert not (run / "summary.json").is_file() and not log.is_file()
     _run(initial, out, log)
     starts, ends = _calls(log)
@@ -366,7 +366,7 @@ def test_kill_during_exploration_resumes_the_campaign(uninterrupted, tmp_path):
     initial, full, _ = uninterrupted
     out, log = tmp_path / "killed", tmp_path / "killed.log"
     explore = out / "round_000" / "explore"
-    _kill_when(initial, out, log, lambda: (explore / "checkpoint.pt").is_file(), sleep=0.0)
+    _kill_when(initial, out, log, lambda: (explore / "checkpoint.pt").is_file())
     assert not (explore / "summary.json").is_file() and not log.is_file()
     _run(initial, out, log)
     starts, ends = _calls(log)

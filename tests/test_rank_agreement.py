@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +35,16 @@ def _md_args(structure: str, out: str, *extra: str) -> list[str]:
             *extra]
 
 
-def _timeout(port: int, rank: int, other: str) -> str | None:
+def _busy_until(flag: Path, cap_s: float) -> None:
+    """Rank-local work until rank 0 has written ``flag`` (it has its error: its timeout and
+    its wait for answers are over), at most ``cap_s``: no answer from this rank in between,
+    however loaded the machine, and no longer than needed."""
+    deadline = time.monotonic() + cap_s
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _timeout(port: int, rank: int, other: str, flag: Path) -> str | None:
     """Rank 0 all-reduces; rank 1 does ``other`` ("sleep": rank-local work past the timeout
     and the wait for answers, "barrier": another collective). Returns the error message."""
     from xnn.distributed import collectives as C
@@ -51,26 +61,29 @@ def _timeout(port: int, rank: int, other: str) -> str | None:
             if rank == 0:
                 C.all_reduce_(torch.ones(1))
             elif other == "sleep":
-                time.sleep(5.0)
+                _busy_until(flag, 30.0)
             else:
                 manager.barrier()
     except (C.CollectiveTimeout, C.RemoteRankError) as e:
         return str(e)
     finally:
+        if rank == 0:
+            flag.touch()
         manager.cleanup()
     return None
 
 
-def _stalled_md(port: int, rank: int, structure: str, out: str) -> tuple[int, str]:
-    """``xnn md parallel.timeout_s=2`` in which rank 1 is busy for 6 s in step 1's safety
-    checks (rank-local work) while rank 0 waits in the step's next collective."""
+def _stalled_md(port: int, rank: int, structure: str, out: str,
+                flag: Path) -> tuple[int, str]:
+    """``xnn md parallel.timeout_s=2`` in which rank 1 is busy in step 1's safety checks
+    (rank-local work) until rank 0, waiting in the step's next collective, has stopped."""
     import xnn.app.md as md_app
 
     checks = md_app._check
 
     def slow_check(state, *args):
         if rank == 1 and state.step == 1:
-            time.sleep(6.0)
+            _busy_until(flag, 30.0)
         return checks(state, *args)
 
     md_app._check = slow_check
@@ -78,6 +91,8 @@ def _stalled_md(port: int, rank: int, structure: str, out: str) -> tuple[int, st
         return _cli(port, _md_args(structure, out, "parallel.timeout_s=2"))
     finally:
         md_app._check = checks
+        if rank == 0:
+            flag.touch()
 
 
 def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
@@ -107,8 +122,8 @@ def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
     finally:
         manager.cleanup()
     # 5. timeouts: rank 1 in another collective; then rank 1 busy (no answer)
-    out["barrier"] = _timeout(ports[4], rank, "barrier")
-    out["sleep"] = _timeout(ports[5], rank, "sleep")
+    out["barrier"] = _timeout(ports[4], rank, "barrier", Path(tmp) / "barrier_done")
+    out["sleep"] = _timeout(ports[5], rank, "sleep", Path(tmp) / "sleep_done")
     # 6. xnn validate: another tolerance on rank 1
     tol = ["--tol", "1e-6"] if rank == 1 else []
     out["validate"] = _cli(ports[6], ["validate", "--model", "lj:sigma=2.3,epsilon=0.4,cutoff=5.0",
@@ -116,7 +131,8 @@ def _rank_main(rank, world, tmp, data, data_copy, data_other, ports):
                                       "--parallel.timeout_s", "60", "--json",
                                       f"{tmp}/validate.json", *tol])
     # 7. xnn md with a stalled rank: the run's own parallel.timeout_s, named in the message
-    out["md_stall"] = _stalled_md(ports[7], rank, f"{tmp}/ar.xyz", f"{tmp}/stall")
+    out["md_stall"] = _stalled_md(ports[7], rank, f"{tmp}/ar.xyz", f"{tmp}/stall",
+                                  Path(tmp) / "stall_done")
     return out
 
 

@@ -8,9 +8,20 @@ import pytest
 import torch
 from ase import Atoms
 
+from xnn.models.external._optional import preserved_environ
 from xnn.testing.systems import random_molecule, random_periodic_system
 
 pytest_plugins = ("pytester",)
+
+# `import mace` sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (torch.load then unpickles anything)
+# the first time it runs; tests that import mace's modules directly (or pytest.importorskip)
+# left it set for every later test of the session. Import the package once here with the
+# environment restored, so that no test runs with torch.load's safety turned off.
+with preserved_environ():
+    try:
+        import mace  # noqa: F401
+    except ImportError:
+        pass
 
 # a time limit for every test (300 s; slow, gpu, distributed and @pytest.mark.time_limit more)
 from time_limit import (  # noqa: F401, E402 - pytest hooks, found here by name

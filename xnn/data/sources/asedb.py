@@ -133,6 +133,18 @@ class _RecordAtoms:
         return np.array(self.arrays.get("initial_charges", np.zeros(len(self))), dtype=float)
 
 
+def _decoded(blob) -> _RecordAtoms | None:
+    """An ASE-LMDB record (one zlib-compressed JSON text) decoded into a
+    :class:`_RecordAtoms`; ``None`` for a record of another layout (or a broken one: the
+    caller reads it as ``db.get`` does, which refuses it)."""
+    from ase.io.jsonio import decode
+
+    try:
+        return _RecordAtoms(decode(zlib.decompress(blob).decode("utf-8")))
+    except (TypeError, KeyError, ValueError, AttributeError, zlib.error):
+        return None
+
+
 class SQLiteSource(_Rows, AtomsSource):
     """The structures of an ASE SQLite database (``.db``), read one row at a time."""
 
@@ -253,36 +265,26 @@ class LMDBSource(_Rows, AtomsSource):
         :class:`_RecordAtoms` (what the conversion reads of the ``Atoms`` that ``db.get``
         gives, without building it and its calculator: half the time of a row); a record
         of another layout is read by ``db.get``."""
-        from ase.io.jsonio import decode
-
         ids = [str(int(self.ids[i])).encode("ascii") for i in indices]
         with self._handle().env.begin() as txn:
             blobs = [txn.get(i) for i in ids]
-        out = []
-        for index, blob in zip(indices, blobs):
-            try:
-                out.append(_RecordAtoms(decode(zlib.decompress(blob).decode("utf-8"))))
-            except (TypeError, KeyError, ValueError, AttributeError, zlib.error):
-                out.append(self._atoms(index))  # refused there, if broken
-        return out
+        out = [_decoded(blob) for blob in blobs]
+        return [self._atoms(i) if a is None else a  # refused there, if broken
+                for i, a in zip(indices, out)]
 
     def _counted_atoms(self, index: int):
         """Structure ``index`` for the first pass: its record decoded (one zlib-compressed
         JSON text a row: the labels follow the positions, so the whole record is read) into
         a :class:`_RecordAtoms`, not an ``ase.Atoms`` with its calculator; a record of
         another layout is read as :meth:`atoms` reads it."""
-        from ase.io.jsonio import decode
-
         index = int(index)
         if not 0 <= index < len(self):
             raise IndexError(f"structure {index} out of range [0, {len(self)})")
         row_id = int(self.ids[index])
         with self._handle().env.begin() as txn:
             blob = txn.get(str(row_id).encode("ascii"))
-        try:
-            return _RecordAtoms(decode(zlib.decompress(blob).decode("utf-8")))
-        except (TypeError, KeyError, ValueError, AttributeError, zlib.error):
-            return self.atoms(index)
+        found = _decoded(blob)
+        return self.atoms(index) if found is None else found
 
     def species(self) -> list[int]:
         """From the start of every record (its ``numbers`` array), building no structure."""

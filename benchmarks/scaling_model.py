@@ -377,7 +377,8 @@ def gpu_calibrations() -> dict:
         cal["lj"] = (comp, ModelShape(0, 0, 4))
         BYTES_PER_HELD["lj"] = max(r["peak_bytes_max"] / r["held_max"] for r in rows)
     for path in sorted(RESULTS.glob("dd_components_h*.json")):  # one GPU, the lead's run
-        rows = [r for r in json.loads(path.read_text())["rows"]
+        every = json.loads(path.read_text())["rows"]
+        rows = [r for r in every
                 if "error" not in r and r["ranks"] == 1 and r["model"] == "mace"]
         if rows:
             q = [r["per_rank"][0] for r in rows]
@@ -386,15 +387,15 @@ def gpu_calibrations() -> dict:
                                    owned=[x["n_owned"] for x in q])
             cal["mace"] = (comp, ModelShape(rows[0]["sync_points"], rows[0]["feature_width"],
                                             4, rows[0]["n_params"]))
-            BYTES_PER_HELD["mace"] = _mace_bytes(path)
+            BYTES_PER_HELD["mace"] = _mace_bytes(every)
     return cal
 
 
-def _mace_bytes(path: Path) -> float:
-    """GPU bytes per held atom of MACE: the largest measured peak per held atom, or, in files
-    written before ``cuda_peak_bytes`` was recorded, a lower bound from the smallest size
-    that ran out of memory (the card's bytes over that size's atoms)."""
-    rows = json.loads(path.read_text())["rows"]
+def _mace_bytes(rows: list[dict]) -> float:
+    """GPU bytes per held atom of MACE from a ``dd_components`` file's ``rows``: the largest
+    measured peak per held atom, or, in files written before ``cuda_peak_bytes`` was
+    recorded, a lower bound from the smallest size that ran out of memory (the card's bytes
+    over that size's atoms)."""
     peaks = [q["cuda_peak_bytes"] / q["n_held"] for r in rows if "error" not in r
              and r["model"] == "mace" for q in r["per_rank"] if q.get("cuda_peak_bytes")]
     if peaks:

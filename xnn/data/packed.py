@@ -2,8 +2,8 @@
 
 A DataLoader worker hands its batch to the training process through shared memory: every
 tensor is a shared-memory file whose descriptor goes over a socket, and the training process
-maps each (about 0.5 ms a tensor on a loaded 2-core CPU: 7 ms for the 14 fields of a batch
-with edges, a quarter of what the worker spends reading it). :func:`pack` copies the fields
+maps each (the receive cost is measured in ``docs/prepared-data.md``, "Throughput").
+:func:`pack` copies the fields
 into one ``uint8`` tensor (each at a 64-byte aligned offset) and :meth:`Packed.unpack`
 views them apart again: one shared-memory file a batch, the same bits, dtypes and shapes.
 """
@@ -62,8 +62,8 @@ def pack(fields: Mapping[str, Tensor]) -> Packed:
         offset += -(-_nbytes(t.dtype, tuple(t.shape)) // ALIGN) * ALIGN
     packed = Packed(torch.empty(offset, dtype=torch.uint8), tuple(layout))
     for t, view in zip(fields.values(), packed.unpack().values()):
-        try:  # numpy copies in this thread: torch's copy into the fresh buffer with 2
-            # intra-op threads took 15 ms a batch on a loaded 2-core CPU (0.2 ms so)
+        try:  # numpy copies in this thread: torch's copy into the fresh buffer spreads
+            # over intra-op threads, which on a loaded CPU cost far more than the copy
             view.numpy()[...] = t.detach().numpy()
         except TypeError:  # a dtype numpy lacks (bfloat16)
             view.copy_(t.detach())

@@ -263,8 +263,8 @@ class LMDBSource(_Rows, AtomsSource):
     def _atoms_batch(self, indices: list[int]) -> list:
         """Rows of structures ``indices`` read in one transaction, each decoded into a
         :class:`_RecordAtoms` (what the conversion reads of the ``Atoms`` that ``db.get``
-        gives, without building it and its calculator: half the time of a row); a record
-        of another layout is read by ``db.get``."""
+        gives, without building it and its calculator); a record of another layout is read
+        by ``db.get``."""
         ids = [str(int(self.ids[i])).encode("ascii") for i in indices]
         with self._handle().env.begin() as txn:
             blobs = [txn.get(i) for i in ids]

@@ -280,9 +280,9 @@ class AtomsSource(LabelledDataset):
     def read_batch(self, indices) -> AtomicGraph:
         """Structures ``indices`` as one batched graph, equal field by field to collating
         ``self[i]`` each: the rows read at once (:meth:`_atoms_batch`) and converted in one
-        call (:func:`batch_graph_of`), a third of the time per structure of the graphs
-        built one by one; a batch that needs them (a refused structure, labels in some
-        structures only) is read one structure at a time."""
+        call (:func:`batch_graph_of`); a batch that needs the per-structure graphs (a
+        refused structure, labels in some structures only) is read one structure at a
+        time."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if not len(idx) or ((idx < 0) | (idx >= len(self))).any():
             return super().read_batch(idx)  # the per-structure path's error

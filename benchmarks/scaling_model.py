@@ -310,14 +310,15 @@ def validate_components(path: Path) -> tuple[list[dict], dict]:
         return [], {}
     d = json.loads(path.read_text())
     rows = [r for r in d["rows"] if "error" not in r]
-    # a rank's measured exchange time includes waiting for a slower peer; per 2-rank row
-    # the rank that waited least is the closest to the transfer itself
+    # a rank's measured exchange or all-reduce time includes waiting for a slower peer; per
+    # 2-rank row and collective, the rank that waited least is the closest to its own cost
     two = [min(r["per_rank"], key=lambda q: q["seconds_per_step"]["p2p"])
            for r in rows if r["ranks"] == 2]
     p2p = [(q["per_step"]["p2p"]["messages"], q["per_step"]["p2p"]["bytes_sent"],
             q["seconds_per_step"]["p2p"]) for q in two if "p2p" in q["per_step"]]
-    ar = [(2, 0, q["seconds_per_step"]["all_reduce"] / q["per_step"]["all_reduce"]["calls"])
-          for q in two if "all_reduce" in q["per_step"]]
+    ar = [(2, 0, min(q["seconds_per_step"]["all_reduce"] / q["per_step"]["all_reduce"]["calls"]
+                     for q in r["per_rank"]))
+          for r in rows if r["ranks"] == 2 and "all_reduce" in r["per_rank"][0]["per_step"]]
     link = fit_link(GLOO_HOST, p2p, ar, source=f"fitted on the 2-rank rows of {path.name}")
     out, fits = [], {"link": vars(link)}
     for model in sorted({r["model"] for r in rows}):

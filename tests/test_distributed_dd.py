@@ -192,15 +192,16 @@ def _md_pairs_case(manager, rank):
     return out
 
 
-def _grad_case(manager, rank, world, name="painn"):
-    """Loss on energy, forces and stress; double backward through the exchange."""
+def _grad_case(manager, rank, world, name="painn", grid=None, exchange="direct"):
+    """Loss on energy, forces and stress; double backward through the exchange (direct, or
+    staged: along x, then y, then z)."""
     from xnn.distributed import collectives as C
     from xnn.distributed import parallelize
     from xnn.models import compute_properties
     from xnn.neighbors import with_edges
 
     model, graph = native(name), triclinic((2, 2, 2))
-    dd = parallelize(model, manager, "sync")
+    dd = parallelize(model, manager, "sync", grid=grid, exchange=exchange)
     local = dd(dd.scatter(graph if rank == 0 else None), training=True)
     loss = ((local["energy"] - 1.0) ** 2).sum() / world + (local["forces"] ** 2).sum() \
         + (local["stress"] ** 2).sum() / world
@@ -216,7 +217,9 @@ def _grad_case(manager, rank, world, name="painn"):
         + (ref["stress"] ** 2).sum()
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    return {"grad": rel(grads, ref_grads), "norm": float(ref_grads.norm())}
+    routing = dd.state.local.plan.routing
+    return {"grad": rel(grads, ref_grads), "norm": float(ref_grads.norm()),
+            "stages": 0 if routing is None else len(routing.stages)}
 
 
 class _FailOnRank1(AtomisticModel):
@@ -315,6 +318,7 @@ def worker(rank, world, tmp):
         results["md_pairs"] = _md_pairs_case(manager, rank)
     if world == 4:
         results["mesh"] = _mesh_case(manager, rank)
+        results["grad_staged"] = _grad_case(manager, rank, world, "painn", (2, 2, 1), "staged")
     if world == 3:
         results["grad"] = _grad_case(manager, rank, world)
         # the equivariant model updates only owned atoms under mode "sync" (K.N_UPDATE)
@@ -405,6 +409,14 @@ def test_gradient_of_forces_three_ranks():
     for key in ("grad", "grad_equivariant"):
         grad = results(3)[0][key]
         assert grad["norm"] > 0 and grad["grad"] <= 1e-9, (key, grad)
+
+
+@pytest.mark.distributed
+def test_gradient_through_the_staged_exchange_four_ranks():
+    """parallel.exchange=staged on a 2 x 2 x 1 grid (2 stages, the corner rows forwarded):
+    the parameter gradient of a loss on energy, forces and stress equals one process."""
+    grad = results(4)[0]["grad_staged"]
+    assert grad["stages"] == 2 and grad["norm"] > 0 and grad["grad"] <= 1e-9, grad
 
 
 @pytest.mark.distributed

@@ -304,6 +304,8 @@ def _calculator_and_cli(manager, rank, tmp):
             os.path.join(tmp, "v.json")]
     out["rc_ok"] = main(argv)
     out["rc_strict"] = main(argv + ["--tol", "1e-30"])
+    out["rc_staged"] = main(argv[:-1] + [os.path.join(tmp, "v_staged.json"), "--exchange",
+                                         "staged", "--mode", "spatial"])
     out["rc_missing"] = main(["validate", "--model", "lj", "--structure", path + ".missing"])
     return out
 
@@ -486,10 +488,13 @@ def test_calculator_and_validate_cli():
         assert abs(c["energy"] - ref["energy"]) <= TOL * abs(ref["energy"])
         assert np.abs(c["forces"] - ref["forces"]).max() <= TOL * np.abs(ref["forces"]).max()
         assert np.abs(c["stress"] - ref["stress"]).max() <= TOL * np.abs(ref["stress"]).max()
-        assert (c["rc_ok"], c["rc_strict"], c["rc_missing"]) == (0, 1, 2)
+        assert (c["rc_ok"], c["rc_strict"], c["rc_missing"], c["rc_staged"]) == (0, 1, 2, 0)
     with open(os.path.join(_TMP, "v.json")) as f:
         report = json.load(f)["report"]
     assert report["forces"]["max_rel"] <= TOL and report["stress"]["scale"] > 0
+    with open(os.path.join(_TMP, "v_staged.json")) as f:  # xnn validate --exchange staged
+        staged = json.load(f)
+    assert staged["exchange"] == "staged" and staged["report"]["forces"]["max_rel"] <= TOL
 
 
 def _importable(module):

@@ -17,6 +17,7 @@ import torch
 from dist_helpers import spawn
 from helpers import corner, hot, lj, molecule, native, rel, tiny, triclinic
 
+from xnn.distributed.cost.counts import staged_messages
 from xnn.errors import InputError
 from xnn.testing import compare_by_id
 
@@ -82,6 +83,7 @@ def _case(manager, group, rank, name):
         x = torch.randn(plan.n_owned, 3, generator=torch.Generator().manual_seed(rank))
         ghosts, messages = _messages(plan, x)
         out[exchange] = {"stats": dd.stats(), "ghosts": ghosts, "messages": messages,
+                         "peers": [q for q, r in zip(plan.peers, plan.send_index) if r.numel()],
                          "stages": len(plan.routing.stages) if plan.routing else 0,
                          "adjoint": _adjoint(plan, group, 5),
                          "forces": res["forces"]}
@@ -188,6 +190,14 @@ def test_staged_messages_per_stage(ranks, name):
     stages = max(c["staged"]["stages"] for c in stats)
     hops_x = 2 if name.startswith("lj-triclinic-4x") else 1  # 5 Å halo, thinner x boxes
     assert stages == sum(1 for g in grid if g > 1) + hops_x - 1
+    # rows travel once per stage and neighbour, not once per image and peer (a rank that owns
+    # no atom may forward some: the group's sum)
+    assert sum(c["staged"]["stats"]["n_send"] for c in stats) <= sum(
+        c["direct"]["stats"]["n_send"] for c in stats)
+    peers = [c["direct"]["peers"] for c in stats]
+    pbc = [True] * 3 if name != "equivariant-molecule-2x2x2-sync" else [False] * 3
+    assert [sum(c["staged"]["messages"]) for c in stats] == list(
+        staged_messages(grid, pbc, peers)), "the cost model's count of staged messages"
     if grid == (2, 2, 2):
         assert max(c["direct"]["stats"]["n_peers"] for c in stats) == 7
         assert max(sum(c["staged"]["messages"]) for c in stats) == 3
@@ -213,6 +223,10 @@ def test_exchange_words_are_checked():
         parallelize(lj(), None, "graph", exchange="staged")
     with pytest.raises(InputError, match="host engine"):
         parallelize(lj(), None, "halo", host=True, exchange="staged")
+    from xnn.distributed.domain.compiled_run import CompiledDomainRun
+
+    with pytest.raises(InputError, match="compile=true.*parallel.exchange: direct"):
+        CompiledDomainRun(lj(), None, 0.0, "auto", exchange="staged")
     with pytest.raises(Exception, match="exchange"):
         validate_choices(ParallelConfig(exchange="ring"))
     with pytest.raises(Exception, match="parallel.exchange"):

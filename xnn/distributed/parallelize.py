@@ -112,8 +112,8 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         mode, reason = resolve_mode(model, mode, graph, group, grid, skin, balance)
         if exchange != "direct" and mode == "graph":  # auto chose it (the same on every rank)
             raise InputError(f"exchange {exchange!r} routes the ghosts of a spatial layout's "
-                             f"boxes; mode auto chose graph ({reason}): set exchange direct "
-                             "or mode spatial")
+                             f"boxes, and mode auto chose graph here -- {reason}: set "
+                             "exchange direct or mode spatial")
         layout = (GraphLayout(order) if mode == "graph"
                   else SpatialLayout(mode, grid, balance, exchange))
     potential = DecomposedPotential(model, manager_or_group, layout, skin, backend)

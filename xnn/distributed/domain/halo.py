@@ -66,6 +66,12 @@ class HaloPlan:
         return sum(1 for s in self.send_index if s.numel())
 
     @property
+    def sent_rows(self) -> int:
+        """Rows this rank sends per exchange: ``n_send``, or the staged routing's (forwarded
+        rows included, each buffer row once per stage and neighbour)."""
+        return self.routing.n_send if self.routing is not None else self.n_send
+
+    @property
     def send_counts(self) -> list[int]:
         return [int(s.numel()) for s in self.send_index]
 

@@ -173,6 +173,6 @@ class SpatialLayout:
     def stats(self, st) -> dict[str, object]:
         d = st.local
         return {"grid": list(d.partition.grid), "n_held": st.n_owned + d.n_ghost,
-                "n_recv": d.plan.n_recv, "n_send": d.plan.n_send,
+                "n_recv": d.plan.n_recv, "n_send": d.plan.sent_rows,
                 "n_peers": len(d.plan.peers), "paired": d.paired,
                 "exchange": self.exchange, "n_messages": d.plan.messages}

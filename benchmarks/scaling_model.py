@@ -42,7 +42,7 @@ except ImportError:  # run as `python benchmarks/scaling_model.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.common import write_json
 
-from xnn.distributed.cost.counts import RankCounts
+from xnn.distributed.cost.counts import RankCounts, staged_messages_uniform
 from xnn.distributed.cost.links import GLOO_HOST, IB_NDR400, NVLINK_H100, Link, fit_link
 from xnn.distributed.cost.model import (
     ComputeCost,
@@ -52,6 +52,7 @@ from xnn.distributed.cost.model import (
     StepTime,
     all_reduces_per_step,
     md_step,
+    messages,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -130,8 +131,9 @@ def lattice_counts(k, a: float, n_ranks: int, mode: str, cutoff: float, skin: fl
         for key, v in zip(cols, (owned, held, recv, receivers * z, peers)):
             cols[key].append(v)
     c = {key: np.array(v, dtype=np.int64) for key, v in cols.items()}
+    staged = np.full(n_ranks, staged_messages_uniform(grid, reach), dtype=np.int64)
     return RankCounts(mode, tuple(grid), width, c["owned"], c["held"] - c["owned"],
-                      c["edges"], c["recv"], c["recv"], c["peers"], "lattice")
+                      c["edges"], c["recv"], c["recv"], c["peers"], "lattice", staged)
 
 
 def plan_counts_from_json(rows: list[dict], n_atoms: int, n_ranks: int, mode: str,
@@ -411,16 +413,22 @@ def _links(n_ranks: int) -> Link:
 
 
 def predict(model: str, comp: ComputeCost, shape: ModelShape, n_atoms: int, n_ranks: int,
-            mode: str, plan_rows: list[dict], cutoff: float, skin: float) -> dict:
+            mode: str, plan_rows: list[dict], cutoff: float, skin: float,
+            exchange: str = "direct") -> dict:
     a = LATTICE[model]
     k = max(1, round((n_atoms / 4) ** (1 / 3)))
     layers = max(shape.sync_points + 1, 1)
     width = (layers if mode == "halo" else 1) * cutoff + skin
     c = plan_counts_from_json(plan_rows, 4 * k ** 3, n_ranks, mode, cutoff, width, a) or \
         lattice_counts(k, a, n_ranks, mode, cutoff, skin, layers)
+    if mode != "graph" and c.staged_peers is None:  # a planned row: its grid of equal boxes
+        reach = np.ceil(width / (k * a / np.array(c.grid))).astype(int)
+        c = replace(c, staged_peers=np.full(n_ranks, staged_messages_uniform(c.grid, reach)))
     sh = shape if mode != "halo" else replace(shape, sync_points=0)
-    t = md_step(c, comp, sh, _links(n_ranks))
+    t = md_step(c, comp, sh, _links(n_ranks), exchange=exchange)
     return {"model": model, "mode": mode, "n_ranks": n_ranks, "n_atoms": c.n_atoms,
+            "exchange": exchange, "messages_per_exchange": int(messages(c, exchange).max())
+            if mode != "graph" else None,
             "atoms_per_rank": c.n_atoms / n_ranks, "grid": list(c.grid),
             "method": c.method, "step_s": t.total, "split": t.split(),
             "ghost_over_owned": float((c.ghost / np.maximum(c.owned, 1)).max()),
@@ -520,6 +528,36 @@ def losses(cal: dict, plan_rows, gpus: int = 512) -> list[dict]:
                 out.append({"model": model, "mode": mode, "atoms_per_gpu": r["atoms_per_rank"],
                             "gpus": gpus, "step_s": r["step_s"], "one_gpu_step_s": base,
                             "lost_s": r["step_s"] - base, "ranked": ranked})
+    return out
+
+
+#: the sizes at which the staged exchange is priced against the direct one at 512 GPUs
+STAGED_CASES = (("equivariant", "sync", 4000), ("equivariant", "sync", 8600),
+                ("equivariant", "sync", 250_000), ("lj", "halo", 250_000))
+
+
+def staged_gain(cal: dict, plan_rows, gpus: int = 512) -> list[dict]:
+    """``parallel.exchange`` direct vs staged on ``gpus`` GPUs at :data:`STAGED_CASES`:
+    messages per exchange, exchange time and step of the slowest rank, weak-scaling
+    efficiency, and the step's gain (s and fraction)."""
+    out = []
+    for model, mode, per in STAGED_CASES:
+        if model not in cal:
+            continue
+        comp, shape = cal[model]
+        cutoff = 6.0 if model == "lj" else 5.0
+        row = {"model": model, "mode": mode, "gpus": gpus}
+        for exchange in ("direct", "staged"):
+            r = predict(model, comp, shape, per * gpus, gpus, mode, plan_rows, cutoff, 1.0,
+                        exchange)
+            base = plain_step(model, comp, r["atoms_per_rank"], cutoff)
+            row["atoms_per_gpu"] = r["atoms_per_rank"]
+            row[exchange] = {"messages_per_exchange": r["messages_per_exchange"],
+                             "exchange_s": r["split"]["exchange"], "step_s": r["step_s"],
+                             "efficiency": base / r["step_s"]}
+        row["gain_s"] = row["direct"]["step_s"] - row["staged"]["step_s"]
+        row["gain_fraction"] = row["gain_s"] / row["direct"]["step_s"]
+        out.append(row)
     return out
 
 
@@ -649,6 +687,7 @@ def main(argv=None) -> int:
         "smallest_atoms_per_gpu_for_80pct": knee, "headline_512_equivariant_1M": headline,
         "published": PUBLISHED, "comparisons": comparisons(cal, plan_rows),
         "losses_512": losses(cal, plan_rows), "mace": "mace" in cal,
+        "staged_exchange_512": staged_gain(cal, plan_rows),
         "output_512": output_cost(headline),
         "predictions": preds}, device="cpu")
     if args.plots:

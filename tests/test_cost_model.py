@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist_helpers import spawn
 
-from xnn.distributed.cost.counts import RankCounts
+from xnn.distributed.cost.counts import RankCounts, staged_messages, staged_messages_uniform
 from xnn.distributed.cost.links import IB_NDR400, Link, fit_link
 from xnn.distributed.cost.model import (
     ALL_REDUCE_BYTES,
@@ -251,6 +251,62 @@ def test_md_step_composes_compute_exchange_rebuild_and_reductions():
     assert t.total == pytest.approx(per_rank.max() + red)
     assert t.slowest == int(np.argmax(per_rank)) == 1
     assert sum(v for k, v in t.split().items() if k != "total") == pytest.approx(t.total)
+
+
+def test_staged_exchange_prices_the_stages_messages_and_the_same_rows():
+    """parallel.exchange=staged: latency of the stages' messages, bytes of the same rows."""
+    import dataclasses
+
+    counts = dataclasses.replace(_toy_counts("sync"), staged_peers=np.array([1, 2, 1]))
+    comp = ComputeCost(per_atom=1e-6, per_edge=1e-7, fixed=1e-4)
+    shape = ModelShape(sync_points=2, feature_width=16, dtype_bytes=4)
+    direct = md_step(counts, comp, shape, LINK)
+    staged = md_step(counts, comp, shape, LINK, exchange="staged")
+    np.testing.assert_allclose(direct.exchange - staged.exchange,
+                               6 * (counts.peers - counts.staged_peers) * LINK.latency_s)
+    np.testing.assert_array_equal(staged.compute, direct.compute)
+    assert exchange_bytes(counts, shape, "staged")[0].tolist() == [6, 12, 6]
+    with pytest.raises(ValueError, match="staged_peers"):
+        md_step(_toy_counts("sync"), comp, shape, LINK, exchange="staged")
+
+
+def _grid_peers(grid, reach):
+    """Every rank's peers on a periodic grid of equal boxes whose halo reaches ``reach``
+    boxes per axis (the ranks at those wrapped offsets)."""
+    import itertools
+
+    n = int(np.prod(grid))
+    out = []
+    for r in range(n):
+        c = (r // (grid[1] * grid[2]), (r // grid[2]) % grid[1], r % grid[2])
+        near = set()
+        for d in itertools.product(*(range(-k, k + 1) for k in reach)):
+            q = [(c[a] + d[a]) % grid[a] for a in range(3)]
+            near.add((q[0] * grid[1] + q[1]) * grid[2] + q[2])
+        out.append(sorted(near - {r}))
+    return out
+
+
+@pytest.mark.parametrize("grid,reach", [((8, 8, 8), (1, 1, 1)), ((2, 2, 2), (1, 1, 1)),
+                                        ((4, 2, 1), (2, 1, 1)), ((6, 3, 5), (2, 1, 3)),
+                                        ((4, 4, 1), (1, 3, 1))])
+def test_staged_messages_of_a_uniform_grid(grid, reach):
+    """The routing run on ranks (staged_messages) gives every rank of a periodic grid of
+    equal boxes the closed form (2 per hop of an axis of more than 2 boxes, 1 on a tie or
+    an axis of 2, none along an axis of 1), e.g. 6 on 8x8x8 against 26 peers."""
+    peers = _grid_peers(grid, reach)
+    sim = staged_messages(grid, [True] * 3, peers)
+    assert (sim == staged_messages_uniform(grid, reach)).all(), sim
+    if grid == (8, 8, 8):
+        assert sim[0] == 6 and len(peers[0]) == 26
+    if grid == (2, 2, 2):
+        assert sim[0] == 3 and len(peers[0]) == 7
+
+
+def test_staged_messages_of_a_non_periodic_axis():
+    """Along a non-periodic axis of 4 boxes the end boxes talk to one side only."""
+    peers = [[q for q in range(4) if 0 < abs(q - r) <= 1] for r in range(4)]
+    assert staged_messages((4, 1, 1), [False, True, True], peers).tolist() == [1, 2, 2, 1]
 
 
 def test_halo_mode_exchanges_positions_only_and_graph_mode_gathers():

@@ -192,15 +192,16 @@ def _md_pairs_case(manager, rank):
     return out
 
 
-def _grad_case(manager, rank, world, name="painn"):
-    """Loss on energy, forces and stress; double backward through the exchange."""
+def _grad_case(manager, rank, world, name="painn", grid=None, exchange="direct"):
+    """Loss on energy, forces and stress; double backward through the exchange (direct, or
+    staged: along x, then y, then z)."""
     from xnn.distributed import collectives as C
     from xnn.distributed import parallelize
     from xnn.models import compute_properties
     from xnn.neighbors import with_edges
 
     model, graph = native(name), triclinic((2, 2, 2))
-    dd = parallelize(model, manager, "sync")
+    dd = parallelize(model, manager, "sync", grid=grid, exchange=exchange)
     local = dd(dd.scatter(graph if rank == 0 else None), training=True)
     loss = ((local["energy"] - 1.0) ** 2).sum() / world + (local["forces"] ** 2).sum() \
         + (local["stress"] ** 2).sum() / world
@@ -216,7 +217,9 @@ def _grad_case(manager, rank, world, name="painn"):
         + (ref["stress"] ** 2).sum()
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    return {"grad": rel(grads, ref_grads), "norm": float(ref_grads.norm())}
+    routing = dd.state.local.plan.routing
+    return {"grad": rel(grads, ref_grads), "norm": float(ref_grads.norm()),
+            "stages": 0 if routing is None else len(routing.stages)}
 
 
 class _FailOnRank1(AtomisticModel):
@@ -301,6 +304,8 @@ def _calculator_and_cli(manager, rank, tmp):
             os.path.join(tmp, "v.json")]
     out["rc_ok"] = main(argv)
     out["rc_strict"] = main(argv + ["--tol", "1e-30"])
+    out["rc_staged"] = main(argv[:-1] + [os.path.join(tmp, "v_staged.json"), "--exchange",
+                                         "staged", "--mode", "spatial"])
     out["rc_missing"] = main(["validate", "--model", "lj", "--structure", path + ".missing"])
     return out
 
@@ -315,6 +320,7 @@ def worker(rank, world, tmp):
         results["md_pairs"] = _md_pairs_case(manager, rank)
     if world == 4:
         results["mesh"] = _mesh_case(manager, rank)
+        results["grad_staged"] = _grad_case(manager, rank, world, "painn", (2, 2, 1), "staged")
     if world == 3:
         results["grad"] = _grad_case(manager, rank, world)
         # the equivariant model updates only owned atoms under mode "sync" (K.N_UPDATE)
@@ -408,6 +414,14 @@ def test_gradient_of_forces_three_ranks():
 
 
 @pytest.mark.distributed
+def test_gradient_through_the_staged_exchange_four_ranks():
+    """parallel.exchange=staged on a 2 x 2 x 1 grid (2 stages, the corner rows forwarded):
+    the parameter gradient of a loss on energy, forces and stress equals one process."""
+    grad = results(4)[0]["grad_staged"]
+    assert grad["stages"] == 2 and grad["norm"] > 0 and grad["grad"] <= 1e-9, grad
+
+
+@pytest.mark.distributed
 def test_skin_reuses_domain():
     res = results(3)
     assert all(r["skin"]["n_builds"] == 1 for r in res)
@@ -474,10 +488,13 @@ def test_calculator_and_validate_cli():
         assert abs(c["energy"] - ref["energy"]) <= TOL * abs(ref["energy"])
         assert np.abs(c["forces"] - ref["forces"]).max() <= TOL * np.abs(ref["forces"]).max()
         assert np.abs(c["stress"] - ref["stress"]).max() <= TOL * np.abs(ref["stress"]).max()
-        assert (c["rc_ok"], c["rc_strict"], c["rc_missing"]) == (0, 1, 2)
+        assert (c["rc_ok"], c["rc_strict"], c["rc_missing"], c["rc_staged"]) == (0, 1, 2, 0)
     with open(os.path.join(_TMP, "v.json")) as f:
         report = json.load(f)["report"]
     assert report["forces"]["max_rel"] <= TOL and report["stress"]["scale"] > 0
+    with open(os.path.join(_TMP, "v_staged.json")) as f:  # xnn validate --exchange staged
+        staged = json.load(f)
+    assert staged["exchange"] == "staged" and staged["report"]["forces"]["max_rel"] <= TOL
 
 
 def _importable(module):

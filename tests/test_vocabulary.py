@@ -103,6 +103,7 @@ def test_defaults_per_command():
     ("run", "parallel.dd=2", "set parallel.dd: 1"),
     ("run", "parallel.mode=graph", "parallel.mode is a setting of a decomposition"),
     ("run", "parallel.balance=shift", "parallel.balance is a setting of a decomposition"),
+    ("run", "parallel.exchange=staged", "parallel.exchange is a setting of a decomposition"),
     ("md", "model.hyperparameters.cutoff=5", "set model.cutoff"),
     ("train", "model.hyperparameters.species=[29]", "set model.species"),
 ])
@@ -146,6 +147,22 @@ def test_every_balance_word_is_accepted_by_every_decomposing_command():
             assert load_config(schema, None, [*extra, f"parallel.balance={word}"]
                                ).parallel.balance == word
     raises_one_line(ConfigError, load_config, MDConfig, None, ["parallel.balance=rcb"],
+                    match="choose one of")
+
+
+def test_every_exchange_word_is_accepted_by_every_decomposing_command():
+    """``parallel.exchange`` takes the words of EXCHANGES (default direct) in train, md and
+    relax, the words of ``xnn validate --exchange``; another word is refused with the list."""
+    from xnn.distributed.domain.staged import EXCHANGES
+
+    for schema, extra in COMMANDS.values():
+        if schema is WorkflowConfig:
+            continue
+        assert load_config(schema, None, list(extra)).parallel.exchange == "direct"
+        for word in EXCHANGES:
+            assert load_config(schema, None, [*extra, f"parallel.exchange={word}"]
+                               ).parallel.exchange == word
+    raises_one_line(ConfigError, load_config, MDConfig, None, ["parallel.exchange=ring"],
                     match="choose one of")
 
 

@@ -211,6 +211,7 @@ def setup_run(schema, config, overrides: Sequence[str], manager=None, check=None
     par = parallelize_md(model, manager, skin=cfg.model.skin,
                          backend=cfg.model.neighbor_backend, mode=cfg.parallel.mode,
                          order=cfg.parallel.order, balance=cfg.parallel.balance,
+                         exchange=cfg.parallel.exchange,
                          compile=bool(getattr(cfg, "compile", False)  # xnn md only
                                       or getattr(cfg, "cuda_graph", False)),
                          model_compile=cfg.model.compile)

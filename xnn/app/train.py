@@ -400,7 +400,8 @@ def run_train(cfg: TrainConfig) -> dict:
         if device.type == "cuda" and manager.is_distributed:
             cfg.device = str(manager.device)
         parallel = parallelize_train(manager, cfg.parallel.dp, cfg.parallel.dd, cfg.compile,
-                                     mode=cfg.parallel.mode, balance=cfg.parallel.balance)
+                                     mode=cfg.parallel.mode, balance=cfg.parallel.balance,
+                                     exchange=cfg.parallel.exchange)
         if manager.is_distributed and manager.is_main:
             print(manager.describe(), flush=True)
         return train(cfg, parallel=parallel)

@@ -17,7 +17,8 @@ class ValidateOptions:
         :data:`~xnn.distributed.modes.MODES` (``auto``, ``spatial``, ``halo``, ``sync``,
         ``graph``). order: atom order of mode ``graph`` (``morton`` or ``index``).
         balance: how the spatial modes cut boxes (``none``, ``shift``: as
-        ``parallel.balance`` of xnn md).
+        ``parallel.balance`` of xnn md). exchange: how the spatial modes send ghost rows
+        (``direct``, ``staged``: as ``parallel.exchange``).
         skin: Verlet skin (Å). tol: largest relative error that passes.
         json: report file (rank 0). skip_reference: decomposed single point only.
         output: structure file with the decomposed results (rank 0).
@@ -41,6 +42,7 @@ class ValidateOptions:
     trust_file: bool = False
     order: str = "morton"
     balance: str = "none"
+    exchange: str = "direct"
 
 
 def _report_lines(report: dict, tol: float) -> list[str]:
@@ -109,7 +111,8 @@ def _report(opts: ValidateOptions, manager, dd, graph, out, ref, seconds: dict) 
 
     info = {"world_size": manager.world_size, "n_atoms": graph.n_atoms,
             "grid": dd.stats()["grid"], "halo_width": dd.halo_width, "mode": dd.mode,
-            "balance": opts.balance, "energy": float(out["energy"].sum()), **seconds}
+            "balance": opts.balance, "exchange": opts.exchange,
+            "energy": float(out["energy"].sum()), **seconds}
     if dd.reason:
         info["mode_reason"] = dd.reason
     layout = (f"grid {'x'.join(map(str, info['grid']))}" if info["grid"]
@@ -184,7 +187,7 @@ def run_validate(opts: ValidateOptions) -> int:
         model = model.to(manager.device, dtype)
         graph = None if graph is None else graph.to(manager.device, dtype)  # rank 0 only
         dd = parallelize(model, manager, opts.mode, graph=graph, grid=grid, skin=opts.skin,
-                         order=opts.order, balance=opts.balance)
+                         order=opts.order, balance=opts.balance, exchange=opts.exchange)
         ref, seconds = None, {}
         with C.guarded(None, "single-process reference"):
             if manager.is_main and not opts.skip_reference:

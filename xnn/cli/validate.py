@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from xnn.distributed.domain.balance import BALANCE
+from xnn.distributed.domain.staged import EXCHANGES
 from xnn.distributed.modes import MODES
 
 
@@ -47,6 +48,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="how the spatial modes cut the boxes, as parallel.balance of xnn md "
                    "and relax -- " + "; ".join(f"{k}: {v}" for k, v in BALANCE.items())
                    + " (default none)")
+    p.add_argument("--exchange", default="direct", choices=list(EXCHANGES),
+                   help="how the spatial modes send ghost rows, as parallel.exchange of xnn "
+                   "md, relax and train -- " + "; ".join(f"{k}: {v}" for k, v in
+                                                        EXCHANGES.items())
+                   + " (default direct)")
     p.add_argument("--skin", type=float, default=0.0, help="Verlet skin in Å (default 0)")
     p.add_argument("--tol", type=float, default=1e-10,
                    help="maximum relative error allowed (default 1e-10)")
@@ -79,4 +85,5 @@ def run(args) -> int:
         grid=args.grid, mode=args.mode, skin=args.skin, tol=args.tol, json=args.json,
         skip_reference=args.skip_reference, output=args.output, device=args.device,
         timeout=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
-        trust_file=args.trust_file, order=args.order, balance=args.balance))
+        trust_file=args.trust_file, order=args.order, balance=args.balance,
+        exchange=args.exchange))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from xnn.config.loader import ConfigError, check_range, field
 from xnn.distributed.domain.balance import BALANCE
+from xnn.distributed.domain.staged import EXCHANGES
 from xnn.distributed.manager import DEFAULT_TIMEOUT_S
 from xnn.distributed.modes import MODES, ORDERS
 
@@ -47,7 +48,7 @@ def mode_field():
 class ParallelConfig:
     """The ``parallel`` section of ``xnn train``, ``xnn md``, ``xnn relax`` and ``xnn run``:
     the ``dp × dd`` layout of a launch on several ranks (torchrun / srun), the decomposition
-    mode, order and balance, and the collectives' timeout.
+    mode, order, balance and exchange, and the collectives' timeout.
 
     Each command checks the degrees it uses: ``xnn train`` any ``dp × dd`` = world size;
     ``xnn md`` / ``relax`` decompose one simulation over every rank (``dp`` 1, ``dd`` the
@@ -68,6 +69,10 @@ class ParallelConfig:
     balance: str = field("none", "how the spatial modes cut each structure into boxes -- "
                          + "; ".join(f"{k}: {v}" for k, v in BALANCE.items()),
                          choices=tuple(BALANCE))
+    exchange: str = field("direct", "how the spatial modes send ghost rows between boxes -- "
+                          + "; ".join(f"{k}: {v}" for k, v in EXCHANGES.items())
+                          + " (mode graph, compile=true and a host engine: direct only)",
+                          choices=tuple(EXCHANGES))
     timeout_s: float = timeout_field()
 
     def __post_init__(self):
@@ -91,7 +96,8 @@ class ParallelConfig:
                               "ranks (each system on one rank); set parallel.dd: 1")
         for key, value, default in (("mode", self.mode, "spatial"),
                                     ("order", self.order, "morton"),
-                                    ("balance", self.balance, "none")):
+                                    ("balance", self.balance, "none"),
+                                    ("exchange", self.exchange, "direct")):
             if value != default:
                 raise ConfigError(f"parallel.{key} is a setting of a decomposition (xnn md, "
                                   "relax, train with parallel.dd > 1); xnn run decomposes "

@@ -57,6 +57,7 @@ class DomainPredictor:
             ``"sync"`` or ``"graph"`` (graph parallelism: atoms split by index).
         backend: neighbor-list backend of the local graphs.
         balance: how the spatial modes cut the boxes (``none``, ``shift``).
+        exchange: how the spatial modes send ghost rows (``direct``, ``staged``).
 
     Attributes:
         last_stats: :meth:`DecomposedPotential.stats` of the last evaluation plus ``n_total``.
@@ -64,7 +65,7 @@ class DomainPredictor:
 
     def __init__(self, model: nn.Module, group, device, dtype: torch.dtype,
                  autocast: torch.dtype | None = None, mode: str = "spatial",
-                 backend: str = "auto", balance: str = "none"):
+                 backend: str = "auto", balance: str = "none", exchange: str = "direct"):
         from xnn.distributed import collectives as C
         from xnn.distributed.parallelize import resolve_mode
         from xnn.distributed.potential import model_cutoff
@@ -83,7 +84,7 @@ class DomainPredictor:
             from xnn.distributed.graph.layout import check_graph_model
 
             check_graph_model(model, cutoff, hops)
-        self.backend, self.balance = backend, balance
+        self.backend, self.balance, self.exchange = backend, balance, exchange
         self.size, self.rank = C.group_size(group), C.group_rank(group)
         self.last_stats: dict = {}
 
@@ -113,7 +114,7 @@ class DomainPredictor:
 
         (graph,) = piece
         pot = parallelize(self.model, self.group, self.mode, backend=self.backend,
-                          balance=self.balance)
+                          balance=self.balance, exchange=self.exchange)
         root = graph.without_edges().to(self.device, self.dtype) if self.rank == 0 else None
         owned = pot.scatter(root)  # each rank receives only the atoms of its box
         with self._context():

@@ -33,7 +33,8 @@ __all__ = ["parallelize_md", "parallelize_train"]
 def parallelize_md(model, manager=None, skin: float = 0.0,
                    backend: str = "auto", mode: str = "spatial",
                    order: str = "morton", compile: bool = False,
-                   model_compile: bool = False, balance: str = "none") -> SerialRun:
+                   model_compile: bool = False, balance: str = "none",
+                   exchange: str = "direct") -> SerialRun:
     """The run layer of an ``xnn md`` / ``xnn relax`` run.
 
     Args:
@@ -54,6 +55,8 @@ def parallelize_md(model, manager=None, skin: float = 0.0,
             (:class:`~xnn.models.Potential`).
         balance: ``parallel.balance``: how the boxes are cut (``none``, ``shift``; see
             :func:`~xnn.distributed.parallelize.parallelize`); ignored in one process.
+        exchange: ``parallel.exchange``: how ghost rows travel (``direct``, ``staged``;
+            the compiled run takes ``direct`` only); ignored in one process.
     Returns:
         a :class:`~xnn.dynamics.parallel.SerialRun` (one process) or a
         :class:`~xnn.distributed.md_run.DomainRun` (its subclass, several ranks).
@@ -68,9 +71,9 @@ def parallelize_md(model, manager=None, skin: float = 0.0,
         from xnn.distributed.domain.compiled_run import CompiledDomainRun
 
         return CompiledDomainRun(model, manager, skin=skin, backend=backend, mode=mode,
-                                 order=order, balance=balance)
+                                 order=order, balance=balance, exchange=exchange)
     return DomainRun(model, manager, skin=skin, backend=backend, mode=mode, order=order,
-                     balance=balance)
+                     balance=balance, exchange=exchange)
 
 
 class TrainParallel:
@@ -87,9 +90,10 @@ class TrainParallel:
     """
 
     def __init__(self, reducer, sharding, dims=None, mode: str = "spatial",
-                 backend: str = "auto", balance: str = "none"):
+                 backend: str = "auto", balance: str = "none", exchange: str = "direct"):
         self.reducer, self.sharding, self.dims = reducer, sharding, dims
         self.mode, self.backend, self.balance = mode, backend, balance
+        self.exchange = exchange
 
     @property
     def dd(self) -> int:
@@ -108,7 +112,7 @@ class TrainParallel:
         from xnn.distributed.cp_train import DomainPredictor
 
         return DomainPredictor(model, self.dims.dd_group, device, dtype, autocast, self.mode,
-                               self.backend, self.balance)
+                               self.backend, self.balance, self.exchange)
 
 
 def local_train_parallel(reducer=None) -> TrainParallel:
@@ -123,7 +127,7 @@ def local_train_parallel(reducer=None) -> TrainParallel:
 
 def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | str = False,
                       mode: str = "spatial", backend: str = "auto",
-                      balance: str = "none") -> TrainParallel:
+                      balance: str = "none", exchange: str = "direct") -> TrainParallel:
     """The parallel layer of an ``xnn train`` run on a ``dp × dd`` mesh (built once, here).
 
     Args:
@@ -137,6 +141,7 @@ def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | s
             sync points, else halo; ``"graph"``: graph parallelism, atoms split by index).
         backend: neighbor-list backend of the decomposed local graphs.
         balance: how the spatial modes cut each structure's boxes (``none``, ``shift``).
+        exchange: how the spatial modes send ghost rows (``direct``, ``staged``).
     Returns:
         a :class:`TrainParallel`: the reducer (whole mesh), the sharding (by dp rank) and
         the predictor factory.
@@ -163,4 +168,5 @@ def parallelize_train(manager=None, dp: int = -1, dd: int = 1, compile: bool | s
         return TrainParallel(DataParallelReducer(dims.dp_group),
                              BatchSharding(dims.dp_rank, dims.dp), dims)
     sharding = BatchSharding(dims.dp_rank, dims.dp, groups=dims.dp, without_edges=True)
-    return TrainParallel(DataParallelReducer(None), sharding, dims, mode, backend, balance)
+    return TrainParallel(DataParallelReducer(None), sharding, dims, mode, backend, balance,
+                         exchange)

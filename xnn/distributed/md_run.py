@@ -46,16 +46,18 @@ class DomainRun(SerialRun):
             structure when it is scattered (:func:`~xnn.distributed.parallelize.resolve_mode`;
             the reason is printed).
         order: atom order of mode ``"graph"`` (``"morton"`` or ``"index"``).
+        balance, exchange: how the spatial modes cut the boxes and send ghost rows (see
+            :func:`~xnn.distributed.parallelize.parallelize`).
     """
 
     def __init__(self, model, manager, skin: float, backend: str, mode: str = "spatial",
-                 order: str = "morton", balance: str = "none"):
+                 order: str = "morton", balance: str = "none", exchange: str = "direct"):
         from xnn.distributed.reducer import GroupReducer
 
         if mode not in MODES:
             raise InputError(f"dd.mode must be one of {list(MODES)}, got {mode!r}")
         self.mode, self._args = mode, (model, manager, skin, backend, order)
-        self.balance = balance
+        self.balance, self.exchange = balance, exchange
         self._potential = None  # auto: chosen when the structure is scattered (_choose)
         if mode != "auto":
             self._choose(None)
@@ -106,7 +108,8 @@ class DomainRun(SerialRun):
 
         model, manager, skin, backend, order = self._args
         self.potential = parallelize(model, manager, self.mode, graph=graph, skin=skin,
-                                     order=order, backend=backend, balance=self.balance)
+                                     order=order, backend=backend, balance=self.balance,
+                                     exchange=self.exchange)
 
     def broadcast(self, obj):
         return C.broadcast_object(obj)

@@ -47,7 +47,7 @@ def resolve_mode(model, mode: str, graph=None, group=None, grid=None,
 
 def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=None,
                 grid=None, skin: float = 0.0, order: str = "morton", backend: str = "auto",
-                host: bool = False, balance: str = "none"):
+                host: bool = False, balance: str = "none", exchange: str = "direct"):
     """``model`` decomposed over the ranks of a group: the one constructor.
 
     Args:
@@ -69,6 +69,10 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
             :data:`~xnn.distributed.domain.balance.BALANCE`: ``none`` (equal widths) or
             ``shift`` (per-axis cuts at atom-count quantiles, at the scatter and at every
             rebuild); mode ``graph`` and a host engine take ``none`` only.
+        exchange: how a spatial layout's ghost rows travel, a key of
+            :data:`~xnn.distributed.domain.staged.EXCHANGES`: ``direct`` (one message per
+            peer box) or ``staged`` (along x, then y, then z, to the -1 and +1 box of each
+            axis); mode ``graph`` and a host engine take ``direct`` only.
         host: a host MD engine (LAMMPS) owns the atoms, their ghosts and their migration:
             a :class:`~xnn.distributed.host.layout.HostLayout` (modes ``spatial``,
             ``halo``, ``sync``; ``auto`` is ``spatial``), whose ``ghosts`` the host sets
@@ -79,12 +83,18 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
     """
     from xnn.distributed.domain.balance import check_balance
     from xnn.distributed.domain.layout import SpatialLayout
+    from xnn.distributed.domain.staged import check_exchange
     from xnn.distributed.graph.layout import GraphLayout
     from xnn.distributed.potential import DecomposedPotential, model_cutoff, resolve_group
     from xnn.errors import InputError
 
     model_cutoff(model)  # the one check of a decomposable model, before any collective
     check_balance(balance)
+    check_exchange(exchange)
+    if exchange != "direct" and (host or mode == "graph"):
+        raise InputError(f"exchange {exchange!r} routes the ghosts of a spatial layout's "
+                         f"boxes; mode {mode!r}{' in a host engine' if host else ''} has "
+                         "none: set exchange direct")
     if balance != "none" and (host or mode == "graph"):
         raise InputError(f"balance {balance!r} cuts the boxes of a spatial layout; mode "
                          f"{mode!r}{' in a host engine' if host else ''} has none: set "
@@ -100,8 +110,12 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         layout = HostLayout(mode)
     else:
         mode, reason = resolve_mode(model, mode, graph, group, grid, skin, balance)
+        if exchange != "direct" and mode == "graph":  # auto chose it (the same on every rank)
+            raise InputError(f"exchange {exchange!r} routes the ghosts of a spatial layout's "
+                             f"boxes, and mode auto chose graph here -- {reason}: set "
+                             "exchange direct or mode spatial")
         layout = (GraphLayout(order) if mode == "graph"
-                  else SpatialLayout(mode, grid, balance))
+                  else SpatialLayout(mode, grid, balance, exchange))
     potential = DecomposedPotential(model, manager_or_group, layout, skin, backend)
     potential.reason = reason
     return potential

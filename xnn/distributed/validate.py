@@ -72,13 +72,14 @@ def _scale_floors(ref: dict[str, Tensor], graph: AtomicGraph) -> dict[str, float
 
 def validate_decomposition(model, graph: AtomicGraph | None, manager_or_group=None, grid=None,
                            mode: str = "halo", skin: float = 0.0,
-                           order: str = "morton", balance: str = "none") -> dict | None:
+                           order: str = "morton", balance: str = "none",
+                           exchange: str = "direct") -> dict | None:
     """Run ``model`` in one process (group rank 0) and decomposed; compare (collective).
 
     Args:
         model: the same model on every rank.
         graph: one system on group rank 0 (others may pass ``None``).
-        manager_or_group, grid, mode, skin, order, balance: see
+        manager_or_group, grid, mode, skin, order, balance, exchange: see
             :func:`~xnn.distributed.parallelize.parallelize` (``mode`` any key of
             :data:`~xnn.distributed.modes.MODES`).
     Returns:
@@ -89,7 +90,7 @@ def validate_decomposition(model, graph: AtomicGraph | None, manager_or_group=No
     from xnn.distributed.potential import model_device
 
     dd = parallelize(model, manager_or_group, mode, graph=graph, grid=grid, skin=skin,
-                     order=order, balance=balance)
+                     order=order, balance=balance, exchange=exchange)
     ref = None
     with C.guarded(dd.group, "single-process reference"):
         if dd.rank == 0:

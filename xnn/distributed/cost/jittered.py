@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from xnn.distributed.cost.counts import peer_counts
 from xnn.distributed.cost.separable import NotSeparable
 from xnn.distributed.cost.stream import (
     Regions,
@@ -213,6 +214,6 @@ def banded_counts(sys: System, part: Partition, mode: str, cutoff: float, halo_w
     # the band's receivers were counted as its edges of weight 1
     receivers = (receivers.numpy() if receiver_width > 0 else owned_sites) + sums.edges
     edges, edges_var, k = _edges(sys, reg, cutoff, receivers, sample, block)
-    peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
+    peers, staged = peer_counts(part, extents, halo_width)
     return ((owned, held - owned, edges, send, recv, peers),
-            {"band": n_band, "K": k, "edges_var": edges_var})
+            {"band": n_band, "K": k, "edges_var": edges_var, "staged": staged})

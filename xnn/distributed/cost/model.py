@@ -8,6 +8,8 @@ For one MD force evaluation per step, on rank ``r`` with ``owned_r``, ``ghost_r`
                  + per_edge * edges_r
     exchange_r = sum over the exchanges of one step of
                  peers_r * latency + max(send_r, recv_r) * width * dtype_bytes / bandwidth
+                 (staged exchange: the stages' messages ``staged_peers_r`` instead of
+                 ``peers_r``; the stages move the same shell of rows)
     rebuild_r  = rebuild_per_atom * held_r / rebuild_interval
     reduction  = all_reduces * allreduce(bytes, P)
     step       = max_r (compute_r + exchange_r + rebuild_r) + reduction
@@ -245,13 +247,27 @@ def all_reduces_per_step(mode: str) -> int:
     return len(ALL_REDUCE_BYTES[mode])
 
 
-def exchange_bytes(counts: RankCounts, shape: ModelShape) -> tuple[np.ndarray, np.ndarray,
-                                                                    np.ndarray]:
+def messages(counts: RankCounts, exchange: str = "direct") -> np.ndarray:
+    """``[n_ranks]`` messages per exchange: ``counts.peers`` (``direct``) or
+    ``counts.staged_peers`` (``staged``: the stages' sends, x then y then z)."""
+    if exchange == "direct":
+        return counts.peers
+    if exchange != "staged":
+        raise ValueError(f"exchange is 'direct' or 'staged', got {exchange!r}")
+    if counts.staged_peers is None:
+        raise ValueError("these counts have no staged_peers: count them with "
+                         "xnn.distributed.cost.counts.staged_messages")
+    return counts.staged_peers
+
+
+def exchange_bytes(counts: RankCounts, shape: ModelShape,
+                   exchange: str = "direct") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank and quiet MD step in a spatial mode: (messages, bytes sent, bytes received)
-    of its point-to-point exchanges."""
+    of its point-to-point exchanges (``exchange``: ``direct`` or ``staged``)."""
     widths = exchanges_per_step(counts.mode, shape)
     rows_w = float(sum(widths)) * shape.dtype_bytes
-    return (counts.peers * len(widths), counts.send_rows * rows_w, counts.recv_rows * rows_w)
+    return (messages(counts, exchange) * len(widths), counts.send_rows * rows_w,
+            counts.recv_rows * rows_w)
 
 
 def gather_bytes(counts: RankCounts, shape: ModelShape) -> list[tuple[float, float]]:
@@ -267,7 +283,7 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
             reduce_link: Link | None = None, rebuild: Rebuild | None = None,
             all_reduces: int | None = None,
             all_reduce_bytes: float | None = None,
-            output: Output | None = None) -> StepTime:
+            output: Output | None = None, exchange: str = "direct") -> StepTime:
     """Predicted time of one eager decomposed MD step (see the module docstring).
 
     Args:
@@ -282,6 +298,8 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
         all_reduce_bytes: bytes of each (default: the fp64 sizes of
             :data:`ALL_REDUCE_BYTES` of the mode, averaged).
         output: trajectory frames or checkpoints, amortised per step (default none).
+        exchange: ``parallel.exchange`` of the spatial modes: ``direct`` (``counts.peers``
+            messages per exchange) or ``staged`` (``counts.staged_peers``).
     """
     reduce_link = reduce_link or link
     rebuild = rebuild or Rebuild()
@@ -296,10 +314,10 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
         exch = np.full(p, t)
     else:
         exch = np.zeros(counts.n_ranks)
+        sends = messages(counts, exchange)
         for w in exchanges_per_step(counts.mode, shape):
             row = w * shape.dtype_bytes
-            exch = exch + link.exchange(counts.peers, counts.send_rows * row,
-                                        counts.recv_rows * row)
+            exch = exch + link.exchange(sends, counts.send_rows * row, counts.recv_rows * row)
     nbytes = (np.mean(ALL_REDUCE_BYTES[counts.mode]) if all_reduce_bytes is None
               else all_reduce_bytes)
     if all_reduces is None:
@@ -311,7 +329,7 @@ def md_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: L
 
 def training_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, link: Link,
                   dp: int, reduce_link: Link | None = None, train_factor: float = 3.0,
-                  grad_bytes: int = 4) -> StepTime:
+                  grad_bytes: int = 4, exchange: str = "direct") -> StepTime:
     """Predicted time of one context-parallel training step of one structure per dd group
     (``counts`` is the dd decomposition), on a ``dp × counts.n_ranks`` mesh.
 
@@ -319,11 +337,11 @@ def training_step(counts: RankCounts, compute: ComputeCost, shape: ModelShape, l
     training step over 1-rank MD evaluation; 3 by default, an assumption). Every exchange
     runs twice as often as in MD (4 per point), with the 4 scalar all-reduces of
     :data:`TRAIN_ALL_REDUCE_BYTES`; the ``n_params`` gradients (``grad_bytes``
-    each) are all-reduced over the whole mesh.
+    each) are all-reduced over the whole mesh. ``exchange``: as :func:`md_step`.
     """
     md = md_step(counts, compute, shape, link, reduce_link,
                  all_reduces=len(TRAIN_ALL_REDUCE_BYTES),
-                 all_reduce_bytes=float(np.mean(TRAIN_ALL_REDUCE_BYTES)))
+                 all_reduce_bytes=float(np.mean(TRAIN_ALL_REDUCE_BYTES)), exchange=exchange)
     reduce_link = reduce_link or link
     world = dp * counts.n_ranks
     grads = reduce_link.allreduce(float(shape.n_params) * grad_bytes, world)

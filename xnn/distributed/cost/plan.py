@@ -19,7 +19,8 @@ Spatial modes (``halo``, ``sync``), three streamed passes over the atoms, block 
    rows (this rank's atoms' images in other ranks' regions), and the receivers of the
    local edges (owned atoms and, in mode halo, images within ``halo_width - cutoff`` of the
    region, as :func:`~xnn.distributed.domain.local.build_local_domain` filters them).
-   Peers are :meth:`Partition.peers` of the extents.
+   Peers are :meth:`Partition.peers` of the extents; the staged exchange's messages are
+   those peers routed stage by stage (:func:`~.counts.staged_messages`).
 
 The liquid (a jittered crystal) is not streamed whole: :mod:`.jittered` sums its crystal
 sites factor by factor and streams only the atoms whose site lies within the jitter of a
@@ -45,13 +46,14 @@ atoms, sampled above it (ghosts and the liquid's edges).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from xnn.distributed.cost.counts import RankCounts
+from xnn.distributed.cost.counts import RankCounts, peer_counts
 from xnn.distributed.cost.jittered import banded_counts
 from xnn.distributed.cost.separable import (
     NotSeparable,
@@ -151,9 +153,9 @@ def _separable(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: 
     receiver_width = halo_width - cutoff if mode == "halo" else 0.0
     owned, held, own_img, send, edges, extents = separable_counts(
         sys, part, halo_width, receiver_width, weights)
-    peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
+    peers, staged = peer_counts(part, extents, halo_width)
     return RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(
-        owned, held - owned, edges, send, held - own_img, peers))
+        owned, held - owned, edges, send, held - own_img, peers), staged_peers=staged)
 
 
 def _spatial(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: float, grid,
@@ -167,10 +169,10 @@ def _spatial(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: fl
     for ids in sys.blocks(reg.step):
         weight, var = _coordination(sys, ids, cutoff, sample, cache)
         visit(sys, reg, ids, sums, weight, var)
-    peers = np.array([len(part.peers(extents, halo_width, q)) for q in range(n_ranks)])
+    peers, staged = peer_counts(part, extents, halo_width)
     counts = RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(
         owned, sums.held - owned, sums.edges,
-        sums.send, sums.recv, peers))
+        sums.send, sums.recv, peers), staged_peers=staged)
     return counts, _edge_error(sums)
 
 
@@ -191,7 +193,8 @@ def _banded(sys: System, n_ranks: int, mode: str, cutoff: float, halo_width: flo
         how += (f"sampled: edges (difference estimator: K = {facts['K']:.3f} x exact receivers "
                 f"+ a seeded {sample:.3g} of the atoms' (neighbours - K) / {sample:.3g})"
                 + _edge_error(sums))
-    return RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(*counts)), how
+    return (RankCounts(mode, tuple(part.grid), float(halo_width), *_ints(*counts),
+                       staged_peers=facts["staged"]), how)
 
 
 def _ints(owned, ghost, edges, send, recv, peers) -> tuple[np.ndarray, ...]:
@@ -362,5 +365,4 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
             how += (f"sampled: edges (neighbour counts of a seeded {sample:g} of the "
                     f"atoms){err}" if sampled_edges else "exact: edges")
     how += f"; streamed in blocks, {time.perf_counter() - t0:.1f} s"
-    return RankCounts(counts.mode, counts.grid, counts.halo_width, counts.owned, counts.ghost,
-                      counts.edges, counts.send_rows, counts.recv_rows, counts.peers, how)
+    return dataclasses.replace(counts, method=how)

@@ -21,10 +21,15 @@ class CompiledDomainRun(DomainRun):
     """
 
     def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
-                 order: str = "morton", balance: str = "none"):
+                 order: str = "morton", balance: str = "none", exchange: str = "direct"):
         if mode == "graph":
             raise InputError("compile=true on several ranks runs parallel.mode halo, not graph: "
                              "set parallel.mode: spatial (or halo) or compile: false")
+        if exchange != "direct":
+            raise InputError(f"compile=true on several ranks sends its ghosts one message per "
+                             f"peer (the compiled step pads the direct plan's rows), not "
+                             f"parallel.exchange {exchange!r}: set parallel.exchange: direct "
+                             "or compile: false")
         super().__init__(model, manager, skin, backend, "halo", order, balance)
         self.potential = parallelize(model, manager, "halo", skin=skin, backend=backend,
                                      balance=balance)

@@ -10,6 +10,11 @@ to the owners then :func:`add_returned`, which the compiled decomposed step
 (:mod:`xnn.distributed.domain.compiled`) runs too, on either side of a graph break. Only
 ranks that share ghosts talk to each other; both sides know every message size from the
 plan, so the exchange cannot deadlock.
+
+A plan may carry a staged ``routing`` (:mod:`xnn.distributed.domain.staged`,
+``parallel.exchange=staged``): the same ghost rows in the same order, sent along x, then y,
+then z to the -1 and +1 box of each axis; its reverse is the exact adjoint, so autograd and
+the sync points use it unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class HaloPlan:
         send_index: per peer, ``[n_send]`` owned rows it needs (in its ghost order).
         recv_counts: per peer, number of ghost rows received from it (in peer order).
         group: the process group (``None`` in a single process).
+        routing: ``None`` (direct: one message per peer) or a
+            :class:`~xnn.distributed.domain.staged.StagedRouting` that delivers the same
+            ghost rows in stages (``forward_comm`` / ``reverse_comm`` use it).
     """
 
     n_owned: int
@@ -39,6 +47,7 @@ class HaloPlan:
     send_index: list[Tensor] = field(default_factory=list)
     recv_counts: list[int] = field(default_factory=list)
     group: object = None
+    routing: object = None
 
     @property
     def n_recv(self) -> int:
@@ -47,6 +56,20 @@ class HaloPlan:
     @property
     def n_send(self) -> int:
         return sum(int(s.numel()) for s in self.send_index)
+
+    @property
+    def messages(self) -> int:
+        """Messages this rank sends per exchange (one per peer it sends rows to, or those
+        of the staged routing's stages)."""
+        if self.routing is not None:
+            return self.routing.messages
+        return sum(1 for s in self.send_index if s.numel())
+
+    @property
+    def sent_rows(self) -> int:
+        """Rows this rank sends per exchange: ``n_send``, or the staged routing's (forwarded
+        rows included, each buffer row once per stage and neighbour)."""
+        return self.routing.n_send if self.routing is not None else self.n_send
 
     @property
     def send_counts(self) -> list[int]:
@@ -60,6 +83,8 @@ class HaloPlan:
 
     def forward_comm(self, x: Tensor) -> Tensor:
         """``[n_recv, ...]`` ghost rows from their owners, given owned rows ``x [n_owned, ...]``."""
+        if self.routing is not None:
+            return self.routing.forward(x)
         out = x.new_empty((self.n_recv, *x.shape[1:]))
         send = x.index_select(0, self.send_rows().to(x.device))
         exchange_rows(send, self.send_counts, out, self.recv_counts, self.peers, self.group)
@@ -67,7 +92,10 @@ class HaloPlan:
 
     def reverse_comm(self, g: Tensor) -> Tensor:
         """``[n_owned, ...]`` sums of ghost rows ``g [n_recv, ...]`` sent back to their owners:
-        :func:`exchange_rows` back to the owners, then :func:`add_returned`."""
+        :func:`exchange_rows` back to the owners, then :func:`add_returned` (or the staged
+        routing's adjoint)."""
+        if self.routing is not None:
+            return self.routing.reverse(g)
         returned = g.new_empty((self.n_send, *g.shape[1:]))
         exchange_rows(g.contiguous(), self.recv_counts, returned, self.send_counts, self.peers,
                       self.group)

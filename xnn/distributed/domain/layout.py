@@ -28,6 +28,7 @@ from xnn.distributed.domain.partition import (
     parse_grid,
     partition_from_bounds,
 )
+from xnn.distributed.domain.staged import check_exchange
 from xnn.errors import InputError
 
 
@@ -42,6 +43,9 @@ class SpatialLayout:
         balance: ``none`` (equal widths) or ``shift`` (cuts at the atoms' quantiles per
             axis, :data:`~xnn.distributed.domain.balance.BALANCE`), placed at the scatter
             and again at every rebuild (:meth:`partition`, from one all-reduced histogram).
+        exchange: how ghost rows travel, a key of
+            :data:`~xnn.distributed.domain.staged.EXCHANGES`: ``direct`` (one message per
+            peer box) or ``staged`` (x, then y, then z, to the -1 and +1 box of each axis).
 
     Attributes (after :meth:`configure`): ``halo_width`` (Å), ``receiver_width`` (Å),
     ``filters``, ``paired``, ``long_range``.
@@ -49,11 +53,13 @@ class SpatialLayout:
 
     migrates = True
 
-    def __init__(self, mode: str = "halo", grid=None, balance: str = "none"):
+    def __init__(self, mode: str = "halo", grid=None, balance: str = "none",
+                 exchange: str = "direct"):
         if mode not in ("halo", "sync"):
             raise InputError(f"a spatial layout's mode is 'halo' or 'sync', got {mode!r}")
         self.mode, self.grid = mode, parse_grid(grid)
         self.balance = check_balance(balance)
+        self.exchange = check_exchange(exchange)
 
     @property
     def syncs(self) -> bool:
@@ -140,7 +146,7 @@ class SpatialLayout:
         return build_local_domain(graph, part, extents, self.halo_width,
                                   self.cutoff + self.skin, pot.group, pot.backend,
                                   self.receiver_width, self.cutoff if self.filters else None,
-                                  self.paired and not pot.model.training)
+                                  self.paired and not pot.model.training, self.exchange)
 
     def migrate(self, graph: AtomicGraph, extra, pot):
         """Atoms to the rank of their box: ``(graph, extra, sent, received, partition)``."""
@@ -167,5 +173,6 @@ class SpatialLayout:
     def stats(self, st) -> dict[str, object]:
         d = st.local
         return {"grid": list(d.partition.grid), "n_held": st.n_owned + d.n_ghost,
-                "n_recv": d.plan.n_recv, "n_send": d.plan.n_send,
-                "n_peers": len(d.plan.peers), "paired": d.paired}
+                "n_recv": d.plan.n_recv, "n_send": d.plan.sent_rows,
+                "n_peers": len(d.plan.peers), "paired": d.paired,
+                "exchange": self.exchange, "n_messages": d.plan.messages}

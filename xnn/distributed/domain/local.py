@@ -21,6 +21,7 @@ from xnn.data.graph import AtomicGraph
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.halo import HaloPlan, halo_exchange
 from xnn.distributed.domain.partition import Partition, sorted_images
+from xnn.distributed.domain.staged import staged_routing
 from xnn.distributed.domain.transport import exchange_packed, layout_of, pack, unpack
 from xnn.models.base import squared_lengths
 from xnn.neighbors import neighbor_list
@@ -155,7 +156,8 @@ def _receivers(extent: Tensor, part: Partition, x: Tensor, n_owned: int, width: 
 def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, halo_width: float,
                        edge_cutoff: float, group, backend: str,
                        receiver_width: float | None = None,
-                       within: float | None = None, paired: bool = False) -> LocalDomain:
+                       within: float | None = None, paired: bool = False,
+                       exchange: str = "direct") -> LocalDomain:
     """Find this rank's ghosts by owner push, agree on the exchange plan, build local edges.
 
     Args:
@@ -174,6 +176,8 @@ def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, hal
             features never reach an owned energy (the reason they are filtered), so the
             extra edges change no result, and the radial work of each pair is done once.
             More than :data:`PAIR_EXTRA_EDGES` of them: the list stays per edge.
+        exchange: ``"direct"`` (one message per peer) or ``"staged"`` (the plan carries a
+            :func:`~xnn.distributed.domain.staged.staged_routing` built on the box grid).
 
     Collective over ``group``; rank-local failures are agreed before any other collective.
     """
@@ -181,6 +185,9 @@ def build_local_domain(graph: AtomicGraph, part: Partition, extents: Tensor, hal
     peers, send_index, counts, self_src, self_shift, n_home, ghosts = _push(
         graph, part, extents, rank, halo_width, group)
     plan = HaloPlan(graph.n_atoms, peers, send_index, counts, group)
+    if exchange == "staged":
+        plan.routing = staged_routing(plan, part.grid, part.pbc.tolist(), rank,
+                                      graph.positions.device)
     with C.guarded(group, "local neighbor list"):
         pos, cell = graph.positions.detach(), part.cell.to(graph.positions.dtype)
         remote_shift, remote_pos = ghosts.pop(_SHIFT), ghosts.pop(_POS)

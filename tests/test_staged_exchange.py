@@ -252,7 +252,8 @@ def test_exchange_words_are_checked():
 
     with pytest.raises(InputError, match="exchange must be one of"):
         parallelize(lj(), None, "halo", exchange="ring")
-    with pytest.raises(InputError, match="mode 'graph'.*set exchange direct"):
+    with pytest.raises(InputError, match=r"mode 'graph'.*set exchange direct "
+                       r"\(parallel.exchange: direct\) or mode spatial"):
         parallelize(lj(), None, "graph", exchange="staged")
     with pytest.raises(InputError, match="host engine"):
         parallelize(lj(), None, "halo", host=True, exchange="staged")

@@ -94,7 +94,9 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
     if exchange != "direct" and (host or mode == "graph"):
         raise InputError(f"exchange {exchange!r} routes the ghosts of a spatial layout's "
                          f"boxes; mode {mode!r}{' in a host engine' if host else ''} has "
-                         "none: set exchange direct")
+                         "none" + (" (the engine sends the ghosts): set exchange direct" if host
+                                   else ": set exchange direct (parallel.exchange: direct) "
+                                   "or mode spatial"))
     if balance != "none" and (host or mode == "graph"):
         raise InputError(f"balance {balance!r} cuts the boxes of a spatial layout; mode "
                          f"{mode!r}{' in a host engine' if host else ''} has none: set "
@@ -113,7 +115,7 @@ def parallelize(model, manager_or_group=None, mode: str = "spatial", *, graph=No
         if exchange != "direct" and mode == "graph":  # auto chose it (the same on every rank)
             raise InputError(f"exchange {exchange!r} routes the ghosts of a spatial layout's "
                              f"boxes, and mode auto chose graph here -- {reason}: set "
-                             "exchange direct or mode spatial")
+                             "exchange direct (parallel.exchange: direct) or mode spatial")
         layout = (GraphLayout(order) if mode == "graph"
                   else SpatialLayout(mode, grid, balance, exchange))
     potential = DecomposedPotential(model, manager_or_group, layout, skin, backend)

@@ -171,8 +171,8 @@ def staged_routing(plan: HaloPlan, grid: Sequence[int], pbc: Sequence[bool], ran
         rank: this rank (in ``plan.group``).
         device: where the index tensors live (the positions' device).
 
-    One all-reduce of the hops per axis, then per stage one exchange of counts and one of
-    packet metadata with the stage's neighbours.
+    One all-reduce (the hops of the three axes), then per stage one exchange of counts and
+    one of packet metadata (4 integers per row and destination) with the stage's neighbours.
     """
     grid = tuple(int(g) for g in grid)
     n_ranks = grid[0] * grid[1] * grid[2]

@@ -297,6 +297,11 @@ def _calculator_and_cli(manager, rank, tmp):
            "stress": atoms.get_stress()}
     ref = LennardJones(sigma=2.3, epsilon=0.4, rc=5.0, smooth=False)
     out["ref"] = {k: ref.get_property(k, atoms) for k in ("energy", "forces", "stress")}
+    staged = atoms.copy()  # the commands' parallel.balance and parallel.exchange words
+    staged.calc = DistributedCalculator(lj(), manager, mode="spatial", balance="shift",
+                                        exchange="staged")
+    out["staged"] = {"energy": staged.get_potential_energy(), "forces": staged.get_forces(),
+                     "stress": staged.get_stress(), "stats": staged.calc.stats()}
     path = os.path.join(tmp, "s.xyz")
     if rank == 0:
         atoms.write(path)
@@ -489,6 +494,11 @@ def test_calculator_and_validate_cli():
         assert np.abs(c["forces"] - ref["forces"]).max() <= TOL * np.abs(ref["forces"]).max()
         assert np.abs(c["stress"] - ref["stress"]).max() <= TOL * np.abs(ref["stress"]).max()
         assert (c["rc_ok"], c["rc_strict"], c["rc_missing"], c["rc_staged"]) == (0, 1, 2, 0)
+        s = c["staged"]  # DistributedCalculator(balance="shift", exchange="staged")
+        assert s["stats"]["exchange"] == "staged"
+        assert abs(s["energy"] - ref["energy"]) <= TOL * abs(ref["energy"])
+        assert np.abs(s["forces"] - ref["forces"]).max() <= TOL * np.abs(ref["forces"]).max()
+        assert np.abs(s["stress"] - ref["stress"]).max() <= TOL * np.abs(ref["stress"]).max()
     with open(os.path.join(_TMP, "v.json")) as f:
         report = json.load(f)["report"]
     assert report["forces"]["max_rel"] <= TOL and report["stress"]["scale"] > 0

@@ -37,6 +37,10 @@ class DistributedCalculator(Calculator):
             ``"spatial"``, ``"graph"`` or ``"auto"`` (chosen on the first structure, by the
             cost model of :func:`~xnn.distributed.graph.auto.choose_mode`, and kept).
         order: atom order of mode ``"graph"`` (``"morton"`` or ``"index"``).
+        balance: how a spatial layout cuts its boxes (``"none"`` or ``"shift"``;
+            ``parallel.balance`` of the commands).
+        exchange: how its ghost rows travel (``"direct"`` or ``"staged"``;
+            ``parallel.exchange`` of the commands).
         dtype: floating-point dtype of the evaluation.
     """
 
@@ -47,12 +51,13 @@ class DistributedCalculator(Calculator):
 
     def __init__(self, model, manager_or_group=None, grid=None, skin: float = 0.0,
                  mode: str = "halo", dtype: torch.dtype = torch.float64,
-                 order: str = "morton"):
+                 order: str = "morton", balance: str = "none", exchange: str = "direct"):
         from xnn.distributed.potential import resolve_group
 
         super().__init__()
         self.dtype, self.mode, self.order = dtype, mode, order
         self.grid, self.skin, self.manager_or_group = grid, skin, manager_or_group
+        self.layout = {"balance": balance, "exchange": exchange}
         self.model = model.to(dtype=dtype)
         self.group, device = resolve_group(manager_or_group)
         if device is not None:
@@ -63,7 +68,7 @@ class DistributedCalculator(Calculator):
         self.dd = None  # mode auto: the decomposed potential of the first structure
         if mode != "auto":
             self.dd = parallelize(self.model, manager_or_group, mode, grid=grid, skin=skin,
-                                  order=order)
+                                  order=order, **self.layout)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
@@ -74,7 +79,8 @@ class DistributedCalculator(Calculator):
         if self.dd is None:
             self.dd = parallelize(self.model, self.manager_or_group, self.mode,
                                   graph=graph if C.group_rank(self.group) == 0 else None,
-                                  grid=self.grid, skin=self.skin, order=self.order)
+                                  grid=self.grid, skin=self.skin, order=self.order,
+                                  **self.layout)
         out = self.dd.single_point(graph)
         # results are sorted by atom id; put them back in this Atoms' order
         rows = torch.searchsorted(out[K.ATOM_ID], graph.atom_id.to(out[K.ATOM_ID].device))

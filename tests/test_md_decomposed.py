@@ -185,6 +185,7 @@ def test_decomposed_relax_matches_one_process(runs):
 def test_big_system_ranks_hold_less_than_the_whole(runs):
     summary = json.loads((runs / "dd_big" / "summary.json").read_text())
     assert summary["n_atoms"] == 500 and sum(summary["owned"]["per_rank"]) == 500
+    assert (summary["balance"], summary["exchange"]) == ("none", "direct")  # the defaults
     assert summary["owned"]["max"] < 300
     held = [o + g for o, g in zip(summary["owned"]["per_rank"], summary["ghost"]["per_rank"])]
     assert summary["held"]["per_rank"] == held

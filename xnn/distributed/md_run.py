@@ -318,7 +318,8 @@ class DomainRun(SerialRun):
         def span(values):
             return {"min": min(values), "max": max(values), "per_rank": values}
 
-        return {"ranks": self.size, "grid": s.get("grid"), "n_atoms": self.potential.n_total,
+        return {"ranks": self.size, "grid": s.get("grid"), "balance": self.balance,
+                "exchange": self.exchange, "n_atoms": self.potential.n_total,
                 "owned": span([int(v) for v in cols[0]]),
                 "ghost": span([int(v) for v in cols[1]]),
                 "held": span([int(v) for v in cols[2]]),

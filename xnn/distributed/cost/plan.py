@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from xnn.distributed.cost.blocks import graph_owners
 from xnn.distributed.cost.counts import RankCounts
 from xnn.distributed.cost.jittered import banded_counts
 from xnn.distributed.cost.separable import (
@@ -70,7 +71,7 @@ from xnn.distributed.domain.partition import (
     fractional_bounds,
     partition_from_bounds,
 )
-from xnn.distributed.graph.order import ORDERS, morton_codes
+from xnn.distributed.graph.order import ORDERS
 from xnn.errors import InputError
 
 PLAN_MODES = ("halo", "sync", "graph")
@@ -78,6 +79,7 @@ BLOCK = 1 << 21  #: atoms per streamed block (fewer when each has many candidate
 EXACT_EDGES = 200_000  #: above this many atoms, sampled counts where exact ones are costly
 SAMPLE = 0.05  #: the fraction of atoms sampled above :data:`EXACT_EDGES`
 MAX_SAMPLED = 200_000  #: the liquid's spatial plans: atoms whose edges are sampled, at most
+GRAPH_MAX_SAMPLED = 10**6  #: the liquid's graph plans: atoms sampled, at most
 
 
 def _sampled(sys: System, ids: np.ndarray, sample: float) -> np.ndarray:
@@ -207,48 +209,25 @@ def _edge_error(sums: Sums) -> str:
 
 
 # ---------------------------------------------------------------------- graph mode
-def _graph_owners(sys: System, n_ranks: int, order: str, block: int) -> np.ndarray:
-    """``[n_atoms]`` int16/int32 rank of each atom: blocks of the atom order."""
-    n = sys.n_atoms
-    dtype = np.int16 if n_ranks < (1 << 15) else np.int32
-    if order == "index":  # ids are 0..n-1 in generation order
-        return ((np.arange(n, dtype=np.int64) * n_ranks) // n).astype(dtype)
-    # the extremes of every axis ride along with each block, so that each block's codes are
-    # those of the whole system (morton_codes scales non-periodic axes to the atoms' bounds)
-    lo_hi = None
-    if not bool(sys.pbc.all()):
-        for ids in sys.blocks(block):
-            pos = sys.positions(ids)
-            frac = pos @ np.linalg.inv(sys.cell.numpy())
-            rows = np.concatenate([pos[frac.argmin(0)], pos[frac.argmax(0)]])
-            lo_hi = rows if lo_hi is None else np.concatenate([lo_hi, rows])
-    codes = torch.empty(n, dtype=torch.long)
-    for ids in sys.blocks(block):
-        pos = sys.positions(ids)
-        if lo_hi is not None:
-            pos = np.concatenate([pos, lo_hi])
-        codes[ids[0]: ids[-1] + 1] = morton_codes(torch.from_numpy(pos), sys.cell,
-                                                  sys.pbc)[: len(ids)]
-    seq = torch.sort(codes, stable=True).indices  # ids are the order: ties by id
-    del codes
-    owner = np.empty(n, dtype=dtype)
-    owner[seq.numpy()] = ((np.arange(n, dtype=np.int64) * n_ranks) // n).astype(dtype)
-    return owner
-
-
 def _graph(sys: System, n_ranks: int, halo_width: float, order: str, block: int,
            sample: float | None) -> tuple[RankCounts, str]:
-    owner = _graph_owners(sys, n_ranks, order, block)
+    owner = graph_owners(sys, n_ranks, order, block)
     sums, cache = Sums.zeros(n_ranks), {}
     ghost_var = np.zeros(n_ranks)
     for ids in sys.blocks(block // 8):
         own = torch.from_numpy(owner[ids].astype(np.int64))
         add(sums.owned, own)
-        weight, var = _coordination(sys, ids, halo_width, sample, cache)
-        add(sums.edges, own, weight)
-        add(sums.edges_var, own, var)
         pick = _sampled(sys, ids, sample) if sample else np.ones(len(ids), dtype=bool)
         nbr = sys.neighbors(ids[pick], halo_width)
+        if sys.jitter:  # the liquid's edges: these neighbours (as _coordination counts them)
+            c = np.zeros(len(ids))
+            c[pick] = (nbr >= 0).sum(1) / (sample or 1)
+            weight = torch.from_numpy(c)
+            var = torch.from_numpy(c * c * (1 - sample)) if sample else torch.zeros(len(ids))
+        else:
+            weight, var = _coordination(sys, ids, halo_width, sample, cache)
+        add(sums.edges, own, weight)
+        add(sums.edges_var, own, var)
         ranks = np.where(nbr >= 0, owner[np.maximum(nbr, 0)].astype(np.int64), -1)
         ranks = np.where(ranks == owner[ids[pick]][:, None], -1, ranks)
         ranks.sort(1)
@@ -278,6 +257,7 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
                 exact_edges: int = EXACT_EDGES, sample: float = SAMPLE,
                 stream: bool = False, max_streamed: int = 10**9,
                 max_sampled: int = MAX_SAMPLED,
+                graph_max_sampled: int = GRAPH_MAX_SAMPLED,
                 balance: str = "none") -> RankCounts:
     """Per-rank counts of decomposing ``system`` over ``n_ranks`` ranks, without a model.
 
@@ -301,6 +281,9 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
             (:mod:`.separable`; the same counts, for checking).
         max_sampled: the liquid's spatial plans sample the edges of at most this many
             atoms (the fraction ``min(sample, max_sampled / n_atoms)``).
+        graph_max_sampled: the liquid's graph plans sample the ghosts and edges of at most
+            this many atoms (its neighbour search, over jittered positions, costs about
+            0.1 ms an atom here; the crystals' about 8 µs).
         max_streamed: refuse (``InputError``) to stream more atoms than this in the
             spatial modes (a crystal whose extents do not factor, a liquid).
         balance: the boxes' cuts, as ``parallel.balance``: ``none`` (equal widths) or
@@ -325,11 +308,14 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
     over = sys.n_atoms > exact_edges
     t0 = time.perf_counter()
     if mode == "graph":
+        if over and sys.jitter:
+            sample = min(sample, graph_max_sampled / sys.n_atoms)
         counts, err = _graph(sys, n_ranks, halo_width, order, block, sample if over else None)
-        how = ("exact: owned (blocks of the atom order), sent/received rows (all-gather), "
+        how = ("exact: owned (blocks of the atom order; each rank's first atom an order "
+               "statistic of the streamed codes, no sort), sent/received rows (all-gather), "
                "peers; " + ("sampled" if over else "exact") + ": ghosts, edges")
         if over:
-            how += f" (sampled: a seeded {sample:g} of the atoms, counts scaled){err}"
+            how += f" (sampled: a seeded {sample:.3g} of the atoms, counts scaled){err}"
     else:
         counts = None
         if not stream and sys.jitter and check_balance(balance) == "none":

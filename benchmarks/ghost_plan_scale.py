@@ -14,7 +14,14 @@ Rows run cheapest first (crystals summed factor by factor take seconds at any si
 liquid's spatial plans sum its crystal sites factor by factor and stream only the atoms
 within its 0.5 Å jitter of a box or region face, :mod:`xnn.distributed.cost.jittered`, with
 edges sampled on at most 200,000 atoms by a difference estimator; graph mode streams every
-atom) until ``--budget`` seconds; rows left out are listed under ``skipped`` with the reason.
+atom's Morton code and samples ghosts: 1.5-4 minutes a row at 10^8 atoms) until ``--budget``
+seconds; rows left out are listed under ``skipped`` with the reason. ``--only`` runs the
+named jobs alone and merges them into an existing ``--json`` (the other rows, skips and
+checks kept), e.g. the graph rows at 10^8 atoms:
+
+    python benchmarks/ghost_plan_scale.py --json benchmarks/results/ghost_plan_scale_cpu.json \\
+        --budget 5000 --only "mode=graph,n=1e8"
+
 The file also records the check against the committed 1M-atom run (``dd_md_cpu16.json``):
 owned and ghost atoms of every rank, equal or not; and ``liquid_check``: the liquid's banded
 plans against every atom streamed at 10^6 atoms (owned, ghost, sent and received rows, peers).

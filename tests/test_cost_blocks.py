@@ -83,3 +83,32 @@ def test_morton_code_interleaves_the_bits_of_the_three_axes():
     cell, pbc = torch.eye(3, dtype=torch.float64) * 8.0, torch.tensor([True] * 3)
     pos = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64) * 8.0 / 1024 + 1e-9
     assert int(morton_codes(pos, cell, pbc)) == int(spread[1] | spread[2] << 1 | spread[3] << 2)
+
+
+def test_benchmark_only_reruns_the_named_rows_and_keeps_the_others(tmp_path):
+    """``ghost_plan_scale.py --only``: the named job runs again (here one a copy lists as
+    skipped), its skipped entry goes, every other row, skip and check is kept as it was."""
+    import sys
+
+    sys.path.insert(0, str(RESULTS.parents[2]))
+    from benchmarks import ghost_plan_scale
+
+    data = json.loads(RESULTS.read_text())
+    job = ["strong", "fcc", 10**6, 8, "graph"]
+    target = next(r for r in data["rows"] if r["mode"] == "graph" and r["system"] == "fcc"
+                  and r["n_ranks"] == 8 and r["n_atoms"] < 2 * 10**6)
+    copy = dict(data, rows=[r for r in data["rows"] if r is not target],
+                skipped=data["skipped"] + [{"job": job, "reason": "not run"}])
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(copy))
+    ghost_plan_scale.main(["--json", str(path), "--only", "mode=graph,n=1e6,system=fcc,ranks=8"])
+    out = json.loads(path.read_text())
+    assert out["skipped"] == data["skipped"]
+    assert len(out["rows"]) == len(data["rows"])
+    for old, new in zip(data["rows"], out["rows"]):
+        same = [k for k in old if k not in ("seconds", "peak_rss_bytes", "method")]
+        assert {k: new[k] for k in same} == {k: old[k] for k in same}
+        if old is not target:
+            assert new == old
+    assert out["dd_md_check"] == data["dd_md_check"]
+    assert out["merged_runs"][-1]["only"] == "mode=graph,n=1e6,system=fcc,ranks=8"

@@ -35,12 +35,15 @@ sampled (a seeded fraction of the atoms, the estimate and its standard error sta
 
 Graph mode: owners are blocks of the project's atom order
 (:func:`~xnn.distributed.graph.order.morton_codes`, ties by id, as
-:func:`~xnn.distributed.graph.order.assign_owners`); every rank all-gathers: it sends its
+:func:`~xnn.distributed.graph.order.assign_owners`), found without sorting the atoms
+(:mod:`.blocks`: each rank's first atom an order statistic of the streamed codes); every
+rank all-gathers: it sends its
 owned rows and receives the other ``N - owned`` at each exchange, from ``P - 1`` peers.
 Its ghosts are the distinct atoms of other ranks within ``halo_width`` (the edges' reach,
 cutoff + skin) of an owned atom, its edges those of its owned receivers within
 ``halo_width`` (the graph layout evaluates the whole list). Exact up to ``exact_edges``
-atoms, sampled above it (ghosts and the liquid's edges).
+atoms, sampled above it (ghosts and the liquid's edges; the liquid's on at most
+``graph_max_sampled`` atoms).
 """
 
 from __future__ import annotations

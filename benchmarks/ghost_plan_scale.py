@@ -14,7 +14,7 @@ Rows run cheapest first (crystals summed factor by factor take seconds at any si
 liquid's spatial plans sum its crystal sites factor by factor and stream only the atoms
 within its 0.5 Å jitter of a box or region face, :mod:`xnn.distributed.cost.jittered`, with
 edges sampled on at most 200,000 atoms by a difference estimator; graph mode streams every
-atom's Morton code and samples ghosts: 1.5-4 minutes a row at 10^8 atoms) until ``--budget``
+atom's Morton code and samples ghosts, minutes a row at 10^8 atoms) until ``--budget``
 seconds; rows left out are listed under ``skipped`` with the reason. ``--only`` runs the
 named jobs alone and merges them into an existing ``--json`` (the other rows, skips and
 checks kept), e.g. the graph rows at 10^8 atoms:

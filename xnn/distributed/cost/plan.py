@@ -285,8 +285,8 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
         max_sampled: the liquid's spatial plans sample the edges of at most this many
             atoms (the fraction ``min(sample, max_sampled / n_atoms)``).
         graph_max_sampled: the liquid's graph plans sample the ghosts and edges of at most
-            this many atoms (its neighbour search, over jittered positions, costs about
-            0.1 ms an atom here; the crystals' about 8 µs).
+            this many atoms (its neighbour search, over jittered positions, costs far more
+            an atom than a crystal's: docs/distributed.md, Ghost plans at scale).
         max_streamed: refuse (``InputError``) to stream more atoms than this in the
             spatial modes (a crystal whose extents do not factor, a liquid).
         balance: the boxes' cuts, as ``parallel.balance``: ``none`` (equal widths) or

@@ -92,10 +92,12 @@ def _sampled(sys: System, ids: np.ndarray, sample: float) -> np.ndarray:
 
 
 def _coordination(sys: System, ids: np.ndarray, reach: float, sample: float | None,
-                  cache: dict) -> tuple[Tensor, Tensor]:
+                  cache: dict, nbr: np.ndarray | None = None) -> tuple[Tensor, Tensor]:
     """``(weight [n], variance [n])`` of each atom's neighbour count within ``reach``: exact
     (variance 0), or for the liquid above the exact limit, ``count / sample`` on a seeded
-    sample of atoms (0 elsewhere) with variance ``count^2 (1 - sample) / sample^2``."""
+    sample of atoms (0 elsewhere) with variance ``count^2 (1 - sample) / sample^2``. The
+    liquid's neighbours within ``reach`` of the sampled atoms (all atoms without a sample)
+    are looked up unless given as ``nbr``."""
     n = len(ids)
     if sys.name == "fcc":  # every site alike
         if "fcc" not in cache:
@@ -114,11 +116,11 @@ def _coordination(sys: System, ids: np.ndarray, reach: float, sample: float | No
             table = cache[sys.name] = (sys.neighbors(reps, reach) >= 0).sum(1)
         return torch.from_numpy(table[key].astype(np.float64)), torch.zeros(n)
     if sample is None:
-        c = (sys.neighbors(ids, reach) >= 0).sum(1).astype(np.float64)
-        return torch.from_numpy(c), torch.zeros(n)
+        c = (sys.neighbors(ids, reach) if nbr is None else nbr) >= 0
+        return torch.from_numpy(c.sum(1).astype(np.float64)), torch.zeros(n)
     pick = _sampled(sys, ids, sample)
     c = np.zeros(n)
-    c[pick] = (sys.neighbors(ids[pick], reach) >= 0).sum(1) / sample
+    c[pick] = ((sys.neighbors(ids[pick], reach) if nbr is None else nbr) >= 0).sum(1) / sample
     return torch.from_numpy(c), torch.from_numpy(c * c * (1 - sample))
 
 
@@ -222,13 +224,7 @@ def _graph(sys: System, n_ranks: int, halo_width: float, order: str, block: int,
         add(sums.owned, own)
         pick = _sampled(sys, ids, sample) if sample else np.ones(len(ids), dtype=bool)
         nbr = sys.neighbors(ids[pick], halo_width)
-        if sys.jitter:  # the liquid's edges: these neighbours (as _coordination counts them)
-            c = np.zeros(len(ids))
-            c[pick] = (nbr >= 0).sum(1) / (sample or 1)
-            weight = torch.from_numpy(c)
-            var = torch.from_numpy(c * c * (1 - sample)) if sample else torch.zeros(len(ids))
-        else:
-            weight, var = _coordination(sys, ids, halo_width, sample, cache)
+        weight, var = _coordination(sys, ids, halo_width, sample, cache, nbr)
         add(sums.edges, own, weight)
         add(sums.edges_var, own, var)
         ranks = np.where(nbr >= 0, owner[np.maximum(nbr, 0)].astype(np.int64), -1)

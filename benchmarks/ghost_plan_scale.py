@@ -14,7 +14,14 @@ Rows run cheapest first (crystals summed factor by factor take seconds at any si
 liquid's spatial plans sum its crystal sites factor by factor and stream only the atoms
 within its 0.5 Å jitter of a box or region face, :mod:`xnn.distributed.cost.jittered`, with
 edges sampled on at most 200,000 atoms by a difference estimator; graph mode streams every
-atom) until ``--budget`` seconds; rows left out are listed under ``skipped`` with the reason.
+atom's Morton code and samples ghosts, minutes a row at 10^8 atoms) until ``--budget``
+seconds; rows left out are listed under ``skipped`` with the reason. ``--only`` runs the
+named jobs alone and merges them into an existing ``--json`` (the other rows, skips and
+checks kept), e.g. the graph rows at 10^8 atoms:
+
+    python benchmarks/ghost_plan_scale.py --json benchmarks/results/ghost_plan_scale_cpu.json \\
+        --budget 5000 --only "mode=graph,n=1e8"
+
 The file also records the check against the committed 1M-atom run (``dd_md_cpu16.json``):
 owned and ghost atoms of every rank, equal or not; and ``liquid_check``: the liquid's banded
 plans against every atom streamed at 10^6 atoms (owned, ghost, sent and received rows, peers).
@@ -36,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xnn.distributed.cost.plan import plan_counts  # noqa: E402
+from xnn.distributed.cost.systems import make_system  # noqa: E402
 from xnn.errors import InputError  # noqa: E402
 
 CUTOFF = 5.0
@@ -43,9 +51,9 @@ WIDTHS = {"halo": 2 * CUTOFF + 1.0, "sync": CUTOFF + 1.0, "graph": CUTOFF + 1.0}
 RANKS = (8, 64, 512, 1024)
 SIZES = (10**6, 10**7, 10**8)
 CRYSTALS = ("fcc", "slab", "cylinder")
-STREAMED_LIMIT = 10**7  #: graph mode streams every atom: not beyond this
-SKIP_REASON = ("graph mode streams every atom (its atom order does not factor): about "
-               "10^3 s or more per row on this shared 2-core machine")
+STREAMED_LIMIT = 10**7  #: spatial modes: stream at most this many atoms (max_streamed)
+KEYS = {"scaling": str, "system": str, "n": lambda v: int(float(v)),
+        "ranks": lambda v: int(float(v)), "mode": str}  #: --only's keys, a job's fields
 
 
 def jobs():
@@ -111,23 +119,27 @@ def liquid_check() -> dict:
     return {"system": "liquid, 1,000,188 atoms, seed 0", "rows": out}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--budget", type=float, default=900.0, help="seconds for all rows")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    root = Path(__file__).resolve().parents[1]
-    start = time.perf_counter()
-    rows, skipped = [], []
-    for job in jobs():
+def selected(only: str | None) -> list[tuple]:
+    """The jobs that ``--only`` names (``key=value`` pairs, comma-separated, values joined
+    by ``|``; keys :data:`KEYS`), all of them without it."""
+    if not only:
+        return jobs()
+    want = {}
+    for pair in only.split(","):
+        key, _, value = pair.partition("=")
+        if key not in KEYS or not value:
+            raise SystemExit(f"--only: {pair!r} is not key=value with a key of {list(KEYS)}")
+        want[list(KEYS).index(key)] = {KEYS[key](v) for v in value.split("|")}
+    return [j for j in jobs() if all(j[k] in v for k, v in want.items())]
+
+
+def run_rows(todo, budget: float) -> tuple[list, list]:
+    start, rows, skipped = time.perf_counter(), [], []
+    for job in todo:
         scaling, system, n, p, mode = job
-        if mode == "graph" and n > STREAMED_LIMIT:
-            skipped.append({"job": list(job), "reason": SKIP_REASON})
-            continue
-        if time.perf_counter() - start > args.budget:
+        if time.perf_counter() - start > budget:
             skipped.append({"job": list(job), "reason": f"past this run's budget of "
-                            f"{args.budget:g} s (2 shared cores)"})
+                            f"{budget:g} s (2 shared cores)"})
             continue
         try:
             rows.append(row(*job))
@@ -138,6 +150,52 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"{system:8s} {r['n_atoms']:>11,d} {p:5d} {mode:5s} ghost_max {r['ghost_max']:>9,d}"
               f" edges_max {r['edges_max']:>12,d} {r['seconds']:7.1f} s", flush=True)
+    return rows, skipped
+
+
+def _same(r: dict, job) -> bool:
+    scaling, system, n, p, mode = job
+    return (r["scaling"], r["system"], r["n_ranks"], r["mode"]) == (scaling, system, p, mode) \
+        and r["n_atoms"] == make_system(system, n).n_atoms
+
+
+def merge(old: dict, todo, rows: list, skipped: list, only: str, seconds: float) -> dict:
+    """``old`` with the rows of the jobs ``todo`` replaced or added (in job order) and their
+    ``skipped`` entries replaced by this run's; every other row and check unchanged."""
+    kept = [r for r in old["rows"] if not any(_same(r, j) for j in todo)]
+    order = jobs()
+    rank = {id(r): next((k for k, j in enumerate(order) if _same(r, j)), len(order))
+            for r in kept + rows}
+    out = dict(old)
+    out["rows"] = sorted(kept + rows, key=lambda r: rank[id(r)])
+    out["skipped"] = [s for s in old["skipped"] if tuple(s["job"]) not in set(todo)] + skipped
+    out["merged_runs"] = old.get("merged_runs", []) + [{
+        "only": only, "rows": len(rows), "seconds": seconds, "threads": 1,
+        "torch_version": torch.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--budget", type=float, default=900.0, help="seconds for all rows")
+    ap.add_argument("--only", help="run only these jobs and merge them into --json, e.g. "
+                    "mode=graph,n=1e8,system=fcc|slab,ranks=8|64 (keys: scaling, system, n, "
+                    "ranks, mode); other rows and the checks are kept as they are")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    root = Path(__file__).resolve().parents[1]
+    start = time.perf_counter()
+    todo = selected(args.only)
+    if args.only:
+        old = json.loads(Path(args.json).read_text())
+        rows, skipped = run_rows(todo, args.budget)
+        out = merge(old, todo, rows, skipped, args.only, time.perf_counter() - start)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        return 0
+    rows, skipped = run_rows(todo, args.budget)
     out = {"benchmark": "ghost_plan_scale",
            "machine": {"torch_version": torch.__version__, "python": platform.python_version(),
                        "device": "cpu", "threads": 1,

@@ -36,12 +36,15 @@ sampled (a seeded fraction of the atoms, the estimate and its standard error sta
 
 Graph mode: owners are blocks of the project's atom order
 (:func:`~xnn.distributed.graph.order.morton_codes`, ties by id, as
-:func:`~xnn.distributed.graph.order.assign_owners`); every rank all-gathers: it sends its
+:func:`~xnn.distributed.graph.order.assign_owners`), found without sorting the atoms
+(:mod:`.blocks`: each rank's first atom an order statistic of the streamed codes); every
+rank all-gathers: it sends its
 owned rows and receives the other ``N - owned`` at each exchange, from ``P - 1`` peers.
 Its ghosts are the distinct atoms of other ranks within ``halo_width`` (the edges' reach,
 cutoff + skin) of an owned atom, its edges those of its owned receivers within
 ``halo_width`` (the graph layout evaluates the whole list). Exact up to ``exact_edges``
-atoms, sampled above it (ghosts and the liquid's edges).
+atoms, sampled above it (ghosts and the liquid's edges; the liquid's on at most
+``graph_max_sampled`` atoms).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from xnn.distributed.cost.blocks import graph_owners
 from xnn.distributed.cost.counts import RankCounts, peer_counts
 from xnn.distributed.cost.jittered import banded_counts
 from xnn.distributed.cost.separable import (
@@ -72,7 +76,7 @@ from xnn.distributed.domain.partition import (
     fractional_bounds,
     partition_from_bounds,
 )
-from xnn.distributed.graph.order import ORDERS, morton_codes
+from xnn.distributed.graph.order import ORDERS
 from xnn.errors import InputError
 
 PLAN_MODES = ("halo", "sync", "graph")
@@ -80,6 +84,7 @@ BLOCK = 1 << 21  #: atoms per streamed block (fewer when each has many candidate
 EXACT_EDGES = 200_000  #: above this many atoms, sampled counts where exact ones are costly
 SAMPLE = 0.05  #: the fraction of atoms sampled above :data:`EXACT_EDGES`
 MAX_SAMPLED = 200_000  #: the liquid's spatial plans: atoms whose edges are sampled, at most
+GRAPH_MAX_SAMPLED = 10**6  #: the liquid's graph plans: atoms sampled, at most
 
 
 def _sampled(sys: System, ids: np.ndarray, sample: float) -> np.ndarray:
@@ -89,10 +94,12 @@ def _sampled(sys: System, ids: np.ndarray, sample: float) -> np.ndarray:
 
 
 def _coordination(sys: System, ids: np.ndarray, reach: float, sample: float | None,
-                  cache: dict) -> tuple[Tensor, Tensor]:
+                  cache: dict, nbr: np.ndarray | None = None) -> tuple[Tensor, Tensor]:
     """``(weight [n], variance [n])`` of each atom's neighbour count within ``reach``: exact
     (variance 0), or for the liquid above the exact limit, ``count / sample`` on a seeded
-    sample of atoms (0 elsewhere) with variance ``count^2 (1 - sample) / sample^2``."""
+    sample of atoms (0 elsewhere) with variance ``count^2 (1 - sample) / sample^2``. The
+    liquid's neighbours within ``reach`` of the sampled atoms (all atoms without a sample)
+    are looked up unless given as ``nbr``."""
     n = len(ids)
     if sys.name == "fcc":  # every site alike
         if "fcc" not in cache:
@@ -111,11 +118,11 @@ def _coordination(sys: System, ids: np.ndarray, reach: float, sample: float | No
             table = cache[sys.name] = (sys.neighbors(reps, reach) >= 0).sum(1)
         return torch.from_numpy(table[key].astype(np.float64)), torch.zeros(n)
     if sample is None:
-        c = (sys.neighbors(ids, reach) >= 0).sum(1).astype(np.float64)
-        return torch.from_numpy(c), torch.zeros(n)
+        c = (sys.neighbors(ids, reach) if nbr is None else nbr) >= 0
+        return torch.from_numpy(c.sum(1).astype(np.float64)), torch.zeros(n)
     pick = _sampled(sys, ids, sample)
     c = np.zeros(n)
-    c[pick] = (sys.neighbors(ids[pick], reach) >= 0).sum(1) / sample
+    c[pick] = ((sys.neighbors(ids[pick], reach) if nbr is None else nbr) >= 0).sum(1) / sample
     return torch.from_numpy(c), torch.from_numpy(c * c * (1 - sample))
 
 
@@ -210,48 +217,19 @@ def _edge_error(sums: Sums) -> str:
 
 
 # ---------------------------------------------------------------------- graph mode
-def _graph_owners(sys: System, n_ranks: int, order: str, block: int) -> np.ndarray:
-    """``[n_atoms]`` int16/int32 rank of each atom: blocks of the atom order."""
-    n = sys.n_atoms
-    dtype = np.int16 if n_ranks < (1 << 15) else np.int32
-    if order == "index":  # ids are 0..n-1 in generation order
-        return ((np.arange(n, dtype=np.int64) * n_ranks) // n).astype(dtype)
-    # the extremes of every axis ride along with each block, so that each block's codes are
-    # those of the whole system (morton_codes scales non-periodic axes to the atoms' bounds)
-    lo_hi = None
-    if not bool(sys.pbc.all()):
-        for ids in sys.blocks(block):
-            pos = sys.positions(ids)
-            frac = pos @ np.linalg.inv(sys.cell.numpy())
-            rows = np.concatenate([pos[frac.argmin(0)], pos[frac.argmax(0)]])
-            lo_hi = rows if lo_hi is None else np.concatenate([lo_hi, rows])
-    codes = torch.empty(n, dtype=torch.long)
-    for ids in sys.blocks(block):
-        pos = sys.positions(ids)
-        if lo_hi is not None:
-            pos = np.concatenate([pos, lo_hi])
-        codes[ids[0]: ids[-1] + 1] = morton_codes(torch.from_numpy(pos), sys.cell,
-                                                  sys.pbc)[: len(ids)]
-    seq = torch.sort(codes, stable=True).indices  # ids are the order: ties by id
-    del codes
-    owner = np.empty(n, dtype=dtype)
-    owner[seq.numpy()] = ((np.arange(n, dtype=np.int64) * n_ranks) // n).astype(dtype)
-    return owner
-
-
 def _graph(sys: System, n_ranks: int, halo_width: float, order: str, block: int,
            sample: float | None) -> tuple[RankCounts, str]:
-    owner = _graph_owners(sys, n_ranks, order, block)
+    owner = graph_owners(sys, n_ranks, order, block)
     sums, cache = Sums.zeros(n_ranks), {}
     ghost_var = np.zeros(n_ranks)
     for ids in sys.blocks(block // 8):
         own = torch.from_numpy(owner[ids].astype(np.int64))
         add(sums.owned, own)
-        weight, var = _coordination(sys, ids, halo_width, sample, cache)
-        add(sums.edges, own, weight)
-        add(sums.edges_var, own, var)
         pick = _sampled(sys, ids, sample) if sample else np.ones(len(ids), dtype=bool)
         nbr = sys.neighbors(ids[pick], halo_width)
+        weight, var = _coordination(sys, ids, halo_width, sample, cache, nbr)
+        add(sums.edges, own, weight)
+        add(sums.edges_var, own, var)
         ranks = np.where(nbr >= 0, owner[np.maximum(nbr, 0)].astype(np.int64), -1)
         ranks = np.where(ranks == owner[ids[pick]][:, None], -1, ranks)
         ranks.sort(1)
@@ -281,6 +259,7 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
                 exact_edges: int = EXACT_EDGES, sample: float = SAMPLE,
                 stream: bool = False, max_streamed: int = 10**9,
                 max_sampled: int = MAX_SAMPLED,
+                graph_max_sampled: int = GRAPH_MAX_SAMPLED,
                 balance: str = "none") -> RankCounts:
     """Per-rank counts of decomposing ``system`` over ``n_ranks`` ranks, without a model.
 
@@ -304,6 +283,9 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
             (:mod:`.separable`; the same counts, for checking).
         max_sampled: the liquid's spatial plans sample the edges of at most this many
             atoms (the fraction ``min(sample, max_sampled / n_atoms)``).
+        graph_max_sampled: the liquid's graph plans sample the ghosts and edges of at most
+            this many atoms (its neighbour search, over jittered positions, costs far more
+            an atom than a crystal's: docs/distributed.md, Ghost plans at scale).
         max_streamed: refuse (``InputError``) to stream more atoms than this in the
             spatial modes (a crystal whose extents do not factor, a liquid).
         balance: the boxes' cuts, as ``parallel.balance``: ``none`` (equal widths) or
@@ -328,11 +310,14 @@ def plan_counts(system: str, n_atoms: int, n_ranks: int, *, mode: str, cutoff: f
     over = sys.n_atoms > exact_edges
     t0 = time.perf_counter()
     if mode == "graph":
+        if over and sys.jitter:
+            sample = min(sample, graph_max_sampled / sys.n_atoms)
         counts, err = _graph(sys, n_ranks, halo_width, order, block, sample if over else None)
-        how = ("exact: owned (blocks of the atom order), sent/received rows (all-gather), "
+        how = ("exact: owned (blocks of the atom order; each rank's first atom an order "
+               "statistic of the streamed codes, no sort), sent/received rows (all-gather), "
                "peers; " + ("sampled" if over else "exact") + ": ghosts, edges")
         if over:
-            how += f" (sampled: a seeded {sample:g} of the atoms, counts scaled){err}"
+            how += f" (sampled: a seeded {sample:.3g} of the atoms, counts scaled){err}"
     else:
         counts = None
         if not stream and sys.jitter and check_balance(balance) == "none":

@@ -158,9 +158,13 @@ def plan_counts_from_json(rows: list[dict], n_atoms: int, n_ranks: int, mode: st
             owned = arr(r["owned_max"], (r["n_atoms"] - r["owned_max"]) / rest)
             if n_ranks == 1:
                 owned = np.array([r["n_atoms"]], dtype=np.int64)
+            edges = arr(r["edges_max"], r["edges_mean"])
+            if mode == "graph":  # the plan counts the list (the reach); a model evaluates
+                # the edges within its cutoff, as priced in the spatial modes: on the perfect
+                # crystal every owned receiver has coordination(cutoff) of them
+                edges = owned * coordination(cutoff, lattice)
             return RankCounts(mode, tuple(r.get("grid") or (n_ranks, 1, 1)), r["halo_width"],
-                              owned, arr(r["ghost_max"], r["ghost_mean"]),
-                              arr(r["edges_max"], r["edges_mean"]),
+                              owned, arr(r["ghost_max"], r["ghost_mean"]), edges,
                               arr(r["send_rows_max"], r["send_rows_max"]),
                               arr(r["recv_rows_max"], r["recv_rows_max"]),
                               arr(r["peers_max"], r["peers_max"]), r.get("method", "exact"))

@@ -418,3 +418,21 @@ def test_output_term_prices_sharded_writes_per_rank_and_gathered_writes_on_every
     assert t.split()["output"] == pytest.approx(sharded.seconds(counts.owned)[t.slowest])
     assert bare.split()["output"] == 0.0
     assert md_step(counts, comp, shape, LINK, output=gathered).total > t.total
+
+
+def test_graph_predictions_price_the_same_edges_from_a_plan_row_or_the_lattice():
+    """Graph mode from an at-scale plan row and from the lattice count: the same owned atoms
+    per rank and the same compute edges (owned receivers' edges within the model's cutoff,
+    as in the spatial modes), though the plan row counts the Verlet list's reach."""
+    from benchmarks.ghost_plan_scale import CUTOFF, WIDTHS, row
+    from benchmarks.scaling_model import PLAN_LATTICE, lattice_counts, plan_counts_from_json
+
+    r = row("strong", "fcc", 4000, 8, "graph")
+    planned = plan_counts_from_json([r], r["n_atoms"], 8, "graph", CUTOFF, WIDTHS["graph"],
+                                    PLAN_LATTICE)
+    k = round((r["n_atoms"] / 4) ** (1 / 3))
+    assert 4 * k ** 3 == r["n_atoms"]
+    lattice = lattice_counts(k, PLAN_LATTICE, 8, "graph", CUTOFF, 1.0, 2)
+    assert planned.owned.sum() == lattice.owned.sum() == r["n_atoms"]
+    assert planned.edges.max() == lattice.edges.max() < r["edges_max"]
+    assert sorted(planned.edges) == sorted(lattice.edges)

@@ -300,6 +300,7 @@ def main(argv=None) -> int:
                 for world in args.ranks:
                     row = summarize(point(args, manager, world, model_name, n, scale),
                                     model_name, world, n, scale)
+                    row.update(steps=args.steps, warmup=args.warmup)  # calls differ in a file
                     rows.append(row)
                     if manager is None or manager.is_main:
                         print(f"{model_name} N={row.get('n_atoms', n)} x{scale} P={world}: "

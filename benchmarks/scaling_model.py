@@ -290,16 +290,17 @@ def validate_cp(path: Path) -> list[dict]:
     return out
 
 
-def _rebuild_cost(per_rank: list[dict], steps: int) -> Rebuild:
+def _rebuild_cost(per_rank: list[dict], steps: list[int]) -> Rebuild:
     """Rebuild + migration cost per held atom and the measured steps between rebuilds, from
-    1-rank dd_components rows (no rebuild measured: zero cost)."""
-    done = [q for q in per_rank if q["rebuilds"] + q["migrations"] > 0]
+    1-rank dd_components rows (``steps``: each row's timed steps; no rebuild measured: zero
+    cost)."""
+    done = [(q, n) for q, n in zip(per_rank, steps) if q["rebuilds"] + q["migrations"] > 0]
     if not done:
-        return Rebuild(0.0, float(steps))
+        return Rebuild(0.0, float(max(steps)))
     per_atom = np.mean([(q["seconds_per_step"]["rebuild"] + q["seconds_per_step"]["migration"])
-                        * steps / max(q["rebuilds"], q["migrations"]) / q["n_held"]
-                        for q in done])
-    interval = np.mean([steps / max(q["rebuilds"], q["migrations"]) for q in done])
+                        * n / max(q["rebuilds"], q["migrations"]) / q["n_held"]
+                        for q, n in done])
+    interval = np.mean([n / max(q["rebuilds"], q["migrations"]) for q, n in done])
     return Rebuild(float(per_atom), float(interval))
 
 
@@ -339,7 +340,9 @@ def validate_components(path: Path) -> tuple[list[dict], dict]:
                                source=f"{path.name}: 1-rank rows of {model}",
                                owned=[q["n_owned"] for q in q1])
         fits[model] = vars(comp)
-        rebuild = _rebuild_cost(q1, d["settings"]["steps"])
+        # rows record their own timed steps (a file joins calls of other --steps); older
+        # files have one setting for all
+        rebuild = _rebuild_cost(q1, [r.get("steps", d["settings"]["steps"]) for r in ones])
         fits[model + "_rebuild"] = vars(rebuild)
         for r in mine:
             pr = r["per_rank"]

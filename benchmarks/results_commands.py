@@ -218,10 +218,10 @@ COMMANDS = {
         "benchmarks/results/dd_components_cpu16.json; the 16-core GPU host)"),
     "dd_components_cpu16x2.json": (
         "OMP_NUM_THREADS=1 taskset -c 0,1 python benchmarks/dd_components.py --models lj "
-        "--ranks 1,2 --sizes 2000,4000,8000,16000 --scales 1.0,1.1 --steps 100 --warmup 5 "
+        "--ranks 1,2 --sizes 2000,4000,8000,16000 --scales 1.0,1.1 --steps 60 --warmup 5 "
         "--threads 1 --timeout 40 --json J; ... --models schnet --ranks 1,2 --sizes 1000 "
         "--steps 5 --warmup 1 --append; ... --models schnet --ranks 1 --sizes 256,500 --append; "
-        "... --models equivariant --ranks 1,2 --sizes 500 --steps 4 --warmup 1 --append (J = "
+        "equivariant rows: --models equivariant --ranks 1,2 --sizes 500 --steps 4 --warmup 1, of the earlier run (J = "
         "benchmarks/results/dd_components_cpu16x2.json; the 16-core GPU host, 2 cores)"),
     "dd_components_h100.json": (
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/dd_components.py "

@@ -221,7 +221,8 @@ COMMANDS = {
         "--ranks 1,2 --sizes 2000,4000,8000,16000 --scales 1.0,1.1 --steps 60 --warmup 5 "
         "--threads 1 --timeout 40 --json J; ... --models schnet --ranks 1,2 --sizes 1000 "
         "--steps 5 --warmup 1 --append; ... --models schnet --ranks 1 --sizes 256,500 --append; "
-        "equivariant rows: --models equivariant --ranks 1,2 --sizes 500 --steps 4 --warmup 1, of the earlier run (J = "
+        "the equivariant rows of the earlier run: --models equivariant --ranks 1,2 --sizes 500 "
+        "--steps 4 --warmup 1 (J = "
         "benchmarks/results/dd_components_cpu16x2.json; the 16-core GPU host, 2 cores)"),
     "dd_components_h100.json": (
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/dd_components.py "

@@ -123,7 +123,8 @@ class SerialRun:
         def span(v):
             return {"min": v, "max": v, "per_rank": [v]}
 
-        return {"ranks": 1, "grid": None, "n_atoms": n, "owned": span(n), "ghost": span(0),
+        return {"ranks": 1, "grid": None, "balance": None, "exchange": None,  # no boxes
+                "n_atoms": n, "owned": span(n), "ghost": span(0),
                 "held": span(n), "migrations": 0,
                 "rebuilds": int(nl.n_builds), "migrated_atoms": 0,
                 "peak_memory_MiB": span(round(peak, 1)), "memory_kind": kind}

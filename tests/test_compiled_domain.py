@@ -1,7 +1,8 @@
 """The compiled decomposed NVE step (xnn.distributed.domain.compiled, ``md.compile=true``
 under torchrun): 200 steps with ghost-plan rebuilds and migrations on every rank follow the
 eager decomposed run and the one-process run by atom id (fp64), with no recompile after the
-first step and a fixed number of compiled regions and communication points per step.
+first step and a fixed number of compiled regions and communication points per step; LJ
+also with ``parallel.exchange=staged`` (the ghosts through the plan's staged routing).
 
 gloo ranks on CPU; one spawn per world size runs every case (library LJ, SchNet, and
 ``xnn md compile=true`` against ``compile=false`` through the CLI)."""
@@ -30,7 +31,7 @@ DT = 1.0
 CASES = {"lj": 200, "schnet": 40, "corner": 60}  # steps
 SLOW = ("schnet",)  # its own spawn, under -m slow
 WORLD4 = ("lj", "corner")  # on 4 ranks (under -m slow); corner: 32 atoms, 4 slabs, empty boxes
-STAGED = ("lj",)  # compiled once more with parallel.exchange=staged (2 ranks: 2x1x1; 4: 1x2x2)
+STAGED = ("lj",)  # compiled once more with parallel.exchange=staged (2 ranks: 1x1x2; 4: 1x2x2)
 
 
 def _model(name):
@@ -285,7 +286,7 @@ def test_staged_exchange_follows_direct_and_one_process(tmp, world):
     re-plan of every rank, one staged forward and one reverse (the direct run: none), 2
     point-to-point calls per stage (the direct run: 2), 3 compiled calls, 2 exchanges and 1
     collective. On 4 ranks (1x2x2: the three other boxes are peers) fewer messages than
-    direct; on 2 ranks (2x1x1: one peer) as many."""
+    direct; on 2 ranks (1x1x2: one peer) as many."""
     res = results(world, tmp, world == 4)
     ref = reference("lj", CASES["lj"])
     got, direct = res[0]["lj"]["staged"], res[0]["lj"]["compiled"]

@@ -46,6 +46,13 @@ the virial shares add up in the all-gather (the eager step's strain reducer) and
 the eager decomposed step (and one process) to rounding. Models with sync points run in
 mode ``halo`` (ghosts of ``cutoff × num_interactions``); long-range models are refused.
 
+With ``parallel.exchange=staged`` (the ghost plan carries a
+:class:`~xnn.distributed.domain.staged.StagedRouting`) the two exchanges go through the
+routing, at the same points and with the same compiled regions
+(``CompiledDomainVerlet._forward`` and ``_reverse``): the ghost positions are the routing's
+forward of the owned rows, and its adjoint sums the ghost rows' forces into the owned rows
+before region 3 (whose returned rows then stay zero); ``direct`` runs as before.
+
 A committee (``committee_size`` K > 1) runs through the same regions: region 2 evaluates
 every member on its own leaves (base rows and strain) and derives them all by one
 :func:`~xnn.models.derivatives.derive_members` call; the members' forces travel side by

@@ -203,8 +203,9 @@ class CompiledDomainVerlet:
         n_compiles: regions compiled so far (three per set of capacities).
         n_replans: padded plans made (first step, rebuilds, migrations).
         n_steps, n_region_calls, n_exchanges, n_collectives: per-run counts of steps,
-            compiled calls, point-to-point exchanges and collectives of the steps (rebuilds
-            included; the initial evaluation excluded).
+            compiled calls, halo exchanges (2 per step; a staged one is a point-to-point
+            call per stage) and collectives of the steps (rebuilds included; the initial
+            evaluation excluded).
         filters: with a skin, the model region sees only the local edges within the cutoff
             (compacted into the capacity ``active``; :func:`~xnn.dynamics.compiled.within_cutoff`).
         n_active: the largest count over the ranks of those edges at the last step; a count

@@ -1,7 +1,8 @@
 """The compiled decomposed NVE step (xnn.distributed.domain.compiled, ``md.compile=true``
 under torchrun): 200 steps with ghost-plan rebuilds and migrations on every rank follow the
 eager decomposed run and the one-process run by atom id (fp64), with no recompile after the
-first step and a fixed number of compiled regions and communication points per step.
+first step and a fixed number of compiled regions and communication points per step; LJ
+also with ``parallel.exchange=staged`` (the ghosts through the plan's staged routing).
 
 gloo ranks on CPU; one spawn per world size runs every case (library LJ, SchNet, and
 ``xnn md compile=true`` against ``compile=false`` through the CLI)."""
@@ -18,6 +19,7 @@ from dist_helpers import FreshPorts, spawn
 from helpers import corner, hot, lj, rattled_argon
 from helpers import rel as _rel
 from helpers.compiled import MD_ARGS as ARGS
+from helpers.compiled import count_routed
 from helpers.compiled import hot_crystal as _crystal
 from helpers.compiled import unique_graphs as _unique_graphs
 
@@ -29,6 +31,7 @@ DT = 1.0
 CASES = {"lj": 200, "schnet": 40, "corner": 60}  # steps
 SLOW = ("schnet",)  # its own spawn, under -m slow
 WORLD4 = ("lj", "corner")  # on 4 ranks (under -m slow); corner: 32 atoms, 4 slabs, empty boxes
+STAGED = ("lj",)  # compiled once more with parallel.exchange=staged (2 ranks: 1x1x2; 4: 1x2x2)
 
 
 def _model(name):
@@ -77,33 +80,42 @@ def _eager(manager, name, steps, rank):
     return _final(pot, state, rank)
 
 
-def _compiled(manager, name, steps, rank):
+def _compiled(manager, name, steps, rank, exchange="direct"):
     from xnn.distributed import parallelize
+    from xnn.distributed.collectives import count_collectives
     from xnn.distributed.domain.compiled import CompiledDomainVerlet, steps_summary
     from xnn.dynamics import nve
 
-    pot = parallelize(_model(name), manager, "halo", grid=_grid(name), skin=SKIN)
+    pot = parallelize(_model(name), manager, "halo", grid=_grid(name), skin=SKIN,
+                      exchange=exchange)
     stepper = CompiledDomainVerlet(pot, backend="aot_eager")
     state = nve.init(pot.scatter(_graph(name) if rank == 0 else None), pot,
                      reduce=pot.reducer)
+    graphs = _unique_graphs()
     state = stepper.step(state, DT)  # compiles
     first = {"compiles": stepper.n_compiles, "graphs": _unique_graphs(),
-             "calls": stepper.n_region_calls, "exchanges": stepper.n_exchanges,
-             "collectives": stepper.n_collectives}
+             "new_graphs": _unique_graphs() - graphs, "calls": stepper.n_region_calls,
+             "exchanges": stepper.n_exchanges, "collectives": stepper.n_collectives}
     steady = []  # per step without re-plan: (region calls, exchanges, collectives)
+    wire = set()  # per step without re-plan: (point-to-point calls, messages, stages, routed)
     owned = [state.graph.n_atoms]
+    routed = count_routed()
     for _ in range(steps - 1):
         before = (stepper.n_replans, stepper.n_region_calls, stepper.n_exchanges,
-                  stepper.n_collectives)
-        state = stepper.step(state, DT)
+                  stepper.n_collectives, routed["forward"], routed["reverse"])
+        with count_collectives() as n:
+            state = stepper.step(state, DT)
         if stepper.n_replans == before[0]:
             steady.append((stepper.n_region_calls - before[1], stepper.n_exchanges - before[2],
                            stepper.n_collectives - before[3]))
+            routing = stepper.plan.routing
+            wire.add((n.calls["exchange"], n.messages, len(routing.stages) if routing else 0,
+                      routed["forward"] - before[4], routed["reverse"] - before[5]))
         owned.append(state.graph.n_atoms)
     dist = pot.min_pair_distance()[0]
     return _final(pot, state, rank, {
         "first": first, "compiles": stepper.n_compiles, "graphs": _unique_graphs(),
-        "replans": stepper.n_replans, "steady": sorted(set(steady)),
+        "replans": stepper.n_replans, "steady": sorted(set(steady)), "wire": sorted(wire),
         "summary": steps_summary(stepper), "min_distance": float(dist),
         "min_owned": min(owned)})
 
@@ -169,6 +181,8 @@ def worker(rank, world, tmp, names, with_app):
         t0 = time.perf_counter()
         out[name] = {"eager": _eager(manager, name, steps, rank),
                      "compiled": _compiled(manager, name, steps, rank)}
+        if name in STAGED:
+            out[name]["staged"] = _compiled(manager, name, steps, rank, "staged")
         seconds[name] = time.perf_counter() - t0
     if "lj" in names and world == 2:
         out["adjoint"] = _adjoint(manager, rank)
@@ -262,6 +276,43 @@ def test_no_recompiles_and_fixed_breaks_per_step(tmp, world, name):
         assert c["replans"] >= 2  # rebuilds did happen after the first step
         assert c["steady"] == [(3, 2, 1)], c["steady"]
         assert c["min_distance"] > 1.5  # the safety check sees this step's local positions
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_staged_exchange_follows_direct_and_one_process(tmp, world):
+    """``parallel.exchange=staged`` in the compiled step (LJ, 200 steps with rebuilds and
+    migrations): the trajectory, energy and stress of one process and of the direct compiled
+    run to 1e-10; 3 regions compiled at the first step and none later; on every step without
+    re-plan of every rank, one staged forward and one reverse (the direct run: none), 2
+    point-to-point calls per stage (the direct run: 2), 3 compiled calls, 2 exchanges and 1
+    collective. On 4 ranks (1x2x2: the three other boxes are peers) fewer messages than
+    direct; on 2 ranks (1x1x2: one peer) as many."""
+    res = results(world, tmp, world == 4)
+    ref = reference("lj", CASES["lj"])
+    got, direct = res[0]["lj"]["staged"], res[0]["lj"]["compiled"]
+    assert torch.equal(got["ids"], ref["ids"])
+    for key in ("velocities", "energy", "stress"):
+        assert _rel(got[key], ref[key]) <= TOL, (key, _rel(got[key], ref[key]))
+        assert _rel(got[key], direct[key]) <= TOL, (key, _rel(got[key], direct[key]))
+    for run in (ref, direct):
+        moved = _rel(got["positions"] - ref["start"], run["positions"] - ref["start"])
+        assert moved <= TOL, moved
+    for r in res:
+        c, d = r["lj"]["staged"], r["lj"]["compiled"]
+        assert c["stats"]["exchange"] == "staged" and d["stats"]["exchange"] == "direct"
+        assert c["stats"]["migrations"] > 0 and c["stats"]["rebuilds"] >= 3, c["stats"]
+        assert c["first"]["compiles"] == 3 and c["first"]["new_graphs"] == 3, c["first"]
+        assert c["compiles"] == 3 and c["graphs"] == c["first"]["graphs"], c
+        assert c["replans"] >= 2 and c["steady"] == [(3, 2, 1)], c["steady"]
+        assert c["wire"] and all(calls == 2 * stages and stages >= 1 and fwd == rev == 1
+                                 for calls, _, stages, fwd, rev in c["wire"]), c["wire"]
+        assert all(calls == 2 and stages == fwd == rev == 0
+                   for calls, _, stages, fwd, rev in d["wire"]), d["wire"]
+        staged_msgs, direct_msgs = c["stats"]["n_messages"], d["stats"]["n_messages"]
+        assert staged_msgs < direct_msgs if world == 4 else staged_msgs == direct_msgs, (
+            staged_msgs, direct_msgs)
+        if world == 4:  # sent and received, both exchanges of a step
+            assert max(m for _, m, *_ in c["wire"]) < min(m for _, m, *_ in d["wire"])
 
 
 def test_reverse_exchange_is_the_adjoint_of_the_halo_exchange(tmp):

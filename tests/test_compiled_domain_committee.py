@@ -7,8 +7,8 @@ forces, each owned atom's force spread ``forces_std``, the total energy, its spr
 the collectives of one model (2 exchanges of the members' rows side by side, 1 all-gather);
 the uncertainty guard (``safety.max_force_uncertainty``) decides the same on both ranks,
 also on the rank whose own atoms stay below the threshold; and ``xnn md compile=true`` of a
-committee on 2 ranks (refused before) logs the thermo rows, uncertainty columns included, of
-``compile=false``."""
+committee on 2 ranks (refused before; with ``parallel.exchange=staged``) logs the thermo
+rows, uncertainty columns included, of ``compile=false``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 from dist_helpers import FreshPorts, spawn
 from helpers import rel
-from helpers.compiled import count_app_domain_steps
+from helpers.compiled import count_app_domain_steps, count_routed
 from helpers.structures import fcc, graph, hot
 from helpers.uncertainty import committee, compressed_cu, md_args
 
@@ -89,14 +89,18 @@ def worker(rank, world, tmp):
     manager = DistributedManager.initialize(backend="gloo", timeout_s=300)
     torch.set_num_threads(1)
     out = {(e, c): _run(manager, e, c) for e in PARAMS for c in (False, True)}
-    made = count_app_domain_steps()
+    made, calls, routed = count_app_domain_steps(), count_routed(), {}
     ports = FreshPorts(manager, 2)
     for flag in ("false", "true"):
         ports.next()
         args = md_args(Path(tmp) / "cu.xyz", Path(tmp) / "committee.pt",
                        Path(tmp) / f"md_{flag}", f"compile={flag}")
+        if flag == "true":  # the compiled run sends its ghosts staged, the eager one direct
+            args.append("parallel.exchange=staged")
+        before = dict(calls)
         assert main(["md", *args]) == 0, f"xnn md {' '.join(args)} failed"
-    return {**out, "app_steps": len(made)}
+        routed[flag] = {k: calls[k] - before[k] for k in calls}
+    return {**out, "app_steps": len(made), "app_routed": routed}
 
 
 _CACHE: dict = {}
@@ -176,11 +180,16 @@ def _rows(path):
 
 
 def test_xnn_md_compile_runs_a_committee_on_two_ranks(res, tmp):
-    """``xnn md compile=true`` with a committee on 2 ranks runs the compiled decomposed step
-    on every rank and logs the rows of ``compile=false``, the uncertainty columns included."""
+    """``xnn md compile=true parallel.exchange=staged`` with a committee on 2 ranks runs the
+    compiled decomposed step on every rank, the members' force rows side by side through
+    the staged routing (a forward and a reverse per step at least), and logs the rows of
+    ``compile=false`` (direct), the uncertainty columns included."""
     from helpers.uncertainty import STEPS as MD_STEPS
 
     assert all(r["app_steps"] == MD_STEPS for r in res)
+    for r in res:
+        assert r["app_routed"]["false"] == {"forward": 0, "reverse": 0}, r["app_routed"]
+        assert min(r["app_routed"]["true"].values()) >= MD_STEPS, r["app_routed"]
     eager, compiled = (_rows(tmp / f"md_{flag}" / "thermo.csv") for flag in ("false", "true"))
     assert compiled[0] == eager[0] and any("std" in c for c in eager[0]), eager[0]
     assert len(compiled) == len(eager) == MD_STEPS + 2

@@ -3,8 +3,10 @@
 csvr|nhc`` under torchrun): on 2 gloo ranks, with migrations and ghost-plan rebuilds, the
 trajectory and thermostat state equal the one-process eager and compiled runs by global
 atom id (fp64; the noise is hashed from seed, step and atom id, so it does not depend on the
-split), with no recompile after the first step; ``xnn md compile=true ensemble=langevin``
-on 2 ranks logs the rows of ``compile=false``; NPT stays refused.
+split), with no recompile after the first step, with the direct exchange and with
+``parallel.exchange=staged`` (the plan's routing sends the ghosts); ``xnn md compile=true
+ensemble=langevin parallel.exchange=staged`` on 2 ranks logs the rows of ``compile=false``;
+NPT stays refused.
 
 One spawn of 2 ranks runs every case of the fast set (langevin and the app); csvr and nhc
 (the same checks for the other thermostats) run in a spawn of their own under ``-m slow``."""
@@ -21,7 +23,7 @@ from dist_helpers import FreshPorts, spawn
 from helpers import lj, rattled_argon
 from helpers import rel as _rel
 from helpers.compiled import MD_ARGS as NVE_ARGS
-from helpers.compiled import count_app_domain_steps
+from helpers.compiled import count_app_domain_steps, count_routed
 from helpers.compiled import hot_crystal as _crystal
 from helpers.compiled import unique_graphs as _unique_graphs
 
@@ -46,27 +48,32 @@ def _module(name):
     return registry.get_integrator(name)
 
 
-def _compiled(manager, name, rank):
+def _compiled(manager, name, rank, exchange="direct"):
     from xnn.distributed import parallelize
     from xnn.distributed.domain.compiled import steps_summary
     from xnn.distributed.domain.compiled_thermo import CompiledDomainIntegrator
 
-    pot = parallelize(lj(), manager, "halo", skin=SKIN)
+    pot = parallelize(lj(), manager, "halo", skin=SKIN, exchange=exchange)
     integ = CompiledDomainIntegrator(name, pot, backend="aot_eager")
     stepper = integ.stepper
     state = integ.init(pot.scatter(_crystal() if rank == 0 else None), pot,
                        reduce=pot.reducer, **PARAMS[name])
+    graphs = _unique_graphs()
     state = integ.step(state, pot, DT)  # compiles
-    first = {"compiles": stepper.n_compiles, "graphs": _unique_graphs()}
-    steady = []  # per step without re-plan: (regions, exchanges, collectives, in-graph)
+    first = {"compiles": stepper.n_compiles, "graphs": _unique_graphs(),
+             "new_graphs": _unique_graphs() - graphs}
+    steady = []  # per step without re-plan: (regions, exchanges, collectives, in-graph,
+    routed = count_routed()  # staged forward and reverse calls)
     for _ in range(STEPS - 1):
         before = (stepper.n_replans, stepper.n_region_calls, stepper.n_exchanges,
-                  stepper.n_collectives, stepper.n_graph_collectives)
+                  stepper.n_collectives, stepper.n_graph_collectives, routed["forward"],
+                  routed["reverse"])
         state = integ.step(state, pot, DT)
         if stepper.n_replans == before[0]:
             steady.append((stepper.n_region_calls - before[1], stepper.n_exchanges - before[2],
                            stepper.n_collectives - before[3],
-                           stepper.n_graph_collectives - before[4]))
+                           stepper.n_graph_collectives - before[4],
+                           routed["forward"] - before[5], routed["reverse"] - before[6]))
     full, _ = pot.gather(state.graph)
     out = {"stats": pot.stats(), "first": first, "compiles": stepper.n_compiles,
            "graphs": _unique_graphs(), "replans": stepper.n_replans,
@@ -85,6 +92,8 @@ def _cli(structure, out_dir, compile_):
             f"output.dir={out_dir}", f"compile={str(compile_).lower()}", "ensemble=langevin",
             "temperature=400",
             "thermostat.friction=0.02"]
+    if compile_:  # the compiled run sends its ghosts staged, the eager one direct
+        args.append("parallel.exchange=staged")
     assert main(args) == 0, f"xnn md {' '.join(args)} failed"
 
 
@@ -96,7 +105,8 @@ def worker(rank, world, tmp, names, with_app):
     out, seconds = {}, {}
     for name in names:
         t0 = time.perf_counter()
-        out[name] = _compiled(manager, name, rank)
+        out[name] = {**_compiled(manager, name, rank),
+                     "staged": _compiled(manager, name, rank, "staged")}
         seconds[name] = time.perf_counter() - t0
     if not with_app:
         manager.cleanup()
@@ -104,12 +114,15 @@ def worker(rank, world, tmp, names, with_app):
     made = count_app_domain_steps()
     ports = FreshPorts(manager, 2)
     t0 = time.perf_counter()
+    calls, routed = count_routed(), {}
     for flag in (False, True):
         ports.next()
+        before = dict(calls)
         _cli(Path(tmp) / "ar.xyz", Path(tmp) / f"md_langevin_{flag}", flag)
+        routed[flag] = {k: calls[k] - before[k] for k in calls}
     seconds["app"] = time.perf_counter() - t0
     return {**out, "app_steps": sorted(set(made)), "app_n_steps": len(made),
-            "seconds": seconds}
+            "app_routed": routed, "seconds": seconds}
 
 
 _CACHE: dict = {}
@@ -189,6 +202,34 @@ def test_no_recompiles_and_fixed_breaks_per_step(tmp, name):
         assert c["replans"] >= 2
         assert len(c["steady"]) == 1 and c["steady"][0][:3] == (3, 2, 1), c["steady"]
         assert c["steady"][0][3] > 0  # kinetic energy, degrees of freedom: all-reduced
+        assert c["steady"][0][4:] == (0, 0)  # direct: no staged routing
+
+
+@pytest.mark.parametrize("name", ENSEMBLE_PARAMS)
+def test_staged_exchange_follows_one_process_and_direct(tmp, name):
+    """``parallel.exchange=staged`` (the plan's routing sends the ghosts; 2 ranks, 1x1x2):
+    positions, velocities, energy and thermostat state of the one-process eager run and of
+    the direct compiled run to 1e-10, 3 regions compiled at the first step and none later,
+    and on each step without re-plan one staged forward and one reverse exchange with the
+    direct run's regions, exchanges, collectives and in-graph all-reduces."""
+    res = results(tmp, name not in FAST)
+    ref, got, direct = reference(name, False), res[0][name]["staged"], res[0][name]
+    assert got["step"] == STEPS and torch.equal(got["ids"], ref["ids"])
+    for run in (ref, direct):
+        for key in ("velocities", "energy"):
+            assert _rel(got[key], run[key]) <= TOL, (key, _rel(got[key], run[key]))
+        moved = _rel(got["positions"] - ref["start"], run["positions"] - ref["start"])
+        assert moved <= TOL, moved
+        for k, v in run["vars"].items():
+            if v.is_floating_point():
+                assert _rel(got["vars"][k], v) <= TOL, (k, got["vars"][k], v)
+    for r in res:
+        c, d = r[name]["staged"], r[name]
+        assert c["stats"]["exchange"] == "staged" and c["stats"]["migrations"] > 0, c["stats"]
+        assert _rel(c["conserved"], ref["conserved"]) <= TOL
+        assert c["first"]["compiles"] == 3 and c["first"]["new_graphs"] == 3, c["first"]
+        assert c["compiles"] == 3 and c["graphs"] == c["first"]["graphs"] and c["replans"] >= 2
+        assert c["steady"] == [(*d["steady"][0][:4], 1, 1)], (c["steady"], d["steady"])
 
 
 def _rows(path):
@@ -197,11 +238,17 @@ def _rows(path):
 
 
 def test_xnn_md_compile_langevin_on_two_ranks_logs_the_eager_rows(tmp):
-    """``xnn md compile=true ensemble=langevin`` on 2 ranks runs the compiled decomposed
-    scheme and writes the thermo rows of ``compile=false`` (conserved quantity included)."""
+    """``xnn md compile=true ensemble=langevin parallel.exchange=staged`` on 2 ranks runs
+    the compiled decomposed scheme through the staged routing (a forward and a reverse per
+    step at least) and writes the thermo rows of ``compile=false`` (direct; conserved
+    quantity included)."""
     res = results(tmp)
     assert all(r["app_steps"] == ["CompiledDomainScheme"] and r["app_n_steps"] == 30
                for r in res)
+    for r in res:
+        eager, compiled = r["app_routed"][False], r["app_routed"][True]
+        assert eager == {"forward": 0, "reverse": 0}, eager
+        assert min(compiled.values()) >= 30, compiled
     eager, compiled = (_rows(tmp / f"md_langevin_{flag}" / "thermo.csv")
                        for flag in (False, True))
     assert len(compiled) == len(eager) == 30 // 5 + 2

@@ -135,3 +135,23 @@ def count_app_domain_steps() -> list[str]:
 
     compiled.CompiledDomainVerlet.step = counted
     return made
+
+
+def count_routed() -> dict[str, int]:
+    """Count the staged routing's exchanges (``parallel.exchange=staged``) in this process:
+    the dict's ``forward`` and ``reverse`` grow by one per
+    :meth:`~xnn.distributed.domain.staged.StagedRouting.forward` /
+    :meth:`~xnn.distributed.domain.staged.StagedRouting.reverse` call (a direct exchange
+    counts nothing)."""
+    from xnn.distributed.domain import staged
+
+    calls = {"forward": 0, "reverse": 0}
+    for name in calls:
+        method = getattr(staged.StagedRouting, name)
+
+        def counted(self, rows, _name=name, _method=method):
+            calls[_name] += 1
+            return _method(self, rows)
+
+        setattr(staged.StagedRouting, name, counted)
+    return calls

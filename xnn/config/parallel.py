@@ -71,7 +71,7 @@ class ParallelConfig:
                          choices=tuple(BALANCE))
     exchange: str = field("direct", "how the spatial modes send ghost rows between boxes -- "
                           + "; ".join(f"{k}: {v}" for k, v in EXCHANGES.items())
-                          + " (mode graph, compile=true and a host engine: direct only)",
+                          + " (mode graph and a host engine: direct only)",
                           choices=tuple(EXCHANGES))
     timeout_s: float = timeout_field()
 

@@ -56,7 +56,7 @@ def parallelize_md(model, manager=None, skin: float = 0.0,
         balance: ``parallel.balance``: how the boxes are cut (``none``, ``shift``; see
             :func:`~xnn.distributed.parallelize.parallelize`); ignored in one process.
         exchange: ``parallel.exchange``: how ghost rows travel (``direct``, ``staged``;
-            the compiled run takes ``direct`` only); ignored in one process.
+            eager and compiled runs alike); ignored in one process.
     Returns:
         a :class:`~xnn.dynamics.parallel.SerialRun` (one process) or a
         :class:`~xnn.distributed.md_run.DomainRun` (its subclass, several ranks).

@@ -46,6 +46,13 @@ the virial shares add up in the all-gather (the eager step's strain reducer) and
 the eager decomposed step (and one process) to rounding. Models with sync points run in
 mode ``halo`` (ghosts of ``cutoff × num_interactions``); long-range models are refused.
 
+With ``parallel.exchange=staged`` (the ghost plan carries a
+:class:`~xnn.distributed.domain.staged.StagedRouting`) the two exchanges go through the
+routing, at the same points and with the same compiled regions
+(``CompiledDomainVerlet._forward`` and ``_reverse``): the ghost positions are the routing's
+forward of the owned rows, and its adjoint sums the ghost rows' forces into the owned rows
+before region 3 (whose returned rows then stay zero); ``direct`` runs as before.
+
 A committee (``committee_size`` K > 1) runs through the same regions: region 2 evaluates
 every member on its own leaves (base rows and strain) and derives them all by one
 :func:`~xnn.models.derivatives.derive_members` call; the members' forces travel side by
@@ -196,8 +203,9 @@ class CompiledDomainVerlet:
         n_compiles: regions compiled so far (three per set of capacities).
         n_replans: padded plans made (first step, rebuilds, migrations).
         n_steps, n_region_calls, n_exchanges, n_collectives: per-run counts of steps,
-            compiled calls, point-to-point exchanges and collectives of the steps (rebuilds
-            included; the initial evaluation excluded).
+            compiled calls, halo exchanges (2 per step; a staged one is a point-to-point
+            call per stage) and collectives of the steps (rebuilds included; the initial
+            evaluation excluded).
         filters: with a skin, the model region sees only the local edges within the cutoff
             (compacted into the capacity ``active``; :func:`~xnn.dynamics.compiled.within_cutoff`).
         n_active: the largest count over the ranks of those edges at the last step; a count
@@ -341,14 +349,41 @@ class CompiledDomainVerlet:
         self.n_active_overflows += 1
 
     # ------------------------------------------------------------------ exchanges
-    def _exchange(self, send: Tensor, recv: Tensor, send_counts, recv_counts) -> None:
-        """:func:`~xnn.distributed.domain.halo.exchange_rows` of the padded rows (forward:
-        positions to the ghosts; reverse: ghost forces back to their owners)."""
+    def _forward(self, x: Tensor, send: Tensor) -> None:
+        """Ghost positions into the plan's ``recv_buf`` (its padding rows untouched):
+        direct, region 1's ``send`` rows (send order) to the peers
+        (:func:`~xnn.distributed.domain.halo.exchange_rows`); staged, the routing's stages
+        from the owned rows of ``x [cap_owned, 3]`` (``send`` unused)."""
+        p = self._plan
         t0 = time.perf_counter()
-        exchange_rows(send, send_counts, recv, recv_counts, self._plan.peers,
-                      self.potential.group)
+        if p.routing is None:
+            exchange_rows(send, p.send_counts, p.recv_buf, p.recv_counts, p.peers,
+                          self.potential.group)
+        else:
+            p.recv_buf[: p.n_recv] = p.routing.forward(x[: p.n_owned])
         self.comm_s += time.perf_counter() - t0
         self.n_exchanges += 1
+
+    def _reverse(self, f_base: Tensor) -> Tensor:
+        """The ghost rows of region 2's forces ``f_base [cap_owned + cap_recv, w]`` back to
+        their owners; returns the owned rows ``[cap_owned, w]`` region 3 starts from.
+        Direct: the rows go into the plan's ``back_buf`` (send order), which region 3 adds
+        into the owners (:func:`~xnn.distributed.domain.halo.add_returned`). Staged: the
+        routing's adjoint sums them into the owned rows here (a new tensor: region 2's
+        output is not written), and ``back_buf`` stays zero, so region 3 adds nothing."""
+        p, co = self._plan, self._plan.caps["owned"]
+        t0 = time.perf_counter()
+        if p.routing is None:
+            exchange_rows(f_base[co:], p.recv_counts, p.back_buf, p.send_counts, p.peers,
+                          self.potential.group)
+            f_owned = f_base[:co]
+        else:
+            n = p.n_owned
+            back = p.routing.reverse(f_base[co: co + p.n_recv])
+            f_owned = torch.cat([f_base[:n] + back, f_base[n:co]])
+        self.comm_s += time.perf_counter() - t0
+        self.n_exchanges += 1
+        return f_owned
 
     # ------------------------------------------------------------------ regions 1 and 3
     def next_positions(self, state: MDState, dt: float) -> Tensor:
@@ -362,15 +397,15 @@ class CompiledDomainVerlet:
         return self.compiled("kick", (p.caps["owned"], p.caps["send"], dt),
                              lambda: _kick_drift(dt), args)(*args)
 
-    def last(self, state: MDState, x: Tensor, v: Tensor, f_base: Tensor, e: Tensor,
+    def last(self, state: MDState, x: Tensor, v: Tensor, f_owned: Tensor, e: Tensor,
              virial: Tensor, dt: float):
-        """Region 3: ``v, f`` at the end of the step (``f_base``: region 2's forces on the
-        exchange base, summed into the owners with the ghost forces sent back), the head to
-        all-gather (:func:`head_of`), the ``MDState.vars`` written and a committee's
-        ``(forces_std [cap_owned],)`` (``()`` for one model)."""
+        """Region 3: ``v, f`` at the end of the step (``f_owned [cap_owned, 3 k]``: region
+        2's forces on the owned rows (:meth:`_reverse`), summed with the ghost forces sent
+        back to ``back_buf``), the head to all-gather (:func:`head_of`), the
+        ``MDState.vars`` written and a committee's ``(forces_std [cap_owned],)`` (``()``
+        for one model)."""
         p = self._plan
-        args = (x, v, f_base[: p.caps["owned"]], p.back_buf, p.send_index, p.inv_m, p.ref,
-                p.migrated, e, virial)
+        args = (x, v, f_owned, p.back_buf, p.send_index, p.inv_m, p.ref, p.migrated, e, virial)
         v, f, head, *spread = self.compiled(
             "finish", (p.caps["owned"], p.caps["send"], dt),
             lambda: _finish(dt, self.k, self.calibration), args)(*args)
@@ -389,13 +424,13 @@ class CompiledDomainVerlet:
         x, v, f = (self._padded(t, co).detach() for t in (g.positions, g.velocities,
                                                           state.forces))
         x, v, send = self.first(state, x, v, f, dt)
-        self._exchange(send, p.recv_buf, p.send_counts, p.recv_counts)  # ghost positions
+        self._forward(x, send)  # ghost positions
         cell = g.cell.detach()
         e, f_base, virial, self._x_local, n_active = self._model_region(
             state.compute_stress, (x, p.recv_buf, p.src, p.shifts, cell, g.pbc, p.owned_mask,
                                    p.fields, p.active))
-        self._exchange(f_base[co:], p.back_buf, p.recv_counts, p.send_counts)  # reverse
-        v, f, head, written, spread = self.last(state, x, v, f_base, e, virial, dt)
+        f_owned = self._reverse(f_base)  # ghost forces to their owners
+        v, f, head, written, spread = self.last(state, x, v, f_owned, e, virial, dt)
         head = torch.cat([head, n_active.reshape(1).to(head.dtype)])
         t0 = time.perf_counter()
         every = C.all_gather_tensor(head, pot.group)

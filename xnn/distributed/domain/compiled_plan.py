@@ -95,6 +95,7 @@ class PaddedPlan:
     back_buf: Tensor  # [cap_send, 3 k] received ghost gradients (k members), in send order
     active: tuple = ()  # (edge_index [2, cap_active], shifts) inert; () without a filter
     paired: bool = False  # the local edges (and the active ones) are reverse pairs
+    routing: object = None  # the ghost plan's StagedRouting (parallel.exchange=staged) or None
 
 
 def pad_rows(t: Tensor, n: int, value=0) -> Tensor:
@@ -154,7 +155,8 @@ def pad_plan(state, graph, caps: Capacities, pad_z: int, reach: float,
         pad_rows(migrated.detach(), c["owned"]), _local_fields(dom, graph, c, pad_z, reach),
         torch.zeros(c["recv"], 3, dtype=dtype, device=dev),
         torch.zeros(c["send"], width, dtype=dtype, device=dev),
-        inert_active(c["active"], c["local"], dev, dom.paired) if filters else (), dom.paired)
+        inert_active(c["active"], c["local"], dev, dom.paired) if filters else (), dom.paired,
+        plan.routing)
 
 
 def inert_active(n: int, n_local: int, device, paired: bool) -> tuple[Tensor, Tensor]:

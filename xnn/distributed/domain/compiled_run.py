@@ -18,6 +18,8 @@ class CompiledDomainRun(DomainRun):
     The potential is a :class:`~xnn.distributed.DecomposedPotential` in mode ``halo`` also for
     models with sync points (their exchanges would break the compiled model region), and
     :meth:`after_step` leaves the state as it is: the compiled step migrates itself.
+    ``exchange`` (``direct`` or ``staged``) is the eager decomposed run's: the compiled step
+    sends its ghosts through the plan's staged routing when it has one.
     """
 
     def __init__(self, model, manager, skin: float, backend: str, mode: str = "halo",
@@ -25,14 +27,9 @@ class CompiledDomainRun(DomainRun):
         if mode == "graph":
             raise InputError("compile=true on several ranks runs parallel.mode halo, not graph: "
                              "set parallel.mode: spatial (or halo) or compile: false")
-        if exchange != "direct":
-            raise InputError(f"compile=true on several ranks sends its ghosts one message per "
-                             f"peer (the compiled step pads the direct plan's rows), not "
-                             f"parallel.exchange {exchange!r}: set parallel.exchange: direct "
-                             "or compile: false")
-        super().__init__(model, manager, skin, backend, "halo", order, balance)
+        super().__init__(model, manager, skin, backend, "halo", order, balance, exchange)
         self.potential = parallelize(model, manager, "halo", skin=skin, backend=backend,
-                                     balance=balance)
+                                     balance=balance, exchange=exchange)
         self.reduce = self.potential.reducer
 
     def after_step(self, state):

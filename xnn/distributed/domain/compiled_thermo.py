@@ -123,10 +123,9 @@ class CompiledDomainScheme(CompiledDomainVerlet):
                      "draws": draws, "fields": fields, "real": real}
         return x, v, send
 
-    def last(self, state, x, v, f_base, e, virial, dt):
+    def last(self, state, x, v, f_owned, e, virial, dt):
         sch, p, mid = self.scheme, self.plan, self._mid
-        co = p.caps["owned"]
-        args = (x, v, f_base[:co], p.back_buf, p.send_index, mid["fields"], mid["real"],
+        args = (x, v, f_owned, p.back_buf, p.send_index, mid["fields"], mid["real"],
                 p.ref, p.migrated, e, virial, mid["vars"], self._counter[1], mid["draws"],
                 sch.draws(state, state.step + 1))
         v, f, head, step, *rest = self.compiled(

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xnn.distributed.domain.partition import box_of, rank_of
+from xnn.distributed.domain.staged import displacement
+
 
 @dataclass(frozen=True)
 class RankCounts:
@@ -78,17 +81,6 @@ def peer_counts(part, extents, halo_width: float) -> tuple[np.ndarray, np.ndarra
             staged_messages(part.grid, [bool(b) for b in part.pbc], lists))
 
 
-def _displacement(here: int, there: int, g: int, periodic: bool) -> int:
-    """Signed box steps along one axis, as the staged routing takes them
-    (:func:`xnn.distributed.domain.staged._displacement`: the shorter way round a periodic
-    axis, ``+`` on a tie)."""
-    d = there - here
-    if periodic:
-        d %= g
-        d = d - g if d > g // 2 else d
-    return d
-
-
 def staged_messages(grid: Sequence[int], pbc: Sequence[bool],
                     peers: Sequence[Sequence[int]]) -> np.ndarray:
     """``[n_ranks]`` messages each rank sends per staged exchange, from every rank's direct
@@ -98,28 +90,27 @@ def staged_messages(grid: Sequence[int], pbc: Sequence[bool],
     toward, one when they are the same rank)."""
     grid = tuple(int(g) for g in grid)
     n = grid[0] * grid[1] * grid[2]
-    coords = [(r // (grid[1] * grid[2]), (r // grid[2]) % grid[1], r % grid[2])
-              for r in range(n)]
+    coords = [box_of(r, grid) for r in range(n)]
     held = [{(int(q), r) for q in peers[r]} for r in range(n)]  # (destination, source)
     out = np.zeros(n, dtype=np.int64)
     for a in range(3):
         g, periodic = grid[a], bool(pbc[a])
         if g == 1:
             continue
-        hops = max((abs(_displacement(coords[r][a], coords[d][a], g, periodic))
+        hops = max((abs(displacement(coords[r][a], coords[d][a], g, periodic))
                     for r in range(n) for d, _ in held[r]), default=0)
         for _ in range(hops):
             moved = [set() for _ in range(n)]
             for r in range(n):
                 targets = set()
                 for d, src in held[r]:
-                    step = _displacement(coords[r][a], coords[d][a], g, periodic)
+                    step = displacement(coords[r][a], coords[d][a], g, periodic)
                     if step == 0:
                         moved[r].add((d, src))
                         continue
                     c = list(coords[r])
                     c[a] = (c[a] + (1 if step > 0 else -1)) % g
-                    q = (c[0] * grid[1] + c[1]) * grid[2] + c[2]
+                    q = rank_of(c, grid)
                     targets.add(q)
                     moved[q].add((d, src))
                 out[r] += len(targets)
@@ -137,7 +128,7 @@ def staged_messages_uniform(grid: Sequence[int], reach: Sequence[int]) -> int:
         g, r = int(g), int(r)
         if g == 1:
             continue
-        steps = {_displacement(0, d % g, g, True) for d in range(-r, r + 1)} - {0}
+        steps = {displacement(0, d % g, g, True) for d in range(-r, r + 1)} - {0}
         for h in range(1, max((abs(s) for s in steps), default=0) + 1):
             sides = {1 for s in steps if s >= h} | {-1 for s in steps if s <= -h}
             total += 1 if g == 2 else len(sides)

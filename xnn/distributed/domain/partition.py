@@ -53,6 +53,17 @@ def check_grid(grid: Sequence[int], n_ranks: int) -> Grid:
     return grid  # type: ignore[return-value]
 
 
+def box_of(rank: int, grid: Sequence[int]) -> Grid:
+    """``(ix, iy, iz)`` of rank ``rank``'s box in ``grid``: ``r = (ix * py + iy) * pz + iz``."""
+    _, py, pz = grid
+    return rank // (py * pz), (rank // pz) % py, rank % pz
+
+
+def rank_of(box: Sequence[int], grid: Sequence[int]) -> int:
+    """The rank of box ``(ix, iy, iz)`` in ``grid`` (the inverse of :func:`box_of`)."""
+    return (box[0] * grid[1] + box[1]) * grid[2] + box[2]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -110,8 +121,7 @@ class Partition:
     cuts: tuple[Tensor, Tensor, Tensor] | None = None
 
     def box_index(self, rank: int) -> Grid:
-        px, py, pz = self.grid
-        return rank // (py * pz), (rank // pz) % py, rank % pz
+        return box_of(rank, self.grid)
 
     def box_bounds(self, rank: int) -> tuple[Tensor, Tensor]:
         """Fractional ``(lower [3], upper [3])`` corners of box ``rank``."""

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from xnn.distributed import collectives as C
 from xnn.distributed.domain.halo import HaloPlan
+from xnn.distributed.domain.partition import box_of, rank_of
 from xnn.errors import InputError
 
 #: the words of ``parallel.exchange``: how ghost rows travel between boxes
@@ -86,21 +87,13 @@ class StagedRouting:
         return buf[: self.n_owned]
 
 
-def _coords(rank: int, grid: Sequence[int]) -> tuple[int, int, int]:
-    px, py, pz = grid
-    return rank // (py * pz), (rank // pz) % py, rank % pz
-
-
-def _rank(c: Sequence[int], grid: Sequence[int]) -> int:
-    return (c[0] * grid[1] + c[1]) * grid[2] + c[2]
-
-
-def _displacement(here: int, there: Tensor, g: int, periodic: bool) -> Tensor:
-    """Signed box steps from coordinate ``here`` to ``there`` along one axis."""
+def displacement(here, there, g: int, periodic: bool):
+    """Signed box steps from coordinate ``here`` to ``there`` (ints or tensors) along one axis
+    of ``g`` boxes: the shorter way round a periodic axis, ``+`` on a tie."""
     d = there - here
     if periodic:
         d = d % g
-        d = torch.where(d > g // 2, d - g, d)
+        d = d - g * (d > g // 2)
     return d
 
 
@@ -111,7 +104,7 @@ def _neighbour(coord: tuple[int, int, int], axis: int, step: int, grid, periodic
         if not periodic:
             return None
         c[axis] %= grid[axis]
-    return _rank(c, grid)
+    return rank_of(c, grid)
 
 
 def _targets(coord, axis: int, d: Tensor, grid, periodic: bool) -> list[tuple[int, Tensor]]:
@@ -134,7 +127,7 @@ def _stage(packets: Tensor, coords: Tensor, coord, axis: int, grid, periodic: bo
            group) -> tuple[HaloPlan, Tensor]:
     """One stage: packets ``[n, 4]`` (buffer row, destination, source, slot) that must move
     along ``axis`` go one box; returns the stage's plan and the packets held after it."""
-    d = _displacement(coord[axis], coords[packets[:, 1], axis], grid[axis], periodic)
+    d = displacement(coord[axis], coords[packets[:, 1], axis], grid[axis], periodic)
     targets = _targets(coord, axis, d, grid, periodic)
     sends, metas, heads = [], [], []
     for _, mask in targets:
@@ -176,8 +169,8 @@ def staged_routing(plan: HaloPlan, grid: Sequence[int], pbc: Sequence[bool], ran
     """
     grid = tuple(int(g) for g in grid)
     n_ranks = grid[0] * grid[1] * grid[2]
-    coords = torch.tensor([_coords(r, grid) for r in range(n_ranks)], device=device)
-    coord = _coords(rank, grid)
+    coords = torch.tensor([box_of(r, grid) for r in range(n_ranks)], device=device)
+    coord = box_of(rank, grid)
     sends = [s.to(device) for s in plan.send_index]
     packets = torch.cat([torch.zeros(0, 4, dtype=torch.long, device=device)] + [
         torch.stack([s, torch.full_like(s, q), torch.full_like(s, rank),
@@ -186,7 +179,7 @@ def staged_routing(plan: HaloPlan, grid: Sequence[int], pbc: Sequence[bool], ran
     hops = torch.zeros(3, dtype=torch.long, device=device)
     for a in range(3):
         if grid[a] > 1 and packets.shape[0]:
-            d = _displacement(coord[a], coords[packets[:, 1], a], grid[a], bool(pbc[a]))
+            d = displacement(coord[a], coords[packets[:, 1], a], grid[a], bool(pbc[a]))
             hops[a] = d.abs().max()
     hops = C.all_reduce_max(hops, plan.group)
     stages, n_buf = [], plan.n_owned

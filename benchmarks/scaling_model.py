@@ -59,6 +59,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GPUS_PER_NODE = 8
 FCC = np.array([[0, 0, 0], [0.5, 0.5, 0], [0.5, 0, 0.5], [0, 0.5, 0.5]])
 LATTICE = {"lj": 5.26, "equivariant": 3.61, "mace": 3.61}  # Å: Ar, Cu
+CUTOFF = {"lj": 6.0, "equivariant": 5.0, "mace": 5.0}  # Å: each model's cutoff in the predictions
 PLAN_LATTICE = 3.61  # Å: the fcc system of ghost_plan_scale_cpu.json (copper)
 #: peak GPU bytes per held atom of one evaluation (from the calibration rows) and the card
 BYTES_PER_HELD: dict[str, float] = {}
@@ -455,7 +456,7 @@ def predictions(cal: dict, plan_rows: list[dict], ranks=(8, 16, 32, 64, 128, 256
                 per_rank=(250_000, 1_000_000), totals=(10_000_000, 100_000_000)) -> list[dict]:
     out = []
     for model, (comp, shape) in cal.items():
-        cutoff = 6.0 if model == "lj" else 5.0
+        cutoff = CUTOFF[model]
         modes = ("halo",) if model == "lj" else ("halo", "sync", "graph")
         for mode, p in itertools.product(modes, ranks):
             for n in per_rank:
@@ -478,7 +479,7 @@ def smallest_efficient(cal: dict, model: str, mode: str, n_ranks: int, target: f
     """Smallest atoms per GPU (of a doubling ladder from 4,000) at which the weak-scaling
     efficiency on ``n_ranks`` GPUs is >= ``target``."""
     comp, shape = cal[model]
-    cutoff = 6.0 if model == "lj" else 5.0
+    cutoff = CUTOFF[model]
     n = 4000
     while n <= 4_000_000:
         r = predict(model, comp, shape, n * n_ranks, n_ranks, mode, list(plan_rows), cutoff, 1.0)
@@ -523,7 +524,7 @@ def losses(cal: dict, plan_rows, gpus: int = 512) -> list[dict]:
     by cause (ghost compute, exchange, reductions, rebuild), largest first."""
     out = []
     for model, (comp, shape) in cal.items():
-        cutoff = 6.0 if model == "lj" else 5.0
+        cutoff = CUTOFF[model]
         for mode in (("halo",) if model == "lj" else ("halo", "sync", "graph")):
             for per in (250_000, 1_000_000):
                 r = predict(model, comp, shape, per * gpus, gpus, mode, plan_rows, cutoff, 1.0)
@@ -552,7 +553,7 @@ def staged_gain(cal: dict, plan_rows, gpus: int = 512) -> list[dict]:
         if model not in cal:
             continue
         comp, shape = cal[model]
-        cutoff = 6.0 if model == "lj" else 5.0
+        cutoff = CUTOFF[model]
         row = {"model": model, "mode": mode, "gpus": gpus}
         for exchange in ("direct", "staged"):
             r = predict(model, comp, shape, per * gpus, gpus, mode, plan_rows, cutoff, 1.0,
